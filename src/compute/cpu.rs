@@ -1,0 +1,306 @@
+//! CPU kernels: matrix products through the `gemm` crate (packed, SIMD, multi-threaded),
+//! a hand-written matrix-vector product for single rows (where packing costs more than it
+//! saves), and the element-wise operations of a transformer block.
+
+use gemm::Parallelism;
+use rayon::prelude::*;
+
+/// Below this many multiply-adds a product runs on the calling thread: splitting it over the
+/// pool costs more than it saves.
+const PARALLEL_MIN_FLOPS: usize = 1 << 18;
+
+/// A dense row-major weight matrix `[out_features, in_features]` with an optional bias, as
+/// `torch.nn.Linear` stores it.
+#[derive(Debug, Clone)]
+pub struct Linear {
+    pub weight: Vec<f32>,
+    pub bias: Option<Vec<f32>>,
+    pub out_features: usize,
+    pub in_features: usize,
+}
+
+impl Linear {
+    /// `x [rows, in] -> [rows, out]`, using all cores when the product is large enough.
+    pub fn forward(&self, x: &[f32], rows: usize) -> Vec<f32> {
+        self.forward_with(x, rows, true)
+    }
+
+    /// As [`Linear::forward`]; `parallel = false` keeps the work on this thread (the caller
+    /// is already spreading work over the pool).
+    pub fn forward_with(&self, x: &[f32], rows: usize, parallel: bool) -> Vec<f32> {
+        let mut out = vec![0.0; rows * self.out_features];
+        matmul_transposed(
+            x,
+            rows,
+            self.in_features,
+            &self.weight,
+            self.out_features,
+            &mut out,
+            parallel,
+        );
+        if let Some(bias) = &self.bias {
+            for row in out.chunks_exact_mut(self.out_features) {
+                for (o, b) in row.iter_mut().zip(bias) {
+                    *o += b;
+                }
+            }
+        }
+        out
+    }
+}
+
+/// The SwiGLU feed-forward block used by every supported family, dense or expert:
+/// `down(silu(gate(x)) * up(x))`.
+#[derive(Debug, Clone)]
+pub struct SwiGlu {
+    pub gate: Linear,
+    pub up: Linear,
+    pub down: Linear,
+}
+
+impl SwiGlu {
+    pub fn forward_with(&self, x: &[f32], rows: usize, parallel: bool) -> Vec<f32> {
+        let mut gate = self.gate.forward_with(x, rows, parallel);
+        let up = self.up.forward_with(x, rows, parallel);
+        silu_mul(&mut gate, &up);
+        self.down.forward_with(&gate, rows, parallel)
+    }
+
+    /// Bytes of weights this block reads per forward pass (f32).
+    pub fn weight_bytes(&self) -> usize {
+        4 * (self.gate.weight.len() + self.up.weight.len() + self.down.weight.len())
+    }
+}
+
+/// `out [m, n] = x [m, k] · w [n, k]ᵀ`: the product `nn.Linear` computes.
+pub fn matmul_transposed(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    w: &[f32],
+    n: usize,
+    out: &mut [f32],
+    parallel: bool,
+) {
+    assert_eq!(x.len(), m * k, "lhs size");
+    assert_eq!(w.len(), n * k, "rhs size");
+    assert_eq!(out.len(), m * n, "output size");
+    if m == 1 {
+        matvec(x, w, k, out, parallel);
+        return;
+    }
+    // rhs is wᵀ: element (kk, nn) lies at w[nn * k + kk].
+    gemm_strided(
+        x,
+        m,
+        k,
+        (k as isize, 1),
+        w,
+        n,
+        (1, k as isize),
+        out,
+        parallel,
+    );
+}
+
+/// `out [m, n] = x [m, k] · w [k, n]` for a row-major `w`.
+pub fn matmul(x: &[f32], m: usize, k: usize, w: &[f32], n: usize, out: &mut [f32], parallel: bool) {
+    assert_eq!(x.len(), m * k, "lhs size");
+    assert_eq!(w.len(), k * n, "rhs size");
+    assert_eq!(out.len(), m * n, "output size");
+    gemm_strided(
+        x,
+        m,
+        k,
+        (k as isize, 1),
+        w,
+        n,
+        (n as isize, 1),
+        out,
+        parallel,
+    );
+}
+
+/// Row and column strides of a matrix, in elements.
+type Strides = (isize, isize);
+
+#[allow(clippy::too_many_arguments)]
+fn gemm_strided(
+    lhs: &[f32],
+    m: usize,
+    k: usize,
+    (lhs_rs, lhs_cs): Strides,
+    rhs: &[f32],
+    n: usize,
+    (rhs_rs, rhs_cs): Strides,
+    out: &mut [f32],
+    parallel: bool,
+) {
+    let parallelism = if parallel && m * n * k >= PARALLEL_MIN_FLOPS {
+        Parallelism::Rayon(0)
+    } else {
+        Parallelism::None
+    };
+    // SAFETY: the callers checked that lhs holds m*k, rhs k*n and out m*n elements, and the
+    // strides they pass address exactly those elements; out does not alias the inputs.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            out.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            lhs.as_ptr(),
+            lhs_cs,
+            lhs_rs,
+            rhs.as_ptr(),
+            rhs_cs,
+            rhs_rs,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+    }
+}
+
+/// `out[n] = w [n, k] · x[k]`, one dot product per output, split over the pool by rows.
+fn matvec(x: &[f32], w: &[f32], k: usize, out: &mut [f32], parallel: bool) {
+    if parallel && out.len() * k >= PARALLEL_MIN_FLOPS {
+        out.par_chunks_mut(64).enumerate().for_each(|(block, out)| {
+            let rows = &w[block * 64 * k..];
+            for (i, o) in out.iter_mut().enumerate() {
+                *o = dot(x, &rows[i * k..(i + 1) * k]);
+            }
+        });
+    } else {
+        for (o, row) in out.iter_mut().zip(w.chunks_exact(k)) {
+            *o = dot(x, row);
+        }
+    }
+}
+
+/// Dot product with eight independent accumulators so the compiler can vectorise it.
+#[inline]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let chunks = a.len() / 8;
+    for (ca, cb) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
+        for i in 0..8 {
+            acc[i] += ca[i] * cb[i];
+        }
+    }
+    let mut sum = acc.iter().sum::<f32>();
+    for i in chunks * 8..a.len() {
+        sum += a[i] * b[i];
+    }
+    sum
+}
+
+/// `gate[i] = silu(gate[i]) * up[i]`.
+pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    for (g, u) in gate.iter_mut().zip(up) {
+        *g = *g / (1.0 + (-*g).exp()) * u;
+    }
+}
+
+/// RMSNorm of each `weight.len()`-wide row of `x`, in place: `x / sqrt(mean(x²) + eps) * w`.
+pub fn rms_norm_in_place(x: &mut [f32], weight: &[f32], eps: f32) {
+    for row in x.chunks_exact_mut(weight.len()) {
+        let mean_square = row.iter().map(|v| v * v).sum::<f32>() / row.len() as f32;
+        let scale = 1.0 / (mean_square + eps).sqrt();
+        for (v, w) in row.iter_mut().zip(weight) {
+            *v = *v * scale * w;
+        }
+    }
+}
+
+/// RMSNorm into a new buffer.
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
+    let mut out = x.to_vec();
+    rms_norm_in_place(&mut out, weight, eps);
+    out
+}
+
+/// Softmax of `x` in place, numerically stable.
+pub fn softmax_in_place(x: &mut [f32]) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0;
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    for v in x.iter_mut() {
+        *v /= sum;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn naive(x: &[f32], m: usize, k: usize, w: &[f32], n: usize) -> Vec<f32> {
+        let mut out = vec![0.0; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                out[i * n + j] = (0..k).map(|l| x[i * k + l] * w[j * k + l]).sum();
+            }
+        }
+        out
+    }
+
+    fn close(a: &[f32], b: &[f32]) -> bool {
+        a.iter()
+            .zip(b)
+            .all(|(x, y)| (x - y).abs() <= 1e-4 * (1.0 + y.abs()))
+    }
+
+    #[test]
+    fn transposed_product_matches_naive_for_one_and_many_rows() {
+        let (k, n) = (37, 130);
+        let w: Vec<f32> = (0..n * k)
+            .map(|i| ((i * 7 % 13) as f32 - 6.0) / 5.0)
+            .collect();
+        for m in [1, 3, 64] {
+            let x: Vec<f32> = (0..m * k)
+                .map(|i| ((i * 5 % 11) as f32 - 5.0) / 3.0)
+                .collect();
+            for parallel in [false, true] {
+                let mut out = vec![0.0; m * n];
+                matmul_transposed(&x, m, k, &w, n, &mut out, parallel);
+                assert!(close(&out, &naive(&x, m, k, &w, n)), "m={m}");
+            }
+        }
+    }
+
+    #[test]
+    fn plain_product_matches_transposed_of_transpose() {
+        let (m, k, n) = (4, 6, 5);
+        let x: Vec<f32> = (0..m * k).map(|i| i as f32 * 0.1).collect();
+        let w_kn: Vec<f32> = (0..k * n).map(|i| (i as f32 * 0.3).sin()).collect();
+        let mut w_nk = vec![0.0; n * k];
+        for r in 0..k {
+            for c in 0..n {
+                w_nk[c * k + r] = w_kn[r * n + c];
+            }
+        }
+        let mut out = vec![0.0; m * n];
+        matmul(&x, m, k, &w_kn, n, &mut out, false);
+        assert!(close(&out, &naive(&x, m, k, &w_nk, n)));
+    }
+
+    #[test]
+    fn rms_norm_and_softmax_hand_checked() {
+        let mut x = vec![3.0, 4.0];
+        rms_norm_in_place(&mut x, &[1.0, 2.0], 0.0);
+        let rms = (12.5f32).sqrt();
+        assert!(close(&x, &[3.0 / rms, 8.0 / rms]));
+        let mut s = vec![0.0, (2.0f32).ln()];
+        softmax_in_place(&mut s);
+        assert!(close(&s, &[1.0 / 3.0, 2.0 / 3.0]));
+    }
+}

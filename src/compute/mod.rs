@@ -1,0 +1,4 @@
+//! Numeric building blocks of the forward pass. `cpu` always exists; a GPU backend will sit
+//! beside it behind the same operations.
+
+pub mod cpu;

@@ -1,0 +1,310 @@
+//! Attention over the KV cache for a batch of sequence segments: GQA (Qwen3-MoE, Mixtral) and
+//! MLA (DeepSeek-V3, Kimi K2) computed in its absorbed form, so the cache holds only latents.
+
+use std::ops::Range;
+
+use rayon::prelude::*;
+
+use super::kv_cache::{KvCache, LayerCache};
+use super::rope::{Rope, RopeAngles};
+use crate::compute::cpu::{Linear, dot, matmul, matmul_transposed, rms_norm_in_place};
+use crate::model::config::AttentionConfig;
+use crate::model::weights::{AttentionWeights, QueryProjection};
+
+/// The rows of one sequence within a step's batch and the position of its first row.
+#[derive(Debug, Clone)]
+pub struct Segment {
+    pub rows: Range<usize>,
+    pub start_position: usize,
+}
+
+/// What attention needs besides weights: shapes and per-row rotary angles.
+pub struct AttentionInput<'a> {
+    pub config: &'a AttentionConfig,
+    pub num_heads: usize,
+    pub softmax_scale: f32,
+    pub rope: &'a Rope,
+    /// One entry per row of the batch.
+    pub angles: &'a [RopeAngles],
+    pub segments: &'a [Segment],
+}
+
+/// Runs attention of layer `layer` for all rows of `x` (already normalised) and returns the
+/// output projection, `[rows, hidden]`. Appends the new keys to each segment's cache.
+pub fn attention(
+    weights: &AttentionWeights,
+    input: &AttentionInput,
+    layer: usize,
+    x: &[f32],
+    rows: usize,
+    caches: &mut [&mut KvCache],
+) -> Vec<f32> {
+    match (weights, input.config) {
+        (
+            AttentionWeights::Gqa {
+                q,
+                k,
+                v,
+                o,
+                q_norm,
+                k_norm,
+            },
+            &AttentionConfig::Gqa {
+                num_kv_heads,
+                head_dim,
+                sliding_window,
+                ..
+            },
+        ) => {
+            let mut queries = q.forward(x, rows);
+            let mut keys = k.forward(x, rows);
+            let values = v.forward(x, rows);
+            if let Some(norm) = q_norm {
+                rms_norm_in_place(&mut queries, &norm.weight, norm.eps);
+            }
+            if let Some(norm) = k_norm {
+                rms_norm_in_place(&mut keys, &norm.weight, norm.eps);
+            }
+            rotate_heads(input, &mut queries, head_dim, 0, head_dim);
+            rotate_heads(input, &mut keys, head_dim, 0, head_dim);
+            let kv_width = num_kv_heads * head_dim;
+            for (segment, cache) in input.segments.iter().zip(caches.iter_mut()) {
+                let cached = &mut cache.layers[layer];
+                let r = &segment.rows;
+                cached
+                    .first
+                    .extend_from_slice(&keys[r.start * kv_width..r.end * kv_width]);
+                cached
+                    .second
+                    .extend_from_slice(&values[r.start * kv_width..r.end * kv_width]);
+            }
+            let group = input.num_heads / num_kv_heads;
+            let mut out = vec![0.0; rows * input.num_heads * head_dim];
+            let caches: Vec<&KvCache> = caches.iter().map(|c| &**c).collect();
+            par_rows_heads(input, &mut out, head_dim, |segment, row, head, out| {
+                let LayerCache {
+                    first: keys,
+                    second: values,
+                    ..
+                } = &caches[segment].layers[layer];
+                let seg = &input.segments[segment];
+                let position = seg.start_position + (row - seg.rows.start);
+                let first = sliding_window.map_or(0, |w| (position + 1).saturating_sub(w));
+                let kv_offset = (head / group) * head_dim;
+                let query = &queries[(row * input.num_heads + head) * head_dim..][..head_dim];
+                attend(
+                    first..position + 1,
+                    |j| dot(query, &keys[j * kv_width + kv_offset..][..head_dim]),
+                    |j| &values[j * kv_width + kv_offset..][..head_dim],
+                    input.softmax_scale,
+                    out,
+                );
+            });
+            o.forward(&out, rows)
+        }
+        (
+            AttentionWeights::Mla {
+                q,
+                kv_down,
+                kv_norm,
+                kv_up,
+                o,
+            },
+            &AttentionConfig::Mla {
+                kv_lora_rank,
+                qk_nope_head_dim: nope,
+                qk_rope_head_dim: rope_dim,
+                v_head_dim,
+                ..
+            },
+        ) => {
+            let heads = input.num_heads;
+            let q_width = nope + rope_dim;
+            let mut queries = match q {
+                QueryProjection::Direct(proj) => proj.forward(x, rows),
+                QueryProjection::LowRank { down, norm, up } => {
+                    let mut low = down.forward(x, rows);
+                    rms_norm_in_place(&mut low, &norm.weight, norm.eps);
+                    up.forward(&low, rows)
+                }
+            };
+            rotate_heads(input, &mut queries, q_width, nope, rope_dim);
+            let compressed = kv_down.forward(x, rows);
+            let compressed_width = kv_lora_rank + rope_dim;
+            let mut latents = Vec::with_capacity(rows * kv_lora_rank);
+            let mut rope_keys = Vec::with_capacity(rows * rope_dim);
+            for (row, c) in compressed.chunks_exact(compressed_width).enumerate() {
+                let start = latents.len();
+                latents.extend_from_slice(&c[..kv_lora_rank]);
+                rms_norm_in_place(&mut latents[start..], &kv_norm.weight, kv_norm.eps);
+                let start = rope_keys.len();
+                rope_keys.extend_from_slice(&c[kv_lora_rank..]);
+                input
+                    .rope
+                    .apply(&mut rope_keys[start..], &input.angles[row]);
+            }
+            for (segment, cache) in input.segments.iter().zip(caches.iter_mut()) {
+                let cached = &mut cache.layers[layer];
+                let r = &segment.rows;
+                cached
+                    .first
+                    .extend_from_slice(&latents[r.start * kv_lora_rank..r.end * kv_lora_rank]);
+                cached
+                    .second
+                    .extend_from_slice(&rope_keys[r.start * rope_dim..r.end * rope_dim]);
+            }
+            // Absorb kv_b's key half into the queries: q_nope · (W_uk c) = (q_nope W_uk) · c.
+            let up_rows_per_head = nope + v_head_dim;
+            let absorbed =
+                absorb_queries(&queries, rows, heads, q_width, nope, kv_up, kv_lora_rank);
+            let caches: Vec<&KvCache> = caches.iter().map(|c| &**c).collect();
+            let mut latent_out = vec![0.0; rows * heads * kv_lora_rank];
+            par_rows_heads(
+                input,
+                &mut latent_out,
+                kv_lora_rank,
+                |segment, row, head, out| {
+                    let LayerCache {
+                        first: latents,
+                        second: rope_keys,
+                        ..
+                    } = &caches[segment].layers[layer];
+                    let seg = &input.segments[segment];
+                    let position = seg.start_position + (row - seg.rows.start);
+                    let q_latent = &absorbed[(row * heads + head) * kv_lora_rank..][..kv_lora_rank];
+                    let q_rope = &queries[(row * heads + head) * q_width + nope..][..rope_dim];
+                    attend(
+                        0..position + 1,
+                        |j| {
+                            dot(q_latent, &latents[j * kv_lora_rank..][..kv_lora_rank])
+                                + dot(q_rope, &rope_keys[j * rope_dim..][..rope_dim])
+                        },
+                        |j| &latents[j * kv_lora_rank..][..kv_lora_rank],
+                        input.softmax_scale,
+                        out,
+                    );
+                },
+            );
+            // Expand the attended latents through kv_b's value half, head by head.
+            let mut out = vec![0.0; rows * heads * v_head_dim];
+            let mut head_latents = vec![0.0; rows * kv_lora_rank];
+            let mut head_values = vec![0.0; rows * v_head_dim];
+            for head in 0..heads {
+                for row in 0..rows {
+                    head_latents[row * kv_lora_rank..][..kv_lora_rank].copy_from_slice(
+                        &latent_out[(row * heads + head) * kv_lora_rank..][..kv_lora_rank],
+                    );
+                }
+                let w_value = &kv_up.weight[(head * up_rows_per_head + nope) * kv_lora_rank..]
+                    [..v_head_dim * kv_lora_rank];
+                matmul_transposed(
+                    &head_latents,
+                    rows,
+                    kv_lora_rank,
+                    w_value,
+                    v_head_dim,
+                    &mut head_values,
+                    true,
+                );
+                for row in 0..rows {
+                    out[(row * heads + head) * v_head_dim..][..v_head_dim]
+                        .copy_from_slice(&head_values[row * v_head_dim..][..v_head_dim]);
+                }
+            }
+            o.forward(&out, rows)
+        }
+        _ => unreachable!("attention weights are loaded from the same config"),
+    }
+}
+
+/// `[rows, heads, kv_lora_rank]`: each head's non-rotary query times its key block of kv_b.
+fn absorb_queries(
+    queries: &[f32],
+    rows: usize,
+    heads: usize,
+    q_width: usize,
+    nope: usize,
+    kv_up: &Linear,
+    kv_lora_rank: usize,
+) -> Vec<f32> {
+    let up_rows_per_head = kv_up.out_features / heads;
+    let mut absorbed = vec![0.0; rows * heads * kv_lora_rank];
+    let mut head_queries = vec![0.0; rows * nope];
+    let mut head_out = vec![0.0; rows * kv_lora_rank];
+    for head in 0..heads {
+        for row in 0..rows {
+            head_queries[row * nope..][..nope]
+                .copy_from_slice(&queries[(row * heads + head) * q_width..][..nope]);
+        }
+        let w_key = &kv_up.weight[head * up_rows_per_head * kv_lora_rank..][..nope * kv_lora_rank];
+        matmul(
+            &head_queries,
+            rows,
+            nope,
+            w_key,
+            kv_lora_rank,
+            &mut head_out,
+            true,
+        );
+        for row in 0..rows {
+            absorbed[(row * heads + head) * kv_lora_rank..][..kv_lora_rank]
+                .copy_from_slice(&head_out[row * kv_lora_rank..][..kv_lora_rank]);
+        }
+    }
+    absorbed
+}
+
+/// Applies rope to `rope_dim` elements at `offset` within every `head_width`-wide head.
+fn rotate_heads(
+    input: &AttentionInput,
+    x: &mut [f32],
+    head_width: usize,
+    offset: usize,
+    rope_dim: usize,
+) {
+    let row_width = x.len() / input.angles.len();
+    for (row, angles) in x.chunks_exact_mut(row_width).zip(input.angles) {
+        for head in row.chunks_exact_mut(head_width) {
+            input
+                .rope
+                .apply(&mut head[offset..offset + rope_dim], angles);
+        }
+    }
+}
+
+/// Calls `f(segment, row, head, out)` for every (row, head) of the batch in parallel, with
+/// `out` that head's `width`-wide slice of the output.
+fn par_rows_heads<F>(input: &AttentionInput, out: &mut [f32], width: usize, f: F)
+where
+    F: Fn(usize, usize, usize, &mut [f32]) + Sync,
+{
+    let heads = input.num_heads;
+    let segment_of_row: Vec<usize> = input
+        .segments
+        .iter()
+        .enumerate()
+        .flat_map(|(s, seg)| seg.rows.clone().map(move |_| s))
+        .collect();
+    out.par_chunks_mut(width).enumerate().for_each(|(i, out)| {
+        let (row, head) = (i / heads, i % heads);
+        f(segment_of_row[row], row, head, out)
+    });
+}
+
+/// Softmax-weighted sum of values over `positions`, written into `out`.
+fn attend<'v>(
+    positions: Range<usize>,
+    score: impl Fn(usize) -> f32,
+    value: impl Fn(usize) -> &'v [f32],
+    scale: f32,
+    out: &mut [f32],
+) {
+    let mut weights: Vec<f32> = positions.clone().map(|j| score(j) * scale).collect();
+    crate::compute::cpu::softmax_in_place(&mut weights);
+    out.fill(0.0);
+    for (j, w) in positions.zip(weights) {
+        for (o, v) in out.iter_mut().zip(value(j)) {
+            *o += w * v;
+        }
+    }
+}

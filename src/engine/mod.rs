@@ -1,0 +1,243 @@
+//! The forward pass: embeddings, attention with a KV cache, the MoE layer glue, sampling and
+//! the generation loop. The routed experts are reached only through
+//! [`crate::moe::ExpertExecutor`], so the same engine runs with experts in this process, on
+//! device actors or on other nodes.
+
+pub mod attention;
+pub mod generate;
+pub mod kv_cache;
+pub mod rope;
+pub mod sampling;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use attention::{AttentionInput, Segment, attention};
+pub use generate::{FinishReason, GenerateRequest, Generation, generate};
+pub use kv_cache::KvCache;
+use rope::{Rope, yarn_mscale};
+pub use sampling::{Sampler, SamplingParams};
+
+use crate::compute::cpu::rms_norm;
+use crate::model::config::{AttentionConfig, RopeScaling};
+use crate::model::weights::{FeedForward, load_all_experts};
+use crate::model::{Checkpoint, DenseWeights, ModelConfig, ModelError};
+use crate::moe::{DispatchPlan, ExpertError, ExpertExecutor, LocalExperts, route};
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Expert(#[from] ExpertError),
+    #[error("token id {token} is outside the vocabulary (size {vocab_size})")]
+    TokenOutOfRange { token: u32, vocab_size: usize },
+    #[error("{needed} positions needed but the model supports {max}")]
+    ContextTooLong { needed: usize, max: usize },
+    #[error("the prompt is empty: at least one token is needed")]
+    EmptyPrompt,
+    #[error("invalid sampling parameters: {0}")]
+    InvalidSampling(String),
+}
+
+/// One sequence's part of a forward step: its cache and the tokens that follow it.
+pub struct SequenceStep<'a> {
+    pub cache: &'a mut KvCache,
+    pub tokens: &'a [u32],
+}
+
+/// A loaded model ready to run steps.
+pub struct Engine {
+    config: ModelConfig,
+    weights: DenseWeights,
+    rope: Rope,
+    softmax_scale: f32,
+    experts: Arc<dyn ExpertExecutor>,
+}
+
+impl Engine {
+    /// Loads a model directory with every expert held in this process.
+    pub fn load(dir: &Path) -> Result<Self, ModelError> {
+        let config = ModelConfig::load(dir)?;
+        let checkpoint = Checkpoint::open(dir)?;
+        let weights = DenseWeights::load(&checkpoint, &config)?;
+        let experts =
+            LocalExperts::new(load_all_experts(&checkpoint, &config)?, config.hidden_size);
+        Ok(Self::new(config, weights, Arc::new(experts)))
+    }
+
+    pub fn new(
+        config: ModelConfig,
+        weights: DenseWeights,
+        experts: Arc<dyn ExpertExecutor>,
+    ) -> Self {
+        let (interleaved, softmax_scale) = match config.attention {
+            AttentionConfig::Gqa { head_dim, .. } => (false, (head_dim as f64).powf(-0.5)),
+            AttentionConfig::Mla {
+                qk_nope_head_dim,
+                qk_rope_head_dim,
+                interleave,
+                ..
+            } => {
+                let mut scale = ((qk_nope_head_dim + qk_rope_head_dim) as f64).powf(-0.5);
+                // DeepSeek folds YaRN's magnitude correction into the softmax scale.
+                if let RopeScaling::Yarn {
+                    factor,
+                    mscale_all_dim: Some(m),
+                    ..
+                } = config.rope.scaling
+                    && m != 0.0
+                {
+                    let mscale = yarn_mscale(factor, m);
+                    scale *= mscale * mscale;
+                }
+                (interleave, scale)
+            }
+        };
+        Engine {
+            rope: Rope::new(&config.rope, interleaved),
+            softmax_scale: softmax_scale as f32,
+            config,
+            weights,
+            experts,
+        }
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    pub fn new_cache(&self) -> KvCache {
+        KvCache::new(&self.config)
+    }
+
+    /// Runs one step for a batch of sequences and returns, for each, the logits after its
+    /// last new token. Caches are extended only when the whole step succeeds.
+    pub fn forward(&self, batch: &mut [SequenceStep]) -> Result<Vec<Vec<f32>>, EngineError> {
+        let cfg = &self.config;
+        let h = cfg.hidden_size;
+        let mut segments = Vec::with_capacity(batch.len());
+        let mut rows = 0;
+        for step in batch.iter() {
+            if step.tokens.is_empty() {
+                return Err(EngineError::EmptyPrompt);
+            }
+            if let Some(&token) = step.tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+                return Err(EngineError::TokenOutOfRange {
+                    token,
+                    vocab_size: cfg.vocab_size,
+                });
+            }
+            let needed = step.cache.len() + step.tokens.len();
+            if needed > cfg.max_position_embeddings {
+                return Err(EngineError::ContextTooLong {
+                    needed,
+                    max: cfg.max_position_embeddings,
+                });
+            }
+            segments.push(Segment {
+                rows: rows..rows + step.tokens.len(),
+                start_position: step.cache.len(),
+            });
+            rows += step.tokens.len();
+        }
+
+        let mut hidden = Vec::with_capacity(rows * h);
+        let mut angles = Vec::with_capacity(rows);
+        for (step, segment) in batch.iter().zip(&segments) {
+            for (i, &token) in step.tokens.iter().enumerate() {
+                let t = token as usize;
+                hidden.extend_from_slice(&self.weights.embed_tokens[t * h..(t + 1) * h]);
+                angles.push(self.rope.angles(segment.start_position + i));
+            }
+        }
+        let mut caches: Vec<&mut KvCache> = batch.iter_mut().map(|s| &mut *s.cache).collect();
+        match self.run_layers(&mut hidden, &angles, &segments, &mut caches) {
+            Ok(()) => {
+                for (cache, segment) in caches.iter_mut().zip(&segments) {
+                    cache.advance(segment.rows.len());
+                }
+            }
+            Err(e) => {
+                // A failed step (an expert unreachable) leaves every sequence as it was.
+                for cache in caches.iter_mut() {
+                    cache.rollback();
+                }
+                return Err(e);
+            }
+        }
+
+        let mut last_rows = Vec::with_capacity(segments.len() * h);
+        for segment in &segments {
+            let last = segment.rows.end - 1;
+            last_rows.extend_from_slice(&hidden[last * h..(last + 1) * h]);
+        }
+        let final_norm = &self.weights.final_norm;
+        let normed = rms_norm(&last_rows, &final_norm.weight, final_norm.eps);
+        let logits = self.weights.lm_head.forward(&normed, segments.len());
+        Ok(logits
+            .chunks_exact(cfg.vocab_size)
+            .map(<[f32]>::to_vec)
+            .collect())
+    }
+
+    /// Every decoder layer over the step's rows, appending to the caches.
+    fn run_layers(
+        &self,
+        hidden: &mut [f32],
+        angles: &[rope::RopeAngles],
+        segments: &[Segment],
+        caches: &mut [&mut KvCache],
+    ) -> Result<(), EngineError> {
+        let cfg = &self.config;
+        let h = cfg.hidden_size;
+        let rows = hidden.len() / h;
+        let input = AttentionInput {
+            config: &cfg.attention,
+            num_heads: cfg.num_heads,
+            softmax_scale: self.softmax_scale,
+            rope: &self.rope,
+            angles,
+            segments,
+        };
+        for (l, layer) in self.weights.layers.iter().enumerate() {
+            let normed = rms_norm(hidden, &layer.input_norm.weight, layer.input_norm.eps);
+            let attended = attention(&layer.attention, &input, l, &normed, rows, caches);
+            add_in_place(hidden, &attended);
+            let normed = rms_norm(
+                hidden,
+                &layer.post_attention_norm.weight,
+                layer.post_attention_norm.eps,
+            );
+            let ff = match &layer.feed_forward {
+                FeedForward::Dense(mlp) => mlp.forward_with(&normed, rows, true),
+                FeedForward::Moe(moe) => {
+                    let logits = moe.router.forward(&normed, rows);
+                    let routing = route(
+                        &cfg.moe.gating,
+                        &logits,
+                        cfg.moe.num_experts,
+                        cfg.moe.top_k,
+                        moe.correction_bias.as_deref(),
+                    );
+                    let plan = DispatchPlan::new(&routing, cfg.moe.num_experts);
+                    let expert_out = self.experts.run(l, &plan, &plan.gather(&normed, h))?;
+                    let mut out = vec![0.0; rows * h];
+                    plan.combine(&expert_out, h, &mut out);
+                    if let Some(shared) = &moe.shared_expert {
+                        add_in_place(&mut out, &shared.forward_with(&normed, rows, true));
+                    }
+                    out
+                }
+            };
+            add_in_place(hidden, &ff);
+        }
+        Ok(())
+    }
+}
+
+fn add_in_place(acc: &mut [f32], x: &[f32]) {
+    for (a, b) in acc.iter_mut().zip(x) {
+        *a += b;
+    }
+}

@@ -1,0 +1,10 @@
+//! moe-node: a serving appliance for large Mixture-of-Experts language models.
+//!
+//! The crate is laid out by architecture (see DESIGN.md): `model` reads published
+//! checkpoints, `compute` holds the numeric kernels, `moe` the gating and dispatch of tokens
+//! to experts, and `engine` the forward pass and generation loop.
+
+pub mod compute;
+pub mod engine;
+pub mod model;
+pub mod moe;

@@ -1,0 +1,184 @@
+//! `moe-node` command line: parses arguments and calls the library.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+use clap::{Parser, Subcommand};
+use moe_node::engine::{Engine, EngineError, GenerateRequest, SamplingParams, generate};
+use moe_node::model::demo::{DemoSpec, write_demo_model};
+use moe_node::model::{ModelError, Tokenizer};
+
+#[derive(Parser)]
+#[command(
+    name = "moe-node",
+    version,
+    about = "Serve large Mixture-of-Experts models"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate a continuation of a prompt with a local model and print it.
+    Generate(GenerateArgs),
+    /// Write the built-in demo model (Kimi K3-shaped, 896 experts, top-16) to a directory.
+    DemoModel {
+        /// Directory to write config.json, model.safetensors and the tokenizer into.
+        #[arg(long)]
+        out: PathBuf,
+    },
+}
+
+#[derive(clap::Args)]
+struct GenerateArgs {
+    /// Model directory: config.json, safetensors weights, optionally tokenizer.json.
+    #[arg(long)]
+    model: PathBuf,
+    /// Prompt text (needs tokenizer.json).
+    #[arg(
+        long,
+        conflicts_with = "prompt_ids",
+        required_unless_present = "prompt_ids"
+    )]
+    prompt: Option<String>,
+    /// Prompt as comma-separated token ids, e.g. 5,17,42.
+    #[arg(long, value_delimiter = ',')]
+    prompt_ids: Option<Vec<u32>>,
+    /// Number of tokens to generate.
+    #[arg(long, default_value_t = 16)]
+    max_tokens: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Nucleus sampling threshold.
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Stop at the end-of-sequence token the model config names.
+    #[arg(long)]
+    stop_at_eos: bool,
+    /// Print one JSON object: token_ids, last_logits and (with a tokenizer) text.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Exit status for a model directory that is not usable (sysexits' EX_CONFIG, EX_DATAERR).
+const EXIT_CONFIG: u8 = 78;
+const EXIT_DATA: u8 = 65;
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Generate(args) => run_generate(args),
+        Command::DemoModel { out } => run_demo_model(out),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            let model_error = e.chain().find_map(|c| {
+                c.downcast_ref::<ModelError>()
+                    .or_else(|| match c.downcast_ref::<EngineError>() {
+                        Some(EngineError::Model(m)) => Some(m),
+                        _ => None,
+                    })
+            });
+            ExitCode::from(match model_error {
+                Some(ModelError::Config { .. }) => EXIT_CONFIG,
+                Some(_) => EXIT_DATA,
+                None => 1,
+            })
+        }
+    }
+}
+
+fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let engine = Engine::load(&args.model)?;
+    let tokenizer = Tokenizer::load_optional(&args.model)?;
+    tracing::info!(
+        model = %args.model.display(),
+        model_type = %engine.config().model_type,
+        seconds = started.elapsed().as_secs_f32(),
+        "model loaded"
+    );
+    let prompt = match (&args.prompt, args.prompt_ids) {
+        (_, Some(ids)) => ids,
+        (Some(text), None) => match &tokenizer {
+            Some(t) => t.encode(text)?,
+            None => bail!(
+                "{} has no tokenizer.json: give the prompt as token ids with --prompt-ids",
+                args.model.display()
+            ),
+        },
+        (None, None) => bail!("give --prompt or --prompt-ids"),
+    };
+    let generation = generate(
+        &engine,
+        &GenerateRequest {
+            prompt,
+            max_tokens: args.max_tokens,
+            sampling: SamplingParams {
+                temperature: args.temperature,
+                top_p: args.top_p,
+                seed: args.seed,
+            },
+            stop_at_eos: args.stop_at_eos,
+        },
+    )?;
+    let text = tokenizer
+        .as_ref()
+        .map(|t| t.decode(&generation.token_ids))
+        .transpose()?;
+    if args.json {
+        let mut out = serde_json::json!({
+            "token_ids": generation.token_ids,
+            "last_logits": generation.last_logits,
+        });
+        if let Some(text) = text {
+            out["text"] = text.into();
+        }
+        println!("{out}");
+    } else {
+        match text {
+            Some(text) => println!("{text}"),
+            None => println!(
+                "{}",
+                generation
+                    .token_ids
+                    .iter()
+                    .map(u32::to_string)
+                    .collect::<Vec<_>>()
+                    .join(",")
+            ),
+        }
+    }
+    Ok(())
+}
+
+fn run_demo_model(out: PathBuf) -> anyhow::Result<()> {
+    let spec = DemoSpec::default();
+    write_demo_model(&out, &spec, |done, total| {
+        tracing::info!("demo model: layer {done}/{total} written");
+    })
+    .with_context(|| format!("writing the demo model to {}", out.display()))?;
+    tracing::info!(
+        "demo model written to {}: kimi_k2 layout, {} experts, {} active",
+        out.display(),
+        spec.num_experts,
+        spec.top_k
+    );
+    Ok(())
+}

@@ -1,0 +1,321 @@
+//! The built-in demo model: a deterministic checkpoint shaped like Kimi K3 (the `kimi_k2` /
+//! DeepSeek-V3 layout with 896 routed experts, 16 active per token and one shared expert),
+//! with dimensions small enough to write and load in seconds on a CPU. Its weights are
+//! pseudo-random, so its text is noise; it exists to exercise every part of the server.
+
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::path::Path;
+
+use half::bf16;
+use rand_chacha::ChaCha8Rng;
+use rand_chacha::rand_core::{RngCore, SeedableRng};
+use safetensors::tensor::{Dtype, View};
+use serde_json::json;
+
+use super::ModelError;
+
+/// Shape of the demo model.
+pub struct DemoSpec {
+    pub hidden_size: usize,
+    pub num_layers: usize,
+    pub first_k_dense: usize,
+    pub num_heads: usize,
+    pub num_experts: usize,
+    pub top_k: usize,
+    pub expert_intermediate_size: usize,
+    pub dense_intermediate_size: usize,
+    pub kv_lora_rank: usize,
+    pub q_lora_rank: usize,
+    pub qk_nope_head_dim: usize,
+    pub qk_rope_head_dim: usize,
+    pub v_head_dim: usize,
+    pub seed: u64,
+}
+
+/// Byte-level vocabulary: ids 0..=255 are bytes, then the chat special tokens.
+const SPECIAL_TOKENS: [&str; 3] = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"];
+const VOCAB_SIZE: usize = 256 + SPECIAL_TOKENS.len();
+const IM_END: u32 = 257;
+
+impl Default for DemoSpec {
+    /// Kimi K3's routing shape (896 experts, top-16, one shared expert) at toy width.
+    fn default() -> Self {
+        DemoSpec {
+            hidden_size: 128,
+            num_layers: 4,
+            first_k_dense: 1,
+            num_heads: 4,
+            num_experts: 896,
+            top_k: 16,
+            expert_intermediate_size: 64,
+            dense_intermediate_size: 256,
+            kv_lora_rank: 64,
+            q_lora_rank: 96,
+            qk_nope_head_dim: 32,
+            qk_rope_head_dim: 16,
+            v_head_dim: 32,
+            seed: 0x6b33,
+        }
+    }
+}
+
+/// A bf16 tensor ready to serialise.
+struct Bf16Tensor {
+    shape: Vec<usize>,
+    bytes: Vec<u8>,
+}
+
+impl View for &Bf16Tensor {
+    fn dtype(&self) -> Dtype {
+        Dtype::BF16
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        Cow::Borrowed(&self.bytes)
+    }
+    fn data_len(&self) -> usize {
+        self.bytes.len()
+    }
+}
+
+struct Writer {
+    rng: ChaCha8Rng,
+    tensors: Vec<(String, Bf16Tensor)>,
+}
+
+impl Writer {
+    /// Uniform values in `[-scale, scale)`.
+    fn random(&mut self, name: String, shape: &[usize], scale: f32) {
+        let count: usize = shape.iter().product();
+        let mut bytes = Vec::with_capacity(count * 2);
+        for _ in 0..count {
+            let unit = (self.rng.next_u32() >> 8) as f32 / (1u32 << 23) as f32 - 1.0;
+            bytes.extend_from_slice(&bf16::from_f32(unit * scale).to_le_bytes());
+        }
+        self.tensors.push((
+            name,
+            Bf16Tensor {
+                shape: shape.to_vec(),
+                bytes,
+            },
+        ));
+    }
+
+    fn ones(&mut self, name: String, width: usize) {
+        let bytes = bf16::ONE.to_le_bytes().repeat(width);
+        self.tensors.push((
+            name,
+            Bf16Tensor {
+                shape: vec![width],
+                bytes,
+            },
+        ));
+    }
+
+    fn linear(&mut self, name: String, out: usize, inp: usize) {
+        let scale = 1.0 / (inp as f32).sqrt();
+        self.random(format!("{name}.weight"), &[out, inp], scale);
+    }
+
+    fn swiglu(&mut self, prefix: &str, hidden: usize, intermediate: usize) {
+        self.linear(format!("{prefix}.gate_proj"), intermediate, hidden);
+        self.linear(format!("{prefix}.up_proj"), intermediate, hidden);
+        self.linear(format!("{prefix}.down_proj"), hidden, intermediate);
+    }
+}
+
+/// Writes the demo checkpoint (config.json, model.safetensors, tokenizer.json,
+/// tokenizer_config.json) into `out`, calling `progress(done, total)` per layer.
+pub fn write_demo_model(
+    out: &Path,
+    spec: &DemoSpec,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<(), ModelError> {
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| ModelError::Io { path, source }
+    };
+    std::fs::create_dir_all(out).map_err(io(out))?;
+    let h = spec.hidden_size;
+    let mut w = Writer {
+        rng: ChaCha8Rng::seed_from_u64(spec.seed),
+        tensors: Vec::new(),
+    };
+    w.random("model.embed_tokens.weight".into(), &[VOCAB_SIZE, h], 1.0);
+    w.linear("lm_head".into(), VOCAB_SIZE, h);
+    w.ones("model.norm.weight".into(), h);
+    let q_width = spec.num_heads * (spec.qk_nope_head_dim + spec.qk_rope_head_dim);
+    for l in 0..spec.num_layers {
+        let p = format!("model.layers.{l}");
+        w.ones(format!("{p}.input_layernorm.weight"), h);
+        w.ones(format!("{p}.post_attention_layernorm.weight"), h);
+        let a = format!("{p}.self_attn");
+        w.linear(format!("{a}.q_a_proj"), spec.q_lora_rank, h);
+        w.ones(format!("{a}.q_a_layernorm.weight"), spec.q_lora_rank);
+        w.linear(format!("{a}.q_b_proj"), q_width, spec.q_lora_rank);
+        w.linear(
+            format!("{a}.kv_a_proj_with_mqa"),
+            spec.kv_lora_rank + spec.qk_rope_head_dim,
+            h,
+        );
+        w.ones(format!("{a}.kv_a_layernorm.weight"), spec.kv_lora_rank);
+        w.linear(
+            format!("{a}.kv_b_proj"),
+            spec.num_heads * (spec.qk_nope_head_dim + spec.v_head_dim),
+            spec.kv_lora_rank,
+        );
+        w.linear(format!("{a}.o_proj"), h, spec.num_heads * spec.v_head_dim);
+        if l < spec.first_k_dense {
+            w.swiglu(&format!("{p}.mlp"), h, spec.dense_intermediate_size);
+        } else {
+            w.linear(format!("{p}.mlp.gate"), spec.num_experts, h);
+            w.random(
+                format!("{p}.mlp.gate.e_score_correction_bias"),
+                &[spec.num_experts],
+                0.01,
+            );
+            w.swiglu(
+                &format!("{p}.mlp.shared_experts"),
+                h,
+                spec.expert_intermediate_size,
+            );
+            for e in 0..spec.num_experts {
+                w.swiglu(
+                    &format!("{p}.mlp.experts.{e}"),
+                    h,
+                    spec.expert_intermediate_size,
+                );
+            }
+        }
+        progress(l + 1, spec.num_layers);
+    }
+    let weights_path = out.join("model.safetensors");
+    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    safetensors::serialize_to_file(
+        w.tensors.iter().map(|(n, t)| (n.as_str(), t)),
+        Some(metadata),
+        &weights_path,
+    )
+    .map_err(|e| ModelError::Corrupt {
+        path: weights_path.clone(),
+        reason: format!("could not write: {e}"),
+    })?;
+
+    let files = [
+        ("config.json", config_json(spec)),
+        ("tokenizer.json", tokenizer_json()),
+        ("tokenizer_config.json", tokenizer_config_json()),
+    ];
+    for (name, value) in files {
+        let path = out.join(name);
+        let text = serde_json::to_string_pretty(&value).expect("JSON values serialise");
+        std::fs::write(&path, text).map_err(io(&path))?;
+    }
+    Ok(())
+}
+
+fn config_json(spec: &DemoSpec) -> serde_json::Value {
+    json!({
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "kimi_k2",
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.dense_intermediate_size,
+        "moe_intermediate_size": spec.expert_intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_heads,
+        "n_routed_experts": spec.num_experts,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": spec.top_k,
+        "first_k_dense_replace": spec.first_k_dense,
+        "n_group": 1,
+        "topk_group": 1,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": true,
+        "routed_scaling_factor": 2.827,
+        "q_lora_rank": spec.q_lora_rank,
+        "kv_lora_rank": spec.kv_lora_rank,
+        "qk_nope_head_dim": spec.qk_nope_head_dim,
+        "qk_rope_head_dim": spec.qk_rope_head_dim,
+        "v_head_dim": spec.v_head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096,
+        "rope_theta": 50000.0,
+        "rope_scaling": null,
+        "tie_word_embeddings": false,
+        "bos_token_id": null,
+        "eos_token_id": IM_END,
+        "torch_dtype": "bfloat16"
+    })
+}
+
+/// GPT-2's byte-to-character table: printable bytes map to themselves, the rest to code
+/// points from 256 up, so every byte has a visible, unique character.
+fn byte_level_char(byte: u8) -> char {
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    if printable(byte) {
+        return char::from(byte);
+    }
+    let rank = (0..byte).filter(|&b| !printable(b)).count() as u32;
+    char::from_u32(256 + rank).expect("code points 256..512 are valid")
+}
+
+fn tokenizer_json() -> serde_json::Value {
+    let vocab: serde_json::Map<String, serde_json::Value> = (0..=255u8)
+        .map(|b| (byte_level_char(b).to_string(), json!(b)))
+        .collect();
+    let added: Vec<serde_json::Value> = SPECIAL_TOKENS
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            json!({"id": 256 + i, "content": t, "single_word": false, "lstrip": false,
+                   "rstrip": false, "normalized": false, "special": true})
+        })
+        .collect();
+    let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
+    json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": byte_level,
+        "post_processor": null,
+        "decoder": byte_level,
+        "model": {
+            "type": "BPE", "dropout": null, "unk_token": null,
+            "continuing_subword_prefix": null, "end_of_word_suffix": null,
+            "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+            "vocab": vocab, "merges": []
+        }
+    })
+}
+
+fn tokenizer_config_json() -> serde_json::Value {
+    json!({
+        "bos_token": null,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "chat_template": "{% for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_level_table_is_a_bijection() {
+        let chars: std::collections::HashSet<char> = (0..=255u8).map(byte_level_char).collect();
+        assert_eq!(chars.len(), 256);
+        assert_eq!(byte_level_char(b'a'), 'a');
+        assert_eq!(byte_level_char(b' '), 'Ġ');
+        assert_eq!(byte_level_char(b'\n'), 'Ċ');
+    }
+}

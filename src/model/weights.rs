@@ -1,0 +1,331 @@
+//! Tensors of a checkpoint, by the names each family publishes them under, loaded into the
+//! typed blocks the forward pass runs.
+
+use super::config::{AttentionConfig, Family, ModelConfig};
+use super::{Checkpoint, ModelError};
+use crate::compute::cpu::{Linear, SwiGlu};
+
+/// One expert's FFN: a SwiGLU block of `moe_intermediate_size`.
+pub type ExpertWeights = SwiGlu;
+
+#[derive(Debug, Clone)]
+pub struct RmsNorm {
+    pub weight: Vec<f32>,
+    pub eps: f32,
+}
+
+/// Projection to queries in MLA: direct, or through a low-rank bottleneck with a norm.
+#[derive(Debug, Clone)]
+pub enum QueryProjection {
+    Direct(Linear),
+    LowRank {
+        down: Linear,
+        norm: RmsNorm,
+        up: Linear,
+    },
+}
+
+#[derive(Debug, Clone)]
+pub enum AttentionWeights {
+    Gqa {
+        q: Linear,
+        k: Linear,
+        v: Linear,
+        o: Linear,
+        q_norm: Option<RmsNorm>,
+        k_norm: Option<RmsNorm>,
+    },
+    Mla {
+        q: QueryProjection,
+        /// `kv_a_proj_with_mqa`: hidden -> latent (kv_lora_rank) + shared rope key.
+        kv_down: Linear,
+        kv_norm: RmsNorm,
+        /// `kv_b_proj`: latent -> per head (k_nope, v), `[heads * (nope + v), kv_lora_rank]`.
+        kv_up: Linear,
+        o: Linear,
+    },
+}
+
+/// The gate of an MoE layer and its always-on parts. The routed experts are held apart (see
+/// [`crate::moe::ExpertExecutor`]) so that they can live on other devices or nodes.
+#[derive(Debug, Clone)]
+pub struct MoeWeights {
+    /// `[num_experts, hidden]`.
+    pub router: Linear,
+    pub correction_bias: Option<Vec<f32>>,
+    pub shared_expert: Option<SwiGlu>,
+}
+
+#[derive(Debug, Clone)]
+pub enum FeedForward {
+    Dense(SwiGlu),
+    Moe(MoeWeights),
+}
+
+#[derive(Debug, Clone)]
+pub struct LayerWeights {
+    pub input_norm: RmsNorm,
+    pub attention: AttentionWeights,
+    pub post_attention_norm: RmsNorm,
+    pub feed_forward: FeedForward,
+}
+
+/// Everything but the routed experts: what every router runs (data-parallel attention).
+#[derive(Debug, Clone)]
+pub struct DenseWeights {
+    /// `[vocab, hidden]`.
+    pub embed_tokens: Vec<f32>,
+    pub layers: Vec<LayerWeights>,
+    pub final_norm: RmsNorm,
+    /// `[vocab, hidden]`; the embedding matrix again when the model ties them.
+    pub lm_head: Linear,
+}
+
+impl DenseWeights {
+    pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig) -> Result<Self, ModelError> {
+        let h = cfg.hidden_size;
+        let embed_tokens = ckpt.read_f32("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
+        let lm_head = if cfg.tie_word_embeddings && !ckpt.contains("lm_head.weight") {
+            Linear {
+                weight: embed_tokens.clone(),
+                bias: None,
+                out_features: cfg.vocab_size,
+                in_features: h,
+            }
+        } else {
+            linear(ckpt, "lm_head", cfg.vocab_size, h)?
+        };
+        let layers = (0..cfg.num_layers)
+            .map(|l| load_layer(ckpt, cfg, l))
+            .collect::<Result<_, _>>()?;
+        Ok(DenseWeights {
+            embed_tokens,
+            layers,
+            final_norm: norm(ckpt, "model.norm", h, cfg.rms_norm_eps)?,
+            lm_head,
+        })
+    }
+}
+
+fn load_layer(ckpt: &Checkpoint, cfg: &ModelConfig, l: usize) -> Result<LayerWeights, ModelError> {
+    let h = cfg.hidden_size;
+    let eps = cfg.rms_norm_eps;
+    let p = format!("model.layers.{l}");
+    let heads = cfg.num_heads;
+    let attention = match cfg.attention {
+        AttentionConfig::Gqa {
+            num_kv_heads,
+            head_dim,
+            qk_norm,
+            ..
+        } => {
+            let a = format!("{p}.self_attn");
+            AttentionWeights::Gqa {
+                q: linear(ckpt, &format!("{a}.q_proj"), heads * head_dim, h)?,
+                k: linear(ckpt, &format!("{a}.k_proj"), num_kv_heads * head_dim, h)?,
+                v: linear(ckpt, &format!("{a}.v_proj"), num_kv_heads * head_dim, h)?,
+                o: linear(ckpt, &format!("{a}.o_proj"), h, heads * head_dim)?,
+                q_norm: qk_norm
+                    .then(|| norm(ckpt, &format!("{a}.q_norm"), head_dim, eps))
+                    .transpose()?,
+                k_norm: qk_norm
+                    .then(|| norm(ckpt, &format!("{a}.k_norm"), head_dim, eps))
+                    .transpose()?,
+            }
+        }
+        AttentionConfig::Mla {
+            q_lora_rank,
+            kv_lora_rank,
+            qk_nope_head_dim,
+            qk_rope_head_dim,
+            v_head_dim,
+            ..
+        } => {
+            let a = format!("{p}.self_attn");
+            let q_dim = heads * (qk_nope_head_dim + qk_rope_head_dim);
+            let q = match q_lora_rank {
+                None => QueryProjection::Direct(linear(ckpt, &format!("{a}.q_proj"), q_dim, h)?),
+                Some(rank) => QueryProjection::LowRank {
+                    down: linear(ckpt, &format!("{a}.q_a_proj"), rank, h)?,
+                    norm: norm(ckpt, &format!("{a}.q_a_layernorm"), rank, eps)?,
+                    up: linear(ckpt, &format!("{a}.q_b_proj"), q_dim, rank)?,
+                },
+            };
+            AttentionWeights::Mla {
+                q,
+                kv_down: linear(
+                    ckpt,
+                    &format!("{a}.kv_a_proj_with_mqa"),
+                    kv_lora_rank + qk_rope_head_dim,
+                    h,
+                )?,
+                kv_norm: norm(ckpt, &format!("{a}.kv_a_layernorm"), kv_lora_rank, eps)?,
+                kv_up: linear(
+                    ckpt,
+                    &format!("{a}.kv_b_proj"),
+                    heads * (qk_nope_head_dim + v_head_dim),
+                    kv_lora_rank,
+                )?,
+                o: linear(ckpt, &format!("{a}.o_proj"), h, heads * v_head_dim)?,
+            }
+        }
+    };
+    let mlp = mlp_prefix(cfg.family, l);
+    let feed_forward = if cfg.moe_layers[l] {
+        let shared_expert = (cfg.moe.shared_intermediate_size > 0)
+            .then(|| {
+                swiglu(
+                    ckpt,
+                    &format!("{mlp}.shared_experts"),
+                    ExpertNames::PROJ,
+                    h,
+                    cfg.moe.shared_intermediate_size,
+                )
+            })
+            .transpose()?;
+        let bias_name = format!("{mlp}.gate.e_score_correction_bias");
+        let correction_bias = if cfg.family == Family::DeepseekV3 && ckpt.contains(&bias_name) {
+            Some(ckpt.read_f32(&bias_name, &[cfg.moe.num_experts])?)
+        } else {
+            None
+        };
+        FeedForward::Moe(MoeWeights {
+            router: linear(ckpt, &format!("{mlp}.gate"), cfg.moe.num_experts, h)?,
+            correction_bias,
+            shared_expert,
+        })
+    } else {
+        FeedForward::Dense(swiglu(
+            ckpt,
+            &mlp,
+            ExpertNames::PROJ,
+            h,
+            cfg.intermediate_size,
+        )?)
+    };
+    Ok(LayerWeights {
+        input_norm: norm(ckpt, &format!("{p}.input_layernorm"), h, eps)?,
+        attention,
+        post_attention_norm: norm(ckpt, &format!("{p}.post_attention_layernorm"), h, eps)?,
+        feed_forward,
+    })
+}
+
+/// Loads routed expert `expert` of layer `layer`.
+pub fn load_expert(
+    ckpt: &Checkpoint,
+    cfg: &ModelConfig,
+    layer: usize,
+    expert: usize,
+) -> Result<ExpertWeights, ModelError> {
+    let names = if cfg.family == Family::Mixtral {
+        ExpertNames::MIXTRAL
+    } else {
+        ExpertNames::PROJ
+    };
+    let prefix = format!("{}.experts.{expert}", mlp_prefix(cfg.family, layer));
+    swiglu(
+        ckpt,
+        &prefix,
+        names,
+        cfg.hidden_size,
+        cfg.moe.expert_intermediate_size,
+    )
+}
+
+/// Loads every routed expert of every MoE layer: `[layer][expert]`, empty for dense layers.
+pub fn load_all_experts(
+    ckpt: &Checkpoint,
+    cfg: &ModelConfig,
+) -> Result<Vec<Vec<ExpertWeights>>, ModelError> {
+    (0..cfg.num_layers)
+        .map(|l| {
+            if !cfg.moe_layers[l] {
+                return Ok(Vec::new());
+            }
+            (0..cfg.moe.num_experts)
+                .map(|e| load_expert(ckpt, cfg, l, e))
+                .collect()
+        })
+        .collect()
+}
+
+fn mlp_prefix(family: Family, layer: usize) -> String {
+    match family {
+        Family::Mixtral => format!("model.layers.{layer}.block_sparse_moe"),
+        _ => format!("model.layers.{layer}.mlp"),
+    }
+}
+
+/// Tensor names of the three projections of a SwiGLU block.
+struct ExpertNames {
+    gate: &'static str,
+    up: &'static str,
+    down: &'static str,
+}
+
+impl ExpertNames {
+    const PROJ: ExpertNames = ExpertNames {
+        gate: "gate_proj",
+        up: "up_proj",
+        down: "down_proj",
+    };
+    const MIXTRAL: ExpertNames = ExpertNames {
+        gate: "w1",
+        up: "w3",
+        down: "w2",
+    };
+}
+
+fn swiglu(
+    ckpt: &Checkpoint,
+    prefix: &str,
+    names: ExpertNames,
+    hidden: usize,
+    intermediate: usize,
+) -> Result<SwiGlu, ModelError> {
+    Ok(SwiGlu {
+        gate: linear(
+            ckpt,
+            &format!("{prefix}.{}", names.gate),
+            intermediate,
+            hidden,
+        )?,
+        up: linear(
+            ckpt,
+            &format!("{prefix}.{}", names.up),
+            intermediate,
+            hidden,
+        )?,
+        down: linear(
+            ckpt,
+            &format!("{prefix}.{}", names.down),
+            hidden,
+            intermediate,
+        )?,
+    })
+}
+
+/// `{prefix}.weight` of shape `[out, in]`, and `{prefix}.bias` when the checkpoint has one.
+fn linear(ckpt: &Checkpoint, prefix: &str, out: usize, inp: usize) -> Result<Linear, ModelError> {
+    let weight = ckpt.read_f32(&format!("{prefix}.weight"), &[out, inp])?;
+    let bias_name = format!("{prefix}.bias");
+    let bias = if ckpt.contains(&bias_name) {
+        Some(ckpt.read_f32(&bias_name, &[out])?)
+    } else {
+        None
+    };
+    Ok(Linear {
+        weight,
+        bias,
+        out_features: out,
+        in_features: inp,
+    })
+}
+
+fn norm(ckpt: &Checkpoint, prefix: &str, width: usize, eps: f32) -> Result<RmsNorm, ModelError> {
+    Ok(RmsNorm {
+        weight: ckpt.read_f32(&format!("{prefix}.weight"), &[width])?,
+        eps,
+    })
+}

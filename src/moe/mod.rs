@@ -1,0 +1,86 @@
+//! The mixture-of-experts layer: gating, the dispatch plan, and the seam where grouped
+//! tokens are handed to whoever holds the experts.
+
+pub mod dispatch;
+pub mod gating;
+
+use rayon::prelude::*;
+
+use crate::compute::cpu::SwiGlu;
+pub use dispatch::DispatchPlan;
+pub use gating::{Routing, route};
+
+/// Why expert work could not be done.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ExpertError {
+    #[error("expert {expert} of layer {layer} is not held by this executor")]
+    NotHeld { layer: usize, expert: u32 },
+    #[error("expert executor unavailable: {0}")]
+    Unavailable(String),
+}
+
+/// Runs grouped token rows through the experts of one layer. The engine calls this once per
+/// MoE layer per step; an implementation may compute locally, hand groups to device actors,
+/// or send them to other nodes.
+pub trait ExpertExecutor: Send + Sync {
+    /// `grouped_input` holds `plan.len()` rows of `hidden_size`, grouped as `plan` says.
+    /// Returns the expert outputs in the same order (not yet weighted).
+    fn run(
+        &self,
+        layer: usize,
+        plan: &DispatchPlan,
+        grouped_input: &[f32],
+    ) -> Result<Vec<f32>, ExpertError>;
+}
+
+/// Every expert of every layer in this process's memory, computed on the CPU.
+pub struct LocalExperts {
+    /// `layers[l][e]`; empty for dense layers.
+    layers: Vec<Vec<SwiGlu>>,
+    hidden_size: usize,
+}
+
+impl LocalExperts {
+    pub fn new(layers: Vec<Vec<SwiGlu>>, hidden_size: usize) -> Self {
+        LocalExperts {
+            layers,
+            hidden_size,
+        }
+    }
+
+    pub fn expert(&self, layer: usize, expert: u32) -> Option<&SwiGlu> {
+        self.layers.get(layer)?.get(expert as usize)
+    }
+}
+
+impl ExpertExecutor for LocalExperts {
+    fn run(
+        &self,
+        layer: usize,
+        plan: &DispatchPlan,
+        grouped_input: &[f32],
+    ) -> Result<Vec<f32>, ExpertError> {
+        let width = self.hidden_size;
+        let mut experts = Vec::with_capacity(plan.experts.len());
+        for &e in &plan.experts {
+            experts.push(
+                self.expert(layer, e)
+                    .ok_or(ExpertError::NotHeld { layer, expert: e })?,
+            );
+        }
+        // Spread experts over the pool; when there are fewer experts than threads, let each
+        // product spread over the pool instead.
+        let threads = rayon::current_num_threads();
+        let nested_parallel = experts.len() < threads;
+        let outputs: Vec<Vec<f32>> = experts
+            .par_iter()
+            .enumerate()
+            .map(|(i, expert)| {
+                let rows = plan.group(i);
+                let input = &grouped_input[rows.start * width..rows.end * width];
+                expert.forward_with(input, rows.len(), nested_parallel)
+            })
+            .collect();
+        Ok(outputs.concat())
+    }
+}
