@@ -1,0 +1,143 @@
+//! The `moe-node` binary as a user runs it.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn moe_node(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_moe-node"))
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("the binary runs")
+}
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
+}
+
+#[test]
+fn generate_json_prints_reference_tokens_and_logits() {
+    let dir = fixture("deepseek_v3");
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+            .unwrap();
+    let prompt: Vec<String> = reference["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_string())
+        .collect();
+    let out = moe_node(&[
+        "generate",
+        "--model",
+        dir.to_str().unwrap(),
+        "--prompt-ids",
+        &prompt.join(","),
+        "--max-tokens",
+        "12",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let printed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(printed["token_ids"], reference["token_ids"]);
+    assert_eq!(printed["last_logits"].as_array().unwrap().len(), 128);
+    assert!(printed.get("text").is_none(), "no tokenizer, so no text");
+}
+
+#[test]
+fn text_prompt_without_tokenizer_is_a_clear_error() {
+    let out = moe_node(&[
+        "generate",
+        "--model",
+        fixture("mixtral").to_str().unwrap(),
+        "--prompt",
+        "hello",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("no tokenizer.json") && stderr.contains("--prompt-ids"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn bad_model_directories_exit_with_config_and_data_codes() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("config.json"), r#"{"model_type": "gpt2"}"#).unwrap();
+    let out = moe_node(&[
+        "generate",
+        "--model",
+        dir.path().to_str().unwrap(),
+        "--prompt-ids",
+        "1",
+    ]);
+    assert_eq!(out.status.code(), Some(78));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unsupported model_type `gpt2`"));
+
+    let copy = tempfile::tempdir().unwrap();
+    for name in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture("qwen3_moe").join(name), copy.path().join(name)).unwrap();
+    }
+    std::fs::write(copy.path().join("model.safetensors"), b"garbage").unwrap();
+    let out = moe_node(&[
+        "generate",
+        "--model",
+        copy.path().to_str().unwrap(),
+        "--prompt-ids",
+        "1",
+    ]);
+    assert_eq!(out.status.code(), Some(65));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("corrupt"));
+}
+
+#[test]
+fn demo_model_is_kimi_shaped_and_generates_text() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("demo");
+    let out = moe_node(&["demo-model", "--out", model.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["model_type"], "kimi_k2");
+    assert_eq!(config["n_routed_experts"], 896);
+    assert_eq!(config["num_experts_per_tok"], 16);
+    assert_eq!(config["n_shared_experts"], 1);
+
+    let generate = |seed: &str| {
+        let out = moe_node(&[
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--prompt",
+            "Hello, moe-node",
+            "--max-tokens",
+            "8",
+            "--temperature",
+            "0.8",
+            "--seed",
+            seed,
+            "--json",
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let first = generate("3");
+    assert_eq!(first["token_ids"].as_array().unwrap().len(), 8);
+    assert!(first["text"].is_string());
+    assert_eq!(first, generate("3"), "the same seed gives the same output");
+}
