@@ -85,8 +85,8 @@ pub fn matmul_transposed(
     assert_eq!(x.len(), m * k, "lhs size");
     assert_eq!(w.len(), n * k, "rhs size");
     assert_eq!(out.len(), m * n, "output size");
-    if m == 1 {
-        matvec(x, w, k, out, parallel);
+    if m <= FEW_ROWS {
+        matmul_few_rows(x, m, k, w, out, parallel);
         return;
     }
     // rhs is wᵀ: element (kk, nn) lies at w[nn * k + kk].
@@ -168,37 +168,120 @@ fn gemm_strided(
     }
 }
 
-/// `out[n] = w [n, k] · x[k]`, one dot product per output, split over the pool by rows.
-fn matvec(x: &[f32], w: &[f32], k: usize, out: &mut [f32], parallel: bool) {
-    if parallel && out.len() * k >= PARALLEL_MIN_FLOPS {
-        out.par_chunks_mut(64).enumerate().for_each(|(block, out)| {
-            let rows = &w[block * 64 * k..];
-            for (i, o) in out.iter_mut().enumerate() {
-                *o = dot(x, &rows[i * k..(i + 1) * k]);
-            }
-        });
+/// Up to this many rows, products stream the weights once and reuse each weight row for
+/// every input row from L1 ([`matmul_few_rows`]); above it the packed GEMM wins.
+const FEW_ROWS: usize = 8;
+
+/// Output columns per parallel task in [`matmul_few_rows`].
+const COLUMNS_PER_TASK: usize = 32;
+
+/// `out [m, n] = x [m, k] · w [n, k]ᵀ` for small `m`: each weight row is read from memory once
+/// and dotted with every input row while it sits in L1. With few rows the product is bound by
+/// reading weights, and packing them (as a GEMM does) would read them twice.
+fn matmul_few_rows(x: &[f32], m: usize, k: usize, w: &[f32], out: &mut [f32], parallel: bool) {
+    let n = out.len() / m;
+    let columns = |first: usize, count: usize, out_t: &mut [f32]| {
+        for (c, column) in out_t.chunks_exact_mut(m).enumerate().take(count) {
+            let row = &w[(first + c) * k..(first + c + 1) * k];
+            dot_rows(x, k, row, column);
+        }
+    };
+    // Work in output-transposed blocks ([column][row]) and scatter, so tasks own disjoint
+    // memory.
+    let mut out_t = vec![0.0f32; n * m];
+    if parallel && m * n * k >= PARALLEL_MIN_FLOPS {
+        out_t
+            .par_chunks_mut(COLUMNS_PER_TASK * m)
+            .enumerate()
+            .for_each(|(task, block)| columns(task * COLUMNS_PER_TASK, block.len() / m, block));
     } else {
-        for (o, row) in out.iter_mut().zip(w.chunks_exact(k)) {
-            *o = dot(x, row);
+        columns(0, n, &mut out_t);
+    }
+    for (j, column) in out_t.chunks_exact(m).enumerate() {
+        for (i, v) in column.iter().enumerate() {
+            out[i * n + j] = *v;
         }
     }
 }
 
-/// Dot product with eight independent accumulators so the compiler can vectorise it.
-#[inline]
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 8];
-    let chunks = a.len() / 8;
-    for (ca, cb) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
-        for i in 0..8 {
-            acc[i] += ca[i] * cb[i];
+/// `out[i] = x[i] · w` for each of the `out.len()` rows of `x` (each `k` wide).
+#[multiversion::multiversion(targets(
+    "x86_64+avx512f+avx512vl+avx2+fma",
+    "x86_64+avx2+fma",
+    "aarch64+neon"
+))]
+fn dot_rows(x: &[f32], k: usize, w: &[f32], out: &mut [f32]) {
+    const LANES: usize = 16;
+    let whole = k / LANES * LANES;
+    let tail = |xr: &[f32]| (whole..k).map(|i| xr[i] * w[i]).sum::<f32>();
+    let mut rows = x.chunks_exact(k);
+    let mut left = out.len();
+    let mut outs = out.iter_mut();
+    // Four input rows at a time share each load of the weight row.
+    while left >= 4 {
+        let (Some(x0), Some(x1), Some(x2), Some(x3)) =
+            (rows.next(), rows.next(), rows.next(), rows.next())
+        else {
+            break;
+        };
+        let (mut a0, mut a1, mut a2, mut a3) =
+            ([0.0f32; LANES], [0.0; LANES], [0.0; LANES], [0.0; LANES]);
+        for (((wc, c0), c1), (c2, c3)) in lanes(w, whole)
+            .zip(lanes(x0, whole))
+            .zip(lanes(x1, whole))
+            .zip(lanes(x2, whole).zip(lanes(x3, whole)))
+        {
+            prefetch_ahead(wc);
+            for l in 0..LANES {
+                a0[l] += c0[l] * wc[l];
+                a1[l] += c1[l] * wc[l];
+                a2[l] += c2[l] * wc[l];
+                a3[l] += c3[l] * wc[l];
+            }
         }
+        for (a, xr) in [(a0, x0), (a1, x1), (a2, x2), (a3, x3)] {
+            if let Some(o) = outs.next() {
+                *o = a.iter().sum::<f32>() + tail(xr);
+            }
+        }
+        left -= 4;
     }
-    let mut sum = acc.iter().sum::<f32>();
-    for i in chunks * 8..a.len() {
-        sum += a[i] * b[i];
+    // The rows left over (fewer than four), one at a time.
+    for (xr, o) in rows.zip(outs) {
+        let mut acc = [0.0f32; LANES];
+        for (xc, wc) in lanes(xr, whole).zip(lanes(w, whole)) {
+            for l in 0..LANES {
+                acc[l] += xc[l] * wc[l];
+            }
+        }
+        *o = acc.iter().sum::<f32>() + tail(xr);
     }
-    sum
+}
+
+/// Asks the cache for the weights 4 KiB past `chunk`: with a few rows per weight row the
+/// kernel computes between loads long enough that the hardware prefetcher falls behind.
+#[inline(always)]
+fn prefetch_ahead(chunk: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let ahead = chunk.as_ptr().wrapping_add(1024) as *const i8;
+        // SAFETY: a prefetch is a hint; it never faults or reads into the program, whatever
+        // the address (which is computed with wrapping arithmetic, not dereferenced).
+        unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(ahead) };
+    }
+}
+
+/// The first `whole` elements of `r` in chunks of 16 (one AVX-512 register of f32).
+#[inline(always)]
+fn lanes(r: &[f32], whole: usize) -> std::slice::ChunksExact<'_, f32> {
+    r[..whole].chunks_exact(16)
+}
+
+/// Dot product of two equal-length slices.
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut out = [0.0];
+    dot_rows(a, a.len(), b, &mut out);
+    out[0]
 }
 
 /// `gate[i] = silu(gate[i]) * up[i]`.
@@ -224,6 +307,13 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
     let mut out = x.to_vec();
     rms_norm_in_place(&mut out, weight, eps);
     out
+}
+
+/// `acc[i] += x[i]`.
+pub fn add_in_place(acc: &mut [f32], x: &[f32]) {
+    for (a, b) in acc.iter_mut().zip(x) {
+        *a += b;
+    }
 }
 
 /// Softmax of `x` in place, numerically stable.
@@ -265,7 +355,7 @@ mod tests {
         let w: Vec<f32> = (0..n * k)
             .map(|i| ((i * 7 % 13) as f32 - 6.0) / 5.0)
             .collect();
-        for m in [1, 3, 64] {
+        for m in [1, 3, 4, 7, 8, 9, 64] {
             let x: Vec<f32> = (0..m * k)
                 .map(|i| ((i * 5 % 11) as f32 - 5.0) / 3.0)
                 .collect();

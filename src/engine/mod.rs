@@ -18,11 +18,11 @@ pub use kv_cache::KvCache;
 use rope::{Rope, yarn_mscale};
 pub use sampling::{Sampler, SamplingParams};
 
-use crate::compute::cpu::rms_norm;
+use crate::compute::cpu::{add_in_place, rms_norm};
 use crate::model::config::{AttentionConfig, RopeScaling};
 use crate::model::weights::{FeedForward, load_all_experts};
 use crate::model::{Checkpoint, DenseWeights, ModelConfig, ModelError};
-use crate::moe::{DispatchPlan, ExpertError, ExpertExecutor, LocalExperts, route};
+use crate::moe::{ExpertError, ExpertExecutor, LocalExperts, moe_forward};
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -212,32 +212,11 @@ impl Engine {
             let ff = match &layer.feed_forward {
                 FeedForward::Dense(mlp) => mlp.forward_with(&normed, rows, true),
                 FeedForward::Moe(moe) => {
-                    let logits = moe.router.forward(&normed, rows);
-                    let routing = route(
-                        &cfg.moe.gating,
-                        &logits,
-                        cfg.moe.num_experts,
-                        cfg.moe.top_k,
-                        moe.correction_bias.as_deref(),
-                    );
-                    let plan = DispatchPlan::new(&routing, cfg.moe.num_experts);
-                    let expert_out = self.experts.run(l, &plan, &plan.gather(&normed, h))?;
-                    let mut out = vec![0.0; rows * h];
-                    plan.combine(&expert_out, h, &mut out);
-                    if let Some(shared) = &moe.shared_expert {
-                        add_in_place(&mut out, &shared.forward_with(&normed, rows, true));
-                    }
-                    out
+                    moe_forward(&cfg.moe, moe, self.experts.as_ref(), l, &normed, rows)?
                 }
             };
             add_in_place(hidden, &ff);
         }
         Ok(())
-    }
-}
-
-fn add_in_place(acc: &mut [f32], x: &[f32]) {
-    for (a, b) in acc.iter_mut().zip(x) {
-        *a += b;
     }
 }

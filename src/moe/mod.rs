@@ -6,7 +6,9 @@ pub mod gating;
 
 use rayon::prelude::*;
 
-use crate::compute::cpu::SwiGlu;
+use crate::compute::cpu::{SwiGlu, add_in_place};
+use crate::model::config::MoeConfig;
+use crate::model::weights::MoeWeights;
 pub use dispatch::DispatchPlan;
 pub use gating::{Routing, route};
 
@@ -31,6 +33,35 @@ pub trait ExpertExecutor: Send + Sync {
         plan: &DispatchPlan,
         grouped_input: &[f32],
     ) -> Result<Vec<f32>, ExpertError>;
+}
+
+/// One MoE block over `rows` normalised hidden rows: gate, route, group rows per expert, run
+/// them through `experts`, combine with the gate weights and add the shared expert.
+pub fn moe_forward(
+    cfg: &MoeConfig,
+    weights: &MoeWeights,
+    experts: &dyn ExpertExecutor,
+    layer: usize,
+    normed: &[f32],
+    rows: usize,
+) -> Result<Vec<f32>, ExpertError> {
+    let width = normed.len() / rows.max(1);
+    let logits = weights.router.forward(normed, rows);
+    let routing = route(
+        &cfg.gating,
+        &logits,
+        cfg.num_experts,
+        cfg.top_k,
+        weights.correction_bias.as_deref(),
+    );
+    let plan = DispatchPlan::new(&routing, cfg.num_experts);
+    let expert_out = experts.run(layer, &plan, &plan.gather(normed, width))?;
+    let mut out = vec![0.0; rows * width];
+    plan.combine(&expert_out, width, &mut out);
+    if let Some(shared) = &weights.shared_expert {
+        add_in_place(&mut out, &shared.forward_with(normed, rows, true));
+    }
+    Ok(out)
 }
 
 /// Every expert of every layer in this process's memory, computed on the CPU.

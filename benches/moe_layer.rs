@@ -1,0 +1,260 @@
+//! One MoE layer at a Kimi K3-like shape (896 experts, top-16, one shared expert, hidden 1024,
+//! expert intermediate 256, f32), through the same code the engine runs (`moe_forward` with
+//! `LocalExperts`), at 1, 16 and 256 tokens per step; side by side with transformers'
+//! DeepseekV3MoE block on the same machine and thread count (benches/moe_layer_reference.py).
+//!
+//!     cargo bench --bench moe_layer
+//!
+//! Environment: MOE_BENCH_TOKENS (default 1,16,256), MOE_BENCH_SECONDS (time budget per
+//! point, default 3), MOE_BENCH_PYTHON (default python3; set to "" to skip the reference).
+//! Prints medians; each iteration gets fresh inputs so that it routes to other experts and
+//! reads their weights from memory, as decoding does.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use moe_node::compute::cpu::{Linear, SwiGlu, dot};
+use moe_node::model::config::{GatingConfig, MoeConfig};
+use moe_node::model::weights::MoeWeights;
+use moe_node::moe::{DispatchPlan, LocalExperts, moe_forward, route};
+use rayon::prelude::*;
+
+const HIDDEN: usize = 1024;
+const INTERMEDIATE: usize = 256;
+const EXPERTS: usize = 896;
+const TOP_K: usize = 16;
+
+/// A fast deterministic generator for bench weights (quality is irrelevant here).
+struct XorShift(u64);
+
+impl XorShift {
+    fn next(&mut self, scale: f32) -> f32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+    }
+
+    fn linear(&mut self, out: usize, inp: usize, scale: f32) -> Linear {
+        Linear {
+            weight: (0..out * inp).map(|_| self.next(scale)).collect(),
+            bias: None,
+            out_features: out,
+            in_features: inp,
+        }
+    }
+
+    fn swiglu(&mut self) -> SwiGlu {
+        SwiGlu {
+            gate: self.linear(INTERMEDIATE, HIDDEN, 0.03),
+            up: self.linear(INTERMEDIATE, HIDDEN, 0.03),
+            down: self.linear(HIDDEN, INTERMEDIATE, 0.06),
+        }
+    }
+}
+
+fn median(mut samples: Vec<Duration>) -> Duration {
+    samples.sort();
+    samples[samples.len() / 2]
+}
+
+/// Times `f` with a fresh input per iteration: at least 5 runs, more within the budget.
+fn time_runs(budget: Duration, mut f: impl FnMut(usize)) -> Duration {
+    f(0);
+    let start = Instant::now();
+    let mut samples = Vec::new();
+    while samples.len() < 5 || (start.elapsed() < budget && samples.len() < 200) {
+        let t = Instant::now();
+        f(samples.len() + 1);
+        samples.push(t.elapsed());
+    }
+    median(samples)
+}
+
+/// Read bandwidth of this machine with the pool's threads: one vectorised pass over 2 GiB,
+/// far beyond the last-level cache (each 256 KiB chunk is dotted with itself, so it is read
+/// from memory once). The buffer holds varied values: a buffer of one repeated value read
+/// at half the speed on the test machine, a page-deduplicating host being one explanation.
+fn memory_read_bandwidth() -> f64 {
+    let buffer: Vec<f32> = (0..512usize << 20).map(|i| (i % 7) as f32).collect();
+    let bytes = (buffer.len() * 4) as f64;
+    let runs: Vec<Duration> = (0..5)
+        .map(|_| {
+            let t = Instant::now();
+            let sum: f32 = buffer.par_chunks(1 << 16).map(|c| dot(c, c)).sum();
+            std::hint::black_box(sum);
+            t.elapsed()
+        })
+        .collect();
+    bytes / median(runs).as_secs_f64()
+}
+
+struct ReferencePoint {
+    implementation: String,
+    median_s: f64,
+}
+
+fn run_reference(
+    python: &str,
+    threads: usize,
+    tokens: &[usize],
+    seconds: f64,
+) -> Vec<(usize, ReferencePoint)> {
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/benches/moe_layer_reference.py"
+    );
+    let token_list: Vec<String> = tokens.iter().map(usize::to_string).collect();
+    let output = Command::new(python)
+        .args([
+            script,
+            "--threads",
+            &threads.to_string(),
+            "--tokens",
+            &token_list.join(","),
+        ])
+        .args(["--seconds", &seconds.to_string()])
+        .output();
+    let output = match output {
+        Ok(o) if o.status.success() => o,
+        Ok(o) => {
+            eprintln!("reference failed: {}", String::from_utf8_lossy(&o.stderr));
+            return Vec::new();
+        }
+        Err(e) => {
+            eprintln!("reference not run ({python}: {e}); pip install torch transformers");
+            return Vec::new();
+        }
+    };
+    let mut points = Vec::new();
+    for line in String::from_utf8_lossy(&output.stdout).lines() {
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        let (Some(t), Some(s), Some(i)) = (
+            v["tokens"].as_u64(),
+            v["median_s"].as_f64(),
+            v["implementation"].as_str(),
+        ) else {
+            continue;
+        };
+        println!(
+            "  reference {i:<11} {t:>4} tokens/step: {:>9.1} tokens/s",
+            t as f64 / s
+        );
+        points.push((
+            t as usize,
+            ReferencePoint {
+                implementation: i.to_string(),
+                median_s: s,
+            },
+        ));
+    }
+    points
+}
+
+fn main() {
+    let tokens: Vec<usize> = std::env::var("MOE_BENCH_TOKENS")
+        .unwrap_or_else(|_| "1,16,256".into())
+        .split(',')
+        .filter_map(|t| t.trim().parse().ok())
+        .collect();
+    let seconds: f64 = std::env::var("MOE_BENCH_SECONDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(3.0);
+    let python = std::env::var("MOE_BENCH_PYTHON").unwrap_or_else(|_| "python3".into());
+    let threads = rayon::current_num_threads();
+    let budget = Duration::from_secs_f64(seconds);
+
+    println!(
+        "MoE layer: {EXPERTS} experts, top-{TOP_K}, 1 shared, hidden {HIDDEN}, intermediate {INTERMEDIATE}, f32, {threads} threads"
+    );
+    let bandwidth = memory_read_bandwidth();
+    println!("memory read bandwidth: {:.1} GB/s", bandwidth / 1e9);
+
+    let mut rng = XorShift(0x9e37_79b9_7f4a_7c15);
+    let cfg = MoeConfig {
+        num_experts: EXPERTS,
+        top_k: TOP_K,
+        expert_intermediate_size: INTERMEDIATE,
+        shared_intermediate_size: INTERMEDIATE,
+        gating: GatingConfig::SigmoidGrouped {
+            n_group: 1,
+            topk_group: 1,
+            normalize: true,
+            routed_scaling_factor: 2.827,
+        },
+    };
+    let weights = MoeWeights {
+        router: rng.linear(EXPERTS, HIDDEN, 0.05),
+        correction_bias: Some((0..EXPERTS).map(|_| rng.next(0.01)).collect()),
+        shared_expert: Some(rng.swiglu()),
+    };
+    let experts = LocalExperts::new(vec![(0..EXPERTS).map(|_| rng.swiglu()).collect()], HIDDEN);
+    let expert_bytes = experts.expert(0, 0).map_or(0, SwiGlu::weight_bytes);
+
+    let mut ours = Vec::new();
+    for &t in &tokens {
+        let inputs: Vec<Vec<f32>> = (0..64)
+            .map(|_| (0..t * HIDDEN).map(|_| rng.next(1.7)).collect())
+            .collect();
+        let mut distinct_experts = 0usize;
+        let time = time_runs(budget, |i| {
+            let x = &inputs[i % inputs.len()];
+            let out =
+                moe_forward(&cfg, &weights, &experts, 0, x, t).expect("all experts are local");
+            std::hint::black_box(out);
+        });
+        for x in &inputs {
+            let logits = weights.router.forward(x, t);
+            let routing = route(
+                &cfg.gating,
+                &logits,
+                EXPERTS,
+                TOP_K,
+                weights.correction_bias.as_deref(),
+            );
+            distinct_experts += DispatchPlan::new(&routing, EXPERTS).experts.len();
+        }
+        let distinct = distinct_experts as f64 / inputs.len() as f64;
+        let rate = t as f64 / time.as_secs_f64();
+        let read = (distinct * expert_bytes as f64) / time.as_secs_f64();
+        println!(
+            "  moe-node              {t:>4} tokens/step: {rate:>9.1} tokens/s  ({distinct:.0} experts/step, expert weights read at {:.1} GB/s = {:.0}% of bandwidth)",
+            read / 1e9,
+            100.0 * read / bandwidth
+        );
+        ours.push((t, time.as_secs_f64()));
+    }
+    drop(experts);
+
+    let reference = if python.is_empty() {
+        Vec::new()
+    } else {
+        run_reference(&python, threads, &tokens, seconds)
+    };
+    println!(
+        "\nsummary (medians; ratio = moe-node tokens/s over the fastest transformers implementation)"
+    );
+    for (t, ours_s) in ours {
+        let best = reference
+            .iter()
+            .filter(|(rt, _)| *rt == t)
+            .map(|(_, p)| p)
+            .min_by(|a, b| a.median_s.total_cmp(&b.median_s));
+        match best {
+            Some(best) => println!(
+                "  {t:>4} tokens/step: moe-node {:>9.1} tokens/s, transformers ({}) {:>9.1} tokens/s, ratio {:.2}x",
+                t as f64 / ours_s,
+                best.implementation,
+                t as f64 / best.median_s,
+                best.median_s / ours_s
+            ),
+            None => println!(
+                "  {t:>4} tokens/step: moe-node {:>9.1} tokens/s (no reference)",
+                t as f64 / ours_s
+            ),
+        }
+    }
+}
