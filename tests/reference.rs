@@ -82,3 +82,8 @@ fn deepseek_v3_matches_transformers() {
 fn kimi_k2_matches_transformers() {
     check("kimi_k2");
 }
+
+#[test]
+fn mixtral_sliding_window_matches_transformers() {
+    check("mixtral_sliding");
+}

@@ -68,16 +68,7 @@ pub fn attention(
             rotate_heads(input, &mut queries, head_dim, 0, head_dim);
             rotate_heads(input, &mut keys, head_dim, 0, head_dim);
             let kv_width = num_kv_heads * head_dim;
-            for (segment, cache) in input.segments.iter().zip(caches.iter_mut()) {
-                let cached = &mut cache.layers[layer];
-                let r = &segment.rows;
-                cached
-                    .first
-                    .extend_from_slice(&keys[r.start * kv_width..r.end * kv_width]);
-                cached
-                    .second
-                    .extend_from_slice(&values[r.start * kv_width..r.end * kv_width]);
-            }
+            append_to_caches(input.segments, caches, layer, &keys, &values);
             let group = input.num_heads / num_kv_heads;
             let mut out = vec![0.0; rows * input.num_heads * head_dim];
             let caches: Vec<&KvCache> = caches.iter().map(|c| &**c).collect();
@@ -143,16 +134,7 @@ pub fn attention(
                     .rope
                     .apply(&mut rope_keys[start..], &input.angles[row]);
             }
-            for (segment, cache) in input.segments.iter().zip(caches.iter_mut()) {
-                let cached = &mut cache.layers[layer];
-                let r = &segment.rows;
-                cached
-                    .first
-                    .extend_from_slice(&latents[r.start * kv_lora_rank..r.end * kv_lora_rank]);
-                cached
-                    .second
-                    .extend_from_slice(&rope_keys[r.start * rope_dim..r.end * rope_dim]);
-            }
+            append_to_caches(input.segments, caches, layer, &latents, &rope_keys);
             // Absorb kv_b's key half into the queries: q_nope · (W_uk c) = (q_nope W_uk) · c.
             let up_rows_per_head = nope + v_head_dim;
             let absorbed =
@@ -214,6 +196,29 @@ pub fn attention(
             o.forward(&out, rows)
         }
         _ => unreachable!("attention weights are loaded from the same config"),
+    }
+}
+
+/// Appends each segment's rows of the step's two cached arrays (keys and values, or latents
+/// and rotary keys) to that segment's cache for `layer`.
+fn append_to_caches(
+    segments: &[Segment],
+    caches: &mut [&mut KvCache],
+    layer: usize,
+    first: &[f32],
+    second: &[f32],
+) {
+    let rows = segments.last().map_or(0, |s| s.rows.end).max(1);
+    let (first_width, second_width) = (first.len() / rows, second.len() / rows);
+    for (segment, cache) in segments.iter().zip(caches.iter_mut()) {
+        let cached = &mut cache.layers[layer];
+        let r = &segment.rows;
+        cached
+            .first
+            .extend_from_slice(&first[r.start * first_width..r.end * first_width]);
+        cached
+            .second
+            .extend_from_slice(&second[r.start * second_width..r.end * second_width]);
     }
 }
 
