@@ -1,7 +1,9 @@
 //! One MoE layer at a Kimi K3-like shape (896 experts, top-16, one shared expert, hidden 1024,
-//! expert intermediate 256, f32), through the same code the engine runs (`moe_forward` with
-//! `LocalExperts`), at 1, 16 and 256 tokens per step; side by side with transformers'
-//! DeepseekV3MoE block on the same machine and thread count (benches/moe_layer_reference.py).
+//! expert intermediate 256, f32 arithmetic), through the same code the engine runs
+//! (`moe_forward` with `LocalExperts`), at 1, 16 and 256 tokens per step, with the experts
+//! held in f32 and again in bf16 (as a bf16 checkpoint loads them); side by side with
+//! transformers' DeepseekV3MoE block on the same machine and thread count, in f32 and bf16,
+//! with each experts implementation transformers offers (benches/moe_layer_reference.py).
 //!
 //!     cargo bench --bench moe_layer
 //!
@@ -13,9 +15,10 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use half::bf16;
 use moe_node::compute::cpu::{Linear, SwiGlu, dot};
 use moe_node::model::config::{GatingConfig, MoeConfig};
-use moe_node::model::weights::MoeWeights;
+use moe_node::model::weights::{ExpertWeights, MoeWeights};
 use moe_node::moe::{DispatchPlan, LocalExperts, moe_forward, route};
 use rayon::prelude::*;
 
@@ -99,6 +102,7 @@ fn run_reference(
     threads: usize,
     tokens: &[usize],
     seconds: f64,
+    dtype: &str,
 ) -> Vec<(usize, ReferencePoint)> {
     let script = concat!(
         env!("CARGO_MANIFEST_DIR"),
@@ -106,13 +110,8 @@ fn run_reference(
     );
     let token_list: Vec<String> = tokens.iter().map(usize::to_string).collect();
     let output = Command::new(python)
-        .args([
-            script,
-            "--threads",
-            &threads.to_string(),
-            "--tokens",
-            &token_list.join(","),
-        ])
+        .args([script, "--threads", &threads.to_string()])
+        .args(["--tokens", &token_list.join(","), "--dtype", dtype])
         .args(["--seconds", &seconds.to_string()])
         .output();
     let output = match output {
@@ -138,19 +137,64 @@ fn run_reference(
         ) else {
             continue;
         };
+        let implementation = format!("{i} {dtype}");
         println!(
-            "  reference {i:<11} {t:>4} tokens/step: {:>9.1} tokens/s",
+            "  transformers {implementation:<15} {t:>4} tokens/step: {:>9.1} tokens/s",
             t as f64 / s
         );
         points.push((
             t as usize,
             ReferencePoint {
-                implementation: i.to_string(),
+                implementation,
                 median_s: s,
             },
         ));
     }
     points
+}
+
+/// Times `moe_forward` with the given experts at each token count; returns median seconds.
+fn run_ours(
+    label: &str,
+    cfg: &MoeConfig,
+    weights: &MoeWeights,
+    experts: &LocalExperts,
+    tokens: &[usize],
+    budget: Duration,
+    bandwidth: f64,
+) -> Vec<(usize, f64)> {
+    let expert_bytes = experts.expert(0, 0).map_or(0, ExpertWeights::weight_bytes);
+    let mut rng = XorShift(0x2545_f491_4f6c_dd1d);
+    let mut results = Vec::new();
+    for &t in tokens {
+        let inputs: Vec<Vec<f32>> = (0..64)
+            .map(|_| (0..t * HIDDEN).map(|_| rng.next(1.7)).collect())
+            .collect();
+        let time = time_runs(budget, |i| {
+            let x = &inputs[i % inputs.len()];
+            let out = moe_forward(cfg, weights, experts, 0, x, t).expect("all experts are local");
+            std::hint::black_box(out);
+        });
+        let distinct: usize = inputs
+            .iter()
+            .map(|x| {
+                let logits = weights.router.forward(x, t);
+                let bias = weights.correction_bias.as_deref();
+                let routing = route(&cfg.gating, &logits, EXPERTS, TOP_K, bias);
+                DispatchPlan::new(&routing, EXPERTS).experts.len()
+            })
+            .sum();
+        let distinct = distinct as f64 / inputs.len() as f64;
+        let rate = t as f64 / time.as_secs_f64();
+        let read = distinct * expert_bytes as f64 / time.as_secs_f64();
+        println!(
+            "  moe-node {label:<19} {t:>4} tokens/step: {rate:>9.1} tokens/s  ({distinct:.0} experts/step, expert weights read at {:.1} GB/s = {:.0}% of bandwidth)",
+            read / 1e9,
+            100.0 * read / bandwidth
+        );
+        results.push((t, time.as_secs_f64()));
+    }
+    results
 }
 
 fn main() {
@@ -168,7 +212,7 @@ fn main() {
     let budget = Duration::from_secs_f64(seconds);
 
     println!(
-        "MoE layer: {EXPERTS} experts, top-{TOP_K}, 1 shared, hidden {HIDDEN}, intermediate {INTERMEDIATE}, f32, {threads} threads"
+        "MoE layer: {EXPERTS} experts, top-{TOP_K}, 1 shared, hidden {HIDDEN}, intermediate {INTERMEDIATE}, f32 arithmetic, {threads} threads"
     );
     let bandwidth = memory_read_bandwidth();
     println!("memory read bandwidth: {:.1} GB/s", bandwidth / 1e9);
@@ -191,70 +235,86 @@ fn main() {
         correction_bias: Some((0..EXPERTS).map(|_| rng.next(0.01)).collect()),
         shared_expert: Some(rng.swiglu()),
     };
-    let experts = LocalExperts::new(vec![(0..EXPERTS).map(|_| rng.swiglu()).collect()], HIDDEN);
-    let expert_bytes = experts.expert(0, 0).map_or(0, SwiGlu::weight_bytes);
 
+    // The same experts twice: held in f32, and held as bf16 (what a bf16 checkpoint loads
+    // to; arithmetic stays f32).
     let mut ours = Vec::new();
-    for &t in &tokens {
-        let inputs: Vec<Vec<f32>> = (0..64)
-            .map(|_| (0..t * HIDDEN).map(|_| rng.next(1.7)).collect())
-            .collect();
-        let mut distinct_experts = 0usize;
-        let time = time_runs(budget, |i| {
-            let x = &inputs[i % inputs.len()];
-            let out =
-                moe_forward(&cfg, &weights, &experts, 0, x, t).expect("all experts are local");
-            std::hint::black_box(out);
-        });
-        for x in &inputs {
-            let logits = weights.router.forward(x, t);
-            let routing = route(
-                &cfg.gating,
-                &logits,
-                EXPERTS,
-                TOP_K,
-                weights.correction_bias.as_deref(),
-            );
-            distinct_experts += DispatchPlan::new(&routing, EXPERTS).experts.len();
-        }
-        let distinct = distinct_experts as f64 / inputs.len() as f64;
-        let rate = t as f64 / time.as_secs_f64();
-        let read = (distinct * expert_bytes as f64) / time.as_secs_f64();
-        println!(
-            "  moe-node              {t:>4} tokens/step: {rate:>9.1} tokens/s  ({distinct:.0} experts/step, expert weights read at {:.1} GB/s = {:.0}% of bandwidth)",
-            read / 1e9,
-            100.0 * read / bandwidth
-        );
-        ours.push((t, time.as_secs_f64()));
-    }
+    let f32_experts: Vec<SwiGlu> = (0..EXPERTS).map(|_| rng.swiglu()).collect();
+    let bf16_experts: Vec<ExpertWeights> = f32_experts
+        .iter()
+        .map(|e| ExpertWeights::Bf16(to_bf16(e)))
+        .collect();
+    let experts = LocalExperts::new(
+        vec![f32_experts.into_iter().map(ExpertWeights::F32).collect()],
+        HIDDEN,
+    );
+    let results = run_ours(
+        "f32 experts",
+        &cfg,
+        &weights,
+        &experts,
+        &tokens,
+        budget,
+        bandwidth,
+    );
+    ours.push(("f32 experts", results));
+    drop(experts);
+    let experts = LocalExperts::new(vec![bf16_experts], HIDDEN);
+    let results = run_ours(
+        "bf16 experts",
+        &cfg,
+        &weights,
+        &experts,
+        &tokens,
+        budget,
+        bandwidth,
+    );
+    ours.push(("bf16 experts", results));
     drop(experts);
 
-    let reference = if python.is_empty() {
-        Vec::new()
-    } else {
-        run_reference(&python, threads, &tokens, seconds)
-    };
-    println!(
-        "\nsummary (medians; ratio = moe-node tokens/s over the fastest transformers implementation)"
-    );
-    for (t, ours_s) in ours {
-        let best = reference
-            .iter()
-            .filter(|(rt, _)| *rt == t)
-            .map(|(_, p)| p)
-            .min_by(|a, b| a.median_s.total_cmp(&b.median_s));
-        match best {
-            Some(best) => println!(
-                "  {t:>4} tokens/step: moe-node {:>9.1} tokens/s, transformers ({}) {:>9.1} tokens/s, ratio {:.2}x",
-                t as f64 / ours_s,
-                best.implementation,
-                t as f64 / best.median_s,
-                best.median_s / ours_s
-            ),
-            None => println!(
-                "  {t:>4} tokens/step: moe-node {:>9.1} tokens/s (no reference)",
-                t as f64 / ours_s
-            ),
+    let mut reference = Vec::new();
+    if !python.is_empty() {
+        for dtype in ["f32", "bf16"] {
+            reference.extend(run_reference(&python, threads, &tokens, seconds, dtype));
         }
+    }
+    println!(
+        "\nsummary (medians; ratio = moe-node tokens/s over the fastest transformers run, any implementation or dtype)"
+    );
+    for (label, results) in ours {
+        for (t, ours_s) in results {
+            let best = reference
+                .iter()
+                .filter(|(rt, _)| *rt == t)
+                .map(|(_, p)| p)
+                .min_by(|a, b| a.median_s.total_cmp(&b.median_s));
+            let rate = t as f64 / ours_s;
+            match best {
+                Some(best) => println!(
+                    "  {t:>4} tokens/step: moe-node {label} {rate:>9.1} tokens/s, transformers ({}) {:>9.1} tokens/s, ratio {:.2}x",
+                    best.implementation,
+                    t as f64 / best.median_s,
+                    best.median_s / ours_s
+                ),
+                None => println!(
+                    "  {t:>4} tokens/step: moe-node {label} {rate:>9.1} tokens/s (no reference)"
+                ),
+            }
+        }
+    }
+}
+
+fn to_bf16(block: &SwiGlu) -> SwiGlu<bf16> {
+    let narrow = |l: &Linear| {
+        Linear::without_bias(
+            l.weight.iter().map(|&w| bf16::from_f32(w)).collect(),
+            l.out_features,
+            l.in_features,
+        )
+    };
+    SwiGlu {
+        gate: narrow(&block.gate),
+        up: narrow(&block.up),
+        down: narrow(&block.down),
     }
 }

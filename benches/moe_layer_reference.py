@@ -25,6 +25,8 @@ def main():
     p.add_argument("--experts", type=int, default=896)
     p.add_argument("--top-k", type=int, default=16)
     p.add_argument("--seconds", type=float, default=3.0, help="time budget per point")
+    p.add_argument("--dtype", choices=["f32", "bf16"], default="f32",
+                   help="weights and activations (bf16 computes in bf16 too)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -37,12 +39,16 @@ def main():
     with torch.no_grad():
         for name, param in block.named_parameters():
             param.normal_(0.0, 0.02 if "gate.weight" not in name else 0.05)
+    dtype = torch.float32 if args.dtype == "f32" else torch.bfloat16
+    # The router stays f32, as transformers keeps it (_keep_in_fp32_modules_strict).
+    block.experts.to(dtype)
+    block.shared_experts.to(dtype)
 
     for implementation in ("eager", "batched_mm", "grouped_mm"):
         config._experts_implementation = implementation
         for tokens in [int(t) for t in args.tokens.split(",")]:
             try:
-                median = time_block(block, tokens, args.hidden, args.seconds)
+                median = time_block(block, tokens, args.hidden, args.seconds, dtype)
             except Exception as e:  # an implementation this torch build lacks
                 print(json.dumps({"implementation": implementation, "tokens": tokens,
                                   "error": str(e)[:200]}), flush=True)
@@ -51,10 +57,10 @@ def main():
                               "median_s": median}), flush=True)
 
 
-def time_block(block, tokens, hidden, budget):
+def time_block(block, tokens, hidden, budget, dtype):
     # Fresh inputs each iteration, so that each run routes to other experts and reads their
     # weights from memory, as decoding does.
-    inputs = [torch.randn(1, tokens, hidden) for _ in range(64)]
+    inputs = [torch.randn(1, tokens, hidden, dtype=dtype) for _ in range(64)]
     times = []
     start = time.perf_counter()
     with torch.inference_mode():

@@ -2,24 +2,69 @@
 //! a hand-written matrix-vector product for single rows (where packing costs more than it
 //! saves), and the element-wise operations of a transformer block.
 
+use std::borrow::Cow;
+
 use gemm::Parallelism;
+use half::bf16;
 use rayon::prelude::*;
 
 /// Below this many multiply-adds a product runs on the calling thread: splitting it over the
 /// pool costs more than it saves.
 const PARALLEL_MIN_FLOPS: usize = 1 << 18;
 
+/// How weights may be held in memory. Arithmetic is always f32; a bf16 checkpoint's expert
+/// weights stay bf16 (exactly as stored, half the bytes to read per token) and are widened
+/// as the kernels load them.
+pub trait WeightElement: Copy + Send + Sync + std::fmt::Debug + 'static {
+    fn to_f32(self) -> f32;
+
+    /// The matrix as f32, borrowed when it already is.
+    fn widen(weights: &[Self]) -> Cow<'_, [f32]>;
+}
+
+impl WeightElement for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+
+    fn widen(weights: &[f32]) -> Cow<'_, [f32]> {
+        Cow::Borrowed(weights)
+    }
+}
+
+impl WeightElement for bf16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        // bf16 is the top half of an f32: widening is a shift, which vectorises.
+        f32::from_bits((self.to_bits() as u32) << 16)
+    }
+
+    fn widen(weights: &[bf16]) -> Cow<'_, [f32]> {
+        Cow::Owned(weights.iter().map(|w| w.to_f32()).collect())
+    }
+}
+
 /// A dense row-major weight matrix `[out_features, in_features]` with an optional bias, as
 /// `torch.nn.Linear` stores it.
 #[derive(Debug, Clone)]
-pub struct Linear {
-    pub weight: Vec<f32>,
+pub struct Linear<W: WeightElement = f32> {
+    pub weight: Vec<W>,
     pub bias: Option<Vec<f32>>,
     pub out_features: usize,
     pub in_features: usize,
 }
 
-impl Linear {
+impl<W: WeightElement> Linear<W> {
+    pub fn without_bias(weight: Vec<W>, out_features: usize, in_features: usize) -> Self {
+        Linear {
+            weight,
+            bias: None,
+            out_features,
+            in_features,
+        }
+    }
+
     /// `x [rows, in] -> [rows, out]`, using all cores when the product is large enough.
     pub fn forward(&self, x: &[f32], rows: usize) -> Vec<f32> {
         self.forward_with(x, rows, true)
@@ -52,13 +97,13 @@ impl Linear {
 /// The SwiGLU feed-forward block used by every supported family, dense or expert:
 /// `down(silu(gate(x)) * up(x))`.
 #[derive(Debug, Clone)]
-pub struct SwiGlu {
-    pub gate: Linear,
-    pub up: Linear,
-    pub down: Linear,
+pub struct SwiGlu<W: WeightElement = f32> {
+    pub gate: Linear<W>,
+    pub up: Linear<W>,
+    pub down: Linear<W>,
 }
 
-impl SwiGlu {
+impl<W: WeightElement> SwiGlu<W> {
     pub fn forward_with(&self, x: &[f32], rows: usize, parallel: bool) -> Vec<f32> {
         let mut gate = self.gate.forward_with(x, rows, parallel);
         let up = self.up.forward_with(x, rows, parallel);
@@ -66,18 +111,19 @@ impl SwiGlu {
         self.down.forward_with(&gate, rows, parallel)
     }
 
-    /// Bytes of weights this block reads per forward pass (f32).
+    /// Bytes of weights this block reads per forward pass.
     pub fn weight_bytes(&self) -> usize {
-        4 * (self.gate.weight.len() + self.up.weight.len() + self.down.weight.len())
+        std::mem::size_of::<W>()
+            * (self.gate.weight.len() + self.up.weight.len() + self.down.weight.len())
     }
 }
 
 /// `out [m, n] = x [m, k] · w [n, k]ᵀ`: the product `nn.Linear` computes.
-pub fn matmul_transposed(
+pub fn matmul_transposed<W: WeightElement>(
     x: &[f32],
     m: usize,
     k: usize,
-    w: &[f32],
+    w: &[W],
     n: usize,
     out: &mut [f32],
     parallel: bool,
@@ -89,13 +135,15 @@ pub fn matmul_transposed(
         matmul_few_rows(x, m, k, w, out, parallel);
         return;
     }
-    // rhs is wᵀ: element (kk, nn) lies at w[nn * k + kk].
+    // rhs is wᵀ: element (kk, nn) lies at w[nn * k + kk]. Widening a bf16 matrix here costs
+    // one pass over it, shared by the more than FEW_ROWS rows.
+    let w = W::widen(w);
     gemm_strided(
         x,
         m,
         k,
         (k as isize, 1),
-        w,
+        &w,
         n,
         (1, k as isize),
         out,
@@ -178,7 +226,14 @@ const COLUMNS_PER_TASK: usize = 32;
 /// `out [m, n] = x [m, k] · w [n, k]ᵀ` for small `m`: each weight row is read from memory once
 /// and dotted with every input row while it sits in L1. With few rows the product is bound by
 /// reading weights, and packing them (as a GEMM does) would read them twice.
-fn matmul_few_rows(x: &[f32], m: usize, k: usize, w: &[f32], out: &mut [f32], parallel: bool) {
+fn matmul_few_rows<W: WeightElement>(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    w: &[W],
+    out: &mut [f32],
+    parallel: bool,
+) {
     let n = out.len() / m;
     let columns = |first: usize, count: usize, out_t: &mut [f32]| {
         for (c, column) in out_t.chunks_exact_mut(m).enumerate().take(count) {
@@ -210,10 +265,10 @@ fn matmul_few_rows(x: &[f32], m: usize, k: usize, w: &[f32], out: &mut [f32], pa
     "x86_64+avx2+fma",
     "aarch64+neon"
 ))]
-fn dot_rows(x: &[f32], k: usize, w: &[f32], out: &mut [f32]) {
+fn dot_rows<W: WeightElement>(x: &[f32], k: usize, w: &[W], out: &mut [f32]) {
     const LANES: usize = 16;
     let whole = k / LANES * LANES;
-    let tail = |xr: &[f32]| (whole..k).map(|i| xr[i] * w[i]).sum::<f32>();
+    let tail = |xr: &[f32]| (whole..k).map(|i| xr[i] * w[i].to_f32()).sum::<f32>();
     let mut rows = x.chunks_exact(k);
     let mut left = out.len();
     let mut outs = out.iter_mut();
@@ -232,6 +287,7 @@ fn dot_rows(x: &[f32], k: usize, w: &[f32], out: &mut [f32]) {
             .zip(lanes(x2, whole).zip(lanes(x3, whole)))
         {
             prefetch_ahead(wc);
+            let wc: [f32; LANES] = std::array::from_fn(|l| wc[l].to_f32());
             for l in 0..LANES {
                 a0[l] += c0[l] * wc[l];
                 a1[l] += c1[l] * wc[l];
@@ -251,7 +307,7 @@ fn dot_rows(x: &[f32], k: usize, w: &[f32], out: &mut [f32]) {
         let mut acc = [0.0f32; LANES];
         for (xc, wc) in lanes(xr, whole).zip(lanes(w, whole)) {
             for l in 0..LANES {
-                acc[l] += xc[l] * wc[l];
+                acc[l] += xc[l] * wc[l].to_f32();
             }
         }
         *o = acc.iter().sum::<f32>() + tail(xr);
@@ -261,10 +317,10 @@ fn dot_rows(x: &[f32], k: usize, w: &[f32], out: &mut [f32]) {
 /// Asks the cache for the weights 4 KiB past `chunk`: with a few rows per weight row the
 /// kernel computes between loads long enough that the hardware prefetcher falls behind.
 #[inline(always)]
-fn prefetch_ahead(chunk: &[f32]) {
+fn prefetch_ahead<T>(chunk: &[T]) {
     #[cfg(target_arch = "x86_64")]
     {
-        let ahead = chunk.as_ptr().wrapping_add(1024) as *const i8;
+        let ahead = (chunk.as_ptr() as *const i8).wrapping_add(4096);
         // SAFETY: a prefetch is a hint; it never faults or reads into the program, whatever
         // the address (which is computed with wrapping arithmetic, not dereferenced).
         unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(ahead) };
@@ -273,7 +329,7 @@ fn prefetch_ahead(chunk: &[f32]) {
 
 /// The first `whole` elements of `r` in chunks of 16 (one AVX-512 register of f32).
 #[inline(always)]
-fn lanes(r: &[f32], whole: usize) -> std::slice::ChunksExact<'_, f32> {
+fn lanes<T>(r: &[T], whole: usize) -> std::slice::ChunksExact<'_, T> {
     r[..whole].chunks_exact(16)
 }
 
@@ -364,6 +420,23 @@ mod tests {
                 matmul_transposed(&x, m, k, &w, n, &mut out, parallel);
                 assert!(close(&out, &naive(&x, m, k, &w, n)), "m={m}");
             }
+        }
+    }
+
+    #[test]
+    fn bf16_weights_give_the_product_of_their_f32_values() {
+        let (k, n) = (40, 24);
+        let w: Vec<bf16> = (0..n * k)
+            .map(|i| bf16::from_f32(((i * 7 % 13) as f32 - 6.0) / 5.0))
+            .collect();
+        let widened: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
+        for m in [1, 4, 6, 12] {
+            let x: Vec<f32> = (0..m * k)
+                .map(|i| ((i * 5 % 11) as f32 - 5.0) / 3.0)
+                .collect();
+            let mut out = vec![0.0; m * n];
+            matmul_transposed(&x, m, k, &w, n, &mut out, false);
+            assert!(close(&out, &naive(&x, m, k, &widened, n)), "m={m}");
         }
     }
 

@@ -117,8 +117,38 @@ impl Checkpoint {
         shard.metadata.info(name).map(|info| info.shape.as_slice())
     }
 
+    /// The storage dtype of tensor `name`, if present.
+    pub fn dtype(&self, name: &str) -> Option<Dtype> {
+        let shard = &self.shards[*self.locations.get(name)?];
+        shard.metadata.info(name).map(|info| info.dtype)
+    }
+
     /// Reads tensor `name`, checks that its shape is `shape`, and converts it to f32.
     pub fn read_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
+        let (shard, dtype, bytes) = self.raw(name, shape)?;
+        decode_f32(bytes, dtype).map_err(|reason| ModelError::Corrupt {
+            path: shard.path.clone(),
+            reason: format!("tensor `{name}`: {reason}"),
+        })
+    }
+
+    /// Reads a bf16 tensor `name` of shape `shape` as it is stored, without widening it.
+    pub fn read_bf16(&self, name: &str, shape: &[usize]) -> Result<Vec<bf16>, ModelError> {
+        let (shard, dtype, bytes) = self.raw(name, shape)?;
+        if dtype != Dtype::BF16 {
+            return Err(ModelError::Corrupt {
+                path: shard.path.clone(),
+                reason: format!("tensor `{name}` is {dtype:?}, expected BF16"),
+            });
+        }
+        Ok(bytes
+            .chunks_exact(2)
+            .map(|b| bf16::from_le_bytes([b[0], b[1]]))
+            .collect())
+    }
+
+    /// The shard, dtype and bytes of tensor `name`, after checking its shape.
+    fn raw(&self, name: &str, shape: &[usize]) -> Result<(&Shard, Dtype, &[u8]), ModelError> {
         let shard_index = *self
             .locations
             .get(name)
@@ -144,10 +174,7 @@ impl Checkpoint {
         }
         let (begin, end) = info.data_offsets;
         let bytes = &shard.map[shard.data_start + begin..shard.data_start + end];
-        decode_f32(bytes, info.dtype).map_err(|reason| ModelError::Corrupt {
-            path: shard.path.clone(),
-            reason: format!("tensor `{name}`: {reason}"),
-        })
+        Ok((shard, info.dtype, bytes))
     }
 }
 

@@ -1,12 +1,37 @@
 //! Tensors of a checkpoint, by the names each family publishes them under, loaded into the
 //! typed blocks the forward pass runs.
 
+use half::bf16;
+use safetensors::tensor::Dtype;
+
 use super::config::{AttentionConfig, Family, ModelConfig};
 use super::{Checkpoint, ModelError};
 use crate::compute::cpu::{Linear, SwiGlu};
 
-/// One expert's FFN: a SwiGLU block of `moe_intermediate_size`.
-pub type ExpertWeights = SwiGlu;
+/// One expert's FFN, a SwiGLU block of `moe_intermediate_size`, held in the checkpoint's
+/// precision when that is bf16 (exact, and half the bytes each token reads), else in f32.
+#[derive(Debug, Clone)]
+pub enum ExpertWeights {
+    F32(SwiGlu<f32>),
+    Bf16(SwiGlu<bf16>),
+}
+
+impl ExpertWeights {
+    pub fn forward_with(&self, x: &[f32], rows: usize, parallel: bool) -> Vec<f32> {
+        match self {
+            ExpertWeights::F32(block) => block.forward_with(x, rows, parallel),
+            ExpertWeights::Bf16(block) => block.forward_with(x, rows, parallel),
+        }
+    }
+
+    /// Bytes of weights one pass reads.
+    pub fn weight_bytes(&self) -> usize {
+        match self {
+            ExpertWeights::F32(block) => block.weight_bytes(),
+            ExpertWeights::Bf16(block) => block.weight_bytes(),
+        }
+    }
+}
 
 #[derive(Debug, Clone)]
 pub struct RmsNorm {
@@ -224,13 +249,20 @@ pub fn load_expert(
         ExpertNames::PROJ
     };
     let prefix = format!("{}.experts.{expert}", mlp_prefix(cfg.family, layer));
-    swiglu(
-        ckpt,
-        &prefix,
-        names,
-        cfg.hidden_size,
-        cfg.moe.expert_intermediate_size,
-    )
+    let (h, i) = (cfg.hidden_size, cfg.moe.expert_intermediate_size);
+    let gate_name = format!("{prefix}.{}.weight", names.gate);
+    if ckpt.dtype(&gate_name) == Some(Dtype::BF16) {
+        let read = |name: &str, out, inp| -> Result<Linear<bf16>, ModelError> {
+            let weight = ckpt.read_bf16(&format!("{prefix}.{name}.weight"), &[out, inp])?;
+            Ok(Linear::without_bias(weight, out, inp))
+        };
+        return Ok(ExpertWeights::Bf16(SwiGlu {
+            gate: read(names.gate, i, h)?,
+            up: read(names.up, i, h)?,
+            down: read(names.down, h, i)?,
+        }));
+    }
+    Ok(ExpertWeights::F32(swiglu(ckpt, &prefix, names, h, i)?))
 }
 
 /// Loads every routed expert of every MoE layer: `[layer][expert]`, empty for dense layers.

@@ -6,9 +6,9 @@ pub mod gating;
 
 use rayon::prelude::*;
 
-use crate::compute::cpu::{SwiGlu, add_in_place};
+use crate::compute::cpu::add_in_place;
 use crate::model::config::MoeConfig;
-use crate::model::weights::MoeWeights;
+use crate::model::weights::{ExpertWeights, MoeWeights};
 pub use dispatch::DispatchPlan;
 pub use gating::{Routing, route};
 
@@ -67,19 +67,19 @@ pub fn moe_forward(
 /// Every expert of every layer in this process's memory, computed on the CPU.
 pub struct LocalExperts {
     /// `layers[l][e]`; empty for dense layers.
-    layers: Vec<Vec<SwiGlu>>,
+    layers: Vec<Vec<ExpertWeights>>,
     hidden_size: usize,
 }
 
 impl LocalExperts {
-    pub fn new(layers: Vec<Vec<SwiGlu>>, hidden_size: usize) -> Self {
+    pub fn new(layers: Vec<Vec<ExpertWeights>>, hidden_size: usize) -> Self {
         LocalExperts {
             layers,
             hidden_size,
         }
     }
 
-    pub fn expert(&self, layer: usize, expert: u32) -> Option<&SwiGlu> {
+    pub fn expert(&self, layer: usize, expert: u32) -> Option<&ExpertWeights> {
         self.layers.get(layer)?.get(expert as usize)
     }
 }
