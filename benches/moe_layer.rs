@@ -74,22 +74,39 @@ fn time_runs(budget: Duration, mut f: impl FnMut(usize)) -> Duration {
     median(samples)
 }
 
-/// Read bandwidth of this machine with the pool's threads: one vectorised pass over 2 GiB,
-/// far beyond the last-level cache (each 256 KiB chunk is dotted with itself, so it is read
-/// from memory once). The buffer holds varied values: a buffer of one repeated value read
-/// at half the speed on the test machine, a page-deduplicating host being one explanation.
-fn memory_read_bandwidth() -> f64 {
+/// Memory bandwidth of this machine with the pool's threads, over 2 GiB (far beyond the
+/// last-level cache): `(read, copy)` in bytes/s. Read is one pass of the engine's own
+/// vectorised, prefetching loop (each 256 KiB chunk dotted with itself, so read once);
+/// copy is memcpy, counting the bytes read and written. The buffer holds varied values: one
+/// of a single repeated value read at half the speed here.
+fn memory_bandwidth() -> (f64, f64) {
     let buffer: Vec<f32> = (0..512usize << 20).map(|i| (i % 7) as f32).collect();
+    let mut target = vec![0.0f32; buffer.len()];
     let bytes = (buffer.len() * 4) as f64;
-    let runs: Vec<Duration> = (0..5)
-        .map(|_| {
-            let t = Instant::now();
-            let sum: f32 = buffer.par_chunks(1 << 16).map(|c| dot(c, c)).sum();
-            std::hint::black_box(sum);
-            t.elapsed()
-        })
-        .collect();
-    bytes / median(runs).as_secs_f64()
+    let read = median(
+        (0..5)
+            .map(|_| {
+                let t = Instant::now();
+                let sum: f32 = buffer.par_chunks(1 << 16).map(|c| dot(c, c)).sum();
+                std::hint::black_box(sum);
+                t.elapsed()
+            })
+            .collect(),
+    );
+    let copy = median(
+        (0..5)
+            .map(|_| {
+                let t = Instant::now();
+                target
+                    .par_chunks_mut(1 << 16)
+                    .zip(buffer.par_chunks(1 << 16))
+                    .for_each(|(to, from)| to.copy_from_slice(from));
+                std::hint::black_box(&target);
+                t.elapsed()
+            })
+            .collect(),
+    );
+    (bytes / read.as_secs_f64(), 2.0 * bytes / copy.as_secs_f64())
 }
 
 struct ReferencePoint {
@@ -214,8 +231,12 @@ fn main() {
     println!(
         "MoE layer: {EXPERTS} experts, top-{TOP_K}, 1 shared, hidden {HIDDEN}, intermediate {INTERMEDIATE}, f32 arithmetic, {threads} threads"
     );
-    let bandwidth = memory_read_bandwidth();
-    println!("memory read bandwidth: {:.1} GB/s", bandwidth / 1e9);
+    let (bandwidth, copy_bandwidth) = memory_bandwidth();
+    println!(
+        "memory bandwidth: read {:.1} GB/s, memcpy {:.1} GB/s (read + write)",
+        bandwidth / 1e9,
+        copy_bandwidth / 1e9
+    );
 
     let mut rng = XorShift(0x9e37_79b9_7f4a_7c15);
     let cfg = MoeConfig {

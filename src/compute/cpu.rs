@@ -306,6 +306,7 @@ fn dot_rows<W: WeightElement>(x: &[f32], k: usize, w: &[W], out: &mut [f32]) {
     for (xr, o) in rows.zip(outs) {
         let mut acc = [0.0f32; LANES];
         for (xc, wc) in lanes(xr, whole).zip(lanes(w, whole)) {
+            prefetch_ahead(wc);
             for l in 0..LANES {
                 acc[l] += xc[l] * wc[l].to_f32();
             }
