@@ -73,7 +73,7 @@ fn config_that_is_not_json_is_reported_with_its_path() {
     let err = load_error(dir.path());
     let message = err.to_string();
     assert!(
-        message.contains("config.json") && message.contains("not valid JSON"),
+        message.contains("config.json") && message.contains("cannot read it"),
         "{message}"
     );
 }

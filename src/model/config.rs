@@ -175,6 +175,9 @@ struct RawConfig {
     rope_interleave: Option<bool>,
 }
 
+/// Upper bound on `num_hidden_layers` accepted from a config.
+const MAX_LAYERS: usize = 1024;
+
 /// Collects every problem with a config before failing.
 struct Problems(Vec<String>);
 
@@ -215,7 +218,7 @@ impl ModelConfig {
     /// Parses the text of a `config.json`; on failure returns every problem found.
     pub fn parse(text: &str) -> Result<Self, Vec<String>> {
         let raw: RawConfig =
-            serde_json::from_str(text).map_err(|e| vec![format!("not valid JSON: {e}")])?;
+            serde_json::from_str(text).map_err(|e| vec![format!("cannot read it: {e}")])?;
         Self::from_raw(raw)
     }
 
@@ -237,6 +240,12 @@ impl ModelConfig {
         let vocab_size = p.require(raw.vocab_size, "vocab_size");
         let hidden_size = p.require(raw.hidden_size, "hidden_size");
         let num_layers = p.require(raw.num_hidden_layers, "num_hidden_layers");
+        // Published models have at most ~100 layers; a config claiming millions is corrupt,
+        // and per-layer tables are sized from it before any tensor is read.
+        p.check(num_layers <= MAX_LAYERS, || {
+            format!("num_hidden_layers ({num_layers}) exceeds {MAX_LAYERS}")
+        });
+        let num_layers = num_layers.min(MAX_LAYERS);
         let num_heads = p.require(raw.num_attention_heads, "num_attention_heads");
         let max_position_embeddings = raw.max_position_embeddings.unwrap_or(match family {
             Family::Qwen3Moe => 32768,
@@ -617,6 +626,19 @@ mod tests {
         ] {
             assert!(err.iter().any(|m| m.contains(key)), "{key} not in {err:?}");
         }
+    }
+
+    #[test]
+    fn absurd_layer_count_is_rejected_not_allocated() {
+        let text = KIMI_LIKE.replace(
+            r#""num_hidden_layers": 3"#,
+            r#""num_hidden_layers": 1000000000000"#,
+        );
+        let err = ModelConfig::parse(&text).unwrap_err();
+        assert!(
+            err.iter().any(|m| m.contains("num_hidden_layers")),
+            "{err:?}"
+        );
     }
 
     #[test]
