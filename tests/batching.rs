@@ -62,3 +62,74 @@ fn batched_steps_equal_single_steps() {
         }
     }
 }
+
+#[test]
+fn a_step_whose_experts_are_unreachable_fails_and_leaves_the_caches_as_they_were() {
+    use std::sync::Arc;
+
+    use moe_node::engine::EngineError;
+    use moe_node::model::weights::load_all_experts;
+    use moe_node::model::{Checkpoint, DenseWeights, ModelConfig};
+    use moe_node::moe::{ExpertError, LocalExperts};
+
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/deepseek_v3");
+    let config = ModelConfig::load(&dir).unwrap();
+    let checkpoint = Checkpoint::open(&dir).unwrap();
+    let dense = DenseWeights::load(&checkpoint, &config).unwrap();
+    let mut experts = load_all_experts(&checkpoint, &config).unwrap();
+    let complete = Engine::new(
+        config.clone(),
+        dense.clone(),
+        Arc::new(LocalExperts::new(experts.clone(), config.hidden_size)),
+    );
+    // This executor holds no experts of the last layer, as if their worker had died.
+    experts.last_mut().unwrap().clear();
+    let partial = Engine::new(
+        config.clone(),
+        dense,
+        Arc::new(LocalExperts::new(experts, config.hidden_size)),
+    );
+
+    let mut cache = complete.new_cache();
+    let mut step = [SequenceStep {
+        cache: &mut cache,
+        tokens: &[1, 2, 3],
+    }];
+    complete.forward(&mut step).unwrap();
+    let before = cache.clone();
+
+    let mut step = [SequenceStep {
+        cache: &mut cache,
+        tokens: &[4, 5],
+    }];
+    let err = partial.forward(&mut step).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            EngineError::Expert(ExpertError::NotHeld { layer: 2, .. })
+        ),
+        "{err}"
+    );
+    assert_eq!(cache.len(), before.len());
+    assert_eq!(cache.bytes(), before.bytes());
+
+    // The sequence carries on as if the failed step had never been tried.
+    let mut step = [SequenceStep {
+        cache: &mut cache,
+        tokens: &[4, 5],
+    }];
+    let resumed = complete.forward(&mut step).unwrap();
+    let mut fresh = complete.new_cache();
+    let mut step = [SequenceStep {
+        cache: &mut fresh,
+        tokens: &[1, 2, 3, 4, 5],
+    }];
+    let expected = complete.forward(&mut step).unwrap();
+    let diff = resumed[0]
+        .iter()
+        .zip(&expected[0])
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max);
+    assert!(diff < 1e-4, "resumed logits differ by {diff}");
+    assert!(complete.forward(&mut []).unwrap().is_empty());
+}

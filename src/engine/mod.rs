@@ -114,6 +114,9 @@ impl Engine {
     /// Runs one step for a batch of sequences and returns, for each, the logits after its
     /// last new token. Caches are extended only when the whole step succeeds.
     pub fn forward(&self, batch: &mut [SequenceStep]) -> Result<Vec<Vec<f32>>, EngineError> {
+        if batch.is_empty() {
+            return Ok(Vec::new());
+        }
         let cfg = &self.config;
         let h = cfg.hidden_size;
         let mut segments = Vec::with_capacity(batch.len());
