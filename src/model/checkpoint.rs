@@ -111,12 +111,6 @@ impl Checkpoint {
         self.locations.contains_key(name)
     }
 
-    /// The shape of tensor `name`, if present.
-    pub fn shape(&self, name: &str) -> Option<&[usize]> {
-        let shard = &self.shards[*self.locations.get(name)?];
-        shard.metadata.info(name).map(|info| info.shape.as_slice())
-    }
-
     /// The storage dtype of tensor `name`, if present.
     pub fn dtype(&self, name: &str) -> Option<Dtype> {
         let shard = &self.shards[*self.locations.get(name)?];

@@ -34,10 +34,6 @@ impl Tokenizer {
         self.inner.decode(ids, false).map_err(|e| self.error(e))
     }
 
-    pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
-    }
-
     fn error(&self, e: tokenizers::Error) -> ModelError {
         ModelError::Tokenizer {
             path: self.path.clone(),
