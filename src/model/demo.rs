@@ -311,6 +311,22 @@ mod tests {
     use super::*;
 
     #[test]
+    fn demo_tokenizer_maps_text_to_its_utf8_bytes_and_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let text = serde_json::to_string(&tokenizer_json()).unwrap();
+        std::fs::write(dir.path().join("tokenizer.json"), text).unwrap();
+        let tokenizer = crate::model::Tokenizer::load_optional(dir.path())
+            .unwrap()
+            .expect("tokenizer.json was written");
+        let sample = "Hi there, ü\n";
+        let ids = tokenizer.encode(sample).unwrap();
+        let bytes: Vec<u32> = sample.bytes().map(u32::from).collect();
+        assert_eq!(ids, bytes);
+        assert_eq!(tokenizer.decode(&ids).unwrap(), sample);
+        assert_eq!(tokenizer.encode("<|im_end|>").unwrap(), vec![IM_END]);
+    }
+
+    #[test]
     fn byte_level_table_is_a_bijection() {
         let chars: std::collections::HashSet<char> = (0..=255u8).map(byte_level_char).collect();
         assert_eq!(chars.len(), 256);
