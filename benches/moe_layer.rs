@@ -265,33 +265,12 @@ fn main() {
         .iter()
         .map(|e| ExpertWeights::Bf16(to_bf16(e)))
         .collect();
-    let experts = LocalExperts::new(
-        vec![f32_experts.into_iter().map(ExpertWeights::F32).collect()],
-        HIDDEN,
-    );
-    let results = run_ours(
-        "f32 experts",
-        &cfg,
-        &weights,
-        &experts,
-        &tokens,
-        budget,
-        bandwidth,
-    );
-    ours.push(("f32 experts", results));
-    drop(experts);
-    let experts = LocalExperts::new(vec![bf16_experts], HIDDEN);
-    let results = run_ours(
-        "bf16 experts",
-        &cfg,
-        &weights,
-        &experts,
-        &tokens,
-        budget,
-        bandwidth,
-    );
-    ours.push(("bf16 experts", results));
-    drop(experts);
+    let f32_experts = f32_experts.into_iter().map(ExpertWeights::F32).collect();
+    for (label, layer) in [("f32 experts", f32_experts), ("bf16 experts", bf16_experts)] {
+        let experts = LocalExperts::new(vec![layer], HIDDEN);
+        let results = run_ours(label, &cfg, &weights, &experts, &tokens, budget, bandwidth);
+        ours.push((label, results));
+    }
 
     let mut reference = Vec::new();
     if !python.is_empty() {
