@@ -150,6 +150,7 @@ struct RawConfig {
     eos_token_id: Option<Value>,
     torch_dtype: Option<String>,
     dtype: Option<String>,
+    quantization_config: Option<Value>,
     // MoE, under the names each family uses.
     num_experts: Option<usize>,
     num_local_experts: Option<usize>,
@@ -237,6 +238,16 @@ impl ModelConfig {
             }
         };
 
+        if let Some(q) = raw.quantization_config.as_ref().filter(|q| !q.is_null()) {
+            let method = q
+                .get("quant_method")
+                .and_then(Value::as_str)
+                .unwrap_or("unknown");
+            p.0.push(format!(
+                "quantized checkpoints (quant_method `{method}`) are not supported yet: \
+                 use a bf16, f16 or f32 copy of the weights"
+            ));
+        }
         let vocab_size = p.require(raw.vocab_size, "vocab_size");
         let hidden_size = p.require(raw.hidden_size, "hidden_size");
         let num_layers = p.require(raw.num_hidden_layers, "num_hidden_layers");
@@ -626,6 +637,19 @@ mod tests {
         ] {
             assert!(err.iter().any(|m| m.contains(key)), "{key} not in {err:?}");
         }
+    }
+
+    #[test]
+    fn quantized_checkpoints_are_refused_up_front() {
+        let text = KIMI_LIKE.replace(
+            r#""eos_token_id": 7"#,
+            r#""eos_token_id": 7, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}"#,
+        );
+        let err = ModelConfig::parse(&text).unwrap_err();
+        assert!(
+            err.iter().any(|m| m.contains("quant_method `fp8`")),
+            "{err:?}"
+        );
     }
 
     #[test]
