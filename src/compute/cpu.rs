@@ -131,6 +131,10 @@ pub fn matmul_transposed<W: WeightElement>(
     assert_eq!(x.len(), m * k, "lhs size");
     assert_eq!(w.len(), n * k, "rhs size");
     assert_eq!(out.len(), m * n, "output size");
+    if m == 0 || n == 0 || k == 0 {
+        out.fill(0.0);
+        return;
+    }
     if m <= FEW_ROWS {
         matmul_few_rows(x, m, k, w, out, parallel);
         return;
@@ -235,8 +239,8 @@ fn matmul_few_rows<W: WeightElement>(
     parallel: bool,
 ) {
     let n = out.len() / m;
-    let columns = |first: usize, count: usize, out_t: &mut [f32]| {
-        for (c, column) in out_t.chunks_exact_mut(m).enumerate().take(count) {
+    let columns = |first: usize, out_t: &mut [f32]| {
+        for (c, column) in out_t.chunks_exact_mut(m).enumerate() {
             let row = &w[(first + c) * k..(first + c + 1) * k];
             dot_rows(x, k, row, column);
         }
@@ -248,9 +252,9 @@ fn matmul_few_rows<W: WeightElement>(
         out_t
             .par_chunks_mut(COLUMNS_PER_TASK * m)
             .enumerate()
-            .for_each(|(task, block)| columns(task * COLUMNS_PER_TASK, block.len() / m, block));
+            .for_each(|(task, block)| columns(task * COLUMNS_PER_TASK, block));
     } else {
-        columns(0, n, &mut out_t);
+        columns(0, &mut out_t);
     }
     for (j, column) in out_t.chunks_exact(m).enumerate() {
         for (i, v) in column.iter().enumerate() {

@@ -308,6 +308,14 @@ impl ModelConfig {
                 let qk_nope_head_dim = raw.qk_nope_head_dim.unwrap_or(128);
                 let qk_rope_head_dim = raw.qk_rope_head_dim.unwrap_or(64);
                 let v_head_dim = raw.v_head_dim.unwrap_or(128);
+                for (value, key) in [
+                    (kv_lora_rank, "kv_lora_rank"),
+                    (qk_nope_head_dim, "qk_nope_head_dim"),
+                    (v_head_dim, "v_head_dim"),
+                    (raw.q_lora_rank.unwrap_or(1), "q_lora_rank"),
+                ] {
+                    p.check(value > 0, || format!("`{key}` must be greater than 0"));
+                }
                 p.check(
                     qk_rope_head_dim.is_multiple_of(2) && qk_rope_head_dim > 0,
                     || {
@@ -637,6 +645,16 @@ mod tests {
         ] {
             assert!(err.iter().any(|m| m.contains(key)), "{key} not in {err:?}");
         }
+    }
+
+    #[test]
+    fn zero_sized_latent_dimensions_are_rejected() {
+        let text = KIMI_LIKE
+            .replace(r#""q_lora_rank": null"#, r#""q_lora_rank": 0"#)
+            .replace(r#""v_head_dim": 16"#, r#""v_head_dim": 0"#);
+        let err = ModelConfig::parse(&text).unwrap_err();
+        assert!(err.iter().any(|m| m.contains("q_lora_rank")), "{err:?}");
+        assert!(err.iter().any(|m| m.contains("v_head_dim")), "{err:?}");
     }
 
     #[test]
