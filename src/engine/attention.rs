@@ -168,31 +168,17 @@ pub fn attention(
                 },
             );
             // Expand the attended latents through kv_b's value half, head by head.
-            let mut out = vec![0.0; rows * heads * v_head_dim];
-            let mut head_latents = vec![0.0; rows * kv_lora_rank];
-            let mut head_values = vec![0.0; rows * v_head_dim];
-            for head in 0..heads {
-                for row in 0..rows {
-                    head_latents[row * kv_lora_rank..][..kv_lora_rank].copy_from_slice(
-                        &latent_out[(row * heads + head) * kv_lora_rank..][..kv_lora_rank],
-                    );
-                }
+            let heads_in = HeadLayout {
+                rows,
+                heads,
+                stride: kv_lora_rank,
+                width: kv_lora_rank,
+            };
+            let out = per_head_product(&latent_out, heads_in, v_head_dim, |head, x, y| {
                 let w_value = &kv_up.weight[(head * up_rows_per_head + nope) * kv_lora_rank..]
                     [..v_head_dim * kv_lora_rank];
-                matmul_transposed(
-                    &head_latents,
-                    rows,
-                    kv_lora_rank,
-                    w_value,
-                    v_head_dim,
-                    &mut head_values,
-                    true,
-                );
-                for row in 0..rows {
-                    out[(row * heads + head) * v_head_dim..][..v_head_dim]
-                        .copy_from_slice(&head_values[row * v_head_dim..][..v_head_dim]);
-                }
-            }
+                matmul_transposed(x, rows, kv_lora_rank, w_value, v_head_dim, y, true);
+            });
             o.forward(&out, rows)
         }
         _ => unreachable!("attention weights are loaded from the same config"),
@@ -233,30 +219,57 @@ fn absorb_queries(
     kv_lora_rank: usize,
 ) -> Vec<f32> {
     let up_rows_per_head = kv_up.out_features / heads;
-    let mut absorbed = vec![0.0; rows * heads * kv_lora_rank];
-    let mut head_queries = vec![0.0; rows * nope];
-    let mut head_out = vec![0.0; rows * kv_lora_rank];
+    let heads_in = HeadLayout {
+        rows,
+        heads,
+        stride: q_width,
+        width: nope,
+    };
+    per_head_product(queries, heads_in, kv_lora_rank, |head, x, y| {
+        let w_key = &kv_up.weight[head * up_rows_per_head * kv_lora_rank..][..nope * kv_lora_rank];
+        matmul(x, rows, nope, w_key, kv_lora_rank, y, true);
+    })
+}
+
+/// Where one head's input lies in a `[rows, heads, stride]` buffer: the first `width`
+/// values of each head's block.
+#[derive(Clone, Copy)]
+struct HeadLayout {
+    rows: usize,
+    heads: usize,
+    stride: usize,
+    width: usize,
+}
+
+/// For each head, gathers its `[rows, width]` input, applies `product(head, input, output)`
+/// and scatters the `[rows, out_width]` result into a `[rows, heads, out_width]` buffer.
+fn per_head_product(
+    input: &[f32],
+    layout: HeadLayout,
+    out_width: usize,
+    product: impl Fn(usize, &[f32], &mut [f32]),
+) -> Vec<f32> {
+    let HeadLayout {
+        rows,
+        heads,
+        stride,
+        width,
+    } = layout;
+    let mut out = vec![0.0; rows * heads * out_width];
+    let mut head_in = vec![0.0; rows * width];
+    let mut head_out = vec![0.0; rows * out_width];
     for head in 0..heads {
         for row in 0..rows {
-            head_queries[row * nope..][..nope]
-                .copy_from_slice(&queries[(row * heads + head) * q_width..][..nope]);
+            head_in[row * width..][..width]
+                .copy_from_slice(&input[(row * heads + head) * stride..][..width]);
         }
-        let w_key = &kv_up.weight[head * up_rows_per_head * kv_lora_rank..][..nope * kv_lora_rank];
-        matmul(
-            &head_queries,
-            rows,
-            nope,
-            w_key,
-            kv_lora_rank,
-            &mut head_out,
-            true,
-        );
+        product(head, &head_in, &mut head_out);
         for row in 0..rows {
-            absorbed[(row * heads + head) * kv_lora_rank..][..kv_lora_rank]
-                .copy_from_slice(&head_out[row * kv_lora_rank..][..kv_lora_rank]);
+            out[(row * heads + head) * out_width..][..out_width]
+                .copy_from_slice(&head_out[row * out_width..][..out_width]);
         }
     }
-    absorbed
+    out
 }
 
 /// Applies rope to `rope_dim` elements at `offset` within every `head_width`-wide head.

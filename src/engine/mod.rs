@@ -150,7 +150,7 @@ impl Engine {
         for (step, segment) in batch.iter().zip(&segments) {
             for (i, &token) in step.tokens.iter().enumerate() {
                 let t = token as usize;
-                hidden.extend_from_slice(&self.weights.embed_tokens[t * h..(t + 1) * h]);
+                hidden.extend_from_slice(&self.weights.embed_tokens.weight[t * h..(t + 1) * h]);
                 angles.push(self.rope.angles(segment.start_position + i));
             }
         }
@@ -177,7 +177,7 @@ impl Engine {
         }
         let final_norm = &self.weights.final_norm;
         let normed = rms_norm(&last_rows, &final_norm.weight, final_norm.eps);
-        let logits = self.weights.lm_head.forward(&normed, segments.len());
+        let logits = self.weights.lm_head().forward(&normed, segments.len());
         Ok(logits
             .chunks_exact(cfg.vocab_size)
             .map(<[f32]>::to_vec)

@@ -98,27 +98,22 @@ pub struct LayerWeights {
 /// Everything but the routed experts: what every router runs (data-parallel attention).
 #[derive(Debug, Clone)]
 pub struct DenseWeights {
-    /// `[vocab, hidden]`.
-    pub embed_tokens: Vec<f32>,
+    /// `[vocab, hidden]`, one row per token.
+    pub embed_tokens: Linear,
     pub layers: Vec<LayerWeights>,
     pub final_norm: RmsNorm,
-    /// `[vocab, hidden]`; the embedding matrix again when the model ties them.
-    pub lm_head: Linear,
+    /// `[vocab, hidden]`; `None` when the model ties it to the embeddings.
+    lm_head: Option<Linear>,
 }
 
 impl DenseWeights {
     pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig) -> Result<Self, ModelError> {
         let h = cfg.hidden_size;
-        let embed_tokens = ckpt.read_f32("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
+        let embed_tokens = linear(ckpt, "model.embed_tokens", cfg.vocab_size, h)?;
         let lm_head = if cfg.tie_word_embeddings && !ckpt.contains("lm_head.weight") {
-            Linear {
-                weight: embed_tokens.clone(),
-                bias: None,
-                out_features: cfg.vocab_size,
-                in_features: h,
-            }
+            None
         } else {
-            linear(ckpt, "lm_head", cfg.vocab_size, h)?
+            Some(linear(ckpt, "lm_head", cfg.vocab_size, h)?)
         };
         let layers = (0..cfg.num_layers)
             .map(|l| load_layer(ckpt, cfg, l))
@@ -129,6 +124,11 @@ impl DenseWeights {
             final_norm: norm(ckpt, "model.norm", h, cfg.rms_norm_eps)?,
             lm_head,
         })
+    }
+
+    /// The output projection to vocabulary logits.
+    pub fn lm_head(&self) -> &Linear {
+        self.lm_head.as_ref().unwrap_or(&self.embed_tokens)
     }
 }
 
