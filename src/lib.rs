@@ -4,7 +4,13 @@
 //! checkpoints, `compute` holds the numeric kernels, `moe` the gating and dispatch of tokens
 //! to experts, and `engine` the forward pass and generation loop.
 
+pub mod actors;
+pub mod api;
 pub mod compute;
+pub mod config;
 pub mod engine;
+pub mod metrics;
 pub mod model;
 pub mod moe;
+pub mod placement;
+pub mod server;

@@ -1,14 +1,19 @@
 //! `moe-node` command line: parses arguments and calls the library.
 
+use std::collections::HashMap;
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
+use moe_node::actors::NodeError;
+use moe_node::config::{ConfigError, ConfigSources, ENV_PREFIX, LogFormat, NodeConfig};
 use moe_node::engine::{Engine, EngineError, GenerateRequest, SamplingParams, generate};
 use moe_node::model::demo::{DemoSpec, write_demo_model};
-use moe_node::model::{ModelError, Tokenizer};
+use moe_node::model::{ModelConfig, ModelError, Tokenizer};
+use moe_node::server::{ServeError, serve};
 
 #[derive(Parser)]
 #[command(
@@ -23,6 +28,15 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Serve a model over HTTP (OpenAI-compatible API). With no model configured, serves the
+    /// built-in demo model, written into the cache directory on first start.
+    Serve(ServeArgs),
+    /// Validate a configuration file: exit 0, or 78 with every problem listed.
+    Check {
+        /// The configuration file (TOML), e.g. etc/moe-node.toml.
+        #[arg(long)]
+        config: PathBuf,
+    },
     /// Generate a continuation of a prompt with a local model and print it.
     Generate(GenerateArgs),
     /// Write the built-in demo model (Kimi K3-shaped, 896 experts, top-16) to a directory.
@@ -31,6 +45,19 @@ enum Command {
         #[arg(long)]
         out: PathBuf,
     },
+}
+
+#[derive(clap::Args)]
+struct ServeArgs {
+    /// Configuration file (TOML); without one, defaults and MOE_NODE_* variables apply.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Model directory (overrides model.path).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Address to listen on, e.g. 0.0.0.0:8080 (overrides server.listen).
+    #[arg(long)]
+    listen: Option<String>,
 }
 
 #[derive(clap::Args)]
@@ -71,36 +98,102 @@ struct GenerateArgs {
 const EXIT_CONFIG: u8 = 78;
 const EXIT_DATA: u8 = 65;
 
-fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
         .with_writer(std::io::stderr)
-        .init();
+        .with_ansi(std::io::stderr().is_terminal());
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Generate(args) => run_generate(args),
-        Command::DemoModel { out } => run_demo_model(out),
+        // Serving logs in the configured format, so it starts logging once the config is read.
+        Command::Serve(args) => run_serve(args),
+        Command::Check { config } => run_check(config),
+        Command::Generate(args) => {
+            init_logging(LogFormat::Text);
+            run_generate(args)
+        }
+        Command::DemoModel { out } => {
+            init_logging(LogFormat::Text);
+            run_demo_model(out)
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            let model_error = e.chain().find_map(|c| {
-                c.downcast_ref::<ModelError>()
-                    .or_else(|| match c.downcast_ref::<EngineError>() {
-                        Some(EngineError::Model(m)) => Some(m),
-                        _ => None,
-                    })
-            });
-            ExitCode::from(match model_error {
-                Some(ModelError::Config { .. }) => EXIT_CONFIG,
-                Some(_) => EXIT_DATA,
-                None => 1,
+        Err(e) => report(e),
+    }
+}
+
+/// Prints the error and maps it to an exit status.
+fn report(e: anyhow::Error) -> ExitCode {
+    eprintln!("error: {e:#}");
+    if e.chain().any(|c| c.downcast_ref::<ConfigError>().is_some()) {
+        return ExitCode::from(EXIT_CONFIG);
+    }
+    let model_error = e.chain().find_map(|c| {
+        c.downcast_ref::<ModelError>()
+            .or_else(|| match c.downcast_ref::<EngineError>() {
+                Some(EngineError::Model(m)) => Some(m),
+                _ => None,
             })
+    });
+    ExitCode::from(match model_error {
+        Some(ModelError::Config { .. }) => EXIT_CONFIG,
+        Some(_) => EXIT_DATA,
+        None => 1,
+    })
+}
+
+/// The process's `MOE_NODE_*` variables, for the config's environment layer.
+fn node_env() -> HashMap<String, String> {
+    std::env::vars()
+        .filter(|(k, _)| k.starts_with(&format!("{ENV_PREFIX}_")))
+        .collect()
+}
+
+fn run_check(path: PathBuf) -> anyhow::Result<()> {
+    let config = NodeConfig::load(ConfigSources {
+        file: Some(&path),
+        env: node_env(),
+        overrides: Vec::new(),
+    })?;
+    if let Some(model) = config.model_path() {
+        ModelConfig::load(&model)?;
+    }
+    println!("{}: ok", path.display());
+    Ok(())
+}
+
+fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
+    let mut overrides = Vec::new();
+    if let Some(model) = &args.model {
+        overrides.push(("model.path", model.display().to_string()));
+    }
+    if let Some(listen) = &args.listen {
+        overrides.push(("server.listen", listen.clone()));
+    }
+    let config = NodeConfig::load(ConfigSources {
+        file: args.config.as_deref(),
+        env: node_env(),
+        overrides,
+    })?;
+    init_logging(config.logging.format);
+    match serve(config) {
+        Ok(()) => {
+            tracing::info!("stopped");
+            Ok(())
         }
+        // Model problems keep their own exit status.
+        Err(ServeError::Node(NodeError::Model(e))) => Err(e.into()),
+        Err(e) => Err(e.into()),
     }
 }
 

@@ -4,6 +4,7 @@
 //! device actors or on other nodes.
 
 pub mod attention;
+pub mod batch;
 pub mod generate;
 pub mod kv_cache;
 pub mod rope;

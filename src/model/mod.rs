@@ -1,5 +1,6 @@
 //! Checkpoints as published: `config.json`, safetensors weights, `tokenizer.json`.
 
+pub mod chat_template;
 pub mod checkpoint;
 pub mod config;
 pub mod demo;

@@ -64,6 +64,18 @@ pub fn moe_forward(
     Ok(out)
 }
 
+/// Runs each `(expert, rows)` group through its expert, spread over the rayon pool, and
+/// returns the outputs in group order.
+pub fn run_expert_groups(groups: &[(&ExpertWeights, &[f32])], width: usize) -> Vec<Vec<f32>> {
+    // Spread experts over the pool; when there are fewer experts than threads, let each
+    // product spread over the pool instead.
+    let nested_parallel = groups.len() < rayon::current_num_threads();
+    groups
+        .par_iter()
+        .map(|(expert, input)| expert.forward_with(input, input.len() / width, nested_parallel))
+        .collect()
+}
+
 /// Every expert of every layer in this process's memory, computed on the CPU.
 pub struct LocalExperts {
     /// `layers[l][e]`; empty for dense layers.
@@ -92,26 +104,16 @@ impl ExpertExecutor for LocalExperts {
         grouped_input: &[f32],
     ) -> Result<Vec<f32>, ExpertError> {
         let width = self.hidden_size;
-        let mut experts = Vec::with_capacity(plan.experts.len());
-        for &e in &plan.experts {
-            experts.push(
+        let mut groups = Vec::with_capacity(plan.experts.len());
+        for (i, &e) in plan.experts.iter().enumerate() {
+            let rows = plan.group(i);
+            groups.push((
                 self.expert(layer, e)
                     .ok_or(ExpertError::NotHeld { layer, expert: e })?,
-            );
+                &grouped_input[rows.start * width..rows.end * width],
+            ));
         }
-        // Spread experts over the pool; when there are fewer experts than threads, let each
-        // product spread over the pool instead.
-        let threads = rayon::current_num_threads();
-        let nested_parallel = experts.len() < threads;
-        let outputs: Vec<Vec<f32>> = experts
-            .par_iter()
-            .enumerate()
-            .map(|(i, expert)| {
-                let rows = plan.group(i);
-                let input = &grouped_input[rows.start * width..rows.end * width];
-                expert.forward_with(input, rows.len(), nested_parallel)
-            })
-            .collect();
+        let outputs = run_expert_groups(&groups, width);
         Ok(outputs.concat())
     }
 }

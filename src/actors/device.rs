@@ -1,0 +1,150 @@
+//! The device actor: owns the expert weights placed on one device and runs groups of token
+//! rows through them. Each device actor has its own thread (a dedicated arbiter), so expert
+//! compute never runs on the HTTP runtime.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::mpsc;
+
+use actix::prelude::*;
+
+use crate::model::weights::load_expert;
+use crate::model::{Checkpoint, ExpertWeights, ModelConfig, ModelError};
+use crate::moe::{ExpertError, run_expert_groups};
+
+pub struct DeviceActor {
+    id: usize,
+    hidden_size: usize,
+    experts: HashMap<(usize, u32), ExpertWeights>,
+}
+
+/// Runs token rows through experts this device holds; replies with one output per group.
+pub struct RunExperts {
+    pub layer: usize,
+    /// `(expert, rows × hidden_size input)` per group.
+    pub groups: Vec<(u32, Vec<f32>)>,
+}
+
+impl Message for RunExperts {
+    type Result = Result<Vec<Vec<f32>>, ExpertError>;
+}
+
+/// Takes the device out of service: the actor stops and its thread ends, as when a device
+/// fails. Later messages to it fail with a closed mailbox.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Shutdown;
+
+impl Actor for DeviceActor {
+    type Context = Context<Self>;
+
+    fn stopped(&mut self, _: &mut Self::Context) {
+        tracing::warn!(device = self.id, "device actor stopped");
+        Arbiter::current().stop();
+    }
+}
+
+impl Handler<RunExperts> for DeviceActor {
+    type Result = Result<Vec<Vec<f32>>, ExpertError>;
+
+    fn handle(&mut self, msg: RunExperts, _: &mut Self::Context) -> Self::Result {
+        let mut groups = Vec::with_capacity(msg.groups.len());
+        for (expert, input) in &msg.groups {
+            let weights = self
+                .experts
+                .get(&(msg.layer, *expert))
+                .ok_or(ExpertError::NotHeld {
+                    layer: msg.layer,
+                    expert: *expert,
+                })?;
+            groups.push((weights, input.as_slice()));
+        }
+        Ok(run_expert_groups(&groups, self.hidden_size))
+    }
+}
+
+impl Handler<Shutdown> for DeviceActor {
+    type Result = ();
+
+    fn handle(&mut self, _: Shutdown, ctx: &mut Self::Context) {
+        ctx.stop();
+    }
+}
+
+/// How callers reach a device actor.
+#[derive(Clone)]
+pub struct DeviceHandle {
+    pub id: usize,
+    pub addr: Addr<DeviceActor>,
+    /// Bytes of expert weights the device holds.
+    pub weight_bytes: usize,
+    pub experts_held: usize,
+}
+
+/// Starts device `id` on its own thread, loading `experts` from the checkpoint there, and
+/// waits until it has loaded them or failed to. Must be called inside an actix system.
+pub fn start_device(
+    id: usize,
+    model_dir: &Path,
+    config: Arc<ModelConfig>,
+    experts: Vec<(usize, u32)>,
+) -> Result<DeviceHandle, ModelError> {
+    let (ready_tx, ready_rx) = mpsc::channel();
+    let arbiter = Arbiter::new();
+    let dir = model_dir.to_path_buf();
+    let hidden_size = config.hidden_size;
+    let experts_held = experts.len();
+    let addr = DeviceActor::start_in_arbiter(&arbiter.handle(), move |ctx| {
+        let (experts, ready) = match load_experts(&dir, &config, &experts) {
+            Ok(loaded) => {
+                let bytes = loaded.values().map(ExpertWeights::weight_bytes).sum();
+                (loaded, Ok(bytes))
+            }
+            Err(e) => {
+                ctx.stop();
+                (HashMap::new(), Err(e))
+            }
+        };
+        // The receiver waits below; it is gone only if the caller gave up.
+        let _ = ready_tx.send(ready);
+        DeviceActor {
+            id,
+            hidden_size,
+            experts,
+        }
+    });
+    let weight_bytes = ready_rx.recv().map_err(|_| ModelError::Corrupt {
+        path: model_dir.to_path_buf(),
+        reason: format!("device {id} stopped while loading its experts"),
+    })??;
+    tracing::info!(
+        device = id,
+        experts = experts_held,
+        mib = weight_bytes / (1 << 20),
+        "device ready"
+    );
+    Ok(DeviceHandle {
+        id,
+        addr,
+        weight_bytes,
+        experts_held,
+    })
+}
+
+fn load_experts(
+    dir: &Path,
+    config: &ModelConfig,
+    experts: &[(usize, u32)],
+) -> Result<HashMap<(usize, u32), ExpertWeights>, ModelError> {
+    let checkpoint = Checkpoint::open(dir)?;
+    experts
+        .iter()
+        .map(|&(layer, expert)| {
+            Ok((
+                (layer, expert),
+                load_expert(&checkpoint, config, layer, expert as usize)?,
+            ))
+        })
+        .collect()
+}

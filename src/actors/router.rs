@@ -1,0 +1,171 @@
+//! The router actor: admits requests into the running batch and steps the model. It owns the
+//! engine (embeddings, attention and KV caches, norms, gates, shared experts, lm head,
+//! sampling); routed experts run on the device actors through [`DeviceExperts`]. It lives on
+//! its own thread: a step blocks that thread, and requests that arrive meanwhile join at the
+//! next step boundary.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use actix::prelude::*;
+use tokio::sync::mpsc;
+
+use crate::engine::batch::{BatchLimits, Batcher, QueueFull, Sequence, SequenceEvent};
+use crate::engine::{Engine, SamplingParams};
+use crate::metrics::NodeMetrics;
+
+/// Where a sequence's events go, and the times its latency metrics need.
+pub struct EventSink {
+    events: mpsc::Sender<SequenceEvent>,
+    admitted: Instant,
+    last_token: Option<Instant>,
+}
+
+pub struct RouterActor {
+    engine: Engine,
+    batcher: Batcher<EventSink>,
+    metrics: Arc<NodeMetrics>,
+    step_scheduled: bool,
+}
+
+/// Queues a generation; its events arrive on the returned receiver. Dropping the receiver
+/// cancels the generation at the next step.
+pub struct Submit {
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    pub stop_at_eos: bool,
+}
+
+impl Message for Submit {
+    type Result = Result<mpsc::Receiver<SequenceEvent>, QueueFull>;
+}
+
+/// Runs one step of the batch (sent by the router to itself while there is work).
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Step;
+
+impl RouterActor {
+    pub fn new(engine: Engine, limits: BatchLimits, metrics: Arc<NodeMetrics>) -> Self {
+        let eos = engine.config().eos_token_ids.clone();
+        RouterActor {
+            engine,
+            batcher: Batcher::new(limits, eos),
+            metrics,
+            step_scheduled: false,
+        }
+    }
+
+    /// Starts the router on its own thread.
+    pub fn start_on_own_thread(self) -> Addr<RouterActor> {
+        let arbiter = Arbiter::new();
+        RouterActor::start_in_arbiter(&arbiter.handle(), move |_| self)
+    }
+
+    fn schedule_step(&mut self, ctx: &mut Context<Self>) {
+        if !self.step_scheduled && self.batcher.has_work() {
+            self.step_scheduled = true;
+            ctx.notify(Step);
+        }
+    }
+
+    fn update_gauges(&self) {
+        self.metrics
+            .requests_running
+            .set(self.batcher.running() as i64);
+        self.metrics
+            .requests_waiting
+            .set(self.batcher.waiting() as i64);
+    }
+}
+
+impl Actor for RouterActor {
+    type Context = Context<Self>;
+}
+
+impl Handler<Submit> for RouterActor {
+    type Result = Result<mpsc::Receiver<SequenceEvent>, QueueFull>;
+
+    fn handle(&mut self, msg: Submit, ctx: &mut Self::Context) -> Self::Result {
+        // Room for every token and the final event: the router never waits on a client.
+        let (events, receiver) = mpsc::channel(msg.max_tokens + 2);
+        let sink = EventSink {
+            events,
+            admitted: Instant::now(),
+            last_token: None,
+        };
+        let sequence = Sequence::new(
+            msg.prompt,
+            msg.max_tokens,
+            msg.sampling,
+            msg.stop_at_eos,
+            self.engine.new_cache(),
+            sink,
+        );
+        self.batcher.submit(sequence)?;
+        self.update_gauges();
+        self.schedule_step(ctx);
+        Ok(receiver)
+    }
+}
+
+impl Handler<Step> for RouterActor {
+    type Result = ();
+
+    fn handle(&mut self, _: Step, ctx: &mut Self::Context) {
+        self.step_scheduled = false;
+        let cancelled = self.batcher.retain(|sink| !sink.events.is_closed());
+        if cancelled > 0 {
+            tracing::debug!(cancelled, "clients went away; their sequences were dropped");
+        }
+        let mut steps = self.batcher.plan_step();
+        if !steps.is_empty() {
+            let result = self.engine.forward(&mut steps);
+            drop(steps);
+            let metrics = &self.metrics;
+            match result {
+                Ok(logits) => {
+                    let prompt_tokens = self.batcher.planned_prompt_tokens();
+                    metrics.prompt_tokens.inc_by(prompt_tokens as u64);
+                    self.batcher.complete_step(logits, |sink, event| {
+                        record(metrics, sink, &event);
+                        // A full or closed channel means the client is gone.
+                        sink.events.try_send(event).is_ok()
+                    });
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "step failed; its sequences were ended");
+                    self.batcher.fail_step(&e, |sink, event| {
+                        let _ = sink.events.try_send(event);
+                    });
+                }
+            }
+        }
+        self.update_gauges();
+        self.schedule_step(ctx);
+    }
+}
+
+/// Latency and token metrics for one event.
+fn record(metrics: &NodeMetrics, sink: &mut EventSink, event: &SequenceEvent) {
+    let now = Instant::now();
+    match event {
+        SequenceEvent::Token(_) => {
+            metrics.generation_tokens.inc();
+            match sink.last_token {
+                None => metrics
+                    .time_to_first_token
+                    .observe((now - sink.admitted).as_secs_f64()),
+                Some(last) => metrics
+                    .inter_token_latency
+                    .observe((now - last).as_secs_f64()),
+            }
+            sink.last_token = Some(now);
+        }
+        SequenceEvent::Finished { .. } => metrics
+            .request_latency
+            .observe((now - sink.admitted).as_secs_f64()),
+        SequenceEvent::Failed(_) => {}
+    }
+}

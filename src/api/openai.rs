@@ -1,0 +1,629 @@
+//! OpenAI-compatible endpoints: `/v1/completions`, `/v1/chat/completions` (with server-sent
+//! events when `stream` is set), `/v1/models`, and `/tokenize`.
+
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use actix_web::web::Bytes;
+use actix_web::{HttpResponse, web};
+use futures::Stream;
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+
+use super::{ApiError, AppState, ServedModel, parse_json, read_body};
+use crate::actors::router::Submit;
+use crate::engine::batch::SequenceEvent;
+use crate::engine::{FinishReason, SamplingParams};
+use crate::model::chat_template::ChatMessage;
+
+/// A prompt as `/v1/completions` accepts it: text, or token ids; a one-element batch of
+/// either is accepted too.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum PromptInput {
+    Text(String),
+    Ids(Vec<u32>),
+    TextBatch(Vec<String>),
+    IdsBatch(Vec<Vec<u32>>),
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+/// Fields both endpoints share.
+#[derive(Debug, Deserialize)]
+struct GenerationFields {
+    model: Option<String>,
+    max_tokens: Option<usize>,
+    /// The chat endpoint's newer name for `max_tokens`.
+    max_completion_tokens: Option<usize>,
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    seed: Option<u64>,
+    n: Option<usize>,
+    #[serde(default)]
+    stream: bool,
+    stream_options: Option<StreamOptions>,
+    /// Return the generated token ids in `choices[i].token_ids`.
+    #[serde(default)]
+    return_token_ids: bool,
+    /// Keep generating past the end-of-sequence token.
+    #[serde(default)]
+    ignore_eos: bool,
+}
+
+#[derive(Debug, Deserialize)]
+struct CompletionRequest {
+    prompt: PromptInput,
+    #[serde(flatten)]
+    fields: GenerationFields,
+}
+
+#[derive(Debug, Deserialize)]
+struct ChatRequest {
+    messages: Vec<IncomingMessage>,
+    #[serde(flatten)]
+    fields: GenerationFields,
+}
+
+#[derive(Debug, Deserialize)]
+struct IncomingMessage {
+    role: String,
+    #[serde(default)]
+    content: MessageContent,
+}
+
+/// Message content: a string, or a list of parts of which the text parts are used.
+#[derive(Debug, Default, Deserialize)]
+#[serde(untagged)]
+enum MessageContent {
+    #[default]
+    Empty,
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Debug, Deserialize)]
+struct ContentPart {
+    #[serde(rename = "type")]
+    kind: String,
+    text: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+struct TokenizeRequest {
+    prompt: Option<String>,
+    messages: Option<Vec<IncomingMessage>>,
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Endpoint {
+    Completions,
+    Chat,
+}
+
+/// A validated request, ready for the router.
+struct Admitted {
+    endpoint: Endpoint,
+    model: String,
+    prompt: Vec<u32>,
+    max_tokens: usize,
+    sampling: SamplingParams,
+    stop_at_eos: bool,
+    stream: bool,
+    include_usage: bool,
+    return_token_ids: bool,
+}
+
+pub async fn completions(
+    state: web::Data<AppState>,
+    payload: web::Payload,
+) -> Result<HttpResponse, ApiError> {
+    let served = state.admitting()?;
+    let body = read_body(payload, state.config.server.max_request_bytes).await?;
+    let request: CompletionRequest = parse_json(&body)?;
+    let prompt = match request.prompt {
+        PromptInput::Ids(ids) => ids,
+        PromptInput::Text(text) => encode(served, &text)?,
+        PromptInput::IdsBatch(mut batch) if batch.len() == 1 => batch.swap_remove(0),
+        PromptInput::TextBatch(batch) if batch.len() == 1 => encode(served, &batch[0])?,
+        _ => {
+            return Err(ApiError::bad_request(
+                "send one prompt per request; batches of prompts are not supported",
+            )
+            .with_param("prompt"));
+        }
+    };
+    let admitted = admit(
+        &state,
+        served,
+        Endpoint::Completions,
+        prompt,
+        request.fields,
+    )?;
+    generate(state.clone(), served, admitted).await
+}
+
+pub async fn chat_completions(
+    state: web::Data<AppState>,
+    payload: web::Payload,
+) -> Result<HttpResponse, ApiError> {
+    let served = state.admitting()?;
+    let body = read_body(payload, state.config.server.max_request_bytes).await?;
+    let request: ChatRequest = parse_json(&body)?;
+    let prompt = chat_prompt(served, request.messages)?;
+    let admitted = admit(&state, served, Endpoint::Chat, prompt, request.fields)?;
+    generate(state.clone(), served, admitted).await
+}
+
+pub async fn models(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    let served = state.admitting()?;
+    Ok(HttpResponse::Ok().json(json!({
+        "object": "list",
+        "data": [{
+            "id": served.name,
+            "object": "model",
+            "created": served.created,
+            "owned_by": "moe-node",
+            "max_model_len": served.node.model.max_position_embeddings,
+        }],
+    })))
+}
+
+pub async fn tokenize(
+    state: web::Data<AppState>,
+    payload: web::Payload,
+) -> Result<HttpResponse, ApiError> {
+    let served = state.admitting()?;
+    let body = read_body(payload, state.config.server.max_request_bytes).await?;
+    let request: TokenizeRequest = parse_json(&body)?;
+    let tokens = match (request.prompt, request.messages) {
+        (Some(text), None) => encode(served, &text)?,
+        (None, Some(messages)) => chat_prompt(served, messages)?,
+        _ => {
+            return Err(ApiError::bad_request(
+                "give exactly one of `prompt` (text) or `messages` (chat)",
+            ));
+        }
+    };
+    Ok(HttpResponse::Ok().json(json!({
+        "count": tokens.len(),
+        "max_model_len": served.node.model.max_position_embeddings,
+        "tokens": tokens,
+    })))
+}
+
+fn encode(served: &ServedModel, text: &str) -> Result<Vec<u32>, ApiError> {
+    let tokenizer = served.tokenizer.as_ref().ok_or_else(|| {
+        ApiError::bad_request("this model has no tokenizer.json: send the prompt as token ids")
+            .with_param("prompt")
+    })?;
+    tokenizer
+        .encode(text)
+        .map_err(|e| ApiError::bad_request(format!("the prompt cannot be tokenized: {e}")))
+}
+
+fn chat_prompt(served: &ServedModel, messages: Vec<IncomingMessage>) -> Result<Vec<u32>, ApiError> {
+    let template = served.chat_template.as_ref().ok_or_else(|| {
+        ApiError::bad_request("this model has no chat template: use /v1/completions")
+    })?;
+    if messages.is_empty() {
+        return Err(ApiError::bad_request("`messages` is empty").with_param("messages"));
+    }
+    let messages: Vec<ChatMessage> = messages
+        .into_iter()
+        .map(|m| ChatMessage {
+            role: m.role,
+            content: match m.content {
+                MessageContent::Empty => String::new(),
+                MessageContent::Text(text) => text,
+                MessageContent::Parts(parts) => parts
+                    .into_iter()
+                    .filter(|p| p.kind == "text")
+                    .filter_map(|p| p.text)
+                    .collect::<Vec<_>>()
+                    .join(""),
+            },
+        })
+        .collect();
+    let text = template
+        .render(&messages)
+        .map_err(|e| ApiError::bad_request(e).with_param("messages"))?;
+    encode(served, &text)
+}
+
+/// Checks everything the router would otherwise fail on, so that errors reach the client as
+/// 400/404/413 before anything is queued.
+fn admit(
+    state: &AppState,
+    served: &ServedModel,
+    endpoint: Endpoint,
+    prompt: Vec<u32>,
+    fields: GenerationFields,
+) -> Result<Admitted, ApiError> {
+    if let Some(model) = &fields.model
+        && model != &served.name
+    {
+        return Err(ApiError::unknown_model(model, &served.name));
+    }
+    if fields.n.is_some_and(|n| n != 1) {
+        return Err(ApiError::bad_request("only n = 1 is supported").with_param("n"));
+    }
+    let limits = &state.config.batching;
+    let model = &served.node.model;
+    if prompt.is_empty() {
+        return Err(ApiError::bad_request("the prompt is empty").with_param("prompt"));
+    }
+    if prompt.len() > limits.max_prompt_tokens {
+        return Err(ApiError::too_large(format!(
+            "the prompt has {} tokens; this node accepts at most {}",
+            prompt.len(),
+            limits.max_prompt_tokens
+        ))
+        .with_param("prompt"));
+    }
+    if let Some(&token) = prompt.iter().find(|&&t| t as usize >= model.vocab_size) {
+        return Err(ApiError::bad_request(format!(
+            "token id {token} is outside the vocabulary (size {})",
+            model.vocab_size
+        ))
+        .with_param("prompt"));
+    }
+    let context = model.max_position_embeddings;
+    if prompt.len() >= context {
+        return Err(ApiError::bad_request(format!(
+            "the prompt has {} tokens but the model's context is {context}",
+            prompt.len()
+        ))
+        .with_param("prompt")
+        .with_code("context_length_exceeded"));
+    }
+    let room = context - prompt.len();
+    let max_tokens = match fields.max_completion_tokens.or(fields.max_tokens) {
+        Some(0) => {
+            return Err(
+                ApiError::bad_request("max_tokens must be at least 1").with_param("max_tokens")
+            );
+        }
+        Some(n) if n > room => {
+            return Err(ApiError::bad_request(format!(
+                "max_tokens is {n}, but the prompt ({} tokens) leaves room for {room} in the \
+                 model's context of {context}",
+                prompt.len()
+            ))
+            .with_param("max_tokens")
+            .with_code("context_length_exceeded"));
+        }
+        Some(n) => n,
+        None => limits.default_max_tokens.min(room),
+    };
+    let sampling = SamplingParams {
+        temperature: fields.temperature.unwrap_or(1.0),
+        top_p: fields.top_p.unwrap_or(1.0),
+        seed: fields.seed.unwrap_or_else(rand_seed),
+    };
+    sampling.validate().map_err(ApiError::bad_request)?;
+    Ok(Admitted {
+        endpoint,
+        model: served.name.clone(),
+        prompt,
+        max_tokens,
+        sampling,
+        stop_at_eos: !fields.ignore_eos,
+        stream: fields.stream,
+        include_usage: fields.stream_options.unwrap_or_default().include_usage,
+        return_token_ids: fields.return_token_ids,
+    })
+}
+
+/// A seed for requests that give none: different per request.
+fn rand_seed() -> u64 {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or_default();
+    nanos ^ (std::process::id() as u64).rotate_left(32)
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or_default()
+}
+
+async fn generate(
+    state: web::Data<AppState>,
+    served: &ServedModel,
+    request: Admitted,
+) -> Result<HttpResponse, ApiError> {
+    let started = Instant::now();
+    let prompt_tokens = request.prompt.len();
+    let events = served
+        .node
+        .router
+        .send(Submit {
+            prompt: request.prompt.clone(),
+            max_tokens: request.max_tokens,
+            sampling: request.sampling,
+            stop_at_eos: request.stop_at_eos,
+        })
+        .await
+        .map_err(|_| ApiError::unavailable("the router is not running"))?
+        .map_err(|e| ApiError::overloaded(e.to_string()))?;
+    let id = format!(
+        "{}-{:016x}",
+        match request.endpoint {
+            Endpoint::Completions => "cmpl",
+            Endpoint::Chat => "chatcmpl",
+        },
+        rand_seed()
+    );
+    tracing::info!(
+        request = %id,
+        prompt_tokens,
+        max_tokens = request.max_tokens,
+        stream = request.stream,
+        "request admitted"
+    );
+    let response = Response {
+        id,
+        created: unix_now(),
+        request,
+        decoder: TextDecoder::default(),
+        token_ids: Vec::new(),
+        started,
+    };
+    if response.request.stream {
+        let stream = sse_stream(response, events, state);
+        return Ok(HttpResponse::Ok()
+            .content_type("text/event-stream")
+            .insert_header(("Cache-Control", "no-cache"))
+            .streaming(stream));
+    }
+    whole_response(response, events, served).await
+}
+
+/// The state of one response as tokens arrive.
+struct Response {
+    id: String,
+    created: u64,
+    request: Admitted,
+    decoder: TextDecoder,
+    token_ids: Vec<u32>,
+    started: Instant,
+}
+
+impl Response {
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.request.endpoint, chunk) {
+            (Endpoint::Completions, _) => "text_completion",
+            (Endpoint::Chat, false) => "chat.completion",
+            (Endpoint::Chat, true) => "chat.completion.chunk",
+        }
+    }
+
+    fn envelope(&self, chunk: bool, choices: Value) -> Value {
+        json!({
+            "id": self.id,
+            "object": self.object(chunk),
+            "created": self.created,
+            "model": self.request.model,
+            "choices": choices,
+        })
+    }
+
+    fn usage(&self, prompt_tokens: usize, completion_tokens: usize) -> Value {
+        json!({
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        })
+    }
+
+    fn log_finished(&self, reason: &str, completion_tokens: usize) {
+        tracing::info!(
+            request = %self.id,
+            completion_tokens,
+            finish_reason = reason,
+            seconds = self.started.elapsed().as_secs_f32(),
+            "request finished"
+        );
+    }
+
+    /// One streamed chunk carrying `delta` (text) and `ids` (token ids).
+    fn chunk(&self, delta: &str, ids: &[u32], finish_reason: Option<&str>) -> Value {
+        let mut choice = match self.request.endpoint {
+            Endpoint::Completions => json!({"index": 0, "text": delta, "logprobs": null}),
+            Endpoint::Chat => {
+                let delta = if finish_reason.is_some() && delta.is_empty() {
+                    json!({})
+                } else {
+                    json!({"content": delta})
+                };
+                json!({"index": 0, "delta": delta, "logprobs": null})
+            }
+        };
+        choice["finish_reason"] = finish_reason.into();
+        if self.request.return_token_ids {
+            choice["token_ids"] = json!(ids);
+        }
+        self.envelope(true, json!([choice]))
+    }
+}
+
+fn finish_reason(reason: FinishReason) -> &'static str {
+    match reason {
+        FinishReason::Length => "length",
+        FinishReason::Stop => "stop",
+    }
+}
+
+async fn whole_response(
+    mut response: Response,
+    mut events: mpsc::Receiver<SequenceEvent>,
+    served: &ServedModel,
+) -> Result<HttpResponse, ApiError> {
+    loop {
+        match events.recv().await {
+            Some(SequenceEvent::Token(token)) => response.token_ids.push(token),
+            Some(SequenceEvent::Finished {
+                reason,
+                prompt_tokens,
+                completion_tokens,
+            }) => {
+                let text = response.decoder.full_text(served, &response.token_ids);
+                let reason = finish_reason(reason);
+                let mut choice = match response.request.endpoint {
+                    Endpoint::Completions => json!({"index": 0, "text": text, "logprobs": null}),
+                    Endpoint::Chat => json!({
+                        "index": 0,
+                        "message": {"role": "assistant", "content": text},
+                        "logprobs": null,
+                    }),
+                };
+                choice["finish_reason"] = reason.into();
+                if response.request.return_token_ids {
+                    choice["token_ids"] = json!(response.token_ids);
+                }
+                let mut body = response.envelope(false, json!([choice]));
+                body["usage"] = response.usage(prompt_tokens, completion_tokens);
+                response.log_finished(reason, completion_tokens);
+                return Ok(HttpResponse::Ok().json(body));
+            }
+            Some(SequenceEvent::Failed(reason)) => {
+                return Err(ApiError::unavailable(format!(
+                    "generation failed: {reason}"
+                )));
+            }
+            None => return Err(ApiError::unavailable("the router stopped")),
+        }
+    }
+}
+
+/// Server-sent events: one chunk per token, the finishing chunk, optionally usage, then
+/// `data: [DONE]`. Dropping the stream (the client went away) drops the receiver, which ends
+/// the generation at the router's next step.
+fn sse_stream(
+    response: Response,
+    events: mpsc::Receiver<SequenceEvent>,
+    app: web::Data<AppState>,
+) -> impl Stream<Item = Result<Bytes, actix_web::Error>> + 'static {
+    struct State {
+        response: Response,
+        events: mpsc::Receiver<SequenceEvent>,
+        pending: std::collections::VecDeque<Bytes>,
+        started: bool,
+        done: bool,
+    }
+    let state = State {
+        response,
+        events,
+        pending: Default::default(),
+        started: false,
+        done: false,
+    };
+    futures::stream::unfold(state, move |mut s| {
+        let app = app.clone();
+        async move {
+            let served = app.served()?;
+            loop {
+                if let Some(bytes) = s.pending.pop_front() {
+                    return Some((Ok(bytes), s));
+                }
+                if s.done {
+                    return None;
+                }
+                if !s.started && s.response.request.endpoint == Endpoint::Chat {
+                    s.started = true;
+                    let mut first = s.response.chunk("", &[], None);
+                    first["choices"][0]["delta"] = json!({"role": "assistant", "content": ""});
+                    s.pending.push_back(sse(&first));
+                    continue;
+                }
+                match s.events.recv().await {
+                    Some(SequenceEvent::Token(token)) => {
+                        s.response.token_ids.push(token);
+                        let delta = s.response.decoder.next_delta(served, &s.response.token_ids);
+                        let chunk = s.response.chunk(&delta, &[token], None);
+                        s.pending.push_back(sse(&chunk));
+                    }
+                    Some(SequenceEvent::Finished {
+                        reason,
+                        prompt_tokens,
+                        completion_tokens,
+                    }) => {
+                        let reason = finish_reason(reason);
+                        let rest = s.response.decoder.rest(served, &s.response.token_ids);
+                        s.pending
+                            .push_back(sse(&s.response.chunk(&rest, &[], Some(reason))));
+                        if s.response.request.include_usage {
+                            let mut usage = s.response.envelope(true, json!([]));
+                            usage["usage"] = s.response.usage(prompt_tokens, completion_tokens);
+                            s.pending.push_back(sse(&usage));
+                        }
+                        s.pending.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+                        s.response.log_finished(reason, completion_tokens);
+                        s.done = true;
+                    }
+                    Some(SequenceEvent::Failed(reason)) => {
+                        let error = ApiError::unavailable(format!("generation failed: {reason}"));
+                        s.pending.push_back(sse(&error.body()));
+                        s.pending.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+                        s.done = true;
+                    }
+                    None => s.done = true,
+                }
+            }
+        }
+    })
+}
+
+fn sse(value: &Value) -> Bytes {
+    Bytes::from(format!("data: {value}\n\n"))
+}
+
+/// Turns generated ids into text for streaming: each delta is what the decoded text grew
+/// by, held back while it ends in an incomplete character. Without a tokenizer the text is
+/// empty and clients read `token_ids`.
+#[derive(Default)]
+struct TextDecoder {
+    /// Bytes of the decoded text already sent.
+    sent: usize,
+}
+
+impl TextDecoder {
+    fn full_text(&self, served: &ServedModel, ids: &[u32]) -> String {
+        served
+            .tokenizer
+            .as_ref()
+            .and_then(|t| t.decode(ids).ok())
+            .unwrap_or_default()
+    }
+
+    fn next_delta(&mut self, served: &ServedModel, ids: &[u32]) -> String {
+        let text = self.full_text(served, ids);
+        if text.ends_with('\u{FFFD}') {
+            return String::new();
+        }
+        self.take(text)
+    }
+
+    /// Whatever is left at the end, complete or not.
+    fn rest(&mut self, served: &ServedModel, ids: &[u32]) -> String {
+        let text = self.full_text(served, ids);
+        self.take(text)
+    }
+
+    fn take(&mut self, text: String) -> String {
+        if text.len() < self.sent || !text.is_char_boundary(self.sent) {
+            return String::new();
+        }
+        let delta = text[self.sent..].to_string();
+        self.sent = text.len();
+        delta
+    }
+}

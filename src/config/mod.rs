@@ -1,0 +1,432 @@
+//! The node's configuration: built-in defaults, then `etc/moe-node.toml`, then
+//! `MOE_NODE_<SECTION>__<KEY>` environment variables, then command-line flags. The merged
+//! result is checked whole before anything starts: unknown keys, wrong types and bad values
+//! are all reported together.
+
+use std::collections::{BTreeSet, HashMap};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use config::{Config, Environment, File, FileFormat};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+/// Environment variables that override the file: `MOE_NODE_SERVER__LISTEN=0.0.0.0:8080`.
+pub const ENV_PREFIX: &str = "MOE_NODE";
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NodeConfig {
+    pub server: ServerConfig,
+    pub model: ModelSection,
+    pub devices: DevicesConfig,
+    pub batching: BatchingConfig,
+    pub metrics: MetricsConfig,
+    pub logging: LoggingConfig,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    /// Address the HTTP API listens on; port 0 picks a free port.
+    pub listen: String,
+    /// Bearer keys accepted on `/v1` and `/admin`; empty means no authentication.
+    pub api_keys: Vec<String>,
+    /// Largest request body accepted, in bytes (413 beyond it).
+    pub max_request_bytes: usize,
+    /// On SIGTERM, how long in-flight requests may run before the node exits anyway.
+    pub drain_seconds: u64,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelSection {
+    /// Model directory (config.json, safetensors, tokenizer.json). Empty: the built-in demo
+    /// model, written into `cache_dir` on first start.
+    pub path: String,
+    /// Where the demo model is kept. Empty: `$XDG_CACHE_HOME/moe-node`, else
+    /// `~/.cache/moe-node`.
+    pub cache_dir: String,
+    /// Name clients use in the `model` field. Empty: the model directory's name.
+    pub served_name: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DevicesConfig {
+    /// Device slots to run experts on when the node has no GPU.
+    pub cpu_slots: usize,
+    /// Copies of each expert, each on a different device.
+    pub replication: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BatchingConfig {
+    /// Sequences stepped together at most.
+    pub max_sequences: usize,
+    /// Tokens (prompt chunks plus one per decoding sequence) in one step at most.
+    pub max_tokens_per_step: usize,
+    /// Requests waiting for a place in the batch at most; more are refused with 429.
+    pub max_waiting: usize,
+    /// Longest prompt accepted, in tokens (413 beyond it).
+    pub max_prompt_tokens: usize,
+    /// `max_tokens` of a request that does not set it.
+    pub default_max_tokens: usize,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsConfig {
+    /// Export one series per (layer, expert) on /metrics. Off by default: a large model has
+    /// tens of thousands of them; /admin/experts serves the same table as JSON.
+    pub per_expert: bool,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[default]
+    Text,
+    /// One JSON object per line, for log collectors.
+    Json,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LoggingConfig {
+    pub format: LogFormat,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            listen: "127.0.0.1:8080".into(),
+            api_keys: Vec::new(),
+            max_request_bytes: 1 << 20,
+            drain_seconds: 30,
+        }
+    }
+}
+
+impl Default for DevicesConfig {
+    fn default() -> Self {
+        DevicesConfig {
+            cpu_slots: 2,
+            replication: 1,
+        }
+    }
+}
+
+impl Default for BatchingConfig {
+    fn default() -> Self {
+        BatchingConfig {
+            max_sequences: 64,
+            max_tokens_per_step: 512,
+            max_waiting: 256,
+            max_prompt_tokens: 8192,
+            default_max_tokens: 256,
+        }
+    }
+}
+
+/// The configuration cannot be used; every problem found is listed.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid configuration:\n  - {}", problems.join("\n  - "))]
+pub struct ConfigError {
+    pub problems: Vec<String>,
+}
+
+impl ConfigError {
+    fn one(problem: String) -> Self {
+        ConfigError {
+            problems: vec![problem],
+        }
+    }
+}
+
+/// Where the layers come from: the file (optional), the environment (a map, so tests never
+/// touch the process's), and command-line overrides as `section.key` → value.
+#[derive(Debug, Default)]
+pub struct ConfigSources<'a> {
+    pub file: Option<&'a Path>,
+    pub env: HashMap<String, String>,
+    pub overrides: Vec<(&'static str, String)>,
+}
+
+impl NodeConfig {
+    /// Merges the layers and validates the result.
+    pub fn load(sources: ConfigSources) -> Result<Self, ConfigError> {
+        let defaults = Config::try_from(&NodeConfig::default())
+            .map_err(|e| ConfigError::one(format!("built-in defaults: {e}")))?;
+        let mut builder = Config::builder().add_source(defaults);
+        if let Some(path) = sources.file {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| ConfigError::one(format!("cannot read {}: {e}", path.display())))?;
+            builder = builder.add_source(File::from_str(&text, FileFormat::Toml));
+        }
+        builder = builder.add_source(
+            Environment::with_prefix(ENV_PREFIX)
+                .prefix_separator("_")
+                .separator("__")
+                .list_separator(",")
+                .with_list_parse_key("server.api_keys")
+                .try_parsing(true)
+                .source(Some(sources.env.into_iter().collect())),
+        );
+        for (key, value) in sources.overrides {
+            builder = builder
+                .set_override(key, value)
+                .map_err(|e| ConfigError::one(format!("--{key}: {e}")))?;
+        }
+        let merged = builder.build().map_err(|e| {
+            let origin = sources.file.map(|p| format!(" in {}", p.display()));
+            ConfigError::one(format!("{e}{}", origin.unwrap_or_default()))
+        })?;
+
+        let mut problems = unknown_keys(&merged)?;
+        let mut config = NodeConfig::default();
+        section(&merged, "server", &mut config.server, &mut problems);
+        section(&merged, "model", &mut config.model, &mut problems);
+        section(&merged, "devices", &mut config.devices, &mut problems);
+        section(&merged, "batching", &mut config.batching, &mut problems);
+        section(&merged, "metrics", &mut config.metrics, &mut problems);
+        section(&merged, "logging", &mut config.logging, &mut problems);
+        problems.extend(config.problems());
+        if problems.is_empty() {
+            Ok(config)
+        } else {
+            Err(ConfigError { problems })
+        }
+    }
+
+    /// Values that parse but cannot work.
+    pub fn problems(&self) -> Vec<String> {
+        let mut problems = Vec::new();
+        if self.server.listen.parse::<SocketAddr>().is_err() {
+            problems.push(format!(
+                "server.listen: `{}` is not an address like 127.0.0.1:8080",
+                self.server.listen
+            ));
+        }
+        if self.server.api_keys.iter().any(|k| k.trim().is_empty()) {
+            problems.push("server.api_keys: keys must not be empty".into());
+        }
+        if self.server.max_request_bytes < 1024 {
+            problems.push("server.max_request_bytes: must be at least 1024".into());
+        }
+        if self.devices.cpu_slots == 0 {
+            problems.push("devices.cpu_slots: at least one device slot is needed".into());
+        }
+        if self.devices.replication == 0 {
+            problems.push("devices.replication: must be at least 1".into());
+        } else if self.devices.replication > self.devices.cpu_slots.max(1) {
+            problems.push(format!(
+                "devices.replication: {} replicas need as many devices, but there are {}",
+                self.devices.replication, self.devices.cpu_slots
+            ));
+        }
+        let b = &self.batching;
+        for (name, value) in [
+            ("batching.max_sequences", b.max_sequences),
+            ("batching.max_tokens_per_step", b.max_tokens_per_step),
+            ("batching.max_prompt_tokens", b.max_prompt_tokens),
+            ("batching.default_max_tokens", b.default_max_tokens),
+        ] {
+            if value == 0 {
+                problems.push(format!("{name}: must be at least 1"));
+            }
+        }
+        if b.max_tokens_per_step < b.max_sequences {
+            problems.push(format!(
+                "batching.max_tokens_per_step ({}) must be at least batching.max_sequences ({}): \
+                 every decoding sequence needs one token per step",
+                b.max_tokens_per_step, b.max_sequences
+            ));
+        }
+        problems
+    }
+
+    pub fn listen_addr(&self) -> SocketAddr {
+        self.server
+            .listen
+            .parse()
+            .unwrap_or_else(|_| SocketAddr::from(([127, 0, 0, 1], 8080)))
+    }
+
+    /// The model directory, or `None` for the demo model.
+    pub fn model_path(&self) -> Option<PathBuf> {
+        (!self.model.path.is_empty()).then(|| PathBuf::from(&self.model.path))
+    }
+
+    pub fn cache_dir(&self) -> PathBuf {
+        if !self.model.cache_dir.is_empty() {
+            return PathBuf::from(&self.model.cache_dir);
+        }
+        let base = std::env::var_os("XDG_CACHE_HOME")
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+            .unwrap_or_else(std::env::temp_dir);
+        base.join("moe-node")
+    }
+}
+
+/// Every key of the merged configuration that the defaults do not have.
+fn unknown_keys(merged: &Config) -> Result<Vec<String>, ConfigError> {
+    let known = key_paths(
+        &serde_json::to_value(NodeConfig::default())
+            .map_err(|e| ConfigError::one(e.to_string()))?,
+    );
+    let given = key_paths(
+        &merged
+            .clone()
+            .try_deserialize::<serde_json::Value>()
+            .map_err(|e| ConfigError::one(e.to_string()))?,
+    );
+    Ok(given
+        .difference(&known)
+        .filter(|key| {
+            // A key under an unknown section is reported once, as the section.
+            let parent = key.rsplit_once('.').map(|(p, _)| p);
+            parent.is_none_or(|p| known.contains(p))
+        })
+        .map(|key| format!("{key}: unknown key"))
+        .collect())
+}
+
+fn key_paths(value: &serde_json::Value) -> BTreeSet<String> {
+    let mut keys = BTreeSet::new();
+    if let serde_json::Value::Object(sections) = value {
+        for (section, inner) in sections {
+            keys.insert(section.clone());
+            if let serde_json::Value::Object(fields) = inner {
+                keys.extend(fields.keys().map(|k| format!("{section}.{k}")));
+            }
+        }
+    }
+    keys
+}
+
+/// Reads one section, leaving the default in place and noting the problem when it does not
+/// fit its type. Unknown keys (reported already) are set aside first, and each section is
+/// read separately, so every bad section is reported and the rest still validated.
+fn section<T: Serialize + DeserializeOwned>(
+    merged: &Config,
+    name: &str,
+    out: &mut T,
+    problems: &mut Vec<String>,
+) {
+    let mut value = match merged.get::<serde_json::Value>(name) {
+        Ok(value) => value,
+        Err(config::ConfigError::NotFound(_)) => return,
+        Err(e) => {
+            problems.push(format!("{name}: {e}"));
+            return;
+        }
+    };
+    if let (serde_json::Value::Object(given), Ok(serde_json::Value::Object(known))) =
+        (&mut value, serde_json::to_value(&*out))
+    {
+        given.retain(|key, _| known.contains_key(key));
+        // Try each key alone (the defaults fill the rest) to name every key that does not
+        // fit its type, then read the section without them.
+        let mut bad = Vec::new();
+        for (key, v) in given.iter() {
+            let alone = serde_json::json!({ key.clone(): v.clone() });
+            if let Err(e) = serde_json::from_value::<T>(alone) {
+                problems.push(format!("{name}.{key}: {e}"));
+                bad.push(key.clone());
+            }
+        }
+        given.retain(|key, _| !bad.contains(key));
+    }
+    match serde_json::from_value(value) {
+        Ok(parsed) => *out = parsed,
+        Err(e) => problems.push(format!("{name}: {e}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(file: &str, env: &[(&str, &str)]) -> Result<NodeConfig, ConfigError> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("moe-node.toml");
+        std::fs::write(&path, file).unwrap();
+        NodeConfig::load(ConfigSources {
+            file: Some(&path),
+            env: env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            overrides: Vec::new(),
+        })
+    }
+
+    #[test]
+    fn layers_apply_in_order() {
+        let config = load(
+            "[server]\nlisten = \"0.0.0.0:9000\"\n[devices]\ncpu_slots = 4\n",
+            &[
+                ("MOE_NODE_DEVICES__CPU_SLOTS", "3"),
+                ("MOE_NODE_SERVER__API_KEYS", "a,b"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(config.server.listen, "0.0.0.0:9000");
+        assert_eq!(config.devices.cpu_slots, 3);
+        assert_eq!(config.server.api_keys, vec!["a", "b"]);
+        assert_eq!(config.batching, BatchingConfig::default());
+
+        let dir = tempfile::tempdir().unwrap();
+        let overridden = NodeConfig::load(ConfigSources {
+            file: None,
+            env: [(
+                "MOE_NODE_SERVER__LISTEN".to_string(),
+                "1.2.3.4:1".to_string(),
+            )]
+            .into(),
+            overrides: vec![("server.listen", "127.0.0.1:0".into())],
+        })
+        .unwrap();
+        assert_eq!(overridden.server.listen, "127.0.0.1:0");
+        drop(dir);
+    }
+
+    #[test]
+    fn every_problem_is_reported_at_once() {
+        let err = load(
+            "[server]\nlisten = \"nowhere\"\nlisen = 1\n[devices]\ncpu_slots = 0\nreplication = 2\n\
+             [batching]\nmax_sequences = \"many\"\n[gpus]\nx = 1\n",
+            &[],
+        )
+        .unwrap_err();
+        let text = err.to_string();
+        for expected in [
+            "server.lisen: unknown key",
+            "gpus: unknown key",
+            "server.listen: `nowhere`",
+            "devices.cpu_slots",
+            "devices.replication",
+            "batching.max_sequences: invalid type: string \"many\"",
+        ] {
+            assert!(
+                text.contains(expected),
+                "{expected:?} missing from:\n{text}"
+            );
+        }
+    }
+
+    #[test]
+    fn shipped_file_is_valid_and_equals_the_defaults() {
+        let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("etc/moe-node.toml");
+        let config = NodeConfig::load(ConfigSources {
+            file: Some(&shipped),
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!(config, NodeConfig::default());
+    }
+}

@@ -1,0 +1,185 @@
+//! The node's Prometheus metrics. Request and token metrics are updated where the events
+//! happen; expert and device load is read from [`ExpertLoad`] at scrape time, so the hot
+//! path only does relaxed atomic adds.
+
+use std::sync::{Arc, Mutex};
+
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+use crate::placement::ExpertLoad;
+
+pub struct NodeMetrics {
+    /// Locked only to register and to scrape.
+    registry: Mutex<Registry>,
+    pub requests_running: Gauge,
+    pub requests_waiting: Gauge,
+    pub time_to_first_token: Histogram,
+    pub inter_token_latency: Histogram,
+    pub request_latency: Histogram,
+    pub prompt_tokens: Counter,
+    pub generation_tokens: Counter,
+}
+
+impl NodeMetrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("moe_node");
+        let requests_running = Gauge::default();
+        let requests_waiting = Gauge::default();
+        // 1 ms .. ~65 s.
+        let latency = || Histogram::new(exponential_buckets(0.001, 2.0, 17));
+        let time_to_first_token = latency();
+        let inter_token_latency = latency();
+        let request_latency = latency();
+        let prompt_tokens = Counter::default();
+        let generation_tokens = Counter::default();
+        registry.register(
+            "requests_running",
+            "Sequences in the running batch",
+            requests_running.clone(),
+        );
+        registry.register(
+            "requests_waiting",
+            "Requests queued for a place in the batch",
+            requests_waiting.clone(),
+        );
+        registry.register(
+            "time_to_first_token_seconds",
+            "From admission to the first generated token",
+            time_to_first_token.clone(),
+        );
+        registry.register(
+            "inter_token_latency_seconds",
+            "Between consecutive generated tokens of one request",
+            inter_token_latency.clone(),
+        );
+        registry.register(
+            "request_latency_seconds",
+            "From admission to the last generated token",
+            request_latency.clone(),
+        );
+        registry.register(
+            "prompt_tokens",
+            "Prompt tokens prefilled",
+            prompt_tokens.clone(),
+        );
+        registry.register(
+            "generation_tokens",
+            "Tokens generated",
+            generation_tokens.clone(),
+        );
+        NodeMetrics {
+            registry: Mutex::new(registry),
+            requests_running,
+            requests_waiting,
+            time_to_first_token,
+            inter_token_latency,
+            request_latency,
+            prompt_tokens,
+            generation_tokens,
+        }
+    }
+
+    /// Adds the expert load series, read from `load` at each scrape.
+    pub fn register_expert_load(&self, load: Arc<ExpertLoad>, per_expert: bool) {
+        self.registry()
+            .register_collector(Box::new(ExpertLoadCollector { load, per_expert }));
+    }
+
+    /// Content type of [`NodeMetrics::encode`]'s output.
+    pub const CONTENT_TYPE: &'static str =
+        prometheus_client::encoding::prometheus_text::CONTENT_TYPE;
+
+    /// The Prometheus text exposition.
+    pub fn encode(&self) -> Result<String, std::fmt::Error> {
+        let mut out = String::new();
+        prometheus_client::encoding::prometheus_text::encode(&mut out, &self.registry())?;
+        Ok(out)
+    }
+}
+
+impl NodeMetrics {
+    fn registry(&self) -> std::sync::MutexGuard<'_, Registry> {
+        // Registering and encoding cannot leave the registry half-changed.
+        self.registry.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Default for NodeMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+#[derive(Debug)]
+struct ExpertLoadCollector {
+    load: Arc<ExpertLoad>,
+    per_expert: bool,
+}
+
+impl prometheus_client::collector::Collector for ExpertLoadCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let layers: Vec<_> = (0..self.load.num_layers())
+            .map(|l| (l.to_string(), self.load.layer(l)))
+            .filter(|(_, load)| !load.activations.is_empty())
+            .collect();
+        {
+            let mut family = encoder.encode_descriptor(
+                "device_tokens",
+                "Token rows run through experts, per device and layer",
+                None,
+                MetricType::Counter,
+            )?;
+            for (layer, load) in &layers {
+                for (device, &tokens) in load.device_tokens.iter().enumerate() {
+                    let labels = [("layer", layer.clone()), ("device", device.to_string())];
+                    ConstCounter::new(tokens).encode(family.encode_family(&labels)?)?;
+                }
+            }
+        }
+        {
+            let mut family = encoder.encode_descriptor(
+                "layer_imbalance",
+                "Most loaded device's tokens over the mean, per layer (1 = even)",
+                None,
+                MetricType::Gauge,
+            )?;
+            for (layer, load) in &layers {
+                let labels = [("layer", layer.clone())];
+                ConstGauge::new(load.imbalance()).encode(family.encode_family(&labels)?)?;
+            }
+        }
+        {
+            let mut family = encoder.encode_descriptor(
+                "hot_experts",
+                "Experts with more than twice the median expert's activations, per layer",
+                None,
+                MetricType::Gauge,
+            )?;
+            for (layer, load) in &layers {
+                let labels = [("layer", layer.clone())];
+                ConstGauge::new(load.hot_experts() as i64)
+                    .encode(family.encode_family(&labels)?)?;
+            }
+        }
+        if self.per_expert {
+            let mut family = encoder.encode_descriptor(
+                "expert_activations",
+                "Token rows routed to each expert",
+                None,
+                MetricType::Counter,
+            )?;
+            for (layer, load) in &layers {
+                for (expert, &count) in load.activations.iter().enumerate() {
+                    let labels = [("layer", layer.clone()), ("expert", expert.to_string())];
+                    ConstCounter::new(count).encode(family.encode_family(&labels)?)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,262 @@
+//! `moe-node serve`: binds the HTTP API at once (so `/health` and `/ready` answer while the
+//! model loads), loads the model and starts the actors on a loader thread, runs a warm-up
+//! pass, then reports ready. SIGTERM (or Ctrl-C) drains: no new requests, in-flight ones
+//! finish within `server.drain_seconds`, then the process exits 0.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use actix_web::{App, HttpServer, web};
+use futures::future::{Either, select};
+
+use crate::actors::router::Submit;
+use crate::actors::{Node, NodeError};
+use crate::api::{AppState, ServedModel};
+use crate::config::NodeConfig;
+use crate::engine::SamplingParams;
+use crate::engine::batch::SequenceEvent;
+use crate::metrics::NodeMetrics;
+use crate::model::chat_template::ChatTemplate;
+use crate::model::demo::{DemoSpec, write_demo_model};
+use crate::model::{ModelError, Tokenizer};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: String,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Node(#[from] NodeError),
+    #[error("writing the demo model to {dir}: {source}")]
+    Demo {
+        dir: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("the warm-up pass failed: {0}")]
+    WarmUp(String),
+    #[error("the loader thread stopped unexpectedly")]
+    LoaderGone,
+    #[error("the HTTP server failed: {0}")]
+    Http(std::io::Error),
+}
+
+impl From<ModelError> for ServeError {
+    fn from(e: ModelError) -> Self {
+        ServeError::Node(NodeError::Model(e))
+    }
+}
+
+/// Runs the node until it is told to stop. Blocks the calling thread.
+pub fn serve(config: NodeConfig) -> Result<(), ServeError> {
+    actix_web::rt::System::new().block_on(run(config))
+}
+
+async fn run(config: NodeConfig) -> Result<(), ServeError> {
+    let listener = TcpListener::bind(config.listen_addr()).map_err(|source| ServeError::Bind {
+        addr: config.server.listen.clone(),
+        source,
+    })?;
+    let local = listener.local_addr().map_err(ServeError::Http)?;
+    let drain = Duration::from_secs(config.server.drain_seconds);
+    let state = web::Data::new(AppState::new(config, Arc::new(NodeMetrics::new())));
+    let app_state = state.clone();
+    let server =
+        HttpServer::new(move || App::new().configure(crate::api::configure(app_state.clone())))
+            .disable_signals()
+            // Generation is drained before the server stops; this only bounds closing sockets.
+            .shutdown_timeout(5)
+            .listen(listener)
+            .map_err(ServeError::Http)?
+            .run();
+    let handle = server.handle();
+    tracing::info!("listening on http://{local}");
+
+    let (loaded_tx, loaded_rx) = futures::channel::oneshot::channel();
+    let system = actix_web::rt::System::current();
+    let loader_state = state.clone();
+    std::thread::Builder::new()
+        .name("moe-node-loader".into())
+        .spawn(move || {
+            // The device and router actors start arbiters, which need the system.
+            actix_web::rt::System::set_current(system);
+            let _ = loaded_tx.send(load(&loader_state));
+        })
+        .map_err(ServeError::Http)?;
+    actix_web::rt::spawn(drain_on_signal(state.clone(), handle.clone(), drain));
+
+    let server = Box::pin(server);
+    match select(server, loaded_rx).await {
+        Either::Left((result, _)) => result.map_err(ServeError::Http),
+        Either::Right((loaded, server)) => match loaded {
+            Ok(Ok(())) => server.await.map_err(ServeError::Http),
+            Ok(Err(e)) => {
+                handle.stop(false).await;
+                Err(e)
+            }
+            Err(_) => Err(ServeError::LoaderGone),
+        },
+    }
+}
+
+/// Loads the model, starts the actors, warms up, and puts the model in service.
+fn load(state: &AppState) -> Result<(), ServeError> {
+    let started = Instant::now();
+    let config = &state.config;
+    let dir = match config.model_path() {
+        Some(dir) => dir,
+        None => ensure_demo_model(&config.cache_dir())?,
+    };
+    let tokenizer = Tokenizer::load_optional(&dir)?;
+    let chat_template = ChatTemplate::load_optional(&dir)?;
+    let node = Node::start(&dir, config, state.metrics.clone())?;
+    tracing::info!(
+        model = %dir.display(),
+        model_type = %node.model.model_type,
+        devices = node.devices.len(),
+        replication = config.devices.replication,
+        seconds = started.elapsed().as_secs_f32(),
+        "model loaded"
+    );
+    warm_up(&node)?;
+    let name = if config.model.served_name.is_empty() {
+        dir.file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "model".into())
+    } else {
+        config.model.served_name.clone()
+    };
+    let created = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or_default();
+    state.set_ready(ServedModel {
+        name: name.clone(),
+        node,
+        tokenizer,
+        chat_template,
+        created,
+    });
+    let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready]);
+    tracing::info!(
+        model = %name,
+        seconds = started.elapsed().as_secs_f32(),
+        "ready"
+    );
+    Ok(())
+}
+
+/// One token through every layer and device, so the first request does not pay for cold
+/// caches and a broken device shows up before the node says it is ready.
+fn warm_up(node: &Node) -> Result<(), ServeError> {
+    let submit = Submit {
+        prompt: vec![0],
+        max_tokens: 1,
+        sampling: SamplingParams::default(),
+        stop_at_eos: false,
+    };
+    let mut events = futures::executor::block_on(node.router.send(submit))
+        .map_err(|e| ServeError::WarmUp(e.to_string()))?
+        .map_err(|e| ServeError::WarmUp(e.to_string()))?;
+    loop {
+        match events.blocking_recv() {
+            Some(SequenceEvent::Token(_)) => {}
+            Some(SequenceEvent::Finished { .. }) => return Ok(()),
+            Some(SequenceEvent::Failed(e)) => return Err(ServeError::WarmUp(e)),
+            None => return Err(ServeError::WarmUp("the router stopped".into())),
+        }
+    }
+}
+
+/// The demo model's directory under `cache_dir`, written there on first use. It is written
+/// into a temporary directory and renamed, so an interrupted write is never mistaken for a
+/// model.
+fn ensure_demo_model(cache_dir: &Path) -> Result<PathBuf, ServeError> {
+    let spec = DemoSpec::default();
+    let dir = cache_dir.join("demo-model");
+    if dir.join("config.json").exists() {
+        return Ok(dir);
+    }
+    let demo_error = |source| ServeError::Demo {
+        dir: dir.clone(),
+        source,
+    };
+    std::fs::create_dir_all(cache_dir).map_err(demo_error)?;
+    let partial = cache_dir.join(format!("demo-model.partial-{}", std::process::id()));
+    tracing::info!(
+        "writing the demo model ({} experts, top-{}) to {}",
+        spec.num_experts,
+        spec.top_k,
+        dir.display()
+    );
+    write_demo_model(&partial, &spec, |done, total| {
+        tracing::info!("demo model: layer {done}/{total} written");
+    })?;
+    match std::fs::rename(&partial, &dir) {
+        Ok(()) => Ok(dir),
+        // Another node process on this machine wrote it first.
+        Err(_) if dir.join("config.json").exists() => {
+            let _ = std::fs::remove_dir_all(&partial);
+            Ok(dir)
+        }
+        Err(e) => Err(demo_error(e)),
+    }
+}
+
+/// On SIGTERM or SIGINT: stop admitting, wait for in-flight generations (at most `drain`),
+/// then stop the HTTP server gracefully.
+async fn drain_on_signal(
+    state: web::Data<AppState>,
+    handle: actix_web::dev::ServerHandle,
+    drain: Duration,
+) {
+    wait_for_signal().await;
+    state.start_draining();
+    let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
+    let in_flight = || state.metrics.requests_running.get() + state.metrics.requests_waiting.get();
+    tracing::info!(
+        in_flight = in_flight(),
+        drain_seconds = drain.as_secs(),
+        "draining"
+    );
+    let deadline = Instant::now() + drain;
+    while in_flight() > 0 && Instant::now() < deadline {
+        actix_web::rt::time::sleep(Duration::from_millis(20)).await;
+    }
+    if in_flight() > 0 {
+        tracing::warn!(
+            in_flight = in_flight(),
+            "drain time is up; stopping with requests in flight"
+        );
+    } else {
+        tracing::info!("drained");
+    }
+    handle.stop(true).await;
+}
+
+#[cfg(unix)]
+async fn wait_for_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    match (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) {
+        (Ok(mut term), Ok(mut int)) => {
+            let term = Box::pin(term.recv());
+            let int = Box::pin(int.recv());
+            select(term, int).await;
+        }
+        _ => {
+            tracing::error!("cannot listen for signals; stop the node with SIGKILL");
+            futures::future::pending::<()>().await;
+        }
+    }
+}
+
+#[cfg(not(unix))]
+async fn wait_for_signal() {
+    let _ = tokio::signal::ctrl_c().await;
+}
