@@ -216,7 +216,8 @@ async fn drain_on_signal(
     wait_for_signal().await;
     state.start_draining();
     let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
-    let in_flight = || state.metrics.requests_running.get() + state.metrics.requests_waiting.get();
+    // Responses still being sent count as well as sequences still generating.
+    let in_flight = || state.in_flight() as i64 + state.metrics.requests_running.get();
     tracing::info!(
         in_flight = in_flight(),
         drain_seconds = drain.as_secs(),

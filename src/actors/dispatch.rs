@@ -100,7 +100,11 @@ impl ExpertExecutor for DeviceExperts {
                     async move { (device, reply.await) }
                 });
             // The router's own thread waits here: the step cannot go on without the experts.
-            let replies = futures::executor::block_on(join_all(sends));
+            // The router runs inside a tokio task, whose cooperative budget would run out
+            // after ~128 replies and defer the wake-up to a scheduler this thread is blocking:
+            // waiting outside the budget avoids that deadlock.
+            let replies =
+                futures::executor::block_on(tokio::task::coop::unconstrained(join_all(sends)));
             pending.clear();
             for (device, reply) in replies {
                 let groups = &per_device[device];

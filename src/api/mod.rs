@@ -6,7 +6,7 @@ pub mod admin;
 pub mod error;
 pub mod openai;
 
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use actix_web::body::MessageBody;
@@ -47,6 +47,18 @@ pub struct AppState {
     pub metrics: Arc<NodeMetrics>,
     phase: AtomicU8,
     served: OnceLock<ServedModel>,
+    /// Generation responses admitted and not yet fully sent.
+    in_flight: Arc<AtomicUsize>,
+}
+
+/// Counts one generation response as in flight until it is dropped (sent, failed, or its
+/// client went away); draining waits for the count to reach zero.
+pub struct InFlight(Arc<AtomicUsize>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl AppState {
@@ -56,7 +68,19 @@ impl AppState {
             metrics,
             phase: AtomicU8::new(Phase::Loading as u8),
             served: OnceLock::new(),
+            in_flight: Arc::new(AtomicUsize::new(0)),
         }
+    }
+
+    /// Marks a response in flight for as long as the guard lives.
+    pub fn track(&self) -> InFlight {
+        self.in_flight.fetch_add(1, Ordering::AcqRel);
+        InFlight(self.in_flight.clone())
+    }
+
+    /// Generation responses not yet fully sent.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Acquire)
     }
 
     pub fn phase(&self) -> Phase {

@@ -341,6 +341,7 @@ async fn generate(
     request: Admitted,
 ) -> Result<HttpResponse, ApiError> {
     let started = Instant::now();
+    let in_flight = state.track();
     let prompt_tokens = request.prompt.len();
     let events = served
         .node
@@ -376,6 +377,7 @@ async fn generate(
         decoder: TextDecoder::default(),
         token_ids: Vec::new(),
         started,
+        _in_flight: in_flight,
     };
     if response.request.stream {
         let stream = sse_stream(response, events, state);
@@ -395,6 +397,7 @@ struct Response {
     decoder: TextDecoder,
     token_ids: Vec<u32>,
     started: Instant,
+    _in_flight: super::InFlight,
 }
 
 impl Response {

@@ -1,0 +1,701 @@
+//! The real server, started as its own process on port 0, driven over HTTP by a real client:
+//! what a user of the API sees.
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use reqwest::StatusCode;
+use reqwest::blocking::{Client, Response};
+use serde_json::{Value, json};
+
+const BIN: &str = env!("CARGO_BIN_EXE_moe-node");
+
+/// The demo model, written once for all tests of this binary.
+fn demo_model() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("demo-model");
+        if !dir.join("config.json").exists() {
+            let status = Command::new(BIN)
+                .args(["demo-model", "--out"])
+                .arg(&dir)
+                .stderr(Stdio::null())
+                .status()
+                .unwrap();
+            assert!(status.success());
+        }
+        dir
+    })
+}
+
+struct Server {
+    child: Child,
+    base: String,
+    log: Arc<Mutex<Vec<String>>>,
+    client: Client,
+    key: Option<String>,
+    _dir: tempfile::TempDir,
+}
+
+impl Server {
+    /// Starts `moe-node serve` with `config` (TOML) and waits until it listens.
+    fn start(config: &str) -> Server {
+        Self::start_with(config, &["--model", demo_model().to_str().unwrap()])
+    }
+
+    fn start_with(config: &str, args: &[&str]) -> Server {
+        let dir = tempfile::tempdir().unwrap();
+        let config_path = dir.path().join("moe-node.toml");
+        std::fs::write(&config_path, config).unwrap();
+        let mut child = Command::new(BIN)
+            .arg("serve")
+            .arg("--config")
+            .arg(&config_path)
+            .args(["--listen", "127.0.0.1:0"])
+            .args(args)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+        let stderr = child.stderr.take().unwrap();
+        let lines = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if let Some(rest) = line.split("listening on http://").nth(1) {
+                    let _ = addr_tx.send(rest.trim().to_string());
+                }
+                lines.lock().unwrap().push(line);
+            }
+        });
+        let addr = addr_rx
+            .recv_timeout(Duration::from_secs(60))
+            .unwrap_or_else(|_| panic!("server did not start: {:?}", log.lock().unwrap()));
+        let key = config
+            .lines()
+            .find_map(|l| l.strip_prefix("api_keys = [\""))
+            .and_then(|rest| rest.split('"').next())
+            .map(str::to_string);
+        Server {
+            child,
+            base: format!("http://{addr}"),
+            log,
+            client: Client::builder()
+                .timeout(Duration::from_secs(120))
+                .build()
+                .unwrap(),
+            key,
+            _dir: dir,
+        }
+    }
+
+    fn wait_ready(&self) {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while Instant::now() < deadline {
+            if self.get("/ready").status() == StatusCode::OK {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("not ready in time: {:?}", self.log.lock().unwrap());
+    }
+
+    fn get(&self, path: &str) -> Response {
+        let mut req = self.client.get(format!("{}{path}", self.base));
+        if let Some(key) = &self.key {
+            req = req.bearer_auth(key);
+        }
+        req.send().unwrap()
+    }
+
+    fn post(&self, path: &str, body: &Value) -> Response {
+        let mut req = self.client.post(format!("{}{path}", self.base)).json(body);
+        if let Some(key) = &self.key {
+            req = req.bearer_auth(key);
+        }
+        req.send().unwrap()
+    }
+
+    fn post_ok(&self, path: &str, body: &Value) -> Value {
+        let resp = self.post(path, body);
+        let status = resp.status();
+        let body: Value = resp.json().unwrap();
+        assert_eq!(status, StatusCode::OK, "{body}");
+        body
+    }
+
+    fn metric(&self, name: &str) -> f64 {
+        let text = self.get("/metrics").text().unwrap();
+        text.lines()
+            .find_map(|l| l.strip_prefix(&format!("{name} ")))
+            .unwrap_or_else(|| panic!("{name} missing from /metrics:\n{text}"))
+            .trim()
+            .parse()
+            .unwrap()
+    }
+
+    fn log_contains(&self, needle: &str) -> bool {
+        self.log.lock().unwrap().iter().any(|l| l.contains(needle))
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Reads a server-sent event stream to its end: the JSON of every `data:` line, and
+/// whether it ended with `data: [DONE]`.
+fn read_sse(resp: Response) -> (Vec<Value>, bool) {
+    assert_eq!(resp.status(), StatusCode::OK);
+    let content_type = resp.headers()["content-type"].to_str().unwrap().to_string();
+    assert!(
+        content_type.starts_with("text/event-stream"),
+        "{content_type}"
+    );
+    let mut events = Vec::new();
+    let mut done = false;
+    for line in BufReader::new(resp).lines() {
+        let line = line.unwrap();
+        let Some(data) = line.strip_prefix("data: ") else {
+            assert!(line.is_empty(), "unexpected line {line:?}");
+            continue;
+        };
+        assert!(!done, "data after [DONE]");
+        if data == "[DONE]" {
+            done = true;
+        } else {
+            events.push(serde_json::from_str(data).unwrap());
+        }
+    }
+    (events, done)
+}
+
+/// Generated ids of a streamed completion with `return_token_ids`.
+fn streamed_ids(events: &[Value]) -> Vec<u64> {
+    events
+        .iter()
+        .filter_map(|e| e["choices"].get(0))
+        .filter_map(|c| c["token_ids"].as_array())
+        .flatten()
+        .map(|t| t.as_u64().unwrap())
+        .collect()
+}
+
+fn ids(value: &Value) -> Vec<u64> {
+    value
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect()
+}
+
+fn assert_envelope(resp: Response, status: StatusCode, message_part: &str) -> Value {
+    assert_eq!(resp.status(), status);
+    let body: Value = resp.json().unwrap();
+    let error = &body["error"];
+    for field in ["message", "type", "param", "code"] {
+        assert!(error.get(field).is_some(), "{field} missing: {body}");
+    }
+    let message = error["message"].as_str().unwrap();
+    assert!(
+        message.contains(message_part),
+        "{message_part:?} not in {message:?}"
+    );
+    body
+}
+
+/// `moe-node generate`'s greedy tokens for a prompt given as ids.
+fn generate_cli(prompt: &[u32], max_tokens: usize) -> Vec<u64> {
+    let prompt_ids: Vec<String> = prompt.iter().map(u32::to_string).collect();
+    let out = Command::new(BIN)
+        .args(["generate", "--model", demo_model().to_str().unwrap()])
+        .args(["--prompt-ids", &prompt_ids.join(",")])
+        .args(["--max-tokens", &max_tokens.to_string()])
+        .args(["--stop-at-eos", "--json"])
+        .stderr(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let value: Value = serde_json::from_slice(&out.stdout).unwrap();
+    ids(&value["token_ids"])
+}
+
+#[test]
+fn demo_model_is_written_on_first_start_and_ready_follows_load() {
+    let cache = tempfile::tempdir().unwrap();
+    let server = Server::start_with(
+        &format!("[model]\ncache_dir = \"{}\"\n", cache.path().display()),
+        &[],
+    );
+    // The API answers while the model is still being written and loaded.
+    let early = server.get("/ready");
+    assert_envelope(early, StatusCode::SERVICE_UNAVAILABLE, "loading");
+    assert_eq!(server.get("/health").status(), StatusCode::OK);
+    let resp = server.post("/v1/completions", &json!({"prompt": "hi"}));
+    assert_envelope(resp, StatusCode::SERVICE_UNAVAILABLE, "loading");
+    server.wait_ready();
+    assert!(server.log_contains("demo model: layer 4/4 written"));
+    assert!(cache.path().join("demo-model/config.json").exists());
+    let models = server.get("/v1/models").json::<Value>().unwrap();
+    assert_eq!(models["data"][0]["id"], "demo-model");
+    let version = server.get("/version").json::<Value>().unwrap();
+    assert_eq!(version["version"], env!("CARGO_PKG_VERSION"));
+}
+
+#[test]
+fn completions_and_chat_match_generate_streaming_or_not() {
+    let server = Server::start("");
+    server.wait_ready();
+    let prompt = [256u32, 72, 101, 108, 108, 111];
+    let expected = generate_cli(&prompt, 12);
+
+    // Token ids in, token ids out.
+    let body = server.post_ok(
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 12, "temperature": 0, "return_token_ids": true}),
+    );
+    assert_eq!(ids(&body["choices"][0]["token_ids"]), expected);
+    assert_eq!(body["object"], "text_completion");
+    assert_eq!(body["usage"]["prompt_tokens"], 6);
+    assert_eq!(body["usage"]["completion_tokens"], expected.len());
+    assert_eq!(body["usage"]["total_tokens"], 6 + expected.len() as u64);
+    let reason = if expected.len() < 12 {
+        "stop"
+    } else {
+        "length"
+    };
+    assert_eq!(body["choices"][0]["finish_reason"], reason);
+    let text = body["choices"][0]["text"].as_str().unwrap().to_string();
+
+    // The same, streamed: the deltas add up to the same text and ids.
+    let resp = server.post(
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 12, "temperature": 0, "stream": true,
+                "return_token_ids": true, "stream_options": {"include_usage": true}}),
+    );
+    let (events, done) = read_sse(resp);
+    assert!(done);
+    assert_eq!(streamed_ids(&events), expected);
+    let streamed: String = events
+        .iter()
+        .filter_map(|e| e["choices"].get(0))
+        .map(|c| c["text"].as_str().unwrap())
+        .collect();
+    assert_eq!(streamed, text);
+    let usage = events.last().unwrap();
+    assert_eq!(usage["choices"], json!([]));
+    assert_eq!(usage["usage"]["completion_tokens"], expected.len());
+
+    // Chat: the template renders the messages; streamed and whole agree.
+    let messages =
+        json!([{"role": "system", "content": "be brief"}, {"role": "user", "content": "Hello"}]);
+    let whole = server.post_ok(
+        "/v1/chat/completions",
+        &json!({"messages": messages, "max_tokens": 10, "temperature": 0}),
+    );
+    assert_eq!(whole["object"], "chat.completion");
+    assert_eq!(whole["choices"][0]["message"]["role"], "assistant");
+    let tokenized = server.post_ok("/tokenize", &json!({"messages": messages}));
+    assert_eq!(whole["usage"]["prompt_tokens"], tokenized["count"]);
+    let resp = server.post(
+        "/v1/chat/completions",
+        &json!({"messages": messages, "max_tokens": 10, "temperature": 0, "stream": true}),
+    );
+    let (events, done) = read_sse(resp);
+    assert!(done);
+    assert_eq!(events[0]["choices"][0]["delta"]["role"], "assistant");
+    assert!(
+        events
+            .iter()
+            .all(|e| e["object"] == "chat.completion.chunk")
+    );
+    let content: String = events
+        .iter()
+        .filter_map(|e| e["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(
+        content,
+        whole["choices"][0]["message"]["content"].as_str().unwrap()
+    );
+    assert!(events.last().unwrap()["choices"][0]["finish_reason"].is_string());
+
+    // Seeded sampling is reproducible.
+    let sampled = |seed: u64| {
+        server.post_ok(
+            "/v1/completions",
+            &json!({"prompt": prompt, "max_tokens": 8, "temperature": 1.0, "seed": seed,
+                    "return_token_ids": true, "ignore_eos": true}),
+        )["choices"][0]["token_ids"]
+            .clone()
+    };
+    assert_eq!(sampled(7), sampled(7));
+
+    // Metrics saw all of it.
+    assert!(server.metric("moe_node_generation_tokens_total") >= 40.0);
+    assert!(server.metric("moe_node_time_to_first_token_seconds_count") >= 5.0);
+    let text = server.get("/metrics").text().unwrap();
+    for series in [
+        "moe_node_inter_token_latency_seconds_bucket",
+        "moe_node_request_latency_seconds_sum",
+        "moe_node_prompt_tokens_total",
+        "moe_node_requests_running",
+        "moe_node_requests_waiting",
+        "moe_node_device_tokens_total{layer=\"1\",device=\"1\"}",
+        "moe_node_layer_imbalance{layer=\"3\"}",
+        "moe_node_hot_experts{layer=\"2\"}",
+    ] {
+        assert!(text.contains(series), "{series} missing from /metrics");
+    }
+    assert!(
+        !text.contains("expert_activations"),
+        "per-expert series are opt-in"
+    );
+    let experts = server.get("/admin/experts").json::<Value>().unwrap();
+    let layer = &experts["layers"][0];
+    assert_eq!(layer["layer"], 1, "layer 0 of the demo model is dense");
+    assert_eq!(layer["experts"].as_array().unwrap().len(), 896);
+    let activations: u64 = layer["experts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["activations"].as_u64().unwrap())
+        .sum();
+    let tokens = server.metric("moe_node_prompt_tokens_total")
+        + server.metric("moe_node_generation_tokens_total");
+    // Every token (less each request's last, which is never fed back) went to 16 experts.
+    assert!(
+        activations as f64 >= 16.0 * (tokens - 8.0),
+        "{activations} vs {tokens}"
+    );
+}
+
+#[test]
+fn thirty_two_concurrent_streams_give_what_they_give_alone() {
+    let server = Server::start("[metrics]\nper_expert = true\n");
+    server.wait_ready();
+    let request = |i: u32| {
+        json!({
+            "prompt": [256, 10 + i, 20 + i % 7, 30 + (i * 3) % 11],
+            "max_tokens": 16 + i % 4,
+            "temperature": 0,
+            "stream": true,
+            "return_token_ids": true,
+        })
+    };
+    let alone: Vec<Vec<u64>> = (0..32)
+        .map(|i| {
+            let (events, done) = read_sse(server.post("/v1/completions", &request(i)));
+            assert!(done);
+            streamed_ids(&events)
+        })
+        .collect();
+    let server = Arc::new(server);
+    let together: Vec<Vec<u64>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..32)
+            .map(|i| {
+                let server = server.clone();
+                let body = request(i);
+                scope.spawn(move || {
+                    let (events, done) = read_sse(server.post("/v1/completions", &body));
+                    assert!(done);
+                    streamed_ids(&events)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
+        assert_eq!(a, t, "request {i}");
+    }
+    assert_eq!(together[0], generate_cli(&[256, 10, 20, 30], 16));
+    let text = server.get("/metrics").text().unwrap();
+    assert!(text.contains("moe_node_expert_activations_total{layer=\"1\",expert=\"895\"}"));
+}
+
+#[test]
+fn bad_requests_get_openai_errors_with_the_right_status() {
+    let server = Server::start(
+        "[server]\napi_keys = [\"secret-1\", \"secret-2\"]\nmax_request_bytes = 4096\n\
+         [batching]\nmax_prompt_tokens = 64\nmax_sequences = 1\nmax_tokens_per_step = 64\nmax_waiting = 1\n",
+    );
+    server.wait_ready();
+    let url = |path: &str| format!("{}{path}", server.base);
+    let c = &server.client;
+
+    // Authentication on /v1 and /admin; health, readiness and metrics are exempt.
+    let resp = c.get(url("/v1/models")).send().unwrap();
+    assert_envelope(resp, StatusCode::UNAUTHORIZED, "API key");
+    let resp = c
+        .get(url("/admin/experts"))
+        .bearer_auth("nope")
+        .send()
+        .unwrap();
+    assert_envelope(resp, StatusCode::UNAUTHORIZED, "API key");
+    let resp = c
+        .get(url("/v1/models"))
+        .bearer_auth("secret-2")
+        .send()
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    for open in ["/health", "/ready", "/metrics", "/version"] {
+        assert_eq!(
+            c.get(url(open)).send().unwrap().status(),
+            StatusCode::OK,
+            "{open}"
+        );
+    }
+
+    let post = |path: &str, body: &str| {
+        c.post(url(path))
+            .bearer_auth("secret-1")
+            .header("content-type", "application/json")
+            .body(body.to_string())
+            .send()
+            .unwrap()
+    };
+    let cases: Vec<(&str, String, StatusCode, &str)> = vec![
+        (
+            "/v1/completions",
+            "{not json".into(),
+            StatusCode::BAD_REQUEST,
+            "not valid",
+        ),
+        (
+            "/v1/completions",
+            "{}".into(),
+            StatusCode::BAD_REQUEST,
+            "prompt",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": 5}"#.into(),
+            StatusCode::BAD_REQUEST,
+            "not valid",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": "hi", "model": "gpt-4"}"#.into(),
+            StatusCode::NOT_FOUND,
+            "gpt-4",
+        ),
+        (
+            "/v1/completions",
+            format!(r#"{{"prompt": "{}"}}"#, "x".repeat(5000)),
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "4096 bytes",
+        ),
+        (
+            "/v1/completions",
+            format!(r#"{{"prompt": "{}"}}"#, "x".repeat(100)),
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "at most 64",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": []}"#.into(),
+            StatusCode::BAD_REQUEST,
+            "empty",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": [1, 99999]}"#.into(),
+            StatusCode::BAD_REQUEST,
+            "outside the vocabulary",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": "hi", "max_tokens": 0}"#.into(),
+            StatusCode::BAD_REQUEST,
+            "at least 1",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": "hi", "max_tokens": 100000}"#.into(),
+            StatusCode::BAD_REQUEST,
+            "context",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": "hi", "temperature": -1}"#.into(),
+            StatusCode::BAD_REQUEST,
+            "temperature",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": "hi", "top_p": 0}"#.into(),
+            StatusCode::BAD_REQUEST,
+            "top_p",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": "hi", "n": 3}"#.into(),
+            StatusCode::BAD_REQUEST,
+            "n = 1",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": ["a", "b"]}"#.into(),
+            StatusCode::BAD_REQUEST,
+            "one prompt",
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages": []}"#.into(),
+            StatusCode::BAD_REQUEST,
+            "empty",
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages": [{"content": "no role"}]}"#.into(),
+            StatusCode::BAD_REQUEST,
+            "role",
+        ),
+        (
+            "/v1/nothing",
+            "{}".into(),
+            StatusCode::NOT_FOUND,
+            "/v1/nothing",
+        ),
+        (
+            "/admin/devices/7/stop",
+            "".into(),
+            StatusCode::BAD_REQUEST,
+            "device 7",
+        ),
+    ];
+    for (path, body, status, part) in cases {
+        let resp = post(path, &body);
+        let got = resp.status();
+        let text = resp.text().unwrap();
+        assert_eq!(got, status, "{path} {body:.60}: {text}");
+        let value: Value = serde_json::from_str(&text).unwrap();
+        let message = value["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains(part), "{part:?} not in {text}");
+    }
+
+    // One sequence runs, one waits, the rest are refused with 429 until there is room.
+    let long = r#"{"prompt": [1, 2, 3], "max_tokens": 1500, "ignore_eos": true, "temperature": 0}"#;
+    let statuses: Vec<StatusCode> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..4)
+            .map(|i| {
+                let post = &post;
+                scope.spawn(move || {
+                    std::thread::sleep(Duration::from_millis(150 * i));
+                    let resp = post("/v1/completions", long);
+                    let status = resp.status();
+                    if status == StatusCode::TOO_MANY_REQUESTS {
+                        assert_envelope(resp, status, "capacity");
+                    }
+                    status
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(
+        statuses,
+        [
+            StatusCode::OK,
+            StatusCode::OK,
+            StatusCode::TOO_MANY_REQUESTS,
+            StatusCode::TOO_MANY_REQUESTS
+        ]
+    );
+    // The server still works after all of that.
+    let resp = post("/v1/completions", r#"{"prompt": [1, 2], "max_tokens": 2}"#);
+    assert_eq!(resp.status(), StatusCode::OK);
+}
+
+#[test]
+fn a_dead_device_is_survived_when_its_experts_have_replicas() {
+    let server = Server::start("[devices]\ncpu_slots = 3\nreplication = 2\n");
+    server.wait_ready();
+    let body = json!({"prompt": [256, 1, 2, 3], "max_tokens": 12, "temperature": 0, "return_token_ids": true});
+    let before = server.post_ok("/v1/completions", &body)["choices"][0]["token_ids"].clone();
+
+    let stopped = server.post_ok("/admin/devices/1/stop", &json!({}));
+    assert_eq!(stopped["stopped"], true);
+    let after = server.post_ok("/v1/completions", &body)["choices"][0]["token_ids"].clone();
+    assert_eq!(before, after, "replicas give the same result");
+    let devices = server.get("/admin/devices").json::<Value>().unwrap();
+    let alive: Vec<bool> = devices["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["alive"].as_bool().unwrap())
+        .collect();
+    assert_eq!(alive, vec![true, false, true]);
+    let experts = server.get("/admin/experts").json::<Value>().unwrap();
+    let expert = &experts["layers"][0]["experts"][0];
+    assert_eq!(expert["replicas"], 2);
+
+    // With a second device gone some experts have no copy left: requests fail cleanly
+    // with 503, and nothing hangs.
+    server.post_ok("/admin/devices/2/stop", &json!({}));
+    let resp = server.post("/v1/completions", &body);
+    assert_envelope(
+        resp,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "no live device holds expert",
+    );
+    assert_eq!(server.get("/health").status(), StatusCode::OK);
+}
+
+#[test]
+fn a_client_that_goes_away_stops_its_generation() {
+    let server = Server::start("");
+    server.wait_ready();
+    let mut resp = server.post(
+        "/v1/completions",
+        &json!({"prompt": [1, 2, 3], "max_tokens": 3000, "ignore_eos": true, "stream": true}),
+    );
+    let mut first = [0u8; 64];
+    resp.read_exact(&mut first).unwrap();
+    assert!(first.starts_with(b"data: "));
+    assert_eq!(server.metric("moe_node_requests_running"), 1.0);
+    drop(resp);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while server.metric("moe_node_requests_running") > 0.0 {
+        assert!(
+            Instant::now() < deadline,
+            "generation went on after the client left"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(server.metric("moe_node_generation_tokens_total") < 2500.0);
+}
+
+#[test]
+fn sigterm_drains_in_flight_requests_then_exits_zero() {
+    let mut server = Server::start("[server]\ndrain_seconds = 60\n");
+    server.wait_ready();
+    let body = json!({"prompt": [1, 2, 3], "max_tokens": 400, "ignore_eos": true, "stream": true,
+                      "return_token_ids": true});
+    let resp = server.post("/v1/completions", &body);
+    let pid = server.child.id().to_string();
+    let status = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(status.success());
+    // Draining: not ready, and new requests are refused, while the stream goes on.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while server.get("/ready").status() != StatusCode::SERVICE_UNAVAILABLE {
+        assert!(Instant::now() < deadline);
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let refused = server.post("/v1/completions", &json!({"prompt": [1], "max_tokens": 1}));
+    assert_envelope(refused, StatusCode::SERVICE_UNAVAILABLE, "shutting down");
+    let (events, done) = read_sse(resp);
+    assert!(done, "the in-flight stream was finished");
+    assert_eq!(streamed_ids(&events).len(), 400);
+    let exit = server.child.wait().unwrap();
+    assert_eq!(exit.code(), Some(0), "{:?}", server.log.lock().unwrap());
+    assert!(server.log_contains("drained"));
+}
