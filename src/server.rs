@@ -66,6 +66,13 @@ async fn run(config: NodeConfig) -> Result<(), ServeError> {
     let app_state = state.clone();
     let server =
         HttpServer::new(move || App::new().configure(crate::api::configure(app_state.clone())))
+            // Streamed tokens are small writes: without TCP_NODELAY, Nagle's algorithm holds each
+            // one back until the client's (delayed, up to 40 ms) ACK of the previous one.
+            .on_connect(|connection, _| {
+                if let Some(tcp) = connection.downcast_ref::<actix_web::rt::net::TcpStream>() {
+                    let _ = tcp.set_nodelay(true);
+                }
+            })
             .disable_signals()
             // Generation is drained before the server stops; this only bounds closing sockets.
             .shutdown_timeout(5)

@@ -141,3 +141,61 @@ fn demo_model_is_kimi_shaped_and_generates_text() {
     assert!(first["text"].is_string());
     assert_eq!(first, generate("3"), "the same seed gives the same output");
 }
+
+#[test]
+fn check_accepts_the_shipped_config_and_lists_every_problem_of_a_bad_one() {
+    let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("etc/moe-node.toml");
+    let out = moe_node(&["check", "--config", shipped.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(
+        &bad,
+        "[server]\nlisten = \"here\"\nport = 80\n[devices]\nreplication = 5\n",
+    )
+    .unwrap();
+    let out = moe_node(&["check", "--config", bad.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(78));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    for problem in [
+        "server.port: unknown key",
+        "server.listen",
+        "devices.replication",
+    ] {
+        assert!(
+            stderr.contains(problem),
+            "{problem:?} missing from:\n{stderr}"
+        );
+    }
+
+    // The environment layer is checked too, and a model path that is not a model is caught.
+    let out = Command::new(env!("CARGO_BIN_EXE_moe-node"))
+        .args(["check", "--config", shipped.to_str().unwrap()])
+        .env("MOE_NODE_DEVICES__CPU_SLOTS", "0")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(78));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("devices.cpu_slots"));
+    let out = Command::new(env!("CARGO_BIN_EXE_moe-node"))
+        .args(["check", "--config", shipped.to_str().unwrap()])
+        .env("MOE_NODE_MODEL__PATH", dir.path())
+        .output()
+        .unwrap();
+    assert_ne!(out.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("config.json"));
+}
+
+#[test]
+fn serve_refuses_a_bad_config_before_starting() {
+    let out = Command::new(env!("CARGO_BIN_EXE_moe-node"))
+        .args(["serve", "--listen", "not-an-address"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(78));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("server.listen"));
+}

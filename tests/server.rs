@@ -594,6 +594,10 @@ fn bad_requests_get_openai_errors_with_the_right_status() {
                     let status = resp.status();
                     if status == StatusCode::TOO_MANY_REQUESTS {
                         assert_envelope(resp, status, "capacity");
+                    } else {
+                        // Read to the end: a client that leaves early cancels its request.
+                        let body: Value = resp.json().unwrap();
+                        assert_eq!(body["usage"]["completion_tokens"], 1500);
                     }
                     status
                 })
@@ -671,7 +675,29 @@ fn a_client_that_goes_away_stops_its_generation() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-    assert!(server.metric("moe_node_generation_tokens_total") < 2500.0);
+    let generated = server.metric("moe_node_generation_tokens_total");
+    assert!(generated < 2500.0);
+
+    // The same for a request that is not streamed: the client gives up after a moment.
+    let impatient = Client::builder()
+        .timeout(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let result = impatient
+        .post(format!("{}/v1/completions", server.base))
+        .json(&json!({"prompt": [1, 2, 3], "max_tokens": 3000, "ignore_eos": true}))
+        .send()
+        .and_then(|r| r.text());
+    assert!(result.is_err(), "3000 tokens do not come in 300 ms");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while server.metric("moe_node_requests_running") > 0.0 {
+        assert!(
+            Instant::now() < deadline,
+            "generation went on after the client left"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(server.metric("moe_node_generation_tokens_total") - generated < 2500.0);
 }
 
 #[test]

@@ -60,7 +60,9 @@ impl Handler<RunExperts> for DeviceActor {
                 })?;
             groups.push((weights, input.as_slice()));
         }
-        Ok(run_expert_groups(&groups, self.hidden_size))
+        // A CPU device slot computes on its own thread: slots run side by side without
+        // contending for one pool.
+        Ok(run_expert_groups(&groups, self.hidden_size, false))
     }
 }
 

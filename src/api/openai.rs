@@ -386,7 +386,7 @@ async fn generate(
             .insert_header(("Cache-Control", "no-cache"))
             .streaming(stream));
     }
-    whole_response(response, events, served).await
+    whole_response(response, events, state).await
 }
 
 /// The state of one response as tokens arrive.
@@ -465,46 +465,105 @@ fn finish_reason(reason: FinishReason) -> &'static str {
     }
 }
 
+/// A non-streamed response. Its status waits for the first event, so a request that fails
+/// at once gets its error status; after that the body is sent as it forms: a space (JSON
+/// allows leading whitespace) every [`KEEPALIVE_TOKENS`] tokens, then the object. The spaces
+/// are how a client that went away is noticed: the write fails, the body is dropped, and so
+/// is the generation.
 async fn whole_response(
-    mut response: Response,
+    response: Response,
     mut events: mpsc::Receiver<SequenceEvent>,
-    served: &ServedModel,
+    app: web::Data<AppState>,
 ) -> Result<HttpResponse, ApiError> {
-    loop {
-        match events.recv().await {
-            Some(SequenceEvent::Token(token)) => response.token_ids.push(token),
-            Some(SequenceEvent::Finished {
-                reason,
-                prompt_tokens,
-                completion_tokens,
-            }) => {
-                let text = response.decoder.full_text(served, &response.token_ids);
-                let reason = finish_reason(reason);
-                let mut choice = match response.request.endpoint {
-                    Endpoint::Completions => json!({"index": 0, "text": text, "logprobs": null}),
-                    Endpoint::Chat => json!({
-                        "index": 0,
-                        "message": {"role": "assistant", "content": text},
-                        "logprobs": null,
-                    }),
-                };
-                choice["finish_reason"] = reason.into();
-                if response.request.return_token_ids {
-                    choice["token_ids"] = json!(response.token_ids);
-                }
-                let mut body = response.envelope(false, json!([choice]));
-                body["usage"] = response.usage(prompt_tokens, completion_tokens);
-                response.log_finished(reason, completion_tokens);
-                return Ok(HttpResponse::Ok().json(body));
-            }
-            Some(SequenceEvent::Failed(reason)) => {
-                return Err(ApiError::unavailable(format!(
-                    "generation failed: {reason}"
-                )));
-            }
-            None => return Err(ApiError::unavailable("the router stopped")),
+    let first = match events.recv().await {
+        Some(SequenceEvent::Failed(reason)) => {
+            return Err(ApiError::unavailable(format!(
+                "generation failed: {reason}"
+            )));
         }
+        None => return Err(ApiError::unavailable("the router stopped")),
+        Some(event) => event,
+    };
+    let state = (response, events, Some(first), false);
+    let body = futures::stream::unfold(state, move |(mut response, mut events, mut next, done)| {
+        let app = app.clone();
+        async move {
+            if done {
+                return None;
+            }
+            let served = app.served()?;
+            loop {
+                let event = match next.take() {
+                    Some(event) => Some(event),
+                    None => events.recv().await,
+                };
+                let out = match event {
+                    Some(SequenceEvent::Token(token)) => {
+                        response.token_ids.push(token);
+                        if response.token_ids.len() % KEEPALIVE_TOKENS != 0 {
+                            continue;
+                        }
+                        return Some((
+                            Ok(Bytes::from_static(b" ")),
+                            (response, events, None, false),
+                        ));
+                    }
+                    Some(SequenceEvent::Finished {
+                        reason,
+                        prompt_tokens,
+                        completion_tokens,
+                    }) => whole_body(
+                        &mut response,
+                        served,
+                        reason,
+                        prompt_tokens,
+                        completion_tokens,
+                    ),
+                    Some(SequenceEvent::Failed(reason)) => {
+                        ApiError::unavailable(format!("generation failed: {reason}")).body()
+                    }
+                    None => ApiError::unavailable("the router stopped").body(),
+                };
+                return Some((
+                    Ok(Bytes::from(out.to_string())),
+                    (response, events, None, true),
+                ));
+            }
+        }
+    });
+    Ok(HttpResponse::Ok()
+        .content_type("application/json")
+        .streaming::<_, actix_web::Error>(body))
+}
+
+/// Tokens between the keep-alive spaces of a non-streamed response.
+const KEEPALIVE_TOKENS: usize = 16;
+
+fn whole_body(
+    response: &mut Response,
+    served: &ServedModel,
+    reason: FinishReason,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+) -> Value {
+    let text = response.decoder.full_text(served, &response.token_ids);
+    let reason = finish_reason(reason);
+    let mut choice = match response.request.endpoint {
+        Endpoint::Completions => json!({"index": 0, "text": text, "logprobs": null}),
+        Endpoint::Chat => json!({
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": null,
+        }),
+    };
+    choice["finish_reason"] = reason.into();
+    if response.request.return_token_ids {
+        choice["token_ids"] = json!(response.token_ids);
     }
+    let mut body = response.envelope(false, json!([choice]));
+    body["usage"] = response.usage(prompt_tokens, completion_tokens);
+    response.log_finished(reason, completion_tokens);
+    body
 }
 
 /// Server-sent events: one chunk per token, the finishing chunk, optionally usage, then

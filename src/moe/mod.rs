@@ -64,16 +64,24 @@ pub fn moe_forward(
     Ok(out)
 }
 
-/// Runs each `(expert, rows)` group through its expert, spread over the rayon pool, and
-/// returns the outputs in group order.
-pub fn run_expert_groups(groups: &[(&ExpertWeights, &[f32])], width: usize) -> Vec<Vec<f32>> {
+/// Runs each `(expert, rows)` group through its expert and returns the outputs in group
+/// order: spread over the rayon pool, or all on the calling thread when `on_pool` is false
+/// (a CPU device slot is one thread of its own).
+pub fn run_expert_groups(
+    groups: &[(&ExpertWeights, &[f32])],
+    width: usize,
+    on_pool: bool,
+) -> Vec<Vec<f32>> {
+    let run = |(expert, input): &(&ExpertWeights, &[f32]), parallel: bool| {
+        expert.forward_with(input, input.len() / width, parallel)
+    };
+    if !on_pool {
+        return groups.iter().map(|g| run(g, false)).collect();
+    }
     // Spread experts over the pool; when there are fewer experts than threads, let each
     // product spread over the pool instead.
     let nested_parallel = groups.len() < rayon::current_num_threads();
-    groups
-        .par_iter()
-        .map(|(expert, input)| expert.forward_with(input, input.len() / width, nested_parallel))
-        .collect()
+    groups.par_iter().map(|g| run(g, nested_parallel)).collect()
 }
 
 /// Every expert of every layer in this process's memory, computed on the CPU.
@@ -113,7 +121,7 @@ impl ExpertExecutor for LocalExperts {
                 &grouped_input[rows.start * width..rows.end * width],
             ));
         }
-        let outputs = run_expert_groups(&groups, width);
+        let outputs = run_expert_groups(&groups, width, true);
         Ok(outputs.concat())
     }
 }
