@@ -662,7 +662,7 @@ impl TextDecoder {
         served
             .tokenizer
             .as_ref()
-            .and_then(|t| t.decode(ids).ok())
+            .and_then(|t| t.decode_text(ids).ok())
             .unwrap_or_default()
     }
 

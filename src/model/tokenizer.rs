@@ -30,8 +30,14 @@ impl Tokenizer {
             .map_err(|e| self.error(e))
     }
 
+    /// Text of `ids`, special tokens (`<|im_end|>`, ...) included.
     pub fn decode(&self, ids: &[u32]) -> Result<String, ModelError> {
         self.inner.decode(ids, false).map_err(|e| self.error(e))
+    }
+
+    /// Text of `ids` as a user reads it: special tokens left out.
+    pub fn decode_text(&self, ids: &[u32]) -> Result<String, ModelError> {
+        self.inner.decode(ids, true).map_err(|e| self.error(e))
     }
 
     fn error(&self, e: tokenizers::Error) -> ModelError {
