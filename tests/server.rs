@@ -328,6 +328,37 @@ fn completions_and_chat_match_generate_streaming_or_not() {
     );
     assert!(events.last().unwrap()["choices"][0]["finish_reason"].is_string());
 
+    // Stop strings: the text ends before the first one, streamed or not.
+    let request = |stop: Option<&str>, stream: bool| {
+        json!({"prompt": "Hello", "max_tokens": 24, "temperature": 0, "ignore_eos": true,
+               "stop": stop, "stream": stream})
+    };
+    let full = server.post_ok("/v1/completions", &request(None, false))["choices"][0]["text"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let chars: Vec<char> = full.chars().collect();
+    let window = (1..chars.len().saturating_sub(2))
+        .map(|i| chars[i..i + 2].iter().collect::<String>())
+        .find(|w| !w.contains('\u{FFFD}'))
+        .expect("the demo model writes some plain characters");
+    let expected = &full[..full.find(&window).unwrap()];
+    let stopped = server.post_ok("/v1/completions", &request(Some(&window), false));
+    assert_eq!(stopped["choices"][0]["text"], expected);
+    assert_eq!(stopped["choices"][0]["finish_reason"], "stop");
+    let (events, done) = read_sse(server.post("/v1/completions", &request(Some(&window), true)));
+    assert!(done);
+    let streamed: String = events
+        .iter()
+        .filter_map(|e| e["choices"].get(0))
+        .map(|c| c["text"].as_str().unwrap())
+        .collect();
+    assert_eq!(streamed, expected);
+    assert_eq!(
+        events.last().unwrap()["choices"][0]["finish_reason"],
+        "stop"
+    );
+
     // Seeded sampling is reproducible.
     let sampled = |seed: u64| {
         server.post_ok(
@@ -371,10 +402,12 @@ fn completions_and_chat_match_generate_streaming_or_not() {
         .sum();
     let tokens = server.metric("moe_node_prompt_tokens_total")
         + server.metric("moe_node_generation_tokens_total");
-    // Every token (less each request's last, which is never fed back) went to 16 experts.
+    let requests = server.metric("moe_node_time_to_first_token_seconds_count");
+    // Every token went through 16 experts, less each request's last generated token, which
+    // is never fed back.
     assert!(
-        activations as f64 >= 16.0 * (tokens - 8.0),
-        "{activations} vs {tokens}"
+        activations as f64 >= 16.0 * (tokens - requests),
+        "{activations} vs {tokens} tokens of {requests} requests"
     );
 }
 

@@ -5,6 +5,7 @@
 pub mod admin;
 pub mod error;
 pub mod openai;
+pub mod stop;
 
 use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};

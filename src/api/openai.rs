@@ -10,6 +10,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
+use super::stop::StopStrings;
 use super::{ApiError, AppState, ServedModel, parse_json, read_body};
 use crate::actors::router::Submit;
 use crate::engine::batch::SequenceEvent;
@@ -53,6 +54,15 @@ struct GenerationFields {
     /// Keep generating past the end-of-sequence token.
     #[serde(default)]
     ignore_eos: bool,
+    /// Text at which generation stops (not included in the output).
+    stop: Option<StopInput>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum StopInput {
+    One(String),
+    Many(Vec<String>),
 }
 
 #[derive(Debug, Deserialize)]
@@ -116,6 +126,7 @@ struct Admitted {
     stream: bool,
     include_usage: bool,
     return_token_ids: bool,
+    stop: Vec<String>,
 }
 
 pub async fn completions(
@@ -306,6 +317,23 @@ fn admit(
         seed: fields.seed.unwrap_or_else(rand_seed),
     };
     sampling.validate().map_err(ApiError::bad_request)?;
+    let stop = match fields.stop {
+        None => Vec::new(),
+        Some(StopInput::One(s)) => vec![s],
+        Some(StopInput::Many(v)) => v,
+    };
+    if stop.len() > MAX_STOP_STRINGS || stop.iter().any(String::is_empty) {
+        return Err(ApiError::bad_request(format!(
+            "`stop` takes at most {MAX_STOP_STRINGS} non-empty strings"
+        ))
+        .with_param("stop"));
+    }
+    if !stop.is_empty() && served.tokenizer.is_none() {
+        return Err(
+            ApiError::bad_request("`stop` needs text, and this model has no tokenizer")
+                .with_param("stop"),
+        );
+    }
     Ok(Admitted {
         endpoint,
         model: served.name.clone(),
@@ -316,8 +344,12 @@ fn admit(
         stream: fields.stream,
         include_usage: fields.stream_options.unwrap_or_default().include_usage,
         return_token_ids: fields.return_token_ids,
+        stop,
     })
 }
+
+/// As OpenAI's API.
+const MAX_STOP_STRINGS: usize = 4;
 
 /// A seed for requests that give none: different per request.
 fn rand_seed() -> u64 {
@@ -370,11 +402,12 @@ async fn generate(
         stream = request.stream,
         "request admitted"
     );
+    let stop = request.stop.clone();
     let response = Response {
         id,
         created: unix_now(),
         request,
-        decoder: TextDecoder::default(),
+        decoder: TextDecoder::new(stop),
         token_ids: Vec::new(),
         started,
         _in_flight: in_flight,
@@ -500,6 +533,24 @@ async fn whole_response(
                 let out = match event {
                     Some(SequenceEvent::Token(token)) => {
                         response.token_ids.push(token);
+                        if response.decoder.has_stops()
+                            && response.decoder.stop_reached(served, &response.token_ids)
+                        {
+                            // Dropping `events` afterwards ends the generation.
+                            let generated = response.token_ids.len();
+                            let prompt_tokens = response.request.prompt.len();
+                            let body = whole_body(
+                                &mut response,
+                                served,
+                                FinishReason::Stop,
+                                prompt_tokens,
+                                generated,
+                            );
+                            return Some((
+                                Ok(Bytes::from(body.to_string())),
+                                (response, events, None, true),
+                            ));
+                        }
                         if response.token_ids.len() % KEEPALIVE_TOKENS != 0 {
                             continue;
                         }
@@ -546,7 +597,7 @@ fn whole_body(
     prompt_tokens: usize,
     completion_tokens: usize,
 ) -> Value {
-    let text = response.decoder.full_text(served, &response.token_ids);
+    let text = response.decoder.final_text(served, &response.token_ids);
     let reason = finish_reason(reason);
     let mut choice = match response.request.endpoint {
         Endpoint::Completions => json!({"index": 0, "text": text, "logprobs": null}),
@@ -581,6 +632,29 @@ fn sse_stream(
         started: bool,
         done: bool,
     }
+    impl State {
+        /// Queues the finishing chunk (with `rest` of the text), usage if asked, `[DONE]`.
+        fn finish(
+            &mut self,
+            rest: &str,
+            reason: FinishReason,
+            prompt_tokens: usize,
+            completion_tokens: usize,
+        ) {
+            let reason = finish_reason(reason);
+            let last = self.response.chunk(rest, &[], Some(reason));
+            self.pending.push_back(sse(&last));
+            if self.response.request.include_usage {
+                let mut usage = self.response.envelope(true, json!([]));
+                usage["usage"] = self.response.usage(prompt_tokens, completion_tokens);
+                self.pending.push_back(sse(&usage));
+            }
+            self.pending
+                .push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+            self.response.log_finished(reason, completion_tokens);
+            self.done = true;
+        }
+    }
     let state = State {
         response,
         events,
@@ -609,27 +683,24 @@ fn sse_stream(
                 match s.events.recv().await {
                     Some(SequenceEvent::Token(token)) => {
                         s.response.token_ids.push(token);
-                        let delta = s.response.decoder.next_delta(served, &s.response.token_ids);
+                        let (delta, stopped) =
+                            s.response.decoder.next_delta(served, &s.response.token_ids);
                         let chunk = s.response.chunk(&delta, &[token], None);
                         s.pending.push_back(sse(&chunk));
+                        if stopped {
+                            // The stream ends here; dropping `events` ends the generation.
+                            let generated = s.response.token_ids.len();
+                            let prompt_tokens = s.response.request.prompt.len();
+                            s.finish("", FinishReason::Stop, prompt_tokens, generated);
+                        }
                     }
                     Some(SequenceEvent::Finished {
                         reason,
                         prompt_tokens,
                         completion_tokens,
                     }) => {
-                        let reason = finish_reason(reason);
                         let rest = s.response.decoder.rest(served, &s.response.token_ids);
-                        s.pending
-                            .push_back(sse(&s.response.chunk(&rest, &[], Some(reason))));
-                        if s.response.request.include_usage {
-                            let mut usage = s.response.envelope(true, json!([]));
-                            usage["usage"] = s.response.usage(prompt_tokens, completion_tokens);
-                            s.pending.push_back(sse(&usage));
-                        }
-                        s.pending.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
-                        s.response.log_finished(reason, completion_tokens);
-                        s.done = true;
+                        s.finish(&rest, reason, prompt_tokens, completion_tokens);
                     }
                     Some(SequenceEvent::Failed(reason)) => {
                         let error = ApiError::unavailable(format!("generation failed: {reason}"));
@@ -648,16 +719,28 @@ fn sse(value: &Value) -> Bytes {
     Bytes::from(format!("data: {value}\n\n"))
 }
 
-/// Turns generated ids into text for streaming: each delta is what the decoded text grew
-/// by, held back while it ends in an incomplete character. Without a tokenizer the text is
+/// Turns generated ids into text: for streaming, each delta is what the decoded text grew
+/// by, held back while it ends in an incomplete character or in what may be the start of a
+/// stop string; text from a stop string on is never sent. Without a tokenizer the text is
 /// empty and clients read `token_ids`.
-#[derive(Default)]
 struct TextDecoder {
+    stops: StopStrings,
     /// Bytes of the decoded text already sent.
     sent: usize,
 }
 
 impl TextDecoder {
+    fn new(stops: Vec<String>) -> Self {
+        TextDecoder {
+            stops: StopStrings::new(stops),
+            sent: 0,
+        }
+    }
+
+    fn has_stops(&self) -> bool {
+        !self.stops.is_empty()
+    }
+
     fn full_text(&self, served: &ServedModel, ids: &[u32]) -> String {
         served
             .tokenizer
@@ -666,26 +749,46 @@ impl TextDecoder {
             .unwrap_or_default()
     }
 
-    fn next_delta(&mut self, served: &ServedModel, ids: &[u32]) -> String {
-        let text = self.full_text(served, ids);
-        if text.ends_with('\u{FFFD}') {
-            return String::new();
+    /// The text of `ids`, cut before the first stop string.
+    fn final_text(&self, served: &ServedModel, ids: &[u32]) -> String {
+        let mut text = self.full_text(served, ids);
+        if let Some(at) = self.stops.find(&text) {
+            text.truncate(at);
         }
-        self.take(text)
+        text
+    }
+
+    fn stop_reached(&self, served: &ServedModel, ids: &[u32]) -> bool {
+        self.stops.find(&self.full_text(served, ids)).is_some()
+    }
+
+    /// The next piece of text to stream, and whether a stop string was reached.
+    fn next_delta(&mut self, served: &ServedModel, ids: &[u32]) -> (String, bool) {
+        let text = self.full_text(served, ids);
+        if let Some(at) = self.stops.find(&text) {
+            return (self.take(&text, at), true);
+        }
+        if text.ends_with('\u{FFFD}') {
+            return (String::new(), false);
+        }
+        let safe = self.stops.safe_len(&text);
+        (self.take(&text, safe), false)
     }
 
     /// Whatever is left at the end, complete or not.
     fn rest(&mut self, served: &ServedModel, ids: &[u32]) -> String {
-        let text = self.full_text(served, ids);
-        self.take(text)
+        let text = self.final_text(served, ids);
+        self.take(&text, text.len())
     }
 
-    fn take(&mut self, text: String) -> String {
-        if text.len() < self.sent || !text.is_char_boundary(self.sent) {
-            return String::new();
+    /// `text[sent..end]`, after which `end` counts as sent.
+    fn take(&mut self, text: &str, end: usize) -> String {
+        match text.get(self.sent..end) {
+            Some(delta) => {
+                self.sent = end;
+                delta.to_string()
+            }
+            None => String::new(),
         }
-        let delta = text[self.sent..].to_string();
-        self.sent = text.len();
-        delta
     }
 }
