@@ -133,9 +133,7 @@ pub async fn completions(
     state: web::Data<AppState>,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
-    let served = state.admitting()?;
-    let body = read_body(payload, state.config.server.max_request_bytes).await?;
-    let request: CompletionRequest = parse_json(&body)?;
+    let (served, request): (_, CompletionRequest) = admit_request(&state, payload).await?;
     let prompt = match request.prompt {
         PromptInput::Ids(ids) => ids,
         PromptInput::Text(text) => encode(served, &text)?,
@@ -162,9 +160,7 @@ pub async fn chat_completions(
     state: web::Data<AppState>,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
-    let served = state.admitting()?;
-    let body = read_body(payload, state.config.server.max_request_bytes).await?;
-    let request: ChatRequest = parse_json(&body)?;
+    let (served, request): (_, ChatRequest) = admit_request(&state, payload).await?;
     let prompt = chat_prompt(served, request.messages)?;
     let admitted = admit(&state, served, Endpoint::Chat, prompt, request.fields)?;
     generate(state.clone(), served, admitted).await
@@ -188,9 +184,7 @@ pub async fn tokenize(
     state: web::Data<AppState>,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
-    let served = state.admitting()?;
-    let body = read_body(payload, state.config.server.max_request_bytes).await?;
-    let request: TokenizeRequest = parse_json(&body)?;
+    let (served, request): (_, TokenizeRequest) = admit_request(&state, payload).await?;
     let tokens = match (request.prompt, request.messages) {
         (Some(text), None) => encode(served, &text)?,
         (None, Some(messages)) => chat_prompt(served, messages)?,
@@ -205,6 +199,16 @@ pub async fn tokenize(
         "max_model_len": served.node.model.max_position_embeddings,
         "tokens": tokens,
     })))
+}
+
+/// The served model (if requests are admitted now) and the request body as `T`.
+async fn admit_request<T: serde::de::DeserializeOwned>(
+    state: &AppState,
+    payload: web::Payload,
+) -> Result<(&ServedModel, T), ApiError> {
+    let served = state.admitting()?;
+    let body = read_body(payload, state.config.server.max_request_bytes).await?;
+    Ok((served, parse_json(&body)?))
 }
 
 fn encode(served: &ServedModel, text: &str) -> Result<Vec<u32>, ApiError> {
