@@ -319,6 +319,29 @@ fn dot_rows<W: WeightElement>(x: &[f32], k: usize, w: &[W], out: &mut [f32]) {
     }
 }
 
+/// `out[j] = x · rows[j * stride..][..x.len()]`: one vector against many, as attention
+/// scores a query against every cached key. One call per query, not per key: the per-call
+/// cost of a kernel chosen at run time is paid once.
+#[multiversion::multiversion(targets(
+    "x86_64+avx512f+avx512vl+avx2+fma",
+    "x86_64+avx2+fma",
+    "aarch64+neon"
+))]
+pub fn dot_strided(x: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
+    let k = x.len();
+    let whole = k / 16 * 16;
+    for (j, o) in out.iter_mut().enumerate() {
+        let row = &rows[j * stride..][..k];
+        let mut acc = [0.0f32; 16];
+        for (xc, rc) in lanes(x, whole).zip(lanes(row, whole)) {
+            for l in 0..16 {
+                acc[l] += xc[l] * rc[l];
+            }
+        }
+        *o = acc.iter().sum::<f32>() + (whole..k).map(|i| x[i] * row[i]).sum::<f32>();
+    }
+}
+
 /// Asks the cache for the weights 4 KiB past `chunk`: with a few rows per weight row the
 /// kernel computes between loads long enough that the hardware prefetcher falls behind.
 #[inline(always)]

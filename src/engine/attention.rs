@@ -7,7 +7,7 @@ use rayon::prelude::*;
 
 use super::kv_cache::{KvCache, LayerCache};
 use super::rope::{Rope, RopeAngles};
-use crate::compute::cpu::{Linear, dot, matmul, matmul_transposed, rms_norm_in_place};
+use crate::compute::cpu::{Linear, dot_strided, matmul, matmul_transposed, rms_norm_in_place};
 use crate::model::config::AttentionConfig;
 use crate::model::weights::{AttentionWeights, QueryProjection};
 
@@ -83,9 +83,16 @@ pub fn attention(
                 let first = sliding_window.map_or(0, |w| (position + 1).saturating_sub(w));
                 let kv_offset = (head / group) * head_dim;
                 let query = &queries[(row * input.num_heads + head) * head_dim..][..head_dim];
+                let mut scores = vec![0.0; position + 1 - first];
+                dot_strided(
+                    query,
+                    &keys[first * kv_width + kv_offset..],
+                    kv_width,
+                    &mut scores,
+                );
                 attend(
                     first..position + 1,
-                    |j| dot(query, &keys[j * kv_width + kv_offset..][..head_dim]),
+                    scores,
                     |j| &values[j * kv_width + kv_offset..][..head_dim],
                     input.softmax_scale,
                     out,
@@ -155,12 +162,16 @@ pub fn attention(
                     let position = seg.start_position + (row - seg.rows.start);
                     let q_latent = &absorbed[(row * heads + head) * kv_lora_rank..][..kv_lora_rank];
                     let q_rope = &queries[(row * heads + head) * q_width + nope..][..rope_dim];
+                    let mut scores = vec![0.0; position + 1];
+                    let mut rope_scores = vec![0.0; position + 1];
+                    dot_strided(q_latent, latents, kv_lora_rank, &mut scores);
+                    dot_strided(q_rope, rope_keys, rope_dim, &mut rope_scores);
+                    for (s, r) in scores.iter_mut().zip(&rope_scores) {
+                        *s += r;
+                    }
                     attend(
                         0..position + 1,
-                        |j| {
-                            dot(q_latent, &latents[j * kv_lora_rank..][..kv_lora_rank])
-                                + dot(q_rope, &rope_keys[j * rope_dim..][..rope_dim])
-                        },
+                        scores,
                         |j| &latents[j * kv_lora_rank..][..kv_lora_rank],
                         input.softmax_scale,
                         out,
@@ -309,15 +320,18 @@ where
     });
 }
 
-/// Softmax-weighted sum of values over `positions`, written into `out`.
+/// Softmax-weighted sum of values over `positions` given their raw `scores`, written into
+/// `out`.
 fn attend<'v>(
     positions: Range<usize>,
-    score: impl Fn(usize) -> f32,
+    mut weights: Vec<f32>,
     value: impl Fn(usize) -> &'v [f32],
     scale: f32,
     out: &mut [f32],
 ) {
-    let mut weights: Vec<f32> = positions.clone().map(|j| score(j) * scale).collect();
+    for w in weights.iter_mut() {
+        *w *= scale;
+    }
     crate::compute::cpu::softmax_in_place(&mut weights);
     out.fill(0.0);
     for (j, w) in positions.zip(weights) {

@@ -1,0 +1,98 @@
+//! Decode step time of the engine alone (no actors, no HTTP) on the demo model at batch 1, 8
+//! and 32: with every expert, and with the routed experts replaced by a no-op, which leaves
+//! the part of a step that does not depend on which experts the tokens pick (embeddings,
+//! attention over each sequence's cache, norms, gates, shared expert, lm head). The load
+//! benchmark's concurrency ratio can be no better than what this shows.
+//!
+//! `cargo bench --bench engine_step`; `MOE_STEP_ITERS` (default 200).
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::Instant;
+
+use moe_node::engine::{Engine, SequenceStep};
+use moe_node::model::{Checkpoint, DenseWeights, ModelConfig};
+use moe_node::moe::{DispatchPlan, ExpertError, ExpertExecutor};
+
+/// Routed experts that cost nothing: every expert output is zero.
+struct NoExperts(usize);
+
+impl ExpertExecutor for NoExperts {
+    fn run(&self, _: usize, plan: &DispatchPlan, _: &[f32]) -> Result<Vec<f32>, ExpertError> {
+        Ok(vec![0.0; plan.len() * self.0])
+    }
+}
+
+/// Median milliseconds of a decode step for `batch` sequences with 16-token prompts.
+fn step_ms(engine: &Engine, batch: usize, iters: usize) -> f64 {
+    let mut caches: Vec<_> = (0..batch).map(|_| engine.new_cache()).collect();
+    let prompts: Vec<Vec<u32>> = (0..batch)
+        .map(|b| {
+            (0..16)
+                .map(|i| ((b * 31 + i * 7) % 250 + 1) as u32)
+                .collect()
+        })
+        .collect();
+    let mut prefill: Vec<SequenceStep> = caches
+        .iter_mut()
+        .zip(&prompts)
+        .map(|(cache, tokens)| SequenceStep { cache, tokens })
+        .collect();
+    engine.forward(&mut prefill).expect("prefill");
+    let tokens: Vec<[u32; 1]> = (0..batch).map(|b| [(b as u32 * 13) % 250 + 1]).collect();
+    let mut times: Vec<f64> = (0..iters)
+        .map(|_| {
+            let mut step: Vec<SequenceStep> = caches
+                .iter_mut()
+                .zip(&tokens)
+                .map(|(cache, tokens)| SequenceStep { cache, tokens })
+                .collect();
+            let started = Instant::now();
+            engine.forward(&mut step).expect("decode step");
+            started.elapsed().as_secs_f64() * 1e3
+        })
+        .collect();
+    times.sort_by(f64::total_cmp);
+    times[times.len() / 2]
+}
+
+fn main() {
+    let iters: usize = std::env::var("MOE_STEP_ITERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(200);
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("bench-demo-model");
+    if !dir.join("config.json").exists() {
+        let status = Command::new(env!("CARGO_BIN_EXE_moe-node"))
+            .args(["demo-model", "--out"])
+            .arg(&dir)
+            .stderr(Stdio::null())
+            .status()
+            .expect("demo-model runs");
+        assert!(status.success());
+    }
+    let full = Engine::load(&dir).expect("demo model loads");
+    let config = ModelConfig::load(&dir).expect("config");
+    let weights = DenseWeights::load(&Checkpoint::open(&dir).expect("checkpoint"), &config)
+        .expect("dense weights");
+    let hidden = config.hidden_size;
+    let dense_only = Engine::new(config, weights, Arc::new(NoExperts(hidden)));
+    println!("engine decode step on the demo model, median of {iters} steps");
+    println!(
+        "{:>6} {:>12} {:>12} {:>14} {:>14}",
+        "batch", "full ms", "full tok/s", "no-experts ms", "no-experts tok/s"
+    );
+    let mut base = None;
+    for batch in [1, 8, 32] {
+        let f = step_ms(&full, batch, iters);
+        let d = step_ms(&dense_only, batch, iters);
+        let tps = batch as f64 / f * 1e3;
+        let base_tps = *base.get_or_insert(tps);
+        println!(
+            "{batch:>6} {f:>12.3} {tps:>12.0} {d:>14.3} {:>14.0}   full vs batch 1: {:.2}x",
+            batch as f64 / d * 1e3,
+            tps / base_tps
+        );
+    }
+}
