@@ -4,7 +4,8 @@
 //! attention over each sequence's cache, norms, gates, shared expert, lm head). The load
 //! benchmark's concurrency ratio can be no better than what this shows.
 //!
-//! `cargo bench --bench engine_step`; `MOE_STEP_ITERS` (default 200).
+//! `cargo bench --bench engine_step`; `MOE_STEP_ITERS` (default 200), `MOE_STEP_BATCHES`
+//! (default 1,8,32).
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -84,7 +85,12 @@ fn main() {
         "batch", "full ms", "full tok/s", "no-experts ms", "no-experts tok/s"
     );
     let mut base = None;
-    for batch in [1, 8, 32] {
+    let batches: Vec<usize> = std::env::var("MOE_STEP_BATCHES")
+        .unwrap_or_else(|_| "1,8,32".into())
+        .split(',')
+        .filter_map(|b| b.trim().parse().ok())
+        .collect();
+    for batch in batches {
         let f = step_ms(&full, batch, iters);
         let d = step_ms(&dense_only, batch, iters);
         let tps = batch as f64 / f * 1e3;
