@@ -659,8 +659,41 @@ fn a_dead_device_is_survived_when_its_experts_have_replicas() {
     let body = json!({"prompt": [256, 1, 2, 3], "max_tokens": 12, "temperature": 0, "return_token_ids": true});
     let before = server.post_ok("/v1/completions", &body)["choices"][0]["token_ids"].clone();
 
-    let stopped = server.post_ok("/admin/devices/1/stop", &json!({}));
-    assert_eq!(stopped["stopped"], true);
+    // Device 1 goes away while a stream is running: its experts are served by their other
+    // replicas from the next layer on, and the stream goes on with the same tokens.
+    let long = json!({"prompt": [256, 5, 6, 7], "max_tokens": 300, "ignore_eos": true,
+                      "temperature": 0, "stream": true, "return_token_ids": true});
+    let (events, done) = read_sse(server.post("/v1/completions", &long));
+    assert!(done);
+    let healthy = streamed_ids(&events);
+    let mut lines = BufReader::new(server.post("/v1/completions", &long)).lines();
+    let mut ids = Vec::new();
+    let mut stopped = None;
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if data == "[DONE]" {
+            break;
+        }
+        let event: Value = serde_json::from_str(data).unwrap();
+        ids.extend(streamed_ids(&[event]));
+        if ids.len() == 20 {
+            stopped = Some(server.post_ok("/admin/devices/1/stop", &json!({})));
+            assert_eq!(
+                server.metric("moe_node_requests_running"),
+                1.0,
+                "still streaming"
+            );
+        }
+    }
+    assert_eq!(stopped.unwrap()["stopped"], true);
+    assert_eq!(
+        ids, healthy,
+        "failover in flight changes nothing the client sees"
+    );
+    assert!(server.log_contains("device gone"));
     let after = server.post_ok("/v1/completions", &body)["choices"][0]["token_ids"].clone();
     assert_eq!(before, after, "replicas give the same result");
     let devices = server.get("/admin/devices").json::<Value>().unwrap();

@@ -40,7 +40,9 @@ impl Actor for DeviceActor {
     type Context = Context<Self>;
 
     fn stopped(&mut self, _: &mut Self::Context) {
-        tracing::warn!(device = self.id, "device actor stopped");
+        // A failure in service is reported where it is noticed (dispatch); this also runs at
+        // shutdown.
+        tracing::info!(device = self.id, "device actor stopped");
         Arbiter::current().stop();
     }
 }
