@@ -474,6 +474,12 @@ fn bad_requests_get_openai_errors_with_the_right_status() {
         .unwrap();
     assert_envelope(resp, StatusCode::UNAUTHORIZED, "API key");
     let resp = c
+        .post(url("/tokenize"))
+        .json(&json!({"prompt": "hi"}))
+        .send()
+        .unwrap();
+    assert_envelope(resp, StatusCode::UNAUTHORIZED, "API key");
+    let resp = c
         .get(url("/v1/models"))
         .bearer_auth("secret-2")
         .send()

@@ -130,7 +130,11 @@ pub fn configure(state: web::Data<AppState>) -> impl FnOnce(&mut web::ServiceCon
             .route("/ready", web::get().to(ready))
             .route("/version", web::get().to(version))
             .route("/metrics", web::get().to(metrics))
-            .route("/tokenize", web::post().to(openai::tokenize))
+            .service(
+                web::resource("/tokenize")
+                    .wrap(from_fn(require_api_key))
+                    .route(web::post().to(openai::tokenize)),
+            )
             .service(
                 web::scope("/v1")
                     .wrap(from_fn(require_api_key))
@@ -189,7 +193,7 @@ async fn not_found(req: HttpRequest) -> HttpResponse {
     actix_web::ResponseError::error_response(&ApiError::not_found(req.path()))
 }
 
-/// Checks the bearer key on `/v1` and `/admin` when keys are configured.
+/// Checks the bearer key on `/v1`, `/admin` and `/tokenize` when keys are configured.
 async fn require_api_key(
     req: ServiceRequest,
     next: Next<impl MessageBody>,

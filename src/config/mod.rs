@@ -30,7 +30,7 @@ pub struct NodeConfig {
 pub struct ServerConfig {
     /// Address the HTTP API listens on; port 0 picks a free port.
     pub listen: String,
-    /// Bearer keys accepted on `/v1` and `/admin`; empty means no authentication.
+    /// Bearer keys accepted on `/v1`, `/admin` and `/tokenize`; empty means no authentication.
     pub api_keys: Vec<String>,
     /// Largest request body accepted, in bytes (413 beyond it).
     pub max_request_bytes: usize,
