@@ -139,6 +139,19 @@ impl Server {
             .unwrap()
     }
 
+    /// Waits (a little) for a line the server logs from another thread.
+    fn wait_for_log(&self, needle: &str) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !self.log_contains(needle) {
+            assert!(
+                Instant::now() < deadline,
+                "{needle:?} not logged: {:?}",
+                self.log.lock().unwrap()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     fn log_contains(&self, needle: &str) -> bool {
         self.log.lock().unwrap().iter().any(|l| l.contains(needle))
     }
@@ -243,7 +256,7 @@ fn demo_model_is_written_on_first_start_and_ready_follows_load() {
     let resp = server.post("/v1/completions", &json!({"prompt": "hi"}));
     assert_envelope(resp, StatusCode::SERVICE_UNAVAILABLE, "loading");
     server.wait_ready();
-    assert!(server.log_contains("demo model: layer 4/4 written"));
+    server.wait_for_log("demo model: layer 4/4 written");
     assert!(cache.path().join("demo-model/config.json").exists());
     let models = server.get("/v1/models").json::<Value>().unwrap();
     assert_eq!(models["data"][0]["id"], "demo-model");
@@ -667,7 +680,7 @@ fn a_dead_device_is_survived_when_its_experts_have_replicas() {
 
     // Device 1 goes away while a stream is running: its experts are served by their other
     // replicas from the next layer on, and the stream goes on with the same tokens.
-    let long = json!({"prompt": [256, 5, 6, 7], "max_tokens": 300, "ignore_eos": true,
+    let long = json!({"prompt": [256, 5, 6, 7], "max_tokens": 1000, "ignore_eos": true,
                       "temperature": 0, "stream": true, "return_token_ids": true});
     let (events, done) = read_sse(server.post("/v1/completions", &long));
     assert!(done);
@@ -699,7 +712,7 @@ fn a_dead_device_is_survived_when_its_experts_have_replicas() {
         ids, healthy,
         "failover in flight changes nothing the client sees"
     );
-    assert!(server.log_contains("device gone"));
+    server.wait_for_log("device gone");
     let after = server.post_ok("/v1/completions", &body)["choices"][0]["token_ids"].clone();
     assert_eq!(before, after, "replicas give the same result");
     let devices = server.get("/admin/devices").json::<Value>().unwrap();
@@ -776,7 +789,7 @@ fn a_client_that_goes_away_stops_its_generation() {
 fn sigterm_drains_in_flight_requests_then_exits_zero() {
     let mut server = Server::start("[server]\ndrain_seconds = 60\n");
     server.wait_ready();
-    let body = json!({"prompt": [1, 2, 3], "max_tokens": 400, "ignore_eos": true, "stream": true,
+    let body = json!({"prompt": [1, 2, 3], "max_tokens": 2000, "ignore_eos": true, "stream": true,
                       "return_token_ids": true});
     let resp = server.post("/v1/completions", &body);
     let pid = server.child.id().to_string();
@@ -792,8 +805,8 @@ fn sigterm_drains_in_flight_requests_then_exits_zero() {
     assert_envelope(refused, StatusCode::SERVICE_UNAVAILABLE, "shutting down");
     let (events, done) = read_sse(resp);
     assert!(done, "the in-flight stream was finished");
-    assert_eq!(streamed_ids(&events).len(), 400);
+    assert_eq!(streamed_ids(&events).len(), 2000);
     let exit = server.child.wait().unwrap();
     assert_eq!(exit.code(), Some(0), "{:?}", server.log.lock().unwrap());
-    assert!(server.log_contains("drained"));
+    server.wait_for_log("drained");
 }

@@ -36,12 +36,18 @@ impl DeviceExperts {
         }
     }
 
-    /// Whether each device can still take work.
+    /// Whether each device can still take work. A device whose actor has stopped is marked
+    /// dead here, the first time it is seen.
     pub fn alive(&self) -> Vec<bool> {
         self.devices
             .iter()
-            .zip(&self.alive)
-            .map(|(d, alive)| alive.load(Ordering::Relaxed) && d.addr.connected())
+            .enumerate()
+            .map(|(i, device)| {
+                if self.alive[i].load(Ordering::Relaxed) && !device.addr.connected() {
+                    self.mark_dead(i);
+                }
+                self.alive[i].load(Ordering::Relaxed)
+            })
             .collect()
     }
 
