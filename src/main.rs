@@ -134,7 +134,15 @@ fn main() -> ExitCode {
 
 /// Prints the error and maps it to an exit status.
 fn report(e: anyhow::Error) -> ExitCode {
-    eprintln!("error: {e:#}");
+    // The chain of causes, less those a message already quotes.
+    let mut message = e.to_string();
+    for cause in e.chain().skip(1) {
+        let cause = cause.to_string();
+        if !message.contains(&cause) {
+            message = format!("{message}: {cause}");
+        }
+    }
+    eprintln!("error: {message}");
     if e.chain().any(|c| c.downcast_ref::<ConfigError>().is_some()) {
         return ExitCode::from(EXIT_CONFIG);
     }

@@ -101,7 +101,8 @@ async fn run(config: NodeConfig) -> Result<(), ServeError> {
         Either::Right((loaded, server)) => match loaded {
             Ok(Ok(())) => server.await.map_err(ServeError::Http),
             Ok(Err(e)) => {
-                handle.stop(false).await;
+                // The server future must be polled for the stop to take effect.
+                let _ = futures::future::join(handle.stop(false), server).await;
                 Err(e)
             }
             Err(_) => Err(ServeError::LoaderGone),

@@ -199,3 +199,39 @@ fn serve_refuses_a_bad_config_before_starting() {
     assert_eq!(out.status.code(), Some(78));
     assert!(String::from_utf8_lossy(&out.stderr).contains("server.listen"));
 }
+
+#[test]
+fn serve_exits_when_the_model_cannot_be_loaded() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    std::fs::create_dir(&model).unwrap();
+    for file in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture("qwen3_moe").join(file), model.join(file)).unwrap();
+    }
+    let weights = std::fs::OpenOptions::new()
+        .write(true)
+        .open(model.join("model.safetensors"))
+        .unwrap();
+    weights.set_len(1000).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_moe-node"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--model"])
+        .arg(&model)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("serve kept running with a corrupt checkpoint");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert_eq!(status.code(), Some(65), "{stderr}");
+    assert!(stderr.contains("model.safetensors"), "{stderr}");
+}
