@@ -224,8 +224,9 @@ async fn drain_on_signal(
     wait_for_signal().await;
     state.start_draining();
     let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
-    // Responses still being sent count as well as sequences still generating.
-    let in_flight = || state.in_flight() as i64 + state.metrics.requests_running.get();
+    // Every generation a client asked for holds an in-flight guard until its response is
+    // fully sent, which outlasts its sequence in the router.
+    let in_flight = || state.in_flight();
     tracing::info!(
         in_flight = in_flight(),
         drain_seconds = drain.as_secs(),

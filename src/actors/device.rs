@@ -3,7 +3,6 @@
 //! compute never runs on the HTTP runtime.
 
 use std::collections::HashMap;
-use std::path::Path;
 use std::sync::Arc;
 use std::sync::mpsc;
 
@@ -90,17 +89,17 @@ pub struct DeviceHandle {
 /// waits until it has loaded them or failed to. Must be called inside an actix system.
 pub fn start_device(
     id: usize,
-    model_dir: &Path,
+    checkpoint: Arc<Checkpoint>,
     config: Arc<ModelConfig>,
     experts: Vec<(usize, u32)>,
 ) -> Result<DeviceHandle, ModelError> {
     let (ready_tx, ready_rx) = mpsc::channel();
     let arbiter = Arbiter::new();
-    let dir = model_dir.to_path_buf();
     let hidden_size = config.hidden_size;
     let experts_held = experts.len();
+    let dir = checkpoint.dir().to_path_buf();
     let addr = DeviceActor::start_in_arbiter(&arbiter.handle(), move |ctx| {
-        let (experts, ready) = match load_experts(&dir, &config, &experts) {
+        let (experts, ready) = match load_experts(&checkpoint, &config, &experts) {
             Ok(loaded) => {
                 let bytes = loaded.values().map(ExpertWeights::weight_bytes).sum();
                 (loaded, Ok(bytes))
@@ -119,7 +118,7 @@ pub fn start_device(
         }
     });
     let weight_bytes = ready_rx.recv().map_err(|_| ModelError::Corrupt {
-        path: model_dir.to_path_buf(),
+        path: dir,
         reason: format!("device {id} stopped while loading its experts"),
     })??;
     tracing::info!(
@@ -137,17 +136,16 @@ pub fn start_device(
 }
 
 fn load_experts(
-    dir: &Path,
+    checkpoint: &Checkpoint,
     config: &ModelConfig,
     experts: &[(usize, u32)],
 ) -> Result<HashMap<(usize, u32), ExpertWeights>, ModelError> {
-    let checkpoint = Checkpoint::open(dir)?;
     experts
         .iter()
         .map(|&(layer, expert)| {
             Ok((
                 (layer, expert),
-                load_expert(&checkpoint, config, layer, expert as usize)?,
+                load_expert(checkpoint, config, layer, expert as usize)?,
             ))
         })
         .collect()

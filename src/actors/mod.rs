@@ -56,8 +56,17 @@ impl Node {
             num_devices,
             config.devices.replication,
         )?);
+        // Opened once: the devices and the router read their tensors from the same map.
+        let checkpoint = Arc::new(Checkpoint::open(model_dir)?);
         let devices = (0..num_devices)
-            .map(|id| start_device(id, model_dir, model.clone(), placement.experts_on(id)))
+            .map(|id| {
+                start_device(
+                    id,
+                    checkpoint.clone(),
+                    model.clone(),
+                    placement.experts_on(id),
+                )
+            })
             .collect::<Result<Vec<_>, _>>()?;
         let load = Arc::new(ExpertLoad::new(
             model.num_layers,
@@ -71,7 +80,6 @@ impl Node {
             load.clone(),
             model.hidden_size,
         ));
-        let checkpoint = Checkpoint::open(model_dir)?;
         let weights = DenseWeights::load(&checkpoint, &model)?;
         let engine = Engine::new((*model).clone(), weights, experts.clone());
         let limits = BatchLimits {

@@ -119,7 +119,9 @@ enum Endpoint {
 struct Admitted {
     endpoint: Endpoint,
     model: String,
+    /// Handed to the router on submission.
     prompt: Vec<u32>,
+    prompt_tokens: usize,
     max_tokens: usize,
     sampling: SamplingParams,
     stop_at_eos: bool,
@@ -341,6 +343,7 @@ fn admit(
     Ok(Admitted {
         endpoint,
         model: served.name.clone(),
+        prompt_tokens: prompt.len(),
         prompt,
         max_tokens,
         sampling,
@@ -374,16 +377,16 @@ fn unix_now() -> u64 {
 async fn generate(
     state: web::Data<AppState>,
     served: &ServedModel,
-    request: Admitted,
+    mut request: Admitted,
 ) -> Result<HttpResponse, ApiError> {
     let started = Instant::now();
     let in_flight = state.track();
-    let prompt_tokens = request.prompt.len();
+    let prompt_tokens = request.prompt_tokens;
     let events = served
         .node
         .router
         .send(Submit {
-            prompt: request.prompt.clone(),
+            prompt: std::mem::take(&mut request.prompt),
             max_tokens: request.max_tokens,
             sampling: request.sampling,
             stop_at_eos: request.stop_at_eos,
@@ -542,7 +545,7 @@ async fn whole_response(
                         {
                             // Dropping `events` afterwards ends the generation.
                             let generated = response.token_ids.len();
-                            let prompt_tokens = response.request.prompt.len();
+                            let prompt_tokens = response.request.prompt_tokens;
                             let body = whole_body(
                                 &mut response,
                                 served,
@@ -694,7 +697,7 @@ fn sse_stream(
                         if stopped {
                             // The stream ends here; dropping `events` ends the generation.
                             let generated = s.response.token_ids.len();
-                            let prompt_tokens = s.response.request.prompt.len();
+                            let prompt_tokens = s.response.request.prompt_tokens;
                             s.finish("", FinishReason::Stop, prompt_tokens, generated);
                         }
                     }

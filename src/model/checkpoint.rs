@@ -25,12 +25,18 @@ struct Shard {
 
 /// All tensors of a checkpoint, by name, without copying them out of the page cache.
 pub struct Checkpoint {
+    dir: PathBuf,
     shards: Vec<Shard>,
     /// Tensor name to the index of the shard that holds it.
     locations: HashMap<String, usize>,
 }
 
 impl Checkpoint {
+    /// The model directory the checkpoint was opened from.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
     /// Opens `model.safetensors` in `dir`, or every shard the index file names.
     pub fn open(dir: &Path) -> Result<Self, ModelError> {
         let index_path = dir.join(INDEX_FILE);
@@ -46,6 +52,7 @@ impl Checkpoint {
                 .map(|name| (name, 0))
                 .collect();
             Ok(Checkpoint {
+                dir: dir.to_path_buf(),
                 shards: vec![shard],
                 locations,
             })
@@ -104,7 +111,11 @@ impl Checkpoint {
             }
             locations.insert(tensor.clone(), shard);
         }
-        Ok(Checkpoint { shards, locations })
+        Ok(Checkpoint {
+            dir: dir.to_path_buf(),
+            shards,
+            locations,
+        })
     }
 
     pub fn contains(&self, name: &str) -> bool {
