@@ -2,3 +2,4 @@
 //! beside it behind the same operations.
 
 pub mod cpu;
+pub mod cuda;

@@ -1,0 +1,195 @@
+// The mixture-of-experts layer on a GPU: gate scores to top-k experts, the token permutation
+// that groups rows by expert and its inverse (the weighted combine), and SwiGLU between the
+// two grouped GEMMs (which cuBLAS runs). They follow src/moe/gating.rs and
+// src/moe/dispatch.rs, which follow transformers.
+
+#define MAX_GROUPS 64
+
+// One block per token row. `scoring` 0: softmax over all experts, top-k, weights optionally
+// renormalised to sum 1. `scoring` 1: sigmoid scores; the choice is biased by `bias` (may be
+// null) and limited to the best `topk_group` of `n_group` groups (a group scores the sum of
+// its two best biased scores); weights are the unbiased scores, optionally normalised, times
+// `scale`. Dynamic shared memory: 2 * experts floats.
+extern "C" __global__ void gate_topk(const float* logits, int experts, int k, int scoring,
+                                     const float* bias, int n_group, int topk_group,
+                                     int renormalize, float scale, int* out_ids,
+                                     float* out_weights) {
+    extern __shared__ float smem[];
+    float* score = smem;
+    float* choice = smem + experts;
+    __shared__ int kept[MAX_GROUPS];
+    __shared__ float picked[64];
+    const float* x = logits + (size_t)blockIdx.x * experts;
+
+    if (scoring == 0) {
+        float max = block_argmax(x, experts).value;
+        float part = 0.0f;
+        for (int j = threadIdx.x; j < experts; j += blockDim.x) {
+            score[j] = expf(x[j] - max);
+            part += score[j];
+        }
+        float sum = block_sum(part);
+        for (int j = threadIdx.x; j < experts; j += blockDim.x) {
+            score[j] /= sum;
+            choice[j] = score[j];
+        }
+    } else {
+        for (int j = threadIdx.x; j < experts; j += blockDim.x) {
+            score[j] = 1.0f / (1.0f + expf(-x[j]));
+            choice[j] = score[j] + (bias ? bias[j] : 0.0f);
+        }
+    }
+    __syncthreads();
+
+    if (scoring == 1 && topk_group < n_group) {
+        int group_size = experts / n_group;
+        __shared__ float group_score[MAX_GROUPS];
+        for (int g = threadIdx.x; g < n_group; g += blockDim.x) {
+            float b1 = NEG_INF, b2 = NEG_INF;
+            for (int j = g * group_size; j < (g + 1) * group_size; ++j) {
+                float v = choice[j];
+                if (v > b1) {
+                    b2 = b1;
+                    b1 = v;
+                } else if (v > b2) {
+                    b2 = v;
+                }
+            }
+            group_score[g] = b1 + b2;
+            kept[g] = 0;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            // topk_group of at most 64 groups: a few hundred comparisons on one thread.
+            for (int t = 0; t < topk_group; ++t) {
+                float bv = NEG_INF;
+                int bi = 0x7fffffff;
+                for (int g = 0; g < n_group; ++g) {
+                    if (!kept[g] && better(group_score[g], g, bv, bi)) {
+                        bv = group_score[g];
+                        bi = g;
+                    }
+                }
+                kept[bi] = 1;
+            }
+        }
+        __syncthreads();
+        for (int j = threadIdx.x; j < experts; j += blockDim.x) {
+            if (!kept[j / group_size]) {
+                choice[j] = NEG_INF;
+            }
+        }
+        __syncthreads();
+    }
+
+    int* ids = out_ids + (size_t)blockIdx.x * k;
+    for (int t = 0; t < k; ++t) {
+        Best best = block_argmax(choice, experts);
+        if (threadIdx.x == 0) {
+            ids[t] = best.index;
+            picked[t] = score[best.index];
+            choice[best.index] = __int_as_float(0x7fc00000);  // NaN: taken
+        }
+        __syncthreads();
+    }
+
+    if (threadIdx.x == 0) {
+        float* w = out_weights + (size_t)blockIdx.x * k;
+        float sum = 0.0f;
+        for (int t = 0; t < k; ++t) {
+            sum += picked[t];
+        }
+        if (scoring == 1) {
+            sum += 1e-20f;
+        }
+        for (int t = 0; t < k; ++t) {
+            float v = renormalize ? picked[t] / sum : picked[t];
+            w[t] = scoring == 1 ? v * scale : v;
+        }
+    }
+}
+
+// Rows routed to each expert: counts[e] += 1 for every (token, expert) pair.
+extern "C" __global__ void count_experts(const int* ids, int pairs, int* counts) {
+    for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < pairs; p += gridDim.x * blockDim.x) {
+        atomicAdd(&counts[ids[p]], 1);
+    }
+}
+
+// offsets[e] = rows of experts before e (offsets[experts] = pairs); cursor starts as offsets.
+// One thread: a few hundred additions.
+extern "C" __global__ void expert_offsets(const int* counts, int experts, int* offsets,
+                                          int* cursor) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        int total = 0;
+        for (int e = 0; e < experts; ++e) {
+            offsets[e] = total;
+            cursor[e] = total;
+            total += counts[e];
+        }
+        offsets[experts] = total;
+    }
+}
+
+// Places every (token, expert) pair in its expert's group: slot_of_pair[p] is where pair p
+// went, source_row[slot] the token it came from. Order within a group is arbitrary; no result
+// depends on it (each grouped row is computed alone and combined through slot_of_pair).
+extern "C" __global__ void scatter_pairs(const int* ids, int pairs, int k, int* cursor,
+                                         int* slot_of_pair, int* source_row) {
+    for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < pairs; p += gridDim.x * blockDim.x) {
+        int slot = atomicAdd(&cursor[ids[p]], 1);
+        slot_of_pair[p] = slot;
+        source_row[slot] = p / k;
+    }
+}
+
+// grouped[slot] = x[source_row[slot]]: rows of `width` bf16.
+extern "C" __global__ void gather_rows(const bf16* x, const int* source_row, int slots,
+                                       int width, bf16* grouped) {
+    size_t n = (size_t)slots * width;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        size_t slot = i / width, c = i % width;
+        grouped[i] = x[(size_t)source_row[slot] * width + c];
+    }
+}
+
+// out[t] = sum over t's k experts of weight * expert_out[slot]: the inverse permutation and
+// the weighted combine in one pass, f32 accumulation, no atomics (each output is one thread's).
+extern "C" __global__ void combine_rows(const bf16* expert_out, const int* slot_of_pair,
+                                        const float* weights, int tokens, int k, int width,
+                                        float* out) {
+    size_t n = (size_t)tokens * width;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        size_t t = i / width, c = i % width;
+        float acc = 0.0f;
+        for (int j = 0; j < k; ++j) {
+            size_t p = t * k + j;
+            acc += weights[p] * bf16_to_f32(expert_out[(size_t)slot_of_pair[p] * width + c]);
+        }
+        out[i] = acc;
+    }
+}
+
+// SwiGLU between the expert GEMMs: gate_up holds rows of [gate (inter) | up (inter)];
+// out = silu(gate) * up, rows of `inter`.
+extern "C" __global__ void swiglu(const bf16* gate_up, int rows, int inter, bf16* out) {
+    size_t n = (size_t)rows * inter;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        size_t r = i / inter, c = i % inter;
+        const bf16* row = gate_up + r * 2 * inter;
+        float g = bf16_to_f32(row[c]);
+        float u = bf16_to_f32(row[inter + c]);
+        out[i] = f32_to_bf16(g / (1.0f + expf(-g)) * u);
+    }
+}
+
+// f32 rows to bf16 (the router's activations to the experts' precision).
+extern "C" __global__ void to_bf16(const float* in, size_t n, bf16* out) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        out[i] = f32_to_bf16(in[i]);
+    }
+}

@@ -1,0 +1,592 @@
+//! Experts in GPU memory: every expert a device holds in one bf16 allocation, a work area
+//! sized from the config, and the expert FFN of a whole step as two grouped GEMMs (one
+//! cuBLAS call each, all experts together) with the SwiGLU kernel between them.
+//!
+//! All work goes to one CUDA stream per device; the device actor's thread is the only one
+//! that touches it, so cudarc's cross-stream event tracking is turned off.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::cublas::{CudaBlas, sys as blas};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PinnedHostSlice,
+    PushKernelArg, result,
+};
+use cudarc::nvrtc::Ptx;
+use half::bf16;
+
+use super::kernels::{self, MOE, Origin};
+use super::{CudaError, GpuInfo};
+
+/// Bytes cuBLAS may use for its own work on top of the sized buffers.
+const BLAS_RESERVE: usize = 64 << 20;
+
+/// The shape of the experts one device holds and the most rows one call may bring.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ExpertShape {
+    pub hidden: usize,
+    pub intermediate: usize,
+    /// Experts per layer in the model (bounds the groups of one call).
+    pub num_experts: usize,
+    /// Grouped rows one call runs at most: tokens per step × top-k.
+    pub max_rows: usize,
+}
+
+impl ExpertShape {
+    /// Elements of one expert: gate and up `[intermediate, hidden]`, down `[hidden,
+    /// intermediate]`, stored in that order (gate and up together form one `[2·I, H]`
+    /// matrix).
+    pub fn expert_elems(&self) -> usize {
+        3 * self.hidden * self.intermediate
+    }
+
+    /// Bytes of GPU memory `experts` experts and the work area take.
+    pub fn bytes_needed(&self, experts: usize) -> usize {
+        let weights = experts * self.expert_elems() * 2;
+        // Input, gate|up, activation and output rows, in bf16.
+        let rows = self.max_rows * (self.hidden + 3 * self.intermediate + self.hidden) * 2;
+        // Six pointer arrays of one entry per group.
+        let pointers = 6 * self.num_experts * 8;
+        weights + rows + pointers + BLAS_RESERVE
+    }
+}
+
+/// Whether `experts` experts of `shape` fit in the `free` bytes of GPU `gpu`, of which
+/// `fraction` may be used.
+pub fn check_fit(
+    gpu: usize,
+    shape: &ExpertShape,
+    experts: usize,
+    free: usize,
+    fraction: f64,
+) -> Result<(), CudaError> {
+    let need = shape.bytes_needed(experts);
+    let usable = (free as f64 * fraction) as usize;
+    if need > usable {
+        return Err(CudaError::DoesNotFit {
+            gpu,
+            experts,
+            need_mib: need.div_ceil(1 << 20),
+            usable_mib: usable >> 20,
+            free_mib: free >> 20,
+        });
+    }
+    Ok(())
+}
+
+/// A device allocation and its address (stable for its life).
+struct Buffer {
+    _slice: CudaSlice<u8>,
+    ptr: u64,
+}
+
+impl Buffer {
+    fn new(stream: &Arc<CudaStream>, bytes: usize) -> Result<Buffer, CudaError> {
+        // SAFETY: every buffer is written before it is read (weights at load, the work area
+        // by each call before its kernels read it).
+        let slice = unsafe { stream.alloc::<u8>(bytes.max(1)) }?;
+        let (ptr, _) = slice.device_ptr(stream);
+        Ok(Buffer { _slice: slice, ptr })
+    }
+}
+
+/// The kernels of `kernels/moe.cu`, loaded into one device's context.
+pub struct MoeKernels {
+    pub gate_topk: CudaFunction,
+    pub count_experts: CudaFunction,
+    pub expert_offsets: CudaFunction,
+    pub scatter_pairs: CudaFunction,
+    pub gather_rows: CudaFunction,
+    pub combine_rows: CudaFunction,
+    pub swiglu: CudaFunction,
+    pub to_bf16: CudaFunction,
+}
+
+impl MoeKernels {
+    /// Compiles (or reads from `cache_dir`) and loads the MoE kernels for `gpu`.
+    pub fn load(
+        ctx: &Arc<CudaContext>,
+        gpu: &GpuInfo,
+        cache_dir: Option<&std::path::Path>,
+    ) -> Result<MoeKernels, CudaError> {
+        let compiled = kernels::load(&MOE, &gpu.sm(), cache_dir)?;
+        if compiled.origin == Origin::Cached {
+            tracing::debug!(gpu = gpu.ordinal, "kernels read from the cache");
+        }
+        let module = ctx.load_module(Ptx::from_binary(compiled.cubin))?;
+        let f = |name: &str| module.load_function(name);
+        Ok(MoeKernels {
+            gate_topk: f("gate_topk")?,
+            count_experts: f("count_experts")?,
+            expert_offsets: f("expert_offsets")?,
+            scatter_pairs: f("scatter_pairs")?,
+            gather_rows: f("gather_rows")?,
+            combine_rows: f("combine_rows")?,
+            swiglu: f("swiglu")?,
+            to_bf16: f("to_bf16")?,
+        })
+    }
+}
+
+/// A launch over `n` elements with a grid-stride loop: enough blocks to fill the GPU, no more.
+pub fn elementwise(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(256).clamp(1, 4096) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// One device's experts and the means to run them.
+pub struct GpuExperts {
+    pub gpu: GpuInfo,
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    pub blas: CudaBlas,
+    pub kernels: MoeKernels,
+    pub shape: ExpertShape,
+    weights: Buffer,
+    /// (layer, expert) → index of the expert in `weights`.
+    index: HashMap<(usize, u32), usize>,
+    /// Grouped input rows `[max_rows, hidden]`, bf16.
+    pub x: u64,
+    /// Gate and up outputs `[max_rows, 2·I]`, bf16.
+    gate_up: u64,
+    /// SwiGLU outputs `[max_rows, I]`, bf16.
+    act: u64,
+    /// Expert outputs `[max_rows, hidden]`, bf16.
+    pub y: u64,
+    /// A, B, C pointer arrays of both GEMMs: `[6, num_experts]`.
+    pointers: u64,
+    _work: Vec<Buffer>,
+    /// Host staging for inputs and outputs, page-locked so copies run at full speed and
+    /// asynchronously: `[max_rows, hidden]` bf16 each.
+    host_in: PinnedHostSlice<bf16>,
+    host_out: PinnedHostSlice<bf16>,
+    /// Set when cuBLAS refuses grouped GEMMs: then one GEMM per expert.
+    per_expert_gemm: bool,
+}
+
+impl GpuExperts {
+    /// Sets up GPU `gpu` for `experts` experts of `shape`, checking first that they fit in
+    /// `memory_fraction` of its free memory. Weights are written by [`GpuExperts::upload`].
+    pub fn new(
+        gpu: &GpuInfo,
+        shape: ExpertShape,
+        experts: &[(usize, u32)],
+        memory_fraction: f64,
+        cache_dir: Option<&std::path::Path>,
+    ) -> Result<GpuExperts, CudaError> {
+        let ctx = CudaContext::new(gpu.ordinal)?;
+        // SAFETY: one stream per device, used by one thread: nothing to track across streams.
+        unsafe { ctx.disable_event_tracking() };
+        let (free, _) = ctx.mem_get_info()?;
+        check_fit(gpu.ordinal, &shape, experts.len(), free, memory_fraction)?;
+        let stream = ctx.new_stream()?;
+        let blas = CudaBlas::new(stream.clone())?;
+        let kernels = MoeKernels::load(&ctx, gpu, cache_dir)?;
+        let weights = Buffer::new(&stream, experts.len() * shape.expert_elems() * 2)?;
+        let index = experts.iter().enumerate().map(|(i, &k)| (k, i)).collect();
+        let (h, i, rows) = (shape.hidden, shape.intermediate, shape.max_rows);
+        let work: Vec<Buffer> = [
+            rows * h * 2,
+            rows * 2 * i * 2,
+            rows * i * 2,
+            rows * h * 2,
+            6 * shape.num_experts * 8,
+        ]
+        .into_iter()
+        .map(|bytes| Buffer::new(&stream, bytes))
+        .collect::<Result<_, _>>()?;
+        Ok(GpuExperts {
+            gpu: gpu.clone(),
+            x: work[0].ptr,
+            gate_up: work[1].ptr,
+            act: work[2].ptr,
+            y: work[3].ptr,
+            pointers: work[4].ptr,
+            _work: work,
+            // SAFETY: written before read (inputs by each call, outputs by the copy back).
+            host_in: unsafe { ctx.alloc_pinned::<bf16>(rows * h) }?,
+            host_out: unsafe { ctx.alloc_pinned::<bf16>(rows * h) }?,
+            ctx,
+            stream,
+            blas,
+            kernels,
+            shape,
+            weights,
+            index,
+            per_expert_gemm: false,
+        })
+    }
+
+    pub fn holds(&self, layer: usize, expert: u32) -> bool {
+        self.index.contains_key(&(layer, expert))
+    }
+
+    pub fn experts_held(&self) -> usize {
+        self.index.len()
+    }
+
+    pub fn weight_bytes(&self) -> usize {
+        self.index.len() * self.shape.expert_elems() * 2
+    }
+
+    /// Address of expert `(layer, expert)`'s gate|up matrix; its down matrix follows.
+    fn expert_ptr(&self, layer: usize, expert: u32) -> Option<u64> {
+        let slot = *self.index.get(&(layer, expert))?;
+        Some(self.weights.ptr + (slot * self.shape.expert_elems() * 2) as u64)
+    }
+
+    /// Writes one expert's weights: gate and up `[I, H]`, down `[H, I]`, as bf16.
+    pub fn upload(
+        &mut self,
+        layer: usize,
+        expert: u32,
+        gate: &[bf16],
+        up: &[bf16],
+        down: &[bf16],
+    ) -> Result<(), CudaError> {
+        let ptr = self
+            .expert_ptr(layer, expert)
+            .expect("upload of an expert not placed on this device");
+        let (h, i) = (self.shape.hidden, self.shape.intermediate);
+        assert_eq!((gate.len(), up.len(), down.len()), (i * h, i * h, h * i));
+        let cu = self.stream.cu_stream();
+        // SAFETY: the three copies land inside this expert's slot of the weight buffer; the
+        // host slices outlive them (synchronised below).
+        unsafe {
+            result::memcpy_htod_async(ptr, gate, cu)?;
+            result::memcpy_htod_async(ptr + (i * h * 2) as u64, up, cu)?;
+            result::memcpy_htod_async(ptr + (2 * i * h * 2) as u64, down, cu)?;
+        }
+        self.stream.synchronize()?;
+        Ok(())
+    }
+
+    /// Fills every held expert with one random `[I, H]` matrix repeated (for the benchmark:
+    /// a Kimi-sized layer is tens of GB; the time of a pass does not depend on the values).
+    pub fn fill_random(&mut self, seed: u64) -> Result<(), CudaError> {
+        let n = self.index.len() * self.shape.expert_elems();
+        let mut host = vec![bf16::ZERO; (self.shape.hidden * self.shape.intermediate).min(n)];
+        let scale = (self.shape.hidden as f32).powf(-0.5);
+        let mut state = seed | 1;
+        for v in host.iter_mut() {
+            // xorshift: the values only need to be plausible weights, not good randomness.
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let unit = (state >> 40) as f32 / (1u64 << 24) as f32;
+            *v = bf16::from_f32((unit * 2.0 - 1.0) * scale);
+        }
+        let cu = self.stream.cu_stream();
+        let chunk = host.len();
+        let mut done = 0;
+        while done < n {
+            let len = chunk.min(n - done);
+            // SAFETY: within the weight buffer; `host` outlives the copies (synchronised).
+            unsafe {
+                result::memcpy_htod_async(self.weights.ptr + (done * 2) as u64, &host[..len], cu)?
+            };
+            done += len;
+        }
+        self.stream.synchronize()?;
+        Ok(())
+    }
+
+    /// Runs host rows through experts of `layer`: `groups[g] = (expert, rows × hidden f32)`.
+    /// Returns one output per group, as the CPU devices do.
+    pub fn run(
+        &mut self,
+        layer: usize,
+        groups: &[(u32, Vec<f32>)],
+    ) -> Result<RunOutcome, CudaError> {
+        let h = self.shape.hidden;
+        for &(expert, _) in groups {
+            if !self.holds(layer, expert) {
+                return Ok(RunOutcome::NotHeld(expert));
+            }
+        }
+        let mut outputs = Vec::with_capacity(groups.len());
+        let mut start = 0;
+        while start < groups.len() {
+            // As many groups as the work area takes.
+            let mut end = start;
+            let mut rows = 0;
+            while end < groups.len() {
+                let r = groups[end].1.len() / h;
+                if rows + r > self.shape.max_rows && end > start {
+                    break;
+                }
+                assert!(
+                    r <= self.shape.max_rows,
+                    "a group larger than the work area"
+                );
+                rows += r;
+                end += 1;
+            }
+            let chunk = &groups[start..end];
+            let staged = &mut self.host_in.as_mut_slice()?[..rows * h];
+            let mut at = 0;
+            for (_, input) in chunk {
+                for (d, &v) in staged[at..at + input.len()].iter_mut().zip(input) {
+                    *d = bf16::from_f32(v);
+                }
+                at += input.len();
+            }
+            let cu = self.stream.cu_stream();
+            // SAFETY: `rows` rows fit the input buffer; the staging buffer is not touched
+            // until the stream is synchronised below.
+            unsafe { result::memcpy_htod_async(self.x, &*staged, cu)? };
+            let experts: Vec<u32> = chunk.iter().map(|(e, _)| *e).collect();
+            let sizes: Vec<usize> = chunk.iter().map(|(_, x)| x.len() / h).collect();
+            self.ffn(layer, &experts, &sizes)?;
+            let out_host = &mut self.host_out.as_mut_slice()?[..rows * h];
+            // SAFETY: the output buffer holds `rows` rows after ffn; synchronised below.
+            unsafe { result::memcpy_dtoh_async(&mut *out_host, self.y, cu)? };
+            self.stream.synchronize()?;
+            let mut offset = 0;
+            for size in sizes {
+                let out = &out_host[offset * h..(offset + size) * h];
+                outputs.push(out.iter().map(|v| v.to_f32()).collect());
+                offset += size;
+            }
+            start = end;
+        }
+        Ok(RunOutcome::Done(outputs))
+    }
+
+    /// The expert FFN over the grouped rows in `x` (group `g`: `sizes[g]` rows for
+    /// `experts[g]` of `layer`, consecutive), leaving the outputs in `y`. Queued on the
+    /// stream; the caller synchronises.
+    pub fn ffn(&mut self, layer: usize, experts: &[u32], sizes: &[usize]) -> Result<(), CudaError> {
+        let (h, i) = (self.shape.hidden, self.shape.intermediate);
+        let groups: Vec<(u64, usize, usize)> = experts
+            .iter()
+            .zip(sizes)
+            .scan(0usize, |offset, (&e, &n)| {
+                let at = *offset;
+                *offset += n;
+                Some((e, at, n))
+            })
+            .filter(|&(_, _, n)| n > 0)
+            .map(|(e, at, n)| {
+                let w = self.expert_ptr(layer, e).expect("checked by the caller");
+                (w, at, n)
+            })
+            .collect();
+        if groups.is_empty() {
+            return Ok(());
+        }
+        let rows: usize = groups.iter().map(|g| g.2).sum();
+        let g = groups.len();
+        // Pointer arrays: [A1, B1, C1, A2, B2, C2], g entries each.
+        let mut ptrs = vec![0u64; 6 * g];
+        for (k, &(w, at, _)) in groups.iter().enumerate() {
+            ptrs[k] = w;
+            ptrs[g + k] = self.x + (at * h * 2) as u64;
+            ptrs[2 * g + k] = self.gate_up + (at * 2 * i * 2) as u64;
+            ptrs[3 * g + k] = w + (2 * i * h * 2) as u64;
+            ptrs[4 * g + k] = self.act + (at * i * 2) as u64;
+            ptrs[5 * g + k] = self.y + (at * h * 2) as u64;
+        }
+        let ns: Vec<usize> = groups.iter().map(|x| x.2).collect();
+        // SAFETY: the copy reads `ptrs` asynchronously; the stream is synchronised before
+        // `ptrs` is dropped, at the end of this function.
+        unsafe {
+            result::memcpy_htod_async(self.pointers, &ptrs, self.stream.cu_stream())?;
+        }
+        // gate|up: out[n, 2I] = x[n, H] · W[2I, H]ᵀ.
+        self.gemm(
+            GemmShape { m: 2 * i, k: h },
+            &ns,
+            [
+                self.pointers,
+                self.pointers + (g * 8) as u64,
+                self.pointers + (2 * g * 8) as u64,
+            ],
+            &ptrs[..3 * g],
+        )?;
+        let swiglu_n = rows * i;
+        let (gate_up, act, inter, rows_i) = (self.gate_up, self.act, i as i32, rows as i32);
+        // SAFETY: gate_up holds `rows` rows of 2I, act has room for `rows` rows of I.
+        unsafe {
+            self.stream
+                .launch_builder(&self.kernels.swiglu)
+                .arg(&gate_up)
+                .arg(&rows_i)
+                .arg(&inter)
+                .arg(&act)
+                .launch(elementwise(swiglu_n))?;
+        }
+        // down: out[n, H] = act[n, I] · W[H, I]ᵀ.
+        self.gemm(
+            GemmShape { m: h, k: i },
+            &ns,
+            [
+                self.pointers + (3 * g * 8) as u64,
+                self.pointers + (4 * g * 8) as u64,
+                self.pointers + (5 * g * 8) as u64,
+            ],
+            &ptrs[3 * g..],
+        )?;
+        // The pointer upload above reads `ptrs` asynchronously: wait before it is dropped.
+        self.stream.synchronize()?;
+        Ok(())
+    }
+
+    /// `C_g[n_g, m] = B_g[n_g, k] · A_g[m, k]ᵀ` for every group (row-major), as one grouped
+    /// cuBLAS call: in cuBLAS's column-major terms `C_g = op(A_g) · B_g` with A transposed.
+    /// `device_arrays` are the A, B, C pointer arrays in GPU memory, `host_ptrs` the same
+    /// pointers (for the one-GEMM-per-expert fallback).
+    fn gemm(
+        &mut self,
+        shape: GemmShape,
+        ns: &[usize],
+        device_arrays: [u64; 3],
+        host_ptrs: &[u64],
+    ) -> Result<(), CudaError> {
+        let g = ns.len();
+        let (m, k) = (shape.m as i32, shape.k as i32);
+        let handle = *self.blas.handle();
+        let data = blas::cudaDataType_t::CUDA_R_16BF;
+        let compute = blas::cublasComputeType_t::CUBLAS_COMPUTE_32F;
+        if !self.per_expert_gemm {
+            let transa = vec![blas::cublasOperation_t::CUBLAS_OP_T; g];
+            let transb = vec![blas::cublasOperation_t::CUBLAS_OP_N; g];
+            let ms = vec![m; g];
+            let ns_i: Vec<i32> = ns.iter().map(|&n| n as i32).collect();
+            let ks = vec![k; g];
+            let alpha = vec![1.0f32; g];
+            let beta = vec![0.0f32; g];
+            let ones = vec![1i32; g];
+            // SAFETY: host arrays of g entries; device pointer arrays of g entries each,
+            // pointing at matrices of the stated shapes.
+            let status = unsafe {
+                blas::cublasGemmGroupedBatchedEx(
+                    handle,
+                    transa.as_ptr(),
+                    transb.as_ptr(),
+                    ms.as_ptr(),
+                    ns_i.as_ptr(),
+                    ks.as_ptr(),
+                    alpha.as_ptr() as *const c_void,
+                    device_arrays[0] as *const *const c_void,
+                    data,
+                    ks.as_ptr(),
+                    device_arrays[1] as *const *const c_void,
+                    data,
+                    ks.as_ptr(),
+                    beta.as_ptr() as *const c_void,
+                    device_arrays[2] as *const *mut c_void,
+                    data,
+                    ms.as_ptr(),
+                    g as i32,
+                    ones.as_ptr(),
+                    compute,
+                )
+            };
+            match status {
+                blas::cublasStatus_t::CUBLAS_STATUS_SUCCESS => return Ok(()),
+                blas::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED => {
+                    tracing::warn!(
+                        gpu = self.gpu.ordinal,
+                        "cuBLAS has no grouped GEMM here: one GEMM per expert"
+                    );
+                    self.per_expert_gemm = true;
+                }
+                other => return Err(CudaError::Blas(cudarc::cublas::result::CublasError(other))),
+            }
+        }
+        for (idx, &n) in ns.iter().enumerate() {
+            let (alpha, beta) = (1.0f32, 0.0f32);
+            // SAFETY: as above, one group at a time.
+            unsafe {
+                blas::cublasGemmEx(
+                    handle,
+                    blas::cublasOperation_t::CUBLAS_OP_T,
+                    blas::cublasOperation_t::CUBLAS_OP_N,
+                    m,
+                    n as i32,
+                    k,
+                    &alpha as *const f32 as *const c_void,
+                    host_ptrs[idx] as *const c_void,
+                    data,
+                    k,
+                    host_ptrs[g + idx] as *const c_void,
+                    data,
+                    k,
+                    &beta as *const f32 as *const c_void,
+                    host_ptrs[2 * g + idx] as *mut c_void,
+                    data,
+                    m,
+                    compute,
+                    blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
+            .result()?;
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct GemmShape {
+    m: usize,
+    k: usize,
+}
+
+/// What a call to [`GpuExperts::run`] came to.
+#[derive(Debug)]
+pub enum RunOutcome {
+    Done(Vec<Vec<f32>>),
+    /// The first requested expert this device does not hold.
+    NotHeld(u32),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kimi() -> ExpertShape {
+        ExpertShape {
+            hidden: 7168,
+            intermediate: 2048,
+            num_experts: 384,
+            max_rows: 512 * 8,
+        }
+    }
+
+    #[test]
+    fn memory_needed_counts_weights_work_area_and_reserve() {
+        let shape = kimi();
+        let one_expert = 3 * 7168 * 2048 * 2;
+        assert_eq!(
+            shape.bytes_needed(2) - shape.bytes_needed(1),
+            one_expert,
+            "each expert adds its three bf16 matrices"
+        );
+        let work = 4096 * (7168 + 3 * 2048 + 7168) * 2 + 6 * 384 * 8 + BLAS_RESERVE;
+        assert_eq!(shape.bytes_needed(0), work);
+    }
+
+    #[test]
+    fn experts_that_do_not_fit_are_refused_with_the_figures() {
+        let shape = kimi();
+        // 384 experts of a Kimi K2 layer are 33.8 GB: they fit an H200's 140 GB, but 8
+        // layers' worth do not.
+        let free = 140usize << 30;
+        assert!(check_fit(0, &shape, 384, free, 0.9).is_ok());
+        let err = check_fit(3, &shape, 8 * 384, free, 0.9)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("GPU 3: the 3072 experts placed on it need"),
+            "{err}"
+        );
+        assert!(err.contains("MiB may be used (143360 MiB free"), "{err}");
+    }
+}

@@ -1,0 +1,162 @@
+//! The CUDA backend, through cudarc with every library loaded at run time: one binary runs
+//! on machines with and without a GPU. [`runtime`] finds the driver, NVRTC and cuBLAS and
+//! lists the GPUs; [`kernels`] compiles `kernels/*.cu` with NVRTC (cached by source hash and
+//! architecture); [`experts`] holds experts in GPU memory as bf16 and runs token groups
+//! through them with grouped GEMMs.
+
+pub mod experts;
+pub mod kernels;
+pub mod libs;
+
+use std::path::Path;
+use std::sync::OnceLock;
+
+use cudarc::driver::{DriverError, result, sys};
+
+pub use experts::GpuExperts;
+pub use libs::Loaded;
+
+/// One GPU the driver reports.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GpuInfo {
+    pub ordinal: usize,
+    pub name: String,
+    /// Compute capability, e.g. (9, 0) for an H100 or H200.
+    pub arch: (i32, i32),
+    pub total_bytes: usize,
+}
+
+impl GpuInfo {
+    /// The NVRTC architecture name: `sm_90`.
+    pub fn sm(&self) -> String {
+        format!("sm_{}{}", self.arch.0, self.arch.1)
+    }
+}
+
+/// What was found: the GPUs and the libraries loaded to use them.
+#[derive(Debug, Clone)]
+pub struct CudaRuntime {
+    pub gpus: Vec<GpuInfo>,
+    pub libraries: Vec<Loaded>,
+    pub driver_version: i32,
+    pub nvrtc_version: (i32, i32),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    /// No GPU can be used here; the text says why.
+    #[error("{0}")]
+    Unavailable(String),
+    #[error("CUDA driver: {0}")]
+    Driver(#[from] DriverError),
+    #[error("cuBLAS: {0:?}")]
+    Blas(cudarc::cublas::result::CublasError),
+    #[error("compiling kernels/{file} for {arch}: {log}")]
+    Compile {
+        file: &'static str,
+        arch: String,
+        log: String,
+    },
+    #[error("kernel cache {path}: {reason}")]
+    Cache { path: String, reason: String },
+    #[error(
+        "GPU {gpu}: the {experts} experts placed on it need {need_mib} MiB with their \
+         work buffers, but {usable_mib} MiB may be used ({free_mib} MiB free × \
+         devices.gpu_memory_fraction); add GPUs or nodes, or lower devices.replication"
+    )]
+    DoesNotFit {
+        gpu: usize,
+        experts: usize,
+        need_mib: usize,
+        usable_mib: usize,
+        free_mib: usize,
+    },
+    #[error("GPU {gpu} self-check: {reason}")]
+    SelfCheck { gpu: usize, reason: String },
+}
+
+impl From<cudarc::cublas::result::CublasError> for CudaError {
+    fn from(e: cudarc::cublas::result::CublasError) -> Self {
+        CudaError::Blas(e)
+    }
+}
+
+static RUNTIME: OnceLock<Result<CudaRuntime, String>> = OnceLock::new();
+
+/// The process's CUDA runtime, found on first use; `lib_dir` (the config's
+/// `devices.cuda_lib_dir`) is searched for the toolkit's libraries then.
+pub fn runtime(lib_dir: Option<&Path>) -> Result<&'static CudaRuntime, CudaError> {
+    RUNTIME
+        .get_or_init(|| detect(lib_dir))
+        .as_ref()
+        .map_err(|reason| CudaError::Unavailable(reason.clone()))
+}
+
+fn detect(lib_dir: Option<&Path>) -> Result<CudaRuntime, String> {
+    // The driver ships with the GPU driver, never with the toolkit (whose lib64/stubs holds a
+    // stub that only links): only the loader's path is searched for it.
+    let driver = libs::open(libs::DRIVER, &[])?;
+    result::init().map_err(|e| format!("the CUDA driver did not start: {e}"))?;
+    let count = result::device::get_count().map_err(|e| format!("counting GPUs: {e}"))?;
+    if count == 0 {
+        return Err("the CUDA driver reports no GPU".into());
+    }
+    let mut driver_version = 0;
+    // SAFETY: writes one int.
+    unsafe { sys::cuDriverGetVersion(&mut driver_version) }
+        .result()
+        .map_err(|e| format!("driver version: {e}"))?;
+    let dirs = libs::search_dirs(lib_dir);
+    let mut libraries = vec![driver];
+    for lib in [libs::NVRTC, libs::CUBLAS_LT, libs::CUBLAS] {
+        libraries.push(libs::open(lib, &dirs)?);
+    }
+    let nvrtc_version = kernels::nvrtc_version().map_err(|e| format!("NVRTC: {e:?}"))?;
+    let gpus = (0..count as usize)
+        .map(gpu_info)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("reading GPU properties: {e}"))?;
+    Ok(CudaRuntime {
+        gpus,
+        libraries,
+        driver_version,
+        nvrtc_version,
+    })
+}
+
+fn gpu_info(ordinal: usize) -> Result<GpuInfo, DriverError> {
+    let dev = result::device::get(ordinal as i32)?;
+    use sys::CUdevice_attribute::*;
+    // SAFETY: `dev` is a valid device handle from the driver.
+    let (major, minor, total_bytes) = unsafe {
+        (
+            result::device::get_attribute(dev, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+            result::device::get_attribute(dev, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+            result::device::total_mem(dev)?,
+        )
+    };
+    Ok(GpuInfo {
+        ordinal,
+        name: result::device::get_name(dev)?,
+        arch: (major, minor),
+        total_bytes,
+    })
+}
+
+/// Logs what was found, once per start.
+pub fn log_runtime(rt: &CudaRuntime) {
+    for lib in &rt.libraries {
+        tracing::info!(library = lib.what, path = %lib.path.display(), "CUDA library loaded");
+    }
+    for gpu in &rt.gpus {
+        tracing::info!(
+            gpu = gpu.ordinal,
+            name = %gpu.name,
+            arch = %gpu.sm(),
+            gib = gpu.total_bytes >> 30,
+            driver = rt.driver_version,
+            nvrtc = %format!("{}.{}", rt.nvrtc_version.0, rt.nvrtc_version.1),
+            "GPU found"
+        );
+    }
+}
