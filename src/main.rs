@@ -9,6 +9,7 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
 use moe_node::actors::NodeError;
+use moe_node::compute::cuda::CudaError;
 use moe_node::config::{ConfigError, ConfigSources, ENV_PREFIX, LogFormat, NodeConfig};
 use moe_node::engine::{Engine, EngineError, GenerateRequest, SamplingParams, generate};
 use moe_node::model::demo::{DemoSpec, write_demo_model};
@@ -143,7 +144,15 @@ fn report(e: anyhow::Error) -> ExitCode {
         }
     }
     eprintln!("error: {message}");
-    if e.chain().any(|c| c.downcast_ref::<ConfigError>().is_some()) {
+    // A GPU that is missing while required, or too small for its experts, is a deployment
+    // problem that a restart does not fix.
+    if e.chain().any(|c| {
+        c.downcast_ref::<ConfigError>().is_some()
+            || matches!(
+                c.downcast_ref::<CudaError>(),
+                Some(CudaError::Unavailable(_) | CudaError::DoesNotFit { .. })
+            )
+    }) {
         return ExitCode::from(EXIT_CONFIG);
     }
     let model_error = e.chain().find_map(|c| {

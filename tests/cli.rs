@@ -235,3 +235,71 @@ fn serve_exits_when_the_model_cannot_be_loaded() {
     assert_eq!(status.code(), Some(65), "{stderr}");
     assert!(stderr.contains("model.safetensors"), "{stderr}");
 }
+
+/// Whether this machine has a CUDA driver the loader can find (then the tests of the
+/// no-GPU behaviour do not apply; `tests/gpu/run.sh` covers that machine).
+fn has_cuda_driver() -> bool {
+    ["libcuda.so.1", "libcuda.so"].iter().any(|name| {
+        std::process::Command::new("sh")
+            .args(["-c", &format!("ldconfig -p | grep -q '{name} '")])
+            .status()
+            .is_ok_and(|s| s.success())
+    })
+}
+
+#[test]
+fn without_a_gpu_auto_serves_on_the_cpu_and_says_why_while_cuda_refuses_to_start() {
+    if has_cuda_driver() {
+        eprintln!("skipped: this machine has a CUDA driver");
+        return;
+    }
+    let model = fixture("qwen3_moe");
+    let out = Command::new(env!("CARGO_BIN_EXE_moe-node"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--model"])
+        .arg(&model)
+        .env("MOE_NODE_DEVICES__BACKEND", "cuda")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(78), "{stderr}");
+    assert!(
+        stderr.contains("CUDA driver not found (tried libcuda.so.1"),
+        "{stderr}"
+    );
+
+    let mut child = Command::new(env!("CARGO_BIN_EXE_moe-node"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--model"])
+        .arg(&model)
+        .env("RUST_LOG", "info")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufRead::lines(std::io::BufReader::new(stderr)).map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let mut seen = Vec::new();
+    let found = loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(line) => {
+                let done = line.contains("no usable GPU: experts run on CPU slots")
+                    && line.contains("CUDA driver not found");
+                seen.push(line);
+                if done {
+                    break true;
+                }
+            }
+            Err(_) => break false,
+        }
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(found, "log lacks the reason:\n{}", seen.join("\n"));
+}

@@ -122,11 +122,11 @@ impl ExpertExecutor for DeviceExperts {
                             outputs[g] = Some(out);
                         }
                     }
-                    Ok(Err(e)) => return Err(e),
-                    Err(_) => {
+                    Ok(Err(ExpertError::DeviceFailed(_))) | Err(_) => {
                         self.mark_dead(device);
                         pending.extend(groups);
                     }
+                    Ok(Err(e)) => return Err(e),
                 }
             }
         }

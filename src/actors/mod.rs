@@ -10,13 +10,14 @@ use std::sync::Arc;
 
 use actix::Addr;
 
-use crate::config::NodeConfig;
+use crate::compute::cuda::{self, CudaError};
+use crate::config::{Backend, DevicesConfig, NodeConfig};
 use crate::engine::batch::BatchLimits;
 use crate::engine::{Engine, generate::PREFILL_CHUNK};
 use crate::metrics::NodeMetrics;
 use crate::model::{Checkpoint, DenseWeights, ModelConfig, ModelError};
 use crate::placement::{ExpertLoad, Placement, PlacementError};
-use device::{DeviceHandle, Shutdown, start_device};
+use device::{DeviceHandle, DeviceTarget, GpuOptions, Shutdown, start_device};
 use dispatch::DeviceExperts;
 use router::RouterActor;
 
@@ -26,6 +27,8 @@ pub enum NodeError {
     Model(#[from] ModelError),
     #[error(transparent)]
     Placement(#[from] PlacementError),
+    #[error("GPU devices")]
+    Cuda(#[from] CudaError),
     #[error("device {device} does not exist (the node has {devices})")]
     NoSuchDevice { device: usize, devices: usize },
 }
@@ -49,7 +52,13 @@ impl Node {
         metrics: Arc<NodeMetrics>,
     ) -> Result<Node, NodeError> {
         let model = Arc::new(ModelConfig::load(model_dir)?);
-        let num_devices = config.devices.cpu_slots;
+        let gpu_options = GpuOptions {
+            max_rows: config.batching.max_tokens_per_step * model.moe.top_k,
+            memory_fraction: config.devices.gpu_memory_fraction,
+            kernel_cache: Some(config.cache_dir().join("kernels")),
+        };
+        let targets = device_targets(&config.devices, gpu_options)?;
+        let num_devices = targets.len();
         let placement = Arc::new(Placement::balanced(
             &model.moe_layers,
             model.moe.num_experts,
@@ -58,10 +67,13 @@ impl Node {
         )?);
         // Opened once: the devices and the router read their tensors from the same map.
         let checkpoint = Arc::new(Checkpoint::open(model_dir)?);
-        let devices = (0..num_devices)
-            .map(|id| {
+        let devices = targets
+            .into_iter()
+            .enumerate()
+            .map(|(id, target)| {
                 start_device(
                     id,
+                    target,
                     checkpoint.clone(),
                     model.clone(),
                     placement.experts_on(id),
@@ -106,5 +118,43 @@ impl Node {
         })?;
         handle.addr.do_send(Shutdown);
         Ok(())
+    }
+}
+
+/// The devices experts go on: every GPU when CUDA is usable (and allowed), else CPU slots.
+/// With `backend = "cuda"`, no usable GPU is an error; with `auto`, the log says why the CPU
+/// is used.
+pub fn device_targets(
+    devices: &DevicesConfig,
+    gpu: GpuOptions,
+) -> Result<Vec<DeviceTarget>, NodeError> {
+    let cpu = || vec![DeviceTarget::Cpu; devices.cpu_slots];
+    if devices.backend == Backend::Cpu {
+        tracing::info!(
+            slots = devices.cpu_slots,
+            "experts run on CPU slots (devices.backend = \"cpu\")"
+        );
+        return Ok(cpu());
+    }
+    let lib_dir =
+        (!devices.cuda_lib_dir.is_empty()).then(|| std::path::Path::new(&devices.cuda_lib_dir));
+    match cuda::runtime(lib_dir) {
+        Ok(runtime) => {
+            cuda::log_runtime(runtime);
+            Ok(runtime
+                .gpus
+                .iter()
+                .map(|info| DeviceTarget::Gpu(info.clone(), gpu.clone()))
+                .collect())
+        }
+        Err(e) if devices.backend == Backend::Cuda => Err(NodeError::Cuda(e)),
+        Err(e) => {
+            tracing::info!(
+                slots = devices.cpu_slots,
+                reason = %e,
+                "no usable GPU: experts run on CPU slots"
+            );
+            Ok(cpu())
+        }
     }
 }

@@ -54,10 +54,27 @@ pub struct ModelSection {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DevicesConfig {
+    /// Where experts run: on every GPU when CUDA is usable, else on CPU slots (`auto`);
+    /// only on GPUs, refusing to start without (`cuda`); only on CPU slots (`cpu`).
+    pub backend: Backend,
     /// Device slots to run experts on when the node has no GPU.
     pub cpu_slots: usize,
     /// Copies of each expert, each on a different device.
     pub replication: usize,
+    /// Share of each GPU's free memory the experts and their work buffers may take.
+    pub gpu_memory_fraction: f64,
+    /// Extra directory searched for NVRTC and cuBLAS (after the loader's path, before
+    /// `$CUDA_HOME/lib64` and `/usr/local/cuda*/lib64`). Empty: none.
+    pub cuda_lib_dir: String,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    #[default]
+    Auto,
+    Cpu,
+    Cuda,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -113,8 +130,11 @@ impl Default for ServerConfig {
 impl Default for DevicesConfig {
     fn default() -> Self {
         DevicesConfig {
+            backend: Backend::Auto,
             cpu_slots: 2,
             replication: 1,
+            gpu_memory_fraction: 0.9,
+            cuda_lib_dir: String::new(),
         }
     }
 }
@@ -221,10 +241,18 @@ impl NodeConfig {
         }
         if self.devices.replication == 0 {
             problems.push("devices.replication: must be at least 1".into());
-        } else if self.devices.replication > self.devices.cpu_slots.max(1) {
+        } else if self.devices.backend == Backend::Cpu
+            && self.devices.replication > self.devices.cpu_slots.max(1)
+        {
             problems.push(format!(
                 "devices.replication: {} replicas need as many devices, but there are {}",
                 self.devices.replication, self.devices.cpu_slots
+            ));
+        }
+        let fraction = self.devices.gpu_memory_fraction;
+        if fraction.is_nan() || fraction <= 0.0 || fraction > 1.0 {
+            problems.push(format!(
+                "devices.gpu_memory_fraction: {fraction} is not in (0, 1]"
             ));
         }
         let b = &self.batching;
@@ -398,7 +426,8 @@ mod tests {
     #[test]
     fn every_problem_is_reported_at_once() {
         let err = load(
-            "[server]\nlisten = \"nowhere\"\nlisen = 1\n[devices]\ncpu_slots = 0\nreplication = 2\n\
+            "[server]\nlisten = \"nowhere\"\nlisen = 1\n[devices]\nbackend = \"cpu\"\ncpu_slots = 0\nreplication = 2\n\
+             gpu_memory_fraction = 1.5\n\
              [batching]\nmax_sequences = \"many\"\n[gpus]\nx = 1\n",
             &[],
         )
@@ -410,6 +439,7 @@ mod tests {
             "server.listen: `nowhere`",
             "devices.cpu_slots",
             "devices.replication",
+            "devices.gpu_memory_fraction: 1.5 is not in (0, 1]",
             "batching.max_sequences: invalid type: string \"many\"",
         ] {
             assert!(

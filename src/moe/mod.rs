@@ -19,6 +19,10 @@ pub enum ExpertError {
     NotHeld { layer: usize, expert: u32 },
     #[error("expert executor unavailable: {0}")]
     Unavailable(String),
+    /// The device failed while computing and took itself out of service; its groups can go
+    /// to replicas.
+    #[error("device failed: {0}")]
+    DeviceFailed(String),
 }
 
 /// Runs grouped token rows through the experts of one layer. The engine calls this once per
