@@ -10,6 +10,7 @@ use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
 use moe_node::actors::NodeError;
 use moe_node::compute::cuda::CudaError;
+use moe_node::compute::cuda::load::{LoadError, engine_on_gpu};
 use moe_node::config::{ConfigError, ConfigSources, ENV_PREFIX, LogFormat, NodeConfig};
 use moe_node::engine::{Engine, EngineError, GenerateRequest, SamplingParams, generate};
 use moe_node::model::demo::{DemoSpec, write_demo_model};
@@ -93,6 +94,9 @@ struct GenerateArgs {
     /// Print one JSON object: token_ids, last_logits and (with a tokenizer) text.
     #[arg(long)]
     json: bool,
+    /// Run the routed experts on GPU N (bf16); the dense part stays on the CPU.
+    #[arg(long, value_name = "N")]
+    gpu: Option<usize>,
 }
 
 /// Exit status for a model directory that is not usable (sysexits' EX_CONFIG, EX_DATAERR).
@@ -152,11 +156,21 @@ fn report(e: anyhow::Error) -> ExitCode {
                 c.downcast_ref::<CudaError>(),
                 Some(CudaError::Unavailable(_) | CudaError::DoesNotFit { .. })
             )
+            || matches!(
+                c.downcast_ref::<LoadError>(),
+                Some(LoadError::Cuda(
+                    CudaError::Unavailable(_) | CudaError::DoesNotFit { .. }
+                ))
+            )
     }) {
         return ExitCode::from(EXIT_CONFIG);
     }
     let model_error = e.chain().find_map(|c| {
         c.downcast_ref::<ModelError>()
+            .or_else(|| match c.downcast_ref::<LoadError>() {
+                Some(LoadError::Model(m)) => Some(m),
+                _ => None,
+            })
             .or_else(|| match c.downcast_ref::<EngineError>() {
                 Some(EngineError::Model(m)) => Some(m),
                 _ => None,
@@ -216,7 +230,16 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
 
 fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {
     let started = Instant::now();
-    let engine = Engine::load(&args.model)?;
+    let engine = match args.gpu {
+        None => Engine::load(&args.model)?,
+        Some(ordinal) => {
+            let engine = engine_on_gpu(&args.model, ordinal, None, None)?;
+            if let Ok(runtime) = moe_node::compute::cuda::runtime(None) {
+                moe_node::compute::cuda::log_runtime(runtime);
+            }
+            engine
+        }
+    };
     let tokenizer = Tokenizer::load_optional(&args.model)?;
     tracing::info!(
         model = %args.model.display(),

@@ -3,17 +3,16 @@
 //! dedicated arbiter), so expert compute never runs on the HTTP runtime.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::mpsc;
 
 use actix::prelude::*;
-use half::bf16;
 
 use super::NodeError;
-use crate::compute::cpu::WeightElement;
-use crate::compute::cuda::experts::{ExpertShape, RunOutcome};
-use crate::compute::cuda::{CudaError, GpuExperts, GpuInfo};
+use crate::compute::cuda::experts::RunOutcome;
+pub use crate::compute::cuda::load::GpuOptions;
+use crate::compute::cuda::load::load_experts as load_gpu;
+use crate::compute::cuda::{GpuExperts, GpuInfo};
 use crate::model::weights::load_expert;
 use crate::model::{Checkpoint, ExpertWeights, ModelConfig, ModelError};
 use crate::moe::{ExpertError, run_expert_groups};
@@ -25,15 +24,6 @@ pub enum DeviceTarget {
     Cpu,
     /// A GPU, with what it needs besides its experts.
     Gpu(GpuInfo, GpuOptions),
-}
-
-#[derive(Debug, Clone)]
-pub struct GpuOptions {
-    /// Grouped rows one call may bring: tokens per step × top-k.
-    pub max_rows: usize,
-    pub memory_fraction: f64,
-    /// Where compiled kernels are kept between starts.
-    pub kernel_cache: Option<PathBuf>,
 }
 
 pub struct DeviceActor {
@@ -161,6 +151,7 @@ pub fn start_device(
             DeviceTarget::Gpu(gpu, options) => {
                 load_gpu(gpu, options, &checkpoint, &config, &experts)
                     .map(|g| Held::Gpu(Box::new(g)))
+                    .map_err(NodeError::from)
             }
         };
         let (experts, ready) = match loaded {
@@ -217,110 +208,4 @@ fn load_experts(
             ))
         })
         .collect()
-}
-
-/// Loads `experts` onto a GPU: checks they fit, uploads them as bf16, then checks that the
-/// GPU computes the first of them as the CPU does before the device takes work.
-fn load_gpu(
-    gpu: &GpuInfo,
-    options: &GpuOptions,
-    checkpoint: &Checkpoint,
-    config: &ModelConfig,
-    experts: &[(usize, u32)],
-) -> Result<GpuExperts, NodeError> {
-    let shape = ExpertShape {
-        hidden: config.hidden_size,
-        intermediate: config.moe.expert_intermediate_size,
-        num_experts: config.moe.num_experts,
-        max_rows: options.max_rows,
-    };
-    let mut held = GpuExperts::new(
-        gpu,
-        shape,
-        experts,
-        options.memory_fraction,
-        options.kernel_cache.as_deref(),
-    )?;
-    let mut first = None;
-    for &(layer, expert) in experts {
-        let weights = load_expert(checkpoint, config, layer, expert as usize)?;
-        let (gate, up, down) = bf16_matrices(&weights);
-        held.upload(layer, expert, &gate, &up, &down)?;
-        if first.is_none() {
-            first = Some((layer, expert, weights));
-        }
-    }
-    if let Some((layer, expert, weights)) = first {
-        self_check(&mut held, layer, expert, &weights)?;
-    }
-    Ok(held)
-}
-
-/// An expert's three matrices as bf16: exact for a bf16 checkpoint, rounded for f32.
-pub fn bf16_matrices(weights: &ExpertWeights) -> (Vec<bf16>, Vec<bf16>, Vec<bf16>) {
-    fn convert<W: WeightElement>(w: &[W]) -> Vec<bf16> {
-        w.iter().map(|v| bf16::from_f32(v.to_f32())).collect()
-    }
-    match weights {
-        ExpertWeights::Bf16(b) => (
-            b.gate.weight.clone(),
-            b.up.weight.clone(),
-            b.down.weight.clone(),
-        ),
-        ExpertWeights::F32(b) => (
-            convert(&b.gate.weight),
-            convert(&b.up.weight),
-            convert(&b.down.weight),
-        ),
-    }
-}
-
-/// Largest difference allowed between the GPU's expert output and the CPU's, relative to the
-/// largest CPU output: the GPU rounds inputs, gate|up and the activation to bf16.
-pub const BF16_TOLERANCE: f32 = 0.03;
-
-/// Runs a few fixed rows through one expert on the GPU and on the CPU and compares.
-fn self_check(
-    held: &mut GpuExperts,
-    layer: usize,
-    expert: u32,
-    weights: &ExpertWeights,
-) -> Result<(), CudaError> {
-    let h = held.shape.hidden;
-    let rows = 4;
-    let input: Vec<f32> = (0..rows * h)
-        .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.5)
-        .collect();
-    let expected = weights.forward_with(&input, rows, false);
-    let got = match held.run(layer, &[(expert, input)])? {
-        RunOutcome::Done(mut outputs) => outputs.remove(0),
-        RunOutcome::NotHeld(e) => {
-            return Err(CudaError::SelfCheck {
-                gpu: held.gpu.ordinal,
-                reason: format!("expert {e} was uploaded but is not found"),
-            });
-        }
-    };
-    let scale = expected.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
-    let worst = expected
-        .iter()
-        .zip(&got)
-        .map(|(a, b)| (a - b).abs())
-        // NaN sticks: f32::max would drop it.
-        .fold(0f32, |m, d| if d.is_nan() || d > m { d } else { m });
-    if worst.is_nan() || worst > BF16_TOLERANCE * scale {
-        return Err(CudaError::SelfCheck {
-            gpu: held.gpu.ordinal,
-            reason: format!(
-                "expert {expert} of layer {layer} differs from the CPU by {worst:.3e} \
-                 (largest output {scale:.3e}, tolerance {BF16_TOLERANCE})"
-            ),
-        });
-    }
-    tracing::info!(
-        gpu = held.gpu.ordinal,
-        relative_difference = worst / scale,
-        "GPU self-check passed"
-    );
-    Ok(())
 }

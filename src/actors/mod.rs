@@ -33,6 +33,15 @@ pub enum NodeError {
     NoSuchDevice { device: usize, devices: usize },
 }
 
+impl From<cuda::load::LoadError> for NodeError {
+    fn from(e: cuda::load::LoadError) -> Self {
+        match e {
+            cuda::load::LoadError::Model(e) => NodeError::Model(e),
+            cuda::load::LoadError::Cuda(e) => NodeError::Cuda(e),
+        }
+    }
+}
+
 /// A running node: its devices, the placement of experts on them, and the router.
 pub struct Node {
     pub model: Arc<ModelConfig>,

@@ -7,6 +7,7 @@
 pub mod experts;
 pub mod kernels;
 pub mod libs;
+pub mod load;
 
 use std::path::Path;
 use std::sync::OnceLock;

@@ -1,0 +1,226 @@
+//! Loading a model's experts onto a GPU, and the GPU as the expert executor of an engine in
+//! this process (`moe-node generate --backend cuda`, the reference tests on every backend).
+
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+use half::bf16;
+
+use super::experts::{ExpertShape, RunOutcome};
+use super::{CudaError, GpuExperts, GpuInfo};
+use crate::compute::cpu::WeightElement;
+use crate::model::weights::load_expert;
+use crate::model::{Checkpoint, ExpertWeights, ModelConfig, ModelError};
+use crate::moe::{DispatchPlan, ExpertError, ExpertExecutor};
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Cuda(#[from] CudaError),
+}
+
+/// What a GPU needs besides its experts.
+#[derive(Debug, Clone)]
+pub struct GpuOptions {
+    /// Grouped rows one call may bring: tokens per step × top-k.
+    pub max_rows: usize,
+    pub memory_fraction: f64,
+    /// Where compiled kernels are kept between starts.
+    pub kernel_cache: Option<PathBuf>,
+}
+
+/// Loads `experts` onto a GPU: checks they fit, uploads them as bf16, then checks that the
+/// GPU computes the first of them as the CPU does before the device takes work.
+pub fn load_experts(
+    gpu: &GpuInfo,
+    options: &GpuOptions,
+    checkpoint: &Checkpoint,
+    config: &ModelConfig,
+    experts: &[(usize, u32)],
+) -> Result<GpuExperts, LoadError> {
+    let shape = ExpertShape {
+        hidden: config.hidden_size,
+        intermediate: config.moe.expert_intermediate_size,
+        num_experts: config.moe.num_experts,
+        max_rows: options.max_rows,
+    };
+    let mut held = GpuExperts::new(
+        gpu,
+        shape,
+        experts,
+        options.memory_fraction,
+        options.kernel_cache.as_deref(),
+    )?;
+    let mut first = None;
+    for &(layer, expert) in experts {
+        let weights = load_expert(checkpoint, config, layer, expert as usize)?;
+        let (gate, up, down) = bf16_matrices(&weights);
+        held.upload(layer, expert, &gate, &up, &down)?;
+        if first.is_none() {
+            first = Some((layer, expert, weights));
+        }
+    }
+    if let Some((layer, expert, weights)) = first {
+        self_check(&mut held, layer, expert, &weights)?;
+    }
+    Ok(held)
+}
+
+/// An expert's three matrices as bf16: exact for a bf16 checkpoint, rounded for f32.
+pub fn bf16_matrices(weights: &ExpertWeights) -> (Vec<bf16>, Vec<bf16>, Vec<bf16>) {
+    fn convert<W: WeightElement>(w: &[W]) -> Vec<bf16> {
+        w.iter().map(|v| bf16::from_f32(v.to_f32())).collect()
+    }
+    match weights {
+        ExpertWeights::Bf16(b) => (
+            b.gate.weight.clone(),
+            b.up.weight.clone(),
+            b.down.weight.clone(),
+        ),
+        ExpertWeights::F32(b) => (
+            convert(&b.gate.weight),
+            convert(&b.up.weight),
+            convert(&b.down.weight),
+        ),
+    }
+}
+
+/// Largest difference allowed between the GPU's expert output and the CPU's, relative to the
+/// largest CPU output: the GPU rounds inputs, gate|up and the activation to bf16.
+pub const BF16_TOLERANCE: f32 = 0.03;
+
+/// Runs a few fixed rows through one expert on the GPU and on the CPU and compares.
+fn self_check(
+    held: &mut GpuExperts,
+    layer: usize,
+    expert: u32,
+    weights: &ExpertWeights,
+) -> Result<(), CudaError> {
+    let h = held.shape.hidden;
+    let rows = 4;
+    let input: Vec<f32> = (0..rows * h)
+        .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.5)
+        .collect();
+    let expected = weights.forward_with(&input, rows, false);
+    let got = match held.run(layer, &[(expert, input)])? {
+        RunOutcome::Done(mut outputs) => outputs.remove(0),
+        RunOutcome::NotHeld(e) => {
+            return Err(CudaError::SelfCheck {
+                gpu: held.gpu.ordinal,
+                reason: format!("expert {e} was uploaded but is not found"),
+            });
+        }
+    };
+    let scale = expected.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+    let worst = expected
+        .iter()
+        .zip(&got)
+        .map(|(a, b)| (a - b).abs())
+        // NaN sticks: f32::max would drop it.
+        .fold(0f32, |m, d| if d.is_nan() || d > m { d } else { m });
+    if worst.is_nan() || worst > BF16_TOLERANCE * scale {
+        return Err(CudaError::SelfCheck {
+            gpu: held.gpu.ordinal,
+            reason: format!(
+                "expert {expert} of layer {layer} differs from the CPU by {worst:.3e} \
+                 (largest output {scale:.3e}, tolerance {BF16_TOLERANCE})"
+            ),
+        });
+    }
+    tracing::info!(
+        gpu = held.gpu.ordinal,
+        relative_difference = worst / scale,
+        "GPU self-check passed"
+    );
+    Ok(())
+}
+
+/// Every routed expert of a model on one GPU, behind a lock (one stream, one caller at a
+/// time).
+pub struct GpuLocalExperts {
+    gpu: Mutex<GpuExperts>,
+    hidden_size: usize,
+}
+
+impl GpuLocalExperts {
+    pub fn load(
+        gpu: &GpuInfo,
+        options: &GpuOptions,
+        checkpoint: &Checkpoint,
+        config: &ModelConfig,
+    ) -> Result<Self, LoadError> {
+        let experts: Vec<(usize, u32)> = (0..config.num_layers)
+            .filter(|&l| config.moe_layers[l])
+            .flat_map(|l| (0..config.moe.num_experts as u32).map(move |e| (l, e)))
+            .collect();
+        Ok(GpuLocalExperts {
+            gpu: Mutex::new(load_experts(gpu, options, checkpoint, config, &experts)?),
+            hidden_size: config.hidden_size,
+        })
+    }
+}
+
+impl ExpertExecutor for GpuLocalExperts {
+    fn run(
+        &self,
+        layer: usize,
+        plan: &DispatchPlan,
+        grouped_input: &[f32],
+    ) -> Result<Vec<f32>, ExpertError> {
+        let width = self.hidden_size;
+        let groups: Vec<(u32, Vec<f32>)> = plan
+            .experts
+            .iter()
+            .enumerate()
+            .map(|(i, &e)| {
+                let rows = plan.group(i);
+                (
+                    e,
+                    grouped_input[rows.start * width..rows.end * width].to_vec(),
+                )
+            })
+            .collect();
+        let mut gpu = self.gpu.lock().unwrap_or_else(|e| e.into_inner());
+        match gpu.run(layer, &groups) {
+            Ok(RunOutcome::Done(outputs)) => Ok(outputs.concat()),
+            Ok(RunOutcome::NotHeld(expert)) => Err(ExpertError::NotHeld { layer, expert }),
+            Err(e) => Err(ExpertError::DeviceFailed(format!(
+                "GPU {}: {e}",
+                gpu.gpu.ordinal
+            ))),
+        }
+    }
+}
+
+/// An engine for the model in `dir` with its routed experts on GPU `ordinal` (the dense part
+/// runs on the CPU). `lib_dir` as `devices.cuda_lib_dir`.
+pub fn engine_on_gpu(
+    dir: &std::path::Path,
+    ordinal: usize,
+    lib_dir: Option<&std::path::Path>,
+    kernel_cache: Option<PathBuf>,
+) -> Result<crate::engine::Engine, LoadError> {
+    let runtime = super::runtime(lib_dir)?;
+    let gpu = runtime.gpus.get(ordinal).ok_or_else(|| {
+        CudaError::Unavailable(format!(
+            "GPU {ordinal} does not exist (the driver reports {})",
+            runtime.gpus.len()
+        ))
+    })?;
+    let config = ModelConfig::load(dir)?;
+    let checkpoint = Checkpoint::open(dir)?;
+    let options = GpuOptions {
+        max_rows: crate::engine::generate::PREFILL_CHUNK * config.moe.top_k,
+        memory_fraction: 0.9,
+        kernel_cache,
+    };
+    let experts = GpuLocalExperts::load(gpu, &options, &checkpoint, &config)?;
+    let weights = crate::model::DenseWeights::load(&checkpoint, &config)?;
+    Ok(crate::engine::Engine::new(
+        config,
+        weights,
+        std::sync::Arc::new(experts),
+    ))
+}
