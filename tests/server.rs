@@ -226,11 +226,18 @@ fn assert_envelope(resp: Response, status: StatusCode, message_part: &str) -> Va
     body
 }
 
-/// `moe-node generate`'s greedy tokens for a prompt given as ids.
-fn generate_cli(prompt: &[u32], max_tokens: usize) -> Vec<u64> {
+/// `moe-node generate`'s greedy tokens for a prompt given as ids, on the backend `server`
+/// runs its experts on (a GPU where the machine has one).
+fn generate_cli(server: &Server, prompt: &[u32], max_tokens: usize) -> Vec<u64> {
     let prompt_ids: Vec<String> = prompt.iter().map(u32::to_string).collect();
+    let devices: Value = server.get("/admin/devices").json().unwrap();
+    let gpu: Vec<String> = devices["devices"][0]["gpu"]
+        .as_u64()
+        .map(|ordinal| vec!["--gpu".to_string(), ordinal.to_string()])
+        .unwrap_or_default();
     let out = Command::new(BIN)
         .args(["generate", "--model", demo_model().to_str().unwrap()])
+        .args(&gpu)
         .args(["--prompt-ids", &prompt_ids.join(",")])
         .args(["--max-tokens", &max_tokens.to_string()])
         .args(["--stop-at-eos", "--json"])
@@ -269,7 +276,7 @@ fn completions_and_chat_match_generate_streaming_or_not() {
     let server = Server::start("");
     server.wait_ready();
     let prompt = [256u32, 72, 101, 108, 108, 111];
-    let expected = generate_cli(&prompt, 12);
+    let expected = generate_cli(&server, &prompt, 12);
 
     // Token ids in, token ids out.
     let body = server.post_ok(
@@ -462,7 +469,7 @@ fn thirty_two_concurrent_streams_give_what_they_give_alone() {
     for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
         assert_eq!(a, t, "request {i}");
     }
-    assert_eq!(together[0], generate_cli(&[256, 10, 20, 30], 16));
+    assert_eq!(together[0], generate_cli(&server, &[256, 10, 20, 30], 16));
     let text = server.get("/metrics").text().unwrap();
     assert!(text.contains("moe_node_expert_activations_total{layer=\"1\",expert=\"895\"}"));
 }
@@ -673,7 +680,7 @@ fn bad_requests_get_openai_errors_with_the_right_status() {
 
 #[test]
 fn a_dead_device_is_survived_when_its_experts_have_replicas() {
-    let server = Server::start("[devices]\ncpu_slots = 3\nreplication = 2\n");
+    let server = Server::start("[devices]\nbackend = \"cpu\"\ncpu_slots = 3\nreplication = 2\n");
     server.wait_ready();
     let body = json!({"prompt": [256, 1, 2, 3], "max_tokens": 12, "temperature": 0, "return_token_ids": true});
     let before = server.post_ok("/v1/completions", &body)["choices"][0]["token_ids"].clone();

@@ -123,6 +123,10 @@ pub struct DeviceHandle {
     /// Bytes of expert weights the device holds.
     pub weight_bytes: usize,
     pub experts_held: usize,
+    /// The GPU's ordinal, for a device on a GPU.
+    pub gpu: Option<usize>,
+    /// What it computes on: `cpu`, or the GPU's name.
+    pub name: String,
 }
 
 /// Starts device `id` on its own thread, loading `experts` from the checkpoint there, and
@@ -139,9 +143,9 @@ pub fn start_device(
     let hidden_size = config.hidden_size;
     let experts_held = experts.len();
     let dir = checkpoint.dir().to_path_buf();
-    let target_name = match &target {
-        DeviceTarget::Cpu => None,
-        DeviceTarget::Gpu(gpu, _) => Some(format!("GPU {} ({})", gpu.ordinal, gpu.name)),
+    let (gpu, name) = match &target {
+        DeviceTarget::Cpu => (None, "cpu".to_string()),
+        DeviceTarget::Gpu(info, _) => (Some(info.ordinal), info.name.clone()),
     };
     let addr = DeviceActor::start_in_arbiter(&arbiter.handle(), move |ctx| {
         let loaded = match &target {
@@ -181,7 +185,8 @@ pub fn start_device(
     })??;
     tracing::info!(
         device = id,
-        on = %match &target_name { Some(name) => name.as_str(), None => "cpu" },
+        gpu,
+        on = %name,
         experts = experts_held,
         mib = weight_bytes / (1 << 20),
         "device ready"
@@ -191,6 +196,8 @@ pub fn start_device(
         addr,
         weight_bytes,
         experts_held,
+        gpu,
+        name,
     })
 }
 

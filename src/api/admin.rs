@@ -54,7 +54,9 @@ pub async fn devices(state: web::Data<AppState>) -> Result<HttpResponse, ApiErro
         .map(|d| {
             json!({
                 "id": d.id,
-                "kind": "cpu",
+                "kind": if d.gpu.is_some() { "gpu" } else { "cpu" },
+                "gpu": d.gpu,
+                "name": d.name,
                 "alive": alive[d.id],
                 "experts": d.experts_held,
                 "weight_bytes": d.weight_bytes,

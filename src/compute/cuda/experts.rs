@@ -271,27 +271,29 @@ impl GpuExperts {
     /// a Kimi-sized layer is tens of GB; the time of a pass does not depend on the values).
     pub fn fill_random(&mut self, seed: u64) -> Result<(), CudaError> {
         let n = self.index.len() * self.shape.expert_elems();
-        let mut host = vec![bf16::ZERO; (self.shape.hidden * self.shape.intermediate).min(n)];
         let scale = (self.shape.hidden as f32).powf(-0.5);
-        let mut state = seed | 1;
-        for v in host.iter_mut() {
-            // xorshift: the values only need to be plausible weights, not good randomness.
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            let unit = (state >> 40) as f32 / (1u64 << 24) as f32;
-            *v = bf16::from_f32((unit * 2.0 - 1.0) * scale);
-        }
+        let host = random_bf16(
+            (self.shape.hidden * self.shape.intermediate).min(n),
+            seed,
+            scale,
+        );
         let cu = self.stream.cu_stream();
         let chunk = host.len();
-        let mut done = 0;
-        while done < n {
-            let len = chunk.min(n - done);
-            // SAFETY: within the weight buffer; `host` outlives the copies (synchronised).
-            unsafe {
-                result::memcpy_htod_async(self.weights.ptr + (done * 2) as u64, &host[..len], cu)?
-            };
-            done += len;
+        // SAFETY: every copy lands inside the weight buffer (n elements); `host` outlives the
+        // upload (synchronised below). The rest is copied on the GPU from the first chunk.
+        unsafe {
+            result::memcpy_htod_async(self.weights.ptr, &host, cu)?;
+            let mut done = chunk;
+            while done < n {
+                let len = chunk.min(n - done);
+                result::memcpy_dtod_async(
+                    self.weights.ptr + (done * 2) as u64,
+                    self.weights.ptr,
+                    len * 2,
+                    cu,
+                )?;
+                done += len;
+            }
         }
         self.stream.synchronize()?;
         Ok(())
@@ -531,6 +533,21 @@ impl GpuExperts {
         }
         Ok(())
     }
+}
+
+/// `n` reproducible values in `[-scale, scale)` (xorshift: plausible weights and
+/// activations for tests and benchmarks, not good randomness).
+pub fn random_bf16(n: usize, seed: u64, scale: f32) -> Vec<bf16> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let unit = (state >> 40) as f32 / (1u64 << 24) as f32;
+            bf16::from_f32((unit * 2.0 - 1.0) * scale)
+        })
+        .collect()
 }
 
 #[derive(Debug, Clone, Copy)]

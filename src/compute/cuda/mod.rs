@@ -6,6 +6,7 @@
 
 pub mod experts;
 pub mod kernels;
+pub mod layer;
 pub mod libs;
 pub mod load;
 

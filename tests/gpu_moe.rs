@@ -1,0 +1,146 @@
+//! The MoE layer on a GPU against the CPU implementation it follows: gating, permutation,
+//! grouped expert FFN and combine. Runs where CUDA is usable (`tests/gpu/run.sh` runs it on
+//! the GPU machine); elsewhere each test says it was skipped.
+
+use half::bf16;
+use moe_node::compute::cpu::{Linear, SwiGlu};
+use moe_node::compute::cuda::experts::{ExpertShape, random_bf16 as values};
+use moe_node::compute::cuda::layer::{Gate, GpuMoeLayer};
+use moe_node::compute::cuda::{self, GpuInfo};
+use moe_node::model::ExpertWeights;
+use moe_node::model::config::GatingConfig;
+use moe_node::moe::{DispatchPlan, route};
+
+fn gpu_or_skip() -> Option<GpuInfo> {
+    match cuda::runtime(None) {
+        Ok(rt) => Some(rt.gpus[0].clone()),
+        Err(e) => {
+            eprintln!("skipped: {e}");
+            None
+        }
+    }
+}
+
+fn widen(v: &[bf16]) -> Vec<f32> {
+    v.iter().map(|x| x.to_f32()).collect()
+}
+
+fn check_layer(gating: GatingConfig, num_experts: usize, top_k: usize, bias: bool) {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let (h, i, max_tokens) = (256, 128, 128);
+    let shape = ExpertShape {
+        hidden: h,
+        intermediate: i,
+        num_experts,
+        max_rows: max_tokens * top_k,
+    };
+    let gate = Gate {
+        router: values(num_experts * h, 1, 0.2),
+        correction_bias: bias.then(|| widen(&values(num_experts, 2, 0.05))),
+        gating: gating.clone(),
+        top_k,
+    };
+    let mut layer = GpuMoeLayer::new(&gpu, shape, gate.clone(), max_tokens, 0.5, None).unwrap();
+    let mut cpu_experts = Vec::new();
+    for e in 0..num_experts as u32 {
+        let seed = 100 + 3 * e as u64;
+        let scale = (h as f32).powf(-0.5);
+        let (g, u, d) = (
+            values(i * h, seed, scale),
+            values(i * h, seed + 1, scale),
+            values(h * i, seed + 2, (i as f32).powf(-0.5)),
+        );
+        layer.experts.upload(0, e, &g, &u, &d).unwrap();
+        cpu_experts.push(ExpertWeights::Bf16(SwiGlu {
+            gate: Linear::without_bias(g, i, h),
+            up: Linear::without_bias(u, i, h),
+            down: Linear::without_bias(d, h, i),
+        }));
+    }
+    for tokens in [1, 7, 128] {
+        let x = values(tokens * h, 7 + tokens as u64, 1.0);
+        layer.set_input(&x).unwrap();
+        layer.forward(tokens).unwrap();
+        let out = layer.output(tokens).unwrap();
+        let (ids, weights, logits) = layer.routing(tokens).unwrap();
+
+        // The router GEMM: f32 accumulation of bf16 products.
+        let xf = widen(&x);
+        let router = widen(&gate.router);
+        let mut worst_logit = 0f32;
+        for t in 0..tokens {
+            for e in 0..num_experts {
+                let dot: f32 = (0..h).map(|c| xf[t * h + c] * router[e * h + c]).sum();
+                worst_logit = worst_logit.max((dot - logits[t * num_experts + e]).abs());
+            }
+        }
+        assert!(worst_logit < 1e-3, "router logits off by {worst_logit}");
+
+        // Gating on the GPU's logits equals the CPU's on the same logits.
+        let expected = route(
+            &gating,
+            &logits,
+            num_experts,
+            top_k,
+            gate.correction_bias.as_deref(),
+        );
+        let got_ids: Vec<u32> = ids.iter().map(|&v| v as u32).collect();
+        assert_eq!(got_ids, expected.experts, "{tokens} tokens: experts chosen");
+        for (a, b) in weights.iter().zip(&expected.weights) {
+            assert!(
+                (a - b).abs() <= 1e-5 * b.abs().max(1.0),
+                "gate weight {a} vs {b}"
+            );
+        }
+
+        // The layer: group, expert FFN on the CPU from the same bf16 weights, combine.
+        let plan = DispatchPlan::new(&expected, num_experts);
+        let grouped = plan.gather(&xf, h);
+        let mut expert_out = Vec::with_capacity(grouped.len());
+        for (g, &e) in plan.experts.iter().enumerate() {
+            let rows = plan.group(g);
+            let input = &grouped[rows.start * h..rows.end * h];
+            expert_out.extend(cpu_experts[e as usize].forward_with(input, rows.len(), false));
+        }
+        let mut reference = vec![0f32; tokens * h];
+        plan.combine(&expert_out, h, &mut reference);
+        let scale = reference.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let worst = out
+            .iter()
+            .zip(&reference)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, |m, d| if d.is_nan() || d > m { d } else { m });
+        eprintln!("{tokens} tokens: largest difference {worst:e} of outputs up to {scale:e}");
+        // bf16 rounding of the gate|up outputs and the activation, as the engine's GPU path.
+        assert!(
+            worst <= 0.03 * scale,
+            "layer output off by {worst} (scale {scale})"
+        );
+        assert_eq!(layer.last_active_experts, plan.experts.len());
+    }
+}
+
+#[test]
+fn softmax_gated_layer_matches_the_cpu() {
+    check_layer(GatingConfig::Softmax { renormalize: true }, 64, 8, false);
+}
+
+#[test]
+fn sigmoid_grouped_layer_with_correction_bias_matches_the_cpu() {
+    check_layer(
+        GatingConfig::SigmoidGrouped {
+            n_group: 8,
+            topk_group: 4,
+            normalize: true,
+            routed_scaling_factor: 2.5,
+        },
+        64,
+        6,
+        true,
+    );
+}
+
+#[test]
+fn softmax_without_renormalising_at_many_experts_matches_the_cpu() {
+    check_layer(GatingConfig::Softmax { renormalize: false }, 384, 16, false);
+}
