@@ -62,7 +62,8 @@ fn check_layer(gating: GatingConfig, num_experts: usize, top_k: usize, bias: boo
         layer.set_input(&x).unwrap();
         layer.forward(tokens).unwrap();
         let out = layer.output(tokens).unwrap();
-        let (ids, weights, logits) = layer.routing(tokens).unwrap();
+        let routing = layer.routing(tokens).unwrap();
+        let (ids, weights, logits) = (routing.ids, routing.weights, routing.logits);
 
         // The router GEMM: f32 accumulation of bf16 products.
         let xf = widen(&x);

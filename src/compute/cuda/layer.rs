@@ -322,7 +322,7 @@ impl GpuMoeLayer {
     }
 
     /// The last pass's routing: `tokens × top_k` expert ids and weights, and the logits.
-    pub fn routing(&self, tokens: usize) -> Result<(Vec<i32>, Vec<f32>, Vec<f32>), CudaError> {
+    pub fn routing(&self, tokens: usize) -> Result<RoutingResult, CudaError> {
         let pairs = tokens * self.gate.top_k;
         let mut ids = vec![0i32; pairs];
         let mut weights = vec![0f32; pairs];
@@ -335,6 +335,21 @@ impl GpuMoeLayer {
             result::memcpy_dtoh_async(&mut logits, self.routing.logits, cu)?;
         }
         self.experts.stream.synchronize()?;
-        Ok((ids, weights, logits))
+        Ok(RoutingResult {
+            ids,
+            weights,
+            logits,
+        })
     }
+}
+
+/// What the gate decided in a pass, read back for checking.
+#[derive(Debug, Clone)]
+pub struct RoutingResult {
+    /// `[tokens, top_k]` experts chosen.
+    pub ids: Vec<i32>,
+    /// `[tokens, top_k]` their weights.
+    pub weights: Vec<f32>,
+    /// `[tokens, num_experts]` router logits.
+    pub logits: Vec<f32>,
 }
