@@ -156,7 +156,7 @@ fn check_accepts_the_shipped_config_and_lists_every_problem_of_a_bad_one() {
     let bad = dir.path().join("bad.toml");
     std::fs::write(
         &bad,
-        "[server]\nlisten = \"here\"\nport = 80\n[devices]\nreplication = 5\n",
+        "[server]\nlisten = \"here\"\nport = 80\n[devices]\nbackend = \"cpu\"\nreplication = 5\n",
     )
     .unwrap();
     let out = moe_node(&["check", "--config", bad.to_str().unwrap()]);

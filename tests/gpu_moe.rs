@@ -11,9 +11,14 @@ use moe_node::model::ExpertWeights;
 use moe_node::model::config::GatingConfig;
 use moe_node::moe::{DispatchPlan, route};
 
+/// GPU 0, or `None` (with a line saying why) where CUDA is not usable. `tests/gpu/run.sh`
+/// sets `MOE_TEST_REQUIRE_GPU=1`, which makes that a failure.
 fn gpu_or_skip() -> Option<GpuInfo> {
     match cuda::runtime(None) {
         Ok(rt) => Some(rt.gpus[0].clone()),
+        Err(e) if std::env::var_os("MOE_TEST_REQUIRE_GPU").is_some() => {
+            panic!("MOE_TEST_REQUIRE_GPU is set: {e}")
+        }
         Err(e) => {
             eprintln!("skipped: {e}");
             None

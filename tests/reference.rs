@@ -76,6 +76,9 @@ fn check(name: &str) {
 
     // The GPU backend, where this machine has one; `tests/gpu/run.sh` runs this file there.
     match cuda::runtime(None) {
+        Err(e) if std::env::var_os("MOE_TEST_REQUIRE_GPU").is_some() => {
+            panic!("MOE_TEST_REQUIRE_GPU is set: {e}")
+        }
         Err(e) => eprintln!("{name}: GPU backend not checked: {e}"),
         Ok(_) => {
             let gpu_engine = cuda::load::engine_on_gpu(&dir, 0, None, None)

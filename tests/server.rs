@@ -235,6 +235,10 @@ fn generate_cli(server: &Server, prompt: &[u32], max_tokens: usize) -> Vec<u64> 
         .as_u64()
         .map(|ordinal| vec!["--gpu".to_string(), ordinal.to_string()])
         .unwrap_or_default();
+    assert!(
+        !gpu.is_empty() || std::env::var_os("MOE_TEST_REQUIRE_GPU").is_none(),
+        "MOE_TEST_REQUIRE_GPU is set but the server runs on the CPU: {devices}"
+    );
     let out = Command::new(BIN)
         .args(["generate", "--model", demo_model().to_str().unwrap()])
         .args(&gpu)

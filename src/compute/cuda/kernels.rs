@@ -200,13 +200,13 @@ mod tests {
     use crate::compute::cuda::libs;
 
     /// NVRTC needs no GPU: where it is installed (CI installs it from PyPI) the kernels are
-    /// compiled for the H100/H200 architecture here. Set `MOE_NODE_REQUIRE_NVRTC=1` to make
+    /// compiled for the H100/H200 architecture here. Set `MOE_TEST_REQUIRE_NVRTC=1` to make
     /// its absence a failure rather than a skip.
     fn nvrtc_or_skip() -> bool {
         match libs::open(libs::NVRTC, &libs::search_dirs(None)) {
             Ok(_) => true,
-            Err(e) if std::env::var_os("MOE_NODE_REQUIRE_NVRTC").is_some() => {
-                panic!("MOE_NODE_REQUIRE_NVRTC is set: {e}")
+            Err(e) if std::env::var_os("MOE_TEST_REQUIRE_NVRTC").is_some() => {
+                panic!("MOE_TEST_REQUIRE_NVRTC is set: {e}")
             }
             Err(e) => {
                 eprintln!("skipped: {e}");

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The GPU checks and the GPU benchmark, on a machine with an NVIDIA GPU, from the repository
+# root, on binaries built elsewhere by tests/gpu/build.sh (in gpu-bin/). Writes every log and
+# the benchmark's results under OUT; prints a summary. Exits non-zero when a check fails.
+#
+#   tests/gpu/run.sh OUT
+#
+# What runs (in this order, each with a time limit; the whole takes a few minutes):
+#   1. nvidia-smi, and the libraries moe-node loads (generate --gpu 0 on a fixture);
+#   2. tests/gpu_moe.rs: the MoE layer on the GPU against the CPU implementation;
+#   3. tests/reference.rs: every fixture on the CPU (against transformers) and on the GPU
+#      (against the CPU: same greedy tokens, logits within the bf16 tolerance);
+#   4. tests/server.rs: the node's HTTP tests, whose devices are now the GPU;
+#   5. benches/moe_layer_gpu.rs, then benches/moe_layer_gpu_reference.py (transformers on
+#      the same GPU), side by side.
+set -uo pipefail
+out=${1:?usage: tests/gpu/run.sh OUT}
+bin=gpu-bin
+mkdir -p "$out"
+here=$(pwd)
+
+# Paths compiled into the test binaries point into the build machine's checkout: make that
+# path lead here, and put moe-node where the server tests look for it.
+src=$(cat "$bin/source-dir")
+if [ "$src" != "$here" ]; then
+    if [ -e "$src" ] && [ "$(cd "$src" && pwd -P)" != "$(pwd -P)" ]; then
+        echo "warning: $src exists and is not this checkout; fixture paths may be wrong" >&2
+    elif [ ! -e "$src" ]; then
+        mkdir -p "$(dirname "$src")" && ln -s "$here" "$src"
+    fi
+fi
+mkdir -p target/release target/tmp
+cp "$bin/moe-node" target/release/moe-node
+
+# Here a missing GPU is a failure, not a skip.
+export MOE_TEST_REQUIRE_GPU=1
+status=0
+step() {
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name"
+    local started=$SECONDS
+    timeout "$limit" "$@" > "$out/$name.log" 2>&1
+    local rc=$?
+    tail -n "${TAIL:-25}" "$out/$name.log"
+    echo "=== $name: exit $rc in $((SECONDS - started)) s"
+    [ "$rc" -eq 0 ] || status=1
+}
+
+nvidia-smi > "$out/nvidia-smi.txt" 2>&1 && head -n 12 "$out/nvidia-smi.txt"
+step generate-gpu 120 env RUST_LOG=info "$bin/moe-node" generate --model tests/fixtures/kimi_k2 \
+    --prompt-ids 1,2,3,4 --max-tokens 8 --gpu 0 --json
+step gpu-moe-tests 180 "$bin/gpu_moe" --test-threads=1 --nocapture
+step reference-tests 180 "$bin/reference" --test-threads=1 --nocapture
+step server-tests 240 "$bin/server" --test-threads=2
+TAIL=40 step bench 300 env MOE_GPU_BENCH_OUT="$out/moe_layer_gpu.jsonl" "$bin/moe_layer_gpu"
+TAIL=40 step torch-reference 300 python3 benches/moe_layer_gpu_reference.py \
+    "$out/moe_layer_gpu.jsonl" --out "$out/torch.jsonl"
+echo "=== overall: $([ $status -eq 0 ] && echo passed || echo FAILED)"
+exit $status
