@@ -112,10 +112,17 @@ impl MoeKernels {
         cache_dir: Option<&std::path::Path>,
     ) -> Result<MoeKernels, CudaError> {
         let compiled = kernels::load(&MOE, &gpu.sm(), cache_dir)?;
-        if compiled.origin == Origin::Cached {
-            tracing::debug!(gpu = gpu.ordinal, "kernels read from the cache");
-        }
-        let module = ctx.load_module(Ptx::from_binary(compiled.cubin))?;
+        let module = match ctx.load_module(Ptx::from_binary(compiled.cubin)) {
+            Ok(module) => module,
+            // A cached image the driver refuses (a driver update, a damaged file): compile
+            // again rather than fail.
+            Err(e) if compiled.origin == Origin::Cached => {
+                tracing::warn!(gpu = gpu.ordinal, error = %e, "cached kernels refused: compiling again");
+                let cubin = kernels::compile(&MOE, &gpu.sm())?;
+                ctx.load_module(Ptx::from_binary(cubin))?
+            }
+            Err(e) => return Err(e.into()),
+        };
         let f = |name: &str| module.load_function(name);
         Ok(MoeKernels {
             gate_topk: f("gate_topk")?,
@@ -168,6 +175,10 @@ pub struct GpuExperts {
     host_out: PinnedHostSlice<bf16>,
     /// Set when cuBLAS refuses grouped GEMMs: then one GEMM per expert.
     per_expert_gemm: bool,
+    /// Host side of the pointer arrays, page-locked so their upload is truly asynchronous
+    /// (a copy from pageable memory waits for the stream). Rewritten only after the
+    /// previous call has synchronised.
+    ptrs: PinnedHostSlice<u64>,
 }
 
 impl GpuExperts {
@@ -201,6 +212,8 @@ impl GpuExperts {
         .into_iter()
         .map(|bytes| Buffer::new(&stream, bytes))
         .collect::<Result<_, _>>()?;
+        // SAFETY: written before each upload.
+        let ptrs = unsafe { ctx.alloc_pinned::<u64>(6 * shape.num_experts) }?;
         Ok(GpuExperts {
             gpu: gpu.clone(),
             x: work[0].ptr,
@@ -220,6 +233,7 @@ impl GpuExperts {
             weights,
             index,
             per_expert_gemm: false,
+            ptrs,
         })
     }
 
@@ -323,10 +337,12 @@ impl GpuExperts {
                 if rows + r > self.shape.max_rows && end > start {
                     break;
                 }
-                assert!(
-                    r <= self.shape.max_rows,
-                    "a group larger than the work area"
-                );
+                if r > self.shape.max_rows {
+                    return Err(CudaError::TooManyRows {
+                        rows: r,
+                        max_rows: self.shape.max_rows,
+                    });
+                }
                 rows += r;
                 end += 1;
             }
@@ -385,22 +401,30 @@ impl GpuExperts {
         }
         let rows: usize = groups.iter().map(|g| g.2).sum();
         let g = groups.len();
+        if g > self.shape.num_experts {
+            return Err(CudaError::TooManyRows {
+                rows: g,
+                max_rows: self.shape.num_experts,
+            });
+        }
         // Pointer arrays: [A1, B1, C1, A2, B2, C2], g entries each.
-        let mut ptrs = vec![0u64; 6 * g];
+        let (x, gate_up, act, y) = (self.x, self.gate_up, self.act, self.y);
+        let ptrs = &mut self.ptrs.as_mut_slice()?[..6 * g];
         for (k, &(w, at, _)) in groups.iter().enumerate() {
             ptrs[k] = w;
-            ptrs[g + k] = self.x + (at * h * 2) as u64;
-            ptrs[2 * g + k] = self.gate_up + (at * 2 * i * 2) as u64;
+            ptrs[g + k] = x + (at * h * 2) as u64;
+            ptrs[2 * g + k] = gate_up + (at * 2 * i * 2) as u64;
             ptrs[3 * g + k] = w + (2 * i * h * 2) as u64;
-            ptrs[4 * g + k] = self.act + (at * i * 2) as u64;
-            ptrs[5 * g + k] = self.y + (at * h * 2) as u64;
+            ptrs[4 * g + k] = act + (at * i * 2) as u64;
+            ptrs[5 * g + k] = y + (at * h * 2) as u64;
         }
         let ns: Vec<usize> = groups.iter().map(|x| x.2).collect();
-        // SAFETY: the copy reads `ptrs` asynchronously; the stream is synchronised before
-        // `ptrs` is dropped, at the end of this function.
+        // SAFETY: the pinned array is not written again before the stream is synchronised
+        // (every caller synchronises before its next call).
         unsafe {
-            result::memcpy_htod_async(self.pointers, &ptrs, self.stream.cu_stream())?;
+            result::memcpy_htod_async(self.pointers, &*ptrs, self.stream.cu_stream())?;
         }
+        let ptrs: Vec<u64> = ptrs.to_vec();
         // gate|up: out[n, 2I] = x[n, H] · W[2I, H]ᵀ.
         self.gemm(
             GemmShape { m: 2 * i, k: h },
@@ -435,8 +459,6 @@ impl GpuExperts {
             ],
             &ptrs[3 * g..],
         )?;
-        // The pointer upload above reads `ptrs` asynchronously: wait before it is dropped.
-        self.stream.synchronize()?;
         Ok(())
     }
 

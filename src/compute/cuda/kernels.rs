@@ -128,6 +128,12 @@ pub fn load(
     })
 }
 
+/// What NVRTC compiles for `kernel`: the prelude, then the file (line numbers in messages
+/// are the file's own).
+pub fn full_source(kernel: &KernelFile) -> String {
+    format!("{PRELUDE}\n#line 1 \"{}\"\n{}", kernel.file, kernel.source)
+}
+
 /// Compiles `kernel` to a cubin for `arch` with NVRTC.
 pub fn compile(kernel: &KernelFile, arch: &str) -> Result<Vec<u8>, CudaError> {
     let fail = |log: String| CudaError::Compile {
@@ -135,8 +141,8 @@ pub fn compile(kernel: &KernelFile, arch: &str) -> Result<Vec<u8>, CudaError> {
         arch: arch.into(),
         log,
     };
-    let source = format!("{PRELUDE}\n#line 1 \"{}\"\n{}", kernel.file, kernel.source);
-    let source = std::ffi::CString::new(source).map_err(|_| fail("NUL in source".into()))?;
+    let source =
+        std::ffi::CString::new(full_source(kernel)).map_err(|_| fail("NUL in source".into()))?;
     let name = std::ffi::CString::new(kernel.file).map_err(|_| fail("NUL in name".into()))?;
     let program =
         result::create_program(&source, Some(&name)).map_err(|e| fail(format!("{e:?}")))?;

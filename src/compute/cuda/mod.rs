@@ -73,6 +73,8 @@ pub enum CudaError {
         usable_mib: usize,
         free_mib: usize,
     },
+    #[error("{rows} rows for one expert, but the GPU work area takes {max_rows}")]
+    TooManyRows { rows: usize, max_rows: usize },
     #[error("GPU {gpu} self-check: {reason}")]
     SelfCheck { gpu: usize, reason: String },
 }

@@ -1,0 +1,294 @@
+//! The logic of the CUDA kernels (kernels/moe.cu), checked on the CPU against the Rust code
+//! they follow: the kernel source is compiled with g++ against tests/emulated/cuda_on_cpu.h,
+//! which runs each CUDA thread as an OS thread with real barriers and warp shuffles. This
+//! does not test the GPU (tests/gpu_moe.rs does, where there is one); it tests the kernels'
+//! arithmetic, ordering, tie-breaking and indexing on every machine with g++.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+
+use half::bf16;
+use moe_node::compute::cuda::kernels::{MOE, full_source};
+use moe_node::model::config::GatingConfig;
+use moe_node::moe::{DispatchPlan, Routing, route};
+
+/// The harness built once for all tests, or why it could not be.
+fn harness() -> Option<&'static Path> {
+    static HARNESS: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    let built = HARNESS.get_or_init(|| {
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("kernels_on_cpu");
+        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+        // Dynamic shared memory is the one construct plain C++ has no spelling for.
+        let source = full_source(&MOE).replace(
+            "extern __shared__ float smem[];",
+            "float* smem = reinterpret_cast<float*>(smem_.data());",
+        );
+        std::fs::write(dir.join("kernels.inc"), source).map_err(|e| e.to_string())?;
+        let emulated = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/emulated");
+        let exe = dir.join("harness");
+        let out = Command::new("g++")
+            .args(["-std=c++20", "-O1", "-pthread", "-w"])
+            .arg("-I")
+            .arg(&dir)
+            .arg("-I")
+            .arg(&emulated)
+            .arg(emulated.join("harness.cpp"))
+            .arg("-o")
+            .arg(&exe)
+            .output()
+            .map_err(|e| format!("g++ not available: {e}"))?;
+        if !out.status.success() {
+            panic!(
+                "the kernels do not compile as C++:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(exe)
+    });
+    match built {
+        Ok(exe) => Some(exe),
+        Err(e) => {
+            eprintln!("skipped: {e}");
+            None
+        }
+    }
+}
+
+/// Runs the harness in `mode` on `input`; returns each output line as numbers.
+fn run(exe: &Path, mode: &str, input: &str) -> Vec<Vec<f64>> {
+    let mut child = Command::new(exe)
+        .arg(mode)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "harness {mode} failed");
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| l.split_whitespace().map(|v| v.parse().unwrap()).collect())
+        .collect()
+}
+
+fn join<T: ToString>(v: &[T]) -> String {
+    v.iter().map(T::to_string).collect::<Vec<_>>().join(" ")
+}
+
+/// Reproducible values in [-1, 1), with some exact repeats (ties for top-k).
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|i| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let v = (state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0;
+            // Every 7th value repeats its predecessor's bucket: quantised, so ties happen.
+            if i % 7 == 0 {
+                (v * 8.0).round() / 8.0
+            } else {
+                v
+            }
+        })
+        .collect()
+}
+
+fn check_gate(gating: GatingConfig, experts: usize, k: usize, bias: bool, tokens: usize) {
+    let Some(exe) = harness() else { return };
+    let logits = values(tokens * experts, experts as u64 + k as u64);
+    let bias_values = bias.then(|| {
+        values(experts, 3)
+            .iter()
+            .map(|v| v * 0.1)
+            .collect::<Vec<_>>()
+    });
+    let (scoring, n_group, topk_group, renorm, scale) = match gating {
+        GatingConfig::Softmax { renormalize } => (0, 1, 1, renormalize, 1.0),
+        GatingConfig::SigmoidGrouped {
+            n_group,
+            topk_group,
+            normalize,
+            routed_scaling_factor,
+        } => (1, n_group, topk_group, normalize, routed_scaling_factor),
+    };
+    let mut input = format!(
+        "{experts} {k} {scoring} {n_group} {topk_group} {} {scale} {} {tokens}\n{}\n",
+        renorm as i32,
+        bias as i32,
+        join(&logits)
+    );
+    if let Some(b) = &bias_values {
+        input += &join(b);
+    }
+    let out = run(exe, "gate", &input);
+    let expected = route(&gating, &logits, experts, k, bias_values.as_deref());
+    let ids: Vec<u32> = out[0].iter().map(|&v| v as u32).collect();
+    assert_eq!(ids, expected.experts, "{gating:?}: experts chosen");
+    for (got, want) in out[1].iter().zip(&expected.weights) {
+        let want = *want as f64;
+        assert!(
+            (got - want).abs() <= 1e-6 * want.abs().max(1.0),
+            "{gating:?}: weight {got} vs {want}"
+        );
+    }
+}
+
+#[test]
+fn gating_softmax_renormalised_matches_the_cpu_router() {
+    check_gate(GatingConfig::Softmax { renormalize: true }, 64, 8, false, 5);
+}
+
+#[test]
+fn gating_softmax_raw_at_many_experts_matches_the_cpu_router() {
+    check_gate(
+        GatingConfig::Softmax { renormalize: false },
+        384,
+        8,
+        false,
+        3,
+    );
+}
+
+#[test]
+fn gating_sigmoid_grouped_with_bias_matches_the_cpu_router() {
+    let gating = GatingConfig::SigmoidGrouped {
+        n_group: 8,
+        topk_group: 3,
+        normalize: true,
+        routed_scaling_factor: 2.5,
+    };
+    check_gate(gating, 64, 6, true, 5);
+}
+
+#[test]
+fn gating_sigmoid_one_group_like_kimi_matches_the_cpu_router() {
+    let gating = GatingConfig::SigmoidGrouped {
+        n_group: 1,
+        topk_group: 1,
+        normalize: true,
+        routed_scaling_factor: 2.827,
+    };
+    check_gate(gating, 896, 16, true, 2);
+}
+
+#[test]
+fn permutation_and_combine_match_the_dispatch_plan() {
+    let Some(exe) = harness() else { return };
+    let (experts, tokens, k, width) = (16usize, 9usize, 4usize, 24usize);
+    // k distinct experts per token, as gating gives.
+    let mut ids = Vec::new();
+    for t in 0..tokens {
+        for j in 0..k {
+            ids.push(((t * 5 + j * 3) % experts) as u32);
+        }
+    }
+    let weights: Vec<f32> = values(tokens * k, 11)
+        .iter()
+        .map(|v| v.abs() + 0.1)
+        .collect();
+    let x = values(tokens * width, 12);
+    let input = format!(
+        "{experts} {tokens} {k} {width}\n{}\n{}\n{}\n",
+        join(&ids),
+        join(&weights),
+        join(&x)
+    );
+    let out = run(exe, "permute", &input);
+
+    let routing = Routing {
+        top_k: k,
+        experts: ids,
+        weights,
+    };
+    let plan = DispatchPlan::new(&routing, experts);
+    // The kernel's offsets list every expert; the plan's only those with rows.
+    let offsets: Vec<usize> = out[0].iter().map(|&v| v as usize).collect();
+    for (i, &e) in plan.experts.iter().enumerate() {
+        assert_eq!(offsets[e as usize], plan.offsets[i], "offset of expert {e}");
+        assert_eq!(
+            offsets[e as usize + 1],
+            plan.offsets[i + 1],
+            "end of expert {e}"
+        );
+    }
+    // An identity expert: the combine gives each token its rows weighted by its gate.
+    let rounded: Vec<f32> = x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
+    let mut expected = vec![0f32; tokens * width];
+    plan.combine(&plan.gather(&rounded, width), width, &mut expected);
+    for (got, want) in out[1].iter().zip(&expected) {
+        assert!(
+            (got - *want as f64).abs() < 1e-5,
+            "combined {got} vs {want}"
+        );
+    }
+}
+
+#[test]
+fn swiglu_matches_silu_times_up_in_bf16() {
+    let Some(exe) = harness() else { return };
+    let (rows, inter) = (3usize, 40usize);
+    let gate_up: Vec<f32> = values(rows * 2 * inter, 21)
+        .iter()
+        .map(|v| v * 6.0)
+        .collect();
+    let out = run(
+        exe,
+        "swiglu",
+        &format!("{rows} {inter}\n{}\n", join(&gate_up)),
+    );
+    let r = |v: f32| bf16::from_f32(v).to_f32();
+    for row in 0..rows {
+        for c in 0..inter {
+            let g = r(gate_up[row * 2 * inter + c]);
+            let u = r(gate_up[row * 2 * inter + inter + c]);
+            let want = bf16::from_f32(g / (1.0 + (-g).exp()) * u);
+            let got = bf16::from_bits(out[0][row * inter + c] as u16);
+            // expf may differ from Rust's exp in the last place of f32: one bf16 step at most.
+            let steps = (got.to_bits() as i32 - want.to_bits() as i32).abs();
+            assert!(steps <= 1, "swiglu({g}, {u}) = {got}, want {want}");
+        }
+    }
+}
+
+#[test]
+fn bf16_rounding_matches_the_half_crate() {
+    let Some(exe) = harness() else { return };
+    let mut bits: Vec<u32> = values(200, 31)
+        .iter()
+        .map(|v| (v * 1e3).to_bits())
+        .collect();
+    bits.extend([
+        0x3f80_8000, // a tie: rounds to even
+        0x3f81_8000, // a tie: rounds up to even
+        0x7f80_0000, // infinity
+        0xff80_0000,
+        0x7fc0_0000, // NaN
+        0x7f80_0001, // signalling NaN: must stay NaN
+        0x0000_0001, // subnormal
+        0x7f7f_ffff, // largest finite: rounds to infinity
+        0x8000_0000, // -0
+    ]);
+    let out = run(
+        exe,
+        "to_bf16",
+        &format!("{}\n{}\n", bits.len(), join(&bits)),
+    );
+    for (&b, &got) in bits.iter().zip(&out[0]) {
+        let want = bf16::from_f32(f32::from_bits(b));
+        let got = bf16::from_bits(got as u16);
+        if want.is_nan() {
+            assert!(got.is_nan(), "{b:#x}: NaN became {got}");
+        } else {
+            assert_eq!(got.to_bits(), want.to_bits(), "{b:#x}");
+        }
+    }
+}
