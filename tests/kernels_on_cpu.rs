@@ -1,4 +1,4 @@
-//! The logic of the CUDA kernels (kernels/moe.cu), checked on the CPU against the Rust code
+//! The logic of the CUDA kernels (kernels/moe.cu, kernels/dense.cu), checked on the CPU against the Rust code
 //! they follow: the kernel source is compiled with g++ against tests/emulated/cuda_on_cpu.h,
 //! which runs each CUDA thread as an OS thread with real barriers and warp shuffles. This
 //! does not test the GPU (tests/gpu_moe.rs does, where there is one); it tests the kernels'
@@ -10,8 +10,11 @@ use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 
 use half::bf16;
-use moe_node::compute::cuda::kernels::{MOE, full_source};
+use moe_node::compute::cpu::rms_norm;
+use moe_node::compute::cuda::kernels::{DENSE, MOE, full_source};
+use moe_node::engine::rope::Rope;
 use moe_node::model::config::GatingConfig;
+use moe_node::model::config::{RopeConfig, RopeScaling};
 use moe_node::moe::{DispatchPlan, Routing, route};
 
 /// The harness built once for all tests, or why it could not be.
@@ -21,11 +24,17 @@ fn harness() -> Option<&'static Path> {
         let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("kernels_on_cpu");
         std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
         // Dynamic shared memory is the one construct plain C++ has no spelling for.
-        let source = full_source(&MOE).replace(
-            "extern __shared__ float smem[];",
-            "float* smem = reinterpret_cast<float*>(smem_.data());",
-        );
-        std::fs::write(dir.join("kernels.inc"), source).map_err(|e| e.to_string())?;
+        let shim = |source: &str| {
+            source.replace(
+                "extern __shared__ float smem[];",
+                "float* smem = reinterpret_cast<float*>(smem_.data());",
+            )
+        };
+        // The prelude once (with moe.cu), then dense.cu alone.
+        let moe = shim(&full_source(&MOE));
+        let dense = shim(&format!("#line 1 \"dense.cu\"\n{}", DENSE.source));
+        std::fs::write(dir.join("kernels.inc"), moe).map_err(|e| e.to_string())?;
+        std::fs::write(dir.join("dense.inc"), dense).map_err(|e| e.to_string())?;
         let emulated = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/emulated");
         let exe = dir.join("harness");
         let out = Command::new("g++")
@@ -291,4 +300,226 @@ fn bf16_rounding_matches_the_half_crate() {
             assert_eq!(got.to_bits(), want.to_bits(), "{b:#x}");
         }
     }
+}
+
+fn close(got: &[f64], want: &[f32], tolerance: f64, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let w = *w as f64;
+        assert!(
+            (g - w).abs() <= tolerance * w.abs().max(1.0),
+            "{what}[{i}]: {g} vs {w}"
+        );
+    }
+}
+
+#[test]
+fn rms_norm_matches_the_cpu() {
+    let Some(exe) = harness() else { return };
+    let (rows, width, eps) = (3usize, 200usize, 1e-6f32);
+    let x: Vec<f32> = values(rows * width, 41).iter().map(|v| v * 3.0).collect();
+    let w: Vec<f32> = values(width, 42).iter().map(|v| 1.0 + v * 0.1).collect();
+    let out = run(
+        exe,
+        "rms_norm",
+        &format!("{rows} {width} {eps:e}\n{}\n{}\n", join(&x), join(&w)),
+    );
+    close(&out[0], &rms_norm(&x, &w, eps), 1e-5, "rms_norm");
+}
+
+fn check_rope(interleaved: bool, scaling: RopeScaling) {
+    let Some(exe) = harness() else { return };
+    // MLA-like heads: 16 values without rotation, then 8 rotated.
+    let (rows, heads, head_width, offset, rope_dim) = (3usize, 2usize, 24usize, 16usize, 8usize);
+    let rope = Rope::new(
+        &RopeConfig {
+            theta: 10000.0,
+            dim: rope_dim,
+            scaling,
+        },
+        interleaved,
+    );
+    let positions = [0usize, 7, 4000];
+    let angles: Vec<_> = positions.iter().map(|&p| rope.angles(p)).collect();
+    let x = values(rows * heads * head_width, 51);
+    let cos: Vec<f32> = angles.iter().flat_map(|a| a.cos.clone()).collect();
+    let sin: Vec<f32> = angles.iter().flat_map(|a| a.sin.clone()).collect();
+    let out = run(
+        exe,
+        "rope",
+        &format!(
+            "{rows} {heads} {head_width} {offset} {rope_dim} {}\n{}\n{}\n{}\n",
+            interleaved as i32,
+            join(&x),
+            join(&cos),
+            join(&sin)
+        ),
+    );
+    let mut expected = x.clone();
+    for (row, a) in expected.chunks_exact_mut(heads * head_width).zip(&angles) {
+        for head in row.chunks_exact_mut(head_width) {
+            rope.apply(&mut head[offset..offset + rope_dim], a);
+        }
+    }
+    close(&out[0], &expected, 1e-6, "rope");
+}
+
+#[test]
+fn rope_rotate_half_matches_the_cpu() {
+    check_rope(false, RopeScaling::None);
+}
+
+#[test]
+fn rope_interleaved_with_yarn_matches_the_cpu() {
+    check_rope(
+        true,
+        RopeScaling::Yarn {
+            factor: 40.0,
+            original_max_position_embeddings: 4096,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            mscale: Some(1.0),
+            mscale_all_dim: Some(1.0),
+            attention_factor: None,
+            truncate: true,
+        },
+    );
+}
+
+/// Causal attention of `rows` (sequence, position) over per-sequence caches, as the engine's
+/// `attend` computes it: softmax of scaled dot products, then the weighted values.
+#[allow(clippy::too_many_arguments)]
+fn attention_reference(
+    q: &[f32],
+    heads: usize,
+    group: usize,
+    (dk, dv): (usize, usize),
+    keys: &[Vec<f32>],
+    values: &[Vec<f32>],
+    (kv_stride, k_head_stride, v_head_stride): (usize, usize, usize),
+    rows: &[(usize, usize)],
+    window: usize,
+    scale: f32,
+) -> Vec<f32> {
+    let mut out = Vec::new();
+    for (r, &(seq, pos)) in rows.iter().enumerate() {
+        for head in 0..heads {
+            let query = &q[(r * heads + head) * dk..][..dk];
+            let kv = head / group;
+            let first = if window > 0 {
+                (pos + 1).saturating_sub(window)
+            } else {
+                0
+            };
+            let mut scores: Vec<f32> = (first..=pos)
+                .map(|j| {
+                    let key = &keys[seq][j * kv_stride + kv * k_head_stride..][..dk];
+                    query.iter().zip(key).map(|(a, b)| a * b).sum::<f32>() * scale
+                })
+                .collect();
+            moe_node::compute::cpu::softmax_in_place(&mut scores);
+            let mut o = vec![0f32; dv];
+            for (w, j) in scores.iter().zip(first..=pos) {
+                let value = &values[seq][j * kv_stride + kv * v_head_stride..][..dv];
+                for (acc, v) in o.iter_mut().zip(value) {
+                    *acc += w * v;
+                }
+            }
+            out.extend(o);
+        }
+    }
+    out
+}
+
+fn check_attention(mla: bool, window: usize) {
+    let Some(exe) = harness() else { return };
+    // GQA: 4 query heads over 2 kv heads of 16. MLA: 4 heads over one latent of 16 plus a
+    // rotary key of 8; the value is the latent.
+    let (heads, group, dk, dv, kv_stride, k_head_stride, v_head_stride) = if mla {
+        (4usize, 4usize, 24usize, 16usize, 24usize, 0usize, 0usize)
+    } else {
+        (4, 2, 16, 16, 2 * 16, 16, 16)
+    };
+    // A sequence longer than a tile (300 positions) and a short one; rows: a decode step of
+    // the long one and a 3-row prefill chunk of the short one.
+    let lengths = [300usize, 5];
+    // Keys grow along the sequence, so a later tile holds a larger score than the first and
+    // the running maximum has to move (the rescaling of what was summed before is tested).
+    let keys: Vec<Vec<f32>> = lengths
+        .iter()
+        .enumerate()
+        .map(|(s, &n)| {
+            let mut k = values(n * kv_stride, 60 + s as u64);
+            for (j, position) in k.chunks_exact_mut(kv_stride).enumerate() {
+                position
+                    .iter_mut()
+                    .for_each(|v| *v *= 1.0 + j as f32 / 100.0);
+            }
+            k
+        })
+        .collect();
+    let vals: Vec<Vec<f32>> = if mla {
+        keys.clone()
+    } else {
+        lengths
+            .iter()
+            .enumerate()
+            .map(|(s, &n)| values(n * kv_stride, 70 + s as u64))
+            .collect()
+    };
+    let rows = [(0usize, 299usize), (1, 2), (1, 3), (1, 4)];
+    let q: Vec<f32> = values(rows.len() * heads * dk, 80)
+        .iter()
+        .map(|v| v * 2.0)
+        .collect();
+    let scale = (dk as f32).powf(-0.5);
+    let mut input = format!(
+        "{heads} {group} {dk} {dv} {kv_stride} {k_head_stride} {v_head_stride} {window} {scale:e} {} {}\n",
+        mla as i32,
+        lengths.len()
+    );
+    for s in 0..lengths.len() {
+        input += &format!("{}\n{}\n", lengths[s], join(&keys[s]));
+        if !mla {
+            input += &format!("{}\n", join(&vals[s]));
+        }
+    }
+    let seqs: Vec<usize> = rows.iter().map(|r| r.0).collect();
+    let positions: Vec<usize> = rows.iter().map(|r| r.1).collect();
+    input += &format!(
+        "{}\n{}\n{}\n{}\n",
+        rows.len(),
+        join(&seqs),
+        join(&positions),
+        join(&q)
+    );
+    let out = run(exe, "attend", &input);
+    let expected = attention_reference(
+        &q,
+        heads,
+        group,
+        (dk, dv),
+        &keys,
+        &vals,
+        (kv_stride, k_head_stride, v_head_stride),
+        &rows,
+        window,
+        scale,
+    );
+    close(&out[0], &expected, 1e-5, "attention");
+}
+
+#[test]
+fn attention_gqa_over_a_long_cache_and_a_prefill_chunk_matches_the_cpu() {
+    check_attention(false, 0);
+}
+
+#[test]
+fn attention_gqa_in_a_sliding_window_matches_the_cpu() {
+    check_attention(false, 4);
+}
+
+#[test]
+fn attention_mla_absorbed_matches_the_cpu() {
+    check_attention(true, 0);
 }

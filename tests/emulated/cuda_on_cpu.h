@@ -46,6 +46,7 @@ inline unsigned __float_as_uint(float f) {
     std::memcpy(&v, &f, 4);
     return v;
 }
+inline int min(int a, int b) { return a < b ? a : b; }
 inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 
 template <class T>

@@ -1,9 +1,10 @@
 // Runs one kernel of kernels/moe.cu on the CPU (through cuda_on_cpu.h) on numbers read from
 // standard input, and prints what it wrote. Driven by tests/kernels_on_cpu.rs, which builds
-// this with the kernel sources as "kernels.inc".
+// this with the kernel sources as "kernels.inc" (moe.cu) and "dense.inc" (dense.cu).
 
 #include "cuda_on_cpu.h"
 #include "kernels.inc"
+#include "dense.inc"
 
 #include <cstdio>
 #include <iostream>
@@ -92,8 +93,56 @@ int main(int argc, char** argv) {
         std::vector<bf16> out(n);
         launch(2, 64, 0, [&] { to_bf16(in.data(), n, out.data()); });
         print(out);
+    } else if (mode == "rms_norm") {
+        int rows, width;
+        float eps;
+        std::cin >> rows >> width >> eps;
+        auto x = read<float>((size_t)rows * width);
+        auto w = read<float>(width);
+        std::vector<float> out(x.size());
+        launch(rows, 64, 0, [&] { rms_norm(x.data(), w.data(), width, eps, out.data()); });
+        print(out);
+    } else if (mode == "rope") {
+        int rows, heads, head_width, offset, rope_dim, interleaved;
+        std::cin >> rows >> heads >> head_width >> offset >> rope_dim >> interleaved;
+        auto x = read<float>((size_t)rows * heads * head_width);
+        auto cos = read<float>((size_t)rows * rope_dim / 2);
+        auto sin = read<float>((size_t)rows * rope_dim / 2);
+        launch(rows * heads, 32, rope_dim * sizeof(float), [&] {
+            rope(x.data(), heads, head_width, offset, rope_dim, cos.data(), sin.data(),
+                 interleaved);
+        });
+        print(x);
+    } else if (mode == "attend") {
+        // Sequences' caches, then rows (sequence, position) with their queries.
+        int heads, group, dk, dv, kv_stride, k_head_stride, v_head_stride, window, seqs, rows,
+            values_are_keys;
+        float scale;
+        std::cin >> heads >> group >> dk >> dv >> kv_stride >> k_head_stride >> v_head_stride >>
+            window >> scale >> values_are_keys >> seqs;
+        std::vector<std::vector<float>> k_caches(seqs), v_caches(seqs);
+        std::vector<const float*> k_ptrs(seqs), v_ptrs(seqs);
+        for (int s = 0; s < seqs; ++s) {
+            int len;
+            std::cin >> len;
+            k_caches[s] = read<float>((size_t)len * kv_stride);
+            if (!values_are_keys) v_caches[s] = read<float>((size_t)len * kv_stride);
+            k_ptrs[s] = k_caches[s].data();
+            v_ptrs[s] = values_are_keys ? k_caches[s].data() : v_caches[s].data();
+        }
+        std::cin >> rows;
+        auto row_seq = read<int>(rows);
+        auto row_pos = read<int>(rows);
+        auto q = read<float>((size_t)rows * heads * dk);
+        std::vector<float> out((size_t)rows * heads * dv);
+        launch(rows * heads, 64, (dk + 256 + dv) * sizeof(float), [&] {
+            attend(q.data(), heads, group, dk, dv, k_ptrs.data(), v_ptrs.data(), kv_stride,
+                   k_head_stride, v_head_stride, row_seq.data(), row_pos.data(), window, scale,
+                   out.data());
+        });
+        print(out);
     } else {
-        std::fprintf(stderr, "usage: harness gate|permute|swiglu|to_bf16 < numbers\n");
+        std::fprintf(stderr, "usage: harness gate|permute|swiglu|to_bf16|rms_norm|rope|attend\n");
         return 2;
     }
     return 0;

@@ -37,7 +37,13 @@ pub const MOE: KernelFile = KernelFile {
     ],
 };
 
-pub const ALL: &[KernelFile] = &[MOE];
+pub const DENSE: KernelFile = KernelFile {
+    file: "dense.cu",
+    source: include_str!("../../../kernels/dense.cu"),
+    functions: &["rms_norm", "rope", "attend"],
+};
+
+pub const ALL: &[KernelFile] = &[MOE, DENSE];
 
 /// Options every file is compiled with. Precise division, square root and exp: the
 /// kernels are checked against the CPU backend.

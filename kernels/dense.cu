@@ -1,0 +1,118 @@
+// The dense part of a decoder layer on a GPU: RMSNorm, rotary embeddings and attention over
+// the KV cache. They follow src/compute/cpu.rs (rms_norm), src/engine/rope.rs (Rope::apply)
+// and src/engine/attention.rs (attend), in f32.
+
+// One block per row: out = x / sqrt(mean(x²) + eps) * weight. `out` may be `x`.
+extern "C" __global__ void rms_norm(const float* x, const float* weight, int width, float eps,
+                                    float* out) {
+    const float* row = x + (size_t)blockIdx.x * width;
+    float part = 0.0f;
+    for (int c = threadIdx.x; c < width; c += blockDim.x) {
+        part += row[c] * row[c];
+    }
+    float scale = 1.0f / sqrtf(block_sum(part) / width + eps);
+    float* dst = out + (size_t)blockIdx.x * width;
+    for (int c = threadIdx.x; c < width; c += blockDim.x) {
+        dst[c] = row[c] * scale * weight[c];
+    }
+}
+
+// Rotates the `rope_dim` values at `offset` of every `head_width`-wide head of every row, in
+// place. cos and sin are `[rows, rope_dim / 2]` (the host folds YaRN's scaling into them).
+// Interleaved pairs (x[2i], x[2i+1]) are written back in rotate-half order, as transformers
+// does. One block per (row, head); dynamic shared memory: rope_dim floats.
+extern "C" __global__ void rope(float* x, int heads, int head_width, int offset, int rope_dim,
+                                const float* cos, const float* sin, int interleaved) {
+    extern __shared__ float smem[];
+    int row = blockIdx.x / heads;
+    float* head = x + (size_t)blockIdx.x * head_width + offset;
+    int half = rope_dim / 2;
+    for (int i = threadIdx.x; i < rope_dim; i += blockDim.x) {
+        smem[i] = head[i];
+    }
+    __syncthreads();
+    const float* c = cos + (size_t)row * half;
+    const float* s = sin + (size_t)row * half;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        float a = interleaved ? smem[2 * i] : smem[i];
+        float b = interleaved ? smem[2 * i + 1] : smem[i + half];
+        head[i] = a * c[i] - b * s[i];
+        head[i + half] = b * c[i] + a * s[i];
+    }
+}
+
+#define ATTEND_TILE 256
+
+// Attention of one query row and head over its sequence's cached keys and values, causal,
+// optionally within a sliding window; softmax computed a tile of positions at a time with a
+// running maximum (no score array as long as the context).
+//
+// Block (row, head) = (blockIdx.x / heads, blockIdx.x % heads). Query: q[row][head][0..dk)
+// (row stride heads * dk). The row's sequence `seq = row_seq[row]` has its keys at
+// keys[seq] + position * kv_stride + kv_head * k_head_stride (dk values) and values at
+// values[seq] + position * kv_stride + kv_head * v_head_stride (dv values), kv_head =
+// head / group. The row is at position row_pos[row] and sees positions up to it (the last
+// `window` of them when window > 0). out[row][head][0..dv).
+//
+// GQA: dk = dv = head_dim, kv_stride = kv_heads * head_dim. MLA in its absorbed form: one
+// kv head whose key is [latent | rotary key] and whose value is the latent (values = keys).
+// Dynamic shared memory: dk + ATTEND_TILE + dv floats.
+extern "C" __global__ void attend(const float* q, int heads, int group, int dk, int dv,
+                                  const float* const* keys, const float* const* values,
+                                  int kv_stride, int k_head_stride, int v_head_stride,
+                                  const int* row_seq, const int* row_pos, int window,
+                                  float scale, float* out) {
+    extern __shared__ float smem[];
+    float* query = smem;
+    float* tile = smem + dk;
+    float* acc = tile + ATTEND_TILE;
+    int row = blockIdx.x / heads, head = blockIdx.x % heads;
+    int seq = row_seq[row], pos = row_pos[row];
+    int first = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
+    const float* k = keys[seq] + (size_t)(head / group) * k_head_stride;
+    const float* v = values[seq] + (size_t)(head / group) * v_head_stride;
+
+    for (int i = threadIdx.x; i < dk; i += blockDim.x) {
+        query[i] = q[((size_t)row * heads + head) * dk + i];
+    }
+    for (int d = threadIdx.x; d < dv; d += blockDim.x) {
+        acc[d] = 0.0f;
+    }
+    __syncthreads();
+
+    float running_max = NEG_INF, total = 0.0f;
+    for (int start = first; start <= pos; start += ATTEND_TILE) {
+        int len = min(ATTEND_TILE, pos + 1 - start);
+        for (int j = threadIdx.x; j < len; j += blockDim.x) {
+            const float* key = k + (size_t)(start + j) * kv_stride;
+            float dot = 0.0f;
+            for (int i = 0; i < dk; ++i) {
+                dot += query[i] * key[i];
+            }
+            tile[j] = dot * scale;
+        }
+        __syncthreads();
+        float tile_max = block_argmax(tile, len).value;
+        float new_max = fmaxf(running_max, tile_max);
+        float rescale = expf(running_max - new_max);  // 0 on the first tile
+        float part = 0.0f;
+        for (int j = threadIdx.x; j < len; j += blockDim.x) {
+            tile[j] = expf(tile[j] - new_max);
+            part += tile[j];
+        }
+        total = total * rescale + block_sum(part);
+        __syncthreads();  // every exponent in `tile` is written before any thread reads them
+        for (int d = threadIdx.x; d < dv; d += blockDim.x) {
+            float sum = 0.0f;
+            for (int j = 0; j < len; ++j) {
+                sum += tile[j] * v[(size_t)(start + j) * kv_stride + d];
+            }
+            acc[d] = acc[d] * rescale + sum;
+        }
+        running_max = new_max;
+        __syncthreads();
+    }
+    for (int d = threadIdx.x; d < dv; d += blockDim.x) {
+        out[((size_t)row * heads + head) * dv + d] = acc[d] / total;
+    }
+}
