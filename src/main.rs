@@ -2,16 +2,16 @@
 
 use std::collections::HashMap;
 use std::io::IsTerminal;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
 use moe_node::actors::NodeError;
-use moe_node::compute::cuda::CudaError;
 use moe_node::compute::cuda::load::{LoadError, engine_on_gpu};
-use moe_node::config::{ConfigError, ConfigSources, ENV_PREFIX, LogFormat, NodeConfig};
+use moe_node::compute::cuda::{self, CudaError};
+use moe_node::config::{Backend, ConfigError, ConfigSources, ENV_PREFIX, LogFormat, NodeConfig};
 use moe_node::engine::{Engine, EngineError, GenerateRequest, SamplingParams, generate};
 use moe_node::model::demo::{DemoSpec, write_demo_model};
 use moe_node::model::{ModelConfig, ModelError, Tokenizer};
@@ -38,6 +38,14 @@ enum Command {
         /// The configuration file (TOML), e.g. etc/moe-node.toml.
         #[arg(long)]
         config: PathBuf,
+    },
+    /// Show where experts would run: the GPUs and CUDA libraries found (compiling the
+    /// kernels for each GPU into the cache), or why the CPU would be used. Exit 78 when
+    /// `devices.backend = "cuda"` and no GPU is usable.
+    Devices {
+        /// Configuration file (TOML); without one, defaults and MOE_NODE_* variables apply.
+        #[arg(long)]
+        config: Option<PathBuf>,
     },
     /// Generate a continuation of a prompt with a local model and print it.
     Generate(GenerateArgs),
@@ -122,6 +130,10 @@ fn main() -> ExitCode {
         // Serving logs in the configured format, so it starts logging once the config is read.
         Command::Serve(args) => run_serve(args),
         Command::Check { config } => run_check(config),
+        Command::Devices { config } => {
+            init_logging(LogFormat::Text);
+            run_devices(config)
+        }
         Command::Generate(args) => {
             init_logging(LogFormat::Text);
             run_generate(args)
@@ -200,6 +212,74 @@ fn run_check(path: PathBuf) -> anyhow::Result<()> {
         ModelConfig::load(&model)?;
     }
     println!("{}: ok", path.display());
+    Ok(())
+}
+
+fn run_devices(path: Option<PathBuf>) -> anyhow::Result<()> {
+    let config = NodeConfig::load(ConfigSources {
+        file: path.as_deref(),
+        env: node_env(),
+        overrides: Vec::new(),
+    })?;
+    let devices = &config.devices;
+    let cpu_slots = devices.cpu_slots;
+    if devices.backend == Backend::Cpu {
+        println!("experts run on {cpu_slots} CPU slots (devices.backend = \"cpu\")");
+        return Ok(());
+    }
+    let lib_dir = (!devices.cuda_lib_dir.is_empty()).then(|| Path::new(&devices.cuda_lib_dir));
+    let runtime = match cuda::runtime(lib_dir) {
+        Ok(runtime) => runtime,
+        Err(e) if devices.backend == Backend::Cuda => {
+            return Err(e).context("devices.backend = \"cuda\"");
+        }
+        Err(e) => {
+            println!("no usable GPU: {e}");
+            println!("experts run on {cpu_slots} CPU slots");
+            return Ok(());
+        }
+    };
+    for lib in &runtime.libraries {
+        println!("{}: {}", lib.what, lib.path.display());
+    }
+    let (major, minor) = runtime.nvrtc_version;
+    println!(
+        "driver API {}.{}, NVRTC {major}.{minor}",
+        runtime.driver_version / 1000,
+        runtime.driver_version % 1000 / 10
+    );
+    let cache = config.cache_dir().join("kernels");
+    let mut archs: Vec<String> = Vec::new();
+    for gpu in &runtime.gpus {
+        println!(
+            "GPU {}: {}, {}, {:.1} GiB",
+            gpu.ordinal,
+            gpu.name,
+            gpu.sm(),
+            gpu.total_bytes as f64 / (1u64 << 30) as f64
+        );
+        if !archs.contains(&gpu.sm()) {
+            archs.push(gpu.sm());
+        }
+    }
+    for arch in &archs {
+        for kernel in cuda::kernels::ALL {
+            let started = Instant::now();
+            let compiled = cuda::kernels::load(kernel, arch, Some(&cache))?;
+            println!(
+                "kernels/{} for {arch}: {} ({} KiB, {} ms) in {}",
+                kernel.file,
+                match compiled.origin {
+                    cuda::kernels::Origin::Compiled => "compiled",
+                    cuda::kernels::Origin::Cached => "cached",
+                },
+                compiled.cubin.len() / 1024,
+                started.elapsed().as_millis(),
+                cache.display()
+            );
+        }
+    }
+    println!("experts run on {} GPUs", runtime.gpus.len());
     Ok(())
 }
 

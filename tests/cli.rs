@@ -267,6 +267,24 @@ fn without_a_gpu_auto_serves_on_the_cpu_and_says_why_while_cuda_refuses_to_start
         "{stderr}"
     );
 
+    // `devices` says the same before anything starts.
+    let out = moe_node(&["devices"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    assert!(
+        stdout.contains("no usable GPU: CUDA driver not found"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("experts run on 2 CPU slots"), "{stdout}");
+    let out = Command::new(env!("CARGO_BIN_EXE_moe-node"))
+        .arg("devices")
+        .env("MOE_NODE_DEVICES__BACKEND", "cuda")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(78), "{stderr}");
+    assert!(stderr.contains("CUDA driver not found"), "{stderr}");
+
     let mut child = Command::new(env!("CARGO_BIN_EXE_moe-node"))
         .args(["serve", "--listen", "127.0.0.1:0", "--model"])
         .arg(&model)

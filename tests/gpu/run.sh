@@ -6,7 +6,8 @@
 #   tests/gpu/run.sh OUT
 #
 # What runs (in this order, each with a time limit; the whole takes a few minutes):
-#   1. nvidia-smi, and the libraries moe-node loads (generate --gpu 0 on a fixture);
+#   1. nvidia-smi; `moe-node devices` (libraries loaded, GPUs, kernels compiled by NVRTC);
+#      generate --gpu 0 on a fixture;
 #   2. tests/gpu_moe.rs: the MoE layer on the GPU against the CPU implementation;
 #   3. tests/reference.rs: every fixture on the CPU (against transformers) and on the GPU
 #      (against the CPU: same greedy tokens, logits within the bf16 tolerance);
@@ -48,6 +49,7 @@ step() {
 }
 
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1 && head -n 12 "$out/nvidia-smi.txt"
+step devices 120 env MOE_NODE_DEVICES__BACKEND=cuda "$bin/moe-node" devices
 step generate-gpu 120 env RUST_LOG=info "$bin/moe-node" generate --model tests/fixtures/kimi_k2 \
     --prompt-ids 1,2,3,4 --max-tokens 8 --gpu 0 --json
 step gpu-moe-tests 180 "$bin/gpu_moe" --test-threads=1 --nocapture
