@@ -11,12 +11,11 @@
 //! `MOE_GPU_BENCH_TOKENS=1,64,4096` and `MOE_GPU_BENCH_SHAPES=k2` narrow the run. Without a
 //! usable GPU it says why and exits.
 
-use std::ffi::c_void;
 use std::io::Write;
 use std::time::Instant;
 
-use cudarc::cublas::sys as blas;
 use cudarc::driver::{CudaContext, DevicePtr, result};
+use moe_node::compute::cuda::blas::{self, Gemm, Output};
 use moe_node::compute::cuda::experts::{ExpertShape, random_bf16};
 use moe_node::compute::cuda::layer::{Gate, GpuMoeLayer};
 use moe_node::compute::cuda::{self, GpuInfo};
@@ -95,34 +94,19 @@ fn gemm_rate(ctx: &std::sync::Arc<CudaContext>) -> f64 {
     let (pa, _g1) = a.device_ptr(&stream);
     let (pb, _g2) = b.device_ptr(&stream);
     let (pc, _g3) = cudarc::driver::DevicePtrMut::device_ptr_mut(&mut c, &stream);
-    let (alpha, beta) = (1.0f32, 0.0f32);
+    let shape = Gemm {
+        a_transposed: false,
+        m: n,
+        n,
+        k: n,
+        lda: n,
+        ldb: n,
+        ldc: n,
+    };
     let t = time(
         || {
-            unsafe {
-                blas::cublasGemmEx(
-                    *blas_handle.handle(),
-                    blas::cublasOperation_t::CUBLAS_OP_N,
-                    blas::cublasOperation_t::CUBLAS_OP_N,
-                    n as i32,
-                    n as i32,
-                    n as i32,
-                    &alpha as *const f32 as *const c_void,
-                    pa as *const c_void,
-                    blas::cudaDataType_t::CUDA_R_16BF,
-                    n as i32,
-                    pb as *const c_void,
-                    blas::cudaDataType_t::CUDA_R_16BF,
-                    n as i32,
-                    &beta as *const f32 as *const c_void,
-                    pc as *mut c_void,
-                    blas::cudaDataType_t::CUDA_R_16BF,
-                    n as i32,
-                    blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                    blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                )
-            }
-            .result()
-            .unwrap();
+            // SAFETY: three n × n bf16 matrices.
+            unsafe { blas::gemm(&blas_handle, shape, pa, pb, pc, Output::Bf16) }.unwrap();
             stream.synchronize().unwrap();
         },
         2.0,

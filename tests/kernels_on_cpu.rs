@@ -1,7 +1,7 @@
 //! The logic of the CUDA kernels (kernels/moe.cu, kernels/dense.cu), checked on the CPU against the Rust code
 //! they follow: the kernel source is compiled with g++ against tests/emulated/cuda_on_cpu.h,
 //! which runs each CUDA thread as an OS thread with real barriers and warp shuffles. This
-//! does not test the GPU (tests/gpu_moe.rs does, where there is one); it tests the kernels'
+//! does not test the GPU (tests/gpu_kernels.rs does, where there is one); it tests the kernels'
 //! arithmetic, ordering, tie-breaking and indexing on every machine with g++.
 
 use std::io::Write;
@@ -12,10 +12,12 @@ use std::sync::OnceLock;
 use half::bf16;
 use moe_node::compute::cpu::rms_norm;
 use moe_node::compute::cuda::kernels::{DENSE, MOE, full_source};
-use moe_node::engine::rope::Rope;
 use moe_node::model::config::GatingConfig;
-use moe_node::model::config::{RopeConfig, RopeScaling};
+use moe_node::model::config::RopeScaling;
 use moe_node::moe::{DispatchPlan, Routing, route};
+
+mod common;
+use common::{AttentionCase, RopeCase, values};
 
 /// The harness built once for all tests, or why it could not be.
 fn harness() -> Option<&'static Path> {
@@ -90,25 +92,6 @@ fn run(exe: &Path, mode: &str, input: &str) -> Vec<Vec<f64>> {
 
 fn join<T: ToString>(v: &[T]) -> String {
     v.iter().map(T::to_string).collect::<Vec<_>>().join(" ")
-}
-
-/// Reproducible values in [-1, 1), with some exact repeats (ties for top-k).
-fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|i| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            let v = (state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0;
-            // Every 7th value repeats its predecessor's bucket: quantised, so ties happen.
-            if i % 7 == 0 {
-                (v * 8.0).round() / 8.0
-            } else {
-                v
-            }
-        })
-        .collect()
 }
 
 fn check_gate(gating: GatingConfig, experts: usize, k: usize, bias: bool, tokens: usize) {
@@ -329,39 +312,24 @@ fn rms_norm_matches_the_cpu() {
 
 fn check_rope(interleaved: bool, scaling: RopeScaling) {
     let Some(exe) = harness() else { return };
-    // MLA-like heads: 16 values without rotation, then 8 rotated.
-    let (rows, heads, head_width, offset, rope_dim) = (3usize, 2usize, 24usize, 16usize, 8usize);
-    let rope = Rope::new(
-        &RopeConfig {
-            theta: 10000.0,
-            dim: rope_dim,
-            scaling,
-        },
-        interleaved,
-    );
-    let positions = [0usize, 7, 4000];
-    let angles: Vec<_> = positions.iter().map(|&p| rope.angles(p)).collect();
-    let x = values(rows * heads * head_width, 51);
-    let cos: Vec<f32> = angles.iter().flat_map(|a| a.cos.clone()).collect();
-    let sin: Vec<f32> = angles.iter().flat_map(|a| a.sin.clone()).collect();
+    let case = RopeCase::new(interleaved, scaling);
     let out = run(
         exe,
         "rope",
         &format!(
-            "{rows} {heads} {head_width} {offset} {rope_dim} {}\n{}\n{}\n{}\n",
+            "{} {} {} {} {} {}\n{}\n{}\n{}\n",
+            case.rows,
+            case.heads,
+            case.head_width,
+            case.offset,
+            case.rope_dim,
             interleaved as i32,
-            join(&x),
-            join(&cos),
-            join(&sin)
+            join(&case.x),
+            join(&case.cos),
+            join(&case.sin)
         ),
     );
-    let mut expected = x.clone();
-    for (row, a) in expected.chunks_exact_mut(heads * head_width).zip(&angles) {
-        for head in row.chunks_exact_mut(head_width) {
-            rope.apply(&mut head[offset..offset + rope_dim], a);
-        }
-    }
-    close(&out[0], &expected, 1e-6, "rope");
+    close(&out[0], &case.expected(), 1e-6, "rope");
 }
 
 #[test]
@@ -371,142 +339,43 @@ fn rope_rotate_half_matches_the_cpu() {
 
 #[test]
 fn rope_interleaved_with_yarn_matches_the_cpu() {
-    check_rope(
-        true,
-        RopeScaling::Yarn {
-            factor: 40.0,
-            original_max_position_embeddings: 4096,
-            beta_fast: 32.0,
-            beta_slow: 1.0,
-            mscale: Some(1.0),
-            mscale_all_dim: Some(1.0),
-            attention_factor: None,
-            truncate: true,
-        },
-    );
-}
-
-/// Causal attention of `rows` (sequence, position) over per-sequence caches, as the engine's
-/// `attend` computes it: softmax of scaled dot products, then the weighted values.
-#[allow(clippy::too_many_arguments)]
-fn attention_reference(
-    q: &[f32],
-    heads: usize,
-    group: usize,
-    (dk, dv): (usize, usize),
-    keys: &[Vec<f32>],
-    values: &[Vec<f32>],
-    (kv_stride, k_head_stride, v_head_stride): (usize, usize, usize),
-    rows: &[(usize, usize)],
-    window: usize,
-    scale: f32,
-) -> Vec<f32> {
-    let mut out = Vec::new();
-    for (r, &(seq, pos)) in rows.iter().enumerate() {
-        for head in 0..heads {
-            let query = &q[(r * heads + head) * dk..][..dk];
-            let kv = head / group;
-            let first = if window > 0 {
-                (pos + 1).saturating_sub(window)
-            } else {
-                0
-            };
-            let mut scores: Vec<f32> = (first..=pos)
-                .map(|j| {
-                    let key = &keys[seq][j * kv_stride + kv * k_head_stride..][..dk];
-                    query.iter().zip(key).map(|(a, b)| a * b).sum::<f32>() * scale
-                })
-                .collect();
-            moe_node::compute::cpu::softmax_in_place(&mut scores);
-            let mut o = vec![0f32; dv];
-            for (w, j) in scores.iter().zip(first..=pos) {
-                let value = &values[seq][j * kv_stride + kv * v_head_stride..][..dv];
-                for (acc, v) in o.iter_mut().zip(value) {
-                    *acc += w * v;
-                }
-            }
-            out.extend(o);
-        }
-    }
-    out
+    check_rope(true, common::yarn());
 }
 
 fn check_attention(mla: bool, window: usize) {
     let Some(exe) = harness() else { return };
-    // GQA: 4 query heads over 2 kv heads of 16. MLA: 4 heads over one latent of 16 plus a
-    // rotary key of 8; the value is the latent.
-    let (heads, group, dk, dv, kv_stride, k_head_stride, v_head_stride) = if mla {
-        (4usize, 4usize, 24usize, 16usize, 24usize, 0usize, 0usize)
-    } else {
-        (4, 2, 16, 16, 2 * 16, 16, 16)
-    };
-    // A sequence longer than a tile (300 positions) and a short one; rows: a decode step of
-    // the long one and a 3-row prefill chunk of the short one.
-    let lengths = [300usize, 5];
-    // Keys grow along the sequence, so a later tile holds a larger score than the first and
-    // the running maximum has to move (the rescaling of what was summed before is tested).
-    let keys: Vec<Vec<f32>> = lengths
-        .iter()
-        .enumerate()
-        .map(|(s, &n)| {
-            let mut k = values(n * kv_stride, 60 + s as u64);
-            for (j, position) in k.chunks_exact_mut(kv_stride).enumerate() {
-                position
-                    .iter_mut()
-                    .for_each(|v| *v *= 1.0 + j as f32 / 100.0);
-            }
-            k
-        })
-        .collect();
-    let vals: Vec<Vec<f32>> = if mla {
-        keys.clone()
-    } else {
-        lengths
-            .iter()
-            .enumerate()
-            .map(|(s, &n)| values(n * kv_stride, 70 + s as u64))
-            .collect()
-    };
-    let rows = [(0usize, 299usize), (1, 2), (1, 3), (1, 4)];
-    let q: Vec<f32> = values(rows.len() * heads * dk, 80)
-        .iter()
-        .map(|v| v * 2.0)
-        .collect();
-    let scale = (dk as f32).powf(-0.5);
+    let c = AttentionCase::new(mla, window);
     let mut input = format!(
-        "{heads} {group} {dk} {dv} {kv_stride} {k_head_stride} {v_head_stride} {window} {scale:e} {} {}\n",
+        "{} {} {} {} {} {} {} {} {:e} {} {}\n",
+        c.heads,
+        c.group,
+        c.key_width,
+        c.value_width,
+        c.kv_stride,
+        c.key_head_stride,
+        c.value_head_stride,
+        window,
+        c.scale,
         mla as i32,
-        lengths.len()
+        c.keys.len()
     );
-    for s in 0..lengths.len() {
-        input += &format!("{}\n{}\n", lengths[s], join(&keys[s]));
+    for s in 0..c.keys.len() {
+        input += &format!("{}\n{}\n", c.keys[s].len() / c.kv_stride, join(&c.keys[s]));
         if !mla {
-            input += &format!("{}\n", join(&vals[s]));
+            input += &format!("{}\n", join(&c.values[s]));
         }
     }
-    let seqs: Vec<usize> = rows.iter().map(|r| r.0).collect();
-    let positions: Vec<usize> = rows.iter().map(|r| r.1).collect();
+    let seqs: Vec<usize> = c.rows.iter().map(|r| r.0).collect();
+    let positions: Vec<usize> = c.rows.iter().map(|r| r.1).collect();
     input += &format!(
         "{}\n{}\n{}\n{}\n",
-        rows.len(),
+        c.rows.len(),
         join(&seqs),
         join(&positions),
-        join(&q)
+        join(&c.q)
     );
     let out = run(exe, "attend", &input);
-    let expected = attention_reference(
-        &q,
-        heads,
-        group,
-        (dk, dv),
-        &keys,
-        &vals,
-        (kv_stride, k_head_stride, v_head_stride),
-        &rows,
-        window,
-        scale,
-    );
-    close(&out[0], &expected, 1e-5, "attention");
+    close(&out[0], &c.expected(), 1e-5, "attention");
 }
 
 #[test]

@@ -10,14 +10,10 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use cudarc::cublas::{CudaBlas, sys as blas};
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PinnedHostSlice,
-    PushKernelArg, result,
-};
-use cudarc::nvrtc::Ptx;
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice, result};
 use half::bf16;
 
-use super::kernels::{self, MOE, Origin};
+use super::moe::MoeKernels;
 use super::{CudaError, GpuInfo};
 
 /// Bytes cuBLAS may use for its own work on top of the sized buffers.
@@ -89,61 +85,6 @@ impl Buffer {
         let slice = unsafe { stream.alloc::<u8>(bytes.max(1)) }?;
         let (ptr, _) = slice.device_ptr(stream);
         Ok(Buffer { _slice: slice, ptr })
-    }
-}
-
-/// The kernels of `kernels/moe.cu`, loaded into one device's context.
-pub struct MoeKernels {
-    pub gate_topk: CudaFunction,
-    pub count_experts: CudaFunction,
-    pub expert_offsets: CudaFunction,
-    pub scatter_pairs: CudaFunction,
-    pub gather_rows: CudaFunction,
-    pub combine_rows: CudaFunction,
-    pub swiglu: CudaFunction,
-    pub to_bf16: CudaFunction,
-}
-
-impl MoeKernels {
-    /// Compiles (or reads from `cache_dir`) and loads the MoE kernels for `gpu`.
-    pub fn load(
-        ctx: &Arc<CudaContext>,
-        gpu: &GpuInfo,
-        cache_dir: Option<&std::path::Path>,
-    ) -> Result<MoeKernels, CudaError> {
-        let compiled = kernels::load(&MOE, &gpu.sm(), cache_dir)?;
-        let module = match ctx.load_module(Ptx::from_binary(compiled.cubin)) {
-            Ok(module) => module,
-            // A cached image the driver refuses (a driver update, a damaged file): compile
-            // again rather than fail.
-            Err(e) if compiled.origin == Origin::Cached => {
-                tracing::warn!(gpu = gpu.ordinal, error = %e, "cached kernels refused: compiling again");
-                let cubin = kernels::compile(&MOE, &gpu.sm())?;
-                ctx.load_module(Ptx::from_binary(cubin))?
-            }
-            Err(e) => return Err(e.into()),
-        };
-        let f = |name: &str| module.load_function(name);
-        Ok(MoeKernels {
-            gate_topk: f("gate_topk")?,
-            count_experts: f("count_experts")?,
-            expert_offsets: f("expert_offsets")?,
-            scatter_pairs: f("scatter_pairs")?,
-            gather_rows: f("gather_rows")?,
-            combine_rows: f("combine_rows")?,
-            swiglu: f("swiglu")?,
-            to_bf16: f("to_bf16")?,
-        })
-    }
-}
-
-/// A launch over `n` elements with a grid-stride loop: enough blocks to fill the GPU, no more.
-pub fn elementwise(n: usize) -> LaunchConfig {
-    let blocks = n.div_ceil(256).clamp(1, 4096) as u32;
-    LaunchConfig {
-        grid_dim: (blocks, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
     }
 }
 
@@ -436,18 +377,11 @@ impl GpuExperts {
             ],
             &ptrs[..3 * g],
         )?;
-        let swiglu_n = rows * i;
-        let (gate_up, act, inter, rows_i) = (self.gate_up, self.act, i as i32, rows as i32);
         // SAFETY: gate_up holds `rows` rows of 2I, act has room for `rows` rows of I.
         unsafe {
-            self.stream
-                .launch_builder(&self.kernels.swiglu)
-                .arg(&gate_up)
-                .arg(&rows_i)
-                .arg(&inter)
-                .arg(&act)
-                .launch(elementwise(swiglu_n))?;
-        }
+            self.kernels
+                .swiglu(&self.stream, self.gate_up, rows, i, self.act)?
+        };
         // down: out[n, H] = act[n, I] · W[H, I]ᵀ.
         self.gemm(
             GemmShape { m: h, k: i },
@@ -526,32 +460,17 @@ impl GpuExperts {
             }
         }
         for (idx, &n) in ns.iter().enumerate() {
-            let (alpha, beta) = (1.0f32, 0.0f32);
             // SAFETY: as above, one group at a time.
             unsafe {
-                blas::cublasGemmEx(
-                    handle,
-                    blas::cublasOperation_t::CUBLAS_OP_T,
-                    blas::cublasOperation_t::CUBLAS_OP_N,
-                    m,
-                    n as i32,
-                    k,
-                    &alpha as *const f32 as *const c_void,
-                    host_ptrs[idx] as *const c_void,
-                    data,
-                    k,
-                    host_ptrs[g + idx] as *const c_void,
-                    data,
-                    k,
-                    &beta as *const f32 as *const c_void,
-                    host_ptrs[2 * g + idx] as *mut c_void,
-                    data,
-                    m,
-                    compute,
-                    blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                )
+                super::blas::gemm(
+                    &self.blas,
+                    super::blas::Gemm::linear(shape.m, n, shape.k),
+                    host_ptrs[idx],
+                    host_ptrs[g + idx],
+                    host_ptrs[2 * g + idx],
+                    super::blas::Output::Bf16,
+                )?;
             }
-            .result()?;
         }
         Ok(())
     }

@@ -5,10 +5,13 @@
 use std::ffi::{CStr, c_char, c_int};
 use std::path::{Path, PathBuf};
 
-use cudarc::nvrtc::{result, sys};
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaModule, LaunchConfig};
+use cudarc::nvrtc::{Ptx, result, sys};
 use sha2::{Digest, Sha256};
 
-use super::CudaError;
+use super::{CudaError, GpuInfo};
 
 /// Prepended to every kernel file: bf16 helpers and block reductions.
 const PRELUDE: &str = include_str!("../../../kernels/prelude.cuh");
@@ -138,6 +141,36 @@ pub fn load(
 /// are the file's own).
 pub fn full_source(kernel: &KernelFile) -> String {
     format!("{PRELUDE}\n#line 1 \"{}\"\n{}", kernel.file, kernel.source)
+}
+
+/// `kernel` compiled for `gpu` (or read from `cache_dir`) and loaded into `ctx`. A cached
+/// image the driver refuses (after a driver update, or damaged) is compiled again.
+pub fn load_module(
+    ctx: &Arc<CudaContext>,
+    kernel: &KernelFile,
+    gpu: &GpuInfo,
+    cache_dir: Option<&Path>,
+) -> Result<Arc<CudaModule>, CudaError> {
+    let compiled = load(kernel, &gpu.sm(), cache_dir)?;
+    match ctx.load_module(Ptx::from_binary(compiled.cubin)) {
+        Ok(module) => Ok(module),
+        Err(e) if compiled.origin == Origin::Cached => {
+            tracing::warn!(gpu = gpu.ordinal, file = kernel.file, error = %e, "cached kernels refused: compiling again");
+            let cubin = compile(kernel, &gpu.sm())?;
+            Ok(ctx.load_module(Ptx::from_binary(cubin))?)
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// A launch over `n` elements for a grid-stride loop: enough blocks to fill the GPU, no more.
+pub fn elementwise(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(256).clamp(1, 4096) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 /// Compiles `kernel` to a cubin for `arch` with NVRTC.

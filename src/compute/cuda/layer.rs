@@ -8,11 +8,12 @@
 
 use std::sync::Arc;
 
-use cudarc::cublas::sys as blas;
-use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg, result};
+use cudarc::driver::{CudaStream, result};
 use half::bf16;
 
-use super::experts::{ExpertShape, elementwise};
+use super::blas::{self, Gemm, Output};
+use super::experts::ExpertShape;
+use super::moe::{MAX_EXPERTS, MAX_GROUPS, MAX_TOP_K};
 use super::{CudaError, GpuExperts, GpuInfo};
 use crate::model::config::GatingConfig;
 
@@ -79,10 +80,10 @@ impl GpuMoeLayer {
     ) -> Result<GpuMoeLayer, CudaError> {
         let (e, h, k) = (shape.num_experts, shape.hidden, gate.top_k);
         assert_eq!(gate.router.len(), e * h, "router is [num_experts, hidden]");
-        // The gating kernel keeps two floats per expert in 48 KiB of shared memory.
-        if k > 64 || e > 6144 {
-            return Err(CudaError::Unavailable(format!(
-                "the gating kernel takes top-k up to 64 and up to 6144 experts, not {k} of {e}"
+        if k > MAX_TOP_K || e > MAX_EXPERTS {
+            return Err(CudaError::Unsupported(format!(
+                "gating of {e} experts, top-{k} (the kernel takes up to {MAX_EXPERTS}, \
+                 top-{MAX_TOP_K})"
             )));
         }
         assert!(
@@ -90,10 +91,11 @@ impl GpuMoeLayer {
             "the expert work area must take max_tokens × top_k rows"
         );
         if let GatingConfig::SigmoidGrouped { n_group, .. } = gate.gating
-            && (n_group > 64 || n_group == 0 || e % n_group != 0)
+            && (n_group > MAX_GROUPS || n_group == 0 || e % n_group != 0)
         {
-            return Err(CudaError::Unavailable(format!(
-                "the gating kernel takes up to 64 equal expert groups, not {n_group} of {e}"
+            return Err(CudaError::Unsupported(format!(
+                "{n_group} expert groups of {e} experts (the kernel takes up to {MAX_GROUPS} \
+                 equal groups)"
             )));
         }
         let layer_experts: Vec<(usize, u32)> = (0..e as u32).map(|x| (0, x)).collect();
@@ -170,112 +172,48 @@ impl GpuMoeLayer {
         let (e, h, k) = (shape.num_experts, shape.hidden, self.gate.top_k);
         let r = &self.routing;
         let stream = self.experts.stream.clone();
-        let kernels = &self.experts.kernels;
         let pairs = tokens * k;
 
         // logits[t, e] = x[t] · router[e], f32 out of bf16 in.
-        let (alpha, beta) = (1.0f32, 0.0f32);
         // SAFETY: shapes as allocated: router [E, H], x [tokens, H], logits [tokens, E].
         unsafe {
-            blas::cublasGemmEx(
-                *self.experts.blas.handle(),
-                blas::cublasOperation_t::CUBLAS_OP_T,
-                blas::cublasOperation_t::CUBLAS_OP_N,
-                e as i32,
-                tokens as i32,
-                h as i32,
-                &alpha as *const f32 as *const std::ffi::c_void,
-                r.router as *const std::ffi::c_void,
-                blas::cudaDataType_t::CUDA_R_16BF,
-                h as i32,
-                r.x as *const std::ffi::c_void,
-                blas::cudaDataType_t::CUDA_R_16BF,
-                h as i32,
-                &beta as *const f32 as *const std::ffi::c_void,
-                r.logits as *mut std::ffi::c_void,
-                blas::cudaDataType_t::CUDA_R_32F,
-                e as i32,
-                blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
+            blas::gemm(
+                &self.experts.blas,
+                Gemm::linear(e, tokens, h),
+                r.router,
+                r.x,
+                r.logits,
+                Output::F32,
+            )?;
         }
-        .result()?;
 
-        let (scoring, renormalize, n_group, topk_group, scale) = match self.gate.gating {
-            GatingConfig::Softmax { renormalize } => (0i32, renormalize, 1, 1, 1.0f32),
-            GatingConfig::SigmoidGrouped {
-                n_group,
-                topk_group,
-                normalize,
-                routed_scaling_factor,
-            } => (
-                1,
-                normalize,
-                n_group as i32,
-                topk_group as i32,
-                routed_scaling_factor,
-            ),
-        };
-        let bias = r.bias.unwrap_or(0);
-        let (e_i, k_i, renorm_i, pairs_i) = (e as i32, k as i32, renormalize as i32, pairs as i32);
-        // SAFETY: every pointer is a buffer sized for max_tokens ≥ tokens; kernel
-        // signatures as in kernels/moe.cu.
+        let kernels = &self.experts.kernels;
+        // SAFETY: every buffer was sized for max_tokens ≥ tokens (see `new`).
         unsafe {
-            stream
-                .launch_builder(&kernels.gate_topk)
-                .arg(&r.logits)
-                .arg(&e_i)
-                .arg(&k_i)
-                .arg(&scoring)
-                .arg(&bias)
-                .arg(&n_group)
-                .arg(&topk_group)
-                .arg(&renorm_i)
-                .arg(&scale)
-                .arg(&r.ids)
-                .arg(&r.weights)
-                .launch(LaunchConfig {
-                    grid_dim: (tokens as u32, 1, 1),
-                    block_dim: (256, 1, 1),
-                    shared_mem_bytes: (2 * e * 4) as u32,
-                })?;
-            result::memset_d8_async(r.counts, 0, e * 4, stream.cu_stream())?;
-            stream
-                .launch_builder(&kernels.count_experts)
-                .arg(&r.ids)
-                .arg(&pairs_i)
-                .arg(&r.counts)
-                .launch(elementwise(pairs))?;
-            stream
-                .launch_builder(&kernels.expert_offsets)
-                .arg(&r.counts)
-                .arg(&e_i)
-                .arg(&r.offsets)
-                .arg(&r.cursor)
-                .launch(LaunchConfig {
-                    grid_dim: (1, 1, 1),
-                    block_dim: (32, 1, 1),
-                    shared_mem_bytes: 0,
-                })?;
-            stream
-                .launch_builder(&kernels.scatter_pairs)
-                .arg(&r.ids)
-                .arg(&pairs_i)
-                .arg(&k_i)
-                .arg(&r.cursor)
-                .arg(&r.slot_of_pair)
-                .arg(&r.source_row)
-                .launch(elementwise(pairs))?;
-            let h_i = h as i32;
-            let grouped = self.experts.x;
-            stream
-                .launch_builder(&kernels.gather_rows)
-                .arg(&r.x)
-                .arg(&r.source_row)
-                .arg(&pairs_i)
-                .arg(&h_i)
-                .arg(&grouped)
-                .launch(elementwise(pairs * h))?;
+            kernels.gate_topk(
+                &stream,
+                r.logits,
+                tokens,
+                e,
+                k,
+                &self.gate.gating,
+                r.bias,
+                r.ids,
+                r.weights,
+            )?;
+            kernels.plan(
+                &stream,
+                r.ids,
+                pairs,
+                k,
+                e,
+                r.counts,
+                r.offsets,
+                r.cursor,
+                r.slot_of_pair,
+                r.source_row,
+            )?;
+            kernels.gather_rows(&stream, r.x, r.source_row, pairs, h, self.experts.x)?;
         }
         let mut offsets = vec![0i32; e + 1];
         // SAFETY: E + 1 ints; synchronised before they are read.
@@ -292,19 +230,18 @@ impl GpuMoeLayer {
         self.last_active_experts = active.len();
         self.experts.ffn(0, &active, &sizes)?;
         let r = &self.routing;
-        let (tokens_i, k_i, h_i, y) = (tokens as i32, k as i32, h as i32, self.experts.y);
-        // SAFETY: as above.
+        // SAFETY: the expert outputs hold `pairs` rows; the rest as above.
         unsafe {
-            stream
-                .launch_builder(&self.experts.kernels.combine_rows)
-                .arg(&y)
-                .arg(&r.slot_of_pair)
-                .arg(&r.weights)
-                .arg(&tokens_i)
-                .arg(&k_i)
-                .arg(&h_i)
-                .arg(&r.out)
-                .launch(elementwise(tokens * h))?;
+            self.experts.kernels.combine_rows(
+                &stream,
+                self.experts.y,
+                r.slot_of_pair,
+                r.weights,
+                tokens,
+                k,
+                h,
+                r.out,
+            )?;
         }
         stream.synchronize()?;
         Ok(())

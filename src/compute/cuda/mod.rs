@@ -4,11 +4,14 @@
 //! architecture); [`experts`] holds experts in GPU memory as bf16 and runs token groups
 //! through them with grouped GEMMs.
 
+pub mod blas;
+pub mod dense;
 pub mod experts;
 pub mod kernels;
 pub mod layer;
 pub mod libs;
 pub mod load;
+pub mod moe;
 
 use std::path::Path;
 use std::sync::OnceLock;
@@ -73,6 +76,9 @@ pub enum CudaError {
         usable_mib: usize,
         free_mib: usize,
     },
+    /// A shape the kernels do not take.
+    #[error("not supported on the GPU: {0}")]
+    Unsupported(String),
     #[error("{rows} rows for one expert, but the GPU work area takes {max_rows}")]
     TooManyRows { rows: usize, max_rows: usize },
     #[error("GPU {gpu} self-check: {reason}")]

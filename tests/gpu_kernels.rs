@@ -1,6 +1,7 @@
-//! The MoE layer on a GPU against the CPU implementation it follows: gating, permutation,
-//! grouped expert FFN and combine. Runs where CUDA is usable (`tests/gpu/run.sh` runs it on
-//! the GPU machine); elsewhere each test says it was skipped.
+//! The kernels on a GPU against the CPU implementation they follow: the MoE layer (gating,
+//! permutation, grouped expert FFN, combine) and the dense kernels (RMSNorm, rotary,
+//! attention). Runs where CUDA is usable (`tests/gpu/run.sh` runs it on the GPU machine);
+//! elsewhere each test says it was skipped.
 
 use half::bf16;
 use moe_node::compute::cpu::{Linear, SwiGlu};
@@ -10,6 +11,9 @@ use moe_node::compute::cuda::{self, GpuInfo};
 use moe_node::model::ExpertWeights;
 use moe_node::model::config::GatingConfig;
 use moe_node::moe::{DispatchPlan, route};
+
+mod common;
+use common::{AttentionCase, RopeCase};
 
 /// GPU 0, or `None` (with a line saying why) where CUDA is not usable. `tests/gpu/run.sh`
 /// sets `MOE_TEST_REQUIRE_GPU=1`, which makes that a failure.
@@ -149,4 +153,145 @@ fn sigmoid_grouped_layer_with_correction_bias_matches_the_cpu() {
 #[test]
 fn softmax_without_renormalising_at_many_experts_matches_the_cpu() {
     check_layer(GatingConfig::Softmax { renormalize: false }, 384, 16, false);
+}
+
+/// A CUDA context and stream on GPU 0 with the dense kernels loaded.
+struct Dense {
+    stream: std::sync::Arc<cudarc::driver::CudaStream>,
+    kernels: moe_node::compute::cuda::dense::DenseKernels,
+}
+
+fn dense_or_skip() -> Option<Dense> {
+    let gpu = gpu_or_skip()?;
+    let ctx = cudarc::driver::CudaContext::new(gpu.ordinal).unwrap();
+    let kernels = moe_node::compute::cuda::dense::DenseKernels::load(&ctx, &gpu, None).unwrap();
+    Some(Dense {
+        stream: ctx.default_stream(),
+        kernels,
+    })
+}
+
+impl Dense {
+    fn upload<T: cudarc::driver::DeviceRepr>(
+        &self,
+        v: &[T],
+    ) -> (cudarc::driver::CudaSlice<T>, u64) {
+        let slice = self.stream.clone_htod(v).unwrap();
+        let (ptr, _) = cudarc::driver::DevicePtr::device_ptr(&slice, &self.stream);
+        (slice, ptr)
+    }
+
+    fn download(&self, slice: &cudarc::driver::CudaSlice<f32>) -> Vec<f32> {
+        self.stream.synchronize().unwrap();
+        self.stream.clone_dtoh(slice).unwrap()
+    }
+}
+
+fn assert_close(got: &[f32], want: &[f32], tolerance: f32, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= tolerance * w.abs().max(1.0),
+            "{what}[{i}]: {g} vs {w}"
+        );
+    }
+}
+
+#[test]
+fn rms_norm_matches_the_cpu_on_the_gpu() {
+    let Some(d) = dense_or_skip() else { return };
+    let (rows, width, eps) = (5usize, 7168usize, 1e-6f32);
+    let x: Vec<f32> = common::values(rows * width, 41)
+        .iter()
+        .map(|v| v * 3.0)
+        .collect();
+    let w: Vec<f32> = common::values(width, 42)
+        .iter()
+        .map(|v| 1.0 + v * 0.1)
+        .collect();
+    let (xs, xp) = d.upload(&x);
+    let (_ws, wp) = d.upload(&w);
+    // In place, as the engine will use it.
+    // SAFETY: the buffers were uploaded above with the shapes the case states.
+    unsafe { d.kernels.rms_norm(&d.stream, xp, rows, width, wp, eps, xp) }.unwrap();
+    let expected = moe_node::compute::cpu::rms_norm(&x, &w, eps);
+    assert_close(&d.download(&xs), &expected, 1e-5, "rms_norm");
+}
+
+#[test]
+fn rope_matches_the_cpu_on_the_gpu() {
+    for (interleaved, scaling) in [
+        (false, moe_node::model::config::RopeScaling::None),
+        (true, common::yarn()),
+    ] {
+        let Some(d) = dense_or_skip() else { return };
+        let c = RopeCase::new(interleaved, scaling);
+        let (xs, xp) = d.upload(&c.x);
+        let (_c, cp) = d.upload(&c.cos);
+        let (_s, sp) = d.upload(&c.sin);
+        // SAFETY: the buffers were uploaded above with the shapes the case states.
+        unsafe {
+            d.kernels.rope(
+                &d.stream,
+                xp,
+                c.rows,
+                c.heads,
+                c.head_width,
+                c.offset,
+                c.rope_dim,
+                cp,
+                sp,
+                interleaved,
+            )
+        }
+        .unwrap();
+        assert_close(&d.download(&xs), &c.expected(), 1e-6, "rope");
+    }
+}
+
+#[test]
+fn attention_matches_the_cpu_on_the_gpu() {
+    for (mla, window) in [(false, 0), (false, 4), (true, 0)] {
+        let Some(d) = dense_or_skip() else { return };
+        let c = AttentionCase::new(mla, window);
+        let key_slices: Vec<_> = c.keys.iter().map(|k| d.upload(k)).collect();
+        let value_slices: Vec<_> = c.values.iter().map(|v| d.upload(v)).collect();
+        let key_ptrs: Vec<u64> = key_slices.iter().map(|k| k.1).collect();
+        let value_ptrs: Vec<u64> = value_slices.iter().map(|v| v.1).collect();
+        let (_kp, keys) = d.upload(&key_ptrs);
+        let (_vp, values) = d.upload(&value_ptrs);
+        let seqs: Vec<i32> = c.rows.iter().map(|r| r.0 as i32).collect();
+        let positions: Vec<i32> = c.rows.iter().map(|r| r.1 as i32).collect();
+        let (_rs, row_seq) = d.upload(&seqs);
+        let (_rp, row_pos) = d.upload(&positions);
+        let (_q, q) = d.upload(&c.q);
+        let (out, out_ptr) = d.upload(&vec![0f32; c.rows.len() * c.heads * c.value_width]);
+        let shape = moe_node::compute::cuda::dense::AttentionShape {
+            heads: c.heads,
+            group: c.group,
+            key_width: c.key_width,
+            value_width: c.value_width,
+            kv_stride: c.kv_stride,
+            key_head_stride: c.key_head_stride,
+            value_head_stride: c.value_head_stride,
+            window: (window > 0).then_some(window),
+            scale: c.scale,
+        };
+        // SAFETY: the buffers were uploaded above with the shapes the case states.
+        unsafe {
+            d.kernels.attend(
+                &d.stream,
+                &shape,
+                q,
+                c.rows.len(),
+                keys,
+                values,
+                row_seq,
+                row_pos,
+                out_ptr,
+            )
+        }
+        .unwrap();
+        assert_close(&d.download(&out), &c.expected(), 1e-5, "attention");
+    }
 }

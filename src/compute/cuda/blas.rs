@@ -1,0 +1,101 @@
+//! The one cuBLAS product the backend needs, in its column-major terms: `C[m, n] = op(A) ·
+//! B[k, n]`, bf16 inputs, f32 accumulation. A row-major `y[n, m] = x[n, k] · W[m, k]ᵀ` (what
+//! `nn.Linear` computes) is this with A = W transposed, lda = ldb = k, ldc = m.
+
+use std::ffi::c_void;
+
+use cudarc::cublas::CudaBlas;
+use cudarc::cublas::sys as blas;
+
+use super::CudaError;
+
+/// The element type of a product's output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Output {
+    Bf16,
+    F32,
+}
+
+impl Output {
+    pub fn data_type(self) -> blas::cudaDataType_t {
+        match self {
+            Output::Bf16 => blas::cudaDataType_t::CUDA_R_16BF,
+            Output::F32 => blas::cudaDataType_t::CUDA_R_32F,
+        }
+    }
+}
+
+/// Sizes and leading dimensions of one product.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Gemm {
+    pub a_transposed: bool,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub lda: usize,
+    pub ldb: usize,
+    pub ldc: usize,
+}
+
+impl Gemm {
+    /// `y[n, m] = x[n, k] · W[m, k]ᵀ`, all row-major and packed.
+    pub fn linear(m: usize, n: usize, k: usize) -> Gemm {
+        Gemm {
+            a_transposed: true,
+            m,
+            n,
+            k,
+            lda: k,
+            ldb: k,
+            ldc: m,
+        }
+    }
+}
+
+/// Queues one product on `blas`'s stream.
+///
+/// # Safety
+/// `a`, `b` and `c` are device addresses of bf16 (bf16 or f32 for `c`) matrices of the
+/// stated shapes and leading dimensions.
+pub unsafe fn gemm(
+    blas: &CudaBlas,
+    shape: Gemm,
+    a: u64,
+    b: u64,
+    c: u64,
+    output: Output,
+) -> Result<(), CudaError> {
+    let (alpha, beta) = (1.0f32, 0.0f32);
+    let op_a = if shape.a_transposed {
+        blas::cublasOperation_t::CUBLAS_OP_T
+    } else {
+        blas::cublasOperation_t::CUBLAS_OP_N
+    };
+    let bf16 = blas::cudaDataType_t::CUDA_R_16BF;
+    // SAFETY: as the caller vouches; alpha and beta are host f32 for COMPUTE_32F.
+    unsafe {
+        blas::cublasGemmEx(
+            *blas.handle(),
+            op_a,
+            blas::cublasOperation_t::CUBLAS_OP_N,
+            shape.m as i32,
+            shape.n as i32,
+            shape.k as i32,
+            &alpha as *const f32 as *const c_void,
+            a as *const c_void,
+            bf16,
+            shape.lda as i32,
+            b as *const c_void,
+            bf16,
+            shape.ldb as i32,
+            &beta as *const f32 as *const c_void,
+            c as *mut c_void,
+            output.data_type(),
+            shape.ldc as i32,
+            blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .result()?;
+    Ok(())
+}

@@ -1,0 +1,278 @@
+//! Typed launchers of `kernels/moe.cu`. Arguments that are `u64` are device addresses on the
+//! stream's GPU; each launcher's `# Safety` says what they must hold. Launches are queued on
+//! the stream and return at once.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+
+use super::kernels::{self, MOE, elementwise};
+use super::{CudaError, GpuInfo};
+use crate::model::config::GatingConfig;
+
+/// The kernels of `kernels/moe.cu`, loaded into one device's context.
+pub struct MoeKernels {
+    gate_topk: CudaFunction,
+    count_experts: CudaFunction,
+    expert_offsets: CudaFunction,
+    scatter_pairs: CudaFunction,
+    gather_rows: CudaFunction,
+    combine_rows: CudaFunction,
+    swiglu: CudaFunction,
+    to_bf16: CudaFunction,
+}
+
+/// Largest top-k and expert count the gating kernel takes (two floats per expert in 48 KiB of
+/// shared memory), and the most expert groups.
+pub const MAX_TOP_K: usize = 64;
+pub const MAX_EXPERTS: usize = 6144;
+pub const MAX_GROUPS: usize = 64;
+
+impl MoeKernels {
+    /// Compiles (or reads from `cache_dir`) and loads the MoE kernels for `gpu`.
+    pub fn load(
+        ctx: &Arc<CudaContext>,
+        gpu: &GpuInfo,
+        cache_dir: Option<&std::path::Path>,
+    ) -> Result<MoeKernels, CudaError> {
+        let module = kernels::load_module(ctx, &MOE, gpu, cache_dir)?;
+        let f = |name: &str| module.load_function(name);
+        Ok(MoeKernels {
+            gate_topk: f("gate_topk")?,
+            count_experts: f("count_experts")?,
+            expert_offsets: f("expert_offsets")?,
+            scatter_pairs: f("scatter_pairs")?,
+            gather_rows: f("gather_rows")?,
+            combine_rows: f("combine_rows")?,
+            swiglu: f("swiglu")?,
+            to_bf16: f("to_bf16")?,
+        })
+    }
+
+    /// Top-k experts and their weights for each of `tokens` rows of gate logits.
+    ///
+    /// # Safety
+    /// `logits`: `[tokens, experts]` f32; `bias`: `[experts]` f32; `ids` (i32) and `weights`
+    /// (f32): room for `[tokens, top_k]`.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn gate_topk(
+        &self,
+        stream: &CudaStream,
+        logits: u64,
+        tokens: usize,
+        experts: usize,
+        top_k: usize,
+        gating: &GatingConfig,
+        bias: Option<u64>,
+        ids: u64,
+        weights: u64,
+    ) -> Result<(), CudaError> {
+        let (scoring, renormalize, n_group, topk_group, scale) = match *gating {
+            GatingConfig::Softmax { renormalize } => (0i32, renormalize, 1usize, 1usize, 1.0f32),
+            GatingConfig::SigmoidGrouped {
+                n_group,
+                topk_group,
+                normalize,
+                routed_scaling_factor,
+            } => (1, normalize, n_group, topk_group, routed_scaling_factor),
+        };
+        if top_k > MAX_TOP_K || experts > MAX_EXPERTS || n_group > MAX_GROUPS || n_group == 0 {
+            return Err(CudaError::Unsupported(format!(
+                "gating of {experts} experts in {n_group} groups, top-{top_k} (the kernel takes \
+                 up to {MAX_EXPERTS} experts, {MAX_GROUPS} groups, top-{MAX_TOP_K})"
+            )));
+        }
+        let (experts_i, k_i, renorm_i) = (experts as i32, top_k as i32, renormalize as i32);
+        let (n_group_i, topk_group_i, bias) =
+            (n_group as i32, topk_group as i32, bias.unwrap_or(0));
+        // SAFETY: the caller vouches for the buffers; the arguments match moe.cu's signature.
+        unsafe {
+            stream
+                .launch_builder(&self.gate_topk)
+                .arg(&logits)
+                .arg(&experts_i)
+                .arg(&k_i)
+                .arg(&scoring)
+                .arg(&bias)
+                .arg(&n_group_i)
+                .arg(&topk_group_i)
+                .arg(&renorm_i)
+                .arg(&scale)
+                .arg(&ids)
+                .arg(&weights)
+                .launch(LaunchConfig {
+                    grid_dim: (tokens as u32, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: (2 * experts * 4) as u32,
+                })?;
+        }
+        Ok(())
+    }
+
+    /// Groups `pairs` (token, expert) pairs by expert: `counts` (zeroed here), `offsets`
+    /// (`[experts + 1]`, the start of each expert's rows), `slot_of_pair` (where each pair
+    /// went) and `source_row` (the token of each slot).
+    ///
+    /// # Safety
+    /// `ids`: `[pairs]` i32 below `experts`; `counts`, `cursor`: `[experts]` i32; `offsets`:
+    /// `[experts + 1]` i32; `slot_of_pair`, `source_row`: `[pairs]` i32.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn plan(
+        &self,
+        stream: &CudaStream,
+        ids: u64,
+        pairs: usize,
+        top_k: usize,
+        experts: usize,
+        counts: u64,
+        offsets: u64,
+        cursor: u64,
+        slot_of_pair: u64,
+        source_row: u64,
+    ) -> Result<(), CudaError> {
+        let (pairs_i, k_i, experts_i) = (pairs as i32, top_k as i32, experts as i32);
+        // SAFETY: as the caller vouches; arguments match moe.cu.
+        unsafe {
+            cudarc::driver::result::memset_d8_async(counts, 0, experts * 4, stream.cu_stream())?;
+            stream
+                .launch_builder(&self.count_experts)
+                .arg(&ids)
+                .arg(&pairs_i)
+                .arg(&counts)
+                .launch(elementwise(pairs))?;
+            stream
+                .launch_builder(&self.expert_offsets)
+                .arg(&counts)
+                .arg(&experts_i)
+                .arg(&offsets)
+                .arg(&cursor)
+                .launch(LaunchConfig {
+                    grid_dim: (1, 1, 1),
+                    block_dim: (32, 1, 1),
+                    shared_mem_bytes: 0,
+                })?;
+            stream
+                .launch_builder(&self.scatter_pairs)
+                .arg(&ids)
+                .arg(&pairs_i)
+                .arg(&k_i)
+                .arg(&cursor)
+                .arg(&slot_of_pair)
+                .arg(&source_row)
+                .launch(elementwise(pairs))?;
+        }
+        Ok(())
+    }
+
+    /// `grouped[slot] = x[source_row[slot]]`, rows of `width` bf16.
+    ///
+    /// # Safety
+    /// `x`: rows of `width` bf16 covering every source row; `source_row`: `[slots]` i32;
+    /// `grouped`: room for `[slots, width]` bf16.
+    pub unsafe fn gather_rows(
+        &self,
+        stream: &CudaStream,
+        x: u64,
+        source_row: u64,
+        slots: usize,
+        width: usize,
+        grouped: u64,
+    ) -> Result<(), CudaError> {
+        let (slots_i, width_i) = (slots as i32, width as i32);
+        // SAFETY: as the caller vouches; arguments match moe.cu.
+        unsafe {
+            stream
+                .launch_builder(&self.gather_rows)
+                .arg(&x)
+                .arg(&source_row)
+                .arg(&slots_i)
+                .arg(&width_i)
+                .arg(&grouped)
+                .launch(elementwise(slots * width))?;
+        }
+        Ok(())
+    }
+
+    /// `out[t] = Σ_j weights[t, j] · expert_out[slot_of_pair[t, j]]`, f32.
+    ///
+    /// # Safety
+    /// `expert_out`: `[tokens · top_k, width]` bf16; `slot_of_pair`, `weights`: `[tokens,
+    /// top_k]` (i32, f32); `out`: room for `[tokens, width]` f32.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn combine_rows(
+        &self,
+        stream: &CudaStream,
+        expert_out: u64,
+        slot_of_pair: u64,
+        weights: u64,
+        tokens: usize,
+        top_k: usize,
+        width: usize,
+        out: u64,
+    ) -> Result<(), CudaError> {
+        let (tokens_i, k_i, width_i) = (tokens as i32, top_k as i32, width as i32);
+        // SAFETY: as the caller vouches; arguments match moe.cu.
+        unsafe {
+            stream
+                .launch_builder(&self.combine_rows)
+                .arg(&expert_out)
+                .arg(&slot_of_pair)
+                .arg(&weights)
+                .arg(&tokens_i)
+                .arg(&k_i)
+                .arg(&width_i)
+                .arg(&out)
+                .launch(elementwise(tokens * width))?;
+        }
+        Ok(())
+    }
+
+    /// `out[r] = silu(gate_up[r][..inter]) · gate_up[r][inter..]`, bf16.
+    ///
+    /// # Safety
+    /// `gate_up`: `[rows, 2 · inter]` bf16; `out`: room for `[rows, inter]` bf16.
+    pub unsafe fn swiglu(
+        &self,
+        stream: &CudaStream,
+        gate_up: u64,
+        rows: usize,
+        inter: usize,
+        out: u64,
+    ) -> Result<(), CudaError> {
+        let (rows_i, inter_i) = (rows as i32, inter as i32);
+        // SAFETY: as the caller vouches; arguments match moe.cu.
+        unsafe {
+            stream
+                .launch_builder(&self.swiglu)
+                .arg(&gate_up)
+                .arg(&rows_i)
+                .arg(&inter_i)
+                .arg(&out)
+                .launch(elementwise(rows * inter))?;
+        }
+        Ok(())
+    }
+
+    /// `n` f32 values to bf16, rounding to nearest even.
+    ///
+    /// # Safety
+    /// `input`: `[n]` f32; `out`: room for `[n]` bf16.
+    pub unsafe fn to_bf16(
+        &self,
+        stream: &CudaStream,
+        input: u64,
+        n: usize,
+        out: u64,
+    ) -> Result<(), CudaError> {
+        // SAFETY: as the caller vouches; arguments match moe.cu.
+        unsafe {
+            stream
+                .launch_builder(&self.to_bf16)
+                .arg(&input)
+                .arg(&n)
+                .arg(&out)
+                .launch(elementwise(n))?;
+        }
+        Ok(())
+    }
+}

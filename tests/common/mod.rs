@@ -1,0 +1,210 @@
+//! Inputs and CPU answers shared by the kernel tests (on the CPU emulation and on a GPU).
+#![allow(dead_code)]
+
+use moe_node::compute::cpu::softmax_in_place;
+use moe_node::engine::rope::Rope;
+use moe_node::model::config::{RopeConfig, RopeScaling};
+
+/// Reproducible values in [-1, 1), with some exact repeats (ties for top-k).
+pub fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|i| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let v = (state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0;
+            // Every 7th value repeats its predecessor's bucket: quantised, so ties happen.
+            if i % 7 == 0 {
+                (v * 8.0).round() / 8.0
+            } else {
+                v
+            }
+        })
+        .collect()
+}
+
+/// Kimi K2's rotary scaling.
+pub fn yarn() -> RopeScaling {
+    RopeScaling::Yarn {
+        factor: 40.0,
+        original_max_position_embeddings: 4096,
+        beta_fast: 32.0,
+        beta_slow: 1.0,
+        mscale: Some(1.0),
+        mscale_all_dim: Some(1.0),
+        attention_factor: None,
+        truncate: true,
+    }
+}
+
+/// MLA-like heads (16 values without rotation, then 8 rotated) at three positions, with the
+/// host's cos/sin tables.
+pub struct RopeCase {
+    pub rope: Rope,
+    pub rows: usize,
+    pub heads: usize,
+    pub head_width: usize,
+    pub offset: usize,
+    pub rope_dim: usize,
+    pub x: Vec<f32>,
+    pub cos: Vec<f32>,
+    pub sin: Vec<f32>,
+    angles: Vec<moe_node::engine::rope::RopeAngles>,
+}
+
+impl RopeCase {
+    pub fn new(interleaved: bool, scaling: RopeScaling) -> RopeCase {
+        let (rows, heads, head_width, offset, rope_dim) = (3, 2, 24, 16, 8);
+        let rope = Rope::new(
+            &RopeConfig {
+                theta: 10000.0,
+                dim: rope_dim,
+                scaling,
+            },
+            interleaved,
+        );
+        let angles: Vec<_> = [0usize, 7, 4000].iter().map(|&p| rope.angles(p)).collect();
+        RopeCase {
+            x: values(rows * heads * head_width, 51),
+            cos: angles.iter().flat_map(|a| a.cos.clone()).collect(),
+            sin: angles.iter().flat_map(|a| a.sin.clone()).collect(),
+            rope,
+            rows,
+            heads,
+            head_width,
+            offset,
+            rope_dim,
+            angles,
+        }
+    }
+
+    /// `x` rotated by the engine's own `Rope::apply`.
+    pub fn expected(&self) -> Vec<f32> {
+        let mut out = self.x.clone();
+        for (row, a) in out
+            .chunks_exact_mut(self.heads * self.head_width)
+            .zip(&self.angles)
+        {
+            for head in row.chunks_exact_mut(self.head_width) {
+                self.rope
+                    .apply(&mut head[self.offset..self.offset + self.rope_dim], a);
+            }
+        }
+        out
+    }
+}
+
+/// Query rows over per-sequence caches: a sequence longer than the kernel's tile of 256
+/// positions (a decode row at its end) and a short one (a 3-row prefill chunk). GQA: 4 query
+/// heads over 2 kv heads of 16. MLA (absorbed): 4 heads over one latent of 16 plus a rotary
+/// key of 8; the value is the latent.
+pub struct AttentionCase {
+    pub heads: usize,
+    pub group: usize,
+    pub key_width: usize,
+    pub value_width: usize,
+    pub kv_stride: usize,
+    pub key_head_stride: usize,
+    pub value_head_stride: usize,
+    pub window: usize,
+    pub scale: f32,
+    pub keys: Vec<Vec<f32>>,
+    /// Equal to `keys` for MLA.
+    pub values: Vec<Vec<f32>>,
+    /// (sequence, position) of each query row.
+    pub rows: Vec<(usize, usize)>,
+    pub q: Vec<f32>,
+}
+
+impl AttentionCase {
+    pub fn new(mla: bool, window: usize) -> AttentionCase {
+        let (heads, group, key_width, value_width, kv_stride, key_head_stride, value_head_stride) =
+            if mla {
+                (4, 4, 24, 16, 24, 0, 0)
+            } else {
+                (4, 2, 16, 16, 32, 16, 16)
+            };
+        let lengths = [300usize, 5];
+        // Keys grow along the sequence, so a later tile holds a larger score than the first
+        // and the running maximum has to move (the rescaling of earlier sums is exercised).
+        let keys: Vec<Vec<f32>> = lengths
+            .iter()
+            .enumerate()
+            .map(|(s, &n)| {
+                let mut k = values(n * kv_stride, 60 + s as u64);
+                for (j, position) in k.chunks_exact_mut(kv_stride).enumerate() {
+                    position
+                        .iter_mut()
+                        .for_each(|v| *v *= 1.0 + j as f32 / 100.0);
+                }
+                k
+            })
+            .collect();
+        let values_ = if mla {
+            keys.clone()
+        } else {
+            lengths
+                .iter()
+                .enumerate()
+                .map(|(s, &n)| values(n * kv_stride, 70 + s as u64))
+                .collect()
+        };
+        let rows = vec![(0usize, 299usize), (1, 2), (1, 3), (1, 4)];
+        let q = values(rows.len() * heads * key_width, 80)
+            .iter()
+            .map(|v| v * 2.0)
+            .collect();
+        AttentionCase {
+            heads,
+            group,
+            key_width,
+            value_width,
+            kv_stride,
+            key_head_stride,
+            value_head_stride,
+            window,
+            scale: (key_width as f32).powf(-0.5),
+            keys,
+            values: values_,
+            rows,
+            q,
+        }
+    }
+
+    /// As the engine's `attend` computes it: softmax of scaled dot products over the
+    /// positions seen, then the weighted values.
+    pub fn expected(&self) -> Vec<f32> {
+        let (dk, dv) = (self.key_width, self.value_width);
+        let mut out = Vec::new();
+        for (r, &(seq, pos)) in self.rows.iter().enumerate() {
+            for head in 0..self.heads {
+                let query = &self.q[(r * self.heads + head) * dk..][..dk];
+                let kv = head / self.group;
+                let first = if self.window > 0 {
+                    (pos + 1).saturating_sub(self.window)
+                } else {
+                    0
+                };
+                let mut scores: Vec<f32> = (first..=pos)
+                    .map(|j| {
+                        let key =
+                            &self.keys[seq][j * self.kv_stride + kv * self.key_head_stride..][..dk];
+                        query.iter().zip(key).map(|(a, b)| a * b).sum::<f32>() * self.scale
+                    })
+                    .collect();
+                softmax_in_place(&mut scores);
+                let mut o = vec![0f32; dv];
+                for (w, j) in scores.iter().zip(first..=pos) {
+                    let value =
+                        &self.values[seq][j * self.kv_stride + kv * self.value_head_stride..][..dv];
+                    for (acc, v) in o.iter_mut().zip(value) {
+                        *acc += w * v;
+                    }
+                }
+                out.extend(o);
+            }
+        }
+        out
+    }
+}
