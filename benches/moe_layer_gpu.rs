@@ -172,6 +172,7 @@ fn main() {
             intermediate: INTERMEDIATE,
             num_experts: shape.experts,
             max_rows: max_tokens * shape.top_k,
+            host_io: false,
         };
         // Kimi K2's router: sigmoid scores, one group, normalised, scaled.
         let gate = Gate {

@@ -193,3 +193,11 @@ extern "C" __global__ void to_bf16(const float* in, size_t n, bf16* out) {
         out[i] = f32_to_bf16(in[i]);
     }
 }
+
+// bf16 rows to f32 (the experts' outputs back to the router's precision).
+extern "C" __global__ void to_f32(const bf16* in, size_t n, float* out) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        out[i] = bf16_to_f32(in[i]);
+    }
+}

@@ -42,6 +42,7 @@ fn check_layer(gating: GatingConfig, num_experts: usize, top_k: usize, bias: boo
         intermediate: i,
         num_experts,
         max_rows: max_tokens * top_k,
+        host_io: false,
     };
     let gate = Gate {
         router: values(num_experts * h, 1, 0.2),

@@ -252,7 +252,7 @@ fn swiglu_matches_silu_times_up_in_bf16() {
 }
 
 #[test]
-fn bf16_rounding_matches_the_half_crate() {
+fn bf16_rounding_matches_the_half_crate_and_widening_is_exact() {
     let Some(exe) = harness() else { return };
     let mut bits: Vec<u32> = values(200, 31)
         .iter()
@@ -282,6 +282,10 @@ fn bf16_rounding_matches_the_half_crate() {
         } else {
             assert_eq!(got.to_bits(), want.to_bits(), "{b:#x}");
         }
+    }
+    // to_f32 widens exactly: the bits of the bf16 in the top half.
+    for (&bf, &back) in out[0].iter().zip(&out[1]) {
+        assert_eq!(back as u32, (bf as u32) << 16, "to_f32 of {:#x}", bf as u32);
     }
 }
 

@@ -93,6 +93,12 @@ int main(int argc, char** argv) {
         std::vector<bf16> out(n);
         launch(2, 64, 0, [&] { to_bf16(in.data(), n, out.data()); });
         print(out);
+        // And back: bf16 to f32 is exact, printed as bits.
+        std::vector<float> back(n);
+        launch(2, 64, 0, [&] { to_f32(out.data(), n, back.data()); });
+        std::vector<unsigned> back_bits(n);
+        for (size_t i = 0; i < n; ++i) back_bits[i] = __float_as_uint(back[i]);
+        print(back_bits);
     } else if (mode == "rms_norm") {
         int rows, width;
         float eps;

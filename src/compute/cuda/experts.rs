@@ -28,6 +28,10 @@ pub struct ExpertShape {
     pub num_experts: usize,
     /// Grouped rows one call runs at most: tokens per step × top-k.
     pub max_rows: usize,
+    /// Rows arrive from and return to host memory in f32 ([`GpuExperts::run`], the device
+    /// actors), rather than staying on the GPU (a whole layer on the GPU): f32 buffers on
+    /// both sides are then needed.
+    pub host_io: bool,
 }
 
 impl ExpertShape {
@@ -41,8 +45,12 @@ impl ExpertShape {
     /// Bytes of GPU memory `experts` experts and the work area take.
     pub fn bytes_needed(&self, experts: usize) -> usize {
         let weights = experts * self.expert_elems() * 2;
-        // Input, gate|up, activation and output rows, in bf16.
-        let rows = self.max_rows * (self.hidden + 3 * self.intermediate + self.hidden) * 2;
+        // Input, gate|up, activation and output rows, in bf16; input and output rows as the
+        // router sends and wants them, in f32.
+        let mut rows = self.max_rows * (self.hidden + 3 * self.intermediate + self.hidden) * 2;
+        if self.host_io {
+            rows += self.max_rows * 2 * self.hidden * 4;
+        }
         // Six pointer arrays of one entry per group.
         let pointers = 6 * self.num_experts * 8;
         weights + rows + pointers + BLAS_RESERVE
@@ -109,11 +117,15 @@ pub struct GpuExperts {
     pub y: u64,
     /// A, B, C pointer arrays of both GEMMs: `[6, num_experts]`.
     pointers: u64,
+    /// The router's rows in and out, `[max_rows, hidden]` f32 each: converted to and from
+    /// bf16 on the GPU (on the host it would cost ~1 ns a value, milliseconds a layer).
+    x_f32: u64,
+    y_f32: u64,
     _work: Vec<Buffer>,
     /// Host staging for inputs and outputs, page-locked so copies run at full speed and
-    /// asynchronously: `[max_rows, hidden]` bf16 each.
-    host_in: PinnedHostSlice<bf16>,
-    host_out: PinnedHostSlice<bf16>,
+    /// asynchronously: `[max_rows, hidden]` f32 each; with `host_io` only.
+    host_in: Option<PinnedHostSlice<f32>>,
+    host_out: Option<PinnedHostSlice<f32>>,
     /// Set when cuBLAS refuses grouped GEMMs: then one GEMM per expert.
     per_expert_gemm: bool,
     /// Host side of the pointer arrays, page-locked so their upload is truly asynchronous
@@ -143,18 +155,28 @@ impl GpuExperts {
         let weights = Buffer::new(&stream, experts.len() * shape.expert_elems() * 2)?;
         let index = experts.iter().enumerate().map(|(i, &k)| (k, i)).collect();
         let (h, i, rows) = (shape.hidden, shape.intermediate, shape.max_rows);
+        let f32_rows = if shape.host_io { rows * h * 4 } else { 0 };
         let work: Vec<Buffer> = [
             rows * h * 2,
             rows * 2 * i * 2,
             rows * i * 2,
             rows * h * 2,
             6 * shape.num_experts * 8,
+            f32_rows,
+            f32_rows,
         ]
         .into_iter()
         .map(|bytes| Buffer::new(&stream, bytes))
         .collect::<Result<_, _>>()?;
         // SAFETY: written before each upload.
         let ptrs = unsafe { ctx.alloc_pinned::<u64>(6 * shape.num_experts) }?;
+        let staging = || -> Result<Option<PinnedHostSlice<f32>>, CudaError> {
+            if !shape.host_io {
+                return Ok(None);
+            }
+            // SAFETY: written before read (inputs by each call, outputs by the copy back).
+            Ok(Some(unsafe { ctx.alloc_pinned::<f32>(rows * h) }?))
+        };
         Ok(GpuExperts {
             gpu: gpu.clone(),
             x: work[0].ptr,
@@ -162,10 +184,12 @@ impl GpuExperts {
             act: work[2].ptr,
             y: work[3].ptr,
             pointers: work[4].ptr,
+            x_f32: work[5].ptr,
+            y_f32: work[6].ptr,
             _work: work,
             // SAFETY: written before read (inputs by each call, outputs by the copy back).
-            host_in: unsafe { ctx.alloc_pinned::<bf16>(rows * h) }?,
-            host_out: unsafe { ctx.alloc_pinned::<bf16>(rows * h) }?,
+            host_in: staging()?,
+            host_out: staging()?,
             ctx,
             stream,
             blas,
@@ -288,29 +312,41 @@ impl GpuExperts {
                 end += 1;
             }
             let chunk = &groups[start..end];
-            let staged = &mut self.host_in.as_mut_slice()?[..rows * h];
+            let no_host_io = || {
+                CudaError::Unsupported(
+                    "rows from the host on experts set up without host_io".into(),
+                )
+            };
+            let host_in = self.host_in.as_mut().ok_or_else(no_host_io)?;
+            let staged = &mut host_in.as_mut_slice()?[..rows * h];
             let mut at = 0;
             for (_, input) in chunk {
-                for (d, &v) in staged[at..at + input.len()].iter_mut().zip(input) {
-                    *d = bf16::from_f32(v);
-                }
+                staged[at..at + input.len()].copy_from_slice(input);
                 at += input.len();
             }
             let cu = self.stream.cu_stream();
-            // SAFETY: `rows` rows fit the input buffer; the staging buffer is not touched
-            // until the stream is synchronised below.
-            unsafe { result::memcpy_htod_async(self.x, &*staged, cu)? };
+            // SAFETY: `rows` rows fit the f32 input buffer and, as bf16, the grouped input;
+            // the staging buffer is not touched until the stream is synchronised below.
+            unsafe {
+                result::memcpy_htod_async(self.x_f32, &*staged, cu)?;
+                self.kernels
+                    .to_bf16(&self.stream, self.x_f32, rows * h, self.x)?;
+            }
             let experts: Vec<u32> = chunk.iter().map(|(e, _)| *e).collect();
             let sizes: Vec<usize> = chunk.iter().map(|(_, x)| x.len() / h).collect();
             self.ffn(layer, &experts, &sizes)?;
-            let out_host = &mut self.host_out.as_mut_slice()?[..rows * h];
+            let host_out = self.host_out.as_mut().ok_or_else(no_host_io)?;
+            let out_host = &mut host_out.as_mut_slice()?[..rows * h];
             // SAFETY: the output buffer holds `rows` rows after ffn; synchronised below.
-            unsafe { result::memcpy_dtoh_async(&mut *out_host, self.y, cu)? };
+            unsafe {
+                self.kernels
+                    .to_f32(&self.stream, self.y, rows * h, self.y_f32)?;
+                result::memcpy_dtoh_async(&mut *out_host, self.y_f32, cu)?;
+            }
             self.stream.synchronize()?;
             let mut offset = 0;
             for size in sizes {
-                let out = &out_host[offset * h..(offset + size) * h];
-                outputs.push(out.iter().map(|v| v.to_f32()).collect());
+                outputs.push(out_host[offset * h..(offset + size) * h].to_vec());
                 offset += size;
             }
             start = end;
@@ -515,6 +551,7 @@ mod tests {
             intermediate: 2048,
             num_experts: 384,
             max_rows: 512 * 8,
+            host_io: true,
         }
     }
 
@@ -527,7 +564,8 @@ mod tests {
             one_expert,
             "each expert adds its three bf16 matrices"
         );
-        let work = 4096 * (7168 + 3 * 2048 + 7168) * 2 + 6 * 384 * 8 + BLAS_RESERVE;
+        let work =
+            4096 * (7168 + 3 * 2048 + 7168) * 2 + 4096 * 2 * 7168 * 4 + 6 * 384 * 8 + BLAS_RESERVE;
         assert_eq!(shape.bytes_needed(0), work);
     }
 

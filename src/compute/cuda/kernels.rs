@@ -37,6 +37,7 @@ pub const MOE: KernelFile = KernelFile {
         "combine_rows",
         "swiglu",
         "to_bf16",
+        "to_f32",
     ],
 };
 

@@ -45,6 +45,7 @@ pub fn load_experts(
         intermediate: config.moe.expert_intermediate_size,
         num_experts: config.moe.num_experts,
         max_rows: options.max_rows,
+        host_io: true,
     };
     let mut held = GpuExperts::new(
         gpu,

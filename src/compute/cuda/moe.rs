@@ -20,6 +20,7 @@ pub struct MoeKernels {
     combine_rows: CudaFunction,
     swiglu: CudaFunction,
     to_bf16: CudaFunction,
+    to_f32: CudaFunction,
 }
 
 /// Largest top-k and expert count the gating kernel takes (two floats per expert in 48 KiB of
@@ -46,6 +47,7 @@ impl MoeKernels {
             combine_rows: f("combine_rows")?,
             swiglu: f("swiglu")?,
             to_bf16: f("to_bf16")?,
+            to_f32: f("to_f32")?,
         })
     }
 
@@ -268,6 +270,29 @@ impl MoeKernels {
         unsafe {
             stream
                 .launch_builder(&self.to_bf16)
+                .arg(&input)
+                .arg(&n)
+                .arg(&out)
+                .launch(elementwise(n))?;
+        }
+        Ok(())
+    }
+
+    /// `n` bf16 values to f32 (exact).
+    ///
+    /// # Safety
+    /// `input`: `[n]` bf16; `out`: room for `[n]` f32.
+    pub unsafe fn to_f32(
+        &self,
+        stream: &CudaStream,
+        input: u64,
+        n: usize,
+        out: u64,
+    ) -> Result<(), CudaError> {
+        // SAFETY: as the caller vouches; arguments match moe.cu.
+        unsafe {
+            stream
+                .launch_builder(&self.to_f32)
                 .arg(&input)
                 .arg(&n)
                 .arg(&out)
