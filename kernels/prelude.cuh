@@ -30,6 +30,18 @@ struct Best {
     int index;
 };
 
+// The best (value, index) over a warp, in lane 0. Every lane of the warp must call it.
+__device__ __forceinline__ void warp_argmax(float& bv, int& bi) {
+    for (int off = 16; off > 0; off >>= 1) {
+        float ov = __shfl_down_sync(0xffffffffu, bv, off);
+        int oi = __shfl_down_sync(0xffffffffu, bi, off);
+        if (better(ov, oi, bv, bi)) {
+            bv = ov;
+            bi = oi;
+        }
+    }
+}
+
 // The best entry of vals[0..n) over the whole block. Every thread gets the answer.
 // Needs blockDim.x a multiple of 32, at most 1024.
 __device__ Best block_argmax(const float* vals, int n) {
@@ -43,14 +55,7 @@ __device__ Best block_argmax(const float* vals, int n) {
             bi = j;
         }
     }
-    for (int off = 16; off > 0; off >>= 1) {
-        float ov = __shfl_down_sync(0xffffffffu, bv, off);
-        int oi = __shfl_down_sync(0xffffffffu, bi, off);
-        if (better(ov, oi, bv, bi)) {
-            bv = ov;
-            bi = oi;
-        }
-    }
+    warp_argmax(bv, bi);
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (lane == 0) {
         red_v[warp] = bv;
@@ -61,14 +66,7 @@ __device__ Best block_argmax(const float* vals, int n) {
         int warps = blockDim.x / 32;
         bv = lane < warps ? red_v[lane] : NEG_INF;
         bi = lane < warps ? red_i[lane] : 0x7fffffff;
-        for (int off = 16; off > 0; off >>= 1) {
-            float ov = __shfl_down_sync(0xffffffffu, bv, off);
-            int oi = __shfl_down_sync(0xffffffffu, bi, off);
-            if (better(ov, oi, bv, bi)) {
-                bv = ov;
-                bi = oi;
-            }
-        }
+        warp_argmax(bv, bi);
         if (lane == 0) {
             red_v[0] = bv;
             red_i[0] = bi;

@@ -13,7 +13,7 @@ use moe_node::model::config::GatingConfig;
 use moe_node::moe::{DispatchPlan, route};
 
 mod common;
-use common::{AttentionCase, RopeCase};
+use common::{AttentionCase, RopeCase, assert_close};
 
 /// GPU 0, or `None` (with a line saying why) where CUDA is not usable. `tests/gpu/run.sh`
 /// sets `MOE_TEST_REQUIRE_GPU=1`, which makes that a failure.
@@ -188,16 +188,6 @@ impl Dense {
     }
 }
 
-fn assert_close(got: &[f32], want: &[f32], tolerance: f32, what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!(
-            (g - w).abs() <= tolerance * w.abs().max(1.0),
-            "{what}[{i}]: {g} vs {w}"
-        );
-    }
-}
-
 #[test]
 fn rms_norm_matches_the_cpu_on_the_gpu() {
     let Some(d) = dense_or_skip() else { return };
@@ -266,18 +256,8 @@ fn attention_matches_the_cpu_on_the_gpu() {
         let (_rs, row_seq) = d.upload(&seqs);
         let (_rp, row_pos) = d.upload(&positions);
         let (_q, q) = d.upload(&c.q);
-        let (out, out_ptr) = d.upload(&vec![0f32; c.rows.len() * c.heads * c.value_width]);
-        let shape = moe_node::compute::cuda::dense::AttentionShape {
-            heads: c.heads,
-            group: c.group,
-            key_width: c.key_width,
-            value_width: c.value_width,
-            kv_stride: c.kv_stride,
-            key_head_stride: c.key_head_stride,
-            value_head_stride: c.value_head_stride,
-            window: (window > 0).then_some(window),
-            scale: c.scale,
-        };
+        let shape = c.shape;
+        let (out, out_ptr) = d.upload(&vec![0f32; c.rows.len() * shape.heads * shape.value_width]);
         // SAFETY: the buffers were uploaded above with the shapes the case states.
         unsafe {
             d.kernels.attend(

@@ -17,7 +17,7 @@ use moe_node::model::config::RopeScaling;
 use moe_node::moe::{DispatchPlan, Routing, route};
 
 mod common;
-use common::{AttentionCase, RopeCase, values};
+use common::{AttentionCase, RopeCase, assert_close, values};
 
 /// The harness built once for all tests, or why it could not be.
 fn harness() -> Option<&'static Path> {
@@ -289,15 +289,9 @@ fn bf16_rounding_matches_the_half_crate_and_widening_is_exact() {
     }
 }
 
-fn close(got: &[f64], want: &[f32], tolerance: f64, what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        let w = *w as f64;
-        assert!(
-            (g - w).abs() <= tolerance * w.abs().max(1.0),
-            "{what}[{i}]: {g} vs {w}"
-        );
-    }
+fn close(got: &[f64], want: &[f32], tolerance: f32, what: &str) {
+    let got: Vec<f32> = got.iter().map(|&v| v as f32).collect();
+    assert_close(&got, want, tolerance, what);
 }
 
 #[test]
@@ -349,22 +343,27 @@ fn rope_interleaved_with_yarn_matches_the_cpu() {
 fn check_attention(mla: bool, window: usize) {
     let Some(exe) = harness() else { return };
     let c = AttentionCase::new(mla, window);
+    let shape = &c.shape;
     let mut input = format!(
         "{} {} {} {} {} {} {} {} {:e} {} {}\n",
-        c.heads,
-        c.group,
-        c.key_width,
-        c.value_width,
-        c.kv_stride,
-        c.key_head_stride,
-        c.value_head_stride,
+        shape.heads,
+        shape.group,
+        shape.key_width,
+        shape.value_width,
+        shape.kv_stride,
+        shape.key_head_stride,
+        shape.value_head_stride,
         window,
-        c.scale,
+        shape.scale,
         mla as i32,
         c.keys.len()
     );
     for s in 0..c.keys.len() {
-        input += &format!("{}\n{}\n", c.keys[s].len() / c.kv_stride, join(&c.keys[s]));
+        input += &format!(
+            "{}\n{}\n",
+            c.keys[s].len() / shape.kv_stride,
+            join(&c.keys[s])
+        );
         if !mla {
             input += &format!("{}\n", join(&c.values[s]));
         }

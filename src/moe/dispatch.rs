@@ -67,6 +67,18 @@ impl DispatchPlan {
         self.offsets[i]..self.offsets[i + 1]
     }
 
+    /// Each active expert with its rows of `grouped` (`[len, width]`, in grouped order).
+    pub fn groups<'a>(
+        &'a self,
+        grouped: &'a [f32],
+        width: usize,
+    ) -> impl Iterator<Item = (u32, &'a [f32])> + 'a {
+        self.experts.iter().enumerate().map(move |(i, &e)| {
+            let rows = self.group(i);
+            (e, &grouped[rows.start * width..rows.end * width])
+        })
+    }
+
     /// Copies token rows of `hidden` (`[tokens, width]`) into grouped order.
     pub fn gather(&self, hidden: &[f32], width: usize) -> Vec<f32> {
         let mut grouped = Vec::with_capacity(self.len() * width);

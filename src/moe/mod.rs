@@ -116,15 +116,15 @@ impl ExpertExecutor for LocalExperts {
         grouped_input: &[f32],
     ) -> Result<Vec<f32>, ExpertError> {
         let width = self.hidden_size;
-        let mut groups = Vec::with_capacity(plan.experts.len());
-        for (i, &e) in plan.experts.iter().enumerate() {
-            let rows = plan.group(i);
-            groups.push((
-                self.expert(layer, e)
-                    .ok_or(ExpertError::NotHeld { layer, expert: e })?,
-                &grouped_input[rows.start * width..rows.end * width],
-            ));
-        }
+        let groups = plan
+            .groups(grouped_input, width)
+            .map(|(e, input)| {
+                let weights = self
+                    .expert(layer, e)
+                    .ok_or(ExpertError::NotHeld { layer, expert: e })?;
+                Ok((weights, input))
+            })
+            .collect::<Result<Vec<_>, ExpertError>>()?;
         let outputs = run_expert_groups(&groups, width, true);
         Ok(outputs.concat())
     }

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 use moe_node::compute::cpu::softmax_in_place;
+use moe_node::compute::cuda::dense::AttentionShape;
 use moe_node::engine::rope::Rope;
 use moe_node::model::config::{RopeConfig, RopeScaling};
 
@@ -100,15 +101,7 @@ impl RopeCase {
 /// heads over 2 kv heads of 16. MLA (absorbed): 4 heads over one latent of 16 plus a rotary
 /// key of 8; the value is the latent.
 pub struct AttentionCase {
-    pub heads: usize,
-    pub group: usize,
-    pub key_width: usize,
-    pub value_width: usize,
-    pub kv_stride: usize,
-    pub key_head_stride: usize,
-    pub value_head_stride: usize,
-    pub window: usize,
-    pub scale: f32,
+    pub shape: AttentionShape,
     pub keys: Vec<Vec<f32>>,
     /// Equal to `keys` for MLA.
     pub values: Vec<Vec<f32>>,
@@ -125,6 +118,17 @@ impl AttentionCase {
             } else {
                 (4, 2, 16, 16, 32, 16, 16)
             };
+        let shape = AttentionShape {
+            heads,
+            group,
+            key_width,
+            value_width,
+            kv_stride,
+            key_head_stride,
+            value_head_stride,
+            window: (window > 0).then_some(window),
+            scale: (key_width as f32).powf(-0.5),
+        };
         let lengths = [300usize, 5];
         // Keys grow along the sequence, so a later tile holds a larger score than the first
         // and the running maximum has to move (the rescaling of earlier sums is exercised).
@@ -156,15 +160,7 @@ impl AttentionCase {
             .map(|v| v * 2.0)
             .collect();
         AttentionCase {
-            heads,
-            group,
-            key_width,
-            value_width,
-            kv_stride,
-            key_head_stride,
-            value_head_stride,
-            window,
-            scale: (key_width as f32).powf(-0.5),
+            shape,
             keys,
             values: values_,
             rows,
@@ -175,29 +171,25 @@ impl AttentionCase {
     /// As the engine's `attend` computes it: softmax of scaled dot products over the
     /// positions seen, then the weighted values.
     pub fn expected(&self) -> Vec<f32> {
-        let (dk, dv) = (self.key_width, self.value_width);
+        let c = &self.shape;
+        let (dk, dv) = (c.key_width, c.value_width);
         let mut out = Vec::new();
         for (r, &(seq, pos)) in self.rows.iter().enumerate() {
-            for head in 0..self.heads {
-                let query = &self.q[(r * self.heads + head) * dk..][..dk];
-                let kv = head / self.group;
-                let first = if self.window > 0 {
-                    (pos + 1).saturating_sub(self.window)
-                } else {
-                    0
-                };
+            for head in 0..c.heads {
+                let query = &self.q[(r * c.heads + head) * dk..][..dk];
+                let kv = head / c.group;
+                let first = c.window.map_or(0, |w| (pos + 1).saturating_sub(w));
                 let mut scores: Vec<f32> = (first..=pos)
                     .map(|j| {
-                        let key =
-                            &self.keys[seq][j * self.kv_stride + kv * self.key_head_stride..][..dk];
-                        query.iter().zip(key).map(|(a, b)| a * b).sum::<f32>() * self.scale
+                        let key = &self.keys[seq][j * c.kv_stride + kv * c.key_head_stride..][..dk];
+                        query.iter().zip(key).map(|(a, b)| a * b).sum::<f32>() * c.scale
                     })
                     .collect();
                 softmax_in_place(&mut scores);
                 let mut o = vec![0f32; dv];
                 for (w, j) in scores.iter().zip(first..=pos) {
                     let value =
-                        &self.values[seq][j * self.kv_stride + kv * self.value_head_stride..][..dv];
+                        &self.values[seq][j * c.kv_stride + kv * c.value_head_stride..][..dv];
                     for (acc, v) in o.iter_mut().zip(value) {
                         *acc += w * v;
                     }
@@ -206,5 +198,16 @@ impl AttentionCase {
             }
         }
         out
+    }
+}
+
+/// Every value within `tolerance` of the expected one (relative above magnitude 1).
+pub fn assert_close(got: &[f32], want: &[f32], tolerance: f32, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= tolerance * w.abs().max(1.0),
+            "{what}[{i}]: {g} vs {w}"
+        );
     }
 }

@@ -170,18 +170,9 @@ impl ExpertExecutor for GpuLocalExperts {
         plan: &DispatchPlan,
         grouped_input: &[f32],
     ) -> Result<Vec<f32>, ExpertError> {
-        let width = self.hidden_size;
         let groups: Vec<(u32, Vec<f32>)> = plan
-            .experts
-            .iter()
-            .enumerate()
-            .map(|(i, &e)| {
-                let rows = plan.group(i);
-                (
-                    e,
-                    grouped_input[rows.start * width..rows.end * width].to_vec(),
-                )
-            })
+            .groups(grouped_input, self.hidden_size)
+            .map(|(e, input)| (e, input.to_vec()))
             .collect();
         let mut gpu = self.gpu.lock().unwrap_or_else(|e| e.into_inner());
         match gpu.run(layer, &groups) {

@@ -266,16 +266,8 @@ impl MoeKernels {
         n: usize,
         out: u64,
     ) -> Result<(), CudaError> {
-        // SAFETY: as the caller vouches; arguments match moe.cu.
-        unsafe {
-            stream
-                .launch_builder(&self.to_bf16)
-                .arg(&input)
-                .arg(&n)
-                .arg(&out)
-                .launch(elementwise(n))?;
-        }
-        Ok(())
+        // SAFETY: as the caller vouches.
+        unsafe { convert(&self.to_bf16, stream, input, n, out) }
     }
 
     /// `n` bf16 values to f32 (exact).
@@ -289,15 +281,30 @@ impl MoeKernels {
         n: usize,
         out: u64,
     ) -> Result<(), CudaError> {
-        // SAFETY: as the caller vouches; arguments match moe.cu.
-        unsafe {
-            stream
-                .launch_builder(&self.to_f32)
-                .arg(&input)
-                .arg(&n)
-                .arg(&out)
-                .launch(elementwise(n))?;
-        }
-        Ok(())
+        // SAFETY: as the caller vouches.
+        unsafe { convert(&self.to_f32, stream, input, n, out) }
     }
+}
+
+/// Launches one of the element conversions, `(const in*, size_t n, out*)`.
+///
+/// # Safety
+/// `input` and `out` hold `n` elements of the kernel's types.
+unsafe fn convert(
+    kernel: &CudaFunction,
+    stream: &CudaStream,
+    input: u64,
+    n: usize,
+    out: u64,
+) -> Result<(), CudaError> {
+    // SAFETY: as the caller vouches; arguments match moe.cu's to_bf16 and to_f32.
+    unsafe {
+        stream
+            .launch_builder(kernel)
+            .arg(&input)
+            .arg(&n)
+            .arg(&out)
+            .launch(elementwise(n))?;
+    }
+    Ok(())
 }
