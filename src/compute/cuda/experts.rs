@@ -187,7 +187,6 @@ impl GpuExperts {
             x_f32: work[5].ptr,
             y_f32: work[6].ptr,
             _work: work,
-            // SAFETY: written before read (inputs by each call, outputs by the copy back).
             host_in: staging()?,
             host_out: staging()?,
             ctx,
