@@ -65,8 +65,11 @@ def timed(fn, device, budget_s=1.5, max_iters=50):
 
 
 def implementations(moe):
+    """The experts implementations this transformers offers: older ones (a ModuleList of
+    experts) have only their loop."""
+    switchable = hasattr(getattr(moe.experts, "config", None), "_experts_implementation")
     yield "eager"
-    if hasattr(torch, "_grouped_mm"):
+    if switchable and hasattr(torch, "_grouped_mm"):
         yield "grouped_mm"
 
 
@@ -77,7 +80,8 @@ def run(shapes, device, hidden, intermediate, out):
         x_all = torch.empty(max(token_counts), hidden, dtype=torch.bfloat16, device=device)
         x_all.uniform_(-1, 1)
         for impl in implementations(moe):
-            moe.experts.config._experts_implementation = impl
+            if hasattr(getattr(moe.experts, "config", None), "_experts_implementation"):
+                moe.experts.config._experts_implementation = impl
             for tokens in token_counts:
                 x = x_all[:tokens].unsqueeze(0)
                 try:
