@@ -90,6 +90,13 @@ impl NodeMetrics {
             .register_collector(Box::new(ExpertLoadCollector { load, per_expert }));
     }
 
+    /// Adds one series per device (up, experts held, bytes of weights), read from `devices`
+    /// at each scrape.
+    pub fn register_devices(&self, devices: DeviceStates) {
+        self.registry()
+            .register_collector(Box::new(DeviceCollector { devices }));
+    }
+
     /// Content type of [`NodeMetrics::encode`]'s output.
     pub const CONTENT_TYPE: &'static str =
         prometheus_client::encoding::prometheus_text::CONTENT_TYPE;
@@ -178,6 +185,68 @@ impl prometheus_client::collector::Collector for ExpertLoadCollector {
                     let labels = [("layer", layer.clone()), ("expert", expert.to_string())];
                     ConstCounter::new(count).encode(family.encode_family(&labels)?)?;
                 }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One device as the metrics show it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeviceState {
+    pub id: usize,
+    /// `cpu` or `gpu`.
+    pub kind: &'static str,
+    /// `cpu`, or the GPU's name.
+    pub name: String,
+    pub up: bool,
+    pub experts: usize,
+    pub weight_bytes: usize,
+}
+
+/// Reads the devices' current state (whether each is still up) at scrape time.
+pub type DeviceStates = Box<dyn Fn() -> Vec<DeviceState> + Send + Sync>;
+
+struct DeviceCollector {
+    devices: DeviceStates,
+}
+
+/// A per-device gauge: name, help, and its value for one device.
+type DeviceSeries = (&'static str, &'static str, fn(&DeviceState) -> i64);
+
+impl std::fmt::Debug for DeviceCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("DeviceCollector")
+    }
+}
+
+impl prometheus_client::collector::Collector for DeviceCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let devices = (self.devices)();
+        let series: [DeviceSeries; 3] = [
+            (
+                "device_up",
+                "1 while the device takes work, 0 once it has failed or been stopped",
+                |d| d.up as i64,
+            ),
+            ("device_experts", "Experts the device holds", |d| {
+                d.experts as i64
+            }),
+            (
+                "device_weight_bytes",
+                "Bytes of expert weights the device holds",
+                |d| d.weight_bytes as i64,
+            ),
+        ];
+        for (name, help, value) in series {
+            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            for d in &devices {
+                let labels = [
+                    ("device", d.id.to_string()),
+                    ("kind", d.kind.to_string()),
+                    ("name", d.name.clone()),
+                ];
+                ConstGauge::new(value(d)).encode(family.encode_family(&labels)?)?;
             }
         }
         Ok(())

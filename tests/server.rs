@@ -407,6 +407,9 @@ fn completions_and_chat_match_generate_streaming_or_not() {
         "moe_node_device_tokens_total{layer=\"1\",device=\"1\"}",
         "moe_node_layer_imbalance{layer=\"3\"}",
         "moe_node_hot_experts{layer=\"2\"}",
+        "moe_node_device_up{device=\"1\",kind=",
+        "moe_node_device_weight_bytes{device=\"0\",kind=",
+        "moe_node_device_experts{device=\"0\",kind=",
     ] {
         assert!(text.contains(series), "{series} missing from /metrics");
     }
@@ -734,6 +737,12 @@ fn a_dead_device_is_survived_when_its_experts_have_replicas() {
         .map(|d| d["alive"].as_bool().unwrap())
         .collect();
     assert_eq!(alive, vec![true, false, true]);
+    let up = |device: usize| {
+        server.metric(&format!(
+            "moe_node_device_up{{device=\"{device}\",kind=\"cpu\",name=\"cpu\"}}"
+        ))
+    };
+    assert_eq!((up(0), up(1), up(2)), (1.0, 0.0, 1.0));
     let experts = server.get("/admin/experts").json::<Value>().unwrap();
     let expert = &experts["layers"][0]["experts"][0];
     assert_eq!(expert["replicas"], 2);

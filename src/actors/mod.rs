@@ -14,7 +14,7 @@ use crate::compute::cuda::{self, CudaError};
 use crate::config::{Backend, DevicesConfig, NodeConfig};
 use crate::engine::batch::BatchLimits;
 use crate::engine::{Engine, generate::PREFILL_CHUNK};
-use crate::metrics::NodeMetrics;
+use crate::metrics::{DeviceState, NodeMetrics};
 use crate::model::{Checkpoint, DenseWeights, ModelConfig, ModelError};
 use crate::placement::{ExpertLoad, Placement, PlacementError};
 use device::{DeviceHandle, DeviceTarget, GpuOptions, Shutdown, start_device};
@@ -101,6 +101,23 @@ impl Node {
             load.clone(),
             model.hidden_size,
         ));
+        metrics.register_devices({
+            let (experts, devices) = (experts.clone(), devices.clone());
+            Box::new(move || {
+                let alive = experts.alive();
+                devices
+                    .iter()
+                    .map(|d| DeviceState {
+                        id: d.id,
+                        kind: if d.gpu.is_some() { "gpu" } else { "cpu" },
+                        name: d.name.clone(),
+                        up: alive[d.id],
+                        experts: d.experts_held,
+                        weight_bytes: d.weight_bytes,
+                    })
+                    .collect()
+            })
+        });
         let weights = DenseWeights::load(&checkpoint, &model)?;
         let engine = Engine::new((*model).clone(), weights, experts.clone());
         let limits = BatchLimits {
