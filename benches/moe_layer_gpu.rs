@@ -2,7 +2,9 @@
 //! Kimi K2 (384 experts, top-8) and Kimi K3 (896 experts, top-16), at 1 to 4096 tokens a
 //! pass. Prints the median time of a pass, the HBM bandwidth it achieves (bytes of the
 //! distinct experts read, at small batch) and its TFLOP/s (at large batch), against the
-//! card's own copy bandwidth and bf16 GEMM rate measured first in the same run.
+//! card's own copy bandwidth and bf16 GEMM rate measured first in the same run. Where every
+//! expert gets at most 8 rows, the same pass is also timed with the grouped GEMV kernel in
+//! place of cuBLAS's grouped GEMM.
 //!
 //!     cargo bench --bench moe_layer_gpu
 //!
@@ -16,7 +18,7 @@ use std::time::Instant;
 
 use cudarc::driver::{CudaContext, DevicePtr, result};
 use moe_node::compute::cuda::blas::{self, Gemm, Output};
-use moe_node::compute::cuda::experts::{ExpertShape, random_bf16};
+use moe_node::compute::cuda::experts::{ExpertShape, GEMV_MAX_ROWS, random_bf16};
 use moe_node::compute::cuda::layer::{Gate, GpuMoeLayer};
 use moe_node::compute::cuda::{self, GpuInfo};
 use moe_node::model::config::GatingConfig;
@@ -202,10 +204,19 @@ fn main() {
             started.elapsed().as_secs_f64()
         );
         println!(
-            "{:>6} {:>10} {:>8} {:>9} {:>7} {:>9} {:>7}",
-            "tokens", "ms", "experts", "GB/s", "of copy", "TFLOP/s", "of GEMM"
+            "{:>6} {:>10} {:>8} {:>9} {:>7} {:>9} {:>7} {:>10} {:>7}",
+            "tokens",
+            "ms",
+            "experts",
+            "GB/s",
+            "of copy",
+            "TFLOP/s",
+            "of GEMM",
+            "GEMV ms",
+            "of copy"
         );
         for &t in &tokens {
+            layer.experts.gemv_rows = 0;
             let seconds = time(|| layer.forward(t).unwrap(), 1.5, 50);
             let active = layer.last_active_experts;
             let expert_bytes = 3 * HIDDEN * INTERMEDIATE * 2;
@@ -214,15 +225,31 @@ fn main() {
                 + 2.0 * (t * shape.experts * HIDDEN) as f64;
             let achieved_bw = bytes as f64 / seconds;
             let achieved_flops = flop / seconds;
+            // The grouped GEMV kernel, where every expert got at most GEMV_MAX_ROWS rows.
+            let gemv_seconds = (layer.last_max_rows <= GEMV_MAX_ROWS).then(|| {
+                layer.experts.gemv_rows = GEMV_MAX_ROWS;
+                let s = time(|| layer.forward(t).unwrap(), 1.5, 50);
+                layer.experts.gemv_rows = 0;
+                s
+            });
+            let (gemv_ms, gemv_share) = match gemv_seconds {
+                Some(s) => (
+                    format!("{:.3}", s * 1e3),
+                    format!("{:.0}%", 100.0 * bytes as f64 / s / bandwidth),
+                ),
+                None => ("-".into(), "-".into()),
+            };
             println!(
-                "{:>6} {:>10.3} {:>8} {:>9.0} {:>6.0}% {:>9.1} {:>6.0}%",
+                "{:>6} {:>10.3} {:>8} {:>9.0} {:>6.0}% {:>9.1} {:>6.0}% {:>10} {:>7}",
                 t,
                 seconds * 1e3,
                 active,
                 achieved_bw / 1e9,
                 100.0 * achieved_bw / bandwidth,
                 achieved_flops / 1e12,
-                100.0 * achieved_flops / flops
+                100.0 * achieved_flops / flops,
+                gemv_ms,
+                gemv_share
             );
             if let Some(f) = &mut out {
                 writeln!(
@@ -232,7 +259,7 @@ fn main() {
                         "kind": "layer", "shape": shape.name, "experts": shape.experts,
                         "top_k": shape.top_k, "tokens": t, "seconds": seconds,
                         "active_experts": active, "bytes_per_s": achieved_bw,
-                        "flops": achieved_flops,
+                        "flops": achieved_flops, "gemv_seconds": gemv_seconds,
                     })
                 )
                 .unwrap();

@@ -201,3 +201,57 @@ extern "C" __global__ void to_f32(const bf16* in, size_t n, float* out) {
         out[i] = bf16_to_f32(in[i]);
     }
 }
+
+// The expert products of a decode step, where each expert gets a few rows: a grouped
+// matrix-vector product that reads every weight once, at full memory bandwidth, instead of
+// a GEMM tiled for many rows. For each group g, C_g[j][r] = Σ_c A_g[r][c] · B_g[j][c] for
+// output rows r < m and the group's n_g ≤ GEMV_MAX_ROWS input rows j (A: [m, k] row-major,
+// B: [n_g, k], C: [n_g, m]; the layouts of the grouped GEMM). One warp per output row,
+// lanes over k in 16-byte loads (k a multiple of 8, rows 16-byte aligned).
+// Grid: (ceil(m / warps per block), groups).
+#define GEMV_MAX_ROWS 8
+
+extern "C" __global__ void grouped_gemv(const bf16* const* a, const bf16* const* b,
+                                        bf16* const* c, const int* rows, int m, int k) {
+    int g = blockIdx.y;
+    int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int r = blockIdx.x * warps + warp;
+    int n = rows[g];
+    if (r >= m) {
+        return;  // a whole warp leaves together: no shuffle below is left waiting
+    }
+    const uint4* weights = (const uint4*)(a[g] + (size_t)r * k);
+    const bf16* x = b[g];
+    float acc[GEMV_MAX_ROWS];
+    for (int j = 0; j < GEMV_MAX_ROWS; ++j) {
+        acc[j] = 0.0f;
+    }
+    for (int v = lane; v < k / 8; v += 32) {
+        uint4 w = weights[v];
+        unsigned wv[4] = {w.x, w.y, w.z, w.w};
+        float wf[8];
+        for (int i = 0; i < 4; ++i) {
+            wf[2 * i] = bf16_to_f32((bf16)(wv[i] & 0xffffu));
+            wf[2 * i + 1] = bf16_to_f32((bf16)(wv[i] >> 16));
+        }
+        for (int j = 0; j < GEMV_MAX_ROWS; ++j) {
+            if (j < n) {
+                uint4 xv = ((const uint4*)(x + (size_t)j * k))[v];
+                unsigned xs[4] = {xv.x, xv.y, xv.z, xv.w};
+                for (int i = 0; i < 4; ++i) {
+                    acc[j] += wf[2 * i] * bf16_to_f32((bf16)(xs[i] & 0xffffu)) +
+                              wf[2 * i + 1] * bf16_to_f32((bf16)(xs[i] >> 16));
+                }
+            }
+        }
+    }
+    for (int j = 0; j < GEMV_MAX_ROWS; ++j) {
+        float sum = acc[j];
+        for (int off = 16; off > 0; off >>= 1) {
+            sum += __shfl_down_sync(0xffffffffu, sum, off);
+        }
+        if (lane == 0 && j < n) {
+            c[g][(size_t)j * m + r] = f32_to_bf16(sum);
+        }
+    }
+}

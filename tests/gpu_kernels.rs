@@ -67,7 +67,10 @@ fn check_layer(gating: GatingConfig, num_experts: usize, top_k: usize, bias: boo
             down: Linear::without_bias(d, h, i),
         }));
     }
-    for tokens in [1, 7, 128] {
+    // cuBLAS's grouped GEMM, then the grouped GEMV kernel where every expert has at most 8
+    // rows (1 and 7 tokens; 128 tokens falls back to cuBLAS).
+    for (tokens, gemv_rows) in [(1, 0), (7, 0), (128, 0), (1, 8), (7, 8), (128, 8)] {
+        layer.experts.gemv_rows = gemv_rows;
         let x = values(tokens * h, 7 + tokens as u64, 1.0);
         layer.set_input(&x).unwrap();
         layer.forward(tokens).unwrap();
@@ -121,7 +124,9 @@ fn check_layer(gating: GatingConfig, num_experts: usize, top_k: usize, bias: boo
             .zip(&reference)
             .map(|(a, b)| (a - b).abs())
             .fold(0f32, |m, d| if d.is_nan() || d > m { d } else { m });
-        eprintln!("{tokens} tokens: largest difference {worst:e} of outputs up to {scale:e}");
+        eprintln!(
+            "{tokens} tokens, gemv_rows {gemv_rows}: largest difference {worst:e} of outputs up to {scale:e}"
+        );
         // bf16 rounding of the gate|up outputs and the activation, as the engine's GPU path.
         assert!(
             worst <= 0.03 * scale,

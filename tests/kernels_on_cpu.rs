@@ -395,3 +395,40 @@ fn attention_gqa_in_a_sliding_window_matches_the_cpu() {
 fn attention_mla_absorbed_matches_the_cpu() {
     check_attention(true, 0);
 }
+
+#[test]
+fn grouped_gemv_matches_the_products_in_bf16() {
+    let Some(exe) = harness() else { return };
+    // Three experts with 1, 8 and 3 rows; m not a multiple of the warps per block.
+    let (m, k) = (37usize, 64usize);
+    let rows = [1usize, 8, 3];
+    let r = |v: f32| bf16::from_f32(v).to_f32();
+    let mut input = format!("{} {m} {k}\n", rows.len());
+    let mut expected = Vec::new();
+    for (g, &n) in rows.iter().enumerate() {
+        let a: Vec<f32> = values(m * k, 90 + g as u64).iter().map(|&v| r(v)).collect();
+        let b: Vec<f32> = values(n * k, 95 + g as u64).iter().map(|&v| r(v)).collect();
+        input += &format!("{n}\n{}\n{}\n", join(&a), join(&b));
+        let mut c = Vec::new();
+        for j in 0..n {
+            for row in 0..m {
+                let dot: f32 = (0..k).map(|i| a[row * k + i] * b[j * k + i]).sum();
+                c.push(bf16::from_f32(dot));
+            }
+        }
+        expected.push(c);
+    }
+    let out = run(exe, "gemv", &input);
+    for (g, (got, want)) in out.iter().zip(&expected).enumerate() {
+        assert_eq!(got.len(), want.len(), "group {g}");
+        for (i, (&got, want)) in got.iter().zip(want).enumerate() {
+            // Summation order differs from the CPU's: one bf16 step at most.
+            let steps = (got as i32 - want.to_bits() as i32).abs();
+            assert!(
+                steps <= 1,
+                "group {g} value {i}: {got} vs {}",
+                want.to_bits()
+            );
+        }
+    }
+}

@@ -4,6 +4,7 @@
 // shuffles exchange through a buffer behind a barrier over the warp. Slow, and only as
 // faithful as these kernels need: no warp divergence inside shuffles (none of them has it),
 // shared memory as statics (one block at a time), dynamic shared memory through `smem_`.
+// A warp that returns early must return whole (as the kernels' early exits do).
 
 #include <barrier>
 #include <cmath>
@@ -13,6 +14,10 @@
 #include <memory>
 #include <thread>
 #include <vector>
+
+struct uint4 {
+    unsigned x, y, z, w;
+};
 
 struct dim3 {
     unsigned x = 1, y = 1, z = 1;
@@ -64,11 +69,12 @@ T __shfl_down_sync(unsigned, T v, int offset) {
 
 // Runs `kernel` over `grid` blocks of `block` threads.
 inline void launch(unsigned grid, unsigned block, size_t dynamic_smem,
-                   const std::function<void()>& kernel) {
+                   const std::function<void()>& kernel, unsigned grid_y = 1) {
     gridDim.x = grid;
+    gridDim.y = grid_y;
     blockDim.x = block;
     smem_.assign(dynamic_smem + 16, 0);
-    for (unsigned b = 0; b < grid; ++b) {
+    for (unsigned b = 0; b < grid * grid_y; ++b) {
         std::barrier<> block_barrier(block);
         block_barrier_ = &block_barrier;
         warp_barriers_.clear();
@@ -79,7 +85,8 @@ inline void launch(unsigned grid, unsigned block, size_t dynamic_smem,
         std::vector<std::thread> threads;
         for (unsigned t = 0; t < block; ++t) {
             threads.emplace_back([&, b, t] {
-                blockIdx.x = b;
+                blockIdx.x = b % grid;
+                blockIdx.y = b / grid;
                 threadIdx.x = t;
                 kernel();
             });

@@ -99,6 +99,28 @@ int main(int argc, char** argv) {
         std::vector<unsigned> back_bits(n);
         for (size_t i = 0; i < n; ++i) back_bits[i] = __float_as_uint(back[i]);
         print(back_bits);
+    } else if (mode == "gemv") {
+        // groups, m, k; then per group: its rows n, A [m, k], B [n, k].
+        int groups, m, k;
+        std::cin >> groups >> m >> k;
+        std::vector<std::vector<bf16>> as(groups), bs(groups), cs(groups);
+        std::vector<const bf16*> a_ptrs(groups), b_ptrs(groups);
+        std::vector<bf16*> c_ptrs(groups);
+        std::vector<int> rows(groups);
+        for (int g = 0; g < groups; ++g) {
+            std::cin >> rows[g];
+            as[g] = to_bf16_host(read<float>((size_t)m * k));
+            bs[g] = to_bf16_host(read<float>((size_t)rows[g] * k));
+            cs[g].assign((size_t)rows[g] * m, 0);
+            a_ptrs[g] = as[g].data();
+            b_ptrs[g] = bs[g].data();
+            c_ptrs[g] = cs[g].data();
+        }
+        unsigned warps = 4;
+        launch((m + warps - 1) / warps, warps * 32, 0, [&] {
+            grouped_gemv(a_ptrs.data(), b_ptrs.data(), c_ptrs.data(), rows.data(), m, k);
+        }, groups);
+        for (auto& c : cs) print(c);
     } else if (mode == "rms_norm") {
         int rows, width;
         float eps;

@@ -51,8 +51,8 @@ impl ExpertShape {
         if self.host_io {
             rows += self.max_rows * 2 * self.hidden * 4;
         }
-        // Six pointer arrays of one entry per group.
-        let pointers = 6 * self.num_experts * 8;
+        // Six pointer arrays and the rows of each group, one entry per group.
+        let pointers = 6 * self.num_experts * 8 + self.num_experts * 4;
         weights + rows + pointers + BLAS_RESERVE
     }
 }
@@ -117,6 +117,8 @@ pub struct GpuExperts {
     pub y: u64,
     /// A, B, C pointer arrays of both GEMMs: `[6, num_experts]`.
     pointers: u64,
+    /// Rows of each group, `[num_experts]` i32 (for the GEMV kernel).
+    group_rows: u64,
     /// The router's rows in and out, `[max_rows, hidden]` f32 each: converted to and from
     /// bf16 on the GPU (on the host it would cost ~1 ns a value, milliseconds a layer).
     x_f32: u64,
@@ -132,7 +134,16 @@ pub struct GpuExperts {
     /// (a copy from pageable memory waits for the stream). Rewritten only after the
     /// previous call has synchronised.
     ptrs: PinnedHostSlice<u64>,
+    rows_host: PinnedHostSlice<i32>,
+    /// Steps whose every expert has at most this many rows (up to
+    /// [`GEMV_MAX_ROWS`]) run the grouped GEMV kernel instead of cuBLAS's grouped GEMM;
+    /// 0: always cuBLAS. Off until the GPU benchmark, which times both, says where the
+    /// kernel wins.
+    pub gemv_rows: usize,
 }
+
+/// Most rows per expert the grouped GEMV kernel takes (`GEMV_MAX_ROWS` in moe.cu).
+pub const GEMV_MAX_ROWS: usize = 8;
 
 impl GpuExperts {
     /// Sets up GPU `gpu` for `experts` experts of `shape`, checking first that they fit in
@@ -164,12 +175,15 @@ impl GpuExperts {
             6 * shape.num_experts * 8,
             f32_rows,
             f32_rows,
+            shape.num_experts * 4,
         ]
         .into_iter()
         .map(|bytes| Buffer::new(&stream, bytes))
         .collect::<Result<_, _>>()?;
         // SAFETY: written before each upload.
         let ptrs = unsafe { ctx.alloc_pinned::<u64>(6 * shape.num_experts) }?;
+        // SAFETY: written before each upload.
+        let rows_host = unsafe { ctx.alloc_pinned::<i32>(shape.num_experts) }?;
         let staging = || -> Result<Option<PinnedHostSlice<f32>>, CudaError> {
             if !shape.host_io {
                 return Ok(None);
@@ -186,6 +200,7 @@ impl GpuExperts {
             pointers: work[4].ptr,
             x_f32: work[5].ptr,
             y_f32: work[6].ptr,
+            group_rows: work[7].ptr,
             _work: work,
             host_in: staging()?,
             host_out: staging()?,
@@ -198,6 +213,8 @@ impl GpuExperts {
             index,
             per_expert_gemm: false,
             ptrs,
+            rows_host,
+            gemv_rows: 0,
         })
     }
 
@@ -401,9 +418,24 @@ impl GpuExperts {
             result::memcpy_htod_async(self.pointers, &*ptrs, self.stream.cu_stream())?;
         }
         let ptrs: Vec<u64> = ptrs.to_vec();
+        let gemv = self.gemv_rows.min(GEMV_MAX_ROWS) >= ns.iter().copied().max().unwrap_or(0)
+            && h % 8 == 0
+            && i % 8 == 0;
+        if gemv {
+            let rows_host = &mut self.rows_host.as_mut_slice()?[..g];
+            for (r, &n) in rows_host.iter_mut().zip(&ns) {
+                *r = n as i32;
+            }
+            // SAFETY: as for the pointer arrays above.
+            unsafe {
+                result::memcpy_htod_async(self.group_rows, &*rows_host, self.stream.cu_stream())?
+            };
+        }
+        let gemv = gemv.then_some(self.group_rows);
         // gate|up: out[n, 2I] = x[n, H] · W[2I, H]ᵀ.
         self.gemm(
             GemmShape { m: 2 * i, k: h },
+            gemv,
             &ns,
             [
                 self.pointers,
@@ -420,6 +452,7 @@ impl GpuExperts {
         // down: out[n, H] = act[n, I] · W[H, I]ᵀ.
         self.gemm(
             GemmShape { m: h, k: i },
+            gemv,
             &ns,
             [
                 self.pointers + (3 * g * 8) as u64,
@@ -434,15 +467,25 @@ impl GpuExperts {
     /// `C_g[n_g, m] = B_g[n_g, k] · A_g[m, k]ᵀ` for every group (row-major), as one grouped
     /// cuBLAS call: in cuBLAS's column-major terms `C_g = op(A_g) · B_g` with A transposed.
     /// `device_arrays` are the A, B, C pointer arrays in GPU memory, `host_ptrs` the same
-    /// pointers (for the one-GEMM-per-expert fallback).
+    /// pointers (for the one-GEMM-per-expert fallback). With `gemv` (the groups' row counts
+    /// in GPU memory), the grouped GEMV kernel runs instead.
     fn gemm(
         &mut self,
         shape: GemmShape,
+        gemv: Option<u64>,
         ns: &[usize],
         device_arrays: [u64; 3],
         host_ptrs: &[u64],
     ) -> Result<(), CudaError> {
         let g = ns.len();
+        if let Some(rows) = gemv {
+            // SAFETY: the pointer arrays and row counts describe g groups of the stated
+            // shapes, at most GEMV_MAX_ROWS rows each, k a multiple of 8.
+            return unsafe {
+                self.kernels
+                    .grouped_gemv(&self.stream, device_arrays, rows, g, shape.m, shape.k)
+            };
+        }
         let (m, k) = (shape.m as i32, shape.k as i32);
         let handle = *self.blas.handle();
         let data = blas::cudaDataType_t::CUDA_R_16BF;
@@ -563,8 +606,12 @@ mod tests {
             one_expert,
             "each expert adds its three bf16 matrices"
         );
-        let work =
-            4096 * (7168 + 3 * 2048 + 7168) * 2 + 4096 * 2 * 7168 * 4 + 6 * 384 * 8 + BLAS_RESERVE;
+        // bf16 rows, f32 rows in and out, pointer arrays and group sizes, cuBLAS reserve.
+        let work = 4096 * (7168 + 3 * 2048 + 7168) * 2
+            + 4096 * 2 * 7168 * 4
+            + 6 * 384 * 8
+            + 384 * 4
+            + BLAS_RESERVE;
         assert_eq!(shape.bytes_needed(0), work);
     }
 

@@ -38,6 +38,7 @@ pub const MOE: KernelFile = KernelFile {
         "swiglu",
         "to_bf16",
         "to_f32",
+        "grouped_gemv",
     ],
 };
 

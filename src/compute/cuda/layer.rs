@@ -53,8 +53,10 @@ pub struct GpuMoeLayer {
     gate: Gate,
     routing: Routing,
     max_tokens: usize,
-    /// Experts that received rows in the last forward pass.
+    /// Experts that received rows in the last forward pass, and the most rows any of them
+    /// received.
     pub last_active_experts: usize,
+    pub last_max_rows: usize,
 }
 
 fn alloc(
@@ -152,6 +154,7 @@ impl GpuMoeLayer {
             gate,
             max_tokens,
             last_active_experts: 0,
+            last_max_rows: 0,
         })
     }
 
@@ -228,6 +231,7 @@ impl GpuMoeLayer {
             }
         }
         self.last_active_experts = active.len();
+        self.last_max_rows = sizes.iter().copied().max().unwrap_or(0);
         self.experts.ffn(0, &active, &sizes)?;
         let r = &self.routing;
         // SAFETY: the expert outputs hold `pairs` rows; the rest as above.

@@ -21,6 +21,7 @@ pub struct MoeKernels {
     swiglu: CudaFunction,
     to_bf16: CudaFunction,
     to_f32: CudaFunction,
+    grouped_gemv: CudaFunction,
 }
 
 /// Largest top-k and expert count the gating kernel takes (two floats per expert in 48 KiB of
@@ -48,6 +49,7 @@ impl MoeKernels {
             swiglu: f("swiglu")?,
             to_bf16: f("to_bf16")?,
             to_f32: f("to_f32")?,
+            grouped_gemv: f("grouped_gemv")?,
         })
     }
 
@@ -251,6 +253,43 @@ impl MoeKernels {
                 .arg(&inter_i)
                 .arg(&out)
                 .launch(elementwise(rows * inter))?;
+        }
+        Ok(())
+    }
+
+    /// For each of `groups` groups, `C_g[j] = A_g · B_g[j]` for its few rows j: the grouped
+    /// GEMM's layouts (A `[m, k]`, B `[n_g, k]`, C `[n_g, m]`, bf16), one warp per output row.
+    ///
+    /// # Safety
+    /// `arrays`: device arrays of `groups` A, B and C pointers; `rows`: `[groups]` i32, each
+    /// at most [`super::experts::GEMV_MAX_ROWS`]; `k` a multiple of 8 and every row
+    /// 16-byte aligned.
+    pub unsafe fn grouped_gemv(
+        &self,
+        stream: &CudaStream,
+        arrays: [u64; 3],
+        rows: u64,
+        groups: usize,
+        m: usize,
+        k: usize,
+    ) -> Result<(), CudaError> {
+        const WARPS: usize = 8;
+        let (m_i, k_i) = (m as i32, k as i32);
+        // SAFETY: as the caller vouches; arguments match moe.cu.
+        unsafe {
+            stream
+                .launch_builder(&self.grouped_gemv)
+                .arg(&arrays[0])
+                .arg(&arrays[1])
+                .arg(&arrays[2])
+                .arg(&rows)
+                .arg(&m_i)
+                .arg(&k_i)
+                .launch(LaunchConfig {
+                    grid_dim: (m.div_ceil(WARPS) as u32, groups as u32, 1),
+                    block_dim: ((WARPS * 32) as u32, 1, 1),
+                    shared_mem_bytes: 0,
+                })?;
         }
         Ok(())
     }
