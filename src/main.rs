@@ -2,16 +2,16 @@
 
 use std::collections::HashMap;
 use std::io::IsTerminal;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
-use moe_node::actors::NodeError;
+use moe_node::actors::{DeviceChoice, NodeError, choose_devices};
 use moe_node::compute::cuda::load::{LoadError, engine_on_gpu};
 use moe_node::compute::cuda::{self, CudaError};
-use moe_node::config::{Backend, ConfigError, ConfigSources, ENV_PREFIX, LogFormat, NodeConfig};
+use moe_node::config::{ConfigError, ConfigSources, ENV_PREFIX, LogFormat, NodeConfig};
 use moe_node::engine::{Engine, EngineError, GenerateRequest, SamplingParams, generate};
 use moe_node::model::demo::{DemoSpec, write_demo_model};
 use moe_node::model::{ModelConfig, ModelError, Tokenizer};
@@ -160,20 +160,9 @@ fn report(e: anyhow::Error) -> ExitCode {
         }
     }
     eprintln!("error: {message}");
-    // A GPU that is missing while required, or too small for its experts, is a deployment
-    // problem that a restart does not fix.
     if e.chain().any(|c| {
         c.downcast_ref::<ConfigError>().is_some()
-            || matches!(
-                c.downcast_ref::<CudaError>(),
-                Some(CudaError::Unavailable(_) | CudaError::DoesNotFit { .. })
-            )
-            || matches!(
-                c.downcast_ref::<LoadError>(),
-                Some(LoadError::Cuda(
-                    CudaError::Unavailable(_) | CudaError::DoesNotFit { .. }
-                ))
-            )
+            || cuda_error(c).is_some_and(CudaError::is_deployment_problem)
     }) {
         return ExitCode::from(EXIT_CONFIG);
     }
@@ -193,6 +182,15 @@ fn report(e: anyhow::Error) -> ExitCode {
         Some(_) => EXIT_DATA,
         None => 1,
     })
+}
+
+/// The CUDA error `c` is or wraps (a GPU load error is transparent, so the chain skips it).
+fn cuda_error<'a>(c: &'a (dyn std::error::Error + 'static)) -> Option<&'a CudaError> {
+    c.downcast_ref::<CudaError>()
+        .or(match c.downcast_ref::<LoadError>() {
+            Some(LoadError::Cuda(e)) => Some(e),
+            _ => None,
+        })
 }
 
 /// The process's `MOE_NODE_*` variables, for the config's environment layer.
@@ -221,23 +219,25 @@ fn run_devices(path: Option<PathBuf>) -> anyhow::Result<()> {
         env: node_env(),
         overrides: Vec::new(),
     })?;
-    let devices = &config.devices;
-    let cpu_slots = devices.cpu_slots;
-    if devices.backend == Backend::Cpu {
-        println!("experts run on {cpu_slots} CPU slots (devices.backend = \"cpu\")");
-        return Ok(());
-    }
-    let lib_dir = (!devices.cuda_lib_dir.is_empty()).then(|| Path::new(&devices.cuda_lib_dir));
-    let runtime = match cuda::runtime(lib_dir) {
-        Ok(runtime) => runtime,
-        Err(e) if devices.backend == Backend::Cuda => {
-            return Err(e).context("devices.backend = \"cuda\"");
-        }
-        Err(e) => {
-            println!("no usable GPU: {e}");
-            println!("experts run on {cpu_slots} CPU slots");
+    let runtime = match choose_devices(&config.devices) {
+        Ok(DeviceChoice::Gpus(runtime)) => runtime,
+        Ok(DeviceChoice::Cpu {
+            slots,
+            no_gpu: None,
+        }) => {
+            println!("experts run on {slots} CPU slots (devices.backend = \"cpu\")");
             return Ok(());
         }
+        Ok(DeviceChoice::Cpu {
+            slots,
+            no_gpu: Some(reason),
+        }) => {
+            println!("no usable GPU: {reason}");
+            println!("experts run on {slots} CPU slots");
+            return Ok(());
+        }
+        Err(NodeError::Cuda(e)) => return Err(e).context("devices.backend = \"cuda\""),
+        Err(e) => return Err(e.into()),
     };
     for lib in &runtime.libraries {
         println!("{}: {}", lib.what, lib.path.display());

@@ -72,7 +72,9 @@ impl Handler<RunExperts> for DeviceActor {
         let experts = match &mut self.experts {
             Held::Cpu(experts) => experts,
             Held::Gpu(gpu) => {
-                return match gpu.run(msg.layer, &msg.groups) {
+                let groups: Vec<(u32, &[f32])> =
+                    msg.groups.iter().map(|(e, x)| (*e, x.as_slice())).collect();
+                return match gpu.run(msg.layer, &groups) {
                     Ok(RunOutcome::Done(outputs)) => Ok(outputs),
                     Ok(RunOutcome::NotHeld(expert)) => Err(ExpertError::NotHeld {
                         layer: msg.layer,
@@ -127,6 +129,13 @@ pub struct DeviceHandle {
     pub gpu: Option<usize>,
     /// What it computes on: `cpu`, or the GPU's name.
     pub name: String,
+}
+
+impl DeviceHandle {
+    /// `gpu` or `cpu`.
+    pub fn kind(&self) -> &'static str {
+        if self.gpu.is_some() { "gpu" } else { "cpu" }
+    }
 }
 
 /// Starts device `id` on its own thread, loading `experts` from the checkpoint there, and

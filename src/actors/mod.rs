@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use actix::Addr;
 
-use crate::compute::cuda::{self, CudaError};
+use crate::compute::cuda::{self, CudaError, CudaRuntime};
 use crate::config::{Backend, DevicesConfig, NodeConfig};
 use crate::engine::batch::BatchLimits;
 use crate::engine::{Engine, generate::PREFILL_CHUNK};
@@ -109,7 +109,7 @@ impl Node {
                     .iter()
                     .map(|d| DeviceState {
                         id: d.id,
-                        kind: if d.gpu.is_some() { "gpu" } else { "cpu" },
+                        kind: d.kind(),
                         name: d.name.clone(),
                         up: alive[d.id],
                         experts: d.experts_held,
@@ -147,25 +147,43 @@ impl Node {
     }
 }
 
-/// The devices experts go on: every GPU when CUDA is usable (and allowed), else CPU slots.
-/// With `backend = "cuda"`, no usable GPU is an error; with `auto`, the log says why the CPU
-/// is used.
+/// Where experts go: on every GPU when CUDA is usable and allowed, else on CPU slots.
+pub enum DeviceChoice {
+    /// CPU slots; `no_gpu` says why no GPU is used when `devices.backend = "auto"`.
+    Cpu {
+        slots: usize,
+        no_gpu: Option<CudaError>,
+    },
+    Gpus(&'static CudaRuntime),
+}
+
+/// Decides from the config and what this machine has. With `backend = "cuda"`, no usable
+/// GPU is an error.
+pub fn choose_devices(devices: &DevicesConfig) -> Result<DeviceChoice, NodeError> {
+    let slots = devices.cpu_slots;
+    if devices.backend == Backend::Cpu {
+        return Ok(DeviceChoice::Cpu {
+            slots,
+            no_gpu: None,
+        });
+    }
+    match cuda::runtime(devices.cuda_lib_path()) {
+        Ok(runtime) => Ok(DeviceChoice::Gpus(runtime)),
+        Err(e) if devices.backend == Backend::Cuda => Err(NodeError::Cuda(e)),
+        Err(e) => Ok(DeviceChoice::Cpu {
+            slots,
+            no_gpu: Some(e),
+        }),
+    }
+}
+
+/// The device actors to start, as [`choose_devices`] decides; the log says which and why.
 pub fn device_targets(
     devices: &DevicesConfig,
     gpu: GpuOptions,
 ) -> Result<Vec<DeviceTarget>, NodeError> {
-    let cpu = || vec![DeviceTarget::Cpu; devices.cpu_slots];
-    if devices.backend == Backend::Cpu {
-        tracing::info!(
-            slots = devices.cpu_slots,
-            "experts run on CPU slots (devices.backend = \"cpu\")"
-        );
-        return Ok(cpu());
-    }
-    let lib_dir =
-        (!devices.cuda_lib_dir.is_empty()).then(|| std::path::Path::new(&devices.cuda_lib_dir));
-    match cuda::runtime(lib_dir) {
-        Ok(runtime) => {
+    match choose_devices(devices)? {
+        DeviceChoice::Gpus(runtime) => {
             cuda::log_runtime(runtime);
             Ok(runtime
                 .gpus
@@ -173,14 +191,17 @@ pub fn device_targets(
                 .map(|info| DeviceTarget::Gpu(info.clone(), gpu.clone()))
                 .collect())
         }
-        Err(e) if devices.backend == Backend::Cuda => Err(NodeError::Cuda(e)),
-        Err(e) => {
-            tracing::info!(
-                slots = devices.cpu_slots,
-                reason = %e,
-                "no usable GPU: experts run on CPU slots"
-            );
-            Ok(cpu())
+        DeviceChoice::Cpu { slots, no_gpu } => {
+            match no_gpu {
+                None => tracing::info!(
+                    slots,
+                    "experts run on CPU slots (devices.backend = \"cpu\")"
+                ),
+                Some(reason) => {
+                    tracing::info!(slots, reason = %reason, "no usable GPU: experts run on CPU slots")
+                }
+            }
+            Ok(vec![DeviceTarget::Cpu; slots])
         }
     }
 }

@@ -54,7 +54,7 @@ pub async fn devices(state: web::Data<AppState>) -> Result<HttpResponse, ApiErro
         .map(|d| {
             json!({
                 "id": d.id,
-                "kind": if d.gpu.is_some() { "gpu" } else { "cpu" },
+                "kind": d.kind(),
                 "gpu": d.gpu,
                 "name": d.name,
                 "alive": alive[d.id],

@@ -127,6 +127,13 @@ impl Default for ServerConfig {
     }
 }
 
+impl DevicesConfig {
+    /// `cuda_lib_dir`, when set.
+    pub fn cuda_lib_path(&self) -> Option<&Path> {
+        (!self.cuda_lib_dir.is_empty()).then(|| Path::new(&self.cuda_lib_dir))
+    }
+}
+
 impl Default for DevicesConfig {
     fn default() -> Self {
         DevicesConfig {

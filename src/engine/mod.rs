@@ -59,12 +59,22 @@ pub struct Engine {
 impl Engine {
     /// Loads a model directory with every expert held in this process.
     pub fn load(dir: &Path) -> Result<Self, ModelError> {
+        Self::load_with(dir, |checkpoint, config| {
+            let experts = load_all_experts(checkpoint, config)?;
+            Ok(Arc::new(LocalExperts::new(experts, config.hidden_size)))
+        })
+    }
+
+    /// Loads a model directory with its routed experts wherever `experts` puts them.
+    pub fn load_with<E: From<ModelError>>(
+        dir: &Path,
+        experts: impl FnOnce(&Checkpoint, &ModelConfig) -> Result<Arc<dyn ExpertExecutor>, E>,
+    ) -> Result<Self, E> {
         let config = ModelConfig::load(dir)?;
         let checkpoint = Checkpoint::open(dir)?;
+        let experts = experts(&checkpoint, &config)?;
         let weights = DenseWeights::load(&checkpoint, &config)?;
-        let experts =
-            LocalExperts::new(load_all_experts(&checkpoint, &config)?, config.hidden_size);
-        Ok(Self::new(config, weights, Arc::new(experts)))
+        Ok(Self::new(config, weights, experts))
     }
 
     pub fn new(

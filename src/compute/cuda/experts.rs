@@ -81,13 +81,13 @@ pub fn check_fit(
 }
 
 /// A device allocation and its address (stable for its life).
-struct Buffer {
+pub(crate) struct Buffer {
     _slice: CudaSlice<u8>,
-    ptr: u64,
+    pub(crate) ptr: u64,
 }
 
 impl Buffer {
-    fn new(stream: &Arc<CudaStream>, bytes: usize) -> Result<Buffer, CudaError> {
+    pub(crate) fn new(stream: &Arc<CudaStream>, bytes: usize) -> Result<Buffer, CudaError> {
         // SAFETY: every buffer is written before it is read (weights at load, the work area
         // by each call before its kernels read it).
         let slice = unsafe { stream.alloc::<u8>(bytes.max(1)) }?;
@@ -296,11 +296,7 @@ impl GpuExperts {
 
     /// Runs host rows through experts of `layer`: `groups[g] = (expert, rows × hidden f32)`.
     /// Returns one output per group, as the CPU devices do.
-    pub fn run(
-        &mut self,
-        layer: usize,
-        groups: &[(u32, Vec<f32>)],
-    ) -> Result<RunOutcome, CudaError> {
+    pub fn run(&mut self, layer: usize, groups: &[(u32, &[f32])]) -> Result<RunOutcome, CudaError> {
         let h = self.shape.hidden;
         for &(expert, _) in groups {
             if !self.holds(layer, expert) {

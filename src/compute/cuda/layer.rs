@@ -6,14 +6,12 @@
 //! The group sizes come back to the host once per layer (cuBLAS's grouped GEMM takes its
 //! problem sizes from host memory): one small copy and a synchronisation.
 
-use std::sync::Arc;
-
-use cudarc::driver::{CudaStream, result};
+use cudarc::driver::result;
 use half::bf16;
 
 use super::blas::{self, Gemm, Output};
-use super::experts::ExpertShape;
-use super::moe::{MAX_EXPERTS, MAX_GROUPS, MAX_TOP_K};
+use super::experts::{Buffer, ExpertShape};
+use super::moe::check_gating;
 use super::{CudaError, GpuExperts, GpuInfo};
 use crate::model::config::GatingConfig;
 
@@ -44,7 +42,7 @@ struct Routing {
     source_row: u64,
     /// Output rows `[max_tokens, hidden]` f32.
     out: u64,
-    _buffers: Vec<cudarc::driver::CudaSlice<u8>>,
+    _buffers: Vec<Buffer>,
 }
 
 /// An MoE layer (layer index 0 of its [`GpuExperts`]) on one GPU.
@@ -57,16 +55,6 @@ pub struct GpuMoeLayer {
     /// received.
     pub last_active_experts: usize,
     pub last_max_rows: usize,
-}
-
-fn alloc(
-    stream: &Arc<CudaStream>,
-    bytes: usize,
-) -> Result<(cudarc::driver::CudaSlice<u8>, u64), CudaError> {
-    // SAFETY: each buffer is written before it is read.
-    let slice = unsafe { stream.alloc::<u8>(bytes.max(4)) }?;
-    let (ptr, _) = cudarc::driver::DevicePtr::device_ptr(&slice, stream);
-    Ok((slice, ptr))
 }
 
 impl GpuMoeLayer {
@@ -82,32 +70,20 @@ impl GpuMoeLayer {
     ) -> Result<GpuMoeLayer, CudaError> {
         let (e, h, k) = (shape.num_experts, shape.hidden, gate.top_k);
         assert_eq!(gate.router.len(), e * h, "router is [num_experts, hidden]");
-        if k > MAX_TOP_K || e > MAX_EXPERTS {
-            return Err(CudaError::Unsupported(format!(
-                "gating of {e} experts, top-{k} (the kernel takes up to {MAX_EXPERTS}, \
-                 top-{MAX_TOP_K})"
-            )));
-        }
+        check_gating(e, k, &gate.gating)?;
         assert!(
             shape.max_rows >= max_tokens * k,
             "the expert work area must take max_tokens × top_k rows"
         );
-        if let GatingConfig::SigmoidGrouped { n_group, .. } = gate.gating
-            && (n_group > MAX_GROUPS || n_group == 0 || e % n_group != 0)
-        {
-            return Err(CudaError::Unsupported(format!(
-                "{n_group} expert groups of {e} experts (the kernel takes up to {MAX_GROUPS} \
-                 equal groups)"
-            )));
-        }
         let layer_experts: Vec<(usize, u32)> = (0..e as u32).map(|x| (0, x)).collect();
         let experts = GpuExperts::new(gpu, shape, &layer_experts, memory_fraction, cache_dir)?;
         let stream = experts.stream.clone();
         let pairs = max_tokens * k;
         let mut buffers = Vec::new();
         let mut take = |bytes: usize| -> Result<u64, CudaError> {
-            let (slice, ptr) = alloc(&stream, bytes)?;
-            buffers.push(slice);
+            let buffer = Buffer::new(&stream, bytes)?;
+            let ptr = buffer.ptr;
+            buffers.push(buffer);
             Ok(ptr)
         };
         let router = take(e * h * 2)?;

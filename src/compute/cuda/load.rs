@@ -105,7 +105,7 @@ fn self_check(
         .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.5)
         .collect();
     let expected = weights.forward_with(&input, rows, false);
-    let got = match held.run(layer, &[(expert, input)])? {
+    let got = match held.run(layer, &[(expert, &input)])? {
         RunOutcome::Done(mut outputs) => outputs.remove(0),
         RunOutcome::NotHeld(e) => {
             return Err(CudaError::SelfCheck {
@@ -170,10 +170,7 @@ impl ExpertExecutor for GpuLocalExperts {
         plan: &DispatchPlan,
         grouped_input: &[f32],
     ) -> Result<Vec<f32>, ExpertError> {
-        let groups: Vec<(u32, Vec<f32>)> = plan
-            .groups(grouped_input, self.hidden_size)
-            .map(|(e, input)| (e, input.to_vec()))
-            .collect();
+        let groups: Vec<(u32, &[f32])> = plan.groups(grouped_input, self.hidden_size).collect();
         let mut gpu = self.gpu.lock().unwrap_or_else(|e| e.into_inner());
         match gpu.run(layer, &groups) {
             Ok(RunOutcome::Done(outputs)) => Ok(outputs.concat()),
@@ -201,18 +198,13 @@ pub fn engine_on_gpu(
             runtime.gpus.len()
         ))
     })?;
-    let config = ModelConfig::load(dir)?;
-    let checkpoint = Checkpoint::open(dir)?;
-    let options = GpuOptions {
-        max_rows: crate::engine::generate::PREFILL_CHUNK * config.moe.top_k,
-        memory_fraction: 0.9,
-        kernel_cache,
-    };
-    let experts = GpuLocalExperts::load(gpu, &options, &checkpoint, &config)?;
-    let weights = crate::model::DenseWeights::load(&checkpoint, &config)?;
-    Ok(crate::engine::Engine::new(
-        config,
-        weights,
-        std::sync::Arc::new(experts),
-    ))
+    crate::engine::Engine::load_with(dir, |checkpoint, config| {
+        let options = GpuOptions {
+            max_rows: crate::engine::generate::PREFILL_CHUNK * config.moe.top_k,
+            memory_fraction: 0.9,
+            kernel_cache,
+        };
+        let experts = GpuLocalExperts::load(gpu, &options, checkpoint, config)?;
+        Ok(std::sync::Arc::new(experts))
+    })
 }

@@ -85,6 +85,17 @@ pub enum CudaError {
     SelfCheck { gpu: usize, reason: String },
 }
 
+impl CudaError {
+    /// A GPU missing while required, or too small for its experts: a deployment problem
+    /// that a restart does not fix (exit 78 under systemd's RestartPreventExitStatus).
+    pub fn is_deployment_problem(&self) -> bool {
+        matches!(
+            self,
+            CudaError::Unavailable(_) | CudaError::DoesNotFit { .. }
+        )
+    }
+}
+
 impl From<cudarc::cublas::result::CublasError> for CudaError {
     fn from(e: cudarc::cublas::result::CublasError) -> Self {
         CudaError::Blas(e)

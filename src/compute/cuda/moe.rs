@@ -30,6 +30,27 @@ pub const MAX_TOP_K: usize = 64;
 pub const MAX_EXPERTS: usize = 6144;
 pub const MAX_GROUPS: usize = 64;
 
+/// Whether the gating kernel takes `experts` experts, top-`top_k`, under `gating`: at most
+/// [`MAX_EXPERTS`] and top-[`MAX_TOP_K`], and up to [`MAX_GROUPS`] equal expert groups.
+pub fn check_gating(experts: usize, top_k: usize, gating: &GatingConfig) -> Result<(), CudaError> {
+    let n_group = match *gating {
+        GatingConfig::Softmax { .. } => 1,
+        GatingConfig::SigmoidGrouped { n_group, .. } => n_group,
+    };
+    if top_k > MAX_TOP_K
+        || experts > MAX_EXPERTS
+        || n_group > MAX_GROUPS
+        || n_group == 0
+        || !experts.is_multiple_of(n_group)
+    {
+        return Err(CudaError::Unsupported(format!(
+            "gating of {experts} experts in {n_group} groups, top-{top_k} (the kernel takes up \
+             to {MAX_EXPERTS} experts in up to {MAX_GROUPS} equal groups, top-{MAX_TOP_K})"
+        )));
+    }
+    Ok(())
+}
+
 impl MoeKernels {
     /// Compiles (or reads from `cache_dir`) and loads the MoE kernels for `gpu`.
     pub fn load(
@@ -80,12 +101,7 @@ impl MoeKernels {
                 routed_scaling_factor,
             } => (1, normalize, n_group, topk_group, routed_scaling_factor),
         };
-        if top_k > MAX_TOP_K || experts > MAX_EXPERTS || n_group > MAX_GROUPS || n_group == 0 {
-            return Err(CudaError::Unsupported(format!(
-                "gating of {experts} experts in {n_group} groups, top-{top_k} (the kernel takes \
-                 up to {MAX_EXPERTS} experts, {MAX_GROUPS} groups, top-{MAX_TOP_K})"
-            )));
-        }
+        check_gating(experts, top_k, gating)?;
         let (experts_i, k_i, renorm_i) = (experts as i32, top_k as i32, renormalize as i32);
         let (n_group_i, topk_group_i, bias) =
             (n_group as i32, topk_group as i32, bias.unwrap_or(0));
