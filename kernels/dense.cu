@@ -2,16 +2,17 @@
 // the KV cache. They follow src/compute/cpu.rs (rms_norm), src/engine/rope.rs (Rope::apply)
 // and src/engine/attention.rs (attend), in f32.
 
-// One block per row: out = x / sqrt(mean(x²) + eps) * weight. `out` may be `x`.
-extern "C" __global__ void rms_norm(const float* x, const float* weight, int width, float eps,
-                                    float* out) {
-    const float* row = x + (size_t)blockIdx.x * width;
+// One block per row: out = x / sqrt(mean(x²) + eps) * weight over the first `width` values
+// of rows `stride` apart (in x and in out). `out` may be `x`.
+extern "C" __global__ void rms_norm(const float* x, int stride, const float* weight, int width,
+                                    float eps, float* out) {
+    const float* row = x + (size_t)blockIdx.x * stride;
     float part = 0.0f;
     for (int c = threadIdx.x; c < width; c += blockDim.x) {
         part += row[c] * row[c];
     }
     float scale = 1.0f / sqrtf(block_sum(part) / width + eps);
-    float* dst = out + (size_t)blockIdx.x * width;
+    float* dst = out + (size_t)blockIdx.x * stride;
     for (int c = threadIdx.x; c < width; c += blockDim.x) {
         dst[c] = row[c] * scale * weight[c];
     }
@@ -114,5 +115,44 @@ extern "C" __global__ void attend(const float* q, int heads, int group, int dk, 
     }
     for (int d = threadIdx.x; d < dv; d += blockDim.x) {
         out[((size_t)row * heads + head) * dv + d] = acc[d] / total;
+    }
+}
+
+// x[i] += y[i]: the residual connection.
+extern "C" __global__ void add_rows(float* x, const float* y, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        x[i] += y[i];
+    }
+}
+
+// x[i] += bias[i % width]: a projection's bias on every row.
+extern "C" __global__ void add_bias(float* x, const float* bias, int width, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        x[i] += bias[i % width];
+    }
+}
+
+// One block per row: the first `width` values of row r of `src` (rows `src_stride` apart) to
+// row r of `dst` (rows `dst_stride` apart). Puts MLA's rotary query beside its absorbed one.
+extern "C" __global__ void copy_rows(const float* src, int src_stride, float* dst,
+                                     int dst_stride, int width) {
+    const float* from = src + (size_t)blockIdx.x * src_stride;
+    float* to = dst + (size_t)blockIdx.x * dst_stride;
+    for (int c = threadIdx.x; c < width; c += blockDim.x) {
+        to[c] = from[c];
+    }
+}
+
+// One block per row: appends the step's rows to their sequences' caches. Row r (`width`
+// values of `src`, packed) goes to position row_pos[r] of cache[row_seq[r]], positions
+// `width` apart.
+extern "C" __global__ void store_rows(const float* src, int width, float* const* cache,
+                                      const int* row_seq, const int* row_pos) {
+    const float* from = src + (size_t)blockIdx.x * width;
+    float* to = cache[row_seq[blockIdx.x]] + (size_t)row_pos[blockIdx.x] * width;
+    for (int c = threadIdx.x; c < width; c += blockDim.x) {
+        to[c] = from[c];
     }
 }

@@ -102,9 +102,12 @@ struct GenerateArgs {
     /// Print one JSON object: token_ids, last_logits and (with a tokenizer) text.
     #[arg(long)]
     json: bool,
-    /// Run the routed experts on GPU N (bf16); the dense part stays on the CPU.
+    /// Run the model on GPU N (bf16 weights): the routed experts and the dense part.
     #[arg(long, value_name = "N")]
     gpu: Option<usize>,
+    /// With --gpu, keep the dense part (attention, norms, lm head) on the CPU.
+    #[arg(long, requires = "gpu")]
+    dense_on_cpu: bool,
 }
 
 /// Exit status for a model directory that is not usable (sysexits' EX_CONFIG, EX_DATAERR).
@@ -279,7 +282,15 @@ fn run_devices(path: Option<PathBuf>) -> anyhow::Result<()> {
             );
         }
     }
-    println!("experts run on {} GPUs", runtime.gpus.len());
+    println!(
+        "experts run on {} GPUs; the dense part on GPU 0{}",
+        runtime.gpus.len(),
+        if config.devices.dense_on_gpu {
+            ""
+        } else {
+            " (no: devices.dense_on_gpu = false, it runs on the CPU)"
+        }
+    );
     Ok(())
 }
 
@@ -313,7 +324,7 @@ fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {
     let engine = match args.gpu {
         None => Engine::load(&args.model)?,
         Some(ordinal) => {
-            let engine = engine_on_gpu(&args.model, ordinal, None, None)?;
+            let engine = engine_on_gpu(&args.model, ordinal, !args.dense_on_cpu, None, None)?;
             if let Ok(runtime) = moe_node::compute::cuda::runtime(None) {
                 moe_node::compute::cuda::log_runtime(runtime);
             }

@@ -209,7 +209,11 @@ fn rms_norm_matches_the_cpu_on_the_gpu() {
     let (_ws, wp) = d.upload(&w);
     // In place, as the engine will use it.
     // SAFETY: the buffers were uploaded above with the shapes the case states.
-    unsafe { d.kernels.rms_norm(&d.stream, xp, rows, width, wp, eps, xp) }.unwrap();
+    unsafe {
+        d.kernels
+            .rms_norm(&d.stream, xp, rows, width, width, wp, eps, xp)
+    }
+    .unwrap();
     let expected = moe_node::compute::cpu::rms_norm(&x, &w, eps);
     assert_close(&d.download(&xs), &expected, 1e-5, "rms_norm");
 }

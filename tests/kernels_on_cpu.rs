@@ -303,9 +303,104 @@ fn rms_norm_matches_the_cpu() {
     let out = run(
         exe,
         "rms_norm",
-        &format!("{rows} {width} {eps:e}\n{}\n{}\n", join(&x), join(&w)),
+        &format!(
+            "{rows} {width} {width} {eps:e}\n{}\n{}\n",
+            join(&x),
+            join(&w)
+        ),
     );
     close(&out[0], &rms_norm(&x, &w, eps), 1e-5, "rms_norm");
+}
+
+#[test]
+fn rms_norm_of_the_first_columns_of_wider_rows_leaves_the_rest() {
+    // MLA's latent: the first kv_lora_rank values of [latent | rotary key] rows.
+    let Some(exe) = harness() else { return };
+    let (rows, width, stride, eps) = (4usize, 48usize, 56usize, 1e-6f32);
+    let x: Vec<f32> = values(rows * stride, 43);
+    let w: Vec<f32> = values(width, 44).iter().map(|v| 1.0 + v * 0.1).collect();
+    let out = run(
+        exe,
+        "rms_norm",
+        &format!(
+            "{rows} {width} {stride} {eps:e}\n{}\n{}\n",
+            join(&x),
+            join(&w)
+        ),
+    );
+    let mut expected = x.clone();
+    for row in expected.chunks_exact_mut(stride) {
+        let normed = rms_norm(&row[..width], &w, eps);
+        row[..width].copy_from_slice(&normed);
+    }
+    close(&out[0], &expected, 1e-5, "strided rms_norm");
+}
+
+#[test]
+fn store_rows_appends_each_row_at_its_sequences_position() {
+    let Some(exe) = harness() else { return };
+    let width = 5;
+    // Two caches with room for 4 and 3 positions; sequence 0 gets a 2-row prefill at
+    // positions 1-2, sequence 1 one decode row at position 2.
+    let caches = [values(4 * width, 45), values(3 * width, 46)];
+    let (row_seq, row_pos) = ([0usize, 0, 1], [1usize, 2, 2]);
+    let src = values(3 * width, 47);
+    let mut input = format!("{width} 2\n");
+    for c in &caches {
+        input += &format!("{}\n{}\n", c.len() / width, join(c));
+    }
+    input += &format!(
+        "3\n{}\n{}\n{}\n",
+        join(&row_seq),
+        join(&row_pos),
+        join(&src)
+    );
+    let out = run(exe, "store_rows", &input);
+    let mut expected = caches.clone();
+    for (r, (&s, &p)) in row_seq.iter().zip(&row_pos).enumerate() {
+        expected[s][p * width..(p + 1) * width].copy_from_slice(&src[r * width..(r + 1) * width]);
+    }
+    close(&out[0], &expected[0], 0.0, "cache of sequence 0");
+    close(&out[1], &expected[1], 0.0, "cache of sequence 1");
+}
+
+#[test]
+fn copy_rows_and_residual_adds_touch_only_what_they_should() {
+    let Some(exe) = harness() else { return };
+    // The first 3 values of rows 7 apart into rows 10 apart (MLA's rotary query, from the
+    // projected queries into the tail of the attention query; the launcher offsets both).
+    let (rows, src_stride, dst_stride, width) = (6usize, 7usize, 10usize, 3usize);
+    let src = values(rows * src_stride, 48);
+    let dst = values(rows * dst_stride, 49);
+    let out = run(
+        exe,
+        "copy_rows",
+        &format!(
+            "{rows} {src_stride} {dst_stride} {width}\n{}\n{}\n",
+            join(&src),
+            join(&dst)
+        ),
+    );
+    let mut expected = dst.clone();
+    for r in 0..rows {
+        expected[r * dst_stride..][..width].copy_from_slice(&src[r * src_stride..][..width]);
+    }
+    close(&out[0], &expected, 0.0, "copy_rows");
+
+    let (n, bias_width) = (300usize, 12usize);
+    let (x, y, bias) = (values(n, 50), values(n, 51), values(bias_width, 52));
+    let out = run(
+        exe,
+        "add",
+        &format!(
+            "{n} {bias_width}\n{}\n{}\n{}\n",
+            join(&x),
+            join(&y),
+            join(&bias)
+        ),
+    );
+    let expected: Vec<f32> = (0..n).map(|i| x[i] + y[i] + bias[i % bias_width]).collect();
+    close(&out[0], &expected, 1e-6, "add_rows then add_bias");
 }
 
 fn check_rope(interleaved: bool, scaling: RopeScaling) {

@@ -66,8 +66,14 @@ impl Node {
             memory_fraction: config.devices.gpu_memory_fraction,
             kernel_cache: Some(config.cache_dir().join("kernels")),
         };
+        let kernel_cache = gpu_options.kernel_cache.clone();
         let targets = device_targets(&config.devices, gpu_options)?;
         let num_devices = targets.len();
+        // The dense part goes to the first GPU when the experts are on GPUs.
+        let dense_gpu = match targets.first() {
+            Some(DeviceTarget::Gpu(info, _)) if config.devices.dense_on_gpu => Some(info.clone()),
+            _ => None,
+        };
         let placement = Arc::new(Placement::balanced(
             &model.moe_layers,
             model.moe.num_experts,
@@ -119,7 +125,14 @@ impl Node {
             })
         });
         let weights = DenseWeights::load(&checkpoint, &model)?;
-        let engine = Engine::new((*model).clone(), weights, experts.clone());
+        let mut engine = Engine::new((*model).clone(), weights, experts.clone());
+        if let Some(gpu) = dense_gpu {
+            engine.place_dense_on_gpu(
+                &gpu,
+                config.devices.gpu_memory_fraction,
+                kernel_cache.as_deref(),
+            )?;
+        }
         let limits = BatchLimits {
             max_sequences: config.batching.max_sequences,
             max_tokens_per_step: config.batching.max_tokens_per_step,

@@ -63,6 +63,10 @@ pub struct DevicesConfig {
     pub replication: usize,
     /// Share of each GPU's free memory the experts and their work buffers may take.
     pub gpu_memory_fraction: f64,
+    /// When experts run on GPUs, the dense part of the model (attention and its KV caches,
+    /// norms, dense MLPs, shared experts, lm head) runs on GPU 0 too; `false` keeps it on
+    /// the CPU.
+    pub dense_on_gpu: bool,
     /// Extra directory searched for NVRTC and cuBLAS (after the loader's path, before
     /// `$CUDA_HOME/lib64` and `/usr/local/cuda*/lib64`). Empty: none.
     pub cuda_lib_dir: String,
@@ -141,6 +145,7 @@ impl Default for DevicesConfig {
             cpu_slots: 2,
             replication: 1,
             gpu_memory_fraction: 0.9,
+            dense_on_gpu: true,
             cuda_lib_dir: String::new(),
         }
     }

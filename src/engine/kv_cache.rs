@@ -1,6 +1,8 @@
 //! Per-sequence key/value cache: what attention keeps of past tokens so that each decode
-//! step computes only the new token.
+//! step computes only the new token. It lives where the engine runs attention: in host
+//! memory, or on the GPU that runs the dense part of the model.
 
+use crate::compute::cuda::model::DeviceCache;
 use crate::model::config::{AttentionConfig, ModelConfig};
 
 /// One layer's cache: two position-major arrays whose meaning depends on the attention kind.
@@ -17,9 +19,11 @@ pub struct LayerCache {
 }
 
 /// The cache of one sequence across all layers.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct KvCache {
+    /// Host layers; empty when the cache is on a GPU.
     pub(crate) layers: Vec<LayerCache>,
+    pub(crate) device: Option<DeviceCache>,
     len: usize,
 }
 
@@ -45,6 +49,16 @@ impl KvCache {
         };
         KvCache {
             layers: vec![layer; cfg.num_layers],
+            device: None,
+            len: 0,
+        }
+    }
+
+    /// An empty cache held on a GPU.
+    pub(crate) fn on_device(cache: DeviceCache) -> Self {
+        KvCache {
+            layers: Vec::new(),
+            device: Some(cache),
             len: 0,
         }
     }
@@ -64,7 +78,8 @@ impl KvCache {
     }
 
     /// Drops whatever a step appended beyond the cached positions (a step that failed
-    /// half-way must leave the sequence as it was).
+    /// half-way must leave the sequence as it was). On a GPU, positions past `len` are
+    /// simply overwritten by the next step.
     pub(crate) fn rollback(&mut self) {
         for layer in &mut self.layers {
             layer.first.truncate(self.len * layer.first_width);
@@ -72,8 +87,11 @@ impl KvCache {
         }
     }
 
-    /// Bytes held, for memory accounting.
+    /// Bytes held, for memory accounting (GPU memory for a cache on a GPU).
     pub fn bytes(&self) -> usize {
+        if let Some(device) = &self.device {
+            return device.bytes();
+        }
         let floats: usize = self
             .layers
             .iter()

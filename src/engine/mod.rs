@@ -11,7 +11,7 @@ pub mod rope;
 pub mod sampling;
 
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use attention::{AttentionInput, Segment, attention};
 pub use generate::{FinishReason, GenerateRequest, Generation, generate};
@@ -20,10 +20,12 @@ use rope::{Rope, yarn_mscale};
 pub use sampling::{Sampler, SamplingParams};
 
 use crate::compute::cpu::{add_in_place, rms_norm};
+use crate::compute::cuda::model::GpuModel;
+use crate::compute::cuda::{CudaError, GpuInfo};
 use crate::model::config::{AttentionConfig, RopeScaling};
 use crate::model::weights::{FeedForward, load_all_experts};
 use crate::model::{Checkpoint, DenseWeights, ModelConfig, ModelError};
-use crate::moe::{ExpertError, ExpertExecutor, LocalExperts, moe_forward};
+use crate::moe::{ExpertError, ExpertExecutor, LocalExperts, moe_forward, moe_routed};
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -39,6 +41,10 @@ pub enum EngineError {
     EmptyPrompt,
     #[error("invalid sampling parameters: {0}")]
     InvalidSampling(String),
+    #[error("GPU: {0}")]
+    Gpu(#[from] CudaError),
+    #[error("a cache made by another engine (host and GPU caches do not mix)")]
+    ForeignCache,
 }
 
 /// One sequence's part of a forward step: its cache and the tokens that follow it.
@@ -53,7 +59,10 @@ pub struct Engine {
     weights: DenseWeights,
     rope: Rope,
     softmax_scale: f32,
+    interleaved: bool,
     experts: Arc<dyn ExpertExecutor>,
+    /// The dense part on a GPU, when placed there; one step at a time on its stream.
+    gpu: Option<Mutex<GpuModel>>,
 }
 
 impl Engine {
@@ -108,10 +117,40 @@ impl Engine {
         Engine {
             rope: Rope::new(&config.rope, interleaved),
             softmax_scale: softmax_scale as f32,
+            interleaved,
             config,
             weights,
             experts,
+            gpu: None,
         }
+    }
+
+    /// Moves the dense part of the model (attention, norms, dense MLPs, shared experts, lm
+    /// head) onto GPU `gpu`, its KV caches with it. Caches made before stay usable only by
+    /// an engine on the host.
+    pub fn place_dense_on_gpu(
+        &mut self,
+        gpu: &GpuInfo,
+        memory_fraction: f64,
+        kernel_cache: Option<&Path>,
+    ) -> Result<(), CudaError> {
+        let model = GpuModel::load(
+            gpu,
+            &self.config,
+            &self.weights,
+            self.softmax_scale,
+            self.interleaved,
+            memory_fraction,
+            kernel_cache,
+        )?;
+        self.gpu = Some(Mutex::new(model));
+        Ok(())
+    }
+
+    /// The GPU running the dense part, if one does.
+    pub fn dense_gpu(&self) -> Option<usize> {
+        let gpu = self.gpu.as_ref()?;
+        Some(gpu.lock().unwrap_or_else(|e| e.into_inner()).gpu.ordinal)
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -119,7 +158,12 @@ impl Engine {
     }
 
     pub fn new_cache(&self) -> KvCache {
-        KvCache::new(&self.config)
+        match &self.gpu {
+            Some(gpu) => {
+                KvCache::on_device(gpu.lock().unwrap_or_else(|e| e.into_inner()).new_cache())
+            }
+            None => KvCache::new(&self.config),
+        }
     }
 
     /// Runs one step for a batch of sequences and returns, for each, the logits after its
@@ -166,6 +210,9 @@ impl Engine {
             }
         }
         let mut caches: Vec<&mut KvCache> = batch.iter_mut().map(|s| &mut *s.cache).collect();
+        if let Some(gpu) = &self.gpu {
+            return self.forward_on_gpu(gpu, &hidden, &angles, &segments, &mut caches);
+        }
         match self.run_layers(&mut hidden, &angles, &segments, &mut caches) {
             Ok(()) => {
                 for (cache, segment) in caches.iter_mut().zip(&segments) {
@@ -191,6 +238,47 @@ impl Engine {
         let logits = self.weights.lm_head().forward(&normed, segments.len());
         Ok(logits
             .chunks_exact(cfg.vocab_size)
+            .map(<[f32]>::to_vec)
+            .collect())
+    }
+
+    /// [`Engine::forward`] with the dense part on the GPU: only the routed experts' rows
+    /// pass through the host.
+    fn forward_on_gpu(
+        &self,
+        gpu: &Mutex<GpuModel>,
+        hidden: &[f32],
+        angles: &[rope::RopeAngles],
+        segments: &[Segment],
+        caches: &mut [&mut KvCache],
+    ) -> Result<Vec<Vec<f32>>, EngineError> {
+        let mut device_caches = Vec::with_capacity(caches.len());
+        for cache in caches.iter_mut() {
+            device_caches.push(cache.device.as_mut().ok_or(EngineError::ForeignCache)?);
+        }
+        let mut routed = |layer: usize, normed: &[f32], rows: usize| match &self.weights.layers
+            [layer]
+            .feed_forward
+        {
+            FeedForward::Moe(moe) => Ok(moe_routed(
+                &self.config.moe,
+                moe,
+                self.experts.as_ref(),
+                layer,
+                normed,
+                rows,
+            )?),
+            FeedForward::Dense(_) => Err(EngineError::Expert(ExpertError::Unavailable(format!(
+                "layer {layer} has no experts"
+            )))),
+        };
+        let model = gpu.lock().unwrap_or_else(|e| e.into_inner());
+        let logits = model.forward(hidden, angles, segments, &mut device_caches, &mut routed)?;
+        for (cache, segment) in caches.iter_mut().zip(segments) {
+            cache.advance(segment.rows.len());
+        }
+        Ok(logits
+            .chunks_exact(self.config.vocab_size)
             .map(<[f32]>::to_vec)
             .collect())
     }

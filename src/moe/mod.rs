@@ -49,6 +49,23 @@ pub fn moe_forward(
     normed: &[f32],
     rows: usize,
 ) -> Result<Vec<f32>, ExpertError> {
+    let mut out = moe_routed(cfg, weights, experts, layer, normed, rows)?;
+    if let Some(shared) = &weights.shared_expert {
+        add_in_place(&mut out, &shared.forward_with(normed, rows, true));
+    }
+    Ok(out)
+}
+
+/// The routed part of [`moe_forward`]: the gate's weighted sum of the chosen experts'
+/// outputs, without the shared expert (which a GPU engine computes on its GPU).
+pub fn moe_routed(
+    cfg: &MoeConfig,
+    weights: &MoeWeights,
+    experts: &dyn ExpertExecutor,
+    layer: usize,
+    normed: &[f32],
+    rows: usize,
+) -> Result<Vec<f32>, ExpertError> {
     let width = normed.len() / rows.max(1);
     let logits = weights.router.forward(normed, rows);
     let routing = route(
@@ -62,9 +79,6 @@ pub fn moe_forward(
     let expert_out = experts.run(layer, &plan, &plan.gather(normed, width))?;
     let mut out = vec![0.0; rows * width];
     plan.combine(&expert_out, width, &mut out);
-    if let Some(shared) = &weights.shared_expert {
-        add_in_place(&mut out, &shared.forward_with(normed, rows, true));
-    }
     Ok(out)
 }
 

@@ -122,14 +122,55 @@ int main(int argc, char** argv) {
         }, groups);
         for (auto& c : cs) print(c);
     } else if (mode == "rms_norm") {
-        int rows, width;
+        // Rows `stride` apart, the first `width` of each normalised; the rest kept.
+        int rows, width, stride;
         float eps;
-        std::cin >> rows >> width >> eps;
-        auto x = read<float>((size_t)rows * width);
+        std::cin >> rows >> width >> stride >> eps;
+        auto x = read<float>((size_t)rows * stride);
         auto w = read<float>(width);
-        std::vector<float> out(x.size());
-        launch(rows, 64, 0, [&] { rms_norm(x.data(), w.data(), width, eps, out.data()); });
+        std::vector<float> out(x);
+        launch(rows, 64, 0, [&] { rms_norm(x.data(), stride, w.data(), width, eps, out.data()); });
         print(out);
+    } else if (mode == "store_rows") {
+        // Sequences' caches (positions already there), then rows (sequence, position) of
+        // `width` values appended; prints each cache.
+        int width, seqs, rows;
+        std::cin >> width >> seqs;
+        std::vector<std::vector<float>> caches(seqs);
+        std::vector<float*> ptrs(seqs);
+        for (int s = 0; s < seqs; ++s) {
+            int capacity;
+            std::cin >> capacity;
+            caches[s] = read<float>((size_t)capacity * width);
+            ptrs[s] = caches[s].data();
+        }
+        std::cin >> rows;
+        auto row_seq = read<int>(rows);
+        auto row_pos = read<int>(rows);
+        auto src = read<float>((size_t)rows * width);
+        launch(rows, 32, 0, [&] {
+            store_rows(src.data(), width, ptrs.data(), row_seq.data(), row_pos.data());
+        });
+        for (auto& c : caches) print(c);
+    } else if (mode == "copy_rows") {
+        int rows, src_stride, dst_stride, width;
+        std::cin >> rows >> src_stride >> dst_stride >> width;
+        auto src = read<float>((size_t)rows * src_stride);
+        auto dst = read<float>((size_t)rows * dst_stride);
+        launch(rows, 32, 0, [&] {
+            copy_rows(src.data(), src_stride, dst.data(), dst_stride, width);
+        });
+        print(dst);
+    } else if (mode == "add") {
+        // x += y, then x += bias per row of `width`.
+        int n, width;
+        std::cin >> n >> width;
+        auto x = read<float>(n);
+        auto y = read<float>(n);
+        auto bias = read<float>(width);
+        launch(2, 32, 0, [&] { add_rows(x.data(), y.data(), n); });
+        launch(2, 32, 0, [&] { add_bias(x.data(), bias.data(), width, n); });
+        print(x);
     } else if (mode == "rope") {
         int rows, heads, head_width, offset, rope_dim, interleaved;
         std::cin >> rows >> heads >> head_width >> offset >> rope_dim >> interleaved;
@@ -170,7 +211,7 @@ int main(int argc, char** argv) {
         });
         print(out);
     } else {
-        std::fprintf(stderr, "usage: harness gate|permute|swiglu|to_bf16|rms_norm|rope|attend\n");
+        std::fprintf(stderr, "usage: harness gate|permute|swiglu|to_bf16|gemv|rms_norm|store_rows|copy_rows|add|rope|attend\n");
         return 2;
     }
     return 0;

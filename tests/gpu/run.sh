@@ -7,10 +7,13 @@
 #
 # What runs (in this order, each with a time limit; the whole takes a few minutes):
 #   1. nvidia-smi; `moe-node devices` (libraries loaded, GPUs, kernels compiled by NVRTC);
-#      generate --gpu 0 on a fixture;
+#      generate --gpu 0 on a fixture, with the whole model on the GPU and with only the
+#      experts there;
 #   2. tests/gpu_kernels.rs: the MoE layer and the dense kernels on the GPU against the CPU;
 #   3. tests/reference.rs: every fixture on the CPU (against transformers) and on the GPU
-#      (against the CPU: same greedy tokens, logits within the bf16 tolerance);
+#      against the CPU: experts on the GPU (same greedy tokens, logits within the bf16
+#      tolerance), then the whole model (logits after the prompt within the bf16 tolerance
+#      of the dense part; decoding through the GPU's KV cache equal to one prefill);
 #   4. tests/server.rs: the node's HTTP tests, whose devices are now the GPU;
 #   5. benches/moe_layer_gpu.rs, then benches/moe_layer_gpu_reference.py (transformers on
 #      the same GPU), side by side.
@@ -52,6 +55,8 @@ nvidia-smi > "$out/nvidia-smi.txt" 2>&1 && head -n 12 "$out/nvidia-smi.txt"
 step devices 120 env MOE_NODE_DEVICES__BACKEND=cuda "$bin/moe-node" devices
 step generate-gpu 120 env RUST_LOG=info "$bin/moe-node" generate --model tests/fixtures/kimi_k2 \
     --prompt-ids 1,2,3,4 --max-tokens 8 --gpu 0 --json
+step generate-gpu-experts 120 env RUST_LOG=info "$bin/moe-node" generate \
+    --model tests/fixtures/kimi_k2 --prompt-ids 1,2,3,4 --max-tokens 8 --gpu 0 --dense-on-cpu --json
 step gpu-kernel-tests 180 "$bin/gpu_kernels" --test-threads=1 --nocapture
 step reference-tests 180 "$bin/reference" --test-threads=1 --nocapture
 step server-tests 240 "$bin/server" --test-threads=2

@@ -52,6 +52,25 @@ impl Gemm {
     }
 }
 
+/// `count` products of one shape whose A, B and C lie `stride_*` elements apart (per-head
+/// products such as MLA's query absorption).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Batch {
+    pub count: usize,
+    pub stride_a: usize,
+    pub stride_b: usize,
+    pub stride_c: usize,
+}
+
+impl Batch {
+    pub const ONE: Batch = Batch {
+        count: 1,
+        stride_a: 0,
+        stride_b: 0,
+        stride_c: 0,
+    };
+}
+
 /// Queues one product on `blas`'s stream.
 ///
 /// # Safety
@@ -65,6 +84,23 @@ pub unsafe fn gemm(
     c: u64,
     output: Output,
 ) -> Result<(), CudaError> {
+    // SAFETY: as the caller vouches.
+    unsafe { gemm_batched(blas, shape, Batch::ONE, a, b, c, output) }
+}
+
+/// Queues `batch.count` products of `shape` on `blas`'s stream.
+///
+/// # Safety
+/// As [`gemm`], for each of the `batch.count` products at the strided addresses.
+pub unsafe fn gemm_batched(
+    blas: &CudaBlas,
+    shape: Gemm,
+    batch: Batch,
+    a: u64,
+    b: u64,
+    c: u64,
+    output: Output,
+) -> Result<(), CudaError> {
     let (alpha, beta) = (1.0f32, 0.0f32);
     let op_a = if shape.a_transposed {
         blas::cublasOperation_t::CUBLAS_OP_T
@@ -73,29 +109,57 @@ pub unsafe fn gemm(
     };
     let bf16 = blas::cudaDataType_t::CUDA_R_16BF;
     // SAFETY: as the caller vouches; alpha and beta are host f32 for COMPUTE_32F.
-    unsafe {
-        blas::cublasGemmEx(
-            *blas.handle(),
-            op_a,
-            blas::cublasOperation_t::CUBLAS_OP_N,
-            shape.m as i32,
-            shape.n as i32,
-            shape.k as i32,
-            &alpha as *const f32 as *const c_void,
-            a as *const c_void,
-            bf16,
-            shape.lda as i32,
-            b as *const c_void,
-            bf16,
-            shape.ldb as i32,
-            &beta as *const f32 as *const c_void,
-            c as *mut c_void,
-            output.data_type(),
-            shape.ldc as i32,
-            blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-        )
-    }
-    .result()?;
+    let status = unsafe {
+        if batch.count == 1 {
+            blas::cublasGemmEx(
+                *blas.handle(),
+                op_a,
+                blas::cublasOperation_t::CUBLAS_OP_N,
+                shape.m as i32,
+                shape.n as i32,
+                shape.k as i32,
+                &alpha as *const f32 as *const c_void,
+                a as *const c_void,
+                bf16,
+                shape.lda as i32,
+                b as *const c_void,
+                bf16,
+                shape.ldb as i32,
+                &beta as *const f32 as *const c_void,
+                c as *mut c_void,
+                output.data_type(),
+                shape.ldc as i32,
+                blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        } else {
+            blas::cublasGemmStridedBatchedEx(
+                *blas.handle(),
+                op_a,
+                blas::cublasOperation_t::CUBLAS_OP_N,
+                shape.m as i32,
+                shape.n as i32,
+                shape.k as i32,
+                &alpha as *const f32 as *const c_void,
+                a as *const c_void,
+                bf16,
+                shape.lda as i32,
+                batch.stride_a as i64,
+                b as *const c_void,
+                bf16,
+                shape.ldb as i32,
+                batch.stride_b as i64,
+                &beta as *const f32 as *const c_void,
+                c as *mut c_void,
+                output.data_type(),
+                shape.ldc as i32,
+                batch.stride_c as i64,
+                batch.count as i32,
+                blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+    };
+    status.result()?;
     Ok(())
 }

@@ -1,13 +1,13 @@
-//! Typed launchers of `kernels/dense.cu`: RMSNorm, rotary embeddings and attention over the
-//! KV cache. Arguments that are `u64` are device addresses on the stream's GPU. The engine
-//! does not use them yet (its dense part runs on the CPU); the GPU tests hold them to the
-//! CPU's arithmetic.
+//! Typed launchers of `kernels/dense.cu`: RMSNorm, rotary embeddings, attention over the KV
+//! cache, and the small copies and additions around them. Arguments that are `u64` are
+//! device addresses on the stream's GPU. [`super::model::GpuModel`] runs the dense part of a
+//! model with them; the GPU tests hold them to the CPU's arithmetic.
 
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 
-use super::kernels::{self, DENSE};
+use super::kernels::{self, DENSE, elementwise};
 use super::{CudaError, GpuInfo};
 
 /// Positions per tile of the attention kernel (`ATTEND_TILE` in dense.cu).
@@ -18,6 +18,19 @@ pub struct DenseKernels {
     rms_norm: CudaFunction,
     rope: CudaFunction,
     attend: CudaFunction,
+    add_rows: CudaFunction,
+    add_bias: CudaFunction,
+    copy_rows: CudaFunction,
+    store_rows: CudaFunction,
+}
+
+/// One block per row, as the row kernels take.
+fn per_row(rows: usize, threads: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 /// Where a layer's queries, keys and values lie, for [`DenseKernels::attend`].
@@ -50,39 +63,156 @@ impl DenseKernels {
             rms_norm: module.load_function("rms_norm")?,
             rope: module.load_function("rope")?,
             attend: module.load_function("attend")?,
+            add_rows: module.load_function("add_rows")?,
+            add_bias: module.load_function("add_bias")?,
+            copy_rows: module.load_function("copy_rows")?,
+            store_rows: module.load_function("store_rows")?,
         })
     }
 
-    /// RMSNorm of `rows` rows of `width` f32; `out` may be `x`.
+    /// RMSNorm of the first `width` f32 of `rows` rows `stride` apart; `out` (same layout)
+    /// may be `x`.
     ///
     /// # Safety
-    /// `x`, `out`: `[rows, width]` f32; `weight`: `[width]` f32.
+    /// `x`, `out`: `[rows, stride]` f32; `weight`: `[width]` f32.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn rms_norm(
         &self,
         stream: &CudaStream,
         x: u64,
         rows: usize,
+        stride: usize,
         width: usize,
         weight: u64,
         eps: f32,
         out: u64,
     ) -> Result<(), CudaError> {
-        let width_i = width as i32;
+        let (stride_i, width_i) = (stride as i32, width as i32);
         // SAFETY: as the caller vouches; arguments match dense.cu.
         unsafe {
             stream
                 .launch_builder(&self.rms_norm)
                 .arg(&x)
+                .arg(&stride_i)
                 .arg(&weight)
                 .arg(&width_i)
                 .arg(&eps)
                 .arg(&out)
-                .launch(LaunchConfig {
-                    grid_dim: (rows as u32, 1, 1),
-                    block_dim: (256, 1, 1),
-                    shared_mem_bytes: 0,
-                })?;
+                .launch(per_row(rows, 256))?;
+        }
+        Ok(())
+    }
+
+    /// `x[i] += y[i]` for `n` f32.
+    ///
+    /// # Safety
+    /// `x`, `y`: `[n]` f32.
+    pub unsafe fn add_rows(
+        &self,
+        stream: &CudaStream,
+        x: u64,
+        y: u64,
+        n: usize,
+    ) -> Result<(), CudaError> {
+        // SAFETY: as the caller vouches; arguments match dense.cu.
+        unsafe {
+            stream
+                .launch_builder(&self.add_rows)
+                .arg(&x)
+                .arg(&y)
+                .arg(&n)
+                .launch(elementwise(n))?;
+        }
+        Ok(())
+    }
+
+    /// `x[r, c] += bias[c]` over `rows` rows of `width` f32.
+    ///
+    /// # Safety
+    /// `x`: `[rows, width]` f32; `bias`: `[width]` f32.
+    pub unsafe fn add_bias(
+        &self,
+        stream: &CudaStream,
+        x: u64,
+        rows: usize,
+        width: usize,
+        bias: u64,
+    ) -> Result<(), CudaError> {
+        let (width_i, n) = (width as i32, rows * width);
+        // SAFETY: as the caller vouches; arguments match dense.cu.
+        unsafe {
+            stream
+                .launch_builder(&self.add_bias)
+                .arg(&x)
+                .arg(&bias)
+                .arg(&width_i)
+                .arg(&n)
+                .launch(elementwise(n))?;
+        }
+        Ok(())
+    }
+
+    /// Copies the first `width` f32 of `rows` rows `src_stride` apart to rows `dst_stride`
+    /// apart.
+    ///
+    /// # Safety
+    /// `src`: `[rows, src_stride]` f32, `dst`: `[rows, dst_stride]` f32 (each counted from
+    /// the given address).
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn copy_rows(
+        &self,
+        stream: &CudaStream,
+        src: u64,
+        src_stride: usize,
+        dst: u64,
+        dst_stride: usize,
+        rows: usize,
+        width: usize,
+    ) -> Result<(), CudaError> {
+        let ints = [src_stride, dst_stride, width].map(|v| v as i32);
+        // SAFETY: as the caller vouches; arguments match dense.cu.
+        unsafe {
+            stream
+                .launch_builder(&self.copy_rows)
+                .arg(&src)
+                .arg(&ints[0])
+                .arg(&dst)
+                .arg(&ints[1])
+                .arg(&ints[2])
+                .launch(per_row(rows, 64))?;
+        }
+        Ok(())
+    }
+
+    /// Appends `rows` packed rows of `width` f32 to their sequences' caches: row `r` to
+    /// position `row_pos[r]` of the cache at `caches[row_seq[r]]`.
+    ///
+    /// # Safety
+    /// `src`: `[rows, width]` f32; `caches`: device array of device pointers, each to room
+    /// for every position named in `row_pos` for its rows; `row_seq`, `row_pos`: `[rows]`
+    /// i32.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn store_rows(
+        &self,
+        stream: &CudaStream,
+        src: u64,
+        rows: usize,
+        width: usize,
+        caches: u64,
+        row_seq: u64,
+        row_pos: u64,
+    ) -> Result<(), CudaError> {
+        let width_i = width as i32;
+        // SAFETY: as the caller vouches; arguments match dense.cu.
+        unsafe {
+            stream
+                .launch_builder(&self.store_rows)
+                .arg(&src)
+                .arg(&width_i)
+                .arg(&caches)
+                .arg(&row_seq)
+                .arg(&row_pos)
+                .launch(per_row(rows, 128))?;
         }
         Ok(())
     }

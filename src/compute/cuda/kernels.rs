@@ -45,7 +45,15 @@ pub const MOE: KernelFile = KernelFile {
 pub const DENSE: KernelFile = KernelFile {
     file: "dense.cu",
     source: include_str!("../../../kernels/dense.cu"),
-    functions: &["rms_norm", "rope", "attend"],
+    functions: &[
+        "rms_norm",
+        "rope",
+        "attend",
+        "add_rows",
+        "add_bias",
+        "copy_rows",
+        "store_rows",
+    ],
 };
 
 pub const ALL: &[KernelFile] = &[MOE, DENSE];

@@ -183,11 +183,13 @@ impl ExpertExecutor for GpuLocalExperts {
     }
 }
 
-/// An engine for the model in `dir` with its routed experts on GPU `ordinal` (the dense part
-/// runs on the CPU). `lib_dir` as `devices.cuda_lib_dir`.
+/// An engine for the model in `dir` with its routed experts on GPU `ordinal`, and its dense
+/// part too when `dense` is set (else that runs on the CPU). `lib_dir` as
+/// `devices.cuda_lib_dir`.
 pub fn engine_on_gpu(
     dir: &std::path::Path,
     ordinal: usize,
+    dense: bool,
     lib_dir: Option<&std::path::Path>,
     kernel_cache: Option<PathBuf>,
 ) -> Result<crate::engine::Engine, LoadError> {
@@ -198,13 +200,18 @@ pub fn engine_on_gpu(
             runtime.gpus.len()
         ))
     })?;
-    crate::engine::Engine::load_with(dir, |checkpoint, config| {
+    let memory_fraction = 0.9;
+    let mut engine = crate::engine::Engine::load_with::<LoadError>(dir, |checkpoint, config| {
         let options = GpuOptions {
             max_rows: crate::engine::generate::PREFILL_CHUNK * config.moe.top_k,
-            memory_fraction: 0.9,
-            kernel_cache,
+            memory_fraction,
+            kernel_cache: kernel_cache.clone(),
         };
         let experts = GpuLocalExperts::load(gpu, &options, checkpoint, config)?;
         Ok(std::sync::Arc::new(experts))
-    })
+    })?;
+    if dense {
+        engine.place_dense_on_gpu(gpu, memory_fraction, kernel_cache.as_deref())?;
+    }
+    Ok(engine)
 }

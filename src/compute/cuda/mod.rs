@@ -11,6 +11,7 @@ pub mod kernels;
 pub mod layer;
 pub mod libs;
 pub mod load;
+pub mod model;
 pub mod moe;
 
 use std::path::Path;
@@ -76,6 +77,16 @@ pub enum CudaError {
         usable_mib: usize,
         free_mib: usize,
     },
+    #[error(
+        "GPU {gpu}: the dense part of the model needs {need_mib} MiB of weights but {usable_mib} \
+         MiB may be used (devices.gpu_memory_fraction of what is free); set \
+         devices.dense_on_gpu = false to keep it on the CPU"
+    )]
+    DenseDoesNotFit {
+        gpu: usize,
+        need_mib: usize,
+        usable_mib: usize,
+    },
     /// A shape the kernels do not take.
     #[error("not supported on the GPU: {0}")]
     Unsupported(String),
@@ -91,7 +102,9 @@ impl CudaError {
     pub fn is_deployment_problem(&self) -> bool {
         matches!(
             self,
-            CudaError::Unavailable(_) | CudaError::DoesNotFit { .. }
+            CudaError::Unavailable(_)
+                | CudaError::DoesNotFit { .. }
+                | CudaError::DenseDoesNotFit { .. }
         )
     }
 }
