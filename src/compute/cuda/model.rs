@@ -10,7 +10,7 @@
 use std::sync::Arc;
 
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{CudaContext, CudaStream, DeviceRepr, result};
+use cudarc::driver::{CudaContext, CudaStream, DeviceRepr, result, sys};
 use half::bf16;
 
 use super::blas::{self, Batch, Gemm, Output};
@@ -258,6 +258,25 @@ fn weight_bytes(weights: &DenseWeights) -> usize {
     layers + linear(weights.lm_head()) + norm(&weights.final_norm)
 }
 
+/// Lets the GPU's default memory pool keep what a step frees: each step's work buffers come
+/// from the pool (stream-ordered) and, with the default threshold of 0, would go back to the
+/// driver at every synchronisation (once per MoE layer) and be mapped again.
+fn keep_freed_memory(ctx: &CudaContext) -> Result<(), CudaError> {
+    let mut pool = std::mem::MaybeUninit::<sys::CUmemoryPool>::uninit();
+    let mut threshold = u64::MAX;
+    // SAFETY: `pool` is written by the driver before it is read; the attribute takes a u64.
+    unsafe {
+        sys::cuDeviceGetDefaultMemPool(pool.as_mut_ptr(), ctx.cu_device()).result()?;
+        sys::cuMemPoolSetAttribute(
+            pool.assume_init(),
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            &mut threshold as *mut u64 as *mut std::ffi::c_void,
+        )
+        .result()?;
+    }
+    Ok(())
+}
+
 fn to_bf16(values: &[f32]) -> Vec<bf16> {
     values.iter().map(|&v| bf16::from_f32(v)).collect()
 }
@@ -296,6 +315,7 @@ impl GpuModel {
                 usable_mib: usable >> 20,
             });
         }
+        keep_freed_memory(&ctx)?;
         let stream = ctx.new_stream()?;
         let blas = CudaBlas::new(stream.clone())?;
         let dense = DenseKernels::load(&ctx, gpu, cache_dir)?;
