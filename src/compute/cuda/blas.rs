@@ -163,3 +163,49 @@ pub unsafe fn gemm_batched(
     status.result()?;
     Ok(())
 }
+
+/// What [`gemm_batched`] computes, on host f32 slices in cuBLAS's column-major terms (each
+/// slice starting at the first product's matrix): for tests of the shapes and strides the
+/// GPU code passes.
+#[cfg(test)]
+pub fn host_gemm(shape: Gemm, batch: Batch, a: &[f32], b: &[f32], c: &mut [f32]) {
+    for p in 0..batch.count {
+        let (a, b) = (&a[p * batch.stride_a..], &b[p * batch.stride_b..]);
+        let c = &mut c[p * batch.stride_c..];
+        for col in 0..shape.n {
+            for row in 0..shape.m {
+                let mut sum = 0.0;
+                for i in 0..shape.k {
+                    let a_value = if shape.a_transposed {
+                        a[i + row * shape.lda]
+                    } else {
+                        a[row + i * shape.lda]
+                    };
+                    sum += a_value * b[i + col * shape.ldb];
+                }
+                c[row + col * shape.ldc] = sum;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn linear_is_the_row_major_product_with_the_weights_transposed() {
+        // y[n, m] = x[n, k] · W[m, k]ᵀ, as nn.Linear.
+        let (m, n, k) = (3, 2, 4);
+        let w: Vec<f32> = (0..m * k).map(|i| i as f32 * 0.5 - 2.0).collect();
+        let x: Vec<f32> = (0..n * k).map(|i| 1.0 - i as f32 * 0.25).collect();
+        let mut y = vec![0.0; n * m];
+        host_gemm(Gemm::linear(m, n, k), Batch::ONE, &w, &x, &mut y);
+        for r in 0..n {
+            for o in 0..m {
+                let want: f32 = (0..k).map(|i| x[r * k + i] * w[o * k + i]).sum();
+                assert_eq!(y[r * m + o], want);
+            }
+        }
+    }
+}

@@ -791,22 +791,14 @@ impl GpuModel {
                 // The attention query per head: [q_nope · W_uk (lora) | q_rope (rope)].
                 let qb = self.bf16_of(scratch, queries, rows * heads * q_width)?;
                 let query = scratch.f32(rows * heads * key_width)?;
-                let up_rows = nope + v_head_dim;
-                let absorb = Gemm {
-                    a_transposed: false,
-                    m: lora,
-                    n: rows,
-                    k: nope,
-                    lda: lora,
-                    ldb: heads * q_width,
-                    ldc: heads * key_width,
+                let mla = MlaShape {
+                    heads,
+                    nope,
+                    rope,
+                    lora,
+                    v: v_head_dim,
                 };
-                let per_head = Batch {
-                    count: heads,
-                    stride_a: up_rows * lora,
-                    stride_b: q_width,
-                    stride_c: key_width,
-                };
+                let (absorb, per_head) = mla.absorb(rows);
                 let latent_out = scratch.f32(rows * heads * lora)?;
                 // SAFETY: per head, A = rows [h·up_rows, h·up_rows + nope) of kv_up
                 // ([nope, lora] row-major = lora × nope column-major), B = the head's nope
@@ -857,21 +849,7 @@ impl GpuModel {
                 // Expand the attended latents through kv_b's value half, head by head.
                 let lb = self.bf16_of(scratch, latent_out, rows * heads * lora)?;
                 let values = scratch.bf16(rows * heads * v_head_dim)?;
-                let expand = Gemm {
-                    a_transposed: true,
-                    m: v_head_dim,
-                    n: rows,
-                    k: lora,
-                    lda: lora,
-                    ldb: heads * lora,
-                    ldc: heads * v_head_dim,
-                };
-                let per_head = Batch {
-                    count: heads,
-                    stride_a: up_rows * lora,
-                    stride_b: lora,
-                    stride_c: v_head_dim,
-                };
+                let (expand, per_head) = mla.expand(rows);
                 // SAFETY: per head, A = rows [h·up_rows + nope, (h+1)·up_rows) of kv_up
                 // ([v, lora] row-major, transposed), B = the head's latent, C = its values.
                 unsafe {
@@ -879,7 +857,7 @@ impl GpuModel {
                         &self.blas,
                         expand,
                         per_head,
-                        kv_up.ptr + (nope * lora * 2) as u64,
+                        kv_up.ptr + (mla.value_offset() * 2) as u64,
                         lb,
                         values,
                         Output::Bf16,
@@ -925,6 +903,71 @@ impl GpuModel {
     }
 }
 
+/// MLA's per-head products in cuBLAS's column-major terms. `kv_up` is `[heads · (nope + v),
+/// lora]` row-major: for head h, rows `h·(nope+v) ..+ nope` are its key block W_uk (`[nope,
+/// lora]`), the next `v` its value block W_uv (`[v, lora]`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct MlaShape {
+    heads: usize,
+    nope: usize,
+    rope: usize,
+    lora: usize,
+    v: usize,
+}
+
+impl MlaShape {
+    /// Elements from the start of `kv_up` to the first value block.
+    fn value_offset(&self) -> usize {
+        self.nope * self.lora
+    }
+
+    /// Query absorption, per head: `query[r, h, ..lora] = q[r, h, ..nope] · W_uk` — A is
+    /// W_uk (lora × nope column-major), B the head's non-rotary queries in `[rows, heads,
+    /// nope + rope]`, C the first `lora` of each head's slot in `[rows, heads, lora + rope]`.
+    fn absorb(&self, rows: usize) -> (Gemm, Batch) {
+        let q_width = self.nope + self.rope;
+        let key_width = self.lora + self.rope;
+        let gemm = Gemm {
+            a_transposed: false,
+            m: self.lora,
+            n: rows,
+            k: self.nope,
+            lda: self.lora,
+            ldb: self.heads * q_width,
+            ldc: self.heads * key_width,
+        };
+        let batch = Batch {
+            count: self.heads,
+            stride_a: (self.nope + self.v) * self.lora,
+            stride_b: q_width,
+            stride_c: key_width,
+        };
+        (gemm, batch)
+    }
+
+    /// Value expansion, per head: `out[r, h, ..] = latent[r, h, ..] · W_uvᵀ` — A is W_uv
+    /// transposed (from [`MlaShape::value_offset`]), B the attended latents `[rows, heads,
+    /// lora]`, C `[rows, heads, v]`.
+    fn expand(&self, rows: usize) -> (Gemm, Batch) {
+        let gemm = Gemm {
+            a_transposed: true,
+            m: self.v,
+            n: rows,
+            k: self.lora,
+            lda: self.lora,
+            ldb: self.heads * self.lora,
+            ldc: self.heads * self.v,
+        };
+        let batch = Batch {
+            count: self.heads,
+            stride_a: (self.nope + self.v) * self.lora,
+            stride_b: self.lora,
+            stride_c: self.v,
+        };
+        (gemm, batch)
+    }
+}
+
 type StepResult = Result<(), CudaError>;
 
 /// `(layer, normed rows, rows)` → the combined output of the layer's routed experts.
@@ -947,5 +990,91 @@ impl Step {
     /// The device array of sequences' pointers to array `which` of layer `layer`.
     fn pointers(&self, layer: usize, which: usize) -> u64 {
         self.table + (((layer * 2 + which) * self.seqs) * 8) as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::compute::cuda::blas::host_gemm;
+
+    fn values(n: usize, seed: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i + seed) * 7919 % 1009) as f32 / 504.5 - 1.0)
+            .collect()
+    }
+
+    const MLA: MlaShape = MlaShape {
+        heads: 3,
+        nope: 4,
+        rope: 2,
+        lora: 5,
+        v: 6,
+    };
+
+    #[test]
+    fn absorption_puts_each_heads_latent_query_before_its_rotary_slot() {
+        let MlaShape {
+            heads,
+            nope,
+            rope,
+            lora,
+            v,
+        } = MLA;
+        let rows = 2;
+        let kv_up = values(heads * (nope + v) * lora, 1);
+        let q = values(rows * heads * (nope + rope), 2);
+        let untouched = 9.0;
+        let mut query = vec![untouched; rows * heads * (lora + rope)];
+        let (gemm, batch) = MLA.absorb(rows);
+        host_gemm(gemm, batch, &kv_up, &q, &mut query);
+        for r in 0..rows {
+            for h in 0..heads {
+                for i in 0..lora {
+                    let want: f32 = (0..nope)
+                        .map(|j| {
+                            q[(r * heads + h) * (nope + rope) + j]
+                                * kv_up[(h * (nope + v) + j) * lora + i]
+                        })
+                        .sum();
+                    let got = query[(r * heads + h) * (lora + rope) + i];
+                    assert!((got - want).abs() < 1e-5, "row {r} head {h} [{i}]");
+                }
+                for i in lora..lora + rope {
+                    assert_eq!(query[(r * heads + h) * (lora + rope) + i], untouched);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn expansion_applies_each_heads_value_block() {
+        let MlaShape {
+            heads,
+            nope,
+            lora,
+            v,
+            ..
+        } = MLA;
+        let rows = 2;
+        let kv_up = values(heads * (nope + v) * lora, 3);
+        let latent = values(rows * heads * lora, 4);
+        let mut out = vec![0.0; rows * heads * v];
+        let (gemm, batch) = MLA.expand(rows);
+        host_gemm(gemm, batch, &kv_up[MLA.value_offset()..], &latent, &mut out);
+        for r in 0..rows {
+            for h in 0..heads {
+                for o in 0..v {
+                    let want: f32 = (0..lora)
+                        .map(|i| {
+                            latent[(r * heads + h) * lora + i]
+                                * kv_up[(h * (nope + v) + nope + o) * lora + i]
+                        })
+                        .sum();
+                    let got = out[(r * heads + h) * v + o];
+                    assert!((got - want).abs() < 1e-5, "row {r} head {h} [{o}]");
+                }
+            }
+        }
     }
 }
