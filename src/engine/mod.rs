@@ -180,6 +180,9 @@ impl Engine {
             if step.tokens.is_empty() {
                 return Err(EngineError::EmptyPrompt);
             }
+            if step.cache.device.is_some() != self.gpu.is_some() {
+                return Err(EngineError::ForeignCache);
+            }
             if let Some(&token) = step.tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
                 return Err(EngineError::TokenOutOfRange {
                     token,
@@ -252,10 +255,11 @@ impl Engine {
         segments: &[Segment],
         caches: &mut [&mut KvCache],
     ) -> Result<Vec<Vec<f32>>, EngineError> {
-        let mut device_caches = Vec::with_capacity(caches.len());
-        for cache in caches.iter_mut() {
-            device_caches.push(cache.device.as_mut().ok_or(EngineError::ForeignCache)?);
-        }
+        // Every cache is on the GPU (checked by `forward`).
+        let mut device_caches: Vec<_> = caches
+            .iter_mut()
+            .filter_map(|c| c.device.as_mut())
+            .collect();
         let mut routed = |layer: usize, normed: &[f32], rows: usize| match &self.weights.layers
             [layer]
             .feed_forward
