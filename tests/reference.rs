@@ -157,6 +157,125 @@ fn check_whole_model_on_gpu(
          the same {} tokens by {diff}",
         all.len()
     );
+
+    // Two sequences in one step, one decoding and one prefilling, against each alone.
+    let mut first = engine.new_cache();
+    step(&mut first, &reference.prompt_ids);
+    let alone = step(&mut first, &continuation[..1]);
+    let mut decoding = engine.new_cache();
+    step(&mut decoding, &reference.prompt_ids);
+    let mut prefilling = engine.new_cache();
+    let together = engine
+        .forward(&mut [
+            SequenceStep {
+                cache: &mut decoding,
+                tokens: &continuation[..1],
+            },
+            SequenceStep {
+                cache: &mut prefilling,
+                tokens: &all,
+            },
+        ])
+        .unwrap_or_else(|e| panic!("{name}, whole model on GPU, two sequences: {e}"));
+    let diff = max_difference(&together[0], &alone).max(max_difference(&together[1], &prefilled));
+    eprintln!("{name}, whole model on GPU: two sequences in one step vs each alone {diff:e}");
+    assert!(
+        diff <= CACHE_LOGIT_TOLERANCE,
+        "{name}, whole model on GPU: a decode and a prefill in one step differ from each alone \
+         by {diff}"
+    );
+
+    // Many sequences at once, as a server batches them.
+    let prompts: Vec<Vec<u32>> = (0..32u32)
+        .map(|i| {
+            let mut p = reference.prompt_ids.clone();
+            p[0] = (p[0] + i) % on_cpu.last_logits.len() as u32;
+            p
+        })
+        .collect();
+    let diff = batched_against_alone(engine, &prompts, 4);
+    eprintln!("{name}, whole model on GPU: 32 sequences stepped together vs each alone {diff:e}");
+    assert!(
+        diff <= CACHE_LOGIT_TOLERANCE,
+        "{name}, whole model on GPU: 32 sequences stepped together differ from each alone by \
+         {diff}"
+    );
+}
+
+/// Runs each prompt alone (prefill, then `steps` greedy decode steps), then all of them
+/// together in the same steps fed the same tokens; returns the largest logit difference.
+fn batched_against_alone(engine: &Engine, prompts: &[Vec<u32>], steps: usize) -> f32 {
+    let argmax = |l: &[f32]| (0..l.len()).max_by(|&a, &b| l[a].total_cmp(&l[b])).unwrap() as u32;
+    let mut alone = Vec::new();
+    for prompt in prompts {
+        let mut cache = engine.new_cache();
+        let mut tokens = prompt.clone();
+        let mut logits = Vec::new();
+        for _ in 0..=steps {
+            let out = engine
+                .forward(&mut [SequenceStep {
+                    cache: &mut cache,
+                    tokens: &tokens,
+                }])
+                .unwrap()
+                .remove(0);
+            tokens = vec![argmax(&out)];
+            logits.push(out);
+        }
+        alone.push(logits);
+    }
+    let mut caches: Vec<_> = prompts.iter().map(|_| engine.new_cache()).collect();
+    let mut worst = 0f32;
+    for step in 0..=steps {
+        let inputs: Vec<Vec<u32>> = (0..prompts.len())
+            .map(|i| match step {
+                0 => prompts[i].clone(),
+                _ => vec![argmax(&alone[i][step - 1])],
+            })
+            .collect();
+        let mut batch: Vec<SequenceStep> = caches
+            .iter_mut()
+            .zip(&inputs)
+            .map(|(cache, tokens)| SequenceStep { cache, tokens })
+            .collect();
+        let together = engine.forward(&mut batch).unwrap();
+        for (i, logits) in together.iter().enumerate() {
+            worst = worst.max(max_difference(logits, &alone[i][step]));
+        }
+    }
+    worst
+}
+
+/// The demo model the server serves, stepped as the server's 32-stream test does.
+#[test]
+fn demo_model_batched_on_the_gpu_equals_each_sequence_alone() {
+    if let Err(e) = cuda::runtime(None) {
+        assert!(
+            std::env::var_os("MOE_TEST_REQUIRE_GPU").is_none(),
+            "MOE_TEST_REQUIRE_GPU is set: {e}"
+        );
+        eprintln!("GPU backend not checked: {e}");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    moe_node::model::demo::write_demo_model(
+        dir.path(),
+        &moe_node::model::demo::DemoSpec::default(),
+        |_, _| {},
+    )
+    .unwrap();
+    let prompts: Vec<Vec<u32>> = (0..32u32)
+        .map(|i| vec![256, 10 + i, 20 + i % 7, 30 + (i * 3) % 11])
+        .collect();
+    for dense in [false, true] {
+        let engine = cuda::load::engine_on_gpu(dir.path(), 0, dense, None, None).unwrap();
+        let diff = batched_against_alone(&engine, &prompts, 16);
+        eprintln!("demo model, dense on GPU {dense}: 32 sequences together vs alone {diff:e}");
+        assert!(
+            diff <= CACHE_LOGIT_TOLERANCE,
+            "demo model, dense on GPU {dense}: batched logits differ from alone by {diff}"
+        );
+    }
 }
 
 #[test]
