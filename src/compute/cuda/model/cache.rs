@@ -1,0 +1,111 @@
+//! Per-sequence KV caches in GPU memory, and the work buffers of one step.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaStream, DeviceRepr, result};
+
+use super::super::CudaError;
+use super::super::experts::Buffer;
+
+/// Where a layer's cached positions lie for one sequence: two arrays (keys and values for
+/// GQA; MLA keeps one, `[latent | rotary key]` per position, and its values are the keys).
+pub struct DeviceCache {
+    pub(super) layers: Vec<[Option<Buffer>; 2]>,
+    pub(super) widths: [usize; 2],
+    pub(super) capacity: usize,
+    pub(super) max_positions: usize,
+}
+
+impl std::fmt::Debug for DeviceCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceCache")
+            .field("layers", &self.layers.len())
+            .field("widths", &self.widths)
+            .field("capacity", &self.capacity)
+            .finish()
+    }
+}
+
+impl DeviceCache {
+    /// Bytes of GPU memory held.
+    pub fn bytes(&self) -> usize {
+        self.layers.len() * self.capacity * (self.widths[0] + self.widths[1]) * 4
+    }
+
+    /// Makes room for `positions` positions, keeping the first `kept`: capacity doubles (a
+    /// sequence's growth costs O(length) copies in all), bounded by the model's context.
+    pub(super) fn reserve(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        positions: usize,
+        kept: usize,
+    ) -> Result<(), CudaError> {
+        if positions <= self.capacity {
+            return Ok(());
+        }
+        let capacity = positions
+            .max(self.capacity * 2)
+            .max(64)
+            .min(self.max_positions.max(positions));
+        for layer in &mut self.layers {
+            for (slot, &width) in layer.iter_mut().zip(&self.widths) {
+                if width == 0 {
+                    continue;
+                }
+                let grown = Buffer::new(stream, capacity * width * 4)?;
+                if let Some(old) = slot.as_ref()
+                    && kept > 0
+                {
+                    // SAFETY: both buffers hold at least `kept` positions of `width` f32; the
+                    // old one is freed in stream order, after the copy.
+                    unsafe {
+                        result::memcpy_dtod_async(
+                            grown.ptr,
+                            old.ptr,
+                            kept * width * 4,
+                            stream.cu_stream(),
+                        )?
+                    };
+                }
+                *slot = Some(grown);
+            }
+        }
+        self.capacity = capacity;
+        Ok(())
+    }
+
+    pub(super) fn ptr(&self, layer: usize, which: usize) -> u64 {
+        self.layers[layer][which].as_ref().map_or(0, |b| b.ptr)
+    }
+}
+
+/// Allocations of one step, freed (in stream order) when it ends.
+pub(super) struct Scratch<'s> {
+    pub(super) stream: &'s Arc<CudaStream>,
+    pub(super) held: Vec<Buffer>,
+}
+
+impl Scratch<'_> {
+    pub(super) fn f32(&mut self, n: usize) -> Result<u64, CudaError> {
+        self.bytes(n * 4)
+    }
+
+    pub(super) fn bf16(&mut self, n: usize) -> Result<u64, CudaError> {
+        self.bytes(n * 2)
+    }
+
+    fn bytes(&mut self, bytes: usize) -> Result<u64, CudaError> {
+        let buffer = Buffer::new(self.stream, bytes)?;
+        let ptr = buffer.ptr;
+        self.held.push(buffer);
+        Ok(ptr)
+    }
+
+    pub(super) fn upload<T: DeviceRepr>(&mut self, values: &[T]) -> Result<u64, CudaError> {
+        let ptr = self.bytes(std::mem::size_of_val(values))?;
+        // SAFETY: the buffer holds `values`; a copy from pageable memory has read it before
+        // returning.
+        unsafe { result::memcpy_htod_async(ptr, values, self.stream.cu_stream())? };
+        Ok(ptr)
+    }
+}

@@ -1,0 +1,353 @@
+//! The dense part of a model on one GPU: every decoder layer's norms, attention over a KV
+//! cache kept on the GPU, the dense MLPs and shared experts, the final norm and the lm head,
+//! with bf16 weights, bf16 inputs to the products and f32 everywhere else (the residual
+//! stream, norms, rotary, softmax). The host sends the step's embedding rows and rotary
+//! tables and gets the logits back. Routed experts stay behind the engine's
+//! [`crate::moe::ExpertExecutor`] (device actors, other nodes): at each MoE layer the
+//! normalised rows go to the host, the host routes them (the CPU's gate, so routing equals
+//! the CPU backend's for the same rows), and the combined expert output comes back.
+
+use std::sync::Arc;
+
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{CudaContext, CudaStream, result, sys};
+
+use super::blas::{self, Gemm, Output};
+use super::dense::DenseKernels;
+use super::moe::MoeKernels;
+use super::{CudaError, GpuInfo};
+use crate::engine::attention::Segment;
+use crate::engine::rope::RopeAngles;
+use crate::model::config::{AttentionConfig, ModelConfig};
+use crate::model::weights::DenseWeights;
+pub use cache::DeviceCache;
+use cache::Scratch;
+use weights::{Layer, Matrix, Mlp, Norm, Uploaded, weight_bytes};
+
+mod attention;
+mod cache;
+mod weights;
+
+/// The dense part of a model, resident on one GPU.
+pub struct GpuModel {
+    pub gpu: GpuInfo,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    dense: DenseKernels,
+    moe: MoeKernels,
+    layers: Vec<Layer>,
+    final_norm: Norm,
+    lm_head: Matrix,
+    config: ModelConfig,
+    softmax_scale: f32,
+    interleaved: bool,
+    weight_bytes: usize,
+}
+
+/// Lets the GPU's default memory pool keep what a step frees: each step's work buffers come
+/// from the pool (stream-ordered) and, with the default threshold of 0, would go back to the
+/// driver at every synchronisation (once per MoE layer) and be mapped again.
+fn keep_freed_memory(ctx: &CudaContext) -> Result<(), CudaError> {
+    let mut pool = std::mem::MaybeUninit::<sys::CUmemoryPool>::uninit();
+    let mut threshold = u64::MAX;
+    // SAFETY: `pool` is written by the driver before it is read; the attribute takes a u64.
+    unsafe {
+        sys::cuDeviceGetDefaultMemPool(pool.as_mut_ptr(), ctx.cu_device()).result()?;
+        sys::cuMemPoolSetAttribute(
+            pool.assume_init(),
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            &mut threshold as *mut u64 as *mut std::ffi::c_void,
+        )
+        .result()?;
+    }
+    Ok(())
+}
+
+impl GpuModel {
+    /// Uploads `weights` to GPU `gpu` after checking that they fit in `memory_fraction` of
+    /// its free memory.
+    pub fn load(
+        gpu: &GpuInfo,
+        config: &ModelConfig,
+        weights: &DenseWeights,
+        softmax_scale: f32,
+        interleaved: bool,
+        memory_fraction: f64,
+        cache_dir: Option<&std::path::Path>,
+    ) -> Result<GpuModel, CudaError> {
+        let ctx = CudaContext::new(gpu.ordinal)?;
+        // SAFETY: one stream, used by one thread at a time (the engine holds a lock).
+        unsafe { ctx.disable_event_tracking() };
+        let (free, _) = ctx.mem_get_info()?;
+        let need = weight_bytes(weights);
+        let usable = (free as f64 * memory_fraction) as usize;
+        if need > usable {
+            return Err(CudaError::DenseDoesNotFit {
+                gpu: gpu.ordinal,
+                need_mib: need.div_ceil(1 << 20),
+                usable_mib: usable >> 20,
+            });
+        }
+        keep_freed_memory(&ctx)?;
+        let stream = ctx.new_stream()?;
+        let blas = CudaBlas::new(stream.clone())?;
+        let dense = DenseKernels::load(&ctx, gpu, cache_dir)?;
+        let moe = MoeKernels::load(&ctx, gpu, cache_dir)?;
+
+        let Uploaded {
+            layers,
+            final_norm,
+            lm_head,
+        } = weights::upload(&stream, weights)?;
+        let model = GpuModel {
+            gpu: gpu.clone(),
+            final_norm,
+            lm_head,
+            blas,
+            dense,
+            moe,
+            layers,
+            config: config.clone(),
+            softmax_scale,
+            interleaved,
+            weight_bytes: need,
+            stream,
+        };
+        model.stream.synchronize()?;
+        tracing::info!(
+            gpu = gpu.ordinal,
+            weight_mib = need >> 20,
+            "dense part of the model on the GPU"
+        );
+        Ok(model)
+    }
+
+    pub fn weight_bytes(&self) -> usize {
+        self.weight_bytes
+    }
+
+    /// An empty cache for one sequence; it takes GPU memory as it grows.
+    pub fn new_cache(&self) -> DeviceCache {
+        let widths = match self.config.attention {
+            AttentionConfig::Gqa {
+                num_kv_heads,
+                head_dim,
+                ..
+            } => [num_kv_heads * head_dim, num_kv_heads * head_dim],
+            AttentionConfig::Mla {
+                kv_lora_rank,
+                qk_rope_head_dim,
+                ..
+            } => [kv_lora_rank + qk_rope_head_dim, 0],
+        };
+        DeviceCache {
+            layers: (0..self.config.num_layers).map(|_| [None, None]).collect(),
+            widths,
+            capacity: 0,
+            max_positions: self.config.max_position_embeddings,
+        }
+    }
+
+    /// `y[rows, out] = x[rows, in] · Wᵀ (+ bias)`, x bf16 on the GPU.
+    fn linear(&self, m: &Matrix, x: u64, rows: usize, y: u64, output: Output) -> StepResult {
+        // SAFETY: `x` holds `[rows, in]` bf16 and `y` room for `[rows, out]` (the callers
+        // size them from the same matrix).
+        unsafe {
+            blas::gemm(
+                &self.blas,
+                Gemm::linear(m.out, rows, m.inp),
+                m.weight.ptr,
+                x,
+                y,
+                output,
+            )?;
+            if let Some(bias) = &m.bias {
+                // Only f32 outputs carry biases (MLP gate/up biases are refused at load).
+                self.dense
+                    .add_bias(&self.stream, y, rows, m.out, bias.ptr)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// f32 → bf16 of `n` values into a new scratch buffer.
+    fn bf16_of(&self, scratch: &mut Scratch, x: u64, n: usize) -> Result<u64, CudaError> {
+        let out = scratch.bf16(n)?;
+        // SAFETY: `x` holds `n` f32; `out` room for `n` bf16.
+        unsafe { self.moe.to_bf16(&self.stream, x, n, out)? };
+        Ok(out)
+    }
+
+    /// RMSNorm of `rows` rows of `width` (packed) into `out`.
+    fn norm(&self, n: &Norm, x: u64, rows: usize, width: usize, out: u64) -> StepResult {
+        // SAFETY: `x`, `out`: `[rows, width]` f32; the weight has `width` values.
+        unsafe {
+            self.dense.rms_norm(
+                &self.stream,
+                x,
+                rows,
+                width,
+                width,
+                n.weight.ptr,
+                n.eps,
+                out,
+            )
+        }
+    }
+
+    /// A SwiGLU block over `rows` bf16 rows; returns f32 `[rows, H]`.
+    fn mlp(&self, m: &Mlp, scratch: &mut Scratch, x: u64, rows: usize) -> Result<u64, CudaError> {
+        let inter = m.gate_up.out / 2;
+        let gate_up = scratch.bf16(rows * m.gate_up.out)?;
+        self.linear(&m.gate_up, x, rows, gate_up, Output::Bf16)?;
+        let act = scratch.bf16(rows * inter)?;
+        // SAFETY: `gate_up`: `[rows, 2·I]` bf16; `act`: room for `[rows, I]` bf16.
+        unsafe { self.moe.swiglu(&self.stream, gate_up, rows, inter, act)? };
+        let out = scratch.f32(rows * m.down.out)?;
+        self.linear(&m.down, act, rows, out, Output::F32)?;
+        Ok(out)
+    }
+
+    /// Runs every layer over the step's rows, then the final norm and the lm head on each
+    /// segment's last row. `hidden` holds the rows' embeddings; caches are extended (their
+    /// lengths are the caller's to advance); `routed(layer, normed, rows)` returns the
+    /// combined routed-expert output of an MoE layer. Returns `[segments, vocab]` logits.
+    pub fn forward<E: From<CudaError>>(
+        &self,
+        hidden: &[f32],
+        angles: &[RopeAngles],
+        segments: &[Segment],
+        caches: &mut [&mut DeviceCache],
+        routed: &mut RoutedExperts<E>,
+    ) -> Result<Vec<f32>, E> {
+        let stream = &self.stream;
+        let cfg = &self.config;
+        let h = cfg.hidden_size;
+        let rows = hidden.len() / h;
+        for (cache, segment) in caches.iter_mut().zip(segments) {
+            let end = segment.start_position + segment.rows.len();
+            cache.reserve(stream, end, segment.start_position)?;
+        }
+        let mut scratch = Scratch {
+            stream,
+            held: Vec::new(),
+        };
+        let x = scratch.upload(hidden)?;
+        let cos: Vec<f32> = angles.iter().flat_map(|a| a.cos.iter().copied()).collect();
+        let sin: Vec<f32> = angles.iter().flat_map(|a| a.sin.iter().copied()).collect();
+        let rope_dim = angles.first().map_or(0, |a| a.cos.len() * 2);
+        let mut row_seq = Vec::with_capacity(rows);
+        let mut row_pos = Vec::with_capacity(rows);
+        for (s, segment) in segments.iter().enumerate() {
+            for i in 0..segment.rows.len() {
+                row_seq.push(s as i32);
+                row_pos.push((segment.start_position + i) as i32);
+            }
+        }
+        // One pointer per (layer, array, sequence).
+        let seqs = caches.len();
+        let mut table = Vec::with_capacity(self.layers.len() * 2 * seqs);
+        for l in 0..self.layers.len() {
+            for which in 0..2 {
+                table.extend(caches.iter().map(|c| c.ptr(l, which)));
+            }
+        }
+        let step = Step {
+            rows,
+            cos: scratch.upload(&cos)?,
+            sin: scratch.upload(&sin)?,
+            rope_dim,
+            row_seq: scratch.upload(&row_seq)?,
+            row_pos: scratch.upload(&row_pos)?,
+            table: scratch.upload(&table)?,
+            seqs,
+        };
+
+        let normed = scratch.f32(rows * h)?;
+        // Buffers of the whole step; each layer's own are dropped after it.
+        let step_buffers = scratch.held.len();
+        let mut normed_host = Vec::new();
+        for (l, layer) in self.layers.iter().enumerate() {
+            self.norm(&layer.input_norm, x, rows, h, normed)?;
+            let xb = self.bf16_of(&mut scratch, normed, rows * h)?;
+            let attended = self.attention(l, &layer.attention, &step, &mut scratch, xb)?;
+            // SAFETY: both `[rows, H]` f32.
+            unsafe { self.dense.add_rows(stream, x, attended, rows * h)? };
+            self.norm(&layer.post_norm, x, rows, h, normed)?;
+            let xb = self.bf16_of(&mut scratch, normed, rows * h)?;
+            if let Some(mlp) = &layer.mlp {
+                let out = self.mlp(mlp, &mut scratch, xb, rows)?;
+                // SAFETY: both `[rows, H]` f32.
+                unsafe { self.dense.add_rows(stream, x, out, rows * h)? };
+            }
+            if layer.moe {
+                normed_host.resize(rows * h, 0.0);
+                // SAFETY: `normed` holds `[rows, H]` f32; synchronised before it is read.
+                unsafe {
+                    result::memcpy_dtoh_async(&mut normed_host[..], normed, stream.cu_stream())
+                        .map_err(CudaError::from)?
+                };
+                stream.synchronize().map_err(CudaError::from)?;
+                let out = routed(l, &normed_host, rows)?;
+                let out = scratch.upload(&out)?;
+                // SAFETY: both `[rows, H]` f32.
+                unsafe { self.dense.add_rows(stream, x, out, rows * h)? };
+            }
+            // This layer's temporaries are no longer needed (freed in stream order).
+            scratch.held.truncate(step_buffers);
+        }
+
+        self.norm(&self.final_norm, x, rows, h, normed)?;
+        let xb = self.bf16_of(&mut scratch, normed, rows * h)?;
+        let last: Vec<i32> = segments.iter().map(|s| (s.rows.end - 1) as i32).collect();
+        let last_ptr = scratch.upload(&last)?;
+        let last_rows = scratch.bf16(segments.len() * h)?;
+        // SAFETY: `xb`: `[rows, H]` bf16, every index < rows; `last_rows` room for them.
+        unsafe {
+            self.moe
+                .gather_rows(stream, xb, last_ptr, segments.len(), h, last_rows)?
+        };
+        let vocab = self.lm_head.out;
+        let logits = scratch.f32(segments.len() * vocab)?;
+        self.linear(
+            &self.lm_head,
+            last_rows,
+            segments.len(),
+            logits,
+            Output::F32,
+        )?;
+        let mut out = vec![0f32; segments.len() * vocab];
+        // SAFETY: `logits` holds `[segments, vocab]` f32; synchronised before it is read.
+        unsafe {
+            result::memcpy_dtoh_async(&mut out[..], logits, stream.cu_stream())
+                .map_err(CudaError::from)?
+        };
+        stream.synchronize().map_err(CudaError::from)?;
+        Ok(out)
+    }
+}
+
+type StepResult = Result<(), CudaError>;
+
+/// `(layer, normed rows, rows)` → the combined output of the layer's routed experts.
+pub type RoutedExperts<'a, E> = dyn FnMut(usize, &[f32], usize) -> Result<Vec<f32>, E> + 'a;
+
+/// What every layer of one step reads.
+struct Step {
+    rows: usize,
+    cos: u64,
+    sin: u64,
+    rope_dim: usize,
+    row_seq: u64,
+    row_pos: u64,
+    /// `[layers, 2, seqs]` cache pointers.
+    table: u64,
+    seqs: usize,
+}
+
+impl Step {
+    /// The device array of sequences' pointers to array `which` of layer `layer`.
+    fn pointers(&self, layer: usize, which: usize) -> u64 {
+        self.table + (((layer * 2 + which) * self.seqs) * 8) as u64
+    }
+}

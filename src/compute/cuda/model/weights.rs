@@ -1,0 +1,251 @@
+//! The dense weights as the GPU holds them: projections in bf16 (an MLP's gate and up
+//! stacked into one product), norms and biases in f32, uploaded once at load.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaStream, DeviceRepr, result};
+use half::bf16;
+
+use super::super::CudaError;
+use super::super::experts::Buffer;
+use crate::compute::cpu::{Linear, SwiGlu};
+use crate::model::weights::{
+    AttentionWeights, DenseWeights, FeedForward, QueryProjection, RmsNorm,
+};
+
+/// A projection: bf16 `[out, in]` and its f32 bias.
+pub(super) struct Matrix {
+    pub(super) weight: Buffer,
+    pub(super) bias: Option<Buffer>,
+    pub(super) out: usize,
+    pub(super) inp: usize,
+}
+
+pub(super) struct Norm {
+    pub(super) weight: Buffer,
+    pub(super) eps: f32,
+}
+
+/// A SwiGLU block with gate and up stacked into one `[2·I, H]` product.
+pub(super) struct Mlp {
+    pub(super) gate_up: Matrix,
+    pub(super) down: Matrix,
+}
+
+// One per layer: the size difference costs nothing.
+#[allow(clippy::large_enum_variant)]
+pub(super) enum Query {
+    Direct(Matrix),
+    LowRank {
+        down: Matrix,
+        norm: Norm,
+        up: Matrix,
+    },
+}
+
+pub(super) enum Attention {
+    Gqa {
+        q: Matrix,
+        k: Matrix,
+        v: Matrix,
+        o: Matrix,
+        q_norm: Option<Norm>,
+        k_norm: Option<Norm>,
+    },
+    Mla {
+        q: Query,
+        kv_down: Matrix,
+        kv_norm: Norm,
+        /// `kv_b_proj` as bf16 `[heads · (nope + v), kv_lora_rank]`, used per head.
+        kv_up: Buffer,
+        o: Matrix,
+    },
+}
+
+pub(super) struct Layer {
+    pub(super) input_norm: Norm,
+    pub(super) attention: Attention,
+    pub(super) post_norm: Norm,
+    /// The dense MLP, or the shared expert of an MoE layer.
+    pub(super) mlp: Option<Mlp>,
+    pub(super) moe: bool,
+}
+
+/// Everything [`upload`] puts on the GPU.
+pub(super) struct Uploaded {
+    pub(super) layers: Vec<Layer>,
+    pub(super) final_norm: Norm,
+    pub(super) lm_head: Matrix,
+}
+
+/// Everything the weights will take on the GPU, in bytes.
+pub(super) fn weight_bytes(weights: &DenseWeights) -> usize {
+    fn linear(l: &Linear) -> usize {
+        l.weight.len() * 2 + l.bias.as_ref().map_or(0, |b| b.len() * 4)
+    }
+    fn mlp(m: &SwiGlu) -> usize {
+        linear(&m.gate) + linear(&m.up) + linear(&m.down)
+    }
+    let norm = |n: &RmsNorm| n.weight.len() * 4;
+    let layers: usize = weights
+        .layers
+        .iter()
+        .map(|l| {
+            let attention = match &l.attention {
+                AttentionWeights::Gqa {
+                    q,
+                    k,
+                    v,
+                    o,
+                    q_norm,
+                    k_norm,
+                } => {
+                    linear(q)
+                        + linear(k)
+                        + linear(v)
+                        + linear(o)
+                        + q_norm.as_ref().map_or(0, norm)
+                        + k_norm.as_ref().map_or(0, norm)
+                }
+                AttentionWeights::Mla {
+                    q,
+                    kv_down,
+                    kv_norm,
+                    kv_up,
+                    o,
+                } => {
+                    let q = match q {
+                        QueryProjection::Direct(p) => linear(p),
+                        QueryProjection::LowRank { down, norm: n, up } => {
+                            linear(down) + norm(n) + linear(up)
+                        }
+                    };
+                    q + linear(kv_down) + norm(kv_norm) + linear(kv_up) + linear(o)
+                }
+            };
+            let ff = match &l.feed_forward {
+                FeedForward::Dense(m) => mlp(m),
+                FeedForward::Moe(moe) => moe.shared_expert.as_ref().map_or(0, mlp),
+            };
+            attention + ff + norm(&l.input_norm) + norm(&l.post_attention_norm)
+        })
+        .sum();
+    layers + linear(weights.lm_head()) + norm(&weights.final_norm)
+}
+
+fn to_bf16(values: &[f32]) -> Vec<bf16> {
+    values.iter().map(|&v| bf16::from_f32(v)).collect()
+}
+
+/// Uploads host values into a new buffer (synchronised by the caller before `values` go).
+fn upload_values<T: DeviceRepr>(
+    stream: &Arc<CudaStream>,
+    values: &[T],
+) -> Result<Buffer, CudaError> {
+    let buffer = Buffer::new(stream, std::mem::size_of_val(values))?;
+    // SAFETY: the buffer holds `values`; a copy from pageable memory has read it before
+    // returning.
+    unsafe { result::memcpy_htod_async(buffer.ptr, values, stream.cu_stream())? };
+    Ok(buffer)
+}
+
+/// Uploads the dense weights (as bf16 where they are products), layer by layer.
+pub(super) fn upload(
+    stream: &Arc<CudaStream>,
+    weights: &DenseWeights,
+) -> Result<Uploaded, CudaError> {
+    let matrix = |l: &Linear| -> Result<Matrix, CudaError> {
+        Ok(Matrix {
+            weight: upload_values(stream, &to_bf16(&l.weight))?,
+            bias: l
+                .bias
+                .as_deref()
+                .map(|b| upload_values(stream, b))
+                .transpose()?,
+            out: l.out_features,
+            inp: l.in_features,
+        })
+    };
+    let norm = |n: &RmsNorm| -> Result<Norm, CudaError> {
+        Ok(Norm {
+            weight: upload_values(stream, &n.weight)?,
+            eps: n.eps,
+        })
+    };
+    let mlp = |m: &SwiGlu| -> Result<Mlp, CudaError> {
+        if m.gate.bias.is_some() || m.up.bias.is_some() {
+            return Err(CudaError::Unsupported(
+                "biases on an MLP's gate or up projection".into(),
+            ));
+        }
+        let mut stacked = to_bf16(&m.gate.weight);
+        stacked.extend(to_bf16(&m.up.weight));
+        Ok(Mlp {
+            gate_up: Matrix {
+                weight: upload_values(stream, &stacked)?,
+                bias: None,
+                out: m.gate.out_features + m.up.out_features,
+                inp: m.gate.in_features,
+            },
+            down: matrix(&m.down)?,
+        })
+    };
+    let mut layers = Vec::with_capacity(weights.layers.len());
+    for l in &weights.layers {
+        let attention = match &l.attention {
+            AttentionWeights::Gqa {
+                q,
+                k,
+                v,
+                o,
+                q_norm,
+                k_norm,
+            } => Attention::Gqa {
+                q: matrix(q)?,
+                k: matrix(k)?,
+                v: matrix(v)?,
+                o: matrix(o)?,
+                q_norm: q_norm.as_ref().map(norm).transpose()?,
+                k_norm: k_norm.as_ref().map(norm).transpose()?,
+            },
+            AttentionWeights::Mla {
+                q,
+                kv_down,
+                kv_norm,
+                kv_up,
+                o,
+            } => Attention::Mla {
+                q: match q {
+                    QueryProjection::Direct(p) => Query::Direct(matrix(p)?),
+                    QueryProjection::LowRank { down, norm: n, up } => Query::LowRank {
+                        down: matrix(down)?,
+                        norm: norm(n)?,
+                        up: matrix(up)?,
+                    },
+                },
+                kv_down: matrix(kv_down)?,
+                kv_norm: norm(kv_norm)?,
+                kv_up: upload_values(stream, &to_bf16(&kv_up.weight))?,
+                o: matrix(o)?,
+            },
+        };
+        let (ff, moe) = match &l.feed_forward {
+            FeedForward::Dense(m) => (Some(mlp(m)?), false),
+            FeedForward::Moe(w) => (w.shared_expert.as_ref().map(mlp).transpose()?, true),
+        };
+        layers.push(Layer {
+            input_norm: norm(&l.input_norm)?,
+            attention,
+            post_norm: norm(&l.post_attention_norm)?,
+            mlp: ff,
+            moe,
+        });
+        // Each layer's host copies go before the next layer's are made.
+        stream.synchronize()?;
+    }
+    Ok(Uploaded {
+        layers,
+        final_norm: norm(&weights.final_norm)?,
+        lm_head: matrix(weights.lm_head())?,
+    })
+}
