@@ -4,7 +4,10 @@
 //! distinct experts read, at small batch) and its TFLOP/s (at large batch), against the
 //! card's own copy bandwidth and bf16 GEMM rate measured first in the same run. Where every
 //! expert gets at most 8 rows, the same pass is also timed with the grouped GEMV kernel in
-//! place of cuBLAS's grouped GEMM.
+//! place of cuBLAS's grouped GEMM. "host ms" times the same expert groups the way a node's
+//! device actor runs them today: f32 rows from host memory through `GpuExperts::run` (staged
+//! into pinned memory, converted, the two grouped products, and back to the host), which is
+//! what a step pays per MoE layer when its rows are not already on the GPU.
 //!
 //!     cargo bench --bench moe_layer_gpu
 //!
@@ -174,7 +177,7 @@ fn main() {
             intermediate: INTERMEDIATE,
             num_experts: shape.experts,
             max_rows: max_tokens * shape.top_k,
-            host_io: false,
+            host_io: true,
         };
         // Kimi K2's router: sigmoid scores, one group, normalised, scaled.
         let gate = Gate {
@@ -204,7 +207,7 @@ fn main() {
             started.elapsed().as_secs_f64()
         );
         println!(
-            "{:>6} {:>10} {:>8} {:>9} {:>7} {:>9} {:>7} {:>10} {:>7}",
+            "{:>6} {:>10} {:>8} {:>9} {:>7} {:>9} {:>7} {:>10} {:>7} {:>8}",
             "tokens",
             "ms",
             "experts",
@@ -213,8 +216,14 @@ fn main() {
             "TFLOP/s",
             "of GEMM",
             "GEMV ms",
-            "of copy"
+            "of copy",
+            "host ms"
         );
+        // Rows as the router would hand them over: f32 in host memory.
+        let host_rows: Vec<f32> = random_bf16(max_tokens * shape.top_k * HIDDEN, 13, 1.0)
+            .into_iter()
+            .map(f32::from)
+            .collect();
         for &t in &tokens {
             layer.experts.gemv_rows = 0;
             let seconds = time(|| layer.forward(t).unwrap(), 1.5, 50);
@@ -239,8 +248,29 @@ fn main() {
                 ),
                 None => ("-".into(), "-".into()),
             };
+            // The same groups from host rows, as a device actor runs them.
+            let ids = layer.routing(t).unwrap().ids;
+            let mut counts = vec![0usize; shape.experts];
+            for &e in &ids {
+                counts[e as usize] += 1;
+            }
+            let mut groups = Vec::new();
+            let mut at = 0;
+            for (e, &c) in counts.iter().enumerate() {
+                if c > 0 {
+                    groups.push((e as u32, &host_rows[at * HIDDEN..(at + c) * HIDDEN]));
+                    at += c;
+                }
+            }
+            let host_seconds = time(
+                || {
+                    layer.experts.run(0, &groups).unwrap();
+                },
+                1.5,
+                50,
+            );
             println!(
-                "{:>6} {:>10.3} {:>8} {:>9.0} {:>6.0}% {:>9.1} {:>6.0}% {:>10} {:>7}",
+                "{:>6} {:>10.3} {:>8} {:>9.0} {:>6.0}% {:>9.1} {:>6.0}% {:>10} {:>7} {:>8.3}",
                 t,
                 seconds * 1e3,
                 active,
@@ -249,7 +279,8 @@ fn main() {
                 achieved_flops / 1e12,
                 100.0 * achieved_flops / flops,
                 gemv_ms,
-                gemv_share
+                gemv_share,
+                host_seconds * 1e3
             );
             if let Some(f) = &mut out {
                 writeln!(
@@ -260,6 +291,7 @@ fn main() {
                         "top_k": shape.top_k, "tokens": t, "seconds": seconds,
                         "active_experts": active, "bytes_per_s": achieved_bw,
                         "flops": achieved_flops, "gemv_seconds": gemv_seconds,
+                        "host_rows_seconds": host_seconds,
                     })
                 )
                 .unwrap();
