@@ -12,6 +12,7 @@ use std::sync::Arc;
 use cudarc::cublas::{CudaBlas, sys as blas};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice, result};
 use half::bf16;
+use rayon::prelude::*;
 
 use super::moe::MoeKernels;
 use super::{CudaError, GpuInfo};
@@ -331,11 +332,7 @@ impl GpuExperts {
             };
             let host_in = self.host_in.as_mut().ok_or_else(no_host_io)?;
             let staged = &mut host_in.as_mut_slice()?[..rows * h];
-            let mut at = 0;
-            for (_, input) in chunk {
-                staged[at..at + input.len()].copy_from_slice(input);
-                at += input.len();
-            }
+            copy_in_parallel(chunk.iter().map(|(_, input)| *input), staged);
             let cu = self.stream.cu_stream();
             // SAFETY: `rows` rows fit the f32 input buffer and, as bf16, the grouped input;
             // the staging buffer is not touched until the stream is synchronised below.
@@ -356,10 +353,20 @@ impl GpuExperts {
                 result::memcpy_dtoh_async(&mut *out_host, self.y_f32, cu)?;
             }
             self.stream.synchronize()?;
-            let mut offset = 0;
+            // Each group's output into its own vector, spread over the pool: at prefill
+            // sizes these are hundreds of MB, and one thread copying them (and faulting in
+            // the new pages) took longer than the GPU's work.
+            let mut pieces = Vec::with_capacity(sizes.len());
+            let mut rest: &[f32] = out_host;
             for size in sizes {
-                outputs.push(out_host[offset * h..(offset + size) * h].to_vec());
-                offset += size;
+                let (piece, tail) = rest.split_at(size * h);
+                pieces.push(piece);
+                rest = tail;
+            }
+            if rows * h >= PARALLEL_COPY_VALUES {
+                outputs.par_extend(pieces.into_par_iter().map(<[f32]>::to_vec));
+            } else {
+                outputs.extend(pieces.into_iter().map(<[f32]>::to_vec));
             }
             start = end;
         }
@@ -549,6 +556,32 @@ impl GpuExperts {
         Ok(())
     }
 }
+
+/// Copies `sources` one after another into `dst`, spread over the rayon pool (the staging
+/// copy into pinned memory is hundreds of MB at prefill sizes).
+fn copy_in_parallel<'a>(sources: impl Iterator<Item = &'a [f32]>, dst: &mut [f32]) {
+    let parallel = dst.len() >= PARALLEL_COPY_VALUES;
+    let mut pairs = Vec::new();
+    let mut rest = dst;
+    for source in sources {
+        let (piece, tail) = rest.split_at_mut(source.len());
+        pairs.push((piece, source));
+        rest = tail;
+    }
+    if parallel {
+        pairs
+            .into_par_iter()
+            .for_each(|(piece, source)| piece.copy_from_slice(source));
+    } else {
+        for (piece, source) in pairs {
+            piece.copy_from_slice(source);
+        }
+    }
+}
+
+/// Below this many values (4 MiB), copies stay on the calling thread: handing them to the
+/// pool costs more than it saves.
+const PARALLEL_COPY_VALUES: usize = 1 << 20;
 
 /// `n` reproducible values in `[-scale, scale)` (xorshift: plausible weights and
 /// activations for tests and benchmarks, not good randomness).
