@@ -440,15 +440,8 @@ fn check_attention(mla: bool, window: usize) {
     let c = AttentionCase::new(mla, window);
     let shape = &c.shape;
     let mut input = format!(
-        "{} {} {} {} {} {} {} {} {:e} {} {}\n",
-        shape.heads,
-        shape.group,
-        shape.key_width,
-        shape.value_width,
-        shape.kv_stride,
-        shape.key_head_stride,
-        shape.value_head_stride,
-        window,
+        "{} {:e} {} {}\n",
+        join(&shape.kernel_ints()),
         shape.scale,
         mla as i32,
         c.keys.len()

@@ -20,7 +20,7 @@ use rope::{Rope, yarn_mscale};
 pub use sampling::{Sampler, SamplingParams};
 
 use crate::compute::cpu::{add_in_place, rms_norm};
-use crate::compute::cuda::model::GpuModel;
+use crate::compute::cuda::model::{DeviceCache, GpuModel};
 use crate::compute::cuda::{CudaError, GpuInfo};
 use crate::model::config::{AttentionConfig, RopeScaling};
 use crate::model::weights::{FeedForward, load_all_experts};
@@ -59,7 +59,6 @@ pub struct Engine {
     weights: DenseWeights,
     rope: Rope,
     softmax_scale: f32,
-    interleaved: bool,
     experts: Arc<dyn ExpertExecutor>,
     /// The dense part on a GPU, when placed there; one step at a time on its stream.
     gpu: Option<Mutex<GpuModel>>,
@@ -117,7 +116,6 @@ impl Engine {
         Engine {
             rope: Rope::new(&config.rope, interleaved),
             softmax_scale: softmax_scale as f32,
-            interleaved,
             config,
             weights,
             experts,
@@ -139,18 +137,12 @@ impl Engine {
             &self.config,
             &self.weights,
             self.softmax_scale,
-            self.interleaved,
+            self.rope.interleaved(),
             memory_fraction,
             kernel_cache,
         )?;
         self.gpu = Some(Mutex::new(model));
         Ok(())
-    }
-
-    /// The GPU running the dense part, if one does.
-    pub fn dense_gpu(&self) -> Option<usize> {
-        let gpu = self.gpu.as_ref()?;
-        Some(gpu.lock().unwrap_or_else(|e| e.into_inner()).gpu.ordinal)
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -159,9 +151,7 @@ impl Engine {
 
     pub fn new_cache(&self) -> KvCache {
         match &self.gpu {
-            Some(gpu) => {
-                KvCache::on_device(gpu.lock().unwrap_or_else(|e| e.into_inner()).new_cache())
-            }
+            Some(_) => KvCache::on_device(DeviceCache::new(&self.config)),
             None => KvCache::new(&self.config),
         }
     }

@@ -83,6 +83,11 @@ impl Rope {
         }
     }
 
+    /// Whether pairs are DeepSeek's interleaved ones.
+    pub fn interleaved(&self) -> bool {
+        self.interleaved
+    }
+
     pub fn angles(&self, position: usize) -> RopeAngles {
         let (cos, sin) = self
             .inv_freq

@@ -52,6 +52,24 @@ pub struct AttentionShape {
     pub scale: f32,
 }
 
+impl AttentionShape {
+    /// The shape's integer arguments in `attend`'s order: heads, group, dk, dv, kv_stride,
+    /// k_head_stride, v_head_stride, window (0: none).
+    pub fn kernel_ints(&self) -> [i32; 8] {
+        [
+            self.heads,
+            self.group,
+            self.key_width,
+            self.value_width,
+            self.kv_stride,
+            self.key_head_stride,
+            self.value_head_stride,
+            self.window.unwrap_or(0),
+        ]
+        .map(|v| v as i32)
+    }
+}
+
 impl DenseKernels {
     pub fn load(
         ctx: &Arc<CudaContext>,
@@ -278,17 +296,7 @@ impl DenseKernels {
         row_pos: u64,
         out: u64,
     ) -> Result<(), CudaError> {
-        let ints = [
-            shape.heads,
-            shape.group,
-            shape.key_width,
-            shape.value_width,
-            shape.kv_stride,
-            shape.key_head_stride,
-            shape.value_head_stride,
-            shape.window.unwrap_or(0),
-        ]
-        .map(|v| v as i32);
+        let ints = shape.kernel_ints();
         let shared = (shape.key_width + ATTEND_TILE + shape.value_width) * 4;
         // SAFETY: as the caller vouches; arguments match dense.cu.
         unsafe {

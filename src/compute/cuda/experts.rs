@@ -88,6 +88,18 @@ pub(crate) struct Buffer {
 }
 
 impl Buffer {
+    /// A new buffer holding a copy of `values` (a copy from pageable memory has read them
+    /// when this returns; the device side lands in stream order).
+    pub(crate) fn from_host<T: cudarc::driver::DeviceRepr>(
+        stream: &Arc<CudaStream>,
+        values: &[T],
+    ) -> Result<Buffer, CudaError> {
+        let buffer = Buffer::new(stream, std::mem::size_of_val(values))?;
+        // SAFETY: the buffer holds `values`.
+        unsafe { result::memcpy_htod_async(buffer.ptr, values, stream.cu_stream())? };
+        Ok(buffer)
+    }
+
     pub(crate) fn new(stream: &Arc<CudaStream>, bytes: usize) -> Result<Buffer, CudaError> {
         // SAFETY: every buffer is written before it is read (weights at load, the work area
         // by each call before its kernels read it).

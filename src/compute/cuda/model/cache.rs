@@ -6,14 +6,15 @@ use cudarc::driver::{CudaStream, DeviceRepr, result};
 
 use super::super::CudaError;
 use super::super::experts::Buffer;
+use crate::model::config::{AttentionConfig, ModelConfig};
 
 /// Where a layer's cached positions lie for one sequence: two arrays (keys and values for
 /// GQA; MLA keeps one, `[latent | rotary key]` per position, and its values are the keys).
 pub struct DeviceCache {
-    pub(super) layers: Vec<[Option<Buffer>; 2]>,
-    pub(super) widths: [usize; 2],
-    pub(super) capacity: usize,
-    pub(super) max_positions: usize,
+    layers: Vec<[Option<Buffer>; 2]>,
+    widths: [usize; 2],
+    capacity: usize,
+    max_positions: usize,
 }
 
 impl std::fmt::Debug for DeviceCache {
@@ -27,6 +28,28 @@ impl std::fmt::Debug for DeviceCache {
 }
 
 impl DeviceCache {
+    /// An empty cache for one sequence of a model; it takes GPU memory as it grows.
+    pub fn new(config: &ModelConfig) -> DeviceCache {
+        let widths = match config.attention {
+            AttentionConfig::Gqa {
+                num_kv_heads,
+                head_dim,
+                ..
+            } => [num_kv_heads * head_dim, num_kv_heads * head_dim],
+            AttentionConfig::Mla {
+                kv_lora_rank,
+                qk_rope_head_dim,
+                ..
+            } => [kv_lora_rank + qk_rope_head_dim, 0],
+        };
+        DeviceCache {
+            layers: (0..config.num_layers).map(|_| [None, None]).collect(),
+            widths,
+            capacity: 0,
+            max_positions: config.max_position_embeddings,
+        }
+    }
+
     /// Bytes of GPU memory held.
     pub fn bytes(&self) -> usize {
         self.layers.len() * self.capacity * (self.widths[0] + self.widths[1]) * 4
@@ -95,17 +118,16 @@ impl Scratch<'_> {
     }
 
     fn bytes(&mut self, bytes: usize) -> Result<u64, CudaError> {
-        let buffer = Buffer::new(self.stream, bytes)?;
-        let ptr = buffer.ptr;
-        self.held.push(buffer);
-        Ok(ptr)
+        self.hold(Buffer::new(self.stream, bytes)?)
     }
 
     pub(super) fn upload<T: DeviceRepr>(&mut self, values: &[T]) -> Result<u64, CudaError> {
-        let ptr = self.bytes(std::mem::size_of_val(values))?;
-        // SAFETY: the buffer holds `values`; a copy from pageable memory has read it before
-        // returning.
-        unsafe { result::memcpy_htod_async(ptr, values, self.stream.cu_stream())? };
+        self.hold(Buffer::from_host(self.stream, values)?)
+    }
+
+    fn hold(&mut self, buffer: Buffer) -> Result<u64, CudaError> {
+        let ptr = buffer.ptr;
+        self.held.push(buffer);
         Ok(ptr)
     }
 }

@@ -18,7 +18,7 @@ use super::moe::MoeKernels;
 use super::{CudaError, GpuInfo};
 use crate::engine::attention::Segment;
 use crate::engine::rope::RopeAngles;
-use crate::model::config::{AttentionConfig, ModelConfig};
+use crate::model::config::ModelConfig;
 use crate::model::weights::DenseWeights;
 pub use cache::DeviceCache;
 use cache::Scratch;
@@ -30,7 +30,6 @@ mod weights;
 
 /// The dense part of a model, resident on one GPU.
 pub struct GpuModel {
-    pub gpu: GpuInfo,
     stream: Arc<CudaStream>,
     blas: CudaBlas,
     dense: DenseKernels,
@@ -41,7 +40,6 @@ pub struct GpuModel {
     config: ModelConfig,
     softmax_scale: f32,
     interleaved: bool,
-    weight_bytes: usize,
 }
 
 /// Lets the GPU's default memory pool keep what a step frees: each step's work buffers come
@@ -100,7 +98,6 @@ impl GpuModel {
             lm_head,
         } = weights::upload(&stream, weights)?;
         let model = GpuModel {
-            gpu: gpu.clone(),
             final_norm,
             lm_head,
             blas,
@@ -110,7 +107,6 @@ impl GpuModel {
             config: config.clone(),
             softmax_scale,
             interleaved,
-            weight_bytes: need,
             stream,
         };
         model.stream.synchronize()?;
@@ -120,32 +116,6 @@ impl GpuModel {
             "dense part of the model on the GPU"
         );
         Ok(model)
-    }
-
-    pub fn weight_bytes(&self) -> usize {
-        self.weight_bytes
-    }
-
-    /// An empty cache for one sequence; it takes GPU memory as it grows.
-    pub fn new_cache(&self) -> DeviceCache {
-        let widths = match self.config.attention {
-            AttentionConfig::Gqa {
-                num_kv_heads,
-                head_dim,
-                ..
-            } => [num_kv_heads * head_dim, num_kv_heads * head_dim],
-            AttentionConfig::Mla {
-                kv_lora_rank,
-                qk_rope_head_dim,
-                ..
-            } => [kv_lora_rank + qk_rope_head_dim, 0],
-        };
-        DeviceCache {
-            layers: (0..self.config.num_layers).map(|_| [None, None]).collect(),
-            widths,
-            capacity: 0,
-            max_positions: self.config.max_position_embeddings,
-        }
     }
 
     /// `y[rows, out] = x[rows, in] · Wᵀ (+ bias)`, x bf16 on the GPU.

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaStream, DeviceRepr, result};
+use cudarc::driver::CudaStream;
 use half::bf16;
 
 use super::super::CudaError;
@@ -137,18 +137,6 @@ fn to_bf16(values: &[f32]) -> Vec<bf16> {
     values.iter().map(|&v| bf16::from_f32(v)).collect()
 }
 
-/// Uploads host values into a new buffer (synchronised by the caller before `values` go).
-fn upload_values<T: DeviceRepr>(
-    stream: &Arc<CudaStream>,
-    values: &[T],
-) -> Result<Buffer, CudaError> {
-    let buffer = Buffer::new(stream, std::mem::size_of_val(values))?;
-    // SAFETY: the buffer holds `values`; a copy from pageable memory has read it before
-    // returning.
-    unsafe { result::memcpy_htod_async(buffer.ptr, values, stream.cu_stream())? };
-    Ok(buffer)
-}
-
 /// Uploads the dense weights (as bf16 where they are products), layer by layer.
 pub(super) fn upload(
     stream: &Arc<CudaStream>,
@@ -156,11 +144,11 @@ pub(super) fn upload(
 ) -> Result<Uploaded, CudaError> {
     let matrix = |l: &Linear| -> Result<Matrix, CudaError> {
         Ok(Matrix {
-            weight: upload_values(stream, &to_bf16(&l.weight))?,
+            weight: Buffer::from_host(stream, &to_bf16(&l.weight))?,
             bias: l
                 .bias
                 .as_deref()
-                .map(|b| upload_values(stream, b))
+                .map(|b| Buffer::from_host(stream, b))
                 .transpose()?,
             out: l.out_features,
             inp: l.in_features,
@@ -168,7 +156,7 @@ pub(super) fn upload(
     };
     let norm = |n: &RmsNorm| -> Result<Norm, CudaError> {
         Ok(Norm {
-            weight: upload_values(stream, &n.weight)?,
+            weight: Buffer::from_host(stream, &n.weight)?,
             eps: n.eps,
         })
     };
@@ -182,7 +170,7 @@ pub(super) fn upload(
         stacked.extend(to_bf16(&m.up.weight));
         Ok(Mlp {
             gate_up: Matrix {
-                weight: upload_values(stream, &stacked)?,
+                weight: Buffer::from_host(stream, &stacked)?,
                 bias: None,
                 out: m.gate.out_features + m.up.out_features,
                 inp: m.gate.in_features,
@@ -225,7 +213,7 @@ pub(super) fn upload(
                 },
                 kv_down: matrix(kv_down)?,
                 kv_norm: norm(kv_norm)?,
-                kv_up: upload_values(stream, &to_bf16(&kv_up.weight))?,
+                kv_up: Buffer::from_host(stream, &to_bf16(&kv_up.weight))?,
                 o: matrix(o)?,
             },
         };
