@@ -6,6 +6,7 @@
 
 pub mod actors;
 pub mod api;
+pub mod cluster;
 pub mod compute;
 pub mod config;
 pub mod engine;
@@ -14,3 +15,4 @@ pub mod model;
 pub mod moe;
 pub mod placement;
 pub mod server;
+pub mod transport;
