@@ -13,6 +13,7 @@ pub mod engine;
 pub mod metrics;
 pub mod model;
 pub mod moe;
+pub mod node;
 pub mod placement;
 pub mod server;
 pub mod transport;

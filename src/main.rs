@@ -8,13 +8,14 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
-use moe_node::actors::{DeviceChoice, NodeError, choose_devices};
+use moe_node::actors::device::{DeviceChoice, choose_devices};
 use moe_node::compute::cuda::load::{LoadError, engine_on_gpu};
 use moe_node::compute::cuda::{self, CudaError};
 use moe_node::config::{ConfigError, ConfigSources, ENV_PREFIX, LogFormat, NodeConfig};
 use moe_node::engine::{Engine, EngineError, GenerateRequest, SamplingParams, generate};
 use moe_node::model::demo::{DemoSpec, write_demo_model};
 use moe_node::model::{ModelConfig, ModelError, Tokenizer};
+use moe_node::node::NodeError;
 use moe_node::server::{ServeError, serve};
 
 #[derive(Parser)]

@@ -12,7 +12,6 @@ use actix_web::{App, HttpServer, web};
 use futures::future::{Either, select};
 
 use crate::actors::router::Submit;
-use crate::actors::{Node, NodeError};
 use crate::api::{AppState, ServedModel};
 use crate::config::NodeConfig;
 use crate::engine::SamplingParams;
@@ -21,6 +20,7 @@ use crate::metrics::NodeMetrics;
 use crate::model::chat_template::ChatTemplate;
 use crate::model::demo::{DemoSpec, write_demo_model};
 use crate::model::{ModelError, Tokenizer};
+use crate::node::{Node, NodeError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {

@@ -763,7 +763,7 @@ fn a_dead_device_is_survived_when_its_experts_have_replicas() {
     assert_envelope(
         resp,
         StatusCode::SERVICE_UNAVAILABLE,
-        "no live device holds expert",
+        "no live replica holds expert",
     );
     assert_eq!(server.get("/health").status(), StatusCode::OK);
 }

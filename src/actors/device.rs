@@ -8,14 +8,17 @@ use std::sync::mpsc;
 
 use actix::prelude::*;
 
-use super::NodeError;
+use super::dispatch::{Answer, GroupOutputs, TargetError};
 use crate::compute::cuda::experts::RunOutcome;
 pub use crate::compute::cuda::load::GpuOptions;
 use crate::compute::cuda::load::load_experts as load_gpu;
+use crate::compute::cuda::{self, CudaError, CudaRuntime};
 use crate::compute::cuda::{GpuExperts, GpuInfo};
+use crate::config::{Backend, DevicesConfig};
 use crate::model::weights::load_expert;
 use crate::model::{Checkpoint, ExpertWeights, ModelConfig, ModelError};
-use crate::moe::{ExpertError, run_expert_groups};
+use crate::moe::run_expert_groups;
+use crate::node::NodeError;
 
 /// What a device actor computes on.
 #[derive(Debug, Clone)]
@@ -37,15 +40,18 @@ enum Held {
     Gpu(Box<GpuExperts>),
 }
 
-/// Runs token rows through experts this device holds; replies with one output per group.
+/// Runs token rows through experts this device holds; answers with one output per group.
 pub struct RunExperts {
     pub layer: usize,
     /// `(expert, rows × hidden_size input)` per group.
     pub groups: Vec<(u32, Vec<f32>)>,
+    /// Where the outputs go; dropped unanswered (the actor stopped first), it answers that
+    /// the device is gone.
+    pub answer: Answer,
 }
 
 impl Message for RunExperts {
-    type Result = Result<Vec<Vec<f32>>, ExpertError>;
+    type Result = ();
 }
 
 /// Takes the device out of service: the actor stops and its thread ends, as when a device
@@ -66,9 +72,20 @@ impl Actor for DeviceActor {
 }
 
 impl Handler<RunExperts> for DeviceActor {
-    type Result = Result<Vec<Vec<f32>>, ExpertError>;
+    type Result = ();
 
-    fn handle(&mut self, msg: RunExperts, ctx: &mut Self::Context) -> Self::Result {
+    fn handle(&mut self, msg: RunExperts, ctx: &mut Self::Context) {
+        let outputs = self.run(&msg, ctx);
+        msg.answer.send(outputs);
+    }
+}
+
+impl DeviceActor {
+    fn run(&mut self, msg: &RunExperts, ctx: &mut Context<Self>) -> GroupOutputs {
+        let not_held = |expert| TargetError::NotHeld {
+            layer: msg.layer,
+            expert,
+        };
         let experts = match &mut self.experts {
             Held::Cpu(experts) => experts,
             Held::Gpu(gpu) => {
@@ -76,19 +93,13 @@ impl Handler<RunExperts> for DeviceActor {
                     msg.groups.iter().map(|(e, x)| (*e, x.as_slice())).collect();
                 return match gpu.run(msg.layer, &groups) {
                     Ok(RunOutcome::Done(outputs)) => Ok(outputs),
-                    Ok(RunOutcome::NotHeld(expert)) => Err(ExpertError::NotHeld {
-                        layer: msg.layer,
-                        expert,
-                    }),
+                    Ok(RunOutcome::NotHeld(expert)) => Err(not_held(expert)),
                     Err(e) => {
                         // A CUDA error leaves the context unusable: out of service, so the
                         // router fails over to replicas, as when the device disappears.
                         tracing::error!(device = self.id, error = %e, "GPU failed: device taken out of service");
                         ctx.stop();
-                        Err(ExpertError::DeviceFailed(format!(
-                            "device {}: {e}",
-                            self.id
-                        )))
+                        Err(TargetError::Gone(format!("device {}: {e}", self.id)))
                     }
                 };
             }
@@ -97,10 +108,7 @@ impl Handler<RunExperts> for DeviceActor {
         for (expert, input) in &msg.groups {
             let weights = experts
                 .get(&(msg.layer, *expert))
-                .ok_or(ExpertError::NotHeld {
-                    layer: msg.layer,
-                    expert: *expert,
-                })?;
+                .ok_or_else(|| not_held(*expert))?;
             groups.push((weights, input.as_slice()));
         }
         // A CPU device slot computes on its own thread: slots run side by side without
@@ -224,4 +232,63 @@ fn load_experts(
             ))
         })
         .collect()
+}
+
+/// Where experts go: on every GPU when CUDA is usable and allowed, else on CPU slots.
+pub enum DeviceChoice {
+    /// CPU slots; `no_gpu` says why no GPU is used when `devices.backend = "auto"`.
+    Cpu {
+        slots: usize,
+        no_gpu: Option<CudaError>,
+    },
+    Gpus(&'static CudaRuntime),
+}
+
+/// Decides from the config and what this machine has. With `backend = "cuda"`, no usable
+/// GPU is an error.
+pub fn choose_devices(devices: &DevicesConfig) -> Result<DeviceChoice, NodeError> {
+    let slots = devices.cpu_slots;
+    if devices.backend == Backend::Cpu {
+        return Ok(DeviceChoice::Cpu {
+            slots,
+            no_gpu: None,
+        });
+    }
+    match cuda::runtime(devices.cuda_lib_path()) {
+        Ok(runtime) => Ok(DeviceChoice::Gpus(runtime)),
+        Err(e) if devices.backend == Backend::Cuda => Err(NodeError::Cuda(e)),
+        Err(e) => Ok(DeviceChoice::Cpu {
+            slots,
+            no_gpu: Some(e),
+        }),
+    }
+}
+
+/// The device actors to start, as [`choose_devices`] decides; the log says which and why.
+pub fn device_targets(
+    devices: &DevicesConfig,
+    gpu: GpuOptions,
+) -> Result<Vec<DeviceTarget>, NodeError> {
+    match choose_devices(devices)? {
+        DeviceChoice::Gpus(runtime) => {
+            cuda::log_runtime(runtime);
+            Ok(runtime
+                .gpus
+                .iter()
+                .map(|info| DeviceTarget::Gpu(info.clone(), gpu.clone()))
+                .collect())
+        }
+        DeviceChoice::Cpu { slots, no_gpu } => {
+            match no_gpu {
+                None => tracing::info!(
+                    slots,
+                    "experts run on CPU slots (devices.backend = \"cpu\")"
+                ),
+                Some(reason) => {
+                    tracing::info!(slots, reason = %reason, "no usable GPU: experts run on CPU slots")
+                }
+            }
+            Ok(vec![DeviceTarget::Cpu; slots])
+        }
+    }
 }

@@ -1,139 +1,683 @@
 //! The router's side of the expert seam: an [`ExpertExecutor`] that hands each step's token
-//! groups to the device actors holding the experts, fails over to another replica when a
-//! device is gone, and counts the load.
+//! groups to the replicas holding the experts, on this node's device actors or on other
+//! nodes, and gets every group answered while any replica of its expert lives.
+//!
+//! Every send has a deadline derived from the target's measured latency. A group whose
+//! target fails (device gone, link reset, an error) is re-sent to another replica at once;
+//! a group whose target misses its deadline is hedged to another replica while the first
+//! send stays outstanding, and the first answer wins. The choice of replica is the pure
+//! [`assign_groups`]; this file carries it out and keeps the health it is fed.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-
-use futures::future::join_all;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock, mpsc};
+use std::time::{Duration, Instant};
 
 use super::device::{DeviceHandle, RunExperts};
 use crate::moe::{DispatchPlan, ExpertError, ExpertExecutor};
-use crate::placement::{ExpertLoad, Placement, assign_groups};
+use crate::placement::health::{Penalties, TargetHealth, hedge_after};
+use crate::placement::{ExpertLoad, Placement, Replica, ReplicaHealth, assign_groups};
 
-pub struct DeviceExperts {
-    devices: Vec<DeviceHandle>,
-    /// Cleared the first time a device is found gone; it is never used again.
-    alive: Vec<AtomicBool>,
-    placement: Arc<Placement>,
-    load: Arc<ExpertLoad>,
-    hidden_size: usize,
+/// Where a group of rows is sent: a device actor of this node, or another node (which runs
+/// it on a device of its own that holds the expert).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Target {
+    Device(u16),
+    Node(u16),
 }
 
-impl DeviceExperts {
+/// Why a target did not answer a send; decides what happens to its groups.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum TargetError {
+    /// The target is gone (device actor stopped, link reset, member dead): its groups go
+    /// to other replicas, and it gets no more work until it is seen again.
+    #[error("{0}")]
+    Gone(String),
+    /// The target failed this work (a device error, a remote error): other replicas take it.
+    #[error("{0}")]
+    Failed(String),
+    /// The target does not hold an expert the placement says it holds.
+    #[error("expert {expert} of layer {layer} is not held there")]
+    NotHeld { layer: usize, expert: u32 },
+    /// The target's queue is full: try another replica.
+    #[error("overloaded")]
+    Overloaded,
+}
+
+/// Output rows per group, or why not.
+pub type GroupOutputs = Result<Vec<Vec<f32>>, TargetError>;
+
+/// Carries one answer back to the dispatcher, exactly once: dropped unanswered (a stopped
+/// actor's mailbox, a lost connection), it answers `Gone` itself, so no send is ever lost.
+pub struct Answer(Option<Box<dyn FnOnce(GroupOutputs) + Send>>);
+
+impl Answer {
+    pub fn new(f: impl FnOnce(GroupOutputs) + Send + 'static) -> Self {
+        Answer(Some(Box::new(f)))
+    }
+
+    pub fn send(mut self, outputs: GroupOutputs) {
+        if let Some(f) = self.0.take() {
+            f(outputs);
+        }
+    }
+}
+
+impl Drop for Answer {
+    fn drop(&mut self) {
+        if let Some(f) = self.0.take() {
+            f(Err(TargetError::Gone("dropped without an answer".into())));
+        }
+    }
+}
+
+/// Groups of rows for the experts of one layer, to run on another node.
+pub struct RemoteWork {
+    pub layer: usize,
+    pub placement_version: u64,
+    /// `(expert, rows)` per group.
+    pub groups: Vec<(u32, u32)>,
+    /// Every group's rows, concatenated.
+    pub rows: Vec<f32>,
+}
+
+/// Other nodes, as the dispatcher reaches them (the peer clients of a cluster).
+pub trait RemoteNodes: Send + Sync {
+    /// Sends `work` to placement node `node`; `answer` is called with the outputs per group.
+    /// An error means nothing was sent.
+    fn send(&self, node: u16, work: RemoteWork, answer: Answer) -> Result<(), TargetError>;
+}
+
+/// What to do when a group's expert has no live replica.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum OnUnavailable {
+    /// Fail the step's sequences at once (503 naming the experts).
+    #[default]
+    Fail,
+    /// Wait for a replica to come back (a restart, a healed partition), up to
+    /// `DispatchTiming::wait_for`, then fail.
+    Wait,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct DispatchTiming {
+    /// A send is hedged after four times its target's measured latency, never sooner than
+    /// this.
+    pub hedge_floor: Duration,
+    /// A send unanswered after this long counts as failed.
+    pub give_up: Duration,
+    pub penalties: Penalties,
+    pub on_unavailable: OnUnavailable,
+    pub wait_for: Duration,
+}
+
+impl Default for DispatchTiming {
+    fn default() -> Self {
+        DispatchTiming {
+            hedge_floor: Duration::from_millis(250),
+            give_up: Duration::from_secs(10),
+            penalties: Penalties {
+                slow_for: Duration::from_secs(2),
+                down_for: Duration::from_secs(1),
+            },
+            on_unavailable: OnUnavailable::Fail,
+            wait_for: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Counts of what dispatch did to keep steps going.
+#[derive(Debug, Default)]
+pub struct DispatchCounters {
+    /// Groups re-sent after their target failed.
+    pub failovers: AtomicU64,
+    /// Groups hedged after their target missed its deadline.
+    pub hedges: AtomicU64,
+    /// Answers that came after another replica's (discarded).
+    pub late_answers: AtomicU64,
+}
+
+pub struct Dispatcher {
+    devices: Vec<DeviceHandle>,
+    remote: Option<Arc<dyn RemoteNodes>>,
+    placement: RwLock<Arc<Placement>>,
+    /// This node's index in the placement.
+    local_node: RwLock<u16>,
+    health: Mutex<HashMap<Target, TargetHealth>>,
+    load: Arc<ExpertLoad>,
+    hidden_size: usize,
+    timing: DispatchTiming,
+    pub counters: DispatchCounters,
+    /// Called with each answer's target and time (per-peer latency metrics).
+    latency_observer: Option<Box<dyn Fn(Target, Duration) + Send + Sync>>,
+}
+
+/// One send in flight.
+struct Attempt {
+    target: Target,
+    groups: Vec<usize>,
+    rows: usize,
+    sent: Instant,
+    hedged: bool,
+    finished: bool,
+}
+
+impl Dispatcher {
     pub fn new(
         devices: Vec<DeviceHandle>,
         placement: Arc<Placement>,
+        local_node: u16,
         load: Arc<ExpertLoad>,
         hidden_size: usize,
+        timing: DispatchTiming,
     ) -> Self {
-        DeviceExperts {
-            alive: devices.iter().map(|_| AtomicBool::new(true)).collect(),
+        Dispatcher {
             devices,
-            placement,
+            remote: None,
+            placement: RwLock::new(placement),
+            local_node: RwLock::new(local_node),
+            health: Mutex::new(HashMap::new()),
             load,
             hidden_size,
+            timing,
+            counters: DispatchCounters::default(),
+            latency_observer: None,
         }
     }
 
-    /// Whether each device can still take work. A device whose actor has stopped is marked
-    /// dead here, the first time it is seen.
-    pub fn alive(&self) -> Vec<bool> {
+    /// Reaches other nodes through `remote`.
+    pub fn with_remote(mut self, remote: Arc<dyn RemoteNodes>) -> Self {
+        self.remote = Some(remote);
+        self
+    }
+
+    pub fn observe_latency(mut self, f: impl Fn(Target, Duration) + Send + Sync + 'static) -> Self {
+        self.latency_observer = Some(Box::new(f));
+        self
+    }
+
+    pub fn placement(&self) -> Arc<Placement> {
+        self.placement
+            .read()
+            .map(|p| p.clone())
+            .unwrap_or_else(|e| e.into_inner().clone())
+    }
+
+    /// Switches to a new placement at the next step (a step reads one snapshot).
+    pub fn set_placement(&self, placement: Arc<Placement>, local_node: u16) {
+        *self.placement.write().unwrap_or_else(|e| e.into_inner()) = placement;
+        *self.local_node.write().unwrap_or_else(|e| e.into_inner()) = local_node;
+    }
+
+    fn local_node(&self) -> u16 {
+        *self.local_node.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn health(&self) -> std::sync::MutexGuard<'_, HashMap<Target, TargetHealth>> {
+        self.health.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Feeds gossip's verdict on a node into its health.
+    pub fn set_node_reach(&self, node: u16, reach: crate::placement::Reach) {
+        self.health()
+            .entry(Target::Node(node))
+            .or_default()
+            .set_gossip(reach);
+    }
+
+    /// Whether each local device can still take work.
+    pub fn devices_alive(&self) -> Vec<bool> {
+        let mut health = self.health();
         self.devices
             .iter()
             .enumerate()
-            .map(|(i, device)| {
-                if self.alive[i].load(Ordering::Relaxed) && !device.addr.connected() {
-                    self.mark_dead(i);
+            .map(|(i, d)| {
+                let h = health.entry(Target::Device(i as u16)).or_default();
+                if !h.is_gone() && !d.addr.connected() {
+                    h.gone();
+                    tracing::warn!(
+                        device = i,
+                        "device gone: its experts are served by replicas"
+                    );
                 }
-                self.alive[i].load(Ordering::Relaxed)
+                !h.is_gone()
             })
             .collect()
     }
 
-    fn mark_dead(&self, device: usize) {
-        if self.alive[device].swap(false, Ordering::Relaxed) {
-            tracing::warn!(device, "device gone: its experts are served by replicas");
+    /// Health of every target this node has sent work to, for the admin API.
+    pub fn targets(&self) -> Vec<(Target, ReplicaHealth)> {
+        let now = Instant::now();
+        let mut all: Vec<_> = self
+            .health()
+            .iter()
+            .map(|(t, h)| (*t, h.view(now)))
+            .collect();
+        all.sort_by_key(|(t, _)| *t);
+        all
+    }
+
+    fn target_of(&self, replica: Replica, local_node: u16) -> Target {
+        if replica.node == local_node {
+            Target::Device(replica.device)
+        } else {
+            Target::Node(replica.node)
         }
+    }
+
+    /// Runs groups of rows (`experts[g]` over `group_rows[g]` rows of `input`, in order)
+    /// and returns each group's outputs. With `local_only`, only this node's devices are
+    /// used (work that came from another node is not sent on).
+    pub fn run_groups(
+        &self,
+        layer: usize,
+        experts: &[u32],
+        group_rows: &[usize],
+        input: &[f32],
+        local_only: bool,
+    ) -> Result<Vec<Vec<f32>>, ExpertError> {
+        let width = self.hidden_size;
+        let placement = self.placement();
+        let local_node = self.local_node();
+        let mut starts = Vec::with_capacity(group_rows.len());
+        let mut at = 0usize;
+        for &rows in group_rows {
+            starts.push(at);
+            at += rows;
+        }
+        if at * width != input.len() || experts.len() != group_rows.len() {
+            return Err(ExpertError::Unavailable(format!(
+                "malformed expert work: {} groups, {at} rows, {} values",
+                experts.len(),
+                input.len()
+            )));
+        }
+        let group_input = GroupInput {
+            input,
+            starts: &starts,
+            rows: group_rows,
+            width,
+        };
+
+        let (done_tx, done_rx) = mpsc::channel::<(usize, GroupOutputs)>();
+        let mut outputs: Vec<Option<Vec<f32>>> = vec![None; experts.len()];
+        let mut remaining = experts.len();
+        // In-flight sends per group, and the targets that already failed it.
+        let mut covering = vec![0u32; experts.len()];
+        let mut failed_on: Vec<Vec<Target>> = vec![Vec::new(); experts.len()];
+        let mut attempts: Vec<Attempt> = Vec::new();
+        let mut pending: Vec<usize> = (0..experts.len()).collect();
+        let mut waiting_since: Option<Instant> = None;
+
+        while remaining > 0 {
+            if !pending.is_empty() {
+                let now = Instant::now();
+                let alive_devices = self.devices_alive();
+                let chosen = {
+                    let health = self.health();
+                    assign_groups(
+                        &placement,
+                        layer,
+                        &pending.iter().map(|&g| experts[g]).collect::<Vec<_>>(),
+                        |i| group_rows[pending[i]],
+                        |r| {
+                            let target = self.target_of(r, local_node);
+                            let mut view = health
+                                .get(&target)
+                                .map(|h| h.view(now))
+                                .unwrap_or_else(|| TargetHealth::default().view(now));
+                            let unusable = match target {
+                                Target::Device(d) => {
+                                    !alive_devices.get(d as usize).copied().unwrap_or(false)
+                                }
+                                Target::Node(_) => local_only || self.remote.is_none(),
+                            };
+                            if unusable {
+                                view.reach = crate::placement::Reach::Down;
+                            }
+                            view
+                        },
+                        |i, r| failed_on[pending[i]].contains(&self.target_of(r, local_node)),
+                    )
+                };
+                let mut per_target: HashMap<Target, Vec<usize>> = HashMap::new();
+                let mut unplaced = Vec::new();
+                for (&g, choice) in pending.iter().zip(&chosen) {
+                    match choice {
+                        Some(r) => per_target
+                            .entry(self.target_of(*r, local_node))
+                            .or_default()
+                            .push(g),
+                        // Still answered by an earlier send: keep waiting for it.
+                        None if covering[g] > 0 => {}
+                        None => unplaced.push(g),
+                    }
+                }
+                pending.clear();
+                if !unplaced.is_empty() {
+                    let since = *waiting_since.get_or_insert(now);
+                    let may_wait = self.timing.on_unavailable == OnUnavailable::Wait
+                        && now.duration_since(since) < self.timing.wait_for;
+                    if !may_wait {
+                        let mut missing: Vec<u32> = unplaced.iter().map(|&g| experts[g]).collect();
+                        missing.sort_unstable();
+                        missing.dedup();
+                        return Err(ExpertError::Unavailable(format!(
+                            "no live replica holds expert{} {} of layer {layer}",
+                            if missing.len() > 1 { "s" } else { "" },
+                            missing
+                                .iter()
+                                .map(u32::to_string)
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        )));
+                    }
+                    // Waiting for a replica to return: failures are forgotten so that a
+                    // restarted target is tried again.
+                    for &g in &unplaced {
+                        failed_on[g].clear();
+                    }
+                    pending.extend(unplaced);
+                }
+                for (target, groups) in per_target {
+                    let id = attempts.len();
+                    let rows: usize = groups.iter().map(|&g| group_rows[g]).sum();
+                    let tx = done_tx.clone();
+                    let answer = Answer::new(move |out| {
+                        // The receiver is gone only once the step no longer needs this.
+                        let _ = tx.send((id, out));
+                    });
+                    for &g in &groups {
+                        covering[g] += 1;
+                    }
+                    attempts.push(Attempt {
+                        target,
+                        groups: groups.clone(),
+                        rows,
+                        sent: now,
+                        hedged: false,
+                        finished: false,
+                    });
+                    self.health().entry(target).or_default().sent(rows);
+                    let sent = match target {
+                        Target::Device(d) => {
+                            self.send_local(d, layer, &groups, experts, &group_input, answer)
+                        }
+                        Target::Node(n) => self.send_remote(
+                            n,
+                            layer,
+                            placement.version(),
+                            &groups,
+                            experts,
+                            group_rows,
+                            &group_input,
+                            answer,
+                        ),
+                    };
+                    // A refused send answers through `answer`'s drop, or right here.
+                    if let Err(e) = sent {
+                        let _ = done_tx.send((id, Err(e)));
+                    }
+                }
+                if !pending.is_empty() {
+                    // Nothing to send to yet: look again shortly.
+                    std::thread::sleep(Duration::from_millis(20));
+                    continue;
+                }
+            }
+
+            let wait = self.next_wait(&attempts);
+            let event = done_rx.recv_timeout(wait);
+            let now = Instant::now();
+            match event {
+                Ok((id, result)) => {
+                    let attempt = &mut attempts[id];
+                    if attempt.finished {
+                        continue;
+                    }
+                    attempt.finished = true;
+                    let took = now.duration_since(attempt.sent);
+                    let target = attempt.target;
+                    for &g in &attempt.groups {
+                        covering[g] = covering[g].saturating_sub(1);
+                    }
+                    match result {
+                        Ok(outs) if outs.len() == attempt.groups.len() => {
+                            self.health()
+                                .entry(target)
+                                .or_default()
+                                .answered(attempt.rows, Some(took));
+                            if let Some(observe) = &self.latency_observer {
+                                observe(target, took);
+                            }
+                            for (&g, out) in attempt.groups.iter().zip(outs) {
+                                if outputs[g].is_some() {
+                                    self.counters.late_answers.fetch_add(1, Ordering::Relaxed);
+                                    continue;
+                                }
+                                if let Target::Device(d) = target {
+                                    self.load
+                                        .record(layer, experts[g], d as usize, group_rows[g]);
+                                } else {
+                                    self.load
+                                        .record_activation(layer, experts[g], group_rows[g]);
+                                }
+                                outputs[g] = Some(out);
+                                remaining -= 1;
+                            }
+                        }
+                        other => {
+                            let error = match other {
+                                Ok(outs) => TargetError::Failed(format!(
+                                    "{} outputs for {} groups",
+                                    outs.len(),
+                                    attempt.groups.len()
+                                )),
+                                Err(e) => e,
+                            };
+                            self.target_failed(target, &error, attempt.rows, now);
+                            for &g in &attempt.groups {
+                                if outputs[g].is_none() {
+                                    failed_on[g].push(target);
+                                    if covering[g] == 0 {
+                                        pending.push(g);
+                                        self.counters.failovers.fetch_add(1, Ordering::Relaxed);
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    for attempt in attempts.iter_mut().filter(|a| !a.finished) {
+                        let waited = now.duration_since(attempt.sent);
+                        let target = attempt.target;
+                        if waited >= self.timing.give_up {
+                            attempt.finished = true;
+                            let error = TargetError::Gone(format!(
+                                "no answer in {:.1} s",
+                                waited.as_secs_f32()
+                            ));
+                            self.target_failed(target, &error, attempt.rows, now);
+                            for &g in &attempt.groups {
+                                covering[g] = covering[g].saturating_sub(1);
+                                if outputs[g].is_none() {
+                                    failed_on[g].push(target);
+                                    if covering[g] == 0 {
+                                        pending.push(g);
+                                        self.counters.failovers.fetch_add(1, Ordering::Relaxed);
+                                    }
+                                }
+                            }
+                        } else if !attempt.hedged && waited >= self.hedge_deadline(target) {
+                            attempt.hedged = true;
+                            self.health()
+                                .entry(target)
+                                .or_default()
+                                .missed_deadline(now, self.timing.penalties);
+                            tracing::debug!(
+                                ?target,
+                                layer,
+                                waited_ms = waited.as_millis() as u64,
+                                "hedging a late send"
+                            );
+                            for &g in &attempt.groups {
+                                if outputs[g].is_none() && !failed_on[g].contains(&target) {
+                                    // The slow target stays a candidate only if nothing else is.
+                                    failed_on[g].push(target);
+                                    pending.push(g);
+                                    self.counters.hedges.fetch_add(1, Ordering::Relaxed);
+                                }
+                            }
+                        }
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err(ExpertError::Unavailable("dispatch lost its answers".into()));
+                }
+            }
+        }
+        Ok(outputs.into_iter().map(Option::unwrap_or_default).collect())
+    }
+
+    /// How long to wait for the next answer before looking at deadlines again.
+    fn next_wait(&self, attempts: &[Attempt]) -> Duration {
+        let now = Instant::now();
+        attempts
+            .iter()
+            .filter(|a| !a.finished)
+            .map(|a| {
+                let due = if a.hedged {
+                    self.timing.give_up
+                } else {
+                    self.hedge_deadline(a.target)
+                };
+                (a.sent + due).saturating_duration_since(now)
+            })
+            .min()
+            .unwrap_or(Duration::from_millis(10))
+            .max(Duration::from_micros(100))
+    }
+
+    fn hedge_deadline(&self, target: Target) -> Duration {
+        let latency = self
+            .health()
+            .get(&target)
+            .map(TargetHealth::latency)
+            .unwrap_or_default();
+        hedge_after(latency, self.timing.hedge_floor)
+    }
+
+    fn target_failed(&self, target: Target, error: &TargetError, rows: usize, now: Instant) {
+        let mut health = self.health();
+        let h = health.entry(target).or_default();
+        h.answered(rows, None);
+        match (target, error) {
+            (Target::Device(d), TargetError::Gone(_)) => {
+                if !h.is_gone() {
+                    tracing::warn!(
+                        device = d,
+                        "device gone: its experts are served by replicas"
+                    );
+                }
+                h.gone();
+            }
+            (_, TargetError::Overloaded) => h.missed_deadline(now, self.timing.penalties),
+            _ => {
+                tracing::warn!(?target, error = %error, "expert work failed: re-sent to other replicas");
+                h.failed(now, self.timing.penalties);
+            }
+        }
+    }
+
+    fn send_local(
+        &self,
+        device: u16,
+        layer: usize,
+        groups: &[usize],
+        experts: &[u32],
+        group_input: &GroupInput<'_>,
+        answer: Answer,
+    ) -> Result<(), TargetError> {
+        let handle = self
+            .devices
+            .get(device as usize)
+            .ok_or_else(|| TargetError::Gone(format!("no device {device} on this node")))?;
+        let message = RunExperts {
+            layer,
+            groups: groups
+                .iter()
+                .map(|&g| (experts[g], group_input.get(g).to_vec()))
+                .collect(),
+            answer,
+        };
+        // A stopped actor refuses the message; dropping it answers Gone.
+        handle
+            .addr
+            .try_send(message)
+            .map_err(|_| TargetError::Gone(format!("device {device} stopped")))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn send_remote(
+        &self,
+        node: u16,
+        layer: usize,
+        placement_version: u64,
+        groups: &[usize],
+        experts: &[u32],
+        group_rows: &[usize],
+        group_input: &GroupInput<'_>,
+        answer: Answer,
+    ) -> Result<(), TargetError> {
+        let remote = self
+            .remote
+            .as_ref()
+            .ok_or_else(|| TargetError::Gone("no peers".into()))?;
+        let total: usize = groups.iter().map(|&g| group_rows[g]).sum();
+        let mut rows = Vec::with_capacity(total * self.hidden_size);
+        for &g in groups {
+            rows.extend_from_slice(group_input.get(g));
+        }
+        let work = RemoteWork {
+            layer,
+            placement_version,
+            groups: groups
+                .iter()
+                .map(|&g| (experts[g], group_rows[g] as u32))
+                .collect(),
+            rows,
+        };
+        remote.send(node, work, answer)
     }
 }
 
-impl ExpertExecutor for DeviceExperts {
+/// The rows of each group of one dispatch.
+struct GroupInput<'a> {
+    input: &'a [f32],
+    starts: &'a [usize],
+    rows: &'a [usize],
+    width: usize,
+}
+
+impl GroupInput<'_> {
+    fn get(&self, g: usize) -> &[f32] {
+        &self.input[self.starts[g] * self.width..(self.starts[g] + self.rows[g]) * self.width]
+    }
+}
+
+impl ExpertExecutor for Dispatcher {
     fn run(
         &self,
         layer: usize,
         plan: &DispatchPlan,
         grouped_input: &[f32],
     ) -> Result<Vec<f32>, ExpertError> {
-        let width = self.hidden_size;
-        let mut outputs: Vec<Option<Vec<f32>>> = vec![None; plan.experts.len()];
-        // Groups (indices into plan.experts) still to run; after a device fails, its groups
-        // go round again to the surviving replicas.
-        let mut pending: Vec<usize> = (0..plan.experts.len()).collect();
-        while !pending.is_empty() {
-            let experts: Vec<u32> = pending.iter().map(|&g| plan.experts[g]).collect();
-            let chosen = assign_groups(
-                &self.placement,
-                layer,
-                &experts,
-                |i| plan.group(pending[i]).len(),
-                &self.alive(),
-            )
-            .map_err(|expert| {
-                ExpertError::Unavailable(format!(
-                    "no live device holds expert {expert} of layer {layer}"
-                ))
-            })?;
-            let mut per_device: Vec<Vec<usize>> = vec![Vec::new(); self.devices.len()];
-            for (&group, &device) in pending.iter().zip(&chosen) {
-                per_device[device].push(group);
-            }
-            let sends = per_device
-                .iter()
-                .enumerate()
-                .filter(|(_, groups)| !groups.is_empty())
-                .map(|(device, groups)| {
-                    let groups = groups
-                        .iter()
-                        .map(|&g| {
-                            let rows = plan.group(g);
-                            let input =
-                                grouped_input[rows.start * width..rows.end * width].to_vec();
-                            (plan.experts[g], input)
-                        })
-                        .collect();
-                    let reply = self.devices[device].addr.send(RunExperts { layer, groups });
-                    async move { (device, reply.await) }
-                });
-            // The router's own thread waits here: the step cannot go on without the experts.
-            // The router runs inside a tokio task, whose cooperative budget would run out
-            // after ~128 replies and defer the wake-up to a scheduler this thread is blocking:
-            // waiting outside the budget avoids that deadlock.
-            let replies =
-                futures::executor::block_on(tokio::task::coop::unconstrained(join_all(sends)));
-            pending.clear();
-            for (device, reply) in replies {
-                let groups = &per_device[device];
-                match reply {
-                    Ok(Ok(outs)) => {
-                        for (&g, out) in groups.iter().zip(outs) {
-                            self.load
-                                .record(layer, plan.experts[g], device, plan.group(g).len());
-                            outputs[g] = Some(out);
-                        }
-                    }
-                    Ok(Err(ExpertError::DeviceFailed(_))) | Err(_) => {
-                        self.mark_dead(device);
-                        pending.extend(groups);
-                    }
-                    Ok(Err(e)) => return Err(e),
-                }
-            }
-        }
-        let mut out = Vec::with_capacity(plan.len() * width);
-        for o in outputs.into_iter().flatten() {
-            out.extend_from_slice(&o);
-        }
-        Ok(out)
+        let group_rows: Vec<usize> = (0..plan.experts.len())
+            .map(|g| plan.group(g).len())
+            .collect();
+        let outputs = self.run_groups(layer, &plan.experts, &group_rows, grouped_input, false)?;
+        Ok(outputs.concat())
     }
 }

@@ -11,8 +11,9 @@ use super::{ApiError, AppState};
 pub async fn experts(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let served = state.admitting()?;
     let node = &served.node;
-    let alive = node.experts.alive();
-    let layers: Vec<_> = (0..node.placement.num_layers())
+    let placement = node.experts.placement();
+    let alive = node.experts.devices_alive();
+    let layers: Vec<_> = (0..placement.num_layers())
         .filter(|&l| node.model.moe_layers[l])
         .map(|layer| {
             let load = node.load.layer(layer);
@@ -21,13 +22,14 @@ pub async fn experts(state: web::Data<AppState>) -> Result<HttpResponse, ApiErro
                 .iter()
                 .enumerate()
                 .map(|(expert, activations)| {
-                    let devices = node.placement.replicas(layer, expert as u32);
+                    let replicas = placement.replicas(layer, expert as u32);
+                    let devices: Vec<u16> = replicas.iter().map(|r| r.device).collect();
                     json!({
                         "expert": expert,
                         "activations": activations,
-                        "replicas": devices.len(),
+                        "replicas": replicas.len(),
                         "devices": devices,
-                        "live_replicas": devices.iter().filter(|&&d| alive[d]).count(),
+                        "live_replicas": devices.iter().filter(|&&d| alive.get(d as usize).copied().unwrap_or(false)).count(),
                     })
                 })
                 .collect();
@@ -47,7 +49,7 @@ pub async fn experts(state: web::Data<AppState>) -> Result<HttpResponse, ApiErro
 pub async fn devices(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let served = state.admitting()?;
     let node = &served.node;
-    let alive = node.experts.alive();
+    let alive = node.experts.devices_alive();
     let devices: Vec<_> = node
         .devices
         .iter()

@@ -18,11 +18,11 @@ use actix_web::{HttpRequest, HttpResponse, web};
 use futures::StreamExt;
 use serde_json::json;
 
-use crate::actors::Node;
 use crate::config::NodeConfig;
 use crate::metrics::NodeMetrics;
 use crate::model::Tokenizer;
 use crate::model::chat_template::ChatTemplate;
+use crate::node::Node;
 pub use error::ApiError;
 
 /// Where the node is in its life; `/ready` is 200 only in `Ready`.

@@ -23,6 +23,7 @@ pub struct NodeConfig {
     pub batching: BatchingConfig,
     pub metrics: MetricsConfig,
     pub logging: LoggingConfig,
+    pub cluster: ClusterConfig,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -102,6 +103,175 @@ pub struct MetricsConfig {
     /// Export one series per (layer, expert) on /metrics. Off by default: a large model has
     /// tens of thousands of them; /admin/experts serves the same table as JSON.
     pub per_expert: bool,
+}
+
+/// Several nodes serving one model together: gossip membership, experts placed over the
+/// devices of every node, expert work sent between nodes over the peer port.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClusterConfig {
+    /// This node's name in the cluster, unique. Empty: the node serves alone.
+    pub node_id: String,
+    /// Shared secrets. The first encrypts gossip and authenticates peer connections; every
+    /// one is accepted on gossip, so a new secret can be rolled out first and the old one
+    /// removed later.
+    pub secrets: Vec<String>,
+    /// UDP address gossip listens on.
+    pub gossip_listen: String,
+    /// TCP address expert work from other nodes arrives on.
+    pub peer_listen: String,
+    /// Host other nodes reach this one at. Empty: the host of the listen addresses (which
+    /// must then not be 0.0.0.0).
+    pub advertise_host: String,
+    /// Gossip addresses of nodes to join through.
+    pub seeds: Vec<String>,
+    /// At first start of a cluster, experts are placed once this many nodes are alive;
+    /// a node joining a running cluster takes the placement it serves.
+    pub expect_nodes: usize,
+    /// Copies of every expert, on distinct nodes.
+    pub replication: usize,
+    /// Gossip: how often each node probes another.
+    pub probe_period_ms: u64,
+    /// Gossip: how long a member stays suspect before it is declared dead.
+    pub suspicion_timeout_ms: u64,
+    /// Expert work unanswered this long is also sent to another replica (hedged), or
+    /// after four times the target's measured latency if that is longer.
+    pub hedge_after_ms: u64,
+    /// Expert work unanswered this long counts as failed.
+    pub request_timeout_ms: u64,
+    /// When an expert has no live replica: "fail" the affected requests at once (503
+    /// naming the experts), or "wait" up to `unavailable_wait_ms` for one to return.
+    pub on_expert_unavailable: crate::actors::dispatch::OnUnavailable,
+    pub unavailable_wait_ms: u64,
+    /// How long start-up waits for `expect_nodes` members or a placement to join.
+    pub join_timeout_seconds: u64,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        ClusterConfig {
+            node_id: String::new(),
+            secrets: Vec::new(),
+            gossip_listen: "127.0.0.1:7946".into(),
+            peer_listen: "127.0.0.1:7947".into(),
+            advertise_host: String::new(),
+            seeds: Vec::new(),
+            expect_nodes: 1,
+            replication: 2,
+            probe_period_ms: 1000,
+            suspicion_timeout_ms: 3000,
+            hedge_after_ms: 250,
+            request_timeout_ms: 10_000,
+            on_expert_unavailable: crate::actors::dispatch::OnUnavailable::Fail,
+            unavailable_wait_ms: 10_000,
+            join_timeout_seconds: 300,
+        }
+    }
+}
+
+impl ClusterConfig {
+    pub fn enabled(&self) -> bool {
+        !self.node_id.is_empty()
+    }
+
+    fn problems(&self) -> Vec<String> {
+        let mut problems = Vec::new();
+        if !self.enabled() {
+            return problems;
+        }
+        if self.node_id.len() > 64
+            || self
+                .node_id
+                .chars()
+                .any(|c| c.is_control() || c.is_whitespace())
+        {
+            problems.push("cluster.node_id: at most 64 characters, no spaces".into());
+        }
+        if self.secrets.is_empty() {
+            problems.push("cluster.secrets: a cluster needs a shared secret".into());
+        }
+        if self.secrets.iter().any(|k| k.len() < 16) {
+            problems.push("cluster.secrets: each secret needs at least 16 characters".into());
+        }
+        let mut addrs = Vec::new();
+        for (key, value) in [
+            ("cluster.gossip_listen", &self.gossip_listen),
+            ("cluster.peer_listen", &self.peer_listen),
+        ] {
+            match value.parse::<SocketAddr>() {
+                Ok(addr) => {
+                    if addr.ip().is_unspecified() && self.advertise_host.is_empty() {
+                        problems.push(format!(
+                            "{key}: `{value}` listens everywhere; set cluster.advertise_host to the address other nodes reach this one at"
+                        ));
+                    }
+                    addrs.push((key, addr));
+                }
+                Err(_) => problems.push(format!(
+                    "{key}: `{value}` is not an address like 127.0.0.1:7946"
+                )),
+            }
+        }
+        if let [(_, gossip), (_, peer)] = addrs[..]
+            && gossip.port() != 0
+            && gossip == peer
+        {
+            problems.push("cluster.gossip_listen and cluster.peer_listen: must differ".into());
+        }
+        if !self.advertise_host.is_empty()
+            && self.advertise_host.parse::<std::net::IpAddr>().is_err()
+        {
+            problems.push(format!(
+                "cluster.advertise_host: `{}` is not an IP address",
+                self.advertise_host
+            ));
+        }
+        for seed in &self.seeds {
+            if seed.parse::<SocketAddr>().is_err() {
+                problems.push(format!(
+                    "cluster.seeds: `{seed}` is not an address like 10.0.0.2:7946"
+                ));
+            }
+        }
+        if self.expect_nodes == 0 {
+            problems.push("cluster.expect_nodes: must be at least 1".into());
+        }
+        if self.replication == 0 {
+            problems.push("cluster.replication: must be at least 1".into());
+        } else if self.replication > self.expect_nodes {
+            problems.push(format!(
+                "cluster.replication ({}) needs as many nodes, but cluster.expect_nodes is {}",
+                self.replication, self.expect_nodes
+            ));
+        }
+        for (key, value, min) in [
+            ("cluster.probe_period_ms", self.probe_period_ms, 10),
+            (
+                "cluster.suspicion_timeout_ms",
+                self.suspicion_timeout_ms,
+                10,
+            ),
+            ("cluster.hedge_after_ms", self.hedge_after_ms, 1),
+            ("cluster.request_timeout_ms", self.request_timeout_ms, 10),
+            ("cluster.join_timeout_seconds", self.join_timeout_seconds, 1),
+        ] {
+            if value < min {
+                problems.push(format!("{key}: must be at least {min}"));
+            }
+            if value > 86_400_000 {
+                problems.push(format!("{key}: {value} is more than a day"));
+            }
+        }
+        if self.request_timeout_ms <= self.hedge_after_ms {
+            problems.push(
+                "cluster.request_timeout_ms: must be longer than cluster.hedge_after_ms".into(),
+            );
+        }
+        if self.unavailable_wait_ms > 3_600_000 {
+            problems.push("cluster.unavailable_wait_ms: at most an hour".into());
+        }
+        problems
+    }
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -204,6 +374,8 @@ impl NodeConfig {
                 .separator("__")
                 .list_separator(",")
                 .with_list_parse_key("server.api_keys")
+                .with_list_parse_key("cluster.secrets")
+                .with_list_parse_key("cluster.seeds")
                 .try_parsing(true)
                 .source(Some(sources.env.into_iter().collect())),
         );
@@ -225,6 +397,7 @@ impl NodeConfig {
         section(&merged, "batching", &mut config.batching, &mut problems);
         section(&merged, "metrics", &mut config.metrics, &mut problems);
         section(&merged, "logging", &mut config.logging, &mut problems);
+        section(&merged, "cluster", &mut config.cluster, &mut problems);
         problems.extend(config.problems());
         if problems.is_empty() {
             Ok(config)
@@ -285,6 +458,7 @@ impl NodeConfig {
                 b.max_tokens_per_step, b.max_sequences
             ));
         }
+        problems.extend(self.cluster.problems());
         problems
     }
 

@@ -118,6 +118,26 @@ impl Checkpoint {
         })
     }
 
+    /// A fingerprint of the model: `config.json` and every tensor's name, dtype and shape.
+    /// Nodes of a cluster must serve the same one. It does not read the weights (terabytes),
+    /// so two checkpoints of the same architecture with different values look alike.
+    pub fn fingerprint(&self) -> u64 {
+        use sha2::{Digest, Sha256};
+        let mut hash = Sha256::new();
+        hash.update(std::fs::read(self.dir.join("config.json")).unwrap_or_default());
+        let mut names: Vec<&String> = self.locations.keys().collect();
+        names.sort_unstable();
+        for name in names {
+            hash.update(name.as_bytes());
+            if let Some(info) = self.shards[self.locations[name]].metadata.info(name) {
+                hash.update(format!("{:?}{:?}", info.dtype, info.shape).as_bytes());
+            }
+            hash.update([0]);
+        }
+        let digest = hash.finalize();
+        u64::from_le_bytes(digest[..8].try_into().unwrap_or_default())
+    }
+
     pub fn contains(&self, name: &str) -> bool {
         self.locations.contains_key(name)
     }

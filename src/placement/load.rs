@@ -83,6 +83,16 @@ impl ExpertLoad {
         }
     }
 
+    /// Rows routed to an expert that ran on another node.
+    pub fn record_activation(&self, layer: usize, expert: u32, rows: usize) {
+        if let Some(a) = self
+            .activations
+            .get(layer * self.num_experts + expert as usize)
+        {
+            a.fetch_add(rows as u64, Ordering::Relaxed);
+        }
+    }
+
     pub fn layer(&self, layer: usize) -> LayerLoad {
         let read = |v: &[AtomicU64]| v.iter().map(|a| a.load(Ordering::Relaxed)).collect();
         LayerLoad {

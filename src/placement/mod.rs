@@ -1,18 +1,46 @@
-//! Which device holds which expert, and which replica serves a group of tokens. Pure
-//! functions and plain types: the router actor feeds them device health and carries out
-//! what they decide.
+//! Which (node, device) holds which expert, and which replica serves a group of tokens. Pure
+//! functions and plain types: the dispatcher feeds them the health it has measured and
+//! carries out what they decide.
 
+pub mod health;
 pub mod load;
 
+use serde::{Deserialize, Serialize};
+
+pub use health::{Reach, ReplicaHealth};
 pub use load::ExpertLoad;
 
-/// The expert → devices map of one node: `replicas(layer, expert)` lists the devices holding
-/// a copy, all distinct.
+/// One copy of an expert: a device of a node. `node` indexes [`Placement::nodes`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Replica {
+    pub node: u16,
+    pub device: u16,
+}
+
+/// A node taking part in a placement and how many devices it offers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeSlots {
+    pub node: String,
+    pub devices: usize,
+}
+
+/// The expert → replicas map of a cluster (or of one node: a cluster of one), with a
+/// version. Every node derives the same map from the same nodes, replication and model, so
+/// a placement travels as its [`PlacementSpec`] and is rebuilt where it is needed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Placement {
-    num_devices: usize,
-    /// `[layer][expert]` → devices; empty rows for dense layers.
-    replicas: Vec<Vec<Vec<usize>>>,
+    spec: PlacementSpec,
+    /// `[layer][expert]` → replicas; empty rows for dense layers.
+    replicas: Vec<Vec<Vec<Replica>>>,
+}
+
+/// What a placement is derived from: the nodes (in the order replicas index them), the
+/// replication factor and a version that grows with every change.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PlacementSpec {
+    pub version: u64,
+    pub replication: usize,
+    pub nodes: Vec<NodeSlots>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -21,168 +49,419 @@ pub enum PlacementError {
     NoDevices,
     #[error("replication {replication} needs as many devices, but there are {devices}")]
     TooFewDevices { replication: usize, devices: usize },
+    #[error("node `{0}` appears twice in the placement")]
+    DuplicateNode(String),
+    #[error("{0} nodes is more than a placement can index")]
+    TooManyNodes(usize),
 }
 
 impl Placement {
-    /// Spreads `replication` copies of every expert of every MoE layer over `num_devices`
-    /// devices: within a layer each device holds the same number of experts give or take
-    /// one, and the copies of an expert sit on distinct devices. Layers start at different
-    /// devices so the extra experts of uneven layers do not pile up on device 0.
-    pub fn balanced(
+    /// One node with `num_devices` devices: copies on distinct devices.
+    pub fn single_node(
         moe_layers: &[bool],
         num_experts: usize,
         num_devices: usize,
         replication: usize,
     ) -> Result<Self, PlacementError> {
-        if num_devices == 0 {
+        let spec = PlacementSpec {
+            version: 1,
+            replication,
+            nodes: vec![NodeSlots {
+                node: String::new(),
+                devices: num_devices,
+            }],
+        };
+        Placement::balanced(moe_layers, num_experts, spec)
+    }
+
+    /// Spreads `spec.replication` copies of every expert of every MoE layer over the devices
+    /// of `spec.nodes`. The copies of an expert sit on distinct nodes while there are nodes
+    /// enough, else on distinct devices. Within a layer each device holds the same number of
+    /// experts give or take one whenever the nodes offer equal devices: each copy goes to
+    /// the least-filled eligible device, ties broken by a position that rotates with the
+    /// layer so that uneven layers do not pile their extra experts on the first device.
+    pub fn balanced(
+        moe_layers: &[bool],
+        num_experts: usize,
+        spec: PlacementSpec,
+    ) -> Result<Self, PlacementError> {
+        let mut names: Vec<&str> = spec.nodes.iter().map(|n| n.node.as_str()).collect();
+        names.sort_unstable();
+        if let Some(pair) = names.windows(2).find(|w| w[0] == w[1]) {
+            return Err(PlacementError::DuplicateNode(pair[0].to_string()));
+        }
+        if spec.nodes.len() > u16::MAX as usize
+            || spec.nodes.iter().any(|n| n.devices > u16::MAX as usize)
+        {
+            return Err(PlacementError::TooManyNodes(spec.nodes.len()));
+        }
+        // Devices interleaved across nodes: node 0's device 0, node 1's device 0, ...
+        let max_devices = spec.nodes.iter().map(|n| n.devices).max().unwrap_or(0);
+        let devices: Vec<Replica> = (0..max_devices)
+            .flat_map(|d| {
+                spec.nodes
+                    .iter()
+                    .enumerate()
+                    .filter(move |(_, n)| d < n.devices)
+                    .map(move |(node, _)| Replica {
+                        node: node as u16,
+                        device: d as u16,
+                    })
+            })
+            .collect();
+        if devices.is_empty() {
             return Err(PlacementError::NoDevices);
         }
-        if replication == 0 || replication > num_devices {
+        let replication = spec.replication;
+        if replication == 0 || replication > devices.len() {
             return Err(PlacementError::TooFewDevices {
                 replication,
-                devices: num_devices,
+                devices: devices.len(),
             });
         }
-        let slots_per_layer = num_experts * replication;
+        let distinct_nodes = replication <= spec.nodes.iter().filter(|n| n.devices > 0).count();
+        let mut next_slot = 0usize;
         let replicas = moe_layers
             .iter()
-            .enumerate()
-            .map(|(layer, &is_moe)| {
+            .map(|&is_moe| {
                 if !is_moe {
                     return Vec::new();
                 }
+                let mut held = vec![0usize; devices.len()];
                 (0..num_experts)
-                    .map(|e| {
-                        // Consecutive slots of one expert land on consecutive devices, which
-                        // are distinct because replication <= num_devices.
-                        (0..replication)
-                            .map(|r| (layer * slots_per_layer + e * replication + r) % num_devices)
-                            .collect()
+                    .map(|_| {
+                        let mut copies: Vec<Replica> = Vec::with_capacity(replication);
+                        for _ in 0..replication {
+                            let eligible = |i: &usize| {
+                                let r = devices[*i];
+                                if distinct_nodes {
+                                    copies.iter().all(|c| c.node != r.node)
+                                } else {
+                                    !copies.contains(&r)
+                                }
+                            };
+                            // Least filled first; among equals, the first at or after the
+                            // rotating slot.
+                            let n = devices.len();
+                            let pick = (0..n)
+                                .map(|k| (next_slot + k) % n)
+                                .filter(eligible)
+                                .min_by_key(|&i| held[i])
+                                .expect("replication <= devices leaves an eligible device");
+                            held[pick] += 1;
+                            next_slot = (pick + 1) % n;
+                            copies.push(devices[pick]);
+                        }
+                        copies
                     })
                     .collect()
             })
             .collect();
-        Ok(Placement {
-            num_devices,
-            replicas,
-        })
+        Ok(Placement { spec, replicas })
     }
 
-    pub fn num_devices(&self) -> usize {
-        self.num_devices
+    pub fn spec(&self) -> &PlacementSpec {
+        &self.spec
+    }
+
+    pub fn version(&self) -> u64 {
+        self.spec.version
+    }
+
+    pub fn nodes(&self) -> &[NodeSlots] {
+        &self.spec.nodes
+    }
+
+    /// The index replicas use for the node called `name`.
+    pub fn node_index(&self, name: &str) -> Option<u16> {
+        self.spec
+            .nodes
+            .iter()
+            .position(|n| n.node == name)
+            .map(|i| i as u16)
     }
 
     pub fn num_layers(&self) -> usize {
         self.replicas.len()
     }
 
-    /// Devices holding `expert` of `layer`; empty for dense layers or unknown experts.
-    pub fn replicas(&self, layer: usize, expert: u32) -> &[usize] {
+    /// Replicas of `expert` of `layer`; empty for dense layers or unknown experts.
+    pub fn replicas(&self, layer: usize, expert: u32) -> &[Replica] {
         self.replicas
             .get(layer)
             .and_then(|experts| experts.get(expert as usize))
             .map_or(&[], Vec::as_slice)
     }
 
-    /// Every (layer, expert) held by `device`.
-    pub fn experts_on(&self, device: usize) -> Vec<(usize, u32)> {
+    /// Every (layer, expert) held by `device` of `node`.
+    pub fn experts_on(&self, node: u16, device: u16) -> Vec<(usize, u32)> {
+        let here = Replica { node, device };
         let mut held = Vec::new();
         for (layer, experts) in self.replicas.iter().enumerate() {
-            for (expert, devices) in experts.iter().enumerate() {
-                if devices.contains(&device) {
+            for (expert, replicas) in experts.iter().enumerate() {
+                if replicas.contains(&here) {
                     held.push((layer, expert as u32));
                 }
             }
         }
         held
     }
+
+    /// How many (layer, expert) copies `node` holds over all its devices.
+    pub fn experts_held_by(&self, node: u16) -> usize {
+        self.replicas
+            .iter()
+            .flatten()
+            .map(|replicas| replicas.iter().filter(|r| r.node == node).count())
+            .sum()
+    }
 }
 
-/// Chooses, for each active expert of a step, the device that runs its rows: a live replica,
-/// the least loaded one so far in this step (ties go to the first listed). Returns the
-/// device per expert, or the first expert that has no live replica.
+/// Chooses, for each active expert of a step, the replica that runs its rows. Replicas that
+/// are down, or that `excluded` names for that group (they failed it already), are never
+/// chosen; a suspect replica only when no reachable one is left. Among the rest, the one
+/// expected to answer first: its measured latency plus the work already on it (outstanding
+/// and given out earlier in this step), so tokens flow around a slow node and a local
+/// replica wins over a remote one while their loads are comparable. Returns the replica per
+/// expert, `None` where an expert has no usable replica.
 pub fn assign_groups(
     placement: &Placement,
     layer: usize,
     experts: &[u32],
     rows_per_expert: impl Fn(usize) -> usize,
-    alive: &[bool],
-) -> Result<Vec<usize>, u32> {
-    let mut step_load = vec![0usize; placement.num_devices()];
+    health: impl Fn(Replica) -> ReplicaHealth,
+    excluded: impl Fn(usize, Replica) -> bool,
+) -> Vec<Option<Replica>> {
+    let mut step_rows: std::collections::HashMap<Replica, usize> = Default::default();
     let mut chosen = Vec::with_capacity(experts.len());
     for (i, &expert) in experts.iter().enumerate() {
-        let device = placement
+        let best = placement
             .replicas(layer, expert)
             .iter()
             .copied()
-            .filter(|&d| alive.get(d).copied().unwrap_or(false))
-            .min_by_key(|&d| step_load[d])
-            .ok_or(expert)?;
-        step_load[device] += rows_per_expert(i);
-        chosen.push(device);
+            .filter(|&r| !excluded(i, r))
+            .map(|r| (r, health(r)))
+            .filter(|(_, h)| h.reach != Reach::Down)
+            .min_by(|(ra, a), (rb, b)| {
+                let ea = a.expected_micros(step_rows.get(ra).copied().unwrap_or(0));
+                let eb = b.expected_micros(step_rows.get(rb).copied().unwrap_or(0));
+                (a.reach, ea)
+                    .partial_cmp(&(b.reach, eb))
+                    .unwrap_or(std::cmp::Ordering::Equal)
+            })
+            .map(|(r, _)| r);
+        if let Some(r) = best {
+            *step_rows.entry(r).or_default() += rows_per_expert(i);
+        }
+        chosen.push(best);
     }
-    Ok(chosen)
+    chosen
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn spec(nodes: &[usize], replication: usize) -> PlacementSpec {
+        PlacementSpec {
+            version: 1,
+            replication,
+            nodes: nodes
+                .iter()
+                .enumerate()
+                .map(|(i, &devices)| NodeSlots {
+                    node: format!("n{i}"),
+                    devices,
+                })
+                .collect(),
+        }
+    }
+
+    fn check_balanced(p: &Placement, layers: usize, experts: usize) {
+        let devices: usize = p.nodes().iter().map(|n| n.devices).sum();
+        for layer in 1..layers {
+            let mut per_device: std::collections::HashMap<Replica, usize> = Default::default();
+            for e in 0..experts as u32 {
+                let r = p.replicas(layer, e);
+                assert_eq!(r.len(), p.spec().replication);
+                let mut distinct = r.to_vec();
+                distinct.sort();
+                distinct.dedup();
+                assert_eq!(distinct.len(), r.len(), "copies on distinct devices");
+                for &d in r {
+                    *per_device.entry(d).or_default() += 1;
+                }
+            }
+            let counts: Vec<usize> = per_device.values().copied().collect();
+            let (min, max) = (counts.iter().min().unwrap(), counts.iter().max().unwrap());
+            let min = if per_device.len() < devices { &0 } else { min };
+            assert!(max - min <= 1, "layer {layer}: {per_device:?}");
+        }
+    }
+
     #[test]
-    fn balanced_within_one_and_replicas_distinct() {
+    fn one_node_balanced_within_one_and_replicas_distinct() {
         for (experts, devices, replication) in [(896, 2, 1), (10, 3, 2), (5, 4, 2), (7, 7, 7)] {
             let layers = [false, true, true, true];
-            let p = Placement::balanced(&layers, experts, devices, replication).unwrap();
+            let p = Placement::single_node(&layers, experts, devices, replication).unwrap();
             assert!(p.replicas(0, 0).is_empty(), "dense layer holds no experts");
-            for layer in 1..4 {
-                let mut per_device = vec![0; devices];
+            check_balanced(&p, 4, experts);
+        }
+    }
+
+    #[test]
+    fn cluster_copies_on_distinct_nodes_and_balanced() {
+        let layers = [false, true, true, true, true];
+        for (nodes, experts, replication) in [
+            (vec![1, 1, 1], 16, 2),
+            (vec![2, 2, 2], 896, 2),
+            (vec![1, 1, 1, 1], 10, 3),
+            (vec![8, 8], 384, 2),
+            (vec![2, 2, 2, 2, 2], 7, 2),
+        ] {
+            let p = Placement::balanced(&layers, experts, spec(&nodes, replication)).unwrap();
+            check_balanced(&p, layers.len(), experts);
+            for layer in 1..layers.len() {
                 for e in 0..experts as u32 {
-                    let r = p.replicas(layer, e);
-                    assert_eq!(r.len(), replication);
-                    let mut distinct = r.to_vec();
-                    distinct.sort();
-                    distinct.dedup();
-                    assert_eq!(distinct.len(), replication, "copies on distinct devices");
-                    for &d in r {
-                        per_device[d] += 1;
-                    }
+                    let mut on: Vec<u16> = p.replicas(layer, e).iter().map(|r| r.node).collect();
+                    on.sort();
+                    on.dedup();
+                    assert_eq!(on.len(), replication, "copies of {e} on distinct nodes");
                 }
-                let (min, max) = (per_device.iter().min(), per_device.iter().max());
-                assert!(max.unwrap() - min.unwrap() <= 1, "{per_device:?}");
+            }
+            // Each node holds its share (fewer than all experts when there are more nodes
+            // than copies).
+            let moe_layers = layers.len() - 1;
+            let share = (experts * moe_layers * replication).div_ceil(nodes.len());
+            for node in 0..nodes.len() as u16 {
+                let held = p.experts_held_by(node);
+                let slack = moe_layers * nodes[node as usize];
+                assert!(
+                    held <= share + slack,
+                    "node {node} holds {held} of share {share}"
+                );
+                if replication < nodes.len() {
+                    assert!(
+                        held < experts * moe_layers,
+                        "node {node} holds every expert"
+                    );
+                }
+                let on_devices: usize = (0..nodes[node as usize] as u16)
+                    .map(|d| p.experts_on(node, d).len())
+                    .sum();
+                assert_eq!(held, on_devices);
             }
         }
     }
 
     #[test]
-    fn too_few_devices_is_an_error() {
+    fn uneven_nodes_still_distinct_nodes() {
+        let layers = [true, true];
+        let p = Placement::balanced(&layers, 64, spec(&[4, 1, 1], 2)).unwrap();
+        for layer in 0..2 {
+            for e in 0..64 {
+                let r = p.replicas(layer, e);
+                assert_ne!(r[0].node, r[1].node);
+            }
+        }
+    }
+
+    #[test]
+    fn same_spec_same_placement() {
+        let layers = [true, false, true];
+        let a = Placement::balanced(&layers, 33, spec(&[2, 3, 1], 2)).unwrap();
+        let b = Placement::balanced(&layers, 33, spec(&[2, 3, 1], 2)).unwrap();
+        assert_eq!(a, b);
+    }
+
+    #[test]
+    fn bad_specs_are_errors() {
         assert_eq!(
-            Placement::balanced(&[true], 8, 2, 3),
+            Placement::single_node(&[true], 8, 2, 3),
             Err(PlacementError::TooFewDevices {
                 replication: 3,
                 devices: 2
             })
         );
         assert_eq!(
-            Placement::balanced(&[true], 8, 0, 1),
+            Placement::single_node(&[true], 8, 0, 1),
             Err(PlacementError::NoDevices)
         );
+        let mut dup = spec(&[1, 1], 1);
+        dup.nodes[1].node = "n0".into();
+        assert_eq!(
+            Placement::balanced(&[true], 8, dup),
+            Err(PlacementError::DuplicateNode("n0".into()))
+        );
+    }
+
+    fn up(latency_micros: f64) -> ReplicaHealth {
+        ReplicaHealth {
+            reach: Reach::Up,
+            latency_micros,
+            outstanding_rows: 0,
+        }
     }
 
     #[test]
     fn groups_go_to_live_replicas_least_loaded_first() {
-        let p = Placement::balanced(&[true], 4, 2, 2).unwrap();
+        let p = Placement::single_node(&[true], 4, 2, 2).unwrap();
         let experts = [0, 1, 2, 3];
         let rows = |i: usize| [5, 1, 1, 1][i];
-        // Both alive: expert 0 (5 rows) on one device, the rest balance onto the other.
-        let chosen = assign_groups(&p, 0, &experts, rows, &[true, true]).unwrap();
-        assert_eq!(chosen[0], 0);
-        assert!(chosen[1..].iter().all(|&d| d == 1), "{chosen:?}");
-        // Device 0 dead: everything fails over to device 1.
-        let chosen = assign_groups(&p, 0, &experts, rows, &[false, true]).unwrap();
-        assert_eq!(chosen, vec![1, 1, 1, 1]);
-        // No replication and a dead device: the experts it held have no live copy.
-        let single = Placement::balanced(&[true], 4, 2, 1).unwrap();
-        let lost = assign_groups(&single, 0, &experts, rows, &[false, true]).unwrap_err();
-        assert_eq!(single.replicas(0, lost), &[0]);
+        let d = |device| Replica { node: 0, device };
+        let chosen = assign_groups(&p, 0, &experts, rows, |_| up(100.0), |_, _| false);
+        assert_ne!(chosen[0], chosen[1], "{chosen:?}");
+        // Device 0 down: everything fails over to device 1.
+        let down0 = |r: Replica| ReplicaHealth {
+            reach: if r.device == 0 {
+                Reach::Down
+            } else {
+                Reach::Up
+            },
+            ..up(100.0)
+        };
+        let chosen = assign_groups(&p, 0, &experts, rows, down0, |_, _| false);
+        assert_eq!(chosen, vec![Some(d(1)); 4]);
+        // A group may exclude the replica that already failed it.
+        let chosen = assign_groups(
+            &p,
+            0,
+            &experts,
+            rows,
+            |_| up(1.0),
+            |g, r| g == 2 && r == d(1),
+        );
+        assert_eq!(chosen[2], Some(d(0)));
+        // No replication and a down device: its experts have no usable copy.
+        let single = Placement::single_node(&[true], 4, 2, 1).unwrap();
+        let chosen = assign_groups(&single, 0, &experts, rows, down0, |_, _| false);
+        for (e, c) in chosen.iter().enumerate() {
+            assert_eq!(c.is_none(), single.replicas(0, e as u32) == [d(0)]);
+        }
+    }
+
+    #[test]
+    fn slow_and_suspect_replicas_are_avoided_while_others_live() {
+        let p = Placement::balanced(&[true], 8, spec(&[1, 1], 2)).unwrap();
+        let experts: Vec<u32> = (0..8).collect();
+        // Node 1 answers in 50 ms, node 0 in 0.2 ms: all work goes to node 0 (its load
+        // stays below the gap).
+        let slow1 = |r: Replica| if r.node == 1 { up(50_000.0) } else { up(200.0) };
+        let chosen = assign_groups(&p, 0, &experts, |_| 1, slow1, |_, _| false);
+        assert!(chosen.iter().all(|c| c.unwrap().node == 0), "{chosen:?}");
+        // Node 0 suspect: node 1 takes everything although it is slower.
+        let suspect0 = |r: Replica| ReplicaHealth {
+            reach: if r.node == 0 {
+                Reach::Suspect
+            } else {
+                Reach::Up
+            },
+            ..slow1(r)
+        };
+        let chosen = assign_groups(&p, 0, &experts, |_| 1, suspect0, |_, _| false);
+        assert!(chosen.iter().all(|c| c.unwrap().node == 1), "{chosen:?}");
+        // Only suspect replicas left: still used.
+        let chosen = assign_groups(&p, 0, &experts, |_| 1, suspect0, |_, r| r.node == 1);
+        assert!(chosen.iter().all(|c| c.unwrap().node == 0), "{chosen:?}");
     }
 }

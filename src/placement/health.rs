@@ -1,0 +1,219 @@
+//! What the dispatcher knows of each place it sends work to: whether it can be reached, how
+//! fast it answers, how much it is working on. Plain state fed with events and the time, so
+//! the decisions it drives are tested without a runtime.
+
+use std::time::{Duration, Instant};
+
+/// Whether work may go to a replica; ordered from best to worst.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Reach {
+    Up,
+    /// Gossip suspects it, or it missed a deadline lately: used only when nothing better is.
+    Suspect,
+    /// Gossip declared it dead, or its link or device failed: never used.
+    Down,
+}
+
+/// One replica's health as the replica chooser sees it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ReplicaHealth {
+    pub reach: Reach,
+    /// Measured answer time of recent requests (an exponential average).
+    pub latency_micros: f64,
+    /// Rows sent to it and not yet answered.
+    pub outstanding_rows: usize,
+}
+
+/// Rows a replica is taken to answer in one measured latency before more work queues behind
+/// them: the scale at which load outweighs latency in the choice.
+const ROWS_PER_LATENCY: f64 = 64.0;
+
+impl ReplicaHealth {
+    /// When work given to it now is expected back, with `step_rows` more rows given to it
+    /// in this step.
+    pub fn expected_micros(&self, step_rows: usize) -> f64 {
+        self.latency_micros * (1.0 + (self.outstanding_rows + step_rows) as f64 / ROWS_PER_LATENCY)
+    }
+}
+
+/// How long a target that missed a deadline or failed is avoided before it is tried again
+/// (gossip's verdict, when it comes, overrides this).
+#[derive(Debug, Clone, Copy)]
+pub struct Penalties {
+    pub slow_for: Duration,
+    pub down_for: Duration,
+}
+
+/// The dispatcher's record of one target (a local device or a remote node).
+#[derive(Debug, Clone)]
+pub struct TargetHealth {
+    latency_micros: f64,
+    samples: u64,
+    outstanding_rows: usize,
+    /// What gossip says (always `Up` for local devices).
+    gossip: Reach,
+    /// Failed (link reset, device gone): down until then.
+    down_until: Option<Instant>,
+    /// Missed a deadline: suspect until then.
+    slow_until: Option<Instant>,
+    /// Down for good (a local device whose actor stopped).
+    gone: bool,
+}
+
+/// Latency assumed before the first answer: a target is not avoided for being unknown.
+const FIRST_LATENCY_MICROS: f64 = 500.0;
+/// Weight of a new sample in the average.
+const EWMA_WEIGHT: f64 = 0.2;
+
+impl Default for TargetHealth {
+    fn default() -> Self {
+        TargetHealth {
+            latency_micros: FIRST_LATENCY_MICROS,
+            samples: 0,
+            outstanding_rows: 0,
+            gossip: Reach::Up,
+            down_until: None,
+            slow_until: None,
+            gone: false,
+        }
+    }
+}
+
+impl TargetHealth {
+    pub fn view(&self, now: Instant) -> ReplicaHealth {
+        let reach = if self.gone
+            || self.gossip == Reach::Down
+            || self.down_until.is_some_and(|t| now < t)
+        {
+            Reach::Down
+        } else if self.gossip == Reach::Suspect || self.slow_until.is_some_and(|t| now < t) {
+            Reach::Suspect
+        } else {
+            Reach::Up
+        };
+        ReplicaHealth {
+            reach,
+            latency_micros: self.latency_micros,
+            outstanding_rows: self.outstanding_rows,
+        }
+    }
+
+    /// Average answer time so far.
+    pub fn latency(&self) -> Duration {
+        Duration::from_secs_f64(self.latency_micros / 1e6)
+    }
+
+    pub fn sent(&mut self, rows: usize) {
+        self.outstanding_rows += rows;
+    }
+
+    /// An answer (or a failure) for `rows` sent earlier; `took` is its answer time when it
+    /// answered.
+    pub fn answered(&mut self, rows: usize, took: Option<Duration>) {
+        self.outstanding_rows = self.outstanding_rows.saturating_sub(rows);
+        if let Some(took) = took {
+            let micros = took.as_secs_f64() * 1e6;
+            self.latency_micros = if self.samples == 0 {
+                micros
+            } else {
+                (1.0 - EWMA_WEIGHT) * self.latency_micros + EWMA_WEIGHT * micros
+            };
+            self.samples += 1;
+        }
+    }
+
+    /// It missed a deadline: avoid it while other replicas live.
+    pub fn missed_deadline(&mut self, now: Instant, penalties: Penalties) {
+        self.slow_until = Some(now + penalties.slow_for);
+    }
+
+    /// Its link or device failed: send it nothing for a while.
+    pub fn failed(&mut self, now: Instant, penalties: Penalties) {
+        self.down_until = Some(now + penalties.down_for);
+    }
+
+    /// A local device whose actor is gone: down for good.
+    pub fn gone(&mut self) {
+        self.gone = true;
+    }
+
+    pub fn is_gone(&self) -> bool {
+        self.gone
+    }
+
+    /// Gossip's verdict. A member seen alive again (a restart, a healed partition) is tried
+    /// at once.
+    pub fn set_gossip(&mut self, reach: Reach) {
+        if reach == Reach::Up && self.gossip != Reach::Up {
+            self.down_until = None;
+            self.slow_until = None;
+        }
+        self.gossip = reach;
+    }
+}
+
+/// How long to wait for a target before hedging its work to another replica: a multiple of
+/// its measured latency, never below `floor`.
+pub fn hedge_after(latency: Duration, floor: Duration) -> Duration {
+    (latency * 4).max(floor)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const P: Penalties = Penalties {
+        slow_for: Duration::from_secs(2),
+        down_for: Duration::from_secs(1),
+    };
+
+    #[test]
+    fn failure_and_deadline_penalties_expire() {
+        let t0 = Instant::now();
+        let mut h = TargetHealth::default();
+        assert_eq!(h.view(t0).reach, Reach::Up);
+        h.missed_deadline(t0, P);
+        assert_eq!(h.view(t0).reach, Reach::Suspect);
+        assert_eq!(h.view(t0 + Duration::from_secs(3)).reach, Reach::Up);
+        h.failed(t0, P);
+        assert_eq!(h.view(t0).reach, Reach::Down);
+        assert_eq!(
+            h.view(t0 + Duration::from_millis(1500)).reach,
+            Reach::Suspect
+        );
+        // Gossip's dead outlasts any penalty; alive again clears them.
+        h.set_gossip(Reach::Down);
+        assert_eq!(h.view(t0 + Duration::from_secs(60)).reach, Reach::Down);
+        h.failed(t0, P);
+        h.set_gossip(Reach::Up);
+        assert_eq!(h.view(t0).reach, Reach::Up);
+        h.gone();
+        h.set_gossip(Reach::Up);
+        assert_eq!(h.view(t0).reach, Reach::Down, "a gone device never returns");
+    }
+
+    #[test]
+    fn latency_average_and_outstanding_work() {
+        let mut h = TargetHealth::default();
+        h.sent(10);
+        h.answered(10, Some(Duration::from_millis(2)));
+        assert!((h.view(Instant::now()).latency_micros - 2000.0).abs() < 1e-6);
+        h.sent(5);
+        h.answered(5, Some(Duration::from_millis(12)));
+        assert!((h.latency().as_secs_f64() * 1e6 - 4000.0).abs() < 1e-3);
+        h.sent(64);
+        assert_eq!(h.view(Instant::now()).outstanding_rows, 64);
+        assert!((h.view(Instant::now()).expected_micros(0) - 8000.0).abs() < 1e-3);
+        h.answered(100, None);
+        assert_eq!(h.view(Instant::now()).outstanding_rows, 0);
+        assert_eq!(
+            hedge_after(Duration::from_micros(100), Duration::from_millis(50)),
+            Duration::from_millis(50)
+        );
+        assert_eq!(
+            hedge_after(Duration::from_millis(30), Duration::from_millis(50)),
+            Duration::from_millis(120)
+        );
+    }
+}
