@@ -224,7 +224,12 @@ fn call(
     wait: Duration,
 ) -> Result<ExpertReply, PeerError> {
     let (tx, rx) = mpsc::channel();
-    client.send(request, Box::new(move |result| drop(tx.send(result))))?;
+    client.send(
+        request,
+        Box::new(move |result| {
+            let _ = tx.send(result);
+        }),
+    )?;
     rx.recv_timeout(wait)
         .expect("completion within the deadline")
 }
@@ -309,7 +314,9 @@ fn hundred_concurrent_requests_from_four_threads(kind: Kind) {
                     client
                         .send(
                             request,
-                            Box::new(move |result| drop(tx.send((sent, result)))),
+                            Box::new(move |result| {
+                                let _ = tx.send((sent, result));
+                            }),
                         )
                         .expect("queued");
                 }
@@ -438,7 +445,7 @@ fn server_killed_mid_request_fails_fast_then_reconnects(kind: Kind) {
                 make_request(seed, Dtype::F32),
                 Box::new(move |result| {
                     calls.fetch_add(1, Ordering::SeqCst);
-                    drop(done_tx.send(result));
+                    let _ = done_tx.send(result);
                 }),
             )
             .expect("queued");
@@ -570,7 +577,12 @@ fn partition_holds_existing_links_and_refuses_new_ones_until_healed() {
     let (tx, rx) = mpsc::channel();
     let held = make_request(2, Dtype::Bf16);
     client
-        .send(held.clone(), Box::new(move |result| drop(tx.send(result))))
+        .send(
+            held.clone(),
+            Box::new(move |result| {
+                let _ = tx.send(result);
+            }),
+        )
         .expect("queued");
     assert!(
         rx.recv_timeout(Duration::from_millis(300)).is_err(),
@@ -610,7 +622,9 @@ fn blackhole_never_answers_until_close_fails_the_request() {
     client
         .send(
             make_request(2, Dtype::F32),
-            Box::new(move |result| drop(tx.send(result))),
+            Box::new(move |result| {
+                let _ = tx.send(result);
+            }),
         )
         .expect("queued");
     assert!(
@@ -714,7 +728,12 @@ fn full_queue_is_overloaded_at_once_and_close_fails_the_rest() {
     for _ in 0..64 {
         let tx = tx.clone();
         let start = Instant::now();
-        match client.send(big.clone(), Box::new(move |result| drop(tx.send(result)))) {
+        match client.send(
+            big.clone(),
+            Box::new(move |result| {
+                let _ = tx.send(result);
+            }),
+        ) {
             Ok(()) => queued += 1,
             Err(PeerError::Overloaded) => {
                 assert!(start.elapsed() < Duration::from_millis(100), "send blocked");
@@ -733,4 +752,47 @@ fn full_queue_is_overloaded_at_once_and_close_fails_the_rest() {
             .expect("every queued request fails");
         assert!(matches!(result, Err(PeerError::LinkDown(_))), "{result:?}");
     }
+}
+
+#[test]
+fn inconsistent_or_oversized_requests_are_refused_locally() {
+    let (rig, stats, server) = memory_rig();
+    let config = PeerConfig {
+        limits: wire::WireLimits {
+            max_payload: 1 << 10,
+            ..wire::WireLimits::default()
+        },
+        ..PeerConfig::default()
+    };
+    let client = PeerClient::with_config(
+        rig.client_transport(),
+        rig.runtime.handle().clone(),
+        server.local_addr(),
+        Arc::new(auth("client", b"cluster secret", 7)),
+        stats.clone(),
+        config,
+    );
+    let mut short = make_request(1, Dtype::F32);
+    short.rows.pop();
+    let refused = client.send(short, Box::new(|_| panic!("never called")));
+    assert!(
+        matches!(refused, Err(PeerError::BadRequest(_))),
+        "{refused:?}"
+    );
+    let big = ExpertRequest {
+        groups: vec![(0, 64)],
+        rows: vec![0.0; 64 * 8],
+        width: 8,
+        ..make_request(2, Dtype::F32)
+    };
+    let refused = client.send(big, Box::new(|_| panic!("never called")));
+    assert!(
+        matches!(refused, Err(PeerError::BadRequest(_))),
+        "{refused:?}"
+    );
+    let request = make_request(3, Dtype::F32);
+    assert_reply(
+        &request,
+        &call(&client, request.clone(), Duration::from_secs(5)).expect("reply"),
+    );
 }

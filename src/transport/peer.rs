@@ -426,6 +426,7 @@ struct ClientShared {
 /// backoff) after a failure, multiplexes requests by request id on one connection.
 pub struct PeerClient {
     addr: SocketAddr,
+    limits: WireLimits,
     shared: Arc<ClientShared>,
     queue: mpsc::Sender<Outgoing>,
 }
@@ -451,6 +452,7 @@ impl PeerClient {
         stats: Arc<PeerStats>,
         config: PeerConfig,
     ) -> Self {
+        let limits = config.limits;
         let (queue, receiver) = mpsc::channel(config.queue_capacity.max(1));
         let shared = Arc::new(ClientShared {
             next_request_id: AtomicU64::new(1),
@@ -469,6 +471,7 @@ impl PeerClient {
         runtime.spawn(driver.run());
         PeerClient {
             addr,
+            limits,
             shared,
             queue,
         }
@@ -486,6 +489,9 @@ impl PeerClient {
     pub fn send(&self, request: ExpertRequest, done: Completion) -> Result<(), PeerError> {
         let request_id = self.shared.next_request_id.fetch_add(1, Ordering::Relaxed);
         let frame = wire::encode_request(request_id, &request).map_err(PeerError::BadRequest)?;
+        // The peer would drop the whole connection over a frame past the limits (both nodes
+        // are expected to run the same limits), so refuse it here, alone.
+        wire::decode_header(&frame, &self.limits).map_err(PeerError::BadRequest)?;
         let outgoing = Outgoing {
             request_id,
             frame,

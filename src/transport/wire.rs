@@ -296,6 +296,9 @@ fn encode_rows_frame(
     groups: &[(u32, u32)],
     rows: &[f32],
 ) -> Result<Vec<u8>, WireError> {
+    if header.width == 0 {
+        return Err(WireError::malformed("row width 0"));
+    }
     let group_count = u32::try_from(groups.len())
         .map_err(|_| WireError::malformed(format!("{} groups do not fit a frame", groups.len())))?;
     let total_rows = groups
@@ -711,6 +714,13 @@ mod tests {
             ..request(Dtype::F32)
         };
         assert!(encode_request(1, &overflow).is_err());
+        let zero_width = ExpertRequest {
+            width: 0,
+            groups: vec![(0, 1)],
+            rows: vec![],
+            ..request(Dtype::F32)
+        };
+        assert!(encode_request(1, &zero_width).is_err());
     }
 
     fn good_frame() -> Vec<u8> {
