@@ -1,2 +1,54 @@
 //! How activations travel between nodes: the [`Transport`] seam (TCP, and an in-memory twin
 //! for tests), the framed wire format, and the peer client and server that speak it.
+//!
+//! - [`wire`]: the data-plane frame format (pure, fuzzable).
+//! - [`handshake`]: the keyed peer handshake messages and proofs (pure).
+//! - [`tcp`]: [`TcpTransport`], the default transport.
+//! - [`memory`]: [`MemoryTransport`], an in-memory network whose links tests can cut,
+//!   partition, delay and blackhole.
+//! - [`peer`]: [`PeerClient`] and [`PeerServer`], the protocol over any transport.
+
+pub mod handshake;
+pub mod memory;
+pub mod peer;
+pub mod tcp;
+pub mod wire;
+
+use std::net::SocketAddr;
+
+use futures::future::BoxFuture;
+
+pub use memory::{MemoryNetwork, MemoryTransport};
+pub use peer::{
+    Completion, Handler, PeerAuth, PeerClient, PeerConfig, PeerError, PeerServer, PeerStats,
+};
+pub use tcp::TcpTransport;
+pub use wire::{Dtype, ExpertReply, ExpertRequest, RemoteError, WIRE_VERSION};
+
+/// A connected byte stream to a peer.
+pub trait PeerStream:
+    tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static
+{
+}
+
+impl<T> PeerStream for T where
+    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static
+{
+}
+
+/// How to get a byte stream to a peer.
+pub trait Transport: Send + Sync + 'static {
+    /// Opens a stream to `addr` (the transport applies its own connect timeout).
+    fn connect(&self, addr: SocketAddr)
+    -> BoxFuture<'static, std::io::Result<Box<dyn PeerStream>>>;
+    /// Listens on `addr` (port 0 picks a free port; see [`PeerListener::local_addr`]).
+    fn bind(&self, addr: SocketAddr) -> BoxFuture<'static, std::io::Result<Box<dyn PeerListener>>>;
+}
+
+/// A bound listening endpoint.
+pub trait PeerListener: Send {
+    /// The address peers connect to.
+    fn local_addr(&self) -> SocketAddr;
+    /// Waits for the next incoming stream and the peer's address.
+    fn accept(&mut self) -> BoxFuture<'_, std::io::Result<(Box<dyn PeerStream>, SocketAddr)>>;
+}

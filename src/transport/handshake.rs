@@ -1,0 +1,327 @@
+//! The peer handshake messages and proofs: pure, no I/O (peer.rs drives them over a stream).
+//!
+//! ```text
+//! client -> server  ClientHello  "MOEH" version 1 fingerprint u64 nonce[16] id_len u16 id
+//! server -> client  ServerHello  "MOEH" version 2 status u8 fingerprint u64 nonce[16]
+//!                                id_len u16 id mac[32]
+//! client -> server  ClientProof  "MOEH" version 3 status u8 mac[32]
+//! server -> client  Verdict      "MOEH" version 4 status u8
+//! ```
+//!
+//! The server MAC is HMAC-SHA256(secret, "moe-node peer server" || transcript), the client
+//! MAC uses "moe-node peer client"; the transcript is both nonces, both fingerprints and both
+//! node ids (each id length-prefixed). Each side thereby proves it holds the cluster secret
+//! without sending it, and neither proof can be replayed on another connection (fresh nonces).
+//! Only the handshake is keyed: frames after it carry no MAC, so bulk rows are never hashed.
+//!
+//! A status byte lets each side refuse with a reason the other can report: the server answers
+//! a foreign model fingerprint with `WrongModel` (and no MAC), the client answers a server
+//! proof that does not verify with `AuthFailed`, the server's verdict says whether the client
+//! proof verified.
+
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+use thiserror::Error;
+
+/// First bytes of every handshake message.
+pub const HANDSHAKE_MAGIC: [u8; 4] = *b"MOEH";
+/// The handshake version this build speaks.
+pub const HANDSHAKE_VERSION: u8 = 1;
+/// Longest node id accepted.
+pub const MAX_NODE_ID: usize = 255;
+/// Size of a MAC.
+pub const MAC_LEN: usize = 32;
+/// Size of a nonce.
+pub const NONCE_LEN: usize = 16;
+
+const TYPE_CLIENT_HELLO: u8 = 1;
+const TYPE_SERVER_HELLO: u8 = 2;
+const TYPE_CLIENT_PROOF: u8 = 3;
+const TYPE_VERDICT: u8 = 4;
+
+/// Fixed part of a hello: magic, version, type.
+pub const PREAMBLE_LEN: usize = 6;
+
+/// Why a handshake failed (both sides report one of these).
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum HandshakeError {
+    #[error(
+        "the peer does not hold our cluster secret (its proof did not verify): check peer_secret on both nodes"
+    )]
+    WrongSecret,
+    #[error(
+        "the peer refused our proof: the cluster secrets differ, check peer_secret on both nodes"
+    )]
+    RefusedByPeer,
+    #[error(
+        "the peer serves a different model (fingerprint {theirs:#018x}, ours {ours:#018x}): load the same checkpoint on every node"
+    )]
+    WrongModel { ours: u64, theirs: u64 },
+    #[error("not a moe-node peer (bad handshake magic {0:02x?})")]
+    BadMagic([u8; 4]),
+    #[error("handshake version {theirs} is not supported (this node speaks {ours})")]
+    BadVersion { theirs: u8, ours: u8 },
+    #[error("handshake did not finish within {0:?}")]
+    Timeout(std::time::Duration),
+    #[error("handshake protocol error: {0}")]
+    Protocol(String),
+    #[error("the peer closed the connection during the handshake")]
+    Truncated,
+    #[error("handshake I/O error: {0}")]
+    Io(String),
+}
+
+/// Status byte of the server hello, client proof and verdict.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Status {
+    Ok,
+    WrongModel,
+    AuthFailed,
+}
+
+impl Status {
+    fn code(self) -> u8 {
+        match self {
+            Status::Ok => 0,
+            Status::WrongModel => 1,
+            Status::AuthFailed => 2,
+        }
+    }
+
+    fn from_code(code: u8) -> Result<Self, HandshakeError> {
+        match code {
+            0 => Ok(Status::Ok),
+            1 => Ok(Status::WrongModel),
+            2 => Ok(Status::AuthFailed),
+            other => Err(HandshakeError::Protocol(format!("unknown status {other}"))),
+        }
+    }
+}
+
+/// What each side says about itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hello {
+    pub node_id: String,
+    pub model_fingerprint: u64,
+    pub nonce: [u8; NONCE_LEN],
+}
+
+/// The server's answer to a client hello.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerHello {
+    pub status: Status,
+    pub hello: Hello,
+    pub mac: [u8; MAC_LEN],
+}
+
+fn preamble(out: &mut Vec<u8>, kind: u8) {
+    out.extend_from_slice(&HANDSHAKE_MAGIC);
+    out.push(HANDSHAKE_VERSION);
+    out.push(kind);
+}
+
+fn push_hello(out: &mut Vec<u8>, hello: &Hello) {
+    out.extend_from_slice(&hello.model_fingerprint.to_le_bytes());
+    out.extend_from_slice(&hello.nonce);
+    let id = truncate_id(&hello.node_id);
+    out.extend_from_slice(&(id.len() as u16).to_le_bytes());
+    out.extend_from_slice(id);
+}
+
+fn truncate_id(id: &str) -> &[u8] {
+    let bytes = id.as_bytes();
+    &bytes[..bytes.len().min(MAX_NODE_ID)]
+}
+
+/// Encodes the client hello.
+pub fn encode_client_hello(hello: &Hello) -> Vec<u8> {
+    let mut out = Vec::new();
+    preamble(&mut out, TYPE_CLIENT_HELLO);
+    push_hello(&mut out, hello);
+    out
+}
+
+/// Encodes the server hello.
+pub fn encode_server_hello(reply: &ServerHello) -> Vec<u8> {
+    let mut out = Vec::new();
+    preamble(&mut out, TYPE_SERVER_HELLO);
+    out.push(reply.status.code());
+    push_hello(&mut out, &reply.hello);
+    out.extend_from_slice(&reply.mac);
+    out
+}
+
+/// Encodes the client proof (or its refusal of the server's proof).
+pub fn encode_client_proof(status: Status, mac: &[u8; MAC_LEN]) -> Vec<u8> {
+    let mut out = Vec::new();
+    preamble(&mut out, TYPE_CLIENT_PROOF);
+    out.push(status.code());
+    out.extend_from_slice(mac);
+    out
+}
+
+/// Encodes the server's final verdict.
+pub fn encode_verdict(status: Status) -> Vec<u8> {
+    let mut out = Vec::new();
+    preamble(&mut out, TYPE_VERDICT);
+    out.push(status.code());
+    out
+}
+
+/// Checks the fixed preamble of a message of the expected type.
+pub fn check_preamble(bytes: &[u8; PREAMBLE_LEN], expected_type: u8) -> Result<(), HandshakeError> {
+    if bytes[..4] != HANDSHAKE_MAGIC {
+        return Err(HandshakeError::BadMagic([
+            bytes[0], bytes[1], bytes[2], bytes[3],
+        ]));
+    }
+    if bytes[4] != HANDSHAKE_VERSION {
+        return Err(HandshakeError::BadVersion {
+            theirs: bytes[4],
+            ours: HANDSHAKE_VERSION,
+        });
+    }
+    if bytes[5] != expected_type {
+        return Err(HandshakeError::Protocol(format!(
+            "expected handshake message {expected_type}, got {}",
+            bytes[5]
+        )));
+    }
+    Ok(())
+}
+
+/// The message types, for [`check_preamble`].
+pub mod message {
+    pub const CLIENT_HELLO: u8 = super::TYPE_CLIENT_HELLO;
+    pub const SERVER_HELLO: u8 = super::TYPE_SERVER_HELLO;
+    pub const CLIENT_PROOF: u8 = super::TYPE_CLIENT_PROOF;
+    pub const VERDICT: u8 = super::TYPE_VERDICT;
+}
+
+/// Size of the fixed hello fields after the preamble (fingerprint, nonce, id length).
+pub const HELLO_FIXED_LEN: usize = 8 + NONCE_LEN + 2;
+
+/// Parses the fixed hello fields; returns the fingerprint, nonce and the id length to read.
+pub fn parse_hello_fixed(
+    bytes: &[u8; HELLO_FIXED_LEN],
+) -> Result<(u64, [u8; NONCE_LEN], usize), HandshakeError> {
+    let mut fingerprint = [0u8; 8];
+    fingerprint.copy_from_slice(&bytes[..8]);
+    let mut nonce = [0u8; NONCE_LEN];
+    nonce.copy_from_slice(&bytes[8..8 + NONCE_LEN]);
+    let id_len = usize::from(u16::from_le_bytes([bytes[24], bytes[25]]));
+    if id_len > MAX_NODE_ID {
+        return Err(HandshakeError::Protocol(format!(
+            "node id of {id_len} bytes is over the limit of {MAX_NODE_ID}"
+        )));
+    }
+    Ok((u64::from_le_bytes(fingerprint), nonce, id_len))
+}
+
+/// Parses a node id.
+pub fn parse_id(bytes: Vec<u8>) -> Result<String, HandshakeError> {
+    String::from_utf8(bytes).map_err(|_| HandshakeError::Protocol("node id is not UTF-8".into()))
+}
+
+/// Parses a status byte.
+pub fn parse_status(code: u8) -> Result<Status, HandshakeError> {
+    Status::from_code(code)
+}
+
+const SERVER_LABEL: &[u8] = b"moe-node peer server";
+const CLIENT_LABEL: &[u8] = b"moe-node peer client";
+
+fn keyed(secret: &[u8], label: &[u8], client: &Hello, server: &Hello) -> Hmac<Sha256> {
+    // HMAC takes keys of any length, so this never fails; an empty key still gives a MAC.
+    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(secret)
+        .unwrap_or_else(|_| <Hmac<Sha256> as Mac>::new_from_slice(&[0]).expect("1-byte key"));
+    mac.update(label);
+    mac.update(&client.nonce);
+    mac.update(&server.nonce);
+    mac.update(&client.model_fingerprint.to_le_bytes());
+    mac.update(&server.model_fingerprint.to_le_bytes());
+    for id in [truncate_id(&client.node_id), truncate_id(&server.node_id)] {
+        mac.update(&(id.len() as u16).to_le_bytes());
+        mac.update(id);
+    }
+    mac
+}
+
+/// The server's proof over the transcript.
+pub fn server_mac(secret: &[u8], client: &Hello, server: &Hello) -> [u8; MAC_LEN] {
+    keyed(secret, SERVER_LABEL, client, server)
+        .finalize()
+        .into_bytes()
+        .into()
+}
+
+/// The client's proof over the transcript.
+pub fn client_mac(secret: &[u8], client: &Hello, server: &Hello) -> [u8; MAC_LEN] {
+    keyed(secret, CLIENT_LABEL, client, server)
+        .finalize()
+        .into_bytes()
+        .into()
+}
+
+/// Verifies the server's proof in constant time.
+pub fn verify_server_mac(secret: &[u8], client: &Hello, server: &Hello, mac: &[u8]) -> bool {
+    keyed(secret, SERVER_LABEL, client, server)
+        .verify_slice(mac)
+        .is_ok()
+}
+
+/// Verifies the client's proof in constant time.
+pub fn verify_client_mac(secret: &[u8], client: &Hello, server: &Hello, mac: &[u8]) -> bool {
+    keyed(secret, CLIENT_LABEL, client, server)
+        .verify_slice(mac)
+        .is_ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hello(id: &str, nonce: u8) -> Hello {
+        Hello {
+            node_id: id.into(),
+            model_fingerprint: 0xabcd,
+            nonce: [nonce; NONCE_LEN],
+        }
+    }
+
+    #[test]
+    fn proofs_verify_only_with_the_same_secret_and_transcript() {
+        let (client, server) = (hello("a", 1), hello("b", 2));
+        let mac = server_mac(b"secret", &client, &server);
+        assert!(verify_server_mac(b"secret", &client, &server, &mac));
+        assert!(!verify_server_mac(b"other", &client, &server, &mac));
+        assert!(!verify_client_mac(b"secret", &client, &server, &mac));
+        assert!(!verify_server_mac(b"secret", &hello("a", 3), &server, &mac));
+        assert!(!verify_server_mac(b"secret", &client, &server, &mac[..31]));
+        let client_proof = client_mac(b"", &client, &server);
+        assert!(verify_client_mac(b"", &client, &server, &client_proof));
+    }
+
+    #[test]
+    fn messages_parse_back() {
+        let bytes = encode_client_hello(&hello("node-1", 9));
+        let mut preamble = [0u8; PREAMBLE_LEN];
+        preamble.copy_from_slice(&bytes[..PREAMBLE_LEN]);
+        check_preamble(&preamble, message::CLIENT_HELLO).expect("preamble");
+        assert!(check_preamble(&preamble, message::VERDICT).is_err());
+        let mut fixed = [0u8; HELLO_FIXED_LEN];
+        fixed.copy_from_slice(&bytes[PREAMBLE_LEN..PREAMBLE_LEN + HELLO_FIXED_LEN]);
+        let (fingerprint, nonce, id_len) = parse_hello_fixed(&fixed).expect("fixed");
+        assert_eq!((fingerprint, nonce, id_len), (0xabcd, [9; NONCE_LEN], 6));
+        let id = parse_id(bytes[PREAMBLE_LEN + HELLO_FIXED_LEN..].to_vec()).expect("id");
+        assert_eq!(id, "node-1");
+        let mut wrong = preamble;
+        wrong[4] = 2;
+        assert_eq!(
+            check_preamble(&wrong, message::CLIENT_HELLO),
+            Err(HandshakeError::BadVersion { theirs: 2, ours: 1 })
+        );
+        fixed[24..26].copy_from_slice(&1000u16.to_le_bytes());
+        assert!(parse_hello_fixed(&fixed).is_err());
+    }
+}

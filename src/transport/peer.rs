@@ -1,0 +1,1045 @@
+//! The peer protocol over any [`Transport`]: [`PeerClient`] (toward one remote node) and
+//! [`PeerServer`] (serving this node's experts to the others).
+//!
+//! A connection starts with the keyed handshake of [`super::handshake`], then carries
+//! [`super::wire`] frames: requests from client to server, replies or error frames back,
+//! matched by request id. One connection multiplexes every request to a node.
+//!
+//! The client fails every outstanding completion at once with [`PeerError::LinkDown`] when
+//! its connection errors, ends, or [`PeerClient::close`] is called: that is what lets the
+//! dispatcher fail over immediately. Each completion is called exactly once.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::runtime::Handle;
+use tokio::sync::{Notify, mpsc, watch};
+
+use super::handshake::{self, HandshakeError, Hello, MAC_LEN, Status};
+use super::wire::{
+    self, ExpertReply, ExpertRequest, FrameBody, FrameKind, HEADER_LEN, RemoteError, WireError,
+    WireLimits,
+};
+use super::{PeerListener, PeerStream, Transport};
+
+/// Who this node is to its peers, and the secret that proves it belongs to the cluster.
+#[derive(Clone)]
+pub struct PeerAuth {
+    pub node_id: String,
+    pub secret: Vec<u8>,
+    /// A hash of the model this node serves; peers serving another model are refused.
+    pub model_fingerprint: u64,
+}
+
+impl std::fmt::Debug for PeerAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerAuth")
+            .field("node_id", &self.node_id)
+            .field("secret", &"<redacted>")
+            .field("model_fingerprint", &self.model_fingerprint)
+            .finish()
+    }
+}
+
+/// Why a request to a peer did not get a reply.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PeerError {
+    #[error("cannot connect to peer {0}")]
+    Connect(String),
+    #[error("peer handshake failed: {0}")]
+    Handshake(#[from] HandshakeError),
+    #[error("link to peer is down: {0}")]
+    LinkDown(String),
+    #[error("peer refused the work: {0}")]
+    Remote(#[from] RemoteError),
+    /// The local send queue toward this peer is full.
+    #[error("send queue toward the peer is full")]
+    Overloaded,
+    /// The client's connection task is gone (its runtime shut down, or the client dropped).
+    #[error("peer client is closed")]
+    Closed,
+    /// The request itself is inconsistent (rows do not match groups × width).
+    #[error("request cannot be sent: {0}")]
+    BadRequest(WireError),
+}
+
+/// Frames and handshakes refused, by reason.
+#[derive(Debug, Default)]
+pub struct RejectCounters {
+    pub bad_magic: AtomicU64,
+    pub bad_version: AtomicU64,
+    pub too_large: AtomicU64,
+    pub malformed: AtomicU64,
+    pub auth_failed: AtomicU64,
+    pub wrong_model: AtomicU64,
+}
+
+/// Traffic and refusal counters of a node's peer links (shared by its clients and server).
+#[derive(Debug, Default)]
+pub struct PeerStats {
+    pub bytes_sent: AtomicU64,
+    pub bytes_received: AtomicU64,
+    pub frames_rejected: RejectCounters,
+    pub handshakes_failed: AtomicU64,
+}
+
+impl PeerStats {
+    fn add_sent(&self, bytes: usize) {
+        self.bytes_sent.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    fn add_received(&self, bytes: usize) {
+        self.bytes_received
+            .fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    fn reject_frame(&self, error: &WireError) {
+        let counters = &self.frames_rejected;
+        let counter = match error {
+            WireError::BadMagic(_) => &counters.bad_magic,
+            WireError::BadVersion { .. } => &counters.bad_version,
+            WireError::TooLarge { .. } | WireError::TooManyGroups { .. } => &counters.too_large,
+            _ => &counters.malformed,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn handshake_failed(&self, error: &HandshakeError) {
+        self.handshakes_failed.fetch_add(1, Ordering::Relaxed);
+        let counters = &self.frames_rejected;
+        let counter = match error {
+            HandshakeError::WrongSecret | HandshakeError::RefusedByPeer => &counters.auth_failed,
+            HandshakeError::WrongModel { .. } => &counters.wrong_model,
+            HandshakeError::BadMagic(_) => &counters.bad_magic,
+            HandshakeError::BadVersion { .. } => &counters.bad_version,
+            HandshakeError::Protocol(_) | HandshakeError::Truncated => &counters.malformed,
+            HandshakeError::Timeout(_) | HandshakeError::Io(_) => return,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Tunables of the peer protocol (the defaults suit a LAN).
+#[derive(Debug, Clone)]
+pub struct PeerConfig {
+    pub limits: WireLimits,
+    /// Requests queued toward one peer before `send` answers `Overloaded`.
+    pub queue_capacity: usize,
+    /// Time a handshake may take.
+    pub handshake_timeout: Duration,
+    /// First wait after a failed connect or a lost link; doubles up to `backoff_max`. While it
+    /// runs, new requests fail at once (so the dispatcher fails over instead of waiting).
+    pub backoff_min: Duration,
+    pub backoff_max: Duration,
+    /// Requests one server connection runs at once; more are answered `Overloaded`.
+    pub max_inflight_per_connection: usize,
+}
+
+impl Default for PeerConfig {
+    fn default() -> Self {
+        PeerConfig {
+            limits: WireLimits::default(),
+            queue_capacity: 1024,
+            handshake_timeout: Duration::from_secs(5),
+            backoff_min: Duration::from_millis(50),
+            backoff_max: Duration::from_secs(2),
+            max_inflight_per_connection: 4096,
+        }
+    }
+}
+
+/// One callback per request; called exactly once, from a transport thread, with the reply or
+/// the error. It must be quick (hand the result to a channel): replies of the same peer are
+/// delivered one after another.
+pub type Completion = Box<dyn FnOnce(Result<ExpertReply, PeerError>) + Send>;
+
+/// Runs expert work on this node: blocks while the local devices compute.
+pub type Handler = Arc<dyn Fn(ExpertRequest) -> Result<ExpertReply, RemoteError> + Send + Sync>;
+
+/// Logs a warning at most once per peer address per interval.
+#[derive(Debug)]
+pub struct WarnLimiter {
+    every: Duration,
+    last: Mutex<HashMap<IpAddr, Instant>>,
+}
+
+/// Addresses remembered by a [`WarnLimiter`] before old entries are dropped.
+const WARN_LIMITER_ENTRIES: usize = 4096;
+
+impl WarnLimiter {
+    pub fn new(every: Duration) -> Self {
+        WarnLimiter {
+            every,
+            last: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Whether a warning about `peer` may be logged at `now` (and if so, records it).
+    pub fn allow(&self, peer: IpAddr, now: Instant) -> bool {
+        let mut last = lock(&self.last);
+        if let Some(&at) = last.get(&peer)
+            && now.saturating_duration_since(at) < self.every
+        {
+            return false;
+        }
+        if last.len() >= WARN_LIMITER_ENTRIES {
+            let every = self.every;
+            last.retain(|_, at| now.saturating_duration_since(*at) < every);
+        }
+        last.insert(peer, now);
+        true
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Completions run outside every lock, so a poisoned lock only means plain data.
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn io_error(error: std::io::Error) -> HandshakeError {
+    if error.kind() == std::io::ErrorKind::UnexpectedEof {
+        HandshakeError::Truncated
+    } else {
+        HandshakeError::Io(error.to_string())
+    }
+}
+
+async fn read_array<const N: usize, S: AsyncRead + Unpin>(
+    stream: &mut S,
+) -> Result<[u8; N], HandshakeError> {
+    let mut bytes = [0u8; N];
+    stream.read_exact(&mut bytes).await.map_err(io_error)?;
+    Ok(bytes)
+}
+
+async fn read_hello<S: AsyncRead + Unpin>(stream: &mut S) -> Result<Hello, HandshakeError> {
+    let fixed = read_array::<{ handshake::HELLO_FIXED_LEN }, _>(stream).await?;
+    let (model_fingerprint, nonce, id_len) = handshake::parse_hello_fixed(&fixed)?;
+    let mut id = vec![0u8; id_len];
+    stream.read_exact(&mut id).await.map_err(io_error)?;
+    Ok(Hello {
+        node_id: handshake::parse_id(id)?,
+        model_fingerprint,
+        nonce,
+    })
+}
+
+async fn write<S: AsyncWrite + Unpin>(stream: &mut S, bytes: &[u8]) -> Result<(), HandshakeError> {
+    stream.write_all(bytes).await.map_err(io_error)?;
+    stream.flush().await.map_err(io_error)
+}
+
+fn our_hello(auth: &PeerAuth) -> Hello {
+    Hello {
+        node_id: auth.node_id.clone(),
+        model_fingerprint: auth.model_fingerprint,
+        nonce: rand::random(),
+    }
+}
+
+/// The client half of the handshake; returns the server's node id. Public so that tests
+/// and tools can speak raw frames to a server.
+pub async fn client_handshake<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    auth: &PeerAuth,
+) -> Result<String, HandshakeError> {
+    let ours = our_hello(auth);
+    write(stream, &handshake::encode_client_hello(&ours)).await?;
+    let preamble = read_array::<{ handshake::PREAMBLE_LEN }, _>(stream).await?;
+    handshake::check_preamble(&preamble, handshake::message::SERVER_HELLO)?;
+    let [status] = read_array::<1, _>(stream).await?;
+    let status = handshake::parse_status(status)?;
+    let theirs = read_hello(stream).await?;
+    let mac = read_array::<MAC_LEN, _>(stream).await?;
+    if status == Status::WrongModel || theirs.model_fingerprint != auth.model_fingerprint {
+        return Err(HandshakeError::WrongModel {
+            ours: auth.model_fingerprint,
+            theirs: theirs.model_fingerprint,
+        });
+    }
+    if status != Status::Ok {
+        return Err(HandshakeError::Protocol(
+            "server hello with an unexpected status".into(),
+        ));
+    }
+    if !handshake::verify_server_mac(&auth.secret, &ours, &theirs, &mac) {
+        // Tell the server why we hang up, so both sides report the same cause.
+        let _ = write(
+            stream,
+            &handshake::encode_client_proof(Status::AuthFailed, &[0; MAC_LEN]),
+        )
+        .await;
+        return Err(HandshakeError::WrongSecret);
+    }
+    let proof = handshake::client_mac(&auth.secret, &ours, &theirs);
+    write(stream, &handshake::encode_client_proof(Status::Ok, &proof)).await?;
+    let preamble = read_array::<{ handshake::PREAMBLE_LEN }, _>(stream).await?;
+    handshake::check_preamble(&preamble, handshake::message::VERDICT)?;
+    let [verdict] = read_array::<1, _>(stream).await?;
+    match handshake::parse_status(verdict)? {
+        Status::Ok => Ok(theirs.node_id),
+        Status::AuthFailed => Err(HandshakeError::RefusedByPeer),
+        Status::WrongModel => Err(HandshakeError::Protocol(
+            "verdict with an unexpected status".into(),
+        )),
+    }
+}
+
+/// The server half of the handshake; returns the client's node id.
+async fn server_handshake<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    auth: &PeerAuth,
+) -> Result<String, HandshakeError> {
+    let preamble = read_array::<{ handshake::PREAMBLE_LEN }, _>(stream).await?;
+    handshake::check_preamble(&preamble, handshake::message::CLIENT_HELLO)?;
+    let theirs = read_hello(stream).await?;
+    let ours = our_hello(auth);
+    if theirs.model_fingerprint != auth.model_fingerprint {
+        let refusal = handshake::ServerHello {
+            status: Status::WrongModel,
+            hello: ours,
+            mac: [0; MAC_LEN],
+        };
+        let _ = write(stream, &handshake::encode_server_hello(&refusal)).await;
+        return Err(HandshakeError::WrongModel {
+            ours: auth.model_fingerprint,
+            theirs: theirs.model_fingerprint,
+        });
+    }
+    let mac = handshake::server_mac(&auth.secret, &theirs, &ours);
+    let answer = handshake::ServerHello {
+        status: Status::Ok,
+        hello: ours.clone(),
+        mac,
+    };
+    write(stream, &handshake::encode_server_hello(&answer)).await?;
+    let preamble = read_array::<{ handshake::PREAMBLE_LEN }, _>(stream).await?;
+    handshake::check_preamble(&preamble, handshake::message::CLIENT_PROOF)?;
+    let [status] = read_array::<1, _>(stream).await?;
+    let proof = read_array::<MAC_LEN, _>(stream).await?;
+    match handshake::parse_status(status)? {
+        Status::Ok => {}
+        Status::AuthFailed => return Err(HandshakeError::RefusedByPeer),
+        Status::WrongModel => {
+            return Err(HandshakeError::Protocol(
+                "client proof with an unexpected status".into(),
+            ));
+        }
+    }
+    if !handshake::verify_client_mac(&auth.secret, &theirs, &ours, &proof) {
+        let _ = write(stream, &handshake::encode_verdict(Status::AuthFailed)).await;
+        return Err(HandshakeError::WrongSecret);
+    }
+    write(stream, &handshake::encode_verdict(Status::Ok)).await?;
+    Ok(theirs.node_id)
+}
+
+/// Reads one frame: the header, validated, then exactly `payload_len` bytes in one buffer.
+/// `Ok(None)` is a clean end of stream between frames.
+async fn read_frame<S: AsyncRead + Unpin>(
+    stream: &mut S,
+    limits: &WireLimits,
+    stats: &PeerStats,
+) -> Result<Option<(wire::FrameHeader, FrameBody)>, String> {
+    let mut header_bytes = [0u8; HEADER_LEN];
+    let mut filled = 0;
+    while filled < HEADER_LEN {
+        match stream.read(&mut header_bytes[filled..]).await {
+            Ok(0) if filled == 0 => return Ok(None),
+            Ok(0) => {
+                stats.reject_frame(&WireError::Truncated {
+                    needed: HEADER_LEN as u64,
+                    got: filled as u64,
+                });
+                return Err("connection closed inside a frame header".into());
+            }
+            Ok(read) => filled += read,
+            Err(error) => return Err(format!("read failed: {error}")),
+        }
+    }
+    let header = wire::decode_header(&header_bytes, limits).map_err(|error| {
+        stats.reject_frame(&error);
+        format!("bad frame: {error}")
+    })?;
+    let mut payload = vec![0u8; header.payload_len as usize];
+    if let Err(error) = stream.read_exact(&mut payload).await {
+        if error.kind() == std::io::ErrorKind::UnexpectedEof {
+            stats.reject_frame(&WireError::Truncated {
+                needed: u64::from(header.payload_len),
+                got: 0,
+            });
+            return Err("connection closed inside a frame payload".into());
+        }
+        return Err(format!("read failed: {error}"));
+    }
+    stats.add_received(HEADER_LEN + payload.len());
+    let body = wire::decode_payload(&header, &payload).map_err(|error| {
+        stats.reject_frame(&error);
+        format!("bad frame: {error}")
+    })?;
+    Ok(Some((header, body)))
+}
+
+// ---------------------------------------------------------------------------------------
+// Client
+
+/// A request on its way: already encoded on the caller's thread.
+struct Outgoing {
+    request_id: u64,
+    frame: Vec<u8>,
+    expect: Expect,
+    done: Completion,
+}
+
+/// What the reply to a request must look like.
+struct Expect {
+    width: u32,
+    groups: Vec<(u32, u32)>,
+}
+
+struct Pending {
+    expect: Expect,
+    done: Completion,
+}
+
+type PendingMap = Arc<Mutex<HashMap<u64, Pending>>>;
+
+fn fail_all(pending: &PendingMap, error: &PeerError) {
+    let taken = std::mem::take(&mut *lock(pending));
+    for (_, entry) in taken {
+        (entry.done)(Err(error.clone()));
+    }
+}
+
+struct ClientShared {
+    next_request_id: AtomicU64,
+    close: Notify,
+}
+
+/// The client side toward ONE remote node: connects lazily, reconnects (after a short
+/// backoff) after a failure, multiplexes requests by request id on one connection.
+pub struct PeerClient {
+    addr: SocketAddr,
+    limits: WireLimits,
+    shared: Arc<ClientShared>,
+    queue: mpsc::Sender<Outgoing>,
+}
+
+impl PeerClient {
+    /// A client toward the node listening on `addr`, with the default [`PeerConfig`].
+    pub fn new(
+        transport: Arc<dyn Transport>,
+        runtime: Handle,
+        addr: SocketAddr,
+        auth: Arc<PeerAuth>,
+        stats: Arc<PeerStats>,
+    ) -> Self {
+        PeerClient::with_config(transport, runtime, addr, auth, stats, PeerConfig::default())
+    }
+
+    /// A client with explicit tunables.
+    pub fn with_config(
+        transport: Arc<dyn Transport>,
+        runtime: Handle,
+        addr: SocketAddr,
+        auth: Arc<PeerAuth>,
+        stats: Arc<PeerStats>,
+        config: PeerConfig,
+    ) -> Self {
+        let limits = config.limits;
+        let (queue, receiver) = mpsc::channel(config.queue_capacity.max(1));
+        let shared = Arc::new(ClientShared {
+            next_request_id: AtomicU64::new(1),
+            close: Notify::new(),
+        });
+        let driver = Driver {
+            transport,
+            addr,
+            auth,
+            stats,
+            config,
+            shared: shared.clone(),
+            queue: receiver,
+            pending: Arc::new(Mutex::new(HashMap::new())),
+        };
+        runtime.spawn(driver.run());
+        PeerClient {
+            addr,
+            limits,
+            shared,
+            queue,
+        }
+    }
+
+    /// The remote node's address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Non-blocking: encodes the request on the calling thread and queues it. A full queue
+    /// answers `Err(PeerError::Overloaded)` at once. On `Err`, `done` is dropped uncalled
+    /// (the error is the answer); on `Ok`, `done` is called exactly once. Callable from any
+    /// thread, including threads that are not runtime threads.
+    pub fn send(&self, request: ExpertRequest, done: Completion) -> Result<(), PeerError> {
+        let request_id = self.shared.next_request_id.fetch_add(1, Ordering::Relaxed);
+        let frame = wire::encode_request(request_id, &request).map_err(PeerError::BadRequest)?;
+        // The peer would drop the whole connection over a frame past the limits (both nodes
+        // are expected to run the same limits), so refuse it here, alone.
+        wire::decode_header(&frame, &self.limits).map_err(PeerError::BadRequest)?;
+        let outgoing = Outgoing {
+            request_id,
+            frame,
+            expect: Expect {
+                width: request.width,
+                groups: request.groups,
+            },
+            done,
+        };
+        self.queue.try_send(outgoing).map_err(|error| match error {
+            mpsc::error::TrySendError::Full(_) => PeerError::Overloaded,
+            mpsc::error::TrySendError::Closed(_) => PeerError::Closed,
+        })
+    }
+
+    /// The remote node is known gone (gossip said dead): every outstanding and queued
+    /// completion fails with `LinkDown` now and the connection is dropped. A later `send`
+    /// connects again.
+    pub fn close(&self) {
+        self.shared.close.notify_one();
+    }
+}
+
+/// How a connection ended.
+enum LinkEnd {
+    Lost(String),
+    ClosedByCaller,
+    ClientDropped,
+}
+
+/// The task behind a [`PeerClient`]: owns the queue's receiving end and the connection.
+struct Driver {
+    transport: Arc<dyn Transport>,
+    addr: SocketAddr,
+    auth: Arc<PeerAuth>,
+    stats: Arc<PeerStats>,
+    config: PeerConfig,
+    shared: Arc<ClientShared>,
+    queue: mpsc::Receiver<Outgoing>,
+    pending: PendingMap,
+}
+
+impl Drop for Driver {
+    /// The task is gone (client dropped, or runtime shut down): nothing may stay uncalled.
+    fn drop(&mut self) {
+        fail_all(&self.pending, &PeerError::Closed);
+        self.queue.close();
+        while let Ok(outgoing) = self.queue.try_recv() {
+            (outgoing.done)(Err(PeerError::Closed));
+        }
+    }
+}
+
+impl Driver {
+    async fn run(mut self) {
+        let mut backoff = self.config.backoff_min;
+        loop {
+            let first = tokio::select! {
+                item = self.queue.recv() => match item {
+                    Some(item) => item,
+                    None => return,
+                },
+                // A close while idle has nothing to fail.
+                () = self.shared.close.notified() => continue,
+            };
+            let connected = tokio::select! {
+                result = self.connect() => result,
+                () = self.shared.close.notified() => {
+                    Err(PeerError::LinkDown("closed while connecting".into()))
+                }
+            };
+            let error = match connected {
+                Ok(stream) => {
+                    backoff = self.config.backoff_min;
+                    let end = self.run_connection(stream, first).await;
+                    let error = match end {
+                        LinkEnd::Lost(reason) => {
+                            tracing::debug!(peer = %self.addr, %reason, "peer link lost");
+                            PeerError::LinkDown(reason)
+                        }
+                        LinkEnd::ClosedByCaller => {
+                            PeerError::LinkDown("closed: the peer was declared gone".into())
+                        }
+                        LinkEnd::ClientDropped => return,
+                    };
+                    fail_all(&self.pending, &error);
+                    error
+                }
+                Err(error) => {
+                    tracing::debug!(peer = %self.addr, %error, "peer connect failed");
+                    (first.done)(Err(error.clone()));
+                    let wait = backoff;
+                    backoff = (backoff * 2).min(self.config.backoff_max);
+                    self.fail_queued(&error);
+                    if !self.fail_for(wait, &error).await {
+                        return;
+                    }
+                    continue;
+                }
+            };
+            self.fail_queued(&error);
+            if !self.fail_for(self.config.backoff_min, &error).await {
+                return;
+            }
+        }
+    }
+
+    async fn connect(&self) -> Result<Box<dyn PeerStream>, PeerError> {
+        let mut stream = self
+            .transport
+            .connect(self.addr)
+            .await
+            .map_err(|error| PeerError::Connect(format!("{}: {error}", self.addr)))?;
+        let timeout = self.config.handshake_timeout;
+        let result = tokio::time::timeout(timeout, client_handshake(&mut stream, &self.auth))
+            .await
+            .unwrap_or(Err(HandshakeError::Timeout(timeout)));
+        match result {
+            Ok(server_id) => {
+                tracing::debug!(peer = %self.addr, %server_id, "peer link up");
+                Ok(stream)
+            }
+            Err(error) => {
+                self.stats.handshake_failed(&error);
+                tracing::warn!(peer = %self.addr, %error, "peer handshake failed");
+                Err(PeerError::Handshake(error))
+            }
+        }
+    }
+
+    /// Fails everything already queued.
+    fn fail_queued(&mut self, error: &PeerError) {
+        while let Ok(outgoing) = self.queue.try_recv() {
+            (outgoing.done)(Err(error.clone()));
+        }
+    }
+
+    /// Fails every request that arrives during `wait`; false when the client is gone.
+    async fn fail_for(&mut self, wait: Duration, error: &PeerError) -> bool {
+        let until = tokio::time::Instant::now() + wait;
+        loop {
+            tokio::select! {
+                item = self.queue.recv() => match item {
+                    Some(outgoing) => (outgoing.done)(Err(error.clone())),
+                    None => return false,
+                },
+                () = tokio::time::sleep_until(until) => return true,
+            }
+        }
+    }
+
+    async fn run_connection(&mut self, stream: Box<dyn PeerStream>, first: Outgoing) -> LinkEnd {
+        let (read_half, mut write_half) = tokio::io::split(stream);
+        let mut reader = tokio::spawn(read_replies(
+            read_half,
+            self.pending.clone(),
+            self.stats.clone(),
+            self.config.limits,
+        ));
+        let mut next = Some(first);
+        let end = loop {
+            let outgoing = match next.take() {
+                Some(outgoing) => outgoing,
+                None => tokio::select! {
+                    reason = &mut reader => {
+                        break LinkEnd::Lost(reason.unwrap_or_else(|error| format!("reader stopped: {error}")));
+                    }
+                    () = self.shared.close.notified() => break LinkEnd::ClosedByCaller,
+                    item = self.queue.recv() => match item {
+                        Some(outgoing) => outgoing,
+                        None => break LinkEnd::ClientDropped,
+                    },
+                },
+            };
+            lock(&self.pending).insert(
+                outgoing.request_id,
+                Pending {
+                    expect: outgoing.expect,
+                    done: outgoing.done,
+                },
+            );
+            let frame = outgoing.frame;
+            tokio::select! {
+                written = write_half.write_all(&frame) => match written {
+                    Ok(()) => self.stats.add_sent(frame.len()),
+                    Err(error) => break LinkEnd::Lost(format!("write failed: {error}")),
+                },
+                reason = &mut reader => {
+                    break LinkEnd::Lost(reason.unwrap_or_else(|error| format!("reader stopped: {error}")));
+                }
+                () = self.shared.close.notified() => break LinkEnd::ClosedByCaller,
+            }
+        };
+        reader.abort();
+        end
+    }
+}
+
+/// Reads replies until the connection fails; returns why it ended.
+async fn read_replies<S: AsyncRead + Unpin>(
+    mut stream: S,
+    pending: PendingMap,
+    stats: Arc<PeerStats>,
+    limits: WireLimits,
+) -> String {
+    loop {
+        let (header, body) = match read_frame(&mut stream, &limits, &stats).await {
+            Ok(Some(frame)) => frame,
+            Ok(None) => return "the peer closed the connection".into(),
+            Err(reason) => return reason,
+        };
+        if header.kind == FrameKind::Request {
+            stats.reject_frame(&WireError::Malformed("request from a server".into()));
+            return "the peer sent a request on a client connection".into();
+        }
+        let Some(entry) = lock(&pending).remove(&header.request_id) else {
+            // Not ours (never sent, or already failed by close): drop it, keep the link.
+            tracing::debug!(
+                request_id = header.request_id,
+                "reply to no outstanding request"
+            );
+            continue;
+        };
+        let result = match body {
+            FrameBody::Reply(reply) => {
+                if header.width == entry.expect.width && reply.groups == entry.expect.groups {
+                    Ok(reply)
+                } else {
+                    Err(PeerError::Remote(RemoteError::Malformed(
+                        "the reply's groups or width do not match the request".into(),
+                    )))
+                }
+            }
+            FrameBody::Error(error) => Err(PeerError::Remote(error)),
+            FrameBody::Request(_) => Err(PeerError::LinkDown("protocol violation".into())),
+        };
+        (entry.done)(result);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Server
+
+struct ServerContext {
+    auth: Arc<PeerAuth>,
+    stats: Arc<PeerStats>,
+    handler: Handler,
+    config: PeerConfig,
+    warnings: WarnLimiter,
+}
+
+impl ServerContext {
+    fn warn(&self, peer: SocketAddr, what: &str, reason: &dyn std::fmt::Display) {
+        if self.warnings.allow(peer.ip(), Instant::now()) {
+            tracing::warn!(%peer, %reason, "{what} (further warnings about this address are muted for a minute)");
+        }
+    }
+}
+
+/// The server side: accepts connections, authenticates them, runs each request through the
+/// handler on a blocking thread and writes replies back on the same connection (in any
+/// order, matched by request id). Stops on drop or [`PeerServer::stop`].
+pub struct PeerServer {
+    local_addr: SocketAddr,
+    /// Dropping the sender tells the accept loop and every connection to stop.
+    _shutdown: watch::Sender<()>,
+}
+
+impl PeerServer {
+    /// Binds `addr` and serves. Blocks the calling thread until bound: from async code on a
+    /// current-thread runtime use [`PeerServer::start_async`].
+    pub fn start(
+        transport: Arc<dyn Transport>,
+        addr: SocketAddr,
+        auth: Arc<PeerAuth>,
+        stats: Arc<PeerStats>,
+        handler: Handler,
+        runtime: Handle,
+    ) -> std::io::Result<PeerServer> {
+        PeerServer::start_with_config(
+            transport,
+            addr,
+            auth,
+            stats,
+            handler,
+            runtime,
+            PeerConfig::default(),
+        )
+    }
+
+    /// [`PeerServer::start`] with explicit tunables.
+    pub fn start_with_config(
+        transport: Arc<dyn Transport>,
+        addr: SocketAddr,
+        auth: Arc<PeerAuth>,
+        stats: Arc<PeerStats>,
+        handler: Handler,
+        runtime: Handle,
+        config: PeerConfig,
+    ) -> std::io::Result<PeerServer> {
+        let (bound_tx, bound_rx) = std::sync::mpsc::channel();
+        runtime.spawn(async move {
+            let _ = bound_tx.send(transport.bind(addr).await);
+        });
+        let receive = || {
+            bound_rx.recv().map_err(|_| {
+                std::io::Error::other("the runtime stopped before the peer server was bound")
+            })
+        };
+        let listener = match Handle::try_current() {
+            Err(_) => receive()??,
+            Ok(current) => match current.runtime_flavor() {
+                tokio::runtime::RuntimeFlavor::MultiThread => {
+                    tokio::task::block_in_place(receive)??
+                }
+                _ => {
+                    return Err(std::io::Error::other(
+                        "PeerServer::start would block a current-thread runtime: use start_async",
+                    ));
+                }
+            },
+        };
+        Ok(PeerServer::serve(
+            listener, auth, stats, handler, &runtime, config,
+        ))
+    }
+
+    /// Binds `addr` and serves, from async code.
+    pub async fn start_async(
+        transport: Arc<dyn Transport>,
+        addr: SocketAddr,
+        auth: Arc<PeerAuth>,
+        stats: Arc<PeerStats>,
+        handler: Handler,
+        config: PeerConfig,
+    ) -> std::io::Result<PeerServer> {
+        let listener = transport.bind(addr).await?;
+        Ok(PeerServer::serve(
+            listener,
+            auth,
+            stats,
+            handler,
+            &Handle::current(),
+            config,
+        ))
+    }
+
+    fn serve(
+        listener: Box<dyn PeerListener>,
+        auth: Arc<PeerAuth>,
+        stats: Arc<PeerStats>,
+        handler: Handler,
+        runtime: &Handle,
+        config: PeerConfig,
+    ) -> PeerServer {
+        let local_addr = listener.local_addr();
+        let (shutdown, stopped) = watch::channel(());
+        let context = Arc::new(ServerContext {
+            auth,
+            stats,
+            handler,
+            config,
+            warnings: WarnLimiter::new(Duration::from_secs(60)),
+        });
+        runtime.spawn(accept_loop(listener, context, stopped));
+        PeerServer {
+            local_addr,
+            _shutdown: shutdown,
+        }
+    }
+
+    /// The address peers connect to.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Stops accepting and drops every connection (outstanding requests fail on the
+    /// clients with `LinkDown`).
+    pub fn stop(self) {}
+}
+
+async fn accept_loop(
+    mut listener: Box<dyn PeerListener>,
+    context: Arc<ServerContext>,
+    mut stopped: watch::Receiver<()>,
+) {
+    loop {
+        tokio::select! {
+            _ = stopped.changed() => return,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    tokio::spawn(serve_connection(stream, peer, context.clone(), stopped.clone()));
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "peer listener accept failed");
+                    if error.kind() == std::io::ErrorKind::NotConnected {
+                        return;
+                    }
+                    // Out of descriptors and the like: do not spin.
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+        }
+    }
+}
+
+async fn serve_connection(
+    mut stream: Box<dyn PeerStream>,
+    peer: SocketAddr,
+    context: Arc<ServerContext>,
+    mut stopped: watch::Receiver<()>,
+) {
+    let timeout = context.config.handshake_timeout;
+    let handshake = tokio::select! {
+        result = tokio::time::timeout(timeout, server_handshake(&mut stream, &context.auth)) => {
+            result.unwrap_or(Err(HandshakeError::Timeout(timeout)))
+        }
+        _ = stopped.changed() => return,
+    };
+    let client_id = match handshake {
+        Ok(client_id) => client_id,
+        Err(error) => {
+            context.stats.handshake_failed(&error);
+            context.warn(peer, "peer handshake refused", &error);
+            return;
+        }
+    };
+    tracing::debug!(%peer, %client_id, "peer connection accepted");
+    let (read_half, write_half) = tokio::io::split(stream);
+    let (replies, outbox) = mpsc::unbounded_channel();
+    let writer = tokio::spawn(write_replies(write_half, outbox, context.stats.clone()));
+    let ended = tokio::select! {
+        ended = serve_requests(read_half, replies, &context) => ended,
+        _ = stopped.changed() => Ok(()),
+    };
+    writer.abort();
+    if let Err(reason) = ended {
+        context.warn(peer, "peer connection dropped", &reason);
+    }
+}
+
+/// Reads requests and hands each to the handler; `Err` when the peer misbehaved.
+async fn serve_requests<S: AsyncRead + Unpin>(
+    mut stream: S,
+    replies: mpsc::UnboundedSender<Vec<u8>>,
+    context: &Arc<ServerContext>,
+) -> Result<(), String> {
+    let inflight = Arc::new(AtomicUsize::new(0));
+    loop {
+        let (header, body) =
+            match read_frame(&mut stream, &context.config.limits, &context.stats).await? {
+                Some(frame) => frame,
+                None => return Ok(()),
+            };
+        let FrameBody::Request(request) = body else {
+            context
+                .stats
+                .reject_frame(&WireError::Malformed("reply sent to a server".into()));
+            return Err("a client sent a reply or error frame".into());
+        };
+        let request_id = header.request_id;
+        // The counter is bounded by the limit (the unbounded reply channel is bounded by it).
+        if inflight.load(Ordering::Acquire) >= context.config.max_inflight_per_connection {
+            let _ = replies.send(wire::encode_error(request_id, &RemoteError::Overloaded));
+            continue;
+        }
+        inflight.fetch_add(1, Ordering::AcqRel);
+        let handler = context.handler.clone();
+        let replies = replies.clone();
+        let inflight = inflight.clone();
+        tokio::task::spawn_blocking(move || {
+            let frame = run_handler(&handler, request_id, request);
+            let _ = replies.send(frame);
+            inflight.fetch_sub(1, Ordering::AcqRel);
+        });
+    }
+}
+
+/// Runs the handler and encodes its answer; a panic or a reply that does not fit the
+/// request becomes an error frame, so the client always hears back.
+fn run_handler(handler: &Handler, request_id: u64, request: ExpertRequest) -> Vec<u8> {
+    let (layer, placement_version, width, dtype) = (
+        request.layer,
+        request.placement_version,
+        request.width,
+        request.dtype,
+    );
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handler(request)));
+    match outcome {
+        Ok(Ok(reply)) => {
+            wire::encode_reply(request_id, layer, placement_version, width, dtype, &reply)
+                .unwrap_or_else(|error| {
+                    wire::encode_error(
+                        request_id,
+                        &RemoteError::DeviceFailed(format!(
+                            "the expert output does not fit the request: {error}"
+                        )),
+                    )
+                })
+        }
+        Ok(Err(error)) => wire::encode_error(request_id, &error),
+        Err(_) => wire::encode_error(
+            request_id,
+            &RemoteError::DeviceFailed("the expert handler panicked".into()),
+        ),
+    }
+}
+
+async fn write_replies<S: AsyncWrite + Unpin>(
+    mut stream: S,
+    mut outbox: mpsc::UnboundedReceiver<Vec<u8>>,
+    stats: Arc<PeerStats>,
+) {
+    while let Some(frame) = outbox.recv().await {
+        if stream.write_all(&frame).await.is_err() {
+            return;
+        }
+        stats.add_sent(frame.len());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn warn_limiter_allows_once_per_address_per_interval() {
+        let limiter = WarnLimiter::new(Duration::from_secs(60));
+        let now = Instant::now();
+        let a: IpAddr = "10.0.0.1".parse().expect("ip");
+        let b: IpAddr = "10.0.0.2".parse().expect("ip");
+        assert!(limiter.allow(a, now));
+        assert!(!limiter.allow(a, now + Duration::from_secs(59)));
+        assert!(limiter.allow(b, now));
+        assert!(limiter.allow(a, now + Duration::from_secs(61)));
+    }
+
+    #[test]
+    fn stats_count_rejections_by_reason() {
+        let stats = PeerStats::default();
+        stats.reject_frame(&WireError::BadMagic(*b"GET "));
+        stats.reject_frame(&WireError::TooLarge { len: 1, max: 0 });
+        stats.handshake_failed(&HandshakeError::WrongSecret);
+        stats.handshake_failed(&HandshakeError::Timeout(Duration::ZERO));
+        let counters = &stats.frames_rejected;
+        assert_eq!(counters.bad_magic.load(Ordering::Relaxed), 1);
+        assert_eq!(counters.too_large.load(Ordering::Relaxed), 1);
+        assert_eq!(counters.auth_failed.load(Ordering::Relaxed), 1);
+        assert_eq!(stats.handshakes_failed.load(Ordering::Relaxed), 2);
+    }
+}

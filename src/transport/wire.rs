@@ -1,0 +1,884 @@
+//! The framed wire format of the data plane: expert-work requests, their replies, and typed
+//! errors. Pure (no I/O), so it can be unit tested and fuzzed over `&[u8]`.
+//!
+//! Every frame is a fixed 44-byte header followed by `payload_len` bytes of payload. All
+//! integers are little-endian.
+//!
+//! ```text
+//! offset size field
+//!      0    4 magic              b"MOEW"
+//!      4    1 version            WIRE_VERSION
+//!      5    1 kind               1 request, 2 reply, 3 error
+//!      6    2 flags              reserved, must be 0
+//!      8    8 request_id         chosen by the client, echoed in the reply or error
+//!     16    4 layer              MoE layer of the work (echoed in the reply)
+//!     20    8 placement_version  placement the client routed under (echoed in the reply)
+//!     28    4 group_count        number of (expert, rows) groups
+//!     32    4 width              values per row
+//!     36    1 dtype              1 f32, 2 bf16: the precision of the row values
+//!     37    3 reserved           must be 0
+//!     40    4 payload_len        bytes after the header
+//! ```
+//!
+//! Request and reply payload: `group_count` × (expert u32, rows u32), then
+//! `sum(rows) × width` values in `dtype` (f32: raw IEEE bits; bf16: rounded to nearest even
+//! from f32 by the `half` crate). Error payload: a code byte and its fields (see
+//! [`RemoteError`]); the header then has zero groups and zero width.
+//!
+//! Decoding checks the header (magic, version, kind, dtype, reserved bits, group count, payload
+//! length against a configurable maximum) before anything is allocated, then checks the
+//! payload length against the groups with overflow-checked arithmetic before the rows are
+//! allocated.
+
+use thiserror::Error;
+
+/// The version this build speaks; a frame with any other version is refused.
+pub const WIRE_VERSION: u8 = 1;
+/// The first four bytes of every data-plane frame.
+pub const MAGIC: [u8; 4] = *b"MOEW";
+/// Size of the fixed frame header.
+pub const HEADER_LEN: usize = 44;
+/// Default largest payload accepted: 256 MiB.
+pub const DEFAULT_MAX_PAYLOAD: u32 = 256 << 20;
+/// Default largest number of groups in one frame (far above any published expert count).
+pub const DEFAULT_MAX_GROUPS: u32 = 1 << 16;
+/// Longest message carried by a remote error; longer messages are cut at a char boundary.
+pub const MAX_ERROR_MESSAGE: usize = 4096;
+
+const KIND_REQUEST: u8 = 1;
+const KIND_REPLY: u8 = 2;
+const KIND_ERROR: u8 = 3;
+const GROUP_BYTES: u64 = 8;
+
+/// The precision rows travel in: the one the receiving device consumes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Dtype {
+    F32,
+    Bf16,
+}
+
+impl Dtype {
+    /// Bytes per value on the wire.
+    pub fn size(self) -> usize {
+        match self {
+            Dtype::F32 => 4,
+            Dtype::Bf16 => 2,
+        }
+    }
+
+    fn code(self) -> u8 {
+        match self {
+            Dtype::F32 => 1,
+            Dtype::Bf16 => 2,
+        }
+    }
+
+    fn from_code(code: u8) -> Option<Self> {
+        match code {
+            1 => Some(Dtype::F32),
+            2 => Some(Dtype::Bf16),
+            _ => None,
+        }
+    }
+}
+
+/// One expert-work request: groups of rows, each group for one expert of `layer`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExpertRequest {
+    pub layer: u32,
+    pub placement_version: u64,
+    pub width: u32,
+    pub dtype: Dtype,
+    /// (expert, rows) per group, in plan order.
+    pub groups: Vec<(u32, u32)>,
+    /// All groups' rows concatenated: `sum(rows) × width` values.
+    pub rows: Vec<f32>,
+}
+
+/// The reply: output rows in the same group order (always `width` values per row).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExpertReply {
+    pub groups: Vec<(u32, u32)>,
+    pub rows: Vec<f32>,
+}
+
+/// Why the remote side could not do the work (typed, travels in an error frame).
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum RemoteError {
+    #[error("expert {expert} of layer {layer} is not held by the remote node")]
+    NotHeld { layer: u32, expert: u32 },
+    /// `theirs` is the requester's placement version, `ours` the serving node's.
+    #[error("placement version mismatch: request routed under {theirs}, remote node is on {ours}")]
+    WrongPlacement { theirs: u64, ours: u64 },
+    #[error("remote device failed: {0}")]
+    DeviceFailed(String),
+    #[error("remote node is overloaded")]
+    Overloaded,
+    #[error("remote node could not use the request: {0}")]
+    Malformed(String),
+}
+
+/// What a frame is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FrameKind {
+    Request,
+    Reply,
+    Error,
+}
+
+impl FrameKind {
+    fn code(self) -> u8 {
+        match self {
+            FrameKind::Request => KIND_REQUEST,
+            FrameKind::Reply => KIND_REPLY,
+            FrameKind::Error => KIND_ERROR,
+        }
+    }
+}
+
+/// The validated fixed header of a frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FrameHeader {
+    pub kind: FrameKind,
+    pub request_id: u64,
+    pub layer: u32,
+    pub placement_version: u64,
+    pub group_count: u32,
+    pub width: u32,
+    pub dtype: Dtype,
+    pub payload_len: u32,
+}
+
+/// A decoded frame body.
+#[derive(Debug, Clone, PartialEq)]
+pub enum FrameBody {
+    Request(ExpertRequest),
+    Reply(ExpertReply),
+    Error(RemoteError),
+}
+
+/// Bounds a decoder enforces before allocating.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WireLimits {
+    pub max_payload: u32,
+    pub max_groups: u32,
+}
+
+impl Default for WireLimits {
+    fn default() -> Self {
+        WireLimits {
+            max_payload: DEFAULT_MAX_PAYLOAD,
+            max_groups: DEFAULT_MAX_GROUPS,
+        }
+    }
+}
+
+/// Why bytes could not be encoded or decoded as a frame.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum WireError {
+    #[error("not a moe-node data-plane frame (magic {0:02x?})")]
+    BadMagic([u8; 4]),
+    #[error(
+        "wire version {theirs} is not supported (this node speaks {ours}): upgrade the older node"
+    )]
+    BadVersion { theirs: u8, ours: u8 },
+    #[error("unknown frame kind {0}")]
+    BadKind(u8),
+    #[error("unknown dtype code {0}")]
+    BadDtype(u8),
+    #[error("payload of {len} bytes is over the limit of {max} bytes")]
+    TooLarge { len: u64, max: u32 },
+    #[error("{count} groups is over the limit of {max}")]
+    TooManyGroups { count: u64, max: u32 },
+    #[error("frame truncated: {needed} bytes needed, {got} present")]
+    Truncated { needed: u64, got: u64 },
+    #[error("malformed frame: {0}")]
+    Malformed(String),
+}
+
+impl WireError {
+    fn malformed(message: impl Into<String>) -> Self {
+        WireError::Malformed(message.into())
+    }
+}
+
+/// Encodes a request frame: header, groups and rows in one buffer (the rows are copied once).
+pub fn encode_request(request_id: u64, request: &ExpertRequest) -> Result<Vec<u8>, WireError> {
+    let header = FrameHeader {
+        kind: FrameKind::Request,
+        request_id,
+        layer: request.layer,
+        placement_version: request.placement_version,
+        group_count: 0,
+        width: request.width,
+        dtype: request.dtype,
+        payload_len: 0,
+    };
+    encode_rows_frame(header, &request.groups, &request.rows)
+}
+
+/// Encodes a reply frame for the request it answers (`layer`, `placement_version`, `width`
+/// and `dtype` are the request's; the rows travel in the request's dtype).
+pub fn encode_reply(
+    request_id: u64,
+    layer: u32,
+    placement_version: u64,
+    width: u32,
+    dtype: Dtype,
+    reply: &ExpertReply,
+) -> Result<Vec<u8>, WireError> {
+    let header = FrameHeader {
+        kind: FrameKind::Reply,
+        request_id,
+        layer,
+        placement_version,
+        group_count: 0,
+        width,
+        dtype,
+        payload_len: 0,
+    };
+    encode_rows_frame(header, &reply.groups, &reply.rows)
+}
+
+/// Encodes an error frame answering `request_id`.
+pub fn encode_error(request_id: u64, error: &RemoteError) -> Vec<u8> {
+    let mut payload = Vec::new();
+    match error {
+        RemoteError::NotHeld { layer, expert } => {
+            payload.push(1);
+            payload.extend_from_slice(&layer.to_le_bytes());
+            payload.extend_from_slice(&expert.to_le_bytes());
+        }
+        RemoteError::WrongPlacement { theirs, ours } => {
+            payload.push(2);
+            payload.extend_from_slice(&theirs.to_le_bytes());
+            payload.extend_from_slice(&ours.to_le_bytes());
+        }
+        RemoteError::DeviceFailed(message) => {
+            payload.push(3);
+            push_message(&mut payload, message);
+        }
+        RemoteError::Overloaded => payload.push(4),
+        RemoteError::Malformed(message) => {
+            payload.push(5);
+            push_message(&mut payload, message);
+        }
+    }
+    let header = FrameHeader {
+        kind: FrameKind::Error,
+        request_id,
+        layer: 0,
+        placement_version: 0,
+        group_count: 0,
+        width: 0,
+        dtype: Dtype::F32,
+        // The payload is at most 1 + 4 + MAX_ERROR_MESSAGE bytes.
+        payload_len: payload.len() as u32,
+    };
+    let mut out = Vec::with_capacity(HEADER_LEN + payload.len());
+    write_header(&mut out, &header);
+    out.extend_from_slice(&payload);
+    out
+}
+
+fn push_message(payload: &mut Vec<u8>, message: &str) {
+    let mut end = message.len().min(MAX_ERROR_MESSAGE);
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    let bytes = &message.as_bytes()[..end];
+    payload.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
+    payload.extend_from_slice(bytes);
+}
+
+fn encode_rows_frame(
+    mut header: FrameHeader,
+    groups: &[(u32, u32)],
+    rows: &[f32],
+) -> Result<Vec<u8>, WireError> {
+    if header.width == 0 {
+        return Err(WireError::malformed("row width 0"));
+    }
+    let group_count = u32::try_from(groups.len())
+        .map_err(|_| WireError::malformed(format!("{} groups do not fit a frame", groups.len())))?;
+    let total_rows = groups
+        .iter()
+        .try_fold(0u64, |sum, &(_, rows)| sum.checked_add(u64::from(rows)))
+        .ok_or_else(|| WireError::malformed("row count overflows"))?;
+    let values = total_rows
+        .checked_mul(u64::from(header.width))
+        .ok_or_else(|| WireError::malformed("row values overflow"))?;
+    if values != rows.len() as u64 {
+        return Err(WireError::malformed(format!(
+            "groups describe {total_rows} rows of width {} ({values} values) but {} values were given",
+            header.width,
+            rows.len()
+        )));
+    }
+    let payload_len = payload_len_for(group_count, values, header.dtype)
+        .and_then(|len| u32::try_from(len).ok())
+        .ok_or_else(|| WireError::malformed("payload does not fit a frame (over 4 GiB)"))?;
+    header.group_count = group_count;
+    header.payload_len = payload_len;
+
+    let mut out = Vec::with_capacity(HEADER_LEN + payload_len as usize);
+    write_header(&mut out, &header);
+    for &(expert, count) in groups {
+        out.extend_from_slice(&expert.to_le_bytes());
+        out.extend_from_slice(&count.to_le_bytes());
+    }
+    let start = out.len();
+    out.resize(start + rows.len() * header.dtype.size(), 0);
+    let values_out = &mut out[start..];
+    match header.dtype {
+        Dtype::F32 => {
+            for (slot, value) in values_out.chunks_exact_mut(4).zip(rows) {
+                slot.copy_from_slice(&value.to_le_bytes());
+            }
+        }
+        Dtype::Bf16 => {
+            for (slot, value) in values_out.chunks_exact_mut(2).zip(rows) {
+                slot.copy_from_slice(&half::bf16::from_f32(*value).to_le_bytes());
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn payload_len_for(group_count: u32, values: u64, dtype: Dtype) -> Option<u64> {
+    let groups = u64::from(group_count).checked_mul(GROUP_BYTES)?;
+    let rows = values.checked_mul(dtype.size() as u64)?;
+    groups.checked_add(rows)
+}
+
+fn write_header(out: &mut Vec<u8>, header: &FrameHeader) {
+    out.extend_from_slice(&MAGIC);
+    out.push(WIRE_VERSION);
+    out.push(header.kind.code());
+    out.extend_from_slice(&0u16.to_le_bytes());
+    out.extend_from_slice(&header.request_id.to_le_bytes());
+    out.extend_from_slice(&header.layer.to_le_bytes());
+    out.extend_from_slice(&header.placement_version.to_le_bytes());
+    out.extend_from_slice(&header.group_count.to_le_bytes());
+    out.extend_from_slice(&header.width.to_le_bytes());
+    out.push(header.dtype.code());
+    out.extend_from_slice(&[0; 3]);
+    out.extend_from_slice(&header.payload_len.to_le_bytes());
+}
+
+/// A little-endian cursor that never panics: every read is bounds-checked.
+struct Reader<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn new(bytes: &'a [u8]) -> Self {
+        Reader { bytes, at: 0 }
+    }
+
+    fn take(&mut self, len: usize) -> Result<&'a [u8], WireError> {
+        let end = self
+            .at
+            .checked_add(len)
+            .filter(|&end| end <= self.bytes.len());
+        match end {
+            Some(end) => {
+                let slice = &self.bytes[self.at..end];
+                self.at = end;
+                Ok(slice)
+            }
+            None => Err(WireError::Truncated {
+                needed: self.at as u64 + len as u64,
+                got: self.bytes.len() as u64,
+            }),
+        }
+    }
+
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], WireError> {
+        let mut out = [0u8; N];
+        out.copy_from_slice(self.take(N)?);
+        Ok(out)
+    }
+
+    fn u8(&mut self) -> Result<u8, WireError> {
+        Ok(self.array::<1>()?[0])
+    }
+
+    fn u32(&mut self) -> Result<u32, WireError> {
+        Ok(u32::from_le_bytes(self.array()?))
+    }
+
+    fn u64(&mut self) -> Result<u64, WireError> {
+        Ok(u64::from_le_bytes(self.array()?))
+    }
+
+    fn rest(&self) -> &'a [u8] {
+        &self.bytes[self.at..]
+    }
+}
+
+/// Validates a frame header (the first [`HEADER_LEN`] bytes of `bytes`): magic, version,
+/// kind, reserved bits, dtype, group count and payload length against `limits`.
+pub fn decode_header(bytes: &[u8], limits: &WireLimits) -> Result<FrameHeader, WireError> {
+    let mut reader = Reader::new(bytes);
+    let magic: [u8; 4] = reader.array()?;
+    if magic != MAGIC {
+        return Err(WireError::BadMagic(magic));
+    }
+    let version = reader.u8()?;
+    if version != WIRE_VERSION {
+        return Err(WireError::BadVersion {
+            theirs: version,
+            ours: WIRE_VERSION,
+        });
+    }
+    let kind = match reader.u8()? {
+        KIND_REQUEST => FrameKind::Request,
+        KIND_REPLY => FrameKind::Reply,
+        KIND_ERROR => FrameKind::Error,
+        other => return Err(WireError::BadKind(other)),
+    };
+    let flags = u16::from_le_bytes(reader.array()?);
+    if flags != 0 {
+        return Err(WireError::malformed(format!(
+            "reserved flags {flags:#06x} set"
+        )));
+    }
+    let request_id = reader.u64()?;
+    let layer = reader.u32()?;
+    let placement_version = reader.u64()?;
+    let group_count = reader.u32()?;
+    let width = reader.u32()?;
+    let dtype_code = reader.u8()?;
+    let dtype = Dtype::from_code(dtype_code).ok_or(WireError::BadDtype(dtype_code))?;
+    let reserved: [u8; 3] = reader.array()?;
+    if reserved != [0; 3] {
+        return Err(WireError::malformed("reserved header bytes set"));
+    }
+    let payload_len = reader.u32()?;
+    if payload_len > limits.max_payload {
+        return Err(WireError::TooLarge {
+            len: u64::from(payload_len),
+            max: limits.max_payload,
+        });
+    }
+    if group_count > limits.max_groups {
+        return Err(WireError::TooManyGroups {
+            count: u64::from(group_count),
+            max: limits.max_groups,
+        });
+    }
+    match kind {
+        FrameKind::Error => {
+            if group_count != 0 || width != 0 {
+                return Err(WireError::malformed("error frame with groups or width"));
+            }
+            if payload_len as usize > 1 + 4 + MAX_ERROR_MESSAGE {
+                return Err(WireError::malformed("error frame payload too long"));
+            }
+        }
+        FrameKind::Request | FrameKind::Reply => {
+            if width == 0 {
+                return Err(WireError::malformed("row width 0"));
+            }
+            let group_bytes = u64::from(group_count) * GROUP_BYTES;
+            if group_bytes > u64::from(payload_len) {
+                return Err(WireError::malformed(format!(
+                    "{group_count} groups need {group_bytes} bytes but the payload has {payload_len}"
+                )));
+            }
+        }
+    }
+    Ok(FrameHeader {
+        kind,
+        request_id,
+        layer,
+        placement_version,
+        group_count,
+        width,
+        dtype,
+        payload_len,
+    })
+}
+
+/// Decodes a payload of exactly `header.payload_len` bytes for an already validated header.
+pub fn decode_payload(header: &FrameHeader, payload: &[u8]) -> Result<FrameBody, WireError> {
+    if payload.len() as u64 != u64::from(header.payload_len) {
+        return Err(WireError::Truncated {
+            needed: u64::from(header.payload_len),
+            got: payload.len() as u64,
+        });
+    }
+    if header.kind == FrameKind::Error {
+        return decode_error(payload).map(FrameBody::Error);
+    }
+    let mut reader = Reader::new(payload);
+    let mut total_rows = 0u64;
+    // The header check bounds group_count by the payload length, so this allocation is
+    // bounded by what was already read.
+    let mut groups = Vec::with_capacity(header.group_count as usize);
+    for _ in 0..header.group_count {
+        let expert = reader.u32()?;
+        let rows = reader.u32()?;
+        total_rows += u64::from(rows);
+        groups.push((expert, rows));
+    }
+    let values = total_rows
+        .checked_mul(u64::from(header.width))
+        .ok_or_else(|| WireError::malformed("row values overflow"))?;
+    let expected = payload_len_for(header.group_count, values, header.dtype)
+        .ok_or_else(|| WireError::malformed("payload length overflows"))?;
+    if expected != u64::from(header.payload_len) {
+        return Err(WireError::malformed(format!(
+            "groups describe {total_rows} rows of width {} ({expected} payload bytes) but the payload has {}",
+            header.width, header.payload_len
+        )));
+    }
+    let rows = decode_rows(reader.rest(), header.dtype);
+    Ok(match header.kind {
+        FrameKind::Request => FrameBody::Request(ExpertRequest {
+            layer: header.layer,
+            placement_version: header.placement_version,
+            width: header.width,
+            dtype: header.dtype,
+            groups,
+            rows,
+        }),
+        _ => FrameBody::Reply(ExpertReply { groups, rows }),
+    })
+}
+
+fn decode_rows(bytes: &[u8], dtype: Dtype) -> Vec<f32> {
+    match dtype {
+        Dtype::F32 => bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        Dtype::Bf16 => bytes
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+    }
+}
+
+fn decode_error(payload: &[u8]) -> Result<RemoteError, WireError> {
+    let mut reader = Reader::new(payload);
+    let error = match reader.u8()? {
+        1 => RemoteError::NotHeld {
+            layer: reader.u32()?,
+            expert: reader.u32()?,
+        },
+        2 => RemoteError::WrongPlacement {
+            theirs: reader.u64()?,
+            ours: reader.u64()?,
+        },
+        3 => RemoteError::DeviceFailed(read_message(&mut reader)?),
+        4 => RemoteError::Overloaded,
+        5 => RemoteError::Malformed(read_message(&mut reader)?),
+        other => return Err(WireError::malformed(format!("unknown error code {other}"))),
+    };
+    if !reader.rest().is_empty() {
+        return Err(WireError::malformed("trailing bytes after the error"));
+    }
+    Ok(error)
+}
+
+fn read_message(reader: &mut Reader<'_>) -> Result<String, WireError> {
+    let len = reader.u32()? as usize;
+    if len > MAX_ERROR_MESSAGE {
+        return Err(WireError::malformed("error message too long"));
+    }
+    let bytes = reader.take(len)?;
+    String::from_utf8(bytes.to_vec())
+        .map_err(|_| WireError::malformed("error message is not UTF-8"))
+}
+
+/// Decodes one whole frame (header and payload, nothing after it). The entry point for
+/// fuzzing: never panics, allocates only after the lengths are checked.
+pub fn decode(bytes: &[u8], limits: &WireLimits) -> Result<(FrameHeader, FrameBody), WireError> {
+    let header = decode_header(bytes, limits)?;
+    let payload = &bytes[HEADER_LEN.min(bytes.len())..];
+    if payload.len() as u64 > u64::from(header.payload_len) {
+        return Err(WireError::malformed("trailing bytes after the payload"));
+    }
+    let body = decode_payload(&header, payload)?;
+    Ok((header, body))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    fn request(dtype: Dtype) -> ExpertRequest {
+        let width = 5;
+        let groups = vec![(3, 2), (17, 0), (895, 3)];
+        let rows = (0..5 * width)
+            .map(|i| (i as f32) * 0.371 - 3.3 + 1e-7 * i as f32)
+            .collect();
+        ExpertRequest {
+            layer: 7,
+            placement_version: 42,
+            width: width as u32,
+            dtype,
+            groups,
+            rows,
+        }
+    }
+
+    #[test]
+    fn request_round_trips_f32_bit_exact() {
+        let mut original = request(Dtype::F32);
+        original.rows[0] = f32::MIN_POSITIVE / 3.0;
+        original.rows[1] = -0.0;
+        original.rows[2] = f32::INFINITY;
+        let bytes = encode_request(99, &original).expect("encode");
+        assert_eq!(bytes.len(), HEADER_LEN + 3 * 8 + 25 * 4);
+        let (header, body) = decode(&bytes, &WireLimits::default()).expect("decode");
+        assert_eq!(header.request_id, 99);
+        assert_eq!(header.kind, FrameKind::Request);
+        let FrameBody::Request(decoded) = body else {
+            panic!("not a request: {body:?}");
+        };
+        let bits = |rows: &[f32]| rows.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&decoded.rows), bits(&original.rows));
+        assert_eq!(decoded.groups, original.groups);
+        assert_eq!(decoded.layer, 7);
+        assert_eq!(decoded.placement_version, 42);
+    }
+
+    #[test]
+    fn request_round_trips_bf16_as_half_rounds() {
+        let original = request(Dtype::Bf16);
+        let bytes = encode_request(1, &original).expect("encode");
+        assert_eq!(bytes.len(), HEADER_LEN + 3 * 8 + 25 * 2);
+        let (_, body) = decode(&bytes, &WireLimits::default()).expect("decode");
+        let FrameBody::Request(decoded) = body else {
+            panic!("not a request");
+        };
+        let expected: Vec<f32> = original
+            .rows
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_f32())
+            .collect();
+        assert_eq!(decoded.rows, expected);
+        assert_eq!(decoded.dtype, Dtype::Bf16);
+    }
+
+    #[test]
+    fn reply_and_errors_round_trip() {
+        let reply = ExpertReply {
+            groups: vec![(1, 1)],
+            rows: vec![1.5, -2.0],
+        };
+        let bytes = encode_reply(5, 3, 9, 2, Dtype::F32, &reply).expect("encode");
+        let (header, body) = decode(&bytes, &WireLimits::default()).expect("decode");
+        assert_eq!((header.request_id, header.layer, header.width), (5, 3, 2));
+        assert_eq!(body, FrameBody::Reply(reply));
+        let long = "é".repeat(MAX_ERROR_MESSAGE);
+        for error in [
+            RemoteError::NotHeld {
+                layer: 1,
+                expert: 2,
+            },
+            RemoteError::WrongPlacement { theirs: 3, ours: 4 },
+            RemoteError::DeviceFailed("cuda out of memory".into()),
+            RemoteError::Overloaded,
+            RemoteError::Malformed(long.clone()),
+        ] {
+            let bytes = encode_error(77, &error);
+            let (header, body) = decode(&bytes, &WireLimits::default()).expect("decode");
+            assert_eq!(header.request_id, 77);
+            match (body, &error) {
+                (FrameBody::Error(RemoteError::Malformed(got)), RemoteError::Malformed(_)) => {
+                    assert!(long.starts_with(&got) && got.len() <= MAX_ERROR_MESSAGE);
+                }
+                (body, _) => assert_eq!(body, FrameBody::Error(error)),
+            }
+        }
+    }
+
+    #[test]
+    fn encoding_refuses_rows_that_do_not_match_the_groups() {
+        let mut bad = request(Dtype::F32);
+        bad.rows.pop();
+        assert!(matches!(
+            encode_request(1, &bad),
+            Err(WireError::Malformed(_))
+        ));
+        let overflow = ExpertRequest {
+            width: u32::MAX,
+            groups: vec![(0, u32::MAX), (1, u32::MAX)],
+            rows: vec![],
+            ..request(Dtype::F32)
+        };
+        assert!(encode_request(1, &overflow).is_err());
+        let zero_width = ExpertRequest {
+            width: 0,
+            groups: vec![(0, 1)],
+            rows: vec![],
+            ..request(Dtype::F32)
+        };
+        assert!(encode_request(1, &zero_width).is_err());
+    }
+
+    fn good_frame() -> Vec<u8> {
+        encode_request(1, &request(Dtype::F32)).expect("encode")
+    }
+
+    #[test]
+    fn every_header_rejection() {
+        let limits = WireLimits::default();
+        let mut bytes = good_frame();
+        bytes[0] = b'X';
+        assert!(matches!(
+            decode(&bytes, &limits),
+            Err(WireError::BadMagic(_))
+        ));
+
+        let mut bytes = good_frame();
+        bytes[4] = 9;
+        let error = decode(&bytes, &limits).expect_err("version");
+        assert_eq!(error, WireError::BadVersion { theirs: 9, ours: 1 });
+        assert!(error.to_string().contains("9") && error.to_string().contains("speaks 1"));
+
+        let mut bytes = good_frame();
+        bytes[5] = 0;
+        assert_eq!(decode(&bytes, &limits), Err(WireError::BadKind(0)));
+
+        let mut bytes = good_frame();
+        bytes[6] = 1;
+        assert!(matches!(
+            decode(&bytes, &limits),
+            Err(WireError::Malformed(_))
+        ));
+
+        let mut bytes = good_frame();
+        bytes[36] = 3;
+        assert_eq!(decode(&bytes, &limits), Err(WireError::BadDtype(3)));
+
+        let mut bytes = good_frame();
+        bytes[38] = 1;
+        assert!(matches!(
+            decode(&bytes, &limits),
+            Err(WireError::Malformed(_))
+        ));
+
+        let mut bytes = good_frame();
+        bytes[40..44].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(matches!(
+            decode(&bytes, &limits),
+            Err(WireError::TooLarge { .. })
+        ));
+
+        let small = WireLimits {
+            max_payload: 16,
+            ..limits
+        };
+        assert!(matches!(
+            decode(&good_frame(), &small),
+            Err(WireError::TooLarge { .. })
+        ));
+
+        let few_groups = WireLimits {
+            max_groups: 2,
+            ..limits
+        };
+        assert!(matches!(
+            decode(&good_frame(), &few_groups),
+            Err(WireError::TooManyGroups { .. })
+        ));
+
+        // Width 0 and a group count the payload cannot hold.
+        let mut bytes = good_frame();
+        bytes[32..36].copy_from_slice(&0u32.to_le_bytes());
+        assert!(matches!(
+            decode(&bytes, &limits),
+            Err(WireError::Malformed(_))
+        ));
+        let mut bytes = good_frame();
+        bytes[28..32].copy_from_slice(&60_000u32.to_le_bytes());
+        assert!(matches!(
+            decode(&bytes, &limits),
+            Err(WireError::Malformed(_))
+        ));
+    }
+
+    #[test]
+    fn payload_rejections() {
+        let limits = WireLimits::default();
+        // Rows that disagree with the payload length.
+        let mut bytes = good_frame();
+        bytes[HEADER_LEN + 4..HEADER_LEN + 8].copy_from_slice(&3u32.to_le_bytes());
+        assert!(matches!(
+            decode(&bytes, &limits),
+            Err(WireError::Malformed(_))
+        ));
+        // Rows x width overflowing u64 must not panic.
+        let mut bytes = good_frame();
+        bytes[32..36].copy_from_slice(&u32::MAX.to_le_bytes());
+        for group in 0..3 {
+            let at = HEADER_LEN + group * 8 + 4;
+            bytes[at..at + 4].copy_from_slice(&u32::MAX.to_le_bytes());
+        }
+        assert!(decode(&bytes, &limits).is_err());
+        // Truncated and trailing bytes.
+        let bytes = good_frame();
+        assert!(matches!(
+            decode(&bytes[..bytes.len() - 1], &limits),
+            Err(WireError::Truncated { .. })
+        ));
+        assert!(matches!(
+            decode(&bytes[..10], &limits),
+            Err(WireError::Truncated { .. })
+        ));
+        let mut long = bytes.clone();
+        long.push(0);
+        assert!(matches!(
+            decode(&long, &limits),
+            Err(WireError::Malformed(_))
+        ));
+        // Error frames: unknown code, bad UTF-8, trailing bytes.
+        let mut bytes = encode_error(1, &RemoteError::Overloaded);
+        bytes[HEADER_LEN] = 200;
+        assert!(matches!(
+            decode(&bytes, &limits),
+            Err(WireError::Malformed(_))
+        ));
+        let mut bytes = encode_error(1, &RemoteError::DeviceFailed("ab".into()));
+        bytes[HEADER_LEN + 5] = 0xff;
+        assert!(matches!(
+            decode(&bytes, &limits),
+            Err(WireError::Malformed(_))
+        ));
+    }
+
+    #[test]
+    fn random_garbage_and_truncations_never_panic() {
+        let limits = WireLimits::default();
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        let frames = [
+            good_frame(),
+            encode_request(2, &request(Dtype::Bf16)).expect("encode"),
+            encode_error(3, &RemoteError::DeviceFailed("x".into())),
+        ];
+        for frame in &frames {
+            for cut in 0..frame.len() {
+                assert!(decode(&frame[..cut], &limits).is_err());
+            }
+        }
+        for _ in 0..20_000 {
+            let frame = &frames[rng.random_range(0..frames.len())];
+            let mut bytes = frame.clone();
+            for _ in 0..rng.random_range(1..4) {
+                let at = rng.random_range(0..bytes.len());
+                bytes[at] = rng.random();
+            }
+            let _ = decode(&bytes, &limits);
+            let len = rng.random_range(0..200);
+            let garbage: Vec<u8> = (0..len).map(|_| rng.random()).collect();
+            let _ = decode(&garbage, &limits);
+        }
+    }
+}

@@ -1,0 +1,798 @@
+//! The peer data plane end to end: each test is written once and runs over TCP on 127.0.0.1
+//! and over the in-memory network; the link-fault tests (partition, blackhole, cut) run on
+//! the in-memory network only. Callers are plain std threads, the runtime lives on its own
+//! worker threads, as in the node.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, mpsc};
+use std::time::{Duration, Instant};
+
+use moe_node::transport::handshake::HandshakeError;
+use moe_node::transport::peer::{PeerConfig, client_handshake};
+use moe_node::transport::wire::{self, HEADER_LEN};
+use moe_node::transport::{
+    Dtype, ExpertReply, ExpertRequest, Handler, MemoryNetwork, PeerAuth, PeerClient, PeerError,
+    PeerServer, PeerStats, PeerStream, TcpTransport, Transport,
+};
+use tokio::io::AsyncWriteExt;
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Kind {
+    Tcp,
+    Memory,
+}
+
+const CLIENT_NODE: &str = "10.0.0.1:7000";
+const SERVER_NODE: &str = "10.0.0.2:7000";
+
+fn addr(text: &str) -> SocketAddr {
+    text.parse().expect("address")
+}
+
+/// A runtime on its own threads and a pair of transports (client node, server node).
+struct Rig {
+    kind: Kind,
+    runtime: tokio::runtime::Runtime,
+    network: MemoryNetwork,
+}
+
+impl Rig {
+    fn new(kind: Kind) -> Self {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        Rig {
+            kind,
+            runtime,
+            network: MemoryNetwork::new(),
+        }
+    }
+
+    fn bind_addr(&self) -> SocketAddr {
+        match self.kind {
+            Kind::Tcp => addr("127.0.0.1:0"),
+            Kind::Memory => addr(SERVER_NODE),
+        }
+    }
+
+    fn server_transport(&self) -> Arc<dyn Transport> {
+        match self.kind {
+            Kind::Tcp => Arc::new(TcpTransport::default()),
+            Kind::Memory => Arc::new(self.network.transport(addr(SERVER_NODE))),
+        }
+    }
+
+    fn client_transport(&self) -> Arc<dyn Transport> {
+        match self.kind {
+            Kind::Tcp => Arc::new(TcpTransport::default()),
+            Kind::Memory => Arc::new(self.network.transport(addr(CLIENT_NODE))),
+        }
+    }
+
+    fn server_at(
+        &self,
+        at: SocketAddr,
+        auth: PeerAuth,
+        stats: &Arc<PeerStats>,
+        handler: Handler,
+    ) -> PeerServer {
+        PeerServer::start(
+            self.server_transport(),
+            at,
+            Arc::new(auth),
+            stats.clone(),
+            handler,
+            self.runtime.handle().clone(),
+        )
+        .expect("server starts")
+    }
+
+    fn server(&self, stats: &Arc<PeerStats>, handler: Handler) -> PeerServer {
+        self.server_at(
+            self.bind_addr(),
+            auth("server", b"cluster secret", 7),
+            stats,
+            handler,
+        )
+    }
+
+    fn client_with(
+        &self,
+        server: SocketAddr,
+        auth: PeerAuth,
+        stats: &Arc<PeerStats>,
+    ) -> PeerClient {
+        PeerClient::new(
+            self.client_transport(),
+            self.runtime.handle().clone(),
+            server,
+            Arc::new(auth),
+            stats.clone(),
+        )
+    }
+
+    fn client(&self, server: SocketAddr, stats: &Arc<PeerStats>) -> PeerClient {
+        self.client_with(server, auth("client", b"cluster secret", 7), stats)
+    }
+
+    /// A raw, authenticated (or not) stream to the server, for writing bad frames.
+    fn raw(&self, server: SocketAddr, authenticate: bool) -> Box<dyn PeerStream> {
+        let transport = self.client_transport();
+        self.runtime.block_on(async move {
+            let mut stream = transport.connect(server).await.expect("raw connect");
+            if authenticate {
+                client_handshake(&mut stream, &auth("raw", b"cluster secret", 7))
+                    .await
+                    .expect("raw handshake");
+            }
+            stream
+        })
+    }
+
+    fn write_raw(&self, mut stream: Box<dyn PeerStream>, bytes: Vec<u8>) {
+        self.runtime.block_on(async move {
+            let _ = stream.write_all(&bytes).await;
+            let _ = stream.shutdown().await;
+            // Keep the stream open a little so the server reads what it was sent.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        });
+    }
+}
+
+fn auth(node_id: &str, secret: &[u8], model_fingerprint: u64) -> PeerAuth {
+    PeerAuth {
+        node_id: node_id.into(),
+        secret: secret.to_vec(),
+        model_fingerprint,
+    }
+}
+
+/// rows × 2 + expert id: checkable, and different per group.
+fn double_plus_expert() -> Handler {
+    Arc::new(|request: ExpertRequest| {
+        let width = request.width as usize;
+        let mut rows = Vec::with_capacity(request.rows.len());
+        let mut at = 0;
+        for &(expert, count) in &request.groups {
+            let values = count as usize * width;
+            rows.extend(
+                request.rows[at..at + values]
+                    .iter()
+                    .map(|v| v * 2.0 + expert as f32),
+            );
+            at += values;
+        }
+        Ok(ExpertReply {
+            groups: request.groups.clone(),
+            rows,
+        })
+    })
+}
+
+fn make_request(seed: u64, dtype: Dtype) -> ExpertRequest {
+    let width = 8 + (seed % 5) as u32;
+    let groups: Vec<(u32, u32)> = (0..1 + seed % 4)
+        .map(|g| {
+            (
+                (seed * 31 + g * 7) as u32 % 896,
+                ((seed + g) % 3) as u32 + 1,
+            )
+        })
+        .collect();
+    let total: u32 = groups.iter().map(|g| g.1).sum();
+    let rows = (0..total * width)
+        .map(|i| ((i as u64 * 2654435761 + seed) % 1000) as f32 / 77.0 - 6.0)
+        .collect();
+    ExpertRequest {
+        layer: 3,
+        placement_version: 11,
+        width,
+        dtype,
+        groups,
+        rows,
+    }
+}
+
+/// What the handler returns, as the client must see it after the trip (bf16 rounds twice).
+fn expected_rows(request: &ExpertRequest) -> Vec<f32> {
+    let round = |v: f32| match request.dtype {
+        Dtype::F32 => v,
+        Dtype::Bf16 => half::bf16::from_f32(v).to_f32(),
+    };
+    let width = request.width as usize;
+    let mut out = Vec::new();
+    let mut at = 0;
+    for &(expert, count) in &request.groups {
+        let values = count as usize * width;
+        out.extend(
+            request.rows[at..at + values]
+                .iter()
+                .map(|&v| round(round(v) * 2.0 + expert as f32)),
+        );
+        at += values;
+    }
+    out
+}
+
+fn call(
+    client: &PeerClient,
+    request: ExpertRequest,
+    wait: Duration,
+) -> Result<ExpertReply, PeerError> {
+    let (tx, rx) = mpsc::channel();
+    client.send(
+        request,
+        Box::new(move |result| {
+            let _ = tx.send(result);
+        }),
+    )?;
+    rx.recv_timeout(wait)
+        .expect("completion within the deadline")
+}
+
+fn assert_reply(request: &ExpertRequest, reply: &ExpertReply) {
+    assert_eq!(reply.groups, request.groups);
+    let expected = expected_rows(request);
+    let bits = |rows: &[f32]| rows.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&reply.rows), bits(&expected), "reply rows differ");
+}
+
+fn wait_for(what: &str, deadline: Duration, condition: impl Fn() -> bool) {
+    let start = Instant::now();
+    while !condition() {
+        assert!(start.elapsed() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+macro_rules! on_both_transports {
+    ($($name:ident),* $(,)?) => {$(
+        mod $name {
+            #[test]
+            fn tcp() {
+                super::$name(super::Kind::Tcp);
+            }
+            #[test]
+            fn memory() {
+                super::$name(super::Kind::Memory);
+            }
+        }
+    )*};
+}
+
+on_both_transports!(
+    round_trip_f32_bit_exact_and_bf16,
+    hundred_concurrent_requests_from_four_threads,
+    wrong_secret_is_refused_on_both_sides,
+    wrong_model_is_refused_on_both_sides,
+    server_killed_mid_request_fails_fast_then_reconnects,
+    bad_frames_are_counted_and_the_server_keeps_serving,
+);
+
+fn round_trip_f32_bit_exact_and_bf16(kind: Kind) {
+    let rig = Rig::new(kind);
+    let stats = Arc::new(PeerStats::default());
+    let server = rig.server(&stats, double_plus_expert());
+    let client_stats = Arc::new(PeerStats::default());
+    let client = rig.client(server.local_addr(), &client_stats);
+    for dtype in [Dtype::F32, Dtype::Bf16] {
+        for seed in 0..5 {
+            let mut request = make_request(seed, dtype);
+            request.rows[0] = f32::MIN_POSITIVE / 7.0;
+            let reply = call(&client, request.clone(), Duration::from_secs(5)).expect("reply");
+            assert_reply(&request, &reply);
+        }
+    }
+    assert!(client_stats.bytes_sent.load(Ordering::Relaxed) > 0);
+    assert_eq!(
+        client_stats.bytes_sent.load(Ordering::Relaxed),
+        stats.bytes_received.load(Ordering::Relaxed)
+    );
+}
+
+fn hundred_concurrent_requests_from_four_threads(kind: Kind) {
+    let rig = Rig::new(kind);
+    let stats = Arc::new(PeerStats::default());
+    let server = rig.server(&stats, double_plus_expert());
+    let client = Arc::new(rig.client(server.local_addr(), &stats));
+    let (tx, rx) = mpsc::channel();
+    let threads: Vec<_> = (0..4u64)
+        .map(|thread| {
+            let client = client.clone();
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                for i in 0..25 {
+                    let seed = thread * 100 + i;
+                    let dtype = if i % 2 == 0 { Dtype::F32 } else { Dtype::Bf16 };
+                    let request = make_request(seed, dtype);
+                    let tx = tx.clone();
+                    let sent = request.clone();
+                    client
+                        .send(
+                            request,
+                            Box::new(move |result| {
+                                let _ = tx.send((sent, result));
+                            }),
+                        )
+                        .expect("queued");
+                }
+            })
+        })
+        .collect();
+    for thread in threads {
+        thread.join().expect("sender thread");
+    }
+    for _ in 0..100 {
+        let (request, result) = rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("every request answered");
+        assert_reply(&request, &result.expect("reply"));
+    }
+    assert!(
+        rx.recv_timeout(Duration::from_millis(100)).is_err(),
+        "a completion was called twice"
+    );
+}
+
+fn wrong_secret_is_refused_on_both_sides(kind: Kind) {
+    let rig = Rig::new(kind);
+    let server_stats = Arc::new(PeerStats::default());
+    let server = rig.server(&server_stats, double_plus_expert());
+    let client_stats = Arc::new(PeerStats::default());
+    let intruder = rig.client_with(
+        server.local_addr(),
+        auth("intruder", b"guessed", 7),
+        &client_stats,
+    );
+    let result = call(
+        &intruder,
+        make_request(1, Dtype::F32),
+        Duration::from_secs(5),
+    );
+    assert_eq!(
+        result,
+        Err(PeerError::Handshake(HandshakeError::WrongSecret))
+    );
+    let counted = |stats: &PeerStats| {
+        stats.frames_rejected.auth_failed.load(Ordering::Relaxed) >= 1
+            && stats.handshakes_failed.load(Ordering::Relaxed) >= 1
+    };
+    assert!(counted(&client_stats));
+    wait_for(
+        "the server to count the refusal",
+        Duration::from_secs(2),
+        || counted(&server_stats),
+    );
+    // The server keeps serving members.
+    let member = rig.client(server.local_addr(), &Arc::new(PeerStats::default()));
+    let request = make_request(2, Dtype::F32);
+    assert_reply(
+        &request,
+        &call(&member, request.clone(), Duration::from_secs(5)).expect("reply"),
+    );
+}
+
+fn wrong_model_is_refused_on_both_sides(kind: Kind) {
+    let rig = Rig::new(kind);
+    let server_stats = Arc::new(PeerStats::default());
+    let server = rig.server(&server_stats, double_plus_expert());
+    let client_stats = Arc::new(PeerStats::default());
+    let other = rig.client_with(
+        server.local_addr(),
+        auth("other", b"cluster secret", 8),
+        &client_stats,
+    );
+    let result = call(&other, make_request(1, Dtype::F32), Duration::from_secs(5));
+    assert_eq!(
+        result,
+        Err(PeerError::Handshake(HandshakeError::WrongModel {
+            ours: 8,
+            theirs: 7
+        }))
+    );
+    let message = result.expect_err("refused").to_string();
+    assert!(message.contains("different model"), "{message}");
+    assert_eq!(
+        client_stats
+            .frames_rejected
+            .wrong_model
+            .load(Ordering::Relaxed),
+        1
+    );
+    wait_for(
+        "the server to count the refusal",
+        Duration::from_secs(2),
+        || {
+            server_stats
+                .frames_rejected
+                .wrong_model
+                .load(Ordering::Relaxed)
+                == 1
+                && server_stats.handshakes_failed.load(Ordering::Relaxed) == 1
+        },
+    );
+}
+
+fn server_killed_mid_request_fails_fast_then_reconnects(kind: Kind) {
+    let rig = Rig::new(kind);
+    let stats = Arc::new(PeerStats::default());
+    let (started_tx, started_rx) = mpsc::channel::<()>();
+    let (release_tx, release_rx) = mpsc::channel::<()>();
+    let started_tx = Mutex::new(started_tx);
+    let release_rx = Mutex::new(release_rx);
+    let stuck: Handler = Arc::new(move |_request| {
+        let _ = started_tx.lock().expect("lock").send(());
+        // Blocks like a device that never finishes, until the test lets go.
+        let _ = release_rx
+            .lock()
+            .expect("lock")
+            .recv_timeout(Duration::from_secs(10));
+        Err(moe_node::transport::RemoteError::Overloaded)
+    });
+    let server = rig.server(&stats, stuck);
+    let at = server.local_addr();
+    let client = rig.client(at, &stats);
+    let calls = Arc::new(AtomicUsize::new(0));
+    let (done_tx, done_rx) = mpsc::channel();
+    for seed in 0..3 {
+        let (calls, done_tx) = (calls.clone(), done_tx.clone());
+        client
+            .send(
+                make_request(seed, Dtype::F32),
+                Box::new(move |result| {
+                    calls.fetch_add(1, Ordering::SeqCst);
+                    let _ = done_tx.send(result);
+                }),
+            )
+            .expect("queued");
+    }
+    started_rx
+        .recv_timeout(Duration::from_secs(5))
+        .expect("the handler runs");
+    let killed = Instant::now();
+    drop(server);
+    for _ in 0..3 {
+        let result = done_rx
+            .recv_timeout(Duration::from_secs(1))
+            .expect("failed promptly");
+        assert!(matches!(result, Err(PeerError::LinkDown(_))), "{result:?}");
+    }
+    assert!(killed.elapsed() < Duration::from_secs(1));
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        3,
+        "a completion was called twice"
+    );
+    drop(release_tx);
+
+    // The server comes back on the same address; a later send reconnects.
+    let _server = rig.server_at(
+        at,
+        auth("server", b"cluster secret", 7),
+        &stats,
+        double_plus_expert(),
+    );
+    let start = Instant::now();
+    loop {
+        let request = make_request(9, Dtype::Bf16);
+        match call(&client, request.clone(), Duration::from_secs(5)) {
+            Ok(reply) => {
+                assert_reply(&request, &reply);
+                break;
+            }
+            Err(error) => {
+                assert!(
+                    start.elapsed() < Duration::from_secs(5),
+                    "no reconnect: {error}"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+}
+
+fn bad_frames_are_counted_and_the_server_keeps_serving(kind: Kind) {
+    let rig = Rig::new(kind);
+    let stats = Arc::new(PeerStats::default());
+    let server = rig.server(&stats, double_plus_expert());
+    let at = server.local_addr();
+    let member = rig.client(at, &Arc::new(PeerStats::default()));
+    let still_serving = || {
+        let request = make_request(5, Dtype::F32);
+        assert_reply(
+            &request,
+            &call(&member, request.clone(), Duration::from_secs(5)).expect("reply"),
+        );
+    };
+    still_serving();
+    let rejected = &stats.frames_rejected;
+
+    // Garbage instead of a handshake.
+    rig.write_raw(
+        rig.raw(at, false),
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".to_vec(),
+    );
+    wait_for("bad_magic", Duration::from_secs(2), || {
+        rejected.bad_magic.load(Ordering::Relaxed) == 1
+    });
+    still_serving();
+
+    let frame = wire::encode_request(1, &make_request(3, Dtype::F32)).expect("encode");
+    // Garbage after a good handshake.
+    let mut garbage = frame.clone();
+    garbage[..4].copy_from_slice(b"XXXX");
+    rig.write_raw(rig.raw(at, true), garbage);
+    wait_for("bad_magic after handshake", Duration::from_secs(2), || {
+        rejected.bad_magic.load(Ordering::Relaxed) == 2
+    });
+    // A truncated frame.
+    rig.write_raw(rig.raw(at, true), frame[..HEADER_LEN + 5].to_vec());
+    wait_for("malformed", Duration::from_secs(2), || {
+        rejected.malformed.load(Ordering::Relaxed) == 1
+    });
+    // An oversized length.
+    let mut oversized = frame[..HEADER_LEN].to_vec();
+    oversized[40..44].copy_from_slice(&u32::MAX.to_le_bytes());
+    rig.write_raw(rig.raw(at, true), oversized);
+    wait_for("too_large", Duration::from_secs(2), || {
+        rejected.too_large.load(Ordering::Relaxed) == 1
+    });
+    // A wrong version.
+    let mut wrong_version = frame.clone();
+    wrong_version[4] = 2;
+    rig.write_raw(rig.raw(at, true), wrong_version);
+    wait_for("bad_version", Duration::from_secs(2), || {
+        rejected.bad_version.load(Ordering::Relaxed) == 1
+    });
+    still_serving();
+}
+
+// ---- In-memory network only: link faults ----
+
+fn memory_rig() -> (Rig, Arc<PeerStats>, PeerServer) {
+    let rig = Rig::new(Kind::Memory);
+    let stats = Arc::new(PeerStats::default());
+    let server = rig.server(&stats, double_plus_expert());
+    (rig, stats, server)
+}
+
+#[test]
+fn partition_holds_existing_links_and_refuses_new_ones_until_healed() {
+    let (rig, stats, server) = memory_rig();
+    let client = rig.client(server.local_addr(), &stats);
+    let request = make_request(1, Dtype::F32);
+    assert_reply(
+        &request,
+        &call(&client, request.clone(), Duration::from_secs(5)).expect("reply"),
+    );
+
+    rig.network
+        .partition(&[&[addr(CLIENT_NODE)], &[addr(SERVER_NODE)]]);
+    // The existing connection goes silent: the request is held, not failed.
+    let (tx, rx) = mpsc::channel();
+    let held = make_request(2, Dtype::Bf16);
+    client
+        .send(
+            held.clone(),
+            Box::new(move |result| {
+                let _ = tx.send(result);
+            }),
+        )
+        .expect("queued");
+    assert!(
+        rx.recv_timeout(Duration::from_millis(300)).is_err(),
+        "a reply crossed the partition"
+    );
+    // A new connection across the partition fails at once.
+    let fresh = rig.client(server.local_addr(), &stats);
+    let result = call(&fresh, make_request(3, Dtype::F32), Duration::from_secs(1));
+    assert!(matches!(result, Err(PeerError::Connect(_))), "{result:?}");
+
+    rig.network.heal();
+    let reply = rx
+        .recv_timeout(Duration::from_secs(5))
+        .expect("delivered after heal");
+    assert_reply(&held, &reply.expect("reply"));
+    // The fresh client reconnects once its backoff has passed.
+    std::thread::sleep(Duration::from_millis(100));
+    let request = make_request(4, Dtype::F32);
+    assert_reply(
+        &request,
+        &call(&fresh, request.clone(), Duration::from_secs(5)).expect("reply"),
+    );
+}
+
+#[test]
+fn blackhole_never_answers_until_close_fails_the_request() {
+    let (rig, stats, server) = memory_rig();
+    let client = rig.client(server.local_addr(), &stats);
+    let request = make_request(1, Dtype::F32);
+    assert_reply(
+        &request,
+        &call(&client, request.clone(), Duration::from_secs(5)).expect("reply"),
+    );
+
+    rig.network.blackhole(server.local_addr());
+    let (tx, rx) = mpsc::channel();
+    client
+        .send(
+            make_request(2, Dtype::F32),
+            Box::new(move |result| {
+                let _ = tx.send(result);
+            }),
+        )
+        .expect("queued");
+    assert!(
+        rx.recv_timeout(Duration::from_millis(500)).is_err(),
+        "a blackholed node answered"
+    );
+    let closed = Instant::now();
+    client.close();
+    let result = rx
+        .recv_timeout(Duration::from_secs(1))
+        .expect("close fails it");
+    assert!(matches!(result, Err(PeerError::LinkDown(_))), "{result:?}");
+    assert!(closed.elapsed() < Duration::from_millis(500));
+    assert!(
+        rx.recv_timeout(Duration::from_millis(100)).is_err(),
+        "called twice"
+    );
+}
+
+#[test]
+fn cut_fails_every_outstanding_request_exactly_once() {
+    let rig = Rig::new(Kind::Memory);
+    let stats = Arc::new(PeerStats::default());
+    let inner = double_plus_expert();
+    let slow: Handler = Arc::new(move |request| {
+        std::thread::sleep(Duration::from_millis(20));
+        inner(request)
+    });
+    let server = rig.server(&stats, slow);
+    let client = rig.client(server.local_addr(), &stats);
+    let calls: Arc<Mutex<HashMap<u64, usize>>> = Arc::default();
+    let outcomes = Arc::new(AtomicU64::new(0));
+    for seed in 0..200u64 {
+        let (calls, outcomes) = (calls.clone(), outcomes.clone());
+        let request = make_request(seed, Dtype::F32);
+        let expected = request.clone();
+        client
+            .send(
+                request,
+                Box::new(move |result| {
+                    match result {
+                        Ok(reply) => assert_reply(&expected, &reply),
+                        Err(PeerError::LinkDown(_)) => {}
+                        Err(other) => panic!("unexpected {other}"),
+                    }
+                    *calls.lock().expect("lock").entry(seed).or_default() += 1;
+                    outcomes.fetch_add(1, Ordering::SeqCst);
+                }),
+            )
+            .expect("queued");
+        if seed == 100 {
+            std::thread::sleep(Duration::from_millis(30));
+            rig.network.cut(addr(CLIENT_NODE), server.local_addr());
+        }
+    }
+    wait_for("every completion", Duration::from_secs(10), || {
+        outcomes.load(Ordering::SeqCst) == 200
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    let calls = calls.lock().expect("lock");
+    assert_eq!(calls.len(), 200);
+    assert!(
+        calls.values().all(|&count| count == 1),
+        "a completion was called twice"
+    );
+}
+
+#[test]
+fn full_queue_is_overloaded_at_once_and_close_fails_the_rest() {
+    let (rig, stats, server) = memory_rig();
+    let config = PeerConfig {
+        queue_capacity: 2,
+        ..PeerConfig::default()
+    };
+    let client = PeerClient::with_config(
+        rig.client_transport(),
+        rig.runtime.handle().clone(),
+        server.local_addr(),
+        Arc::new(auth("client", b"cluster secret", 7)),
+        stats.clone(),
+        config,
+    );
+    let request = make_request(1, Dtype::F32);
+    assert_reply(
+        &request,
+        &call(&client, request.clone(), Duration::from_secs(5)).expect("reply"),
+    );
+    rig.network.blackhole(server.local_addr());
+    // 1 MiB requests fill the held pipes, then the queue.
+    let big = ExpertRequest {
+        layer: 0,
+        placement_version: 0,
+        width: 1024,
+        dtype: Dtype::F32,
+        groups: vec![(0, 256)],
+        rows: vec![1.0; 256 * 1024],
+    };
+    let (tx, rx) = mpsc::channel();
+    let mut queued = 0;
+    let mut overloaded = false;
+    for _ in 0..64 {
+        let tx = tx.clone();
+        let start = Instant::now();
+        match client.send(
+            big.clone(),
+            Box::new(move |result| {
+                let _ = tx.send(result);
+            }),
+        ) {
+            Ok(()) => queued += 1,
+            Err(PeerError::Overloaded) => {
+                assert!(start.elapsed() < Duration::from_millis(100), "send blocked");
+                overloaded = true;
+                break;
+            }
+            Err(other) => panic!("unexpected {other}"),
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert!(overloaded, "the queue never filled");
+    client.close();
+    for _ in 0..queued {
+        let result = rx
+            .recv_timeout(Duration::from_secs(2))
+            .expect("every queued request fails");
+        assert!(matches!(result, Err(PeerError::LinkDown(_))), "{result:?}");
+    }
+}
+
+#[test]
+fn inconsistent_or_oversized_requests_are_refused_locally() {
+    let (rig, stats, server) = memory_rig();
+    let config = PeerConfig {
+        limits: wire::WireLimits {
+            max_payload: 1 << 10,
+            ..wire::WireLimits::default()
+        },
+        ..PeerConfig::default()
+    };
+    let client = PeerClient::with_config(
+        rig.client_transport(),
+        rig.runtime.handle().clone(),
+        server.local_addr(),
+        Arc::new(auth("client", b"cluster secret", 7)),
+        stats.clone(),
+        config,
+    );
+    let mut short = make_request(1, Dtype::F32);
+    short.rows.pop();
+    let refused = client.send(short, Box::new(|_| panic!("never called")));
+    assert!(
+        matches!(refused, Err(PeerError::BadRequest(_))),
+        "{refused:?}"
+    );
+    let big = ExpertRequest {
+        groups: vec![(0, 64)],
+        rows: vec![0.0; 64 * 8],
+        width: 8,
+        ..make_request(2, Dtype::F32)
+    };
+    let refused = client.send(big, Box::new(|_| panic!("never called")));
+    assert!(
+        matches!(refused, Err(PeerError::BadRequest(_))),
+        "{refused:?}"
+    );
+    let request = make_request(3, Dtype::F32);
+    assert_reply(
+        &request,
+        &call(&client, request.clone(), Duration::from_secs(5)).expect("reply"),
+    );
+}
