@@ -1,2 +1,27 @@
 //! The cluster: membership (SWIM gossip through foca, on its own thread) and what members
 //! tell each other about themselves.
+//!
+//! - [`membership`]: the handle and the thread that drives foca over UDP.
+//! - [`keyring`]: AES-256-GCM sealing of every gossip datagram.
+//! - [`identity`]: a member's identity on the wire ([`MemberMeta`] plus a generation).
+//! - [`table`]: the member table (Alive/Suspect/Dead bookkeeping), plain data.
+//! - [`screen`]: refusal of members serving another model, and log rate limiting.
+//! - [`sim`]: a deterministic in-memory simulation of a cluster (virtual clock, lossy links),
+//!   for tests and the detection-time bench.
+
+pub mod identity;
+pub mod keyring;
+pub mod membership;
+pub mod screen;
+pub mod sim;
+pub mod table;
+
+#[cfg(test)]
+mod loopback_tests;
+
+pub use identity::{MemberMeta, NodeIdentity};
+pub use membership::{
+    DEFAULT_PROBE_PERIOD, DEFAULT_SUSPICION_TIMEOUT, Membership, MembershipConfig, MembershipError,
+    MembershipStats, TransitionCounters, foca_config,
+};
+pub use table::{MemberState, MemberView};

@@ -1,0 +1,157 @@
+//! Who a member is on the wire: its metadata, its gossip address and a generation.
+
+use std::net::SocketAddr;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use rand::RngCore;
+
+/// Longest node id a member may carry (it travels in every packet).
+pub const MAX_NODE_ID_BYTES: usize = 64;
+
+/// What a member says about itself (carried in its foca identity; small: it is in every
+/// packet).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct MemberMeta {
+    /// Node id, at most [`MAX_NODE_ID_BYTES`] bytes.
+    pub node: String,
+    /// Data-plane (peer transport) TCP address.
+    pub peer: SocketAddr,
+    /// HTTP API address.
+    pub api: SocketAddr,
+    /// Device slots this node serves.
+    pub devices: u32,
+    /// Fingerprint of the checkpoint: members with another fingerprint are refused.
+    pub model: u64,
+    /// The placement version this node serves.
+    pub placement_version: u64,
+}
+
+/// A member's foca identity. Two identities with the same gossip address are the same
+/// member; the higher `generation` wins (a restart, a renewal after being declared down,
+/// or a metadata change), so a node that comes back replaces its old self everywhere.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct NodeIdentity {
+    /// What the member says about itself.
+    pub meta: MemberMeta,
+    /// The UDP address it gossips on (foca's `Identity::Addr`).
+    pub gossip: SocketAddr,
+    /// Grows on every restart (microseconds since the epoch at start) and every renewal.
+    pub generation: u64,
+}
+
+impl NodeIdentity {
+    /// A fresh identity for a process starting now: its generation is the wall clock in
+    /// microseconds, so a restart after a crash outranks the identity it had before.
+    pub fn starting_now(meta: MemberMeta, gossip: SocketAddr) -> NodeIdentity {
+        let micros = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|since| u64::try_from(since.as_micros()).unwrap_or(u64::MAX))
+            .unwrap_or(1);
+        NodeIdentity {
+            meta,
+            gossip,
+            generation: micros,
+        }
+    }
+
+    /// The same member with new metadata; the generation grows so the new identity wins.
+    pub fn with_meta(&self, meta: MemberMeta) -> NodeIdentity {
+        NodeIdentity {
+            meta,
+            gossip: self.gossip,
+            generation: self.generation.saturating_add(1),
+        }
+    }
+
+    /// The identity used to announce to a seed we only know by address. Foca accepts an
+    /// announce addressed to any identity with the receiver's address.
+    pub fn seed(gossip: SocketAddr, model: u64) -> NodeIdentity {
+        NodeIdentity {
+            meta: MemberMeta {
+                node: String::new(),
+                peer: gossip,
+                api: gossip,
+                devices: 0,
+                model,
+                placement_version: 0,
+            },
+            gossip,
+            generation: 0,
+        }
+    }
+}
+
+impl foca::Identity for NodeIdentity {
+    type Addr = SocketAddr;
+
+    /// Declared down while still running: come back as the next generation.
+    fn renew(&self) -> Option<Self> {
+        let renewed = NodeIdentity {
+            generation: self.generation.checked_add(1)?,
+            ..self.clone()
+        };
+        Some(renewed)
+    }
+
+    fn addr(&self) -> SocketAddr {
+        self.gossip
+    }
+
+    fn win_addr_conflict(&self, adversary: &Self) -> bool {
+        self.generation > adversary.generation
+    }
+}
+
+/// Adapts a rand 0.9 generator to the rand 0.10 traits foca 2 draws from.
+pub struct FocaRng<R>(pub R);
+
+impl<R: RngCore> rand_core_010::TryRng for FocaRng<R> {
+    type Error = std::convert::Infallible;
+
+    fn try_next_u32(&mut self) -> Result<u32, Self::Error> {
+        Ok(self.0.next_u32())
+    }
+
+    fn try_next_u64(&mut self) -> Result<u64, Self::Error> {
+        Ok(self.0.next_u64())
+    }
+
+    fn try_fill_bytes(&mut self, dst: &mut [u8]) -> Result<(), Self::Error> {
+        self.0.fill_bytes(dst);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use foca::Identity;
+
+    fn meta() -> MemberMeta {
+        MemberMeta {
+            node: "a".into(),
+            peer: "127.0.0.1:1".parse().expect("addr"),
+            api: "127.0.0.1:2".parse().expect("addr"),
+            devices: 1,
+            model: 9,
+            placement_version: 0,
+        }
+    }
+
+    #[test]
+    fn newer_generations_win_conflicts() {
+        let gossip = "127.0.0.1:3".parse().expect("addr");
+        let old = NodeIdentity::starting_now(meta(), gossip);
+        let renewed = old.renew().expect("renews");
+        let changed = old.with_meta(MemberMeta {
+            placement_version: 4,
+            ..meta()
+        });
+        assert!(renewed.win_addr_conflict(&old));
+        assert!(!old.win_addr_conflict(&renewed));
+        assert!(changed.win_addr_conflict(&old));
+        assert_eq!(renewed.addr(), old.addr());
+        let restarted = NodeIdentity::starting_now(meta(), gossip);
+        assert!(restarted.generation >= old.generation);
+    }
+}

@@ -1,0 +1,308 @@
+//! Membership over real UDP sockets on 127.0.0.1 with short periods (200 ms probe, 600 ms
+//! suspicion), each test on its own ports.
+
+use std::net::{SocketAddr, UdpSocket};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use super::{MemberMeta, MemberState, Membership, MembershipConfig};
+
+const PROBE: Duration = Duration::from_millis(200);
+const SUSPICION: Duration = Duration::from_millis(600);
+const MODEL: u64 = 0xfeed;
+/// Room for a loaded test machine (two cores shared with compilers) on top of what the
+/// protocol promises.
+const SLACK: Duration = Duration::from_secs(2);
+
+fn config(
+    node: &str,
+    bind: SocketAddr,
+    seeds: &[SocketAddr],
+    key: &str,
+    model: u64,
+) -> MembershipConfig {
+    MembershipConfig {
+        bind,
+        seeds: seeds.to_vec(),
+        keys: vec![key.to_string()],
+        probe_period: PROBE,
+        suspicion_timeout: SUSPICION,
+        meta: MemberMeta {
+            node: node.to_string(),
+            peer: "127.0.0.1:7000".parse().expect("addr"),
+            api: "127.0.0.1:8000".parse().expect("addr"),
+            devices: 2,
+            model,
+            placement_version: 1,
+        },
+    }
+}
+
+fn any_port() -> SocketAddr {
+    "127.0.0.1:0".parse().expect("addr")
+}
+
+fn start(node: &str, seeds: &[SocketAddr]) -> Membership {
+    Membership::start(config(node, any_port(), seeds, "secret", MODEL)).expect("starts")
+}
+
+/// Polls `condition` every 20 ms until it holds or `limit` passes; returns the wait.
+fn wait_for(limit: Duration, mut condition: impl FnMut() -> bool) -> Option<Duration> {
+    let start = Instant::now();
+    loop {
+        if condition() {
+            return Some(start.elapsed());
+        }
+        if start.elapsed() > limit {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn state_of(observer: &Membership, node: &str) -> Option<MemberState> {
+    observer
+        .members()
+        .into_iter()
+        .find(|view| view.meta.node == node && !view.is_self)
+        .map(|view| view.state)
+}
+
+fn all_alive(members: &[&Membership], count: usize) -> bool {
+    members.iter().all(|membership| {
+        let views = membership.members();
+        views.len() == count && views.iter().all(|view| view.state == MemberState::Alive)
+    })
+}
+
+fn three() -> (Membership, Membership, Membership) {
+    let a = start("a", &[]);
+    let b = start("b", &[a.local_addr()]);
+    let c = start("c", &[a.local_addr()]);
+    let joined = wait_for(Duration::from_secs(5) + SLACK, || {
+        all_alive(&[&a, &b, &c], 3)
+    });
+    assert!(
+        joined.is_some(),
+        "three members did not see each other: {:?}",
+        a.members()
+    );
+    (a, b, c)
+}
+
+#[test]
+fn three_members_join_through_one_seed_and_all_see_three_alive() {
+    let (a, b, c) = three();
+    for membership in [&a, &b, &c] {
+        let views = membership.members();
+        assert_eq!(views.iter().filter(|view| view.is_self).count(), 1);
+        assert!(views[0].is_self);
+        let mut nodes: Vec<_> = views.iter().map(|view| view.meta.node.clone()).collect();
+        nodes.sort();
+        assert_eq!(nodes, ["a", "b", "c"]);
+        assert!(membership.stats().transitions.alive.load(Ordering::Relaxed) >= 2);
+        assert_eq!(
+            membership.stats().packets_rejected.load(Ordering::Relaxed),
+            0
+        );
+    }
+    let view_of_b = a.members().into_iter().find(|view| view.meta.node == "b");
+    assert_eq!(view_of_b.map(|view| view.gossip), Some(b.local_addr()));
+}
+
+#[test]
+fn a_member_that_leaves_is_dead_at_once() {
+    let (a, b, c) = three();
+    b.leave();
+    let took = wait_for(PROBE * 2 + SLACK, || {
+        state_of(&a, "b") == Some(MemberState::Dead) && state_of(&c, "b") == Some(MemberState::Dead)
+    });
+    assert!(took.is_some(), "after leave: {:?}", a.members());
+    assert!(took.is_some_and(|took| took < SUSPICION + SLACK));
+    assert_eq!(state_of(&a, "c"), Some(MemberState::Alive));
+}
+
+#[test]
+fn a_crashed_member_is_dead_within_three_probes_and_the_suspicion_timeout() {
+    let (a, b, c) = three();
+    let mut changes = a.changes();
+    changes.mark_unchanged();
+    c.halt();
+    let bound = PROBE * 3 + SUSPICION;
+    let took = wait_for(bound + SLACK, || {
+        state_of(&a, "c") == Some(MemberState::Dead) && state_of(&b, "c") == Some(MemberState::Dead)
+    });
+    assert!(took.is_some(), "crashed member not dead: {:?}", a.members());
+    eprintln!("crash detected in {took:?} (protocol bound {bound:?})");
+    assert!(changes.has_changed().unwrap_or(false), "watchers were told");
+    assert!(a.stats().transitions.dead.load(Ordering::Relaxed) >= 1);
+    assert_eq!(state_of(&a, "b"), Some(MemberState::Alive));
+}
+
+#[test]
+fn a_restarted_member_comes_back_alive_with_a_newer_identity() {
+    let (a, b, c) = three();
+    let address = c.local_addr();
+    let before = a
+        .members()
+        .into_iter()
+        .find(|view| view.meta.node == "c")
+        .map(|view| view.generation)
+        .expect("c known");
+    c.halt();
+    let dead = wait_for(PROBE * 3 + SUSPICION + SLACK, || {
+        state_of(&a, "c") == Some(MemberState::Dead) && state_of(&b, "c") == Some(MemberState::Dead)
+    });
+    assert!(dead.is_some());
+    let restarted = Membership::start(config("c", address, &[a.local_addr()], "secret", MODEL))
+        .expect("rebinds");
+    assert_eq!(restarted.local_addr(), address);
+    let back = wait_for(Duration::from_secs(3) + SLACK, || {
+        all_alive(&[&a, &b, &restarted], 3)
+    });
+    assert!(
+        back.is_some(),
+        "restart not alive everywhere: {:?}",
+        a.members()
+    );
+    for observer in [&a, &b] {
+        let view = observer
+            .members()
+            .into_iter()
+            .find(|view| view.meta.node == "c")
+            .expect("c known");
+        assert!(view.generation > before, "newer identity wins");
+        assert_eq!(view.gossip, address);
+    }
+}
+
+#[test]
+fn a_member_with_the_wrong_secret_never_appears() {
+    let a = start("a", &[]);
+    let b = start("b", &[a.local_addr()]);
+    let intruder = Membership::start(config(
+        "intruder",
+        any_port(),
+        &[a.local_addr()],
+        "guess",
+        MODEL,
+    ))
+    .expect("starts");
+    assert!(wait_for(Duration::from_secs(3) + SLACK, || all_alive(&[&a, &b], 2)).is_some());
+    std::thread::sleep(PROBE * 5);
+    for membership in [&a, &b] {
+        assert!(
+            state_of(membership, "intruder").is_none(),
+            "{:?}",
+            membership.members()
+        );
+    }
+    assert_eq!(intruder.members().len(), 1, "the intruder stays alone");
+    assert!(a.stats().packets_rejected.load(Ordering::Relaxed) > 0);
+}
+
+#[test]
+fn a_member_serving_another_model_is_refused() {
+    let a = start("a", &[]);
+    let b = start("b", &[a.local_addr()]);
+    let other = Membership::start(config(
+        "other",
+        any_port(),
+        &[a.local_addr()],
+        "secret",
+        0xbad,
+    ))
+    .expect("starts");
+    assert!(wait_for(Duration::from_secs(3) + SLACK, || all_alive(&[&a, &b], 2)).is_some());
+    std::thread::sleep(PROBE * 5);
+    for membership in [&a, &b] {
+        assert!(
+            state_of(membership, "other").is_none(),
+            "{:?}",
+            membership.members()
+        );
+    }
+    assert!(a.stats().members_refused.load(Ordering::Relaxed) > 0);
+    assert_eq!(a.stats().packets_rejected.load(Ordering::Relaxed), 0);
+    // Its announces are dropped unanswered: it stays alone.
+    assert_eq!(other.members().len(), 1);
+}
+
+#[test]
+fn garbage_datagrams_are_rejected_and_membership_holds() {
+    let a = start("a", &[]);
+    let b = start("b", &[a.local_addr()]);
+    assert!(wait_for(Duration::from_secs(3) + SLACK, || all_alive(&[&a, &b], 2)).is_some());
+    let sender = UdpSocket::bind(any_port()).expect("binds");
+    let oversized = vec![0x5au8; 4000];
+    let mut sent = 0u64;
+    for datagram in [
+        &b""[..],
+        &b"x"[..],
+        &[0u8; 27][..],
+        &[0xffu8; 28][..],
+        &[7u8; 1400][..],
+        &oversized[..],
+    ] {
+        sender.send_to(datagram, a.local_addr()).expect("sends");
+        sent += 1;
+    }
+    let rejected = wait_for(Duration::from_secs(2), || {
+        a.stats().packets_rejected.load(Ordering::Relaxed) >= sent
+    });
+    assert!(
+        rejected.is_some(),
+        "rejected {}",
+        a.stats().packets_rejected.load(Ordering::Relaxed)
+    );
+    std::thread::sleep(PROBE * 5);
+    assert!(all_alive(&[&a, &b], 2));
+}
+
+#[test]
+fn a_new_placement_version_reaches_every_member_without_a_death() {
+    let (a, b, c) = three();
+    let mut changes = b.changes();
+    changes.mark_unchanged();
+    a.set_placement_version(42);
+    let seen = wait_for(Duration::from_secs(2) + SLACK, || {
+        [&b, &c].iter().all(|observer| {
+            observer
+                .members()
+                .iter()
+                .any(|view| view.meta.node == "a" && view.meta.placement_version == 42)
+        })
+    });
+    assert!(seen.is_some(), "{:?}", b.members());
+    assert_eq!(a.members()[0].meta.placement_version, 42);
+    assert!(changes.has_changed().unwrap_or(false));
+    std::thread::sleep(PROBE * 5);
+    assert!(all_alive(&[&a, &b, &c], 3));
+    for membership in [&a, &b, &c] {
+        assert_eq!(
+            membership.stats().transitions.dead.load(Ordering::Relaxed),
+            0
+        );
+    }
+}
+
+#[test]
+fn bad_configs_are_refused_before_binding() {
+    let mut no_key = config("a", any_port(), &[], "k", MODEL);
+    no_key.keys.clear();
+    assert!(matches!(
+        Membership::start(no_key),
+        Err(super::MembershipError::NoKey)
+    ));
+    let long = config(&"n".repeat(65), any_port(), &[], "k", MODEL);
+    assert!(matches!(
+        Membership::start(long),
+        Err(super::MembershipError::NodeIdTooLong { len: 65 })
+    ));
+    let taken = start("a", &[]);
+    let clash = config("b", taken.local_addr(), &[], "k", MODEL);
+    assert!(matches!(
+        Membership::start(clash),
+        Err(super::MembershipError::Bind { .. })
+    ));
+}
