@@ -38,7 +38,8 @@ fn measure(members: usize, trials: usize, quiet: Duration) -> Row {
         if !simulation.run_until_converged(Duration::from_secs(300)) {
             eprintln!("{members} members, seed {seed}: did not converge");
         }
-        simulation.run_for(Duration::from_secs(10));
+        // Crash at a moment unrelated to the probe cycles.
+        simulation.run_for(Duration::from_millis(10_000 + seed * 7_919 % 1_000));
         let target = 1 + (seed as usize * 7919) % (members - 1);
         let crashed_at = simulation.now();
         simulation.crash(target);

@@ -86,6 +86,8 @@ type SimFoca = Foca<NodeIdentity, PostcardCodec, FocaRng<ChaCha8Rng>, NoCustomBr
 struct SimNode {
     foca: SimFoca,
     up: bool,
+    /// When it next announces to the seed if it still knows nobody.
+    next_announce: Duration,
 }
 
 /// A simulated cluster.
@@ -137,10 +139,17 @@ impl Simulation {
             nodes.push(SimNode {
                 foca: Foca::new(identity, foca_config.clone(), FocaRng(rng), PostcardCodec),
                 up: true,
+                next_announce: Duration::ZERO,
             });
             by_addr.insert(gossip, index);
         }
-        let rng = ChaCha8Rng::seed_from_u64(config.seed);
+        let mut rng = ChaCha8Rng::seed_from_u64(config.seed);
+        // Members start at random moments within the first probe period, so their probe
+        // cycles are out of phase as in a real cluster.
+        let period_nanos = u64::try_from(config.probe_period.as_nanos()).unwrap_or(u64::MAX);
+        for node in nodes.iter_mut().skip(1) {
+            node.next_announce = Duration::from_nanos(rng.random_range(0..period_nanos.max(1)));
+        }
         let mut simulation = Simulation {
             config,
             now: Duration::ZERO,
@@ -309,14 +318,17 @@ impl Simulation {
         self.now = end;
     }
 
+    /// Members that know nobody announce to the seed once per probe period (checked every
+    /// 1/20 period).
     fn announce_lonely(&mut self) {
-        self.next_announce = self.now + self.config.probe_period;
+        self.next_announce = self.now + self.config.probe_period / 20;
         let Some(seed) = self.nodes.first().map(|node| node.foca.identity().clone()) else {
             return;
         };
         for index in 1..self.nodes.len() {
             let node = &mut self.nodes[index];
-            if node.up && node.foca.num_members() == 0 {
+            if node.up && node.next_announce <= self.now && node.foca.num_members() == 0 {
+                node.next_announce = self.now + self.config.probe_period;
                 let _ = node.foca.announce(seed.clone(), &mut self.runtime);
                 self.drain(index);
             }
