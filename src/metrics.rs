@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
@@ -23,6 +24,7 @@ pub struct NodeMetrics {
     pub request_latency: Histogram,
     pub prompt_tokens: Counter,
     pub generation_tokens: Counter,
+    peer_latency: Family<Vec<(String, String)>, Histogram, fn() -> Histogram>,
 }
 
 impl NodeMetrics {
@@ -72,7 +74,16 @@ impl NodeMetrics {
             "Tokens generated",
             generation_tokens.clone(),
         );
+        // 50 µs .. ~3 s.
+        let peer_latency: Family<Vec<(String, String)>, Histogram, fn() -> Histogram> =
+            Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.00005, 2.0, 17)));
+        registry.register(
+            "peer_dispatch_latency_seconds",
+            "Round trip of expert work sent to another node, per peer",
+            peer_latency.clone(),
+        );
         NodeMetrics {
+            peer_latency,
             registry: Mutex::new(registry),
             requests_running,
             requests_waiting,
@@ -95,6 +106,18 @@ impl NodeMetrics {
     pub fn register_devices(&self, devices: DeviceStates) {
         self.registry()
             .register_collector(Box::new(DeviceCollector { devices }));
+    }
+
+    /// Adds series read at each scrape by `collector` (the cluster's).
+    pub fn register_collector(&self, collector: Box<dyn prometheus_client::collector::Collector>) {
+        self.registry().register_collector(collector);
+    }
+
+    /// One expert-work round trip to `peer` (a node id).
+    pub fn observe_peer_latency(&self, peer: &str, took: std::time::Duration) {
+        self.peer_latency
+            .get_or_create(&vec![("peer".to_string(), peer.to_string())])
+            .observe(took.as_secs_f64());
     }
 
     /// Content type of [`NodeMetrics::encode`]'s output.

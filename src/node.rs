@@ -2,23 +2,26 @@
 //! (devices, placement, dispatcher, router; in a cluster also the peer server and
 //! membership), and hands out typed handles to them.
 
+use std::net::SocketAddr;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use actix::Addr;
 
 use crate::actors::device::{
     DeviceHandle, DeviceTarget, GpuOptions, Shutdown, device_targets, start_device,
 };
-use crate::actors::dispatch::{DispatchTiming, Dispatcher};
+use crate::actors::dispatch::{DispatchTiming, Dispatcher, Target};
 use crate::actors::router::RouterActor;
+use crate::cluster::joined::{ClusterError, Joined, join};
+use crate::cluster::metrics::ClusterCollector;
 use crate::compute::cuda::{self, CudaError};
 use crate::config::NodeConfig;
 use crate::engine::batch::BatchLimits;
 use crate::engine::{Engine, generate::PREFILL_CHUNK};
 use crate::metrics::{DeviceState, NodeMetrics};
 use crate::model::{Checkpoint, DenseWeights, ModelConfig, ModelError};
-use crate::placement::{ExpertLoad, Placement, PlacementError};
+use crate::placement::{ExpertLoad, Placement, PlacementError, PlacementSpec};
 
 #[derive(Debug, thiserror::Error)]
 pub enum NodeError {
@@ -30,6 +33,8 @@ pub enum NodeError {
     Cuda(#[from] CudaError),
     #[error("device {device} does not exist (the node has {devices})")]
     NoSuchDevice { device: usize, devices: usize },
+    #[error(transparent)]
+    Cluster(#[from] ClusterError),
 }
 
 impl From<cuda::load::LoadError> for NodeError {
@@ -48,15 +53,23 @@ pub struct Node {
     pub devices: Vec<DeviceHandle>,
     pub experts: Arc<Dispatcher>,
     pub load: Arc<ExpertLoad>,
+    /// This node's part in a cluster; `None` when it serves alone.
+    pub cluster: Option<Joined>,
 }
 
 impl Node {
     /// Loads the model in `model_dir`: dense weights for the router, each device's experts on
-    /// that device's thread. Must be called inside an actix system; blocks while loading.
+    /// that device's thread. In a cluster, joins it first (gossip, peer server) and loads
+    /// only the experts the cluster's placement gives this node. `api` is the HTTP address
+    /// other nodes reach this one at; `publish_spec` receives the placement spec as soon as it
+    /// is known. Must be called inside an actix system; blocks while
+    /// loading.
     pub fn start(
         model_dir: &Path,
         config: &NodeConfig,
         metrics: Arc<NodeMetrics>,
+        api: SocketAddr,
+        publish_spec: &OnceLock<PlacementSpec>,
     ) -> Result<Node, NodeError> {
         let model = Arc::new(ModelConfig::load(model_dir)?);
         let gpu_options = GpuOptions {
@@ -72,14 +85,36 @@ impl Node {
             Some(DeviceTarget::Gpu(info, _)) if config.devices.dense_on_gpu => Some(info.clone()),
             _ => None,
         };
-        let placement = Arc::new(Placement::single_node(
-            &model.moe_layers,
-            model.moe.num_experts,
-            num_devices,
-            config.devices.replication,
-        )?);
         // Opened once: the devices and the router read their tensors from the same map.
         let checkpoint = Arc::new(Checkpoint::open(model_dir)?);
+        let (cluster, placement) = if config.cluster.enabled() {
+            let (joined, spec) = join(
+                &config.cluster,
+                checkpoint.fingerprint(),
+                num_devices,
+                model.hidden_size,
+                api,
+                config.server.api_keys.first().cloned(),
+            )?;
+            let _ = publish_spec.set(spec.clone());
+            let placement = Placement::balanced(&model.moe_layers, model.moe.num_experts, spec)?;
+            (Some(joined), placement)
+        } else {
+            let placement = Placement::single_node(
+                &model.moe_layers,
+                model.moe.num_experts,
+                num_devices,
+                config.devices.replication,
+            )?;
+            (None, placement)
+        };
+        let placement = Arc::new(placement);
+        // A node the placement does not name (it joined later) holds no experts; it still
+        // serves requests, with every expert on other nodes.
+        let local_node = match &cluster {
+            Some(joined) => placement.node_index(&joined.node_id).unwrap_or(u16::MAX),
+            None => 0,
+        };
         let devices = targets
             .into_iter()
             .enumerate()
@@ -89,7 +124,7 @@ impl Node {
                     target,
                     checkpoint.clone(),
                     model.clone(),
-                    placement.experts_on(0, id as u16),
+                    placement.experts_on(local_node, id as u16),
                 )
             })
             .collect::<Result<Vec<_>, _>>()?;
@@ -99,14 +134,28 @@ impl Node {
             num_devices,
         ));
         metrics.register_expert_load(load.clone(), config.metrics.per_expert);
-        let experts = Arc::new(Dispatcher::new(
+        let timing = DispatchTiming::from_config(&config.cluster);
+        let mut dispatcher = Dispatcher::new(
             devices.clone(),
             placement.clone(),
-            0,
+            local_node,
             load.clone(),
             model.hidden_size,
-            DispatchTiming::default(),
-        ));
+            timing,
+        );
+        if let Some(joined) = &cluster {
+            dispatcher = dispatcher.with_remote(joined.peers.clone());
+            let observed = metrics.clone();
+            let names = placement.nodes().to_vec();
+            dispatcher = dispatcher.observe_latency(move |target, took| {
+                if let Target::Node(n) = target
+                    && let Some(slots) = names.get(n as usize)
+                {
+                    observed.observe_peer_latency(&slots.node, took);
+                }
+            });
+        }
+        let experts = Arc::new(dispatcher);
         metrics.register_devices({
             let (experts, devices) = (experts.clone(), devices.clone());
             Box::new(move || {
@@ -139,12 +188,21 @@ impl Node {
             max_waiting: config.batching.max_waiting,
             prefill_chunk: PREFILL_CHUNK,
         };
+        if let Some(joined) = &cluster {
+            joined.serve(experts.clone(), placement.version());
+            metrics.register_collector(Box::new(ClusterCollector::new(
+                joined.stats.clone(),
+                joined.membership.clone(),
+                experts.clone(),
+            )));
+        }
         Ok(Node {
             model,
             router: RouterActor::new(engine, limits, metrics).start_on_own_thread(),
             devices,
             experts,
             load,
+            cluster,
         })
     }
 

@@ -90,7 +90,7 @@ async fn run(config: NodeConfig) -> Result<(), ServeError> {
         .spawn(move || {
             // The device and router actors start arbiters, which need the system.
             actix_web::rt::System::set_current(system);
-            let _ = loaded_tx.send(load(&loader_state));
+            let _ = loaded_tx.send(load(&loader_state, local));
         })
         .map_err(ServeError::Http)?;
     actix_web::rt::spawn(drain_on_signal(state.clone(), handle.clone(), drain));
@@ -111,7 +111,7 @@ async fn run(config: NodeConfig) -> Result<(), ServeError> {
 }
 
 /// Loads the model, starts the actors, warms up, and puts the model in service.
-fn load(state: &AppState) -> Result<(), ServeError> {
+fn load(state: &AppState, api: std::net::SocketAddr) -> Result<(), ServeError> {
     let started = Instant::now();
     let config = &state.config;
     let dir = match config.model_path() {
@@ -120,7 +120,13 @@ fn load(state: &AppState) -> Result<(), ServeError> {
     };
     let tokenizer = Tokenizer::load_optional(&dir)?;
     let chat_template = ChatTemplate::load_optional(&dir)?;
-    let node = Node::start(&dir, config, state.metrics.clone())?;
+    let node = Node::start(
+        &dir,
+        config,
+        state.metrics.clone(),
+        api,
+        &state.placement_spec,
+    )?;
     tracing::info!(
         model = %dir.display(),
         model_type = %node.model.model_type,
@@ -129,7 +135,21 @@ fn load(state: &AppState) -> Result<(), ServeError> {
         seconds = started.elapsed().as_secs_f32(),
         "model loaded"
     );
-    warm_up(&node)?;
+    // In a cluster the warm-up needs other nodes' experts, which they may still be loading:
+    // it is tried again until they answer.
+    let patience = if config.cluster.enabled() {
+        Duration::from_secs(config.cluster.join_timeout_seconds)
+    } else {
+        Duration::ZERO
+    };
+    let warming = Instant::now();
+    while let Err(e) = warm_up(&node) {
+        if warming.elapsed() >= patience {
+            return Err(e);
+        }
+        tracing::info!(error = %e, "warm-up waits for other nodes");
+        std::thread::sleep(Duration::from_millis(500));
+    }
     let name = if config.model.served_name.is_empty() {
         dir.file_name()
             .map(|n| n.to_string_lossy().into_owned())

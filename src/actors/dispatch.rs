@@ -112,6 +112,19 @@ pub struct DispatchTiming {
     pub wait_for: Duration,
 }
 
+impl DispatchTiming {
+    /// The cluster's settings (a node alone uses them too, for its own devices).
+    pub fn from_config(cluster: &crate::config::ClusterConfig) -> Self {
+        DispatchTiming {
+            hedge_floor: Duration::from_millis(cluster.hedge_after_ms),
+            give_up: Duration::from_millis(cluster.request_timeout_ms),
+            on_unavailable: cluster.on_expert_unavailable,
+            wait_for: Duration::from_millis(cluster.unavailable_wait_ms),
+            ..DispatchTiming::default()
+        }
+    }
+}
+
 impl Default for DispatchTiming {
     fn default() -> Self {
         DispatchTiming {
@@ -357,7 +370,9 @@ impl Dispatcher {
                 pending.clear();
                 if !unplaced.is_empty() {
                     let since = *waiting_since.get_or_insert(now);
-                    let may_wait = self.timing.on_unavailable == OnUnavailable::Wait
+                    // Work from another node is never held: its sender has other replicas.
+                    let may_wait = !local_only
+                        && self.timing.on_unavailable == OnUnavailable::Wait
                         && now.duration_since(since) < self.timing.wait_for;
                     if !may_wait {
                         let mut missing: Vec<u32> = unplaced.iter().map(|&g| experts[g]).collect();

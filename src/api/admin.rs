@@ -85,3 +85,101 @@ pub async fn stop_device(
     tracing::warn!(device = id, "device stopped by an operator");
     Ok(HttpResponse::Ok().json(json!({"device": id, "stopped": true})))
 }
+
+/// `GET /admin/cluster`: every member this node knows (itself included) with its state,
+/// incarnation, addresses, when it was last heard from and the placement it serves.
+pub async fn cluster(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    let served = state.admitting()?;
+    let Some(joined) = &served.node.cluster else {
+        return Ok(HttpResponse::Ok().json(json!({"members": [], "cluster": false})));
+    };
+    let now = std::time::Instant::now();
+    let mut members: Vec<_> = joined
+        .membership
+        .members()
+        .into_iter()
+        .map(|m| {
+            json!({
+                "node": m.meta.node,
+                "state": m.state,
+                "incarnation": m.incarnation,
+                "generation": m.generation,
+                "api": m.meta.api.to_string(),
+                "peer": m.meta.peer.to_string(),
+                "gossip": m.gossip.to_string(),
+                "devices": m.meta.devices,
+                "last_heard_ms": now.saturating_duration_since(m.last_heard).as_millis() as u64,
+                "placement_version": m.meta.placement_version,
+                "self": m.is_self,
+            })
+        })
+        .collect();
+    members.sort_by(|a, b| a["node"].as_str().cmp(&b["node"].as_str()));
+    let targets: Vec<_> = served
+        .node
+        .experts
+        .targets()
+        .into_iter()
+        .map(|(target, health)| {
+            json!({
+                "target": format!("{target:?}"),
+                "reach": health.reach,
+                "latency_ms": health.latency_micros / 1000.0,
+                "outstanding_rows": health.outstanding_rows,
+            })
+        })
+        .collect();
+    Ok(HttpResponse::Ok().json(json!({
+        "node": joined.node_id,
+        "members": members,
+        "dispatch": targets,
+    })))
+}
+
+/// `GET /admin/placement`: the placement this node serves under: its spec (version,
+/// replication, nodes; what a joining node takes) and, per MoE layer and expert, the
+/// replicas as `{"node", "device"}`.
+pub async fn placement(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    let served = match state.admitting() {
+        Ok(served) => served,
+        // Still loading its share: the spec alone is what nodes starting with it need.
+        Err(e) => match state.placement_spec.get() {
+            Some(spec) => {
+                return Ok(HttpResponse::Ok().json(json!({
+                    "version": spec.version,
+                    "spec": spec,
+                    "layers": [],
+                    "loading": true,
+                })));
+            }
+            None => return Err(e),
+        },
+    };
+    let placement = served.node.experts.placement();
+    let nodes = placement.nodes();
+    let layers: Vec<_> = (0..placement.num_layers())
+        .filter(|&l| served.node.model.moe_layers[l])
+        .map(|layer| {
+            let experts: Vec<_> = (0..served.node.model.moe.num_experts as u32)
+                .map(|expert| {
+                    placement
+                        .replicas(layer, expert)
+                        .iter()
+                        .map(|r| {
+                            json!({
+                                "node": nodes.get(r.node as usize).map(|n| n.node.as_str()),
+                                "device": r.device,
+                            })
+                        })
+                        .collect::<Vec<_>>()
+                })
+                .collect();
+            json!({"layer": layer, "experts": experts})
+        })
+        .collect();
+    Ok(HttpResponse::Ok().json(json!({
+        "version": placement.version(),
+        "spec": placement.spec(),
+        "layers": layers,
+    })))
+}

@@ -50,6 +50,9 @@ pub struct AppState {
     served: OnceLock<ServedModel>,
     /// Generation responses admitted and not yet fully sent.
     in_flight: Arc<AtomicUsize>,
+    /// In a cluster, the placement this node serves under, known before the node is ready
+    /// (other nodes that start with it read it from `/admin/placement` to load their share).
+    pub placement_spec: Arc<OnceLock<crate::placement::PlacementSpec>>,
 }
 
 /// Counts one generation response as in flight until it is dropped (sent, failed, or its
@@ -70,6 +73,7 @@ impl AppState {
             phase: AtomicU8::new(Phase::Loading as u8),
             served: OnceLock::new(),
             in_flight: Arc::new(AtomicUsize::new(0)),
+            placement_spec: Arc::new(OnceLock::new()),
         }
     }
 
@@ -150,6 +154,8 @@ pub fn configure(state: web::Data<AppState>) -> impl FnOnce(&mut web::ServiceCon
                     .wrap(from_fn(require_api_key))
                     .route("/experts", web::get().to(admin::experts))
                     .route("/devices", web::get().to(admin::devices))
+                    .route("/cluster", web::get().to(admin::cluster))
+                    .route("/placement", web::get().to(admin::placement))
                     .route("/devices/{id}/stop", web::post().to(admin::stop_device)),
             )
             .default_service(web::to(not_found));

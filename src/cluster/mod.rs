@@ -8,10 +8,18 @@
 //! - [`screen`]: refusal of members serving another model, and log rate limiting.
 //! - [`sim`]: a deterministic in-memory simulation of a cluster (virtual clock, lossy links),
 //!   for tests and the detection-time bench.
+//! - [`bootstrap`]: how a starting node gets the placement it serves under.
+//! - [`joined`]: a node's part in a cluster (peer server, membership, peer clients).
+//! - [`peers`]: other nodes as the dispatcher reaches them; work from them run here.
+//! - [`metrics`]: the cluster's Prometheus series.
 
+pub mod bootstrap;
 pub mod identity;
+pub mod joined;
 pub mod keyring;
 pub mod membership;
+pub mod metrics;
+pub mod peers;
 pub mod screen;
 pub mod sim;
 pub mod table;

@@ -50,6 +50,9 @@ pub struct Penalties {
 pub struct TargetHealth {
     latency_micros: f64,
     samples: u64,
+    /// When the last answer came: a measurement older than [`STALE_AFTER`] is forgotten,
+    /// so a target that was slow once (and then got no work) is tried again.
+    last_answer: Option<Instant>,
     outstanding_rows: usize,
     /// What gossip says (always `Up` for local devices).
     gossip: Reach,
@@ -65,12 +68,15 @@ pub struct TargetHealth {
 const FIRST_LATENCY_MICROS: f64 = 500.0;
 /// Weight of a new sample in the average.
 const EWMA_WEIGHT: f64 = 0.2;
+/// How long a latency measurement counts without a new one.
+pub const STALE_AFTER: Duration = Duration::from_secs(5);
 
 impl Default for TargetHealth {
     fn default() -> Self {
         TargetHealth {
             latency_micros: FIRST_LATENCY_MICROS,
             samples: 0,
+            last_answer: None,
             outstanding_rows: 0,
             gossip: Reach::Up,
             down_until: None,
@@ -92,9 +98,16 @@ impl TargetHealth {
         } else {
             Reach::Up
         };
+        let stale = self
+            .last_answer
+            .is_none_or(|t| now.saturating_duration_since(t) > STALE_AFTER);
         ReplicaHealth {
             reach,
-            latency_micros: self.latency_micros,
+            latency_micros: if stale {
+                self.latency_micros.min(FIRST_LATENCY_MICROS)
+            } else {
+                self.latency_micros
+            },
             outstanding_rows: self.outstanding_rows,
         }
     }
@@ -113,6 +126,7 @@ impl TargetHealth {
     pub fn answered(&mut self, rows: usize, took: Option<Duration>) {
         self.outstanding_rows = self.outstanding_rows.saturating_sub(rows);
         if let Some(took) = took {
+            self.last_answer = Some(Instant::now());
             let micros = took.as_secs_f64() * 1e6;
             self.latency_micros = if self.samples == 0 {
                 micros
@@ -146,8 +160,12 @@ impl TargetHealth {
     /// at once.
     pub fn set_gossip(&mut self, reach: Reach) {
         if reach == Reach::Up && self.gossip != Reach::Up {
-            self.down_until = None;
-            self.slow_until = None;
+            // Back (a restart, a healed partition): what was measured before is history.
+            *self = TargetHealth {
+                gone: self.gone,
+                outstanding_rows: self.outstanding_rows,
+                ..TargetHealth::default()
+            };
         }
         self.gossip = reach;
     }
@@ -191,6 +209,24 @@ mod tests {
         h.gone();
         h.set_gossip(Reach::Up);
         assert_eq!(h.view(t0).reach, Reach::Down, "a gone device never returns");
+    }
+
+    #[test]
+    fn a_slow_measurement_is_forgotten_so_the_target_is_tried_again() {
+        let mut h = TargetHealth::default();
+        h.sent(1);
+        h.answered(1, Some(Duration::from_secs(1)));
+        let now = Instant::now();
+        assert!(h.view(now).latency_micros > 900_000.0);
+        assert_eq!(
+            h.view(now + STALE_AFTER + Duration::from_secs(1))
+                .latency_micros,
+            FIRST_LATENCY_MICROS
+        );
+        // Seen alive again after gossip doubted it: measured afresh.
+        h.set_gossip(Reach::Suspect);
+        h.set_gossip(Reach::Up);
+        assert_eq!(h.view(now).latency_micros, FIRST_LATENCY_MICROS);
     }
 
     #[test]

@@ -1,0 +1,213 @@
+//! How a starting node gets the placement it serves under. A node that joins a running
+//! cluster (or restarts into one) takes the placement the cluster serves, fetched from a
+//! member that announces one; at the first start of a cluster, the node with the lowest id
+//! places the experts over the live nodes once `expect_nodes` of them are there, and the
+//! others take it from that node. No hand-run coordinator.
+
+use std::time::{Duration, Instant};
+
+use super::{MemberState, MemberView, Membership};
+use crate::placement::{NodeSlots, PlacementSpec};
+
+/// What a starting node does next, decided from what gossip shows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// A member serves a placement: take it from that member (index into the members).
+    Fetch(usize),
+    /// This node is the lowest id among enough live nodes: it places the experts.
+    Create(PlacementSpec),
+    /// Not enough nodes yet.
+    Wait { alive: usize },
+}
+
+/// Decides for node `me` from `members` (itself included).
+pub fn decide(
+    members: &[MemberView],
+    me: &str,
+    expect_nodes: usize,
+    replication: usize,
+) -> Decision {
+    let alive: Vec<(usize, &MemberView)> = members
+        .iter()
+        .enumerate()
+        .filter(|(_, m)| m.state == MemberState::Alive)
+        .collect();
+    if let Some((i, _)) = alive
+        .iter()
+        .filter(|(_, m)| !m.is_self && m.meta.placement_version > 0)
+        .max_by_key(|(_, m)| m.meta.placement_version)
+    {
+        return Decision::Fetch(*i);
+    }
+    let mut nodes: Vec<NodeSlots> = alive
+        .iter()
+        .map(|(_, m)| NodeSlots {
+            node: m.meta.node.clone(),
+            devices: m.meta.devices as usize,
+        })
+        .collect();
+    nodes.sort_by(|a, b| a.node.cmp(&b.node));
+    nodes.dedup_by(|a, b| a.node == b.node);
+    if nodes.len() < expect_nodes {
+        return Decision::Wait { alive: nodes.len() };
+    }
+    if nodes.first().is_some_and(|n| n.node == me) {
+        Decision::Create(PlacementSpec {
+            version: 1,
+            replication,
+            nodes,
+        })
+    } else {
+        // The leader places; its placement shows up in its metadata.
+        Decision::Wait { alive: nodes.len() }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BootstrapError {
+    #[error(
+        "no placement after {seconds} s: {alive} of cluster.expect_nodes = {expect} nodes \
+         alive and none serving; check cluster.seeds, the secrets and that every node serves the same model"
+    )]
+    Timeout {
+        seconds: u64,
+        alive: usize,
+        expect: usize,
+    },
+}
+
+/// Waits until this node has a placement: fetched from a member that serves one, or made
+/// here when this node leads the first start.
+pub fn await_placement(
+    membership: &Membership,
+    me: &str,
+    expect_nodes: usize,
+    replication: usize,
+    timeout: Duration,
+    fetch: impl Fn(&MemberView) -> Result<PlacementSpec, String>,
+) -> Result<PlacementSpec, BootstrapError> {
+    let start = Instant::now();
+    let mut last_alive = usize::MAX;
+    loop {
+        let members = membership.members();
+        match decide(&members, me, expect_nodes, replication) {
+            Decision::Fetch(i) => match fetch(&members[i]) {
+                Ok(spec) => {
+                    tracing::info!(from = %members[i].meta.node, version = spec.version, "took the cluster's placement");
+                    return Ok(spec);
+                }
+                Err(e) => {
+                    tracing::warn!(from = %members[i].meta.node, error = %e, "could not fetch the placement; trying again")
+                }
+            },
+            Decision::Create(spec) => {
+                tracing::info!(
+                    nodes = spec.nodes.len(),
+                    "placing experts over the cluster (this node has the lowest id)"
+                );
+                return Ok(spec);
+            }
+            Decision::Wait { alive } => {
+                if alive != last_alive {
+                    tracing::info!(alive, expect = expect_nodes, "waiting for cluster members");
+                    last_alive = alive;
+                }
+                if start.elapsed() >= timeout {
+                    return Err(BootstrapError::Timeout {
+                        seconds: timeout.as_secs(),
+                        alive,
+                        expect: expect_nodes,
+                    });
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Reads the placement spec a member serves from its admin API.
+pub fn fetch_spec(member: &MemberView, api_key: Option<&str>) -> Result<PlacementSpec, String> {
+    let url = format!("http://{}/admin/placement", member.meta.api);
+    let client = reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(5))
+        .build()
+        .map_err(|e| e.to_string())?;
+    let mut request = client.get(&url);
+    if let Some(key) = api_key {
+        request = request.bearer_auth(key);
+    }
+    let response = request.send().map_err(|e| format!("{url}: {e}"))?;
+    if !response.status().is_success() {
+        return Err(format!("{url}: {}", response.status()));
+    }
+    #[derive(serde::Deserialize)]
+    struct Served {
+        spec: PlacementSpec,
+    }
+    response
+        .json::<Served>()
+        .map(|s| s.spec)
+        .map_err(|e| format!("{url}: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::MemberMeta;
+
+    fn member(node: &str, state: MemberState, version: u64, is_self: bool) -> MemberView {
+        MemberView {
+            meta: MemberMeta {
+                node: node.into(),
+                peer: "127.0.0.1:1".parse().unwrap(),
+                api: "127.0.0.1:2".parse().unwrap(),
+                devices: 1,
+                model: 7,
+                placement_version: version,
+            },
+            gossip: "127.0.0.1:3".parse().unwrap(),
+            state,
+            incarnation: 0,
+            generation: 0,
+            last_heard: Instant::now(),
+            is_self,
+        }
+    }
+
+    #[test]
+    fn the_lowest_id_places_once_enough_nodes_live() {
+        use MemberState::*;
+        let two = [member("b", Alive, 0, true), member("a", Alive, 0, false)];
+        assert_eq!(decide(&two, "b", 3, 2), Decision::Wait { alive: 2 });
+        let three = [
+            member("b", Alive, 0, true),
+            member("a", Alive, 0, false),
+            member("c", Alive, 0, false),
+            member("d", Dead, 0, false),
+        ];
+        assert_eq!(decide(&three, "b", 3, 2), Decision::Wait { alive: 3 });
+        let mut as_a = three.clone();
+        as_a[0].is_self = false;
+        as_a[1].is_self = true;
+        match decide(&as_a, "a", 3, 2) {
+            Decision::Create(spec) => {
+                let ids: Vec<&str> = spec.nodes.iter().map(|n| n.node.as_str()).collect();
+                assert_eq!(ids, ["a", "b", "c"], "sorted, dead members left out");
+                assert_eq!((spec.version, spec.replication), (1, 2));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_node_joining_a_serving_cluster_takes_its_placement() {
+        use MemberState::*;
+        let members = [
+            member("a", Alive, 0, true),
+            member("b", Alive, 1, false),
+            member("c", Alive, 2, false),
+            member("d", Dead, 9, false),
+        ];
+        assert_eq!(decide(&members, "a", 3, 2), Decision::Fetch(2));
+    }
+}

@@ -1,0 +1,206 @@
+//! A node's membership of a cluster: its peer server (expert work from other nodes), its
+//! gossip membership, the peer clients toward the others, and the thread that feeds gossip's
+//! verdicts to the dispatcher. [`join`] runs before the node loads its experts (it decides
+//! which), [`Joined::serve`] once the dispatcher exists.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use super::bootstrap::{BootstrapError, await_placement, fetch_spec};
+use super::peers::{PeerNodes, serve_remote_work};
+use super::{MemberMeta, Membership, MembershipConfig, MembershipError};
+use crate::actors::dispatch::Dispatcher;
+use crate::config::ClusterConfig;
+use crate::placement::PlacementSpec;
+use crate::transport::peer::{PeerAuth, PeerServer, PeerStats};
+use crate::transport::{TcpTransport, Transport};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    #[error("cluster membership: {0}")]
+    Membership(#[from] MembershipError),
+    #[error("cannot listen for peers on {addr}: {source}")]
+    PeerBind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("cannot start the peer runtime: {0}")]
+    Runtime(std::io::Error),
+    #[error("{0}")]
+    Bootstrap(#[from] BootstrapError),
+    #[error("cluster.{key}: `{value}` is not an address")]
+    Address { key: &'static str, value: String },
+}
+
+pub struct Joined {
+    pub node_id: String,
+    pub membership: Membership,
+    pub peers: Arc<PeerNodes>,
+    pub stats: Arc<PeerStats>,
+    pub peer_addr: SocketAddr,
+    server: PeerServer,
+    dispatcher: Arc<OnceLock<Arc<Dispatcher>>>,
+    /// The peer links' own runtime: their I/O never waits on the HTTP or router threads.
+    /// Always `Some` until dropped.
+    runtime: Option<tokio::runtime::Runtime>,
+}
+
+impl Drop for Joined {
+    fn drop(&mut self) {
+        // Dropping a runtime blocks, which panics on an async thread: let it go in the
+        // background instead.
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+    }
+}
+
+fn parse(key: &'static str, value: &str) -> Result<SocketAddr, ClusterError> {
+    value.parse().map_err(|_| ClusterError::Address {
+        key,
+        value: value.to_string(),
+    })
+}
+
+/// Starts the peer server and gossip, then waits for the placement this node serves under.
+pub fn join(
+    config: &ClusterConfig,
+    model_fingerprint: u64,
+    devices: usize,
+    width: usize,
+    api: SocketAddr,
+    api_key: Option<String>,
+) -> Result<(Joined, PlacementSpec), ClusterError> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("moe-node-peer")
+        .enable_all()
+        .build()
+        .map_err(ClusterError::Runtime)?;
+    let secret = config.secrets.first().cloned().unwrap_or_default();
+    let auth = Arc::new(PeerAuth {
+        node_id: config.node_id.clone(),
+        secret: secret.into_bytes(),
+        model_fingerprint,
+    });
+    let stats = Arc::new(PeerStats::default());
+    let transport: Arc<dyn Transport> = Arc::new(TcpTransport::default());
+    let dispatcher = Arc::new(OnceLock::new());
+    let peer_listen = parse("peer_listen", &config.peer_listen)?;
+    let server = PeerServer::start(
+        transport.clone(),
+        peer_listen,
+        auth.clone(),
+        stats.clone(),
+        serve_remote_work(dispatcher.clone(), width),
+        runtime.handle().clone(),
+    )
+    .map_err(|source| ClusterError::PeerBind {
+        addr: peer_listen,
+        source,
+    })?;
+    let advertise = |addr: SocketAddr| -> SocketAddr {
+        let host = config.advertise_host.parse::<IpAddr>().unwrap_or(addr.ip());
+        SocketAddr::new(host, addr.port())
+    };
+    let peer_addr = advertise(server.local_addr());
+    let meta = MemberMeta {
+        node: config.node_id.clone(),
+        peer: peer_addr,
+        api: advertise(api),
+        devices: devices as u32,
+        model: model_fingerprint,
+        placement_version: 0,
+    };
+    let mut membership_config = MembershipConfig::new(
+        parse("gossip_listen", &config.gossip_listen)?,
+        config.secrets.clone(),
+        meta,
+    );
+    membership_config.seeds = config
+        .seeds
+        .iter()
+        .map(|s| parse("seeds", s))
+        .collect::<Result<_, _>>()?;
+    membership_config.probe_period = Duration::from_millis(config.probe_period_ms);
+    membership_config.suspicion_timeout = Duration::from_millis(config.suspicion_timeout_ms);
+    let membership = Membership::start(membership_config)?;
+    tracing::info!(
+        node = %config.node_id,
+        gossip = %membership.local_addr(),
+        peer = %peer_addr,
+        seeds = ?config.seeds,
+        "joining the cluster"
+    );
+    let spec = await_placement(
+        &membership,
+        &config.node_id,
+        config.expect_nodes,
+        config.replication,
+        Duration::from_secs(config.join_timeout_seconds),
+        |member| fetch_spec(member, api_key.as_deref()),
+    )?;
+    let peers = Arc::new(PeerNodes::new(
+        transport,
+        runtime.handle().clone(),
+        auth,
+        stats.clone(),
+        membership.clone(),
+        spec.nodes.iter().map(|n| n.node.clone()).collect(),
+        width,
+    ));
+    Ok((
+        Joined {
+            node_id: config.node_id.clone(),
+            membership,
+            peers,
+            stats,
+            peer_addr,
+            server,
+            dispatcher,
+            runtime: Some(runtime),
+        },
+        spec,
+    ))
+}
+
+impl Joined {
+    /// Takes expert work from other nodes from now on, tells the cluster which placement
+    /// this node serves, and feeds gossip's verdicts on the nodes to `dispatcher`.
+    pub fn serve(&self, dispatcher: Arc<Dispatcher>, placement_version: u64) {
+        let _ = self.dispatcher.set(dispatcher.clone());
+        let update = {
+            let peers = self.peers.clone();
+            move || {
+                for (node, reach) in peers.reach_of_nodes() {
+                    dispatcher.set_node_reach(node, reach);
+                }
+            }
+        };
+        update();
+        let mut changes = self.membership.changes();
+        let spawned = std::thread::Builder::new()
+            .name("moe-node-health".into())
+            .spawn(move || {
+                // Ends when the membership is gone (the node is stopping).
+                while futures::executor::block_on(changes.changed()).is_ok() {
+                    update();
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::error!(error = %e, "cannot start the thread that follows membership");
+        }
+        self.membership.set_placement_version(placement_version);
+        tracing::info!(
+            node = %self.node_id,
+            peer = %self.peer_addr,
+            placement_version,
+            "serving expert work for the cluster"
+        );
+    }
+
+    pub fn peer_server_addr(&self) -> SocketAddr {
+        self.server.local_addr()
+    }
+}

@@ -1,0 +1,179 @@
+//! The cluster's Prometheus series, read at scrape time from the counters the peer links,
+//! gossip and dispatch keep: traffic and refusals, membership, placement, failovers.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+
+use super::{MemberState, Membership, MembershipStats};
+use crate::actors::dispatch::Dispatcher;
+use crate::transport::peer::PeerStats;
+
+pub struct ClusterCollector {
+    peers: Arc<PeerStats>,
+    gossip: Arc<MembershipStats>,
+    membership: Membership,
+    dispatcher: Arc<Dispatcher>,
+}
+
+impl ClusterCollector {
+    pub fn new(peers: Arc<PeerStats>, membership: Membership, dispatcher: Arc<Dispatcher>) -> Self {
+        ClusterCollector {
+            peers,
+            gossip: membership.stats(),
+            membership,
+            dispatcher,
+        }
+    }
+}
+
+impl std::fmt::Debug for ClusterCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ClusterCollector")
+    }
+}
+
+fn counter(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    series: &[(&[(&str, &str)], u64)],
+) -> Result<(), std::fmt::Error> {
+    let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+    for (labels, value) in series {
+        ConstCounter::new(*value).encode(family.encode_family(labels)?)?;
+    }
+    Ok(())
+}
+
+fn gauge(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    series: &[(&[(&str, &str)], i64)],
+) -> Result<(), std::fmt::Error> {
+    let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+    for (labels, value) in series {
+        ConstGauge::new(*value).encode(family.encode_family(labels)?)?;
+    }
+    Ok(())
+}
+
+impl Collector for ClusterCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        let p = &self.peers;
+        counter(
+            &mut encoder,
+            "peer_bytes_sent",
+            "Bytes of expert work and replies sent to other nodes",
+            &[(&[], load(&p.bytes_sent))],
+        )?;
+        counter(
+            &mut encoder,
+            "peer_bytes_received",
+            "Bytes of expert work and replies received from other nodes",
+            &[(&[], load(&p.bytes_received))],
+        )?;
+        let r = &p.frames_rejected;
+        counter(
+            &mut encoder,
+            "peer_frames_rejected",
+            "Frames and handshakes refused on the peer port, by reason",
+            &[
+                (&[("reason", "bad_magic")], load(&r.bad_magic)),
+                (&[("reason", "bad_version")], load(&r.bad_version)),
+                (&[("reason", "too_large")], load(&r.too_large)),
+                (&[("reason", "malformed")], load(&r.malformed)),
+                (&[("reason", "auth_failed")], load(&r.auth_failed)),
+                (&[("reason", "wrong_model")], load(&r.wrong_model)),
+            ],
+        )?;
+        let g = &self.gossip;
+        counter(
+            &mut encoder,
+            "gossip_packets_rejected",
+            "Gossip packets dropped: failed decryption or decoding",
+            &[(&[], load(&g.packets_rejected))],
+        )?;
+        counter(
+            &mut encoder,
+            "gossip_members_refused",
+            "Gossip from members serving another model, refused",
+            &[(&[], load(&g.members_refused))],
+        )?;
+        let t = &g.transitions;
+        counter(
+            &mut encoder,
+            "membership_transitions",
+            "Members entering each state",
+            &[
+                (&[("state", "alive")], load(&t.alive)),
+                (&[("state", "suspect")], load(&t.suspect)),
+                (&[("state", "dead")], load(&t.dead)),
+            ],
+        )?;
+        let members = self.membership.members();
+        let count = |s: MemberState| members.iter().filter(|m| m.state == s).count() as i64;
+        gauge(
+            &mut encoder,
+            "cluster_members",
+            "Members this node knows, by state (itself included)",
+            &[
+                (&[("state", "alive")], count(MemberState::Alive)),
+                (&[("state", "suspect")], count(MemberState::Suspect)),
+                (&[("state", "dead")], count(MemberState::Dead)),
+            ],
+        )?;
+        let placement = self.dispatcher.placement();
+        gauge(
+            &mut encoder,
+            "placement_version",
+            "Version of the placement this node serves under",
+            &[(&[], placement.version() as i64)],
+        )?;
+        let held: Vec<(String, i64)> = placement
+            .nodes()
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (n.node.clone(), placement.experts_held_by(i as u16) as i64))
+            .collect();
+        let series: Vec<([(&str, &str); 1], i64)> = held
+            .iter()
+            .map(|(n, v)| ([("node", n.as_str())], *v))
+            .collect();
+        let series: Vec<(&[(&str, &str)], i64)> =
+            series.iter().map(|(l, v)| (&l[..], *v)).collect();
+        gauge(
+            &mut encoder,
+            "node_experts",
+            "Expert copies (layer, expert) each node holds in the placement",
+            &series,
+        )?;
+        let c = &self.dispatcher.counters;
+        counter(
+            &mut encoder,
+            "dispatch_failovers",
+            "Expert groups re-sent to another replica after their target failed",
+            &[(&[], load(&c.failovers))],
+        )?;
+        counter(
+            &mut encoder,
+            "dispatch_hedges",
+            "Expert groups also sent to another replica after their target missed its deadline",
+            &[(&[], load(&c.hedges))],
+        )?;
+        counter(
+            &mut encoder,
+            "dispatch_late_answers",
+            "Answers discarded because another replica answered first",
+            &[(&[], load(&c.late_answers))],
+        )?;
+        Ok(())
+    }
+}

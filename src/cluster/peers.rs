@@ -1,0 +1,297 @@
+//! Other nodes as the dispatcher reaches them: one peer client per member, found by the node
+//! id the placement names, and the peer server's handler that runs work from other nodes on
+//! this node's devices.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
+
+use tokio::runtime::Handle;
+
+use super::{MemberState, MemberView, Membership};
+use crate::actors::dispatch::{Answer, Dispatcher, RemoteNodes, RemoteWork, TargetError};
+use crate::moe::ExpertError;
+use crate::placement::Reach;
+use crate::transport::peer::{Handler, PeerAuth, PeerClient, PeerError, PeerStats};
+use crate::transport::{Dtype, ExpertReply, ExpertRequest, RemoteError, Transport};
+
+/// Peer clients toward the nodes of the placement, made when first needed and remade when
+/// a member's peer address changes.
+pub struct PeerNodes {
+    transport: Arc<dyn Transport>,
+    runtime: Handle,
+    auth: Arc<PeerAuth>,
+    pub stats: Arc<PeerStats>,
+    membership: Membership,
+    /// Placement node index → node id.
+    placement_nodes: RwLock<Vec<String>>,
+    clients: Mutex<HashMap<String, Arc<PeerClient>>>,
+    width: usize,
+}
+
+impl PeerNodes {
+    pub fn new(
+        transport: Arc<dyn Transport>,
+        runtime: Handle,
+        auth: Arc<PeerAuth>,
+        stats: Arc<PeerStats>,
+        membership: Membership,
+        placement_nodes: Vec<String>,
+        width: usize,
+    ) -> Self {
+        PeerNodes {
+            transport,
+            runtime,
+            auth,
+            stats,
+            membership,
+            placement_nodes: RwLock::new(placement_nodes),
+            clients: Mutex::new(HashMap::new()),
+            width,
+        }
+    }
+
+    fn node_id(&self, node: u16) -> Option<String> {
+        self.placement_nodes
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(node as usize)
+            .cloned()
+    }
+
+    /// The client toward `id`'s current peer address; `None` when no live member has it.
+    fn client(&self, id: &str) -> Option<Arc<PeerClient>> {
+        let members = self.membership.members();
+        let member = best_member(&members, id)?;
+        if member.state == MemberState::Dead {
+            return None;
+        }
+        let mut clients = self.clients.lock().unwrap_or_else(|e| e.into_inner());
+        match clients.get(id) {
+            Some(client) if client.addr() == member.meta.peer => Some(client.clone()),
+            _ => {
+                let client = Arc::new(PeerClient::new(
+                    self.transport.clone(),
+                    self.runtime.clone(),
+                    member.meta.peer,
+                    self.auth.clone(),
+                    self.stats.clone(),
+                ));
+                clients.insert(id.to_string(), client.clone());
+                Some(client)
+            }
+        }
+    }
+
+    /// Gossip's view of every placement node, for the dispatcher's health; the links of
+    /// nodes declared dead are closed, failing what is outstanding on them at once.
+    pub fn reach_of_nodes(&self) -> Vec<(u16, Reach)> {
+        let members = self.membership.members();
+        let nodes = self
+            .placement_nodes
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let mut clients = self.clients.lock().unwrap_or_else(|e| e.into_inner());
+        nodes
+            .iter()
+            .enumerate()
+            .map(|(i, id)| {
+                let reach = match best_member(&members, id).map(|m| m.state) {
+                    Some(MemberState::Alive) => Reach::Up,
+                    Some(MemberState::Suspect) => Reach::Suspect,
+                    Some(MemberState::Dead) | None => Reach::Down,
+                };
+                if reach == Reach::Down
+                    && let Some(client) = clients.remove(id)
+                {
+                    client.close();
+                }
+                (i as u16, reach)
+            })
+            .collect()
+    }
+
+    /// Peer address of every placement node's best member (for the admin API).
+    pub fn peer_addr(&self, id: &str) -> Option<SocketAddr> {
+        best_member(&self.membership.members(), id).map(|m| m.meta.peer)
+    }
+}
+
+/// The entry that speaks for node `id`: a live one before a suspect one before a dead one,
+/// the newest generation among equals (a restarted node has a dead old identity).
+pub fn best_member<'a>(members: &'a [MemberView], id: &str) -> Option<&'a MemberView> {
+    let rank = |s: MemberState| match s {
+        MemberState::Alive => 2,
+        MemberState::Suspect => 1,
+        MemberState::Dead => 0,
+    };
+    members
+        .iter()
+        .filter(|m| m.meta.node == id)
+        .max_by_key(|m| (rank(m.state), m.generation))
+}
+
+fn target_error(error: PeerError) -> TargetError {
+    match error {
+        PeerError::Remote(RemoteError::NotHeld { layer, expert }) => TargetError::NotHeld {
+            layer: layer as usize,
+            expert,
+        },
+        PeerError::Remote(RemoteError::Overloaded) | PeerError::Overloaded => {
+            TargetError::Overloaded
+        }
+        PeerError::Remote(e) => TargetError::Failed(e.to_string()),
+        PeerError::BadRequest(e) => TargetError::Failed(e.to_string()),
+        e @ (PeerError::Connect(_)
+        | PeerError::Handshake(_)
+        | PeerError::LinkDown(_)
+        | PeerError::Closed) => TargetError::Gone(e.to_string()),
+    }
+}
+
+/// Splits a reply's rows into its groups, checking they are the groups asked for.
+fn split_reply(
+    reply: ExpertReply,
+    asked: &[(u32, u32)],
+    width: usize,
+) -> Result<Vec<Vec<f32>>, TargetError> {
+    let rows: usize = asked.iter().map(|&(_, r)| r as usize).sum();
+    if reply.groups != asked || reply.rows.len() != rows * width {
+        return Err(TargetError::Failed(
+            "the reply does not answer the groups sent".into(),
+        ));
+    }
+    let mut out = Vec::with_capacity(asked.len());
+    let mut at = 0;
+    for &(_, r) in asked {
+        let len = r as usize * width;
+        out.push(reply.rows[at..at + len].to_vec());
+        at += len;
+    }
+    Ok(out)
+}
+
+impl RemoteNodes for PeerNodes {
+    fn send(&self, node: u16, work: RemoteWork, answer: Answer) -> Result<(), TargetError> {
+        let id = self
+            .node_id(node)
+            .ok_or_else(|| TargetError::Gone(format!("no node {node} in the placement")))?;
+        let client = self
+            .client(&id)
+            .ok_or_else(|| TargetError::Gone(format!("node `{id}` is not a live member")))?;
+        let asked = work.groups.clone();
+        let width = self.width;
+        let request = ExpertRequest {
+            layer: work.layer as u32,
+            placement_version: work.placement_version,
+            width: width as u32,
+            // CPU slots consume f32; a GPU node rounds to bf16 itself, so f32 changes no
+            // result there either.
+            dtype: Dtype::F32,
+            groups: work.groups,
+            rows: work.rows,
+        };
+        // On a refused send the client drops its completion uncalled: the answer is kept
+        // here so that the real error, not "dropped", is what the dispatcher hears.
+        let slot = Arc::new(Mutex::new(Some(answer)));
+        let completion_slot = slot.clone();
+        let sent = client.send(
+            request,
+            Box::new(move |result| {
+                let answer = completion_slot
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .take();
+                if let Some(answer) = answer {
+                    answer.send(
+                        result
+                            .map_err(target_error)
+                            .and_then(|reply| split_reply(reply, &asked, width)),
+                    );
+                }
+            }),
+        );
+        if let Err(e) = sent {
+            let answer = slot.lock().unwrap_or_else(|e| e.into_inner()).take();
+            if let Some(answer) = answer {
+                answer.send(Err(target_error(e)));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// How long work from another node waits for this node to finish loading its experts.
+const LOADING_PATIENCE: std::time::Duration = std::time::Duration::from_secs(30);
+
+fn wait_for<T>(cell: &OnceLock<T>, patience: std::time::Duration) -> Option<&T> {
+    let start = std::time::Instant::now();
+    loop {
+        if let Some(value) = cell.get() {
+            return Some(value);
+        }
+        if start.elapsed() >= patience {
+            return None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
+/// The peer server's handler: runs another node's groups on this node's devices. Work
+/// that arrives while this node still loads waits for it (the nodes of a cluster start
+/// together and warm up through each other), then is answered overloaded so the sender
+/// uses another replica.
+pub fn serve_remote_work(dispatcher: Arc<OnceLock<Arc<Dispatcher>>>, width: usize) -> Handler {
+    Arc::new(move |request: ExpertRequest| {
+        let Some(dispatcher) = wait_for(&dispatcher, LOADING_PATIENCE) else {
+            return Err(RemoteError::Overloaded);
+        };
+        if request.width as usize != width {
+            return Err(RemoteError::Malformed(format!(
+                "rows of width {}, this model's are {width}",
+                request.width
+            )));
+        }
+        let experts: Vec<u32> = request.groups.iter().map(|&(e, _)| e).collect();
+        let rows: Vec<usize> = request.groups.iter().map(|&(_, r)| r as usize).collect();
+        let layer = request.layer as usize;
+        match dispatcher.run_groups(layer, &experts, &rows, &request.rows, true) {
+            Ok(outputs) => Ok(ExpertReply {
+                groups: request.groups,
+                rows: outputs.concat(),
+            }),
+            Err(ExpertError::NotHeld { layer, expert }) => Err(RemoteError::NotHeld {
+                layer: layer as u32,
+                expert,
+            }),
+            Err(e) => Err(RemoteError::DeviceFailed(e.to_string())),
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replies_split_into_the_groups_asked_for() {
+        let asked = [(3, 1), (7, 2)];
+        let reply = ExpertReply {
+            groups: asked.to_vec(),
+            rows: (0..6).map(|v| v as f32).collect(),
+        };
+        let groups = split_reply(reply, &asked, 2).unwrap();
+        assert_eq!(groups, vec![vec![0.0, 1.0], vec![2.0, 3.0, 4.0, 5.0]]);
+        let wrong = ExpertReply {
+            groups: vec![(3, 1)],
+            rows: vec![0.0; 2],
+        };
+        assert!(split_reply(wrong, &asked, 2).is_err());
+        let short = ExpertReply {
+            groups: asked.to_vec(),
+            rows: vec![0.0; 5],
+        };
+        assert!(split_reply(short, &asked, 2).is_err());
+    }
+}

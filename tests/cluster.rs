@@ -1,0 +1,569 @@
+//! A real cluster: three `moe-node serve` processes on loopback, gossiping over UDP and
+//! sending expert work to each other over TCP, driven over HTTP as a user would. Each test
+//! asserts what a client sees (tokens, statuses) and what an operator sees (/admin/cluster,
+//! /metrics) while nodes are killed, paused, restarted, or sent garbage.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpStream, UdpSocket};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use reqwest::StatusCode;
+use reqwest::blocking::{Client, Response};
+use serde_json::{Value, json};
+
+const BIN: &str = env!("CARGO_BIN_EXE_moe-node");
+const SECRET: &str = "cluster-test-secret-0123456789";
+
+/// A DeepSeek-V3-shaped checkpoint: 16 routed experts, top-4, a shared expert.
+fn model() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/deepseek_v3")
+}
+
+fn free_udp_port() -> u16 {
+    UdpSocket::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+struct Node {
+    name: String,
+    child: Child,
+    base: String,
+    log: Arc<Mutex<Vec<String>>>,
+    client: Client,
+    config_path: PathBuf,
+    model: PathBuf,
+}
+
+/// How the nodes of one test cluster are configured.
+struct ClusterSpec {
+    gossip_ports: Vec<u16>,
+    dir: tempfile::TempDir,
+}
+
+impl ClusterSpec {
+    fn new(nodes: usize) -> Self {
+        ClusterSpec {
+            gossip_ports: (0..nodes).map(|_| free_udp_port()).collect(),
+            dir: tempfile::tempdir().unwrap(),
+        }
+    }
+
+    /// The config of node `i`; `secret` and `extra` let a test make a misfit.
+    fn config(&self, i: usize, node_id: &str, secret: &str, gossip_port: u16) -> PathBuf {
+        let seeds: Vec<String> = self
+            .gossip_ports
+            .iter()
+            .filter(|&&p| p != gossip_port)
+            .map(|p| format!("\"127.0.0.1:{p}\""))
+            .collect();
+        let text = format!(
+            "[devices]\nbackend = \"cpu\"\ncpu_slots = 1\n\
+             [batching]\nmax_sequences = 32\n\
+             [cluster]\nnode_id = \"{node_id}\"\nsecrets = [\"{secret}\"]\n\
+             gossip_listen = \"127.0.0.1:{gossip_port}\"\npeer_listen = \"127.0.0.1:0\"\n\
+             seeds = [{}]\nexpect_nodes = 3\nreplication = 2\n\
+             probe_period_ms = 200\nsuspicion_timeout_ms = 2000\nhedge_after_ms = 100\n\
+             join_timeout_seconds = 4\n",
+            seeds.join(", ")
+        );
+        let path = self.dir.path().join(format!("node{i}-{node_id}.toml"));
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    fn start(&self, i: usize) -> Node {
+        let name = format!("node{}", i + 1);
+        let config = self.config(i, &name, SECRET, self.gossip_ports[i]);
+        Node::start(&name, config, model())
+    }
+}
+
+impl Node {
+    fn start(name: &str, config_path: PathBuf, model: PathBuf) -> Node {
+        let mut child = Command::new(BIN)
+            .args(["serve", "--config"])
+            .arg(&config_path)
+            .arg("--model")
+            .arg(&model)
+            .args(["--listen", "127.0.0.1:0"])
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+        let stderr = child.stderr.take().unwrap();
+        let lines = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if let Some(rest) = line.split("listening on http://").nth(1) {
+                    let _ = addr_tx.send(rest.trim().to_string());
+                }
+                lines.lock().unwrap().push(line);
+            }
+        });
+        let addr = addr_rx
+            .recv_timeout(Duration::from_secs(60))
+            .unwrap_or_else(|_| panic!("{name} did not start: {:?}", log.lock().unwrap()));
+        Node {
+            name: name.to_string(),
+            child,
+            base: format!("http://{addr}"),
+            log,
+            client: Client::builder()
+                .timeout(Duration::from_secs(60))
+                .build()
+                .unwrap(),
+            config_path,
+            model,
+        }
+    }
+
+    /// The same node again, after it died: same config, same gossip address.
+    fn restart(&mut self) {
+        let _ = self.child.wait();
+        let again = Node::start(&self.name, self.config_path.clone(), self.model.clone());
+        *self = again;
+    }
+
+    fn get(&self, path: &str) -> Response {
+        self.client
+            .get(format!("{}{path}", self.base))
+            .send()
+            .unwrap()
+    }
+
+    fn post(&self, path: &str, body: &Value) -> Response {
+        self.client
+            .post(format!("{}{path}", self.base))
+            .json(body)
+            .send()
+            .unwrap()
+    }
+
+    fn wait_ready(&self) {
+        let deadline = Instant::now() + Duration::from_secs(90);
+        while Instant::now() < deadline {
+            if self.get("/ready").status() == StatusCode::OK {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("{} not ready in time: {:?}", self.name, self.log());
+    }
+
+    fn log(&self) -> Vec<String> {
+        self.log.lock().unwrap().clone()
+    }
+
+    /// A counter or gauge summed over all its series.
+    fn metric_sum(&self, name: &str) -> f64 {
+        let text = self.get("/metrics").text().unwrap();
+        text.lines()
+            .filter(|l| {
+                l.strip_prefix(name)
+                    .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+
+    fn cluster(&self) -> Value {
+        self.get("/admin/cluster").json().unwrap()
+    }
+
+    /// State of `node` as this node's gossip sees it (its newest entry).
+    fn member_state(&self, node: &str) -> Option<String> {
+        let cluster = self.cluster();
+        let members = cluster["members"].as_array()?.clone();
+        let rank = |s: &str| match s {
+            "alive" => 2,
+            "suspect" => 1,
+            _ => 0,
+        };
+        members
+            .iter()
+            .filter(|m| m["node"] == node)
+            .map(|m| m["state"].as_str().unwrap().to_string())
+            .max_by_key(|s| rank(s))
+    }
+
+    fn wait_member_state(&self, node: &str, state: &str, within: Duration) {
+        let deadline = Instant::now() + within;
+        while self.member_state(node).as_deref() != Some(state) {
+            assert!(
+                Instant::now() < deadline,
+                "{} never saw {node} {state}: {}",
+                self.name,
+                self.cluster()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .args([signal, &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-CONT", &self.child.id().to_string()])
+            .status();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Greedy tokens of one node alone, for `prompt`.
+fn generate_alone(prompt: &[u32], max_tokens: usize) -> Vec<u64> {
+    let ids: Vec<String> = prompt.iter().map(u32::to_string).collect();
+    let out = Command::new(BIN)
+        .arg("generate")
+        .arg("--model")
+        .arg(model())
+        .args(["--prompt-ids", &ids.join(",")])
+        .args(["--max-tokens", &max_tokens.to_string(), "--json"])
+        .stderr(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let value: Value = serde_json::from_slice(&out.stdout).unwrap();
+    value["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect()
+}
+
+fn completion(node: &Node, prompt: &[u32], max_tokens: usize) -> Vec<u64> {
+    let resp = node.post(
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": true,
+                "return_token_ids": true, "temperature": 0}),
+    );
+    let status = resp.status();
+    let body: Value = resp.json().unwrap();
+    assert_eq!(status, StatusCode::OK, "{} answered {body}", node.name);
+    body["choices"][0]["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect()
+}
+
+/// Streams a completion, returning the tokens and whether the stream ended with [DONE]
+/// after a final chunk with a finish reason; `started` is signalled at the first token.
+fn stream_completion(
+    base: String,
+    prompt: Vec<u32>,
+    max_tokens: usize,
+    started: std::sync::mpsc::Sender<()>,
+) -> Result<Vec<u64>, String> {
+    let client = Client::builder()
+        .timeout(Duration::from_secs(120))
+        .build()
+        .unwrap();
+    let resp = client
+        .post(format!("{base}/v1/completions"))
+        .json(
+            &json!({"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": true,
+                      "return_token_ids": true, "stream": true, "temperature": 0}),
+        )
+        .send()
+        .map_err(|e| e.to_string())?;
+    if resp.status() != StatusCode::OK {
+        return Err(format!("status {}", resp.status()));
+    }
+    let mut tokens = Vec::new();
+    let mut finished = false;
+    let mut done = false;
+    for line in BufReader::new(resp).lines() {
+        let line = line.map_err(|e| e.to_string())?;
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if data == "[DONE]" {
+            done = true;
+            break;
+        }
+        let event: Value = serde_json::from_str(data).map_err(|e| e.to_string())?;
+        if event.get("error").is_some() {
+            return Err(format!("error event: {event}"));
+        }
+        let choice = &event["choices"][0];
+        if let Some(ids) = choice["token_ids"].as_array() {
+            if tokens.is_empty() && !ids.is_empty() {
+                let _ = started.send(());
+            }
+            tokens.extend(ids.iter().map(|t| t.as_u64().unwrap()));
+        }
+        if choice["finish_reason"].is_string() {
+            finished = true;
+        }
+    }
+    if !(done && finished) {
+        return Err(format!("stream cut after {} tokens", tokens.len()));
+    }
+    Ok(tokens)
+}
+
+fn prompt(i: usize) -> Vec<u32> {
+    vec![1 + (i as u32 * 7) % 120, 2 + (i as u32 * 13) % 120, 3, 4]
+}
+
+#[test]
+fn three_nodes_serve_one_model_and_survive_kill_pause_restart_and_garbage() {
+    let spec = ClusterSpec::new(3);
+    let mut nodes: Vec<Node> = (0..3).map(|i| spec.start(i)).collect();
+    for node in &nodes {
+        node.wait_ready();
+    }
+
+    // Every node sees the other two alive, serving placement 1.
+    for node in &nodes {
+        for other in ["node1", "node2", "node3"] {
+            node.wait_member_state(other, "alive", Duration::from_secs(10));
+        }
+        let placement: Value = node.get("/admin/placement").json().unwrap();
+        assert_eq!(placement["version"], 1);
+        assert_eq!(placement["spec"]["nodes"].as_array().unwrap().len(), 3);
+    }
+    // Each node holds its share, fewer than all experts: 15 routed experts... of 16 per
+    // MoE layer, two copies over three nodes.
+    let placement: Value = nodes[0].get("/admin/placement").json().unwrap();
+    let layers = placement["layers"].as_array().unwrap();
+    let moe_layers = layers.len() as f64;
+    for node in &nodes {
+        let held = node.metric_sum("moe_node_device_experts");
+        assert!(
+            held > 0.0 && held < 16.0 * moe_layers,
+            "{} holds {held} experts of {}",
+            node.name,
+            16.0 * moe_layers
+        );
+        let cluster = node.cluster();
+        let me = cluster["members"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["self"] == true)
+            .unwrap()
+            .clone();
+        for key in [
+            "node",
+            "state",
+            "incarnation",
+            "api",
+            "peer",
+            "last_heard_ms",
+            "placement_version",
+        ] {
+            assert!(me.get(key).is_some(), "{key} missing from {me}");
+        }
+    }
+    for layer in layers {
+        for replicas in layer["experts"].as_array().unwrap() {
+            let on: Vec<&str> = replicas
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|r| r["node"].as_str().unwrap())
+                .collect();
+            assert_eq!(on.len(), 2);
+            assert_ne!(on[0], on[1], "copies on distinct nodes");
+        }
+    }
+
+    // Greedy outputs through any node equal one node alone, token for token.
+    let expected: Vec<Vec<u64>> = (0..4).map(|i| generate_alone(&prompt(i), 24)).collect();
+    for (i, want) in expected.iter().enumerate() {
+        for node in &nodes {
+            assert_eq!(&completion(node, &prompt(i), 24), want, "via {}", node.name);
+        }
+    }
+    let remote_before: f64 = nodes
+        .iter()
+        .map(|n| n.metric_sum("moe_node_peer_bytes_sent_total"))
+        .sum();
+    assert!(remote_before > 0.0, "expert work crossed nodes");
+
+    // Garbage on node1's gossip and peer ports: refused and counted; it keeps serving.
+    let cluster = nodes[0].cluster();
+    let me = cluster["members"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["self"] == true)
+        .unwrap()
+        .clone();
+    let gossip: SocketAddr = me["gossip"].as_str().unwrap().parse().unwrap();
+    let peer: SocketAddr = me["peer"].as_str().unwrap().parse().unwrap();
+    let udp = UdpSocket::bind("127.0.0.1:0").unwrap();
+    for n in 0..20u8 {
+        udp.send_to(&vec![n; 30 + n as usize * 40], gossip).unwrap();
+    }
+    for junk in [
+        &b"GET / HTTP/1.1\r\n\r\n"[..],
+        &[0xff; 4096][..],
+        b"MOEW\x01",
+    ] {
+        let mut tcp = TcpStream::connect(peer).unwrap();
+        let _ = tcp.write_all(junk);
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while nodes[0].metric_sum("moe_node_gossip_packets_rejected_total") < 20.0
+        || nodes[0].metric_sum("moe_node_peer_frames_rejected_total") < 2.0
+    {
+        assert!(Instant::now() < deadline, "garbage not counted");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(completion(&nodes[0], &prompt(0), 24), expected[0]);
+    for node in &nodes[1..] {
+        assert_eq!(node.member_state("node1").as_deref(), Some("alive"));
+    }
+
+    // A node with the wrong secret, and one serving another model, never join.
+    let outsider_port = free_udp_port();
+    let wrong_secret = spec.config(7, "intruder", "not-the-cluster-secret-xyz", outsider_port);
+    let mut intruder = Node::start("intruder", wrong_secret, model());
+    let other_model_port = free_udp_port();
+    let other_config = spec.config(8, "other-model", SECRET, other_model_port);
+    let mut stranger = Node::start(
+        "other-model",
+        other_config,
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/kimi_k2"),
+    );
+    // Both give up joining (no placement to take) and exit non-zero.
+    for outsider in [&mut intruder, &mut stranger] {
+        let status = outsider.child.wait().unwrap();
+        assert!(!status.success(), "{} should not serve", outsider.name);
+        assert!(
+            outsider
+                .log()
+                .iter()
+                .any(|l| l.contains("no placement after")),
+            "{:?}",
+            outsider.log()
+        );
+    }
+    for node in &nodes {
+        let cluster = node.cluster();
+        let names: Vec<&str> = cluster["members"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["node"].as_str().unwrap())
+            .collect();
+        assert!(
+            !names.contains(&"intruder") && !names.contains(&"other-model"),
+            "{names:?}"
+        );
+    }
+    assert!(
+        nodes
+            .iter()
+            .map(|n| n.metric_sum("moe_node_gossip_members_refused_total"))
+            .sum::<f64>()
+            > 0.0
+    );
+
+    // node3 paused (SIGSTOP) for less than the suspicion timeout while requests run through
+    // the others: nothing fails, nobody is declared dead, its work is hedged.
+    nodes[2].signal("-STOP");
+    let pause_started = Instant::now();
+    for i in 0..4 {
+        assert_eq!(completion(&nodes[i % 2], &prompt(i), 24), expected[i]);
+    }
+    std::thread::sleep(Duration::from_millis(1000).saturating_sub(pause_started.elapsed()));
+    nodes[2].signal("-CONT");
+    for node in &nodes[..2] {
+        // It may be suspect for a moment; it refutes the suspicion once it runs again.
+        node.wait_member_state("node3", "alive", Duration::from_secs(5));
+        assert_eq!(
+            node.metric_sum("moe_node_membership_transitions_total{state=\"dead\"}"),
+            0.0
+        );
+    }
+    let hedged: f64 = nodes[..2]
+        .iter()
+        .map(|n| n.metric_sum("moe_node_dispatch_hedges_total"))
+        .sum();
+    assert!(hedged > 0.0, "work sent to the paused node was hedged");
+
+    // kill -9 of node3 while 16 streams run through node1 and node2: none fails, none
+    // changes.
+    let long = 200;
+    let expected_long: Vec<Vec<u64>> = (0..16).map(|i| generate_alone(&prompt(i), long)).collect();
+    let (started_tx, started_rx) = std::sync::mpsc::channel();
+    let streams: Vec<_> = (0..16)
+        .map(|i| {
+            let base = nodes[i % 2].base.clone();
+            let started = started_tx.clone();
+            std::thread::spawn(move || stream_completion(base, prompt(i), long, started))
+        })
+        .collect();
+    for _ in 0..16 {
+        started_rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("streams started");
+    }
+    nodes[2].kill();
+    let killed_at = Instant::now();
+    for (i, stream) in streams.into_iter().enumerate() {
+        let tokens = stream
+            .join()
+            .unwrap()
+            .unwrap_or_else(|e| panic!("stream {i}: {e}"));
+        assert_eq!(tokens, expected_long[i], "stream {i} changed");
+    }
+    let failovers: f64 = nodes[..2]
+        .iter()
+        .map(|n| n.metric_sum("moe_node_dispatch_failovers_total"))
+        .sum();
+    assert!(failovers > 0.0, "work in flight to node3 was re-sent");
+    for node in &nodes[..2] {
+        node.wait_member_state("node3", "dead", Duration::from_secs(15));
+    }
+    eprintln!(
+        "node3 declared dead {:?} after kill -9",
+        killed_at.elapsed()
+    );
+    // Requests still work with node3 gone.
+    assert_eq!(completion(&nodes[1], &prompt(1), 24), expected[1]);
+
+    // node3 restarted: it rejoins, takes its share of the placement again, and gets work.
+    nodes[2].restart();
+    nodes[2].wait_ready();
+    for node in &nodes[..2] {
+        node.wait_member_state("node3", "alive", Duration::from_secs(15));
+    }
+    let before = nodes[2].metric_sum("moe_node_device_tokens_total");
+    for i in 0..4 {
+        assert_eq!(completion(&nodes[i % 2], &prompt(i), 24), expected[i]);
+    }
+    let after = nodes[2].metric_sum("moe_node_device_tokens_total");
+    assert!(
+        after > before,
+        "the restarted node runs expert work again ({before} -> {after})"
+    );
+}
