@@ -24,8 +24,11 @@ pub struct NodeMetrics {
     pub request_latency: Histogram,
     pub prompt_tokens: Counter,
     pub generation_tokens: Counter,
-    peer_latency: Family<Vec<(String, String)>, Histogram, fn() -> Histogram>,
+    peer_latency: PeerLatency,
 }
+
+/// Round-trip histograms labelled by peer.
+type PeerLatency = Family<Vec<(String, String)>, Histogram, fn() -> Histogram>;
 
 impl NodeMetrics {
     pub fn new() -> Self {
@@ -75,7 +78,7 @@ impl NodeMetrics {
             generation_tokens.clone(),
         );
         // 50 µs .. ~3 s.
-        let peer_latency: Family<Vec<(String, String)>, Histogram, fn() -> Histogram> =
+        let peer_latency: PeerLatency =
             Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.00005, 2.0, 17)));
         registry.register(
             "peer_dispatch_latency_seconds",

@@ -636,6 +636,54 @@ mod tests {
     }
 
     #[test]
+    fn local_cluster_example_is_valid() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("etc/examples/local-cluster");
+        let mut gossip = Vec::new();
+        for i in 1..=3 {
+            let file = dir.join(format!("node{i}.toml"));
+            let config = NodeConfig::load(ConfigSources {
+                file: Some(&file),
+                ..Default::default()
+            })
+            .unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+            assert!(config.cluster.enabled());
+            assert_eq!(config.cluster.seeds.len(), 2);
+            gossip.push(config.cluster.gossip_listen);
+        }
+        gossip.dedup();
+        assert_eq!(gossip.len(), 3, "distinct gossip ports");
+    }
+
+    #[test]
+    fn cluster_problems_are_reported() {
+        let err = load(
+            "[cluster]\nnode_id = \"a b\"\nsecrets = [\"short\"]\ngossip_listen = \"0.0.0.0:7946\"\n\
+             peer_listen = \"nowhere\"\nseeds = [\"x\"]\nexpect_nodes = 1\nreplication = 2\n\
+             request_timeout_ms = 5\non_expert_unavailable = \"panic\"\n",
+            &[],
+        )
+        .unwrap_err();
+        let text = err.to_string();
+        for expected in [
+            "cluster.node_id",
+            "cluster.secrets: each secret needs at least 16 characters",
+            "cluster.gossip_listen: `0.0.0.0:7946` listens everywhere",
+            "cluster.peer_listen: `nowhere`",
+            "cluster.seeds: `x`",
+            "cluster.replication (2) needs as many nodes",
+            "cluster.request_timeout_ms: must be at least 10",
+            "cluster.on_expert_unavailable",
+        ] {
+            assert!(
+                text.contains(expected),
+                "{expected:?} missing from:\n{text}"
+            );
+        }
+        // Alone (no node_id), the section is not checked.
+        assert!(load("[cluster]\nreplication = 5\n", &[]).is_ok());
+    }
+
+    #[test]
     fn shipped_file_is_valid_and_equals_the_defaults() {
         let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("etc/moe-node.toml");
         let config = NodeConfig::load(ConfigSources {
