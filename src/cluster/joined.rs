@@ -146,7 +146,7 @@ pub fn join(
         runtime.handle().clone(),
         auth,
         stats.clone(),
-        membership.clone(),
+        Arc::new(membership.clone()),
         spec.nodes.iter().map(|n| n.node.clone()).collect(),
         width,
     ));

@@ -15,6 +15,17 @@ use crate::placement::Reach;
 use crate::transport::peer::{Handler, PeerAuth, PeerClient, PeerError, PeerStats};
 use crate::transport::{Dtype, ExpertReply, ExpertRequest, RemoteError, Transport};
 
+/// Where a node id is reached and what gossip says of it.
+pub trait PeerDirectory: Send + Sync {
+    fn lookup(&self, node: &str) -> Option<(SocketAddr, MemberState)>;
+}
+
+impl PeerDirectory for Membership {
+    fn lookup(&self, node: &str) -> Option<(SocketAddr, MemberState)> {
+        best_member(&self.members(), node).map(|m| (m.meta.peer, m.state))
+    }
+}
+
 /// Peer clients toward the nodes of the placement, made when first needed and remade when
 /// a member's peer address changes.
 pub struct PeerNodes {
@@ -22,7 +33,7 @@ pub struct PeerNodes {
     runtime: Handle,
     auth: Arc<PeerAuth>,
     pub stats: Arc<PeerStats>,
-    membership: Membership,
+    directory: Arc<dyn PeerDirectory>,
     /// Placement node index → node id.
     placement_nodes: RwLock<Vec<String>>,
     clients: Mutex<HashMap<String, Arc<PeerClient>>>,
@@ -35,7 +46,7 @@ impl PeerNodes {
         runtime: Handle,
         auth: Arc<PeerAuth>,
         stats: Arc<PeerStats>,
-        membership: Membership,
+        directory: Arc<dyn PeerDirectory>,
         placement_nodes: Vec<String>,
         width: usize,
     ) -> Self {
@@ -44,7 +55,7 @@ impl PeerNodes {
             runtime,
             auth,
             stats,
-            membership,
+            directory,
             placement_nodes: RwLock::new(placement_nodes),
             clients: Mutex::new(HashMap::new()),
             width,
@@ -61,19 +72,18 @@ impl PeerNodes {
 
     /// The client toward `id`'s current peer address; `None` when no live member has it.
     fn client(&self, id: &str) -> Option<Arc<PeerClient>> {
-        let members = self.membership.members();
-        let member = best_member(&members, id)?;
-        if member.state == MemberState::Dead {
+        let (addr, state) = self.directory.lookup(id)?;
+        if state == MemberState::Dead {
             return None;
         }
         let mut clients = self.clients.lock().unwrap_or_else(|e| e.into_inner());
         match clients.get(id) {
-            Some(client) if client.addr() == member.meta.peer => Some(client.clone()),
+            Some(client) if client.addr() == addr => Some(client.clone()),
             _ => {
                 let client = Arc::new(PeerClient::new(
                     self.transport.clone(),
                     self.runtime.clone(),
-                    member.meta.peer,
+                    addr,
                     self.auth.clone(),
                     self.stats.clone(),
                 ));
@@ -86,7 +96,6 @@ impl PeerNodes {
     /// Gossip's view of every placement node, for the dispatcher's health; the links of
     /// nodes declared dead are closed, failing what is outstanding on them at once.
     pub fn reach_of_nodes(&self) -> Vec<(u16, Reach)> {
-        let members = self.membership.members();
         let nodes = self
             .placement_nodes
             .read()
@@ -97,7 +106,7 @@ impl PeerNodes {
             .iter()
             .enumerate()
             .map(|(i, id)| {
-                let reach = match best_member(&members, id).map(|m| m.state) {
+                let reach = match self.directory.lookup(id).map(|(_, state)| state) {
                     Some(MemberState::Alive) => Reach::Up,
                     Some(MemberState::Suspect) => Reach::Suspect,
                     Some(MemberState::Dead) | None => Reach::Down,
@@ -110,11 +119,6 @@ impl PeerNodes {
                 (i as u16, reach)
             })
             .collect()
-    }
-
-    /// Peer address of every placement node's best member (for the admin API).
-    pub fn peer_addr(&self, id: &str) -> Option<SocketAddr> {
-        best_member(&self.membership.members(), id).map(|m| m.meta.peer)
     }
 }
 

@@ -1,0 +1,283 @@
+//! Partitions, deterministically: a router node's dispatcher sends a layer's expert groups
+//! to two peer nodes over the in-memory transport (real peer clients and servers, real
+//! expert weights from a fixture), while the test cuts the network between them.
+//!
+//! The behaviour chosen for a partition: there is no coordinator and no quorum. Each side
+//! keeps serving with the replicas it can reach: work stuck behind the partition is hedged
+//! to a reachable replica after `hedge_floor`, a connect that cannot cross fails over at
+//! once, and an expert with no reachable replica fails the step at once (`fail`, 503 for
+//! the request) or holds it until the partition heals (`wait`, up to `wait_for`). When the
+//! partition heals, the far side is used again.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use moe_node::actors::dispatch::{DispatchTiming, Dispatcher, OnUnavailable};
+use moe_node::cluster::MemberState;
+use moe_node::cluster::peers::{PeerDirectory, PeerNodes};
+use moe_node::model::weights::load_expert;
+use moe_node::model::{Checkpoint, ExpertWeights, ModelConfig};
+use moe_node::moe::run_expert_groups;
+use moe_node::placement::health::Penalties;
+use moe_node::placement::{ExpertLoad, NodeSlots, Placement, PlacementSpec};
+use moe_node::transport::peer::{Handler, PeerAuth, PeerServer, PeerStats};
+use moe_node::transport::{ExpertReply, MemoryNetwork, RemoteError};
+
+const ROUTER: &str = "10.0.0.1:7000";
+const B: &str = "10.0.0.2:7000";
+const C: &str = "10.0.0.3:7000";
+
+fn addr(a: &str) -> SocketAddr {
+    a.parse().unwrap()
+}
+
+/// Node ids to their fixed addresses; gossip says every one is alive (the partition is
+/// on the data plane before gossip has decided anything).
+struct Static(HashMap<String, SocketAddr>);
+
+impl PeerDirectory for Static {
+    fn lookup(&self, node: &str) -> Option<(SocketAddr, MemberState)> {
+        self.0.get(node).map(|&a| (a, MemberState::Alive))
+    }
+}
+
+struct Fixture {
+    network: MemoryNetwork,
+    runtime: tokio::runtime::Runtime,
+    config: ModelConfig,
+    experts: Arc<HashMap<(usize, u32), ExpertWeights>>,
+    _servers: Vec<PeerServer>,
+    auth: Arc<PeerAuth>,
+    layer: usize,
+}
+
+fn fixture() -> Fixture {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/deepseek_v3");
+    let config = ModelConfig::load(&dir).unwrap();
+    let checkpoint = Checkpoint::open(&dir).unwrap();
+    let layer = config.moe_layers.iter().position(|&m| m).unwrap();
+    let experts: HashMap<(usize, u32), ExpertWeights> = (0..config.moe.num_experts as u32)
+        .map(|e| {
+            (
+                (layer, e),
+                load_expert(&checkpoint, &config, layer, e as usize).unwrap(),
+            )
+        })
+        .collect();
+    let experts = Arc::new(experts);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let network = MemoryNetwork::new();
+    let auth = Arc::new(PeerAuth {
+        node_id: "test".into(),
+        secret: b"partition-test-secret".to_vec(),
+        model_fingerprint: 1,
+    });
+    let width = config.hidden_size;
+    let servers = [B, C]
+        .iter()
+        .map(|&node| {
+            let held = experts.clone();
+            // A peer node: runs the groups through the fixture's experts, as its devices
+            // would.
+            let handler: Handler = Arc::new(move |request| {
+                let mut groups = Vec::new();
+                let mut at = 0;
+                for &(expert, rows) in &request.groups {
+                    let weights = held.get(&(request.layer as usize, expert)).ok_or(
+                        RemoteError::NotHeld {
+                            layer: request.layer,
+                            expert,
+                        },
+                    )?;
+                    let len = rows as usize * width;
+                    groups.push((weights, &request.rows[at..at + len]));
+                    at += len;
+                }
+                Ok(ExpertReply {
+                    groups: request.groups.clone(),
+                    rows: run_expert_groups(&groups, width, false).concat(),
+                })
+            });
+            PeerServer::start(
+                Arc::new(network.transport(addr(node))),
+                addr(node),
+                auth.clone(),
+                Arc::new(PeerStats::default()),
+                handler,
+                runtime.handle().clone(),
+            )
+            .unwrap()
+        })
+        .collect();
+    Fixture {
+        network,
+        runtime,
+        config,
+        experts,
+        _servers: servers,
+        auth,
+        layer,
+    }
+}
+
+impl Fixture {
+    /// The router node: no devices of its own, every expert on B and on C.
+    fn router(&self, on_unavailable: OnUnavailable) -> Dispatcher {
+        let spec = PlacementSpec {
+            version: 1,
+            replication: 2,
+            nodes: ["B", "C"]
+                .iter()
+                .map(|n| NodeSlots {
+                    node: n.to_string(),
+                    devices: 1,
+                })
+                .collect(),
+        };
+        let placement =
+            Placement::balanced(&self.config.moe_layers, self.config.moe.num_experts, spec)
+                .unwrap();
+        let directory = Static(
+            [("B".to_string(), addr(B)), ("C".to_string(), addr(C))]
+                .into_iter()
+                .collect(),
+        );
+        let peers = PeerNodes::new(
+            Arc::new(self.network.transport(addr(ROUTER))),
+            self.runtime.handle().clone(),
+            self.auth.clone(),
+            Arc::new(PeerStats::default()),
+            Arc::new(directory),
+            vec!["B".into(), "C".into()],
+            self.config.hidden_size,
+        );
+        let timing = DispatchTiming {
+            hedge_floor: Duration::from_millis(50),
+            give_up: Duration::from_secs(1),
+            penalties: Penalties {
+                slow_for: Duration::from_millis(200),
+                down_for: Duration::from_millis(200),
+            },
+            on_unavailable,
+            wait_for: Duration::from_secs(5),
+        };
+        Dispatcher::new(
+            Vec::new(),
+            Arc::new(placement),
+            u16::MAX,
+            Arc::new(ExpertLoad::new(
+                self.config.num_layers,
+                self.config.moe.num_experts,
+                0,
+            )),
+            self.config.hidden_size,
+            timing,
+        )
+        .with_remote(Arc::new(peers))
+    }
+
+    /// One layer's work: every expert, a few rows each; and the outputs one node computes.
+    fn work(&self) -> (Vec<u32>, Vec<usize>, Vec<f32>, Vec<Vec<f32>>) {
+        let width = self.config.hidden_size;
+        let experts: Vec<u32> = (0..self.config.moe.num_experts as u32).collect();
+        let rows: Vec<usize> = experts.iter().map(|&e| 1 + e as usize % 3).collect();
+        let total: usize = rows.iter().sum();
+        let input: Vec<f32> = (0..total * width)
+            .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
+            .collect();
+        let mut at = 0;
+        let groups: Vec<_> = experts
+            .iter()
+            .zip(&rows)
+            .map(|(&e, &r)| {
+                let g = (&self.experts[&(self.layer, e)], &input[at..at + r * width]);
+                at += r * width;
+                g
+            })
+            .collect();
+        let expected = run_expert_groups(&groups, width, false);
+        (experts, rows, input, expected)
+    }
+}
+
+#[test]
+fn a_partition_is_routed_around_fails_cleanly_when_total_and_heals() {
+    let f = fixture();
+    let router = f.router(OnUnavailable::Fail);
+    let (experts, rows, input, expected) = f.work();
+    let run = |d: &Dispatcher| d.run_groups(f.layer, &experts, &rows, &input, false);
+
+    // Connected: the remote outputs are bit-equal to computing here.
+    assert_eq!(run(&router).unwrap(), expected);
+
+    // B cut off from the router (links held silent, new connects refused): its groups are
+    // hedged to C after the floor and the step still gives the same outputs.
+    f.network.partition(&[&[addr(ROUTER), addr(C)], &[addr(B)]]);
+    let started = Instant::now();
+    assert_eq!(run(&router).unwrap(), expected);
+    assert!(
+        started.elapsed() < Duration::from_millis(900),
+        "{:?}",
+        started.elapsed()
+    );
+    let rerouted = router.counters.hedges.load(Ordering::Relaxed)
+        + router.counters.failovers.load(Ordering::Relaxed);
+    assert!(rerouted > 0, "B's groups went to C");
+    // While B stays unreachable the next steps avoid it.
+    assert_eq!(run(&router).unwrap(), expected);
+
+    // The router alone on its side: no replica reachable, the step fails at once (within
+    // the give-up time), naming the experts.
+    f.network.partition(&[&[addr(ROUTER)], &[addr(B), addr(C)]]);
+    let started = Instant::now();
+    let error = run(&router).unwrap_err().to_string();
+    assert!(error.contains("no live replica holds expert"), "{error}");
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+
+    // Healed: served again, the same outputs.
+    f.network.heal();
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(run(&router).unwrap(), expected);
+}
+
+#[test]
+fn with_wait_a_step_holds_until_the_partition_heals() {
+    let f = fixture();
+    let router = f.router(OnUnavailable::Wait);
+    let (experts, rows, input, expected) = f.work();
+    assert_eq!(
+        router
+            .run_groups(f.layer, &experts, &rows, &input, false)
+            .unwrap(),
+        expected
+    );
+    f.network.partition(&[&[addr(ROUTER)], &[addr(B), addr(C)]]);
+    let started = Instant::now();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            std::thread::sleep(Duration::from_millis(700));
+            f.network.heal();
+        });
+        let outputs = router
+            .run_groups(f.layer, &experts, &rows, &input, false)
+            .unwrap();
+        assert_eq!(outputs, expected);
+    });
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(700) && waited < Duration::from_secs(5),
+        "{waited:?}"
+    );
+}
