@@ -11,8 +11,10 @@
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -21,8 +23,8 @@ use tokio::sync::{Notify, mpsc, watch};
 
 use super::handshake::{self, HandshakeError, Hello, MAC_LEN, Status};
 use super::wire::{
-    self, ExpertReply, ExpertRequest, FrameBody, FrameKind, HEADER_LEN, RemoteError, WireError,
-    WireLimits,
+    self, ExpertReply, ExpertRequest, FrameBody, FrameHeader, FrameKind, HEADER_LEN, RemoteError,
+    RowsFrame, WireError, WireLimits,
 };
 use super::{PeerListener, PeerStream, Transport};
 
@@ -340,13 +342,19 @@ async fn server_handshake<S: AsyncRead + AsyncWrite + Unpin>(
     Ok(theirs.node_id)
 }
 
-/// Reads one frame: the header, validated, then exactly `payload_len` bytes in one buffer.
-/// `Ok(None)` is a clean end of stream between frames.
+/// Bytes of the per-connection buffer rows pass through between the socket and their f32
+/// values: small enough to stay in cache, large enough that a 1-row frame is one syscall.
+const CHUNK_BYTES: usize = 256 << 10;
+
+/// Reads one frame: the header, validated, then the payload. Rows are read a chunk at a time
+/// into `scratch` and converted straight into the values, so a large frame is never held
+/// twice. `Ok(None)` is a clean end of stream between frames.
 async fn read_frame<S: AsyncRead + Unpin>(
     stream: &mut S,
     limits: &WireLimits,
     stats: &PeerStats,
-) -> Result<Option<(wire::FrameHeader, FrameBody)>, String> {
+    scratch: &mut [u8],
+) -> Result<Option<(FrameHeader, FrameBody)>, String> {
     let mut header_bytes = [0u8; HEADER_LEN];
     let mut filled = 0;
     while filled < HEADER_LEN {
@@ -367,32 +375,94 @@ async fn read_frame<S: AsyncRead + Unpin>(
         stats.reject_frame(&error);
         format!("bad frame: {error}")
     })?;
-    let mut payload = vec![0u8; header.payload_len as usize];
-    if let Err(error) = stream.read_exact(&mut payload).await {
-        if error.kind() == std::io::ErrorKind::UnexpectedEof {
+    let body = if header.kind == FrameKind::Error {
+        // At most 1 + 4 + MAX_ERROR_MESSAGE bytes (checked with the header).
+        let mut payload = vec![0u8; header.payload_len as usize];
+        read_payload(stream, &mut payload, &header, stats).await?;
+        wire::decode_error(&payload).map(FrameBody::Error)
+    } else {
+        // Bounded by payload_len (checked with the header).
+        let mut group_bytes = vec![0u8; header.group_count as usize * 8];
+        read_payload(stream, &mut group_bytes, &header, stats).await?;
+        match wire::decode_groups(&header, &group_bytes) {
+            Ok((groups, values)) => {
+                let mut rows = vec![0.0f32; values];
+                let size = header.dtype.size();
+                for values in rows.chunks_mut(scratch.len() / size) {
+                    let bytes = &mut scratch[..values.len() * size];
+                    read_payload(stream, bytes, &header, stats).await?;
+                    wire::decode_values(bytes, header.dtype, values);
+                }
+                Ok(wire::rows_body(&header, groups, rows))
+            }
+            Err(error) => Err(error),
+        }
+    };
+    let body = body.map_err(|error| {
+        stats.reject_frame(&error);
+        format!("bad frame: {error}")
+    })?;
+    stats.add_received(HEADER_LEN + header.payload_len as usize);
+    Ok(Some((header, body)))
+}
+
+/// Fills `bytes` from the payload of the frame `header` starts.
+async fn read_payload<S: AsyncRead + Unpin>(
+    stream: &mut S,
+    bytes: &mut [u8],
+    header: &FrameHeader,
+    stats: &PeerStats,
+) -> Result<(), String> {
+    match stream.read_exact(bytes).await {
+        Ok(_) => Ok(()),
+        Err(error) if error.kind() == std::io::ErrorKind::UnexpectedEof => {
             stats.reject_frame(&WireError::Truncated {
                 needed: u64::from(header.payload_len),
                 got: 0,
             });
-            return Err("connection closed inside a frame payload".into());
+            Err("connection closed inside a frame payload".into())
         }
-        return Err(format!("read failed: {error}"));
+        Err(error) => Err(format!("read failed: {error}")),
     }
-    stats.add_received(HEADER_LEN + payload.len());
-    let body = wire::decode_payload(&header, &payload).map_err(|error| {
-        stats.reject_frame(&error);
-        format!("bad frame: {error}")
-    })?;
-    Ok(Some((header, body)))
+}
+
+/// Writes a frame, its rows converted into `scratch` a chunk at a time: a frame that fits
+/// the buffer goes out in one write.
+async fn write_rows_frame<S: AsyncWrite + Unpin>(
+    stream: &mut S,
+    frame: &RowsFrame,
+    scratch: &mut [u8],
+) -> std::io::Result<()> {
+    let mut filled = 0;
+    if frame.prefix.len() <= scratch.len() / 2 {
+        scratch[..frame.prefix.len()].copy_from_slice(&frame.prefix);
+        filled = frame.prefix.len();
+    } else {
+        stream.write_all(&frame.prefix).await?;
+    }
+    let mut first = 0;
+    loop {
+        let written = frame.write_values(first, &mut scratch[filled..]);
+        first += written;
+        filled += written * frame.dtype.size();
+        if filled > 0 {
+            stream.write_all(&scratch[..filled]).await?;
+        }
+        filled = 0;
+        if first >= frame.rows.len() {
+            return Ok(());
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------
 // Client
 
-/// A request on its way: already encoded on the caller's thread.
+/// A request on its way: checked and its header encoded on the caller's thread; the rows
+/// are converted as they are written.
 struct Outgoing {
     request_id: u64,
-    frame: Vec<u8>,
+    frame: RowsFrame,
     expect: Expect,
     done: Completion,
 }
@@ -482,23 +552,24 @@ impl PeerClient {
         self.addr
     }
 
-    /// Non-blocking: encodes the request on the calling thread and queues it. A full queue
+    /// Non-blocking: checks the request on the calling thread and queues it. A full queue
     /// answers `Err(PeerError::Overloaded)` at once. On `Err`, `done` is dropped uncalled
     /// (the error is the answer); on `Ok`, `done` is called exactly once. Callable from any
     /// thread, including threads that are not runtime threads.
     pub fn send(&self, request: ExpertRequest, done: Completion) -> Result<(), PeerError> {
         let request_id = self.shared.next_request_id.fetch_add(1, Ordering::Relaxed);
-        let frame = wire::encode_request(request_id, &request).map_err(PeerError::BadRequest)?;
+        let expect = Expect {
+            width: request.width,
+            groups: request.groups.clone(),
+        };
+        let frame = wire::request_frame(request_id, request).map_err(PeerError::BadRequest)?;
         // The peer would drop the whole connection over a frame past the limits (both nodes
         // are expected to run the same limits), so refuse it here, alone.
-        wire::decode_header(&frame, &self.limits).map_err(PeerError::BadRequest)?;
+        wire::decode_header(&frame.prefix, &self.limits).map_err(PeerError::BadRequest)?;
         let outgoing = Outgoing {
             request_id,
             frame,
-            expect: Expect {
-                width: request.width,
-                groups: request.groups,
-            },
+            expect,
             done,
         };
         self.queue.try_send(outgoing).map_err(|error| match error {
@@ -652,6 +723,7 @@ impl Driver {
             self.config.limits,
         ));
         let mut next = Some(first);
+        let mut scratch = vec![0u8; CHUNK_BYTES];
         let end = loop {
             let outgoing = match next.take() {
                 Some(outgoing) => outgoing,
@@ -675,7 +747,7 @@ impl Driver {
             );
             let frame = outgoing.frame;
             tokio::select! {
-                written = write_half.write_all(&frame) => match written {
+                written = write_rows_frame(&mut write_half, &frame, &mut scratch) => match written {
                     Ok(()) => self.stats.add_sent(frame.len()),
                     Err(error) => break LinkEnd::Lost(format!("write failed: {error}")),
                 },
@@ -697,8 +769,9 @@ async fn read_replies<S: AsyncRead + Unpin>(
     stats: Arc<PeerStats>,
     limits: WireLimits,
 ) -> String {
+    let mut scratch = vec![0u8; CHUNK_BYTES];
     loop {
-        let (header, body) = match read_frame(&mut stream, &limits, &stats).await {
+        let (header, body) = match read_frame(&mut stream, &limits, &stats, &mut scratch).await {
             Ok(Some(frame)) => frame,
             Ok(None) => return "the peer closed the connection".into(),
             Err(reason) => return reason,
@@ -921,13 +994,23 @@ async fn serve_connection(
     };
     tracing::debug!(%peer, %client_id, "peer connection accepted");
     let (read_half, write_half) = tokio::io::split(stream);
-    let (replies, outbox) = mpsc::unbounded_channel();
-    let writer = tokio::spawn(write_replies(write_half, outbox, context.stats.clone()));
+    let (outbox, queued) = mpsc::unbounded_channel();
+    let link = Arc::new(ReplyLink {
+        state: Mutex::new(ReplyState {
+            stream: Some(write_half),
+            queued: 0,
+        }),
+        outbox,
+        stats: context.stats.clone(),
+    });
+    let writer = tokio::spawn(write_replies(link.clone(), queued));
     let ended = tokio::select! {
-        ended = serve_requests(read_half, replies, &context) => ended,
+        ended = serve_requests(read_half, &link, &context) => ended,
         _ = stopped.changed() => Ok(()),
     };
     writer.abort();
+    // Handlers still running hold the link: they must not keep the connection open.
+    lock(&link.state).stream = None;
     if let Err(reason) = ended {
         context.warn(peer, "peer connection dropped", &reason);
     }
@@ -936,13 +1019,15 @@ async fn serve_connection(
 /// Reads requests and hands each to the handler; `Err` when the peer misbehaved.
 async fn serve_requests<S: AsyncRead + Unpin>(
     mut stream: S,
-    replies: mpsc::UnboundedSender<Vec<u8>>,
+    link: &Arc<ReplyLink>,
     context: &Arc<ServerContext>,
 ) -> Result<(), String> {
     let inflight = Arc::new(AtomicUsize::new(0));
+    let mut scratch = vec![0u8; CHUNK_BYTES];
     loop {
+        let limits = &context.config.limits;
         let (header, body) =
-            match read_frame(&mut stream, &context.config.limits, &context.stats).await? {
+            match read_frame(&mut stream, limits, &context.stats, &mut scratch).await? {
                 Some(frame) => frame,
                 None => return Ok(()),
             };
@@ -953,26 +1038,28 @@ async fn serve_requests<S: AsyncRead + Unpin>(
             return Err("a client sent a reply or error frame".into());
         };
         let request_id = header.request_id;
-        // The counter is bounded by the limit (the unbounded reply channel is bounded by it).
+        // The counter bounds the frames waiting in the link's unbounded outbox.
         if inflight.load(Ordering::Acquire) >= context.config.max_inflight_per_connection {
-            let _ = replies.send(wire::encode_error(request_id, &RemoteError::Overloaded));
+            link.send(OutFrame::Bytes(wire::encode_error(
+                request_id,
+                &RemoteError::Overloaded,
+            )));
             continue;
         }
         inflight.fetch_add(1, Ordering::AcqRel);
         let handler = context.handler.clone();
-        let replies = replies.clone();
+        let link = link.clone();
         let inflight = inflight.clone();
         tokio::task::spawn_blocking(move || {
-            let frame = run_handler(&handler, request_id, request);
-            let _ = replies.send(frame);
+            link.send(run_handler(&handler, request_id, request));
             inflight.fetch_sub(1, Ordering::AcqRel);
         });
     }
 }
 
-/// Runs the handler and encodes its answer; a panic or a reply that does not fit the
+/// Runs the handler and frames its answer; a panic or a reply that does not fit the
 /// request becomes an error frame, so the client always hears back.
-fn run_handler(handler: &Handler, request_id: u64, request: ExpertRequest) -> Vec<u8> {
+fn run_handler(handler: &Handler, request_id: u64, request: ExpertRequest) -> OutFrame {
     let (layer, placement_version, width, dtype) = (
         request.layer,
         request.placement_version,
@@ -980,36 +1067,136 @@ fn run_handler(handler: &Handler, request_id: u64, request: ExpertRequest) -> Ve
         request.dtype,
     );
     let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handler(request)));
-    match outcome {
+    let error = match outcome {
         Ok(Ok(reply)) => {
-            wire::encode_reply(request_id, layer, placement_version, width, dtype, &reply)
-                .unwrap_or_else(|error| {
-                    wire::encode_error(
-                        request_id,
-                        &RemoteError::DeviceFailed(format!(
-                            "the expert output does not fit the request: {error}"
-                        )),
-                    )
-                })
+            match wire::reply_frame(request_id, layer, placement_version, width, dtype, reply) {
+                Ok(frame) => return OutFrame::Rows(frame),
+                Err(error) => RemoteError::DeviceFailed(format!(
+                    "the expert output does not fit the request: {error}"
+                )),
+            }
         }
-        Ok(Err(error)) => wire::encode_error(request_id, &error),
-        Err(_) => wire::encode_error(
-            request_id,
-            &RemoteError::DeviceFailed("the expert handler panicked".into()),
-        ),
+        Ok(Err(error)) => error,
+        Err(_) => RemoteError::DeviceFailed("the expert handler panicked".into()),
+    };
+    OutFrame::Bytes(wire::encode_error(request_id, &error))
+}
+
+/// A frame for the client: encoded bytes (the first `written` already sent), or a reply
+/// whose rows are converted as they are written.
+enum OutFrame {
+    Bytes(Vec<u8>),
+    Partial { bytes: Vec<u8>, written: usize },
+    Rows(RowsFrame),
+}
+
+/// The sending side of a server connection. A reply is written straight from the thread
+/// that produced it when nothing is queued ahead of it and the socket takes it whole (no
+/// hand-off to the writer task, the common case for small replies); otherwise it goes
+/// through the outbox to the writer task, in order.
+struct ReplyLink {
+    state: Mutex<ReplyState>,
+    outbox: mpsc::UnboundedSender<OutFrame>,
+    stats: Arc<PeerStats>,
+}
+
+struct ReplyState {
+    /// `None` once the connection is over.
+    stream: Option<tokio::io::WriteHalf<Box<dyn PeerStream>>>,
+    /// Frames in the outbox or being written by the writer task.
+    queued: usize,
+}
+
+impl ReplyLink {
+    fn send(&self, frame: OutFrame) {
+        let frame = match frame {
+            OutFrame::Rows(rows) if rows.len() <= CHUNK_BYTES => OutFrame::Bytes(rows.to_bytes()),
+            other => other,
+        };
+        let mut state = lock(&self.state);
+        let frame = match frame {
+            OutFrame::Bytes(bytes) if state.queued == 0 => {
+                let Some(stream) = state.stream.as_mut() else {
+                    return;
+                };
+                // Polled with a no-op waker: when the socket is full, the writer task polls
+                // again with its own waker before anything waits on it.
+                let mut context = Context::from_waker(Waker::noop());
+                let mut written = 0;
+                while written < bytes.len() {
+                    match Pin::new(&mut *stream).poll_write(&mut context, &bytes[written..]) {
+                        Poll::Ready(Ok(sent)) if sent > 0 => written += sent,
+                        Poll::Ready(_) => {
+                            // Broken: the reader sees it too and ends the connection.
+                            state.stream = None;
+                            return;
+                        }
+                        Poll::Pending => break,
+                    }
+                }
+                if written == bytes.len() {
+                    self.stats.add_sent(bytes.len());
+                    return;
+                }
+                OutFrame::Partial { bytes, written }
+            }
+            other => other,
+        };
+        state.queued += 1;
+        // Sent under the lock, so frames keep their order.
+        let _ = self.outbox.send(frame);
     }
 }
 
-async fn write_replies<S: AsyncWrite + Unpin>(
-    mut stream: S,
-    mut outbox: mpsc::UnboundedReceiver<Vec<u8>>,
-    stats: Arc<PeerStats>,
-) {
-    while let Some(frame) = outbox.recv().await {
-        if stream.write_all(&frame).await.is_err() {
+/// The write half behind the link's lock, held only while one poll runs.
+struct LockedWriter<'a>(&'a Mutex<ReplyState>);
+
+impl AsyncWrite for LockedWriter<'_> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        context: &mut Context<'_>,
+        bytes: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        match lock(self.0).stream.as_mut() {
+            Some(stream) => Pin::new(stream).poll_write(context, bytes),
+            None => Poll::Ready(Err(std::io::ErrorKind::NotConnected.into())),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, context: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match lock(self.0).stream.as_mut() {
+            Some(stream) => Pin::new(stream).poll_flush(context),
+            None => Poll::Ready(Ok(())),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, context: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match lock(self.0).stream.as_mut() {
+            Some(stream) => Pin::new(stream).poll_shutdown(context),
+            None => Poll::Ready(Ok(())),
+        }
+    }
+}
+
+async fn write_replies(link: Arc<ReplyLink>, mut queued: mpsc::UnboundedReceiver<OutFrame>) {
+    let mut scratch = vec![0u8; CHUNK_BYTES];
+    let mut stream = LockedWriter(&link.state);
+    while let Some(frame) = queued.recv().await {
+        let (written, len) = match &frame {
+            OutFrame::Bytes(bytes) => (stream.write_all(bytes).await, bytes.len()),
+            OutFrame::Partial { bytes, written } => {
+                (stream.write_all(&bytes[*written..]).await, bytes.len())
+            }
+            OutFrame::Rows(rows) => (
+                write_rows_frame(&mut stream, rows, &mut scratch).await,
+                rows.len(),
+            ),
+        };
+        lock(&link.state).queued -= 1;
+        if written.is_err() {
             return;
         }
-        stats.add_sent(frame.len());
+        link.stats.add_sent(len);
     }
 }
 

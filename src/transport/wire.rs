@@ -202,8 +202,72 @@ impl WireError {
     }
 }
 
+/// A request or reply frame ready to be written: the header and groups already encoded, the
+/// rows still as values, so a writer converts them into the wire dtype a cache-sized chunk at
+/// a time ([`RowsFrame::write_values`]) instead of building the whole frame in memory.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RowsFrame {
+    /// The fixed header and the (expert, rows) groups.
+    pub prefix: Vec<u8>,
+    pub rows: Vec<f32>,
+    pub dtype: Dtype,
+}
+
+impl RowsFrame {
+    /// Bytes of the whole frame.
+    pub fn len(&self) -> usize {
+        self.prefix.len() + self.rows.len() * self.dtype.size()
+    }
+
+    /// Whether the frame is empty (never, for a built frame: the header is always there).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Writes the wire bytes of `rows[first..]` into `out`, as many whole values as fit;
+    /// returns how many values were written.
+    pub fn write_values(&self, first: usize, out: &mut [u8]) -> usize {
+        let size = self.dtype.size();
+        let count = (out.len() / size).min(self.rows.len().saturating_sub(first));
+        encode_values(
+            &self.rows[first..first + count],
+            self.dtype,
+            &mut out[..count * size],
+        );
+        count
+    }
+
+    /// The whole frame in one buffer.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = self.prefix.clone();
+        let start = out.len();
+        out.resize(self.len(), 0);
+        encode_values(&self.rows, self.dtype, &mut out[start..]);
+        out
+    }
+}
+
 /// Encodes a request frame: header, groups and rows in one buffer (the rows are copied once).
 pub fn encode_request(request_id: u64, request: &ExpertRequest) -> Result<Vec<u8>, WireError> {
+    let prefix = request_prefix(request_id, request)?;
+    let mut out = prefix;
+    let start = out.len();
+    out.resize(start + request.rows.len() * request.dtype.size(), 0);
+    encode_values(&request.rows, request.dtype, &mut out[start..]);
+    Ok(out)
+}
+
+/// The request frame of `request` without copying its rows (see [`RowsFrame`]).
+pub fn request_frame(request_id: u64, request: ExpertRequest) -> Result<RowsFrame, WireError> {
+    let prefix = request_prefix(request_id, &request)?;
+    Ok(RowsFrame {
+        prefix,
+        rows: request.rows,
+        dtype: request.dtype,
+    })
+}
+
+fn request_prefix(request_id: u64, request: &ExpertRequest) -> Result<Vec<u8>, WireError> {
     let header = FrameHeader {
         kind: FrameKind::Request,
         request_id,
@@ -214,7 +278,7 @@ pub fn encode_request(request_id: u64, request: &ExpertRequest) -> Result<Vec<u8
         dtype: request.dtype,
         payload_len: 0,
     };
-    encode_rows_frame(header, &request.groups, &request.rows)
+    rows_frame_prefix(header, &request.groups, request.rows.len())
 }
 
 /// Encodes a reply frame for the request it answers (`layer`, `placement_version`, `width`
@@ -227,6 +291,26 @@ pub fn encode_reply(
     dtype: Dtype,
     reply: &ExpertReply,
 ) -> Result<Vec<u8>, WireError> {
+    let frame = reply_frame(
+        request_id,
+        layer,
+        placement_version,
+        width,
+        dtype,
+        reply.clone(),
+    )?;
+    Ok(frame.to_bytes())
+}
+
+/// [`encode_reply`] without copying the reply's rows (see [`RowsFrame`]).
+pub fn reply_frame(
+    request_id: u64,
+    layer: u32,
+    placement_version: u64,
+    width: u32,
+    dtype: Dtype,
+    reply: ExpertReply,
+) -> Result<RowsFrame, WireError> {
     let header = FrameHeader {
         kind: FrameKind::Reply,
         request_id,
@@ -237,7 +321,12 @@ pub fn encode_reply(
         dtype,
         payload_len: 0,
     };
-    encode_rows_frame(header, &reply.groups, &reply.rows)
+    let prefix = rows_frame_prefix(header, &reply.groups, reply.rows.len())?;
+    Ok(RowsFrame {
+        prefix,
+        rows: reply.rows,
+        dtype,
+    })
 }
 
 /// Encodes an error frame answering `request_id`.
@@ -291,10 +380,11 @@ fn push_message(payload: &mut Vec<u8>, message: &str) {
     payload.extend_from_slice(bytes);
 }
 
-fn encode_rows_frame(
+/// Checks the rows against the groups and encodes the header and groups.
+fn rows_frame_prefix(
     mut header: FrameHeader,
     groups: &[(u32, u32)],
-    rows: &[f32],
+    value_count: usize,
 ) -> Result<Vec<u8>, WireError> {
     if header.width == 0 {
         return Err(WireError::malformed("row width 0"));
@@ -308,11 +398,10 @@ fn encode_rows_frame(
     let values = total_rows
         .checked_mul(u64::from(header.width))
         .ok_or_else(|| WireError::malformed("row values overflow"))?;
-    if values != rows.len() as u64 {
+    if values != value_count as u64 {
         return Err(WireError::malformed(format!(
-            "groups describe {total_rows} rows of width {} ({values} values) but {} values were given",
+            "groups describe {total_rows} rows of width {} ({values} values) but {value_count} values were given",
             header.width,
-            rows.len()
         )));
     }
     let payload_len = payload_len_for(group_count, values, header.dtype)
@@ -321,28 +410,65 @@ fn encode_rows_frame(
     header.group_count = group_count;
     header.payload_len = payload_len;
 
-    let mut out = Vec::with_capacity(HEADER_LEN + payload_len as usize);
+    let mut out = Vec::with_capacity(HEADER_LEN + groups.len() * GROUP_BYTES as usize);
     write_header(&mut out, &header);
     for &(expert, count) in groups {
         out.extend_from_slice(&expert.to_le_bytes());
         out.extend_from_slice(&count.to_le_bytes());
     }
-    let start = out.len();
-    out.resize(start + rows.len() * header.dtype.size(), 0);
-    let values_out = &mut out[start..];
-    match header.dtype {
+    Ok(out)
+}
+
+/// Writes `values` in `dtype` into `out` (exactly `values.len() × dtype.size()` bytes).
+/// Branch-free per value so the loops vectorise.
+pub fn encode_values(values: &[f32], dtype: Dtype, out: &mut [u8]) {
+    match dtype {
         Dtype::F32 => {
-            for (slot, value) in values_out.chunks_exact_mut(4).zip(rows) {
+            for (slot, value) in out.chunks_exact_mut(4).zip(values) {
                 slot.copy_from_slice(&value.to_le_bytes());
             }
         }
         Dtype::Bf16 => {
-            for (slot, value) in values_out.chunks_exact_mut(2).zip(rows) {
-                slot.copy_from_slice(&half::bf16::from_f32(*value).to_le_bytes());
+            for (slot, value) in out.chunks_exact_mut(2).zip(values) {
+                slot.copy_from_slice(&f32_to_bf16_bits(*value).to_le_bytes());
             }
         }
     }
-    Ok(out)
+}
+
+/// Reads `out.len()` values in `dtype` from `bytes` (exactly `out.len() × dtype.size()`).
+pub fn decode_values(bytes: &[u8], dtype: Dtype, out: &mut [f32]) {
+    match dtype {
+        Dtype::F32 => {
+            for (value, chunk) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *value = f32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]);
+            }
+        }
+        Dtype::Bf16 => {
+            for (value, chunk) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *value = bf16_bits_to_f32(u16::from_le_bytes([chunk[0], chunk[1]]));
+            }
+        }
+    }
+}
+
+/// `half::bf16::from_f32(value).to_bits()`, written without branches: round to nearest
+/// even, NaNs kept quiet.
+fn f32_to_bf16_bits(value: f32) -> u16 {
+    let bits = value.to_bits();
+    let is_nan = (bits & 0x7fff_ffff) > 0x7f80_0000;
+    let round_up = (bits & 0x8000) != 0 && (bits & 0x1_7fff) != 0;
+    let rounded = (bits >> 16) + u32::from(round_up);
+    let quiet_nan = (bits >> 16) | 0x40;
+    (if is_nan { quiet_nan } else { rounded }) as u16
+}
+
+/// `half::bf16::from_bits(bits).to_f32()`, written without branches.
+fn bf16_bits_to_f32(bits: u16) -> f32 {
+    let bits = u32::from(bits);
+    let is_nan = (bits & 0x7fff) > 0x7f80;
+    let bits = if is_nan { bits | 0x40 } else { bits };
+    f32::from_bits(bits << 16)
 }
 
 fn payload_len_for(group_count: u32, values: u64, dtype: Dtype) -> Option<u64> {
@@ -513,7 +639,22 @@ pub fn decode_payload(header: &FrameHeader, payload: &[u8]) -> Result<FrameBody,
     if header.kind == FrameKind::Error {
         return decode_error(payload).map(FrameBody::Error);
     }
-    let mut reader = Reader::new(payload);
+    let group_bytes = header.group_count as usize * GROUP_BYTES as usize;
+    let (group_bytes, row_bytes) = payload.split_at(group_bytes.min(payload.len()));
+    let (groups, values) = decode_groups(header, group_bytes)?;
+    let mut rows = vec![0.0; values];
+    decode_values(row_bytes, header.dtype, &mut rows);
+    Ok(rows_body(header, groups, rows))
+}
+
+/// Decodes the groups of a request or reply (the first `group_count × 8` payload bytes) and
+/// checks them against the payload length; returns the groups and the number of row values
+/// the rest of the payload holds.
+pub fn decode_groups(
+    header: &FrameHeader,
+    group_bytes: &[u8],
+) -> Result<(Vec<(u32, u32)>, usize), WireError> {
+    let mut reader = Reader::new(group_bytes);
     let mut total_rows = 0u64;
     // The header check bounds group_count by the payload length, so this allocation is
     // bounded by what was already read.
@@ -535,8 +676,13 @@ pub fn decode_payload(header: &FrameHeader, payload: &[u8]) -> Result<FrameBody,
             header.width, header.payload_len
         )));
     }
-    let rows = decode_rows(reader.rest(), header.dtype);
-    Ok(match header.kind {
+    // Bounded by payload_len, which the header check bounded by the limits.
+    Ok((groups, values as usize))
+}
+
+/// The body of a request or reply frame from its decoded groups and rows.
+pub fn rows_body(header: &FrameHeader, groups: Vec<(u32, u32)>, rows: Vec<f32>) -> FrameBody {
+    match header.kind {
         FrameKind::Request => FrameBody::Request(ExpertRequest {
             layer: header.layer,
             placement_version: header.placement_version,
@@ -546,23 +692,11 @@ pub fn decode_payload(header: &FrameHeader, payload: &[u8]) -> Result<FrameBody,
             rows,
         }),
         _ => FrameBody::Reply(ExpertReply { groups, rows }),
-    })
-}
-
-fn decode_rows(bytes: &[u8], dtype: Dtype) -> Vec<f32> {
-    match dtype {
-        Dtype::F32 => bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
-        Dtype::Bf16 => bytes
-            .chunks_exact(2)
-            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
     }
 }
 
-fn decode_error(payload: &[u8]) -> Result<RemoteError, WireError> {
+/// Decodes the payload of an error frame.
+pub fn decode_error(payload: &[u8]) -> Result<RemoteError, WireError> {
     let mut reader = Reader::new(payload);
     let error = match reader.u8()? {
         1 => RemoteError::NotHeld {
@@ -852,6 +986,61 @@ mod tests {
             decode(&bytes, &limits),
             Err(WireError::Malformed(_))
         ));
+    }
+
+    #[test]
+    fn bf16_conversions_match_the_half_crate_bit_for_bit() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+        let specials = [
+            0.0f32,
+            -0.0,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            f32::MAX,
+            f32::MIN_POSITIVE,
+            f32::from_bits(0x7f80_0001),
+            f32::from_bits(0xffff_ffff),
+            f32::from_bits(0x3f80_8000),
+            f32::from_bits(0x3f81_8000),
+            f32::from_bits(0x7f7f_ffff),
+        ];
+        let values = specials
+            .into_iter()
+            .chain((0..100_000).map(|_| f32::from_bits(rng.random())));
+        for value in values {
+            let expected = half::bf16::from_f32(value).to_bits();
+            assert_eq!(
+                f32_to_bf16_bits(value),
+                expected,
+                "{:#010x}",
+                value.to_bits()
+            );
+        }
+        for bits in 0..=u16::MAX {
+            let expected = half::bf16::from_bits(bits).to_f32().to_bits();
+            assert_eq!(bf16_bits_to_f32(bits).to_bits(), expected, "{bits:#06x}");
+        }
+    }
+
+    #[test]
+    fn rows_frame_written_in_chunks_equals_the_whole_frame() {
+        for dtype in [Dtype::F32, Dtype::Bf16] {
+            let original = request(dtype);
+            let whole = encode_request(4, &original).expect("encode");
+            let frame = request_frame(4, original).expect("frame");
+            assert_eq!(frame.len(), whole.len());
+            assert_eq!(frame.to_bytes(), whole);
+            let mut chunked = frame.prefix.clone();
+            let mut first = 0;
+            let mut scratch = [0u8; 7];
+            while first < frame.rows.len() {
+                let written = frame.write_values(first, &mut scratch);
+                chunked.extend_from_slice(&scratch[..written * dtype.size()]);
+                first += written;
+            }
+            assert_eq!(chunked, whole);
+        }
     }
 
     #[test]
