@@ -458,13 +458,33 @@ async fn write_rows_frame<S: AsyncWrite + Unpin>(
 // ---------------------------------------------------------------------------------------
 // Client
 
-/// A request on its way: checked and its header encoded on the caller's thread; the rows
-/// are converted as they are written.
-struct Outgoing {
-    request_id: u64,
-    frame: RowsFrame,
-    expect: Expect,
-    done: Completion,
+/// A request on its way to the driver.
+enum Outgoing {
+    /// Checked and its header encoded on the caller's thread; the rows are converted as
+    /// they are written.
+    Fresh {
+        request_id: u64,
+        frame: RowsFrame,
+        expect: Expect,
+        done: Completion,
+    },
+    /// The rest of a frame the caller began writing on connection `generation` (its
+    /// completion is already pending).
+    Remainder {
+        bytes: Vec<u8>,
+        written: usize,
+        generation: u64,
+    },
+}
+
+impl Outgoing {
+    /// Answers a request that will not be sent (a remainder's request is failed with the
+    /// rest of its connection's).
+    fn fail(self, error: &PeerError) {
+        if let Outgoing::Fresh { done, .. } = self {
+            done(Err(error.clone()));
+        }
+    }
 }
 
 /// What the reply to a request must look like.
@@ -490,6 +510,17 @@ fn fail_all(pending: &PendingMap, error: &PeerError) {
 struct ClientShared {
     next_request_id: AtomicU64,
     close: Notify,
+    link: Mutex<WriterSlot>,
+    pending: PendingMap,
+    stats: Arc<PeerStats>,
+}
+
+impl ClientShared {
+    /// The driver is done with one queued item.
+    fn dequeued(&self) {
+        let mut link = lock(&self.link);
+        link.queued = link.queued.saturating_sub(1);
+    }
 }
 
 /// The client side toward ONE remote node: connects lazily, reconnects (after a short
@@ -524,9 +555,17 @@ impl PeerClient {
     ) -> Self {
         let limits = config.limits;
         let (queue, receiver) = mpsc::channel(config.queue_capacity.max(1));
+        let pending: PendingMap = Arc::new(Mutex::new(HashMap::new()));
         let shared = Arc::new(ClientShared {
             next_request_id: AtomicU64::new(1),
             close: Notify::new(),
+            link: Mutex::new(WriterSlot {
+                stream: None,
+                queued: 0,
+                generation: 0,
+            }),
+            pending: pending.clone(),
+            stats: stats.clone(),
         });
         let driver = Driver {
             transport,
@@ -536,7 +575,7 @@ impl PeerClient {
             config,
             shared: shared.clone(),
             queue: receiver,
-            pending: Arc::new(Mutex::new(HashMap::new())),
+            pending,
         };
         runtime.spawn(driver.run());
         PeerClient {
@@ -566,16 +605,40 @@ impl PeerClient {
         // The peer would drop the whole connection over a frame past the limits (both nodes
         // are expected to run the same limits), so refuse it here, alone.
         wire::decode_header(&frame.prefix, &self.limits).map_err(PeerError::BadRequest)?;
-        let outgoing = Outgoing {
+        let permit = self.queue.try_reserve().map_err(|error| match error {
+            mpsc::error::TrySendError::Full(()) => PeerError::Overloaded,
+            mpsc::error::TrySendError::Closed(()) => PeerError::Closed,
+        })?;
+        let shared = &self.shared;
+        let mut link = lock(&shared.link);
+        if link.queued == 0 && link.stream.is_some() && frame.len() <= CHUNK_BYTES {
+            // The link is up and idle: write from this thread, sparing the hand-off to the
+            // driver task (most of a small request's round trip).
+            let bytes = frame.to_bytes();
+            lock(&shared.pending).insert(request_id, Pending { expect, done });
+            let written = write_now(&mut link, &bytes).unwrap_or(0);
+            if written == bytes.len() {
+                shared.stats.add_sent(bytes.len());
+                return Ok(());
+            }
+            // The socket is full, or failed: the driver writes the rest, or finds out.
+            link.queued += 1;
+            let generation = link.generation;
+            permit.send(Outgoing::Remainder {
+                bytes,
+                written,
+                generation,
+            });
+            return Ok(());
+        }
+        link.queued += 1;
+        permit.send(Outgoing::Fresh {
             request_id,
             frame,
             expect,
             done,
-        };
-        self.queue.try_send(outgoing).map_err(|error| match error {
-            mpsc::error::TrySendError::Full(_) => PeerError::Overloaded,
-            mpsc::error::TrySendError::Closed(_) => PeerError::Closed,
-        })
+        });
+        Ok(())
     }
 
     /// The remote node is known gone (gossip said dead): every outstanding and queued
@@ -610,8 +673,10 @@ impl Drop for Driver {
     fn drop(&mut self) {
         fail_all(&self.pending, &PeerError::Closed);
         self.queue.close();
+        lock(&self.shared.link).stream = None;
         while let Ok(outgoing) = self.queue.try_recv() {
-            (outgoing.done)(Err(PeerError::Closed));
+            self.shared.dequeued();
+            outgoing.fail(&PeerError::Closed);
         }
     }
 }
@@ -622,7 +687,12 @@ impl Driver {
         loop {
             let first = tokio::select! {
                 item = self.queue.recv() => match item {
-                    Some(item) => item,
+                    Some(item @ Outgoing::Fresh { .. }) => item,
+                    // Its connection is gone, and its request failed with it.
+                    Some(Outgoing::Remainder { .. }) => {
+                        self.shared.dequeued();
+                        continue;
+                    }
                     None => return,
                 },
                 // A close while idle has nothing to fail.
@@ -653,7 +723,8 @@ impl Driver {
                 }
                 Err(error) => {
                     tracing::debug!(peer = %self.addr, %error, "peer connect failed");
-                    (first.done)(Err(error.clone()));
+                    self.shared.dequeued();
+                    first.fail(&error);
                     let wait = backoff;
                     backoff = (backoff * 2).min(self.config.backoff_max);
                     self.fail_queued(&error);
@@ -696,7 +767,8 @@ impl Driver {
     /// Fails everything already queued.
     fn fail_queued(&mut self, error: &PeerError) {
         while let Ok(outgoing) = self.queue.try_recv() {
-            (outgoing.done)(Err(error.clone()));
+            self.shared.dequeued();
+            outgoing.fail(error);
         }
     }
 
@@ -706,7 +778,10 @@ impl Driver {
         loop {
             tokio::select! {
                 item = self.queue.recv() => match item {
-                    Some(outgoing) => (outgoing.done)(Err(error.clone())),
+                    Some(outgoing) => {
+                        self.shared.dequeued();
+                        outgoing.fail(error);
+                    }
                     None => return false,
                 },
                 () = tokio::time::sleep_until(until) => return true,
@@ -715,7 +790,13 @@ impl Driver {
     }
 
     async fn run_connection(&mut self, stream: Box<dyn PeerStream>, first: Outgoing) -> LinkEnd {
-        let (read_half, mut write_half) = tokio::io::split(stream);
+        let (read_half, write_half) = tokio::io::split(stream);
+        let generation = {
+            let mut link = lock(&self.shared.link);
+            link.stream = Some(write_half);
+            link.generation += 1;
+            link.generation
+        };
         let mut reader = tokio::spawn(read_replies(
             read_half,
             self.pending.clone(),
@@ -724,6 +805,7 @@ impl Driver {
         ));
         let mut next = Some(first);
         let mut scratch = vec![0u8; CHUNK_BYTES];
+        let shared = self.shared.clone();
         let end = loop {
             let outgoing = match next.take() {
                 Some(outgoing) => outgoing,
@@ -738,26 +820,61 @@ impl Driver {
                     },
                 },
             };
-            lock(&self.pending).insert(
-                outgoing.request_id,
-                Pending {
-                    expect: outgoing.expect,
-                    done: outgoing.done,
-                },
-            );
-            let frame = outgoing.frame;
-            tokio::select! {
-                written = write_rows_frame(&mut write_half, &frame, &mut scratch) => match written {
-                    Ok(()) => self.stats.add_sent(frame.len()),
-                    Err(error) => break LinkEnd::Lost(format!("write failed: {error}")),
-                },
-                reason = &mut reader => {
-                    break LinkEnd::Lost(reason.unwrap_or_else(|error| format!("reader stopped: {error}")));
+            let mut stream = LockedWriter(&shared.link);
+            let (written, len) = match outgoing {
+                Outgoing::Fresh {
+                    request_id,
+                    frame,
+                    expect,
+                    done,
+                } => {
+                    lock(&self.pending).insert(request_id, Pending { expect, done });
+                    let len = frame.len();
+                    let write = write_rows_frame(&mut stream, &frame, &mut scratch);
+                    tokio::select! {
+                        written = write => (written, len),
+                        reason = &mut reader => {
+                            self.shared.dequeued();
+                            break LinkEnd::Lost(reason.unwrap_or_else(|error| format!("reader stopped: {error}")));
+                        }
+                        () = self.shared.close.notified() => {
+                            self.shared.dequeued();
+                            break LinkEnd::ClosedByCaller;
+                        }
+                    }
                 }
-                () = self.shared.close.notified() => break LinkEnd::ClosedByCaller,
+                Outgoing::Remainder {
+                    bytes,
+                    written,
+                    generation: of,
+                } => {
+                    if of != generation {
+                        self.shared.dequeued();
+                        continue;
+                    }
+                    let write = stream.write_all(&bytes[written..]);
+                    tokio::select! {
+                        written = write => (written, bytes.len()),
+                        reason = &mut reader => {
+                            self.shared.dequeued();
+                            break LinkEnd::Lost(reason.unwrap_or_else(|error| format!("reader stopped: {error}")));
+                        }
+                        () = self.shared.close.notified() => {
+                            self.shared.dequeued();
+                            break LinkEnd::ClosedByCaller;
+                        }
+                    }
+                }
+            };
+            self.shared.dequeued();
+            match written {
+                Ok(()) => self.stats.add_sent(len),
+                Err(error) => break LinkEnd::Lost(format!("write failed: {error}")),
             }
         };
         reader.abort();
+        // Before the pending requests are failed, so none written directly is missed.
+        lock(&self.shared.link).stream = None;
         end
     }
 }
@@ -996,9 +1113,10 @@ async fn serve_connection(
     let (read_half, write_half) = tokio::io::split(stream);
     let (outbox, queued) = mpsc::unbounded_channel();
     let link = Arc::new(ReplyLink {
-        state: Mutex::new(ReplyState {
+        state: Mutex::new(WriterSlot {
             stream: Some(write_half),
             queued: 0,
+            generation: 0,
         }),
         outbox,
         stats: context.stats.clone(),
@@ -1095,16 +1213,39 @@ enum OutFrame {
 /// hand-off to the writer task, the common case for small replies); otherwise it goes
 /// through the outbox to the writer task, in order.
 struct ReplyLink {
-    state: Mutex<ReplyState>,
+    state: Mutex<WriterSlot>,
     outbox: mpsc::UnboundedSender<OutFrame>,
     stats: Arc<PeerStats>,
 }
 
-struct ReplyState {
-    /// `None` once the connection is over.
+/// The write half of a connection, shared by the task that writes queued frames and the
+/// threads that write directly when nothing is queued.
+struct WriterSlot {
+    /// `None` while there is no connection (or once it is over).
     stream: Option<tokio::io::WriteHalf<Box<dyn PeerStream>>>,
-    /// Frames in the outbox or being written by the writer task.
+    /// Frames handed to the writing task and not yet written (or failed): while any is,
+    /// nothing is written directly, so frames never interleave.
     queued: usize,
+    /// Counts connections, so a frame's remainder never goes to a later connection.
+    generation: u64,
+}
+
+/// Writes `bytes` now if the socket takes them, polling with a no-op waker: when it does not,
+/// the caller queues the remainder for the writing task, which polls again with its own
+/// waker before anything waits on it. Returns how many bytes went out; `None` when the
+/// stream failed or there is none.
+fn write_now(slot: &mut WriterSlot, bytes: &[u8]) -> Option<usize> {
+    let stream = slot.stream.as_mut()?;
+    let mut context = Context::from_waker(Waker::noop());
+    let mut written = 0;
+    while written < bytes.len() {
+        match Pin::new(&mut *stream).poll_write(&mut context, &bytes[written..]) {
+            Poll::Ready(Ok(sent)) if sent > 0 => written += sent,
+            Poll::Ready(_) => return None,
+            Poll::Pending => break,
+        }
+    }
+    Some(written)
 }
 
 impl ReplyLink {
@@ -1115,31 +1256,18 @@ impl ReplyLink {
         };
         let mut state = lock(&self.state);
         let frame = match frame {
-            OutFrame::Bytes(bytes) if state.queued == 0 => {
-                let Some(stream) = state.stream.as_mut() else {
-                    return;
-                };
-                // Polled with a no-op waker: when the socket is full, the writer task polls
-                // again with its own waker before anything waits on it.
-                let mut context = Context::from_waker(Waker::noop());
-                let mut written = 0;
-                while written < bytes.len() {
-                    match Pin::new(&mut *stream).poll_write(&mut context, &bytes[written..]) {
-                        Poll::Ready(Ok(sent)) if sent > 0 => written += sent,
-                        Poll::Ready(_) => {
-                            // Broken: the reader sees it too and ends the connection.
-                            state.stream = None;
-                            return;
-                        }
-                        Poll::Pending => break,
-                    }
-                }
-                if written == bytes.len() {
+            OutFrame::Bytes(bytes) if state.queued == 0 => match write_now(&mut state, &bytes) {
+                Some(written) if written == bytes.len() => {
                     self.stats.add_sent(bytes.len());
                     return;
                 }
-                OutFrame::Partial { bytes, written }
-            }
+                Some(written) => OutFrame::Partial { bytes, written },
+                None => {
+                    // Broken (the reader sees it too and ends the connection), or over.
+                    state.stream = None;
+                    return;
+                }
+            },
             other => other,
         };
         state.queued += 1;
@@ -1149,7 +1277,7 @@ impl ReplyLink {
 }
 
 /// The write half behind the link's lock, held only while one poll runs.
-struct LockedWriter<'a>(&'a Mutex<ReplyState>);
+struct LockedWriter<'a>(&'a Mutex<WriterSlot>);
 
 impl AsyncWrite for LockedWriter<'_> {
     fn poll_write(
