@@ -168,6 +168,7 @@ fn load(state: &AppState, api: std::net::SocketAddr) -> Result<(), ServeError> {
         chat_template,
         created,
     });
+    watch_router(state)?;
     let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready]);
     tracing::info!(
         model = %name,
@@ -175,6 +176,32 @@ fn load(state: &AppState, api: std::net::SocketAddr) -> Result<(), ServeError> {
         "ready"
     );
     Ok(())
+}
+
+/// Exit status when the router is gone (sysexits' EX_SOFTWARE): systemd restarts the node.
+pub const EXIT_ROUTER_GONE: i32 = 70;
+
+/// Watches the router actor: if it stops (a panic in a step ends its thread), the node can
+/// serve nothing, so it leaves `/ready` and exits non-zero for its supervisor to restart it
+/// while the other nodes of a cluster go on serving.
+fn watch_router(state: &AppState) -> Result<(), ServeError> {
+    let Some(served) = state.served() else {
+        return Ok(());
+    };
+    let router = served.node.router.clone();
+    std::thread::Builder::new()
+        .name("moe-node-watchdog".into())
+        .spawn(move || {
+            while router.connected() {
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            tracing::error!(
+                "the router stopped (a step panicked or its thread ended): exiting so that the node is restarted"
+            );
+            std::process::exit(EXIT_ROUTER_GONE);
+        })
+        .map(|_| ())
+        .map_err(ServeError::Http)
 }
 
 /// One token through every layer and device, so the first request does not pay for cold

@@ -3,18 +3,19 @@
 //! asserts what a client sees (tokens, statuses) and what an operator sees (/admin/cluster,
 //! /metrics) while nodes are killed, paused, restarted, or sent garbage.
 
+use std::ffi::OsStr;
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpStream, UdpSocket};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use reqwest::StatusCode;
 use reqwest::blocking::{Client, Response};
 use serde_json::{Value, json};
 
-const BIN: &str = env!("CARGO_BIN_EXE_moe-node");
+mod serve;
+use serve::{BIN, Process};
 const SECRET: &str = "cluster-test-secret-0123456789";
 
 /// A DeepSeek-V3-shaped checkpoint: 16 routed experts, top-4, a shared expert.
@@ -32,9 +33,8 @@ fn free_udp_port() -> u16 {
 
 struct Node {
     name: String,
-    child: Child,
+    process: Process,
     base: String,
-    log: Arc<Mutex<Vec<String>>>,
     client: Client,
     config_path: PathBuf,
     model: PathBuf,
@@ -86,37 +86,16 @@ impl ClusterSpec {
 
 impl Node {
     fn start(name: &str, config_path: PathBuf, model: PathBuf) -> Node {
-        let mut child = Command::new(BIN)
-            .args(["serve", "--config"])
-            .arg(&config_path)
-            .arg("--model")
-            .arg(&model)
-            .args(["--listen", "127.0.0.1:0"])
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let log = Arc::new(Mutex::new(Vec::new()));
-        let (addr_tx, addr_rx) = std::sync::mpsc::channel();
-        let stderr = child.stderr.take().unwrap();
-        let lines = log.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                if let Some(rest) = line.split("listening on http://").nth(1) {
-                    let _ = addr_tx.send(rest.trim().to_string());
-                }
-                lines.lock().unwrap().push(line);
-            }
-        });
-        let addr = addr_rx
-            .recv_timeout(Duration::from_secs(60))
-            .unwrap_or_else(|_| panic!("{name} did not start: {:?}", log.lock().unwrap()));
+        let process = Process::serve(&[
+            OsStr::new("--config"),
+            config_path.as_os_str(),
+            OsStr::new("--model"),
+            model.as_os_str(),
+        ]);
         Node {
             name: name.to_string(),
-            child,
-            base: format!("http://{addr}"),
-            log,
+            base: process.base.clone(),
+            process,
             client: Client::builder()
                 .timeout(Duration::from_secs(60))
                 .build()
@@ -128,7 +107,7 @@ impl Node {
 
     /// The same node again, after it died: same config, same gossip address.
     fn restart(&mut self) {
-        let _ = self.child.wait();
+        let _ = self.process.child.wait();
         let again = Node::start(&self.name, self.config_path.clone(), self.model.clone());
         *self = again;
     }
@@ -160,7 +139,7 @@ impl Node {
     }
 
     fn log(&self) -> Vec<String> {
-        self.log.lock().unwrap().clone()
+        self.process.log_lines()
     }
 
     /// A counter or gauge summed over all its series.
@@ -209,26 +188,28 @@ impl Node {
     }
 
     fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        let _ = self.process.child.kill();
+        let _ = self.process.child.wait();
+    }
+
+    /// This node's own entry in /admin/cluster.
+    fn me(&self) -> Value {
+        let cluster = self.cluster();
+        cluster["members"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["self"] == true)
+            .unwrap()
+            .clone()
     }
 
     fn signal(&self, signal: &str) {
         let status = Command::new("kill")
-            .args([signal, &self.child.id().to_string()])
+            .args([signal, &self.process.child.id().to_string()])
             .status()
             .unwrap();
         assert!(status.success());
-    }
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        let _ = Command::new("kill")
-            .args(["-CONT", &self.child.id().to_string()])
-            .status();
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -361,14 +342,7 @@ fn three_nodes_serve_one_model_and_survive_kill_pause_restart_and_garbage() {
             node.name,
             16.0 * moe_layers
         );
-        let cluster = node.cluster();
-        let me = cluster["members"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|m| m["self"] == true)
-            .unwrap()
-            .clone();
+        let me = node.me();
         for key in [
             "node",
             "state",
@@ -408,14 +382,7 @@ fn three_nodes_serve_one_model_and_survive_kill_pause_restart_and_garbage() {
     assert!(remote_before > 0.0, "expert work crossed nodes");
 
     // Garbage on node1's gossip and peer ports: refused and counted; it keeps serving.
-    let cluster = nodes[0].cluster();
-    let me = cluster["members"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|m| m["self"] == true)
-        .unwrap()
-        .clone();
+    let me = nodes[0].me();
     let gossip: SocketAddr = me["gossip"].as_str().unwrap().parse().unwrap();
     let peer: SocketAddr = me["peer"].as_str().unwrap().parse().unwrap();
     let udp = UdpSocket::bind("127.0.0.1:0").unwrap();
@@ -455,7 +422,7 @@ fn three_nodes_serve_one_model_and_survive_kill_pause_restart_and_garbage() {
     );
     // Both give up joining (no placement to take) and exit non-zero.
     for outsider in [&mut intruder, &mut stranger] {
-        let status = outsider.child.wait().unwrap();
+        let status = outsider.process.child.wait().unwrap();
         assert!(!status.success(), "{} should not serve", outsider.name);
         assert!(
             outsider
@@ -487,29 +454,6 @@ fn three_nodes_serve_one_model_and_survive_kill_pause_restart_and_garbage() {
             > 0.0
     );
 
-    // node3 paused (SIGSTOP) for less than the suspicion timeout while requests run through
-    // the others: nothing fails, nobody is declared dead, its work is hedged.
-    nodes[2].signal("-STOP");
-    let pause_started = Instant::now();
-    for i in 0..4 {
-        assert_eq!(completion(&nodes[i % 2], &prompt(i), 24), expected[i]);
-    }
-    std::thread::sleep(Duration::from_millis(1000).saturating_sub(pause_started.elapsed()));
-    nodes[2].signal("-CONT");
-    for node in &nodes[..2] {
-        // It may be suspect for a moment; it refutes the suspicion once it runs again.
-        node.wait_member_state("node3", "alive", Duration::from_secs(5));
-        assert_eq!(
-            node.metric_sum("moe_node_membership_transitions_total{state=\"dead\"}"),
-            0.0
-        );
-    }
-    let hedged: f64 = nodes[..2]
-        .iter()
-        .map(|n| n.metric_sum("moe_node_dispatch_hedges_total"))
-        .sum();
-    assert!(hedged > 0.0, "work sent to the paused node was hedged");
-
     // kill -9 of node3 while 16 streams run through node1 and node2: none fails, none
     // changes.
     let long = 200;
@@ -527,6 +471,11 @@ fn three_nodes_serve_one_model_and_survive_kill_pause_restart_and_garbage() {
             .recv_timeout(Duration::from_secs(60))
             .expect("streams started");
     }
+    eprintln!(
+        "DEBUG before kill: {} {}",
+        nodes[0].cluster()["dispatch"],
+        nodes[1].cluster()["dispatch"]
+    );
     nodes[2].kill();
     let killed_at = Instant::now();
     for (i, stream) in streams.into_iter().enumerate() {
@@ -540,6 +489,11 @@ fn three_nodes_serve_one_model_and_survive_kill_pause_restart_and_garbage() {
         .iter()
         .map(|n| n.metric_sum("moe_node_dispatch_failovers_total"))
         .sum();
+    eprintln!(
+        "DEBUG after: {} {}",
+        nodes[0].cluster()["dispatch"],
+        nodes[1].cluster()["dispatch"]
+    );
     assert!(failovers > 0.0, "work in flight to node3 was re-sent");
     for node in &nodes[..2] {
         node.wait_member_state("node3", "dead", Duration::from_secs(15));
@@ -566,4 +520,33 @@ fn three_nodes_serve_one_model_and_survive_kill_pause_restart_and_garbage() {
         after > before,
         "the restarted node runs expert work again ({before} -> {after})"
     );
+
+    // node3 paused (SIGSTOP) for less than the suspicion timeout while requests run through
+    // the others: nothing fails, nobody is declared dead, its work is hedged.
+    let dead_before: Vec<f64> = nodes[..2]
+        .iter()
+        .map(|n| n.metric_sum("moe_node_membership_transitions_total{state=\"dead\"}"))
+        .collect();
+    nodes[2].signal("-STOP");
+    let pause_started = Instant::now();
+    for i in 0..4 {
+        assert_eq!(completion(&nodes[i % 2], &prompt(i), 24), expected[i]);
+    }
+    std::thread::sleep(Duration::from_millis(1000).saturating_sub(pause_started.elapsed()));
+    nodes[2].signal("-CONT");
+    for (node, dead_before) in nodes[..2].iter().zip(dead_before) {
+        // It may be suspect for a moment; it refutes the suspicion once it runs again.
+        node.wait_member_state("node3", "alive", Duration::from_secs(5));
+        assert_eq!(
+            node.metric_sum("moe_node_membership_transitions_total{state=\"dead\"}"),
+            dead_before,
+            "nobody declared dead by {}",
+            node.name
+        );
+    }
+    let hedged: f64 = nodes[..2]
+        .iter()
+        .map(|n| n.metric_sum("moe_node_dispatch_hedges_total"))
+        .sum();
+    assert!(hedged > 0.0, "work sent to the paused node was hedged");
 }

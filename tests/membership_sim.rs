@@ -26,7 +26,7 @@ fn a_crashed_member_is_declared_dead_by_every_live_member() {
         let last = detection
             .last
             .unwrap_or_else(|| panic!("seed {seed}: {} live members missed it", detection.missing));
-        // A probe finds it within a couple of periods, suspicion lasts 4 s, gossip spreads
+        // A probe finds it within a couple of periods, suspicion lasts 2 s, gossip spreads
         // the verdict in well under a second.
         assert!(
             last <= Duration::from_secs(12),

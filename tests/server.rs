@@ -1,17 +1,19 @@
 //! The real server, started as its own process on port 0, driven over HTTP by a real client:
 //! what a user of the API sees.
 
+use std::ffi::OsStr;
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::process::{Command, Stdio};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use reqwest::StatusCode;
 use reqwest::blocking::{Client, Response};
 use serde_json::{Value, json};
 
-const BIN: &str = env!("CARGO_BIN_EXE_moe-node");
+mod serve;
+use serve::{BIN, Process};
 
 /// The demo model, written once for all tests of this binary.
 fn demo_model() -> &'static Path {
@@ -32,9 +34,8 @@ fn demo_model() -> &'static Path {
 }
 
 struct Server {
-    child: Child,
+    process: Process,
     base: String,
-    log: Arc<Mutex<Vec<String>>>,
     client: Client,
     key: Option<String>,
     _dir: tempfile::TempDir,
@@ -50,41 +51,17 @@ impl Server {
         let dir = tempfile::tempdir().unwrap();
         let config_path = dir.path().join("moe-node.toml");
         std::fs::write(&config_path, config).unwrap();
-        let mut child = Command::new(BIN)
-            .arg("serve")
-            .arg("--config")
-            .arg(&config_path)
-            .args(["--listen", "127.0.0.1:0"])
-            .args(args)
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let log = Arc::new(Mutex::new(Vec::new()));
-        let (addr_tx, addr_rx) = std::sync::mpsc::channel();
-        let stderr = child.stderr.take().unwrap();
-        let lines = log.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                if let Some(rest) = line.split("listening on http://").nth(1) {
-                    let _ = addr_tx.send(rest.trim().to_string());
-                }
-                lines.lock().unwrap().push(line);
-            }
-        });
-        let addr = addr_rx
-            .recv_timeout(Duration::from_secs(60))
-            .unwrap_or_else(|_| panic!("server did not start: {:?}", log.lock().unwrap()));
+        let mut all: Vec<&OsStr> = vec![OsStr::new("--config"), config_path.as_os_str()];
+        all.extend(args.iter().map(OsStr::new));
+        let process = Process::serve(&all);
         let key = config
             .lines()
             .find_map(|l| l.strip_prefix("api_keys = [\""))
             .and_then(|rest| rest.split('"').next())
             .map(str::to_string);
         Server {
-            child,
-            base: format!("http://{addr}"),
-            log,
+            base: process.base.clone(),
+            process,
             client: Client::builder()
                 .timeout(Duration::from_secs(120))
                 .build()
@@ -102,7 +79,7 @@ impl Server {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        panic!("not ready in time: {:?}", self.log.lock().unwrap());
+        panic!("not ready in time: {:?}", self.process.log_lines());
     }
 
     fn get(&self, path: &str) -> Response {
@@ -146,21 +123,14 @@ impl Server {
             assert!(
                 Instant::now() < deadline,
                 "{needle:?} not logged: {:?}",
-                self.log.lock().unwrap()
+                self.process.log_lines()
             );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
 
     fn log_contains(&self, needle: &str) -> bool {
-        self.log.lock().unwrap().iter().any(|l| l.contains(needle))
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.process.log_contains(needle)
     }
 }
 
@@ -821,7 +791,7 @@ fn sigterm_drains_in_flight_requests_then_exits_zero() {
     let body = json!({"prompt": [1, 2, 3], "max_tokens": 2000, "ignore_eos": true, "stream": true,
                       "return_token_ids": true});
     let resp = server.post("/v1/completions", &body);
-    let pid = server.child.id().to_string();
+    let pid = server.process.child.id().to_string();
     let status = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
     assert!(status.success());
     // Draining: not ready, and new requests are refused, while the stream goes on.
@@ -835,7 +805,7 @@ fn sigterm_drains_in_flight_requests_then_exits_zero() {
     let (events, done) = read_sse(resp);
     assert!(done, "the in-flight stream was finished");
     assert_eq!(streamed_ids(&events).len(), 2000);
-    let exit = server.child.wait().unwrap();
-    assert_eq!(exit.code(), Some(0), "{:?}", server.log.lock().unwrap());
+    let exit = server.process.child.wait().unwrap();
+    assert_eq!(exit.code(), Some(0), "{:?}", server.process.log_lines());
     server.wait_for_log("drained");
 }

@@ -349,6 +349,7 @@ impl Dispatcher {
                             if unusable {
                                 view.reach = crate::placement::Reach::Down;
                             }
+                            view.local = matches!(target, Target::Device(_));
                             view
                         },
                         |i, r| failed_on[pending[i]].contains(&self.target_of(r, local_node)),
@@ -459,10 +460,13 @@ impl Dispatcher {
                     }
                     match result {
                         Ok(outs) if outs.len() == attempt.groups.len() => {
+                            // A hedged send's answer time is an outlier (a pause, a node still
+                            // loading): its missed deadline already counts against the target.
+                            let sample = (!attempt.hedged).then_some(took);
                             self.health()
                                 .entry(target)
                                 .or_default()
-                                .answered(attempt.rows, Some(took));
+                                .answered(attempt.rows, sample);
                             if let Some(observe) = &self.latency_observer {
                                 observe(target, took);
                             }

@@ -168,6 +168,9 @@ async fn health() -> HttpResponse {
 
 async fn ready(state: web::Data<AppState>) -> HttpResponse {
     match state.admitting() {
+        Ok(served) if !served.node.router.connected() => {
+            HttpResponse::ServiceUnavailable().json(json!({"status": "router stopped"}))
+        }
         Ok(_) => HttpResponse::Ok().json(json!({"status": "ready"})),
         Err(e) => {
             let status = match state.phase() {

@@ -159,7 +159,7 @@ impl Default for ClusterConfig {
             expect_nodes: 1,
             replication: 2,
             probe_period_ms: 1000,
-            suspicion_timeout_ms: 3000,
+            suspicion_timeout_ms: 2000,
             hedge_after_ms: 250,
             request_timeout_ms: 10_000,
             on_expert_unavailable: crate::actors::dispatch::OnUnavailable::Fail,

@@ -23,17 +23,29 @@ pub struct ReplicaHealth {
     pub latency_micros: f64,
     /// Rows sent to it and not yet answered.
     pub outstanding_rows: usize,
+    /// On this node (no network between).
+    pub local: bool,
 }
 
-/// Rows a replica is taken to answer in one measured latency before more work queues behind
-/// them: the scale at which load outweighs latency in the choice.
-const ROWS_PER_LATENCY: f64 = 64.0;
+/// Rows of load a local replica may carry beyond a remote one and still be chosen.
+pub const LOCAL_SLACK_ROWS: usize = 256;
+
+/// Whether a replica answering in `latency` micros is about as fast as the fastest one
+/// (within twice its latency plus a quarter millisecond of jitter): only those share work.
+pub fn comparable(latency: f64, fastest: f64) -> bool {
+    latency <= 2.0 * fastest + 250.0
+}
 
 impl ReplicaHealth {
-    /// When work given to it now is expected back, with `step_rows` more rows given to it
-    /// in this step.
-    pub fn expected_micros(&self, step_rows: usize) -> f64 {
-        self.latency_micros * (1.0 + (self.outstanding_rows + step_rows) as f64 / ROWS_PER_LATENCY)
+    /// The load the choice compares: rows outstanding plus `step_rows` given to it in this
+    /// step, less the slack a local replica gets.
+    pub fn load(&self, step_rows: usize) -> usize {
+        let rows = self.outstanding_rows + step_rows;
+        if self.local {
+            rows.saturating_sub(LOCAL_SLACK_ROWS)
+        } else {
+            rows
+        }
     }
 }
 
@@ -103,6 +115,7 @@ impl TargetHealth {
             .is_none_or(|t| now.saturating_duration_since(t) > STALE_AFTER);
         ReplicaHealth {
             reach,
+            local: false,
             latency_micros: if stale {
                 self.latency_micros.min(FIRST_LATENCY_MICROS)
             } else {
@@ -240,7 +253,13 @@ mod tests {
         assert!((h.latency().as_secs_f64() * 1e6 - 4000.0).abs() < 1e-3);
         h.sent(64);
         assert_eq!(h.view(Instant::now()).outstanding_rows, 64);
-        assert!((h.view(Instant::now()).expected_micros(0) - 8000.0).abs() < 1e-3);
+        assert_eq!(h.view(Instant::now()).load(10), 74);
+        let local = ReplicaHealth {
+            local: true,
+            ..h.view(Instant::now())
+        };
+        assert_eq!(local.load(10), 0);
+        assert_eq!(local.load(LOCAL_SLACK_ROWS), 64);
         h.answered(100, None);
         assert_eq!(h.view(Instant::now()).outstanding_rows, 0);
         assert_eq!(

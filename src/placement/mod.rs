@@ -219,11 +219,12 @@ impl Placement {
 
 /// Chooses, for each active expert of a step, the replica that runs its rows. Replicas that
 /// are down, or that `excluded` names for that group (they failed it already), are never
-/// chosen; a suspect replica only when no reachable one is left. Among the rest, the one
-/// expected to answer first: its measured latency plus the work already on it (outstanding
-/// and given out earlier in this step), so tokens flow around a slow node and a local
-/// replica wins over a remote one while their loads are comparable. Returns the replica per
-/// expert, `None` where an expert has no usable replica.
+/// chosen; a suspect replica only when no reachable one is left. Among the rest, replicas
+/// much slower than the fastest (see [`health::comparable`]) are left out, so tokens flow
+/// around a slow node; the others share the work by load (rows outstanding plus rows given
+/// out earlier in this step), a local replica winning while its load is comparable
+/// ([`health::LOCAL_SLACK_ROWS`]). Returns the replica per expert, `None` where an expert
+/// has no usable replica.
 pub fn assign_groups(
     placement: &Placement,
     layer: usize,
@@ -235,21 +236,33 @@ pub fn assign_groups(
     let mut step_rows: std::collections::HashMap<Replica, usize> = Default::default();
     let mut chosen = Vec::with_capacity(experts.len());
     for (i, &expert) in experts.iter().enumerate() {
-        let best = placement
+        let candidates: Vec<(Replica, ReplicaHealth)> = placement
             .replicas(layer, expert)
             .iter()
             .copied()
             .filter(|&r| !excluded(i, r))
             .map(|r| (r, health(r)))
             .filter(|(_, h)| h.reach != Reach::Down)
+            .collect();
+        let best_reach = candidates.iter().map(|(_, h)| h.reach).min();
+        let fastest = candidates
+            .iter()
+            .filter(|(_, h)| Some(h.reach) == best_reach)
+            .map(|(_, h)| h.latency_micros)
+            .fold(f64::INFINITY, f64::min);
+        let best = candidates
+            .iter()
+            .filter(|(_, h)| {
+                Some(h.reach) == best_reach && health::comparable(h.latency_micros, fastest)
+            })
             .min_by(|(ra, a), (rb, b)| {
-                let ea = a.expected_micros(step_rows.get(ra).copied().unwrap_or(0));
-                let eb = b.expected_micros(step_rows.get(rb).copied().unwrap_or(0));
-                (a.reach, ea)
-                    .partial_cmp(&(b.reach, eb))
+                let la = a.load(step_rows.get(ra).copied().unwrap_or(0));
+                let lb = b.load(step_rows.get(rb).copied().unwrap_or(0));
+                (la, a.latency_micros)
+                    .partial_cmp(&(lb, b.latency_micros))
                     .unwrap_or(std::cmp::Ordering::Equal)
             })
-            .map(|(r, _)| r);
+            .map(|(r, _)| *r);
         if let Some(r) = best {
             *step_rows.entry(r).or_default() += rows_per_expert(i);
         }
@@ -400,6 +413,7 @@ mod tests {
             reach: Reach::Up,
             latency_micros,
             outstanding_rows: 0,
+            local: false,
         }
     }
 
@@ -438,6 +452,30 @@ mod tests {
         for (e, c) in chosen.iter().enumerate() {
             assert_eq!(c.is_none(), single.replicas(0, e as u32) == [d(0)]);
         }
+    }
+
+    #[test]
+    fn comparable_replicas_share_work_and_a_local_one_wins_while_comparable() {
+        let p = Placement::balanced(&[true], 16, spec(&[1, 1], 2)).unwrap();
+        let experts: Vec<u32> = (0..16).collect();
+        // Two remote replicas of similar speed: the work is shared.
+        let similar = |r: Replica| if r.node == 1 { up(400.0) } else { up(300.0) };
+        let chosen = assign_groups(&p, 0, &experts, |_| 1, similar, |_, _| false);
+        let on0 = chosen.iter().filter(|c| c.unwrap().node == 0).count();
+        assert_eq!(on0, 8, "{chosen:?}");
+        // Node 0 local: it takes the work until its load exceeds the remote's by the slack.
+        let local0 = |r: Replica| ReplicaHealth {
+            local: r.node == 0,
+            ..similar(r)
+        };
+        let chosen = assign_groups(&p, 0, &experts, |_| 1, local0, |_, _| false);
+        assert!(chosen.iter().all(|c| c.unwrap().node == 0), "{chosen:?}");
+        let chosen = assign_groups(&p, 0, &experts, |_| 64, local0, |_, _| false);
+        let on0 = chosen.iter().filter(|c| c.unwrap().node == 0).count();
+        assert!(
+            (9..16).contains(&on0),
+            "local first, then shared: {chosen:?}"
+        );
     }
 
     #[test]
