@@ -471,11 +471,6 @@ fn three_nodes_serve_one_model_and_survive_kill_pause_restart_and_garbage() {
             .recv_timeout(Duration::from_secs(60))
             .expect("streams started");
     }
-    eprintln!(
-        "DEBUG before kill: {} {}",
-        nodes[0].cluster()["dispatch"],
-        nodes[1].cluster()["dispatch"]
-    );
     nodes[2].kill();
     let killed_at = Instant::now();
     for (i, stream) in streams.into_iter().enumerate() {
@@ -489,11 +484,6 @@ fn three_nodes_serve_one_model_and_survive_kill_pause_restart_and_garbage() {
         .iter()
         .map(|n| n.metric_sum("moe_node_dispatch_failovers_total"))
         .sum();
-    eprintln!(
-        "DEBUG after: {} {}",
-        nodes[0].cluster()["dispatch"],
-        nodes[1].cluster()["dispatch"]
-    );
     assert!(failovers > 0.0, "work in flight to node3 was re-sent");
     for node in &nodes[..2] {
         node.wait_member_state("node3", "dead", Duration::from_secs(15));
