@@ -1,12 +1,13 @@
 //! Crash detection time and false positives of the membership protocol, in the
 //! deterministic simulation (`moe_node::cluster::sim`) with the production foca config at
-//! the default periods (1 s probe, 4 s suspicion) and 1% packet loss.
+//! the default periods (`DEFAULT_PROBE_PERIOD`, `DEFAULT_SUSPICION_TIMEOUT`) and 1% packet loss.
 //!
 //! `cargo bench --bench membership_sim` (add `-- quick` for 5 trials and 10 minutes).
 
 use std::time::{Duration, Instant};
 
 use moe_node::cluster::sim::{SimConfig, Simulation};
+use moe_node::cluster::{DEFAULT_PROBE_PERIOD, DEFAULT_SUSPICION_TIMEOUT};
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     if sorted.is_empty() {
@@ -80,8 +81,10 @@ fn main() {
         (20, Duration::from_secs(3600))
     };
     println!(
-        "membership simulation: 1% loss, probe 1 s, suspicion 4 s, {trials} crash trials, \
+        "membership simulation: 1% loss, probe {:?}, suspicion {:?}, {trials} crash trials, \
          {} min quiet run",
+        DEFAULT_PROBE_PERIOD,
+        DEFAULT_SUSPICION_TIMEOUT,
         quiet.as_secs() / 60
     );
     println!(
