@@ -23,8 +23,8 @@ use tokio::sync::{Notify, mpsc, watch};
 
 use super::handshake::{self, HandshakeError, Hello, MAC_LEN, Status};
 use super::wire::{
-    self, ExpertReply, ExpertRequest, FrameBody, FrameHeader, FrameKind, HEADER_LEN, RemoteError,
-    RowsFrame, WireError, WireLimits,
+    self, Dtype, ExpertReply, ExpertRequest, FrameBody, FrameHeader, FrameKind, HEADER_LEN,
+    RemoteError, RowsFrame, WireError, WireLimits,
 };
 use super::{PeerListener, PeerStream, Transport};
 
@@ -460,11 +460,12 @@ async fn write_rows_frame<S: AsyncWrite + Unpin>(
 
 /// A request on its way to the driver.
 enum Outgoing {
-    /// Checked and its header encoded on the caller's thread; the rows are converted as
-    /// they are written.
+    /// Checked and its header encoded on the caller's thread; f32 rows are converted as
+    /// they are written, bf16 rows on the caller's thread (it has the time; the runtime's
+    /// workers carry every connection).
     Fresh {
         request_id: u64,
-        frame: RowsFrame,
+        frame: Result<RowsFrame, Vec<u8>>,
         expect: Expect,
         done: Completion,
     },
@@ -631,6 +632,12 @@ impl PeerClient {
             });
             return Ok(());
         }
+        drop(link);
+        let frame = match frame.dtype {
+            Dtype::F32 => Ok(frame),
+            Dtype::Bf16 => Err(frame.to_bytes()),
+        };
+        let mut link = lock(&shared.link);
         link.queued += 1;
         permit.send(Outgoing::Fresh {
             request_id,
@@ -829,10 +836,17 @@ impl Driver {
                     done,
                 } => {
                     lock(&self.pending).insert(request_id, Pending { expect, done });
-                    let len = frame.len();
-                    let write = write_rows_frame(&mut stream, &frame, &mut scratch);
+                    let write = async {
+                        match &frame {
+                            Ok(rows) => {
+                                let written = write_rows_frame(&mut stream, rows, &mut scratch);
+                                (written.await, rows.len())
+                            }
+                            Err(bytes) => (stream.write_all(bytes).await, bytes.len()),
+                        }
+                    };
                     tokio::select! {
-                        written = write => (written, len),
+                        written = write => written,
                         reason = &mut reader => {
                             self.shared.dequeued();
                             break LinkEnd::Lost(reason.unwrap_or_else(|error| format!("reader stopped: {error}")));
@@ -1251,7 +1265,11 @@ fn write_now(slot: &mut WriterSlot, bytes: &[u8]) -> Option<usize> {
 impl ReplyLink {
     fn send(&self, frame: OutFrame) {
         let frame = match frame {
-            OutFrame::Rows(rows) if rows.len() <= CHUNK_BYTES => OutFrame::Bytes(rows.to_bytes()),
+            // bf16 is converted here, on the handler's thread, rather than on a runtime
+            // worker by the writer task (f32 conversion is a plain copy either way).
+            OutFrame::Rows(rows) if rows.len() <= CHUNK_BYTES || rows.dtype == Dtype::Bf16 => {
+                OutFrame::Bytes(rows.to_bytes())
+            }
             other => other,
         };
         let mut state = lock(&self.state);
