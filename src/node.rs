@@ -6,13 +6,11 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
-use actix::Addr;
-
 use crate::actors::device::{
     DeviceHandle, DeviceTarget, GpuOptions, Shutdown, device_targets, start_device,
 };
 use crate::actors::dispatch::{DispatchTiming, Dispatcher, Target};
-use crate::actors::router::RouterActor;
+use crate::actors::router::{RouterActor, RouterHandle};
 use crate::cluster::joined::{ClusterError, Joined, join};
 use crate::cluster::metrics::ClusterCollector;
 use crate::compute::cuda::{self, CudaError};
@@ -49,7 +47,7 @@ impl From<cuda::load::LoadError> for NodeError {
 /// A running node: its devices, the placement of experts on them, and the router.
 pub struct Node {
     pub model: Arc<ModelConfig>,
-    pub router: Addr<RouterActor>,
+    pub router: RouterHandle,
     pub devices: Vec<DeviceHandle>,
     pub experts: Arc<Dispatcher>,
     pub load: Arc<ExpertLoad>,

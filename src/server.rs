@@ -192,7 +192,7 @@ fn watch_router(state: &AppState) -> Result<(), ServeError> {
     std::thread::Builder::new()
         .name("moe-node-watchdog".into())
         .spawn(move || {
-            while router.connected() {
+            while router.is_running() {
                 std::thread::sleep(Duration::from_millis(200));
             }
             tracing::error!(
@@ -213,8 +213,7 @@ fn warm_up(node: &Node) -> Result<(), ServeError> {
         sampling: SamplingParams::default(),
         stop_at_eos: false,
     };
-    let mut events = futures::executor::block_on(node.router.send(submit))
-        .map_err(|e| ServeError::WarmUp(e.to_string()))?
+    let mut events = futures::executor::block_on(node.router.submit(submit))
         .map_err(|e| ServeError::WarmUp(e.to_string()))?;
     loop {
         match events.blocking_recv() {

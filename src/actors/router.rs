@@ -41,6 +41,41 @@ impl Message for Submit {
     type Result = Result<mpsc::Receiver<SequenceEvent>, QueueFull>;
 }
 
+/// How the HTTP layer and start-up reach the router.
+#[derive(Clone)]
+pub struct RouterHandle {
+    addr: Addr<RouterActor>,
+}
+
+/// Why a generation was not queued.
+#[derive(Debug, thiserror::Error)]
+pub enum SubmitError {
+    #[error(transparent)]
+    QueueFull(#[from] QueueFull),
+    /// The router's thread has ended (a step panicked): the node cannot serve.
+    #[error("the router is not running")]
+    Stopped,
+}
+
+impl RouterHandle {
+    /// Queues a generation; its events arrive on the returned receiver.
+    pub async fn submit(
+        &self,
+        submit: Submit,
+    ) -> Result<mpsc::Receiver<SequenceEvent>, SubmitError> {
+        Ok(self
+            .addr
+            .send(submit)
+            .await
+            .map_err(|_| SubmitError::Stopped)??)
+    }
+
+    /// Whether the router still runs.
+    pub fn is_running(&self) -> bool {
+        self.addr.connected()
+    }
+}
+
 /// Runs one step of the batch (sent by the router to itself while there is work).
 #[derive(Message)]
 #[rtype(result = "()")]
@@ -58,9 +93,11 @@ impl RouterActor {
     }
 
     /// Starts the router on its own thread.
-    pub fn start_on_own_thread(self) -> Addr<RouterActor> {
+    pub fn start_on_own_thread(self) -> RouterHandle {
         let arbiter = Arbiter::new();
-        RouterActor::start_in_arbiter(&arbiter.handle(), move |_| self)
+        RouterHandle {
+            addr: RouterActor::start_in_arbiter(&arbiter.handle(), move |_| self),
+        }
     }
 
     fn schedule_step(&mut self, ctx: &mut Context<Self>) {

@@ -168,7 +168,7 @@ async fn health() -> HttpResponse {
 
 async fn ready(state: web::Data<AppState>) -> HttpResponse {
     match state.admitting() {
-        Ok(served) if !served.node.router.connected() => {
+        Ok(served) if !served.node.router.is_running() => {
             HttpResponse::ServiceUnavailable().json(json!({"status": "router stopped"}))
         }
         Ok(_) => HttpResponse::Ok().json(json!({"status": "ready"})),

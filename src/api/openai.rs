@@ -12,7 +12,7 @@ use tokio::sync::mpsc;
 
 use super::stop::StopStrings;
 use super::{ApiError, AppState, ServedModel, parse_json, read_body};
-use crate::actors::router::Submit;
+use crate::actors::router::{Submit, SubmitError};
 use crate::engine::batch::SequenceEvent;
 use crate::engine::{FinishReason, SamplingParams};
 use crate::model::chat_template::ChatMessage;
@@ -385,15 +385,17 @@ async fn generate(
     let events = served
         .node
         .router
-        .send(Submit {
+        .submit(Submit {
             prompt: std::mem::take(&mut request.prompt),
             max_tokens: request.max_tokens,
             sampling: request.sampling,
             stop_at_eos: request.stop_at_eos,
         })
         .await
-        .map_err(|_| ApiError::unavailable("the router is not running"))?
-        .map_err(|e| ApiError::overloaded(e.to_string()))?;
+        .map_err(|e| match e {
+            SubmitError::QueueFull(full) => ApiError::overloaded(full.to_string()),
+            SubmitError::Stopped => ApiError::unavailable(e.to_string()),
+        })?;
     let id = format!(
         "{}-{:016x}",
         match request.endpoint {
