@@ -2,10 +2,11 @@
 //! groups to the replicas holding the experts, on this node's device actors or on other
 //! nodes, and gets every group answered while any replica of its expert lives.
 //!
-//! Every send has a deadline derived from the target's measured latency. A group whose
-//! target fails (device gone, link reset, an error) is re-sent to another replica at once;
-//! a group whose target misses its deadline is hedged to another replica while the first
-//! send stays outstanding, and the first answer wins. The choice of replica is the pure
+//! A group whose target fails (device gone, link reset, an error) is re-sent to another
+//! replica at once. Work sent to another node has a deadline derived from that node's
+//! measured latency: a group that misses it is hedged to another replica while the first
+//! send stays outstanding, and the first answer wins. (A local device answers in its
+//! mailbox's order however long a big step takes; it is not hedged.) The choice of replica is the pure
 //! [`assign_groups`]; this file carries it out and keeps the health it is fed.
 
 use std::collections::HashMap;
@@ -102,10 +103,10 @@ pub enum OnUnavailable {
 
 #[derive(Debug, Clone, Copy)]
 pub struct DispatchTiming {
-    /// A send is hedged after four times its target's measured latency, never sooner than
-    /// this.
+    /// A send to another node is hedged after four times that node's measured latency,
+    /// never sooner than this.
     pub hedge_floor: Duration,
-    /// A send unanswered after this long counts as failed.
+    /// A send to another node unanswered after this long counts as failed.
     pub give_up: Duration,
     pub penalties: Penalties,
     pub on_unavailable: OnUnavailable,
@@ -509,7 +510,13 @@ impl Dispatcher {
                     }
                 }
                 Err(mpsc::RecvTimeoutError::Timeout) => {
-                    for attempt in attempts.iter_mut().filter(|a| !a.finished) {
+                    // Only work sent to other nodes has deadlines: a local device answers in
+                    // its mailbox's order however long a big step takes, and if its actor
+                    // stops the send answers `Gone` by itself.
+                    for attempt in attempts
+                        .iter_mut()
+                        .filter(|a| !a.finished && matches!(a.target, Target::Node(_)))
+                    {
                         let waited = now.duration_since(attempt.sent);
                         let target = attempt.target;
                         if waited >= self.timing.give_up {
@@ -565,7 +572,7 @@ impl Dispatcher {
         let now = Instant::now();
         attempts
             .iter()
-            .filter(|a| !a.finished)
+            .filter(|a| !a.finished && matches!(a.target, Target::Node(_)))
             .map(|a| {
                 let due = if a.hedged {
                     self.timing.give_up
@@ -575,7 +582,7 @@ impl Dispatcher {
                 (a.sent + due).saturating_duration_since(now)
             })
             .min()
-            .unwrap_or(Duration::from_millis(10))
+            .unwrap_or(Duration::from_millis(500))
             .max(Duration::from_micros(100))
     }
 
