@@ -424,6 +424,11 @@ fn three_nodes_serve_one_model_and_survive_kill_pause_restart_and_garbage() {
     for outsider in [&mut intruder, &mut stranger] {
         let status = outsider.process.child.wait().unwrap();
         assert!(!status.success(), "{} should not serve", outsider.name);
+        // The log reader may still be taking in the last lines.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !outsider.process.log_contains("no placement after") && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
         assert!(
             outsider
                 .log()

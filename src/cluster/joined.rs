@@ -39,7 +39,8 @@ pub struct Joined {
     pub peers: Arc<PeerNodes>,
     pub stats: Arc<PeerStats>,
     pub peer_addr: SocketAddr,
-    server: PeerServer,
+    /// Kept for its life: dropping it stops serving other nodes.
+    _server: PeerServer,
     dispatcher: Arc<OnceLock<Arc<Dispatcher>>>,
     /// The peer links' own runtime: their I/O never waits on the HTTP or router threads.
     /// Always `Some` until dropped.
@@ -157,7 +158,7 @@ pub fn join(
             peers,
             stats,
             peer_addr,
-            server,
+            _server: server,
             dispatcher,
             runtime: Some(runtime),
         },
@@ -198,9 +199,5 @@ impl Joined {
             placement_version,
             "serving expert work for the cluster"
         );
-    }
-
-    pub fn peer_server_addr(&self) -> SocketAddr {
-        self.server.local_addr()
     }
 }

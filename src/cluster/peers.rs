@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex, OnceLock, RwLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use tokio::runtime::Handle;
 
@@ -35,7 +35,7 @@ pub struct PeerNodes {
     pub stats: Arc<PeerStats>,
     directory: Arc<dyn PeerDirectory>,
     /// Placement node index → node id.
-    placement_nodes: RwLock<Vec<String>>,
+    placement_nodes: Vec<String>,
     clients: Mutex<HashMap<String, Arc<PeerClient>>>,
     width: usize,
 }
@@ -56,62 +56,59 @@ impl PeerNodes {
             auth,
             stats,
             directory,
-            placement_nodes: RwLock::new(placement_nodes),
+            placement_nodes,
             clients: Mutex::new(HashMap::new()),
             width,
         }
     }
 
-    fn node_id(&self, node: u16) -> Option<String> {
-        self.placement_nodes
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(node as usize)
-            .cloned()
+    fn node_id(&self, node: u16) -> Option<&str> {
+        self.placement_nodes.get(node as usize).map(String::as_str)
     }
 
     /// The client toward `id`'s current peer address; `None` when no live member has it.
+    /// The client toward `id`: the one made earlier (membership changes drop it when the
+    /// node dies or moves, see [`PeerNodes::reach_of_nodes`]), so a send reads the member
+    /// table only when there is none.
     fn client(&self, id: &str) -> Option<Arc<PeerClient>> {
+        let mut clients = self.clients.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(client) = clients.get(id) {
+            return Some(client.clone());
+        }
         let (addr, state) = self.directory.lookup(id)?;
         if state == MemberState::Dead {
             return None;
         }
-        let mut clients = self.clients.lock().unwrap_or_else(|e| e.into_inner());
-        match clients.get(id) {
-            Some(client) if client.addr() == addr => Some(client.clone()),
-            _ => {
-                let client = Arc::new(PeerClient::new(
-                    self.transport.clone(),
-                    self.runtime.clone(),
-                    addr,
-                    self.auth.clone(),
-                    self.stats.clone(),
-                ));
-                clients.insert(id.to_string(), client.clone());
-                Some(client)
-            }
-        }
+        let client = Arc::new(PeerClient::new(
+            self.transport.clone(),
+            self.runtime.clone(),
+            addr,
+            self.auth.clone(),
+            self.stats.clone(),
+        ));
+        clients.insert(id.to_string(), client.clone());
+        Some(client)
     }
 
     /// Gossip's view of every placement node, for the dispatcher's health; the links of
-    /// nodes declared dead are closed, failing what is outstanding on them at once.
+    /// nodes declared dead are closed, failing what is outstanding on them at once, and
+    /// the client of a node now at another address (a restart on a new port) is dropped.
     pub fn reach_of_nodes(&self) -> Vec<(u16, Reach)> {
-        let nodes = self
-            .placement_nodes
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
+        let nodes = &self.placement_nodes;
         let mut clients = self.clients.lock().unwrap_or_else(|e| e.into_inner());
         nodes
             .iter()
             .enumerate()
             .map(|(i, id)| {
-                let reach = match self.directory.lookup(id).map(|(_, state)| state) {
+                let member = self.directory.lookup(id);
+                let reach = match member.map(|(_, state)| state) {
                     Some(MemberState::Alive) => Reach::Up,
                     Some(MemberState::Suspect) => Reach::Suspect,
                     Some(MemberState::Dead) | None => Reach::Down,
                 };
-                if reach == Reach::Down
+                let moved = member
+                    .is_some_and(|(addr, _)| clients.get(id).is_some_and(|c| c.addr() != addr));
+                if (reach == Reach::Down || moved)
                     && let Some(client) = clients.remove(id)
                 {
                     client.close();
@@ -182,7 +179,7 @@ impl RemoteNodes for PeerNodes {
             .node_id(node)
             .ok_or_else(|| TargetError::Gone(format!("no node {node} in the placement")))?;
         let client = self
-            .client(&id)
+            .client(id)
             .ok_or_else(|| TargetError::Gone(format!("node `{id}` is not a live member")))?;
         let asked = work.groups.clone();
         let width = self.width;
