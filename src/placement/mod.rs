@@ -4,6 +4,7 @@
 
 pub mod health;
 pub mod load;
+mod revise;
 
 use serde::{Deserialize, Serialize};
 
@@ -53,6 +54,8 @@ pub enum PlacementError {
     DuplicateNode(String),
     #[error("{0} nodes is more than a placement can index")]
     TooManyNodes(usize),
+    #[error("placement table: {0}")]
+    BadTable(String),
 }
 
 impl Placement {
@@ -90,28 +93,7 @@ impl Placement {
         if let Some(pair) = names.windows(2).find(|w| w[0] == w[1]) {
             return Err(PlacementError::DuplicateNode(pair[0].to_string()));
         }
-        if spec.nodes.len() > u16::MAX as usize
-            || spec.nodes.iter().any(|n| n.devices > u16::MAX as usize)
-        {
-            return Err(PlacementError::TooManyNodes(spec.nodes.len()));
-        }
-        // Devices interleaved across nodes: node 0's device 0, node 1's device 0, ...
-        let max_devices = spec.nodes.iter().map(|n| n.devices).max().unwrap_or(0);
-        let devices: Vec<Replica> = (0..max_devices)
-            .flat_map(|d| {
-                spec.nodes
-                    .iter()
-                    .enumerate()
-                    .filter(move |(_, n)| d < n.devices)
-                    .map(move |(node, _)| Replica {
-                        node: node as u16,
-                        device: d as u16,
-                    })
-            })
-            .collect();
-        if devices.is_empty() {
-            return Err(PlacementError::NoDevices);
-        }
+        let devices = revise::device_order(&spec)?;
         let replication = spec.replication;
         if replication == 0 || replication > devices.len() {
             return Err(PlacementError::TooFewDevices {
@@ -217,6 +199,90 @@ impl Placement {
     }
 }
 
+/// A placement as it travels between nodes: its spec and every replica, `[layer][expert]`
+/// → `[node, device]` pairs (empty for dense layers). A revised placement depends on the
+/// ones before it, so nodes that take it take the whole table, not only the spec.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PlacementTable {
+    pub spec: PlacementSpec,
+    pub layers: Vec<Vec<Vec<[u16; 2]>>>,
+}
+
+impl Placement {
+    pub fn to_table(&self) -> PlacementTable {
+        PlacementTable {
+            spec: self.spec.clone(),
+            layers: self
+                .replicas
+                .iter()
+                .map(|layer| {
+                    layer
+                        .iter()
+                        .map(|copies| copies.iter().map(|r| [r.node, r.device]).collect())
+                        .collect()
+                })
+                .collect(),
+        }
+    }
+
+    /// Checks a table received from another node against this model (`moe_layers`,
+    /// `num_experts`): every MoE layer places every expert at least once, on devices the
+    /// spec has, never twice on one device.
+    pub fn from_table(
+        table: PlacementTable,
+        moe_layers: &[bool],
+        num_experts: usize,
+    ) -> Result<Placement, PlacementError> {
+        let bad = |why: String| Err(PlacementError::BadTable(why));
+        let PlacementTable { spec, layers } = table;
+        revise::device_order(&spec)?;
+        if layers.len() != moe_layers.len() {
+            return bad(format!(
+                "{} layers, the model has {}",
+                layers.len(),
+                moe_layers.len()
+            ));
+        }
+        let mut replicas = Vec::with_capacity(layers.len());
+        for (layer, (experts, &is_moe)) in layers.into_iter().zip(moe_layers).enumerate() {
+            let expected = if is_moe { num_experts } else { 0 };
+            if experts.len() != expected {
+                return bad(format!(
+                    "layer {layer} places {} experts, the model has {expected}",
+                    experts.len()
+                ));
+            }
+            let mut rows = Vec::with_capacity(experts.len());
+            for (expert, pairs) in experts.into_iter().enumerate() {
+                let copies: Vec<Replica> = pairs
+                    .into_iter()
+                    .map(|[node, device]| Replica { node, device })
+                    .collect();
+                let on_device = |r: &Replica| {
+                    spec.nodes
+                        .get(r.node as usize)
+                        .is_some_and(|n| (r.device as usize) < n.devices)
+                };
+                let mut distinct = copies.clone();
+                distinct.sort_unstable();
+                distinct.dedup();
+                if copies.is_empty()
+                    || distinct.len() != copies.len()
+                    || !copies.iter().all(on_device)
+                {
+                    return bad(format!(
+                        "layer {layer} expert {expert}: replicas {copies:?} are not distinct \
+                         devices of the spec"
+                    ));
+                }
+                rows.push(copies);
+            }
+            replicas.push(rows);
+        }
+        Ok(Placement { spec, replicas })
+    }
+}
+
 /// Chooses, for each active expert of a step, the replica that runs its rows. Replicas that
 /// are down, or that `excluded` names for that group (they failed it already), are never
 /// chosen; a suspect replica only when no reachable one is left. Among the rest, replicas
@@ -233,11 +299,29 @@ pub fn assign_groups(
     health: impl Fn(Replica) -> ReplicaHealth,
     excluded: impl Fn(usize, Replica) -> bool,
 ) -> Vec<Option<Replica>> {
+    assign_groups_among(
+        |expert| placement.replicas(layer, expert),
+        experts,
+        rows_per_expert,
+        health,
+        excluded,
+    )
+}
+
+/// [`assign_groups`] over the replicas `replicas_of` gives per expert (a node serving
+/// other nodes' work picks among the devices that hold an expert now, whatever placement
+/// version the sender routed by).
+pub fn assign_groups_among<'a>(
+    replicas_of: impl Fn(u32) -> &'a [Replica],
+    experts: &[u32],
+    rows_per_expert: impl Fn(usize) -> usize,
+    health: impl Fn(Replica) -> ReplicaHealth,
+    excluded: impl Fn(usize, Replica) -> bool,
+) -> Vec<Option<Replica>> {
     let mut step_rows: std::collections::HashMap<Replica, usize> = Default::default();
     let mut chosen = Vec::with_capacity(experts.len());
     for (i, &expert) in experts.iter().enumerate() {
-        let candidates: Vec<(Replica, ReplicaHealth)> = placement
-            .replicas(layer, expert)
+        let candidates: Vec<(Replica, ReplicaHealth)> = replicas_of(expert)
             .iter()
             .copied()
             .filter(|&r| !excluded(i, r))
@@ -406,6 +490,39 @@ mod tests {
             Placement::balanced(&[true], 8, dup),
             Err(PlacementError::DuplicateNode("n0".into()))
         );
+    }
+
+    #[test]
+    fn a_table_round_trips_and_a_wrong_one_is_refused() {
+        let layers = [false, true, true];
+        let p = Placement::balanced(&layers, 12, spec(&[2, 1, 1], 2)).unwrap();
+        let revised = p.revise(&spec(&[2, 1], 2).nodes).unwrap();
+        let json = serde_json::to_string(&revised.to_table()).unwrap();
+        let back: PlacementTable = serde_json::from_str(&json).unwrap();
+        assert_eq!(
+            Placement::from_table(back.clone(), &layers, 12),
+            Ok(revised)
+        );
+        let refused = |table: PlacementTable, layers: &[bool], experts: usize| {
+            matches!(
+                Placement::from_table(table, layers, experts),
+                Err(PlacementError::BadTable(_))
+            )
+        };
+        assert!(refused(back.clone(), &layers, 13), "another expert count");
+        assert!(
+            refused(back.clone(), &[true, true, true], 12),
+            "dense layer placed"
+        );
+        let mut gone = back.clone();
+        gone.layers[1][3][0] = [2, 0];
+        assert!(refused(gone, &layers, 12), "a device node 2 no longer has");
+        let mut twice = back.clone();
+        twice.layers[2][0] = vec![[0, 1], [0, 1]];
+        assert!(refused(twice, &layers, 12), "two copies on one device");
+        let mut none = back;
+        none.layers[2][5].clear();
+        assert!(refused(none, &layers, 12), "an expert nowhere");
     }
 
     fn up(latency_micros: f64) -> ReplicaHealth {

@@ -1,0 +1,301 @@
+//! A placement's next version when the nodes change: a dead node's copies are made again on
+//! the survivors, a node that joins takes a share, and nothing else moves. Copy-then-switch
+//! costs one load per moved copy, so the fewer copies move the sooner the cluster is whole.
+
+use super::{NodeSlots, Placement, PlacementError, PlacementSpec, Replica};
+
+impl Placement {
+    /// The next placement (version `self.version() + 1`) over the nodes in `live`, each with
+    /// the devices it offers now. Node indices stay stable: a node that left keeps its index
+    /// with no devices (so the health and links kept per index stay right), a node that
+    /// returns gets its index back, and new nodes are appended in name order.
+    ///
+    /// Copies on nodes still live stay where they are. Experts short of copies (their node
+    /// left) get new ones on the least-filled eligible devices, as [`Placement::balanced`]
+    /// would place them; then copies move from the fullest to the emptiest devices until
+    /// every device is within one expert of the others, which is how a joining node gets
+    /// its share. Copies stay on distinct nodes while there are nodes enough.
+    pub fn revise(&self, live: &[NodeSlots]) -> Result<Placement, PlacementError> {
+        let devices_of = |name: &str| live.iter().find(|n| n.node == name).map(|n| n.devices);
+        let mut nodes: Vec<NodeSlots> = self
+            .spec
+            .nodes
+            .iter()
+            .map(|n| NodeSlots {
+                node: n.node.clone(),
+                devices: devices_of(&n.node).unwrap_or(0),
+            })
+            .collect();
+        let mut joining: Vec<&NodeSlots> = live
+            .iter()
+            .filter(|n| self.node_index(&n.node).is_none())
+            .collect();
+        joining.sort_by(|a, b| a.node.cmp(&b.node));
+        joining.dedup_by(|a, b| a.node == b.node);
+        nodes.extend(joining.into_iter().cloned());
+        let spec = PlacementSpec {
+            version: self.spec.version + 1,
+            replication: self.spec.replication,
+            nodes,
+        };
+        let devices = device_order(&spec)?;
+        // Fewer devices than copies (a cluster shrunk to one small node): as many copies as
+        // there are devices, never none.
+        let copies = spec.replication.min(devices.len()).max(1);
+        let distinct_nodes = copies <= spec.nodes.iter().filter(|n| n.devices > 0).count();
+        let usable = |r: &Replica| {
+            spec.nodes
+                .get(r.node as usize)
+                .is_some_and(|n| (r.device as usize) < n.devices)
+        };
+        let may_hold = |held: &[Replica], r: Replica| {
+            if distinct_nodes {
+                held.iter().all(|c| c.node != r.node)
+            } else {
+                !held.contains(&r)
+            }
+        };
+        let replicas = self
+            .replicas
+            .iter()
+            .map(|layer| {
+                if layer.is_empty() {
+                    return Vec::new();
+                }
+                let mut layer: Vec<Vec<Replica>> = layer
+                    .iter()
+                    .map(|old| {
+                        let mut kept: Vec<Replica> = Vec::with_capacity(copies);
+                        for &r in old.iter().filter(|r| usable(r)) {
+                            if kept.len() < copies && may_hold(&kept, r) {
+                                kept.push(r);
+                            }
+                        }
+                        kept
+                    })
+                    .collect();
+                let slot = |r: Replica| {
+                    devices
+                        .iter()
+                        .position(|&d| d == r)
+                        .expect("usable replicas are devices of the spec")
+                };
+                let mut held = vec![0usize; devices.len()];
+                for r in layer.iter().flatten() {
+                    held[slot(*r)] += 1;
+                }
+                // Copies lost with their node, made again where there is most room.
+                let mut next_slot = 0usize;
+                for expert in layer.iter_mut() {
+                    while expert.len() < copies {
+                        let n = devices.len();
+                        let Some(pick) = (0..n)
+                            .map(|k| (next_slot + k) % n)
+                            .filter(|&i| may_hold(expert, devices[i]))
+                            .min_by_key(|&i| held[i])
+                        else {
+                            break;
+                        };
+                        held[pick] += 1;
+                        next_slot = (pick + 1) % n;
+                        expert.push(devices[pick]);
+                    }
+                }
+                // Then even out: one copy at a time from the fullest device to the
+                // emptiest one that may hold it.
+                'moves: loop {
+                    let mut by_held: Vec<usize> = (0..devices.len()).collect();
+                    by_held.sort_by_key(|&i| (held[i], i));
+                    for &from in by_held.iter().rev() {
+                        for &to in &by_held {
+                            if held[from] < held[to] + 2 {
+                                break;
+                            }
+                            let movable = layer.iter().position(|copies| {
+                                copies.contains(&devices[from]) && {
+                                    let others: Vec<Replica> = copies
+                                        .iter()
+                                        .copied()
+                                        .filter(|&c| c != devices[from])
+                                        .collect();
+                                    may_hold(&others, devices[to])
+                                }
+                            });
+                            if let Some(expert) = movable {
+                                for c in layer[expert].iter_mut() {
+                                    if *c == devices[from] {
+                                        *c = devices[to];
+                                    }
+                                }
+                                held[from] -= 1;
+                                held[to] += 1;
+                                continue 'moves;
+                            }
+                        }
+                    }
+                    break;
+                }
+                layer
+            })
+            .collect();
+        Ok(Placement { spec, replicas })
+    }
+}
+
+/// Every device of `spec`, interleaved across nodes (node 0's device 0, node 1's device 0,
+/// ...), the order ties are broken in.
+pub(super) fn device_order(spec: &PlacementSpec) -> Result<Vec<Replica>, PlacementError> {
+    if spec.nodes.len() > u16::MAX as usize
+        || spec.nodes.iter().any(|n| n.devices > u16::MAX as usize)
+    {
+        return Err(PlacementError::TooManyNodes(spec.nodes.len()));
+    }
+    let max_devices = spec.nodes.iter().map(|n| n.devices).max().unwrap_or(0);
+    let devices: Vec<Replica> = (0..max_devices)
+        .flat_map(|d| {
+            spec.nodes
+                .iter()
+                .enumerate()
+                .filter(move |(_, n)| d < n.devices)
+                .map(move |(node, _)| Replica {
+                    node: node as u16,
+                    device: d as u16,
+                })
+        })
+        .collect();
+    if devices.is_empty() {
+        return Err(PlacementError::NoDevices);
+    }
+    Ok(devices)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn slots(nodes: &[(&str, usize)]) -> Vec<NodeSlots> {
+        nodes
+            .iter()
+            .map(|&(node, devices)| NodeSlots {
+                node: node.into(),
+                devices,
+            })
+            .collect()
+    }
+
+    fn first(nodes: &[(&str, usize)], experts: usize, replication: usize) -> Placement {
+        let spec = PlacementSpec {
+            version: 1,
+            replication,
+            nodes: slots(nodes),
+        };
+        Placement::balanced(&[false, true, true], experts, spec).unwrap()
+    }
+
+    /// Every expert has `copies` copies on distinct nodes, all on live devices, and every
+    /// live device holds its share within one.
+    fn check(p: &Placement, experts: usize, copies: usize) {
+        check_copies(p, experts, copies, true)
+    }
+
+    fn check_copies(p: &Placement, experts: usize, copies: usize, balanced: bool) {
+        for layer in 1..3 {
+            let mut held: std::collections::HashMap<Replica, usize> = Default::default();
+            for e in 0..experts as u32 {
+                let r = p.replicas(layer, e);
+                assert_eq!(r.len(), copies, "layer {layer} expert {e}: {r:?}");
+                let mut on: Vec<u16> = r.iter().map(|c| c.node).collect();
+                on.sort();
+                on.dedup();
+                assert_eq!(on.len(), copies, "copies on distinct nodes: {r:?}");
+                for c in r {
+                    assert!((c.device as usize) < p.nodes()[c.node as usize].devices);
+                    *held.entry(*c).or_default() += 1;
+                }
+            }
+            let live: usize = p.nodes().iter().map(|n| n.devices).sum();
+            let counts: Vec<usize> = held.values().copied().collect();
+            let max = *counts.iter().max().unwrap();
+            let min = if held.len() < live {
+                0
+            } else {
+                *counts.iter().min().unwrap()
+            };
+            assert!(!balanced || max - min <= 1, "layer {layer}: {held:?}");
+        }
+    }
+
+    fn moved(a: &Placement, b: &Placement, experts: usize) -> usize {
+        (1..3)
+            .flat_map(|l| (0..experts as u32).map(move |e| (l, e)))
+            .map(|(l, e)| {
+                let name = |p: &Placement, r: &Replica| {
+                    (p.nodes()[r.node as usize].node.clone(), r.device)
+                };
+                let before: Vec<_> = a.replicas(l, e).iter().map(|r| name(a, r)).collect();
+                b.replicas(l, e)
+                    .iter()
+                    .filter(|r| !before.contains(&name(b, r)))
+                    .count()
+            })
+            .sum()
+    }
+
+    #[test]
+    fn a_dead_nodes_copies_are_made_again_on_the_survivors_and_nothing_else_moves() {
+        let p1 = first(&[("a", 1), ("b", 1), ("c", 1)], 16, 2);
+        let p2 = p1.revise(&slots(&[("a", 1), ("c", 1)])).unwrap();
+        assert_eq!(p2.version(), 2);
+        assert_eq!(p2.node_index("b"), Some(1), "indices stay");
+        assert_eq!(p2.nodes()[1].devices, 0, "b holds nothing");
+        check(&p2, 16, 2);
+        // Only b's copies were made again: one per expert b held.
+        let on_b = p1.experts_held_by(1);
+        assert_eq!(moved(&p1, &p2, 16), on_b);
+        // b returns: it gets its index back and a share again, taken from a and c.
+        let p3 = p2.revise(&slots(&[("a", 1), ("b", 1), ("c", 1)])).unwrap();
+        assert_eq!(p3.node_index("b"), Some(1));
+        check(&p3, 16, 2);
+        assert!(p3.experts_held_by(1) >= 2 * 16 * 2 / 3 - 2);
+        assert_eq!(moved(&p2, &p3, 16), p3.experts_held_by(1));
+    }
+
+    #[test]
+    fn a_joining_node_takes_a_share_from_the_fullest_devices() {
+        let p1 = first(&[("a", 2), ("b", 2)], 30, 2);
+        let p2 = p1.revise(&slots(&[("a", 2), ("b", 2), ("c", 2)])).unwrap();
+        assert_eq!(p2.node_index("c"), Some(2));
+        check(&p2, 30, 2);
+        // 120 copies over 6 devices: c takes 40, and only those move.
+        assert_eq!(p2.experts_held_by(2), 40);
+        assert_eq!(moved(&p1, &p2, 30), 40);
+    }
+
+    #[test]
+    fn a_cluster_shrunk_below_the_replication_keeps_what_its_devices_allow() {
+        let p1 = first(&[("a", 1), ("b", 1)], 8, 2);
+        let p2 = p1.revise(&slots(&[("a", 2)])).unwrap();
+        // One node with two devices: two copies on distinct devices.
+        for e in 0..8 {
+            let r = p2.replicas(1, e);
+            assert_eq!(r.len(), 2);
+            assert!(r.iter().all(|c| c.node == 0));
+            assert_ne!(r[0].device, r[1].device);
+        }
+        let p3 = p2.revise(&slots(&[("b", 1)])).unwrap();
+        for e in 0..8 {
+            assert_eq!(p3.replicas(1, e), [Replica { node: 1, device: 0 }]);
+        }
+        assert_eq!(p3.revise(&[]), Err(PlacementError::NoDevices));
+    }
+
+    #[test]
+    fn the_same_change_gives_the_same_placement() {
+        let p1 = first(&[("a", 1), ("b", 2), ("c", 1)], 33, 2);
+        let live = slots(&[("c", 1), ("a", 1), ("d", 3)]);
+        assert_eq!(p1.revise(&live), p1.revise(&live));
+        // d's three devices cannot take their full share: two copies of an expert never
+        // share a node.
+        check_copies(&p1.revise(&live).unwrap(), 33, 2, false);
+    }
+}
