@@ -4,14 +4,16 @@
 
 use std::net::SocketAddr;
 use std::path::Path;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use crate::actors::device::{
     DeviceHandle, DeviceTarget, GpuOptions, Shutdown, device_targets, start_device,
 };
 use crate::actors::dispatch::{DispatchTiming, Dispatcher, Target};
 use crate::actors::router::{RouterActor, RouterHandle};
-use crate::cluster::joined::{ClusterError, Joined, join};
+use crate::cluster::board::PlacementBoard;
+use crate::cluster::bootstrap::Start;
+use crate::cluster::joined::{ClusterError, Joined, ServeParts, join};
 use crate::cluster::metrics::ClusterCollector;
 use crate::compute::cuda::{self, CudaError};
 use crate::config::NodeConfig;
@@ -19,7 +21,7 @@ use crate::engine::batch::BatchLimits;
 use crate::engine::{Engine, generate::PREFILL_CHUNK};
 use crate::metrics::{DeviceState, NodeMetrics};
 use crate::model::{Checkpoint, DenseWeights, ModelConfig, ModelError};
-use crate::placement::{ExpertLoad, Placement, PlacementError, PlacementSpec};
+use crate::placement::{ExpertLoad, Placement, PlacementError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum NodeError {
@@ -59,15 +61,15 @@ impl Node {
     /// Loads the model in `model_dir`: dense weights for the router, each device's experts on
     /// that device's thread. In a cluster, joins it first (gossip, peer server) and loads
     /// only the experts the cluster's placement gives this node. `api` is the HTTP address
-    /// other nodes reach this one at; `publish_spec` receives the placement spec as soon as it
-    /// is known. Must be called inside an actix system; blocks while
-    /// loading.
+    /// other nodes reach this one at; `board` shows the placement as soon as it is known
+    /// (nodes starting together take it from there). Must be called inside an actix
+    /// system; blocks while loading.
     pub fn start(
         model_dir: &Path,
         config: &NodeConfig,
         metrics: Arc<NodeMetrics>,
         api: SocketAddr,
-        publish_spec: &OnceLock<PlacementSpec>,
+        board: &Arc<PlacementBoard>,
     ) -> Result<Node, NodeError> {
         let model = Arc::new(ModelConfig::load(model_dir)?);
         let gpu_options = GpuOptions {
@@ -86,7 +88,7 @@ impl Node {
         // Opened once: the devices and the router read their tensors from the same map.
         let checkpoint = Arc::new(Checkpoint::open(model_dir)?);
         let (cluster, placement) = if config.cluster.enabled() {
-            let (joined, spec) = join(
+            let (joined, start) = join(
                 &config.cluster,
                 checkpoint.fingerprint(),
                 num_devices,
@@ -94,8 +96,14 @@ impl Node {
                 api,
                 config.server.api_keys.first().cloned(),
             )?;
-            let _ = publish_spec.set(spec.clone());
-            let placement = Placement::balanced(&model.moe_layers, model.moe.num_experts, spec)?;
+            let placement = match start {
+                Start::Create(spec) => {
+                    Placement::balanced(&model.moe_layers, model.moe.num_experts, spec)?
+                }
+                Start::Take(table) => {
+                    Placement::from_table(table, &model.moe_layers, model.moe.num_experts)?
+                }
+            };
             (Some(joined), placement)
         } else {
             let placement = Placement::single_node(
@@ -107,6 +115,7 @@ impl Node {
             (None, placement)
         };
         let placement = Arc::new(placement);
+        board.set_current(placement.clone());
         // A node the placement does not name (it joined later) holds no experts; it still
         // serves requests, with every expert on other nodes.
         let local_node = match &cluster {
@@ -165,8 +174,8 @@ impl Node {
                         kind: d.kind(),
                         name: d.name.clone(),
                         up: alive[d.id],
-                        experts: d.experts_held,
-                        weight_bytes: d.weight_bytes,
+                        experts: d.experts_held(),
+                        weight_bytes: d.weight_bytes(),
                     })
                     .collect()
             })
@@ -187,7 +196,13 @@ impl Node {
             prefill_chunk: PREFILL_CHUNK,
         };
         if let Some(joined) = &cluster {
-            joined.serve(experts.clone(), placement.version());
+            joined.serve(ServeParts {
+                dispatcher: experts.clone(),
+                devices: devices.clone(),
+                checkpoint: checkpoint.clone(),
+                model: model.clone(),
+                board: board.clone(),
+            });
             metrics.register_collector(Box::new(ClusterCollector::new(
                 joined.stats.clone(),
                 joined.membership.clone(),

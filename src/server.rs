@@ -120,13 +120,7 @@ fn load(state: &AppState, api: std::net::SocketAddr) -> Result<(), ServeError> {
     };
     let tokenizer = Tokenizer::load_optional(&dir)?;
     let chat_template = ChatTemplate::load_optional(&dir)?;
-    let node = Node::start(
-        &dir,
-        config,
-        state.metrics.clone(),
-        api,
-        &state.placement_spec,
-    )?;
+    let node = Node::start(&dir, config, state.metrics.clone(), api, &state.placements)?;
     tracing::info!(
         model = %dir.display(),
         model_type = %node.model.model_type,

@@ -44,6 +44,8 @@ struct Node {
 struct ClusterSpec {
     gossip_ports: Vec<u16>,
     dir: tempfile::TempDir,
+    /// How long a dead node keeps its share before its copies are made again.
+    rereplicate_after_ms: u64,
 }
 
 impl ClusterSpec {
@@ -51,6 +53,8 @@ impl ClusterSpec {
         ClusterSpec {
             gossip_ports: (0..nodes).map(|_| free_udp_port()).collect(),
             dir: tempfile::tempdir().unwrap(),
+            // Longer than any test takes: a killed node keeps its share until restarted.
+            rereplicate_after_ms: 600_000,
         }
     }
 
@@ -69,8 +73,9 @@ impl ClusterSpec {
              gossip_listen = \"127.0.0.1:{gossip_port}\"\npeer_listen = \"127.0.0.1:0\"\n\
              seeds = [{}]\nexpect_nodes = 3\nreplication = 2\n\
              probe_period_ms = 200\nsuspicion_timeout_ms = 2000\nhedge_after_ms = 100\n\
-             join_timeout_seconds = 4\n",
-            seeds.join(", ")
+             join_timeout_seconds = 4\nrereplicate_after_ms = {}\n",
+            seeds.join(", "),
+            self.rereplicate_after_ms
         );
         let path = self.dir.path().join(format!("node{i}-{node_id}.toml"));
         std::fs::write(&path, text).unwrap();
@@ -202,6 +207,55 @@ impl Node {
             .find(|m| m["self"] == true)
             .unwrap()
             .clone()
+    }
+
+    fn placement(&self) -> Value {
+        self.get("/admin/placement").json().unwrap()
+    }
+
+    fn wait_placement_version(&self, version: u64, within: Duration) {
+        let deadline = Instant::now() + within;
+        while self.placement()["version"] != version {
+            assert!(
+                Instant::now() < deadline,
+                "{} never served placement {version}: {}",
+                self.name,
+                self.cluster()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Waits until the node's devices hold exactly what its placement gives it (a change
+    /// of placement ends with the experts placed elsewhere let go).
+    fn wait_holds_its_share(&self, within: Duration) -> f64 {
+        let deadline = Instant::now() + within;
+        loop {
+            let placement = self.placement();
+            let share = placement["layers"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .flat_map(|l| l["experts"].as_array().unwrap())
+                .filter(|replicas| {
+                    replicas
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .any(|r| r["node"] == self.name.as_str())
+                })
+                .count() as f64;
+            let held = self.metric_sum("moe_node_device_experts");
+            if held == share {
+                return held;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{} holds {held} experts, its share is {share}",
+                self.name
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 
     fn signal(&self, signal: &str) {
@@ -544,4 +598,96 @@ fn three_nodes_serve_one_model_and_survive_kill_pause_restart_and_garbage() {
         .map(|n| n.metric_sum("moe_node_dispatch_hedges_total"))
         .sum();
     assert!(hedged > 0.0, "work sent to the paused node was hedged");
+}
+
+/// Every expert of `placement` has two copies, on distinct nodes, all among `nodes`.
+fn assert_two_copies_among(placement: &Value, nodes: &[&str]) {
+    for layer in placement["layers"].as_array().unwrap() {
+        for replicas in layer["experts"].as_array().unwrap() {
+            let on: Vec<&str> = replicas
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|r| r["node"].as_str().unwrap())
+                .collect();
+            assert_eq!(on.len(), 2, "{on:?}");
+            assert_ne!(on[0], on[1], "copies on distinct nodes");
+            assert!(
+                on.iter().all(|n| nodes.contains(n)),
+                "{on:?} not on {nodes:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_dead_nodes_copies_are_made_again_and_it_gets_a_share_when_it_returns() {
+    let mut spec = ClusterSpec::new(3);
+    spec.rereplicate_after_ms = 500;
+    let mut nodes: Vec<Node> = (0..3).map(|i| spec.start(i)).collect();
+    for node in &nodes {
+        node.wait_ready();
+    }
+    let expected: Vec<Vec<u64>> = (0..4).map(|i| generate_alone(&prompt(i), 24)).collect();
+
+    // Requests run through node1 and node2 the whole time: through the kill, the copy of
+    // node3's experts onto them, and the switch to the new placement.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let load: Vec<_> = (0..4)
+        .map(|i| {
+            let (base, stop) = (nodes[i % 2].base.clone(), stop.clone());
+            let want = expected[i].clone();
+            std::thread::spawn(move || {
+                let mut served = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let (tx, _rx) = std::sync::mpsc::channel();
+                    let tokens = stream_completion(base.clone(), prompt(i), 24, tx)
+                        .unwrap_or_else(|e| panic!("request {i} failed: {e}"));
+                    assert_eq!(tokens, want, "request {i} changed");
+                    served += 1;
+                }
+                served
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    nodes[2].kill();
+    for node in &nodes[..2] {
+        node.wait_placement_version(2, Duration::from_secs(30));
+    }
+    // The survivors hold every expert now (two copies over two nodes), and nothing else.
+    for node in &nodes[..2] {
+        assert_two_copies_among(&node.placement(), &["node1", "node2"]);
+        node.wait_holds_its_share(Duration::from_secs(10));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let served: usize = load.into_iter().map(|t| t.join().unwrap()).sum();
+    assert!(served >= 4, "requests ran through the change ({served})");
+
+    // node3 back: it gets a share of a third placement, taken from the others, and runs
+    // expert work again.
+    nodes[2].restart();
+    nodes[2].wait_ready();
+    for node in &nodes {
+        node.wait_placement_version(3, Duration::from_secs(30));
+    }
+    for node in &nodes {
+        assert_two_copies_among(&node.placement(), &["node1", "node2", "node3"]);
+        let held = node.wait_holds_its_share(Duration::from_secs(10));
+        assert!(held > 0.0, "{} holds a share", node.name);
+    }
+    let before = nodes[2].metric_sum("moe_node_device_tokens_total");
+    for (i, want) in expected.iter().enumerate() {
+        for node in &nodes {
+            assert_eq!(&completion(node, &prompt(i), 24), want, "via {}", node.name);
+        }
+    }
+    let after = nodes[2].metric_sum("moe_node_device_tokens_total");
+    assert!(after > before, "node3 runs expert work again");
+    for node in &nodes {
+        let me = node.me();
+        assert_eq!(me["placement_version"], 3, "{me}");
+        assert_eq!(me["loaded_version"], 3, "{me}");
+    }
 }

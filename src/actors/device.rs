@@ -2,8 +2,9 @@
 //! and runs groups of token rows through them. Each device actor has its own thread (a
 //! dedicated arbiter), so expert compute never runs on the HTTP runtime.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 
 use actix::prelude::*;
@@ -33,6 +34,14 @@ pub struct DeviceActor {
     id: usize,
     hidden_size: usize,
     experts: Held,
+    holding: Arc<Holding>,
+}
+
+/// What a device holds, as its handle reads it (the admin API, metrics).
+#[derive(Debug, Default)]
+pub struct Holding {
+    experts: AtomicUsize,
+    weight_bytes: AtomicUsize,
 }
 
 enum Held {
@@ -52,6 +61,23 @@ pub struct RunExperts {
 
 impl Message for RunExperts {
     type Result = ();
+}
+
+/// Adds experts loaded for a new placement (copy-then-switch: the device serves what it
+/// held meanwhile); answers how many it holds now. The weights are read from the
+/// checkpoint by the caller, so the device computes while they load.
+pub struct TakeExperts(pub HashMap<(usize, u32), ExpertWeights>);
+
+impl Message for TakeExperts {
+    type Result = Result<usize, TargetError>;
+}
+
+/// Lets go of every expert not in the set (after the cluster switched to a placement that
+/// puts them elsewhere); answers how many it holds now.
+pub struct ReleaseExperts(pub HashSet<(usize, u32)>);
+
+impl Message for ReleaseExperts {
+    type Result = usize;
 }
 
 /// Takes the device out of service: the actor stops and its thread ends, as when a device
@@ -117,6 +143,51 @@ impl DeviceActor {
     }
 }
 
+impl DeviceActor {
+    fn count(&self) -> usize {
+        let (experts, bytes) = match &self.experts {
+            Held::Cpu(map) => (
+                map.len(),
+                map.values().map(ExpertWeights::weight_bytes).sum(),
+            ),
+            Held::Gpu(gpu) => (gpu.experts_held(), gpu.weight_bytes()),
+        };
+        self.holding.experts.store(experts, Ordering::Relaxed);
+        self.holding.weight_bytes.store(bytes, Ordering::Relaxed);
+        experts
+    }
+}
+
+impl Handler<TakeExperts> for DeviceActor {
+    type Result = Result<usize, TargetError>;
+
+    fn handle(&mut self, msg: TakeExperts, _: &mut Self::Context) -> Self::Result {
+        match &mut self.experts {
+            Held::Cpu(map) => map.extend(msg.0),
+            // A GPU's experts live in one buffer sized at load: a new share needs a restart
+            // of the node (the cluster meanwhile serves these experts from other replicas).
+            Held::Gpu(_) => {
+                return Err(TargetError::Failed(format!(
+                    "device {} is a GPU: it takes a new share of experts only at restart",
+                    self.id
+                )));
+            }
+        }
+        Ok(self.count())
+    }
+}
+
+impl Handler<ReleaseExperts> for DeviceActor {
+    type Result = usize;
+
+    fn handle(&mut self, msg: ReleaseExperts, _: &mut Self::Context) -> usize {
+        if let Held::Cpu(map) = &mut self.experts {
+            map.retain(|key, _| msg.0.contains(key));
+        }
+        self.count()
+    }
+}
+
 impl Handler<Shutdown> for DeviceActor {
     type Result = ();
 
@@ -130,9 +201,7 @@ impl Handler<Shutdown> for DeviceActor {
 pub struct DeviceHandle {
     pub id: usize,
     pub addr: Addr<DeviceActor>,
-    /// Bytes of expert weights the device holds.
-    pub weight_bytes: usize,
-    pub experts_held: usize,
+    holding: Arc<Holding>,
     /// The GPU's ordinal, for a device on a GPU.
     pub gpu: Option<usize>,
     /// What it computes on: `cpu`, or the GPU's name.
@@ -143,6 +212,16 @@ impl DeviceHandle {
     /// `gpu` or `cpu`.
     pub fn kind(&self) -> &'static str {
         if self.gpu.is_some() { "gpu" } else { "cpu" }
+    }
+
+    /// Experts the device holds.
+    pub fn experts_held(&self) -> usize {
+        self.holding.experts.load(Ordering::Relaxed)
+    }
+
+    /// Bytes of expert weights the device holds.
+    pub fn weight_bytes(&self) -> usize {
+        self.holding.weight_bytes.load(Ordering::Relaxed)
     }
 }
 
@@ -159,6 +238,8 @@ pub fn start_device(
     let arbiter = Arbiter::new();
     let hidden_size = config.hidden_size;
     let experts_held = experts.len();
+    let holding = Arc::new(Holding::default());
+    let actor_holding = holding.clone();
     let dir = checkpoint.dir().to_path_buf();
     let (gpu, name) = match &target {
         DeviceTarget::Cpu => (None, "cpu".to_string()),
@@ -190,11 +271,14 @@ pub fn start_device(
         };
         // The receiver waits below; it is gone only if the caller gave up.
         let _ = ready_tx.send(ready);
-        DeviceActor {
+        let actor = DeviceActor {
             id,
             hidden_size,
             experts,
-        }
+            holding: actor_holding,
+        };
+        actor.count();
+        actor
     });
     let weight_bytes = ready_rx.recv().map_err(|_| ModelError::Corrupt {
         path: dir,
@@ -211,14 +295,14 @@ pub fn start_device(
     Ok(DeviceHandle {
         id,
         addr,
-        weight_bytes,
-        experts_held,
+        holding,
         gpu,
         name,
     })
 }
 
-fn load_experts(
+/// Reads `experts` from the checkpoint, as a CPU slot holds them.
+pub fn load_experts(
     checkpoint: &Checkpoint,
     config: &ModelConfig,
     experts: &[(usize, u32)],

@@ -9,7 +9,7 @@
 //! mailbox's order however long a big step takes; it is not hedged.) The choice of replica is the pure
 //! [`assign_groups`]; this file carries it out and keeps the health it is fed.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, mpsc};
 use std::time::{Duration, Instant};
@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use super::device::{DeviceHandle, RunExperts};
 use crate::moe::{DispatchPlan, ExpertError, ExpertExecutor};
 use crate::placement::health::{Penalties, TargetHealth, hedge_after};
-use crate::placement::{ExpertLoad, Placement, Replica, ReplicaHealth, assign_groups};
+use crate::placement::{ExpertLoad, Placement, Replica, ReplicaHealth, assign_groups_among};
 
 /// Where a group of rows is sent: a device actor of this node, or another node (which runs
 /// it on a device of its own that holds the expert).
@@ -152,8 +152,55 @@ pub struct DispatchCounters {
     pub late_answers: AtomicU64,
 }
 
+/// What this node's devices hold now, which during a change of placement is more than
+/// the placement it routes by says: work from other nodes runs on whatever device holds
+/// its expert, whichever placement version the sender routed by.
+struct Holdings {
+    /// `[layer][expert]` → local devices, as replicas of the node [`HELD_HERE`].
+    replicas: Vec<Vec<Vec<Replica>>>,
+    by_device: Vec<HashSet<(usize, u32)>>,
+}
+
+/// The node index [`Holdings`] give this node's devices.
+const HELD_HERE: u16 = u16::MAX;
+
+impl Holdings {
+    fn new(by_device: Vec<HashSet<(usize, u32)>>, layers: usize, experts: usize) -> Self {
+        let mut replicas = vec![vec![Vec::new(); experts]; layers];
+        for (device, held) in by_device.iter().enumerate() {
+            for &(layer, expert) in held {
+                if let Some(copies) = replicas
+                    .get_mut(layer)
+                    .and_then(|l: &mut Vec<Vec<Replica>>| l.get_mut(expert as usize))
+                {
+                    copies.push(Replica {
+                        node: HELD_HERE,
+                        device: device as u16,
+                    });
+                }
+            }
+        }
+        for copies in replicas.iter_mut().flatten() {
+            copies.sort_unstable();
+        }
+        Holdings {
+            replicas,
+            by_device,
+        }
+    }
+
+    fn replicas(&self, layer: usize, expert: u32) -> &[Replica] {
+        self.replicas
+            .get(layer)
+            .and_then(|l| l.get(expert as usize))
+            .map_or(&[], Vec::as_slice)
+    }
+}
+
 pub struct Dispatcher {
     devices: Vec<DeviceHandle>,
+    holdings: RwLock<Arc<Holdings>>,
+    num_experts: usize,
     remote: Option<Arc<dyn RemoteNodes>>,
     placement: RwLock<Arc<Placement>>,
     /// This node's index in the placement.
@@ -186,8 +233,23 @@ impl Dispatcher {
         hidden_size: usize,
         timing: DispatchTiming,
     ) -> Self {
+        let num_experts = (0..placement.num_layers())
+            .map(|layer| placement.experts_in(layer))
+            .max()
+            .unwrap_or(0);
+        let by_device = (0..devices.len())
+            .map(|d| {
+                placement
+                    .experts_on(local_node, d as u16)
+                    .into_iter()
+                    .collect()
+            })
+            .collect();
+        let holdings = Holdings::new(by_device, placement.num_layers(), num_experts);
         Dispatcher {
             devices,
+            holdings: RwLock::new(Arc::new(holdings)),
+            num_experts,
             remote: None,
             placement: RwLock::new(placement),
             local_node: RwLock::new(local_node),
@@ -222,6 +284,33 @@ impl Dispatcher {
     pub fn set_placement(&self, placement: Arc<Placement>, local_node: u16) {
         *self.placement.write().unwrap_or_else(|e| e.into_inner()) = placement;
         *self.local_node.write().unwrap_or_else(|e| e.into_inner()) = local_node;
+    }
+
+    /// What local device `device` holds now.
+    pub fn held_by(&self, device: usize) -> HashSet<(usize, u32)> {
+        self.holdings()
+            .by_device
+            .get(device)
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// Records what local device `device` holds now (after it took or released experts).
+    pub fn set_held_by(&self, device: usize, held: HashSet<(usize, u32)>) {
+        let mut holdings = self.holdings.write().unwrap_or_else(|e| e.into_inner());
+        let mut by_device = holdings.by_device.clone();
+        if let Some(slot) = by_device.get_mut(device) {
+            *slot = held;
+        }
+        let layers = holdings.replicas.len();
+        *holdings = Arc::new(Holdings::new(by_device, layers, self.num_experts));
+    }
+
+    fn holdings(&self) -> Arc<Holdings> {
+        self.holdings
+            .read()
+            .map(|h| h.clone())
+            .unwrap_or_else(|e| e.into_inner().clone())
     }
 
     fn local_node(&self) -> u16 {
@@ -293,7 +382,20 @@ impl Dispatcher {
     ) -> Result<Vec<Vec<f32>>, ExpertError> {
         let width = self.hidden_size;
         let placement = self.placement();
-        let local_node = self.local_node();
+        let holdings = self.holdings();
+        // Work from another node runs on whichever local device holds its expert now.
+        let local_node = if local_only {
+            HELD_HERE
+        } else {
+            self.local_node()
+        };
+        let replicas_of = |expert: u32| {
+            if local_only {
+                holdings.replicas(layer, expert)
+            } else {
+                placement.replicas(layer, expert)
+            }
+        };
         let mut starts = Vec::with_capacity(group_rows.len());
         let mut at = 0usize;
         for &rows in group_rows {
@@ -330,9 +432,8 @@ impl Dispatcher {
                 let alive_devices = self.devices_alive();
                 let chosen = {
                     let health = self.health();
-                    assign_groups(
-                        &placement,
-                        layer,
+                    assign_groups_among(
+                        replicas_of,
                         &pending.iter().map(|&g| experts[g]).collect::<Vec<_>>(),
                         |i| group_rows[pending[i]],
                         |r| {

@@ -60,8 +60,8 @@ pub async fn devices(state: web::Data<AppState>) -> Result<HttpResponse, ApiErro
                 "gpu": d.gpu,
                 "name": d.name,
                 "alive": alive[d.id],
-                "experts": d.experts_held,
-                "weight_bytes": d.weight_bytes,
+                "experts": d.experts_held(),
+                "weight_bytes": d.weight_bytes(),
             })
         })
         .collect();
@@ -110,6 +110,7 @@ pub async fn cluster(state: web::Data<AppState>) -> Result<HttpResponse, ApiErro
                 "devices": m.meta.devices,
                 "last_heard_ms": now.saturating_duration_since(m.last_heard).as_millis() as u64,
                 "placement_version": m.meta.placement_version,
+                "loaded_version": m.meta.loaded_version,
                 "self": m.is_self,
             })
         })
@@ -143,11 +144,11 @@ pub async fn placement(state: web::Data<AppState>) -> Result<HttpResponse, ApiEr
     let served = match state.admitting() {
         Ok(served) => served,
         // Still loading its share: the spec alone is what nodes starting with it need.
-        Err(e) => match state.placement_spec.get() {
-            Some(spec) => {
+        Err(e) => match state.placements.current() {
+            Some(placement) => {
                 return Ok(HttpResponse::Ok().json(json!({
-                    "version": spec.version,
-                    "spec": spec,
+                    "version": placement.version(),
+                    "spec": placement.spec(),
                     "layers": [],
                     "loading": true,
                 })));

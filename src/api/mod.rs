@@ -3,6 +3,7 @@
 //! happens in the router actor.
 
 pub mod admin;
+pub mod cluster;
 pub mod error;
 pub mod openai;
 pub mod stop;
@@ -50,9 +51,10 @@ pub struct AppState {
     served: OnceLock<ServedModel>,
     /// Generation responses admitted and not yet fully sent.
     in_flight: Arc<AtomicUsize>,
-    /// In a cluster, the placement this node serves under, known before the node is ready
-    /// (other nodes that start with it read it from `/admin/placement` to load their share).
-    pub placement_spec: Arc<OnceLock<crate::placement::PlacementSpec>>,
+    /// The placement this node serves under and the next one while the cluster changes
+    /// placement, known before the node is ready (other nodes that start with it read it
+    /// from `/cluster/placement/{version}` to load their share).
+    pub placements: Arc<crate::cluster::board::PlacementBoard>,
 }
 
 /// Counts one generation response as in flight until it is dropped (sent, failed, or its
@@ -73,7 +75,7 @@ impl AppState {
             phase: AtomicU8::new(Phase::Loading as u8),
             served: OnceLock::new(),
             in_flight: Arc::new(AtomicUsize::new(0)),
-            placement_spec: Arc::new(OnceLock::new()),
+            placements: Arc::default(),
         }
     }
 
@@ -157,6 +159,11 @@ pub fn configure(state: web::Data<AppState>) -> impl FnOnce(&mut web::ServiceCon
                     .route("/cluster", web::get().to(admin::cluster))
                     .route("/placement", web::get().to(admin::placement))
                     .route("/devices/{id}/stop", web::post().to(admin::stop_device)),
+            )
+            .service(
+                web::scope("/cluster")
+                    .wrap(from_fn(require_api_key))
+                    .route("/placement/{version}", web::get().to(cluster::placement)),
             )
             .default_service(web::to(not_found));
     }

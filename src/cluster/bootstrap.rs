@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant};
 
 use super::{MemberState, MemberView, Membership};
-use crate::placement::{NodeSlots, PlacementSpec};
+use crate::placement::{NodeSlots, PlacementSpec, PlacementTable};
 
 /// What a starting node does next, decided from what gossip shows.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -63,6 +63,15 @@ pub fn decide(
     }
 }
 
+/// How a starting node gets its placement.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Start {
+    /// It places the experts (the first start of a cluster).
+    Create(PlacementSpec),
+    /// It takes the placement the cluster serves.
+    Take(PlacementTable),
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum BootstrapError {
     #[error(
@@ -84,17 +93,17 @@ pub fn await_placement(
     expect_nodes: usize,
     replication: usize,
     timeout: Duration,
-    fetch: impl Fn(&MemberView) -> Result<PlacementSpec, String>,
-) -> Result<PlacementSpec, BootstrapError> {
+    fetch: impl Fn(&MemberView) -> Result<PlacementTable, String>,
+) -> Result<Start, BootstrapError> {
     let start = Instant::now();
     let mut last_alive = usize::MAX;
     loop {
         let members = membership.members();
         match decide(&members, me, expect_nodes, replication) {
             Decision::Fetch(i) => match fetch(&members[i]) {
-                Ok(spec) => {
-                    tracing::info!(from = %members[i].meta.node, version = spec.version, "took the cluster's placement");
-                    return Ok(spec);
+                Ok(table) => {
+                    tracing::info!(from = %members[i].meta.node, version = table.spec.version, "took the cluster's placement");
+                    return Ok(Start::Take(table));
                 }
                 Err(e) => {
                     tracing::warn!(from = %members[i].meta.node, error = %e, "could not fetch the placement; trying again")
@@ -105,7 +114,7 @@ pub fn await_placement(
                     nodes = spec.nodes.len(),
                     "placing experts over the cluster (this node has the lowest id)"
                 );
-                return Ok(spec);
+                return Ok(Start::Create(spec));
             }
             Decision::Wait { alive } => {
                 if alive != last_alive {
@@ -125,9 +134,14 @@ pub fn await_placement(
     }
 }
 
-/// Reads the placement spec a member serves from its admin API.
-pub fn fetch_spec(member: &MemberView, api_key: Option<&str>) -> Result<PlacementSpec, String> {
-    let url = format!("http://{}/admin/placement", member.meta.api);
+/// Reads placement `version` from a member's API (the one it serves, or the one it
+/// loads ahead of a switch).
+pub fn fetch_table(
+    api: std::net::SocketAddr,
+    version: u64,
+    api_key: Option<&str>,
+) -> Result<PlacementTable, String> {
+    let url = format!("http://{api}/cluster/placement/{version}");
     let client = reqwest::blocking::Client::builder()
         .timeout(Duration::from_secs(5))
         .build()
@@ -140,14 +154,16 @@ pub fn fetch_spec(member: &MemberView, api_key: Option<&str>) -> Result<Placemen
     if !response.status().is_success() {
         return Err(format!("{url}: {}", response.status()));
     }
-    #[derive(serde::Deserialize)]
-    struct Served {
-        spec: PlacementSpec,
+    let table = response
+        .json::<PlacementTable>()
+        .map_err(|e| format!("{url}: {e}"))?;
+    if table.spec.version != version {
+        return Err(format!(
+            "{url}: version {} instead of {version}",
+            table.spec.version
+        ));
     }
-    response
-        .json::<Served>()
-        .map(|s| s.spec)
-        .map_err(|e| format!("{url}: {e}"))
+    Ok(table)
 }
 
 #[cfg(test)]
@@ -164,6 +180,7 @@ mod tests {
                 devices: 1,
                 model: 7,
                 placement_version: version,
+                loaded_version: version,
             },
             gossip: "127.0.0.1:3".parse().unwrap(),
             state,

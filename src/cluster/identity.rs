@@ -22,8 +22,12 @@ pub struct MemberMeta {
     pub devices: u32,
     /// Fingerprint of the checkpoint: members with another fingerprint are refused.
     pub model: u64,
-    /// The placement version this node serves.
+    /// The placement version this node serves (routes its own work by).
     pub placement_version: u64,
+    /// The newest placement version whose experts this node has loaded: at least
+    /// `placement_version`; above it while the cluster changes placement (copy, then
+    /// switch once every live member has loaded).
+    pub loaded_version: u64,
 }
 
 /// A member's foca identity. Two identities with the same gossip address are the same
@@ -74,6 +78,7 @@ impl NodeIdentity {
                 devices: 0,
                 model,
                 placement_version: 0,
+                loaded_version: 0,
             },
             gossip,
             generation: 0,
@@ -135,6 +140,7 @@ mod tests {
             devices: 1,
             model: 9,
             placement_version: 0,
+            loaded_version: 0,
         }
     }
 
@@ -145,6 +151,7 @@ mod tests {
         let renewed = old.renew().expect("renews");
         let changed = old.with_meta(MemberMeta {
             placement_version: 4,
+            loaded_version: 4,
             ..meta()
         });
         assert!(renewed.win_addr_conflict(&old));

@@ -4,10 +4,12 @@
 //! which), [`Joined::serve`] once the dispatcher exists.
 
 use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use super::bootstrap::{BootstrapError, await_placement, fetch_spec};
+use super::bootstrap::{BootstrapError, Start, await_placement, fetch_table};
+use super::follow::{FollowParts, follow};
 use super::peers::{PeerNodes, serve_remote_work};
 use super::{MemberMeta, Membership, MembershipConfig, MembershipError};
 use crate::actors::dispatch::Dispatcher;
@@ -42,6 +44,11 @@ pub struct Joined {
     /// Kept for its life: dropping it stops serving other nodes.
     _server: PeerServer,
     dispatcher: Arc<OnceLock<Arc<Dispatcher>>>,
+    /// The key other nodes' APIs take (fetching a placement).
+    api_key: Option<String>,
+    rereplicate_after: Duration,
+    /// Tells the threads that follow the cluster to end.
+    stopping: Arc<AtomicBool>,
     /// The peer links' own runtime: their I/O never waits on the HTTP or router threads.
     /// Always `Some` until dropped.
     runtime: Option<tokio::runtime::Runtime>,
@@ -49,6 +56,7 @@ pub struct Joined {
 
 impl Drop for Joined {
     fn drop(&mut self) {
+        self.stopping.store(true, Ordering::Relaxed);
         // Dropping a runtime blocks, which panics on an async thread: let it go in the
         // background instead.
         if let Some(runtime) = self.runtime.take() {
@@ -64,7 +72,8 @@ fn parse(key: &'static str, value: &str) -> Result<SocketAddr, ClusterError> {
     })
 }
 
-/// Starts the peer server and gossip, then waits for the placement this node serves under.
+/// Starts the peer server and gossip, then waits until it knows how to get the placement
+/// this node serves under.
 pub fn join(
     config: &ClusterConfig,
     model_fingerprint: u64,
@@ -72,7 +81,7 @@ pub fn join(
     width: usize,
     api: SocketAddr,
     api_key: Option<String>,
-) -> Result<(Joined, PlacementSpec), ClusterError> {
+) -> Result<(Joined, Start), ClusterError> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("moe-node-peer")
@@ -113,6 +122,7 @@ pub fn join(
         devices: devices as u32,
         model: model_fingerprint,
         placement_version: 0,
+        loaded_version: 0,
     };
     let mut membership_config = MembershipConfig::new(
         parse("gossip_listen", &config.gossip_listen)?,
@@ -134,14 +144,24 @@ pub fn join(
         seeds = ?config.seeds,
         "joining the cluster"
     );
-    let spec = await_placement(
+    let start = await_placement(
         &membership,
         &config.node_id,
         config.expect_nodes,
         config.replication,
         Duration::from_secs(config.join_timeout_seconds),
-        |member| fetch_spec(member, api_key.as_deref()),
+        |member| {
+            fetch_table(
+                member.meta.api,
+                member.meta.placement_version,
+                api_key.as_deref(),
+            )
+        },
     )?;
+    let spec: &PlacementSpec = match &start {
+        Start::Create(spec) => spec,
+        Start::Take(table) => &table.spec,
+    };
     let peers = Arc::new(PeerNodes::new(
         transport,
         runtime.handle().clone(),
@@ -160,17 +180,44 @@ pub fn join(
             peer_addr,
             _server: server,
             dispatcher,
+            api_key,
+            rereplicate_after: Duration::from_millis(config.rereplicate_after_ms),
+            stopping: Arc::new(AtomicBool::new(false)),
             runtime: Some(runtime),
         },
-        spec,
+        start,
     ))
 }
 
 impl Joined {
     /// Takes expert work from other nodes from now on, tells the cluster which placement
-    /// this node serves, and feeds gossip's verdicts on the nodes to `dispatcher`.
-    pub fn serve(&self, dispatcher: Arc<Dispatcher>, placement_version: u64) {
+    /// this node serves, feeds gossip's verdicts on the nodes to the dispatcher, and
+    /// follows the cluster's placement changes (see [`super::follow`]).
+    pub fn serve(&self, node: ServeParts) {
+        let ServeParts {
+            dispatcher,
+            devices,
+            checkpoint,
+            model,
+            board,
+        } = node;
+        let placement_version = dispatcher.placement().version();
         let _ = self.dispatcher.set(dispatcher.clone());
+        follow(
+            FollowParts {
+                node_id: self.node_id.clone(),
+                membership: self.membership.clone(),
+                board,
+                dispatcher: dispatcher.clone(),
+                peers: self.peers.clone(),
+                devices,
+                checkpoint,
+                model,
+                api_key: self.api_key.clone(),
+                grace: self.rereplicate_after,
+            },
+            self.stopping.clone(),
+        );
         let update = {
             let peers = self.peers.clone();
             move || {
@@ -200,4 +247,13 @@ impl Joined {
             "serving expert work for the cluster"
         );
     }
+}
+
+/// The parts of a loaded node its cluster membership works with.
+pub struct ServeParts {
+    pub dispatcher: Arc<Dispatcher>,
+    pub devices: Vec<crate::actors::device::DeviceHandle>,
+    pub checkpoint: Arc<crate::model::Checkpoint>,
+    pub model: Arc<crate::model::ModelConfig>,
+    pub board: Arc<super::board::PlacementBoard>,
 }

@@ -34,6 +34,7 @@ fn config(
             devices: 2,
             model,
             placement_version: 1,
+            loaded_version: 1,
         },
     }
 }

@@ -203,8 +203,9 @@ impl MembershipStats {
 
 /// What the handle asks of the membership thread.
 enum Command {
-    /// Gossip a new placement version (identity renewal with the new metadata).
-    SetPlacementVersion(u64),
+    /// Gossip new placement versions, served and loaded (identity renewal with the new
+    /// metadata).
+    SetVersions { serving: u64, loaded: u64 },
     /// Tell the cluster we leave, then stop.
     Leave,
     /// Stop without telling anyone (as a crash would look).
@@ -361,7 +362,16 @@ impl Membership {
     /// new identity (same address, next generation) replaces the old one on every member,
     /// who see a metadata change (a Rename in foca's terms), not a death.
     pub fn set_placement_version(&self, version: u64) {
-        let _ = lock(&self.shared.commands).send(Command::SetPlacementVersion(version));
+        self.set_versions(version, version);
+    }
+
+    /// Gossips the placement version this node serves and the newest one it has loaded
+    /// (`loaded` below `serving` is taken as `serving`).
+    pub fn set_versions(&self, serving: u64, loaded: u64) {
+        let _ = lock(&self.shared.commands).send(Command::SetVersions {
+            serving,
+            loaded: loaded.max(serving),
+        });
     }
 
     /// Membership counters.
@@ -488,7 +498,7 @@ impl Driver {
         let mut buf = vec![0u8; 65536];
         loop {
             match self.commands.try_recv() {
-                Ok(Command::SetPlacementVersion(version)) => self.set_placement_version(version),
+                Ok(Command::SetVersions { serving, loaded }) => self.set_versions(serving, loaded),
                 Ok(Command::Leave) => {
                     if let Err(error) = self.foca.leave_cluster(&mut self.runtime) {
                         tracing::warn!(%error, "leaving the cluster failed");
@@ -631,13 +641,14 @@ impl Driver {
         }
     }
 
-    fn set_placement_version(&mut self, version: u64) {
+    fn set_versions(&mut self, serving: u64, loaded: u64) {
         let current = self.foca.identity();
-        if current.meta.placement_version == version {
+        if (current.meta.placement_version, current.meta.loaded_version) == (serving, loaded) {
             return;
         }
         let renewed = current.with_meta(MemberMeta {
-            placement_version: version,
+            placement_version: serving,
+            loaded_version: loaded,
             ..current.meta.clone()
         });
         if let Err(error) = self.foca.change_identity(renewed, &mut self.runtime) {

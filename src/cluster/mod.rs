@@ -13,7 +13,9 @@
 //! - [`peers`]: other nodes as the dispatcher reaches them; work from them run here.
 //! - [`metrics`]: the cluster's Prometheus series.
 
+pub mod board;
 pub mod bootstrap;
+pub mod follow;
 pub mod identity;
 pub mod joined;
 pub mod keyring;

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 use tokio::runtime::Handle;
 
@@ -34,8 +34,8 @@ pub struct PeerNodes {
     auth: Arc<PeerAuth>,
     pub stats: Arc<PeerStats>,
     directory: Arc<dyn PeerDirectory>,
-    /// Placement node index → node id.
-    placement_nodes: Vec<String>,
+    /// Placement node index → node id (indices only grow: see `Placement::revise`).
+    placement_nodes: RwLock<Vec<String>>,
     clients: Mutex<HashMap<String, Arc<PeerClient>>>,
     width: usize,
 }
@@ -56,14 +56,29 @@ impl PeerNodes {
             auth,
             stats,
             directory,
-            placement_nodes,
+            placement_nodes: RwLock::new(placement_nodes),
             clients: Mutex::new(HashMap::new()),
             width,
         }
     }
 
-    fn node_id(&self, node: u16) -> Option<&str> {
-        self.placement_nodes.get(node as usize).map(String::as_str)
+    fn node_id(&self, node: u16) -> Option<String> {
+        self.nodes().get(node as usize).cloned()
+    }
+
+    fn nodes(&self) -> Vec<String> {
+        self.placement_nodes
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// The node ids of a new placement, by index.
+    pub fn set_nodes(&self, nodes: Vec<String>) {
+        *self
+            .placement_nodes
+            .write()
+            .unwrap_or_else(|e| e.into_inner()) = nodes;
     }
 
     /// The client toward `id`'s current peer address; `None` when no live member has it.
@@ -94,7 +109,7 @@ impl PeerNodes {
     /// nodes declared dead are closed, failing what is outstanding on them at once, and
     /// the client of a node now at another address (a restart on a new port) is dropped.
     pub fn reach_of_nodes(&self) -> Vec<(u16, Reach)> {
-        let nodes = &self.placement_nodes;
+        let nodes = self.nodes();
         let mut clients = self.clients.lock().unwrap_or_else(|e| e.into_inner());
         nodes
             .iter()
@@ -179,7 +194,7 @@ impl RemoteNodes for PeerNodes {
             .node_id(node)
             .ok_or_else(|| TargetError::Gone(format!("no node {node} in the placement")))?;
         let client = self
-            .client(id)
+            .client(&id)
             .ok_or_else(|| TargetError::Gone(format!("node `{id}` is not a live member")))?;
         let asked = work.groups.clone();
         let width = self.width;

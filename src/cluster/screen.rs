@@ -176,6 +176,7 @@ mod tests {
                 devices: 1,
                 model,
                 placement_version: 0,
+                loaded_version: 0,
             },
             gossip: SocketAddr::from(([10, 0, 0, index], 7946)),
             generation: 1,

@@ -129,6 +129,7 @@ impl Simulation {
                     devices: 8,
                     model: 0x5eed,
                     placement_version: 1,
+                    loaded_version: 1,
                 },
                 gossip,
                 generation: 1,

@@ -210,6 +210,7 @@ mod tests {
                 devices: 1,
                 model: 1,
                 placement_version: 0,
+                loaded_version: 0,
             },
             gossip,
             generation,
@@ -310,6 +311,7 @@ mod tests {
         assert!(!table.set_local(&local, 0, Instant::now()));
         let renewed = local.with_meta(MemberMeta {
             placement_version: 3,
+            loaded_version: 3,
             ..local.meta.clone()
         });
         assert!(table.set_local(&renewed, 0, Instant::now()));

@@ -145,6 +145,10 @@ pub struct ClusterConfig {
     pub unavailable_wait_ms: u64,
     /// How long start-up waits for `expect_nodes` members or a placement to join.
     pub join_timeout_seconds: u64,
+    /// How long a node holding experts may be gone before its copies are made again on
+    /// the others (a new placement version). Longer than a restart by systemd, so a node
+    /// that crashes and comes back reloads its own share instead of copies moving twice.
+    pub rereplicate_after_ms: u64,
 }
 
 impl Default for ClusterConfig {
@@ -165,6 +169,7 @@ impl Default for ClusterConfig {
             on_expert_unavailable: crate::actors::dispatch::OnUnavailable::Fail,
             unavailable_wait_ms: 10_000,
             join_timeout_seconds: 300,
+            rereplicate_after_ms: 10_000,
         }
     }
 }
@@ -254,6 +259,7 @@ impl ClusterConfig {
             ("cluster.hedge_after_ms", self.hedge_after_ms, 1),
             ("cluster.request_timeout_ms", self.request_timeout_ms, 10),
             ("cluster.join_timeout_seconds", self.join_timeout_seconds, 1),
+            ("cluster.rereplicate_after_ms", self.rereplicate_after_ms, 0),
         ] {
             if value < min {
                 problems.push(format!("{key}: must be at least {min}"));

@@ -167,6 +167,11 @@ impl Placement {
         self.replicas.len()
     }
 
+    /// Experts placed in `layer` (0 for a dense layer).
+    pub fn experts_in(&self, layer: usize) -> usize {
+        self.replicas.get(layer).map_or(0, Vec::len)
+    }
+
     /// Replicas of `expert` of `layer`; empty for dense layers or unknown experts.
     pub fn replicas(&self, layer: usize, expert: u32) -> &[Replica] {
         self.replicas

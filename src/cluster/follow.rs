@@ -1,0 +1,544 @@
+//! Placement changes while the cluster serves: copy, then switch.
+//!
+//! The lowest-id serving node (the leader) proposes the next placement version when a node
+//! holding experts has been gone for `cluster.rereplicate_after_ms` (its copies are made
+//! again on the others) or when a node serves that the placement does not use (a joiner,
+//! a node come back: it gets a share). Every node then, while it goes on serving the
+//! current version:
+//! 1. fetches the next version from a member that announces it (`loaded_version` in its
+//!    gossip metadata) and loads the experts it newly holds, from its own copy of the
+//!    checkpoint;
+//! 2. announces it has loaded it; once every live member has, it switches at a step
+//!    boundary (the dispatcher reads one placement per step);
+//! 3. once every live member serves the new version, it lets go of the experts the new
+//!    version puts elsewhere (until then other nodes may still route by the old one, and
+//!    work from other nodes runs on whatever device holds its expert).
+//!
+//! [`Follower::decide`] is the pure decision; [`follow`] runs it on a thread of its own.
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use super::board::PlacementBoard;
+use super::bootstrap::fetch_table;
+use super::peers::{PeerNodes, best_member};
+use super::{MemberState, MemberView, Membership};
+use crate::actors::device::{DeviceHandle, ReleaseExperts, TakeExperts, load_experts};
+use crate::actors::dispatch::Dispatcher;
+use crate::model::{Checkpoint, ModelConfig};
+use crate::placement::{NodeSlots, Placement};
+
+/// What a node does next about placement.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Step {
+    Idle,
+    /// (Leader) Propose the next version over these nodes; `why` goes to the log.
+    Propose {
+        nodes: Vec<NodeSlots>,
+        why: String,
+    },
+    /// Take version `version` from the member whose API is at `api`.
+    Fetch {
+        api: SocketAddr,
+        version: u64,
+    },
+    /// Load this node's share of the next version.
+    Load,
+    /// Every live member has loaded the next version: serve it.
+    Switch,
+    /// Every live member serves the current version: let go of what it puts elsewhere.
+    Release,
+}
+
+/// What one node knows about the change in progress, besides the members and placements.
+pub struct Follower {
+    me: String,
+    /// How long a node holding experts may be gone before its copies are made again.
+    grace: Duration,
+    /// Since when each node holding experts has been seen gone.
+    gone_since: HashMap<String, Instant>,
+    /// The newest version whose share this node loaded.
+    pub loaded: u64,
+    /// The version whose leftovers this node let go of.
+    pub released: u64,
+}
+
+/// Whether a member takes part: serving (it has a placement) and not dead.
+fn serving(m: &MemberView) -> bool {
+    m.state != MemberState::Dead && m.meta.placement_version > 0
+}
+
+impl Follower {
+    pub fn new(me: &str, grace: Duration, serving_version: u64) -> Self {
+        Follower {
+            me: me.to_string(),
+            grace,
+            gone_since: HashMap::new(),
+            loaded: serving_version,
+            released: serving_version,
+        }
+    }
+
+    /// The one speaking for each node other than this one, by id.
+    fn others<'a>(&self, members: &'a [MemberView]) -> Vec<&'a MemberView> {
+        let mut ids: Vec<&str> = members
+            .iter()
+            .map(|m| m.meta.node.as_str())
+            .filter(|id| !id.is_empty() && *id != self.me)
+            .collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids.into_iter()
+            .filter_map(|id| best_member(members, id))
+            .collect()
+    }
+
+    /// Decides the next step from the members gossip shows, the placement served and the
+    /// next one if known.
+    pub fn decide(
+        &mut self,
+        members: &[MemberView],
+        current: &Placement,
+        next: Option<&Placement>,
+        now: Instant,
+    ) -> Step {
+        let others = self.others(members);
+        let alive_serving = || {
+            others
+                .iter()
+                .filter(|m| m.state == MemberState::Alive && m.meta.placement_version > 0)
+        };
+        let newest = others
+            .iter()
+            .filter(|m| m.state == MemberState::Alive)
+            .max_by_key(|m| (m.meta.loaded_version, std::cmp::Reverse(&m.meta.node)));
+        if let Some(next) = next {
+            if self.loaded < next.version() {
+                return Step::Load;
+            }
+            if alive_serving().all(|m| m.meta.loaded_version >= next.version()) {
+                return Step::Switch;
+            }
+            return Step::Idle;
+        }
+        if let Some(m) = newest
+            && m.meta.loaded_version > current.version()
+        {
+            return Step::Fetch {
+                api: m.meta.api,
+                version: m.meta.loaded_version,
+            };
+        }
+        if self.released < current.version()
+            && alive_serving().all(|m| m.meta.placement_version >= current.version())
+        {
+            return Step::Release;
+        }
+        // Leader: the lowest id of the serving nodes that are not dead.
+        let leads = others
+            .iter()
+            .filter(|m| serving(m))
+            .all(|m| m.meta.node > self.me);
+        let settled = alive_serving().all(|m| {
+            m.meta.placement_version == current.version()
+                && m.meta.loaded_version == current.version()
+        });
+        // Track who is gone (only the leader acts on it, but any node may become leader).
+        let live: HashMap<&str, usize> = others
+            .iter()
+            .filter(|m| serving(m))
+            .map(|m| (m.meta.node.as_str(), m.meta.devices as usize))
+            .chain(std::iter::once((
+                self.me.as_str(),
+                current
+                    .node_index(&self.me)
+                    .map_or(0, |i| current.nodes()[i as usize].devices),
+            )))
+            .collect();
+        self.gone_since
+            .retain(|node, _| !live.contains_key(node.as_str()));
+        for n in current.nodes().iter().filter(|n| n.devices > 0) {
+            if !live.contains_key(n.node.as_str()) {
+                self.gone_since.entry(n.node.clone()).or_insert(now);
+            }
+        }
+        if !leads || !settled {
+            return Step::Idle;
+        }
+        let mut reasons = Vec::new();
+        let mut nodes: Vec<NodeSlots> = Vec::new();
+        for n in current.nodes() {
+            match live.get(n.node.as_str()) {
+                Some(&devices) => {
+                    if devices != n.devices {
+                        reasons.push(format!("{} serves with {devices} devices", n.node));
+                    }
+                    if devices > 0 {
+                        nodes.push(NodeSlots {
+                            node: n.node.clone(),
+                            devices,
+                        });
+                    }
+                }
+                None if n.devices > 0 => {
+                    let since = self.gone_since.get(&n.node).copied().unwrap_or(now);
+                    if now.duration_since(since) >= self.grace {
+                        reasons.push(format!(
+                            "{} has been gone {:.1} s",
+                            n.node,
+                            now.duration_since(since).as_secs_f32()
+                        ));
+                    } else {
+                        // Still within its grace: it keeps its share.
+                        nodes.push(n.clone());
+                    }
+                }
+                None => {}
+            }
+        }
+        for (&node, &devices) in &live {
+            if current.node_index(node).is_none() && devices > 0 {
+                reasons.push(format!("{node} joined"));
+                nodes.push(NodeSlots {
+                    node: node.to_string(),
+                    devices,
+                });
+            }
+        }
+        if reasons.is_empty() {
+            return Step::Idle;
+        }
+        reasons.sort();
+        nodes.sort_by(|a, b| a.node.cmp(&b.node));
+        Step::Propose {
+            nodes,
+            why: reasons.join(", "),
+        }
+    }
+}
+
+/// The parts of a node a placement change touches.
+pub struct FollowParts {
+    pub node_id: String,
+    pub membership: Membership,
+    pub board: Arc<PlacementBoard>,
+    pub dispatcher: Arc<Dispatcher>,
+    pub peers: Arc<PeerNodes>,
+    pub devices: Vec<DeviceHandle>,
+    pub checkpoint: Arc<Checkpoint>,
+    pub model: Arc<ModelConfig>,
+    pub api_key: Option<String>,
+    pub grace: Duration,
+}
+
+/// How often the follower looks at the membership.
+const TICK: Duration = Duration::from_millis(200);
+
+/// Follows placement changes on a thread of its own until `stop` is set.
+pub fn follow(parts: FollowParts, stop: Arc<AtomicBool>) {
+    let spawned = std::thread::Builder::new()
+        .name("moe-node-placement".into())
+        .spawn(move || {
+            let current = parts.dispatcher.placement();
+            let mut follower = Follower::new(&parts.node_id, parts.grace, current.version());
+            while !stop.load(Ordering::Relaxed) {
+                let current = parts.dispatcher.placement();
+                let next = parts.board.next();
+                let members = parts.membership.members();
+                let step = follower.decide(&members, &current, next.as_deref(), Instant::now());
+                if step != Step::Idle {
+                    carry_out(&parts, &mut follower, &current, next, step);
+                } else {
+                    std::thread::sleep(TICK);
+                }
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::error!(error = %e, "cannot start the thread that follows placement changes");
+    }
+}
+
+fn carry_out(
+    parts: &FollowParts,
+    follower: &mut Follower,
+    current: &Arc<Placement>,
+    next: Option<Arc<Placement>>,
+    step: Step,
+) {
+    match step {
+        Step::Idle => {}
+        Step::Propose { nodes, why } => match current.revise(&nodes) {
+            Ok(placement) => {
+                tracing::info!(
+                    version = placement.version(),
+                    reason = %why,
+                    "proposing a new placement (this node leads: lowest serving id)"
+                );
+                parts.board.set_next(Arc::new(placement));
+            }
+            Err(e) => {
+                tracing::error!(error = %e, reason = %why, "cannot place the experts anew");
+                std::thread::sleep(Duration::from_secs(5));
+            }
+        },
+        Step::Fetch { api, version } => {
+            let fetched = fetch_table(api, version, parts.api_key.as_deref()).and_then(|t| {
+                Placement::from_table(t, &parts.model.moe_layers, parts.model.moe.num_experts)
+                    .map_err(|e| e.to_string())
+            });
+            match fetched {
+                Ok(placement) => {
+                    tracing::info!(version, from = %api, "took the next placement");
+                    parts.board.set_next(Arc::new(placement));
+                }
+                Err(e) => {
+                    tracing::warn!(version, from = %api, error = %e, "cannot fetch the next placement; trying again");
+                    std::thread::sleep(Duration::from_secs(1));
+                }
+            }
+        }
+        Step::Load => {
+            let Some(next) = next else { return };
+            load_share(parts, &next);
+            follower.loaded = next.version();
+            parts
+                .membership
+                .set_versions(current.version(), next.version());
+        }
+        Step::Switch => {
+            let Some(next) = parts.board.switch() else {
+                return;
+            };
+            let local = next.node_index(&parts.node_id).unwrap_or(u16::MAX);
+            parts
+                .peers
+                .set_nodes(next.nodes().iter().map(|n| n.node.clone()).collect());
+            parts.dispatcher.set_placement(next.clone(), local);
+            for (node, reach) in parts.peers.reach_of_nodes() {
+                parts.dispatcher.set_node_reach(node, reach);
+            }
+            parts
+                .membership
+                .set_versions(next.version(), next.version());
+            tracing::info!(
+                version = next.version(),
+                experts_here = next.experts_held_by(local),
+                "serving the new placement"
+            );
+        }
+        Step::Release => {
+            let local = current.node_index(&parts.node_id).unwrap_or(u16::MAX);
+            for device in &parts.devices {
+                let keep: HashSet<(usize, u32)> = current
+                    .experts_on(local, device.id as u16)
+                    .into_iter()
+                    .collect();
+                let held = parts.dispatcher.held_by(device.id);
+                if held.is_subset(&keep) {
+                    continue;
+                }
+                // The dispatcher stops using them first, then the device lets go.
+                parts
+                    .dispatcher
+                    .set_held_by(device.id, held.intersection(&keep).copied().collect());
+                let left = futures::executor::block_on(device.addr.send(ReleaseExperts(keep)));
+                tracing::info!(device = device.id, holds = ?left.ok(), "released experts placed elsewhere now");
+            }
+            follower.released = current.version();
+        }
+    }
+}
+
+/// Loads onto each device the experts `next` gives it that it does not hold yet. Reads
+/// happen here, off the device threads, which keep computing meanwhile.
+fn load_share(parts: &FollowParts, next: &Placement) {
+    let Some(local) = next.node_index(&parts.node_id) else {
+        return;
+    };
+    for device in &parts.devices {
+        let held = parts.dispatcher.held_by(device.id);
+        let missing: Vec<(usize, u32)> = next
+            .experts_on(local, device.id as u16)
+            .into_iter()
+            .filter(|e| !held.contains(e))
+            .collect();
+        if missing.is_empty() {
+            continue;
+        }
+        let started = Instant::now();
+        let weights = match load_experts(&parts.checkpoint, &parts.model, &missing) {
+            Ok(weights) => weights,
+            Err(e) => {
+                tracing::error!(device = device.id, error = %e, "cannot load the experts of the new placement: other replicas serve them");
+                continue;
+            }
+        };
+        match futures::executor::block_on(device.addr.send(TakeExperts(weights))) {
+            Ok(Ok(holds)) => {
+                let mut now_held = held;
+                now_held.extend(missing.iter().copied());
+                parts.dispatcher.set_held_by(device.id, now_held);
+                tracing::info!(
+                    device = device.id,
+                    loaded = missing.len(),
+                    holds,
+                    seconds = started.elapsed().as_secs_f32(),
+                    version = next.version(),
+                    "loaded the experts of the next placement"
+                );
+            }
+            Ok(Err(e)) => {
+                tracing::error!(device = device.id, error = %e, "cannot take the experts of the new placement: other replicas serve them")
+            }
+            Err(_) => tracing::warn!(device = device.id, "device stopped while taking experts"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::MemberMeta;
+    use crate::placement::PlacementSpec;
+
+    fn member(node: &str, state: MemberState, serving: u64, loaded: u64) -> MemberView {
+        MemberView {
+            meta: MemberMeta {
+                node: node.into(),
+                peer: "127.0.0.1:1".parse().unwrap(),
+                api: format!("127.0.0.{}:80", node.len()).parse().unwrap(),
+                devices: 1,
+                model: 7,
+                placement_version: serving,
+                loaded_version: loaded,
+            },
+            gossip: "127.0.0.1:3".parse().unwrap(),
+            state,
+            incarnation: 0,
+            generation: 0,
+            last_heard: Instant::now(),
+            is_self: false,
+        }
+    }
+
+    fn three() -> Placement {
+        let spec = PlacementSpec {
+            version: 1,
+            replication: 2,
+            nodes: ["a", "b", "c"]
+                .iter()
+                .map(|n| NodeSlots {
+                    node: n.to_string(),
+                    devices: 1,
+                })
+                .collect(),
+        };
+        Placement::balanced(&[true], 6, spec).unwrap()
+    }
+
+    const GRACE: Duration = Duration::from_secs(10);
+
+    #[test]
+    fn the_leader_rereplicates_a_node_gone_past_its_grace_and_only_the_leader() {
+        use MemberState::*;
+        let p1 = three();
+        let t0 = Instant::now();
+        let members = [member("b", Alive, 1, 1), member("c", Dead, 1, 1)];
+        let mut a = Follower::new("a", GRACE, 1);
+        assert_eq!(
+            a.decide(&members, &p1, None, t0),
+            Step::Idle,
+            "within grace"
+        );
+        let later = t0 + GRACE;
+        match a.decide(&members, &p1, None, later) {
+            Step::Propose { nodes, why } => {
+                let ids: Vec<&str> = nodes.iter().map(|n| n.node.as_str()).collect();
+                assert_eq!(ids, ["a", "b"]);
+                assert!(why.contains("c has been gone"), "{why}");
+            }
+            other => panic!("{other:?}"),
+        }
+        // b is not the leader while a serves.
+        let mut b = Follower::new("b", GRACE, 1);
+        let seen_by_b = [member("a", Alive, 1, 1), member("c", Dead, 1, 1)];
+        b.decide(&seen_by_b, &p1, None, t0);
+        assert_eq!(b.decide(&seen_by_b, &p1, None, later), Step::Idle);
+        // A node back within its grace changes nothing.
+        let back = [member("b", Alive, 1, 1), member("c", Alive, 1, 1)];
+        assert_eq!(a.decide(&back, &p1, None, later), Step::Idle);
+    }
+
+    #[test]
+    fn a_serving_joiner_gets_a_share_once_the_cluster_is_settled() {
+        use MemberState::*;
+        let p1 = three();
+        let now = Instant::now();
+        let mut a = Follower::new("a", GRACE, 1);
+        // d is still loading (serves no placement): nothing yet.
+        let loading = [
+            member("b", Alive, 1, 1),
+            member("c", Alive, 1, 1),
+            member("d", Alive, 0, 0),
+        ];
+        assert_eq!(a.decide(&loading, &p1, None, now), Step::Idle);
+        let serving = [
+            member("b", Alive, 1, 1),
+            member("c", Alive, 1, 1),
+            member("d", Alive, 1, 1),
+        ];
+        assert!(matches!(
+            a.decide(&serving, &p1, None, now),
+            Step::Propose { ref why, .. } if why == "d joined"
+        ));
+        // A change in progress elsewhere: wait for it.
+        let changing = [
+            member("b", Alive, 1, 2),
+            member("c", Alive, 1, 1),
+            member("d", Alive, 1, 1),
+        ];
+        assert!(matches!(
+            a.decide(&changing, &p1, None, now),
+            Step::Fetch { version: 2, .. }
+        ));
+    }
+
+    #[test]
+    fn load_then_switch_when_every_live_member_has_loaded_then_release() {
+        use MemberState::*;
+        let p1 = three();
+        let nodes = |ids: &[&str]| -> Vec<NodeSlots> {
+            ids.iter()
+                .map(|n| NodeSlots {
+                    node: n.to_string(),
+                    devices: 1,
+                })
+                .collect()
+        };
+        let p2 = p1.revise(&nodes(&["a", "b"])).unwrap();
+        let now = Instant::now();
+        let mut b = Follower::new("b", GRACE, 1);
+        let members = [member("a", Alive, 1, 2), member("c", Dead, 1, 1)];
+        assert!(matches!(
+            b.decide(&members, &p1, None, now),
+            Step::Fetch { version: 2, .. }
+        ));
+        assert_eq!(b.decide(&members, &p1, Some(&p2), now), Step::Load);
+        b.loaded = 2;
+        // Switch: the dead member is not waited for.
+        assert_eq!(b.decide(&members, &p1, Some(&p2), now), Step::Switch);
+        // A live member that has not loaded yet is waited for.
+        let slow = [member("a", Alive, 1, 2), member("c", Alive, 1, 1)];
+        assert_eq!(b.decide(&slow, &p1, Some(&p2), now), Step::Idle);
+        // After the switch: release once every live member serves version 2.
+        let a_behind = [member("a", Alive, 1, 2)];
+        assert_eq!(b.decide(&a_behind, &p2, None, now), Step::Idle);
+        let a_switched = [member("a", Alive, 2, 2)];
+        assert_eq!(b.decide(&a_switched, &p2, None, now), Step::Release);
+        b.released = 2;
+        assert_eq!(b.decide(&a_switched, &p2, None, now), Step::Idle);
+    }
+}
