@@ -202,6 +202,7 @@ fn main() {
     let auth = Arc::new(PeerAuth {
         node_id: "bench".into(),
         secret: b"bench secret".to_vec(),
+        accepted: Vec::new(),
         model_fingerprint: 1,
     });
     let stats = Arc::new(PeerStats::default());

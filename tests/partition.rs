@@ -78,6 +78,7 @@ fn fixture() -> Fixture {
     let auth = Arc::new(PeerAuth {
         node_id: "test".into(),
         secret: b"partition-test-secret".to_vec(),
+        accepted: Vec::new(),
         model_fingerprint: 1,
     });
     let width = config.hidden_size;

@@ -147,6 +147,7 @@ fn auth(node_id: &str, secret: &[u8], model_fingerprint: u64) -> PeerAuth {
     PeerAuth {
         node_id: node_id.into(),
         secret: secret.to_vec(),
+        accepted: Vec::new(),
         model_fingerprint,
     }
 }
@@ -268,6 +269,7 @@ on_both_transports!(
     round_trip_f32_bit_exact_and_bf16,
     hundred_concurrent_requests_from_four_threads,
     wrong_secret_is_refused_on_both_sides,
+    secrets_rotate_without_refusing_a_peer,
     wrong_model_is_refused_on_both_sides,
     server_killed_mid_request_fails_fast_then_reconnects,
     bad_frames_are_counted_and_the_server_keeps_serving,
@@ -373,6 +375,41 @@ fn wrong_secret_is_refused_on_both_sides(kind: Kind) {
     assert_reply(
         &request,
         &call(&member, request.clone(), Duration::from_secs(5)).expect("reply"),
+    );
+}
+
+/// Mid-rotation (every node holds both secrets, some already prove themselves with the new
+/// one) peers accept each other in every combination; a node that still holds only the old
+/// secret is served by nodes that accept it; once the old secret is gone from a node, a
+/// peer holding only that is refused.
+fn secrets_rotate_without_refusing_a_peer(kind: Kind) {
+    let with = |id: &str, secret: &[u8], accepted: &[&[u8]]| PeerAuth {
+        accepted: accepted.iter().map(|s| s.to_vec()).collect(),
+        ..auth(id, secret, 7)
+    };
+    let (old, new): (&[u8], &[u8]) = (b"old secret", b"new secret");
+    let request = make_request(3, Dtype::F32);
+    let call_with = |server: PeerAuth, client: PeerAuth| {
+        let rig = Rig::new(kind);
+        let stats = Arc::new(PeerStats::default());
+        let server = rig.server_at(rig.bind_addr(), server, &stats, double_plus_expert());
+        let client = rig.client_with(server.local_addr(), client, &stats);
+        call(&client, request.clone(), Duration::from_secs(5))
+    };
+    for (server, client) in [
+        (with("s", new, &[old]), with("c", old, &[new])),
+        (with("s", old, &[new]), with("c", new, &[old])),
+        (with("s", old, &[]), with("c", new, &[old])),
+        (with("s", new, &[old]), with("c", new, &[])),
+    ] {
+        let what = format!("{server:?} / {client:?}");
+        let reply = call_with(server, client).unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert_reply(&request, &reply);
+    }
+    // The old secret dropped: a peer with only the old one is refused.
+    assert_eq!(
+        call_with(with("s", new, &[]), with("c", old, &[])).err(),
+        Some(PeerError::Handshake(HandshakeError::WrongSecret))
     );
 }
 

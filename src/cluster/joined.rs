@@ -92,6 +92,10 @@ pub fn join(
     let auth = Arc::new(PeerAuth {
         node_id: config.node_id.clone(),
         secret: secret.into_bytes(),
+        accepted: config.secrets[1.min(config.secrets.len())..]
+            .iter()
+            .map(|s| s.clone().into_bytes())
+            .collect(),
         model_fingerprint,
     });
     let stats = Arc::new(PeerStats::default());

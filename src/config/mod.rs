@@ -112,9 +112,9 @@ pub struct MetricsConfig {
 pub struct ClusterConfig {
     /// This node's name in the cluster, unique. Empty: the node serves alone.
     pub node_id: String,
-    /// Shared secrets. The first encrypts gossip and authenticates peer connections; every
-    /// one is accepted on gossip, so a new secret can be rolled out first and the old one
-    /// removed later.
+    /// Shared secrets. The first encrypts gossip and proves this node to peers; every one
+    /// is accepted from others (gossip and peer connections), so a new secret can be
+    /// rolled out first and the old one removed later.
     pub secrets: Vec<String>,
     /// UDP address gossip listens on.
     pub gossip_listen: String,

@@ -32,9 +32,20 @@ use super::{PeerListener, PeerStream, Transport};
 #[derive(Clone)]
 pub struct PeerAuth {
     pub node_id: String,
+    /// The secret this node proves itself with as a server.
     pub secret: Vec<u8>,
+    /// Older (or newer) secrets also accepted from a peer, so that secrets rotate without
+    /// downtime: add the new one everywhere, make it first everywhere, then drop the old.
+    pub accepted: Vec<Vec<u8>>,
     /// A hash of the model this node serves; peers serving another model are refused.
     pub model_fingerprint: u64,
+}
+
+impl PeerAuth {
+    /// Every secret accepted, the one this node proves itself with first.
+    fn secrets(&self) -> impl Iterator<Item = &[u8]> {
+        std::iter::once(self.secret.as_slice()).chain(self.accepted.iter().map(Vec::as_slice))
+    }
 }
 
 impl std::fmt::Debug for PeerAuth {
@@ -270,7 +281,11 @@ pub async fn client_handshake<S: AsyncRead + AsyncWrite + Unpin>(
             "server hello with an unexpected status".into(),
         ));
     }
-    if !handshake::verify_server_mac(&auth.secret, &ours, &theirs, &mac) {
+    // The server proved itself with one of our secrets: we answer with the same one.
+    let Some(shared) = auth
+        .secrets()
+        .find(|secret| handshake::verify_server_mac(secret, &ours, &theirs, &mac))
+    else {
         // Tell the server why we hang up, so both sides report the same cause.
         let _ = write(
             stream,
@@ -278,8 +293,8 @@ pub async fn client_handshake<S: AsyncRead + AsyncWrite + Unpin>(
         )
         .await;
         return Err(HandshakeError::WrongSecret);
-    }
-    let proof = handshake::client_mac(&auth.secret, &ours, &theirs);
+    };
+    let proof = handshake::client_mac(shared, &ours, &theirs);
     write(stream, &handshake::encode_client_proof(Status::Ok, &proof)).await?;
     let preamble = read_array::<{ handshake::PREAMBLE_LEN }, _>(stream).await?;
     handshake::check_preamble(&preamble, handshake::message::VERDICT)?;
@@ -334,7 +349,10 @@ async fn server_handshake<S: AsyncRead + AsyncWrite + Unpin>(
             ));
         }
     }
-    if !handshake::verify_client_mac(&auth.secret, &theirs, &ours, &proof) {
+    if !auth
+        .secrets()
+        .any(|secret| handshake::verify_client_mac(secret, &theirs, &ours, &proof))
+    {
         let _ = write(stream, &handshake::encode_verdict(Status::AuthFailed)).await;
         return Err(HandshakeError::WrongSecret);
     }
