@@ -46,6 +46,15 @@ impl From<cuda::load::LoadError> for NodeError {
     }
 }
 
+/// How long one step may run before the router counts as stalled: a minute of compute,
+/// plus the longest a step may legitimately wait on other nodes (a send given up on and
+/// re-sent, then a wait for an expert to come back).
+pub fn stall_limit(cluster: &crate::config::ClusterConfig) -> std::time::Duration {
+    std::time::Duration::from_millis(
+        60_000 + 2 * cluster.request_timeout_ms + cluster.unavailable_wait_ms,
+    )
+}
+
 /// A running node: its devices, the placement of experts on them, and the router.
 pub struct Node {
     pub model: Arc<ModelConfig>,
@@ -211,7 +220,8 @@ impl Node {
         }
         Ok(Node {
             model,
-            router: RouterActor::new(engine, limits, metrics).start_on_own_thread(),
+            router: RouterActor::new(engine, limits, metrics)
+                .start_on_own_thread(stall_limit(&config.cluster)),
             devices,
             experts,
             load,

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use actix_web::{App, HttpServer, web};
 use futures::future::{Either, select};
 
-use crate::actors::router::Submit;
+use crate::actors::router::{RouterState, Submit};
 use crate::api::{AppState, ServedModel};
 use crate::config::NodeConfig;
 use crate::engine::SamplingParams;
@@ -175,9 +175,10 @@ fn load(state: &AppState, api: std::net::SocketAddr) -> Result<(), ServeError> {
 /// Exit status when the router is gone (sysexits' EX_SOFTWARE): systemd restarts the node.
 pub const EXIT_ROUTER_GONE: i32 = 70;
 
-/// Watches the router actor: if it stops (a panic in a step ends its thread), the node can
-/// serve nothing, so it leaves `/ready` and exits non-zero for its supervisor to restart it
-/// while the other nodes of a cluster go on serving.
+/// Watches the router actor: if it stops (a panic in a step ends its thread) or stalls (one
+/// step runs past [`crate::node::stall_limit`]), the node can serve nothing, so it leaves
+/// `/ready` and exits non-zero for its supervisor to restart it while the other nodes of a
+/// cluster go on serving.
 fn watch_router(state: &AppState) -> Result<(), ServeError> {
     let Some(served) = state.served() else {
         return Ok(());
@@ -186,12 +187,24 @@ fn watch_router(state: &AppState) -> Result<(), ServeError> {
     std::thread::Builder::new()
         .name("moe-node-watchdog".into())
         .spawn(move || {
-            while router.is_running() {
-                std::thread::sleep(Duration::from_millis(200));
+            loop {
+                match router.state() {
+                    RouterState::Running => std::thread::sleep(Duration::from_millis(200)),
+                    RouterState::Stopped => {
+                        tracing::error!(
+                            "the router stopped (a step panicked or its thread ended): exiting so that the node is restarted"
+                        );
+                        break;
+                    }
+                    RouterState::Stalled(running) => {
+                        tracing::error!(
+                            seconds = running.as_secs(),
+                            "the router is stuck in one step: exiting so that the node is restarted"
+                        );
+                        break;
+                    }
+                }
             }
-            tracing::error!(
-                "the router stopped (a step panicked or its thread ended): exiting so that the node is restarted"
-            );
             std::process::exit(EXIT_ROUTER_GONE);
         })
         .map(|_| ())

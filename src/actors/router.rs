@@ -5,7 +5,8 @@
 //! next step boundary.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use tokio::sync::mpsc;
@@ -26,6 +27,42 @@ pub struct RouterActor {
     batcher: Batcher<EventSink>,
     metrics: Arc<NodeMetrics>,
     step_scheduled: bool,
+    clock: Arc<StepClock>,
+}
+
+/// When the step in progress began, so that a router that no longer steps (a device that
+/// never answers, a deadlock) is seen from outside its thread.
+#[derive(Debug)]
+pub struct StepClock {
+    base: Instant,
+    /// Milliseconds after `base` the running step began, plus one; 0 between steps.
+    started: AtomicU64,
+}
+
+impl StepClock {
+    fn new() -> Self {
+        StepClock {
+            base: Instant::now(),
+            started: AtomicU64::new(0),
+        }
+    }
+
+    fn begin(&self, now: Instant) {
+        let ms = now.saturating_duration_since(self.base).as_millis() as u64;
+        self.started.store(ms + 1, Ordering::Release);
+    }
+
+    fn end(&self) {
+        self.started.store(0, Ordering::Release);
+    }
+
+    /// How long the running step has run at `now`; `None` between steps.
+    pub fn running_for(&self, now: Instant) -> Option<Duration> {
+        match self.started.load(Ordering::Acquire) {
+            0 => None,
+            at => Some(now.saturating_duration_since(self.base + Duration::from_millis(at - 1))),
+        }
+    }
 }
 
 /// Queues a generation; its events arrive on the returned receiver. Dropping the receiver
@@ -45,6 +82,19 @@ impl Message for Submit {
 #[derive(Clone)]
 pub struct RouterHandle {
     addr: Addr<RouterActor>,
+    clock: Arc<StepClock>,
+    /// A step running longer than this means the router is stuck.
+    stall_limit: Duration,
+}
+
+/// Whether the router can serve.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RouterState {
+    Running,
+    /// One step has run for this long, past the stall limit.
+    Stalled(Duration),
+    /// Its thread has ended (a step panicked).
+    Stopped,
 }
 
 /// Why a generation was not queued.
@@ -70,9 +120,19 @@ impl RouterHandle {
             .map_err(|_| SubmitError::Stopped)??)
     }
 
-    /// Whether the router still runs.
+    /// Whether the router still runs and steps.
     pub fn is_running(&self) -> bool {
-        self.addr.connected()
+        self.state() == RouterState::Running
+    }
+
+    pub fn state(&self) -> RouterState {
+        if !self.addr.connected() {
+            return RouterState::Stopped;
+        }
+        match self.clock.running_for(Instant::now()) {
+            Some(running) if running > self.stall_limit => RouterState::Stalled(running),
+            _ => RouterState::Running,
+        }
     }
 }
 
@@ -89,14 +149,19 @@ impl RouterActor {
             batcher: Batcher::new(limits, eos),
             metrics,
             step_scheduled: false,
+            clock: Arc::new(StepClock::new()),
         }
     }
 
-    /// Starts the router on its own thread.
-    pub fn start_on_own_thread(self) -> RouterHandle {
+    /// Starts the router on its own thread. A step that runs longer than `stall_limit`
+    /// counts as a stalled router (see [`RouterHandle::state`]).
+    pub fn start_on_own_thread(self, stall_limit: Duration) -> RouterHandle {
         let arbiter = Arbiter::new();
+        let clock = self.clock.clone();
         RouterHandle {
             addr: RouterActor::start_in_arbiter(&arbiter.handle(), move |_| self),
+            clock,
+            stall_limit,
         }
     }
 
@@ -158,7 +223,9 @@ impl Handler<Step> for RouterActor {
         }
         let mut steps = self.batcher.plan_step();
         if !steps.is_empty() {
+            self.clock.begin(Instant::now());
             let result = self.engine.forward(&mut steps);
+            self.clock.end();
             drop(steps);
             let metrics = &self.metrics;
             match result {
@@ -204,5 +271,24 @@ fn record(metrics: &NodeMetrics, sink: &mut EventSink, event: &SequenceEvent) {
             .request_latency
             .observe((now - sink.admitted).as_secs_f64()),
         SequenceEvent::Failed(_) => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_step_clock_tells_how_long_the_running_step_has_run() {
+        let clock = StepClock::new();
+        let now = clock.base + Duration::from_secs(5);
+        assert_eq!(clock.running_for(now), None, "no step yet");
+        clock.begin(clock.base + Duration::from_secs(2));
+        assert_eq!(clock.running_for(now), Some(Duration::from_secs(3)));
+        clock.end();
+        assert_eq!(clock.running_for(now), None, "between steps");
+        // A step that began at the clock's start is still seen as running.
+        clock.begin(clock.base);
+        assert_eq!(clock.running_for(now), Some(Duration::from_secs(5)));
     }
 }
