@@ -7,7 +7,8 @@
 //! to a reachable replica after `hedge_floor`, a connect that cannot cross fails over at
 //! once, and an expert with no reachable replica fails the step at once (`fail`, 503 for
 //! the request) or holds it until the partition heals (`wait`, up to `wait_for`). When the
-//! partition heals, the far side is used again.
+//! partition heals, the far side is used again. With `reroute`, tokens go to the next-best
+//! experts by gate score that have a reachable replica instead (degraded, and counted).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -19,9 +20,9 @@ use std::time::{Duration, Instant};
 use moe_node::actors::dispatch::{DispatchTiming, Dispatcher, OnUnavailable};
 use moe_node::cluster::MemberState;
 use moe_node::cluster::peers::{PeerDirectory, PeerNodes};
-use moe_node::model::weights::load_expert;
+use moe_node::model::weights::{DenseWeights, FeedForward, load_expert};
 use moe_node::model::{Checkpoint, ExpertWeights, ModelConfig};
-use moe_node::moe::run_expert_groups;
+use moe_node::moe::{ExpertExecutor, moe_routed, run_expert_groups};
 use moe_node::placement::health::Penalties;
 use moe_node::placement::{ExpertLoad, NodeSlots, Placement, PlacementSpec};
 use moe_node::transport::peer::{Handler, PeerAuth, PeerServer, PeerStats};
@@ -46,6 +47,7 @@ impl PeerDirectory for Static {
 }
 
 struct Fixture {
+    checkpoint: Checkpoint,
     network: MemoryNetwork,
     runtime: tokio::runtime::Runtime,
     config: ModelConfig,
@@ -119,6 +121,7 @@ fn fixture() -> Fixture {
         })
         .collect();
     Fixture {
+        checkpoint,
         network,
         runtime,
         config,
@@ -132,9 +135,14 @@ fn fixture() -> Fixture {
 impl Fixture {
     /// The router node: no devices of its own, every expert on B and on C.
     fn router(&self, on_unavailable: OnUnavailable) -> Dispatcher {
+        self.router_with(on_unavailable, 2)
+    }
+
+    /// The router node, its experts on B and C with `replication` copies.
+    fn router_with(&self, on_unavailable: OnUnavailable, replication: usize) -> Dispatcher {
         let spec = PlacementSpec {
             version: 1,
-            replication: 2,
+            replication,
             nodes: ["B", "C"]
                 .iter()
                 .map(|n| NodeSlots {
@@ -281,4 +289,49 @@ fn with_wait_a_step_holds_until_the_partition_heals() {
         waited >= Duration::from_millis(700) && waited < Duration::from_secs(5),
         "{waited:?}"
     );
+}
+
+#[test]
+fn with_reroute_tokens_go_to_the_next_best_experts_that_have_a_reachable_replica() {
+    let f = fixture();
+    // One copy of each expert: C's experts have no replica on the router's side.
+    let router = f.router_with(OnUnavailable::Reroute, 1);
+    let weights = DenseWeights::load(&f.checkpoint, &f.config).unwrap();
+    let FeedForward::Moe(moe) = &weights.layers[f.layer].feed_forward else {
+        panic!("layer {} is a MoE layer", f.layer)
+    };
+    let (rows, width) = (8, f.config.hidden_size);
+    let normed: Vec<f32> = (0..rows * width)
+        .map(|i| ((i * 104_729) % 2000) as f32 / 1000.0 - 1.0)
+        .collect();
+    let layer = |d: &Dispatcher| moe_routed(&f.config.moe, moe, d, f.layer, &normed, rows);
+    let whole = layer(&router).unwrap();
+    assert_eq!(
+        router.avoid(f.layer),
+        Some(vec![false; f.config.moe.num_experts])
+    );
+    assert_eq!(router.counters.rerouted.load(Ordering::Relaxed), 0);
+
+    // C cut off: the first step that needs it finds out (its connect fails); from then on
+    // its experts are routed around, and the layer is served, degraded.
+    f.network.partition(&[&[addr(ROUTER), addr(B)], &[addr(C)]]);
+    let _ = layer(&router);
+    let avoid = router.avoid(f.layer).unwrap();
+    let on_c = router.placement();
+    for (expert, &avoided) in avoid.iter().enumerate() {
+        let replicas = on_c.replicas(f.layer, expert as u32);
+        assert_eq!(
+            avoided,
+            replicas[0].node == 1,
+            "expert {expert}: {replicas:?}"
+        );
+    }
+    let degraded = layer(&router).expect("served by B's experts");
+    assert!(router.counters.rerouted.load(Ordering::Relaxed) > 0);
+    assert_ne!(degraded, whole, "the output is degraded, not the model's");
+
+    // Healed: once C's penalty has passed, the layer computes what the model computes.
+    f.network.heal();
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(layer(&router).unwrap(), whole);
 }

@@ -99,6 +99,9 @@ pub enum OnUnavailable {
     /// Wait for a replica to come back (a restart, a healed partition), up to
     /// `DispatchTiming::wait_for`, then fail.
     Wait,
+    /// Route tokens to the next-best experts by gate score that have a live replica: the
+    /// request is served, degraded (counted in `moe_node_dispatch_rerouted_total`).
+    Reroute,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -150,6 +153,9 @@ pub struct DispatchCounters {
     pub hedges: AtomicU64,
     /// Answers that came after another replica's (discarded).
     pub late_answers: AtomicU64,
+    /// Token-to-expert choices routed to another expert, the chosen one having no live
+    /// replica (`on_expert_unavailable = "reroute"`).
+    pub rerouted: AtomicU64,
 }
 
 /// What this node's devices hold now, which during a change of placement is more than
@@ -359,6 +365,24 @@ impl Dispatcher {
             .collect();
         all.sort_by_key(|(t, _)| *t);
         all
+    }
+
+    /// Whether work may go to `target` now, as [`Dispatcher::run_groups`] judges it.
+    fn usable(
+        &self,
+        target: Target,
+        health: &HashMap<Target, TargetHealth>,
+        alive_devices: &[bool],
+        now: Instant,
+    ) -> bool {
+        let reach = health
+            .get(&target)
+            .map_or(crate::placement::Reach::Up, |h| h.view(now).reach);
+        reach != crate::placement::Reach::Down
+            && match target {
+                Target::Device(d) => alive_devices.get(d as usize).copied().unwrap_or(false),
+                Target::Node(_) => self.remote.is_some(),
+            }
     }
 
     fn target_of(&self, replica: Replica, local_node: u16) -> Target {
@@ -795,6 +819,40 @@ impl GroupInput<'_> {
 }
 
 impl ExpertExecutor for Dispatcher {
+    fn avoid(&self, layer: usize) -> Option<Vec<bool>> {
+        if self.timing.on_unavailable != OnUnavailable::Reroute {
+            return None;
+        }
+        let placement = self.placement();
+        let local_node = self.local_node();
+        let alive_devices = self.devices_alive();
+        let now = Instant::now();
+        let health = self.health();
+        let mut usable: HashMap<Target, bool> = HashMap::new();
+        let avoid = (0..placement.experts_in(layer) as u32)
+            .map(|expert| {
+                !placement.replicas(layer, expert).iter().any(|&r| {
+                    let target = self.target_of(r, local_node);
+                    *usable
+                        .entry(target)
+                        .or_insert_with(|| self.usable(target, &health, &alive_devices, now))
+                })
+            })
+            .collect();
+        Some(avoid)
+    }
+
+    fn rerouted(&self, layer: usize, choices: usize) {
+        self.counters
+            .rerouted
+            .fetch_add(choices as u64, Ordering::Relaxed);
+        tracing::debug!(
+            layer,
+            choices,
+            "tokens rerouted around experts with no live replica"
+        );
+    }
+
     fn run(
         &self,
         layer: usize,

@@ -174,6 +174,12 @@ impl Collector for ClusterCollector {
             "Answers discarded because another replica answered first",
             &[(&[], load(&c.late_answers))],
         )?;
+        counter(
+            &mut encoder,
+            "dispatch_rerouted",
+            "Token-to-expert choices routed to the next-best expert because the chosen one had no live replica (on_expert_unavailable = \"reroute\": degraded output)",
+            &[(&[], load(&c.rerouted))],
+        )?;
         Ok(())
     }
 }

@@ -140,7 +140,8 @@ pub struct ClusterConfig {
     /// Expert work unanswered this long counts as failed.
     pub request_timeout_ms: u64,
     /// When an expert has no live replica: "fail" the affected requests at once (503
-    /// naming the experts), or "wait" up to `unavailable_wait_ms` for one to return.
+    /// naming the experts), "wait" up to `unavailable_wait_ms` for one to return, or
+    /// "reroute" tokens to the next-best experts by gate score (served, degraded).
     pub on_expert_unavailable: crate::actors::dispatch::OnUnavailable,
     pub unavailable_wait_ms: u64,
     /// How long start-up waits for `expect_nodes` members or a placement to join.

@@ -29,6 +29,21 @@ pub fn route(
     top_k: usize,
     correction_bias: Option<&[f32]>,
 ) -> Routing {
+    route_avoiding(gating, logits, num_experts, top_k, correction_bias, None)
+}
+
+/// [`route`], never choosing an expert `avoid` marks (it has no live replica) while
+/// `top_k` others remain: each token goes to the next-best experts by gate score instead,
+/// weighted as the gate weighs them. The output is degraded, not what the model computes.
+pub fn route_avoiding(
+    gating: &GatingConfig,
+    logits: &[f32],
+    num_experts: usize,
+    top_k: usize,
+    correction_bias: Option<&[f32]>,
+    avoid: Option<&[bool]>,
+) -> Routing {
+    let avoid = avoid.filter(|a| a.len() == num_experts && a.iter().any(|&x| x));
     let rows = logits.len() / num_experts;
     let mut experts = Vec::with_capacity(rows * top_k);
     let mut weights = Vec::with_capacity(rows * top_k);
@@ -36,9 +51,14 @@ pub fn route(
     for row in logits.chunks_exact(num_experts) {
         scratch.copy_from_slice(row);
         match *gating {
-            GatingConfig::Softmax { renormalize } => {
-                softmax_top_k(&mut scratch, top_k, renormalize, &mut experts, &mut weights)
-            }
+            GatingConfig::Softmax { renormalize } => softmax_top_k(
+                &mut scratch,
+                top_k,
+                renormalize,
+                avoid,
+                &mut experts,
+                &mut weights,
+            ),
             GatingConfig::SigmoidGrouped {
                 n_group,
                 topk_group,
@@ -47,6 +67,7 @@ pub fn route(
             } => sigmoid_grouped_top_k(
                 &mut scratch,
                 correction_bias,
+                avoid,
                 SigmoidGrouping {
                     n_group,
                     topk_group,
@@ -82,11 +103,23 @@ fn softmax_top_k(
     probs: &mut [f32],
     top_k: usize,
     renormalize: bool,
+    avoid: Option<&[bool]>,
     experts: &mut Vec<u32>,
     weights: &mut Vec<f32>,
 ) {
     softmax_in_place(probs);
-    let chosen = top_k_indices(probs, top_k);
+    let chosen = match avoid {
+        // Probabilities are never negative: an avoided expert ranks below every other.
+        Some(avoid) => {
+            let choice: Vec<f32> = probs
+                .iter()
+                .zip(avoid)
+                .map(|(&p, &a)| if a { -1.0 } else { p })
+                .collect();
+            top_k_indices(&choice, top_k)
+        }
+        None => top_k_indices(probs, top_k),
+    };
     let sum: f32 = chosen.iter().map(|&e| probs[e]).sum();
     for e in chosen {
         experts.push(e as u32);
@@ -109,6 +142,7 @@ struct SigmoidGrouping {
 fn sigmoid_grouped_top_k(
     scores: &mut [f32],
     correction_bias: Option<&[f32]>,
+    avoid: Option<&[bool]>,
     g: SigmoidGrouping,
     experts: &mut Vec<u32>,
     weights: &mut Vec<f32>,
@@ -120,6 +154,11 @@ fn sigmoid_grouped_top_k(
         Some(bias) => scores.iter().zip(bias).map(|(s, b)| s + b).collect(),
         None => scores.to_vec(),
     };
+    if let Some(avoid) = avoid {
+        for (c, _) in choice.iter_mut().zip(avoid).filter(|(_, a)| **a) {
+            *c = f32::NEG_INFINITY;
+        }
+    }
     let group_size = scores.len() / g.n_group;
     if g.topk_group < g.n_group {
         // A group scores the sum of its two best biased scores.
@@ -153,6 +192,37 @@ mod tests {
 
     fn close(a: &[f32], b: &[f32]) -> bool {
         a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-6)
+    }
+
+    #[test]
+    fn avoided_experts_give_way_to_the_next_best_by_gate_score() {
+        let logits: Vec<f32> = [1.0f32, 2.0, 3.0, 4.0].iter().map(|v| v.ln()).collect();
+        let softmax = GatingConfig::Softmax { renormalize: false };
+        let avoid = [false, false, false, true];
+        let r = route_avoiding(&softmax, &logits, 4, 2, None, Some(&avoid));
+        assert_eq!(r.experts, vec![2, 1]);
+        assert!(close(&r.weights, &[0.3, 0.2]), "{:?}", r.weights);
+        // Nothing to avoid: the same routing as `route`.
+        let none = [false; 4];
+        assert_eq!(
+            route_avoiding(&softmax, &logits, 4, 2, None, Some(&none)),
+            route(&softmax, &logits, 4, 2, None)
+        );
+        let grouped = GatingConfig::SigmoidGrouped {
+            n_group: 2,
+            topk_group: 1,
+            normalize: true,
+            routed_scaling_factor: 1.0,
+        };
+        // A group scores the sum of its two best: with 3 avoided, group {2, 3} has one
+        // expert left and cannot be chosen; group {0, 1} takes the token.
+        let logits = [0.0f32, 0.1, 3.0, 4.0];
+        let plain = route(&grouped, &logits, 4, 2, None);
+        assert_eq!(plain.experts, vec![3, 2]);
+        let r = route_avoiding(&grouped, &logits, 4, 2, None, Some(&avoid));
+        assert!(!r.experts.contains(&3), "{:?}", r.experts);
+        assert_eq!(r.experts, vec![1, 0]);
+        assert!((r.weights.iter().sum::<f32>() - 1.0).abs() < 1e-5);
     }
 
     #[test]

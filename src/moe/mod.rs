@@ -10,7 +10,7 @@ use crate::compute::cpu::add_in_place;
 use crate::model::config::MoeConfig;
 use crate::model::weights::{ExpertWeights, MoeWeights};
 pub use dispatch::DispatchPlan;
-pub use gating::{Routing, route};
+pub use gating::{Routing, route, route_avoiding};
 
 /// Why expert work could not be done.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -37,6 +37,16 @@ pub trait ExpertExecutor: Send + Sync {
         plan: &DispatchPlan,
         grouped_input: &[f32],
     ) -> Result<Vec<f32>, ExpertError>;
+
+    /// Experts of `layer` that tokens should be routed around (no live replica), when the
+    /// executor reroutes instead of failing; `None` when it does not.
+    fn avoid(&self, _layer: usize) -> Option<Vec<bool>> {
+        None
+    }
+
+    /// Told how many token-to-expert choices of `layer` went to another expert because of
+    /// [`ExpertExecutor::avoid`].
+    fn rerouted(&self, _layer: usize, _choices: usize) {}
 }
 
 /// One MoE block over `rows` normalised hidden rows: gate, route, group rows per expert, run
@@ -68,13 +78,31 @@ pub fn moe_routed(
 ) -> Result<Vec<f32>, ExpertError> {
     let width = normed.len() / rows.max(1);
     let logits = weights.router.forward(normed, rows);
-    let routing = route(
-        &cfg.gating,
-        &logits,
-        cfg.num_experts,
-        cfg.top_k,
-        weights.correction_bias.as_deref(),
-    );
+    let bias = weights.correction_bias.as_deref();
+    let routing = route(&cfg.gating, &logits, cfg.num_experts, cfg.top_k, bias);
+    let avoid = experts.avoid(layer);
+    let routing = match avoid.as_deref() {
+        Some(avoid)
+            if avoid.len() == cfg.num_experts
+                && routing.experts.iter().any(|&e| avoid[e as usize]) =>
+        {
+            let rerouted = routing
+                .experts
+                .iter()
+                .filter(|&&e| avoid[e as usize])
+                .count();
+            experts.rerouted(layer, rerouted);
+            route_avoiding(
+                &cfg.gating,
+                &logits,
+                cfg.num_experts,
+                cfg.top_k,
+                bias,
+                Some(avoid),
+            )
+        }
+        _ => routing,
+    };
     let plan = DispatchPlan::new(&routing, cfg.num_experts);
     let expert_out = experts.run(layer, &plan, &plan.gather(normed, width))?;
     let mut out = vec![0.0; rows * width];
