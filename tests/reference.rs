@@ -96,7 +96,7 @@ fn check(name: &str) {
         }
         Err(e) => eprintln!("{name}: GPU backend not checked: {e}"),
         Ok(_) => {
-            let experts_on_gpu = cuda::load::engine_on_gpu(&dir, 0, false, None, None)
+            let experts_on_gpu = moe_node::engine::gpu::engine_on_gpu(&dir, 0, false, None, None)
                 .unwrap_or_else(|e| panic!("{name}, experts on GPU 0: {e}"));
             let on_gpu = run(&experts_on_gpu, &reference);
             let gpu_diff = max_difference(&on_gpu.last_logits, &generation.last_logits);
@@ -111,7 +111,7 @@ fn check(name: &str) {
                  {gpu_diff})"
             );
             drop(experts_on_gpu);
-            let whole = cuda::load::engine_on_gpu(&dir, 0, true, None, None)
+            let whole = moe_node::engine::gpu::engine_on_gpu(&dir, 0, true, None, None)
                 .unwrap_or_else(|e| panic!("{name}, whole model on GPU 0: {e}"));
             check_whole_model_on_gpu(name, &whole, &reference, &generation);
         }
@@ -268,7 +268,8 @@ fn demo_model_batched_on_the_gpu_equals_each_sequence_alone() {
         .map(|i| vec![256, 10 + i, 20 + i % 7, 30 + (i * 3) % 11])
         .collect();
     for dense in [false, true] {
-        let engine = cuda::load::engine_on_gpu(dir.path(), 0, dense, None, None).unwrap();
+        let engine =
+            moe_node::engine::gpu::engine_on_gpu(dir.path(), 0, dense, None, None).unwrap();
         let diff = batched_against_alone(&engine, &prompts, 16);
         eprintln!("demo model, dense on GPU {dense}: 32 sequences together vs alone {diff:e}");
         assert!(

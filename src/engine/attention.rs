@@ -11,12 +11,7 @@ use crate::compute::cpu::{Linear, dot_strided, matmul, matmul_transposed, rms_no
 use crate::model::config::AttentionConfig;
 use crate::model::weights::{AttentionWeights, QueryProjection};
 
-/// The rows of one sequence within a step's batch and the position of its first row.
-#[derive(Debug, Clone)]
-pub struct Segment {
-    pub rows: Range<usize>,
-    pub start_position: usize,
-}
+pub use crate::compute::layout::Segment;
 
 /// What attention needs besides weights: shapes and per-row rotary angles.
 pub struct AttentionInput<'a> {

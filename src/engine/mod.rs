@@ -6,6 +6,7 @@
 pub mod attention;
 pub mod batch;
 pub mod generate;
+pub mod gpu;
 pub mod kv_cache;
 pub mod rope;
 pub mod sampling;

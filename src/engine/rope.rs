@@ -12,12 +12,7 @@ pub struct Rope {
     interleaved: bool,
 }
 
-/// cos and sin of every frequency at one position.
-#[derive(Debug, Clone)]
-pub struct RopeAngles {
-    pub cos: Vec<f32>,
-    pub sin: Vec<f32>,
-}
+pub use crate::compute::layout::RopeAngles;
 
 impl Rope {
     pub fn new(cfg: &RopeConfig, interleaved: bool) -> Self {

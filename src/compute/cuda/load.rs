@@ -1,5 +1,6 @@
 //! Loading a model's experts onto a GPU, and the GPU as the expert executor of an engine in
-//! this process (`moe-node generate --backend cuda`, the reference tests on every backend).
+//! this process (`moe-node generate --backend cuda`, the reference tests on every backend;
+//! the engine itself is built in `engine::gpu`).
 
 use std::path::PathBuf;
 use std::sync::Mutex;
@@ -181,37 +182,4 @@ impl ExpertExecutor for GpuLocalExperts {
             ))),
         }
     }
-}
-
-/// An engine for the model in `dir` with its routed experts on GPU `ordinal`, and its dense
-/// part too when `dense` is set (else that runs on the CPU). `lib_dir` as
-/// `devices.cuda_lib_dir`.
-pub fn engine_on_gpu(
-    dir: &std::path::Path,
-    ordinal: usize,
-    dense: bool,
-    lib_dir: Option<&std::path::Path>,
-    kernel_cache: Option<PathBuf>,
-) -> Result<crate::engine::Engine, LoadError> {
-    let runtime = super::runtime(lib_dir)?;
-    let gpu = runtime.gpus.get(ordinal).ok_or_else(|| {
-        CudaError::Unavailable(format!(
-            "GPU {ordinal} does not exist (the driver reports {})",
-            runtime.gpus.len()
-        ))
-    })?;
-    let memory_fraction = 0.9;
-    let mut engine = crate::engine::Engine::load_with::<LoadError>(dir, |checkpoint, config| {
-        let options = GpuOptions {
-            max_rows: crate::engine::generate::PREFILL_CHUNK * config.moe.top_k,
-            memory_fraction,
-            kernel_cache: kernel_cache.clone(),
-        };
-        let experts = GpuLocalExperts::load(gpu, &options, checkpoint, config)?;
-        Ok(std::sync::Arc::new(experts))
-    })?;
-    if dense {
-        engine.place_dense_on_gpu(gpu, memory_fraction, kernel_cache.as_deref())?;
-    }
-    Ok(engine)
 }
