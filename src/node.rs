@@ -13,7 +13,7 @@ use crate::actors::dispatch::{DispatchTiming, Dispatcher, Target};
 use crate::actors::router::{RouterActor, RouterHandle};
 use crate::cluster::board::PlacementBoard;
 use crate::cluster::bootstrap::Start;
-use crate::cluster::joined::{ClusterError, Joined, ServeParts, join};
+use crate::cluster::joined::{ClusterError, Joined, OfferedDevices, ServeParts, join};
 use crate::cluster::metrics::ClusterCollector;
 use crate::compute::cuda::{self, CudaError};
 use crate::config::NodeConfig;
@@ -100,7 +100,11 @@ impl Node {
             let (joined, start) = join(
                 &config.cluster,
                 checkpoint.fingerprint(),
-                num_devices,
+                OfferedDevices {
+                    count: num_devices,
+                    gpus: !targets.is_empty()
+                        && targets.iter().all(|t| matches!(t, DeviceTarget::Gpu(..))),
+                },
                 model.hidden_size,
                 api,
                 config.server.api_keys.first().cloned(),

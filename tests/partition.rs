@@ -19,14 +19,14 @@ use std::time::{Duration, Instant};
 
 use moe_node::actors::dispatch::{DispatchTiming, Dispatcher, OnUnavailable};
 use moe_node::cluster::MemberState;
-use moe_node::cluster::peers::{PeerDirectory, PeerNodes};
+use moe_node::cluster::peers::{PeerDirectory, PeerEntry, PeerNodes};
 use moe_node::model::weights::{DenseWeights, FeedForward, load_expert};
 use moe_node::model::{Checkpoint, ExpertWeights, ModelConfig};
 use moe_node::moe::{ExpertExecutor, moe_routed, run_expert_groups};
 use moe_node::placement::health::Penalties;
 use moe_node::placement::{ExpertLoad, NodeSlots, Placement, PlacementSpec};
 use moe_node::transport::peer::{Handler, PeerAuth, PeerServer, PeerStats};
-use moe_node::transport::{ExpertReply, MemoryNetwork, RemoteError};
+use moe_node::transport::{Dtype, ExpertReply, MemoryNetwork, RemoteError};
 
 const ROUTER: &str = "10.0.0.1:7000";
 const B: &str = "10.0.0.2:7000";
@@ -37,12 +37,16 @@ fn addr(a: &str) -> SocketAddr {
 }
 
 /// Node ids to their fixed addresses; gossip says every one is alive (the partition is
-/// on the data plane before gossip has decided anything).
-struct Static(HashMap<String, SocketAddr>);
+/// on the data plane before gossip has decided anything). Rows travel to them as `.1`.
+struct Static(HashMap<String, SocketAddr>, Dtype);
 
 impl PeerDirectory for Static {
-    fn lookup(&self, node: &str) -> Option<(SocketAddr, MemberState)> {
-        self.0.get(node).map(|&a| (a, MemberState::Alive))
+    fn lookup(&self, node: &str) -> Option<PeerEntry> {
+        self.0.get(node).map(|&addr| PeerEntry {
+            addr,
+            state: MemberState::Alive,
+            rows: self.1,
+        })
     }
 }
 
@@ -140,6 +144,18 @@ impl Fixture {
 
     /// The router node, its experts on B and C with `replication` copies.
     fn router_with(&self, on_unavailable: OnUnavailable, replication: usize) -> Dispatcher {
+        let stats = Arc::new(PeerStats::default());
+        self.router_sending(on_unavailable, replication, Dtype::F32, stats)
+    }
+
+    /// The router node, sending rows to B and C as `rows` and counting bytes in `stats`.
+    fn router_sending(
+        &self,
+        on_unavailable: OnUnavailable,
+        replication: usize,
+        rows: Dtype,
+        stats: Arc<PeerStats>,
+    ) -> Dispatcher {
         let spec = PlacementSpec {
             version: 1,
             replication,
@@ -158,12 +174,13 @@ impl Fixture {
             [("B".to_string(), addr(B)), ("C".to_string(), addr(C))]
                 .into_iter()
                 .collect(),
+            rows,
         );
         let peers = PeerNodes::new(
             Arc::new(self.network.transport(addr(ROUTER))),
             self.runtime.handle().clone(),
             self.auth.clone(),
-            Arc::new(PeerStats::default()),
+            stats,
             Arc::new(directory),
             vec!["B".into(), "C".into()],
             self.config.hidden_size,
@@ -334,4 +351,50 @@ fn with_reroute_tokens_go_to_the_next_best_experts_that_have_a_reachable_replica
     f.network.heal();
     std::thread::sleep(Duration::from_millis(300));
     assert_eq!(layer(&router).unwrap(), whole);
+}
+
+/// Rows go to GPU nodes as bf16 (half the bytes; a GPU rounds f32 rows to bf16 anyway), to
+/// CPU nodes as f32 (so their results are exact). B and C here compute on the CPU: with
+/// bf16 rows they compute on the rounded rows and answer rounded outputs, bit for bit.
+#[test]
+fn rows_travel_in_the_dtype_the_receiving_devices_consume() {
+    let f = fixture();
+    let (experts, rows, input, expected) = f.work();
+    let sent = |dtype: Dtype| {
+        let stats = Arc::new(PeerStats::default());
+        let router = f.router_sending(OnUnavailable::Fail, 2, dtype, stats.clone());
+        let outputs = router
+            .run_groups(f.layer, &experts, &rows, &input, false)
+            .unwrap();
+        (outputs, stats.bytes_sent.load(Ordering::Relaxed))
+    };
+    let (exact, f32_bytes) = sent(Dtype::F32);
+    assert_eq!(exact, expected);
+    let (rounded, bf16_bytes) = sent(Dtype::Bf16);
+    let round = |v: &f32| half::bf16::from_f32(*v).to_f32();
+    let width = f.config.hidden_size;
+    let rounded_input: Vec<f32> = input.iter().map(round).collect();
+    let mut at = 0;
+    let groups: Vec<_> = experts
+        .iter()
+        .zip(&rows)
+        .map(|(&e, &r)| {
+            let g = (
+                &f.experts[&(f.layer, e)],
+                &rounded_input[at..at + r * width],
+            );
+            at += r * width;
+            g
+        })
+        .collect();
+    let want: Vec<Vec<f32>> = run_expert_groups(&groups, width, false)
+        .iter()
+        .map(|g| g.iter().map(round).collect())
+        .collect();
+    assert_eq!(rounded, want);
+    let payload = (input.len() * 2) as f64;
+    assert!(
+        (f32_bytes - bf16_bytes) as f64 >= payload * 0.9,
+        "bf16 saves half the row bytes: {f32_bytes} -> {bf16_bytes}"
+    );
 }

@@ -178,6 +178,7 @@ mod tests {
                 peer: "127.0.0.1:1".parse().unwrap(),
                 api: "127.0.0.1:2".parse().unwrap(),
                 devices: 1,
+                rows_bf16: false,
                 model: 7,
                 placement_version: version,
                 loaded_version: version,

@@ -411,6 +411,7 @@ mod tests {
                 peer: "127.0.0.1:1".parse().unwrap(),
                 api: format!("127.0.0.{}:80", node.len()).parse().unwrap(),
                 devices: 1,
+                rows_bf16: false,
                 model: 7,
                 placement_version: serving,
                 loaded_version: loaded,

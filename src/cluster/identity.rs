@@ -20,6 +20,9 @@ pub struct MemberMeta {
     pub api: SocketAddr,
     /// Device slots this node serves.
     pub devices: u32,
+    /// Its devices are GPUs, which compute on bf16: rows sent to it travel as bf16 (half
+    /// the bytes, and the same result, the GPU rounding f32 rows to bf16 itself).
+    pub rows_bf16: bool,
     /// Fingerprint of the checkpoint: members with another fingerprint are refused.
     pub model: u64,
     /// The placement version this node serves (routes its own work by).
@@ -76,6 +79,7 @@ impl NodeIdentity {
                 peer: gossip,
                 api: gossip,
                 devices: 0,
+                rows_bf16: false,
                 model,
                 placement_version: 0,
                 loaded_version: 0,
@@ -138,6 +142,7 @@ mod tests {
             peer: "127.0.0.1:1".parse().expect("addr"),
             api: "127.0.0.1:2".parse().expect("addr"),
             devices: 1,
+            rows_bf16: false,
             model: 9,
             placement_version: 0,
             loaded_version: 0,

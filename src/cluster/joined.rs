@@ -65,6 +65,14 @@ impl Drop for Joined {
     }
 }
 
+/// The devices a node offers the cluster.
+#[derive(Debug, Clone, Copy)]
+pub struct OfferedDevices {
+    pub count: usize,
+    /// They are GPUs (rows to them travel as bf16).
+    pub gpus: bool,
+}
+
 fn parse(key: &'static str, value: &str) -> Result<SocketAddr, ClusterError> {
     value.parse().map_err(|_| ClusterError::Address {
         key,
@@ -77,7 +85,7 @@ fn parse(key: &'static str, value: &str) -> Result<SocketAddr, ClusterError> {
 pub fn join(
     config: &ClusterConfig,
     model_fingerprint: u64,
-    devices: usize,
+    devices: OfferedDevices,
     width: usize,
     api: SocketAddr,
     api_key: Option<String>,
@@ -123,7 +131,8 @@ pub fn join(
         node: config.node_id.clone(),
         peer: peer_addr,
         api: advertise(api),
-        devices: devices as u32,
+        devices: devices.count as u32,
+        rows_bf16: devices.gpus,
         model: model_fingerprint,
         placement_version: 0,
         loaded_version: 0,

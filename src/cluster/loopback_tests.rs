@@ -32,6 +32,7 @@ fn config(
             peer: "127.0.0.1:7000".parse().expect("addr"),
             api: "127.0.0.1:8000".parse().expect("addr"),
             devices: 2,
+            rows_bf16: false,
             model,
             placement_version: 1,
             loaded_version: 1,

@@ -15,14 +15,31 @@ use crate::placement::Reach;
 use crate::transport::peer::{Handler, PeerAuth, PeerClient, PeerError, PeerStats};
 use crate::transport::{Dtype, ExpertReply, ExpertRequest, RemoteError, Transport};
 
+/// Where a node is reached, what gossip says of it, and how rows travel to it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerEntry {
+    pub addr: SocketAddr,
+    pub state: MemberState,
+    /// The dtype its devices consume: bf16 for GPUs, f32 for CPU slots.
+    pub rows: Dtype,
+}
+
 /// Where a node id is reached and what gossip says of it.
 pub trait PeerDirectory: Send + Sync {
-    fn lookup(&self, node: &str) -> Option<(SocketAddr, MemberState)>;
+    fn lookup(&self, node: &str) -> Option<PeerEntry>;
 }
 
 impl PeerDirectory for Membership {
-    fn lookup(&self, node: &str) -> Option<(SocketAddr, MemberState)> {
-        best_member(&self.members(), node).map(|m| (m.meta.peer, m.state))
+    fn lookup(&self, node: &str) -> Option<PeerEntry> {
+        best_member(&self.members(), node).map(|m| PeerEntry {
+            addr: m.meta.peer,
+            state: m.state,
+            rows: if m.meta.rows_bf16 {
+                Dtype::Bf16
+            } else {
+                Dtype::F32
+            },
+        })
     }
 }
 
@@ -36,7 +53,8 @@ pub struct PeerNodes {
     directory: Arc<dyn PeerDirectory>,
     /// Placement node index → node id (indices only grow: see `Placement::revise`).
     placement_nodes: RwLock<Vec<String>>,
-    clients: Mutex<HashMap<String, Arc<PeerClient>>>,
+    /// Per node id: the client and the dtype rows travel in to it.
+    clients: Mutex<HashMap<String, (Arc<PeerClient>, Dtype)>>,
     width: usize,
 }
 
@@ -85,24 +103,24 @@ impl PeerNodes {
     /// The client toward `id`: the one made earlier (membership changes drop it when the
     /// node dies or moves, see [`PeerNodes::reach_of_nodes`]), so a send reads the member
     /// table only when there is none.
-    fn client(&self, id: &str) -> Option<Arc<PeerClient>> {
+    fn client(&self, id: &str) -> Option<(Arc<PeerClient>, Dtype)> {
         let mut clients = self.clients.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(client) = clients.get(id) {
             return Some(client.clone());
         }
-        let (addr, state) = self.directory.lookup(id)?;
-        if state == MemberState::Dead {
+        let entry = self.directory.lookup(id)?;
+        if entry.state == MemberState::Dead {
             return None;
         }
         let client = Arc::new(PeerClient::new(
             self.transport.clone(),
             self.runtime.clone(),
-            addr,
+            entry.addr,
             self.auth.clone(),
             self.stats.clone(),
         ));
-        clients.insert(id.to_string(), client.clone());
-        Some(client)
+        clients.insert(id.to_string(), (client.clone(), entry.rows));
+        Some((client, entry.rows))
     }
 
     /// Gossip's view of every placement node, for the dispatcher's health; the links of
@@ -116,15 +134,19 @@ impl PeerNodes {
             .enumerate()
             .map(|(i, id)| {
                 let member = self.directory.lookup(id);
-                let reach = match member.map(|(_, state)| state) {
+                let reach = match member.map(|m| m.state) {
                     Some(MemberState::Alive) => Reach::Up,
                     Some(MemberState::Suspect) => Reach::Suspect,
                     Some(MemberState::Dead) | None => Reach::Down,
                 };
-                let moved = member
-                    .is_some_and(|(addr, _)| clients.get(id).is_some_and(|c| c.addr() != addr));
+                // A restart may bring another address or other devices.
+                let moved = member.is_some_and(|m| {
+                    clients
+                        .get(id)
+                        .is_some_and(|(c, rows)| c.addr() != m.addr || *rows != m.rows)
+                });
                 if (reach == Reach::Down || moved)
-                    && let Some(client) = clients.remove(id)
+                    && let Some((client, _)) = clients.remove(id)
                 {
                     client.close();
                 }
@@ -193,7 +215,7 @@ impl RemoteNodes for PeerNodes {
         let id = self
             .node_id(node)
             .ok_or_else(|| TargetError::Gone(format!("no node {node} in the placement")))?;
-        let client = self
+        let (client, dtype) = self
             .client(&id)
             .ok_or_else(|| TargetError::Gone(format!("node `{id}` is not a live member")))?;
         let asked = work.groups.clone();
@@ -202,9 +224,9 @@ impl RemoteNodes for PeerNodes {
             layer: work.layer as u32,
             placement_version: work.placement_version,
             width: width as u32,
-            // CPU slots consume f32; a GPU node rounds to bf16 itself, so f32 changes no
-            // result there either.
-            dtype: Dtype::F32,
+            // What the node's devices consume: f32 keeps a CPU slot's result exact; a GPU
+            // rounds rows to bf16 itself, so bf16 on the wire changes nothing but the bytes.
+            dtype,
             groups: work.groups,
             rows: work.rows,
         };

@@ -127,6 +127,7 @@ impl Simulation {
                     peer: SocketAddr::new(gossip.ip(), 7000),
                     api: SocketAddr::new(gossip.ip(), 8000),
                     devices: 8,
+                    rows_bf16: false,
                     model: 0x5eed,
                     placement_version: 1,
                     loaded_version: 1,

@@ -208,6 +208,7 @@ mod tests {
                 peer: SocketAddr::from(([10, 0, 0, index], 7000)),
                 api: SocketAddr::from(([10, 0, 0, index], 8000)),
                 devices: 1,
+                rows_bf16: false,
                 model: 1,
                 placement_version: 0,
                 loaded_version: 0,
