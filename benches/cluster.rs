@@ -11,8 +11,13 @@
 //! 3. Overhead: generated tokens/s of two nodes with one CPU slot each (replication 1: each
 //!    holds half the experts) against one node with two CPU slots, demo model, concurrency 8.
 //!    Goal: ratio >= 0.8.
+//! 4. Placement change: three nodes on the demo model (896 experts per layer, replication
+//!    2, shipped `rereplicate_after_ms`), a closed loop of 4 streams through node1 and
+//!    node2; kill -9 of node3, then its restart. Times until the survivors serve the
+//!    placement that restores two copies (kill → dead → grace → copy → switch), and until
+//!    the restarted node has its share again; requests failed during both (goal: none).
 //!
-//! `cargo bench --bench cluster`; `MOE_CLUSTER_PARTS` (default 1,2,3),
+//! `cargo bench --bench cluster`; `MOE_CLUSTER_PARTS` (default 1,2,3,4),
 //! `MOE_CLUSTER_TRIALS` (detection trials, default 10), `MOE_CLUSTER_STEADY_SECONDS`
 //! (default 10), `MOE_CLUSTER_OVERHEAD_SECONDS` (per run, default 15).
 
@@ -750,10 +755,114 @@ fn overhead(seconds: f64) {
     );
 }
 
+// ---------------------------------------------------------------------------------------
+// 4. Placement change
+
+impl Node {
+    /// The placement version this node serves (0 when it does not answer).
+    fn placement_version(&self) -> u64 {
+        self.get("/admin/placement")
+            .and_then(|r| r.json::<Value>().ok())
+            .and_then(|p| p["version"].as_u64())
+            .unwrap_or(0)
+    }
+}
+
+/// Seconds from `since` until every node of `nodes` serves placement `version`.
+fn until_serving(nodes: &[Node], version: u64, since: Instant, within: Duration) -> f64 {
+    while nodes.iter().any(|n| n.placement_version() < version) {
+        assert!(
+            since.elapsed() < within,
+            "placement {version} not served within {within:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    since.elapsed().as_secs_f64()
+}
+
+fn placement_change() {
+    let grace = shipped_cluster_value("rereplicate_after_ms");
+    println!(
+        "4. placement change: 3 nodes (demo model, 1 CPU slot each, replication 2, shipped \
+         rereplicate_after_ms = {grace}), closed loop of 4 streams through node1 and node2, \
+         64 tokens each"
+    );
+    let spec = ClusterSpec::new(3, 1, 2, "");
+    let mut nodes = spec.start(&demo_model());
+    let bases: Vec<String> = nodes[..2].iter().map(|n| n.base.clone()).collect();
+    let stop = AtomicBool::new(false);
+    let run_start = Instant::now();
+    let deadline = run_start + Duration::from_secs(600);
+    let (records, times) = std::thread::scope(|scope| {
+        let load =
+            scope.spawn(|| closed_loop(&bases, 4, 64, demo_prompt, run_start, deadline, &stop));
+        std::thread::sleep(Duration::from_secs(3));
+        let killed = Instant::now();
+        nodes[2].kill();
+        let mut dead = None;
+        while nodes[..2].iter().any(|n| n.placement_version() < 2) {
+            if dead.is_none()
+                && nodes[..2]
+                    .iter()
+                    .all(|n| matches!(n.member_state("node3").as_deref(), Some("dead" | "absent")))
+            {
+                dead = Some(killed.elapsed().as_secs_f64());
+            }
+            assert!(
+                killed.elapsed() < Duration::from_secs(300),
+                "no placement 2"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let restored = killed.elapsed().as_secs_f64();
+        let restarted = Instant::now();
+        nodes[2].restart();
+        nodes[2].wait_ready(Duration::from_secs(300));
+        let ready = restarted.elapsed().as_secs_f64();
+        let shared = until_serving(&nodes, 3, restarted, Duration::from_secs(300));
+        std::thread::sleep(Duration::from_secs(2));
+        stop.store(true, Ordering::Relaxed);
+        let records = load.join().expect("load");
+        (records, (dead.unwrap_or(restored), restored, ready, shared))
+    });
+    let (dead, restored, ready, shared) = times;
+    let held = |n: &Node| n.metric_sum("moe_node_device_experts");
+    println!("  kill -9 of node3 -> dead on node1 and node2: {dead:.2} s");
+    println!(
+        "  kill -9 of node3 -> node1 and node2 serve placement 2 (two copies again): \
+         {restored:.2} s ({:.2} s after death and grace: proposal, copy, switch)",
+        restored - dead - grace as f64 / 1000.0
+    );
+    println!(
+        "  node3 restarted -> ready {ready:.2} s -> every node serves placement 3 \
+         (node3 has a share): {shared:.2} s"
+    );
+    println!(
+        "  experts held now: node1 {}, node2 {}, node3 {}",
+        held(&nodes[0]),
+        held(&nodes[1]),
+        held(&nodes[2])
+    );
+    let failed: Vec<&Record> = records.iter().filter(|r| r.error.is_some()).collect();
+    println!(
+        "  requests: {} finished, {} failed (goal: 0, {})",
+        records.len(),
+        failed.len(),
+        verdict(failed.is_empty())
+    );
+    for r in failed.iter().take(5) {
+        println!(
+            "    failed at {:.2} s: {}",
+            r.start,
+            r.error.as_deref().unwrap_or("")
+        );
+    }
+}
+
 fn main() {
     // `cargo bench` passes --bench; nothing else is taken from the command line.
     let parts: Vec<u32> = std::env::var("MOE_CLUSTER_PARTS")
-        .unwrap_or_else(|_| "1,2,3".into())
+        .unwrap_or_else(|_| "1,2,3,4".into())
         .split(',')
         .filter_map(|v| v.trim().parse().ok())
         .collect();
@@ -770,6 +879,9 @@ fn main() {
     }
     if parts.contains(&3) {
         overhead(env_or("MOE_CLUSTER_OVERHEAD_SECONDS", 15.0));
+    }
+    if parts.contains(&4) {
+        placement_change();
     }
     println!("cluster: done in {:.0} s", started.elapsed().as_secs_f64());
 }
