@@ -23,6 +23,38 @@ pub struct ChatMessage {
 
 const TEMPLATE_NAME: &str = "chat";
 
+/// Instructions one render may run. A published template spends tens per message; this
+/// bounds a hostile one (`{% for i in range(99999) %}{% for j in range(99999) %}`) to well
+/// under a second instead of forever.
+pub const RENDER_FUEL: u64 = 5_000_000;
+/// Nesting depth (macros, loops, includes) a render may reach. Published templates nest a
+/// few levels; minijinja's default is 500, and a render runs on an HTTP worker's 2 MiB stack.
+pub const MAX_RECURSION: usize = 100;
+/// Largest prompt text a render may produce; far beyond any context window.
+pub const MAX_OUTPUT_BYTES: usize = 16 << 20;
+
+/// The render's output, refusing to grow past [`MAX_OUTPUT_BYTES`].
+#[derive(Default)]
+struct CappedOutput {
+    text: Vec<u8>,
+    overflowed: bool,
+}
+
+impl std::io::Write for CappedOutput {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        if self.text.len() + bytes.len() > MAX_OUTPUT_BYTES {
+            self.overflowed = true;
+            return Err(std::io::Error::other("output limit"));
+        }
+        self.text.extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 impl ChatTemplate {
     /// Loads the model's chat template; `Ok(None)` when it has none.
     pub fn load_optional(dir: &Path) -> Result<Option<Self>, ModelError> {
@@ -54,6 +86,21 @@ impl ChatTemplate {
         let Some(source) = source else {
             return Ok(None);
         };
+        Self::new(
+            source,
+            special_token(&config["bos_token"]),
+            special_token(&config["eos_token"]),
+        )
+        .map(Some)
+        .map_err(|reason| ModelError::Tokenizer {
+            path: config_path,
+            reason,
+        })
+    }
+
+    /// A template from its source and the special tokens it may print, with the limits
+    /// every render runs under (see [`RENDER_FUEL`]).
+    pub fn new(source: String, bos_token: String, eos_token: String) -> Result<Self, String> {
         let mut env = Environment::new();
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
@@ -63,16 +110,15 @@ impl ChatTemplate {
                 Err(Error::new(ErrorKind::InvalidOperation, message))
             },
         );
+        env.set_fuel(Some(RENDER_FUEL));
+        env.set_recursion_limit(MAX_RECURSION);
         env.add_template_owned(TEMPLATE_NAME, source)
-            .map_err(|e| ModelError::Tokenizer {
-                path: config_path.clone(),
-                reason: format!("chat template does not parse: {e}"),
-            })?;
-        Ok(Some(ChatTemplate {
+            .map_err(|e| format!("chat template does not parse: {e}"))?;
+        Ok(ChatTemplate {
             env,
-            bos_token: special_token(&config["bos_token"]),
-            eos_token: special_token(&config["eos_token"]),
-        }))
+            bos_token,
+            eos_token,
+        })
     }
 
     /// The prompt for `messages`, ending where the assistant's reply begins.
@@ -81,14 +127,24 @@ impl ChatTemplate {
             .env
             .get_template(TEMPLATE_NAME)
             .map_err(|e| e.to_string())?;
-        template
-            .render(context! {
+        let mut out = CappedOutput::default();
+        let rendered = template.render_captured_to(
+            context! {
                 messages => messages,
                 add_generation_prompt => true,
                 bos_token => self.bos_token,
                 eos_token => self.eos_token,
-            })
-            .map_err(|e| format!("the chat template failed: {e}"))
+            },
+            &mut out,
+        );
+        match rendered {
+            Err(_) if out.overflowed => Err(format!(
+                "the chat template failed: it wrote over {MAX_OUTPUT_BYTES} bytes"
+            )),
+            Err(e) => Err(format!("the chat template failed: {e}")),
+            Ok(_) => String::from_utf8(out.text)
+                .map_err(|_| "the chat template wrote invalid UTF-8".into()),
+        }
     }
 }
 
@@ -147,5 +203,45 @@ mod tests {
                 .unwrap()
                 .is_none()
         );
+    }
+
+    fn render_one(source: &str) -> Result<String, String> {
+        let template = ChatTemplate::new(source.into(), "<s>".into(), "</s>".into())?;
+        template.render(&[ChatMessage {
+            role: "user".into(),
+            content: "hi".into(),
+        }])
+    }
+
+    #[test]
+    fn a_template_that_loops_without_end_runs_out_of_fuel() {
+        let started = std::time::Instant::now();
+        let err = render_one(
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+        )
+        .unwrap_err();
+        assert!(err.contains("fuel"), "{err}");
+        assert!(started.elapsed() < std::time::Duration::from_secs(20));
+    }
+
+    #[test]
+    fn a_template_that_recurses_without_end_fails_cleanly_on_a_worker_sized_stack() {
+        let source = "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}";
+        // The HTTP workers' stack size: the render must fail cleanly within it.
+        let err = std::thread::Builder::new()
+            .stack_size(2 << 20)
+            .spawn(move || render_one(source))
+            .unwrap()
+            .join()
+            .unwrap()
+            .unwrap_err();
+        assert!(err.contains("recursion"), "{err}");
+    }
+
+    #[test]
+    fn a_template_that_writes_without_end_is_cut_at_the_output_limit() {
+        let err =
+            render_one("{% for i in range(100000) %}{{ 'x' * 100000 }}{% endfor %}").unwrap_err();
+        assert!(err.contains("bytes"), "{err}");
     }
 }
