@@ -464,6 +464,23 @@ impl SeedSchedule {
     }
 }
 
+/// What every received datagram goes through before foca reads it: the size limit, the
+/// keyring (no secret opens it: refused), and the model screen. `Err` says why it was
+/// dropped. Public so that the gossip fuzz target drives the same path.
+pub fn open_datagram(
+    keyring: &Keyring,
+    our_model: u64,
+    datagram: &[u8],
+) -> Result<Screened, &'static str> {
+    if datagram.len() > MAX_DATAGRAM {
+        return Err("oversized");
+    }
+    let plain = keyring
+        .open(datagram)
+        .ok_or("no cluster secret opens it (wrong secret?)")?;
+    Ok(screen(&plain, our_model))
+}
+
 type NodeFoca = Foca<NodeIdentity, PostcardCodec, FocaRng<StdRng>, NoCustomBroadcast>;
 
 /// The membership thread's state.
@@ -541,22 +558,15 @@ impl Driver {
     }
 
     fn receive(&mut self, datagram: &[u8], from: SocketAddr, now: Instant) {
-        if datagram.len() > MAX_DATAGRAM {
-            self.reject(from, now, "oversized");
-            return;
-        }
-        let Some(plain) = self.keyring.open(datagram) else {
-            self.reject(from, now, "no cluster secret opens it (wrong secret?)");
-            return;
-        };
-        match screen(&plain, self.model) {
-            Screened::Malformed => self.reject(from, now, "undecodable"),
-            Screened::RefuseSender(refusal) => self.refuse(&refusal, now),
-            Screened::Accept {
+        match open_datagram(&self.keyring, self.model, datagram) {
+            Err(why) => self.reject(from, now, why),
+            Ok(Screened::Malformed) => self.reject(from, now, "undecodable"),
+            Ok(Screened::RefuseSender(refusal)) => self.refuse(&refusal, now),
+            Ok(Screened::Accept {
                 packet,
                 sender,
                 refused,
-            } => {
+            }) => {
                 for refusal in &refused {
                     self.refuse(refusal, now);
                 }

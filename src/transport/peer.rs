@@ -308,8 +308,9 @@ pub async fn client_handshake<S: AsyncRead + AsyncWrite + Unpin>(
     }
 }
 
-/// The server half of the handshake; returns the client's node id.
-async fn server_handshake<S: AsyncRead + AsyncWrite + Unpin>(
+/// The server half of the handshake; returns the client's node id. Public for the
+/// handshake fuzz target.
+pub async fn server_handshake<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut S,
     auth: &PeerAuth,
 ) -> Result<String, HandshakeError> {
@@ -366,8 +367,9 @@ const CHUNK_BYTES: usize = 256 << 10;
 
 /// Reads one frame: the header, validated, then the payload. Rows are read a chunk at a time
 /// into `scratch` and converted straight into the values, so a large frame is never held
-/// twice. `Ok(None)` is a clean end of stream between frames.
-async fn read_frame<S: AsyncRead + Unpin>(
+/// twice. `Ok(None)` is a clean end of stream between frames. Public for the wire fuzz
+/// target.
+pub async fn read_frame<S: AsyncRead + Unpin>(
     stream: &mut S,
     limits: &WireLimits,
     stats: &PeerStats,

@@ -1,0 +1,39 @@
+//! Chat templates as a checkpoint ships them (hostile ones included), rendered with the
+//! limits the node sets: fuel, recursion depth and output size. Input: the template source,
+//! the line `--8<--`, then messages as `role: content` lines. Each render runs on a thread
+//! with the 2 MiB stack of an HTTP worker, where the node renders.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use moe_node::model::chat_template::{ChatMessage, ChatTemplate};
+
+const SEPARATOR: &str = "\n--8<--\n";
+
+fuzz_target!(|data: &[u8]| {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    let (source, messages) = text.split_once(SEPARATOR).unwrap_or((text, "user: hi"));
+    let messages: Vec<ChatMessage> = messages
+        .lines()
+        .map(|line| {
+            let (role, content) = line.split_once(": ").unwrap_or(("user", line));
+            ChatMessage {
+                role: role.into(),
+                content: content.into(),
+            }
+        })
+        .collect();
+    let Ok(template) = ChatTemplate::new(source.into(), "<s>".into(), "</s>".into()) else {
+        return;
+    };
+    std::thread::scope(|scope| {
+        // Errors are expected (a template may raise, run out of fuel, ...); panics are not.
+        let _ = std::thread::Builder::new()
+            .stack_size(2 << 20)
+            .spawn_scoped(scope, || template.render(&messages))
+            .expect("render thread")
+            .join()
+            .expect("render panicked");
+    });
+});
