@@ -214,6 +214,9 @@ fn run_check(path: PathBuf) -> anyhow::Result<()> {
     if let Some(model) = config.model_path() {
         ModelConfig::load(&model)?;
     }
+    for warning in config.warnings() {
+        eprintln!("warning: {warning}");
+    }
     println!("{}: ok", path.display());
     Ok(())
 }
@@ -310,6 +313,9 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         overrides,
     })?;
     init_logging(config.logging.format);
+    for warning in config.warnings() {
+        tracing::warn!("{warning}");
+    }
     match serve(config) {
         Ok(()) => {
             tracing::info!("stopped");

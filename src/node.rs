@@ -35,6 +35,8 @@ pub enum NodeError {
     NoSuchDevice { device: usize, devices: usize },
     #[error(transparent)]
     Cluster(#[from] ClusterError),
+    #[error("device {0} is in service; stop it first")]
+    DeviceRunning(usize),
 }
 
 impl From<cuda::load::LoadError> for NodeError {
@@ -64,6 +66,11 @@ pub struct Node {
     pub load: Arc<ExpertLoad>,
     /// This node's part in a cluster; `None` when it serves alone.
     pub cluster: Option<Joined>,
+    /// What a stopped device is started again from.
+    checkpoint: Arc<Checkpoint>,
+    targets: Vec<DeviceTarget>,
+    /// Held while a device is started again, so that two starts do not race.
+    restarting: std::sync::Mutex<()>,
 }
 
 impl Node {
@@ -136,12 +143,12 @@ impl Node {
             None => 0,
         };
         let devices = targets
-            .into_iter()
+            .iter()
             .enumerate()
             .map(|(id, target)| {
                 start_device(
                     id,
-                    target,
+                    target.clone(),
                     checkpoint.clone(),
                     model.clone(),
                     placement.experts_on(local_node, id as u16),
@@ -230,16 +237,53 @@ impl Node {
             experts,
             load,
             cluster,
+            checkpoint,
+            targets,
+            restarting: std::sync::Mutex::new(()),
         })
     }
 
     /// Takes device `device` out of service, as if it had failed.
     pub fn stop_device(&self, device: usize) -> Result<(), NodeError> {
-        let handle = self.devices.get(device).ok_or(NodeError::NoSuchDevice {
-            device,
-            devices: self.devices.len(),
-        })?;
+        let handle =
+            self.experts
+                .devices()
+                .into_iter()
+                .nth(device)
+                .ok_or(NodeError::NoSuchDevice {
+                    device,
+                    devices: self.devices.len(),
+                })?;
         handle.addr.do_send(Shutdown);
+        Ok(())
+    }
+
+    /// Starts a device that is out of service again: the experts it held are loaded anew on its own thread, then it takes work from the next step.
+    /// Blocks while loading; must be called inside an actix system.
+    pub fn start_device(&self, device: usize) -> Result<(), NodeError> {
+        let _one_at_a_time = self.restarting.lock().unwrap_or_else(|e| e.into_inner());
+        let target = self.targets.get(device).ok_or(NodeError::NoSuchDevice {
+            device,
+            devices: self.targets.len(),
+        })?;
+        if self.experts.devices_alive().get(device).copied() == Some(true) {
+            return Err(NodeError::DeviceRunning(device));
+        }
+        // A device taken out of service by a failure may still have an actor: end it.
+        if let Some(old) = self.experts.devices().get(device) {
+            old.addr.do_send(Shutdown);
+        }
+        // What it held when it stopped (in a cluster, its share of the placement in force).
+        let mut experts: Vec<(usize, u32)> = self.experts.held_by(device).into_iter().collect();
+        experts.sort_unstable();
+        let handle = start_device(
+            device,
+            target.clone(),
+            self.checkpoint.clone(),
+            self.model.clone(),
+            experts,
+        )?;
+        self.experts.replace_device(handle);
         Ok(())
     }
 }

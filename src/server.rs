@@ -74,8 +74,9 @@ async fn run(config: NodeConfig) -> Result<(), ServeError> {
                 }
             })
             .disable_signals()
-            // Generation is drained before the server stops; this only bounds closing sockets.
-            .shutdown_timeout(5)
+            // Generation is drained (or cut) before the server stops; this only bounds closing
+            // sockets, idle keep-alive connections included.
+            .shutdown_timeout(1)
             .listen(listener)
             .map_err(ServeError::Http)?
             .run();
@@ -129,6 +130,14 @@ fn load(state: &AppState, api: std::net::SocketAddr) -> Result<(), ServeError> {
         seconds = started.elapsed().as_secs_f32(),
         "model loaded"
     );
+    if config.batching.max_prompt_tokens >= node.model.max_position_embeddings {
+        tracing::warn!(
+            max_prompt_tokens = config.batching.max_prompt_tokens,
+            context = node.model.max_position_embeddings,
+            "batching.max_prompt_tokens is not below the model's context: prompts are limited \
+             by the context (400 context_length_exceeded)"
+        );
+    }
     // In a cluster the warm-up needs other nodes' experts, which they may still be loading:
     // it is tried again until they answer.
     let patience = if config.cluster.enabled() {
@@ -285,15 +294,24 @@ async fn drain_on_signal(
         drain_seconds = drain.as_secs(),
         "draining"
     );
-    let deadline = Instant::now() + drain;
+    // `server.drain_seconds` is bounded by validation; a day stands in should it not be.
+    let deadline = Instant::now()
+        .checked_add(drain)
+        .unwrap_or_else(|| Instant::now() + Duration::from_secs(86_400));
     while in_flight() > 0 && Instant::now() < deadline {
         actix_web::rt::time::sleep(Duration::from_millis(20)).await;
     }
     if in_flight() > 0 {
         tracing::warn!(
             in_flight = in_flight(),
-            "drain time is up; stopping with requests in flight"
+            "drain time is up; ending the requests in flight with an error"
         );
+        state.cut_in_flight();
+        // Their last events are written; a client that does not read them is not waited for.
+        let flushed = Instant::now() + Duration::from_secs(1);
+        while in_flight() > 0 && Instant::now() < flushed {
+            actix_web::rt::time::sleep(Duration::from_millis(10)).await;
+        }
     } else {
         tracing::info!("drained");
     }

@@ -186,8 +186,69 @@ fn check_accepts_the_shipped_config_and_lists_every_problem_of_a_bad_one() {
         .env("MOE_NODE_MODEL__PATH", dir.path())
         .output()
         .unwrap();
-    assert_ne!(out.status.code(), Some(0));
+    // Fails cleanly: the data error's status, not a panic's 101.
+    assert_eq!(out.status.code(), Some(65));
     assert!(String::from_utf8_lossy(&out.stderr).contains("config.json"));
+
+    // A listen address other machines reach, with no API keys: valid, and warned about.
+    let open = dir.path().join("open.toml");
+    std::fs::write(&open, "[server]\nlisten = \"0.0.0.0:8080\"\n").unwrap();
+    let out = moe_node(&["check", "--config", open.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(0));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("warning: server.listen: `0.0.0.0:8080` is reachable"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn crafted_sizes_fail_cleanly_naming_what_is_wrong() {
+    // A max_tokens no context holds: an error, not an overflow or an allocation panic.
+    let out = moe_node(&[
+        "generate",
+        "--model",
+        fixture("qwen3_moe").to_str().unwrap(),
+        "--prompt-ids",
+        "1,2",
+        "--max-tokens",
+        "18446744073709551615",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("positions needed but the model supports"),
+        "{stderr}"
+    );
+
+    // config.json values that would divide by zero or overflow are refused by key.
+    for (key, value) in [
+        ("num_experts", serde_json::json!(0)),
+        ("max_position_embeddings", serde_json::json!(1u64 << 62)),
+        ("hidden_size", serde_json::json!(u64::MAX)),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        for name in ["config.json", "model.safetensors"] {
+            std::fs::copy(fixture("qwen3_moe").join(name), dir.path().join(name)).unwrap();
+        }
+        let path = dir.path().join("config.json");
+        let mut config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        config[key] = value;
+        std::fs::write(&path, config.to_string()).unwrap();
+        let out = moe_node(&[
+            "generate",
+            "--model",
+            dir.path().to_str().unwrap(),
+            "--prompt-ids",
+            "1",
+            "--max-tokens",
+            "2",
+        ]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(78), "{key}: {stderr}");
+        assert!(stderr.contains(&format!("`{key}`")), "{key}: {stderr}");
+    }
 }
 
 #[test]

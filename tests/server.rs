@@ -1,200 +1,17 @@
 //! The real server, started as its own process on port 0, driven over HTTP by a real client:
 //! what a user of the API sees.
 
-use std::ffi::OsStr;
 use std::io::{BufRead, BufReader, Read};
-use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use reqwest::StatusCode;
-use reqwest::blocking::{Client, Response};
+use reqwest::blocking::Client;
 use serde_json::{Value, json};
 
 mod serve;
-use serve::{BIN, Process};
-
-/// The demo model, written once for all tests of this binary.
-fn demo_model() -> &'static Path {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("demo-model");
-        if !dir.join("config.json").exists() {
-            let status = Command::new(BIN)
-                .args(["demo-model", "--out"])
-                .arg(&dir)
-                .stderr(Stdio::null())
-                .status()
-                .unwrap();
-            assert!(status.success());
-        }
-        dir
-    })
-}
-
-struct Server {
-    process: Process,
-    base: String,
-    client: Client,
-    key: Option<String>,
-    _dir: tempfile::TempDir,
-}
-
-impl Server {
-    /// Starts `moe-node serve` with `config` (TOML) and waits until it listens.
-    fn start(config: &str) -> Server {
-        Self::start_with(config, &["--model", demo_model().to_str().unwrap()])
-    }
-
-    fn start_with(config: &str, args: &[&str]) -> Server {
-        let dir = tempfile::tempdir().unwrap();
-        let config_path = dir.path().join("moe-node.toml");
-        std::fs::write(&config_path, config).unwrap();
-        let mut all: Vec<&OsStr> = vec![OsStr::new("--config"), config_path.as_os_str()];
-        all.extend(args.iter().map(OsStr::new));
-        let process = Process::serve(&all);
-        let key = config
-            .lines()
-            .find_map(|l| l.strip_prefix("api_keys = [\""))
-            .and_then(|rest| rest.split('"').next())
-            .map(str::to_string);
-        Server {
-            base: process.base.clone(),
-            process,
-            client: Client::builder()
-                .timeout(Duration::from_secs(120))
-                .build()
-                .unwrap(),
-            key,
-            _dir: dir,
-        }
-    }
-
-    fn wait_ready(&self) {
-        let deadline = Instant::now() + Duration::from_secs(120);
-        while Instant::now() < deadline {
-            if self.get("/ready").status() == StatusCode::OK {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        panic!("not ready in time: {:?}", self.process.log_lines());
-    }
-
-    fn get(&self, path: &str) -> Response {
-        let mut req = self.client.get(format!("{}{path}", self.base));
-        if let Some(key) = &self.key {
-            req = req.bearer_auth(key);
-        }
-        req.send().unwrap()
-    }
-
-    fn post(&self, path: &str, body: &Value) -> Response {
-        let mut req = self.client.post(format!("{}{path}", self.base)).json(body);
-        if let Some(key) = &self.key {
-            req = req.bearer_auth(key);
-        }
-        req.send().unwrap()
-    }
-
-    fn post_ok(&self, path: &str, body: &Value) -> Value {
-        let resp = self.post(path, body);
-        let status = resp.status();
-        let body: Value = resp.json().unwrap();
-        assert_eq!(status, StatusCode::OK, "{body}");
-        body
-    }
-
-    fn metric(&self, name: &str) -> f64 {
-        let text = self.get("/metrics").text().unwrap();
-        text.lines()
-            .find_map(|l| l.strip_prefix(&format!("{name} ")))
-            .unwrap_or_else(|| panic!("{name} missing from /metrics:\n{text}"))
-            .trim()
-            .parse()
-            .unwrap()
-    }
-
-    /// Waits (a little) for a line the server logs from another thread.
-    fn wait_for_log(&self, needle: &str) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !self.log_contains(needle) {
-            assert!(
-                Instant::now() < deadline,
-                "{needle:?} not logged: {:?}",
-                self.process.log_lines()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn log_contains(&self, needle: &str) -> bool {
-        self.process.log_contains(needle)
-    }
-}
-
-/// Reads a server-sent event stream to its end: the JSON of every `data:` line, and
-/// whether it ended with `data: [DONE]`.
-fn read_sse(resp: Response) -> (Vec<Value>, bool) {
-    assert_eq!(resp.status(), StatusCode::OK);
-    let content_type = resp.headers()["content-type"].to_str().unwrap().to_string();
-    assert!(
-        content_type.starts_with("text/event-stream"),
-        "{content_type}"
-    );
-    let mut events = Vec::new();
-    let mut done = false;
-    for line in BufReader::new(resp).lines() {
-        let line = line.unwrap();
-        let Some(data) = line.strip_prefix("data: ") else {
-            assert!(line.is_empty(), "unexpected line {line:?}");
-            continue;
-        };
-        assert!(!done, "data after [DONE]");
-        if data == "[DONE]" {
-            done = true;
-        } else {
-            events.push(serde_json::from_str(data).unwrap());
-        }
-    }
-    (events, done)
-}
-
-/// Generated ids of a streamed completion with `return_token_ids`.
-fn streamed_ids(events: &[Value]) -> Vec<u64> {
-    events
-        .iter()
-        .filter_map(|e| e["choices"].get(0))
-        .filter_map(|c| c["token_ids"].as_array())
-        .flatten()
-        .map(|t| t.as_u64().unwrap())
-        .collect()
-}
-
-fn ids(value: &Value) -> Vec<u64> {
-    value
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t.as_u64().unwrap())
-        .collect()
-}
-
-fn assert_envelope(resp: Response, status: StatusCode, message_part: &str) -> Value {
-    assert_eq!(resp.status(), status);
-    let body: Value = resp.json().unwrap();
-    let error = &body["error"];
-    for field in ["message", "type", "param", "code"] {
-        assert!(error.get(field).is_some(), "{field} missing: {body}");
-    }
-    let message = error["message"].as_str().unwrap();
-    assert!(
-        message.contains(message_part),
-        "{message_part:?} not in {message:?}"
-    );
-    body
-}
+use serve::{BIN, Server, assert_envelope, demo_model, ids, read_sse, streamed_ids};
 
 /// `moe-node generate`'s greedy tokens for a prompt given as ids, on the backend `server`
 /// runs its experts on (a GPU where the machine has one).
@@ -463,7 +280,7 @@ fn thirty_two_concurrent_streams_give_what_they_give_alone() {
 #[test]
 fn bad_requests_get_openai_errors_with_the_right_status() {
     let server = Server::start(
-        "[server]\napi_keys = [\"secret-1\", \"secret-2\"]\nmax_request_bytes = 4096\n\
+        "[server]\napi_keys = [\"secret-1\", \"secret-2\"]\nmax_request_bytes = 4096\nadmin_actions = true\n\
          [batching]\nmax_prompt_tokens = 64\nmax_sequences = 1\nmax_tokens_per_step = 64\nmax_waiting = 1\n",
     );
     server.wait_ready();
@@ -638,6 +455,7 @@ fn bad_requests_get_openai_errors_with_the_right_status() {
                     let resp = post("/v1/completions", long);
                     let status = resp.status();
                     if status == StatusCode::TOO_MANY_REQUESTS {
+                        assert_eq!(resp.headers()["retry-after"], "1");
                         assert_envelope(resp, status, "capacity");
                     } else {
                         // Read to the end: a client that leaves early cancels its request.
@@ -666,7 +484,9 @@ fn bad_requests_get_openai_errors_with_the_right_status() {
 
 #[test]
 fn a_dead_device_is_survived_when_its_experts_have_replicas() {
-    let server = Server::start("[devices]\nbackend = \"cpu\"\ncpu_slots = 3\nreplication = 2\n");
+    let server = Server::start(
+        "[server]\nadmin_actions = true\n[devices]\nbackend = \"cpu\"\ncpu_slots = 3\nreplication = 2\n",
+    );
     server.wait_ready();
     let body = json!({"prompt": [256, 1, 2, 3], "max_tokens": 12, "temperature": 0, "return_token_ids": true});
     let before = server.post_ok("/v1/completions", &body)["choices"][0]["token_ids"].clone();

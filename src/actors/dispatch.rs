@@ -204,7 +204,8 @@ impl Holdings {
 }
 
 pub struct Dispatcher {
-    devices: Vec<DeviceHandle>,
+    /// This node's devices by id; a restarted device replaces its handle.
+    devices: RwLock<Vec<DeviceHandle>>,
     holdings: RwLock<Arc<Holdings>>,
     num_experts: usize,
     remote: Option<Arc<dyn RemoteNodes>>,
@@ -253,7 +254,7 @@ impl Dispatcher {
             .collect();
         let holdings = Holdings::new(by_device, placement.num_layers(), num_experts);
         Dispatcher {
-            devices,
+            devices: RwLock::new(devices),
             holdings: RwLock::new(Arc::new(holdings)),
             num_experts,
             remote: None,
@@ -335,10 +336,34 @@ impl Dispatcher {
             .set_gossip(reach);
     }
 
+    /// This node's device handles, as they are now (a restarted device has a new one).
+    pub fn devices(&self) -> Vec<DeviceHandle> {
+        self.devices
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Puts a restarted device in service under its id: it takes work at the next step.
+    pub fn replace_device(&self, handle: DeviceHandle) {
+        let id = handle.id;
+        let mut devices = self.devices.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(slot) = devices.get_mut(id) {
+            *slot = handle;
+            self.health().remove(&Target::Device(id as u16));
+        }
+    }
+
+    /// This node's index in the placement.
+    pub fn local_node_index(&self) -> u16 {
+        self.local_node()
+    }
+
     /// Whether each local device can still take work.
     pub fn devices_alive(&self) -> Vec<bool> {
+        let devices = self.devices();
         let mut health = self.health();
-        self.devices
+        devices
             .iter()
             .enumerate()
             .map(|(i, d)| {
@@ -347,7 +372,7 @@ impl Dispatcher {
                     h.gone();
                     tracing::warn!(
                         device = i,
-                        "device gone: its experts are served by replicas"
+                        "device gone: its experts are served by their other replicas where they have one"
                     );
                 }
                 !h.is_gone()
@@ -729,7 +754,7 @@ impl Dispatcher {
                 if !h.is_gone() {
                     tracing::warn!(
                         device = d,
-                        "device gone: its experts are served by replicas"
+                        "device gone: its experts are served by their other replicas where they have one"
                     );
                 }
                 h.gone();
@@ -753,7 +778,10 @@ impl Dispatcher {
     ) -> Result<(), TargetError> {
         let handle = self
             .devices
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
             .get(device as usize)
+            .map(|d| d.addr.clone())
             .ok_or_else(|| TargetError::Gone(format!("no device {device} on this node")))?;
         let message = RunExperts {
             layer,
@@ -765,7 +793,6 @@ impl Dispatcher {
         };
         // A stopped actor refuses the message; dropping it answers Gone.
         handle
-            .addr
             .try_send(message)
             .map_err(|_| TargetError::Gone(format!("device {device} stopped")))
     }

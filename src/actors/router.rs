@@ -191,7 +191,13 @@ impl Handler<Submit> for RouterActor {
 
     fn handle(&mut self, msg: Submit, ctx: &mut Self::Context) -> Self::Result {
         // Room for every token and the final event: the router never waits on a client.
-        let (events, receiver) = mpsc::channel(msg.max_tokens + 2);
+        // `max_tokens` is bounded by the model's context; the cap only keeps a caller that
+        // skipped that check from asking tokio for an impossible channel.
+        let capacity = msg
+            .max_tokens
+            .saturating_add(2)
+            .min(crate::model::config::MAX_CONTEXT + 2);
+        let (events, receiver) = mpsc::channel(capacity);
         let sink = EventSink {
             events,
             admitted: Instant::now(),

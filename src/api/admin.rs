@@ -1,10 +1,10 @@
 //! Admin endpoints: the expert table (activations, replicas, devices) and the devices, with
 //! a way to take one out of service.
 
-use actix_web::{HttpResponse, web};
+use actix_web::{HttpRequest, HttpResponse, web};
 use serde_json::json;
 
-use super::{ApiError, AppState};
+use super::{ApiError, AppState, ServedModel, read_body};
 
 /// `GET /admin/experts`: per MoE layer and expert, activations so far and the devices
 /// holding its replicas.
@@ -51,7 +51,8 @@ pub async fn devices(state: web::Data<AppState>) -> Result<HttpResponse, ApiErro
     let node = &served.node;
     let alive = node.experts.devices_alive();
     let devices: Vec<_> = node
-        .devices
+        .experts
+        .devices()
         .iter()
         .map(|d| {
             json!({
@@ -68,22 +69,102 @@ pub async fn devices(state: web::Data<AppState>) -> Result<HttpResponse, ApiErro
     Ok(HttpResponse::Ok().json(json!({"devices": devices})))
 }
 
+/// What every admin action checks first: actions are enabled (`server.admin_actions`), the
+/// request says it carries JSON (a browser cannot send that cross-site without asking
+/// first), and its body, if any, is a JSON object.
+async fn admin_action<'a>(
+    state: &'a AppState,
+    req: &HttpRequest,
+    payload: web::Payload,
+) -> Result<&'a ServedModel, ApiError> {
+    if !state.config.server.admin_actions {
+        return Err(ApiError::forbidden(
+            "admin actions are off on this node: set server.admin_actions = true (with \
+             server.api_keys) to allow them",
+        )
+        .with_code("admin_actions_disabled"));
+    }
+    let content_type = req
+        .headers()
+        .get(actix_web::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default();
+    let media = content_type.split(';').next().unwrap_or_default().trim();
+    if !media.eq_ignore_ascii_case("application/json") {
+        return Err(ApiError::unsupported_media_type(format!(
+            "admin actions take `Content-Type: application/json`, not `{content_type}`"
+        )));
+    }
+    let served = state.admitting()?;
+    let body = read_body(payload, &state.config.server).await?;
+    if !body.iter().all(u8::is_ascii_whitespace) {
+        let _: serde_json::Map<String, serde_json::Value> = super::parse_json(&body)?;
+    }
+    Ok(served)
+}
+
+fn device_id(path: &str) -> Result<usize, ApiError> {
+    path.parse()
+        .map_err(|_| ApiError::bad_request(format!("`{path}` is not a device id")))
+}
+
 /// `POST /admin/devices/{id}/stop`: takes a device out of service, as if it had failed.
 /// Its experts are served by their other replicas; experts without one become unavailable.
 pub async fn stop_device(
     state: web::Data<AppState>,
+    req: HttpRequest,
     path: web::Path<String>,
+    payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
-    let served = state.admitting()?;
-    let id: usize = path
-        .parse()
-        .map_err(|_| ApiError::bad_request(format!("`{path}` is not a device id")))?;
+    let served = admin_action(&state, &req, payload).await?;
+    let id = device_id(&path)?;
     served
         .node
         .stop_device(id)
         .map_err(|e| ApiError::bad_request(e.to_string()))?;
     tracing::warn!(device = id, "device stopped by an operator");
     Ok(HttpResponse::Ok().json(json!({"device": id, "stopped": true})))
+}
+
+/// `POST /admin/devices/{id}/start`: starts a stopped (or failed) device again: its experts
+/// are loaded anew, and it takes work from the next step on.
+pub async fn start_device(
+    state: web::Data<AppState>,
+    req: HttpRequest,
+    path: web::Path<String>,
+    payload: web::Payload,
+) -> Result<HttpResponse, ApiError> {
+    admin_action(&state, &req, payload).await?;
+    let id = device_id(&path)?;
+    let system = actix_web::rt::System::current();
+    let app = state.clone();
+    // Loading experts blocks: not on the HTTP runtime's threads.
+    let started = web::block(move || {
+        // The device actor starts an arbiter, which needs the system.
+        actix_web::rt::System::set_current(system);
+        match app.served() {
+            Some(served) => served.node.start_device(id),
+            None => Ok(()),
+        }
+    })
+    .await
+    .map_err(|_| ApiError::internal("starting the device was interrupted"))?;
+    match started {
+        Ok(()) => {
+            tracing::warn!(device = id, "device started by an operator");
+            Ok(HttpResponse::Ok().json(json!({"device": id, "started": true})))
+        }
+        Err(e @ crate::node::NodeError::DeviceRunning(_)) => Err(ApiError::conflict(e.to_string())),
+        Err(e @ crate::node::NodeError::NoSuchDevice { .. }) => {
+            Err(ApiError::bad_request(e.to_string()))
+        }
+        Err(e) => {
+            tracing::error!(device = id, error = %e, "device could not be started");
+            Err(ApiError::internal(format!(
+                "device {id} could not be started: {e}"
+            )))
+        }
+    }
 }
 
 /// `GET /admin/cluster`: every member this node knows (itself included) with its state,

@@ -48,6 +48,39 @@ impl ApiError {
         .with_code("invalid_api_key")
     }
 
+    pub fn method_not_allowed(allow: &str) -> Self {
+        Self::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "invalid_request_error",
+            format!("method not allowed: this endpoint takes {allow}"),
+        )
+        .with_code("method_not_allowed")
+    }
+
+    pub fn forbidden(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::FORBIDDEN, "permission_error", message)
+    }
+
+    pub fn unsupported_media_type(message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "invalid_request_error",
+            message,
+        )
+    }
+
+    pub fn conflict(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::CONFLICT, "invalid_request_error", message)
+    }
+
+    pub fn timeout(message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            message,
+        )
+    }
+
     pub fn unknown_model(asked: &str, served: &str) -> Self {
         Self::new(
             StatusCode::NOT_FOUND,
@@ -114,6 +147,17 @@ impl ResponseError for ApiError {
     }
 
     fn error_response(&self) -> HttpResponse {
-        HttpResponse::build(self.status).json(self.body())
+        let mut response = HttpResponse::build(self.status);
+        match self.status {
+            StatusCode::UNAUTHORIZED => {
+                response.insert_header(("WWW-Authenticate", "Bearer realm=\"moe-node\""));
+            }
+            // Overload passes within a step or two; a client that honours this comes back.
+            StatusCode::TOO_MANY_REQUESTS => {
+                response.insert_header(("Retry-After", "1"));
+            }
+            _ => {}
+        }
+        response.json(self.body())
     }
 }

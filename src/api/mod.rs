@@ -51,6 +51,8 @@ pub struct AppState {
     served: OnceLock<ServedModel>,
     /// Generation responses admitted and not yet fully sent.
     in_flight: Arc<AtomicUsize>,
+    /// Set when the drain time is up: responses still running end with an error.
+    cut: tokio::sync::watch::Sender<bool>,
     /// The placement this node serves under and the next one while the cluster changes
     /// placement, known before the node is ready (other nodes that start with it read it
     /// from `/cluster/placement/{version}` to load their share).
@@ -75,6 +77,7 @@ impl AppState {
             phase: AtomicU8::new(Phase::Loading as u8),
             served: OnceLock::new(),
             in_flight: Arc::new(AtomicUsize::new(0)),
+            cut: tokio::sync::watch::Sender::new(false),
             placements: Arc::default(),
         }
     }
@@ -110,6 +113,17 @@ impl AppState {
         self.phase.store(Phase::Draining as u8, Ordering::Release);
     }
 
+    /// Ends every response still running (the drain time is up): each gets an error, a
+    /// stream also `data: [DONE]`.
+    pub fn cut_in_flight(&self) {
+        self.cut.send_replace(true);
+    }
+
+    /// Turns true when [`AppState::cut_in_flight`] is called.
+    pub fn cut_watch(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.cut.subscribe()
+    }
+
     pub fn served(&self) -> Option<&ServedModel> {
         self.served.get()
     }
@@ -128,42 +142,71 @@ impl AppState {
     }
 }
 
+/// A resource answering GET (and HEAD, with the same headers and no body) with `handler`,
+/// and 405 to other methods.
+fn get<F, Args>(path: &str, handler: F) -> actix_web::Resource
+where
+    F: actix_web::Handler<Args> + Clone,
+    Args: actix_web::FromRequest + 'static,
+    F::Output: actix_web::Responder + 'static,
+{
+    web::resource(path)
+        .route(web::get().to(handler.clone()))
+        .route(web::head().to(handler))
+        .default_service(web::to(|| method_not_allowed("GET, HEAD")))
+}
+
+/// A resource answering POST with `handler`, and 405 to other methods.
+fn post<F, Args>(path: &str, handler: F) -> actix_web::Resource
+where
+    F: actix_web::Handler<Args>,
+    Args: actix_web::FromRequest + 'static,
+    F::Output: actix_web::Responder + 'static,
+{
+    web::resource(path)
+        .route(web::post().to(handler))
+        .default_service(web::to(|| method_not_allowed("POST")))
+}
+
+async fn method_not_allowed(allow: &'static str) -> HttpResponse {
+    let mut response =
+        actix_web::ResponseError::error_response(&ApiError::method_not_allowed(allow));
+    response
+        .headers_mut()
+        .insert(header::ALLOW, header::HeaderValue::from_static(allow));
+    response
+}
+
 /// Registers every route on an app.
 pub fn configure(state: web::Data<AppState>) -> impl FnOnce(&mut web::ServiceConfig) {
     move |cfg: &mut web::ServiceConfig| {
         cfg.app_data(state)
-            .route("/health", web::get().to(health))
-            .route("/ready", web::get().to(ready))
-            .route("/version", web::get().to(version))
-            .route("/metrics", web::get().to(metrics))
-            .service(
-                web::resource("/tokenize")
-                    .wrap(from_fn(require_api_key))
-                    .route(web::post().to(openai::tokenize)),
-            )
+            .service(get("/health", health))
+            .service(get("/ready", ready))
+            .service(get("/version", version))
+            .service(get("/metrics", metrics))
+            .service(post("/tokenize", openai::tokenize).wrap(from_fn(require_api_key)))
             .service(
                 web::scope("/v1")
                     .wrap(from_fn(require_api_key))
-                    .route("/models", web::get().to(openai::models))
-                    .route("/completions", web::post().to(openai::completions))
-                    .route(
-                        "/chat/completions",
-                        web::post().to(openai::chat_completions),
-                    ),
+                    .service(get("/models", openai::models))
+                    .service(post("/completions", openai::completions))
+                    .service(post("/chat/completions", openai::chat_completions)),
             )
             .service(
                 web::scope("/admin")
                     .wrap(from_fn(require_api_key))
-                    .route("/experts", web::get().to(admin::experts))
-                    .route("/devices", web::get().to(admin::devices))
-                    .route("/cluster", web::get().to(admin::cluster))
-                    .route("/placement", web::get().to(admin::placement))
-                    .route("/devices/{id}/stop", web::post().to(admin::stop_device)),
+                    .service(get("/experts", admin::experts))
+                    .service(get("/devices", admin::devices))
+                    .service(get("/cluster", admin::cluster))
+                    .service(get("/placement", admin::placement))
+                    .service(post("/devices/{id}/stop", admin::stop_device))
+                    .service(post("/devices/{id}/start", admin::start_device)),
             )
             .service(
                 web::scope("/cluster")
                     .wrap(from_fn(require_api_key))
-                    .route("/placement/{version}", web::get().to(cluster::placement)),
+                    .service(get("/placement/{version}", cluster::placement)),
             )
             .default_service(web::to(not_found));
     }
@@ -178,7 +221,24 @@ async fn ready(state: web::Data<AppState>) -> HttpResponse {
         Ok(served) if !served.node.router.is_running() => {
             HttpResponse::ServiceUnavailable().json(json!({"status": "router stopped"}))
         }
-        Ok(_) => HttpResponse::Ok().json(json!({"status": "ready"})),
+        Ok(served) => match unavailable_experts(&served.node) {
+            None => HttpResponse::Ok().json(json!({"status": "ready"})),
+            // Tokens are routed around the missing experts: served, degraded.
+            Some((count, _))
+                if state.config.cluster.on_expert_unavailable
+                    == crate::actors::dispatch::OnUnavailable::Reroute =>
+            {
+                HttpResponse::Ok().json(json!({"status": "degraded", "experts_unavailable": count}))
+            }
+            Some((count, (layer, expert))) => HttpResponse::ServiceUnavailable().json(json!({
+                "status": "experts unavailable",
+                "error": ApiError::unavailable(format!(
+                    "{count} experts have no live replica (the first: expert {expert} of \
+                     layer {layer}); requests that need them fail"
+                ))
+                .body()["error"],
+            })),
+        },
         Err(e) => {
             let status = match state.phase() {
                 Phase::Draining => "draining",
@@ -189,6 +249,45 @@ async fn ready(state: web::Data<AppState>) -> HttpResponse {
             HttpResponse::ServiceUnavailable().json(body)
         }
     }
+}
+
+/// How many experts have no replica that can take work (on a live local device, or on a
+/// node not known to be down), and the first of them; `None` when every expert has one.
+fn unavailable_experts(node: &Node) -> Option<(usize, (usize, u32))> {
+    let placement = node.experts.placement();
+    let local = node.experts.local_node_index();
+    let alive = node.experts.devices_alive();
+    let down_nodes: Vec<u16> = node
+        .experts
+        .targets()
+        .into_iter()
+        .filter_map(|(target, health)| match target {
+            crate::actors::dispatch::Target::Node(n)
+                if health.reach == crate::placement::Reach::Down =>
+            {
+                Some(n)
+            }
+            _ => None,
+        })
+        .collect();
+    let usable = |r: &crate::placement::Replica| {
+        if r.node == local {
+            alive.get(r.device as usize).copied().unwrap_or(false)
+        } else {
+            node.cluster.is_some() && !down_nodes.contains(&r.node)
+        }
+    };
+    let mut first = None;
+    let mut count = 0;
+    for layer in (0..placement.num_layers()).filter(|&l| node.model.moe_layers[l]) {
+        for expert in 0..node.model.moe.num_experts as u32 {
+            if !placement.replicas(layer, expert).iter().any(usable) {
+                count += 1;
+                first.get_or_insert((layer, expert));
+            }
+        }
+    }
+    first.map(|f| (count, f))
 }
 
 async fn version() -> HttpResponse {
@@ -219,12 +318,14 @@ async fn require_api_key(
         .map(|s| s.config.server.api_keys.clone())
         .unwrap_or_default();
     if !keys.is_empty() {
+        // The scheme is case-insensitive (RFC 9110 11.1).
         let offered = req
             .headers()
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim);
+            .and_then(|v| v.trim_start().split_once(' '))
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .map(|(_, key)| key.trim());
         let accepted = offered.is_some_and(|o| keys.iter().any(|k| constant_time_eq(k, o)));
         if !accepted {
             return Err(ApiError::unauthorized().into());
@@ -242,19 +343,38 @@ fn constant_time_eq(a: &str, b: &str) -> bool {
             == 0
 }
 
-/// Reads a request body of at most `limit` bytes; larger bodies are refused with 413
-/// without being read to the end.
-pub async fn read_body(mut payload: web::Payload, limit: usize) -> Result<Vec<u8>, ApiError> {
-    let too_large = || ApiError::too_large(format!("the request body is over {limit} bytes"));
-    let mut body = Vec::new();
-    while let Some(chunk) = payload.next().await {
-        let chunk = chunk.map_err(|e| ApiError::bad_request(format!("reading the body: {e}")))?;
-        if body.len() + chunk.len() > limit {
-            return Err(too_large());
+/// Reads a request body of at most `server.max_request_bytes`; larger bodies are refused
+/// with 413 without being read to the end, and a body that has not all arrived within
+/// `server.body_read_timeout_seconds` gets 408 (a client that announces more than it sends
+/// must not hold a connection forever).
+pub async fn read_body(
+    mut payload: web::Payload,
+    server: &crate::config::ServerConfig,
+) -> Result<Vec<u8>, ApiError> {
+    let limit = server.max_request_bytes;
+    let timeout = std::time::Duration::from_secs(server.body_read_timeout_seconds);
+    let read = async move {
+        let mut body = Vec::new();
+        while let Some(chunk) = payload.next().await {
+            let chunk =
+                chunk.map_err(|e| ApiError::bad_request(format!("reading the body: {e}")))?;
+            if body.len() + chunk.len() > limit {
+                return Err(ApiError::too_large(format!(
+                    "the request body is over {limit} bytes"
+                )));
+            }
+            body.extend_from_slice(&chunk);
         }
-        body.extend_from_slice(&chunk);
-    }
-    Ok(body)
+        Ok(body)
+    };
+    actix_web::rt::time::timeout(timeout, read)
+        .await
+        .unwrap_or_else(|_| {
+            Err(ApiError::timeout(format!(
+                "the request body did not arrive within {} s",
+                timeout.as_secs()
+            )))
+        })
 }
 
 /// Parses a JSON body into `T`, naming what is wrong.

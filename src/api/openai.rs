@@ -8,14 +8,14 @@ use actix_web::{HttpResponse, web};
 use futures::Stream;
 use serde::Deserialize;
 use serde_json::{Value, json};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 
 use super::stop::StopStrings;
 use super::{ApiError, AppState, ServedModel, parse_json, read_body};
 use crate::actors::router::{Submit, SubmitError};
 use crate::engine::batch::SequenceEvent;
 use crate::engine::{FinishReason, SamplingParams};
-use crate::model::chat_template::ChatMessage;
+use crate::model::chat_template::{ChatMessage, encode_chat};
 
 /// A prompt as `/v1/completions` accepts it: text, or token ids; a one-element batch of
 /// either is accepted too.
@@ -80,27 +80,108 @@ struct ChatRequest {
 }
 
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct IncomingMessage {
     role: String,
-    #[serde(default)]
-    content: MessageContent,
+    /// A string, or a list of `{"type": "text", "text": ...}` parts; checked in
+    /// [`message_text`].
+    content: Option<Value>,
 }
 
-/// Message content: a string, or a list of parts of which the text parts are used.
-#[derive(Debug, Default, Deserialize)]
-#[serde(untagged)]
-enum MessageContent {
-    #[default]
-    Empty,
-    Text(String),
-    Parts(Vec<ContentPart>),
+/// Roles a chat template is given.
+const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
+
+/// Top-level fields both generation endpoints take (`user` is accepted and unused: it only
+/// names the caller).
+const GENERATION_FIELDS: [&str; 13] = [
+    "model",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "n",
+    "stream",
+    "stream_options",
+    "return_token_ids",
+    "ignore_eos",
+    "stop",
+    "user",
+];
+
+/// A field the endpoint does not know is an error, not ignored: a misspelled `max_token`
+/// must not silently generate to the end of the context.
+fn reject_unknown_fields(body: &Value, endpoint: &[&str]) -> Result<(), ApiError> {
+    let Some(fields) = body.as_object() else {
+        return Err(ApiError::bad_request(
+            "the request body is not valid: expected a JSON object",
+        ));
+    };
+    let known = |key: &str| endpoint.contains(&key) || GENERATION_FIELDS.contains(&key);
+    if let Some(unknown) = fields.keys().find(|k| !known(k)) {
+        let mut accepted: Vec<&str> = endpoint.to_vec();
+        accepted.extend(GENERATION_FIELDS);
+        return Err(ApiError::bad_request(format!(
+            "unknown field `{unknown}`; this endpoint accepts {}",
+            accepted.join(", ")
+        ))
+        .with_code("unknown_field"));
+    }
+    if let Some(options) = fields.get("stream_options").and_then(Value::as_object)
+        && let Some(unknown) = options.keys().find(|k| k.as_str() != "include_usage")
+    {
+        return Err(ApiError::bad_request(format!(
+            "unknown field `stream_options.{unknown}`; stream_options accepts include_usage"
+        ))
+        .with_param("stream_options")
+        .with_code("unknown_field"));
+    }
+    Ok(())
 }
 
-#[derive(Debug, Deserialize)]
-struct ContentPart {
-    #[serde(rename = "type")]
-    kind: String,
-    text: Option<String>,
+/// The text of message `index`: its content string, or its text parts joined. A part of
+/// another kind (an image) is an error, not dropped.
+fn message_text(index: usize, content: Option<Value>) -> Result<String, ApiError> {
+    let bad = |message: String| ApiError::bad_request(message).with_param("messages");
+    match content {
+        None | Some(Value::Null) => Err(bad(format!(
+            "messages[{index}].content is missing: every message needs its text"
+        ))),
+        Some(Value::String(text)) => Ok(text),
+        Some(Value::Array(parts)) => {
+            let mut text = String::new();
+            for (p, part) in parts.iter().enumerate() {
+                let kind = part.get("type").and_then(Value::as_str).unwrap_or_default();
+                let part_text = part.get("text").and_then(Value::as_str);
+                let extra = part
+                    .as_object()
+                    .and_then(|o| o.keys().find(|k| *k != "type" && *k != "text"));
+                match (kind, part_text, extra) {
+                    ("text", Some(t), None) => text.push_str(t),
+                    ("text", _, Some(key)) => {
+                        return Err(bad(format!(
+                            "messages[{index}].content[{p}]: unknown field `{key}`"
+                        )));
+                    }
+                    ("text", None, None) => {
+                        return Err(bad(format!(
+                            "messages[{index}].content[{p}]: a text part needs `text`"
+                        )));
+                    }
+                    _ => {
+                        return Err(bad(format!(
+                            "messages[{index}].content[{p}]: only text parts are supported, \
+                             not `{kind}`"
+                        )));
+                    }
+                }
+            }
+            Ok(text)
+        }
+        Some(other) => Err(bad(format!(
+            "messages[{index}].content: expected a string or a list of text parts, got {other}"
+        ))),
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -135,7 +216,8 @@ pub async fn completions(
     state: web::Data<AppState>,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
-    let (served, request): (_, CompletionRequest) = admit_request(&state, payload).await?;
+    let (served, request): (_, CompletionRequest) =
+        admit_request(&state, payload, &["prompt"]).await?;
     let prompt = match request.prompt {
         PromptInput::Ids(ids) => ids,
         PromptInput::Text(text) => encode(served, &text)?,
@@ -162,7 +244,7 @@ pub async fn chat_completions(
     state: web::Data<AppState>,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
-    let (served, request): (_, ChatRequest) = admit_request(&state, payload).await?;
+    let (served, request): (_, ChatRequest) = admit_request(&state, payload, &["messages"]).await?;
     let prompt = chat_prompt(served, request.messages)?;
     let admitted = admit(&state, served, Endpoint::Chat, prompt, request.fields)?;
     generate(state.clone(), served, admitted).await
@@ -186,7 +268,8 @@ pub async fn tokenize(
     state: web::Data<AppState>,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
-    let (served, request): (_, TokenizeRequest) = admit_request(&state, payload).await?;
+    let (served, request): (_, TokenizeRequest) =
+        admit_request(&state, payload, &["prompt", "messages"]).await?;
     let tokens = match (request.prompt, request.messages) {
         (Some(text), None) => encode(served, &text)?,
         (None, Some(messages)) => chat_prompt(served, messages)?,
@@ -203,14 +286,20 @@ pub async fn tokenize(
     })))
 }
 
-/// The served model (if requests are admitted now) and the request body as `T`.
-async fn admit_request<T: serde::de::DeserializeOwned>(
-    state: &AppState,
+/// The served model (if requests are admitted now) and the request body as `T`; top-level
+/// fields other than `fields` and the generation options are refused.
+async fn admit_request<'a, T: serde::de::DeserializeOwned>(
+    state: &'a AppState,
     payload: web::Payload,
-) -> Result<(&ServedModel, T), ApiError> {
+    fields: &[&str],
+) -> Result<(&'a ServedModel, T), ApiError> {
     let served = state.admitting()?;
-    let body = read_body(payload, state.config.server.max_request_bytes).await?;
-    Ok((served, parse_json(&body)?))
+    let body = read_body(payload, &state.config.server).await?;
+    let value: Value = parse_json(&body)?;
+    reject_unknown_fields(&value, fields)?;
+    let request = serde_json::from_value(value)
+        .map_err(|e| ApiError::bad_request(format!("the request body is not valid: {e}")))?;
+    Ok((served, request))
 }
 
 fn encode(served: &ServedModel, text: &str) -> Result<Vec<u32>, ApiError> {
@@ -230,26 +319,31 @@ fn chat_prompt(served: &ServedModel, messages: Vec<IncomingMessage>) -> Result<V
     if messages.is_empty() {
         return Err(ApiError::bad_request("`messages` is empty").with_param("messages"));
     }
-    let messages: Vec<ChatMessage> = messages
+    let messages = messages
         .into_iter()
-        .map(|m| ChatMessage {
-            role: m.role,
-            content: match m.content {
-                MessageContent::Empty => String::new(),
-                MessageContent::Text(text) => text,
-                MessageContent::Parts(parts) => parts
-                    .into_iter()
-                    .filter(|p| p.kind == "text")
-                    .filter_map(|p| p.text)
-                    .collect::<Vec<_>>()
-                    .join(""),
-            },
+        .enumerate()
+        .map(|(i, m)| {
+            if !ROLES.contains(&m.role.as_str()) {
+                return Err(ApiError::bad_request(format!(
+                    "messages[{i}].role: `{}` is not one of {}",
+                    m.role,
+                    ROLES.join(", ")
+                ))
+                .with_param("messages"));
+            }
+            Ok(ChatMessage {
+                role: m.role,
+                content: message_text(i, m.content)?,
+            })
         })
-        .collect();
-    let text = template
-        .render(&messages)
-        .map_err(|e| ApiError::bad_request(e).with_param("messages"))?;
-    encode(served, &text)
+        .collect::<Result<Vec<_>, _>>()?;
+    let tokenizer = served.tokenizer.as_ref().ok_or_else(|| {
+        ApiError::bad_request(
+            "this model has no tokenizer.json: use /v1/completions with token ids",
+        )
+    })?;
+    encode_chat(template, tokenizer, messages)
+        .map_err(|e| ApiError::bad_request(e).with_param("messages"))
 }
 
 /// Checks everything the router would otherwise fail on, so that errors reach the client as
@@ -274,14 +368,6 @@ fn admit(
     if prompt.is_empty() {
         return Err(ApiError::bad_request("the prompt is empty").with_param("prompt"));
     }
-    if prompt.len() > limits.max_prompt_tokens {
-        return Err(ApiError::too_large(format!(
-            "the prompt has {} tokens; this node accepts at most {}",
-            prompt.len(),
-            limits.max_prompt_tokens
-        ))
-        .with_param("prompt"));
-    }
     if let Some(&token) = prompt.iter().find(|&&t| t as usize >= model.vocab_size) {
         return Err(ApiError::bad_request(format!(
             "token id {token} is outside the vocabulary (size {})",
@@ -297,6 +383,16 @@ fn admit(
         ))
         .with_param("prompt")
         .with_code("context_length_exceeded"));
+    }
+    // After the context check, so that a prompt too long for the model is always 400,
+    // whichever limit is smaller.
+    if prompt.len() > limits.max_prompt_tokens {
+        return Err(ApiError::too_large(format!(
+            "the prompt has {} tokens; this node accepts at most {}",
+            prompt.len(),
+            limits.max_prompt_tokens
+        ))
+        .with_param("prompt"));
     }
     let room = context - prompt.len();
     let max_tokens = match fields.max_completion_tokens.or(fields.max_tokens) {
@@ -328,9 +424,14 @@ fn admit(
         Some(StopInput::One(s)) => vec![s],
         Some(StopInput::Many(v)) => v,
     };
-    if stop.len() > MAX_STOP_STRINGS || stop.iter().any(String::is_empty) {
+    if stop.len() > MAX_STOP_STRINGS
+        || stop
+            .iter()
+            .any(|s| s.is_empty() || s.len() > MAX_STOP_BYTES)
+    {
         return Err(ApiError::bad_request(format!(
-            "`stop` takes at most {MAX_STOP_STRINGS} non-empty strings"
+            "`stop` takes at most {MAX_STOP_STRINGS} non-empty strings of at most \
+             {MAX_STOP_BYTES} bytes each"
         ))
         .with_param("stop"));
     }
@@ -357,6 +458,8 @@ fn admit(
 
 /// As OpenAI's API.
 const MAX_STOP_STRINGS: usize = 4;
+/// Longest stop string: each generated token is checked against every prefix of each.
+const MAX_STOP_BYTES: usize = 256;
 
 /// A seed for requests that give none: different per request.
 fn rand_seed() -> u64 {
@@ -382,7 +485,7 @@ async fn generate(
     let started = Instant::now();
     let in_flight = state.track();
     let prompt_tokens = request.prompt_tokens;
-    let events = served
+    let mut events = served
         .node
         .router
         .submit(Submit {
@@ -412,23 +515,37 @@ async fn generate(
         "request admitted"
     );
     let stop = request.stop.clone();
-    let response = Response {
+    let mut response = Response {
         id,
         created: unix_now(),
         request,
         decoder: TextDecoder::new(stop),
         token_ids: Vec::new(),
         started,
+        cut: state.cut_watch(),
         _in_flight: in_flight,
     };
+    // The status waits for the first event, streamed or not, so that a request that fails
+    // before its first token (no live replica, the router gone) gets its error status.
+    let first = match next_event(&mut events, &mut response.cut).await {
+        Some(Some(SequenceEvent::Failed(reason))) => {
+            tracing::info!(request = %response.id, reason = %reason, "request failed");
+            return Err(ApiError::unavailable(format!(
+                "generation failed: {reason}"
+            )));
+        }
+        Some(None) => return Err(ApiError::unavailable("the router stopped")),
+        None => return Err(cut_error()),
+        Some(Some(event)) => event,
+    };
     if response.request.stream {
-        let stream = sse_stream(response, events, state);
+        let stream = sse_stream(response, events, first, state);
         return Ok(HttpResponse::Ok()
             .content_type("text/event-stream")
             .insert_header(("Cache-Control", "no-cache"))
             .streaming(stream));
     }
-    whole_response(response, events, state).await
+    whole_response(response, events, first, state).await
 }
 
 /// The state of one response as tokens arrive.
@@ -439,7 +556,36 @@ struct Response {
     decoder: TextDecoder,
     token_ids: Vec<u32>,
     started: Instant,
+    /// Turns true when the drain time is up.
+    cut: watch::Receiver<bool>,
     _in_flight: super::InFlight,
+}
+
+/// Resolves when the drain time is up (never, if the node's state is gone).
+async fn drain_cut(cut: &mut watch::Receiver<bool>) {
+    if cut.wait_for(|&cut| cut).await.is_err() {
+        futures::future::pending::<()>().await;
+    }
+}
+
+/// The error a response still running at the end of the drain time ends with.
+fn cut_error() -> ApiError {
+    ApiError::unavailable(
+        "the node is shutting down and its drain time (server.drain_seconds) is up; \
+         the generation was ended: retry on another node",
+    )
+    .with_code("shutting_down")
+}
+
+/// The next event of a generation, or `None` once the drain time is up.
+async fn next_event(
+    events: &mut mpsc::Receiver<SequenceEvent>,
+    cut: &mut watch::Receiver<bool>,
+) -> Option<Option<SequenceEvent>> {
+    tokio::select! {
+        event = events.recv() => Some(event),
+        _ = drain_cut(cut) => None,
+    }
 }
 
 impl Response {
@@ -507,25 +653,18 @@ fn finish_reason(reason: FinishReason) -> &'static str {
     }
 }
 
-/// A non-streamed response. Its status waits for the first event, so a request that fails
-/// at once gets its error status; after that the body is sent as it forms: a space (JSON
-/// allows leading whitespace) every [`KEEPALIVE_TOKENS`] tokens, then the object. The spaces
-/// are how a client that went away is noticed: the write fails, the body is dropped, and so
-/// is the generation.
+/// A non-streamed response, once its first event is in (so a request that fails at once has
+/// got its error status). The body is sent as it forms: a space (JSON allows leading
+/// whitespace) every [`KEEPALIVE_TOKENS`] tokens, then the object. The spaces are how a
+/// client that went away is noticed: the write fails, the body is dropped, and so is the
+/// generation. The status (200) is sent with the first space, so a generation that fails
+/// later ends the body with the error envelope instead of the completion.
 async fn whole_response(
     response: Response,
-    mut events: mpsc::Receiver<SequenceEvent>,
+    events: mpsc::Receiver<SequenceEvent>,
+    first: SequenceEvent,
     app: web::Data<AppState>,
 ) -> Result<HttpResponse, ApiError> {
-    let first = match events.recv().await {
-        Some(SequenceEvent::Failed(reason)) => {
-            return Err(ApiError::unavailable(format!(
-                "generation failed: {reason}"
-            )));
-        }
-        None => return Err(ApiError::unavailable("the router stopped")),
-        Some(event) => event,
-    };
     let state = (response, events, Some(first), false);
     let body = futures::stream::unfold(state, move |(mut response, mut events, mut next, done)| {
         let app = app.clone();
@@ -537,7 +676,16 @@ async fn whole_response(
             loop {
                 let event = match next.take() {
                     Some(event) => Some(event),
-                    None => events.recv().await,
+                    None => match next_event(&mut events, &mut response.cut).await {
+                        Some(event) => event,
+                        None => {
+                            tracing::info!(request = %response.id, "request ended by the drain deadline");
+                            return Some((
+                                Ok(Bytes::from(cut_error().body().to_string())),
+                                (response, events, None, true),
+                            ));
+                        }
+                    },
                 };
                 let out = match event {
                     Some(SequenceEvent::Token(token)) => {
@@ -632,11 +780,14 @@ fn whole_body(
 fn sse_stream(
     response: Response,
     events: mpsc::Receiver<SequenceEvent>,
+    first: SequenceEvent,
     app: web::Data<AppState>,
 ) -> impl Stream<Item = Result<Bytes, actix_web::Error>> + 'static {
     struct State {
         response: Response,
         events: mpsc::Receiver<SequenceEvent>,
+        /// The first event, received before the status was sent.
+        first: Option<SequenceEvent>,
         pending: std::collections::VecDeque<Bytes>,
         started: bool,
         done: bool,
@@ -667,6 +818,7 @@ fn sse_stream(
     let state = State {
         response,
         events,
+        first: Some(first),
         pending: Default::default(),
         started: false,
         done: false,
@@ -689,7 +841,20 @@ fn sse_stream(
                     s.pending.push_back(sse(&first));
                     continue;
                 }
-                match s.events.recv().await {
+                let event = match s.first.take() {
+                    Some(first) => Some(first),
+                    None => match next_event(&mut s.events, &mut s.response.cut).await {
+                        Some(event) => event,
+                        None => {
+                            tracing::info!(request = %s.response.id, "stream ended by the drain deadline");
+                            s.pending.push_back(sse(&cut_error().body()));
+                            s.pending.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+                            s.done = true;
+                            continue;
+                        }
+                    },
+                };
+                match event {
                     Some(SequenceEvent::Token(token)) => {
                         s.response.token_ids.push(token);
                         let (delta, stopped) =

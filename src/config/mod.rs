@@ -37,6 +37,12 @@ pub struct ServerConfig {
     pub max_request_bytes: usize,
     /// On SIGTERM, how long in-flight requests may run before the node exits anyway.
     pub drain_seconds: u64,
+    /// A request body not all received this long after its headers gets 408.
+    pub body_read_timeout_seconds: u64,
+    /// Allow the admin actions (`POST /admin/devices/{id}/stop` and `.../start`). Off by
+    /// default: with it on, set `api_keys` too, or any client that reaches the port can
+    /// take devices out of service.
+    pub admin_actions: bool,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -304,6 +310,8 @@ impl Default for ServerConfig {
             api_keys: Vec::new(),
             max_request_bytes: 1 << 20,
             drain_seconds: 30,
+            body_read_timeout_seconds: 30,
+            admin_actions: false,
         }
     }
 }
@@ -339,6 +347,9 @@ impl Default for BatchingConfig {
         }
     }
 }
+
+/// The largest `server.max_request_bytes`.
+const MAX_REQUEST_BYTES: usize = 1 << 30;
 
 /// The configuration cannot be used; every problem found is listed.
 #[derive(Debug, thiserror::Error)]
@@ -428,8 +439,57 @@ impl NodeConfig {
         if self.server.max_request_bytes < 1024 {
             problems.push("server.max_request_bytes: must be at least 1024".into());
         }
+        if self.server.max_request_bytes > MAX_REQUEST_BYTES {
+            problems.push(format!(
+                "server.max_request_bytes: at most {MAX_REQUEST_BYTES} (1 GiB)"
+            ));
+        }
+        if self.server.drain_seconds > 86_400 {
+            problems.push(format!(
+                "server.drain_seconds: {} is more than a day",
+                self.server.drain_seconds
+            ));
+        }
+        if !(1..=3600).contains(&self.server.body_read_timeout_seconds) {
+            problems.push(format!(
+                "server.body_read_timeout_seconds: {} is not between 1 and 3600",
+                self.server.body_read_timeout_seconds
+            ));
+        }
         if self.devices.cpu_slots == 0 {
             problems.push("devices.cpu_slots: at least one device slot is needed".into());
+        }
+        // Each slot is a thread; each count below sizes a table or a queue.
+        for (name, value, max) in [
+            ("devices.cpu_slots", self.devices.cpu_slots, 1024),
+            ("devices.replication", self.devices.replication, 1024),
+            (
+                "batching.max_sequences",
+                self.batching.max_sequences,
+                1 << 16,
+            ),
+            (
+                "batching.max_tokens_per_step",
+                self.batching.max_tokens_per_step,
+                1 << 20,
+            ),
+            ("batching.max_waiting", self.batching.max_waiting, 1 << 20),
+            (
+                "batching.max_prompt_tokens",
+                self.batching.max_prompt_tokens,
+                crate::model::config::MAX_CONTEXT,
+            ),
+            (
+                "batching.default_max_tokens",
+                self.batching.default_max_tokens,
+                crate::model::config::MAX_CONTEXT,
+            ),
+            ("cluster.expect_nodes", self.cluster.expect_nodes, 1 << 12),
+            ("cluster.replication", self.cluster.replication, 1 << 12),
+        ] {
+            if value > max {
+                problems.push(format!("{name}: {value} is more than {max}"));
+            }
         }
         if self.devices.replication == 0 {
             problems.push("devices.replication: must be at least 1".into());
@@ -467,6 +527,31 @@ impl NodeConfig {
         }
         problems.extend(self.cluster.problems());
         problems
+    }
+
+    /// Values that work but are likely a mistake: printed by `moe-node check`, logged at
+    /// start.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut warnings = Vec::new();
+        let public = self
+            .server
+            .listen
+            .parse::<SocketAddr>()
+            .is_ok_and(|a| !a.ip().is_loopback());
+        if public && self.server.api_keys.is_empty() {
+            warnings.push(format!(
+                "server.listen: `{}` is reachable from other machines and server.api_keys is \
+                 empty: anyone who reaches it can use the API",
+                self.server.listen
+            ));
+        }
+        if self.server.admin_actions && self.server.api_keys.is_empty() {
+            warnings.push(
+                "server.admin_actions: on without server.api_keys: any client can stop devices"
+                    .into(),
+            );
+        }
+        warnings
     }
 
     pub fn listen_addr(&self) -> SocketAddr {
@@ -640,6 +725,50 @@ mod tests {
                 "{expected:?} missing from:\n{text}"
             );
         }
+    }
+
+    #[test]
+    fn sizes_from_outside_are_bounded_naming_the_key() {
+        let err = load(
+            "[server]\ndrain_seconds = 9223372036854775807\nbody_read_timeout_seconds = 0\n\
+             [devices]\ncpu_slots = 100000000\n[batching]\nmax_tokens_per_step = 1099511627776\n",
+            &[],
+        )
+        .unwrap_err();
+        let text = err.to_string();
+        for expected in [
+            "server.drain_seconds: 9223372036854775807 is more than a day",
+            "server.body_read_timeout_seconds: 0 is not between 1 and 3600",
+            "devices.cpu_slots: 100000000 is more than 1024",
+            "batching.max_tokens_per_step: 1099511627776 is more than 1048576",
+        ] {
+            assert!(
+                text.contains(expected),
+                "{expected:?} missing from:\n{text}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_open_listen_address_without_keys_is_warned_about() {
+        let open = load(
+            "[server]\nlisten = \"0.0.0.0:8080\"\nadmin_actions = true\n",
+            &[],
+        )
+        .unwrap();
+        let warnings = open.warnings().join("\n");
+        assert!(
+            warnings.contains("server.listen: `0.0.0.0:8080` is reachable"),
+            "{warnings}"
+        );
+        assert!(warnings.contains("server.admin_actions"), "{warnings}");
+        let keyed = load(
+            "[server]\nlisten = \"0.0.0.0:8080\"\napi_keys = [\"k\"]\n",
+            &[],
+        )
+        .unwrap();
+        assert!(keyed.warnings().is_empty());
+        assert!(NodeConfig::default().warnings().is_empty());
     }
 
     #[test]

@@ -39,7 +39,7 @@ pub fn generate(engine: &Engine, request: &GenerateRequest) -> Result<Generation
         .sampling
         .validate()
         .map_err(EngineError::InvalidSampling)?;
-    let needed = request.prompt.len() + request.max_tokens.saturating_sub(1);
+    let needed = (request.prompt.len()).saturating_add(request.max_tokens.saturating_sub(1));
     let max = engine.config().max_position_embeddings;
     if needed > max {
         return Err(EngineError::ContextTooLong { needed, max });

@@ -178,6 +178,8 @@ struct RawConfig {
 
 /// Upper bound on `num_hidden_layers` accepted from a config.
 const MAX_LAYERS: usize = 1024;
+/// Upper bound on `max_position_embeddings`: 32 M tokens, above any published context.
+pub const MAX_CONTEXT: usize = 1 << 25;
 
 /// Collects every problem with a config before failing.
 struct Problems(Vec<String>);
@@ -224,6 +226,51 @@ impl ModelConfig {
     }
 
     fn from_raw(raw: RawConfig) -> Result<Self, Vec<String>> {
+        // Sizes are multiplied together (tables, tensors, caches) before any tensor is read:
+        // values no published model comes near are refused before any arithmetic on them.
+        let too_large: Vec<String> = [
+            ("vocab_size", raw.vocab_size, 1 << 22),
+            ("hidden_size", raw.hidden_size, 1 << 16),
+            ("intermediate_size", raw.intermediate_size, 1 << 18),
+            ("num_hidden_layers", raw.num_hidden_layers, MAX_LAYERS),
+            ("num_attention_heads", raw.num_attention_heads, 1 << 10),
+            ("num_key_value_heads", raw.num_key_value_heads, 1 << 10),
+            ("head_dim", raw.head_dim, 1 << 12),
+            (
+                "max_position_embeddings",
+                raw.max_position_embeddings,
+                MAX_CONTEXT,
+            ),
+            ("sliding_window", raw.sliding_window, MAX_CONTEXT),
+            ("num_experts", raw.num_experts, 1 << 16),
+            ("num_local_experts", raw.num_local_experts, 1 << 16),
+            ("n_routed_experts", raw.n_routed_experts, 1 << 16),
+            ("num_experts_per_tok", raw.num_experts_per_tok, 1 << 10),
+            ("moe_intermediate_size", raw.moe_intermediate_size, 1 << 18),
+            ("decoder_sparse_step", raw.decoder_sparse_step, MAX_LAYERS),
+            ("n_shared_experts", raw.n_shared_experts, 1 << 6),
+            (
+                "first_k_dense_replace",
+                raw.first_k_dense_replace,
+                MAX_LAYERS,
+            ),
+            ("n_group", raw.n_group, 1 << 16),
+            ("topk_group", raw.topk_group, 1 << 16),
+            ("q_lora_rank", raw.q_lora_rank, 1 << 16),
+            ("kv_lora_rank", raw.kv_lora_rank, 1 << 16),
+            ("qk_nope_head_dim", raw.qk_nope_head_dim, 1 << 12),
+            ("qk_rope_head_dim", raw.qk_rope_head_dim, 1 << 12),
+            ("v_head_dim", raw.v_head_dim, 1 << 12),
+        ]
+        .into_iter()
+        .filter_map(|(key, value, max)| match value {
+            Some(v) if v > max => Some(format!("`{key}` ({v}) exceeds {max}")),
+            _ => None,
+        })
+        .collect();
+        if !too_large.is_empty() {
+            return Err(too_large);
+        }
         let mut p = Problems(Vec::new());
         let model_type = raw.model_type.clone().unwrap_or_default();
         let family = match model_type.as_str() {
@@ -262,6 +309,12 @@ impl ModelConfig {
             Family::Qwen3Moe => 32768,
             Family::Mixtral => 131072,
             Family::DeepseekV3 => 4096,
+        });
+        p.check(max_position_embeddings >= 2, || {
+            format!(
+                "`max_position_embeddings` ({max_position_embeddings}) must be at least 2: a \
+                 prompt token and one generated"
+            )
         });
         let rms_norm_eps = raw.rms_norm_eps.unwrap_or(match family {
             Family::Mixtral => 1e-5,
@@ -441,6 +494,10 @@ impl ModelConfig {
                 (moe, layers, intermediate)
             }
         };
+        p.check(
+            moe.num_experts > 0 || !moe_layers.iter().any(|&is_moe| is_moe),
+            || "the number of experts (`num_experts`, `num_local_experts` or `n_routed_experts`) must be greater than 0".into(),
+        );
         p.check(
             moe.num_experts == 0 || (1..=moe.num_experts).contains(&moe.top_k),
             || {
@@ -679,6 +736,42 @@ mod tests {
         let err = ModelConfig::parse(&text).unwrap_err();
         assert!(
             err.iter().any(|m| m.contains("num_hidden_layers")),
+            "{err:?}"
+        );
+    }
+
+    #[test]
+    fn crafted_sizes_are_refused_naming_the_key() {
+        let mixtral = r#"{"model_type": "mixtral", "vocab_size": 10, "hidden_size": 8,
+            "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "num_local_experts": 0}"#;
+        let err = ModelConfig::parse(mixtral).unwrap_err();
+        assert!(
+            err.iter().any(|m| m.contains("num_local_experts")),
+            "{err:?}"
+        );
+        for (key, value) in [
+            ("max_position_embeddings", "4611686018427387904"),
+            ("hidden_size", "18446744073709551615"),
+            ("vocab_size", "4294967296"),
+            ("n_routed_experts", "1099511627776"),
+            ("moe_intermediate_size", "1099511627776"),
+        ] {
+            let mut v: serde_json::Value = serde_json::from_str(KIMI_LIKE).unwrap();
+            v[key] = serde_json::Value::Number(value.parse::<u64>().unwrap().into());
+            let text = v.to_string();
+            let err = ModelConfig::parse(&text).unwrap_err();
+            assert!(
+                err.iter()
+                    .any(|m| m.contains(&format!("`{key}` ({value}) exceeds"))),
+                "{key}: {err:?}"
+            );
+        }
+        let mut v: serde_json::Value = serde_json::from_str(KIMI_LIKE).unwrap();
+        v["max_position_embeddings"] = 1.into();
+        let err = ModelConfig::parse(&v.to_string()).unwrap_err();
+        assert!(
+            err.iter().any(|m| m.contains("max_position_embeddings")),
             "{err:?}"
         );
     }

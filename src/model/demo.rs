@@ -266,7 +266,7 @@ fn byte_level_char(byte: u8) -> char {
     char::from_u32(256 + rank).expect("code points 256..512 are valid")
 }
 
-fn tokenizer_json() -> serde_json::Value {
+pub(crate) fn tokenizer_json() -> serde_json::Value {
     let vocab: serde_json::Map<String, serde_json::Value> = (0..=255u8)
         .map(|b| (byte_level_char(b).to_string(), json!(b)))
         .collect();
@@ -297,7 +297,7 @@ fn tokenizer_json() -> serde_json::Value {
     })
 }
 
-fn tokenizer_config_json() -> serde_json::Value {
+pub(crate) fn tokenizer_config_json() -> serde_json::Value {
     json!({
         "bos_token": null,
         "eos_token": "<|im_end|>",

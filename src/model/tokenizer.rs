@@ -6,6 +6,10 @@ use super::ModelError;
 
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// The same, reading special-token text (`<|im_start|>`) as plain text.
+    plain: tokenizers::Tokenizer,
+    /// The text of every special token.
+    special: Vec<String>,
     path: PathBuf,
 }
 
@@ -20,7 +24,35 @@ impl Tokenizer {
             path: path.clone(),
             reason: e.to_string(),
         })?;
-        Ok(Some(Tokenizer { inner, path }))
+        let mut plain = inner.clone();
+        plain.set_encode_special_tokens(true);
+        let mut special: Vec<String> = inner
+            .get_added_tokens_decoder()
+            .into_values()
+            .filter(|t| t.special && !t.content.is_empty())
+            .map(|t| t.content)
+            .collect();
+        special.sort();
+        Ok(Some(Tokenizer {
+            inner,
+            plain,
+            special,
+            path,
+        }))
+    }
+
+    /// Ids of `text` with special-token text in it read as plain text: `<|im_end|>` in a
+    /// user's message becomes the characters, never the token.
+    pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>, ModelError> {
+        self.plain
+            .encode(text, false)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| self.error(e))
+    }
+
+    /// Whether `text` holds the text of a special token.
+    pub fn has_special_text(&self, text: &str) -> bool {
+        self.special.iter().any(|s| text.contains(s.as_str()))
     }
 
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, ModelError> {

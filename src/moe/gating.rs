@@ -44,6 +44,14 @@ pub fn route_avoiding(
     avoid: Option<&[bool]>,
 ) -> Routing {
     let avoid = avoid.filter(|a| a.len() == num_experts && a.iter().any(|&x| x));
+    // Model validation refuses MoE layers without experts; routing to none is no routing.
+    if num_experts == 0 || top_k == 0 {
+        return Routing {
+            top_k,
+            experts: Vec::new(),
+            weights: Vec::new(),
+        };
+    }
     let rows = logits.len() / num_experts;
     let mut experts = Vec::with_capacity(rows * top_k);
     let mut weights = Vec::with_capacity(rows * top_k);

@@ -2,10 +2,16 @@
 //! HTTP address read from the log once it listens, killed when dropped.
 #![allow(dead_code)]
 
+use std::ffi::OsStr;
 use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use reqwest::StatusCode;
+use reqwest::blocking::{Client, Response};
+use serde_json::Value;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_moe-node");
 
@@ -68,4 +74,185 @@ impl Drop for Process {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// The demo model, written once for all tests of this binary.
+pub fn demo_model() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("demo-model");
+        if !dir.join("config.json").exists() {
+            let status = Command::new(BIN)
+                .args(["demo-model", "--out"])
+                .arg(&dir)
+                .stderr(Stdio::null())
+                .status()
+                .unwrap();
+            assert!(status.success());
+        }
+        dir
+    })
+}
+
+pub struct Server {
+    pub process: Process,
+    pub base: String,
+    pub client: Client,
+    pub key: Option<String>,
+    _dir: tempfile::TempDir,
+}
+
+impl Server {
+    /// Starts `moe-node serve` with `config` (TOML) and waits until it listens.
+    pub fn start(config: &str) -> Server {
+        Self::start_with(config, &["--model", demo_model().to_str().unwrap()])
+    }
+
+    pub fn start_with(config: &str, args: &[&str]) -> Server {
+        let dir = tempfile::tempdir().unwrap();
+        let config_path = dir.path().join("moe-node.toml");
+        std::fs::write(&config_path, config).unwrap();
+        let mut all: Vec<&OsStr> = vec![OsStr::new("--config"), config_path.as_os_str()];
+        all.extend(args.iter().map(OsStr::new));
+        let process = Process::serve(&all);
+        let key = config
+            .lines()
+            .find_map(|l| l.strip_prefix("api_keys = [\""))
+            .and_then(|rest| rest.split('"').next())
+            .map(str::to_string);
+        Server {
+            base: process.base.clone(),
+            process,
+            client: Client::builder()
+                .timeout(Duration::from_secs(120))
+                .build()
+                .unwrap(),
+            key,
+            _dir: dir,
+        }
+    }
+
+    pub fn wait_ready(&self) {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while Instant::now() < deadline {
+            if self.get("/ready").status() == StatusCode::OK {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("not ready in time: {:?}", self.process.log_lines());
+    }
+
+    pub fn get(&self, path: &str) -> Response {
+        let mut req = self.client.get(format!("{}{path}", self.base));
+        if let Some(key) = &self.key {
+            req = req.bearer_auth(key);
+        }
+        req.send().unwrap()
+    }
+
+    pub fn post(&self, path: &str, body: &Value) -> Response {
+        let mut req = self.client.post(format!("{}{path}", self.base)).json(body);
+        if let Some(key) = &self.key {
+            req = req.bearer_auth(key);
+        }
+        req.send().unwrap()
+    }
+
+    pub fn post_ok(&self, path: &str, body: &Value) -> Value {
+        let resp = self.post(path, body);
+        let status = resp.status();
+        let body: Value = resp.json().unwrap();
+        assert_eq!(status, StatusCode::OK, "{body}");
+        body
+    }
+
+    pub fn metric(&self, name: &str) -> f64 {
+        let text = self.get("/metrics").text().unwrap();
+        text.lines()
+            .find_map(|l| l.strip_prefix(&format!("{name} ")))
+            .unwrap_or_else(|| panic!("{name} missing from /metrics:\n{text}"))
+            .trim()
+            .parse()
+            .unwrap()
+    }
+
+    /// Waits (a little) for a line the server logs from another thread.
+    pub fn wait_for_log(&self, needle: &str) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !self.log_contains(needle) {
+            assert!(
+                Instant::now() < deadline,
+                "{needle:?} not logged: {:?}",
+                self.process.log_lines()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn log_contains(&self, needle: &str) -> bool {
+        self.process.log_contains(needle)
+    }
+}
+
+/// Reads a server-sent event stream to its end: the JSON of every `data:` line, and
+/// whether it ended with `data: [DONE]`.
+pub fn read_sse(resp: Response) -> (Vec<Value>, bool) {
+    assert_eq!(resp.status(), StatusCode::OK);
+    let content_type = resp.headers()["content-type"].to_str().unwrap().to_string();
+    assert!(
+        content_type.starts_with("text/event-stream"),
+        "{content_type}"
+    );
+    let mut events = Vec::new();
+    let mut done = false;
+    for line in BufReader::new(resp).lines() {
+        let line = line.unwrap();
+        let Some(data) = line.strip_prefix("data: ") else {
+            assert!(line.is_empty(), "unexpected line {line:?}");
+            continue;
+        };
+        assert!(!done, "data after [DONE]");
+        if data == "[DONE]" {
+            done = true;
+        } else {
+            events.push(serde_json::from_str(data).unwrap());
+        }
+    }
+    (events, done)
+}
+
+/// Generated ids of a streamed completion with `return_token_ids`.
+pub fn streamed_ids(events: &[Value]) -> Vec<u64> {
+    events
+        .iter()
+        .filter_map(|e| e["choices"].get(0))
+        .filter_map(|c| c["token_ids"].as_array())
+        .flatten()
+        .map(|t| t.as_u64().unwrap())
+        .collect()
+}
+
+pub fn ids(value: &Value) -> Vec<u64> {
+    value
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect()
+}
+
+pub fn assert_envelope(resp: Response, status: StatusCode, message_part: &str) -> Value {
+    assert_eq!(resp.status(), status);
+    let body: Value = resp.json().unwrap();
+    let error = &body["error"];
+    for field in ["message", "type", "param", "code"] {
+        assert!(error.get(field).is_some(), "{field} missing: {body}");
+    }
+    let message = error["message"].as_str().unwrap();
+    assert!(
+        message.contains(message_part),
+        "{message_part:?} not in {message:?}"
+    );
+    body
 }
