@@ -10,6 +10,7 @@ pub mod cluster;
 pub mod compute;
 pub mod config;
 pub mod engine;
+pub mod logging;
 pub mod metrics;
 pub mod model;
 pub mod moe;

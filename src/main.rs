@@ -14,6 +14,7 @@ use moe_node::compute::cuda::{self, CudaError};
 use moe_node::config::{ConfigError, ConfigSources, ENV_PREFIX, LogFormat, NodeConfig};
 use moe_node::engine::gpu::engine_on_gpu;
 use moe_node::engine::{Engine, EngineError, GenerateRequest, SamplingParams, generate};
+use moe_node::logging::ClientMistakes;
 use moe_node::model::demo::{DemoSpec, write_demo_model};
 use moe_node::model::{ModelConfig, ModelError, Tokenizer};
 use moe_node::node::NodeError;
@@ -123,9 +124,17 @@ fn init_logging(format: LogFormat) {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal());
+    // A malformed request is the client's mistake: INFO, at most once a minute.
     match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
+        LogFormat::Text => builder
+            .event_format(ClientMistakes::new(tracing_subscriber::fmt::format()))
+            .init(),
+        LogFormat::Json => builder
+            .fmt_fields(tracing_subscriber::fmt::format::JsonFields::new())
+            .event_format(ClientMistakes::new(
+                tracing_subscriber::fmt::format().json(),
+            ))
+            .init(),
     }
 }
 

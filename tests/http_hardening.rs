@@ -171,7 +171,8 @@ fn the_drain_deadline_ends_streams_with_an_error_and_exits_promptly() {
 }
 
 /// A client that announces a body and never sends all of it gets 408 and loses the
-/// connection after `server.body_read_timeout_seconds`.
+/// connection after `server.body_read_timeout_seconds`; malformed requests do not fill the
+/// log with errors.
 #[test]
 fn a_body_that_never_arrives_is_timed_out() {
     let server = Server::start("[server]\nbody_read_timeout_seconds = 1\n");
@@ -202,6 +203,29 @@ fn a_body_that_never_arrives_is_timed_out() {
         assert!(answer.contains("did not arrive within 1 s"), "{answer}");
     }
     assert!(started.elapsed() < Duration::from_secs(5));
+
+    // Malformed requests are the client's mistake: one INFO line for the lot, no ERROR.
+    for _ in 0..20 {
+        let mut socket = TcpStream::connect(&addr).unwrap();
+        socket
+            .write_all(b"GET /health HTTP/1.1\r\nthis is not a header\r\n\r\n")
+            .unwrap();
+        let mut answer = Vec::new();
+        let _ = socket.read_to_end(&mut answer);
+        assert!(answer.starts_with(b"HTTP/1.1 400"));
+    }
+    server.wait_for_log("actix_http");
+    let lines: Vec<String> = server
+        .process
+        .log_lines()
+        .into_iter()
+        .filter(|l| l.contains("actix_http"))
+        .collect();
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(
+        lines[0].contains(" INFO ") && !lines[0].contains("ERROR"),
+        "{lines:?}"
+    );
     // The server is none the worse.
     assert_eq!(server.get("/health").status(), StatusCode::OK);
 }
