@@ -5,6 +5,16 @@ use std::path::Path;
 
 use moe_node::engine::{Engine, SequenceStep};
 
+/// The largest difference between two equally long vectors; NaN anywhere is NaN (which
+/// fails every `diff < tolerance`), where `fold(0.0, f32::max)` would drop it.
+fn max_difference(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "lengths");
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, |m, d| if d.is_nan() || d > m { d } else { m })
+}
+
 #[test]
 fn batched_steps_equal_single_steps() {
     for name in ["qwen3_moe", "mixtral", "deepseek_v3"] {
@@ -52,12 +62,9 @@ fn batched_steps_equal_single_steps() {
         for (all, decode) in together.iter_mut().zip(engine.forward(&mut batch).unwrap()) {
             all.extend(decode);
         }
+        assert_eq!(alone.len(), together.len(), "{name}: sequences");
         for (a, b) in alone.iter().zip(&together) {
-            let diff = a
-                .iter()
-                .zip(b)
-                .map(|(x, y)| (x - y).abs())
-                .fold(0.0, f32::max);
+            let diff = max_difference(a, b);
             assert!(diff < 1e-4, "{name}: batched logits differ by {diff}");
         }
     }
@@ -125,11 +132,7 @@ fn a_step_whose_experts_are_unreachable_fails_and_leaves_the_caches_as_they_were
         tokens: &[1, 2, 3, 4, 5],
     }];
     let expected = complete.forward(&mut step).unwrap();
-    let diff = resumed[0]
-        .iter()
-        .zip(&expected[0])
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f32::max);
+    let diff = max_difference(&resumed[0], &expected[0]);
     assert!(diff < 1e-4, "resumed logits differ by {diff}");
     assert!(complete.forward(&mut []).unwrap().is_empty());
 }

@@ -13,7 +13,7 @@ use moe_node::model::config::GatingConfig;
 use moe_node::moe::{DispatchPlan, route};
 
 mod common;
-use common::{AttentionCase, RopeCase, assert_close};
+use common::{AttentionCase, RopeCase, assert_close, skipped};
 
 /// GPU 0, or `None` (with a line saying why) where CUDA is not usable. `tests/gpu/run.sh`
 /// sets `MOE_TEST_REQUIRE_GPU=1`, which makes that a failure.
@@ -24,7 +24,7 @@ fn gpu_or_skip() -> Option<GpuInfo> {
             panic!("MOE_TEST_REQUIRE_GPU is set: {e}")
         }
         Err(e) => {
-            eprintln!("skipped: {e}");
+            skipped(&format!("GPU kernels not checked: {e}"));
             None
         }
     }
@@ -100,6 +100,7 @@ fn check_layer(gating: GatingConfig, num_experts: usize, top_k: usize, bias: boo
         );
         let got_ids: Vec<u32> = ids.iter().map(|&v| v as u32).collect();
         assert_eq!(got_ids, expected.experts, "{tokens} tokens: experts chosen");
+        assert_eq!(weights.len(), expected.weights.len(), "gate weights");
         for (a, b) in weights.iter().zip(&expected.weights) {
             assert!(
                 (a - b).abs() <= 1e-5 * b.abs().max(1.0),
@@ -119,6 +120,7 @@ fn check_layer(gating: GatingConfig, num_experts: usize, top_k: usize, bias: boo
         let mut reference = vec![0f32; tokens * h];
         plan.combine(&expert_out, h, &mut reference);
         let scale = reference.iter().fold(0f32, |m, v| m.max(v.abs()));
+        assert_eq!(out.len(), reference.len(), "{tokens} tokens: outputs");
         let worst = out
             .iter()
             .zip(&reference)

@@ -183,6 +183,15 @@ fn completions_and_chat_match_generate_streaming_or_not() {
             .clone()
     };
     assert_eq!(sampled(7), sampled(7));
+    // ... and sampling happens: another seed, or no temperature, gives other tokens.
+    assert_ne!(sampled(7), sampled(8), "the seed changes nothing");
+    let greedy = server.post_ok(
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 8, "temperature": 0, "seed": 7,
+                "return_token_ids": true, "ignore_eos": true}),
+    )["choices"][0]["token_ids"]
+        .clone();
+    assert_ne!(sampled(7), greedy, "temperature 1 samples as greedy does");
 
     // Metrics saw all of it.
     assert!(server.metric("moe_node_generation_tokens_total") >= 40.0);
@@ -269,6 +278,7 @@ fn thirty_two_concurrent_streams_give_what_they_give_alone() {
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
+    assert_eq!(alone.len(), together.len());
     for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
         assert_eq!(a, t, "request {i}");
     }

@@ -126,4 +126,38 @@ mod tests {
         assert!(a.iter().all(|&t| t <= 1), "{a:?}");
         assert!(a.contains(&0) && a.contains(&1));
     }
+
+    /// Reproducible is not enough: the seed must change the draws, and the temperature
+    /// must give each token its softmax(logits / T) share.
+    #[test]
+    fn seed_and_temperature_change_what_is_drawn() {
+        let logits = [1.0f32, 0.0, -1.0];
+        let draws = |temperature: f32, seed: u64, n: usize| {
+            let mut s = Sampler::new(SamplingParams {
+                temperature,
+                top_p: 1.0,
+                seed,
+            });
+            (0..n).map(|_| s.sample(&logits)).collect::<Vec<_>>()
+        };
+        assert_ne!(
+            draws(1.0, 7, 64),
+            draws(1.0, 8, 64),
+            "the seed changes nothing"
+        );
+        for temperature in [0.25f32, 1.0, 4.0] {
+            let n = 20_000;
+            let got = draws(temperature, 3, n);
+            let weights: Vec<f32> = logits.iter().map(|l| (l / temperature).exp()).collect();
+            let total: f32 = weights.iter().sum();
+            for (token, weight) in weights.iter().enumerate() {
+                let share = got.iter().filter(|&&t| t as usize == token).count() as f32 / n as f32;
+                let expected = weight / total;
+                assert!(
+                    (share - expected).abs() < 0.015,
+                    "T = {temperature}: token {token} drawn {share}, softmax gives {expected}"
+                );
+            }
+        }
+    }
 }

@@ -6,6 +6,14 @@ use moe_node::compute::cuda::dense::AttentionShape;
 use moe_node::engine::rope::Rope;
 use moe_node::model::config::{RopeConfig, RopeScaling};
 
+/// Says that a test did not check what it is for, where the log shows it: a `SKIPPED:`
+/// line written to stderr directly, which the test harness does not capture (`eprintln!`
+/// is captured, so a skip would read as a plain `ok`).
+pub fn skipped(why: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "SKIPPED: {why}");
+}
+
 /// Reproducible values in [-1, 1), with some exact repeats (ties for top-k).
 pub fn values(n: usize, seed: u64) -> Vec<f32> {
     let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
