@@ -184,10 +184,12 @@ impl Node {
         }
         let experts = Arc::new(dispatcher);
         metrics.register_devices({
-            let (experts, devices) = (experts.clone(), devices.clone());
+            let experts = experts.clone();
             Box::new(move || {
                 let alive = experts.devices_alive();
-                devices
+                // The handles as they are now: a device started again has a new one.
+                experts
+                    .devices()
                     .iter()
                     .map(|d| DeviceState {
                         id: d.id,

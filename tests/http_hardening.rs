@@ -107,6 +107,11 @@ fn admin_actions_are_guarded_and_a_stopped_device_can_return() {
     assert_eq!(before, after);
     let devices: Value = server.get("/admin/devices").json().unwrap();
     assert_eq!(devices["devices"][0]["alive"], true);
+    assert!(devices["devices"][0]["experts"].as_u64().unwrap() > 0);
+    assert_eq!(
+        server.metric("moe_node_device_up{device=\"0\",kind=\"cpu\",name=\"cpu\"}"),
+        1.0
+    );
     let resp = server.post("/admin/devices/0/start", &json!({}));
     assert_envelope(resp, StatusCode::CONFLICT, "in service");
     let resp = server.post("/admin/devices/9/start", &json!({}));
