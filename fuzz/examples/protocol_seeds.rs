@@ -120,6 +120,7 @@ fn identity(port: u16, node: &str) -> NodeIdentity {
             peer: addr,
             api: addr,
             devices: 1,
+            rows_bf16: false,
             model: 0x5eed,
             placement_version: 0,
             loaded_version: 0,

@@ -36,6 +36,7 @@ fn receiver() -> Receiver {
         peer: addr,
         api: addr,
         devices: 1,
+        rows_bf16: false,
         model: MODEL,
         placement_version: 0,
         loaded_version: 0,

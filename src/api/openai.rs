@@ -13,9 +13,11 @@ use tokio::sync::{mpsc, watch};
 use super::stop::StopStrings;
 use super::{ApiError, AppState, ServedModel, parse_json, read_body};
 use crate::actors::router::{Submit, SubmitError};
+use crate::config::{BatchingConfig, NodeConfig};
 use crate::engine::batch::SequenceEvent;
 use crate::engine::{FinishReason, SamplingParams};
-use crate::model::chat_template::{ChatMessage, encode_chat};
+use crate::model::chat_template::{ChatMessage, ChatTemplate, encode_chat};
+use crate::model::{ModelConfig, Tokenizer};
 
 /// A prompt as `/v1/completions` accepts it: text, or token ids; a one-element batch of
 /// either is accepted too.
@@ -190,14 +192,40 @@ struct TokenizeRequest {
     messages: Option<Vec<IncomingMessage>>,
 }
 
-#[derive(Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 enum Endpoint {
     Completions,
     Chat,
 }
 
+/// What validating a request needs: the served model and the node's batching limits.
+/// Built per request from the app state; the `http_bodies` fuzz target builds one around the
+/// demo model.
+pub struct RequestContext<'a> {
+    /// The name clients use in the `model` field.
+    pub name: &'a str,
+    pub model: &'a ModelConfig,
+    pub tokenizer: Option<&'a Tokenizer>,
+    pub chat_template: Option<&'a ChatTemplate>,
+    pub limits: &'a BatchingConfig,
+}
+
+impl ServedModel {
+    /// The context requests to this model are validated in.
+    pub fn request_context<'a>(&'a self, config: &'a NodeConfig) -> RequestContext<'a> {
+        RequestContext {
+            name: &self.name,
+            model: &self.node.model,
+            tokenizer: self.tokenizer.as_ref(),
+            chat_template: self.chat_template.as_ref(),
+            limits: &config.batching,
+        }
+    }
+}
+
 /// A validated request, ready for the router.
-struct Admitted {
+#[derive(Debug)]
+pub struct Admitted {
     endpoint: Endpoint,
     model: String,
     /// Handed to the router on submission.
@@ -216,8 +244,25 @@ pub async fn completions(
     state: web::Data<AppState>,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
-    let (served, request): (_, CompletionRequest) =
-        admit_request(&state, payload, &["prompt"]).await?;
+    let served = state.admitting()?;
+    let body = read_body(payload, &state.config.server).await?;
+    let admitted = completion_request(&served.request_context(&state.config), &body)?;
+    generate(state.clone(), served, admitted).await
+}
+
+pub async fn chat_completions(
+    state: web::Data<AppState>,
+    payload: web::Payload,
+) -> Result<HttpResponse, ApiError> {
+    let served = state.admitting()?;
+    let body = read_body(payload, &state.config.server).await?;
+    let admitted = chat_request(&served.request_context(&state.config), &body)?;
+    generate(state.clone(), served, admitted).await
+}
+
+/// Parses and validates a `/v1/completions` body: everything short of generating.
+pub fn completion_request(served: &RequestContext, body: &[u8]) -> Result<Admitted, ApiError> {
+    let request: CompletionRequest = parse_request(body, &["prompt"])?;
     let prompt = match request.prompt {
         PromptInput::Ids(ids) => ids,
         PromptInput::Text(text) => encode(served, &text)?,
@@ -230,24 +275,14 @@ pub async fn completions(
             .with_param("prompt"));
         }
     };
-    let admitted = admit(
-        &state,
-        served,
-        Endpoint::Completions,
-        prompt,
-        request.fields,
-    )?;
-    generate(state.clone(), served, admitted).await
+    admit(served, Endpoint::Completions, prompt, request.fields)
 }
 
-pub async fn chat_completions(
-    state: web::Data<AppState>,
-    payload: web::Payload,
-) -> Result<HttpResponse, ApiError> {
-    let (served, request): (_, ChatRequest) = admit_request(&state, payload, &["messages"]).await?;
+/// Parses and validates a `/v1/chat/completions` body: everything short of generating.
+pub fn chat_request(served: &RequestContext, body: &[u8]) -> Result<Admitted, ApiError> {
+    let request: ChatRequest = parse_request(body, &["messages"])?;
     let prompt = chat_prompt(served, request.messages)?;
-    let admitted = admit(&state, served, Endpoint::Chat, prompt, request.fields)?;
-    generate(state.clone(), served, admitted).await
+    admit(served, Endpoint::Chat, prompt, request.fields)
 }
 
 pub async fn models(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
@@ -268,17 +303,9 @@ pub async fn tokenize(
     state: web::Data<AppState>,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
-    let (served, request): (_, TokenizeRequest) =
-        admit_request(&state, payload, &["prompt", "messages"]).await?;
-    let tokens = match (request.prompt, request.messages) {
-        (Some(text), None) => encode(served, &text)?,
-        (None, Some(messages)) => chat_prompt(served, messages)?,
-        _ => {
-            return Err(ApiError::bad_request(
-                "give exactly one of `prompt` (text) or `messages` (chat)",
-            ));
-        }
-    };
+    let served = state.admitting()?;
+    let body = read_body(payload, &state.config.server).await?;
+    let tokens = tokenize_request(&served.request_context(&state.config), &body)?;
     Ok(HttpResponse::Ok().json(json!({
         "count": tokens.len(),
         "max_model_len": served.node.model.max_position_embeddings,
@@ -286,24 +313,32 @@ pub async fn tokenize(
     })))
 }
 
-/// The served model (if requests are admitted now) and the request body as `T`; top-level
-/// fields other than `fields` and the generation options are refused.
-async fn admit_request<'a, T: serde::de::DeserializeOwned>(
-    state: &'a AppState,
-    payload: web::Payload,
-    fields: &[&str],
-) -> Result<(&'a ServedModel, T), ApiError> {
-    let served = state.admitting()?;
-    let body = read_body(payload, &state.config.server).await?;
-    let value: Value = parse_json(&body)?;
-    reject_unknown_fields(&value, fields)?;
-    let request = serde_json::from_value(value)
-        .map_err(|e| ApiError::bad_request(format!("the request body is not valid: {e}")))?;
-    Ok((served, request))
+/// Parses a `/tokenize` body and returns the prompt's token ids.
+pub fn tokenize_request(served: &RequestContext, body: &[u8]) -> Result<Vec<u32>, ApiError> {
+    let request: TokenizeRequest = parse_request(body, &["prompt", "messages"])?;
+    match (request.prompt, request.messages) {
+        (Some(text), None) => encode(served, &text),
+        (None, Some(messages)) => chat_prompt(served, messages),
+        _ => Err(ApiError::bad_request(
+            "give exactly one of `prompt` (text) or `messages` (chat)",
+        )),
+    }
 }
 
-fn encode(served: &ServedModel, text: &str) -> Result<Vec<u32>, ApiError> {
-    let tokenizer = served.tokenizer.as_ref().ok_or_else(|| {
+/// The request body as `T`; top-level fields other than `fields` and the generation
+/// options are refused.
+fn parse_request<T: serde::de::DeserializeOwned>(
+    body: &[u8],
+    fields: &[&str],
+) -> Result<T, ApiError> {
+    let value: Value = parse_json(body)?;
+    reject_unknown_fields(&value, fields)?;
+    serde_json::from_value(value)
+        .map_err(|e| ApiError::bad_request(format!("the request body is not valid: {e}")))
+}
+
+fn encode(served: &RequestContext, text: &str) -> Result<Vec<u32>, ApiError> {
+    let tokenizer = served.tokenizer.ok_or_else(|| {
         ApiError::bad_request("this model has no tokenizer.json: send the prompt as token ids")
             .with_param("prompt")
     })?;
@@ -312,8 +347,11 @@ fn encode(served: &ServedModel, text: &str) -> Result<Vec<u32>, ApiError> {
         .map_err(|e| ApiError::bad_request(format!("the prompt cannot be tokenized: {e}")))
 }
 
-fn chat_prompt(served: &ServedModel, messages: Vec<IncomingMessage>) -> Result<Vec<u32>, ApiError> {
-    let template = served.chat_template.as_ref().ok_or_else(|| {
+fn chat_prompt(
+    served: &RequestContext,
+    messages: Vec<IncomingMessage>,
+) -> Result<Vec<u32>, ApiError> {
+    let template = served.chat_template.ok_or_else(|| {
         ApiError::bad_request("this model has no chat template: use /v1/completions")
     })?;
     if messages.is_empty() {
@@ -337,7 +375,7 @@ fn chat_prompt(served: &ServedModel, messages: Vec<IncomingMessage>) -> Result<V
             })
         })
         .collect::<Result<Vec<_>, _>>()?;
-    let tokenizer = served.tokenizer.as_ref().ok_or_else(|| {
+    let tokenizer = served.tokenizer.ok_or_else(|| {
         ApiError::bad_request(
             "this model has no tokenizer.json: use /v1/completions with token ids",
         )
@@ -349,22 +387,21 @@ fn chat_prompt(served: &ServedModel, messages: Vec<IncomingMessage>) -> Result<V
 /// Checks everything the router would otherwise fail on, so that errors reach the client as
 /// 400/404/413 before anything is queued.
 fn admit(
-    state: &AppState,
-    served: &ServedModel,
+    served: &RequestContext,
     endpoint: Endpoint,
     prompt: Vec<u32>,
     fields: GenerationFields,
 ) -> Result<Admitted, ApiError> {
     if let Some(model) = &fields.model
-        && model != &served.name
+        && model != served.name
     {
-        return Err(ApiError::unknown_model(model, &served.name));
+        return Err(ApiError::unknown_model(model, served.name));
     }
     if fields.n.is_some_and(|n| n != 1) {
         return Err(ApiError::bad_request("only n = 1 is supported").with_param("n"));
     }
-    let limits = &state.config.batching;
-    let model = &served.node.model;
+    let limits = served.limits;
+    let model = served.model;
     if prompt.is_empty() {
         return Err(ApiError::bad_request("the prompt is empty").with_param("prompt"));
     }
@@ -443,7 +480,7 @@ fn admit(
     }
     Ok(Admitted {
         endpoint,
-        model: served.name.clone(),
+        model: served.name.to_string(),
         prompt_tokens: prompt.len(),
         prompt,
         max_tokens,
