@@ -331,7 +331,8 @@ fn carry_out(
         }
         Step::Release => {
             let local = current.node_index(&parts.node_id).unwrap_or(u16::MAX);
-            for device in &parts.devices {
+            // The handles as they are now: a device started again by an operator has a new one.
+            for device in &parts.dispatcher.devices() {
                 let keep: HashSet<(usize, u32)> = current
                     .experts_on(local, device.id as u16)
                     .into_iter()
@@ -358,7 +359,7 @@ fn load_share(parts: &FollowParts, next: &Placement) {
     let Some(local) = next.node_index(&parts.node_id) else {
         return;
     };
-    for device in &parts.devices {
+    for device in &parts.dispatcher.devices() {
         let held = parts.dispatcher.held_by(device.id);
         let missing: Vec<(usize, u32)> = next
             .experts_on(local, device.id as u16)
