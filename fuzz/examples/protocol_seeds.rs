@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use foca::{AccumulatingRuntime, Foca, PostcardCodec};
 use moe_node::cluster::identity::FocaRng;
-use moe_node::cluster::{MemberMeta, NodeIdentity, foca_config};
+use moe_node::cluster::{NodeIdentity, foca_config};
 use moe_node::transport::handshake::{self, Hello, MAC_LEN, NONCE_LEN, ServerHello, Status};
 use moe_node::transport::wire::{self, Dtype, ExpertReply, ExpertRequest, RemoteError};
 use rand::SeedableRng;
@@ -114,20 +114,12 @@ fn handshake_seeds() -> Vec<(String, Vec<u8>)> {
 
 fn identity(port: u16, node: &str) -> NodeIdentity {
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
-    NodeIdentity {
-        meta: MemberMeta {
-            node: node.into(),
-            peer: addr,
-            api: addr,
-            devices: 1,
-            rows_bf16: false,
-            model: 0x5eed,
-            placement_version: 0,
-            loaded_version: 0,
-        },
-        gossip: addr,
-        generation: 1,
-    }
+    // The fuzz target builds its receiver the same way.
+    let mut identity = NodeIdentity::seed(addr, 0x5eed);
+    identity.meta.node = node.into();
+    identity.meta.devices = 1;
+    identity.generation = 1;
+    identity
 }
 
 /// Datagrams `mode, len (u16 LE), bytes` (mode 1: the target seals them): what another

@@ -14,7 +14,7 @@ use moe_node::cluster::identity::FocaRng;
 use moe_node::cluster::keyring::Keyring;
 use moe_node::cluster::membership::open_datagram;
 use moe_node::cluster::screen::Screened;
-use moe_node::cluster::{MemberMeta, NodeIdentity, foca_config};
+use moe_node::cluster::{NodeIdentity, foca_config};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
@@ -31,21 +31,11 @@ struct Receiver {
 
 fn receiver() -> Receiver {
     let addr: SocketAddr = "127.0.0.1:7946".parse().expect("address");
-    let meta = MemberMeta {
-        node: "fuzz".into(),
-        peer: addr,
-        api: addr,
-        devices: 1,
-        rows_bf16: false,
-        model: MODEL,
-        placement_version: 0,
-        loaded_version: 0,
-    };
-    let identity = NodeIdentity {
-        meta,
-        gossip: addr,
-        generation: 1,
-    };
+    // From `seed`, which fills every field: new metadata fields do not break the target.
+    let mut identity = NodeIdentity::seed(addr, MODEL);
+    identity.meta.node = "fuzz".into();
+    identity.meta.devices = 1;
+    identity.generation = 1;
     Receiver {
         keyring: Keyring::new(&["fuzz-secret"]).expect("keyring"),
         foca: Foca::new(
