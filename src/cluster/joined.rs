@@ -209,7 +209,6 @@ impl Joined {
     pub fn serve(&self, node: ServeParts) {
         let ServeParts {
             dispatcher,
-            devices,
             checkpoint,
             model,
             board,
@@ -223,7 +222,6 @@ impl Joined {
                 board,
                 dispatcher: dispatcher.clone(),
                 peers: self.peers.clone(),
-                devices,
                 checkpoint,
                 model,
                 api_key: self.api_key.clone(),
@@ -265,7 +263,6 @@ impl Joined {
 /// The parts of a loaded node its cluster membership works with.
 pub struct ServeParts {
     pub dispatcher: Arc<Dispatcher>,
-    pub devices: Vec<crate::actors::device::DeviceHandle>,
     pub checkpoint: Arc<crate::model::Checkpoint>,
     pub model: Arc<crate::model::ModelConfig>,
     pub board: Arc<super::board::PlacementBoard>,

@@ -51,6 +51,32 @@ pub struct MemberView {
     pub is_self: bool,
 }
 
+#[cfg(test)]
+impl MemberView {
+    /// A member as decisions see it, for unit tests: serving placement `serving`, having
+    /// loaded `loaded`, one CPU device, its API at a loopback address that names it.
+    pub(crate) fn for_test(node: &str, state: MemberState, serving: u64, loaded: u64) -> Self {
+        MemberView {
+            meta: MemberMeta {
+                node: node.into(),
+                peer: SocketAddr::from(([127, 0, 0, 1], 1)),
+                api: SocketAddr::from(([127, 0, 0, node.len().min(255) as u8], 80)),
+                devices: 1,
+                rows_bf16: false,
+                model: 7,
+                placement_version: serving,
+                loaded_version: loaded,
+            },
+            gossip: SocketAddr::from(([127, 0, 0, 1], 3)),
+            state,
+            incarnation: 0,
+            generation: 0,
+            last_heard: Instant::now(),
+            is_self: false,
+        }
+    }
+}
+
 /// How many times members entered each state (the local node excluded).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct TransitionTally {
