@@ -7,8 +7,7 @@
 //! checkpoints built by `examples/checkpoint_seeds.rs` from the fixtures' configs.
 #![no_main]
 
-use std::path::PathBuf;
-use std::sync::OnceLock;
+mod scratch;
 
 use libfuzzer_sys::fuzz_target;
 use moe_node::model::weights::load_all_experts;
@@ -25,21 +24,6 @@ fn split(data: &[u8]) -> Option<(&[u8], &[u8])> {
     Some((&data[..at], &data[at + SEPARATOR.len()..]))
 }
 
-/// A scratch directory for the whole run, in memory where there is a tmpfs (writing to a
-/// disk makes the target 25 times slower).
-fn model_dir() -> &'static PathBuf {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let shm = std::path::Path::new("/dev/shm");
-        let dir = if shm.is_dir() {
-            tempfile::tempdir_in(shm)
-        } else {
-            tempfile::tempdir()
-        };
-        dir.expect("temporary directory").keep()
-    })
-}
-
 fuzz_target!(|data: &[u8]| {
     let Some((config, rest)) = split(data) else {
         return;
@@ -47,7 +31,7 @@ fuzz_target!(|data: &[u8]| {
     let Some((index, shard)) = split(rest) else {
         return;
     };
-    let dir = model_dir();
+    let dir = scratch::dir();
     let write = |name: &str, bytes: &[u8]| std::fs::write(dir.join(name), bytes).expect("write");
     let remove = |name: &str| {
         let _ = std::fs::remove_file(dir.join(name));

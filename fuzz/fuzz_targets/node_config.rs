@@ -5,27 +5,13 @@
 #![no_main]
 
 use std::collections::HashMap;
-use std::path::PathBuf;
-use std::sync::OnceLock;
+
+mod scratch;
 
 use libfuzzer_sys::fuzz_target;
 use moe_node::config::{ConfigSources, NodeConfig};
 
 const ENV_MARKER: &str = "\n#--env--\n";
-
-/// A scratch directory for the whole run, in memory where there is a tmpfs.
-fn scratch_dir() -> &'static PathBuf {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let shm = std::path::Path::new("/dev/shm");
-        let dir = if shm.is_dir() {
-            tempfile::tempdir_in(shm)
-        } else {
-            tempfile::tempdir()
-        };
-        dir.expect("temporary directory").keep()
-    })
-}
 
 fuzz_target!(|data: &[u8]| {
     let Ok(text) = std::str::from_utf8(data) else {
@@ -37,7 +23,7 @@ fuzz_target!(|data: &[u8]| {
         .filter_map(|line| line.split_once('='))
         .map(|(key, value)| (key.to_string(), value.to_string()))
         .collect();
-    let path = scratch_dir().join("moe-node.toml");
+    let path = scratch::dir().join("moe-node.toml");
     std::fs::write(&path, file).expect("write the config");
     let loaded = NodeConfig::load(ConfigSources {
         file: Some(&path),
