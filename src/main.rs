@@ -16,6 +16,7 @@ use moe_node::engine::gpu::engine_on_gpu;
 use moe_node::engine::{Engine, EngineError, GenerateRequest, SamplingParams, generate};
 use moe_node::logging::ClientMistakes;
 use moe_node::model::demo::{DemoSpec, write_demo_model};
+use moe_node::model::template_worker;
 use moe_node::model::{ModelConfig, ModelError, Tokenizer};
 use moe_node::node::NodeError;
 use moe_node::server::{ServeError, serve};
@@ -58,6 +59,10 @@ enum Command {
         #[arg(long)]
         out: PathBuf,
     },
+    /// Renders chat templates for a serving node (started by it; see
+    /// `moe_node::model::template_worker`).
+    #[command(name = "chat-template-worker", hide = true)]
+    ChatTemplateWorker,
 }
 
 #[derive(clap::Args)]
@@ -155,6 +160,10 @@ fn main() -> ExitCode {
         Command::DemoModel { out } => {
             init_logging(LogFormat::Text);
             run_demo_model(out)
+        }
+        Command::ChatTemplateWorker => {
+            template_worker::serve(std::io::stdin().lock(), std::io::stdout().lock())
+                .map_err(anyhow::Error::msg)
         }
     };
     match result {

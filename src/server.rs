@@ -120,7 +120,17 @@ fn load(state: &AppState, api: std::net::SocketAddr) -> Result<(), ServeError> {
         None => ensure_demo_model(&config.cache_dir())?,
     };
     let tokenizer = Tokenizer::load_optional(&dir)?;
-    let chat_template = ChatTemplate::load_optional(&dir)?;
+    let mut chat_template = ChatTemplate::load_optional(&dir)?;
+    if let Some(template) = &mut chat_template {
+        match std::env::current_exe() {
+            Ok(exe) => template.isolate(exe),
+            Err(error) => tracing::warn!(
+                %error,
+                "this program's path is unknown: chat templates render in-process, without \
+                 a memory limit or deadline"
+            ),
+        }
+    }
     let node = Node::start(&dir, config, state.metrics.clone(), api, &state.placements)?;
     tracing::info!(
         model = %dir.display(),

@@ -256,8 +256,26 @@ pub async fn chat_completions(
 ) -> Result<HttpResponse, ApiError> {
     let served = state.admitting()?;
     let body = read_body(payload, &state.config.server).await?;
-    let admitted = chat_request(&served.request_context(&state.config), &body)?;
+    let admitted = validate_off_the_event_loop(&state, body, chat_request).await?;
     generate(state.clone(), served, admitted).await
+}
+
+/// Validates a request that renders the chat template on actix's blocking pool: a render is
+/// a round trip to a worker process that may take up to
+/// [`crate::model::template_worker::RENDER_DEADLINE`], and must not hold up the other
+/// connections of the HTTP worker thread.
+async fn validate_off_the_event_loop<T: Send + 'static>(
+    state: &web::Data<AppState>,
+    body: Vec<u8>,
+    validate: fn(&RequestContext, &[u8]) -> Result<T, ApiError>,
+) -> Result<T, ApiError> {
+    let state = state.clone();
+    web::block(move || {
+        let served = state.admitting()?;
+        validate(&served.request_context(&state.config), &body)
+    })
+    .await
+    .map_err(|_| ApiError::internal("validating the request failed"))?
 }
 
 /// Parses and validates a `/v1/completions` body: everything short of generating.
@@ -305,7 +323,7 @@ pub async fn tokenize(
 ) -> Result<HttpResponse, ApiError> {
     let served = state.admitting()?;
     let body = read_body(payload, &state.config.server).await?;
-    let tokens = tokenize_request(&served.request_context(&state.config), &body)?;
+    let tokens = validate_off_the_event_loop(&state, body, tokenize_request).await?;
     Ok(HttpResponse::Ok().json(json!({
         "count": tokens.len(),
         "max_model_len": served.node.model.max_position_embeddings,

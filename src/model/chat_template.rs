@@ -1,21 +1,25 @@
 //! Chat templates as published in `tokenizer_config.json` (or `chat_template.jinja`), rendered
 //! with minijinja and its Python-compatibility methods (`.strip()`, `.startswith()`, ...).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use minijinja::{Environment, Error, ErrorKind, context};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::ModelError;
+use super::template_worker::IsolatedRenderer;
 
 pub struct ChatTemplate {
     env: Environment<'static>,
+    source: String,
     bos_token: String,
     eos_token: String,
+    /// Set by [`ChatTemplate::isolate`]: renders run in a child process.
+    isolated: Option<IsolatedRenderer>,
 }
 
 /// One chat message as the template sees it.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
@@ -23,10 +27,18 @@ pub struct ChatMessage {
 
 const TEMPLATE_NAME: &str = "chat";
 
-/// Instructions one render may run. A published template spends tens per message; this
-/// bounds a hostile one (`{% for i in range(99999) %}{% for j in range(99999) %}`) to well
-/// under a second instead of forever.
-pub const RENDER_FUEL: u64 = 5_000_000;
+/// Instructions one render may run. A published template spends tens per message (a prompt
+/// of `max_prompt_tokens` holds a few thousand messages at most); this bounds a hostile one
+/// (`{% for i in range(99999) %}{% for j in range(99999) %}`) to well under a second
+/// instead of forever. It also bounds how deeply a render can nest a value (about one level
+/// per instruction: `{% set ns.a = [[[ns.a]]] %}` in a loop), and so the stack that
+/// printing, comparing or sorting that value needs: see [`RENDER_STACK_BYTES`].
+pub const RENDER_FUEL: u64 = 1_000_000;
+/// Stack of the thread a render runs on. Printing, comparing, hashing, sorting and dropping
+/// a nested value recurse once per level, using up to ~650 bytes each (measured); the fuel
+/// allows at most ~1 M levels. Reserved, not touched: a render that nests nothing uses a
+/// few pages of it.
+pub const RENDER_STACK_BYTES: usize = 1 << 30;
 /// Nesting depth (macros, loops, includes) a render may reach. Published templates nest a
 /// few levels; minijinja's default is 500, and a render runs on an HTTP worker's 2 MiB stack.
 pub const MAX_RECURSION: usize = 100;
@@ -110,19 +122,57 @@ impl ChatTemplate {
                 Err(Error::new(ErrorKind::InvalidOperation, message))
             },
         );
+        // Debugging aids that no chat template needs, and whose output grows with the square
+        // of a value's depth outside the output limit (a nested value pretty-printed with
+        // indentation per level).
+        env.remove_filter("pprint");
+        env.remove_global("debug");
         env.set_fuel(Some(RENDER_FUEL));
         env.set_recursion_limit(MAX_RECURSION);
-        env.add_template_owned(TEMPLATE_NAME, source)
+        env.add_template_owned(TEMPLATE_NAME, source.clone())
             .map_err(|e| format!("chat template does not parse: {e}"))?;
         Ok(ChatTemplate {
             env,
+            source,
             bos_token,
             eos_token,
+            isolated: None,
         })
+    }
+
+    /// From now on, renders run in child processes started from `exe` (this program), with
+    /// a memory limit and a deadline: see [`super::template_worker`].
+    pub fn isolate(&mut self, exe: PathBuf) {
+        self.isolated = Some(IsolatedRenderer::new(
+            exe,
+            &self.source,
+            &self.bos_token,
+            &self.eos_token,
+        ));
     }
 
     /// The prompt for `messages`, ending where the assistant's reply begins.
     pub fn render(&self, messages: &[ChatMessage]) -> Result<String, String> {
+        match &self.isolated {
+            Some(isolated) => isolated.render(messages),
+            None => self.render_in_process(messages),
+        }
+    }
+
+    /// Renders in this process, on a thread of its own with [`RENDER_STACK_BYTES`] of stack.
+    pub fn render_in_process(&self, messages: &[ChatMessage]) -> Result<String, String> {
+        std::thread::scope(|scope| {
+            std::thread::Builder::new()
+                .name("chat-template".into())
+                .stack_size(RENDER_STACK_BYTES)
+                .spawn_scoped(scope, || self.render_here(messages))
+                .map_err(|e| format!("cannot start a thread to render the chat template: {e}"))?
+                .join()
+                .map_err(|_| "rendering the chat template panicked".to_string())?
+        })
+    }
+
+    fn render_here(&self, messages: &[ChatMessage]) -> Result<String, String> {
         let template = self
             .env
             .get_template(TEMPLATE_NAME)
@@ -330,22 +380,46 @@ mod tests {
         assert_eq!(honest, tokenizer.encode(&rendered).unwrap());
     }
 
-    /// Found by the chat_template fuzz target: a value nested deeper at run time than the
-    /// recursion limit sees (a list wrapped in a list 20000 times by a loop, well within the
-    /// fuel) overflows the stack when it is printed, serialised or compared, and a stack
-    /// overflow aborts the whole process. minijinja has no bound on value depth; until one is
-    /// found this test is ignored (run it with `--ignored`: today it aborts).
+    /// Found by the chat_template fuzz target: a value nested at run time deeper than the
+    /// recursion limit sees (a list wrapped in a list by a loop) overflowed the stack when
+    /// it was printed, serialised or compared, and a stack overflow aborts the process. The
+    /// fuel bounds the depth; the render thread's stack holds that depth. Here the loop
+    /// nests 40 levels per iteration (about as many as the parser takes in one expression),
+    /// until the fuel is almost spent, then prints, hashes, sorts and drops the value.
     #[test]
-    #[ignore = "open: run-time nesting overflows the stack (issue 13)"]
-    fn a_value_nested_at_run_time_fails_cleanly() {
-        let source = "{% set ns = namespace(a=[]) %}{% for i in range(20000) %}\
-            {% set ns.a = [ns.a] %}{% endfor %}{{ ns.a }}";
-        let result = std::thread::Builder::new()
-            .stack_size(2 << 20)
-            .spawn(move || render_one(source))
-            .unwrap()
-            .join()
-            .unwrap();
-        assert!(result.is_err(), "{result:?}");
+    fn a_value_nested_as_deep_as_the_fuel_allows_is_printed_hashed_and_sorted() {
+        const LEVELS: u64 = 40;
+        let wrap = |inner: &str| {
+            let levels = LEVELS as usize;
+            format!("{}{inner}{}", "[".repeat(levels), "]".repeat(levels))
+        };
+        // About 45 instructions per iteration.
+        let iterations = RENDER_FUEL / 48;
+        for sink in [
+            "{{ ns.a|length }}",
+            "{{ ns.a|string|length }}",
+            "{{ ns.a|unique|length }}",
+            "{{ [ns.a, ns.a]|sort|length }}",
+        ] {
+            let source = format!(
+                "{{% set ns = namespace(a=[]) %}}{{% for i in range({iterations}) %}}\
+                 {{% set ns.a = {} %}}{{% endfor %}}{sink}",
+                wrap("ns.a")
+            );
+            // Renders: the nesting is built within the fuel, and the sink survives it.
+            let text = render_one(&source).unwrap_or_else(|e| panic!("{sink}: {e}"));
+            assert!(!text.is_empty());
+        }
+        // The depth reached: close to one level per instruction.
+        let depth = iterations * LEVELS;
+        assert!(depth > RENDER_FUEL * 8 / 10, "{depth}");
+    }
+
+    #[test]
+    fn debugging_filters_are_not_available() {
+        for source in ["{{ messages|pprint }}", "{{ debug() }}"] {
+            let err = render_one(source).unwrap_err();
+            assert!(err.contains("unknown"), "{source}: {err}");
+        }
     }
 }
