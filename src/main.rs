@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::{Context, bail};
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 use moe_node::actors::device::{DeviceChoice, choose_devices};
 use moe_node::compute::cuda::load::LoadError;
 use moe_node::compute::cuda::{self, CudaError};
@@ -59,6 +59,14 @@ enum Command {
         #[arg(long)]
         out: PathBuf,
     },
+    /// Print shell completions to stdout (the packages install them).
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Print the manual page (roff) to stdout (the packages install it as moe-node(1)).
+    #[command(hide = true)]
+    Manual,
     /// Renders chat templates for a serving node (started by it; see
     /// `moe_node::model::template_worker`).
     #[command(name = "chat-template-worker", hide = true)]
@@ -161,6 +169,18 @@ fn main() -> ExitCode {
             init_logging(LogFormat::Text);
             run_demo_model(out)
         }
+        Command::Completions { shell } => {
+            clap_complete::generate(
+                shell,
+                &mut Cli::command(),
+                "moe-node",
+                &mut std::io::stdout(),
+            );
+            Ok(())
+        }
+        Command::Manual => clap_mangen::Man::new(Cli::command())
+            .render(&mut std::io::stdout())
+            .context("writing the manual page"),
         Command::ChatTemplateWorker => {
             template_worker::serve(std::io::stdin().lock(), std::io::stdout().lock())
                 .map_err(anyhow::Error::msg)
@@ -217,9 +237,11 @@ fn cuda_error<'a>(c: &'a (dyn std::error::Error + 'static)) -> Option<&'a CudaEr
 }
 
 /// The process's `MOE_NODE_*` variables, for the config's environment layer.
+/// The environment the configuration reads: `MOE_NODE_*`, and systemd's
+/// `CREDENTIALS_DIRECTORY` (see `moe_node::config::CREDENTIALS`).
 fn node_env() -> HashMap<String, String> {
     std::env::vars()
-        .filter(|(k, _)| k.starts_with(&format!("{ENV_PREFIX}_")))
+        .filter(|(k, _)| k.starts_with(&format!("{ENV_PREFIX}_")) || k == "CREDENTIALS_DIRECTORY")
         .collect()
 }
 

@@ -375,6 +375,48 @@ pub struct ConfigSources<'a> {
     pub overrides: Vec<(&'static str, String)>,
 }
 
+/// Secrets systemd hands the service as credentials (`LoadCredential=` in the unit), so
+/// that they need not sit in the config file: the file named on the left in
+/// `$CREDENTIALS_DIRECTORY`, one value per line (`#` comments and blank lines skipped),
+/// replaces the key on the right. A credential file with no values changes nothing.
+pub const CREDENTIALS: [(&str, &str); 2] = [
+    ("api_keys", "server.api_keys"),
+    ("cluster_secrets", "cluster.secrets"),
+];
+
+/// The values of the credentials present, from the environment's `CREDENTIALS_DIRECTORY`.
+fn credentials(
+    env: &HashMap<String, String>,
+) -> Result<Vec<(&'static str, Vec<String>)>, ConfigError> {
+    let Some(dir) = env.get("CREDENTIALS_DIRECTORY") else {
+        return Ok(Vec::new());
+    };
+    let mut found = Vec::new();
+    for (file, key) in CREDENTIALS {
+        let path = Path::new(dir).join(file);
+        let text = match std::fs::read_to_string(&path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => {
+                return Err(ConfigError::one(format!(
+                    "{key}: cannot read the credential {}: {e}",
+                    path.display()
+                )));
+            }
+        };
+        let values: Vec<String> = text
+            .lines()
+            .map(str::trim)
+            .filter(|line| !line.is_empty() && !line.starts_with('#'))
+            .map(str::to_string)
+            .collect();
+        if !values.is_empty() {
+            found.push((key, values));
+        }
+    }
+    Ok(found)
+}
+
 impl NodeConfig {
     /// Merges the layers and validates the result.
     pub fn load(sources: ConfigSources) -> Result<Self, ConfigError> {
@@ -386,6 +428,7 @@ impl NodeConfig {
                 .map_err(|e| ConfigError::one(format!("cannot read {}: {e}", path.display())))?;
             builder = builder.add_source(File::from_str(&text, FileFormat::Toml));
         }
+        let credentials = credentials(&sources.env)?;
         builder = builder.add_source(
             Environment::with_prefix(ENV_PREFIX)
                 .prefix_separator("_")
@@ -397,6 +440,11 @@ impl NodeConfig {
                 .try_parsing(true)
                 .source(Some(sources.env.into_iter().collect())),
         );
+        for (key, values) in credentials {
+            builder = builder
+                .set_override(key, values)
+                .map_err(|e| ConfigError::one(format!("credential for {key}: {e}")))?;
+        }
         for (key, value) in sources.overrides {
             builder = builder
                 .set_override(key, value)
@@ -669,6 +717,37 @@ mod tests {
                 .collect(),
             overrides: Vec::new(),
         })
+    }
+
+    #[test]
+    fn credentials_replace_the_secrets_of_the_file() {
+        let credentials = tempfile::tempdir().unwrap();
+        std::fs::write(
+            credentials.path().join("api_keys"),
+            "# rotated 2026-12-01\nkey-one\n\n  key-two  \n",
+        )
+        .unwrap();
+        // No values: the file's secrets stay.
+        std::fs::write(credentials.path().join("cluster_secrets"), "# none yet\n").unwrap();
+        let dir = credentials.path().to_str().unwrap();
+        let config = load(
+            "[server]\napi_keys = [\"from-file\"]\n[cluster]\nsecrets = [\"0123456789abcdef\"]\n",
+            &[("CREDENTIALS_DIRECTORY", dir)],
+        )
+        .unwrap();
+        assert_eq!(config.server.api_keys, vec!["key-one", "key-two"]);
+        assert_eq!(config.cluster.secrets, vec!["0123456789abcdef"]);
+
+        // A credential that cannot be read is an error that names it.
+        std::fs::remove_file(credentials.path().join("api_keys")).unwrap();
+        std::fs::create_dir(credentials.path().join("api_keys")).unwrap();
+        let problems = load("", &[("CREDENTIALS_DIRECTORY", dir)])
+            .unwrap_err()
+            .problems;
+        assert!(
+            problems[0].starts_with("server.api_keys: cannot read the credential"),
+            "{problems:?}"
+        );
     }
 
     #[test]
