@@ -203,12 +203,27 @@ fn watch_router(state: &AppState) -> Result<(), ServeError> {
         return Ok(());
     };
     let router = served.node.router.clone();
+    // Under systemd with `WatchdogSec=`, a ping at a quarter of the interval while the router
+    // steps (or idles): a wedged process, this thread included, is restarted by systemd.
+    let watchdog = sd_notify::watchdog_enabled().map(|interval| interval / 4);
     std::thread::Builder::new()
         .name("moe-node-watchdog".into())
         .spawn(move || {
+            let mut pinged = Instant::now();
+            if watchdog.is_some() {
+                let _ = sd_notify::notify(&[sd_notify::NotifyState::Watchdog]);
+            }
             loop {
                 match router.state() {
-                    RouterState::Running => std::thread::sleep(Duration::from_millis(200)),
+                    RouterState::Running => {
+                        if let Some(every) = watchdog
+                            && pinged.elapsed() >= every
+                        {
+                            let _ = sd_notify::notify(&[sd_notify::NotifyState::Watchdog]);
+                            pinged = Instant::now();
+                        }
+                        std::thread::sleep(Duration::from_millis(200));
+                    }
                     RouterState::Stopped => {
                         tracing::error!(
                             "the router stopped (a step panicked or its thread ended): exiting so that the node is restarted"

@@ -386,3 +386,61 @@ fn without_a_gpu_auto_serves_on_the_cpu_and_says_why_while_cuda_refuses_to_start
     let _ = child.wait();
     assert!(found, "log lacks the reason:\n{}", seen.join("\n"));
 }
+
+/// Under systemd (`Type=notify`, `WatchdogSec=`): the node says READY=1 once it serves, then
+/// pings WATCHDOG=1 at a quarter of the interval while its router runs, and says STOPPING=1
+/// on SIGTERM. systemd's socket is stood in for by a datagram socket this test binds.
+#[test]
+fn serve_tells_systemd_it_is_ready_pings_the_watchdog_and_says_it_is_stopping() {
+    use std::os::unix::net::UnixDatagram;
+    use std::time::{Duration, Instant};
+    let dir = tempfile::tempdir().unwrap();
+    let socket_path = dir.path().join("notify");
+    let socket = UnixDatagram::bind(&socket_path).unwrap();
+    socket
+        .set_read_timeout(Some(Duration::from_millis(500)))
+        .unwrap();
+    let model = dir.path().join("model");
+    assert!(
+        moe_node(&["demo-model", "--out", model.to_str().unwrap()])
+            .status
+            .success()
+    );
+    let mut child = Command::new(env!("CARGO_BIN_EXE_moe-node"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--model"])
+        .arg(&model)
+        .env("NOTIFY_SOCKET", &socket_path)
+        .env("WATCHDOG_USEC", "800000")
+        .env("MOE_NODE_DEVICES__BACKEND", "cpu")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut said = Vec::new();
+    let mut buffer = [0u8; 256];
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let pings = |said: &[String]| said.iter().filter(|m| m.contains("WATCHDOG=1")).count();
+    while Instant::now() < deadline && pings(&said) < 4 {
+        if let Ok(n) = socket.recv(&mut buffer) {
+            said.push(String::from_utf8_lossy(&buffer[..n]).into_owned());
+        }
+    }
+    let pid = child.id().to_string();
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let status = child.wait().unwrap();
+    while let Ok(n) = socket.recv(&mut buffer) {
+        said.push(String::from_utf8_lossy(&buffer[..n]).into_owned());
+    }
+    let ready = said.iter().position(|m| m.contains("READY=1"));
+    let first_ping = said.iter().position(|m| m.contains("WATCHDOG=1"));
+    assert!(ready.is_some() && ready < first_ping, "{said:?}");
+    assert!(pings(&said) >= 4, "{said:?}");
+    assert!(said.iter().any(|m| m.contains("STOPPING=1")), "{said:?}");
+    assert!(status.success(), "{status:?}");
+}
