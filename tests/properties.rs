@@ -524,3 +524,87 @@ proptest! {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// Hot-expert replication and rebalancing
+
+proptest! {
+    #![proptest_config(config())]
+
+    /// Whatever the profile and the spare slots, a rebalance leaves every expert with at
+    /// least its copies, on distinct devices (its first copies on distinct nodes), within
+    /// the devices' slots; the layout it keeps is kept; moe-node is never worse than EPLB.
+    #[test]
+    fn a_rebalance_never_leaves_an_expert_without_a_copy(
+        (nodes, replication, _layers, experts) in cluster(),
+        spare in 0usize..3,
+        loads in prop::collection::vec(prop_oneof![Just(0u64), 0u64..10, 0u64..100_000], 40),
+    ) {
+        use moe_node::placement::replicate::{LayerReplicas, LayerSlots, add_replicas, balance, eplb};
+        let base = Placement::balanced(&[false, true], experts, spec(&nodes, replication))
+            .expect("replication within the devices");
+        let loads: Vec<f64> = loads[..experts].iter().map(|&l| l as f64).collect();
+        let hot = base
+            .with_hot_copies(&[None, Some(loads.clone())], spare, 2)
+            .expect("a layout with spare slots");
+        for e in 0..experts as u32 {
+            let copies = hot.replicas(1, e);
+            prop_assert!(copies.len() >= replication, "expert {}: {:?}", e, copies);
+            let distinct: BTreeSet<Replica> = copies.iter().copied().collect();
+            prop_assert_eq!(distinct.len(), copies.len());
+            for r in base.replicas(1, e) {
+                prop_assert!(copies.contains(r), "base copy {:?} of {} moved", r, e);
+            }
+        }
+        for (n, &devices) in nodes.iter().enumerate() {
+            for d in 0..devices as u16 {
+                let before = base.experts_on(n as u16, d).len();
+                let after = hot.experts_on(n as u16, d).len();
+                prop_assert!(after <= before + spare, "node {} device {}: {} > {} + {}", n, d, after, before, spare);
+            }
+        }
+        prop_assert!(Placement::from_table(hot.to_table(), &[false, true], experts).is_ok());
+
+        // The same slots, laid out from scratch.
+        let devices: Vec<Replica> = nodes
+            .iter()
+            .enumerate()
+            .flat_map(|(n, &d)| (0..d).map(move |d| Replica { node: n as u16, device: d as u16 }))
+            .collect();
+        let serving = LayerReplicas {
+            devices_of: (0..experts as u32)
+                .map(|e| {
+                    base.replicas(1, e)
+                        .iter()
+                        .map(|r| devices.iter().position(|d| d == r).unwrap())
+                        .collect()
+                })
+                .collect(),
+        };
+        let mut capacity = vec![spare; devices.len()];
+        for &d in serving.devices_of.iter().flatten() {
+            capacity[d] += 1;
+        }
+        let slots = LayerSlots { node_of: devices.iter().map(|d| d.node).collect(), capacity };
+        let baseline = eplb(&loads, &slots, replication).expect("eplb");
+        let ours = balance(&loads, &slots, replication).expect("balance");
+        let live = add_replicas(&loads, &slots, &serving).expect("add_replicas");
+        for layout in [&baseline, &ours, &live] {
+            let mut held = vec![0usize; devices.len()];
+            for copies in &layout.devices_of {
+                prop_assert!(copies.len() >= replication);
+                let distinct: BTreeSet<usize> = copies.iter().copied().collect();
+                prop_assert_eq!(distinct.len(), copies.len());
+                for &d in copies {
+                    held[d] += 1;
+                }
+            }
+            for (d, &h) in held.iter().enumerate() {
+                prop_assert!(h <= slots.capacity[d]);
+            }
+        }
+        let n = devices.len();
+        prop_assert!(ours.imbalance(&loads, n) <= baseline.imbalance(&loads, n) + 1e-9);
+        prop_assert!(live.imbalance(&loads, n) <= serving.imbalance(&loads, n) + 1e-9);
+    }
+}

@@ -3,13 +3,18 @@
 //! carries out what they decide.
 
 pub mod health;
+mod hot;
+mod improve;
 pub mod load;
+pub mod profile;
+pub mod replicate;
 mod revise;
 
 use serde::{Deserialize, Serialize};
 
 pub use health::{Reach, ReplicaHealth};
 pub use load::ExpertLoad;
+pub use profile::{Profile, ProfileError};
 
 /// One copy of an expert: a device of a node. `node` indexes [`Placement::nodes`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

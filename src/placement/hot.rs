@@ -1,0 +1,102 @@
+//! A placement with hot-expert copies: the layout `serve` starts with, plus copies of the
+//! experts a profile shows hot in the devices' spare slots ([`replicate::add_replicas`]).
+//! Every copy of the base layout stays where it is, so going from one such placement to
+//! the next loads only the copies added and drops only the copies no longer wanted.
+
+use super::replicate::{self, LayerReplicas, LayerSlots};
+use super::{Placement, PlacementError, Replica};
+
+impl Placement {
+    /// `self` (the base layout) with copies of hot experts in `spare_slots` extra slots per
+    /// device and MoE layer, as version `version`. `loads[layer]` is the layer's load per
+    /// expert; a layer with none (or no load at all) keeps its base copies.
+    pub fn with_hot_copies(
+        &self,
+        loads: &[Option<Vec<f64>>],
+        spare_slots: usize,
+        version: u64,
+    ) -> Result<Placement, PlacementError> {
+        // Devices numbered node by node.
+        let devices: Vec<Replica> = self
+            .spec
+            .nodes
+            .iter()
+            .enumerate()
+            .flat_map(|(node, slots)| {
+                (0..slots.devices).map(move |device| Replica {
+                    node: node as u16,
+                    device: device as u16,
+                })
+            })
+            .collect();
+        let index = |r: &Replica| devices.iter().position(|d| d == r);
+        let mut replicas = self.replicas.clone();
+        for (layer, experts) in replicas.iter_mut().enumerate() {
+            let Some(layer_loads) = loads.get(layer).and_then(Option::as_ref) else {
+                continue;
+            };
+            if experts.is_empty()
+                || layer_loads.len() != experts.len()
+                || layer_loads.iter().sum::<f64>() <= 0.0
+            {
+                continue;
+            }
+            let serving = LayerReplicas {
+                devices_of: experts
+                    .iter()
+                    .map(|copies| copies.iter().filter_map(index).collect())
+                    .collect(),
+            };
+            let mut capacity = vec![spare_slots; devices.len()];
+            for &d in serving.devices_of.iter().flatten() {
+                capacity[d] += 1;
+            }
+            let slots = LayerSlots {
+                node_of: devices.iter().map(|d| d.node).collect(),
+                capacity,
+            };
+            let placed = replicate::add_replicas(layer_loads, &slots, &serving)
+                .map_err(|e| PlacementError::BadTable(format!("layer {layer}: {e}")))?;
+            *experts = placed
+                .devices_of
+                .into_iter()
+                .map(|copies| copies.into_iter().map(|d| devices[d]).collect())
+                .collect();
+        }
+        let mut spec = self.spec.clone();
+        spec.version = version;
+        Ok(Placement { spec, replicas })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hot_experts_get_copies_and_the_base_copies_stay() {
+        let base = Placement::single_node(&[false, true], 16, 4, 1).unwrap();
+        let mut loads = vec![1.0; 16];
+        loads[3] = 40.0;
+        let hot = base.with_hot_copies(&[None, Some(loads)], 1, 2).unwrap();
+        assert_eq!(hot.version(), 2);
+        assert!(hot.replicas(1, 3).len() > 1, "{:?}", hot.replicas(1, 3));
+        for e in 0..16 {
+            assert!(hot.replicas(1, e).contains(&base.replicas(1, e)[0]));
+        }
+        for d in 0..4 {
+            assert!(hot.experts_on(0, d).len() <= 16 / 4 + 1);
+        }
+        // It travels like any placement.
+        let back = Placement::from_table(hot.to_table(), &[false, true], 16).unwrap();
+        assert_eq!(back, hot);
+        // No profile, no copies.
+        assert_eq!(
+            base.with_hot_copies(&[None, None], 1, 2)
+                .unwrap()
+                .to_table()
+                .layers,
+            base.to_table().layers
+        );
+    }
+}
