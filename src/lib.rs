@@ -16,5 +16,6 @@ pub mod model;
 pub mod moe;
 pub mod node;
 pub mod placement;
+pub mod plan;
 pub mod server;
 pub mod transport;

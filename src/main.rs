@@ -21,6 +21,8 @@ use moe_node::model::{ModelConfig, ModelError, Tokenizer};
 use moe_node::node::NodeError;
 use moe_node::server::{ServeError, serve};
 
+mod plan_cli;
+
 #[derive(Parser)]
 #[command(
     name = "moe-node",
@@ -58,6 +60,10 @@ enum Command {
         /// Directory to write config.json, model.safetensors and the tokenizer into.
         #[arg(long)]
         out: PathBuf,
+        /// Bias the gate so that expert activations follow a Zipf-like law with this
+        /// exponent (0: no bias; 1: strongly skewed).
+        #[arg(long, default_value_t = 0.0)]
+        skew: f64,
     },
     /// Print shell completions to stdout (the packages install them).
     Completions {
@@ -71,6 +77,61 @@ enum Command {
     /// `moe_node::model::template_worker`).
     #[command(name = "chat-template-worker", hide = true)]
     ChatTemplateWorker,
+    /// Deployment-readiness report (no GPU, no weights needed): where the experts go for a
+    /// cluster shape, what each node failure costs, how imbalanced the devices are under
+    /// an activation profile. Exit 0 when ready, 1 listing every problem, 78 for bad input.
+    Plan(PlanArgs),
+    /// Save a serving node's activation profile (`GET /admin/experts?format=profile`) to a
+    /// file, for `plan --profile`.
+    Profile {
+        /// The node's HTTP address, e.g. http://127.0.0.1:8080.
+        #[arg(long)]
+        url: String,
+        #[arg(long)]
+        out: PathBuf,
+        /// Counts since the node started instead of over the recent window.
+        #[arg(long)]
+        since_start: bool,
+        /// API key, when the node requires one (server.api_keys).
+        #[arg(long)]
+        api_key: Option<String>,
+    },
+}
+
+#[derive(clap::Args)]
+struct PlanArgs {
+    /// Model directory (config.json is enough).
+    #[arg(long)]
+    model: PathBuf,
+    /// Node configuration (TOML): replication, spare slots, on_expert_unavailable.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Nodes in the cluster.
+    #[arg(long, default_value_t = 1)]
+    nodes: usize,
+    /// Devices (GPUs, or CPU slots) per node.
+    #[arg(long, default_value_t = 1)]
+    devices_per_node: usize,
+    /// Copies of every expert (default: cluster.replication with several nodes,
+    /// devices.replication with one).
+    #[arg(long)]
+    replication: Option<usize>,
+    /// Spare expert slots per device and MoE layer for hot-expert copies (default:
+    /// placement.redundant_slots_per_device).
+    #[arg(long)]
+    redundant_slots: Option<usize>,
+    /// Activation profile (`moe-node profile`, or /admin/experts?format=profile).
+    #[arg(long)]
+    profile: Option<PathBuf>,
+    /// Memory of each device in GiB: does everything fit?
+    #[arg(long)]
+    device_memory_gib: Option<f64>,
+    /// Largest imbalance (most loaded device / mean) the verdict accepts.
+    #[arg(long, default_value_t = 2.0)]
+    max_imbalance: f64,
+    /// Print one JSON object instead of the readable report.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(clap::Args)]
@@ -165,9 +226,9 @@ fn main() -> ExitCode {
             init_logging(LogFormat::Text);
             run_generate(args)
         }
-        Command::DemoModel { out } => {
+        Command::DemoModel { out, skew } => {
             init_logging(LogFormat::Text);
-            run_demo_model(out)
+            run_demo_model(out, skew)
         }
         Command::Completions { shell } => {
             clap_complete::generate(
@@ -185,6 +246,17 @@ fn main() -> ExitCode {
             template_worker::serve(std::io::stdin().lock(), std::io::stdout().lock())
                 .map_err(anyhow::Error::msg)
         }
+        Command::Plan(args) => match plan_cli::run(&args) {
+            Ok(true) => Ok(()),
+            Ok(false) => return ExitCode::from(1),
+            Err(e) => Err(e),
+        },
+        Command::Profile {
+            url,
+            out,
+            since_start,
+            api_key,
+        } => plan_cli::save_profile(&url, &out, since_start, api_key.as_deref()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -205,6 +277,7 @@ fn report(e: anyhow::Error) -> ExitCode {
     eprintln!("error: {message}");
     if e.chain().any(|c| {
         c.downcast_ref::<ConfigError>().is_some()
+            || c.downcast_ref::<moe_node::plan::PlanError>().is_some()
             || cuda_error(c).is_some_and(CudaError::is_deployment_problem)
     }) {
         return ExitCode::from(EXIT_CONFIG);
@@ -440,8 +513,14 @@ fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn run_demo_model(out: PathBuf) -> anyhow::Result<()> {
-    let spec = DemoSpec::default();
+fn run_demo_model(out: PathBuf, skew: f64) -> anyhow::Result<()> {
+    if !skew.is_finite() || !(0.0..=4.0).contains(&skew) {
+        bail!("--skew {skew}: give an exponent between 0 and 4 (1 is strongly skewed)");
+    }
+    let spec = DemoSpec {
+        skew,
+        ..DemoSpec::default()
+    };
     write_demo_model(&out, &spec, |done, total| {
         tracing::info!("demo model: layer {done}/{total} written");
     })

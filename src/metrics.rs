@@ -111,6 +111,16 @@ impl NodeMetrics {
             .register_collector(Box::new(DeviceCollector { devices }));
     }
 
+    /// Adds one metric (a counter, gauge or histogram another part of the node updates).
+    pub fn register(
+        &self,
+        name: &str,
+        help: &str,
+        metric: impl prometheus_client::registry::Metric,
+    ) {
+        self.registry().register(name, help, metric);
+    }
+
     /// Adds series read at each scrape by `collector` (the cluster's).
     pub fn register_collector(&self, collector: Box<dyn prometheus_client::collector::Collector>) {
         self.registry().register_collector(collector);
@@ -184,6 +194,21 @@ impl prometheus_client::collector::Collector for ExpertLoadCollector {
             for (layer, load) in &layers {
                 let labels = [("layer", layer.clone())];
                 ConstGauge::new(load.imbalance()).encode(family.encode_family(&labels)?)?;
+            }
+        }
+        {
+            let mut family = encoder.encode_descriptor(
+                "layer_imbalance_recent",
+                "Most loaded device's tokens over the mean over the recent window \
+                 (placement.window_seconds), per layer",
+                None,
+                MetricType::Gauge,
+            )?;
+            for (layer, _) in &layers {
+                let index: usize = layer.parse().unwrap_or_default();
+                let (recent, _) = self.load.recent(index);
+                let labels = [("layer", layer.clone())];
+                ConstGauge::new(recent.imbalance()).encode(family.encode_family(&labels)?)?;
             }
         }
         {

@@ -2,6 +2,10 @@
 //! (devices, placement, dispatcher, router; in a cluster also the peer server and
 //! membership), and hands out typed handles to them.
 
+mod rebalance;
+
+pub use rebalance::{RebalanceMetrics, RebalanceReport};
+
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
@@ -37,6 +41,8 @@ pub enum NodeError {
     Cluster(#[from] ClusterError),
     #[error("device {0} is in service; stop it first")]
     DeviceRunning(usize),
+    #[error("rebalance: {0}")]
+    Rebalance(String),
 }
 
 impl From<cuda::load::LoadError> for NodeError {
@@ -71,6 +77,13 @@ pub struct Node {
     targets: Vec<DeviceTarget>,
     /// Held while a device is started again, so that two starts do not race.
     restarting: std::sync::Mutex<()>,
+    /// The placement the node started with: hot-expert copies are laid over it.
+    base: Arc<Placement>,
+    /// Spare expert slots per device and layer (`placement.redundant_slots_per_device`).
+    spare_slots: usize,
+    /// Held while rebalancing: one at a time.
+    rebalancing: std::sync::Mutex<()>,
+    rebalance_metrics: RebalanceMetrics,
 }
 
 impl Node {
@@ -155,10 +168,11 @@ impl Node {
                 )
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let load = Arc::new(ExpertLoad::new(
+        let load = Arc::new(ExpertLoad::with_bucket(
             model.num_layers,
             model.moe.num_experts,
             num_devices,
+            config.placement.window_bucket(),
         ));
         metrics.register_expert_load(load.clone(), config.metrics.per_expert);
         let timing = DispatchTiming::from_config(&config.cluster);
@@ -230,6 +244,7 @@ impl Node {
                 experts.clone(),
             )));
         }
+        let rebalance_metrics = RebalanceMetrics::register(&metrics);
         Ok(Node {
             model,
             router: RouterActor::new(engine, limits, metrics)
@@ -241,7 +256,16 @@ impl Node {
             checkpoint,
             targets,
             restarting: std::sync::Mutex::new(()),
+            base: placement,
+            spare_slots: config.placement.redundant_slots_per_device,
+            rebalancing: std::sync::Mutex::new(()),
+            rebalance_metrics,
         })
+    }
+
+    /// The model's fingerprint ([`Checkpoint::fingerprint`]).
+    pub fn model_fingerprint(&self) -> u64 {
+        self.checkpoint.fingerprint()
     }
 
     /// Takes device `device` out of service, as if it had failed.

@@ -91,7 +91,12 @@ async fn run(config: NodeConfig) -> Result<(), ServeError> {
         .spawn(move || {
             // The device and router actors start arbiters, which need the system.
             actix_web::rt::System::set_current(system);
-            let _ = loaded_tx.send(load(&loader_state, local));
+            let loaded = load(&loader_state, local);
+            let serving = loaded.is_ok();
+            let _ = loaded_tx.send(loaded);
+            if serving {
+                rebalance_periodically(&loader_state);
+            }
         })
         .map_err(ServeError::Http)?;
     actix_web::rt::spawn(drain_on_signal(state.clone(), handle.clone(), drain));
@@ -189,6 +194,24 @@ fn load(state: &AppState, api: std::net::SocketAddr) -> Result<(), ServeError> {
         "ready"
     );
     Ok(())
+}
+
+/// With `placement.rebalance_interval_seconds`, recomputes the hot-expert copies that
+/// often, on the loader's thread (it has nothing else to do once the model is served).
+fn rebalance_periodically(state: &AppState) {
+    let interval = state.config.placement.rebalance_interval_seconds;
+    if interval == 0 || state.config.placement.redundant_slots_per_device == 0 {
+        return;
+    }
+    loop {
+        std::thread::sleep(Duration::from_secs(interval));
+        let Some(served) = state.served() else {
+            return;
+        };
+        if let Err(e) = served.node.rebalance() {
+            tracing::warn!(error = %e, "periodic rebalance failed; the placement stays as it was");
+        }
+    }
 }
 
 /// Exit status when the router is gone (sysexits' EX_SOFTWARE): systemd restarts the node.

@@ -219,6 +219,19 @@ pub struct Dispatcher {
     pub counters: DispatchCounters,
     /// Called with each answer's target and time (per-peer latency metrics).
     latency_observer: Option<Box<dyn Fn(Target, Duration) + Send + Sync>>,
+    /// [`Dispatcher::run_groups`] calls begun and ended: a placement switch waits for the
+    /// calls that may have read the old placement before it drops copies.
+    calls_started: AtomicU64,
+    calls_finished: AtomicU64,
+}
+
+/// Counts a call as ended when dropped (whichever way the call returns).
+struct CallFinished<'a>(&'a AtomicU64);
+
+impl Drop for CallFinished<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
 }
 
 /// One send in flight.
@@ -266,7 +279,20 @@ impl Dispatcher {
             timing,
             counters: DispatchCounters::default(),
             latency_observer: None,
+            calls_started: AtomicU64::new(0),
+            calls_finished: AtomicU64::new(0),
         }
+    }
+
+    /// Layer calls begun so far (read it after a switch of placement: every call that may
+    /// have read the old placement is counted).
+    pub fn calls_started(&self) -> u64 {
+        self.calls_started.load(Ordering::SeqCst)
+    }
+
+    /// Layer calls ended so far.
+    pub fn calls_finished(&self) -> u64 {
+        self.calls_finished.load(Ordering::SeqCst)
     }
 
     /// Reaches other nodes through `remote`.
@@ -430,6 +456,9 @@ impl Dispatcher {
         local_only: bool,
     ) -> Result<Vec<Vec<f32>>, ExpertError> {
         let width = self.hidden_size;
+        self.load.tick();
+        self.calls_started.fetch_add(1, Ordering::SeqCst);
+        let _finished = CallFinished(&self.calls_finished);
         let placement = self.placement();
         let holdings = self.holdings();
         // Work from another node runs on whichever local device holds its expert now.

@@ -5,12 +5,39 @@ use actix_web::{HttpRequest, HttpResponse, web};
 use serde_json::json;
 
 use super::{ApiError, AppState, ServedModel, read_body};
+use crate::placement::Profile;
+use crate::placement::profile::fingerprint_hex;
 
 /// `GET /admin/experts`: per MoE layer and expert, activations so far and the devices
-/// holding its replicas.
-pub async fn experts(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+/// holding its replicas. With `?format=profile`, the activation profile instead (what
+/// `moe-node plan --profile` reads): over the sliding window, or since start with
+/// `&window=all`.
+pub async fn experts(
+    state: web::Data<AppState>,
+    query: web::Query<std::collections::HashMap<String, String>>,
+) -> Result<HttpResponse, ApiError> {
     let served = state.admitting()?;
     let node = &served.node;
+    match query.get("format").map(String::as_str) {
+        None | Some("table") => {}
+        Some("profile") => {
+            let recent = match query.get("window").map(String::as_str) {
+                None | Some("recent") => true,
+                Some("all") => false,
+                Some(other) => {
+                    return Err(ApiError::bad_request(format!(
+                        "window `{other}`: give `recent` (the last minute) or `all` (since start)"
+                    )));
+                }
+            };
+            return Ok(HttpResponse::Ok().json(profile(node, recent)));
+        }
+        Some(other) => {
+            return Err(ApiError::bad_request(format!(
+                "format `{other}`: give `profile`, or none for the expert table"
+            )));
+        }
+    }
     let placement = node.experts.placement();
     let alive = node.experts.devices_alive();
     let layers: Vec<_> = (0..placement.num_layers())
@@ -43,6 +70,29 @@ pub async fn experts(state: web::Data<AppState>) -> Result<HttpResponse, ApiErro
         })
         .collect();
     Ok(HttpResponse::Ok().json(json!({"layers": layers})))
+}
+
+/// The node's activation profile: per MoE layer, rows routed to each expert.
+fn profile(node: &crate::node::Node, recent: bool) -> Profile {
+    let mut window_seconds = node.load.uptime_seconds();
+    let layers = (0..node.model.num_layers)
+        .filter(|&l| node.model.moe_layers[l])
+        .map(|layer| {
+            let counts = if recent {
+                let (load, seconds) = node.load.recent(layer);
+                window_seconds = seconds;
+                load.activations
+            } else {
+                node.load.layer(layer).activations
+            };
+            (layer.to_string(), counts)
+        })
+        .collect();
+    Profile {
+        layers,
+        fingerprint: Some(fingerprint_hex(node.model_fingerprint())),
+        window_seconds: Some(window_seconds),
+    }
 }
 
 /// `GET /admin/devices`: every device, whether it is alive, what it holds.
@@ -164,6 +214,36 @@ pub async fn start_device(
                 "device {id} could not be started: {e}"
             )))
         }
+    }
+}
+
+/// `POST /admin/rebalance`: recomputes the hot-expert copies from the recent window and
+/// switches to them while serving (copy, then switch, then release); answers what it did.
+pub async fn rebalance(
+    state: web::Data<AppState>,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, ApiError> {
+    admin_action(&state, &req, payload).await?;
+    let system = actix_web::rt::System::current();
+    let app = state.clone();
+    // Loading experts blocks: not on the HTTP runtime's threads.
+    let done = web::block(move || {
+        actix_web::rt::System::set_current(system);
+        app.served().map(|served| served.node.rebalance())
+    })
+    .await
+    .map_err(|_| ApiError::internal("the rebalance was interrupted"))?;
+    match done {
+        Some(Ok(report)) => Ok(HttpResponse::Ok().json(report)),
+        Some(Err(e @ crate::node::NodeError::Rebalance(_))) => {
+            Err(ApiError::conflict(e.to_string()))
+        }
+        Some(Err(e)) => {
+            tracing::error!(error = %e, "rebalance failed");
+            Err(ApiError::internal(format!("the rebalance failed: {e}")))
+        }
+        None => Err(ApiError::internal("the model is not served")),
     }
 }
 

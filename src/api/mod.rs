@@ -201,7 +201,8 @@ pub fn configure(state: web::Data<AppState>) -> impl FnOnce(&mut web::ServiceCon
                     .service(get("/cluster", admin::cluster))
                     .service(get("/placement", admin::placement))
                     .service(post("/devices/{id}/stop", admin::stop_device))
-                    .service(post("/devices/{id}/start", admin::start_device)),
+                    .service(post("/devices/{id}/start", admin::start_device))
+                    .service(post("/rebalance", admin::rebalance)),
             )
             .service(
                 web::scope("/cluster")

@@ -24,6 +24,41 @@ pub struct NodeConfig {
     pub metrics: MetricsConfig,
     pub logging: LoggingConfig,
     pub cluster: ClusterConfig,
+    pub placement: PlacementConfig,
+}
+
+/// Hot-expert copies: spare expert slots per device, filled from the activation profile.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PlacementConfig {
+    /// Extra experts each device may hold per MoE layer, for copies of hot experts (memory
+    /// permitting). 0: every expert has exactly its `replication` copies.
+    pub redundant_slots_per_device: usize,
+    /// Rebalance (recompute the hot-expert copies from the recent window) this often; 0:
+    /// only on `POST /admin/rebalance`.
+    pub rebalance_interval_seconds: u64,
+    /// How far back the recent activation window (profiles, rebalancing) looks.
+    pub window_seconds: u64,
+}
+
+impl Default for PlacementConfig {
+    fn default() -> Self {
+        PlacementConfig {
+            redundant_slots_per_device: 0,
+            rebalance_interval_seconds: 0,
+            window_seconds: 60,
+        }
+    }
+}
+
+impl PlacementConfig {
+    /// One bucket of the recent window's ring.
+    pub fn window_bucket(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(
+            self.window_seconds.saturating_mul(1000)
+                / crate::placement::load::WINDOW_BUCKETS as u64,
+        )
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -464,6 +499,7 @@ impl NodeConfig {
         section(&merged, "metrics", &mut config.metrics, &mut problems);
         section(&merged, "logging", &mut config.logging, &mut problems);
         section(&merged, "cluster", &mut config.cluster, &mut problems);
+        section(&merged, "placement", &mut config.placement, &mut problems);
         problems.extend(config.problems());
         if problems.is_empty() {
             Ok(config)
@@ -503,6 +539,15 @@ impl NodeConfig {
                 "server.body_read_timeout_seconds: {} is not between 1 and 3600",
                 self.server.body_read_timeout_seconds
             ));
+        }
+        if !(1..=86_400).contains(&self.placement.window_seconds) {
+            problems.push("placement.window_seconds: between 1 and 86400".into());
+        }
+        if self.placement.rebalance_interval_seconds > 86_400 * 7 {
+            problems.push("placement.rebalance_interval_seconds: at most a week".into());
+        }
+        if self.placement.redundant_slots_per_device > 4096 {
+            problems.push("placement.redundant_slots_per_device: at most 4096".into());
         }
         if self.devices.cpu_slots == 0 {
             problems.push("devices.cpu_slots: at least one device slot is needed".into());

@@ -31,6 +31,9 @@ pub struct DemoSpec {
     pub qk_rope_head_dim: usize,
     pub v_head_dim: usize,
     pub seed: u64,
+    /// Zipf exponent of the experts' activation frequencies (0: no skew); see
+    /// [`skewed_bias`].
+    pub skew: f64,
 }
 
 /// Byte-level vocabulary: ids 0..=255 are bytes, then the chat special tokens.
@@ -56,6 +59,7 @@ impl Default for DemoSpec {
             qk_rope_head_dim: 16,
             v_head_dim: 32,
             seed: 0x6b33,
+            skew: 0.0,
         }
     }
 }
@@ -177,6 +181,17 @@ pub fn write_demo_model(
                 &[spec.num_experts],
                 0.01,
             );
+            if spec.skew > 0.0 {
+                let bias = skewed_bias(
+                    spec.num_experts,
+                    spec.top_k,
+                    spec.skew,
+                    spec.seed ^ l as u64,
+                );
+                if let Some((_, tensor)) = w.tensors.last_mut() {
+                    add_bf16(&mut tensor.bytes, &bias);
+                }
+            }
             w.swiglu(
                 &format!("{p}.mlp.shared_experts"),
                 h,
@@ -215,6 +230,42 @@ pub fn write_demo_model(
         std::fs::write(&path, text).map_err(io(&path))?;
     }
     Ok(())
+}
+
+/// Spread of the demo gate's sigmoid scores: the gate's logits have variance 1/3 (uniform
+/// weights of scale 1/sqrt(hidden) over RMS-normed inputs), and the sigmoid's slope at 0 is
+/// 1/4.
+const SCORE_SPREAD: f32 = 0.144;
+
+/// A per-expert bias on the gate's choice (DeepSeek's `e_score_correction_bias`) under which
+/// expert activations follow a Zipf-like law: the expert of rank r (a shuffle of the ids,
+/// different per layer) is chosen by a token with probability p_r ∝ r^-skew (at most 0.95,
+/// `top_k` in all). A score around 0.5 of spread [`SCORE_SPREAD`] plus bias b clears 0.5
+/// with about that probability when b = spread × logit(p_r) / 1.702 (the logistic
+/// approximation of the normal quantile); the probabilities adding up to `top_k`, the top-k
+/// threshold then sits near 0.5.
+pub fn skewed_bias(num_experts: usize, top_k: usize, skew: f64, seed: u64) -> Vec<f32> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x5a1f);
+    let mut rank_of: Vec<usize> = (0..num_experts).collect();
+    for i in (1..num_experts).rev() {
+        rank_of.swap(i, rng.next_u64() as usize % (i + 1));
+    }
+    let probability = crate::placement::profile::zipf_probabilities(num_experts, top_k, skew);
+    rank_of
+        .iter()
+        .map(|&rank| {
+            let p = probability[rank].clamp(1e-6, 0.95);
+            SCORE_SPREAD * ((p / (1.0 - p)).ln() / 1.702) as f32
+        })
+        .collect()
+}
+
+/// Adds `extra` to a bf16 tensor's values.
+fn add_bf16(bytes: &mut [u8], extra: &[f32]) {
+    for (value, add) in bytes.chunks_exact_mut(2).zip(extra) {
+        let old = bf16::from_le_bytes([value[0], value[1]]).to_f32();
+        value.copy_from_slice(&bf16::from_f32(old + add).to_le_bytes());
+    }
 }
 
 fn config_json(spec: &DemoSpec) -> serde_json::Value {

@@ -1,7 +1,11 @@
-//! Expert load statistics, kept on the hot path with one relaxed atomic add per active
-//! expert per step: activations per (layer, expert) and tokens per (layer, device).
+//! Expert load statistics, kept on the hot path with relaxed atomic adds per active expert
+//! per step: activations per (layer, expert) and tokens per (layer, device), since start
+//! and over a sliding window (a ring of per-interval buckets; the oldest is cleared when
+//! the ring turns), so that rebalancing follows a workload that changes.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 pub struct ExpertLoad {
     num_experts: usize,
@@ -10,6 +14,30 @@ pub struct ExpertLoad {
     activations: Vec<AtomicU64>,
     /// `[layer * num_devices + device]`: token rows run on the device.
     device_tokens: Vec<AtomicU64>,
+    window: Window,
+}
+
+/// Buckets in the sliding window, and how long each covers: the window spans the last 50
+/// to 60 seconds.
+pub const WINDOW_BUCKETS: usize = 6;
+pub const BUCKET: Duration = Duration::from_secs(10);
+
+/// The recent counts: `WINDOW_BUCKETS` buckets laid out like the totals, the current one
+/// taking the adds.
+struct Window {
+    activations: Vec<Vec<AtomicU64>>,
+    device_tokens: Vec<Vec<AtomicU64>>,
+    current: AtomicUsize,
+    /// Nanoseconds after `started` at which the ring turns next (read on the hot path).
+    next_turn: AtomicU64,
+    /// When each bucket began; locked only to turn the ring and to read the window.
+    began: Mutex<Vec<Instant>>,
+    started: Instant,
+    bucket: Duration,
+}
+
+fn zeros(n: usize) -> Vec<AtomicU64> {
+    (0..n).map(|_| AtomicU64::new(0)).collect()
 }
 
 /// One layer's load as read at one moment.
@@ -55,16 +83,109 @@ impl std::fmt::Debug for ExpertLoad {
 
 impl ExpertLoad {
     pub fn new(num_layers: usize, num_experts: usize, num_devices: usize) -> Self {
+        Self::with_bucket(num_layers, num_experts, num_devices, BUCKET)
+    }
+
+    /// [`ExpertLoad::new`] with window buckets of `bucket` each (tests turn it faster).
+    pub fn with_bucket(
+        num_layers: usize,
+        num_experts: usize,
+        num_devices: usize,
+        bucket: Duration,
+    ) -> Self {
+        let now = Instant::now();
+        let bucket = bucket.max(Duration::from_millis(1));
         ExpertLoad {
             num_experts,
             num_devices,
-            activations: (0..num_layers * num_experts)
-                .map(|_| AtomicU64::new(0))
-                .collect(),
-            device_tokens: (0..num_layers * num_devices)
-                .map(|_| AtomicU64::new(0))
-                .collect(),
+            activations: zeros(num_layers * num_experts),
+            device_tokens: zeros(num_layers * num_devices),
+            window: Window {
+                activations: (0..WINDOW_BUCKETS)
+                    .map(|_| zeros(num_layers * num_experts))
+                    .collect(),
+                device_tokens: (0..WINDOW_BUCKETS)
+                    .map(|_| zeros(num_layers * num_devices))
+                    .collect(),
+                current: AtomicUsize::new(0),
+                next_turn: AtomicU64::new(bucket.as_nanos() as u64),
+                began: Mutex::new(vec![now; WINDOW_BUCKETS]),
+                started: now,
+                bucket,
+            },
         }
+    }
+
+    /// Turns the window's ring when the current bucket's interval is over: one clock read
+    /// and one atomic load when it is not. Called once per dispatched layer.
+    pub fn tick(&self) {
+        let w = &self.window;
+        let elapsed = w.started.elapsed().as_nanos() as u64;
+        if elapsed < w.next_turn.load(Ordering::Relaxed) {
+            return;
+        }
+        let mut began = w.began.lock().unwrap_or_else(|e| e.into_inner());
+        let elapsed = w.started.elapsed().as_nanos() as u64;
+        let next_turn = w.next_turn.load(Ordering::Relaxed);
+        if elapsed < next_turn {
+            // Another thread turned it meanwhile.
+            return;
+        }
+        let step = w.bucket.as_nanos() as u64;
+        let turns = (elapsed - next_turn) / step + 1;
+        let cleared = turns.min(WINDOW_BUCKETS as u64);
+        let mut current = w.current.load(Ordering::Relaxed);
+        for k in 0..cleared {
+            current = (current + 1) % WINDOW_BUCKETS;
+            // Adds racing with the clear may be lost: statistics, not accounts.
+            for counter in w.activations[current]
+                .iter()
+                .chain(&w.device_tokens[current])
+            {
+                counter.store(0, Ordering::Relaxed);
+            }
+            let start = next_turn + (turns - cleared + k) * step;
+            began[current] = w.started + Duration::from_nanos(start);
+        }
+        w.current.store(current, Ordering::Relaxed);
+        w.next_turn
+            .store(next_turn + turns * step, Ordering::Relaxed);
+    }
+
+    /// One layer's load over the sliding window, and the seconds the window covers.
+    pub fn recent(&self, layer: usize) -> (LayerLoad, f64) {
+        self.tick();
+        let w = &self.window;
+        let sum = |buckets: &[Vec<AtomicU64>], from: usize, to: usize| -> Vec<u64> {
+            (from..to)
+                .map(|i| {
+                    buckets
+                        .iter()
+                        .map(|b| b.get(i).map_or(0, |a| a.load(Ordering::Relaxed)))
+                        .sum()
+                })
+                .collect()
+        };
+        let load = LayerLoad {
+            activations: sum(
+                &w.activations,
+                layer * self.num_experts,
+                (layer + 1) * self.num_experts,
+            ),
+            device_tokens: sum(
+                &w.device_tokens,
+                layer * self.num_devices,
+                (layer + 1) * self.num_devices,
+            ),
+        };
+        let began = w.began.lock().unwrap_or_else(|e| e.into_inner());
+        let oldest = began.iter().min().copied().unwrap_or(w.started);
+        (load, oldest.elapsed().as_secs_f64())
+    }
+
+    /// Seconds since the counts began.
+    pub fn uptime_seconds(&self) -> f64 {
+        self.window.started.elapsed().as_secs_f64()
     }
 
     pub fn num_layers(&self) -> usize {
@@ -72,24 +193,22 @@ impl ExpertLoad {
     }
 
     pub fn record(&self, layer: usize, expert: u32, device: usize, rows: usize) {
-        if let Some(a) = self
-            .activations
-            .get(layer * self.num_experts + expert as usize)
-        {
-            a.fetch_add(rows as u64, Ordering::Relaxed);
-        }
-        if let Some(t) = self.device_tokens.get(layer * self.num_devices + device) {
+        self.record_activation(layer, expert, rows);
+        let slot = layer * self.num_devices + device;
+        let current = self.window.current.load(Ordering::Relaxed);
+        if let Some(t) = self.device_tokens.get(slot) {
             t.fetch_add(rows as u64, Ordering::Relaxed);
+            self.window.device_tokens[current][slot].fetch_add(rows as u64, Ordering::Relaxed);
         }
     }
 
     /// Rows routed to an expert that ran on another node.
     pub fn record_activation(&self, layer: usize, expert: u32, rows: usize) {
-        if let Some(a) = self
-            .activations
-            .get(layer * self.num_experts + expert as usize)
-        {
+        let slot = layer * self.num_experts + expert as usize;
+        let current = self.window.current.load(Ordering::Relaxed);
+        if let Some(a) = self.activations.get(slot) {
             a.fetch_add(rows as u64, Ordering::Relaxed);
+            self.window.activations[current][slot].fetch_add(rows as u64, Ordering::Relaxed);
         }
     }
 
@@ -123,5 +242,29 @@ mod tests {
         // Median of [1, 1, 2, 10] (upper) is 2: only expert 0 is above 4.
         assert_eq!(layer.hot_experts(), 1);
         assert_eq!(load.layer(0).imbalance(), 0.0);
+        let (recent, _) = load.recent(1);
+        assert_eq!(recent, layer, "the window holds everything so far");
+    }
+
+    #[test]
+    fn the_window_forgets_what_is_older_than_its_buckets() {
+        let bucket = Duration::from_millis(40);
+        let load = ExpertLoad::with_bucket(1, 2, 1, bucket);
+        load.record(0, 0, 0, 5);
+        std::thread::sleep(bucket * 2);
+        load.tick();
+        load.record(0, 1, 0, 3);
+        let (recent, seconds) = load.recent(0);
+        assert_eq!(recent.activations, vec![5, 3], "both still in the window");
+        assert!(seconds >= 0.07, "{seconds}");
+        // Past the whole ring: the first add is gone, the totals keep it.
+        std::thread::sleep(bucket * WINDOW_BUCKETS as u32);
+        load.tick();
+        load.record(0, 1, 0, 1);
+        let (recent, seconds) = load.recent(0);
+        assert_eq!(recent.activations, vec![0, 1]);
+        assert_eq!(recent.device_tokens, vec![1]);
+        assert!(seconds <= (bucket * WINDOW_BUCKETS as u32).as_secs_f64() + 0.05);
+        assert_eq!(load.layer(0).activations, vec![5, 4]);
     }
 }

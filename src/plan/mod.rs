@@ -1,0 +1,455 @@
+//! `moe-node plan`: the deployment-readiness report. Lays the experts out exactly as
+//! `serve` would for a cluster shape ([`Placement::single_node`] or
+//! [`Placement::balanced`]), adds the hot-expert copies the spare slots allow as a live
+//! rebalance would ([`replicate::add_replicas`]), and answers: what each device holds and
+//! whether it fits, what each node's failure costs, how imbalanced each layer is under a
+//! profile, and whether all that passes the thresholds. Pure: the command reads the files
+//! and prints.
+
+mod report;
+pub mod sizes;
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use crate::actors::dispatch::OnUnavailable;
+use crate::model::ModelConfig;
+use crate::placement::replicate::{self, LayerReplicas, LayerSlots, ReplicateError};
+use crate::placement::{
+    NodeSlots, Placement, PlacementError, PlacementSpec, Profile, ProfileError,
+};
+pub use sizes::ModelSizes;
+
+/// The cluster shape and thresholds a plan is made for.
+#[derive(Debug, Clone)]
+pub struct PlanInput<'a> {
+    pub model: &'a ModelConfig,
+    pub nodes: usize,
+    pub devices_per_node: usize,
+    pub replication: usize,
+    pub redundant_slots: usize,
+    pub profile: Option<&'a Profile>,
+    pub device_memory_bytes: Option<u64>,
+    /// The dense part lives on each node's device 0 (else in host memory).
+    pub dense_on_device: bool,
+    pub on_unavailable: OnUnavailable,
+    pub max_imbalance: f64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    #[error("--nodes and --devices-per-node must be at least 1")]
+    NoDevices,
+    #[error("the model has no MoE layer: nothing to place")]
+    NoExperts,
+    #[error("--max-imbalance must be a number at least 1")]
+    BadThreshold,
+    #[error("--device-memory-gib {0}: give a positive number of GiB")]
+    BadMemory(f64),
+    #[error(transparent)]
+    Model(#[from] crate::model::ModelError),
+    #[error(transparent)]
+    Placement(#[from] PlacementError),
+    #[error(transparent)]
+    Profile(#[from] ProfileError),
+    #[error("replicas of layer {layer}: {source}")]
+    Replicate {
+        layer: usize,
+        source: ReplicateError,
+    },
+}
+
+/// The report, as `--json` prints it.
+#[derive(Debug, Clone, Serialize)]
+pub struct PlanReport {
+    pub model: ModelSummary,
+    pub cluster: ClusterShape,
+    pub devices: Vec<DeviceReport>,
+    /// `{"<layer>": [[global device index of each copy of expert 0], ...]}`, global index
+    /// = node × devices_per_node + device.
+    pub placement: BTreeMap<String, Vec<Vec<usize>>>,
+    pub layers: BTreeMap<String, LayerReport>,
+    pub failures: Vec<FailureReport>,
+    pub verdict: Verdict,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelSummary {
+    pub model_type: String,
+    pub layers: usize,
+    pub moe_layers: usize,
+    pub experts: usize,
+    pub top_k: usize,
+    pub sizes: ModelSizes,
+    pub profiled: bool,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ClusterShape {
+    pub nodes: usize,
+    pub devices_per_node: usize,
+    pub replication: usize,
+    pub redundant_slots: usize,
+    pub device_memory_bytes: Option<u64>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct DeviceReport {
+    pub node: usize,
+    pub device: usize,
+    /// Copies held per MoE layer (hot-expert copies included).
+    pub experts: BTreeMap<String, usize>,
+    /// Of those, hot-expert copies in spare slots, over all layers.
+    pub redundant_experts: usize,
+    pub expert_bytes: u64,
+    pub dense_bytes: u64,
+    pub fits: bool,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct LayerReport {
+    /// Most loaded device over the mean, after hot-expert copies, as a serving node lays
+    /// them: its layout stays, copies fill the spare slots (what a live rebalance does).
+    pub imbalance: f64,
+    /// The same as `serve` lays experts out, without copies in spare slots.
+    pub imbalance_unreplicated: f64,
+    /// DeepSeek's EPLB with the same slots (it re-places every expert), for comparison.
+    pub imbalance_eplb: f64,
+    /// moe-node's `balance` with the same slots, re-placing every expert as EPLB does
+    /// (never above `imbalance_eplb`): what a rebalance that also moved the base copies
+    /// would reach.
+    pub imbalance_balanced: f64,
+    /// Experts activated more than twice the median expert.
+    pub hot_experts: Vec<u32>,
+    /// Experts whose load per copy is still more than twice the median, after copies.
+    pub hot_experts_after: Vec<u32>,
+    pub copies_added: usize,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct FailureReport {
+    pub node: usize,
+    /// (layer, expert) pairs with a copy on the node.
+    pub experts_losing_a_replica: usize,
+    /// (layer, expert) pairs with every copy on the node.
+    pub unavailable_experts: usize,
+    pub on_expert_unavailable: OnUnavailable,
+    /// Share of routed token rows (over all profiled layers) that need an unavailable
+    /// expert; `null` without a profile.
+    pub token_share_affected: Option<f64>,
+    /// Share of routed token rows the node's copies carried, moved to other copies.
+    pub token_share_moved: Option<f64>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Verdict {
+    pub ok: bool,
+    pub problems: Vec<String>,
+}
+
+/// One MoE layer's layouts.
+struct LayerPlan {
+    layer: usize,
+    loads: Vec<f64>,
+    profiled: bool,
+    serving: LayerReplicas,
+    replicated: LayerReplicas,
+    eplb_imbalance: f64,
+    balanced_imbalance: f64,
+}
+
+/// Makes the plan.
+pub fn plan(input: &PlanInput) -> Result<PlanReport, PlanError> {
+    let model = input.model;
+    let (nodes, per_node) = (input.nodes, input.devices_per_node);
+    if nodes == 0 || per_node == 0 {
+        return Err(PlanError::NoDevices);
+    }
+    if !input.max_imbalance.is_finite() || input.max_imbalance < 1.0 {
+        return Err(PlanError::BadThreshold);
+    }
+    let num_experts = model.moe.num_experts;
+    let moe_count = model.moe_layers.iter().filter(|&&m| m).count();
+    if moe_count == 0 || num_experts == 0 {
+        return Err(PlanError::NoExperts);
+    }
+    let profile_loads = match input.profile {
+        Some(p) => p.loads_for(&model.moe_layers, num_experts)?,
+        None => vec![None; model.num_layers],
+    };
+    let placement = serve_layout(input)?;
+    let devices = nodes * per_node;
+    let global = |r: &crate::placement::Replica| r.node as usize * per_node + r.device as usize;
+    let sizes = ModelSizes::of(model);
+    let node_of: Vec<u16> = (0..devices).map(|d| (d / per_node) as u16).collect();
+    let dense_on = |d: usize| input.dense_on_device && d.is_multiple_of(per_node);
+    // Spare slots per device and layer, as far as memory allows.
+    let spare: Vec<usize> = (0..devices)
+        .map(|d| {
+            let Some(memory) = input.device_memory_bytes else {
+                return input.redundant_slots;
+            };
+            let held: u64 = placement
+                .experts_on(node_of[d], (d % per_node) as u16)
+                .len() as u64
+                * sizes.expert_bytes;
+            let dense = if dense_on(d) { sizes.dense_bytes } else { 0 };
+            let free = memory.saturating_sub(held + dense);
+            let per_slot = sizes.expert_bytes * moe_count as u64;
+            input.redundant_slots.min((free / per_slot.max(1)) as usize)
+        })
+        .collect();
+    let mut layer_plans = Vec::with_capacity(moe_count);
+    for layer in (0..model.num_layers).filter(|&l| model.moe_layers[l]) {
+        let serving = LayerReplicas {
+            devices_of: (0..num_experts as u32)
+                .map(|e| placement.replicas(layer, e).iter().map(global).collect())
+                .collect(),
+        };
+        let (loads, profiled) = match &profile_loads[layer] {
+            Some(loads) => (loads.clone(), true),
+            None => (vec![1.0; num_experts], false),
+        };
+        let mut capacity = vec![0usize; devices];
+        for copies in &serving.devices_of {
+            for &d in copies {
+                capacity[d] += 1;
+            }
+        }
+        for (c, s) in capacity.iter_mut().zip(&spare) {
+            *c += s;
+        }
+        let slots = LayerSlots {
+            node_of: node_of.clone(),
+            capacity,
+        };
+        let failed = |source| PlanError::Replicate { layer, source };
+        let replicated = replicate::add_replicas(&loads, &slots, &serving).map_err(failed)?;
+        let eplb_imbalance = replicate::eplb(&loads, &slots, input.replication)
+            .map_err(failed)?
+            .imbalance(&loads, devices);
+        let balanced_imbalance = replicate::balance(&loads, &slots, input.replication)
+            .map_err(failed)?
+            .imbalance(&loads, devices);
+        layer_plans.push(LayerPlan {
+            layer,
+            loads,
+            profiled,
+            serving,
+            replicated,
+            eplb_imbalance,
+            balanced_imbalance,
+        });
+    }
+    Ok(assemble(input, &sizes, &layer_plans))
+}
+
+/// The layout `serve` starts with for this shape: one node places on its devices with
+/// `devices.replication`; a cluster places over its nodes (sorted by name, as the cluster
+/// leader does) with `cluster.replication`.
+fn serve_layout(input: &PlanInput) -> Result<Placement, PlacementError> {
+    let model = input.model;
+    if input.nodes == 1 {
+        return Placement::single_node(
+            &model.moe_layers,
+            model.moe.num_experts,
+            input.devices_per_node,
+            input.replication,
+        );
+    }
+    let width = (input.nodes - 1).to_string().len();
+    let spec = PlacementSpec {
+        version: 1,
+        replication: input.replication,
+        nodes: (0..input.nodes)
+            .map(|n| NodeSlots {
+                node: format!("node{n:0width$}"),
+                devices: input.devices_per_node,
+            })
+            .collect(),
+    };
+    Placement::balanced(&model.moe_layers, model.moe.num_experts, spec)
+}
+
+/// Experts whose `load` is more than twice the median.
+fn hot(loads: &[f64]) -> Vec<u32> {
+    let mut sorted = loads.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let median = sorted.get(sorted.len() / 2).copied().unwrap_or(0.0);
+    (0..loads.len() as u32)
+        .filter(|&e| loads[e as usize] > 2.0 * median)
+        .collect()
+}
+
+fn assemble(input: &PlanInput, sizes: &ModelSizes, layers: &[LayerPlan]) -> PlanReport {
+    let model = input.model;
+    let per_node = input.devices_per_node;
+    let devices = input.nodes * per_node;
+    let mut problems = Vec::new();
+    let mut device_reports: Vec<DeviceReport> = (0..devices)
+        .map(|d| DeviceReport {
+            node: d / per_node,
+            device: d % per_node,
+            experts: BTreeMap::new(),
+            redundant_experts: 0,
+            expert_bytes: 0,
+            dense_bytes: if input.dense_on_device && d.is_multiple_of(per_node) {
+                sizes.dense_bytes
+            } else {
+                0
+            },
+            fits: true,
+        })
+        .collect();
+    let mut placement = BTreeMap::new();
+    let mut layer_reports = BTreeMap::new();
+    for plan in layers {
+        let mut held = vec![0usize; devices];
+        for (expert, copies) in plan.replicated.devices_of.iter().enumerate() {
+            for &d in copies {
+                held[d] += 1;
+                if !plan.serving.devices_of[expert].contains(&d) {
+                    device_reports[d].redundant_experts += 1;
+                }
+            }
+        }
+        for (report, count) in device_reports.iter_mut().zip(held) {
+            report.experts.insert(plan.layer.to_string(), count);
+            report.expert_bytes += count as u64 * sizes.expert_bytes;
+        }
+        let per_copy: Vec<f64> = plan
+            .loads
+            .iter()
+            .zip(&plan.replicated.devices_of)
+            .map(|(load, copies)| load / copies.len().max(1) as f64)
+            .collect();
+        let imbalance = plan.replicated.imbalance(&plan.loads, devices);
+        if plan.profiled && imbalance > input.max_imbalance {
+            problems.push(format!(
+                "layer {}: imbalance {imbalance:.2} is above {:.2}",
+                plan.layer, input.max_imbalance
+            ));
+        }
+        layer_reports.insert(
+            plan.layer.to_string(),
+            LayerReport {
+                imbalance,
+                imbalance_unreplicated: plan.serving.imbalance(&plan.loads, devices),
+                imbalance_eplb: plan.eplb_imbalance,
+                imbalance_balanced: plan.balanced_imbalance,
+                hot_experts: hot(&plan.loads),
+                hot_experts_after: {
+                    let mut sorted = plan.loads.clone();
+                    sorted.sort_by(f64::total_cmp);
+                    let median = sorted[sorted.len() / 2];
+                    (0..per_copy.len() as u32)
+                        .filter(|&e| per_copy[e as usize] > 2.0 * median)
+                        .collect()
+                },
+                copies_added: plan.replicated.copies() - plan.serving.copies(),
+            },
+        );
+        placement.insert(plan.layer.to_string(), plan.replicated.devices_of.clone());
+    }
+    if let Some(memory) = input.device_memory_bytes {
+        for d in device_reports.iter_mut() {
+            d.fits = d.expert_bytes + d.dense_bytes <= memory;
+            if !d.fits {
+                problems.push(format!(
+                    "node {} device {}: {:.1} GiB of weights do not fit in {:.1} GiB",
+                    d.node,
+                    d.device,
+                    gib(d.expert_bytes + d.dense_bytes),
+                    gib(memory)
+                ));
+            }
+        }
+    }
+    let profiled = layers.iter().any(|l| l.profiled);
+    let total_load: f64 = layers
+        .iter()
+        .filter(|l| l.profiled)
+        .flat_map(|l| &l.loads)
+        .sum();
+    let failures: Vec<FailureReport> = (0..input.nodes)
+        .map(|node| {
+            let on_node = |d: &usize| d / per_node == node;
+            let (mut losing, mut unavailable, mut affected, mut moved) = (0, 0, 0.0, 0.0);
+            for plan in layers {
+                for (expert, copies) in plan.replicated.devices_of.iter().enumerate() {
+                    let here = copies.iter().filter(|d| on_node(d)).count();
+                    if here == 0 {
+                        continue;
+                    }
+                    losing += 1;
+                    let load = if plan.profiled {
+                        plan.loads[expert]
+                    } else {
+                        0.0
+                    };
+                    moved += load * here as f64 / copies.len() as f64;
+                    if here == copies.len() {
+                        unavailable += 1;
+                        affected += load;
+                    }
+                }
+            }
+            let share = |x: f64| {
+                profiled.then(|| {
+                    if total_load > 0.0 {
+                        x / total_load
+                    } else {
+                        0.0
+                    }
+                })
+            };
+            FailureReport {
+                node,
+                experts_losing_a_replica: losing,
+                unavailable_experts: unavailable,
+                on_expert_unavailable: input.on_unavailable,
+                token_share_affected: share(affected),
+                token_share_moved: share(moved),
+            }
+        })
+        .collect();
+    if input.replication >= 2 && input.nodes > 1 {
+        for f in failures.iter().filter(|f| f.unavailable_experts > 0) {
+            problems.push(format!(
+                "node {} failing leaves {} experts without a copy",
+                f.node, f.unavailable_experts
+            ));
+        }
+    }
+    PlanReport {
+        model: ModelSummary {
+            model_type: model.model_type.clone(),
+            layers: model.num_layers,
+            moe_layers: layers.len(),
+            experts: model.moe.num_experts,
+            top_k: model.moe.top_k,
+            sizes: *sizes,
+            profiled,
+        },
+        cluster: ClusterShape {
+            nodes: input.nodes,
+            devices_per_node: per_node,
+            replication: input.replication,
+            redundant_slots: input.redundant_slots,
+            device_memory_bytes: input.device_memory_bytes,
+        },
+        devices: device_reports,
+        placement,
+        layers: layer_reports,
+        failures,
+        verdict: Verdict {
+            ok: problems.is_empty(),
+            problems,
+        },
+    }
+}
+
+fn gib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
+}

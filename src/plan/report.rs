@@ -1,0 +1,171 @@
+//! The plan as a person reads it: the text `moe-node plan` prints without `--json`.
+
+use std::fmt::Write;
+
+use super::{PlanReport, gib};
+use crate::actors::dispatch::OnUnavailable;
+
+impl PlanReport {
+    /// A readable report for a deployment review.
+    pub fn to_text(&self) -> String {
+        let mut out = String::new();
+        // Writing to a String cannot fail.
+        let _ = self.write_text(&mut out);
+        out
+    }
+
+    fn write_text(&self, out: &mut String) -> std::fmt::Result {
+        let m = &self.model;
+        let c = &self.cluster;
+        writeln!(
+            out,
+            "model: {}, {} layers ({} MoE), {} experts per layer, {} active per token",
+            m.model_type, m.layers, m.moe_layers, m.experts, m.top_k
+        )?;
+        writeln!(
+            out,
+            "sizes: one expert {:.2} MiB, all experts of a layer {:.2} GiB, dense part {:.2} GiB ({} bytes per parameter)",
+            m.sizes.expert_bytes as f64 / (1u64 << 20) as f64,
+            gib(m.sizes.expert_bytes * m.experts as u64),
+            gib(m.sizes.dense_bytes),
+            m.sizes.dtype_bytes
+        )?;
+        writeln!(
+            out,
+            "cluster: {} node(s) x {} device(s), replication {}, {} spare slot(s) per device{}",
+            c.nodes,
+            c.devices_per_node,
+            c.replication,
+            c.redundant_slots,
+            match c.device_memory_bytes {
+                Some(b) => format!(", {:.1} GiB per device", gib(b)),
+                None => String::new(),
+            }
+        )?;
+        writeln!(
+            out,
+            "profile: {}",
+            if m.profiled {
+                "loads from the profile given"
+            } else {
+                "none (every expert counted as equally loaded; give --profile for imbalance and hot experts)"
+            }
+        )?;
+
+        writeln!(
+            out,
+            "\nDevices (experts held per MoE layer, min-max over layers)"
+        )?;
+        writeln!(
+            out,
+            "  {:>4} {:>6} {:>9} {:>10} {:>11} {:>10} {:>5}",
+            "node", "device", "experts", "hot copies", "expert GiB", "dense GiB", "fits"
+        )?;
+        for d in &self.devices {
+            let min = d.experts.values().min().copied().unwrap_or(0);
+            let max = d.experts.values().max().copied().unwrap_or(0);
+            let held = if min == max {
+                min.to_string()
+            } else {
+                format!("{min}-{max}")
+            };
+            writeln!(
+                out,
+                "  {:>4} {:>6} {:>9} {:>10} {:>11.2} {:>10.2} {:>5}",
+                d.node,
+                d.device,
+                held,
+                d.redundant_experts,
+                gib(d.expert_bytes),
+                gib(d.dense_bytes),
+                if d.fits { "yes" } else { "NO" }
+            )?;
+        }
+
+        writeln!(out, "\nNode failures ((layer, expert) pairs)")?;
+        writeln!(
+            out,
+            "  {:>4} {:>17} {:>12} {:>15} {:>12}  then",
+            "node", "losing a replica", "left with none", "tokens affected", "tokens moved"
+        )?;
+        for f in &self.failures {
+            let share = |s: Option<f64>| match s {
+                Some(s) => format!("{:.2}%", 100.0 * s),
+                None => "-".into(),
+            };
+            let then = if f.unavailable_experts == 0 {
+                "served by the other copies".to_string()
+            } else {
+                match f.on_expert_unavailable {
+                    OnUnavailable::Fail => "requests needing them fail (503)".into(),
+                    OnUnavailable::Wait => "requests needing them wait, then fail".into(),
+                    OnUnavailable::Reroute => {
+                        "tokens go to the next-best experts (degraded output)".into()
+                    }
+                }
+            };
+            writeln!(
+                out,
+                "  {:>4} {:>17} {:>12} {:>15} {:>12}  {then}",
+                f.node,
+                f.experts_losing_a_replica,
+                f.unavailable_experts,
+                share(f.token_share_affected),
+                share(f.token_share_moved),
+            )?;
+        }
+
+        writeln!(
+            out,
+            "\nLayers (imbalance = most loaded device / mean; a copied expert's load split over its copies;\n\
+             EPLB and moe-node re-place every expert in the same slots, served keeps serve's layout\n\
+             and adds copies in the spare slots, as a live rebalance does)"
+        )?;
+        writeln!(
+            out,
+            "  {:>5} {:>12} {:>8} {:>9} {:>8} {:>11} {:>12}  hottest",
+            "layer", "unreplicated", "EPLB", "moe-node", "served", "hot experts", "copies added"
+        )?;
+        let mut layers: Vec<(usize, &super::LayerReport)> = self
+            .layers
+            .iter()
+            .filter_map(|(k, v)| k.parse().ok().map(|l| (l, v)))
+            .collect();
+        layers.sort_by_key(|(l, _)| *l);
+        for (layer, l) in layers {
+            let shown: Vec<String> = l.hot_experts.iter().take(5).map(u32::to_string).collect();
+            let more = l.hot_experts.len().saturating_sub(5);
+            writeln!(
+                out,
+                "  {:>5} {:>12.3} {:>8.3} {:>9.3} {:>8.3} {:>11} {:>12}  {}{}",
+                layer,
+                l.imbalance_unreplicated,
+                l.imbalance_eplb,
+                l.imbalance_balanced,
+                l.imbalance,
+                l.hot_experts.len(),
+                l.copies_added,
+                shown.join(" "),
+                if more > 0 {
+                    format!(" (+{more})")
+                } else {
+                    String::new()
+                }
+            )?;
+        }
+
+        if self.verdict.ok {
+            writeln!(out, "\nverdict: ready")?;
+        } else {
+            writeln!(
+                out,
+                "\nverdict: NOT ready ({} problems)",
+                self.verdict.problems.len()
+            )?;
+            for p in &self.verdict.problems {
+                writeln!(out, "  - {p}")?;
+            }
+        }
+        Ok(())
+    }
+}

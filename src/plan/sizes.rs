@@ -1,0 +1,122 @@
+//! Bytes of one routed expert and of the dense part, from config.json's shapes and dtype
+//! alone (no weights needed).
+
+use serde::Serialize;
+
+use crate::model::ModelConfig;
+use crate::model::config::AttentionConfig;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct ModelSizes {
+    /// Bytes per parameter of the stored dtype (bf16 and f16: 2, f32: 4).
+    pub dtype_bytes: u64,
+    /// One routed expert of one layer: gate, up and down projections.
+    pub expert_bytes: u64,
+    /// Everything every node loads besides routed experts: embeddings, attention, norms,
+    /// gates, shared experts, dense MLPs, the output head.
+    pub dense_bytes: u64,
+}
+
+/// Bytes per parameter for a config's `torch_dtype` (bf16 when it names none).
+pub fn dtype_bytes(dtype: Option<&str>) -> u64 {
+    match dtype {
+        Some("float32" | "f32" | "fp32") => 4,
+        _ => 2,
+    }
+}
+
+impl ModelSizes {
+    pub fn of(model: &ModelConfig) -> ModelSizes {
+        let bytes = dtype_bytes(model.dtype.as_deref());
+        let h = model.hidden_size as u64;
+        let heads = model.num_heads as u64;
+        let swiglu = |intermediate: usize| 3 * h * intermediate as u64;
+        let attention = match model.attention {
+            AttentionConfig::Gqa {
+                num_kv_heads,
+                head_dim,
+                qk_norm,
+                bias,
+                ..
+            } => {
+                let (kv, hd) = (num_kv_heads as u64, head_dim as u64);
+                let mut params = h * heads * hd + 2 * h * kv * hd + heads * hd * h;
+                if qk_norm {
+                    params += 2 * hd;
+                }
+                if bias {
+                    params += heads * hd + 2 * kv * hd;
+                }
+                params
+            }
+            AttentionConfig::Mla {
+                q_lora_rank,
+                kv_lora_rank,
+                qk_nope_head_dim,
+                qk_rope_head_dim,
+                v_head_dim,
+                ..
+            } => {
+                let q_head = (qk_nope_head_dim + qk_rope_head_dim) as u64;
+                let (kv_rank, rope, nope, v) = (
+                    kv_lora_rank as u64,
+                    qk_rope_head_dim as u64,
+                    qk_nope_head_dim as u64,
+                    v_head_dim as u64,
+                );
+                let q = match q_lora_rank {
+                    Some(r) => h * r as u64 + r as u64 + r as u64 * heads * q_head,
+                    None => h * heads * q_head,
+                };
+                q + h * (kv_rank + rope) + kv_rank + kv_rank * heads * (nope + v) + heads * v * h
+            }
+        };
+        let experts = model.moe.num_experts as u64;
+        let mut dense = model.vocab_size as u64 * h + h;
+        if !model.tie_word_embeddings {
+            dense += model.vocab_size as u64 * h;
+        }
+        for &is_moe in &model.moe_layers {
+            dense += 2 * h + attention;
+            dense += if is_moe {
+                experts * h + experts + swiglu(model.moe.shared_intermediate_size)
+            } else {
+                swiglu(model.intermediate_size)
+            };
+        }
+        ModelSizes {
+            dtype_bytes: bytes,
+            expert_bytes: swiglu(model.moe.expert_intermediate_size) * bytes,
+            dense_bytes: dense * bytes,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_demo_models_sizes_match_its_safetensors_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let spec = crate::model::demo::DemoSpec {
+            num_experts: 8,
+            top_k: 2,
+            ..Default::default()
+        };
+        crate::model::demo::write_demo_model(dir.path(), &spec, |_, _| {}).unwrap();
+        let model = ModelConfig::load(dir.path()).unwrap();
+        let sizes = ModelSizes::of(&model);
+        assert_eq!(sizes.expert_bytes, 3 * 128 * 64 * 2);
+        let moe_layers = model.moe_layers.iter().filter(|&&m| m).count() as u64;
+        let file = std::fs::metadata(dir.path().join("model.safetensors"))
+            .unwrap()
+            .len();
+        let tensors = sizes.dense_bytes + moe_layers * 8 * sizes.expert_bytes;
+        // The file adds a JSON header; the tensors are everything else.
+        assert!(
+            file > tensors && file - tensors < 64 * 1024,
+            "{file} vs {tensors}"
+        );
+    }
+}

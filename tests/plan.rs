@@ -1,0 +1,276 @@
+//! `moe-node plan`, run as a user runs it: the real binary on a Kimi K3-shaped config.json
+//! (896 experts, top-16, 61 layers; no weights needed).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use moe_node::placement::profile::zipf_probabilities;
+use serde_json::{Value, json};
+
+fn moe_node(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_moe-node"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+/// A model directory holding only a Kimi K3-shaped config.json.
+fn k3(dir: &Path) -> PathBuf {
+    let model = dir.join("k3");
+    std::fs::create_dir_all(&model).unwrap();
+    let config = json!({
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2",
+        "vocab_size": 163840, "hidden_size": 7168, "intermediate_size": 18432,
+        "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 64,
+        "num_key_value_heads": 64, "n_routed_experts": 896, "n_shared_experts": 1,
+        "num_experts_per_tok": 16, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+        "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": true,
+        "routed_scaling_factor": 2.827, "q_lora_rank": 1536, "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": 131072,
+        "rope_theta": 50000.0, "tie_word_embeddings": false, "eos_token_id": 163586,
+        "torch_dtype": "bfloat16"
+    });
+    std::fs::write(model.join("config.json"), config.to_string()).unwrap();
+    model
+}
+
+/// A skewed profile for the K3 shape: Zipf-like counts, hot experts at shuffled ids.
+fn skewed_profile(dir: &Path, skew: f64) -> PathBuf {
+    let by_rank = zipf_probabilities(896, 16, skew);
+    let layers: serde_json::Map<String, Value> = (1..61)
+        .map(|layer: usize| {
+            let counts: Vec<u64> = (0..896)
+                .map(|e: usize| (by_rank[(e * 337 + layer * 101) % 896] * 10_000.0) as u64)
+                .collect();
+            (layer.to_string(), json!(counts))
+        })
+        .collect();
+    let path = dir.join(format!("profile-{skew}.json"));
+    let profile = json!({"layers": layers, "window_seconds": 60.0});
+    std::fs::write(&path, profile.to_string()).unwrap();
+    path
+}
+
+fn plan_json(args: &[&str]) -> (Value, Output) {
+    let mut all = vec!["plan", "--json"];
+    all.extend_from_slice(args);
+    let out = moe_node(&all);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let report = serde_json::from_str(&stdout)
+        .unwrap_or_else(|e| panic!("{e}: {stdout}\n{}", String::from_utf8_lossy(&out.stderr)));
+    (report, out)
+}
+
+#[test]
+fn k3_over_8_workers_and_64_cards_places_as_serve_would_and_counts_failures() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = k3(dir.path());
+    let model = model.to_str().unwrap();
+    // 896 experts over 8 workers (one device each), replication 1: 112 each, and a worker
+    // failing takes its 112 experts of every one of the 60 MoE layers with it.
+    let (report, out) = plan_json(&[
+        "--model",
+        model,
+        "--nodes",
+        "8",
+        "--devices-per-node",
+        "1",
+        "--replication",
+        "1",
+    ]);
+    assert!(out.status.success());
+    let devices = report["devices"].as_array().unwrap();
+    assert_eq!(devices.len(), 8);
+    for d in devices {
+        let held = d["experts"].as_object().unwrap();
+        assert_eq!(held.len(), 60, "every MoE layer, not the dense first one");
+        assert!(held.values().all(|n| n == 112), "{held:?}");
+        assert_eq!(d["expert_bytes"], 112 * 60 * 3 * 7168 * 2048 * 2u64);
+    }
+    let placement = report["placement"]["1"].as_array().unwrap();
+    assert_eq!(placement.len(), 896);
+    for f in report["failures"].as_array().unwrap() {
+        assert_eq!(f["experts_losing_a_replica"], 112 * 60);
+        assert_eq!(f["unavailable_experts"], 112 * 60);
+        assert_eq!(f["token_share_affected"], Value::Null, "no profile given");
+    }
+    // Replication 1 is a choice the verdict does not hold against the plan.
+    assert_eq!(report["verdict"]["ok"], true, "{}", report["verdict"]);
+
+    // Over 64 cards (8 nodes of 8), replication 2: 28 copies per card per layer, the two
+    // copies of an expert on distinct nodes, so no node failure leaves an expert without
+    // one.
+    let (report, out) = plan_json(&[
+        "--model",
+        model,
+        "--nodes",
+        "8",
+        "--devices-per-node",
+        "8",
+        "--replication",
+        "2",
+    ]);
+    assert!(out.status.success());
+    for d in report["devices"].as_array().unwrap() {
+        assert!(d["experts"].as_object().unwrap().values().all(|n| n == 28));
+    }
+    for copies in report["placement"]["7"].as_array().unwrap() {
+        let copies: Vec<u64> = copies
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c.as_u64().unwrap())
+            .collect();
+        assert_eq!(copies.len(), 2);
+        assert_ne!(
+            copies[0] / 8,
+            copies[1] / 8,
+            "copies on one node: {copies:?}"
+        );
+    }
+    for f in report["failures"].as_array().unwrap() {
+        assert_eq!(f["unavailable_experts"], 0);
+        // A node holds a quarter of all copies: 896 × 2 × 60 / 8.
+        assert_eq!(f["experts_losing_a_replica"], 896 * 2 * 60 / 8);
+    }
+    assert_eq!(report["verdict"]["ok"], true);
+}
+
+#[test]
+fn a_skewed_profile_shows_hot_experts_and_spare_slots_cut_the_imbalance() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = k3(dir.path());
+    let profile = skewed_profile(dir.path(), 1.0);
+    let args = |slots: &'static str| {
+        vec![
+            "--model".to_string(),
+            model.display().to_string(),
+            "--nodes".into(),
+            "8".into(),
+            "--devices-per-node".into(),
+            "8".into(),
+            "--replication".into(),
+            "1".into(),
+            "--profile".into(),
+            profile.display().to_string(),
+            "--redundant-slots".into(),
+            slots.into(),
+        ]
+    };
+    let run = |slots| {
+        let owned = args(slots);
+        let refs: Vec<&str> = owned.iter().map(String::as_str).collect();
+        plan_json(&refs)
+    };
+    let (without, out) = run("0");
+    // Hot experts overload their devices: the verdict fails, naming the layers.
+    assert_eq!(out.status.code(), Some(1));
+    let problems = without["verdict"]["problems"].as_array().unwrap();
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.as_str().unwrap().contains("imbalance")),
+        "{problems:?}"
+    );
+    let layer = &without["layers"]["5"];
+    assert!(layer["hot_experts"].as_array().unwrap().len() > 10);
+    assert_eq!(layer["imbalance"], layer["imbalance_unreplicated"]);
+    assert!(layer["imbalance"].as_f64().unwrap() > 2.0, "{layer}");
+
+    let (with, out) = run("1");
+    assert!(out.status.success(), "{}", with["verdict"]);
+    for (name, layer) in with["layers"].as_object().unwrap() {
+        let after = layer["imbalance"].as_f64().unwrap();
+        let before = layer["imbalance_unreplicated"].as_f64().unwrap();
+        assert!(after < before, "layer {name}: {after} vs {before}");
+        assert!(after <= 2.0, "layer {name}: {after}");
+        assert!(layer["copies_added"].as_u64().unwrap() > 0);
+    }
+    // The copies are in the placement: some expert has more than one.
+    let placement = with["placement"]["5"].as_array().unwrap();
+    assert!(placement.iter().any(|c| c.as_array().unwrap().len() > 1));
+    for f in with["failures"].as_array().unwrap() {
+        let share = f["token_share_affected"].as_f64().unwrap();
+        assert!((0.0..1.0).contains(&share), "{f}");
+    }
+}
+
+#[test]
+fn the_readable_report_answers_the_deployment_questions() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = k3(dir.path());
+    let profile = skewed_profile(dir.path(), 0.8);
+    let out = moe_node(&[
+        "plan",
+        "--model",
+        model.to_str().unwrap(),
+        "--nodes",
+        "4",
+        "--devices-per-node",
+        "2",
+        "--replication",
+        "2",
+        "--profile",
+        profile.to_str().unwrap(),
+        "--redundant-slots",
+        "2",
+        "--device-memory-gib",
+        "141",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    for needle in [
+        "896 experts per layer",
+        "Devices",
+        "Node failures",
+        "Layers",
+        "EPLB",
+        "verdict:",
+    ] {
+        assert!(text.contains(needle), "{needle} missing:\n{text}");
+    }
+    // 896 × 2 copies × 60 layers over 8 devices of 141 GiB: 1.1 TiB each does not fit.
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(text.contains("do not fit in 141.0 GiB"), "{text}");
+}
+
+#[test]
+fn bad_input_exits_78_with_a_clear_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = k3(dir.path());
+    let model = model.to_str().unwrap();
+    let wrong = dir.path().join("wrong.json");
+    std::fs::write(&wrong, r#"{"layers": {"0": [1, 2], "3": [5]}}"#).unwrap();
+    let garbage = dir.path().join("garbage.json");
+    std::fs::write(&garbage, "not a profile").unwrap();
+    let missing = dir.path().join("nowhere");
+    for (args, expected) in [
+        (
+            vec!["--profile", wrong.to_str().unwrap()],
+            "layer 0 is a dense layer",
+        ),
+        (
+            vec!["--profile", wrong.to_str().unwrap()],
+            "layer 3 has 1 counts, the model has 896 experts",
+        ),
+        (
+            vec!["--profile", garbage.to_str().unwrap()],
+            "is not a profile",
+        ),
+        (vec!["--nodes", "0"], "at least 1"),
+        (vec!["--replication", "3"], "replication 3"),
+        (vec!["--device-memory-gib=-1"], "--device-memory-gib"),
+        (vec!["--max-imbalance", "0.5"], "--max-imbalance"),
+    ] {
+        let mut all = vec!["plan", "--model", model];
+        all.extend(args.iter().copied());
+        let out = moe_node(&all);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(78), "{args:?}: {stderr}");
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+    let out = moe_node(&["plan", "--model", missing.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(78));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("config.json"));
+}
