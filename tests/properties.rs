@@ -586,10 +586,19 @@ proptest! {
             capacity[d] += 1;
         }
         let slots = LayerSlots { node_of: devices.iter().map(|d| d.node).collect(), capacity };
-        let baseline = eplb(&loads, &slots, replication).expect("eplb");
-        let ours = balance(&loads, &slots, replication).expect("balance");
+        // Laying out from scratch may find no room for a required copy on very uneven
+        // nodes (an error: the caller keeps what it has); filling spare slots never fails.
         let live = add_replicas(&loads, &slots, &serving).expect("add_replicas");
-        for layout in [&baseline, &ours, &live] {
+        let mut layouts = vec![live.clone()];
+        let from_scratch = eplb(&loads, &slots, replication).ok().map(|baseline| {
+            let ours = balance(&loads, &slots, replication).expect("balance where eplb works");
+            (baseline, ours)
+        });
+        if let Some((baseline, ours)) = &from_scratch {
+            layouts.push(baseline.clone());
+            layouts.push(ours.clone());
+        }
+        for layout in &layouts {
             let mut held = vec![0usize; devices.len()];
             for copies in &layout.devices_of {
                 prop_assert!(copies.len() >= replication);
@@ -604,7 +613,9 @@ proptest! {
             }
         }
         let n = devices.len();
-        prop_assert!(ours.imbalance(&loads, n) <= baseline.imbalance(&loads, n) + 1e-9);
+        if let Some((baseline, ours)) = &from_scratch {
+            prop_assert!(ours.imbalance(&loads, n) <= baseline.imbalance(&loads, n) + 1e-9);
+        }
         prop_assert!(live.imbalance(&loads, n) <= serving.imbalance(&loads, n) + 1e-9);
     }
 }

@@ -223,18 +223,30 @@ pub fn eplb(
     min_copies: usize,
 ) -> Result<LayerReplicas, ReplicateError> {
     let spread = check(loads, slots, min_copies)?;
-    let counts = copy_counts(loads, slots, min_copies.max(1));
-    let mut items: Vec<(f64, usize)> = counts
-        .iter()
-        .enumerate()
-        .flat_map(|(expert, &count)| {
-            std::iter::repeat_n((loads[expert] / count as f64, expert), count)
-        })
-        .collect();
-    items.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-    let mut layout = Layout::empty(loads, slots, spread);
     let min_copies = min_copies.max(1);
-    for (_, expert) in items {
+    let counts = copy_counts(loads, slots, min_copies);
+    // Copies heaviest first. Where the first copies must sit on distinct nodes, those go
+    // first (a small node filled with hot copies could otherwise have no room left for an
+    // expert whose only other node is full), then the extra copies.
+    let copies = |from: usize, to: Option<usize>| -> Vec<(f64, usize)> {
+        let mut items: Vec<(f64, usize)> = counts
+            .iter()
+            .enumerate()
+            .flat_map(|(expert, &count)| {
+                let n = to.unwrap_or(count).min(count).saturating_sub(from);
+                std::iter::repeat_n((loads[expert] / count as f64, expert), n)
+            })
+            .collect();
+        items.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        items
+    };
+    let phases = if spread > 1 {
+        vec![copies(0, Some(min_copies)), copies(min_copies, None)]
+    } else {
+        vec![copies(0, None)]
+    };
+    let mut layout = Layout::empty(loads, slots, spread);
+    for (_, expert) in phases.into_iter().flatten() {
         match layout.place(expert) {
             Ok(()) => {}
             // A copy beyond the minimum that no device can take (the devices without one
@@ -611,6 +623,23 @@ mod tests {
             let baseline = eplb(&loads, &slots, min_copies).unwrap();
             check_valid(&baseline, &slots, 100, min_copies);
             assert!(ours.imbalance(&loads, 6) <= baseline.imbalance(&loads, 6) + 1e-9);
+        }
+    }
+
+    #[test]
+    fn a_small_node_still_gets_every_required_copy() {
+        // One device on node 0, three on node 1, two copies each on distinct nodes: node 0
+        // must keep a slot for every expert, however hot the others are.
+        let slots = LayerSlots {
+            node_of: vec![0, 1, 1, 1],
+            capacity: vec![7, 4, 4, 3],
+        };
+        let loads = [8.0, 83110.0, 0.0, 2.0, 7.0];
+        for r in [
+            eplb(&loads, &slots, 2).unwrap(),
+            balance(&loads, &slots, 2).unwrap(),
+        ] {
+            check_valid(&r, &slots, 5, 2);
         }
     }
 

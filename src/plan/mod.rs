@@ -114,12 +114,14 @@ pub struct LayerReport {
     pub imbalance: f64,
     /// The same as `serve` lays experts out, without copies in spare slots.
     pub imbalance_unreplicated: f64,
-    /// DeepSeek's EPLB with the same slots (it re-places every expert), for comparison.
-    pub imbalance_eplb: f64,
+    /// DeepSeek's EPLB with the same slots (it re-places every expert), for comparison;
+    /// `null` when its greedy packing finds no room for an expert's required copies
+    /// (very uneven nodes).
+    pub imbalance_eplb: Option<f64>,
     /// moe-node's `balance` with the same slots, re-placing every expert as EPLB does
     /// (never above `imbalance_eplb`): what a rebalance that also moved the base copies
-    /// would reach.
-    pub imbalance_balanced: f64,
+    /// would reach; `null` where EPLB's is.
+    pub imbalance_balanced: Option<f64>,
     /// Experts activated more than twice the median expert.
     pub hot_experts: Vec<u32>,
     /// Experts whose load per copy is still more than twice the median, after copies.
@@ -155,8 +157,8 @@ struct LayerPlan {
     profiled: bool,
     serving: LayerReplicas,
     replicated: LayerReplicas,
-    eplb_imbalance: f64,
-    balanced_imbalance: f64,
+    eplb_imbalance: Option<f64>,
+    balanced_imbalance: Option<f64>,
 }
 
 /// Makes the plan.
@@ -226,12 +228,14 @@ pub fn plan(input: &PlanInput) -> Result<PlanReport, PlanError> {
         };
         let failed = |source| PlanError::Replicate { layer, source };
         let replicated = replicate::add_replicas(&loads, &slots, &serving).map_err(failed)?;
+        // Re-placing every expert is for comparison: where its greedy packing finds no
+        // room, the report says so rather than failing.
         let eplb_imbalance = replicate::eplb(&loads, &slots, input.replication)
-            .map_err(failed)?
-            .imbalance(&loads, devices);
+            .ok()
+            .map(|r| r.imbalance(&loads, devices));
         let balanced_imbalance = replicate::balance(&loads, &slots, input.replication)
-            .map_err(failed)?
-            .imbalance(&loads, devices);
+            .ok()
+            .map(|r| r.imbalance(&loads, devices));
         layer_plans.push(LayerPlan {
             layer,
             loads,

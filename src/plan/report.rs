@@ -137,11 +137,11 @@ impl PlanReport {
             let more = l.hot_experts.len().saturating_sub(5);
             writeln!(
                 out,
-                "  {:>5} {:>12.3} {:>8.3} {:>9.3} {:>8.3} {:>11} {:>12}  {}{}",
+                "  {:>5} {:>12.3} {:>8} {:>9} {:>8.3} {:>11} {:>12}  {}{}",
                 layer,
                 l.imbalance_unreplicated,
-                l.imbalance_eplb,
-                l.imbalance_balanced,
+                ratio(l.imbalance_eplb),
+                ratio(l.imbalance_balanced),
                 l.imbalance,
                 l.hot_experts.len(),
                 l.copies_added,
@@ -154,6 +154,9 @@ impl PlanReport {
             )?;
         }
 
+        fn ratio(r: Option<f64>) -> String {
+            r.map_or("-".into(), |r| format!("{r:.3}"))
+        }
         if self.verdict.ok {
             writeln!(out, "\nverdict: ready")?;
         } else {
