@@ -221,6 +221,10 @@ fn a_node_under_skewed_load_rebalances_live_without_failing_or_changing_a_reques
         served += ok;
     }
     assert!(served > 10, "only {served} requests ran under load");
+    eprintln!(
+        "rebalance under load: {served} requests, recent imbalance {imbalance_before:.3} -> \
+         {imbalance_after:.3}; report {report}"
+    );
     assert!(
         imbalance_after < imbalance_before,
         "recent imbalance {imbalance_before:.3} before, {imbalance_after:.3} after: {report}"
