@@ -14,12 +14,13 @@ use serde_json::json;
 use serve::{Server, assert_envelope, demo_model};
 
 /// Renders the user's message, unless it asks for a hostile path: `bomb` keeps 90 MB
-/// strings until memory runs out (a few instructions, far within the fuel); `slow` indents
-/// a million lines by 100 000 spaces (work the fuel does not count).
+/// strings until memory runs out (a few instructions, far within the fuel); `slow` builds
+/// and counts a 90 MB string a thousand times, one at a time (work the fuel does not count,
+/// in little memory, so that the deadline and not the memory limit stops it).
 const TEMPLATE: &str = "{% set ns = namespace(l=[]) %}\
     {% if messages[0].content == 'bomb' %}{% for i in range(100) %}\
     {% set ns.l = ns.l + ['x' * (90000000 + i)] %}{% endfor %}{{ ns.l|length }}{% elif messages[0].content == 'slow' %}\
-    {{ ('x\\n' * 1000000)|indent(100000)|length }}{% else %}{{ messages[0].content }}{% endif %}";
+    {% for i in range(1000) %}{{ ('x' * (90000000 + i))|length }}{% endfor %}{% else %}{{ messages[0].content }}{% endif %}";
 
 fn renderer(deadline: Duration) -> IsolatedRenderer {
     IsolatedRenderer::new(PathBuf::from(serve::BIN), TEMPLATE, "<s>", "</s>")
