@@ -3,8 +3,7 @@
 //! (`/admin/experts?format=profile`, `moe-node profile`), and `moe-node plan` reads it.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::sync::OnceLock;
+use std::process::Command;
 
 use serde_json::{Value, json};
 
@@ -13,19 +12,7 @@ use serve::{BIN, Server};
 
 /// The demo model with a gate skewed at `skew`, written once per skew for this binary.
 fn skewed_model(skew: &str) -> PathBuf {
-    static DIRS: OnceLock<std::sync::Mutex<()>> = OnceLock::new();
-    let _one_writer = DIRS.get_or_init(Default::default).lock().unwrap();
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("demo-model-skew-{skew}"));
-    if !dir.join("config.json").exists() {
-        let status = Command::new(BIN)
-            .args(["demo-model", "--skew", skew, "--out"])
-            .arg(&dir)
-            .stderr(Stdio::null())
-            .status()
-            .unwrap();
-        assert!(status.success());
-    }
-    dir
+    serve::demo_model_variant(&format!("demo-model-skew-{skew}"), &["--skew", skew])
 }
 
 /// Serves `model` on two CPU slots and runs a few greedy completions through it.

@@ -65,6 +65,13 @@ struct Worker {
     replies: mpsc::Receiver<std::io::Result<String>>,
 }
 
+impl Worker {
+    fn send(&mut self, line: &str) -> std::io::Result<()> {
+        writeln!(self.stdin, "{line}")?;
+        self.stdin.flush()
+    }
+}
+
 impl Drop for Worker {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -101,14 +108,11 @@ impl IsolatedRenderer {
             _ => self.start()?,
         };
         let request = serde_json::to_string(messages).expect("strings serialise");
-        if writeln!(worker.stdin, "{request}")
-            .and_then(|()| worker.stdin.flush())
-            .is_err()
-        {
+        if worker.send(&request).is_err() {
             // A worker that died while idle: one fresh attempt.
             worker = self.start()?;
-            writeln!(worker.stdin, "{request}")
-                .and_then(|()| worker.stdin.flush())
+            worker
+                .send(&request)
                 .map_err(|e| format!("cannot reach the chat template's worker process: {e}"))?;
         }
         let line = match worker.replies.recv_timeout(self.deadline) {

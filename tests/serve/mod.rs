@@ -79,19 +79,27 @@ impl Drop for Process {
 /// The demo model, written once for all tests of this binary.
 pub fn demo_model() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("demo-model");
-        if !dir.join("config.json").exists() {
-            let status = Command::new(BIN)
-                .args(["demo-model", "--out"])
-                .arg(&dir)
-                .stderr(Stdio::null())
-                .status()
-                .unwrap();
-            assert!(status.success());
-        }
-        dir
-    })
+    DIR.get_or_init(|| demo_model_variant("demo-model", &[]))
+}
+
+/// The demo model written by `moe-node demo-model <args>` under `name` in this binary's
+/// temporary directory, once (a lock keeps two tests from writing one at the same time).
+pub fn demo_model_variant(name: &str, args: &[&str]) -> PathBuf {
+    static WRITING: Mutex<()> = Mutex::new(());
+    let _one_writer = WRITING.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
+    if !dir.join("config.json").exists() {
+        let status = Command::new(BIN)
+            .arg("demo-model")
+            .args(args)
+            .arg("--out")
+            .arg(&dir)
+            .stderr(Stdio::null())
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+    dir
 }
 
 pub struct Server {
