@@ -41,6 +41,7 @@ fn served() -> &'static Served {
             qk_rope_head_dim: 2,
             v_head_dim: 2,
             seed: 1,
+            skew: 0.0,
         };
         write_demo_model(dir.path(), &spec, |_, _| {}).expect("demo model");
         Served {
