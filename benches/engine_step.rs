@@ -38,7 +38,7 @@ fn step_ms(engine: &Engine, batch: usize, iters: usize) -> f64 {
     let mut prefill: Vec<SequenceStep> = caches
         .iter_mut()
         .zip(&prompts)
-        .map(|(cache, tokens)| SequenceStep { cache, tokens })
+        .map(|(cache, tokens)| SequenceStep::new(cache, tokens))
         .collect();
     engine.forward(&mut prefill).expect("prefill");
     let tokens: Vec<[u32; 1]> = (0..batch).map(|b| [(b as u32 * 13) % 250 + 1]).collect();
@@ -47,7 +47,7 @@ fn step_ms(engine: &Engine, batch: usize, iters: usize) -> f64 {
             let mut step: Vec<SequenceStep> = caches
                 .iter_mut()
                 .zip(&tokens)
-                .map(|(cache, tokens)| SequenceStep { cache, tokens })
+                .map(|(cache, tokens)| SequenceStep::new(cache, tokens))
                 .collect();
             let started = Instant::now();
             engine.forward(&mut step).expect("decode step");

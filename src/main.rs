@@ -479,6 +479,7 @@ fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {
                 temperature: args.temperature,
                 top_p: args.top_p,
                 seed: args.seed,
+                ..SamplingParams::default()
             },
             stop_at_eos: args.stop_at_eos,
         },

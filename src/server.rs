@@ -272,16 +272,14 @@ fn watch_router(state: &AppState) -> Result<(), ServeError> {
 /// caches and a broken device shows up before the node says it is ready.
 fn warm_up(node: &Node) -> Result<(), ServeError> {
     let submit = Submit {
-        prompt: vec![0],
-        max_tokens: 1,
-        sampling: SamplingParams::default(),
         stop_at_eos: false,
+        ..Submit::new(vec![0], 1, SamplingParams::default())
     };
     let mut events = futures::executor::block_on(node.router.submit(submit))
         .map_err(|e| ServeError::WarmUp(e.to_string()))?;
     loop {
         match events.blocking_recv() {
-            Some(SequenceEvent::Token(_)) => {}
+            Some(SequenceEvent::Token { .. } | SequenceEvent::PromptLogprobs(_)) => {}
             Some(SequenceEvent::Finished { .. }) => return Ok(()),
             Some(SequenceEvent::Failed(e)) => return Err(ServeError::WarmUp(e)),
             None => return Err(ServeError::WarmUp("the router stopped".into())),

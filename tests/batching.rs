@@ -30,16 +30,10 @@ fn batched_steps_equal_single_steps() {
             .iter()
             .map(|p| {
                 let mut cache = engine.new_cache();
-                let mut step = [SequenceStep {
-                    cache: &mut cache,
-                    tokens: p,
-                }];
+                let mut step = [SequenceStep::new(&mut cache, p)];
                 let mut logits = engine.forward(&mut step).unwrap().swap_remove(0);
                 // Then one decode step with a fixed token.
-                let mut step = [SequenceStep {
-                    cache: &mut cache,
-                    tokens: &[7],
-                }];
+                let mut step = [SequenceStep::new(&mut cache, &[7])];
                 logits.extend(engine.forward(&mut step).unwrap().swap_remove(0));
                 logits
             })
@@ -49,15 +43,12 @@ fn batched_steps_equal_single_steps() {
         let mut batch: Vec<SequenceStep> = caches
             .iter_mut()
             .zip(prompts)
-            .map(|(cache, tokens)| SequenceStep { cache, tokens })
+            .map(|(cache, tokens)| SequenceStep::new(cache, tokens))
             .collect();
         let mut together = engine.forward(&mut batch).unwrap();
         let mut batch: Vec<SequenceStep> = caches
             .iter_mut()
-            .map(|cache| SequenceStep {
-                cache,
-                tokens: &[7],
-            })
+            .map(|cache| SequenceStep::new(cache, &[7]))
             .collect();
         for (all, decode) in together.iter_mut().zip(engine.forward(&mut batch).unwrap()) {
             all.extend(decode);
@@ -98,17 +89,11 @@ fn a_step_whose_experts_are_unreachable_fails_and_leaves_the_caches_as_they_were
     );
 
     let mut cache = complete.new_cache();
-    let mut step = [SequenceStep {
-        cache: &mut cache,
-        tokens: &[1, 2, 3],
-    }];
+    let mut step = [SequenceStep::new(&mut cache, &[1, 2, 3])];
     complete.forward(&mut step).unwrap();
     let (len_before, bytes_before) = (cache.len(), cache.bytes());
 
-    let mut step = [SequenceStep {
-        cache: &mut cache,
-        tokens: &[4, 5],
-    }];
+    let mut step = [SequenceStep::new(&mut cache, &[4, 5])];
     let err = partial.forward(&mut step).unwrap_err();
     assert!(
         matches!(
@@ -121,16 +106,10 @@ fn a_step_whose_experts_are_unreachable_fails_and_leaves_the_caches_as_they_were
     assert_eq!(cache.bytes(), bytes_before);
 
     // The sequence carries on as if the failed step had never been tried.
-    let mut step = [SequenceStep {
-        cache: &mut cache,
-        tokens: &[4, 5],
-    }];
+    let mut step = [SequenceStep::new(&mut cache, &[4, 5])];
     let resumed = complete.forward(&mut step).unwrap();
     let mut fresh = complete.new_cache();
-    let mut step = [SequenceStep {
-        cache: &mut fresh,
-        tokens: &[1, 2, 3, 4, 5],
-    }];
+    let mut step = [SequenceStep::new(&mut fresh, &[1, 2, 3, 4, 5])];
     let expected = complete.forward(&mut step).unwrap();
     let diff = max_difference(&resumed[0], &expected[0]);
     assert!(diff < 1e-4, "resumed logits differ by {diff}");

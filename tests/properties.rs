@@ -402,7 +402,7 @@ impl Ledger {
             "event {event:?} for request {id}, which has left"
         );
         match event {
-            SequenceEvent::Token(_) => *self.tokens.entry(id).or_default() += 1,
+            SequenceEvent::Token { .. } => *self.tokens.entry(id).or_default() += 1,
             SequenceEvent::Finished {
                 completion_tokens, ..
             } => {
@@ -411,7 +411,7 @@ impl Ledger {
                     *completion_tokens
                 );
             }
-            SequenceEvent::Failed(_) => {}
+            SequenceEvent::Failed(_) | SequenceEvent::PromptLogprobs(_) => {}
         }
     }
 }
@@ -440,7 +440,8 @@ proptest! {
                 .collect();
             let mut position = 0usize;
             let mut leaving: Vec<(usize, &'static str)> = Vec::new();
-            batcher.complete_step(logits, |&mut id, event| {
+            let fork = |cache: &KvCache| cache.host_copy().ok_or(moe_node::engine::EngineError::ForeignCache);
+            batcher.complete_step(logits, fork, |&mut id, event| {
                 ledger.event(id, &event);
                 match event {
                     SequenceEvent::Finished { .. } => {

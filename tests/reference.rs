@@ -146,7 +146,7 @@ fn check_whole_model_on_gpu(
     let mut cache = engine.new_cache();
     let step = |cache: &mut moe_node::engine::KvCache, tokens: &[u32]| {
         engine
-            .forward(&mut [SequenceStep { cache, tokens }])
+            .forward(&mut [SequenceStep::new(cache, tokens)])
             .unwrap_or_else(|e| panic!("{name}, whole model on GPU: {e}"))
             .remove(0)
     };
@@ -183,14 +183,8 @@ fn check_whole_model_on_gpu(
     let mut prefilling = engine.new_cache();
     let together = engine
         .forward(&mut [
-            SequenceStep {
-                cache: &mut decoding,
-                tokens: &continuation[..1],
-            },
-            SequenceStep {
-                cache: &mut prefilling,
-                tokens: &all,
-            },
+            SequenceStep::new(&mut decoding, &continuation[..1]),
+            SequenceStep::new(&mut prefilling, &all),
         ])
         .unwrap_or_else(|e| panic!("{name}, whole model on GPU, two sequences: {e}"));
     let diff = worse(
@@ -232,10 +226,7 @@ fn batched_against_alone(engine: &Engine, prompts: &[Vec<u32>], steps: usize) ->
         let mut logits = Vec::new();
         for _ in 0..=steps {
             let out = engine
-                .forward(&mut [SequenceStep {
-                    cache: &mut cache,
-                    tokens: &tokens,
-                }])
+                .forward(&mut [SequenceStep::new(&mut cache, &tokens)])
                 .unwrap()
                 .remove(0);
             tokens = vec![argmax(&out)];
@@ -255,7 +246,7 @@ fn batched_against_alone(engine: &Engine, prompts: &[Vec<u32>], steps: usize) ->
         let mut batch: Vec<SequenceStep> = caches
             .iter_mut()
             .zip(&inputs)
-            .map(|(cache, tokens)| SequenceStep { cache, tokens })
+            .map(|(cache, tokens)| SequenceStep::new(cache, tokens))
             .collect();
         let together = engine.forward(&mut batch).unwrap();
         for (i, logits) in together.iter().enumerate() {

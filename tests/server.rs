@@ -411,7 +411,7 @@ fn bad_requests_get_openai_errors_with_the_right_status() {
             "/v1/completions",
             r#"{"prompt": "hi", "n": 3}"#.into(),
             StatusCode::BAD_REQUEST,
-            "n = 1",
+            "n must be from 1 to 1 (batching.max_sequences",
         ),
         (
             "/v1/completions",

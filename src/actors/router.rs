@@ -15,7 +15,9 @@ use crate::engine::batch::{BatchLimits, Batcher, QueueFull, Sequence, SequenceEv
 use crate::engine::{Engine, SamplingParams};
 use crate::metrics::NodeMetrics;
 
-/// Where a sequence's events go, and the times its latency metrics need.
+/// Where a sequence's events go, and the times its latency metrics need (the choices of a
+/// request with `n` > 1 each hold a copy).
+#[derive(Clone)]
 pub struct EventSink {
     events: mpsc::Sender<SequenceEvent>,
     admitted: Instant,
@@ -69,9 +71,31 @@ impl StepClock {
 /// cancels the generation at the next step.
 pub struct Submit {
     pub prompt: Vec<u32>,
+    /// 0 only with `prompt_logprobs`: the prompt is scored, nothing generated.
     pub max_tokens: usize,
     pub sampling: SamplingParams,
     pub stop_at_eos: bool,
+    /// Choices generated from the prompt (`n`), each with its own events.
+    pub choices: usize,
+    /// Alternatives per generated token's log probabilities, if wanted.
+    pub logprobs: Option<usize>,
+    /// Alternatives per prompt token's log probabilities, if wanted.
+    pub prompt_logprobs: Option<usize>,
+}
+
+impl Submit {
+    /// `max_tokens` tokens from `prompt`, one choice, no log probabilities.
+    pub fn new(prompt: Vec<u32>, max_tokens: usize, sampling: SamplingParams) -> Self {
+        Submit {
+            prompt,
+            max_tokens,
+            sampling,
+            stop_at_eos: true,
+            choices: 1,
+            logprobs: None,
+            prompt_logprobs: None,
+        }
+    }
 }
 
 impl Message for Submit {
@@ -193,10 +217,13 @@ impl Handler<Submit> for RouterActor {
         // Room for every token and the final event: the router never waits on a client.
         // `max_tokens` is bounded by the model's context; the cap only keeps a caller that
         // skipped that check from asking tokio for an impossible channel.
+        let choices = msg.choices.max(1);
         let capacity = msg
             .max_tokens
             .saturating_add(2)
-            .min(crate::model::config::MAX_CONTEXT + 2);
+            .min(crate::model::config::MAX_CONTEXT + 2)
+            .saturating_mul(choices)
+            .saturating_add(1);
         let (events, receiver) = mpsc::channel(capacity);
         let sink = EventSink {
             events,
@@ -210,7 +237,10 @@ impl Handler<Submit> for RouterActor {
             msg.stop_at_eos,
             self.engine.new_cache(),
             sink,
-        );
+        )
+        .with_choices(choices)
+        .with_logprobs(msg.logprobs)
+        .with_prompt_logprobs(msg.prompt_logprobs);
         self.batcher.submit(sequence)?;
         self.update_gauges();
         self.schedule_step(ctx);
@@ -238,11 +268,16 @@ impl Handler<Step> for RouterActor {
                 Ok(logits) => {
                     let prompt_tokens = self.batcher.planned_prompt_tokens();
                     metrics.prompt_tokens.inc_by(prompt_tokens as u64);
-                    self.batcher.complete_step(logits, |sink, event| {
-                        record(metrics, sink, &event);
-                        // A full or closed channel means the client is gone.
-                        sink.events.try_send(event).is_ok()
-                    });
+                    let engine = &self.engine;
+                    self.batcher.complete_step(
+                        logits,
+                        |cache| engine.fork_cache(cache),
+                        |sink, event| {
+                            record(metrics, sink, &event);
+                            // A full or closed channel means the client is gone.
+                            sink.events.try_send(event).is_ok()
+                        },
+                    );
                 }
                 Err(e) => {
                     tracing::error!(error = %e, "step failed; its sequences were ended");
@@ -261,7 +296,7 @@ impl Handler<Step> for RouterActor {
 fn record(metrics: &NodeMetrics, sink: &mut EventSink, event: &SequenceEvent) {
     let now = Instant::now();
     match event {
-        SequenceEvent::Token(_) => {
+        SequenceEvent::Token { .. } => {
             metrics.generation_tokens.inc();
             match sink.last_token {
                 None => metrics
@@ -276,7 +311,7 @@ fn record(metrics: &NodeMetrics, sink: &mut EventSink, event: &SequenceEvent) {
         SequenceEvent::Finished { .. } => metrics
             .request_latency
             .observe((now - sink.admitted).as_secs_f64()),
-        SequenceEvent::Failed(_) => {}
+        SequenceEvent::Failed(_) | SequenceEvent::PromptLogprobs(_) => {}
     }
 }
 

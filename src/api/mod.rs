@@ -4,8 +4,10 @@
 
 pub mod admin;
 pub mod cluster;
+pub mod detokenize;
 pub mod error;
 pub mod openai;
+mod response;
 pub mod stop;
 
 use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};

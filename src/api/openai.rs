@@ -1,21 +1,20 @@
 //! OpenAI-compatible endpoints: `/v1/completions`, `/v1/chat/completions` (with server-sent
 //! events when `stream` is set), `/v1/models`, and `/tokenize`.
 
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
-use actix_web::web::Bytes;
 use actix_web::{HttpResponse, web};
-use futures::Stream;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::{mpsc, watch};
 
-use super::stop::StopStrings;
+use super::response::{Response, sse_stream, whole_response};
 use super::{ApiError, AppState, ServedModel, parse_json, read_body};
 use crate::actors::router::{Submit, SubmitError};
 use crate::config::{BatchingConfig, NodeConfig};
+use crate::engine::SamplingParams;
 use crate::engine::batch::SequenceEvent;
-use crate::engine::{FinishReason, SamplingParams};
+use crate::engine::logprobs::MAX_TOP_LOGPROBS;
 use crate::model::chat_template::{ChatMessage, ChatTemplate, encode_chat};
 use crate::model::{ModelConfig, Tokenizer};
 
@@ -58,6 +57,25 @@ struct GenerationFields {
     ignore_eos: bool,
     /// Text at which generation stops (not included in the output).
     stop: Option<StopInput>,
+    /// Keep only the k most likely tokens; -1 or 0 keep all.
+    top_k: Option<i64>,
+    min_p: Option<f32>,
+    presence_penalty: Option<f32>,
+    frequency_penalty: Option<f32>,
+    repetition_penalty: Option<f32>,
+    /// Token id (as a string) → bias added to its logit.
+    logit_bias: Option<serde_json::Map<String, Value>>,
+    /// Tokens generated before an end token may be.
+    min_tokens: Option<usize>,
+    /// Tokens that end generation, besides the model's end-of-sequence tokens.
+    stop_token_ids: Option<Vec<u32>>,
+    /// Completions: alternatives per token (an integer); chat: whether to return log
+    /// probabilities (true or false).
+    logprobs: Option<Value>,
+    /// Chat: alternatives per token.
+    top_logprobs: Option<usize>,
+    /// Completions: the prompt's text (and log probabilities) before the completion.
+    echo: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -95,7 +113,7 @@ const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
 
 /// Top-level fields both generation endpoints take (`user` is accepted and unused: it only
 /// names the caller).
-const GENERATION_FIELDS: [&str; 13] = [
+const GENERATION_FIELDS: [&str; 22] = [
     "model",
     "max_tokens",
     "max_completion_tokens",
@@ -109,7 +127,21 @@ const GENERATION_FIELDS: [&str; 13] = [
     "ignore_eos",
     "stop",
     "user",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "min_tokens",
+    "stop_token_ids",
+    "logprobs",
 ];
+
+/// Fields only `/v1/completions` takes.
+const COMPLETION_FIELDS: [&str; 2] = ["prompt", "echo"];
+/// Fields only `/v1/chat/completions` takes.
+const CHAT_FIELDS: [&str; 2] = ["messages", "top_logprobs"];
 
 /// A field the endpoint does not know is an error, not ignored: a misspelled `max_token`
 /// must not silently generate to the end of the context.
@@ -193,7 +225,7 @@ struct TokenizeRequest {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
-enum Endpoint {
+pub(super) enum Endpoint {
     Completions,
     Chat,
 }
@@ -226,18 +258,33 @@ impl ServedModel {
 /// A validated request, ready for the router.
 #[derive(Debug)]
 pub struct Admitted {
-    endpoint: Endpoint,
-    model: String,
+    pub(super) endpoint: Endpoint,
+    pub(super) model: String,
     /// Handed to the router on submission.
-    prompt: Vec<u32>,
-    prompt_tokens: usize,
-    max_tokens: usize,
-    sampling: SamplingParams,
-    stop_at_eos: bool,
-    stream: bool,
-    include_usage: bool,
-    return_token_ids: bool,
-    stop: Vec<String>,
+    pub(super) prompt: Vec<u32>,
+    pub(super) prompt_tokens: usize,
+    pub(super) max_tokens: usize,
+    pub(super) sampling: SamplingParams,
+    pub(super) stop_at_eos: bool,
+    pub(super) stream: bool,
+    pub(super) include_usage: bool,
+    pub(super) return_token_ids: bool,
+    pub(super) stop: Vec<String>,
+    /// Choices (`n`).
+    pub(super) choices: usize,
+    /// Alternatives per generated token's log probabilities, when asked for.
+    pub(super) logprobs: Option<usize>,
+    /// The prompt returned before the completion (`echo`).
+    pub(super) echo: Option<Echo>,
+}
+
+/// What `echo` returns of the prompt.
+#[derive(Debug, Default)]
+pub(super) struct Echo {
+    pub(super) ids: Vec<u32>,
+    pub(super) text: String,
+    /// Alternatives per prompt token's log probabilities, when asked for.
+    pub(super) logprobs: Option<usize>,
 }
 
 pub async fn completions(
@@ -280,12 +327,22 @@ async fn validate_off_the_event_loop<T: Send + 'static>(
 
 /// Parses and validates a `/v1/completions` body: everything short of generating.
 pub fn completion_request(served: &RequestContext, body: &[u8]) -> Result<Admitted, ApiError> {
-    let request: CompletionRequest = parse_request(body, &["prompt"])?;
+    let request: CompletionRequest = parse_request(body, &COMPLETION_FIELDS)?;
+    let mut prompt_text = None;
     let prompt = match request.prompt {
         PromptInput::Ids(ids) => ids,
-        PromptInput::Text(text) => encode(served, &text)?,
+        PromptInput::Text(text) => {
+            let ids = encode(served, &text)?;
+            prompt_text = Some(text);
+            ids
+        }
         PromptInput::IdsBatch(mut batch) if batch.len() == 1 => batch.swap_remove(0),
-        PromptInput::TextBatch(batch) if batch.len() == 1 => encode(served, &batch[0])?,
+        PromptInput::TextBatch(mut batch) if batch.len() == 1 => {
+            let text = batch.swap_remove(0);
+            let ids = encode(served, &text)?;
+            prompt_text = Some(text);
+            ids
+        }
         _ => {
             return Err(ApiError::bad_request(
                 "send one prompt per request; batches of prompts are not supported",
@@ -293,12 +350,20 @@ pub fn completion_request(served: &RequestContext, body: &[u8]) -> Result<Admitt
             .with_param("prompt"));
         }
     };
-    admit(served, Endpoint::Completions, prompt, request.fields)
+    let mut admitted = admit(served, Endpoint::Completions, prompt, request.fields)?;
+    if let Some(echo) = &mut admitted.echo {
+        echo.text = match (prompt_text, served.tokenizer) {
+            (Some(text), _) => text,
+            (None, Some(tokenizer)) => tokenizer.decode_text(&echo.ids).unwrap_or_default(),
+            (None, None) => String::new(),
+        };
+    }
+    Ok(admitted)
 }
 
 /// Parses and validates a `/v1/chat/completions` body: everything short of generating.
 pub fn chat_request(served: &RequestContext, body: &[u8]) -> Result<Admitted, ApiError> {
-    let request: ChatRequest = parse_request(body, &["messages"])?;
+    let request: ChatRequest = parse_request(body, &CHAT_FIELDS)?;
     let prompt = chat_prompt(served, request.messages)?;
     admit(served, Endpoint::Chat, prompt, request.fields)
 }
@@ -415,10 +480,23 @@ fn admit(
     {
         return Err(ApiError::unknown_model(model, served.name));
     }
-    if fields.n.is_some_and(|n| n != 1) {
-        return Err(ApiError::bad_request("only n = 1 is supported").with_param("n"));
-    }
     let limits = served.limits;
+    let choices = fields.n.unwrap_or(1);
+    if choices == 0 || choices > limits.max_sequences {
+        return Err(ApiError::bad_request(format!(
+            "n must be from 1 to {} (batching.max_sequences: every choice needs a place in \
+             the batch), not {choices}",
+            limits.max_sequences
+        ))
+        .with_param("n"));
+    }
+    let (logprobs, echo) = logprobs_asked(endpoint, &fields)?;
+    if echo.is_some() && fields.stream {
+        return Err(
+            ApiError::bad_request("echo is not supported with stream: send stream: false")
+                .with_param("echo"),
+        );
+    }
     let model = served.model;
     if prompt.is_empty() {
         return Err(ApiError::bad_request("the prompt is empty").with_param("prompt"));
@@ -451,10 +529,12 @@ fn admit(
     }
     let room = context - prompt.len();
     let max_tokens = match fields.max_completion_tokens.or(fields.max_tokens) {
-        Some(0) => {
-            return Err(
-                ApiError::bad_request("max_tokens must be at least 1").with_param("max_tokens")
-            );
+        Some(0) if echo.is_none() => {
+            return Err(ApiError::bad_request(
+                "max_tokens must be at least 1 (0 is accepted with echo: true, to score the \
+                 prompt)",
+            )
+            .with_param("max_tokens"));
         }
         Some(n) if n > room => {
             return Err(ApiError::bad_request(format!(
@@ -468,12 +548,10 @@ fn admit(
         Some(n) => n,
         None => limits.default_max_tokens.min(room),
     };
-    let sampling = SamplingParams {
-        temperature: fields.temperature.unwrap_or(1.0),
-        top_p: fields.top_p.unwrap_or(1.0),
-        seed: fields.seed.unwrap_or_else(rand_seed),
-    };
-    sampling.validate().map_err(ApiError::bad_request)?;
+    let sampling = sampling_params(&fields, max_tokens)?;
+    sampling
+        .validate(model.vocab_size)
+        .map_err(|e| ApiError::bad_request(e.message).with_param(e.param))?;
     let stop = match fields.stop {
         None => Vec::new(),
         Some(StopInput::One(s)) => vec![s],
@@ -496,6 +574,11 @@ fn admit(
                 .with_param("stop"),
         );
     }
+    let prompt_ids_for_echo = if echo.is_some() {
+        prompt.clone()
+    } else {
+        Vec::new()
+    };
     Ok(Admitted {
         endpoint,
         model: served.name.to_string(),
@@ -508,7 +591,122 @@ fn admit(
         include_usage: fields.stream_options.unwrap_or_default().include_usage,
         return_token_ids: fields.return_token_ids,
         stop,
+        choices,
+        logprobs,
+        echo: echo.map(|logprobs| Echo {
+            ids: prompt_ids_for_echo,
+            text: String::new(),
+            logprobs,
+        }),
     })
+}
+
+/// The sampling controls of a request, checked for what needs the request to check.
+fn sampling_params(
+    fields: &GenerationFields,
+    max_tokens: usize,
+) -> Result<SamplingParams, ApiError> {
+    let top_k = match fields.top_k {
+        None | Some(-1) | Some(0) => 0,
+        Some(k) if k > 0 => usize::try_from(k).unwrap_or(usize::MAX),
+        Some(k) => {
+            return Err(ApiError::bad_request(format!(
+                "top_k must be -1 or 0 (every token) or at least 1, not {k}"
+            ))
+            .with_param("top_k"));
+        }
+    };
+    let mut logit_bias = Vec::new();
+    for (key, bias) in fields.logit_bias.iter().flatten() {
+        let bad = |what: String| ApiError::bad_request(what).with_param("logit_bias");
+        let token = key.parse::<u32>().map_err(|_| {
+            bad(format!(
+                "logit_bias: `{key}` is not a token id (keys are token ids as strings)"
+            ))
+        })?;
+        let bias = bias.as_f64().ok_or_else(|| {
+            bad(format!(
+                "logit_bias: the bias of token {token} must be a number from -100 to 100"
+            ))
+        })?;
+        logit_bias.push((token, bias as f32));
+    }
+    let min_tokens = fields.min_tokens.unwrap_or(0);
+    if min_tokens > max_tokens {
+        return Err(ApiError::bad_request(format!(
+            "min_tokens ({min_tokens}) must not be more than max_tokens ({max_tokens})"
+        ))
+        .with_param("min_tokens"));
+    }
+    Ok(SamplingParams {
+        temperature: fields.temperature.unwrap_or(1.0),
+        top_p: fields.top_p.unwrap_or(1.0),
+        top_k,
+        min_p: fields.min_p.unwrap_or(0.0),
+        presence_penalty: fields.presence_penalty.unwrap_or(0.0),
+        frequency_penalty: fields.frequency_penalty.unwrap_or(0.0),
+        repetition_penalty: fields.repetition_penalty.unwrap_or(1.0),
+        logit_bias,
+        min_tokens,
+        stop_token_ids: fields.stop_token_ids.clone().unwrap_or_default(),
+        seed: fields.seed.unwrap_or_else(rand_seed),
+    })
+}
+
+/// Alternatives per generated token's log probabilities, and whether the prompt is echoed
+/// (with alternatives per prompt token's log probabilities, if those are asked for too).
+/// Completions take `logprobs: N` and `echo`; chat takes `logprobs: true` and
+/// `top_logprobs: N`.
+#[allow(clippy::type_complexity)]
+fn logprobs_asked(
+    endpoint: Endpoint,
+    fields: &GenerationFields,
+) -> Result<(Option<usize>, Option<Option<usize>>), ApiError> {
+    let too_many = |param: &'static str, n: u64| {
+        ApiError::bad_request(format!(
+            "{param} must be from 0 to {MAX_TOP_LOGPROBS}, not {n}"
+        ))
+        .with_param(param)
+    };
+    match endpoint {
+        Endpoint::Completions => {
+            let top = match &fields.logprobs {
+                None | Some(Value::Null) => None,
+                Some(value) => match value.as_u64() {
+                    Some(n) if n <= MAX_TOP_LOGPROBS as u64 => Some(n as usize),
+                    Some(n) => return Err(too_many("logprobs", n)),
+                    None => {
+                        return Err(ApiError::bad_request(format!(
+                            "logprobs on /v1/completions is the number of alternatives per \
+                             token, from 0 to {MAX_TOP_LOGPROBS}, not {value}"
+                        ))
+                        .with_param("logprobs"));
+                    }
+                },
+            };
+            let echo = fields.echo.unwrap_or(false).then_some(top);
+            Ok((top, echo))
+        }
+        Endpoint::Chat => {
+            let on = match &fields.logprobs {
+                None | Some(Value::Null) => false,
+                Some(Value::Bool(on)) => *on,
+                Some(other) => {
+                    return Err(ApiError::bad_request(format!(
+                        "logprobs on /v1/chat/completions is true or false (the number of \
+                         alternatives is top_logprobs), not {other}"
+                    ))
+                    .with_param("logprobs"));
+                }
+            };
+            match fields.top_logprobs {
+                Some(n) if n > MAX_TOP_LOGPROBS => Err(too_many("top_logprobs", n as u64)),
+                Some(_) if !on => Err(ApiError::bad_request("top_logprobs needs logprobs: true")
+                    .with_param("top_logprobs")),
+                top => Ok((on.then(|| top.unwrap_or(0)), None)),
+            }
+        }
+    }
 }
 
 /// As OpenAI's API.
@@ -537,7 +735,6 @@ async fn generate(
     served: &ServedModel,
     mut request: Admitted,
 ) -> Result<HttpResponse, ApiError> {
-    let started = Instant::now();
     let in_flight = state.track();
     let prompt_tokens = request.prompt_tokens;
     let mut events = served
@@ -546,8 +743,11 @@ async fn generate(
         .submit(Submit {
             prompt: std::mem::take(&mut request.prompt),
             max_tokens: request.max_tokens,
-            sampling: request.sampling,
+            sampling: request.sampling.clone(),
             stop_at_eos: request.stop_at_eos,
+            choices: request.choices,
+            logprobs: request.logprobs,
+            prompt_logprobs: request.echo.as_ref().and_then(|echo| echo.logprobs),
         })
         .await
         .map_err(|e| match e {
@@ -566,20 +766,12 @@ async fn generate(
         request = %id,
         prompt_tokens,
         max_tokens = request.max_tokens,
+        n = request.choices,
         stream = request.stream,
         "request admitted"
     );
-    let stop = request.stop.clone();
-    let mut response = Response {
-        id,
-        created: unix_now(),
-        request,
-        decoder: TextDecoder::new(stop),
-        token_ids: Vec::new(),
-        started,
-        cut: state.cut_watch(),
-        _in_flight: in_flight,
-    };
+    let stream = request.stream;
+    let mut response = Response::new(id, unix_now(), request, state.cut_watch(), in_flight);
     // The status waits for the first event, streamed or not, so that a request that fails
     // before its first token (no live replica, the router gone) gets its error status.
     let first = match next_event(&mut events, &mut response.cut).await {
@@ -593,7 +785,7 @@ async fn generate(
         None => return Err(cut_error()),
         Some(Some(event)) => event,
     };
-    if response.request.stream {
+    if stream {
         let stream = sse_stream(response, events, first, state);
         return Ok(HttpResponse::Ok()
             .content_type("text/event-stream")
@@ -601,19 +793,6 @@ async fn generate(
             .streaming(stream));
     }
     whole_response(response, events, first, state).await
-}
-
-/// The state of one response as tokens arrive.
-struct Response {
-    id: String,
-    created: u64,
-    request: Admitted,
-    decoder: TextDecoder,
-    token_ids: Vec<u32>,
-    started: Instant,
-    /// Turns true when the drain time is up.
-    cut: watch::Receiver<bool>,
-    _in_flight: super::InFlight,
 }
 
 /// Resolves when the drain time is up (never, if the node's state is gone).
@@ -624,7 +803,7 @@ async fn drain_cut(cut: &mut watch::Receiver<bool>) {
 }
 
 /// The error a response still running at the end of the drain time ends with.
-fn cut_error() -> ApiError {
+pub(super) fn cut_error() -> ApiError {
     ApiError::unavailable(
         "the node is shutting down and its drain time (server.drain_seconds) is up; \
          the generation was ended: retry on another node",
@@ -633,391 +812,12 @@ fn cut_error() -> ApiError {
 }
 
 /// The next event of a generation, or `None` once the drain time is up.
-async fn next_event(
+pub(super) async fn next_event(
     events: &mut mpsc::Receiver<SequenceEvent>,
     cut: &mut watch::Receiver<bool>,
 ) -> Option<Option<SequenceEvent>> {
     tokio::select! {
         event = events.recv() => Some(event),
         _ = drain_cut(cut) => None,
-    }
-}
-
-impl Response {
-    fn object(&self, chunk: bool) -> &'static str {
-        match (self.request.endpoint, chunk) {
-            (Endpoint::Completions, _) => "text_completion",
-            (Endpoint::Chat, false) => "chat.completion",
-            (Endpoint::Chat, true) => "chat.completion.chunk",
-        }
-    }
-
-    fn envelope(&self, chunk: bool, choices: Value) -> Value {
-        json!({
-            "id": self.id,
-            "object": self.object(chunk),
-            "created": self.created,
-            "model": self.request.model,
-            "choices": choices,
-        })
-    }
-
-    fn usage(&self, prompt_tokens: usize, completion_tokens: usize) -> Value {
-        json!({
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        })
-    }
-
-    fn log_finished(&self, reason: &str, completion_tokens: usize) {
-        tracing::info!(
-            request = %self.id,
-            completion_tokens,
-            finish_reason = reason,
-            seconds = self.started.elapsed().as_secs_f32(),
-            "request finished"
-        );
-    }
-
-    /// One streamed chunk carrying `delta` (text) and `ids` (token ids).
-    fn chunk(&self, delta: &str, ids: &[u32], finish_reason: Option<&str>) -> Value {
-        let mut choice = match self.request.endpoint {
-            Endpoint::Completions => json!({"index": 0, "text": delta, "logprobs": null}),
-            Endpoint::Chat => {
-                let delta = if finish_reason.is_some() && delta.is_empty() {
-                    json!({})
-                } else {
-                    json!({"content": delta})
-                };
-                json!({"index": 0, "delta": delta, "logprobs": null})
-            }
-        };
-        choice["finish_reason"] = finish_reason.into();
-        if self.request.return_token_ids {
-            choice["token_ids"] = json!(ids);
-        }
-        self.envelope(true, json!([choice]))
-    }
-}
-
-fn finish_reason(reason: FinishReason) -> &'static str {
-    match reason {
-        FinishReason::Length => "length",
-        FinishReason::Stop => "stop",
-    }
-}
-
-/// A non-streamed response, once its first event is in (so a request that fails at once has
-/// got its error status). The body is sent as it forms: a space (JSON allows leading
-/// whitespace) every [`KEEPALIVE_TOKENS`] tokens, then the object. The spaces are how a
-/// client that went away is noticed: the write fails, the body is dropped, and so is the
-/// generation. The status (200) is sent with the first space, so a generation that fails
-/// later ends the body with the error envelope instead of the completion.
-async fn whole_response(
-    response: Response,
-    events: mpsc::Receiver<SequenceEvent>,
-    first: SequenceEvent,
-    app: web::Data<AppState>,
-) -> Result<HttpResponse, ApiError> {
-    let state = (response, events, Some(first), false);
-    let body = futures::stream::unfold(state, move |(mut response, mut events, mut next, done)| {
-        let app = app.clone();
-        async move {
-            if done {
-                return None;
-            }
-            let served = app.served()?;
-            loop {
-                let event = match next.take() {
-                    Some(event) => Some(event),
-                    None => match next_event(&mut events, &mut response.cut).await {
-                        Some(event) => event,
-                        None => {
-                            tracing::info!(request = %response.id, "request ended by the drain deadline");
-                            return Some((
-                                Ok(Bytes::from(cut_error().body().to_string())),
-                                (response, events, None, true),
-                            ));
-                        }
-                    },
-                };
-                let out = match event {
-                    Some(SequenceEvent::Token(token)) => {
-                        response.token_ids.push(token);
-                        if response.decoder.has_stops()
-                            && response.decoder.stop_reached(served, &response.token_ids)
-                        {
-                            // Dropping `events` afterwards ends the generation.
-                            let generated = response.token_ids.len();
-                            let prompt_tokens = response.request.prompt_tokens;
-                            let body = whole_body(
-                                &mut response,
-                                served,
-                                FinishReason::Stop,
-                                prompt_tokens,
-                                generated,
-                            );
-                            return Some((
-                                Ok(Bytes::from(body.to_string())),
-                                (response, events, None, true),
-                            ));
-                        }
-                        if response.token_ids.len() % KEEPALIVE_TOKENS != 0 {
-                            continue;
-                        }
-                        return Some((
-                            Ok(Bytes::from_static(b" ")),
-                            (response, events, None, false),
-                        ));
-                    }
-                    Some(SequenceEvent::Finished {
-                        reason,
-                        prompt_tokens,
-                        completion_tokens,
-                    }) => whole_body(
-                        &mut response,
-                        served,
-                        reason,
-                        prompt_tokens,
-                        completion_tokens,
-                    ),
-                    Some(SequenceEvent::Failed(reason)) => {
-                        ApiError::unavailable(format!("generation failed: {reason}")).body()
-                    }
-                    None => ApiError::unavailable("the router stopped").body(),
-                };
-                return Some((
-                    Ok(Bytes::from(out.to_string())),
-                    (response, events, None, true),
-                ));
-            }
-        }
-    });
-    Ok(HttpResponse::Ok()
-        .content_type("application/json")
-        .streaming::<_, actix_web::Error>(body))
-}
-
-/// Tokens between the keep-alive spaces of a non-streamed response.
-const KEEPALIVE_TOKENS: usize = 16;
-
-fn whole_body(
-    response: &mut Response,
-    served: &ServedModel,
-    reason: FinishReason,
-    prompt_tokens: usize,
-    completion_tokens: usize,
-) -> Value {
-    let text = response.decoder.final_text(served, &response.token_ids);
-    let reason = finish_reason(reason);
-    let mut choice = match response.request.endpoint {
-        Endpoint::Completions => json!({"index": 0, "text": text, "logprobs": null}),
-        Endpoint::Chat => json!({
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": null,
-        }),
-    };
-    choice["finish_reason"] = reason.into();
-    if response.request.return_token_ids {
-        choice["token_ids"] = json!(response.token_ids);
-    }
-    let mut body = response.envelope(false, json!([choice]));
-    body["usage"] = response.usage(prompt_tokens, completion_tokens);
-    response.log_finished(reason, completion_tokens);
-    body
-}
-
-/// Server-sent events: one chunk per token, the finishing chunk, optionally usage, then
-/// `data: [DONE]`. Dropping the stream (the client went away) drops the receiver, which ends
-/// the generation at the router's next step.
-fn sse_stream(
-    response: Response,
-    events: mpsc::Receiver<SequenceEvent>,
-    first: SequenceEvent,
-    app: web::Data<AppState>,
-) -> impl Stream<Item = Result<Bytes, actix_web::Error>> + 'static {
-    struct State {
-        response: Response,
-        events: mpsc::Receiver<SequenceEvent>,
-        /// The first event, received before the status was sent.
-        first: Option<SequenceEvent>,
-        pending: std::collections::VecDeque<Bytes>,
-        started: bool,
-        done: bool,
-    }
-    impl State {
-        /// Queues the finishing chunk (with `rest` of the text), usage if asked, `[DONE]`.
-        fn finish(
-            &mut self,
-            rest: &str,
-            reason: FinishReason,
-            prompt_tokens: usize,
-            completion_tokens: usize,
-        ) {
-            let reason = finish_reason(reason);
-            let last = self.response.chunk(rest, &[], Some(reason));
-            self.pending.push_back(sse(&last));
-            if self.response.request.include_usage {
-                let mut usage = self.response.envelope(true, json!([]));
-                usage["usage"] = self.response.usage(prompt_tokens, completion_tokens);
-                self.pending.push_back(sse(&usage));
-            }
-            self.pending
-                .push_back(Bytes::from_static(b"data: [DONE]\n\n"));
-            self.response.log_finished(reason, completion_tokens);
-            self.done = true;
-        }
-    }
-    let state = State {
-        response,
-        events,
-        first: Some(first),
-        pending: Default::default(),
-        started: false,
-        done: false,
-    };
-    futures::stream::unfold(state, move |mut s| {
-        let app = app.clone();
-        async move {
-            let served = app.served()?;
-            loop {
-                if let Some(bytes) = s.pending.pop_front() {
-                    return Some((Ok(bytes), s));
-                }
-                if s.done {
-                    return None;
-                }
-                if !s.started && s.response.request.endpoint == Endpoint::Chat {
-                    s.started = true;
-                    let mut first = s.response.chunk("", &[], None);
-                    first["choices"][0]["delta"] = json!({"role": "assistant", "content": ""});
-                    s.pending.push_back(sse(&first));
-                    continue;
-                }
-                let event = match s.first.take() {
-                    Some(first) => Some(first),
-                    None => match next_event(&mut s.events, &mut s.response.cut).await {
-                        Some(event) => event,
-                        None => {
-                            tracing::info!(request = %s.response.id, "stream ended by the drain deadline");
-                            s.pending.push_back(sse(&cut_error().body()));
-                            s.pending.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
-                            s.done = true;
-                            continue;
-                        }
-                    },
-                };
-                match event {
-                    Some(SequenceEvent::Token(token)) => {
-                        s.response.token_ids.push(token);
-                        let (delta, stopped) =
-                            s.response.decoder.next_delta(served, &s.response.token_ids);
-                        let chunk = s.response.chunk(&delta, &[token], None);
-                        s.pending.push_back(sse(&chunk));
-                        if stopped {
-                            // The stream ends here; dropping `events` ends the generation.
-                            let generated = s.response.token_ids.len();
-                            let prompt_tokens = s.response.request.prompt_tokens;
-                            s.finish("", FinishReason::Stop, prompt_tokens, generated);
-                        }
-                    }
-                    Some(SequenceEvent::Finished {
-                        reason,
-                        prompt_tokens,
-                        completion_tokens,
-                    }) => {
-                        let rest = s.response.decoder.rest(served, &s.response.token_ids);
-                        s.finish(&rest, reason, prompt_tokens, completion_tokens);
-                    }
-                    Some(SequenceEvent::Failed(reason)) => {
-                        let error = ApiError::unavailable(format!("generation failed: {reason}"));
-                        s.pending.push_back(sse(&error.body()));
-                        s.pending.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
-                        s.done = true;
-                    }
-                    None => s.done = true,
-                }
-            }
-        }
-    })
-}
-
-fn sse(value: &Value) -> Bytes {
-    Bytes::from(format!("data: {value}\n\n"))
-}
-
-/// Turns generated ids into text: for streaming, each delta is what the decoded text grew
-/// by, held back while it ends in an incomplete character or in what may be the start of a
-/// stop string; text from a stop string on is never sent. Without a tokenizer the text is
-/// empty and clients read `token_ids`.
-struct TextDecoder {
-    stops: StopStrings,
-    /// Bytes of the decoded text already sent.
-    sent: usize,
-}
-
-impl TextDecoder {
-    fn new(stops: Vec<String>) -> Self {
-        TextDecoder {
-            stops: StopStrings::new(stops),
-            sent: 0,
-        }
-    }
-
-    fn has_stops(&self) -> bool {
-        !self.stops.is_empty()
-    }
-
-    fn full_text(&self, served: &ServedModel, ids: &[u32]) -> String {
-        served
-            .tokenizer
-            .as_ref()
-            .and_then(|t| t.decode_text(ids).ok())
-            .unwrap_or_default()
-    }
-
-    /// The text of `ids`, cut before the first stop string.
-    fn final_text(&self, served: &ServedModel, ids: &[u32]) -> String {
-        let mut text = self.full_text(served, ids);
-        if let Some(at) = self.stops.find(&text) {
-            text.truncate(at);
-        }
-        text
-    }
-
-    fn stop_reached(&self, served: &ServedModel, ids: &[u32]) -> bool {
-        self.stops.find(&self.full_text(served, ids)).is_some()
-    }
-
-    /// The next piece of text to stream, and whether a stop string was reached.
-    fn next_delta(&mut self, served: &ServedModel, ids: &[u32]) -> (String, bool) {
-        let text = self.full_text(served, ids);
-        if let Some(at) = self.stops.find(&text) {
-            return (self.take(&text, at), true);
-        }
-        if text.ends_with('\u{FFFD}') {
-            return (String::new(), false);
-        }
-        let safe = self.stops.safe_len(&text);
-        (self.take(&text, safe), false)
-    }
-
-    /// Whatever is left at the end, complete or not.
-    fn rest(&mut self, served: &ServedModel, ids: &[u32]) -> String {
-        let text = self.final_text(served, ids);
-        self.take(&text, text.len())
-    }
-
-    /// `text[sent..end]`, after which `end` counts as sent.
-    fn take(&mut self, text: &str, end: usize) -> String {
-        match text.get(self.sent..end) {
-            Some(delta) => {
-                self.sent = end;
-                delta.to_string()
-            }
-            None => String::new(),
-        }
     }
 }

@@ -12,6 +12,11 @@ impl StopStrings {
         self.0.is_empty()
     }
 
+    /// Bytes of the longest stop string (0 when there is none).
+    pub fn longest(&self) -> usize {
+        self.0.iter().map(String::len).max().unwrap_or(0)
+    }
+
     /// Byte offset of the earliest stop string in `text`.
     pub fn find(&self, text: &str) -> Option<usize> {
         self.0

@@ -7,6 +7,7 @@ use std::collections::VecDeque;
 
 use super::generate::FinishReason;
 use super::kv_cache::KvCache;
+use super::logprobs::{TokenLogprobs, token_logprobs};
 use super::sampling::{Sampler, SamplingParams};
 use super::{EngineError, SequenceStep};
 
@@ -22,13 +23,22 @@ pub struct BatchLimits {
     pub prefill_chunk: usize,
 }
 
-/// What happened to a sequence in a step, as its client sees it.
+/// What happened to a sequence in a step, as its client sees it. `choice` tells the
+/// choices of a request with `n` > 1 apart (0 to n - 1).
 #[derive(Debug, Clone, PartialEq)]
 pub enum SequenceEvent {
-    /// A generated token.
-    Token(u32),
-    /// No more tokens will come.
+    /// The log probabilities of the prompt's tokens after the first, once it is prefilled
+    /// (when asked for with [`Sequence::with_prompt_logprobs`]).
+    PromptLogprobs(Vec<TokenLogprobs>),
+    /// A generated token, with its log probabilities when asked for.
+    Token {
+        choice: usize,
+        token: u32,
+        logprobs: Option<TokenLogprobs>,
+    },
+    /// No more tokens will come for this choice.
     Finished {
+        choice: usize,
         reason: FinishReason,
         prompt_tokens: usize,
         completion_tokens: usize,
@@ -55,6 +65,16 @@ pub struct Sequence<S> {
     stop_at_eos: bool,
     sampler: Sampler,
     cache: KvCache,
+    /// Which choice of its request this sequence generates.
+    choice: usize,
+    /// Choices still to be forked off this one when its prompt is prefilled (1: none).
+    choices: usize,
+    /// Alternatives per generated token's log probabilities; `None`: no log probabilities.
+    logprobs: Option<usize>,
+    /// Alternatives per prompt token's log probabilities; `None`: none computed.
+    prompt_logprobs: Option<usize>,
+    /// The prompt's log probabilities computed so far (prefill may take several steps).
+    prompt_logprobs_so_far: Vec<TokenLogprobs>,
     pub sink: S,
 }
 
@@ -68,20 +88,136 @@ impl<S> Sequence<S> {
         sink: S,
     ) -> Self {
         Sequence {
+            sampler: Sampler::new(sampling).with_prompt(&prompt),
             prompt,
             prefilled: 0,
             pending: 0,
             generated: 0,
             max_tokens,
             stop_at_eos,
-            sampler: Sampler::new(sampling),
             cache,
+            choice: 0,
+            choices: 1,
+            logprobs: None,
+            prompt_logprobs: None,
+            prompt_logprobs_so_far: Vec::new(),
             sink,
         }
     }
 
+    /// `n` choices from one prompt: prefilled once, then its cache is copied into each.
+    /// Choice `i` samples with seed `seed + i`. Needs `n` places in the batch.
+    pub fn with_choices(mut self, n: usize) -> Self {
+        self.choices = n.max(1);
+        self
+    }
+
+    /// Log probabilities of each generated token, with `top` alternatives.
+    pub fn with_logprobs(mut self, top: Option<usize>) -> Self {
+        self.logprobs = top;
+        self
+    }
+
+    /// Log probabilities of the prompt's tokens (all but the first), with `top`
+    /// alternatives: the prompt's prefill computes the logits of every position.
+    pub fn with_prompt_logprobs(mut self, top: Option<usize>) -> Self {
+        self.prompt_logprobs = top;
+        self
+    }
+
     fn decoding(&self) -> bool {
         self.prefilled == self.prompt.len()
+    }
+
+    /// Places in the batch: a prompt still to fork into `n` choices holds `n`.
+    fn places(&self) -> usize {
+        self.choices
+    }
+
+    /// Choice `choice` of this prefilled sequence, in a copy of its cache.
+    fn fork(&self, choice: usize, cache: KvCache) -> Self
+    where
+        S: Clone,
+    {
+        Sequence {
+            prompt: self.prompt.clone(),
+            prefilled: self.prefilled,
+            pending: self.pending,
+            generated: self.generated,
+            max_tokens: self.max_tokens,
+            stop_at_eos: self.stop_at_eos,
+            sampler: self.sampler.fork(choice as u64),
+            cache,
+            choice,
+            choices: 1,
+            logprobs: self.logprobs,
+            prompt_logprobs: None,
+            prompt_logprobs_so_far: Vec::new(),
+            sink: self.sink.clone(),
+        }
+    }
+
+    /// Samples this sequence's next token from `logits` (the model's, for its last
+    /// position) and reports it; returns whether the sequence stays in the batch.
+    fn take_token(
+        &mut self,
+        mut logits: Vec<f32>,
+        emit: &mut impl FnMut(&mut S, SequenceEvent) -> bool,
+    ) -> bool {
+        if self.max_tokens == 0 {
+            // Only the prompt was wanted (its log probabilities).
+            return self.finish(FinishReason::Length, emit);
+        }
+        // Log probabilities of the raw logits, before the sampler changes them.
+        let logprobs = self.logprobs.map(|top| (top, logits.clone()));
+        let token = self.sampler.sample(&mut logits);
+        let logprobs = logprobs.map(|(top, raw)| token_logprobs(&raw, token, top));
+        self.pending = token;
+        self.generated += 1;
+        let event = SequenceEvent::Token {
+            choice: self.choice,
+            token,
+            logprobs,
+        };
+        let open = emit(&mut self.sink, event);
+        if self.sampler.ends_at(token) {
+            self.finish(FinishReason::Stop, emit)
+        } else if self.generated >= self.max_tokens {
+            self.finish(FinishReason::Length, emit)
+        } else {
+            open
+        }
+    }
+
+    /// Reports the end of this choice; it leaves the batch.
+    fn finish(
+        &mut self,
+        reason: FinishReason,
+        emit: &mut impl FnMut(&mut S, SequenceEvent) -> bool,
+    ) -> bool {
+        let finished = SequenceEvent::Finished {
+            choice: self.choice,
+            reason,
+            prompt_tokens: self.prompt.len(),
+            completion_tokens: self.generated,
+        };
+        emit(&mut self.sink, finished);
+        false
+    }
+
+    /// Log probabilities of the prompt tokens that `rows` (the logits of the `rows.len() /
+    /// vocab` positions just prefilled from `self.prefilled`) predict.
+    fn note_prompt_logprobs(&mut self, rows: &[f32], positions: usize, top: usize) {
+        if positions == 0 || rows.len() % positions != 0 {
+            return;
+        }
+        let vocab = rows.len() / positions;
+        for (j, row) in rows.chunks_exact(vocab).enumerate() {
+            if let Some(&next) = self.prompt.get(self.prefilled + j + 1) {
+                self.prompt_logprobs_so_far
+                    .push(token_logprobs(row, next, top));
+            }
+        }
     }
 }
 
@@ -131,6 +267,10 @@ impl<S> Batcher<S> {
                 waiting: self.waiting.len(),
             });
         }
+        let mut sequence = sequence;
+        if sequence.stop_at_eos {
+            sequence.sampler.end_also_at(&self.eos_token_ids);
+        }
         self.waiting.push_back(sequence);
         Ok(())
     }
@@ -149,11 +289,18 @@ impl<S> Batcher<S> {
     /// prompt chunks in arrival order while the step's token budget lasts. Returns the step's
     /// inputs, empty when there is nothing to do.
     pub fn plan_step(&mut self) -> Vec<SequenceStep<'_>> {
-        while self.running.len() < self.limits.max_sequences {
-            match self.waiting.pop_front() {
-                Some(s) => self.running.push(s),
-                None => break,
+        let mut occupied: usize = self.running.iter().map(Sequence::places).sum();
+        while let Some(next) = self.waiting.front() {
+            // A request with more choices than places still gets in, alone.
+            let fits = occupied + next.places() <= self.limits.max_sequences;
+            if !fits && occupied > 0 {
+                break;
             }
+            let Some(s) = self.waiting.pop_front() else {
+                break;
+            };
+            occupied += s.places();
+            self.running.push(s);
         }
         self.planned.clear();
         let mut budget = self.limits.max_tokens_per_step;
@@ -186,63 +333,90 @@ impl<S> Batcher<S> {
                 prefilled,
                 pending,
                 cache,
+                prompt_logprobs,
                 ..
             } = s;
-            let tokens = if *prefilled < prompt.len() {
-                &prompt[*prefilled..*prefilled + tokens]
+            let (tokens, all_logits) = if *prefilled < prompt.len() {
+                let chunk = &prompt[*prefilled..*prefilled + tokens];
+                (chunk, prompt_logprobs.is_some())
             } else {
-                std::slice::from_ref(&*pending)
+                (std::slice::from_ref(&*pending), false)
             };
-            steps.push(SequenceStep { cache, tokens });
+            steps.push(SequenceStep {
+                cache,
+                tokens,
+                all_logits,
+            });
         }
         steps
     }
 
-    /// Takes the planned step's logits (in plan order), samples, and reports each event
-    /// through `emit`; sequences that finish, or whose `emit` returns false (client gone),
-    /// leave the batch.
+    /// Takes the planned step's logits (in plan order; every position of a sequence that
+    /// asked for all of them), samples, and reports each event through `emit`; sequences
+    /// that finish, or whose `emit` returns false (client gone), leave the batch. A prompt
+    /// with `n` choices that is now prefilled forks into `n` sequences, each in a copy of its
+    /// cache made by `fork_cache`.
     pub fn complete_step(
         &mut self,
         logits: Vec<Vec<f32>>,
+        mut fork_cache: impl FnMut(&KvCache) -> Result<KvCache, EngineError>,
         mut emit: impl FnMut(&mut S, SequenceEvent) -> bool,
-    ) {
+    ) where
+        S: Clone,
+    {
         let mut leaving = Vec::new();
-        for (&(i, tokens), logits) in self.planned.iter().zip(logits) {
+        let mut forked = Vec::new();
+        for (&(i, tokens), mut logits) in self.planned.iter().zip(logits) {
             let s = &mut self.running[i];
             if !s.decoding() {
+                if let Some(top) = s.prompt_logprobs {
+                    s.note_prompt_logprobs(&logits, tokens, top);
+                    // The last position's logits choose the first token.
+                    let vocab = logits.len() / tokens.max(1);
+                    logits.drain(..logits.len() - vocab);
+                }
                 s.prefilled += tokens;
                 if !s.decoding() {
                     continue;
                 }
+                if s.prompt_logprobs.is_some() {
+                    let prompt = std::mem::take(&mut s.prompt_logprobs_so_far);
+                    if !emit(&mut s.sink, SequenceEvent::PromptLogprobs(prompt)) {
+                        leaving.push(i);
+                        continue;
+                    }
+                }
+                let mut copies = Vec::with_capacity(s.choices - 1);
+                for choice in 1..s.choices {
+                    match fork_cache(&s.cache) {
+                        Ok(cache) => copies.push(s.fork(choice, cache)),
+                        Err(e) => {
+                            emit(&mut s.sink, SequenceEvent::Failed(e.to_string()));
+                            break;
+                        }
+                    }
+                }
+                if copies.len() + 1 < s.choices {
+                    leaving.push(i);
+                    continue;
+                }
+                s.choices = 1;
+                for mut copy in copies {
+                    if copy.take_token(logits.clone(), &mut emit) {
+                        forked.push(copy);
+                    }
+                }
             }
-            let token = s.sampler.sample(&logits);
-            s.pending = token;
-            s.generated += 1;
-            let mut open = emit(&mut s.sink, SequenceEvent::Token(token));
-            let reason = if s.stop_at_eos && self.eos_token_ids.contains(&token) {
-                Some(FinishReason::Stop)
-            } else if s.generated >= s.max_tokens {
-                Some(FinishReason::Length)
-            } else {
-                None
-            };
-            if let Some(reason) = reason {
-                let finished = SequenceEvent::Finished {
-                    reason,
-                    prompt_tokens: s.prompt.len(),
-                    completion_tokens: s.generated,
-                };
-                emit(&mut s.sink, finished);
-                open = false;
-            }
-            if !open {
+            if !s.take_token(logits, &mut emit) {
                 leaving.push(i);
             }
         }
         self.planned.clear();
+        leaving.sort_unstable();
         for i in leaving.into_iter().rev() {
             self.running.swap_remove(i);
         }
+        self.running.extend(forked);
     }
 
     /// The planned step failed: every sequence in it is told why and leaves (their caches
@@ -294,6 +468,18 @@ mod tests {
         l
     }
 
+    fn host_fork(cache: &KvCache) -> Result<KvCache, EngineError> {
+        cache.host_copy().ok_or(EngineError::ForeignCache)
+    }
+
+    fn token(choice: usize, token: u32) -> SequenceEvent {
+        SequenceEvent::Token {
+            choice,
+            token,
+            logprobs: None,
+        }
+    }
+
     fn plan(b: &mut Batcher<u32>) -> Vec<usize> {
         b.plan_step().iter().map(|s| s.tokens.len()).collect()
     }
@@ -319,31 +505,32 @@ mod tests {
         b.submit(sequence(&cfg, 3, 3, 1)).unwrap();
         // Both prefill: 4 (chunk limit) + 2 (what the budget leaves).
         assert_eq!(plan(&mut b), vec![4, 2]);
-        b.complete_step(vec![logits_for(1), logits_for(1)], |_, _| true);
+        b.complete_step(vec![logits_for(1), logits_for(1)], host_fork, |_, _| true);
         // Sequence 0 has 6 prompt tokens left, sequence 1 has 1: still prefilling.
         assert_eq!(plan(&mut b), vec![4, 1]);
         let mut events = Vec::new();
-        b.complete_step(vec![logits_for(1), logits_for(7)], |id, e| {
+        b.complete_step(vec![logits_for(1), logits_for(7)], host_fork, |id, e| {
             events.push((*id, e));
             true
         });
-        assert_eq!(events, vec![(1, SequenceEvent::Token(7))]);
+        assert_eq!(events, vec![(1, token(0, 7))]);
         // Sequence 1 decodes (1 token, first in budget), sequence 0 finishes its prompt (2).
         assert_eq!(plan(&mut b), vec![2, 1]);
         assert_eq!(b.planned_prompt_tokens(), 2);
         events.clear();
-        b.complete_step(vec![logits_for(5), logits_for(15)], |id, e| {
+        b.complete_step(vec![logits_for(5), logits_for(15)], host_fork, |id, e| {
             events.push((*id, e));
             true
         });
         assert_eq!(
             events,
             vec![
-                (0, SequenceEvent::Token(5)),
-                (1, SequenceEvent::Token(15)),
+                (0, token(0, 5)),
+                (1, token(0, 15)),
                 (
                     1,
                     SequenceEvent::Finished {
+                        choice: 0,
                         reason: FinishReason::Stop,
                         prompt_tokens: 3,
                         completion_tokens: 2
@@ -363,7 +550,7 @@ mod tests {
         assert_eq!(plan(&mut b), vec![1, 1]);
         let mut finished = Vec::new();
         // Sequence 1's client is gone: emit returns false for it.
-        b.complete_step(vec![logits_for(2), logits_for(2)], |id, e| {
+        b.complete_step(vec![logits_for(2), logits_for(2)], host_fork, |id, e| {
             if matches!(e, SequenceEvent::Finished { .. }) {
                 finished.push(*id);
             }
@@ -375,5 +562,112 @@ mod tests {
         b.submit(sequence(&cfg, 2, 5, 3)).unwrap();
         assert_eq!(b.retain(|id| *id != 3), 1);
         assert!(!b.has_work());
+    }
+
+    /// A prompt with three choices is prefilled once (with every position's logits for its
+    /// log probabilities), then forks: three sequences, each with its own choice index.
+    #[test]
+    fn n_choices_fork_after_one_prefill_and_prompt_logprobs_come_first() {
+        let cfg = config();
+        let mut b = Batcher::new(limits_for_three(), vec![]);
+        let sequence = sequence(&cfg, 3, 2, 0)
+            .with_choices(3)
+            .with_prompt_logprobs(Some(1));
+        b.submit(sequence).unwrap();
+        let steps = b.plan_step();
+        assert_eq!(steps.len(), 1);
+        assert!(steps[0].all_logits);
+        drop(steps);
+        // Three positions' logits: position j predicts prompt token j + 1 (ids 1 and 2).
+        let rows: Vec<f32> = [logits_for(1), logits_for(2), logits_for(9)].concat();
+        let mut events = Vec::new();
+        b.complete_step(vec![rows], host_fork, |_, e| {
+            events.push(e);
+            true
+        });
+        let SequenceEvent::PromptLogprobs(prompt) = &events[0] else {
+            panic!("{events:?}");
+        };
+        assert_eq!(
+            prompt.iter().map(|p| p.token).collect::<Vec<_>>(),
+            vec![1, 2]
+        );
+        assert_eq!(
+            prompt[0].top[0].0, 1,
+            "the prompt token was the most likely"
+        );
+        let tokens: Vec<(usize, u32)> = events[1..]
+            .iter()
+            .map(|e| match e {
+                SequenceEvent::Token { choice, token, .. } => (*choice, *token),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(
+            tokens,
+            vec![(1, 9), (2, 9), (0, 9)],
+            "greedy: every choice draws 9"
+        );
+        assert_eq!(b.running(), 3);
+        assert_eq!(
+            plan(&mut b),
+            vec![1, 1, 1],
+            "each choice decodes on its own"
+        );
+        events.clear();
+        b.complete_step(vec![logits_for(4); 3], host_fork, |_, e| {
+            events.push(e);
+            true
+        });
+        let finished = events
+            .iter()
+            .filter(|e| {
+                matches!(
+                    e,
+                    SequenceEvent::Finished {
+                        completion_tokens: 2,
+                        ..
+                    }
+                )
+            })
+            .count();
+        assert_eq!(finished, 3);
+        assert!(!b.has_work());
+    }
+
+    /// With `max_tokens` 0 only the prompt is scored: no token, every choice finishes.
+    #[test]
+    fn zero_max_tokens_scores_the_prompt_and_generates_nothing() {
+        let cfg = config();
+        let mut b = Batcher::new(limits(), vec![]);
+        b.submit(sequence(&cfg, 2, 0, 0).with_prompt_logprobs(Some(0)))
+            .unwrap();
+        assert_eq!(plan(&mut b), vec![2]);
+        let mut events = Vec::new();
+        b.complete_step(
+            vec![[logits_for(1), logits_for(3)].concat()],
+            host_fork,
+            |_, e| {
+                events.push(e);
+                true
+            },
+        );
+        assert!(matches!(&events[0], SequenceEvent::PromptLogprobs(p) if p.len() == 1));
+        assert!(matches!(
+            events[1],
+            SequenceEvent::Finished {
+                completion_tokens: 0,
+                reason: FinishReason::Length,
+                ..
+            }
+        ));
+        assert!(!b.has_work());
+    }
+
+    fn limits_for_three() -> BatchLimits {
+        BatchLimits {
+            max_sequences: 3,
+            ..limits()
+        }
     }
 }

@@ -37,8 +37,8 @@ pub fn generate(engine: &Engine, request: &GenerateRequest) -> Result<Generation
     }
     request
         .sampling
-        .validate()
-        .map_err(EngineError::InvalidSampling)?;
+        .validate(engine.config().vocab_size)
+        .map_err(|e| EngineError::InvalidSampling(e.to_string()))?;
     let needed = (request.prompt.len()).saturating_add(request.max_tokens.saturating_sub(1));
     let max = engine.config().max_position_embeddings;
     if needed > max {
@@ -47,21 +47,20 @@ pub fn generate(engine: &Engine, request: &GenerateRequest) -> Result<Generation
     let mut cache = engine.new_cache();
     let mut logits = Vec::new();
     for chunk in request.prompt.chunks(PREFILL_CHUNK) {
-        let mut step = [SequenceStep {
-            cache: &mut cache,
-            tokens: chunk,
-        }];
+        let mut step = [SequenceStep::new(&mut cache, chunk)];
         logits = engine.forward(&mut step)?.swap_remove(0);
     }
     let last_logits = logits.clone();
-    let mut sampler = Sampler::new(request.sampling);
-    let eos = &engine.config().eos_token_ids;
+    let mut sampler = Sampler::new(request.sampling.clone()).with_prompt(&request.prompt);
+    if request.stop_at_eos {
+        sampler.end_also_at(&engine.config().eos_token_ids);
+    }
     let mut token_ids = Vec::with_capacity(request.max_tokens);
     let mut finish_reason = FinishReason::Length;
     while token_ids.len() < request.max_tokens {
-        let token = sampler.sample(&logits);
+        let token = sampler.sample(&mut logits);
         token_ids.push(token);
-        if request.stop_at_eos && eos.contains(&token) {
+        if sampler.ends_at(token) {
             finish_reason = FinishReason::Stop;
             break;
         }
@@ -69,10 +68,7 @@ pub fn generate(engine: &Engine, request: &GenerateRequest) -> Result<Generation
             break;
         }
         let tokens = [token];
-        let mut step = [SequenceStep {
-            cache: &mut cache,
-            tokens: &tokens,
-        }];
+        let mut step = [SequenceStep::new(&mut cache, &tokens)];
         logits = engine.forward(&mut step)?.swap_remove(0);
     }
     Ok(Generation {

@@ -63,6 +63,25 @@ impl KvCache {
         }
     }
 
+    /// A copy of this cache when it is in host memory (`None` on a GPU: see
+    /// [`crate::engine::Engine::fork_cache`]).
+    pub fn host_copy(&self) -> Option<Self> {
+        if self.device.is_some() {
+            return None;
+        }
+        Some(KvCache {
+            layers: self.layers.clone(),
+            device: None,
+            len: self.len,
+        })
+    }
+
+    /// This cache holding `len` positions (a device cache filled by a copy).
+    pub(crate) fn with_len(mut self, len: usize) -> Self {
+        self.len = len;
+        self
+    }
+
     /// Positions already cached; the next token goes at this position.
     pub fn len(&self) -> usize {
         self.len

@@ -8,6 +8,7 @@ pub mod batch;
 pub mod generate;
 pub mod gpu;
 pub mod kv_cache;
+pub mod logprobs;
 pub mod rope;
 pub mod sampling;
 
@@ -52,6 +53,19 @@ pub enum EngineError {
 pub struct SequenceStep<'a> {
     pub cache: &'a mut KvCache,
     pub tokens: &'a [u32],
+    /// Logits for every one of `tokens`, not only the last (a prompt's log probabilities).
+    pub all_logits: bool,
+}
+
+impl<'a> SequenceStep<'a> {
+    /// `tokens` after `cache`, with the logits of the last one.
+    pub fn new(cache: &'a mut KvCache, tokens: &'a [u32]) -> Self {
+        SequenceStep {
+            cache,
+            tokens,
+            all_logits: false,
+        }
+    }
 }
 
 /// A loaded model ready to run steps.
@@ -157,8 +171,23 @@ impl Engine {
         }
     }
 
+    /// A copy of `cache` that grows on its own: the choices of a request with `n` > 1 start
+    /// from one prefilled prompt.
+    pub fn fork_cache(&self, cache: &KvCache) -> Result<KvCache, EngineError> {
+        match (&self.gpu, &cache.device) {
+            (None, None) => cache.host_copy().ok_or(EngineError::ForeignCache),
+            (Some(gpu), Some(device)) => {
+                let model = gpu.lock().unwrap_or_else(|e| e.into_inner());
+                let copy = model.copy_cache(device, cache.len())?;
+                Ok(KvCache::on_device(copy).with_len(cache.len()))
+            }
+            _ => Err(EngineError::ForeignCache),
+        }
+    }
+
     /// Runs one step for a batch of sequences and returns, for each, the logits after its
-    /// last new token. Caches are extended only when the whole step succeeds.
+    /// last new token (`[vocab]`), or after every new token when it asks for all
+    /// (`[tokens, vocab]`). Caches are extended only when the whole step succeeds.
     pub fn forward(&self, batch: &mut [SequenceStep]) -> Result<Vec<Vec<f32>>, EngineError> {
         if batch.is_empty() {
             return Ok(Vec::new());
@@ -203,9 +232,23 @@ impl Engine {
                 angles.push(self.rope.angles(segment.start_position + i));
             }
         }
+        // The rows whose logits are returned, and how many belong to each sequence.
+        let mut logit_rows = Vec::with_capacity(segments.len());
+        let mut rows_per_sequence = Vec::with_capacity(segments.len());
+        for (step, segment) in batch.iter().zip(&segments) {
+            let first = if step.all_logits {
+                segment.rows.start
+            } else {
+                segment.rows.end - 1
+            };
+            logit_rows.extend(first..segment.rows.end);
+            rows_per_sequence.push(segment.rows.end - first);
+        }
         let mut caches: Vec<&mut KvCache> = batch.iter_mut().map(|s| &mut *s.cache).collect();
         if let Some(gpu) = &self.gpu {
-            return self.forward_on_gpu(gpu, &hidden, &angles, &segments, &mut caches);
+            let logits =
+                self.forward_on_gpu(gpu, &hidden, &angles, &segments, &logit_rows, &mut caches)?;
+            return Ok(split_logits(logits, &rows_per_sequence, cfg.vocab_size));
         }
         match self.run_layers(&mut hidden, &angles, &segments, &mut caches) {
             Ok(()) => {
@@ -222,18 +265,14 @@ impl Engine {
             }
         }
 
-        let mut last_rows = Vec::with_capacity(segments.len() * h);
-        for segment in &segments {
-            let last = segment.rows.end - 1;
-            last_rows.extend_from_slice(&hidden[last * h..(last + 1) * h]);
+        let mut wanted = Vec::with_capacity(logit_rows.len() * h);
+        for &row in &logit_rows {
+            wanted.extend_from_slice(&hidden[row * h..(row + 1) * h]);
         }
         let final_norm = &self.weights.final_norm;
-        let normed = rms_norm(&last_rows, &final_norm.weight, final_norm.eps);
-        let logits = self.weights.lm_head().forward(&normed, segments.len());
-        Ok(logits
-            .chunks_exact(cfg.vocab_size)
-            .map(<[f32]>::to_vec)
-            .collect())
+        let normed = rms_norm(&wanted, &final_norm.weight, final_norm.eps);
+        let logits = self.weights.lm_head().forward(&normed, logit_rows.len());
+        Ok(split_logits(logits, &rows_per_sequence, cfg.vocab_size))
     }
 
     /// [`Engine::forward`] with the dense part on the GPU: only the routed experts' rows
@@ -244,8 +283,9 @@ impl Engine {
         hidden: &[f32],
         angles: &[rope::RopeAngles],
         segments: &[Segment],
+        logit_rows: &[usize],
         caches: &mut [&mut KvCache],
-    ) -> Result<Vec<Vec<f32>>, EngineError> {
+    ) -> Result<Vec<f32>, EngineError> {
         // Every cache is on the GPU (checked by `forward`).
         let mut device_caches: Vec<_> = caches
             .iter_mut()
@@ -268,14 +308,18 @@ impl Engine {
             )))),
         };
         let model = gpu.lock().unwrap_or_else(|e| e.into_inner());
-        let logits = model.forward(hidden, angles, segments, &mut device_caches, &mut routed)?;
+        let logits = model.forward(
+            hidden,
+            angles,
+            segments,
+            logit_rows,
+            &mut device_caches,
+            &mut routed,
+        )?;
         for (cache, segment) in caches.iter_mut().zip(segments) {
             cache.advance(segment.rows.len());
         }
-        Ok(logits
-            .chunks_exact(self.config.vocab_size)
-            .map(<[f32]>::to_vec)
-            .collect())
+        Ok(logits)
     }
 
     /// Every decoder layer over the step's rows, appending to the caches.
@@ -316,4 +360,17 @@ impl Engine {
         }
         Ok(())
     }
+}
+
+/// `[rows, vocab]` logits cut into each sequence's `rows_per_sequence` rows.
+fn split_logits(logits: Vec<f32>, rows_per_sequence: &[usize], vocab: usize) -> Vec<Vec<f32>> {
+    let mut rest = logits.as_slice();
+    rows_per_sequence
+        .iter()
+        .map(|&rows| {
+            let (mine, after) = rest.split_at((rows * vocab).min(rest.len()));
+            rest = after;
+            mine.to_vec()
+        })
+        .collect()
 }

@@ -97,6 +97,41 @@ impl DeviceCache {
         Ok(())
     }
 
+    /// A new cache holding a copy of this one's first `positions` positions (copied in
+    /// stream order).
+    pub(super) fn copy(
+        &self,
+        stream: &Arc<CudaStream>,
+        positions: usize,
+    ) -> Result<DeviceCache, CudaError> {
+        let mut copy = DeviceCache {
+            layers: (0..self.layers.len()).map(|_| [None, None]).collect(),
+            widths: self.widths,
+            capacity: 0,
+            max_positions: self.max_positions,
+        };
+        copy.reserve(stream, positions.max(1), 0)?;
+        for (to, from) in copy.layers.iter().zip(&self.layers) {
+            for ((to, from), &width) in to.iter().zip(from).zip(&self.widths) {
+                if let (Some(to), Some(from)) = (to, from)
+                    && positions > 0
+                {
+                    // SAFETY: both buffers hold at least `positions` positions of `width`
+                    // f32 (`from` has cached them; `to` was reserved for them).
+                    unsafe {
+                        result::memcpy_dtod_async(
+                            to.ptr,
+                            from.ptr,
+                            positions * width * 4,
+                            stream.cu_stream(),
+                        )?
+                    };
+                }
+            }
+        }
+        Ok(copy)
+    }
+
     pub(super) fn ptr(&self, layer: usize, which: usize) -> u64 {
         self.layers[layer][which].as_ref().map_or(0, |b| b.ptr)
     }

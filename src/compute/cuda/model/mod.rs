@@ -177,15 +177,28 @@ impl GpuModel {
         Ok(out)
     }
 
-    /// Runs every layer over the step's rows, then the final norm and the lm head on each
-    /// segment's last row. `hidden` holds the rows' embeddings; caches are extended (their
+    /// A copy of the first `positions` positions of `cache`, in new GPU memory.
+    pub fn copy_cache(
+        &self,
+        cache: &DeviceCache,
+        positions: usize,
+    ) -> Result<DeviceCache, CudaError> {
+        let copy = cache.copy(&self.stream, positions)?;
+        self.stream.synchronize()?;
+        Ok(copy)
+    }
+
+    /// Runs every layer over the step's rows, then the final norm and the lm head on rows
+    /// `logit_rows` (each segment's last row, or all of a segment's rows when its logits
+    /// are all wanted). `hidden` holds the rows' embeddings; caches are extended (their
     /// lengths are the caller's to advance); `routed(layer, normed, rows)` returns the
-    /// combined routed-expert output of an MoE layer. Returns `[segments, vocab]` logits.
+    /// combined routed-expert output of an MoE layer. Returns `[logit_rows, vocab]` logits.
     pub fn forward<E: From<CudaError>>(
         &self,
         hidden: &[f32],
         angles: &[RopeAngles],
         segments: &[Segment],
+        logit_rows: &[usize],
         caches: &mut [&mut DeviceCache],
         routed: &mut RoutedExperts<E>,
     ) -> Result<Vec<f32>, E> {
@@ -268,25 +281,29 @@ impl GpuModel {
 
         self.norm(&self.final_norm, x, rows, h, normed)?;
         let xb = self.bf16_of(&mut scratch, normed, rows * h)?;
-        let last: Vec<i32> = segments.iter().map(|s| (s.rows.end - 1) as i32).collect();
-        let last_ptr = scratch.upload(&last)?;
-        let last_rows = scratch.bf16(segments.len() * h)?;
-        // SAFETY: `xb`: `[rows, H]` bf16, every index < rows; `last_rows` room for them.
+        let wanted: Vec<i32> = logit_rows
+            .iter()
+            .filter(|&&r| r < rows)
+            .map(|&r| r as i32)
+            .collect();
+        let wanted_ptr = scratch.upload(&wanted)?;
+        let wanted_rows = scratch.bf16(wanted.len() * h)?;
+        // SAFETY: `xb`: `[rows, H]` bf16, every index < rows; `wanted_rows` room for them.
         unsafe {
             self.moe
-                .gather_rows(stream, xb, last_ptr, segments.len(), h, last_rows)?
+                .gather_rows(stream, xb, wanted_ptr, wanted.len(), h, wanted_rows)?
         };
         let vocab = self.lm_head.out;
-        let logits = scratch.f32(segments.len() * vocab)?;
+        let logits = scratch.f32(wanted.len() * vocab)?;
         self.linear(
             &self.lm_head,
-            last_rows,
-            segments.len(),
+            wanted_rows,
+            wanted.len(),
             logits,
             Output::F32,
         )?;
-        let mut out = vec![0f32; segments.len() * vocab];
-        // SAFETY: `logits` holds `[segments, vocab]` f32; synchronised before it is read.
+        let mut out = vec![0f32; wanted.len() * vocab];
+        // SAFETY: `logits` holds `[wanted, vocab]` f32; synchronised before it is read.
         unsafe {
             result::memcpy_dtoh_async(&mut out[..], logits, stream.cu_stream())
                 .map_err(CudaError::from)?

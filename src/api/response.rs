@@ -1,0 +1,544 @@
+//! A generation's response as its events arrive: one text per choice (`n`), log
+//! probabilities in the endpoint's format, sent whole or as server-sent events.
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use actix_web::web::Bytes;
+use actix_web::{HttpResponse, web};
+use futures::Stream;
+use serde_json::{Value, json};
+use tokio::sync::{mpsc, watch};
+
+use super::detokenize::ChoiceText;
+use super::openai::{Admitted, Endpoint, cut_error, next_event};
+use super::stop::StopStrings;
+use super::{ApiError, AppState, ServedModel};
+use crate::engine::FinishReason;
+use crate::engine::batch::SequenceEvent;
+use crate::engine::logprobs::TokenLogprobs;
+use crate::model::Tokenizer;
+
+/// The state of one response as tokens arrive.
+pub(super) struct Response {
+    pub(super) id: String,
+    pub(super) created: u64,
+    pub(super) request: Admitted,
+    choices: Vec<Choice>,
+    /// The prompt's log probabilities (after its first token), once prefilled.
+    prompt_logprobs: Vec<TokenLogprobs>,
+    /// Tokens received over all choices.
+    tokens_seen: usize,
+    /// Chunks a stream still has to send.
+    out: VecDeque<Bytes>,
+    pub(super) started: Instant,
+    /// Turns true when the drain time is up.
+    pub(super) cut: watch::Receiver<bool>,
+    pub(super) _in_flight: super::InFlight,
+}
+
+/// One choice of a response.
+struct Choice {
+    text: ChoiceText,
+    token_ids: Vec<u32>,
+    logprobs: Vec<TokenLogprobs>,
+    /// Characters of token text streamed so far (the legacy format's `text_offset`).
+    streamed_chars: usize,
+    /// Set when the choice has ended, by the router or by a stop string.
+    finish_reason: Option<&'static str>,
+}
+
+impl Response {
+    pub(super) fn new(
+        id: String,
+        created: u64,
+        request: Admitted,
+        cut: watch::Receiver<bool>,
+        in_flight: super::InFlight,
+    ) -> Self {
+        let choices = (0..request.choices)
+            .map(|_| Choice {
+                text: ChoiceText::new(StopStrings::new(request.stop.clone())),
+                token_ids: Vec::new(),
+                logprobs: Vec::new(),
+                streamed_chars: 0,
+                finish_reason: None,
+            })
+            .collect();
+        Response {
+            id,
+            created,
+            request,
+            choices,
+            prompt_logprobs: Vec::new(),
+            tokens_seen: 0,
+            out: VecDeque::new(),
+            started: Instant::now(),
+            cut,
+            _in_flight: in_flight,
+        }
+    }
+
+    fn streaming(&self) -> bool {
+        self.request.stream
+    }
+
+    /// Takes one event of the generation; returns whether every choice has ended. A
+    /// stream's chunks are queued in `out`.
+    fn take(&mut self, served: &ServedModel, event: SequenceEvent) -> Result<bool, ApiError> {
+        let tokenizer = served.tokenizer.as_ref();
+        match event {
+            SequenceEvent::PromptLogprobs(logprobs) => self.prompt_logprobs = logprobs,
+            SequenceEvent::Token {
+                choice: index,
+                token,
+                logprobs,
+            } => {
+                let streaming = self.streaming();
+                let Some(choice) = self.choices.get_mut(index) else {
+                    return Ok(false);
+                };
+                if choice.finish_reason.is_some() {
+                    // Cut by a stop string; its sequence runs on only while others do.
+                    return Ok(false);
+                }
+                self.tokens_seen += 1;
+                choice.token_ids.push(token);
+                let stopped = choice.text.push(tokenizer, token);
+                if streaming {
+                    let delta = choice.text.delta();
+                    let logprobs = logprobs.as_ref().map(|lp| match self.request.endpoint {
+                        Endpoint::Completions => {
+                            let mut legacy = LegacyLogprobs::starting_at(choice.streamed_chars);
+                            legacy.push(tokenizer, token, Some(lp));
+                            choice.streamed_chars = legacy.offset;
+                            legacy.into_json()
+                        }
+                        Endpoint::Chat => json!({"content": [chat_logprob(tokenizer, lp)]}),
+                    });
+                    let chunk = self.chunk(index, &delta, &[token], logprobs, None);
+                    self.out.push_back(sse(&chunk));
+                }
+                if let (Some(lp), Some(choice)) = (logprobs, self.choices.get_mut(index)) {
+                    choice.logprobs.push(lp);
+                }
+                if stopped {
+                    self.end_choice(tokenizer, index, FinishReason::Stop);
+                }
+            }
+            SequenceEvent::Finished {
+                choice: index,
+                reason,
+                ..
+            } => {
+                if self
+                    .choices
+                    .get(index)
+                    .is_some_and(|c| c.finish_reason.is_none())
+                {
+                    self.end_choice(tokenizer, index, reason);
+                }
+            }
+            SequenceEvent::Failed(reason) => {
+                tracing::info!(request = %self.id, reason = %reason, "request failed");
+                return Err(ApiError::unavailable(format!(
+                    "generation failed: {reason}"
+                )));
+            }
+        }
+        let done = self.choices.iter().all(|c| c.finish_reason.is_some());
+        if done {
+            self.finish();
+        }
+        Ok(done)
+    }
+
+    /// Choice `index` has ended: a stream sends the rest of its text and its reason.
+    fn end_choice(&mut self, tokenizer: Option<&Tokenizer>, index: usize, reason: FinishReason) {
+        let reason = finish_reason(reason);
+        let streaming = self.streaming();
+        let Some(choice) = self.choices.get_mut(index) else {
+            return;
+        };
+        choice.finish_reason = Some(reason);
+        if streaming {
+            let rest = choice.text.rest(tokenizer);
+            let chunk = self.chunk(index, &rest, &[], None, Some(reason));
+            self.out.push_back(sse(&chunk));
+        }
+    }
+
+    /// Every choice has ended: a stream sends usage if asked, then `[DONE]`.
+    fn finish(&mut self) {
+        let completion_tokens = self.completion_tokens();
+        if self.streaming() {
+            if self.request.include_usage {
+                let mut usage = self.envelope(true, json!([]));
+                usage["usage"] = self.usage();
+                self.out.push_back(sse(&usage));
+            }
+            self.out.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+        }
+        let reasons: Vec<&str> = self
+            .choices
+            .iter()
+            .filter_map(|c| c.finish_reason)
+            .collect();
+        tracing::info!(
+            request = %self.id,
+            completion_tokens,
+            finish_reason = reasons.join(","),
+            seconds = self.started.elapsed().as_secs_f32(),
+            "request finished"
+        );
+    }
+
+    fn completion_tokens(&self) -> usize {
+        self.choices.iter().map(|c| c.token_ids.len()).sum()
+    }
+
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.request.endpoint, chunk) {
+            (Endpoint::Completions, _) => "text_completion",
+            (Endpoint::Chat, false) => "chat.completion",
+            (Endpoint::Chat, true) => "chat.completion.chunk",
+        }
+    }
+
+    fn envelope(&self, chunk: bool, choices: Value) -> Value {
+        json!({
+            "id": self.id,
+            "object": self.object(chunk),
+            "created": self.created,
+            "model": self.request.model,
+            "choices": choices,
+        })
+    }
+
+    fn usage(&self) -> Value {
+        let prompt_tokens = self.request.prompt_tokens;
+        let completion_tokens = self.completion_tokens();
+        json!({
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        })
+    }
+
+    /// One streamed chunk of choice `index` carrying `delta` (text) and `ids` (token ids).
+    fn chunk(
+        &self,
+        index: usize,
+        delta: &str,
+        ids: &[u32],
+        logprobs: Option<Value>,
+        finish_reason: Option<&str>,
+    ) -> Value {
+        let mut choice = match self.request.endpoint {
+            Endpoint::Completions => json!({"index": index, "text": delta}),
+            Endpoint::Chat => {
+                let delta = if finish_reason.is_some() && delta.is_empty() {
+                    json!({})
+                } else {
+                    json!({"content": delta})
+                };
+                json!({"index": index, "delta": delta})
+            }
+        };
+        choice["logprobs"] = logprobs.unwrap_or(Value::Null);
+        choice["finish_reason"] = finish_reason.into();
+        if self.request.return_token_ids {
+            choice["token_ids"] = json!(ids);
+        }
+        self.envelope(true, json!([choice]))
+    }
+
+    /// The whole response, once every choice has ended.
+    fn whole_body(&mut self, served: &ServedModel) -> Value {
+        let tokenizer = served.tokenizer.as_ref();
+        let mut choices = Vec::with_capacity(self.choices.len());
+        for (index, choice) in self.choices.iter_mut().enumerate() {
+            let generated = choice.text.final_text(tokenizer);
+            let mut body = match self.request.endpoint {
+                Endpoint::Completions => {
+                    let mut text = String::new();
+                    let mut logprobs = self
+                        .request
+                        .logprobs
+                        .map(|_| LegacyLogprobs::starting_at(0));
+                    if let Some(echo) = &self.request.echo {
+                        text.push_str(&echo.text);
+                        if let (Some(legacy), Some(_)) = (&mut logprobs, echo.logprobs) {
+                            for (i, &id) in echo.ids.iter().enumerate() {
+                                let lp = i.checked_sub(1).and_then(|i| self.prompt_logprobs.get(i));
+                                legacy.push(tokenizer, id, lp);
+                            }
+                        }
+                    }
+                    text.push_str(&generated);
+                    if let Some(legacy) = &mut logprobs {
+                        for lp in &choice.logprobs {
+                            legacy.push(tokenizer, lp.token, Some(lp));
+                        }
+                    }
+                    json!({
+                        "index": index,
+                        "text": text,
+                        "logprobs": logprobs.map(LegacyLogprobs::into_json),
+                    })
+                }
+                Endpoint::Chat => {
+                    let logprobs = self.request.logprobs.map(|_| {
+                        let content: Vec<Value> = choice
+                            .logprobs
+                            .iter()
+                            .map(|lp| chat_logprob(tokenizer, lp))
+                            .collect();
+                        json!({"content": content})
+                    });
+                    json!({
+                        "index": index,
+                        "message": {"role": "assistant", "content": generated},
+                        "logprobs": logprobs,
+                    })
+                }
+            };
+            body["finish_reason"] = choice.finish_reason.into();
+            if self.request.return_token_ids {
+                body["token_ids"] = json!(choice.token_ids);
+            }
+            choices.push(body);
+        }
+        let mut body = self.envelope(false, Value::Array(choices));
+        body["usage"] = self.usage();
+        body
+    }
+}
+
+fn finish_reason(reason: FinishReason) -> &'static str {
+    match reason {
+        FinishReason::Length => "length",
+        FinishReason::Stop => "stop",
+    }
+}
+
+/// A token as clients read it, and its bytes: its text when its bytes are whole UTF-8,
+/// else `bytes:\xNN...` (as OpenAI writes a token that holds part of a character).
+/// Without a tokenizer: `token_id:N` and no bytes.
+fn token_text(tokenizer: Option<&Tokenizer>, id: u32) -> (String, Option<Vec<u8>>) {
+    let Some(tokenizer) = tokenizer else {
+        return (format!("token_id:{id}"), None);
+    };
+    let bytes = tokenizer.token_bytes(id);
+    let text = match std::str::from_utf8(&bytes) {
+        Ok(text) => text.to_string(),
+        Err(_) => {
+            let escaped: String = bytes.iter().map(|b| format!("\\x{b:02x}")).collect();
+            format!("bytes:{escaped}")
+        }
+    };
+    (text, Some(bytes))
+}
+
+/// The completions endpoint's log probabilities: parallel lists of token texts, their
+/// log probabilities, the alternatives (text → log probability, the chosen token among
+/// them) and each token's offset in characters.
+struct LegacyLogprobs {
+    tokens: Vec<String>,
+    token_logprobs: Vec<Value>,
+    top_logprobs: Vec<Value>,
+    text_offset: Vec<usize>,
+    /// Characters of token text so far.
+    offset: usize,
+}
+
+impl LegacyLogprobs {
+    fn starting_at(offset: usize) -> Self {
+        LegacyLogprobs {
+            tokens: Vec::new(),
+            token_logprobs: Vec::new(),
+            top_logprobs: Vec::new(),
+            text_offset: Vec::new(),
+            offset,
+        }
+    }
+
+    /// Token `id`, with its log probabilities (none for a prompt's first token).
+    fn push(&mut self, tokenizer: Option<&Tokenizer>, id: u32, logprobs: Option<&TokenLogprobs>) {
+        let (text, _) = token_text(tokenizer, id);
+        self.text_offset.push(self.offset);
+        self.offset += text.chars().count();
+        match logprobs {
+            Some(lp) => {
+                let mut top = serde_json::Map::new();
+                for &(alternative, logprob) in &lp.top {
+                    top.insert(token_text(tokenizer, alternative).0, json!(logprob));
+                }
+                top.insert(text.clone(), json!(lp.logprob));
+                self.token_logprobs.push(json!(lp.logprob));
+                self.top_logprobs.push(Value::Object(top));
+            }
+            None => {
+                self.token_logprobs.push(Value::Null);
+                self.top_logprobs.push(Value::Null);
+            }
+        }
+        self.tokens.push(text);
+    }
+
+    fn into_json(self) -> Value {
+        json!({
+            "tokens": self.tokens,
+            "token_logprobs": self.token_logprobs,
+            "top_logprobs": self.top_logprobs,
+            "text_offset": self.text_offset,
+        })
+    }
+}
+
+/// One entry of the chat endpoint's `logprobs.content`.
+fn chat_logprob(tokenizer: Option<&Tokenizer>, lp: &TokenLogprobs) -> Value {
+    let entry = |id: u32, logprob: f32| {
+        let (token, bytes) = token_text(tokenizer, id);
+        json!({"token": token, "logprob": logprob, "bytes": bytes})
+    };
+    let mut value = entry(lp.token, lp.logprob);
+    value["top_logprobs"] = lp.top.iter().map(|&(id, l)| entry(id, l)).collect();
+    value
+}
+
+/// A non-streamed response, once its first event is in (so a request that fails at once has
+/// got its error status). The body is sent as it forms: a space (JSON allows leading
+/// whitespace) every [`KEEPALIVE_TOKENS`] tokens, then the object. The spaces are how a
+/// client that went away is noticed: the write fails, the body is dropped, and so is the
+/// generation. The status (200) is sent with the first space, so a generation that fails
+/// later ends the body with the error envelope instead of the completion.
+pub(super) async fn whole_response(
+    response: Response,
+    events: mpsc::Receiver<SequenceEvent>,
+    first: SequenceEvent,
+    app: web::Data<AppState>,
+) -> Result<HttpResponse, ApiError> {
+    let state = (response, events, Some(first), false);
+    let body = futures::stream::unfold(state, move |(mut response, mut events, mut next, done)| {
+        let app = app.clone();
+        async move {
+            if done {
+                return None;
+            }
+            let served = app.served()?;
+            loop {
+                let event = match next.take() {
+                    Some(event) => Some(event),
+                    None => match next_event(&mut events, &mut response.cut).await {
+                        Some(event) => event,
+                        None => {
+                            tracing::info!(request = %response.id, "request ended by the drain deadline");
+                            let body = cut_error().body().to_string();
+                            return Some((Ok(Bytes::from(body)), (response, events, None, true)));
+                        }
+                    },
+                };
+                let Some(event) = event else {
+                    let body = ApiError::unavailable("the router stopped")
+                        .body()
+                        .to_string();
+                    return Some((Ok(Bytes::from(body)), (response, events, None, true)));
+                };
+                let seen = response.tokens_seen;
+                let out = match response.take(served, event) {
+                    // Dropping `events` afterwards ends what is still generating.
+                    Ok(true) => response.whole_body(served).to_string(),
+                    Err(error) => error.body().to_string(),
+                    Ok(false) => {
+                        let token = response.tokens_seen != seen;
+                        if token && response.tokens_seen % KEEPALIVE_TOKENS == 0 {
+                            return Some((
+                                Ok(Bytes::from_static(b" ")),
+                                (response, events, None, false),
+                            ));
+                        }
+                        continue;
+                    }
+                };
+                return Some((Ok(Bytes::from(out)), (response, events, None, true)));
+            }
+        }
+    });
+    Ok(HttpResponse::Ok()
+        .content_type("application/json")
+        .streaming::<_, actix_web::Error>(body))
+}
+
+/// Tokens between the keep-alive spaces of a non-streamed response.
+const KEEPALIVE_TOKENS: usize = 16;
+
+/// Server-sent events: one chunk per token and choice, each choice's finishing chunk,
+/// optionally usage, then `data: [DONE]`. Dropping the stream (the client went away) drops
+/// the receiver, which ends the generation at the router's next step.
+pub(super) fn sse_stream(
+    mut response: Response,
+    events: mpsc::Receiver<SequenceEvent>,
+    first: SequenceEvent,
+    app: web::Data<AppState>,
+) -> impl Stream<Item = Result<Bytes, actix_web::Error>> + 'static {
+    if response.request.endpoint == Endpoint::Chat {
+        for index in 0..response.choices.len() {
+            let mut chunk = response.chunk(index, "", &[], None, None);
+            chunk["choices"][0]["delta"] = json!({"role": "assistant", "content": ""});
+            response.out.push_back(sse(&chunk));
+        }
+    }
+    let state = (response, events, Some(first), false);
+    futures::stream::unfold(
+        state,
+        move |(mut response, mut events, mut next, mut done)| {
+            let app = app.clone();
+            async move {
+                let served = app.served()?;
+                loop {
+                    if let Some(bytes) = response.out.pop_front() {
+                        return Some((Ok(bytes), (response, events, next, done)));
+                    }
+                    if done {
+                        return None;
+                    }
+                    let event = match next.take() {
+                        Some(first) => Some(first),
+                        None => match next_event(&mut events, &mut response.cut).await {
+                            Some(event) => event,
+                            None => {
+                                tracing::info!(request = %response.id, "stream ended by the drain deadline");
+                                response.out.push_back(sse(&cut_error().body()));
+                                response
+                                    .out
+                                    .push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+                                done = true;
+                                continue;
+                            }
+                        },
+                    };
+                    let Some(event) = event else {
+                        done = true;
+                        continue;
+                    };
+                    match response.take(served, event) {
+                        // The stream ends here; dropping `events` ends what still generates.
+                        Ok(finished) => done = finished,
+                        Err(error) => {
+                            response.out.push_back(sse(&error.body()));
+                            response
+                                .out
+                                .push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+                            done = true;
+                        }
+                    }
+                }
+            }
+        },
+    )
+}
+
+fn sse(value: &Value) -> Bytes {
+    Bytes::from(format!("data: {value}\n\n"))
+}
