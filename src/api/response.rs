@@ -452,7 +452,7 @@ pub(super) async fn whole_response(
                     Err(error) => error.body().to_string(),
                     Ok(false) => {
                         let token = response.tokens_seen != seen;
-                        if token && response.tokens_seen % KEEPALIVE_TOKENS == 0 {
+                        if token && response.tokens_seen.is_multiple_of(KEEPALIVE_TOKENS) {
                             return Some((
                                 Ok(Bytes::from_static(b" ")),
                                 (response, events, None, false),

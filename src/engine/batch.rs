@@ -208,7 +208,7 @@ impl<S> Sequence<S> {
     /// Log probabilities of the prompt tokens that `rows` (the logits of the `rows.len() /
     /// vocab` positions just prefilled from `self.prefilled`) predict.
     fn note_prompt_logprobs(&mut self, rows: &[f32], positions: usize, top: usize) {
-        if positions == 0 || rows.len() % positions != 0 {
+        if positions == 0 || !rows.len().is_multiple_of(positions) {
             return;
         }
         let vocab = rows.len() / positions;
