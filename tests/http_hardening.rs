@@ -308,8 +308,13 @@ fn requests_are_taken_as_they_mean_or_refused() {
         ),
         (
             "/v1/completions",
-            json!({"prompt": "hi", "frequency_penalty": 1.5}),
-            "unknown field `frequency_penalty`",
+            json!({"prompt": "hi", "frequency_penality": 1.5}),
+            "unknown field `frequency_penality`",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "hi", "frequency_penalty": 2.5}),
+            "frequency_penalty must be in [-2, 2], not 2.5",
         ),
         (
             "/v1/completions",
