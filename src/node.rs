@@ -43,6 +43,9 @@ pub enum NodeError {
     DeviceRunning(usize),
     #[error("rebalance: {0}")]
     Rebalance(String),
+    /// Another node proposes the cluster's placement changes.
+    #[error("rebalance: {0}")]
+    NotLeader(String),
 }
 
 impl From<cuda::load::LoadError> for NodeError {
@@ -77,8 +80,11 @@ pub struct Node {
     targets: Vec<DeviceTarget>,
     /// Held while a device is started again, so that two starts do not race.
     restarting: std::sync::Mutex<()>,
-    /// The placement the node started with: hot-expert copies are laid over it.
-    base: Arc<Placement>,
+    /// The placement served and the next one, as other nodes fetch them; a rebalance in a
+    /// cluster offers its placement here.
+    board: Arc<PlacementBoard>,
+    /// The key other nodes' APIs take (reading their load to rebalance).
+    api_key: Option<String>,
     /// Spare expert slots per device and layer (`placement.redundant_slots_per_device`).
     spare_slots: usize,
     /// Held while rebalancing: one at a time.
@@ -256,7 +262,8 @@ impl Node {
             checkpoint,
             targets,
             restarting: std::sync::Mutex::new(()),
-            base: placement,
+            board: board.clone(),
+            api_key: config.server.api_keys.first().cloned(),
             spare_slots: config.placement.redundant_slots_per_device,
             rebalancing: std::sync::Mutex::new(()),
             rebalance_metrics,

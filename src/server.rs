@@ -208,8 +208,16 @@ fn rebalance_periodically(state: &AppState) {
         let Some(served) = state.served() else {
             return;
         };
-        if let Err(e) = served.node.rebalance() {
-            tracing::warn!(error = %e, "periodic rebalance failed; the placement stays as it was");
+        match served.node.rebalance() {
+            Ok(_) => {}
+            // In a cluster only the leader rebalances; the others follow its placement.
+            Err(e @ crate::node::NodeError::NotLeader(_)) => {
+                tracing::debug!(error = %e, "periodic rebalance left to the leader")
+            }
+            Err(e) => tracing::warn!(
+                error = %e,
+                "periodic rebalance failed; the placement stays as it was"
+            ),
         }
     }
 }

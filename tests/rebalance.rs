@@ -2,8 +2,12 @@
 //! routes tokens to a few hot experts, the node exports what it measured
 //! (`/admin/experts?format=profile`, `moe-node profile`), and `moe-node plan` reads it.
 
+use std::net::UdpSocket;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
@@ -119,6 +123,64 @@ fn a_skewed_gate_concentrates_activations_and_the_profile_shows_it() {
     );
 }
 
+/// Clients sending completions to some nodes until finished.
+struct Load {
+    stop: Arc<AtomicBool>,
+    clients: Vec<std::thread::JoinHandle<(usize, Vec<String>)>>,
+}
+
+impl Load {
+    /// `per_node` clients for each API base URL in `bases`.
+    fn start(bases: &[&str], per_node: usize) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let clients = bases
+            .iter()
+            .flat_map(|base| (0..per_node).map(move |c| (base.to_string(), c)))
+            .map(|(base, c)| {
+                let stop = stop.clone();
+                std::thread::spawn(move || {
+                    let client = reqwest::blocking::Client::builder()
+                        .timeout(Duration::from_secs(120))
+                        .build()
+                        .unwrap();
+                    let (mut ok, mut failed) = (0, Vec::new());
+                    while !stop.load(Ordering::Relaxed) {
+                        let resp = client
+                            .post(format!("{base}/v1/completions"))
+                            .json(&json!({"prompt": format!("client {c} says {ok}"),
+                                          "max_tokens": 8, "ignore_eos": true}))
+                            .send();
+                        match resp {
+                            Ok(r) if r.status().is_success() => ok += 1,
+                            Ok(r) => failed.push(format!(
+                                "{base}: {}: {}",
+                                r.status(),
+                                r.text().unwrap_or_default()
+                            )),
+                            Err(e) => failed.push(format!("{base}: {e}")),
+                        }
+                    }
+                    (ok, failed)
+                })
+            })
+            .collect();
+        Load { stop, clients }
+    }
+
+    /// Stops the clients; asserts every request succeeded; returns how many ran.
+    fn finish(self) -> usize {
+        self.stop.store(true, Ordering::Relaxed);
+        let mut served = 0;
+        for client in self.clients {
+            let (ok, failed) = client.join().unwrap();
+            assert!(failed.is_empty(), "requests failed: {failed:?}");
+            served += ok;
+        }
+        assert!(served > 10, "only {served} requests ran under load");
+        served
+    }
+}
+
 /// The worst layer's `moe_node_layer_imbalance_recent`.
 fn recent_imbalance(server: &Server) -> f64 {
     let text = server.get("/metrics").text().unwrap();
@@ -156,36 +218,10 @@ fn a_node_under_skewed_load_rebalances_live_without_failing_or_changing_a_reques
     let before: Vec<Value> = prompts.iter().map(|p| greedy(&server, p)).collect();
 
     // Clients keep the node busy from here to the end; every request must succeed.
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let base = server.base.clone();
-    let clients: Vec<_> = (0..3)
-        .map(|c| {
-            let stop = stop.clone();
-            let base = base.clone();
-            std::thread::spawn(move || {
-                let client = reqwest::blocking::Client::new();
-                let (mut ok, mut failed) = (0, Vec::new());
-                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                    let resp = client
-                        .post(format!("{base}/v1/completions"))
-                        .json(&json!({"prompt": format!("client {c} says {ok}"),
-                                      "max_tokens": 8, "ignore_eos": true}))
-                        .send();
-                    match resp {
-                        Ok(r) if r.status().is_success() => ok += 1,
-                        Ok(r) => {
-                            failed.push(format!("{}: {}", r.status(), r.text().unwrap_or_default()))
-                        }
-                        Err(e) => failed.push(e.to_string()),
-                    }
-                }
-                (ok, failed)
-            })
-        })
-        .collect();
+    let load = Load::start(&[&server.base], 3);
 
     // A full window of skewed load under the layout the node started with.
-    std::thread::sleep(std::time::Duration::from_secs(4));
+    std::thread::sleep(Duration::from_secs(4));
     let imbalance_before = recent_imbalance(&server);
     let report = server.post_ok("/admin/rebalance", &json!({}));
     assert!(report["copies_loaded"].as_u64().unwrap() > 0, "{report}");
@@ -197,17 +233,10 @@ fn a_node_under_skewed_load_rebalances_live_without_failing_or_changing_a_reques
         "{report}"
     );
     // A full window under the new placement: the devices' measured load evens out.
-    std::thread::sleep(std::time::Duration::from_secs(4));
+    std::thread::sleep(Duration::from_secs(4));
     let imbalance_after = recent_imbalance(&server);
 
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let mut served = 0;
-    for client in clients {
-        let (ok, failed) = client.join().unwrap();
-        assert!(failed.is_empty(), "requests failed: {failed:?}");
-        served += ok;
-    }
-    assert!(served > 10, "only {served} requests ran under load");
+    let served = load.finish();
     eprintln!(
         "rebalance under load: {served} requests, recent imbalance {imbalance_before:.3} -> \
          {imbalance_after:.3}; report {report}"
@@ -245,4 +274,178 @@ fn rebalance_is_refused_without_spare_slots_or_admin_actions() {
     );
     server.wait_ready();
     assert_eq!(server.post("/admin/rebalance", &json!({})).status(), 403);
+}
+
+#[test]
+fn a_node_rebalances_on_its_own_every_interval_under_load() {
+    let model = skewed_model("1");
+    let server = Server::start_with(
+        "[devices]\nbackend = \"cpu\"\ncpu_slots = 4\n\
+         [placement]\nredundant_slots_per_device = 24\nwindow_seconds = 2\n\
+         rebalance_interval_seconds = 3\n",
+        &["--model", model.to_str().unwrap()],
+    );
+    server.wait_ready();
+    let prompts = ["The quick brown fox", "MoE load balance"];
+    // Two runs of the interval before the first: taken before any rebalance.
+    let before: Vec<Value> = prompts.iter().map(|p| greedy(&server, p)).collect();
+    assert_eq!(server.metric("moe_node_rebalances_total"), 0.0);
+    let load = Load::start(&[&server.base], 3);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while server.metric("moe_node_rebalances_total") < 2.0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    let served = load.finish();
+    let rebalances = server.metric("moe_node_rebalances_total");
+    let placement: Value = server.get("/admin/placement").json().unwrap();
+    eprintln!(
+        "periodic rebalance under load: {served} requests, {rebalances} rebalances, \
+         placement version {}",
+        placement["version"]
+    );
+    assert!(rebalances >= 2.0, "{rebalances} rebalances in 60 s");
+    assert!(
+        placement["version"].as_u64().unwrap() >= 3,
+        "{}",
+        placement["version"]
+    );
+    assert!(server.metric("moe_node_rebalance_loaded_bytes_total") > 0.0);
+    let after: Vec<Value> = prompts.iter().map(|p| greedy(&server, p)).collect();
+    assert_eq!(before, after);
+}
+
+fn free_udp_port() -> u16 {
+    UdpSocket::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Two nodes of one cluster serving `model`, each with two CPU slots and spare slots for
+/// hot copies; every expert has one copy (replication 1), so the skew piles on devices.
+fn two_node_cluster(model: &Path) -> [Server; 2] {
+    let ports = [free_udp_port(), free_udp_port()];
+    let start = |i: usize| {
+        let config = format!(
+            "[server]\nadmin_actions = true\n\
+             [devices]\nbackend = \"cpu\"\ncpu_slots = 2\n\
+             [batching]\nmax_sequences = 32\n\
+             [placement]\nredundant_slots_per_device = 24\nwindow_seconds = 3\n\
+             [cluster]\nnode_id = \"node{}\"\nsecrets = [\"rebalance-test-secret-0123456789\"]\n\
+             gossip_listen = \"127.0.0.1:{}\"\npeer_listen = \"127.0.0.1:0\"\n\
+             seeds = [\"127.0.0.1:{}\"]\nexpect_nodes = 2\nreplication = 1\n\
+             probe_period_ms = 200\nsuspicion_timeout_ms = 4000\nhedge_after_ms = 500\n\
+             join_timeout_seconds = 10\nrereplicate_after_ms = 600000\n",
+            i + 1,
+            ports[i],
+            ports[1 - i]
+        );
+        Server::start_with(&config, &["--model", model.to_str().unwrap()])
+    };
+    let nodes = [start(0), start(1)];
+    for node in &nodes {
+        node.wait_ready();
+    }
+    nodes
+}
+
+/// The worst of the nodes' `moe_node_layer_imbalance_recent` (each over its own devices,
+/// counting the work other nodes sent them).
+fn worst_recent_imbalance(nodes: &[Server]) -> f64 {
+    nodes.iter().map(recent_imbalance).fold(0.0, f64::max)
+}
+
+#[test]
+fn a_cluster_under_skewed_load_rebalances_live_through_its_placement_versions() {
+    let model = skewed_model("1");
+    let nodes = two_node_cluster(&model);
+    let prompts = ["The quick brown fox", "Hello there", "MoE load balance"];
+    let before: Vec<Vec<Value>> = nodes
+        .iter()
+        .map(|n| prompts.iter().map(|p| greedy(n, p)).collect())
+        .collect();
+    assert_eq!(before[0], before[1], "both nodes compute the same tokens");
+    for node in &nodes {
+        let placement: Value = node.get("/admin/placement").json().unwrap();
+        assert_eq!(placement["version"], 1);
+    }
+
+    let load = Load::start(&[&nodes[0].base, &nodes[1].base], 2);
+    // A full window of skewed load under the layout the cluster started with.
+    std::thread::sleep(Duration::from_secs(4));
+    let imbalance_before = worst_recent_imbalance(&nodes);
+
+    // node2 does not lead (node1 has the lowest id): it refuses and names the leader.
+    let refused = nodes[1].post("/admin/rebalance", &json!({}));
+    assert_eq!(refused.status(), 409);
+    let text = refused.text().unwrap();
+    assert!(
+        text.contains("node1") && text.contains(&nodes[0].base[7..]),
+        "{text}"
+    );
+
+    let report = nodes[0].post_ok("/admin/rebalance", &json!({}));
+    assert_eq!(report["version"], 2, "{report}");
+    assert_eq!(report["nodes_profiled"], 2, "both nodes' windows: {report}");
+    assert!(report["copies_loaded"].as_u64().unwrap() > 0, "{report}");
+    assert!(
+        report["imbalance_after"].as_f64().unwrap() < report["imbalance_before"].as_f64().unwrap(),
+        "{report}"
+    );
+    // Both nodes serve version 2, with the same copies, hot experts on both nodes.
+    let placements: Vec<Value> = nodes
+        .iter()
+        .map(|n| n.get("/admin/placement").json().unwrap())
+        .collect();
+    for p in &placements {
+        assert_eq!(p["version"], 2);
+        assert_eq!(p["layers"], placements[0]["layers"]);
+    }
+    let mut across_nodes = 0;
+    for layer in placements[0]["layers"].as_array().unwrap() {
+        for copies in layer["experts"].as_array().unwrap() {
+            let copies = copies.as_array().unwrap();
+            let mut distinct = copies.clone();
+            distinct.sort_by_key(|c| c.to_string());
+            distinct.dedup();
+            assert_eq!(
+                distinct.len(),
+                copies.len(),
+                "one copy per device: {copies:?}"
+            );
+            let on = |n: &str| copies.iter().any(|c| c["node"] == n);
+            if on("node1") && on("node2") {
+                across_nodes += 1;
+            }
+        }
+    }
+    assert!(across_nodes > 0, "no hot expert has copies on both nodes");
+    // A full window under the new placement: the devices' measured load evens out.
+    std::thread::sleep(Duration::from_secs(4));
+    let imbalance_after = worst_recent_imbalance(&nodes);
+    let served = load.finish();
+    eprintln!(
+        "cluster rebalance under load: {served} requests, worst recent imbalance \
+         {imbalance_before:.3} -> {imbalance_after:.3}, {across_nodes} experts on both nodes; \
+         report {report}"
+    );
+    assert!(
+        imbalance_after < imbalance_before,
+        "recent imbalance {imbalance_before:.3} before, {imbalance_after:.3} after: {report}"
+    );
+    // Copies compute exactly what the originals do, on either node.
+    for (node, before) in nodes.iter().zip(&before) {
+        let after: Vec<Value> = prompts.iter().map(|p| greedy(node, p)).collect();
+        assert_eq!(&after, before);
+    }
+    assert_eq!(nodes[0].metric("moe_node_rebalances_total"), 1.0);
+    // The next rebalance starts from the base layout again: version 3 everywhere, and the
+    // copies it no longer wants are the ones it reports released.
+    let again = nodes[0].post_ok("/admin/rebalance", &json!({}));
+    assert_eq!(again["version"], 3, "{again}");
+    for node in &nodes {
+        let placement: Value = node.get("/admin/placement").json().unwrap();
+        assert_eq!(placement["version"], 3);
+    }
 }

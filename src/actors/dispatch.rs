@@ -223,6 +223,8 @@ pub struct Dispatcher {
     /// calls that may have read the old placement before it drops copies.
     calls_started: AtomicU64,
     calls_finished: AtomicU64,
+    /// Nanoseconds the last placement switch held the placement.
+    last_switch_nanos: AtomicU64,
 }
 
 /// Counts a call as ended when dropped (whichever way the call returns).
@@ -281,6 +283,7 @@ impl Dispatcher {
             latency_observer: None,
             calls_started: AtomicU64::new(0),
             calls_finished: AtomicU64::new(0),
+            last_switch_nanos: AtomicU64::new(0),
         }
     }
 
@@ -314,9 +317,24 @@ impl Dispatcher {
     }
 
     /// Switches to a new placement at the next step (a step reads one snapshot).
-    pub fn set_placement(&self, placement: Arc<Placement>, local_node: u16) {
-        *self.placement.write().unwrap_or_else(|e| e.into_inner()) = placement;
-        *self.local_node.write().unwrap_or_else(|e| e.into_inner()) = local_node;
+    /// Returns how long the swap held the placement (the pause a layer call starting at
+    /// that moment sees), also kept as [`Dispatcher::last_switch_pause`].
+    pub fn set_placement(&self, placement: Arc<Placement>, local_node: u16) -> Duration {
+        let started = Instant::now();
+        {
+            let mut served = self.placement.write().unwrap_or_else(|e| e.into_inner());
+            *served = placement;
+            *self.local_node.write().unwrap_or_else(|e| e.into_inner()) = local_node;
+        }
+        let pause = started.elapsed();
+        self.last_switch_nanos
+            .store(pause.as_nanos() as u64, Ordering::Relaxed);
+        pause
+    }
+
+    /// How long the last placement switch held the placement.
+    pub fn last_switch_pause(&self) -> Duration {
+        Duration::from_nanos(self.last_switch_nanos.load(Ordering::Relaxed))
     }
 
     /// What local device `device` holds now.
@@ -656,8 +674,16 @@ impl Dispatcher {
                                     continue;
                                 }
                                 if let Target::Device(d) = target {
-                                    self.load
-                                        .record(layer, experts[g], d as usize, group_rows[g]);
+                                    if local_only {
+                                        self.load.record_run(layer, d as usize, group_rows[g]);
+                                    } else {
+                                        self.load.record(
+                                            layer,
+                                            experts[g],
+                                            d as usize,
+                                            group_rows[g],
+                                        );
+                                    }
                                 } else {
                                     self.load
                                         .record_activation(layer, experts[g], group_rows[g]);

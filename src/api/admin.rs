@@ -236,9 +236,9 @@ pub async fn rebalance(
     .map_err(|_| ApiError::internal("the rebalance was interrupted"))?;
     match done {
         Some(Ok(report)) => Ok(HttpResponse::Ok().json(report)),
-        Some(Err(e @ crate::node::NodeError::Rebalance(_))) => {
-            Err(ApiError::conflict(e.to_string()))
-        }
+        Some(Err(
+            e @ (crate::node::NodeError::Rebalance(_) | crate::node::NodeError::NotLeader(_)),
+        )) => Err(ApiError::conflict(e.to_string())),
         Some(Err(e)) => {
             tracing::error!(error = %e, "rebalance failed");
             Err(ApiError::internal(format!("the rebalance failed: {e}")))

@@ -48,6 +48,29 @@ impl PlacementBoard {
         write(&self.next, Some(placement));
     }
 
+    /// Sets `placement` as the next one unless a next one is there already (a change in
+    /// progress) or it does not follow the current one (version + 1). The follower's
+    /// proposals and a rebalance both go through here, so two proposals for one version
+    /// cannot both be taken.
+    pub fn offer_next(&self, placement: Arc<Placement>) -> Result<(), String> {
+        let mut next = self.next.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(pending) = next.as_ref() {
+            return Err(format!(
+                "placement version {} is being loaded; try again once it is served",
+                pending.version()
+            ));
+        }
+        let current = self.current().map_or(0, |c| c.version());
+        if placement.version() != current + 1 {
+            return Err(format!(
+                "placement version {} does not follow version {current}, the one served",
+                placement.version()
+            ));
+        }
+        *next = Some(placement);
+        Ok(())
+    }
+
     /// The next placement becomes the one served.
     pub fn switch(&self) -> Option<Arc<Placement>> {
         let next = self
@@ -57,5 +80,39 @@ impl PlacementBoard {
             .take()?;
         self.set_current(next.clone());
         Some(next)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::placement::Placement;
+
+    #[test]
+    fn only_one_next_version_is_taken_at_a_time() {
+        let board = PlacementBoard::default();
+        let v1 = Placement::single_node(&[true], 4, 2, 1).unwrap();
+        board.set_current(Arc::new(v1.clone()));
+        let v2 = v1
+            .with_hot_copies(&[Some(vec![9.0, 1.0, 1.0, 1.0])], 1, 2)
+            .unwrap();
+        let v3 = v1.with_hot_copies(&[None], 1, 3).unwrap();
+        assert!(
+            board
+                .offer_next(Arc::new(v3))
+                .unwrap_err()
+                .contains("does not follow")
+        );
+        board.offer_next(Arc::new(v2.clone())).unwrap();
+        let other = v1.with_hot_copies(&[None], 1, 2).unwrap();
+        assert!(
+            board
+                .offer_next(Arc::new(other))
+                .unwrap_err()
+                .contains("being loaded")
+        );
+        assert_eq!(board.next().as_deref(), Some(&v2));
+        assert_eq!(board.switch().as_deref(), Some(&v2));
+        assert_eq!(board.current().map(|c| c.version()), Some(2));
     }
 }

@@ -166,6 +166,28 @@ pub fn fetch_table(
     Ok(table)
 }
 
+/// Reads a member's activation counts over its recent window
+/// (`GET /admin/experts?format=profile`): a rebalance across the cluster adds them up.
+pub fn fetch_profile(
+    api: std::net::SocketAddr,
+    api_key: Option<&str>,
+) -> Result<crate::placement::Profile, String> {
+    let url = format!("http://{api}/admin/experts?format=profile");
+    let client = reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(5))
+        .build()
+        .map_err(|e| e.to_string())?;
+    let mut request = client.get(&url);
+    if let Some(key) = api_key {
+        request = request.bearer_auth(key);
+    }
+    let response = request.send().map_err(|e| format!("{url}: {e}"))?;
+    if !response.status().is_success() {
+        return Err(format!("{url}: {}", response.status()));
+    }
+    response.json().map_err(|e| format!("{url}: {e}"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -71,6 +71,74 @@ fn serving(m: &MemberView) -> bool {
     m.state != MemberState::Dead && m.meta.placement_version > 0
 }
 
+/// The one speaking for each node other than `me`, by id.
+fn others_of<'a>(me: &str, members: &'a [MemberView]) -> Vec<&'a MemberView> {
+    let mut ids: Vec<&str> = members
+        .iter()
+        .map(|m| m.meta.node.as_str())
+        .filter(|id| !id.is_empty() && *id != me)
+        .collect();
+    ids.sort_unstable();
+    ids.dedup();
+    ids.into_iter()
+        .filter_map(|id| best_member(members, id))
+        .collect()
+}
+
+/// Why a node may not propose the next placement now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NotNow {
+    /// Another serving node has a lower id: it leads, and only it proposes.
+    NotLeader { leader: String, api: SocketAddr },
+    /// A change is in progress: a live member serves or has loaded another version.
+    Unsettled(String),
+}
+
+impl std::fmt::Display for NotNow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NotNow::NotLeader { leader, api } => write!(
+                f,
+                "the cluster's placement is proposed by its leader, node `{leader}` (the \
+                 lowest serving id): ask it (http://{api})"
+            ),
+            NotNow::Unsettled(why) => write!(
+                f,
+                "a placement change is in progress ({why}); try again once it is served"
+            ),
+        }
+    }
+}
+
+/// Whether `me`, serving placement version `current`, may propose the next one: it leads
+/// (the lowest id of the serving nodes that are not dead, so that two nodes never propose
+/// two different placements under one version) and every live serving member serves and
+/// has loaded `current` (no change in progress).
+pub fn may_propose(me: &str, members: &[MemberView], current: u64) -> Result<(), NotNow> {
+    let others = others_of(me, members);
+    if let Some(leader) = others
+        .iter()
+        .filter(|m| serving(m) && m.meta.node.as_str() < me)
+        .min_by(|a, b| a.meta.node.cmp(&b.meta.node))
+    {
+        return Err(NotNow::NotLeader {
+            leader: leader.meta.node.clone(),
+            api: leader.meta.api,
+        });
+    }
+    if let Some(m) = others.iter().find(|m| {
+        m.state == MemberState::Alive
+            && m.meta.placement_version > 0
+            && (m.meta.placement_version != current || m.meta.loaded_version != current)
+    }) {
+        return Err(NotNow::Unsettled(format!(
+            "node `{}` serves version {} and has loaded version {}, this node serves {current}",
+            m.meta.node, m.meta.placement_version, m.meta.loaded_version
+        )));
+    }
+    Ok(())
+}
+
 impl Follower {
     pub fn new(me: &str, grace: Duration, serving_version: u64) -> Self {
         Follower {
@@ -82,18 +150,8 @@ impl Follower {
         }
     }
 
-    /// The one speaking for each node other than this one, by id.
     fn others<'a>(&self, members: &'a [MemberView]) -> Vec<&'a MemberView> {
-        let mut ids: Vec<&str> = members
-            .iter()
-            .map(|m| m.meta.node.as_str())
-            .filter(|id| !id.is_empty() && *id != self.me)
-            .collect();
-        ids.sort_unstable();
-        ids.dedup();
-        ids.into_iter()
-            .filter_map(|id| best_member(members, id))
-            .collect()
+        others_of(&self.me, members)
     }
 
     /// Decides the next step from the members gossip shows, the placement served and the
@@ -137,15 +195,7 @@ impl Follower {
         {
             return Step::Release;
         }
-        // Leader: the lowest id of the serving nodes that are not dead.
-        let leads = others
-            .iter()
-            .filter(|m| serving(m))
-            .all(|m| m.meta.node > self.me);
-        let settled = alive_serving().all(|m| {
-            m.meta.placement_version == current.version()
-                && m.meta.loaded_version == current.version()
-        });
+        let proposes = may_propose(&self.me, members, current.version()).is_ok();
         // Track who is gone (only the leader acts on it, but any node may become leader).
         let live: HashMap<&str, usize> = others
             .iter()
@@ -165,7 +215,7 @@ impl Follower {
                 self.gone_since.entry(n.node.clone()).or_insert(now);
             }
         }
-        if !leads || !settled {
+        if !proposes {
             return Step::Idle;
         }
         let mut reasons = Vec::new();
@@ -271,12 +321,16 @@ fn carry_out(
         Step::Idle => {}
         Step::Propose { nodes, why } => match current.revise(&nodes) {
             Ok(placement) => {
-                tracing::info!(
-                    version = placement.version(),
-                    reason = %why,
-                    "proposing a new placement (this node leads: lowest serving id)"
-                );
-                parts.board.set_next(Arc::new(placement));
+                let version = placement.version();
+                match parts.board.offer_next(Arc::new(placement)) {
+                    Ok(()) => tracing::info!(
+                        version,
+                        reason = %why,
+                        "proposing a new placement (this node leads: lowest serving id)"
+                    ),
+                    // A rebalance proposed first: this change comes after it.
+                    Err(e) => tracing::info!(reason = %why, "not proposing now: {e}"),
+                }
             }
             Err(e) => {
                 tracing::error!(error = %e, reason = %why, "cannot place the experts anew");
@@ -315,7 +369,7 @@ fn carry_out(
             parts
                 .peers
                 .set_nodes(next.nodes().iter().map(|n| n.node.clone()).collect());
-            parts.dispatcher.set_placement(next.clone(), local);
+            let pause = parts.dispatcher.set_placement(next.clone(), local);
             for (node, reach) in parts.peers.reach_of_nodes() {
                 parts.dispatcher.set_node_reach(node, reach);
             }
@@ -325,6 +379,7 @@ fn carry_out(
             tracing::info!(
                 version = next.version(),
                 experts_here = next.experts_held_by(local),
+                pause_us = pause.as_micros() as u64,
                 "serving the new placement"
             );
         }

@@ -12,6 +12,17 @@
 //!    the new one no longer wants are dropped.
 //!
 //! No step waits on weights: the only pause is the dispatcher swapping one pointer.
+//!
+//! Across a cluster the placement is the cluster's, and so is the change: the leader (the
+//! lowest serving id, the node that proposes every placement change, so that two nodes never
+//! publish two placements under one version) adds up the recent windows of every live
+//! member (each counts the tokens its own router routed), lays the hot copies over the
+//! base layout (each expert's first `replication` copies, on distinct nodes) and offers the
+//! result on its placement board as version + 1. From there it travels like any change
+//! (`cluster/follow.rs`): every node fetches it, loads its new copies from its own
+//! checkpoint, switches at a step boundary once every live member has loaded, and drops
+//! what it no longer holds once every live member serves it. A node that is not the leader
+//! refuses and names the leader.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -25,10 +36,16 @@ use serde::Serialize;
 
 use super::{Node, NodeError};
 use crate::actors::device::{ReleaseExperts, TakeExperts, load_experts};
+use crate::cluster::bootstrap::fetch_profile;
+use crate::cluster::follow::{NotNow, may_propose};
+use crate::cluster::joined::Joined;
+use crate::cluster::{MemberState, MemberView};
 use crate::metrics::NodeMetrics;
 use crate::model::ExpertWeights;
 use crate::placement::Placement;
+use crate::placement::profile::fingerprint_hex;
 use crate::placement::replicate::imbalance;
+use crate::plan::sizes::ModelSizes;
 
 /// What one rebalance did.
 #[derive(Debug, Clone, Serialize)]
@@ -38,12 +55,18 @@ pub struct RebalanceReport {
     pub copies_loaded: usize,
     pub copies_released: usize,
     pub bytes_loaded: u64,
-    /// Worst layer's imbalance over the recent window, under the placement before.
+    /// Worst layer's imbalance over the recent window, under the placement before: as the
+    /// devices measured it on a node serving alone; across a cluster, the merged window
+    /// laid over the old placement's devices (every node's) like `imbalance_after`.
     pub imbalance_before: f64,
     /// The same window's load laid over the new placement (each expert's load split over
     /// its copies): what the devices will see if the workload stays as it was.
     pub imbalance_after: f64,
     pub seconds: f64,
+    /// How long the switch held the placement on this node: the only pause a step sees.
+    pub switch_pause_seconds: f64,
+    /// Nodes whose recent window went into the loads (1 on a node serving alone).
+    pub nodes_profiled: usize,
 }
 
 /// Series a rebalance updates.
@@ -98,23 +121,23 @@ impl RebalanceMetrics {
 /// How long the release waits for layer calls that routed by the old placement.
 const DRAIN_LIMIT: Duration = Duration::from_secs(30);
 
+/// How long a rebalance across a cluster waits for every live member to serve the new
+/// placement before it answers that the change goes on without it.
+const CLUSTER_SWITCH_LIMIT: Duration = Duration::from_secs(120);
+
 impl Node {
     /// Recomputes the hot-expert copies from the recent window and switches to them (see
     /// the module doc). One at a time; blocks while loading. Only a node serving alone:
     /// across a cluster the placement is the cluster's (`cluster/follow.rs`).
     pub fn rebalance(&self) -> Result<RebalanceReport, NodeError> {
         let _one_at_a_time = self.rebalancing.lock().unwrap_or_else(|e| e.into_inner());
-        if self.cluster.is_some() {
-            return Err(NodeError::Rebalance(
-                "this node serves in a cluster, whose placement changes through the cluster; \
-                 live rebalancing works on a node serving alone for now"
-                    .into(),
-            ));
-        }
         if self.spare_slots == 0 {
             return Err(NodeError::Rebalance(
                 "no spare slots: set placement.redundant_slots_per_device".into(),
             ));
+        }
+        if let Some(joined) = &self.cluster {
+            return self.rebalance_cluster(joined);
         }
         let started = Instant::now();
         let current = self.experts.placement();
@@ -126,10 +149,12 @@ impl Node {
             before = before.max(recent.imbalance());
             loads[layer] = Some(recent.activations.iter().map(|&a| a as f64).collect());
         }
-        let next = self
-            .base
-            .with_hot_copies(&loads, self.spare_slots, current.version() + 1)?;
-        let after = predicted_imbalance(&next, &loads, self.devices.len());
+        let next = current.without_hot_copies().with_hot_copies(
+            &loads,
+            self.spare_slots,
+            current.version() + 1,
+        )?;
+        let after = predicted_imbalance(&next, &loads);
 
         // Copy.
         let mut copies_loaded = 0;
@@ -159,7 +184,8 @@ impl Node {
 
         // Switch.
         let next = Arc::new(next);
-        self.experts.set_placement(next.clone(), 0);
+        self.board.set_current(next.clone());
+        let pause = self.experts.set_placement(next.clone(), 0);
         // Every call that read the old placement began before this read (it reads the
         // placement after counting itself); the router makes one call at a time.
         let calls_before = self.experts.calls_started();
@@ -183,37 +209,195 @@ impl Node {
             let _ = futures::executor::block_on(device.addr.send(ReleaseExperts(keep)));
         }
 
-        let seconds = started.elapsed().as_secs_f64();
-        let m = &self.rebalance_metrics;
-        m.rebalances.inc();
-        m.bytes_loaded.inc_by(bytes_loaded);
-        m.duration.observe(seconds);
-        m.imbalance_before.set(before);
-        m.imbalance_after.set(after);
-        tracing::info!(
-            version = next.version(),
-            copies_loaded,
-            copies_released,
-            bytes_loaded,
-            imbalance_before = before,
-            imbalance_after = after,
-            seconds,
-            "rebalanced: hot-expert copies switched to"
-        );
-        Ok(RebalanceReport {
+        Ok(self.rebalanced(RebalanceReport {
             version: next.version(),
             copies_loaded,
             copies_released,
             bytes_loaded,
             imbalance_before: before,
             imbalance_after: after,
-            seconds,
-        })
+            seconds: started.elapsed().as_secs_f64(),
+            switch_pause_seconds: pause.as_secs_f64(),
+            nodes_profiled: 1,
+        }))
+    }
+
+    /// Counts a rebalance done and logs it.
+    fn rebalanced(&self, report: RebalanceReport) -> RebalanceReport {
+        let m = &self.rebalance_metrics;
+        m.rebalances.inc();
+        m.bytes_loaded.inc_by(report.bytes_loaded);
+        m.duration.observe(report.seconds);
+        m.imbalance_before.set(report.imbalance_before);
+        m.imbalance_after.set(report.imbalance_after);
+        tracing::info!(
+            version = report.version,
+            copies_loaded = report.copies_loaded,
+            copies_released = report.copies_released,
+            bytes_loaded = report.bytes_loaded,
+            imbalance_before = report.imbalance_before,
+            imbalance_after = report.imbalance_after,
+            seconds = report.seconds,
+            switch_pause_us = (report.switch_pause_seconds * 1e6) as u64,
+            nodes_profiled = report.nodes_profiled,
+            "rebalanced: hot-expert copies switched to"
+        );
+        report
+    }
+
+    /// The leader's rebalance of the cluster's placement (see the module doc). Blocks until
+    /// every live member serves the new version, or [`CLUSTER_SWITCH_LIMIT`].
+    fn rebalance_cluster(&self, joined: &Joined) -> Result<RebalanceReport, NodeError> {
+        let started = Instant::now();
+        let current = self.experts.placement();
+        let members = joined.membership.members();
+        may_propose(&joined.node_id, &members, current.version()).map_err(|e| match e {
+            NotNow::NotLeader { .. } => NodeError::NotLeader(e.to_string()),
+            NotNow::Unsettled(_) => NodeError::Rebalance(e.to_string()),
+        })?;
+        let (loads, nodes_profiled) = self.cluster_loads(joined, &members);
+        let next = current.without_hot_copies().with_hot_copies(
+            &loads,
+            self.spare_slots,
+            current.version() + 1,
+        )?;
+        let before = predicted_imbalance(&current, &loads);
+        let after = predicted_imbalance(&next, &loads);
+        let (copies_loaded, copies_released) = copies_changed(&current, &next);
+        let version = next.version();
+        self.board
+            .offer_next(Arc::new(next))
+            .map_err(NodeError::Rebalance)?;
+        tracing::info!(
+            version,
+            copies_loaded,
+            copies_released,
+            nodes_profiled,
+            "proposing hot-expert copies to the cluster (this node leads: lowest serving id)"
+        );
+        // The follower thread carries it out here as on every node: wait for the switch.
+        let served_everywhere = |members: &[MemberView]| {
+            members.iter().all(|m| {
+                m.is_self
+                    || m.state != MemberState::Alive
+                    || m.meta.placement_version == 0
+                    || m.meta.placement_version >= version
+            })
+        };
+        while self.experts.placement().version() < version
+            || !served_everywhere(&joined.membership.members())
+        {
+            if started.elapsed() > CLUSTER_SWITCH_LIMIT {
+                return Err(NodeError::Rebalance(format!(
+                    "placement version {version} was proposed, but not every live member \
+                     serves it after {} s; the change goes on as members load it (see GET \
+                     /admin/cluster)",
+                    CLUSTER_SWITCH_LIMIT.as_secs()
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let bytes_loaded = copies_loaded as u64 * ModelSizes::of(&self.model).expert_bytes;
+        Ok(self.rebalanced(RebalanceReport {
+            version,
+            copies_loaded,
+            copies_released,
+            bytes_loaded,
+            imbalance_before: before,
+            imbalance_after: after,
+            seconds: started.elapsed().as_secs_f64(),
+            switch_pause_seconds: self.experts.last_switch_pause().as_secs_f64(),
+            nodes_profiled,
+        }))
+    }
+
+    /// This node's recent window plus every other live serving member's (each counts the
+    /// tokens its own router routed, so the sum counts each token once). A member that does
+    /// not answer is left out, with a warning: the copies follow the others' load.
+    fn cluster_loads(
+        &self,
+        joined: &Joined,
+        members: &[MemberView],
+    ) -> (Vec<Option<Vec<f64>>>, usize) {
+        let model = &self.model;
+        let mut loads: Vec<Option<Vec<f64>>> = vec![None; model.num_layers];
+        for layer in (0..model.num_layers).filter(|&l| model.moe_layers[l]) {
+            let (recent, _) = self.load.recent(layer);
+            loads[layer] = Some(recent.activations.iter().map(|&a| a as f64).collect());
+        }
+        let mut profiled = 1;
+        let fingerprint = fingerprint_hex(self.model_fingerprint());
+        let mut asked: Vec<&str> = Vec::new();
+        for m in members.iter().filter(|m| {
+            !m.is_self
+                && m.state == MemberState::Alive
+                && m.meta.placement_version > 0
+                && m.meta.node != joined.node_id
+        }) {
+            if asked.contains(&m.meta.node.as_str()) {
+                continue;
+            }
+            asked.push(&m.meta.node);
+            let theirs = fetch_profile(m.meta.api, self.api_key.as_deref()).and_then(|p| {
+                if p.fingerprint.as_deref().is_some_and(|f| f != fingerprint) {
+                    return Err(format!("measured on another model ({:?})", p.fingerprint));
+                }
+                p.loads_for(&model.moe_layers, model.moe.num_experts)
+                    .map_err(|e| e.to_string())
+            });
+            match theirs {
+                Ok(theirs) => {
+                    for (mine, theirs) in loads.iter_mut().zip(theirs) {
+                        if let (Some(mine), Some(theirs)) = (mine.as_mut(), theirs) {
+                            for (a, b) in mine.iter_mut().zip(theirs) {
+                                *a += b;
+                            }
+                        }
+                    }
+                    profiled += 1;
+                }
+                Err(e) => tracing::warn!(
+                    node = %m.meta.node,
+                    error = %e,
+                    "cannot read a member's recent load: rebalancing without it"
+                ),
+            }
+        }
+        (loads, profiled)
     }
 }
 
-/// Worst layer's imbalance with `loads` split over `placement`'s copies (node 0's devices).
-fn predicted_imbalance(placement: &Placement, loads: &[Option<Vec<f64>>], devices: usize) -> f64 {
+/// Copies `next` adds to `current` and copies it drops, over every node (nodes matched by
+/// name: a placement's node indices are stable, but names say it plainly).
+fn copies_changed(current: &Placement, next: &Placement) -> (usize, usize) {
+    let named = |p: &Placement, layer: usize, expert: u32| -> Vec<(String, u16)> {
+        p.replicas(layer, expert)
+            .iter()
+            .map(|r| (p.nodes()[r.node as usize].node.clone(), r.device))
+            .collect()
+    };
+    let (mut added, mut dropped) = (0, 0);
+    for layer in 0..current.num_layers() {
+        for expert in 0..current.experts_in(layer) as u32 {
+            let before = named(current, layer, expert);
+            let after = named(next, layer, expert);
+            added += after.iter().filter(|c| !before.contains(c)).count();
+            dropped += before.iter().filter(|c| !after.contains(c)).count();
+        }
+    }
+    (added, dropped)
+}
+
+/// Worst layer's imbalance with `loads` split over `placement`'s copies, over the devices
+/// of every node it places experts on.
+fn predicted_imbalance(placement: &Placement, loads: &[Option<Vec<f64>>]) -> f64 {
+    // Devices numbered node by node.
+    let mut first_device = Vec::with_capacity(placement.nodes().len());
+    let mut devices = 0;
+    for n in placement.nodes() {
+        first_device.push(devices);
+        devices += n.devices;
+    }
     let mut worst = 0.0f64;
     for (layer, layer_loads) in loads.iter().enumerate() {
         let Some(layer_loads) = layer_loads else {
@@ -223,7 +407,10 @@ fn predicted_imbalance(placement: &Placement, loads: &[Option<Vec<f64>>], device
         for (expert, &load) in layer_loads.iter().enumerate() {
             let copies = placement.replicas(layer, expert as u32);
             for r in copies {
-                if let Some(d) = per_device.get_mut(r.device as usize) {
+                let index = first_device
+                    .get(r.node as usize)
+                    .map(|first| first + r.device as usize);
+                if let Some(d) = index.and_then(|i| per_device.get_mut(i)) {
                     *d += load / copies.len() as f64;
                 }
             }

@@ -2,11 +2,36 @@
 //! experts a profile shows hot in the devices' spare slots ([`replicate::add_replicas`]).
 //! Every copy of the base layout stays where it is, so going from one such placement to
 //! the next loads only the copies added and drops only the copies no longer wanted.
+//!
+//! An expert's base copies come first in its replica list and the hot copies after them
+//! (the search only adds and moves unpinned copies), so the base layout of any placement is
+//! its first `replication` copies of each expert ([`Placement::without_hot_copies`]): a
+//! cluster, whose layout changes with its members, lays the next copies over that.
 
 use super::replicate::{self, LayerReplicas, LayerSlots};
 use super::{Placement, PlacementError, Replica};
 
 impl Placement {
+    /// The base layout under `self`: each expert's first `spec.replication` copies (a
+    /// placement revised after a membership change holds no more than those).
+    pub fn without_hot_copies(&self) -> Placement {
+        let keep = self.spec.replication.max(1);
+        let replicas = self
+            .replicas
+            .iter()
+            .map(|layer| {
+                layer
+                    .iter()
+                    .map(|copies| copies.iter().take(keep).copied().collect())
+                    .collect()
+            })
+            .collect();
+        Placement {
+            spec: self.spec.clone(),
+            replicas,
+        }
+    }
+
     /// `self` (the base layout) with copies of hot experts in `spare_slots` extra slots per
     /// device and MoE layer, as version `version`. `loads[layer]` is the layer's load per
     /// expert; a layer with none (or no load at all) keeps its base copies.
@@ -87,6 +112,11 @@ mod tests {
         for d in 0..4 {
             assert!(hot.experts_on(0, d).len() <= 16 / 4 + 1);
         }
+        // The base copies come first: dropping the hot ones gives the base back.
+        let mut unhot = hot.without_hot_copies();
+        assert_eq!(unhot.to_table().layers, base.to_table().layers);
+        unhot.spec.version = 1;
+        assert_eq!(unhot, base);
         // It travels like any placement.
         let back = Placement::from_table(hot.to_table(), &[false, true], 16).unwrap();
         assert_eq!(back, hot);
@@ -98,5 +128,51 @@ mod tests {
                 .layers,
             base.to_table().layers
         );
+    }
+
+    #[test]
+    fn across_nodes_the_base_stays_on_distinct_nodes_and_a_second_rebalance_starts_from_it() {
+        use super::super::{NodeSlots, PlacementSpec};
+        let spec = PlacementSpec {
+            version: 4,
+            replication: 2,
+            nodes: ["a", "b"]
+                .iter()
+                .map(|n| NodeSlots {
+                    node: n.to_string(),
+                    devices: 2,
+                })
+                .collect(),
+        };
+        let base = Placement::balanced(&[false, true], 16, spec).unwrap();
+        let mut loads = vec![1.0; 16];
+        loads[5] = 50.0;
+        loads[9] = 20.0;
+        let hot = base.with_hot_copies(&[None, Some(loads)], 2, 5).unwrap();
+        assert!(hot.replicas(1, 5).len() > 2, "{:?}", hot.replicas(1, 5));
+        for e in 0..16 {
+            let copies = hot.replicas(1, e);
+            assert_eq!(&copies[..2], base.replicas(1, e), "expert {e}: base first");
+            assert_ne!(
+                copies[0].node, copies[1].node,
+                "expert {e}: base on two nodes"
+            );
+            let mut distinct = copies.to_vec();
+            distinct.sort();
+            distinct.dedup();
+            assert_eq!(
+                distinct.len(),
+                copies.len(),
+                "expert {e}: one copy per device"
+            );
+        }
+        // The next rebalance, on a workload gone flat, starts from the base: the hot copies
+        // it no longer wants are dropped.
+        let flat = hot
+            .without_hot_copies()
+            .with_hot_copies(&[None, Some(vec![1.0; 16])], 2, 6)
+            .unwrap();
+        assert!(flat.replicas(1, 5).len() <= hot.replicas(1, 5).len());
+        assert_eq!(flat.version(), 6);
     }
 }

@@ -194,6 +194,13 @@ impl ExpertLoad {
 
     pub fn record(&self, layer: usize, expert: u32, device: usize, rows: usize) {
         self.record_activation(layer, expert, rows);
+        self.record_run(layer, device, rows);
+    }
+
+    /// Rows another node routed that ran on a device here: they load the device, but their
+    /// activations are counted where they were routed (so a cluster's profiles add up to
+    /// its tokens, each counted once).
+    pub fn record_run(&self, layer: usize, device: usize, rows: usize) {
         let slot = layer * self.num_devices + device;
         let current = self.window.current.load(Ordering::Relaxed);
         if let Some(t) = self.device_tokens.get(slot) {
