@@ -448,4 +448,5 @@ fn a_cluster_under_skewed_load_rebalances_live_through_its_placement_versions() 
         let placement: Value = node.get("/admin/placement").json().unwrap();
         assert_eq!(placement["version"], 3);
     }
+    eprintln!("second cluster rebalance: {again}");
 }

@@ -545,6 +545,28 @@ mod tests {
     }
 
     #[test]
+    fn only_the_settled_leader_may_propose_and_others_are_told_who_leads() {
+        use MemberState::*;
+        let settled = [member("b", Alive, 3, 3), member("c", Alive, 3, 3)];
+        assert_eq!(may_propose("a", &settled, 3), Ok(()));
+        match may_propose("b", &[member("a", Suspect, 3, 3)], 3) {
+            Err(NotNow::NotLeader { leader, .. }) => assert_eq!(leader, "a"),
+            other => panic!("{other:?}"),
+        }
+        // A dead or not yet serving node does not lead.
+        assert_eq!(
+            may_propose("b", &[member("a", Dead, 3, 3), member("0", Alive, 0, 0)], 3),
+            Ok(())
+        );
+        // A change in progress: a member has loaded the next version already.
+        let changing = [member("b", Alive, 3, 4)];
+        assert!(matches!(
+            may_propose("a", &changing, 3),
+            Err(NotNow::Unsettled(why)) if why.contains("`b`")
+        ));
+    }
+
+    #[test]
     fn load_then_switch_when_every_live_member_has_loaded_then_release() {
         use MemberState::*;
         let p1 = three();
