@@ -121,6 +121,10 @@ impl RebalanceMetrics {
 /// How long the release waits for layer calls that routed by the old placement.
 const DRAIN_LIMIT: Duration = Duration::from_secs(30);
 
+/// A layer keeps its copies while its most loaded device would carry at most this much
+/// more (relative) than under freshly laid copies: a steady workload's noise moves nothing.
+const KEEP_TOLERANCE: f64 = 0.05;
+
 /// How long a rebalance across a cluster waits for every live member to serve the new
 /// placement before it answers that the change goes on without it.
 const CLUSTER_SWITCH_LIMIT: Duration = Duration::from_secs(120);
@@ -149,11 +153,7 @@ impl Node {
             before = before.max(recent.imbalance());
             loads[layer] = Some(recent.activations.iter().map(|&a| a as f64).collect());
         }
-        let next = current.without_hot_copies().with_hot_copies(
-            &loads,
-            self.spare_slots,
-            current.version() + 1,
-        )?;
+        let next = self.next_placement(&current, &loads)?;
         let after = predicted_imbalance(&next, &loads);
 
         // Copy.
@@ -222,6 +222,22 @@ impl Node {
         }))
     }
 
+    /// Hot copies laid over `current`'s base for `loads`, as version + 1; a layer whose
+    /// current copies balance the load about as well keeps them (no loads, no drops).
+    fn next_placement(
+        &self,
+        current: &Placement,
+        loads: &[Option<Vec<f64>>],
+    ) -> Result<Placement, NodeError> {
+        let mut next = current.without_hot_copies().with_hot_copies(
+            loads,
+            self.spare_slots,
+            current.version() + 1,
+        )?;
+        next.keep_layers_of(current, loads, self.spare_slots, KEEP_TOLERANCE);
+        Ok(next)
+    }
+
     /// Counts a rebalance done and logs it.
     fn rebalanced(&self, report: RebalanceReport) -> RebalanceReport {
         let m = &self.rebalance_metrics;
@@ -268,11 +284,7 @@ impl Node {
             )));
         }
         let (loads, nodes_profiled) = self.cluster_loads(joined, &members);
-        let next = current.without_hot_copies().with_hot_copies(
-            &loads,
-            self.spare_slots,
-            current.version() + 1,
-        )?;
+        let next = self.next_placement(&current, &loads)?;
         let before = predicted_imbalance(&current, &loads);
         let after = predicted_imbalance(&next, &loads);
         let (copies_loaded, copies_released) = copies_changed(&current, &next);
@@ -403,30 +415,12 @@ fn copies_changed(current: &Placement, next: &Placement) -> (usize, usize) {
 /// Worst layer's imbalance with `loads` split over `placement`'s copies, over the devices
 /// of every node it places experts on.
 fn predicted_imbalance(placement: &Placement, loads: &[Option<Vec<f64>>]) -> f64 {
-    // Devices numbered node by node.
-    let mut first_device = Vec::with_capacity(placement.nodes().len());
-    let mut devices = 0;
-    for n in placement.nodes() {
-        first_device.push(devices);
-        devices += n.devices;
-    }
     let mut worst = 0.0f64;
     for (layer, layer_loads) in loads.iter().enumerate() {
         let Some(layer_loads) = layer_loads else {
             continue;
         };
-        let mut per_device = vec![0.0; devices];
-        for (expert, &load) in layer_loads.iter().enumerate() {
-            let copies = placement.replicas(layer, expert as u32);
-            for r in copies {
-                let index = first_device
-                    .get(r.node as usize)
-                    .map(|first| first + r.device as usize);
-                if let Some(d) = index.and_then(|i| per_device.get_mut(i)) {
-                    *d += load / copies.len() as f64;
-                }
-            }
-        }
+        let per_device = placement.device_loads(layer, layer_loads);
         worst = worst.max(imbalance(&per_device));
     }
     worst

@@ -8,6 +8,8 @@
 //! its first `replication` copies of each expert ([`Placement::without_hot_copies`]): a
 //! cluster, whose layout changes with its members, lays the next copies over that.
 
+use std::collections::HashMap;
+
 use super::replicate::{self, LayerReplicas, LayerSlots};
 use super::{Placement, PlacementError, Replica};
 
@@ -29,6 +31,88 @@ impl Placement {
         Placement {
             spec: self.spec.clone(),
             replicas,
+        }
+    }
+
+    /// Each device's share of `loads` (one MoE layer's load per expert, split evenly over
+    /// each expert's copies), devices numbered node by node.
+    pub fn device_loads(&self, layer: usize, loads: &[f64]) -> Vec<f64> {
+        let mut first_device = Vec::with_capacity(self.spec.nodes.len());
+        let mut devices = 0;
+        for n in &self.spec.nodes {
+            first_device.push(devices);
+            devices += n.devices;
+        }
+        let mut per_device = vec![0.0; devices];
+        for (expert, &load) in loads.iter().enumerate() {
+            let copies = self.replicas(layer, expert as u32);
+            for r in copies {
+                let index = first_device
+                    .get(r.node as usize)
+                    .map(|first| first + r.device as usize);
+                if let Some(d) = index.and_then(|i| per_device.get_mut(i)) {
+                    *d += load / copies.len() as f64;
+                }
+            }
+        }
+        per_device
+    }
+
+    /// Keeps `current`'s copies for each layer where both lay hot copies over the same
+    /// base, `current`'s fit `spare_slots` extra per device, and they balance `loads`
+    /// within `tolerance` (relative) of `self`'s: a rebalance on a workload that has not
+    /// changed then loads and drops nothing there.
+    pub fn keep_layers_of(
+        &mut self,
+        current: &Placement,
+        loads: &[Option<Vec<f64>>],
+        spare_slots: usize,
+        tolerance: f64,
+    ) {
+        if current.spec.nodes != self.spec.nodes
+            || current.spec.replication != self.spec.replication
+        {
+            return;
+        }
+        let keep = self.spec.replication.max(1);
+        for (layer, layer_loads) in loads.iter().enumerate() {
+            let Some(layer_loads) = layer_loads else {
+                continue;
+            };
+            let (Some(mine), Some(theirs)) =
+                (self.replicas.get(layer), current.replicas.get(layer))
+            else {
+                continue;
+            };
+            let same_base = mine.len() == theirs.len()
+                && mine
+                    .iter()
+                    .zip(theirs)
+                    .all(|(a, b)| a.iter().take(keep).eq(b.iter().take(keep)));
+            if !same_base {
+                continue;
+            }
+            let mut base_held = HashMap::<Replica, usize>::new();
+            let mut held = HashMap::<Replica, usize>::new();
+            for copies in theirs {
+                for (i, r) in copies.iter().enumerate() {
+                    if i < keep {
+                        *base_held.entry(*r).or_default() += 1;
+                    }
+                    *held.entry(*r).or_default() += 1;
+                }
+            }
+            let fits = held
+                .iter()
+                .all(|(r, &n)| n <= base_held.get(r).copied().unwrap_or(0) + spare_slots);
+            let worst = |p: &Placement| {
+                p.device_loads(layer, layer_loads)
+                    .into_iter()
+                    .fold(0.0f64, f64::max)
+            };
+            if fits && worst(current) <= worst(self) * (1.0 + tolerance) {
+                self.replicas[layer] = theirs.clone();
+            }
         }
     }
 
@@ -128,6 +212,51 @@ mod tests {
                 .layers,
             base.to_table().layers
         );
+    }
+
+    #[test]
+    fn a_rebalance_on_an_unchanged_workload_keeps_the_copies_it_has() {
+        let base = Placement::single_node(&[false, true], 16, 4, 1).unwrap();
+        let mut loads = vec![1.0; 16];
+        loads[3] = 40.0;
+        loads[7] = 20.0;
+        let loads = [None, Some(loads)];
+        let hot = base.with_hot_copies(&loads, 2, 2).unwrap();
+        // The same workload, a little noisier: the copies stay (within 5%).
+        let mut noisy = loads.clone();
+        if let Some(l) = noisy[1].as_mut() {
+            l[3] = 41.0;
+        }
+        let mut next = hot
+            .without_hot_copies()
+            .with_hot_copies(&noisy, 2, 3)
+            .unwrap();
+        // Laid afresh, the copies land elsewhere (the search breaks ties anew) ...
+        assert_ne!(next.to_table().layers, hot.to_table().layers);
+        // ... but they balance no better: the copies held stay.
+        next.keep_layers_of(&hot, &noisy, 2, 0.05);
+        assert_eq!(next.to_table().layers, hot.to_table().layers);
+        assert_eq!(next.version(), 3);
+        // A workload that moved: the new copies win.
+        let mut moved = vec![1.0; 16];
+        moved[11] = 60.0;
+        let moved = [None, Some(moved)];
+        let fresh = hot
+            .without_hot_copies()
+            .with_hot_copies(&moved, 2, 3)
+            .unwrap();
+        let mut next = fresh.clone();
+        next.keep_layers_of(&hot, &moved, 2, 0.05);
+        assert_eq!(next, fresh);
+        assert!(next.replicas(1, 11).len() > 1);
+        // Fewer spare slots than the copies held: the current copies do not fit.
+        let mut next = hot
+            .without_hot_copies()
+            .with_hot_copies(&loads, 1, 3)
+            .unwrap();
+        let fewer = next.clone();
+        next.keep_layers_of(&hot, &loads, 1, 10.0);
+        assert_eq!(next, fewer);
     }
 
     #[test]
