@@ -131,8 +131,9 @@ const CLUSTER_SWITCH_LIMIT: Duration = Duration::from_secs(120);
 
 impl Node {
     /// Recomputes the hot-expert copies from the recent window and switches to them (see
-    /// the module doc). One at a time; blocks while loading. Only a node serving alone:
-    /// across a cluster the placement is the cluster's (`cluster/follow.rs`).
+    /// the module doc). One at a time; blocks while loading. In a cluster only the leader
+    /// rebalances ([`NodeError::NotLeader`] elsewhere), through the cluster's placement
+    /// versions, and blocks until every live member serves the new one.
     pub fn rebalance(&self) -> Result<RebalanceReport, NodeError> {
         let _one_at_a_time = self.rebalancing.lock().unwrap_or_else(|e| e.into_inner());
         if self.spare_slots == 0 {
