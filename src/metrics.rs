@@ -24,6 +24,8 @@ pub struct NodeMetrics {
     pub request_latency: Histogram,
     pub prompt_tokens: Counter,
     pub generation_tokens: Counter,
+    /// Constrained decoding's cost (structured output, forced tool calls).
+    pub grammar: crate::engine::grammar::GrammarMetrics,
     peer_latency: PeerLatency,
 }
 
@@ -77,6 +79,22 @@ impl NodeMetrics {
             "Tokens generated",
             generation_tokens.clone(),
         );
+        let grammar = crate::engine::grammar::GrammarMetrics::default();
+        registry.register(
+            "grammar_masks",
+            "Token masks computed for constrained decoding",
+            grammar.masks.clone(),
+        );
+        registry.register(
+            "grammar_mask_compute_seconds",
+            "Time computing token masks, beside the engine's steps",
+            grammar.compute_seconds.clone(),
+        );
+        registry.register(
+            "grammar_mask_wait_seconds",
+            "Time steps waited for a token mask (the part of constrained decoding the batch feels)",
+            grammar.wait_seconds.clone(),
+        );
         // 50 µs .. ~3 s.
         let peer_latency: PeerLatency =
             Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.00005, 2.0, 17)));
@@ -95,6 +113,7 @@ impl NodeMetrics {
             request_latency,
             prompt_tokens,
             generation_tokens,
+            grammar,
         }
     }
 

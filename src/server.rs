@@ -12,10 +12,12 @@ use actix_web::{App, HttpServer, web};
 use futures::future::{Either, select};
 
 use crate::actors::router::{RouterState, Submit};
+use crate::api::tool_calls::ToolCallFormat;
 use crate::api::{AppState, ServedModel};
 use crate::config::NodeConfig;
 use crate::engine::SamplingParams;
 use crate::engine::batch::SequenceEvent;
+use crate::engine::grammar::Grammars;
 use crate::metrics::NodeMetrics;
 use crate::model::chat_template::ChatTemplate;
 use crate::model::demo::{DemoSpec, write_demo_model};
@@ -179,11 +181,23 @@ fn load(state: &AppState, api: std::net::SocketAddr) -> Result<(), ServeError> {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or_default();
+    let grammars = tokenizer.as_ref().and_then(|tokenizer| {
+        Grammars::for_model(tokenizer, &node.model, state.metrics.grammar.clone())
+            .map_err(
+                |error| tracing::warn!(%error, "structured output is unavailable for this model"),
+            )
+            .ok()
+    });
+    let tool_format = chat_template
+        .as_ref()
+        .and_then(|t| ToolCallFormat::detect(t.source()));
     state.set_ready(ServedModel {
         name: name.clone(),
         node,
         tokenizer,
         chat_template,
+        grammars,
+        tool_format,
         created,
     });
     watch_router(state)?;

@@ -7,7 +7,7 @@ mod serve;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use moe_node::model::chat_template::ChatMessage;
+use moe_node::model::chat_template::{ChatInput, ChatMessage};
 use moe_node::model::template_worker::IsolatedRenderer;
 use reqwest::StatusCode;
 use serde_json::json;
@@ -27,11 +27,8 @@ fn renderer(deadline: Duration) -> IsolatedRenderer {
         .with_deadline(deadline)
 }
 
-fn user(content: &str) -> Vec<ChatMessage> {
-    vec![ChatMessage {
-        role: "user".into(),
-        content: content.into(),
-    }]
+fn user(content: &str) -> ChatInput {
+    vec![ChatMessage::new("user", content)].into()
 }
 
 #[test]

@@ -298,8 +298,8 @@ fn requests_are_taken_as_they_mean_or_refused() {
         ),
         (
             "/v1/chat/completions",
-            json!({"messages": [{"role": "user", "content": "hi", "name": "bob"}]}),
-            "unknown field `name`",
+            json!({"messages": [{"role": "user", "content": "hi", "nmae": "bob"}]}),
+            "unknown field `nmae`",
         ),
         (
             "/v1/chat/completions",

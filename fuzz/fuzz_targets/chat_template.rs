@@ -19,15 +19,12 @@ fuzz_target!(|data: &[u8]| {
         .lines()
         .map(|line| {
             let (role, content) = line.split_once(": ").unwrap_or(("user", line));
-            ChatMessage {
-                role: role.into(),
-                content: content.into(),
-            }
+            ChatMessage::new(role, content)
         })
         .collect();
     let Ok(template) = ChatTemplate::new(source.into(), "<s>".into(), "</s>".into()) else {
         return;
     };
     // Errors are expected (a template may raise, run out of fuel, ...); panics are not.
-    let _ = template.render(&messages);
+    let _ = template.render(&messages.into());
 });

@@ -2,14 +2,17 @@
 //! call before anything is queued: `completion_request` (`/v1/completions`), `chat_request`
 //! (`/v1/chat/completions`, chat template and tokenizer included) and `tokenize_request`
 //! (`/tokenize`), against a small demo model (byte-level tokenizer, ChatML template) and the
-//! default limits. Input: one byte choosing the endpoint, then the body. Each request is
-//! validated on a thread with an HTTP worker's 2 MiB stack.
+//! default limits; `response_format` and `tools` compile their grammars. Input: one byte
+//! choosing the endpoint, then the body. Each request is validated on a thread with an HTTP
+//! worker's 2 MiB stack.
 #![no_main]
 
 use std::sync::OnceLock;
 
 use libfuzzer_sys::fuzz_target;
 use moe_node::api::openai::{RequestContext, chat_request, completion_request, tokenize_request};
+use moe_node::api::tool_calls::ToolCallFormat;
+use moe_node::engine::grammar::Grammars;
 use moe_node::config::NodeConfig;
 use moe_node::model::chat_template::ChatTemplate;
 use moe_node::model::demo::{DemoSpec, write_demo_model};
@@ -17,6 +20,7 @@ use moe_node::model::{ModelConfig, Tokenizer};
 
 struct Served {
     model: ModelConfig,
+    grammars: Grammars,
     tokenizer: Tokenizer,
     chat_template: ChatTemplate,
     config: NodeConfig,
@@ -44,11 +48,15 @@ fn served() -> &'static Served {
             skew: 0.0,
         };
         write_demo_model(dir.path(), &spec, |_, _| {}).expect("demo model");
+        let model = ModelConfig::load(dir.path()).expect("demo config");
+        let tokenizer = Tokenizer::load_optional(dir.path())
+            .expect("demo tokenizer")
+            .expect("the demo has a tokenizer");
         Served {
-            model: ModelConfig::load(dir.path()).expect("demo config"),
-            tokenizer: Tokenizer::load_optional(dir.path())
-                .expect("demo tokenizer")
-                .expect("the demo has a tokenizer"),
+            grammars: Grammars::for_model(&tokenizer, &model, Default::default())
+                .expect("grammars for the demo"),
+            model,
+            tokenizer,
             chat_template: ChatTemplate::load_optional(dir.path())
                 .expect("demo chat template")
                 .expect("the demo has a chat template"),
@@ -68,6 +76,8 @@ fuzz_target!(|data: &[u8]| {
         tokenizer: Some(&served.tokenizer),
         chat_template: Some(&served.chat_template),
         limits: &served.config.batching,
+        grammars: Some(&served.grammars),
+        tool_format: ToolCallFormat::detect(served.chat_template.source()),
     };
     std::thread::scope(|scope| {
         std::thread::Builder::new()

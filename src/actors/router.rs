@@ -12,6 +12,7 @@ use actix::prelude::*;
 use tokio::sync::mpsc;
 
 use crate::engine::batch::{BatchLimits, Batcher, QueueFull, Sequence, SequenceEvent};
+use crate::engine::grammar::Constraint;
 use crate::engine::{Engine, SamplingParams};
 use crate::metrics::NodeMetrics;
 
@@ -81,6 +82,8 @@ pub struct Submit {
     pub logprobs: Option<usize>,
     /// Alternatives per prompt token's log probabilities, if wanted.
     pub prompt_logprobs: Option<usize>,
+    /// The grammar the output must match, and the token it ends with.
+    pub constraint: Option<(Constraint, u32)>,
 }
 
 impl Submit {
@@ -94,6 +97,7 @@ impl Submit {
             choices: 1,
             logprobs: None,
             prompt_logprobs: None,
+            constraint: None,
         }
     }
 }
@@ -240,7 +244,8 @@ impl Handler<Submit> for RouterActor {
         )
         .with_choices(choices)
         .with_logprobs(msg.logprobs)
-        .with_prompt_logprobs(msg.prompt_logprobs);
+        .with_prompt_logprobs(msg.prompt_logprobs)
+        .with_constraint(msg.constraint);
         self.batcher.submit(sequence)?;
         self.update_gauges();
         self.schedule_step(ctx);

@@ -14,6 +14,8 @@ const MAX_HELD_TOKENS: usize = 8;
 /// The text of a growing list of ids.
 #[derive(Debug, Default)]
 pub struct IncrementalText {
+    /// Special tokens' text is kept (tool-call markers are special tokens).
+    special: bool,
     /// The ids decoded together: the context (`..prefix_index`), whose text was sent
     /// already, then the tokens whose text is held back.
     window: Vec<u32>,
@@ -30,7 +32,7 @@ impl IncrementalText {
         let start = self.text.len();
         self.window.push(id);
         let held = self.window.len() - self.prefix_index;
-        let Ok(decoded) = tokenizer.decode_text(&self.window) else {
+        let Ok(decoded) = self.decode(tokenizer, &self.window) else {
             return "";
         };
         if decoded.ends_with('\u{FFFD}') && held <= MAX_HELD_TOKENS {
@@ -40,8 +42,20 @@ impl IncrementalText {
         // The tokens just sent are the next token's context.
         self.window.drain(..self.prefix_index);
         self.prefix_index = self.window.len();
-        self.prefix = tokenizer.decode_text(&self.window).unwrap_or(decoded);
+        self.prefix = self.decode(tokenizer, &self.window).unwrap_or(decoded);
         &self.text[start..]
+    }
+
+    fn decode(
+        &self,
+        tokenizer: &Tokenizer,
+        ids: &[u32],
+    ) -> Result<String, crate::model::ModelError> {
+        if self.special {
+            tokenizer.decode(ids)
+        } else {
+            tokenizer.decode_text(ids)
+        }
     }
 
     /// Ends the text: tokens still held back (an incomplete last character) are decoded
@@ -49,7 +63,7 @@ impl IncrementalText {
     pub fn finish(&mut self, tokenizer: &Tokenizer) -> &str {
         let start = self.text.len();
         if self.window.len() > self.prefix_index
-            && let Ok(decoded) = tokenizer.decode_text(&self.window)
+            && let Ok(decoded) = self.decode(tokenizer, &self.window)
         {
             self.text.push_str(past_prefix(&decoded, &self.prefix));
         }
@@ -91,6 +105,9 @@ pub struct ChoiceText {
     searched: usize,
     /// Where the first stop string begins, once one is found.
     stop_at: Option<usize>,
+    /// With special tokens' text kept: the tokens that end a generation, whose text is
+    /// still left out.
+    hidden: Vec<u32>,
 }
 
 impl ChoiceText {
@@ -101,13 +118,23 @@ impl ChoiceText {
             sent: 0,
             searched: 0,
             stop_at: None,
+            hidden: Vec::new(),
         }
+    }
+
+    /// Keeps special tokens' text (where tool-call markers are special tokens), except
+    /// that of `hidden`, the tokens that end the generation.
+    pub fn keeping_special_tokens(mut self, hidden: Vec<u32>) -> Self {
+        self.text.special = true;
+        self.hidden = hidden;
+        self
     }
 
     /// Adds a generated token; returns whether a stop string has been reached.
     pub fn push(&mut self, tokenizer: Option<&Tokenizer>, id: u32) -> bool {
         if let Some(tokenizer) = tokenizer
             && self.stop_at.is_none()
+            && !self.hidden.contains(&id)
         {
             self.text.push(tokenizer, id);
             self.look_for_stops();

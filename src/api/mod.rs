@@ -9,6 +9,8 @@ pub mod error;
 pub mod openai;
 mod response;
 pub mod stop;
+mod structured;
+pub mod tool_calls;
 
 use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -43,6 +45,11 @@ pub struct ServedModel {
     pub node: Node,
     pub tokenizer: Option<Tokenizer>,
     pub chat_template: Option<ChatTemplate>,
+    /// Structured output (`response_format`, forced tool calls); `None` without a
+    /// tokenizer.
+    pub grammars: Option<crate::engine::grammar::Grammars>,
+    /// How the model writes tool calls, from its chat template.
+    pub tool_format: Option<tool_calls::ToolCallFormat>,
     pub created: u64,
 }
 

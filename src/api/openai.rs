@@ -9,13 +9,16 @@ use serde_json::{Value, json};
 use tokio::sync::{mpsc, watch};
 
 use super::response::{Response, sse_stream, whole_response};
+use super::structured;
+use super::tool_calls::ToolCallFormat;
 use super::{ApiError, AppState, ServedModel, parse_json, read_body};
 use crate::actors::router::{Submit, SubmitError};
 use crate::config::{BatchingConfig, NodeConfig};
 use crate::engine::SamplingParams;
 use crate::engine::batch::SequenceEvent;
+use crate::engine::grammar::{Constraint, Grammars};
 use crate::engine::logprobs::MAX_TOP_LOGPROBS;
-use crate::model::chat_template::{ChatMessage, ChatTemplate, encode_chat};
+use crate::model::chat_template::{ChatInput, ChatMessage, ChatTemplate, encode_chat};
 use crate::model::{ModelConfig, Tokenizer};
 
 /// A prompt as `/v1/completions` accepts it: text, or token ids; a one-element batch of
@@ -76,6 +79,9 @@ struct GenerationFields {
     top_logprobs: Option<usize>,
     /// Completions: the prompt's text (and log probabilities) before the completion.
     echo: Option<bool>,
+    /// `{"type": "json_object"}` or `{"type": "json_schema", "json_schema": {"schema"}}`:
+    /// output constrained to match.
+    response_format: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -95,6 +101,14 @@ struct CompletionRequest {
 #[derive(Debug, Deserialize)]
 struct ChatRequest {
     messages: Vec<IncomingMessage>,
+    /// `{"type": "function", "function": {"name", "description", "parameters"}}`, checked
+    /// in [`structured::tool_use`].
+    tools: Option<Vec<Value>>,
+    tool_choice: Option<Value>,
+    /// Accepted; a forced call (`tool_choice`) is one call, and `auto` returns every call
+    /// the model writes.
+    #[allow(dead_code)]
+    parallel_tool_calls: Option<bool>,
     #[serde(flatten)]
     fields: GenerationFields,
 }
@@ -104,8 +118,13 @@ struct ChatRequest {
 struct IncomingMessage {
     role: String,
     /// A string, or a list of `{"type": "text", "text": ...}` parts; checked in
-    /// [`message_text`].
+    /// [`message_text`]. An assistant message that calls tools may have none.
     content: Option<Value>,
+    /// An assistant message's calls.
+    tool_calls: Option<Value>,
+    /// A tool message: the call it answers.
+    tool_call_id: Option<String>,
+    name: Option<String>,
 }
 
 /// Roles a chat template is given.
@@ -113,7 +132,7 @@ const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
 
 /// Top-level fields both generation endpoints take (`user` is accepted and unused: it only
 /// names the caller).
-const GENERATION_FIELDS: [&str; 22] = [
+const GENERATION_FIELDS: [&str; 23] = [
     "model",
     "max_tokens",
     "max_completion_tokens",
@@ -136,12 +155,19 @@ const GENERATION_FIELDS: [&str; 22] = [
     "min_tokens",
     "stop_token_ids",
     "logprobs",
+    "response_format",
 ];
 
 /// Fields only `/v1/completions` takes.
 const COMPLETION_FIELDS: [&str; 2] = ["prompt", "echo"];
 /// Fields only `/v1/chat/completions` takes.
-const CHAT_FIELDS: [&str; 2] = ["messages", "top_logprobs"];
+const CHAT_FIELDS: [&str; 5] = [
+    "messages",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+];
 
 /// A field the endpoint does not know is an error, not ignored: a misspelled `max_token`
 /// must not silently generate to the end of the context.
@@ -240,6 +266,10 @@ pub struct RequestContext<'a> {
     pub tokenizer: Option<&'a Tokenizer>,
     pub chat_template: Option<&'a ChatTemplate>,
     pub limits: &'a BatchingConfig,
+    /// Structured output; `None` without a tokenizer.
+    pub grammars: Option<&'a Grammars>,
+    /// How the model writes tool calls; `None` if its chat template writes none.
+    pub tool_format: Option<ToolCallFormat>,
 }
 
 impl ServedModel {
@@ -251,6 +281,8 @@ impl ServedModel {
             tokenizer: self.tokenizer.as_ref(),
             chat_template: self.chat_template.as_ref(),
             limits: &config.batching,
+            grammars: self.grammars.as_ref(),
+            tool_format: self.tool_format,
         }
     }
 }
@@ -276,6 +308,12 @@ pub struct Admitted {
     pub(super) logprobs: Option<usize>,
     /// The prompt returned before the completion (`echo`).
     pub(super) echo: Option<Echo>,
+    /// The grammar the output must match, and the token that ends it.
+    pub(super) constraint: Option<(Constraint, u32)>,
+    /// The format tool calls are parsed out of the output in.
+    pub(super) tool_calls: Option<ToolCallFormat>,
+    /// The tokens that end the generation (their text is never part of the output).
+    pub(super) end_tokens: Vec<u32>,
 }
 
 /// What `echo` returns of the prompt.
@@ -293,7 +331,12 @@ pub async fn completions(
 ) -> Result<HttpResponse, ApiError> {
     let served = state.admitting()?;
     let body = read_body(payload, &state.config.server).await?;
-    let admitted = completion_request(&served.request_context(&state.config), &body)?;
+    // Compiling a JSON schema into a grammar may take a while: off the event loop.
+    let admitted = if contains(&body, b"response_format") {
+        validate_off_the_event_loop(&state, body, completion_request).await?
+    } else {
+        completion_request(&served.request_context(&state.config), &body)?
+    };
     generate(state.clone(), served, admitted).await
 }
 
@@ -305,6 +348,10 @@ pub async fn chat_completions(
     let body = read_body(payload, &state.config.server).await?;
     let admitted = validate_off_the_event_loop(&state, body, chat_request).await?;
     generate(state.clone(), served, admitted).await
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|w| w == needle)
 }
 
 /// Validates a request that renders the chat template on actix's blocking pool: a render is
@@ -364,8 +411,25 @@ pub fn completion_request(served: &RequestContext, body: &[u8]) -> Result<Admitt
 /// Parses and validates a `/v1/chat/completions` body: everything short of generating.
 pub fn chat_request(served: &RequestContext, body: &[u8]) -> Result<Admitted, ApiError> {
     let request: ChatRequest = parse_request(body, &CHAT_FIELDS)?;
-    let prompt = chat_prompt(served, request.messages)?;
-    admit(served, Endpoint::Chat, prompt, request.fields)
+    let tools = structured::tool_use(served, request.tools, request.tool_choice)?;
+    let prompt = chat_prompt(served, request.messages, tools.tools)?;
+    let mut admitted = admit(served, Endpoint::Chat, prompt, request.fields)?;
+    if let Some(constraint) = tools.constraint {
+        if admitted.constraint.is_some() {
+            return Err(ApiError::bad_request(
+                "response_format cannot be combined with a tool_choice that forces a call",
+            )
+            .with_param("response_format"));
+        }
+        admitted.constraint = Some((constraint, structured_end(served)));
+    }
+    admitted.tool_calls = tools.parse;
+    Ok(admitted)
+}
+
+/// The token a grammar ends with.
+fn structured_end(served: &RequestContext) -> u32 {
+    served.grammars.map_or(0, Grammars::end)
 }
 
 pub async fn models(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
@@ -401,7 +465,7 @@ pub fn tokenize_request(served: &RequestContext, body: &[u8]) -> Result<Vec<u32>
     let request: TokenizeRequest = parse_request(body, &["prompt", "messages"])?;
     match (request.prompt, request.messages) {
         (Some(text), None) => encode(served, &text),
-        (None, Some(messages)) => chat_prompt(served, messages),
+        (None, Some(messages)) => chat_prompt(served, messages, None),
         _ => Err(ApiError::bad_request(
             "give exactly one of `prompt` (text) or `messages` (chat)",
         )),
@@ -433,6 +497,7 @@ fn encode(served: &RequestContext, text: &str) -> Result<Vec<u32>, ApiError> {
 fn chat_prompt(
     served: &RequestContext,
     messages: Vec<IncomingMessage>,
+    tools: Option<Vec<Value>>,
 ) -> Result<Vec<u32>, ApiError> {
     let template = served.chat_template.ok_or_else(|| {
         ApiError::bad_request("this model has no chat template: use /v1/completions")
@@ -452,9 +517,27 @@ fn chat_prompt(
                 ))
                 .with_param("messages"));
             }
+            let tool_calls = match m.tool_calls {
+                None | Some(Value::Null) => None,
+                Some(_) if m.role != "assistant" => {
+                    return Err(ApiError::bad_request(format!(
+                        "messages[{i}]: only assistant messages have tool_calls"
+                    ))
+                    .with_param("messages"));
+                }
+                Some(calls) => Some(structured::message_tool_calls(i, calls)?),
+            };
+            // An assistant turn that calls tools may have no text.
+            let content = match m.content {
+                None | Some(Value::Null) if tool_calls.is_some() => None,
+                content => Some(message_text(i, content)?),
+            };
             Ok(ChatMessage {
                 role: m.role,
-                content: message_text(i, m.content)?,
+                content,
+                tool_calls,
+                tool_call_id: m.tool_call_id,
+                name: m.name,
             })
         })
         .collect::<Result<Vec<_>, _>>()?;
@@ -463,7 +546,18 @@ fn chat_prompt(
             "this model has no tokenizer.json: use /v1/completions with token ids",
         )
     })?;
-    encode_chat(template, tokenizer, messages)
+    let chat = ChatInput { messages, tools };
+    let called = chat.messages.iter().filter_map(|m| m.tool_calls.as_ref());
+    if called
+        .map(|calls| Value::Array(calls.clone()).to_string())
+        .any(|calls| tokenizer.has_special_text(&calls))
+    {
+        return Err(ApiError::bad_request(
+            "a message's tool_calls hold the text of one of the model's special tokens",
+        )
+        .with_param("messages"));
+    }
+    encode_chat(template, tokenizer, chat)
         .map_err(|e| ApiError::bad_request(e).with_param("messages"))
 }
 
@@ -574,11 +668,27 @@ fn admit(
                 .with_param("stop"),
         );
     }
+    let constraint = structured::response_format(served, fields.response_format.as_ref())?
+        .map(|constraint| (constraint, structured_end(served)));
+    if constraint.is_some() && sampling.min_tokens > 0 {
+        return Err(ApiError::bad_request(
+            "min_tokens cannot be combined with response_format: the grammar decides where \
+             the output ends",
+        )
+        .with_param("min_tokens"));
+    }
     let prompt_ids_for_echo = if echo.is_some() {
         prompt.clone()
     } else {
         Vec::new()
     };
+    let end_tokens = model
+        .eos_token_ids
+        .iter()
+        .chain(&sampling.stop_token_ids)
+        .copied()
+        .chain(constraint.as_ref().map(|(_, end)| *end))
+        .collect();
     Ok(Admitted {
         endpoint,
         model: served.name.to_string(),
@@ -598,6 +708,9 @@ fn admit(
             text: String::new(),
             logprobs,
         }),
+        end_tokens,
+        constraint,
+        tool_calls: None,
     })
 }
 
@@ -748,6 +861,7 @@ async fn generate(
             choices: request.choices,
             logprobs: request.logprobs,
             prompt_logprobs: request.echo.as_ref().and_then(|echo| echo.logprobs),
+            constraint: request.constraint.take(),
         })
         .await
         .map_err(|e| match e {

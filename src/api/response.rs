@@ -13,6 +13,7 @@ use tokio::sync::{mpsc, watch};
 use super::detokenize::ChoiceText;
 use super::openai::{Admitted, Endpoint, cut_error, next_event};
 use super::stop::StopStrings;
+use super::tool_calls::{Piece, ToolCall, ToolCallStream};
 use super::{ApiError, AppState, ServedModel};
 use crate::engine::FinishReason;
 use crate::engine::batch::SequenceEvent;
@@ -40,12 +41,16 @@ pub(super) struct Response {
 /// One choice of a response.
 struct Choice {
     text: ChoiceText,
+    /// Tool calls parsed out of the text as it streams (requests with `tools`).
+    tool_stream: Option<ToolCallStream>,
     token_ids: Vec<u32>,
     logprobs: Vec<TokenLogprobs>,
     /// Characters of token text streamed so far (the legacy format's `text_offset`).
     streamed_chars: usize,
     /// Set when the choice has ended, by the router or by a stop string.
     finish_reason: Option<&'static str>,
+    /// Tool calls streamed so far.
+    calls_sent: usize,
 }
 
 impl Response {
@@ -58,11 +63,17 @@ impl Response {
     ) -> Self {
         let choices = (0..request.choices)
             .map(|_| Choice {
-                text: ChoiceText::new(StopStrings::new(request.stop.clone())),
+                text: match request.tool_calls {
+                    Some(_) => ChoiceText::new(StopStrings::new(request.stop.clone()))
+                        .keeping_special_tokens(request.end_tokens.clone()),
+                    None => ChoiceText::new(StopStrings::new(request.stop.clone())),
+                },
+                tool_stream: request.tool_calls.map(ToolCallStream::new),
                 token_ids: Vec::new(),
                 logprobs: Vec::new(),
                 streamed_chars: 0,
                 finish_reason: None,
+                calls_sent: 0,
             })
             .collect();
         Response {
@@ -107,6 +118,10 @@ impl Response {
                 let stopped = choice.text.push(tokenizer, token);
                 if streaming {
                     let delta = choice.text.delta();
+                    let pieces = match &mut choice.tool_stream {
+                        Some(tools) => tools.push(&delta),
+                        None => vec![Piece::Text(delta)],
+                    };
                     let logprobs = logprobs.as_ref().map(|lp| match self.request.endpoint {
                         Endpoint::Completions => {
                             let mut legacy = LegacyLogprobs::starting_at(choice.streamed_chars);
@@ -116,8 +131,7 @@ impl Response {
                         }
                         Endpoint::Chat => json!({"content": [chat_logprob(tokenizer, lp)]}),
                     });
-                    let chunk = self.chunk(index, &delta, &[token], logprobs, None);
-                    self.out.push_back(sse(&chunk));
+                    self.stream_pieces(index, pieces, &[token], logprobs);
                 }
                 if let (Some(lp), Some(choice)) = (logprobs, self.choices.get_mut(index)) {
                     choice.logprobs.push(lp);
@@ -160,10 +174,77 @@ impl Response {
         let Some(choice) = self.choices.get_mut(index) else {
             return;
         };
-        choice.finish_reason = Some(reason);
         if streaming {
             let rest = choice.text.rest(tokenizer);
-            let chunk = self.chunk(index, &rest, &[], None, Some(reason));
+            let pieces = match &mut choice.tool_stream {
+                Some(tools) => {
+                    let mut pieces = tools.push(&rest);
+                    pieces.extend(tools.finish());
+                    pieces
+                }
+                None => vec![Piece::Text(rest)],
+            };
+            let called = choice.tool_stream.as_ref().is_some_and(|t| t.calls() > 0);
+            let reason = tool_calls_reason(reason, called);
+            if let Some(choice) = self.choices.get_mut(index) {
+                choice.finish_reason = Some(reason);
+            }
+            let (text, rest): (Vec<_>, Vec<_>) = pieces
+                .into_iter()
+                .partition(|p| matches!(p, Piece::Text(_)));
+            // Calls get chunks of their own; the last text goes with the reason.
+            self.stream_pieces(index, rest, &[], None);
+            let text: String = text
+                .into_iter()
+                .map(|p| match p {
+                    Piece::Text(t) => t,
+                    Piece::Call(_) => String::new(),
+                })
+                .collect();
+            let chunk = self.chunk(index, &text, &[], None, Some(reason));
+            self.out.push_back(sse(&chunk));
+        } else {
+            choice.finish_reason = Some(reason);
+        }
+    }
+
+    /// Queues the chunks of `pieces` of choice `index`: text as content, each call as a
+    /// `tool_calls` delta. The token's ids and log probabilities go with the first; with
+    /// no pieces, an empty chunk carries them.
+    fn stream_pieces(
+        &mut self,
+        index: usize,
+        pieces: Vec<Piece>,
+        ids: &[u32],
+        logprobs: Option<Value>,
+    ) {
+        let mut ids = Some((ids, logprobs));
+        let mut pieces = pieces.into_iter().peekable();
+        if pieces.peek().is_none() {
+            if let Some((ids, logprobs)) = ids.take()
+                && (!ids.is_empty() || logprobs.is_some())
+            {
+                let chunk = self.chunk(index, "", ids, logprobs, None);
+                self.out.push_back(sse(&chunk));
+            }
+            return;
+        }
+        for piece in pieces {
+            let (token_ids, logprobs) = ids.take().unwrap_or((&[], None));
+            let chunk = match piece {
+                Piece::Text(text) => self.chunk(index, &text, token_ids, logprobs, None),
+                Piece::Call(call) => {
+                    let Some(choice) = self.choices.get_mut(index) else {
+                        return;
+                    };
+                    let number = choice.calls_sent;
+                    choice.calls_sent += 1;
+                    let mut chunk = self.chunk(index, "", token_ids, logprobs, None);
+                    chunk["choices"][0]["delta"] =
+                        json!({"tool_calls": [tool_call_json(number, &call)]});
+                    chunk
+                }
+            };
             self.out.push_back(sse(&chunk));
         }
     }
@@ -288,6 +369,27 @@ impl Response {
                     })
                 }
                 Endpoint::Chat => {
+                    let (content, calls) = match self.request.tool_calls {
+                        Some(format) => {
+                            let parsed = format.parse(&generated);
+                            (parsed.content, parsed.calls)
+                        }
+                        None => (generated, Vec::new()),
+                    };
+                    if let Some(reason) = &mut choice.finish_reason {
+                        *reason = tool_calls_reason(reason, !calls.is_empty());
+                    }
+                    let mut message = json!({"role": "assistant", "content": content});
+                    if !calls.is_empty() {
+                        if content.trim().is_empty() {
+                            message["content"] = Value::Null;
+                        }
+                        message["tool_calls"] = calls
+                            .iter()
+                            .enumerate()
+                            .map(|(i, call)| tool_call_json(i, call))
+                            .collect();
+                    }
                     let logprobs = self.request.logprobs.map(|_| {
                         let content: Vec<Value> = choice
                             .logprobs
@@ -298,7 +400,7 @@ impl Response {
                     });
                     json!({
                         "index": index,
-                        "message": {"role": "assistant", "content": generated},
+                        "message": message,
                         "logprobs": logprobs,
                     })
                 }
@@ -313,6 +415,36 @@ impl Response {
         body["usage"] = self.usage();
         body
     }
+}
+
+/// A choice that ended at the model's end token after calling tools ends with
+/// `tool_calls`, as OpenAI's API says.
+fn tool_calls_reason(reason: &'static str, called: bool) -> &'static str {
+    if called && reason == "stop" {
+        "tool_calls"
+    } else {
+        reason
+    }
+}
+
+/// A call as the API returns it; `index` counts the choice's calls. Kimi K2 names its
+/// calls (`functions.NAME:0`), and its chat template expects those ids back; other
+/// formats get `call_` and 24 random characters, as OpenAI's ids.
+fn tool_call_json(index: usize, call: &ToolCall) -> Value {
+    let id = call.id.clone().unwrap_or_else(|| {
+        use rand::Rng;
+        let mut rng = rand::rng();
+        let suffix: String = (0..24)
+            .map(|_| char::from(rng.sample(rand::distr::Alphanumeric)))
+            .collect();
+        format!("call_{suffix}")
+    });
+    json!({
+        "index": index,
+        "id": id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    })
 }
 
 fn finish_reason(reason: FinishReason) -> &'static str {

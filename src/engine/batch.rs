@@ -6,6 +6,7 @@
 use std::collections::VecDeque;
 
 use super::generate::FinishReason;
+use super::grammar::Constraint;
 use super::kv_cache::KvCache;
 use super::logprobs::{TokenLogprobs, token_logprobs};
 use super::sampling::{Sampler, SamplingParams};
@@ -112,6 +113,14 @@ impl<S> Sequence<S> {
         self
     }
 
+    /// Draws only what `constraint` allows (see [`Sampler::constrain`]).
+    pub fn with_constraint(mut self, constraint: Option<(Constraint, u32)>) -> Self {
+        if let Some((constraint, end)) = constraint {
+            self.sampler.constrain(constraint, end);
+        }
+        self
+    }
+
     /// Log probabilities of each generated token, with `top` alternatives.
     pub fn with_logprobs(mut self, top: Option<usize>) -> Self {
         self.logprobs = top;
@@ -135,7 +144,7 @@ impl<S> Sequence<S> {
     }
 
     /// Choice `choice` of this prefilled sequence, in a copy of its cache.
-    fn fork(&self, choice: usize, cache: KvCache) -> Self
+    fn fork(&mut self, choice: usize, cache: KvCache) -> Self
     where
         S: Clone,
     {

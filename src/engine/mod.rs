@@ -7,6 +7,7 @@ pub mod attention;
 pub mod batch;
 pub mod generate;
 pub mod gpu;
+pub mod grammar;
 pub mod kv_cache;
 pub mod logprobs;
 pub mod rope;

@@ -8,6 +8,8 @@ use std::collections::{HashMap, HashSet};
 use rand_chacha::ChaCha8Rng;
 use rand_chacha::rand_core::{RngCore, SeedableRng};
 
+use super::grammar::Constraint;
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {
     /// 0 picks the most likely token.
@@ -172,6 +174,9 @@ pub struct Sampler {
     generated: usize,
     /// Tokens that end generation: masked until `min_tokens` have been drawn.
     end_tokens: Vec<u32>,
+    /// The grammar the output must match (structured output, forced tool calls), applied
+    /// after everything else.
+    constraint: Option<Constraint>,
 }
 
 impl Sampler {
@@ -184,7 +189,17 @@ impl Sampler {
             prompt_tokens: HashSet::new(),
             generated: 0,
             end_tokens,
+            constraint: None,
         }
+    }
+
+    /// Draws only what `constraint` allows; `end`, the token the grammar ends with, ends
+    /// the generation (even with `ignore_eos`: nothing may follow a complete grammar).
+    pub fn constrain(&mut self, constraint: Constraint, end: u32) {
+        if !self.end_tokens.contains(&end) {
+            self.end_tokens.push(end);
+        }
+        self.constraint = Some(constraint);
     }
 
     /// The prompt, for the repetition penalty.
@@ -202,7 +217,7 @@ impl Sampler {
 
     /// The same parameters with its own random stream (`seed + offset`) and the same
     /// history: choice `offset` of a request with `n` choices.
-    pub fn fork(&self, offset: u64) -> Self {
+    pub fn fork(&mut self, offset: u64) -> Self {
         let mut params = self.params.clone();
         params.seed = params.seed.wrapping_add(offset);
         Sampler {
@@ -212,6 +227,7 @@ impl Sampler {
             prompt_tokens: self.prompt_tokens.clone(),
             generated: self.generated,
             end_tokens: self.end_tokens.clone(),
+            constraint: self.constraint.as_mut().map(Constraint::fork),
         }
     }
 
@@ -224,7 +240,13 @@ impl Sampler {
     /// are changed in place by the bias, mask and penalties.
     pub fn sample(&mut self, logits: &mut [f32]) -> u32 {
         self.process(logits);
+        if let Some(constraint) = &mut self.constraint {
+            constraint.apply(logits, &self.end_tokens);
+        }
         let token = self.choose(logits);
+        if let Some(constraint) = &mut self.constraint {
+            constraint.advance(token);
+        }
         self.generated += 1;
         if self.params.penalises() {
             *self.generated_counts.entry(token).or_default() += 1;
@@ -489,7 +511,7 @@ mod tests {
     #[test]
     fn forks_draw_their_own_reproducible_streams() {
         let logits = [1.0f32, 0.9, 0.8, 0.7];
-        let base = Sampler::new(SamplingParams {
+        let mut base = Sampler::new(SamplingParams {
             temperature: 1.0,
             seed: 11,
             ..Default::default()

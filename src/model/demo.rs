@@ -348,12 +348,37 @@ pub(crate) fn tokenizer_json() -> serde_json::Value {
     })
 }
 
+/// ChatML, as Qwen's: tools listed in a system turn and called in `<tool_call>` blocks
+/// (the Hermes format, which [`crate::api::tool_calls`] reads); a conversation without
+/// tools renders as plain ChatML.
+const DEMO_CHAT_TEMPLATE: &str = concat!(
+    "{% if tools %}<|im_start|>system\n",
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}",
+    "# Tools\n\nYou may call one or more functions. Their signatures are in <tools></tools>:\n",
+    "<tools>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n\n",
+    "For each call, return a JSON object with the function's name and arguments within ",
+    "<tool_call></tool_call>:\n<tool_call>\n",
+    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n",
+    "{% endif %}",
+    "{% for message in messages %}",
+    "{% if not (tools and loop.first and message.role == 'system') %}",
+    "<|im_start|>{{ message.role }}\n",
+    "{% if message.content is not none %}{{ message.content }}{% endif %}",
+    "{% for call in message.tool_calls or [] %}",
+    "{% if not loop.first or message.content %}\n{% endif %}",
+    "<tool_call>\n{\"name\": {{ call.function.name | tojson }}, ",
+    "\"arguments\": {{ call.function.arguments | tojson }}}\n</tool_call>",
+    "{% endfor %}<|im_end|>\n",
+    "{% endif %}{% endfor %}",
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+);
+
 pub(crate) fn tokenizer_config_json() -> serde_json::Value {
     json!({
         "bos_token": null,
         "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>",
-        "chat_template": "{% for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+        "chat_template": DEMO_CHAT_TEMPLATE
     })
 }
 

@@ -10,8 +10,8 @@
 //! saying what happened, and the next render starts a fresh worker.
 //!
 //! The protocol is one JSON line each way on the worker's stdin and stdout: first the
-//! template (`{"source", "bos_token", "eos_token"}`), then per render the messages (a JSON
-//! array), answered by `{"text": ...}` or `{"error": ...}`. A worker exits at the end of its
+//! template (`{"source", "bos_token", "eos_token"}`), then per render the conversation
+//! (`{"messages", "tools"}`), answered by `{"text": ...}` or `{"error": ...}`. A worker exits at the end of its
 //! input, so workers end with the server (under systemd, `KillMode=control-group` also
 //! stops one that is mid-render).
 
@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::chat_template::{ChatMessage, ChatTemplate, MAX_OUTPUT_BYTES, RENDER_STACK_BYTES};
+use super::chat_template::{ChatInput, ChatTemplate, MAX_OUTPUT_BYTES, RENDER_STACK_BYTES};
 
 /// The subcommand that runs a worker.
 pub const WORKER_SUBCOMMAND: &str = "chat-template-worker";
@@ -101,13 +101,13 @@ impl IsolatedRenderer {
         self
     }
 
-    pub fn render(&self, messages: &[ChatMessage]) -> Result<String, String> {
+    pub fn render(&self, chat: &ChatInput) -> Result<String, String> {
         let idle = self.idle.lock().map(|mut idle| idle.pop());
         let mut worker = match idle {
             Ok(Some(worker)) => worker,
             _ => self.start()?,
         };
-        let request = serde_json::to_string(messages).expect("strings serialise");
+        let request = serde_json::to_string(chat).expect("strings serialise");
         if worker.send(&request).is_err() {
             // A worker that died while idle: one fresh attempt.
             worker = self.start()?;
@@ -219,8 +219,8 @@ pub fn serve(input: impl Read, mut output: impl Write) -> Result<(), String> {
             Ok(_) => {}
             Err(e) => return Err(format!("reading a request: {e}")),
         }
-        let reply = match serde_json::from_str::<Vec<ChatMessage>>(&line) {
-            Ok(messages) => match template.render_in_process(&messages) {
+        let reply = match serde_json::from_str::<ChatInput>(&line) {
+            Ok(chat) => match template.render_in_process(&chat) {
                 Ok(text) => Reply::Text(text),
                 Err(error) => Reply::Error(error),
             },

@@ -101,6 +101,30 @@ impl Tokenizer {
             .unwrap_or_default()
     }
 
+    /// Every token's bytes for a grammar engine, and whether it is special (a grammar
+    /// names it; text never matches it). Ids the tokenizer does not use, up to the model's
+    /// `vocab_size`, have no bytes.
+    pub fn vocabulary(&self, vocab_size: usize) -> Vec<(Vec<u8>, bool)> {
+        let special = self.inner.get_added_tokens_decoder();
+        (0..vocab_size as u32)
+            .map(|id| match special.get(&id) {
+                Some(added) if added.special => (added.content.clone().into_bytes(), true),
+                Some(added) => (added.content.clone().into_bytes(), false),
+                None if self.inner.id_to_token(id).is_some() => (self.token_bytes(id), false),
+                None => (Vec::new(), false),
+            })
+            .collect()
+    }
+
+    /// The id of special token `text`, if this tokenizer has it.
+    pub fn special_token_id(&self, text: &str) -> Option<u32> {
+        self.special
+            .iter()
+            .any(|s| s == text)
+            .then(|| self.inner.token_to_id(text))
+            .flatten()
+    }
+
     fn error(&self, e: tokenizers::Error) -> ModelError {
         ModelError::Tokenizer {
             path: self.path.clone(),

@@ -1,0 +1,728 @@
+//! Tool calls in generated text, in the formats the models publish: the model writes its
+//! calls as text between markers (special tokens for Kimi K2 and DeepSeek-V3), and the API
+//! returns them as `tool_calls`. Parsing is incremental, so that a stream sends text as
+//! it comes and each call as soon as it is complete; a whole response is parsed the same
+//! way in one piece. Text that does not parse as a call (a truncated or malformed one) is
+//! returned as text, never dropped.
+
+use serde_json::Value;
+
+/// How a model writes tool calls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolCallFormat {
+    /// Qwen3 (and Qwen2.5, Hermes): `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`.
+    Hermes,
+    /// DeepSeek-V3 and V3.1: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\nARGS\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`
+    /// (V3.1 writes `NAME<｜tool▁sep｜>ARGS` without the fence).
+    DeepseekV3,
+    /// Kimi K2: `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>ARGS<|tool_call_end|>...<|tool_calls_section_end|>`.
+    KimiK2,
+    /// Mistral and Mixtral: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`, or in
+    /// newer tokenizers `[TOOL_CALLS]NAME[ARGS]{...}`.
+    Mistral,
+}
+
+const HERMES_BEGIN: &str = "<tool_call>";
+const HERMES_END: &str = "</tool_call>";
+const DEEPSEEK_SECTION_BEGIN: &str = "<｜tool▁calls▁begin｜>";
+const DEEPSEEK_SECTION_END: &str = "<｜tool▁calls▁end｜>";
+const DEEPSEEK_CALL_BEGIN: &str = "<｜tool▁call▁begin｜>";
+const DEEPSEEK_CALL_END: &str = "<｜tool▁call▁end｜>";
+const DEEPSEEK_SEP: &str = "<｜tool▁sep｜>";
+const KIMI_SECTION_BEGIN: &str = "<|tool_calls_section_begin|>";
+const KIMI_SECTION_END: &str = "<|tool_calls_section_end|>";
+const KIMI_CALL_BEGIN: &str = "<|tool_call_begin|>";
+const KIMI_CALL_END: &str = "<|tool_call_end|>";
+const KIMI_ARGUMENT_BEGIN: &str = "<|tool_call_argument_begin|>";
+const MISTRAL_BEGIN: &str = "[TOOL_CALLS]";
+const MISTRAL_ARGS: &str = "[ARGS]";
+
+impl ToolCallFormat {
+    /// The format a model's chat template writes tool calls in, from the markers it
+    /// renders; `None` when it renders none of them.
+    pub fn detect(chat_template: &str) -> Option<Self> {
+        [
+            (KIMI_SECTION_BEGIN, ToolCallFormat::KimiK2),
+            (DEEPSEEK_SECTION_BEGIN, ToolCallFormat::DeepseekV3),
+            (MISTRAL_BEGIN, ToolCallFormat::Mistral),
+            (HERMES_BEGIN, ToolCallFormat::Hermes),
+        ]
+        .into_iter()
+        .find(|(marker, _)| chat_template.contains(marker))
+        .map(|(_, format)| format)
+    }
+
+    /// The text that starts the model's tool calls.
+    pub fn begin(self) -> &'static str {
+        match self {
+            ToolCallFormat::Hermes => HERMES_BEGIN,
+            ToolCallFormat::DeepseekV3 => DEEPSEEK_SECTION_BEGIN,
+            ToolCallFormat::KimiK2 => KIMI_SECTION_BEGIN,
+            ToolCallFormat::Mistral => MISTRAL_BEGIN,
+        }
+    }
+
+    /// Parses a whole generated text: its text without the calls, and the calls.
+    pub fn parse(self, text: &str) -> Parsed {
+        let mut stream = ToolCallStream::new(self);
+        let mut parsed = Parsed::default();
+        for piece in stream.push(text).into_iter().chain(stream.finish()) {
+            match piece {
+                Piece::Text(t) => parsed.content.push_str(&t),
+                Piece::Call(call) => parsed.calls.push(call),
+            }
+        }
+        parsed
+    }
+}
+
+/// One tool call as the API returns it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToolCall {
+    /// The model's own id where its format has one (Kimi K2's `functions.NAME:0`).
+    pub id: Option<String>,
+    pub name: String,
+    /// The arguments as JSON text (an object, as the model wrote it).
+    pub arguments: String,
+}
+
+/// A whole text, parsed.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Parsed {
+    pub content: String,
+    pub calls: Vec<ToolCall>,
+}
+
+/// What the parser hands on, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Piece {
+    Text(String),
+    Call(ToolCall),
+}
+
+/// The outcome of reading one call (or the end of a section) at the start of a buffer.
+enum Next {
+    /// Calls (one, or a list's), and the bytes they took.
+    Calls(Vec<ToolCall>, usize),
+    /// The section ended after this many bytes.
+    End(usize),
+    /// The buffer may become a call with more text.
+    More,
+    /// The buffer cannot become a call.
+    Malformed,
+}
+
+/// Tool calls parsed out of text as it arrives.
+pub struct ToolCallStream {
+    format: ToolCallFormat,
+    /// Text received and not yet handed on.
+    buffer: String,
+    /// Inside a section of calls (its begin marker consumed).
+    in_section: bool,
+    /// The section's marker, handed on as text if the section's first call proves
+    /// malformed.
+    section_text: String,
+    /// Calls handed on so far.
+    calls_seen: usize,
+}
+
+impl ToolCallStream {
+    pub fn new(format: ToolCallFormat) -> Self {
+        ToolCallStream {
+            format,
+            buffer: String::new(),
+            in_section: false,
+            section_text: String::new(),
+            calls_seen: 0,
+        }
+    }
+
+    /// Calls parsed so far.
+    pub fn calls(&self) -> usize {
+        self.calls_seen
+    }
+
+    /// Adds generated text; returns what can be handed on now.
+    pub fn push(&mut self, text: &str) -> Vec<Piece> {
+        self.buffer.push_str(text);
+        let mut out = Vec::new();
+        loop {
+            if self.in_section {
+                let start = self.buffer.len() - self.buffer.trim_start().len();
+                match self.next(&self.buffer[start..]) {
+                    Next::Calls(calls, used) => {
+                        self.buffer.drain(..start + used);
+                        // Handed on as calls: a malformed rest of the section is text
+                        // from here.
+                        self.section_text.clear();
+                        self.calls_seen += calls.len();
+                        out.extend(calls.into_iter().map(Piece::Call));
+                        if matches!(
+                            self.format,
+                            ToolCallFormat::Hermes | ToolCallFormat::Mistral
+                        ) {
+                            // Their section is one call (or one list); the next starts
+                            // with its own marker.
+                            self.leave_section();
+                        }
+                    }
+                    Next::End(used) if self.section_text.is_empty() => {
+                        self.buffer.drain(..start + used);
+                        self.leave_section();
+                    }
+                    Next::More => return out,
+                    // A section with no call in it is text too.
+                    Next::End(_) | Next::Malformed => {
+                        // Hand the section on as text, and read on past its marker.
+                        let text = std::mem::take(&mut self.section_text);
+                        push_text(&mut out, text);
+                        self.in_section = false;
+                    }
+                }
+                continue;
+            }
+            let begin = self.format.begin();
+            match self.buffer.find(begin) {
+                Some(at) => {
+                    let before: String = self.buffer.drain(..at).collect();
+                    self.buffer.drain(..begin.len());
+                    self.hand_on_text(&mut out, before, true);
+                    self.in_section = true;
+                    self.section_text = begin.to_string();
+                }
+                None => {
+                    // Hold back a tail that may be the start of the marker.
+                    let keep = partial_suffix(&self.buffer, begin);
+                    let sendable: String = self.buffer.drain(..self.buffer.len() - keep).collect();
+                    self.hand_on_text(&mut out, sendable, false);
+                    return out;
+                }
+            }
+        }
+    }
+
+    /// The text has ended: what is still held back is handed on (an unfinished call as
+    /// text).
+    pub fn finish(&mut self) -> Vec<Piece> {
+        let mut out = Vec::new();
+        let rest = std::mem::take(&mut self.buffer);
+        if self.in_section {
+            let mut text = std::mem::take(&mut self.section_text);
+            text.push_str(&rest);
+            self.in_section = false;
+            if !text.trim().is_empty() {
+                push_text(&mut out, text);
+            }
+        } else if !(self.calls_seen > 0 && rest.trim().is_empty()) {
+            push_text(&mut out, rest);
+        }
+        out
+    }
+
+    /// Text outside calls: after a call, whitespace alone (between calls) is dropped
+    /// when a call follows, and held while more may come.
+    fn hand_on_text(&mut self, out: &mut Vec<Piece>, text: String, call_follows: bool) {
+        if self.calls_seen > 0 && text.trim().is_empty() {
+            if !call_follows {
+                // Put it back: it is handed on only if text follows it.
+                self.buffer.insert_str(0, &text);
+            }
+            return;
+        }
+        push_text(out, text);
+    }
+
+    fn leave_section(&mut self) {
+        self.in_section = false;
+        self.section_text.clear();
+    }
+
+    fn next(&self, s: &str) -> Next {
+        match self.format {
+            ToolCallFormat::Hermes => hermes_call(s),
+            ToolCallFormat::DeepseekV3 => marked_call(
+                s,
+                DEEPSEEK_CALL_BEGIN,
+                DEEPSEEK_CALL_END,
+                DEEPSEEK_SECTION_END,
+                deepseek_call,
+            ),
+            ToolCallFormat::KimiK2 => marked_call(
+                s,
+                KIMI_CALL_BEGIN,
+                KIMI_CALL_END,
+                KIMI_SECTION_END,
+                kimi_call,
+            ),
+            ToolCallFormat::Mistral => mistral_calls(s),
+        }
+    }
+}
+
+fn push_text(out: &mut Vec<Piece>, text: String) {
+    if text.is_empty() {
+        return;
+    }
+    if let Some(Piece::Text(last)) = out.last_mut() {
+        last.push_str(&text);
+    } else {
+        out.push(Piece::Text(text));
+    }
+}
+
+/// Bytes at the end of `text` that are the start of `marker` (never all of it).
+fn partial_suffix(text: &str, marker: &str) -> usize {
+    (1..marker.len().min(text.len() + 1))
+        .rev()
+        .find(|&n| {
+            text.is_char_boundary(text.len() - n)
+                && marker.is_char_boundary(n)
+                && marker.starts_with(&text[text.len() - n..])
+        })
+        .unwrap_or(0)
+}
+
+/// Whether `s` (more may come) can still become `marker`.
+fn may_become(s: &str, marker: &str) -> bool {
+    marker.starts_with(s)
+}
+
+/// `<tool_call>` was read; a JSON object, then `</tool_call>`.
+fn hermes_call(s: &str) -> Next {
+    let Some(end) = s.find(HERMES_END) else {
+        return if s.len() > MAX_CALL_BYTES {
+            Next::Malformed
+        } else {
+            Next::More
+        };
+    };
+    match named_object(s[..end].trim()) {
+        Some(call) => Next::Calls(vec![call], end + HERMES_END.len()),
+        None => Next::Malformed,
+    }
+}
+
+/// Largest call text waited for; past it the text is not a call.
+const MAX_CALL_BYTES: usize = 1 << 20;
+
+/// Sections of calls each between `begin` and `end`, the section closed by `section_end`.
+fn marked_call(
+    s: &str,
+    begin: &str,
+    end: &str,
+    section_end: &str,
+    call: fn(&str) -> Option<ToolCall>,
+) -> Next {
+    if let Some(rest) = s.strip_prefix(section_end) {
+        return Next::End(s.len() - rest.len());
+    }
+    if let Some(body) = s.strip_prefix(begin) {
+        let Some(at) = body.find(end) else {
+            return if body.len() > MAX_CALL_BYTES {
+                Next::Malformed
+            } else {
+                Next::More
+            };
+        };
+        return match call(&body[..at]) {
+            Some(call) => Next::Calls(vec![call], begin.len() + at + end.len()),
+            None => Next::Malformed,
+        };
+    }
+    if s.is_empty() || may_become(s, begin) || may_become(s, section_end) {
+        Next::More
+    } else {
+        Next::Malformed
+    }
+}
+
+/// `function<｜tool▁sep｜>NAME\n```json\nARGS\n```` (V3) or `NAME<｜tool▁sep｜>ARGS` (V3.1).
+fn deepseek_call(body: &str) -> Option<ToolCall> {
+    let (head, tail) = body.split_once(DEEPSEEK_SEP)?;
+    let (name, arguments) = if head.trim() == "function" {
+        let (name, fenced) = tail.split_once('\n')?;
+        let fenced = fenced.trim();
+        let inner = fenced
+            .strip_prefix("```json")
+            .or_else(|| fenced.strip_prefix("```"))?;
+        (name.trim(), inner.strip_suffix("```")?.trim())
+    } else {
+        (head.trim(), tail.trim())
+    };
+    call_of(None, name, arguments)
+}
+
+/// `functions.NAME:INDEX<|tool_call_argument_begin|>ARGS`.
+fn kimi_call(body: &str) -> Option<ToolCall> {
+    let (id, arguments) = body.split_once(KIMI_ARGUMENT_BEGIN)?;
+    let id = id.trim();
+    let qualified = id.rsplit_once(':').map_or(id, |(name, _)| name);
+    let name = qualified
+        .rsplit_once('.')
+        .map_or(qualified, |(_, name)| name);
+    call_of(Some(id.to_string()), name, arguments.trim())
+}
+
+/// `[{"name": ..., "arguments": ...}, ...]` or `NAME[ARGS]{...}`, after `[TOOL_CALLS]`.
+fn mistral_calls(s: &str) -> Next {
+    if s.is_empty() {
+        return Next::More;
+    }
+    if s.starts_with('[') {
+        return match first_json_value(s) {
+            JsonValue::More if s.len() <= MAX_CALL_BYTES => Next::More,
+            JsonValue::Value(Value::Array(items), used) => {
+                match items.iter().map(named_value).collect::<Option<Vec<_>>>() {
+                    Some(calls) if !calls.is_empty() => Next::Calls(calls, used),
+                    _ => Next::Malformed,
+                }
+            }
+            _ => Next::Malformed,
+        };
+    }
+    let Some((name, rest)) = s.split_once(MISTRAL_ARGS) else {
+        // A name, then perhaps the start of `[ARGS]`.
+        let (name, marker) = s.split_at(s.find('[').unwrap_or(s.len()));
+        return if name.len() <= 256 && is_name(name) && may_become(marker, MISTRAL_ARGS) {
+            Next::More
+        } else {
+            Next::Malformed
+        };
+    };
+    let start = rest.len() - rest.trim_start().len();
+    match first_json_value(&rest[start..]) {
+        JsonValue::More if rest.len() <= MAX_CALL_BYTES => Next::More,
+        JsonValue::Value(value @ Value::Object(_), used) if is_name(name.trim()) => Next::Calls(
+            vec![ToolCall {
+                id: None,
+                name: name.trim().to_string(),
+                arguments: value.to_string(),
+            }],
+            name.len() + MISTRAL_ARGS.len() + start + used,
+        ),
+        _ => Next::Malformed,
+    }
+}
+
+enum JsonValue {
+    Value(Value, usize),
+    More,
+    Invalid,
+}
+
+/// The JSON value at the start of `s`, and its length.
+fn first_json_value(s: &str) -> JsonValue {
+    let mut values = serde_json::Deserializer::from_str(s).into_iter::<Value>();
+    match values.next() {
+        Some(Ok(value)) => JsonValue::Value(value, values.byte_offset()),
+        Some(Err(e)) if e.is_eof() => JsonValue::More,
+        None => JsonValue::More,
+        Some(Err(_)) => JsonValue::Invalid,
+    }
+}
+
+fn is_name(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .chars()
+            .all(|c| c.is_alphanumeric() || matches!(c, '_' | '-' | '.'))
+}
+
+/// `{"name": ..., "arguments": {...}}` (or `"parameters"`, as some models write).
+fn named_object(text: &str) -> Option<ToolCall> {
+    named_value(&serde_json::from_str(text).ok()?)
+}
+
+fn named_value(value: &Value) -> Option<ToolCall> {
+    let name = value.get("name")?.as_str()?;
+    let arguments = value.get("arguments").or_else(|| value.get("parameters"));
+    let arguments = match arguments {
+        None => "{}".to_string(),
+        Some(Value::String(text)) => text.clone(),
+        Some(object) => object.to_string(),
+    };
+    call_of(None, name, &arguments)
+}
+
+/// A call whose arguments are a JSON object.
+fn call_of(id: Option<String>, name: &str, arguments: &str) -> Option<ToolCall> {
+    if !is_name(name) {
+        return None;
+    }
+    let parsed: Value = serde_json::from_str(arguments).ok()?;
+    if !parsed.is_object() {
+        return None;
+    }
+    Some(ToolCall {
+        id,
+        name: name.to_string(),
+        arguments: arguments.to_string(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn call(name: &str, arguments: &str) -> ToolCall {
+        ToolCall {
+            id: None,
+            name: name.into(),
+            arguments: arguments.into(),
+        }
+    }
+
+    /// The same text fed one character at a time gives the same content and calls, and
+    /// no text piece holds a marker or part of one that became a call.
+    fn parse_both_ways(format: ToolCallFormat, text: &str) -> Parsed {
+        let whole = format.parse(text);
+        let mut stream = ToolCallStream::new(format);
+        let mut pieces = Vec::new();
+        for c in text.chars() {
+            pieces.extend(stream.push(c.encode_utf8(&mut [0; 4])));
+        }
+        pieces.extend(stream.finish());
+        let mut streamed = Parsed::default();
+        for piece in pieces {
+            match piece {
+                Piece::Text(t) => streamed.content.push_str(&t),
+                Piece::Call(c) => streamed.calls.push(c),
+            }
+        }
+        assert_eq!(
+            streamed, whole,
+            "streamed and whole parses differ for {text:?}"
+        );
+        whole
+    }
+
+    #[test]
+    fn qwen3_hermes_calls_with_text_before_them() {
+        let text = "I will look both up.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": \
+                    {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"get_time\", \
+                    \"arguments\": {\"zone\": \"CET\"}}\n</tool_call>";
+        let parsed = parse_both_ways(ToolCallFormat::Hermes, text);
+        assert_eq!(parsed.content, "I will look both up.\n");
+        assert_eq!(
+            parsed.calls,
+            vec![
+                call("get_weather", r#"{"city":"Paris"}"#),
+                call("get_time", r#"{"zone":"CET"}"#)
+            ]
+        );
+    }
+
+    #[test]
+    fn deepseek_v3_and_v3_1_calls() {
+        let v3 = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n\
+                  ```json\n{\"city\": \"Paris\"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>\
+                  function<｜tool▁sep｜>get_time\n```json\n{}\n```<｜tool▁call▁end｜>\
+                  <｜tool▁calls▁end｜>";
+        let parsed = parse_both_ways(ToolCallFormat::DeepseekV3, v3);
+        assert_eq!(parsed.content, "");
+        assert_eq!(
+            parsed.calls,
+            vec![
+                call("get_weather", r#"{"city": "Paris"}"#),
+                call("get_time", "{}")
+            ]
+        );
+        let v3_1 = "Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>\
+                    {\"city\": \"Paris\"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+        let parsed = parse_both_ways(ToolCallFormat::DeepseekV3, v3_1);
+        assert_eq!(parsed.content, "Checking.");
+        assert_eq!(
+            parsed.calls,
+            vec![call("get_weather", r#"{"city": "Paris"}"#)]
+        );
+    }
+
+    #[test]
+    fn kimi_k2_calls_keep_their_ids() {
+        let text = "Let me check.<|tool_calls_section_begin|><|tool_call_begin|>\
+                    functions.get_weather:0<|tool_call_argument_begin|>{\"city\": \"Beijing\"}\
+                    <|tool_call_end|><|tool_call_begin|>functions.get_time:1\
+                    <|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>";
+        let parsed = parse_both_ways(ToolCallFormat::KimiK2, text);
+        assert_eq!(parsed.content, "Let me check.");
+        let ids: Vec<_> = parsed.calls.iter().map(|c| c.id.clone().unwrap()).collect();
+        assert_eq!(ids, ["functions.get_weather:0", "functions.get_time:1"]);
+        let names: Vec<_> = parsed.calls.iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(names, ["get_weather", "get_time"]);
+        assert_eq!(parsed.calls[0].arguments, r#"{"city": "Beijing"}"#);
+    }
+
+    #[test]
+    fn mistral_list_and_named_calls() {
+        let list = "[TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}, \
+                    {\"name\": \"get_time\", \"arguments\": \"{\\\"zone\\\": \\\"CET\\\"}\"}]";
+        let parsed = parse_both_ways(ToolCallFormat::Mistral, list);
+        assert_eq!(parsed.content, "");
+        assert_eq!(
+            parsed.calls,
+            vec![
+                call("get_weather", r#"{"city":"Paris"}"#),
+                call("get_time", r#"{"zone": "CET"}"#)
+            ]
+        );
+        let named =
+            "[TOOL_CALLS]get_weather[ARGS]{\"city\": \"Paris\"}[TOOL_CALLS]get_time[ARGS]{}";
+        let parsed = parse_both_ways(ToolCallFormat::Mistral, named);
+        assert_eq!(
+            parsed.calls,
+            vec![
+                call("get_weather", r#"{"city":"Paris"}"#),
+                call("get_time", "{}")
+            ]
+        );
+    }
+
+    #[test]
+    fn malformed_calls_are_returned_as_text() {
+        let cases = [
+            (
+                ToolCallFormat::Hermes,
+                "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Par",
+            ),
+            (
+                ToolCallFormat::Hermes,
+                "<tool_call>not json</tool_call> and more",
+            ),
+            (
+                ToolCallFormat::Hermes,
+                "<tool_call>{\"arguments\": {}}</tool_call>",
+            ),
+            (
+                ToolCallFormat::Hermes,
+                "<tool_call>{\"name\": \"f\", \"arguments\": [1]}</tool_call>",
+            ),
+            (
+                ToolCallFormat::KimiK2,
+                "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0\
+                 <|tool_call_argument_begin|>{oops}<|tool_call_end|><|tool_calls_section_end|>",
+            ),
+            (
+                ToolCallFormat::DeepseekV3,
+                "<｜tool▁calls▁begin｜>no call here<｜tool▁calls▁end｜>",
+            ),
+            (ToolCallFormat::Mistral, "[TOOL_CALLS] oops, not a call"),
+            (
+                ToolCallFormat::Mistral,
+                "[TOOL_CALLS][{\"name\": \"f\"}, 3]",
+            ),
+        ];
+        for (format, text) in cases {
+            let parsed = parse_both_ways(format, text);
+            assert!(parsed.calls.is_empty(), "{format:?} {text:?}: {parsed:?}");
+            assert_eq!(parsed.content, text, "{format:?}");
+        }
+    }
+
+    #[test]
+    fn text_without_calls_passes_through_even_when_it_looks_like_a_marker() {
+        for text in [
+            "plain text",
+            "a < b and <tool",
+            "<tool_cal",
+            "[TOOL",
+            "",
+            "x<",
+        ] {
+            let parsed = parse_both_ways(ToolCallFormat::Hermes, text);
+            assert_eq!(parsed.content, text);
+            assert!(parsed.calls.is_empty());
+        }
+    }
+
+    #[test]
+    fn text_after_calls_is_kept_and_whitespace_between_them_dropped() {
+        let text = "<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>\n\n\
+                    <tool_call>{\"name\": \"g\", \"arguments\": {}}</tool_call>\nDone.";
+        let parsed = parse_both_ways(ToolCallFormat::Hermes, text);
+        assert_eq!(parsed.calls.len(), 2);
+        assert_eq!(parsed.content, "\nDone.");
+    }
+
+    #[test]
+    fn formats_are_detected_from_the_chat_template() {
+        let cases = [
+            (
+                "{{ '<|tool_calls_section_begin|>' }}",
+                Some(ToolCallFormat::KimiK2),
+            ),
+            (
+                "{{'<｜tool▁calls▁begin｜>'}}",
+                Some(ToolCallFormat::DeepseekV3),
+            ),
+            (
+                "[TOOL_CALLS] {{ tool_calls|tojson }}",
+                Some(ToolCallFormat::Mistral),
+            ),
+            (
+                "<tool_call>\n{{ tool_call|tojson }}\n</tool_call>",
+                Some(ToolCallFormat::Hermes),
+            ),
+            ("{{ messages }}", None),
+        ];
+        for (template, format) in cases {
+            assert_eq!(ToolCallFormat::detect(template), format, "{template}");
+        }
+    }
+
+    /// Text made of pieces of every format's markers, JSON and noise, cut anywhere: the
+    /// parser never panics, streamed equals whole, and nothing is lost (content and calls
+    /// together account for every call's name).
+    #[test]
+    fn any_text_parses_without_panicking() {
+        use rand::{Rng, SeedableRng};
+        let atoms = [
+            HERMES_BEGIN,
+            HERMES_END,
+            DEEPSEEK_SECTION_BEGIN,
+            DEEPSEEK_CALL_BEGIN,
+            DEEPSEEK_SEP,
+            DEEPSEEK_CALL_END,
+            DEEPSEEK_SECTION_END,
+            KIMI_SECTION_BEGIN,
+            KIMI_CALL_BEGIN,
+            KIMI_ARGUMENT_BEGIN,
+            KIMI_CALL_END,
+            KIMI_SECTION_END,
+            MISTRAL_BEGIN,
+            MISTRAL_ARGS,
+            "{\"name\": \"f\", \"arguments\": {\"a\": 1}}",
+            "{",
+            "}",
+            "[",
+            "]",
+            "\"",
+            "function",
+            "\n```json\n",
+            "```",
+            "functions.f:0",
+            " ",
+            "é",
+            "<",
+            "|",
+            "｜",
+        ];
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        for _ in 0..3000 {
+            let text: String = (0..rng.random_range(0..12))
+                .map(|_| atoms[rng.random_range(0..atoms.len())])
+                .collect();
+            for format in [
+                ToolCallFormat::Hermes,
+                ToolCallFormat::DeepseekV3,
+                ToolCallFormat::KimiK2,
+                ToolCallFormat::Mistral,
+            ] {
+                let parsed = parse_both_ways(format, &text);
+                if parsed.calls.is_empty() {
+                    assert_eq!(parsed.content, text, "{format:?}");
+                }
+            }
+        }
+    }
+}
