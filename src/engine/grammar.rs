@@ -140,6 +140,25 @@ impl Grammars {
     }
 }
 
+/// Sets the logits of the tokens `mask` does not allow (and of any past its end) to -inf,
+/// a 32-token word at a time: most words of a mask are all allowed or all not.
+fn mask_logits(mask: &SimpleVob, logits: &mut [f32]) {
+    let words = mask.as_slice();
+    for (chunk, w) in logits.chunks_mut(32).enumerate() {
+        match words.get(chunk).copied().unwrap_or(0) {
+            u32::MAX => {}
+            0 => w.fill(f32::NEG_INFINITY),
+            bits => {
+                for (bit, logit) in w.iter_mut().enumerate() {
+                    if bits & (1 << bit) == 0 {
+                        *logit = f32::NEG_INFINITY;
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Bounds a schema's whitespace unless it sets its own (see [`JSON_WHITESPACE`]).
 pub fn bound_whitespace(schema: &mut Value) {
     if let Some(object) = schema.as_object_mut() {
@@ -229,31 +248,25 @@ impl Constraint {
     /// (the grammar is complete). If the grammar failed, only `end` is allowed.
     pub fn apply(&mut self, logits: &mut [f32], end: &[u32]) {
         self.settle();
-        match &self.mask {
+        let kept: Vec<(usize, f32)> = end
+            .iter()
+            .filter_map(|&t| logits.get(t as usize).map(|&l| (t as usize, l)))
+            .collect();
+        let may_end = match &self.mask {
             Some(Ok(mask)) => {
-                let may_end = mask.is_allowed(self.end);
-                for (token, logit) in logits.iter_mut().enumerate() {
-                    let token = token as u32;
-                    let allowed = if end.contains(&token) {
-                        may_end
-                    } else {
-                        token < mask.len() as u32 && mask.is_allowed(token)
-                    };
-                    if !allowed {
-                        *logit = f32::NEG_INFINITY;
-                    }
-                }
+                mask_logits(mask, logits);
+                mask.is_allowed(self.end)
             }
             _ => {
                 if let Some(Err(e)) = &self.mask {
                     tracing::warn!(error = %e, "the grammar failed; the sequence ends");
                 }
-                for (token, logit) in logits.iter_mut().enumerate() {
-                    if !end.contains(&(token as u32)) {
-                        *logit = f32::NEG_INFINITY;
-                    }
-                }
+                logits.fill(f32::NEG_INFINITY);
+                true
             }
+        };
+        for (token, logit) in kept {
+            logits[token] = if may_end { logit } else { f32::NEG_INFINITY };
         }
     }
 
