@@ -12,7 +12,7 @@ use serve::Server;
 mod common;
 
 #[test]
-fn the_openai_python_client_gets_logprobs_n_and_echo() {
+fn the_openai_python_client_gets_logprobs_n_echo_structured_output_and_tool_calls() {
     let importable = Command::new("python3")
         .args(["-c", "import openai"])
         .output()

@@ -438,6 +438,40 @@ mod tests {
         );
     }
 
+    /// Templates print tools with `tojson`, and transformers' is Python's `json.dumps`:
+    /// `", "` and `": "`, keys in their order, no HTML escaping, and its keyword arguments.
+    #[test]
+    fn tojson_writes_what_pythons_json_dumps_writes() {
+        let template = ChatTemplate::new(
+            "{{ tools | tojson }}|{{ tools | tojson(indent=2) }}|{{ tools | tojson(ensure_ascii=true) }}"
+                .into(),
+            String::new(),
+            String::new(),
+        )
+        .unwrap();
+        let chat = ChatInput {
+            messages: vec![ChatMessage::new("user", "hi")],
+            tools: Some(vec![
+                serde_json::json!({"b": 1, "a": [1, 2.5, "é<&>"], "c": {}, "d": null}),
+            ]),
+        };
+        let rendered = template.render(&chat).unwrap();
+        let parts: Vec<&str> = rendered.split('|').collect();
+        assert_eq!(
+            parts[0],
+            r#"[{"b": 1, "a": [1, 2.5, "é<&>"], "c": {}, "d": null}]"#
+        );
+        assert_eq!(
+            parts[1],
+            "[\n  {\n    \"b\": 1,\n    \"a\": [\n      1,\n      2.5,\n      \"é<&>\"\n    ],\n    \
+             \"c\": {},\n    \"d\": null\n  }\n]"
+        );
+        assert_eq!(
+            parts[2],
+            r#"[{"b": 1, "a": [1, 2.5, "\u00e9<&>"], "c": {}, "d": null}]"#
+        );
+    }
+
     fn render_one(source: &str) -> Result<String, String> {
         let template = ChatTemplate::new(source.into(), "<s>".into(), "</s>".into())?;
         template.render(&vec![ChatMessage::new("user", "hi")].into())

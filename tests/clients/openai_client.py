@@ -1,5 +1,6 @@
 """The `openai` Python client against a running moe-node (demo model): logprobs, n, echo,
-the sampling controls through extra_body, and a 400 for an unknown field.
+the sampling controls through extra_body, structured output, tool calls (whole, streamed,
+and sent back as a tool turn), and a 400 for an unknown field.
 Usage: python3 openai_client.py http://127.0.0.1:PORT"""
 
 import sys
@@ -59,6 +60,48 @@ assert greedy.choices[0].text == top_k.choices[0].text
 biased = client.completions.create(model=model, prompt="Hello", max_tokens=3, temperature=0,
                                    logit_bias={"65": 100}, extra_body={"ignore_eos": True})
 assert biased.choices[0].text == "AAA", biased
+
+# Structured output: a JSON schema the reply validates against.
+import json
+
+schema = {"type": "object", "additionalProperties": False, "required": ["answer", "count"],
+          "properties": {"answer": {"type": "string", "enum": ["yes", "no"]},
+                         "count": {"type": "integer", "minimum": 0, "maximum": 9}}}
+reply = client.chat.completions.create(
+    model=model, messages=[{"role": "user", "content": "JSON please"}], max_tokens=300,
+    temperature=0, response_format={"type": "json_schema",
+                                    "json_schema": {"name": "answer", "schema": schema}})
+answer = json.loads(reply.choices[0].message.content)
+assert set(answer) == {"answer", "count"} and answer["answer"] in ("yes", "no"), answer
+assert 0 <= answer["count"] <= 9, answer
+
+# A forced tool call, whole and streamed; then the result sent back in a tool turn.
+tools = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"type": "string", "enum": ["Paris", "Lima"]}}}}}]
+messages = [{"role": "user", "content": "Weather in Paris?"}]
+choice = {"type": "function", "function": {"name": "get_weather"}}
+called = client.chat.completions.create(model=model, messages=messages, tools=tools,
+                                        tool_choice=choice, max_tokens=300, temperature=0)
+assert called.choices[0].finish_reason == "tool_calls", called
+call = called.choices[0].message.tool_calls[0]
+assert call.function.name == "get_weather", call
+assert json.loads(call.function.arguments)["city"] in ("Paris", "Lima"), call
+streamed = {}
+for chunk in client.chat.completions.create(model=model, messages=messages, tools=tools,
+                                            tool_choice=choice, max_tokens=300,
+                                            temperature=0, stream=True):
+    for delta_call in chunk.choices[0].delta.tool_calls or []:
+        entry = streamed.setdefault(delta_call.index, {"name": "", "arguments": ""})
+        entry["name"] += delta_call.function.name or ""
+        entry["arguments"] += delta_call.function.arguments or ""
+assert streamed == {0: {"name": "get_weather", "arguments": call.function.arguments}}, streamed
+messages.append(called.choices[0].message.model_dump(exclude_none=True))
+messages.append({"role": "tool", "tool_call_id": call.id, "content": "sunny"})
+after = client.chat.completions.create(model=model, messages=messages, tools=tools,
+                                       max_tokens=4, temperature=0)
+assert after.choices[0].finish_reason in ("stop", "length", "tool_calls"), after
 
 try:
     client.completions.create(model=model, prompt="x", extra_body={"max_token": 3})
