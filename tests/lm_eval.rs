@@ -1,6 +1,7 @@
 //! lm-evaluation-harness (`lm-eval` from PyPI) runs a small loglikelihood task against the
 //! real server through its `local-completions` backend, to completion: each choice is
-//! scored from the echoed prompt's log probabilities, as with vLLM. Skipped with a
+//! scored from the echoed prompt's log probabilities, as with vLLM; and a small generation
+//! task through `local-chat-completions`. Skipped with a
 //! `SKIPPED:` line when `lm_eval` with its `api` extra (or `transformers`, with which lm-eval
 //! reads the demo model's tokenizer.json) is not importable, unless `MOE_TEST_REQUIRE_LM_EVAL`
 //! is set (CI sets it after installing them): then that fails.
@@ -15,8 +16,9 @@ use serve::{Server, demo_model};
 
 mod common;
 
-#[test]
-fn lm_eval_scores_a_multiple_choice_task_through_the_completions_api() {
+/// Whether lm-eval can run here; a skip (or, with `MOE_TEST_REQUIRE_LM_EVAL`, a failure)
+/// when it cannot.
+fn lm_eval_available() -> bool {
     let importable = Command::new("python3")
         .args(["-c", "import lm_eval, tenacity, transformers"])
         .output()
@@ -29,27 +31,20 @@ fn lm_eval_scores_a_multiple_choice_task_through_the_completions_api() {
         common::skipped(
             "python3 cannot import lm_eval (with its api extra) and transformers (pip install 'lm-eval[api]' transformers)",
         );
-        return;
     }
-    let server = Server::start("[devices]\nbackend = \"cpu\"\n");
-    server.wait_ready();
+    importable
+}
+
+/// Runs lm-eval's `backend` with `model_args` on task `task` (from tests/lm_eval/) to
+/// completion, and returns its results file.
+fn run_lm_eval(backend: &str, model_args: &str, task: &str, extra: &[&str]) -> Value {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let scratch = tempfile::tempdir().unwrap();
-    let model_args = format!(
-        "model=demo-model,base_url={}/v1/completions,tokenizer_backend=huggingface,\
-         tokenizer={},num_concurrent=1,max_retries=1",
-        server.base,
-        demo_model().display()
-    );
     let out = Command::new("python3")
-        .args(["-m", "lm_eval", "run", "--model", "local-completions"])
-        .args(["--model_args", &model_args])
-        .args([
-            "--tasks",
-            "moe_node_tiny_choice",
-            "--include_path",
-            "tests/lm_eval",
-        ])
+        .args(["-m", "lm_eval", "run", "--model", backend])
+        .args(["--model_args", model_args])
+        .args(["--tasks", task, "--include_path", "tests/lm_eval"])
+        .args(extra)
         .arg("--output_path")
         .arg(scratch.path())
         .current_dir(root)
@@ -65,9 +60,38 @@ fn lm_eval_scores_a_multiple_choice_task_through_the_completions_api() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(out.status.success(), "lm-eval failed:\n{log}");
-    // lm-eval writes results_<time>.json under a folder named after the model.
     let results = find_results(scratch.path()).unwrap_or_else(|| panic!("no results:\n{log}"));
-    let value: Value = serde_json::from_str(&std::fs::read_to_string(&results).unwrap()).unwrap();
+    serde_json::from_str(&std::fs::read_to_string(&results).unwrap()).unwrap()
+}
+
+fn finished_requests(server: &Server) -> usize {
+    server
+        .process
+        .log_lines()
+        .iter()
+        .filter(|l| l.contains("request finished"))
+        .count()
+}
+
+#[test]
+fn lm_eval_scores_a_multiple_choice_task_through_the_completions_api() {
+    if !lm_eval_available() {
+        return;
+    }
+    let server = Server::start("[devices]\nbackend = \"cpu\"\n");
+    server.wait_ready();
+    let model_args = format!(
+        "model=demo-model,base_url={}/v1/completions,tokenizer_backend=huggingface,\
+         tokenizer={},num_concurrent=1,max_retries=1",
+        server.base,
+        demo_model().display()
+    );
+    let value = run_lm_eval(
+        "local-completions",
+        &model_args,
+        "moe_node_tiny_choice",
+        &[],
+    );
     let task = &value["results"]["moe_node_tiny_choice"];
     let accuracy = task["acc,none"]
         .as_f64()
@@ -77,14 +101,41 @@ fn lm_eval_scores_a_multiple_choice_task_through_the_completions_api() {
         value["n-samples"]["moe_node_tiny_choice"]["effective"], 4,
         "{value}"
     );
-    // Every choice of every question was one completions request.
-    let scored = server
-        .process
-        .log_lines()
-        .iter()
-        .filter(|l| l.contains("request finished"))
-        .count();
+    let scored = finished_requests(&server);
     assert!(scored >= 10, "{scored} requests finished");
+}
+
+/// A generation task through `local-chat-completions`: each prompt goes out as a chat
+/// request (greedy, `stop` at a newline, 8 tokens at most) and the text is scored against
+/// the target. The random-weight demo model gets none right; the run must complete.
+#[test]
+fn lm_eval_runs_a_generation_task_through_the_chat_completions_api() {
+    if !lm_eval_available() {
+        return;
+    }
+    let server = Server::start("[devices]\nbackend = \"cpu\"\n");
+    server.wait_ready();
+    let model_args = format!(
+        "model=demo-model,base_url={}/v1/chat/completions,num_concurrent=1,max_retries=1",
+        server.base
+    );
+    let value = run_lm_eval(
+        "local-chat-completions",
+        &model_args,
+        "moe_node_tiny_generate",
+        &["--apply_chat_template"],
+    );
+    let task = &value["results"]["moe_node_tiny_generate"];
+    let score = task["exact_match,none"]
+        .as_f64()
+        .unwrap_or_else(|| panic!("{value}"));
+    assert!((0.0..=1.0).contains(&score), "{task}");
+    assert_eq!(
+        value["n-samples"]["moe_node_tiny_generate"]["effective"], 4,
+        "{value}"
+    );
+    let generated = finished_requests(&server);
+    assert_eq!(generated, 4, "one chat request per prompt");
 }
 
 fn find_results(dir: &Path) -> Option<std::path::PathBuf> {

@@ -441,13 +441,13 @@ fn bad_sampling_values_and_unknown_fields_get_400_naming_the_parameter() {
         ),
         (
             "/v1/chat/completions",
-            json!({"messages": [], "tools": []}),
-            "tools",
+            json!({"messages": [], "functions": []}),
+            "functions",
         ),
         (
-            "/v1/chat/completions",
-            json!({"messages": [], "response_format": {"type": "json_object"}}),
-            "response_format",
+            "/v1/completions",
+            json!({"prompt": "hi", "guided_json": {"type": "object"}}),
+            "guided_json",
         ),
         (
             "/v1/completions",
