@@ -125,6 +125,9 @@ pub struct ToolCallStream {
     section_text: String,
     /// Calls handed on so far.
     calls_seen: usize,
+    /// Only whitespace has come since the last call: it is held back, and dropped if a call
+    /// or the end follows.
+    after_call: bool,
 }
 
 impl ToolCallStream {
@@ -135,6 +138,7 @@ impl ToolCallStream {
             in_section: false,
             section_text: String::new(),
             calls_seen: 0,
+            after_call: false,
         }
     }
 
@@ -157,6 +161,7 @@ impl ToolCallStream {
                         // from here.
                         self.section_text.clear();
                         self.calls_seen += calls.len();
+                        self.after_call = true;
                         out.extend(calls.into_iter().map(Piece::Call));
                         if matches!(
                             self.format,
@@ -214,7 +219,7 @@ impl ToolCallStream {
             if !text.trim().is_empty() {
                 push_text(&mut out, text);
             }
-        } else if !(self.calls_seen > 0 && rest.trim().is_empty()) {
+        } else if !(self.after_call && rest.trim().is_empty()) {
             push_text(&mut out, rest);
         }
         out
@@ -223,12 +228,15 @@ impl ToolCallStream {
     /// Text outside calls: after a call, whitespace alone (between calls) is dropped
     /// when a call follows, and held while more may come.
     fn hand_on_text(&mut self, out: &mut Vec<Piece>, text: String, call_follows: bool) {
-        if self.calls_seen > 0 && text.trim().is_empty() {
+        if self.after_call && text.trim().is_empty() {
             if !call_follows {
                 // Put it back: it is handed on only if text follows it.
                 self.buffer.insert_str(0, &text);
             }
             return;
+        }
+        if !text.is_empty() {
+            self.after_call = false;
         }
         push_text(out, text);
     }
@@ -390,13 +398,17 @@ fn mistral_calls(s: &str) -> Next {
             Next::Malformed
         };
     };
+    // Decided on the name before waiting for the arguments, as when the text streams in.
+    if !is_name(name) {
+        return Next::Malformed;
+    }
     let start = rest.len() - rest.trim_start().len();
     match first_json_value(&rest[start..]) {
         JsonValue::More if rest.len() <= MAX_CALL_BYTES => Next::More,
-        JsonValue::Value(value @ Value::Object(_), used) if is_name(name.trim()) => Next::Calls(
+        JsonValue::Value(value @ Value::Object(_), used) => Next::Calls(
             vec![ToolCall {
                 id: None,
-                name: name.trim().to_string(),
+                name: name.to_string(),
                 arguments: value.to_string(),
             }],
             name.len() + MISTRAL_ARGS.len() + start + used,
@@ -642,6 +654,25 @@ mod tests {
         let parsed = parse_both_ways(ToolCallFormat::Hermes, text);
         assert_eq!(parsed.calls.len(), 2);
         assert_eq!(parsed.content, "\nDone.");
+    }
+
+    /// Found by the tool_calls fuzz target: a space between text and a second call was
+    /// dropped when streamed (taken for whitespace between calls) and kept when whole.
+    #[test]
+    fn whitespace_before_a_call_after_text_is_kept_however_the_text_is_cut() {
+        let text = "[TOOL_CALLS]f[ARGS]{}said: [TOOL_CALLS]g[ARGS]{} done";
+        let parsed = parse_both_ways(ToolCallFormat::Mistral, text);
+        assert_eq!(parsed.content, "said:  done");
+        assert_eq!(parsed.calls.len(), 2);
+    }
+
+    /// Found by the tool_calls fuzz target: a Mistral section whose "name" was not one
+    /// waited for arguments when whole (an `[ARGS]` far on) but was text when streamed.
+    #[test]
+    fn a_mistral_section_without_a_name_is_text_however_the_text_is_cut() {
+        let text = "[TOOL_CALLS]!h [TOOL_CALLS]g[ARGS]{} x[ARGS]{\"L}";
+        let parsed = parse_both_ways(ToolCallFormat::Mistral, text);
+        assert_eq!(parsed.calls, vec![call("g", "{}")]);
     }
 
     #[test]
