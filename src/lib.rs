@@ -17,5 +17,6 @@ pub mod moe;
 pub mod node;
 pub mod placement;
 pub mod plan;
+pub mod progress;
 pub mod server;
 pub mod transport;

@@ -95,6 +95,37 @@ where
     }
 }
 
+/// Replaces the log filter of the running process (installed by `main` once logging is up).
+type SetFilter = Box<dyn Fn(tracing_subscriber::EnvFilter) -> Result<(), String> + Send + Sync>;
+
+static SET_FILTER: std::sync::OnceLock<SetFilter> = std::sync::OnceLock::new();
+
+/// The filter `logging.filter` asks for: itself when set, else `RUST_LOG`, else "info".
+/// A filter that does not parse (validation refuses it before this) falls back to "info".
+pub fn filter_for(configured: &str) -> tracing_subscriber::EnvFilter {
+    use tracing_subscriber::EnvFilter;
+    if configured.is_empty() {
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"))
+    } else {
+        EnvFilter::builder()
+            .parse(configured)
+            .unwrap_or_else(|_| EnvFilter::new("info"))
+    }
+}
+
+/// Lets [`set_filter`] change the filter from now on.
+pub fn install_filter_reload(set: SetFilter) {
+    let _ = SET_FILTER.set(set);
+}
+
+/// Applies `logging.filter` to the running process (see [`filter_for`]).
+pub fn set_filter(configured: &str) -> Result<(), String> {
+    match SET_FILTER.get() {
+        Some(set) => set(filter_for(configured)),
+        None => Err("this process's log filter cannot be changed".into()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

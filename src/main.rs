@@ -4,6 +4,7 @@ use std::collections::HashMap;
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, bail};
@@ -19,7 +20,7 @@ use moe_node::model::demo::{DemoSpec, write_demo_model};
 use moe_node::model::template_worker;
 use moe_node::model::{ModelConfig, ModelError, Tokenizer};
 use moe_node::node::NodeError;
-use moe_node::server::{ServeError, serve};
+use moe_node::server::{ConfigReader, ServeError, serve};
 
 mod plan_cli;
 
@@ -192,23 +193,41 @@ const EXIT_CONFIG: u8 = 78;
 const EXIT_DATA: u8 = 65;
 
 fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    init_logging_filtered(format, "");
+}
+
+/// Logging with `logging.filter` (empty: `RUST_LOG`, else info); the filter can be changed
+/// later through `moe_node::logging::set_filter` (a reload).
+fn init_logging_filtered(format: LogFormat, filter: &str) {
     let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+        .with_env_filter(moe_node::logging::filter_for(filter))
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal());
     // A malformed request is the client's mistake: INFO, at most once a minute.
     match format {
-        LogFormat::Text => builder
-            .event_format(ClientMistakes::new(tracing_subscriber::fmt::format()))
-            .init(),
-        LogFormat::Json => builder
-            .fmt_fields(tracing_subscriber::fmt::format::JsonFields::new())
-            .event_format(ClientMistakes::new(
-                tracing_subscriber::fmt::format().json(),
-            ))
-            .init(),
+        LogFormat::Text => {
+            let builder = builder
+                .event_format(ClientMistakes::new(tracing_subscriber::fmt::format()))
+                .with_filter_reloading();
+            let handle = builder.reload_handle();
+            moe_node::logging::install_filter_reload(Box::new(move |f| {
+                handle.reload(f).map_err(|e| e.to_string())
+            }));
+            builder.init()
+        }
+        LogFormat::Json => {
+            let builder = builder
+                .fmt_fields(tracing_subscriber::fmt::format::JsonFields::new())
+                .event_format(ClientMistakes::new(
+                    tracing_subscriber::fmt::format().json(),
+                ))
+                .with_filter_reloading();
+            let handle = builder.reload_handle();
+            moe_node::logging::install_filter_reload(Box::new(move |f| {
+                handle.reload(f).map_err(|e| e.to_string())
+            }));
+            builder.init()
+        }
     }
 }
 
@@ -423,13 +442,22 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     let config = NodeConfig::load(ConfigSources {
         file: args.config.as_deref(),
         env: node_env(),
-        overrides,
+        overrides: overrides.clone(),
     })?;
-    init_logging(config.logging.format);
+    init_logging_filtered(config.logging.format, &config.logging.filter);
     for warning in config.warnings() {
         tracing::warn!("{warning}");
     }
-    match serve(config) {
+    // On SIGHUP: the same layers read again (the file, the environment, the credentials).
+    let file = args.config.clone();
+    let reload: ConfigReader = Arc::new(move || {
+        NodeConfig::load(ConfigSources {
+            file: file.as_deref(),
+            env: node_env(),
+            overrides: overrides.clone(),
+        })
+    });
+    match serve(config, reload) {
         Ok(()) => {
             tracing::info!("stopped");
             Ok(())

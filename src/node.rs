@@ -106,6 +106,7 @@ impl Node {
         api: SocketAddr,
         board: &Arc<PlacementBoard>,
     ) -> Result<Node, NodeError> {
+        crate::progress::stage(format!("opening the model in {}", model_dir.display()));
         let model = Arc::new(ModelConfig::load(model_dir)?);
         let gpu_options = GpuOptions {
             max_rows: config.batching.max_tokens_per_step * model.moe.top_k,
@@ -123,6 +124,10 @@ impl Node {
         // Opened once: the devices and the router read their tensors from the same map.
         let checkpoint = Arc::new(Checkpoint::open(model_dir)?);
         let (cluster, placement) = if config.cluster.enabled() {
+            crate::progress::stage(format!(
+                "joining the cluster (expecting {} nodes)",
+                config.cluster.expect_nodes
+            ));
             let (joined, start) = join(
                 &config.cluster,
                 checkpoint.fingerprint(),
@@ -222,6 +227,7 @@ impl Node {
                     .collect()
             })
         });
+        crate::progress::stage("dense weights (attention, norms, shared experts)");
         let weights = DenseWeights::load(&checkpoint, &model)?;
         let mut engine = Engine::new((*model).clone(), weights, experts.clone());
         if let Some(gpu) = dense_gpu {

@@ -6,15 +6,18 @@
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use actix_web::{App, HttpServer, web};
 use futures::future::{Either, select};
 
 use crate::actors::router::{RouterState, Submit};
+use crate::api::Phase;
 use crate::api::tool_calls::ToolCallFormat;
 use crate::api::{AppState, ServedModel};
-use crate::config::NodeConfig;
+use crate::config::live::Changes;
+use crate::config::{ConfigError, NodeConfig};
 use crate::engine::SamplingParams;
 use crate::engine::batch::SequenceEvent;
 use crate::engine::grammar::Grammars;
@@ -52,12 +55,16 @@ impl From<ModelError> for ServeError {
     }
 }
 
-/// Runs the node until it is told to stop. Blocks the calling thread.
-pub fn serve(config: NodeConfig) -> Result<(), ServeError> {
-    actix_web::rt::System::new().block_on(run(config))
+/// Reads the configuration again, as it was read at start (SIGHUP).
+pub type ConfigReader = Arc<dyn Fn() -> Result<NodeConfig, ConfigError> + Send + Sync>;
+
+/// Runs the node until it is told to stop. Blocks the calling thread. On SIGHUP the
+/// configuration is read again with `reload` and its live keys applied.
+pub fn serve(config: NodeConfig, reload: ConfigReader) -> Result<(), ServeError> {
+    actix_web::rt::System::new().block_on(run(config, reload))
 }
 
-async fn run(config: NodeConfig) -> Result<(), ServeError> {
+async fn run(config: NodeConfig, reload: ConfigReader) -> Result<(), ServeError> {
     let listener = TcpListener::bind(config.listen_addr()).map_err(|source| ServeError::Bind {
         addr: config.server.listen.clone(),
         source,
@@ -88,12 +95,15 @@ async fn run(config: NodeConfig) -> Result<(), ServeError> {
     let (loaded_tx, loaded_rx) = futures::channel::oneshot::channel();
     let system = actix_web::rt::System::current();
     let loader_state = state.clone();
+    let loading = Arc::new(AtomicBool::new(true));
+    notify_while_loading(loading.clone()).map_err(ServeError::Http)?;
     std::thread::Builder::new()
         .name("moe-node-loader".into())
         .spawn(move || {
             // The device and router actors start arbiters, which need the system.
             actix_web::rt::System::set_current(system);
             let loaded = load(&loader_state, local);
+            loading.store(false, Ordering::Release);
             let serving = loaded.is_ok();
             let _ = loaded_tx.send(loaded);
             if serving {
@@ -102,6 +112,7 @@ async fn run(config: NodeConfig) -> Result<(), ServeError> {
         })
         .map_err(ServeError::Http)?;
     actix_web::rt::spawn(drain_on_signal(state.clone(), handle.clone(), drain));
+    actix_web::rt::spawn(reload_on_hangup(state.clone(), reload));
 
     let server = Box::pin(server);
     match select(server, loaded_rx).await {
@@ -162,6 +173,7 @@ fn load(state: &AppState, api: std::net::SocketAddr) -> Result<(), ServeError> {
     } else {
         Duration::ZERO
     };
+    crate::progress::stage("warming up (one token through every layer and device)");
     let warming = Instant::now();
     while let Err(e) = warm_up(&node) {
         if warming.elapsed() >= patience {
@@ -201,7 +213,12 @@ fn load(state: &AppState, api: std::net::SocketAddr) -> Result<(), ServeError> {
         created,
     });
     watch_router(state)?;
-    let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready]);
+    crate::progress::report_to_systemd(false);
+    let status = format!("serving {name}");
+    let _ = sd_notify::notify(&[
+        sd_notify::NotifyState::Ready,
+        sd_notify::NotifyState::Status(&status),
+    ]);
     tracing::info!(
         model = %name,
         seconds = started.elapsed().as_secs_f32(),
@@ -210,15 +227,73 @@ fn load(state: &AppState, api: std::net::SocketAddr) -> Result<(), ServeError> {
     Ok(())
 }
 
+/// How often, while loading moves, systemd's start timeout is pushed out, and by how much.
+/// The unit's `TimeoutStartSec=` only has to cover the start up to the first push.
+pub const EXTEND_EVERY: Duration = Duration::from_secs(20);
+pub const EXTEND_BY: Duration = Duration::from_secs(60);
+/// Loading that has not moved (no new stage or layer, see [`crate::progress`]) for this
+/// long is stuck: the start timeout is no longer pushed out, and systemd stops the start.
+/// One layer's experts, or a cluster join (bounded by `cluster.join_timeout_seconds`, at
+/// most a few minutes by default), take less.
+pub const STUCK_AFTER: Duration = Duration::from_secs(600);
+
+/// Under systemd (`Type=notify`), while `loading` holds: `STATUS=` lines as the loading
+/// moves (which stage, device and layer: [`crate::progress`] sends them), and
+/// `EXTEND_TIMEOUT_USEC` at once and every [`EXTEND_EVERY`] as long as it moved within
+/// [`STUCK_AFTER`]. Without `NOTIFY_SOCKET` there is no one to tell and no thread is started.
+fn notify_while_loading(loading: Arc<AtomicBool>) -> std::io::Result<()> {
+    if std::env::var_os("NOTIFY_SOCKET").is_none() {
+        return Ok(());
+    }
+    crate::progress::report_to_systemd(true);
+    let extend_usec = u32::try_from(EXTEND_BY.as_micros()).unwrap_or(u32::MAX);
+    std::thread::Builder::new()
+        .name("moe-node-load-status".into())
+        .spawn(move || {
+            let mut seen = None;
+            let mut moved = Instant::now();
+            let mut extended: Option<Instant> = None;
+            while loading.load(Ordering::Acquire) {
+                let (changes, line) = crate::progress::snapshot();
+                if seen != Some(changes) {
+                    seen = Some(changes);
+                    moved = Instant::now();
+                }
+                if extended.is_none_or(|at| at.elapsed() >= EXTEND_EVERY) {
+                    extended = Some(Instant::now());
+                    if moved.elapsed() < STUCK_AFTER {
+                        let _ = sd_notify::notify(&[sd_notify::NotifyState::ExtendTimeoutUsec(
+                            extend_usec,
+                        )]);
+                    } else {
+                        tracing::warn!(
+                            stuck_seconds = moved.elapsed().as_secs(),
+                            at = %line,
+                            "loading has not moved; the start timeout is no longer extended"
+                        );
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            crate::progress::report_to_systemd(false);
+        })
+        .map(|_| ())
+}
+
 /// With `placement.rebalance_interval_seconds`, recomputes the hot-expert copies that
 /// often, on the loader's thread (it has nothing else to do once the model is served).
+/// The interval is read as it is now (a reload may change it; 0 pauses).
 fn rebalance_periodically(state: &AppState) {
-    let interval = state.config.placement.rebalance_interval_seconds;
-    if interval == 0 || state.config.placement.redundant_slots_per_device == 0 {
+    if state.config.placement.redundant_slots_per_device == 0 {
         return;
     }
+    let mut last = Instant::now();
     loop {
-        std::thread::sleep(Duration::from_secs(interval));
+        std::thread::sleep(Duration::from_secs(1));
+        let interval = state.live.rebalance_interval_seconds();
+        if interval == 0 || last.elapsed() < Duration::from_secs(interval) {
+            continue;
+        }
         let Some(served) = state.served() else {
             return;
         };
@@ -233,7 +308,82 @@ fn rebalance_periodically(state: &AppState) {
                 "periodic rebalance failed; the placement stays as it was"
             ),
         }
+        last = Instant::now();
     }
+}
+
+/// On SIGHUP: reads the configuration again and applies its live keys
+/// ([`crate::config::live::LIVE_KEYS`]); other changed keys are logged as needing a
+/// restart. A configuration that is not valid changes nothing. Once serving, systemd is
+/// told `RELOADING=1` (with `MONOTONIC_USEC`) before and `READY=1` after (sd_notify(3)).
+async fn reload_on_hangup(state: web::Data<AppState>, reload: ConfigReader) {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        // Registered at start, so that a SIGHUP while loading does not end the process.
+        let mut hangups = match signal(SignalKind::hangup()) {
+            Ok(hangups) => hangups,
+            Err(error) => {
+                tracing::error!(%error, "cannot listen for SIGHUP; reloading is not possible");
+                return;
+            }
+        };
+        let mut in_force = state.config.clone();
+        while hangups.recv().await.is_some() {
+            let serving = state.phase() == Phase::Ready;
+            if serving {
+                let mut said = vec![sd_notify::NotifyState::Reloading];
+                if let Ok(now) = sd_notify::NotifyState::monotonic_usec_now() {
+                    said.push(now);
+                }
+                let _ = sd_notify::notify(&said);
+            }
+            let read = reload.clone();
+            match web::block(move || read()).await {
+                Ok(Ok(new)) => {
+                    apply_reload(&state, &in_force, &new);
+                    in_force = new;
+                }
+                Ok(Err(e)) => tracing::error!(
+                    "reload refused, the node keeps its settings: {}",
+                    e.to_string().replace('\n', " ")
+                ),
+                Err(e) => tracing::error!(error = %e, "reload failed, the node keeps its settings"),
+            }
+            if serving {
+                let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready]);
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = (state, reload);
+    }
+}
+
+/// Applies the live keys of `new` (the settings in force being `in_force`) and says what
+/// changed and what waits for a restart.
+fn apply_reload(state: &AppState, in_force: &NodeConfig, new: &NodeConfig) {
+    let changes = Changes::between(&state.config, in_force, new);
+    state.live.apply(new);
+    if let Err(error) = crate::logging::set_filter(&new.logging.filter) {
+        tracing::warn!(%error, "logging.filter not applied");
+    }
+    if !changes.need_restart.is_empty() {
+        tracing::warn!(
+            keys = %changes.need_restart.join(", "),
+            "changed keys need a restart to take effect; the node runs with their old values until then"
+        );
+    }
+    tracing::info!(
+        applied = %if changes.applied.is_empty() {
+            "nothing".to_string()
+        } else {
+            changes.applied.join(", ")
+        },
+        api_keys = state.live.api_keys().len(),
+        "configuration reloaded"
+    );
 }
 
 /// Exit status when the router is gone (sysexits' EX_SOFTWARE): systemd restarts the node.
@@ -330,7 +480,9 @@ fn ensure_demo_model(cache_dir: &Path) -> Result<PathBuf, ServeError> {
         spec.top_k,
         dir.display()
     );
+    crate::progress::stage("writing the demo model");
     write_demo_model(&partial, &spec, |done, total| {
+        crate::progress::layer(done.saturating_sub(1), total);
         tracing::info!("demo model: layer {done}/{total} written");
     })?;
     match std::fs::rename(&partial, &dir) {

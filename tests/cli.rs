@@ -387,11 +387,13 @@ fn without_a_gpu_auto_serves_on_the_cpu_and_says_why_while_cuda_refuses_to_start
     assert!(found, "log lacks the reason:\n{}", seen.join("\n"));
 }
 
-/// Under systemd (`Type=notify`, `WatchdogSec=`): the node says READY=1 once it serves, then
-/// pings WATCHDOG=1 at a quarter of the interval while its router runs, and says STOPPING=1
-/// on SIGTERM. systemd's socket is stood in for by a datagram socket this test binds.
+/// Under systemd (`Type=notify`, `WatchdogSec=`): while loading, the node says what it loads
+/// (`STATUS=` lines naming the device and layer) and pushes out the start timeout
+/// (`EXTEND_TIMEOUT_USEC`); it says READY=1 once it serves, then pings WATCHDOG=1 at a
+/// quarter of the interval while its router runs, says RELOADING=1 then READY=1 on SIGHUP,
+/// and STOPPING=1 on SIGTERM. systemd's socket is stood in for by a datagram socket this test binds.
 #[test]
-fn serve_tells_systemd_it_is_ready_pings_the_watchdog_and_says_it_is_stopping() {
+fn serve_tells_systemd_what_it_loads_that_it_is_ready_pings_reloads_and_stops() {
     use std::os::unix::net::UnixDatagram;
     use std::time::{Duration, Instant};
     let dir = tempfile::tempdir().unwrap();
@@ -417,7 +419,7 @@ fn serve_tells_systemd_it_is_ready_pings_the_watchdog_and_says_it_is_stopping() 
         .spawn()
         .unwrap();
     let mut said = Vec::new();
-    let mut buffer = [0u8; 256];
+    let mut buffer = [0u8; 4096];
     let deadline = Instant::now() + Duration::from_secs(120);
     let pings = |said: &[String]| said.iter().filter(|m| m.contains("WATCHDOG=1")).count();
     while Instant::now() < deadline && pings(&said) < 4 {
@@ -425,7 +427,30 @@ fn serve_tells_systemd_it_is_ready_pings_the_watchdog_and_says_it_is_stopping() 
             said.push(String::from_utf8_lossy(&buffer[..n]).into_owned());
         }
     }
+    // `systemctl reload`: RELOADING=1 with the monotonic clock, then READY=1 again.
     let pid = child.id().to_string();
+    let before_reload = said.len();
+    assert!(
+        Command::new("kill")
+            .args(["-HUP", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let reloaded = |said: &[String]| {
+        let after = &said[before_reload..];
+        after
+            .iter()
+            .position(|m| m.contains("RELOADING=1") && m.contains("MONOTONIC_USEC="))
+            .is_some_and(|at| after[at..].iter().any(|m| m.contains("READY=1")))
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline && !reloaded(&said) {
+        if let Ok(n) = socket.recv(&mut buffer) {
+            said.push(String::from_utf8_lossy(&buffer[..n]).into_owned());
+        }
+    }
+    assert!(reloaded(&said), "{said:?}");
     assert!(
         Command::new("kill")
             .args(["-TERM", &pid])
@@ -440,6 +465,24 @@ fn serve_tells_systemd_it_is_ready_pings_the_watchdog_and_says_it_is_stopping() 
     let ready = said.iter().position(|m| m.contains("READY=1"));
     let first_ping = said.iter().position(|m| m.contains("WATCHDOG=1"));
     assert!(ready.is_some() && ready < first_ping, "{said:?}");
+    let before_ready = &said[..ready.unwrap()];
+    let loading = |needle: &str| {
+        before_ready
+            .iter()
+            .any(|m| m.starts_with("STATUS=loading: ") && m.contains(needle))
+    };
+    assert!(loading("device 0 (cpu): loading"), "{said:?}");
+    assert!(loading("device 1 (cpu): loading"), "{said:?}");
+    assert!(loading(", layer 1/"), "{said:?}");
+    assert!(loading("dense weights"), "{said:?}");
+    assert!(loading("warming up"), "{said:?}");
+    assert!(
+        before_ready
+            .iter()
+            .any(|m| m.trim() == format!("EXTEND_TIMEOUT_USEC={}", 60_000_000)),
+        "{said:?}"
+    );
+    assert!(said[ready.unwrap()].contains("STATUS=serving "), "{said:?}");
     assert!(pings(&said) >= 4, "{said:?}");
     assert!(said.iter().any(|m| m.contains("STOPPING=1")), "{said:?}");
     assert!(status.success(), "{status:?}");

@@ -639,3 +639,63 @@ fn sigterm_drains_in_flight_requests_then_exits_zero() {
     assert_eq!(exit.code(), Some(0), "{:?}", server.process.log_lines());
     server.wait_for_log("drained");
 }
+
+/// `systemctl reload` (SIGHUP): the node reads its config file again. A new API key is
+/// accepted and the old one refused at once, without a restart; a changed key that cannot
+/// change live is named as needing a restart; a file that is not valid is refused with a
+/// log line saying why, and the node goes on serving with the keys it had.
+#[test]
+fn sighup_reloads_api_keys_and_a_bad_file_changes_nothing() {
+    let server = Server::start("[server]\napi_keys = [\"old-key\"]\n");
+    server.wait_ready();
+    let models = |key: &str| {
+        server
+            .client
+            .get(format!("{}/v1/models", server.base))
+            .bearer_auth(key)
+            .send()
+            .unwrap()
+            .status()
+    };
+    assert_eq!(models("old-key"), StatusCode::OK);
+    assert_eq!(models("new-key"), StatusCode::UNAUTHORIZED);
+
+    std::fs::write(
+        server.config_path(),
+        "[server]\napi_keys = [\"new-key\"]\n[placement]\nwindow_seconds = 30\n\
+         [logging]\nfilter = \"info,moe_node=debug\"\n",
+    )
+    .unwrap();
+    server.hang_up();
+    server.wait_for_log("configuration reloaded");
+    assert_eq!(models("new-key"), StatusCode::OK);
+    assert_eq!(models("old-key"), StatusCode::UNAUTHORIZED);
+    assert!(
+        server.log_contains("applied=logging.filter, server.api_keys"),
+        "{:?}",
+        server.process.log_lines()
+    );
+    assert!(
+        server.log_contains("keys=placement.window_seconds")
+            && server.log_contains("need a restart"),
+        "{:?}",
+        server.process.log_lines()
+    );
+
+    // Not valid: an unknown key and a key of the wrong type. Nothing changes.
+    std::fs::write(
+        server.config_path(),
+        "[server]\napi_keys = \"newest-key\"\nlisen = 1\n",
+    )
+    .unwrap();
+    server.hang_up();
+    server.wait_for_log("reload refused, the node keeps its settings");
+    assert!(
+        server.log_contains("server.lisen: unknown key") && server.log_contains("server.api_keys"),
+        "{:?}",
+        server.process.log_lines()
+    );
+    assert_eq!(models("new-key"), StatusCode::OK);
+    assert_eq!(models("newest-key"), StatusCode::UNAUTHORIZED);
+    assert_eq!(server.get("/ready").status(), StatusCode::OK);
+}

@@ -245,6 +245,9 @@ pub fn start_device(
         DeviceTarget::Cpu => (None, "cpu".to_string()),
         DeviceTarget::Gpu(info, _) => (Some(info.ordinal), info.name.clone()),
     };
+    crate::progress::stage(format!(
+        "device {id} ({name}): loading {experts_held} experts"
+    ));
     let addr = DeviceActor::start_in_arbiter(&arbiter.handle(), move |ctx| {
         let loaded = match &target {
             DeviceTarget::Cpu => load_experts(&checkpoint, &config, &experts)
@@ -310,6 +313,7 @@ pub fn load_experts(
     experts
         .iter()
         .map(|&(layer, expert)| {
+            crate::progress::layer(layer, config.num_layers);
             Ok((
                 (layer, expert),
                 load_expert(checkpoint, config, layer, expert as usize)?,

@@ -24,6 +24,7 @@ use futures::StreamExt;
 use serde_json::json;
 
 use crate::config::NodeConfig;
+use crate::config::live::LiveSettings;
 use crate::metrics::NodeMetrics;
 use crate::model::Tokenizer;
 use crate::model::chat_template::ChatTemplate;
@@ -54,7 +55,10 @@ pub struct ServedModel {
 }
 
 pub struct AppState {
+    /// The configuration the node started with.
     pub config: NodeConfig,
+    /// What changes while it runs (API keys, log filter, rebalancing interval).
+    pub live: Arc<LiveSettings>,
     pub metrics: Arc<NodeMetrics>,
     phase: AtomicU8,
     served: OnceLock<ServedModel>,
@@ -81,6 +85,7 @@ impl Drop for InFlight {
 impl AppState {
     pub fn new(config: NodeConfig, metrics: Arc<NodeMetrics>) -> Self {
         AppState {
+            live: Arc::new(LiveSettings::new(&config)),
             config,
             metrics,
             phase: AtomicU8::new(Phase::Loading as u8),
@@ -325,7 +330,7 @@ async fn require_api_key(
 ) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
     let keys = req
         .app_data::<web::Data<AppState>>()
-        .map(|s| s.config.server.api_keys.clone())
+        .map(|s| s.live.api_keys())
         .unwrap_or_default();
     if !keys.is_empty() {
         // The scheme is case-insensitive (RFC 9110 11.1).

@@ -7,6 +7,8 @@ use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
+pub mod live;
+
 use config::{Config, Environment, File, FileFormat};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -336,6 +338,9 @@ pub enum LogFormat {
 #[serde(deny_unknown_fields, default)]
 pub struct LoggingConfig {
     pub format: LogFormat,
+    /// Which events are written, in `RUST_LOG`'s syntax (e.g. "info" or
+    /// "info,moe_node::cluster=debug"). Empty: `RUST_LOG`, else "info".
+    pub filter: String,
 }
 
 impl Default for ServerConfig {
@@ -515,6 +520,14 @@ impl NodeConfig {
             problems.push(format!(
                 "server.listen: `{}` is not an address like 127.0.0.1:8080",
                 self.server.listen
+            ));
+        }
+        if !self.logging.filter.is_empty()
+            && let Err(e) = tracing_subscriber::EnvFilter::builder().parse(&self.logging.filter)
+        {
+            problems.push(format!(
+                "logging.filter: `{}` is not a filter like \"info,moe_node::cluster=debug\": {e}",
+                self.logging.filter
             ));
         }
         if self.server.api_keys.iter().any(|k| k.trim().is_empty()) {

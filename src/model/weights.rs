@@ -116,7 +116,10 @@ impl DenseWeights {
             Some(linear(ckpt, "lm_head", cfg.vocab_size, h)?)
         };
         let layers = (0..cfg.num_layers)
-            .map(|l| load_layer(ckpt, cfg, l))
+            .map(|l| {
+                crate::progress::layer(l, cfg.num_layers);
+                load_layer(ckpt, cfg, l)
+            })
             .collect::<Result<_, _>>()?;
         Ok(DenseWeights {
             embed_tokens,

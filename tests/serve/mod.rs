@@ -140,6 +140,29 @@ impl Server {
         }
     }
 
+    /// The configuration file the server was started with (a test may rewrite it).
+    pub fn config_path(&self) -> PathBuf {
+        self._dir.path().join("moe-node.toml")
+    }
+
+    /// Sends the server SIGHUP (what `systemctl reload` does).
+    pub fn hang_up(&self) {
+        let status = Command::new("kill")
+            .args(["-HUP", &self.process.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+
+    /// Log lines containing `needle`.
+    pub fn count_log(&self, needle: &str) -> usize {
+        self.process
+            .log_lines()
+            .iter()
+            .filter(|l| l.contains(needle))
+            .count()
+    }
+
     pub fn wait_ready(&self) {
         let deadline = Instant::now() + Duration::from_secs(120);
         while Instant::now() < deadline {

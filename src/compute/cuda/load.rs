@@ -57,6 +57,7 @@ pub fn load_experts(
     )?;
     let mut first = None;
     for &(layer, expert) in experts {
+        crate::progress::layer(layer, config.num_layers);
         let weights = load_expert(checkpoint, config, layer, expert as usize)?;
         let (gate, up, down) = bf16_matrices(&weights);
         held.upload(layer, expert, &gate, &up, &down)?;
