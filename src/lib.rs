@@ -9,6 +9,7 @@ pub mod api;
 pub mod cluster;
 pub mod compute;
 pub mod config;
+pub mod control_plane;
 pub mod engine;
 pub mod logging;
 pub mod metrics;

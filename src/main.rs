@@ -66,6 +66,13 @@ enum Command {
         #[arg(long, default_value_t = 0.0)]
         skew: f64,
     },
+    /// Run a control plane that nodes register with and heartbeat to (`[control_plane]` in
+    /// their config): desired state per cluster, node reports, a status page at /.
+    ControlPlane {
+        /// The control plane's configuration (TOML): listen, database, token hashes.
+        #[arg(long)]
+        config: PathBuf,
+    },
     /// Print shell completions to stdout (the packages install them).
     Completions {
         #[arg(value_enum)]
@@ -248,6 +255,10 @@ fn main() -> ExitCode {
         Command::DemoModel { out, skew } => {
             init_logging(LogFormat::Text);
             run_demo_model(out, skew)
+        }
+        Command::ControlPlane { config } => {
+            init_logging(LogFormat::Text);
+            run_control_plane(config)
         }
         Command::Completions { shell } => {
             clap_complete::generate(
@@ -466,6 +477,13 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         Err(ServeError::Node(NodeError::Model(e))) => Err(e.into()),
         Err(e) => Err(e.into()),
     }
+}
+
+fn run_control_plane(path: PathBuf) -> anyhow::Result<()> {
+    let config = moe_node::control_plane::ControlPlaneConfig::load(&path)?;
+    moe_node::control_plane::server::run(config)?;
+    tracing::info!("control plane stopped");
+    Ok(())
 }
 
 fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {

@@ -113,6 +113,16 @@ async fn run(config: NodeConfig, reload: ConfigReader) -> Result<(), ServeError>
         .map_err(ServeError::Http)?;
     actix_web::rt::spawn(drain_on_signal(state.clone(), handle.clone(), drain));
     actix_web::rt::spawn(reload_on_hangup(state.clone(), reload));
+    if state.config.control_plane.enabled() {
+        let reporting = state.clone();
+        crate::cluster::control_plane::start(
+            state.config.control_plane.clone(),
+            control_plane_name(&state.config),
+            state.live.clone(),
+            Box::new(move || node_report(&reporting)),
+        )
+        .map_err(ServeError::Http)?;
+    }
 
     let server = Box::pin(server);
     match select(server, loaded_rx).await {
@@ -312,6 +322,51 @@ fn rebalance_periodically(state: &AppState) {
     }
 }
 
+/// This node's name at the control plane: `control_plane.node_name`, else
+/// `cluster.node_id`, else the host name.
+fn control_plane_name(config: &NodeConfig) -> String {
+    [&config.control_plane.node_name, &config.cluster.node_id]
+        .into_iter()
+        .find(|n| !n.is_empty())
+        .cloned()
+        .or_else(|| {
+            std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .ok()
+                .map(|h| h.trim().to_string())
+                .filter(|h| !h.is_empty())
+        })
+        .unwrap_or_else(|| "node".into())
+}
+
+/// How the node is now, for the control plane.
+fn node_report(state: &AppState) -> crate::control_plane::wire::Report {
+    let mut report = crate::control_plane::wire::Report {
+        version: env!("CARGO_PKG_VERSION").into(),
+        phase: match state.phase() {
+            Phase::Loading => "loading",
+            Phase::Ready => "ready",
+            Phase::Draining => "draining",
+        }
+        .into(),
+        in_flight: state.in_flight(),
+        placement_version: state.placements.current().map(|p| p.version()),
+        ..Default::default()
+    };
+    if let Some(served) = state.served() {
+        let node = &served.node;
+        report.model = served.name.clone();
+        report.model_fingerprint = format!("{:016x}", node.model_fingerprint());
+        let alive = node.experts.devices_alive();
+        report.devices = alive.len();
+        report.devices_up = alive.iter().filter(|&&up| up).count();
+        report.imbalance = (0..node.load.num_layers())
+            .filter(|&l| node.model.moe_layers[l])
+            .map(|l| node.load.recent(l).0.imbalance())
+            .fold(0.0, f64::max);
+    }
+    report
+}
+
 /// On SIGHUP: reads the configuration again and applies its live keys
 /// ([`crate::config::live::LIVE_KEYS`]); other changed keys are logged as needing a
 /// restart. A configuration that is not valid changes nothing. Once serving, systemd is
@@ -381,7 +436,7 @@ fn apply_reload(state: &AppState, in_force: &NodeConfig, new: &NodeConfig) {
         } else {
             changes.applied.join(", ")
         },
-        api_keys = state.live.api_keys().len(),
+        api_keys = state.live.api_key_count(),
         "configuration reloaded"
     );
 }

@@ -15,6 +15,7 @@
 
 pub mod board;
 pub mod bootstrap;
+pub mod control_plane;
 pub mod follow;
 pub mod identity;
 pub mod joined;

@@ -22,9 +22,17 @@ pub const LIVE_KEYS: [&str; 3] = [
 pub struct LiveSettings {
     /// From the configuration (file, environment, credentials).
     local_api_keys: RwLock<Arc<Vec<String>>>,
-    /// From the control plane's desired state; `None` until it has sent one.
-    control_plane_api_keys: RwLock<Option<Arc<Vec<String>>>>,
+    /// SHA-256 (hex) of the keys in the control plane's desired state.
+    control_plane_api_key_sha256: RwLock<Arc<Vec<String>>>,
     rebalance_interval_seconds: AtomicU64,
+}
+
+impl LiveSettings {
+    /// Sets `placement.rebalance_interval_seconds` (the control plane's desired state).
+    pub fn set_rebalance_interval_seconds(&self, seconds: u64) {
+        self.rebalance_interval_seconds
+            .store(seconds, Ordering::Release);
+    }
 }
 
 impl LiveSettings {
@@ -46,37 +54,64 @@ impl LiveSettings {
         );
     }
 
-    /// Keys the control plane accepts for this node's cluster, replacing the ones it sent
-    /// before; they are accepted besides the configuration's.
-    pub fn set_control_plane_api_keys(&self, keys: Vec<String>) {
+    /// The SHA-256 (hex) of the keys the control plane accepts for this node's cluster,
+    /// replacing the ones it sent before; they are accepted besides the configuration's.
+    pub fn set_control_plane_api_keys(&self, key_sha256: Vec<String>) {
         *self
-            .control_plane_api_keys
+            .control_plane_api_key_sha256
             .write()
-            .unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(keys));
+            .unwrap_or_else(|e| e.into_inner()) = Arc::new(key_sha256);
     }
 
-    /// The bearer keys accepted now: the configuration's and the control plane's. None at
-    /// all: no authentication.
-    pub fn api_keys(&self) -> Vec<String> {
-        let mut keys: Vec<String> = self
-            .local_api_keys
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .to_vec();
-        if let Some(remote) = &*self
-            .control_plane_api_keys
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-        {
-            keys.extend(remote.iter().cloned());
+    /// How many keys are accepted now (configured, and from the control plane).
+    pub fn api_key_count(&self) -> usize {
+        self.local_keys().len() + self.remote_keys().len()
+    }
+
+    /// Whether a request offering bearer key `offered` may pass: always when no key is
+    /// configured or sent by a control plane, else when it is one of them.
+    pub fn authorize(&self, offered: Option<&str>) -> bool {
+        let (local, remote) = (self.local_keys(), self.remote_keys());
+        if local.is_empty() && remote.is_empty() {
+            return true;
         }
-        keys
+        let Some(offered) = offered else {
+            return false;
+        };
+        if local.iter().any(|k| constant_time_eq(k, offered)) {
+            return true;
+        }
+        let hashed = crate::control_plane::wire::sha256_hex(offered);
+        remote.iter().any(|h| constant_time_eq(h, &hashed))
+    }
+
+    fn local_keys(&self) -> Arc<Vec<String>> {
+        self.local_api_keys
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    fn remote_keys(&self) -> Arc<Vec<String>> {
+        self.control_plane_api_key_sha256
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// `placement.rebalance_interval_seconds` as it is now.
     pub fn rebalance_interval_seconds(&self) -> u64 {
         self.rebalance_interval_seconds.load(Ordering::Acquire)
     }
+}
+
+/// Compares without stopping at the first difference, so timing does not leak the key.
+fn constant_time_eq(a: &str, b: &str) -> bool {
+    a.len() == b.len()
+        && a.bytes()
+            .zip(b.bytes())
+            .fold(0u8, |diff, (x, y)| diff | (x ^ y))
+            == 0
 }
 
 /// What a configuration read again changes, key by key.
@@ -151,14 +186,19 @@ mod tests {
     fn keys_from_the_control_plane_are_accepted_besides_the_configured_ones() {
         let mut config = NodeConfig::default();
         let live = LiveSettings::new(&config);
-        assert!(live.api_keys().is_empty());
-        live.set_control_plane_api_keys(vec!["remote".into()]);
+        assert!(live.authorize(None), "no keys: no authentication");
+        live.set_control_plane_api_keys(vec![crate::control_plane::wire::sha256_hex("remote")]);
+        assert!(!live.authorize(None));
+        assert!(live.authorize(Some("remote")));
         config.server.api_keys = vec!["local".into()];
         config.placement.rebalance_interval_seconds = 30;
         live.apply(&config);
-        assert_eq!(live.api_keys(), vec!["local", "remote"]);
+        assert!(live.authorize(Some("local")) && live.authorize(Some("remote")));
+        assert!(!live.authorize(Some("other")));
+        assert_eq!(live.api_key_count(), 2);
         assert_eq!(live.rebalance_interval_seconds(), 30);
         live.set_control_plane_api_keys(Vec::new());
-        assert_eq!(live.api_keys(), vec!["local"]);
+        assert!(!live.authorize(Some("remote")));
+        assert!(live.authorize(Some("local")));
     }
 }

@@ -27,6 +27,72 @@ pub struct NodeConfig {
     pub logging: LoggingConfig,
     pub cluster: ClusterConfig,
     pub placement: PlacementConfig,
+    pub control_plane: ControlPlaneSection,
+}
+
+/// Peering with a control plane (`moe-node control-plane`): outbound only.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ControlPlaneSection {
+    /// The control plane's URL, e.g. http://10.0.0.9:9090. Empty: no control plane.
+    pub url: String,
+    /// Bearer token this node presents (its SHA-256 is in the control plane's config).
+    pub token: String,
+    /// The cluster this node reports under.
+    pub cluster: String,
+    /// This node's name at the control plane. Empty: `cluster.node_id`, else the host name.
+    pub node_name: String,
+    /// Seconds between heartbeats while the control plane answers.
+    pub heartbeat_seconds: u64,
+}
+
+impl Default for ControlPlaneSection {
+    fn default() -> Self {
+        ControlPlaneSection {
+            url: String::new(),
+            token: String::new(),
+            cluster: "default".into(),
+            node_name: String::new(),
+            heartbeat_seconds: 10,
+        }
+    }
+}
+
+impl ControlPlaneSection {
+    pub fn enabled(&self) -> bool {
+        !self.url.is_empty()
+    }
+
+    fn problems(&self) -> Vec<String> {
+        let mut problems = Vec::new();
+        if !self.enabled() {
+            return problems;
+        }
+        if self.url.starts_with("https://") {
+            problems.push(
+                "control_plane.url: https is not supported yet; use http:// on a trusted                  network or a TLS-terminating tunnel"
+                    .into(),
+            );
+        } else if !self.url.starts_with("http://") || self.url.len() <= "http://".len() {
+            problems.push(format!(
+                "control_plane.url: `{}` is not a URL like http://10.0.0.9:9090",
+                self.url
+            ));
+        }
+        if self.token.len() < 16 {
+            problems.push("control_plane.token: at least 16 characters".into());
+        }
+        if self.cluster.is_empty() || self.cluster.len() > 128 {
+            problems.push("control_plane.cluster: 1 to 128 characters".into());
+        }
+        if self.node_name.len() > 128 {
+            problems.push("control_plane.node_name: at most 128 characters".into());
+        }
+        if !(1..=3600).contains(&self.heartbeat_seconds) {
+            problems.push("control_plane.heartbeat_seconds: between 1 and 3600".into());
+        }
+        problems
+    }
 }
 
 /// Hot-expert copies: spare expert slots per device, filled from the activation profile.
@@ -505,6 +571,12 @@ impl NodeConfig {
         section(&merged, "logging", &mut config.logging, &mut problems);
         section(&merged, "cluster", &mut config.cluster, &mut problems);
         section(&merged, "placement", &mut config.placement, &mut problems);
+        section(
+            &merged,
+            "control_plane",
+            &mut config.control_plane,
+            &mut problems,
+        );
         problems.extend(config.problems());
         if problems.is_empty() {
             Ok(config)
@@ -632,6 +704,7 @@ impl NodeConfig {
             ));
         }
         problems.extend(self.cluster.problems());
+        problems.extend(self.control_plane.problems());
         problems
     }
 

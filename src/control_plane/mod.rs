@@ -1,0 +1,137 @@
+//! `moe-node control-plane`: an HTTP service that nodes register with and heartbeat to
+//! (outbound from the nodes: nothing connects to a node). It holds the desired state of
+//! each cluster (model, replication, rebalancing interval, accepted API keys, placement
+//! overrides), records what each node last reported with a bounded history, and shows it
+//! on a status page. Nodes it has not heard from lately are shown as stale, never as dead:
+//! gossip owns liveness, and a node goes on serving without the control plane.
+
+pub mod server;
+pub mod store;
+pub mod wire;
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::ConfigError;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ControlPlaneConfig {
+    /// Address the HTTP service listens on.
+    pub listen: String,
+    /// The SQLite database file (created on first start).
+    pub database: String,
+    /// SHA-256 (hex) of the bearer tokens nodes present.
+    pub node_token_sha256: Vec<String>,
+    /// SHA-256 (hex) of the bearer tokens that may read the cluster state and change the
+    /// desired state.
+    pub admin_token_sha256: Vec<String>,
+    /// A node not heard from for this long is shown as stale.
+    pub stale_after_seconds: u64,
+    /// Reports kept per node (older ones are dropped).
+    pub history_per_node: usize,
+}
+
+impl Default for ControlPlaneConfig {
+    fn default() -> Self {
+        ControlPlaneConfig {
+            listen: "127.0.0.1:9090".into(),
+            database: "/var/lib/moe-node-control-plane/state.db".into(),
+            node_token_sha256: Vec::new(),
+            admin_token_sha256: Vec::new(),
+            stale_after_seconds: 60,
+            history_per_node: 100,
+        }
+    }
+}
+
+impl ControlPlaneConfig {
+    /// Reads and validates `path`, listing every problem.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+            problems: vec![format!("cannot read {}: {e}", path.display())],
+        })?;
+        let config: ControlPlaneConfig = toml_value(&text).map_err(|e| ConfigError {
+            problems: vec![format!("{}: {e}", path.display())],
+        })?;
+        let mut problems = Vec::new();
+        if config.listen.parse::<std::net::SocketAddr>().is_err() {
+            problems.push(format!(
+                "listen: `{}` is not an address like 127.0.0.1:9090",
+                config.listen
+            ));
+        }
+        if config.database.is_empty() {
+            problems.push("database: give a file path".into());
+        }
+        if config.node_token_sha256.is_empty() {
+            problems.push(
+                "node_token_sha256: no node could register; add the SHA-256 of a node token \
+                 (printf %s \"$TOKEN\" | sha256sum)"
+                    .into(),
+            );
+        }
+        for (key, hashes) in [
+            ("node_token_sha256", &config.node_token_sha256),
+            ("admin_token_sha256", &config.admin_token_sha256),
+        ] {
+            for hash in hashes {
+                if !wire::is_sha256_hex(hash) {
+                    problems.push(format!(
+                        "{key}: `{hash}` is not a SHA-256 in hex (64 hex digits); store the hash, not the token"
+                    ));
+                }
+            }
+        }
+        if !(1..=86_400).contains(&config.stale_after_seconds) {
+            problems.push("stale_after_seconds: between 1 and 86400".into());
+        }
+        if !(1..=100_000).contains(&config.history_per_node) {
+            problems.push("history_per_node: between 1 and 100000".into());
+        }
+        if problems.is_empty() {
+            Ok(config)
+        } else {
+            Err(ConfigError { problems })
+        }
+    }
+
+    pub fn database_path(&self) -> PathBuf {
+        PathBuf::from(&self.database)
+    }
+}
+
+fn toml_value<T: serde::de::DeserializeOwned>(text: &str) -> Result<T, config::ConfigError> {
+    config::Config::builder()
+        .add_source(config::File::from_str(text, config::FileFormat::Toml))
+        .build()?
+        .try_deserialize()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bad_config_lists_every_problem() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("cp.toml");
+        std::fs::write(
+            &path,
+            "listen = \"nowhere\"\nnode_token_sha256 = [\"secret-token\"]\nstale_after_seconds = 0\n",
+        )
+        .unwrap();
+        let text = ControlPlaneConfig::load(&path).unwrap_err().to_string();
+        for expected in [
+            "listen: `nowhere`",
+            "store the hash, not the token",
+            "stale_after_seconds",
+        ] {
+            assert!(text.contains(expected), "{expected:?} missing: {text}");
+        }
+        std::fs::write(&path, "lisen = 1\n").unwrap();
+        let text = ControlPlaneConfig::load(&path).unwrap_err().to_string();
+        assert!(text.contains("lisen"), "{text}");
+    }
+}

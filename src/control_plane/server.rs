@@ -1,0 +1,449 @@
+//! The control plane's HTTP service (actix-web, as the node's API).
+
+use std::net::TcpListener;
+use std::sync::{Arc, Mutex};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use actix_web::http::header;
+use actix_web::{App, HttpRequest, HttpResponse, HttpServer, web};
+use serde_json::json;
+
+use super::ControlPlaneConfig;
+use super::store::{NodeRecord, Store, StoreError};
+use super::wire::{self, Answer, DesiredState, DesiredUpdate, Report};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ControlPlaneError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: String,
+        source: std::io::Error,
+    },
+    #[error("the HTTP server failed: {0}")]
+    Http(std::io::Error),
+}
+
+struct State {
+    config: ControlPlaneConfig,
+    store: Arc<Mutex<Store>>,
+}
+
+/// Runs the control plane until SIGINT or SIGTERM. Blocks the calling thread.
+pub fn run(config: ControlPlaneConfig) -> Result<(), ControlPlaneError> {
+    let store = Store::open(&config.database_path(), config.history_per_node)?;
+    let listener = TcpListener::bind(&config.listen).map_err(|source| ControlPlaneError::Bind {
+        addr: config.listen.clone(),
+        source,
+    })?;
+    let local = listener.local_addr().map_err(ControlPlaneError::Http)?;
+    let state = web::Data::new(State {
+        config,
+        store: Arc::new(Mutex::new(store)),
+    });
+    actix_web::rt::System::new().block_on(async move {
+        let server = HttpServer::new(move || {
+            App::new()
+                .app_data(state.clone())
+                .app_data(
+                    web::JsonConfig::default()
+                        .limit(1 << 20)
+                        .error_handler(|e, _| {
+                            actix_web::error::InternalError::from_response(
+                                "",
+                                HttpResponse::BadRequest().json(
+                                    json!({"error": format!("the request body is not valid: {e}")}),
+                                ),
+                            )
+                            .into()
+                        }),
+                )
+                .route("/", web::get().to(status_page))
+                .route(
+                    "/health",
+                    web::get().to(|| async { HttpResponse::Ok().body("ok") }),
+                )
+                .route("/api/v1/register", web::post().to(register))
+                .route("/api/v1/heartbeat", web::post().to(heartbeat))
+                .route("/api/v1/clusters", web::get().to(clusters))
+                .route(
+                    "/api/v1/clusters/{cluster}/desired",
+                    web::get().to(get_desired),
+                )
+                .route(
+                    "/api/v1/clusters/{cluster}/desired",
+                    web::put().to(put_desired),
+                )
+                .route(
+                    "/api/v1/clusters/{cluster}/nodes/{node}/history",
+                    web::get().to(history),
+                )
+        })
+        .shutdown_timeout(1)
+        .listen(listener)
+        .map_err(ControlPlaneError::Http)?
+        .run();
+        tracing::info!("control plane listening on http://{local}");
+        server.await.map_err(ControlPlaneError::Http)
+    })
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or_default()
+}
+
+/// The bearer token of a request, hashed.
+fn offered_token_hash(req: &HttpRequest) -> Option<String> {
+    req.headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim_start().split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, token)| wire::sha256_hex(token.trim()))
+}
+
+fn refused(req: &HttpRequest, who: &str) -> HttpResponse {
+    let peer = req
+        .peer_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_else(|| "an unknown address".into());
+    tracing::warn!(
+        %peer,
+        path = req.path(),
+        "refused a request: the bearer token is not a known {who} token"
+    );
+    HttpResponse::Unauthorized()
+        .insert_header((header::WWW_AUTHENTICATE, "Bearer"))
+        .json(json!({"error": format!("unknown {who} token")}))
+}
+
+fn internal(e: impl std::fmt::Display) -> HttpResponse {
+    tracing::error!(error = %e, "the control plane's database failed");
+    HttpResponse::InternalServerError().json(json!({"error": e.to_string()}))
+}
+
+/// Runs `f` on the store off the async threads.
+async fn with_store<T: Send + 'static>(
+    state: &State,
+    f: impl FnOnce(&mut Store) -> Result<T, StoreError> + Send + 'static,
+) -> Result<T, HttpResponse> {
+    let store = state.store.clone();
+    match web::block(move || f(&mut store.lock().unwrap_or_else(|e| e.into_inner()))).await {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(e)) => Err(internal(e)),
+        Err(e) => Err(internal(e)),
+    }
+}
+
+/// A node's registration or heartbeat: records the report, answers with the desired state
+/// and the proof that this service knows the node's token.
+async fn report(
+    req: HttpRequest,
+    state: web::Data<State>,
+    report: Report,
+    first: bool,
+) -> HttpResponse {
+    let Some(token) = offered_token_hash(&req).filter(|hash| {
+        state
+            .config
+            .node_token_sha256
+            .iter()
+            .any(|h| h.eq_ignore_ascii_case(hash))
+    }) else {
+        return refused(&req, "node");
+    };
+    if report.cluster.is_empty()
+        || report.node.is_empty()
+        || report.node.len() > 128
+        || report.cluster.len() > 128
+    {
+        return HttpResponse::BadRequest()
+            .json(json!({"error": "cluster and node: 1 to 128 characters each"}));
+    }
+    let cluster = report.cluster.clone();
+    let node = report.node.clone();
+    let recorded = with_store(&state, move |store| {
+        let new = store.record(&report, now_ms())?;
+        Ok((new, store.desired(&report.cluster)?))
+    })
+    .await;
+    let (new, desired) = match recorded {
+        Ok(done) => done,
+        Err(response) => return response,
+    };
+    if new || first {
+        tracing::info!(%cluster, %node, new, "node registered");
+    }
+    let body = match serde_json::to_vec(&Answer { desired }) {
+        Ok(body) => body,
+        Err(e) => return internal(e),
+    };
+    let nonce = req
+        .headers()
+        .get(wire::NONCE_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default();
+    HttpResponse::Ok()
+        .insert_header((wire::PROOF_HEADER, wire::proof(&token, nonce, &body)))
+        .content_type("application/json")
+        .body(body)
+}
+
+async fn register(
+    req: HttpRequest,
+    state: web::Data<State>,
+    body: web::Json<Report>,
+) -> HttpResponse {
+    report(req, state, body.into_inner(), true).await
+}
+
+async fn heartbeat(
+    req: HttpRequest,
+    state: web::Data<State>,
+    body: web::Json<Report>,
+) -> HttpResponse {
+    report(req, state, body.into_inner(), false).await
+}
+
+fn is_admin(req: &HttpRequest, state: &State) -> bool {
+    offered_token_hash(req).is_some_and(|hash| {
+        state
+            .config
+            .admin_token_sha256
+            .iter()
+            .any(|h| h.eq_ignore_ascii_case(&hash))
+    })
+}
+
+async fn get_desired(
+    req: HttpRequest,
+    state: web::Data<State>,
+    path: web::Path<String>,
+) -> HttpResponse {
+    if !is_admin(&req, &state) {
+        return refused(&req, "admin");
+    }
+    let cluster = path.into_inner();
+    match with_store(&state, move |store| store.desired(&cluster)).await {
+        Ok(desired) => HttpResponse::Ok().json(desired),
+        Err(response) => response,
+    }
+}
+
+async fn put_desired(
+    req: HttpRequest,
+    state: web::Data<State>,
+    path: web::Path<String>,
+    body: web::Json<DesiredUpdate>,
+) -> HttpResponse {
+    if !is_admin(&req, &state) {
+        return refused(&req, "admin");
+    }
+    let cluster = path.into_inner();
+    let update = body.into_inner();
+    if let Some(bad) = update
+        .api_key_sha256
+        .iter()
+        .find(|h| !wire::is_sha256_hex(h))
+    {
+        return HttpResponse::BadRequest().json(json!({
+            "error": format!("api_key_sha256: `{bad}` is not a SHA-256 in hex")
+        }));
+    }
+    if update.api_keys.iter().any(|k| k.trim().is_empty()) {
+        return HttpResponse::BadRequest()
+            .json(json!({"error": "api_keys: keys must not be empty"}));
+    }
+    // Only the hashes are kept: the plain keys are not needed to check a node's clients.
+    let mut hashes: Vec<String> = update
+        .api_keys
+        .iter()
+        .map(|k| wire::sha256_hex(k))
+        .collect();
+    hashes.extend(update.api_key_sha256.iter().map(|h| h.to_ascii_lowercase()));
+    hashes.sort();
+    hashes.dedup();
+    let desired = DesiredState {
+        version: 0,
+        model_name: update.model_name,
+        model_fingerprint: update.model_fingerprint,
+        replication: update.replication,
+        rebalance_interval_seconds: update.rebalance_interval_seconds,
+        api_key_sha256: hashes,
+        placement_overrides: update.placement_overrides,
+    };
+    let name = cluster.clone();
+    match with_store(&state, move |store| {
+        store.set_desired(&name, desired, now_ms())
+    })
+    .await
+    {
+        Ok(stored) => {
+            tracing::info!(%cluster, version = stored.version, api_keys = stored.api_key_sha256.len(), "desired state changed");
+            HttpResponse::Ok().json(stored)
+        }
+        Err(response) => response,
+    }
+}
+
+/// One cluster as shown: its desired state and its nodes, each fresh or stale.
+fn cluster_view(
+    store: &Store,
+    cluster: &str,
+    stale_after_ms: i64,
+    now: i64,
+) -> Result<(DesiredState, Vec<(NodeRecord, bool)>), StoreError> {
+    let desired = store.desired(cluster)?;
+    let nodes = store
+        .nodes(cluster)?
+        .into_iter()
+        .map(|n| {
+            let stale = now - n.last_seen_ms > stale_after_ms;
+            (n, stale)
+        })
+        .collect();
+    Ok((desired, nodes))
+}
+
+type Views = Vec<(String, DesiredState, Vec<(NodeRecord, bool)>)>;
+
+async fn all_views(state: &State) -> Result<Views, HttpResponse> {
+    let stale_after_ms = state.config.stale_after_seconds as i64 * 1000;
+    with_store(state, move |store| {
+        let now = now_ms();
+        store
+            .clusters()?
+            .into_iter()
+            .map(|c| {
+                let (desired, nodes) = cluster_view(store, &c, stale_after_ms, now)?;
+                Ok((c, desired, nodes))
+            })
+            .collect()
+    })
+    .await
+}
+
+async fn clusters(req: HttpRequest, state: web::Data<State>) -> HttpResponse {
+    if !is_admin(&req, &state) {
+        return refused(&req, "admin");
+    }
+    let views = match all_views(&state).await {
+        Ok(views) => views,
+        Err(response) => return response,
+    };
+    let now = now_ms();
+    let out: Vec<_> = views
+        .into_iter()
+        .map(|(name, desired, nodes)| {
+            json!({
+                "name": name,
+                "desired": desired,
+                "nodes": nodes.into_iter().map(|(n, stale)| json!({
+                    "node": n.node,
+                    "status": if stale { "stale" } else { "reporting" },
+                    "last_seen_seconds_ago": (now - n.last_seen_ms) as f64 / 1000.0,
+                    "registered_ms": n.registered_ms,
+                    "report": n.report,
+                })).collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    HttpResponse::Ok().json(json!({ "clusters": out }))
+}
+
+async fn history(
+    req: HttpRequest,
+    state: web::Data<State>,
+    path: web::Path<(String, String)>,
+) -> HttpResponse {
+    if !is_admin(&req, &state) {
+        return refused(&req, "admin");
+    }
+    let (cluster, node) = path.into_inner();
+    match with_store(&state, move |store| store.history(&cluster, &node)).await {
+        Ok(reports) => HttpResponse::Ok().json(
+            reports
+                .into_iter()
+                .map(|(at_ms, report)| json!({"at_ms": at_ms, "report": report}))
+                .collect::<Vec<_>>(),
+        ),
+        Err(response) => response,
+    }
+}
+
+fn escape(text: &str) -> String {
+    text.chars()
+        .map(|c| match c {
+            '<' => "&lt;".into(),
+            '>' => "&gt;".into(),
+            '&' => "&amp;".into(),
+            '"' => "&quot;".into(),
+            '\'' => "&#39;".into(),
+            c => c.to_string(),
+        })
+        .collect()
+}
+
+/// The status page: every cluster, its desired state (keys counted, never shown) and its
+/// nodes. It shows no secret, so it needs no token.
+async fn status_page(state: web::Data<State>) -> HttpResponse {
+    let views = match all_views(&state).await {
+        Ok(views) => views,
+        Err(response) => return response,
+    };
+    let now = now_ms();
+    let mut html = String::from(
+        "<!doctype html><html><head><meta charset=\"utf-8\"><title>moe-node control plane</title>\
+         <meta http-equiv=\"refresh\" content=\"10\"><style>body{font-family:sans-serif;margin:2em}\
+         table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px;text-align:left}\
+         .stale{background:#fde2a8}.reporting{background:#d4f5d4}</style></head><body>\
+         <h1>moe-node control plane</h1>",
+    );
+    if views.is_empty() {
+        html.push_str("<p>No cluster yet: no node has registered and no desired state is set.</p>");
+    }
+    for (name, desired, nodes) in views {
+        html.push_str(&format!(
+            "<h2>Cluster {}</h2><p>Desired state v{}: model {} {}, replication {}, rebalance every {}, {} API keys accepted.</p>",
+            escape(&name),
+            desired.version,
+            escape(if desired.model_name.is_empty() { "(any)" } else { &desired.model_name }),
+            escape(&desired.model_fingerprint),
+            desired.replication.map(|r| r.to_string()).unwrap_or_else(|| "(node's own)".into()),
+            desired.rebalance_interval_seconds.map(|s| format!("{s} s")).unwrap_or_else(|| "(node's own)".into()),
+            desired.api_key_sha256.len(),
+        ));
+        html.push_str(
+            "<table><tr><th>node</th><th>status</th><th>last report</th><th>phase</th><th>model</th>\
+             <th>in flight</th><th>devices up</th><th>placement</th><th>imbalance</th><th>desired applied</th></tr>",
+        );
+        for (n, stale) in nodes {
+            let r = &n.report;
+            html.push_str(&format!(
+                "<tr class=\"{class}\"><td>{}</td><td>{class}</td><td>{:.0} s ago</td><td>{}</td><td>{} {}</td>\
+                 <td>{}</td><td>{}/{}</td><td>{}</td><td>{:.2}</td><td>v{}</td></tr>",
+                escape(&n.node),
+                (now - n.last_seen_ms) as f64 / 1000.0,
+                escape(&r.phase),
+                escape(&r.model),
+                escape(&r.model_fingerprint),
+                r.in_flight,
+                r.devices_up,
+                r.devices,
+                r.placement_version.map(|v| format!("v{v}")).unwrap_or_else(|| "-".into()),
+                r.imbalance,
+                r.desired_version,
+                class = if stale { "stale" } else { "reporting" },
+            ));
+        }
+        html.push_str("</table>");
+    }
+    html.push_str("<p>Stale: not heard from lately. Gossip, not this page, decides whether a node is dead; nodes serve without the control plane.</p></body></html>");
+    HttpResponse::Ok()
+        .content_type("text/html; charset=utf-8")
+        .body(html)
+}
