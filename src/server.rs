@@ -222,13 +222,14 @@ fn load(state: &AppState, api: std::net::SocketAddr) -> Result<(), ServeError> {
         tool_format,
         created,
     });
-    watch_router(state)?;
     crate::progress::report_to_systemd(false);
     let status = format!("serving {name}");
     let _ = sd_notify::notify(&[
         sd_notify::NotifyState::Ready,
         sd_notify::NotifyState::Status(&status),
     ]);
+    // After READY=1: the watchdog's first ping is sent as its thread starts.
+    watch_router(state)?;
     tracing::info!(
         model = %name,
         seconds = started.elapsed().as_secs_f32(),
