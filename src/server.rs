@@ -522,6 +522,9 @@ fn ensure_demo_model(cache_dir: &Path) -> Result<PathBuf, ServeError> {
     let spec = DemoSpec::default();
     let dir = cache_dir.join("demo-model");
     if dir.join("config.json").exists() {
+        if crate::model::demo::refresh_demo_tokenizer(&dir)? {
+            tracing::info!(dir = %dir.display(), "the demo model's tokenizer and chat template were updated");
+        }
         return Ok(dir);
     }
     let demo_error = |source| ServeError::Demo {

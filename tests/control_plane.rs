@@ -3,11 +3,10 @@
 //! control plane keeps its state over a restart, and wrong credentials are refused on both
 //! sides.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::ffi::OsStr;
+use std::io::{Read, Write};
 use std::net::TcpListener;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use moe_node::control_plane::wire::sha256_hex;
@@ -16,16 +15,15 @@ use reqwest::blocking::Client;
 use serde_json::{Value, json};
 
 mod serve;
-use serve::{BIN, Server};
+use serve::{Process, Server};
 
 const NODE_TOKEN: &str = "node-token-0123456789";
 const ADMIN_TOKEN: &str = "admin-token-0123456789";
 
 /// A `moe-node control-plane` process; killed when dropped.
 struct ControlPlane {
-    child: Child,
+    process: Process,
     base: String,
-    log: Arc<Mutex<Vec<String>>>,
 }
 
 impl ControlPlane {
@@ -43,33 +41,14 @@ impl ControlPlane {
             ),
         )
         .unwrap();
-        let mut child = Command::new(BIN)
-            .args(["control-plane", "--config"])
-            .arg(&config)
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let log = Arc::new(Mutex::new(Vec::new()));
-        let (addr_tx, addr_rx) = std::sync::mpsc::channel();
-        let stderr = child.stderr.take().unwrap();
-        let lines = log.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                if let Some(rest) = line.split("listening on http://").nth(1) {
-                    let _ = addr_tx.send(rest.trim().to_string());
-                }
-                lines.lock().unwrap().push(line);
-            }
-        });
-        let addr = addr_rx
-            .recv_timeout(Duration::from_secs(30))
-            .unwrap_or_else(|_| panic!("control plane did not start: {:?}", log.lock().unwrap()));
+        let process = Process::start(&[
+            OsStr::new("control-plane"),
+            OsStr::new("--config"),
+            config.as_os_str(),
+        ]);
         ControlPlane {
-            child,
-            base: format!("http://{addr}"),
-            log,
+            base: process.base.clone(),
+            process,
         }
     }
 
@@ -79,7 +58,7 @@ impl ControlPlane {
 
     fn wait_for_log(&self, needle: &str) {
         wait_until(&format!("control plane logs {needle:?}"), || {
-            self.log.lock().unwrap().iter().any(|l| l.contains(needle))
+            self.process.log_contains(needle)
         });
     }
 
@@ -99,13 +78,6 @@ impl ControlPlane {
         let resp = req.send().unwrap();
         let status = resp.status();
         (status, resp.json().unwrap_or(Value::Null))
-    }
-}
-
-impl Drop for ControlPlane {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 

@@ -219,17 +219,41 @@ pub fn write_demo_model(
         reason: format!("could not write: {e}"),
     })?;
 
-    let files = [
-        ("config.json", config_json(spec)),
+    let path = out.join("config.json");
+    let text = serde_json::to_string_pretty(&config_json(spec)).expect("JSON values serialise");
+    std::fs::write(&path, text).map_err(io(&path))?;
+    refresh_demo_tokenizer(out)?;
+    Ok(())
+}
+
+/// Writes the demo's tokenizer.json and tokenizer_config.json into `dir` where they differ
+/// from this build's (a demo checkpoint written by an earlier version has an older chat
+/// template; its weights are the same). Returns whether anything was written.
+pub fn refresh_demo_tokenizer(dir: &Path) -> Result<bool, ModelError> {
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |e: std::io::Error| ModelError::Corrupt {
+            path,
+            reason: format!("could not write: {e}"),
+        }
+    };
+    let mut written = false;
+    for (name, value) in [
         ("tokenizer.json", tokenizer_json()),
         ("tokenizer_config.json", tokenizer_config_json()),
-    ];
-    for (name, value) in files {
-        let path = out.join(name);
+    ] {
+        let path = dir.join(name);
         let text = serde_json::to_string_pretty(&value).expect("JSON values serialise");
-        std::fs::write(&path, text).map_err(io(&path))?;
+        if std::fs::read_to_string(&path).is_ok_and(|old| old == text) {
+            continue;
+        }
+        // Whole or not at all: another process may be reading it.
+        let partial = dir.join(format!("{name}.partial-{}", std::process::id()));
+        std::fs::write(&partial, text).map_err(io(&partial))?;
+        std::fs::rename(&partial, &path).map_err(io(&path))?;
+        written = true;
     }
-    Ok(())
+    Ok(written)
 }
 
 /// Spread of the demo gate's sigmoid scores: the gate's logits have variance 1/3 (uniform

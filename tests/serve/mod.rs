@@ -25,9 +25,19 @@ pub struct Process {
 impl Process {
     /// `moe-node serve --listen 127.0.0.1:0 ARGS...`, waiting until it listens.
     pub fn serve(args: &[&std::ffi::OsStr]) -> Process {
+        let mut all = vec![
+            OsStr::new("serve"),
+            OsStr::new("--listen"),
+            OsStr::new("127.0.0.1:0"),
+        ];
+        all.extend(args);
+        Process::start(&all)
+    }
+
+    /// `moe-node ARGS...` (a command that serves HTTP and logs where), waiting until it
+    /// listens.
+    pub fn start(args: &[&std::ffi::OsStr]) -> Process {
         let mut child = Command::new(BIN)
-            .arg("serve")
-            .args(["--listen", "127.0.0.1:0"])
             .args(args)
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
@@ -98,6 +108,9 @@ pub fn demo_model_variant(name: &str, args: &[&str]) -> PathBuf {
             .status()
             .unwrap();
         assert!(status.success());
+    } else {
+        // Written by an earlier build: its chat template may be older.
+        moe_node::model::demo::refresh_demo_tokenizer(&dir).unwrap();
     }
     dir
 }
