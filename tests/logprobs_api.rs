@@ -2,31 +2,14 @@
 //! log-softmax of the engine's own logits (from `moe-node generate`), in the completions
 //! endpoint's legacy format (with `echo` scoring the prompt) and the chat endpoint's.
 
-use std::process::{Command, Stdio};
-
 use serde_json::{Value, json};
 
 mod serve;
-use serve::{BIN, Server, demo_model, ids, read_sse};
+use serve::{Server, engine_last_logits, ids, read_sse};
 
 /// log-softmax of the engine's logits after `prompt`, from `moe-node generate` on the CPU.
 fn engine_logprobs(prompt: &[u64]) -> Vec<f64> {
-    let prompt_ids: Vec<String> = prompt.iter().map(u64::to_string).collect();
-    let out = Command::new(BIN)
-        .args(["generate", "--model", demo_model().to_str().unwrap()])
-        .args(["--prompt-ids", &prompt_ids.join(",")])
-        .args(["--max-tokens", "1", "--json"])
-        .stderr(Stdio::null())
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    let value: Value = serde_json::from_slice(&out.stdout).unwrap();
-    let logits: Vec<f64> = value["last_logits"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|l| l.as_f64().unwrap())
-        .collect();
+    let logits = engine_last_logits(prompt);
     let max = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
     let total: f64 = logits.iter().map(|l| (l - max).exp()).sum();
     logits.iter().map(|l| l - max - total.ln()).collect()

@@ -3,31 +3,18 @@
 //! `moe-node generate`), or against the same rule computed by hand.
 
 use std::collections::HashMap;
-use std::process::{Command, Stdio};
 
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
 mod serve;
-use serve::{BIN, Server, demo_model, ids, read_sse};
+use serve::{Server, engine_last_logits, ids, read_sse};
 
 /// The engine's logits after `prompt`, from `moe-node generate` on the CPU.
 fn engine_logits(prompt: &[u32]) -> Vec<f32> {
-    let prompt_ids: Vec<String> = prompt.iter().map(u32::to_string).collect();
-    let out = Command::new(BIN)
-        .args(["generate", "--model", demo_model().to_str().unwrap()])
-        .args(["--prompt-ids", &prompt_ids.join(",")])
-        .args(["--max-tokens", "1", "--json"])
-        .stderr(Stdio::null())
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    let value: Value = serde_json::from_slice(&out.stdout).unwrap();
-    value["last_logits"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|l| l.as_f64().unwrap() as f32)
+    engine_last_logits(prompt)
+        .into_iter()
+        .map(|l| l as f32)
         .collect()
 }
 

@@ -115,6 +115,28 @@ pub fn demo_model_variant(name: &str, args: &[&str]) -> PathBuf {
     dir
 }
 
+/// The engine's logits after `prompt` (token ids), from `moe-node generate` on the CPU
+/// with the demo model.
+#[allow(dead_code)]
+pub fn engine_last_logits(prompt: &[impl ToString]) -> Vec<f64> {
+    let prompt_ids: Vec<String> = prompt.iter().map(ToString::to_string).collect();
+    let out = Command::new(BIN)
+        .args(["generate", "--model", demo_model().to_str().unwrap()])
+        .args(["--prompt-ids", &prompt_ids.join(",")])
+        .args(["--max-tokens", "1", "--json"])
+        .stderr(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let value: Value = serde_json::from_slice(&out.stdout).unwrap();
+    value["last_logits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l.as_f64().unwrap())
+        .collect()
+}
+
 pub struct Server {
     pub process: Process,
     pub base: String,
