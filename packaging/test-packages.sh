@@ -25,6 +25,7 @@ dpkg -i "$deb"
 getent passwd moe-node >/dev/null || fail "no moe-node user"
 expect_mode /etc/moe-node/moe-node.toml root:moe-node 640
 expect_mode /etc/moe-node/credentials/api_keys root:root 600
+expect_mode /etc/moe-node/credentials/control_plane_token root:root 600
 unit=/lib/systemd/system/moe-node.service
 [ -f "$unit" ] || unit=/usr/lib/systemd/system/moe-node.service
 [ -f "$unit" ] || fail "no moe-node.service"
@@ -87,7 +88,8 @@ echo "--- $rpm_file"
 rpm -qp --info "$rpm_file" | grep -E '^(Name|Version|License)'
 listed="$(rpm -qlp "$rpm_file")"
 for path in /usr/bin/moe-node /etc/moe-node/moe-node.toml \
-    /etc/moe-node/credentials/api_keys /usr/lib/systemd/system/moe-node.service \
+    /etc/moe-node/credentials/api_keys /etc/moe-node/credentials/control_plane_token \
+    /usr/lib/systemd/system/moe-node.service \
     /usr/lib/sysusers.d/moe-node.conf /usr/share/man/man1/moe-node.1.gz; do
     grep -qx "$path" <<<"$listed" || fail "$path missing from the rpm"
 done

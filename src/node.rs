@@ -21,6 +21,7 @@ use crate::cluster::joined::{ClusterError, Joined, OfferedDevices, ServeParts, j
 use crate::cluster::metrics::ClusterCollector;
 use crate::compute::cuda::{self, CudaError};
 use crate::config::NodeConfig;
+use crate::config::live::LiveSettings;
 use crate::engine::batch::BatchLimits;
 use crate::engine::{Engine, generate::PREFILL_CHUNK};
 use crate::metrics::{DeviceState, NodeMetrics};
@@ -83,8 +84,9 @@ pub struct Node {
     /// The placement served and the next one, as other nodes fetch them; a rebalance in a
     /// cluster offers its placement here.
     board: Arc<PlacementBoard>,
-    /// The key other nodes' APIs take (reading their load to rebalance).
-    api_key: Option<String>,
+    /// This node's API keys as they are now (a reload changes them): other nodes' APIs take
+    /// them (reading their load to rebalance).
+    live: Arc<LiveSettings>,
     /// Spare expert slots per device and layer (`placement.redundant_slots_per_device`).
     spare_slots: usize,
     /// Held while rebalancing: one at a time.
@@ -105,6 +107,7 @@ impl Node {
         metrics: Arc<NodeMetrics>,
         api: SocketAddr,
         board: &Arc<PlacementBoard>,
+        live: &Arc<LiveSettings>,
     ) -> Result<Node, NodeError> {
         crate::progress::stage(format!("opening the model in {}", model_dir.display()));
         let model = Arc::new(ModelConfig::load(model_dir)?);
@@ -138,7 +141,7 @@ impl Node {
                 },
                 model.hidden_size,
                 api,
-                config.server.api_keys.first().cloned(),
+                live.clone(),
             )?;
             let placement = match start {
                 Start::Create(spec) => {
@@ -269,7 +272,7 @@ impl Node {
             targets,
             restarting: std::sync::Mutex::new(()),
             board: board.clone(),
-            api_key: config.server.api_keys.first().cloned(),
+            live: live.clone(),
             spare_slots: config.placement.redundant_slots_per_device,
             rebalancing: std::sync::Mutex::new(()),
             rebalance_metrics,

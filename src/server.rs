@@ -159,7 +159,14 @@ fn load(state: &AppState, api: std::net::SocketAddr) -> Result<(), ServeError> {
             ),
         }
     }
-    let node = Node::start(&dir, config, state.metrics.clone(), api, &state.placements)?;
+    let node = Node::start(
+        &dir,
+        config,
+        state.metrics.clone(),
+        api,
+        &state.placements,
+        &state.live,
+    )?;
     tracing::info!(
         model = %dir.display(),
         model_type = %node.model.model_type,

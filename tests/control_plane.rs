@@ -1,12 +1,13 @@
 //! `moe-node control-plane` and nodes peering with it, as real processes on loopback: the
 //! desired state reaches running nodes, nodes keep serving without the control plane, the
-//! control plane keeps its state over a restart, and wrong credentials are refused on both
-//! sides.
+//! control plane keeps its state over a restart, wrong credentials are refused on both
+//! sides, peering works over HTTPS and mTLS (certificates made at test time) and refuses
+//! the wrong certificates, and a cluster's gossip does not depend on the control plane.
 
 use std::ffi::OsStr;
 use std::io::{Read, Write};
 use std::net::TcpListener;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use moe_node::control_plane::wire::sha256_hex;
@@ -16,6 +17,8 @@ use serde_json::{Value, json};
 
 mod serve;
 use serve::{Process, Server};
+
+mod common;
 
 const NODE_TOKEN: &str = "node-token-0123456789";
 const ADMIN_TOKEN: &str = "admin-token-0123456789";
@@ -29,12 +32,18 @@ struct ControlPlane {
 impl ControlPlane {
     /// Writes its config into `dir` (database there too) and starts it on `listen`.
     fn start(dir: &Path, listen: &str) -> ControlPlane {
+        Self::start_with(dir, listen, "")
+    }
+
+    /// As [`ControlPlane::start`], with `extra` lines in its config (TLS).
+    fn start_with(dir: &Path, listen: &str, extra: &str) -> ControlPlane {
         let config = dir.join("control-plane.toml");
         std::fs::write(
             &config,
             format!(
                 "listen = \"{listen}\"\ndatabase = \"{}\"\nnode_token_sha256 = [\"{}\"]\n\
-                 admin_token_sha256 = [\"{}\"]\nstale_after_seconds = 2\nhistory_per_node = 5\n",
+                 admin_token_sha256 = [\"{}\"]\nstale_after_seconds = 2\nhistory_per_node = 5\n\
+                 {extra}",
                 dir.join("state.db").display(),
                 sha256_hex(NODE_TOKEN),
                 sha256_hex(ADMIN_TOKEN),
@@ -53,7 +62,9 @@ impl ControlPlane {
     }
 
     fn addr(&self) -> &str {
-        self.base.trim_start_matches("http://")
+        self.base
+            .trim_start_matches("https://")
+            .trim_start_matches("http://")
     }
 
     fn wait_for_log(&self, needle: &str) {
@@ -291,4 +302,520 @@ fn wrong_credentials_are_refused_both_ways() {
     fooled.wait_for_log("does not prove it knows this node's token");
     assert_eq!(models(&fooled, "evil-key"), StatusCode::UNAUTHORIZED);
     assert_eq!(models(&fooled, "local-key"), StatusCode::OK);
+}
+
+/// Certificates made for one test: a CA the control plane and the good nodes trust, the
+/// control plane's certificate for 127.0.0.1, a node's client certificate, and a second CA
+/// nobody trusts with a client certificate of its own. PEM files in `dir`.
+struct Certificates {
+    ca: String,
+    server_certificate: String,
+    server_key: String,
+    client_certificate: String,
+    client_key: String,
+    rogue_ca: String,
+    rogue_client_certificate: String,
+    rogue_client_key: String,
+}
+
+impl Certificates {
+    fn make(dir: &Path) -> Certificates {
+        use rcgen::{
+            BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer,
+            KeyPair,
+        };
+        let write = |name: &str, pem: String| {
+            let path = dir.join(name);
+            std::fs::write(&path, pem).unwrap();
+            path.to_str().unwrap().to_string()
+        };
+        let ca = |name: &str| {
+            let key = KeyPair::generate().unwrap();
+            let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+            params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+            params.distinguished_name.push(DnType::CommonName, name);
+            let certificate = params.self_signed(&key).unwrap();
+            (certificate.pem(), Issuer::new(params, key))
+        };
+        let leaf = |issuer: &Issuer<KeyPair>, names: &[&str], usage| {
+            let key = KeyPair::generate().unwrap();
+            let mut params =
+                CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
+                    .unwrap();
+            params.extended_key_usages = vec![usage];
+            let certificate = params.signed_by(&key, issuer).unwrap();
+            (certificate.pem(), key.serialize_pem())
+        };
+        let (ca_pem, ca_issuer) = ca("moe-node test CA");
+        let (rogue_pem, rogue_issuer) = ca("someone else's CA");
+        let (server_pem, server_key) = leaf(
+            &ca_issuer,
+            &["127.0.0.1", "localhost"],
+            ExtendedKeyUsagePurpose::ServerAuth,
+        );
+        let (client_pem, client_key) =
+            leaf(&ca_issuer, &["n1"], ExtendedKeyUsagePurpose::ClientAuth);
+        let (rogue_client_pem, rogue_client_key) =
+            leaf(&rogue_issuer, &["n1"], ExtendedKeyUsagePurpose::ClientAuth);
+        Certificates {
+            ca: write("ca.pem", ca_pem),
+            server_certificate: write("server.pem", server_pem),
+            server_key: write("server.key", server_key),
+            client_certificate: write("client.pem", client_pem),
+            client_key: write("client.key", client_key),
+            rogue_ca: write("rogue-ca.pem", rogue_pem),
+            rogue_client_certificate: write("rogue-client.pem", rogue_client_pem),
+            rogue_client_key: write("rogue-client.key", rogue_client_key),
+        }
+    }
+}
+
+/// A node (demo model, CPU) peering under name `name` with `control_plane` lines for its
+/// `[control_plane]` section (url, token or not, TLS files), with `env` added; not waited on.
+fn node_starting(name: &str, control_plane: &str, env: &[(&str, &OsStr)]) -> Server {
+    Server::start_with_env(
+        &format!(
+            "[server]\napi_keys = [\"local-key\"]\n[devices]\nbackend = \"cpu\"\n\
+             [control_plane]\ncluster = \"c1\"\nnode_name = \"{name}\"\nheartbeat_seconds = 1\n\
+             {control_plane}"
+        ),
+        &["--model", serve::demo_model().to_str().unwrap()],
+        env,
+    )
+}
+
+#[test]
+fn peering_over_https_with_mtls_works_and_the_wrong_certificates_are_refused_on_both_sides() {
+    let dir = tempfile::tempdir().unwrap();
+    let certs = Certificates::make(dir.path());
+    let cp = ControlPlane::start_with(
+        dir.path(),
+        "127.0.0.1:0",
+        &format!(
+            "tls_certificate = \"{}\"\ntls_key = \"{}\"\ntls_client_ca = \"{}\"\n",
+            certs.server_certificate, certs.server_key, certs.ca
+        ),
+    );
+    assert!(cp.base.starts_with("https://"), "{}", cp.base);
+    let url = &cp.base;
+
+    // The good node: it trusts the CA, presents a client certificate the CA signed, and
+    // takes its token from systemd's credentials directory (LoadCredential=), not its file.
+    let credentials = tempfile::tempdir().unwrap();
+    std::fs::write(
+        credentials.path().join("control_plane_token"),
+        format!("# the node token\n{NODE_TOKEN}\n"),
+    )
+    .unwrap();
+    let good = node_starting(
+        "n1",
+        &format!(
+            "url = \"{url}\"\nca = \"{}\"\nclient_certificate = \"{}\"\nclient_key = \"{}\"\n",
+            certs.ca, certs.client_certificate, certs.client_key
+        ),
+        &[("CREDENTIALS_DIRECTORY", credentials.path().as_os_str())],
+    );
+    // No client certificate: the control plane requires one.
+    let anonymous = node_starting(
+        "anonymous",
+        &format!(
+            "url = \"{url}\"\ntoken = \"{NODE_TOKEN}\"\nca = \"{}\"\n",
+            certs.ca
+        ),
+        &[],
+    );
+    // A client certificate from a CA the control plane does not trust.
+    let stranger = node_starting(
+        "stranger",
+        &format!(
+            "url = \"{url}\"\ntoken = \"{NODE_TOKEN}\"\nca = \"{}\"\n\
+             client_certificate = \"{}\"\nclient_key = \"{}\"\n",
+            certs.ca, certs.rogue_client_certificate, certs.rogue_client_key
+        ),
+        &[],
+    );
+    // A node that trusts another CA than the one that signed the control plane's certificate.
+    let doubter = node_starting(
+        "doubter",
+        &format!(
+            "url = \"{url}\"\ntoken = \"{NODE_TOKEN}\"\nca = \"{}\"\n\
+             client_certificate = \"{}\"\nclient_key = \"{}\"\n",
+            certs.rogue_ca, certs.client_certificate, certs.client_key
+        ),
+        &[],
+    );
+
+    good.wait_for_log_within("registered with the control plane", 120);
+    cp.wait_for_log("node registered");
+    anonymous.wait_for_log_within(
+        "it refused this node (403 Forbidden): a client certificate signed by the control \
+         plane's tls_client_ca is required",
+        120,
+    );
+    cp.wait_for_log(
+        "refused a node: it presented no client certificate (tls_client_ca requires one)",
+    );
+    stranger.wait_for_log_within(
+        "it refused this node's client certificate (control_plane.client_certificate must be \
+         signed by its tls_client_ca)",
+        120,
+    );
+    cp.wait_for_log(
+        "refused a TLS connection: the client certificate is not signed by tls_client_ca",
+    );
+    doubter.wait_for_log_within(
+        "this node does not trust the control plane's certificate (UnknownIssuer): set \
+         control_plane.ca to the CA that signed it",
+        120,
+    );
+
+    // Over HTTPS the control plane shows the good node only; an admin needs no client
+    // certificate (the bearer token is its credential there).
+    let ca = reqwest::Certificate::from_pem(&std::fs::read(&certs.ca).unwrap()).unwrap();
+    let client = Client::builder().tls_certs_only([ca]).build().unwrap();
+    wait_until("the good node reports", || {
+        node_status(&cp, &client, "n1")["status"] == "reporting"
+    });
+    for refused in ["anonymous", "stranger", "doubter"] {
+        assert!(
+            node_status(&cp, &client, refused).is_null(),
+            "{refused} got in"
+        );
+    }
+    // Each node serves regardless.
+    for node in [&good, &anonymous, &stranger, &doubter] {
+        node.wait_ready();
+        assert_eq!(models(node, "local-key"), StatusCode::OK);
+    }
+    // Plain HTTP to an HTTPS control plane is not answered as HTTP.
+    assert!(
+        Client::new()
+            .get(format!("http://{}/health", cp.addr()))
+            .send()
+            .map(|r| !r.status().is_success())
+            .unwrap_or(true)
+    );
+
+    // Certificate files that are missing or not PEM are configuration errors that name
+    // the key and the file (exit 78, before anything starts).
+    let garbage = dir.path().join("garbage.pem");
+    std::fs::write(&garbage, "not a certificate").unwrap();
+    let config = dir.path().join("bad-tls.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[control_plane]\nurl = \"{url}\"\ntoken = \"{NODE_TOKEN}\"\n\
+             ca = \"{}\"\nclient_certificate = \"{}\"\nclient_key = \"{}\"\n",
+            garbage.display(),
+            dir.path().join("missing.pem").display(),
+            certs.client_key
+        ),
+    )
+    .unwrap();
+    let check = std::process::Command::new(serve::BIN)
+        .args([
+            OsStr::new("check"),
+            OsStr::new("--config"),
+            config.as_os_str(),
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&check.stderr);
+    assert_eq!(check.status.code(), Some(78), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "control_plane.client_certificate: cannot read {}",
+            dir.path().join("missing.pem").display()
+        )) && stderr.contains(&format!(
+            "control_plane.ca: {} holds no PEM certificate",
+            garbage.display()
+        )),
+        "{stderr}"
+    );
+}
+
+fn free_udp_port() -> u16 {
+    std::net::UdpSocket::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Each member's (node, state, incarnation) as `node` sees them.
+fn membership(node: &Server) -> Vec<(String, String, u64)> {
+    let body: Value = node.get("/admin/cluster").json().unwrap();
+    body["members"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{body}"))
+        .iter()
+        .map(|m| {
+            (
+                m["node"].as_str().unwrap().to_string(),
+                m["state"].as_str().unwrap().to_string(),
+                m["incarnation"].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn a_cluster_keeps_its_gossip_membership_without_the_control_plane_and_peers_use_reloaded_keys() {
+    let dir = tempfile::tempdir().unwrap();
+    let client = Client::new();
+    let cp = ControlPlane::start(dir.path(), "127.0.0.1:0");
+    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/deepseek_v3");
+    let ports = [free_udp_port(), free_udp_port()];
+    let cp_url = cp.base.clone();
+    let config = |i: usize, key: &str| {
+        format!(
+            "[server]\napi_keys = [\"{key}\"]\nadmin_actions = true\n\
+             [devices]\nbackend = \"cpu\"\ncpu_slots = 1\n\
+             [placement]\nredundant_slots_per_device = 4\n\
+             [cluster]\nnode_id = \"node{}\"\nsecrets = [\"control-plane-test-secret-0123\"]\n\
+             gossip_listen = \"127.0.0.1:{}\"\npeer_listen = \"127.0.0.1:0\"\n\
+             seeds = [\"127.0.0.1:{}\"]\nexpect_nodes = 2\nreplication = 2\n\
+             probe_period_ms = 200\nsuspicion_timeout_ms = 2000\n\
+             join_timeout_seconds = 20\nrereplicate_after_ms = 600000\n\
+             [control_plane]\nurl = \"{}\"\ntoken = \"{NODE_TOKEN}\"\ncluster = \"c1\"\n\
+             heartbeat_seconds = 1\n",
+            i + 1,
+            ports[i],
+            ports[1 - i],
+            cp_url
+        )
+    };
+    let start =
+        |i: usize| Server::start_with(&config(i, "old-key"), &["--model", model.to_str().unwrap()]);
+    let mut nodes = [start(0), start(1)];
+    for node in &nodes {
+        node.wait_ready();
+        node.wait_for_log_within("registered with the control plane", 30);
+    }
+    wait_until("the control plane shows both nodes reporting", || {
+        ["node1", "node2"]
+            .iter()
+            .all(|n| node_status(&cp, &client, n)["status"] == "reporting")
+    });
+    let alive = |node: &Server| {
+        let members = membership(node);
+        members.len() == 2 && members.iter().all(|(_, state, _)| state == "alive")
+    };
+    wait_until("both nodes see both alive", || nodes.iter().all(alive));
+    let before: Vec<_> = nodes.iter().map(membership).collect();
+
+    // The control plane goes away: gossip does not notice, and both nodes serve.
+    drop(cp);
+    for node in &nodes {
+        node.wait_for_log("serving on the last known state");
+    }
+    // Ten probe periods and then some, with the control plane still gone.
+    std::thread::sleep(Duration::from_secs(3));
+    let after: Vec<_> = nodes.iter().map(membership).collect();
+    assert_eq!(
+        before, after,
+        "membership changed with the control plane gone"
+    );
+    for node in &nodes {
+        assert!(
+            !node.log_contains("member down") && !node.log_contains("declared down"),
+            "{:?}",
+            node.process.log_lines()
+        );
+        let completion = node.post_ok(
+            "/v1/completions",
+            &json!({"prompt": [1, 2, 3], "max_tokens": 4, "ignore_eos": true}),
+        );
+        assert_eq!(completion["usage"]["completion_tokens"], 4, "{completion}");
+    }
+
+    // Keys rotated by a reload reach the path peers use: node1 reads node2's load with the
+    // key it holds now, not the one it started with.
+    for (i, node) in nodes.iter_mut().enumerate() {
+        std::fs::write(node.config_path(), config(i, "new-key")).unwrap();
+        node.hang_up();
+        node.wait_for_log("configuration reloaded");
+        node.key = Some("new-key".into());
+        assert_eq!(models(node, "old-key"), StatusCode::UNAUTHORIZED);
+    }
+    let report = nodes[0].post_ok("/admin/rebalance", &json!({}));
+    assert_eq!(report["nodes_profiled"], 2, "{report}");
+    assert!(
+        !nodes[0].log_contains("cannot read a member's recent load"),
+        "{:?}",
+        nodes[0].process.log_lines()
+    );
+    assert!(nodes.iter().all(alive));
+}
+
+/// Chromium on PATH (Debian's `chromium`), or `None`; with `MOE_TEST_REQUIRE_CHROMIUM` set
+/// (CI installs it), a missing browser fails the test instead of skipping it.
+fn chromium() -> Option<PathBuf> {
+    let found = ["chromium", "chromium-browser"].iter().find_map(|name| {
+        std::env::var_os("PATH").and_then(|paths| {
+            std::env::split_paths(&paths)
+                .map(|dir| dir.join(name))
+                .find(|path| path.is_file())
+        })
+    });
+    if found.is_none() {
+        assert!(
+            std::env::var_os("MOE_TEST_REQUIRE_CHROMIUM").is_none(),
+            "MOE_TEST_REQUIRE_CHROMIUM is set but no chromium is on PATH (apt-get install chromium)"
+        );
+    }
+    found
+}
+
+/// Runs headless chromium on `url` with `what` (`--dump-dom`, `--screenshot=FILE`), a
+/// fresh profile and nothing that reaches out; its stdout. Killed after 60 s.
+fn render(browser: &Path, url: &str, what: &str) -> String {
+    let profile = tempfile::tempdir().unwrap();
+    let mut child = std::process::Command::new(browser)
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--hide-scrollbars",
+            "--window-size=1400,500",
+        ])
+        .arg(format!("--user-data-dir={}", profile.path().display()))
+        .arg(what)
+        .arg(url)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = stdout.read_to_string(&mut text);
+        text
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            assert!(status.success(), "chromium {what} failed: {status}");
+            break;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("chromium {what} took over 60 s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    reader.join().unwrap()
+}
+
+/// How many pixels of the PNG at `path` have exactly the colour `rgb`.
+fn pixels_of_colour(path: &Path, rgb: [u8; 3]) -> usize {
+    let mut decoder =
+        png::Decoder::new(std::io::BufReader::new(std::fs::File::open(path).unwrap()));
+    decoder.set_transformations(png::Transformations::normalize_to_color8());
+    let mut reader = decoder.read_info().unwrap();
+    let mut buffer = vec![0; reader.output_buffer_size().unwrap()];
+    let frame = reader.next_frame(&mut buffer).unwrap();
+    let channels = frame.color_type.samples();
+    assert!(channels >= 3, "{:?}", frame.color_type);
+    buffer[..frame.buffer_size()]
+        .chunks_exact(channels)
+        .filter(|pixel| pixel[..3] == rgb)
+        .count()
+}
+
+#[test]
+fn the_status_page_shows_a_person_in_a_real_browser_which_nodes_report_and_which_are_stale() {
+    let Some(browser) = chromium() else {
+        common::skipped("no chromium on PATH: the status page was not rendered in a browser");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let cp = ControlPlane::start(dir.path(), "127.0.0.1:0");
+    let client = Client::new();
+    let report = |node: &str, path: &str| {
+        let report = moe_node::control_plane::wire::Report {
+            cluster: "c1".into(),
+            node: node.into(),
+            phase: "ready".into(),
+            model: "demo".into(),
+            devices: 2,
+            devices_up: 2,
+            ..Default::default()
+        };
+        let status = client
+            .post(format!("{}/api/v1/{path}", cp.base))
+            .bearer_auth(NODE_TOKEN)
+            .json(&report)
+            .send()
+            .unwrap()
+            .status();
+        assert_eq!(status, StatusCode::OK);
+    };
+    // `gone-node` reports once and falls silent (stale after 2 s); `busy-node` keeps
+    // heartbeating while the browser renders.
+    report("gone-node", "register");
+    report("busy-node", "register");
+    std::thread::sleep(Duration::from_millis(2500));
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let heartbeats = {
+        let (stop, base) = (stop.clone(), cp.base.clone());
+        std::thread::spawn(move || {
+            let client = Client::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let _ = client
+                    .post(format!("{base}/api/v1/heartbeat"))
+                    .bearer_auth(NODE_TOKEN)
+                    .json(
+                        &json!({"cluster": "c1", "node": "busy-node", "phase": "ready",
+                                  "model": "demo", "devices": 2, "devices_up": 2}),
+                    )
+                    .send();
+                std::thread::sleep(Duration::from_millis(300));
+            }
+        })
+    };
+    let started = Instant::now();
+    let dom = render(&browser, &cp.base, "--dump-dom");
+    let screenshot = dir.path().join("status.png");
+    render(
+        &browser,
+        &cp.base,
+        &format!("--screenshot={}", screenshot.display()),
+    );
+    let rendering = started.elapsed();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    heartbeats.join().unwrap();
+
+    // The DOM the browser built: each node in its own row, named, with its mark.
+    assert!(dom.contains("<h2>Cluster c1</h2>"), "{dom}");
+    assert!(
+        dom.contains("<tr class=\"stale\"><td>gone-node</td><td>stale</td>"),
+        "{dom}"
+    );
+    assert!(
+        dom.contains("<tr class=\"reporting\"><td>busy-node</td><td>reporting</td>"),
+        "{dom}"
+    );
+    assert!(!dom.contains("<td>dead</td>"), "never shown dead: {dom}");
+    // What was painted: the stale row's amber and the reporting row's green backgrounds.
+    let amber = pixels_of_colour(&screenshot, [0xfd, 0xe2, 0xa8]);
+    let green = pixels_of_colour(&screenshot, [0xd4, 0xf5, 0xd4]);
+    assert!(
+        amber > 1000 && green > 1000,
+        "amber {amber} px, green {green} px"
+    );
+    if let Some(keep) = std::env::var_os("MOE_TEST_KEEP_SCREENSHOT") {
+        std::fs::copy(&screenshot, keep).unwrap();
+    }
+    eprintln!(
+        "status page rendered by {} in {:.1} s: stale row {amber} px, reporting row {green} px",
+        browser.display(),
+        rendering.as_secs_f32()
+    );
 }

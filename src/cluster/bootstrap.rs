@@ -134,23 +134,41 @@ pub fn await_placement(
     }
 }
 
+/// GETs `url` from a member's API with this node's API keys as they are now (a reload
+/// changes them), trying each in turn while the member refuses one: during a rotation a
+/// member may not hold the newest key yet. No keys: no Authorization header.
+fn get_with_keys(url: &str, api_keys: &[String]) -> Result<reqwest::blocking::Response, String> {
+    let client = reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(5))
+        .build()
+        .map_err(|e| e.to_string())?;
+    let mut keys = api_keys.iter().map(Some).collect::<Vec<_>>();
+    if keys.is_empty() {
+        keys.push(None);
+    }
+    let last = keys.len() - 1;
+    for (i, key) in keys.into_iter().enumerate() {
+        let mut request = client.get(url);
+        if let Some(key) = key {
+            request = request.bearer_auth(key);
+        }
+        let response = request.send().map_err(|e| format!("{url}: {e}"))?;
+        if response.status() != reqwest::StatusCode::UNAUTHORIZED || i == last {
+            return Ok(response);
+        }
+    }
+    unreachable!("the last key's answer is returned")
+}
+
 /// Reads placement `version` from a member's API (the one it serves, or the one it
 /// loads ahead of a switch).
 pub fn fetch_table(
     api: std::net::SocketAddr,
     version: u64,
-    api_key: Option<&str>,
+    api_keys: &[String],
 ) -> Result<PlacementTable, String> {
     let url = format!("http://{api}/cluster/placement/{version}");
-    let client = reqwest::blocking::Client::builder()
-        .timeout(Duration::from_secs(5))
-        .build()
-        .map_err(|e| e.to_string())?;
-    let mut request = client.get(&url);
-    if let Some(key) = api_key {
-        request = request.bearer_auth(key);
-    }
-    let response = request.send().map_err(|e| format!("{url}: {e}"))?;
+    let response = get_with_keys(&url, api_keys)?;
     if !response.status().is_success() {
         return Err(format!("{url}: {}", response.status()));
     }
@@ -170,18 +188,10 @@ pub fn fetch_table(
 /// (`GET /admin/experts?format=profile`): a rebalance across the cluster adds them up.
 pub fn fetch_profile(
     api: std::net::SocketAddr,
-    api_key: Option<&str>,
+    api_keys: &[String],
 ) -> Result<crate::placement::Profile, String> {
     let url = format!("http://{api}/admin/experts?format=profile");
-    let client = reqwest::blocking::Client::builder()
-        .timeout(Duration::from_secs(5))
-        .build()
-        .map_err(|e| e.to_string())?;
-    let mut request = client.get(&url);
-    if let Some(key) = api_key {
-        request = request.bearer_auth(key);
-    }
-    let response = request.send().map_err(|e| format!("{url}: {e}"))?;
+    let response = get_with_keys(&url, api_keys)?;
     if !response.status().is_success() {
         return Err(format!("{url}: {}", response.status()));
     }

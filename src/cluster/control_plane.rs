@@ -31,8 +31,84 @@ pub enum ExchangeError {
         "its answer does not prove it knows this node's token: ignored (another service, or a control plane set up with other tokens)"
     )]
     NoProof,
+    #[error("it refused this node ({0}): {1}")]
+    Forbidden(StatusCode, String),
+    #[error("{0}")]
+    Tls(String),
     #[error("it answered {0}: {1}")]
     Failed(StatusCode, String),
+}
+
+/// The HTTP client for the control plane: over https://, the CA of `control_plane.ca`
+/// alone is trusted (else the system's), and `client_certificate` is presented when set.
+pub fn http_client(config: &ControlPlaneSection) -> Result<reqwest::blocking::Client, String> {
+    let mut builder = reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .tls_backend_rustls();
+    if !config.ca.is_empty() {
+        let pem = std::fs::read(&config.ca)
+            .map_err(|e| format!("control_plane.ca: cannot read {}: {e}", config.ca))?;
+        let roots = reqwest::Certificate::from_pem_bundle(&pem)
+            .map_err(|e| format!("control_plane.ca: {}: {e}", config.ca))?;
+        builder = builder.tls_certs_only(roots);
+    }
+    if let Some(pem) = config.tls_identity()? {
+        let identity = reqwest::Identity::from_pem(&pem).map_err(|e| {
+            format!("control_plane.client_certificate, client_key: not a usable pair: {e}")
+        })?;
+        builder = builder.identity(identity);
+    }
+    builder
+        .build()
+        .map_err(|e| format!("cannot make an HTTP client: {}", error_chain(&e)))
+}
+
+/// An error and its causes, on one line.
+fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+/// The TLS error under a failed request, if TLS is what failed. An `io::Error` hands on
+/// its inner error's source, not the inner error itself, and hyper-rustls wraps the
+/// rustls error in two of them: each is opened here.
+fn tls_cause<'a>(e: &'a (dyn std::error::Error + 'static)) -> Option<&'a rustls::Error> {
+    if let Some(tls) = e.downcast_ref::<rustls::Error>() {
+        return Some(tls);
+    }
+    e.downcast_ref::<std::io::Error>()
+        .and_then(|io| io.get_ref())
+        .and_then(|inner| tls_cause(inner))
+        .or_else(|| e.source().and_then(tls_cause))
+}
+
+/// What a failed send means: a TLS failure says which side refused what.
+fn send_error(e: reqwest::Error) -> ExchangeError {
+    let chain = error_chain(&e);
+    match tls_cause(&e) {
+        Some(rustls::Error::InvalidCertificate(why)) => ExchangeError::Tls(format!(
+            "this node does not trust the control plane's certificate ({why:?}): set \
+             control_plane.ca to the CA that signed it ({chain})"
+        )),
+        Some(rustls::Error::AlertReceived(alert)) => ExchangeError::Tls(format!(
+            "the control plane ended the TLS handshake ({alert:?}): it refused this node's \
+             client certificate (control_plane.client_certificate must be signed by its \
+             tls_client_ca) ({chain})"
+        )),
+        Some(other) => ExchangeError::Tls(format!(
+            "TLS with the control plane failed: {other} ({chain})"
+        )),
+        None => ExchangeError::Unreachable(chain),
+    }
 }
 
 /// The wait before try number `failures` (1 after the first failure): doubling from one
@@ -65,13 +141,10 @@ fn run(
     report: Box<dyn Fn() -> Report + Send>,
 ) {
     let url = config.url.trim_end_matches('/').to_string();
-    let client = match reqwest::blocking::Client::builder()
-        .timeout(Duration::from_secs(10))
-        .build()
-    {
+    let client = match http_client(&config) {
         Ok(client) => client,
         Err(e) => {
-            tracing::error!(error = %e, "cannot make an HTTP client: no control plane");
+            tracing::error!(error = %e, "no control plane");
             return;
         }
     };
@@ -107,7 +180,10 @@ fn run(
                     ExchangeError::Unreachable(_) | ExchangeError::Failed(..) => {
                         tracing::warn!(%url, error = %e, retry_seconds = wait.as_secs_f32(), "control plane: serving on the last known state")
                     }
-                    ExchangeError::Refused(_) | ExchangeError::NoProof => {
+                    ExchangeError::Refused(_)
+                    | ExchangeError::Forbidden(..)
+                    | ExchangeError::Tls(_)
+                    | ExchangeError::NoProof => {
                         tracing::error!(%url, retry_seconds = wait.as_secs_f32(), "control plane: {e}")
                     }
                 }
@@ -132,10 +208,18 @@ fn exchange(
         .header(wire::NONCE_HEADER, &nonce)
         .json(report)
         .send()
-        .map_err(|e| ExchangeError::Unreachable(e.to_string()))?;
+        .map_err(send_error)?;
     let status = response.status();
-    if status == StatusCode::UNAUTHORIZED || status == StatusCode::FORBIDDEN {
+    if status == StatusCode::UNAUTHORIZED {
         return Err(ExchangeError::Refused(status));
+    }
+    if status == StatusCode::FORBIDDEN {
+        let why = response
+            .json::<serde_json::Value>()
+            .ok()
+            .and_then(|body| body["error"].as_str().map(str::to_string))
+            .unwrap_or_default();
+        return Err(ExchangeError::Forbidden(status, why));
     }
     let proof = response
         .headers()

@@ -279,7 +279,8 @@ pub struct FollowParts {
     pub peers: Arc<PeerNodes>,
     pub checkpoint: Arc<Checkpoint>,
     pub model: Arc<ModelConfig>,
-    pub api_key: Option<String>,
+    /// This node's API keys as they are now (other nodes' APIs take them).
+    pub live: Arc<crate::config::live::LiveSettings>,
     pub grace: Duration,
 }
 
@@ -338,7 +339,7 @@ fn carry_out(
             }
         },
         Step::Fetch { api, version } => {
-            let fetched = fetch_table(api, version, parts.api_key.as_deref()).and_then(|t| {
+            let fetched = fetch_table(api, version, &parts.live.local_api_keys()).and_then(|t| {
                 Placement::from_table(t, &parts.model.moe_layers, parts.model.moe.num_experts)
                     .map_err(|e| e.to_string())
             });

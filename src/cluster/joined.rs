@@ -14,6 +14,7 @@ use super::peers::{PeerNodes, serve_remote_work};
 use super::{MemberMeta, Membership, MembershipConfig, MembershipError};
 use crate::actors::dispatch::Dispatcher;
 use crate::config::ClusterConfig;
+use crate::config::live::LiveSettings;
 use crate::placement::PlacementSpec;
 use crate::transport::peer::{PeerAuth, PeerServer, PeerStats};
 use crate::transport::{TcpTransport, Transport};
@@ -44,8 +45,9 @@ pub struct Joined {
     /// Kept for its life: dropping it stops serving other nodes.
     _server: PeerServer,
     dispatcher: Arc<OnceLock<Arc<Dispatcher>>>,
-    /// The key other nodes' APIs take (fetching a placement).
-    api_key: Option<String>,
+    /// This node's API keys as they are now: other nodes' APIs take them (fetching a
+    /// placement).
+    live: Arc<LiveSettings>,
     rereplicate_after: Duration,
     /// Tells the threads that follow the cluster to end.
     stopping: Arc<AtomicBool>,
@@ -88,7 +90,7 @@ pub fn join(
     devices: OfferedDevices,
     width: usize,
     api: SocketAddr,
-    api_key: Option<String>,
+    live: Arc<LiveSettings>,
 ) -> Result<(Joined, Start), ClusterError> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -167,7 +169,7 @@ pub fn join(
             fetch_table(
                 member.meta.api,
                 member.meta.placement_version,
-                api_key.as_deref(),
+                &live.local_api_keys(),
             )
         },
     )?;
@@ -193,7 +195,7 @@ pub fn join(
             peer_addr,
             _server: server,
             dispatcher,
-            api_key,
+            live,
             rereplicate_after: Duration::from_millis(config.rereplicate_after_ms),
             stopping: Arc::new(AtomicBool::new(false)),
             runtime: Some(runtime),
@@ -224,7 +226,7 @@ impl Joined {
                 peers: self.peers.clone(),
                 checkpoint,
                 model,
-                api_key: self.api_key.clone(),
+                live: self.live.clone(),
                 grace: self.rereplicate_after,
             },
             self.stopping.clone(),

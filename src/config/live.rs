@@ -85,6 +85,13 @@ impl LiveSettings {
         remote.iter().any(|h| constant_time_eq(h, &hashed))
     }
 
+    /// The configured keys as they are now (file, environment, credentials; a reload
+    /// changes them): what this node presents to other members' APIs. The control plane's
+    /// keys are known as hashes only, so they are never presented.
+    pub fn local_api_keys(&self) -> Arc<Vec<String>> {
+        self.local_keys()
+    }
+
     fn local_keys(&self) -> Arc<Vec<String>> {
         self.local_api_keys
             .read()

@@ -44,6 +44,13 @@ pub struct ControlPlaneSection {
     pub node_name: String,
     /// Seconds between heartbeats while the control plane answers.
     pub heartbeat_seconds: u64,
+    /// https:// only: the CA (PEM) that signed the control plane's certificate; it is then
+    /// the only one trusted. Empty: the system's trusted CAs.
+    pub ca: String,
+    /// https:// only, for mTLS: this node's client certificate (PEM chain).
+    pub client_certificate: String,
+    /// The private key (PEM) of `client_certificate`.
+    pub client_key: String,
 }
 
 impl Default for ControlPlaneSection {
@@ -54,6 +61,9 @@ impl Default for ControlPlaneSection {
             cluster: "default".into(),
             node_name: String::new(),
             heartbeat_seconds: 10,
+            ca: String::new(),
+            client_certificate: String::new(),
+            client_key: String::new(),
         }
     }
 }
@@ -63,21 +73,64 @@ impl ControlPlaneSection {
         !self.url.is_empty()
     }
 
+    /// The client certificate chain and key as one PEM buffer (what reqwest's rustls
+    /// `Identity::from_pem` takes), both read and checked now; `None` without mTLS.
+    pub fn tls_identity(&self) -> Result<Option<Vec<u8>>, String> {
+        use crate::control_plane::tls::{read_certificates, read_private_key};
+        match (self.client_certificate.as_str(), self.client_key.as_str()) {
+            ("", "") => Ok(None),
+            ("", _) => {
+                Err("control_plane.client_certificate: give the certificate of client_key".into())
+            }
+            (_, "") => Err("control_plane.client_key: give the key of client_certificate".into()),
+            (certificate, key) => {
+                let (certificate, key) = (Path::new(certificate), Path::new(key));
+                read_certificates("control_plane.client_certificate", certificate)?;
+                read_private_key("control_plane.client_key", key)?;
+                let read = |k: &str, path: &Path| {
+                    std::fs::read(path)
+                        .map_err(|e| format!("{k}: cannot read {}: {e}", path.display()))
+                };
+                let mut pem = read("control_plane.client_certificate", certificate)?;
+                pem.push(b'\n');
+                pem.extend(read("control_plane.client_key", key)?);
+                Ok(Some(pem))
+            }
+        }
+    }
+
     fn problems(&self) -> Vec<String> {
         let mut problems = Vec::new();
         if !self.enabled() {
             return problems;
         }
-        if self.url.starts_with("https://") {
-            problems.push(
-                "control_plane.url: https is not supported yet; use http:// on a trusted                  network or a TLS-terminating tunnel"
-                    .into(),
-            );
-        } else if !self.url.starts_with("http://") || self.url.len() <= "http://".len() {
+        let https = self.url.starts_with("https://") && self.url.len() > "https://".len();
+        if !https && (!self.url.starts_with("http://") || self.url.len() <= "http://".len()) {
             problems.push(format!(
-                "control_plane.url: `{}` is not a URL like http://10.0.0.9:9090",
+                "control_plane.url: `{}` is not a URL like https://cp.example.com:9090 or \
+                 http://10.0.0.9:9090",
                 self.url
             ));
+        }
+        let tls_files = [
+            ("control_plane.ca", &self.ca),
+            ("control_plane.client_certificate", &self.client_certificate),
+            ("control_plane.client_key", &self.client_key),
+        ];
+        if !https {
+            for (key, value) in tls_files {
+                if !value.is_empty() {
+                    problems.push(format!("{key}: only used with an https:// url"));
+                }
+            }
+        } else {
+            problems.extend(self.tls_identity().err());
+            if !self.ca.is_empty()
+                && let Err(problem) =
+                    crate::control_plane::tls::read_roots("control_plane.ca", Path::new(&self.ca))
+            {
+                problems.push(problem);
+            }
         }
         if self.token.len() < 16 {
             problems.push("control_plane.token: at least 16 characters".into());
@@ -484,16 +537,27 @@ pub struct ConfigSources<'a> {
 /// Secrets systemd hands the service as credentials (`LoadCredential=` in the unit), so
 /// that they need not sit in the config file: the file named on the left in
 /// `$CREDENTIALS_DIRECTORY`, one value per line (`#` comments and blank lines skipped),
-/// replaces the key on the right. A credential file with no values changes nothing.
-pub const CREDENTIALS: [(&str, &str); 2] = [
+/// replaces the key on the right. A credential file with no values changes nothing. The
+/// keys that take one value (not a list) take a file with one value.
+pub const CREDENTIALS: [(&str, &str); 3] = [
     ("api_keys", "server.api_keys"),
     ("cluster_secrets", "cluster.secrets"),
+    ("control_plane_token", "control_plane.token"),
 ];
+
+/// The credentials whose key takes one value, not a list.
+const SINGLE_VALUE_CREDENTIALS: [&str; 1] = ["control_plane.token"];
+
+/// A credential's values: a list, or the one value of a single-value key.
+enum CredentialValue {
+    List(Vec<String>),
+    One(String),
+}
 
 /// The values of the credentials present, from the environment's `CREDENTIALS_DIRECTORY`.
 fn credentials(
     env: &HashMap<String, String>,
-) -> Result<Vec<(&'static str, Vec<String>)>, ConfigError> {
+) -> Result<Vec<(&'static str, CredentialValue)>, ConfigError> {
     let Some(dir) = env.get("CREDENTIALS_DIRECTORY") else {
         return Ok(Vec::new());
     };
@@ -510,14 +574,26 @@ fn credentials(
                 )));
             }
         };
-        let values: Vec<String> = text
+        let mut values: Vec<String> = text
             .lines()
             .map(str::trim)
             .filter(|line| !line.is_empty() && !line.starts_with('#'))
             .map(str::to_string)
             .collect();
-        if !values.is_empty() {
-            found.push((key, values));
+        if values.is_empty() {
+            continue;
+        }
+        if SINGLE_VALUE_CREDENTIALS.contains(&key) {
+            if values.len() > 1 {
+                return Err(ConfigError::one(format!(
+                    "{key}: the credential {} holds {} values; give one",
+                    path.display(),
+                    values.len()
+                )));
+            }
+            found.push((key, CredentialValue::One(values.remove(0))));
+        } else {
+            found.push((key, CredentialValue::List(values)));
         }
     }
     Ok(found)
@@ -546,10 +622,12 @@ impl NodeConfig {
                 .try_parsing(true)
                 .source(Some(sources.env.into_iter().collect())),
         );
-        for (key, values) in credentials {
-            builder = builder
-                .set_override(key, values)
-                .map_err(|e| ConfigError::one(format!("credential for {key}: {e}")))?;
+        for (key, value) in credentials {
+            builder = match value {
+                CredentialValue::List(values) => builder.set_override(key, values),
+                CredentialValue::One(value) => builder.set_override(key, value),
+            }
+            .map_err(|e| ConfigError::one(format!("credential for {key}: {e}")))?;
         }
         for (key, value) in sources.overrides {
             builder = builder
@@ -868,6 +946,29 @@ mod tests {
         .unwrap();
         assert_eq!(config.server.api_keys, vec!["key-one", "key-two"]);
         assert_eq!(config.cluster.secrets, vec!["0123456789abcdef"]);
+
+        // The control-plane token: one value, replacing the file's.
+        let token_file = credentials.path().join("control_plane_token");
+        std::fs::write(
+            &token_file,
+            "# for cp.example.com\ncredential-token-0123456789\n",
+        )
+        .unwrap();
+        let peering = "[control_plane]\nurl = \"http://10.0.0.9:9090\"\n\
+                       token = \"file-token-0123456789\"\n";
+        let config = load(peering, &[("CREDENTIALS_DIRECTORY", dir)]).unwrap();
+        assert_eq!(config.control_plane.token, "credential-token-0123456789");
+        // Two tokens are a mistake that is named.
+        std::fs::write(&token_file, "token-one-0123456789\ntoken-two-0123456789\n").unwrap();
+        let problems = load(peering, &[("CREDENTIALS_DIRECTORY", dir)])
+            .unwrap_err()
+            .problems;
+        assert!(
+            problems[0].starts_with("control_plane.token: the credential")
+                && problems[0].ends_with("holds 2 values; give one"),
+            "{problems:?}"
+        );
+        std::fs::remove_file(&token_file).unwrap();
 
         // A credential that cannot be read is an error that names it.
         std::fs::remove_file(credentials.path().join("api_keys")).unwrap();

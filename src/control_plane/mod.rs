@@ -7,6 +7,7 @@
 
 pub mod server;
 pub mod store;
+pub mod tls;
 pub mod wire;
 
 use std::path::{Path, PathBuf};
@@ -31,6 +32,13 @@ pub struct ControlPlaneConfig {
     pub stale_after_seconds: u64,
     /// Reports kept per node (older ones are dropped).
     pub history_per_node: usize,
+    /// HTTPS: the service's certificate chain (PEM). Empty: plain HTTP.
+    pub tls_certificate: String,
+    /// HTTPS: the private key of `tls_certificate` (PEM).
+    pub tls_key: String,
+    /// mTLS: a CA (PEM). Nodes must then present a client certificate it signed to register
+    /// and heartbeat; the admin API and the status page do not need one.
+    pub tls_client_ca: String,
 }
 
 impl Default for ControlPlaneConfig {
@@ -42,6 +50,9 @@ impl Default for ControlPlaneConfig {
             admin_token_sha256: Vec::new(),
             stale_after_seconds: 60,
             history_per_node: 100,
+            tls_certificate: String::new(),
+            tls_key: String::new(),
+            tls_client_ca: String::new(),
         }
     }
 }
@@ -90,10 +101,34 @@ impl ControlPlaneConfig {
         if !(1..=100_000).contains(&config.history_per_node) {
             problems.push("history_per_node: between 1 and 100000".into());
         }
+        if let Err(problem) = config.tls() {
+            problems.push(problem);
+        }
         if problems.is_empty() {
             Ok(config)
         } else {
             Err(ConfigError { problems })
+        }
+    }
+
+    /// The TLS configuration (reading the files now), or `None` for plain HTTP.
+    pub fn tls(&self) -> Result<Option<rustls::ServerConfig>, String> {
+        let optional = |s: &str| (!s.is_empty()).then(|| Path::new(s).to_path_buf());
+        match (
+            optional(&self.tls_certificate),
+            optional(&self.tls_key),
+            optional(&self.tls_client_ca),
+        ) {
+            (None, None, None) => Ok(None),
+            (Some(certificate), Some(key), client_ca) => {
+                tls::server_config(&certificate, &key, client_ca.as_deref()).map(Some)
+            }
+            (None, None, Some(_)) => Err(
+                "tls_client_ca: client certificates need HTTPS; set tls_certificate and tls_key"
+                    .into(),
+            ),
+            (Some(_), None, _) => Err("tls_key: give the key of tls_certificate".into()),
+            (None, Some(_), _) => Err("tls_certificate: give the certificate of tls_key".into()),
         }
     }
 
@@ -130,6 +165,33 @@ mod tests {
         ] {
             assert!(text.contains(expected), "{expected:?} missing: {text}");
         }
+        std::fs::write(
+            &path,
+            format!(
+                "node_token_sha256 = [\"{}\"]\ntls_certificate = \"/nonexistent/cert.pem\"\n\
+                 tls_key = \"/nonexistent/key.pem\"\n",
+                wire::sha256_hex("a node token")
+            ),
+        )
+        .unwrap();
+        let text = ControlPlaneConfig::load(&path).unwrap_err().to_string();
+        assert!(
+            text.contains("tls_certificate: cannot read /nonexistent/cert.pem"),
+            "{text}"
+        );
+        std::fs::write(
+            &path,
+            format!(
+                "node_token_sha256 = [\"{}\"]\ntls_client_ca = \"/etc/ca.pem\"\n",
+                wire::sha256_hex("a node token")
+            ),
+        )
+        .unwrap();
+        let text = ControlPlaneConfig::load(&path).unwrap_err().to_string();
+        assert!(
+            text.contains("tls_client_ca: client certificates need HTTPS"),
+            "{text}"
+        );
         std::fs::write(&path, "lisen = 1\n").unwrap();
         let text = ControlPlaneConfig::load(&path).unwrap_err().to_string();
         assert!(text.contains("lisen"), "{text}");

@@ -23,7 +23,14 @@ pub enum ControlPlaneError {
     },
     #[error("the HTTP server failed: {0}")]
     Http(std::io::Error),
+    #[error("{0}")]
+    Tls(String),
 }
+
+/// Whether the connection a request came on presented a client certificate (one that
+/// `tls_client_ca` verified: any other ends the handshake).
+#[derive(Clone, Copy)]
+struct ClientCertificate(bool);
 
 struct State {
     config: ControlPlaneConfig,
@@ -38,6 +45,9 @@ pub fn run(config: ControlPlaneConfig) -> Result<(), ControlPlaneError> {
         source,
     })?;
     let local = listener.local_addr().map_err(ControlPlaneError::Http)?;
+    let tls = config.tls().map_err(ControlPlaneError::Tls)?;
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let client_certificates = !config.tls_client_ca.is_empty();
     let state = web::Data::new(State {
         config,
         store: Arc::new(Mutex::new(store)),
@@ -80,11 +90,25 @@ pub fn run(config: ControlPlaneConfig) -> Result<(), ControlPlaneError> {
                     web::get().to(history),
                 )
         })
-        .shutdown_timeout(1)
-        .listen(listener)
+        .on_connect(|connection, data| {
+            if let Some(tls) = connection.downcast_ref::<actix_tls::accept::rustls_0_23::TlsStream<
+                actix_web::rt::net::TcpStream,
+            >>() {
+                let presented = tls.get_ref().1.peer_certificates().is_some_and(|c| !c.is_empty());
+                data.insert(ClientCertificate(presented));
+            }
+        })
+        .shutdown_timeout(1);
+        let server = match tls {
+            Some(tls) => server.listen_rustls_0_23(listener, tls),
+            None => server.listen(listener),
+        }
         .map_err(ControlPlaneError::Http)?
         .run();
-        tracing::info!("control plane listening on http://{local}");
+        tracing::info!(
+            client_certificates,
+            "control plane listening on {scheme}://{local}"
+        );
         server.await.map_err(ControlPlaneError::Http)
     })
 }
@@ -147,6 +171,25 @@ async fn report(
     report: Report,
     first: bool,
 ) -> HttpResponse {
+    if !state.config.tls_client_ca.is_empty()
+        && !req
+            .conn_data::<ClientCertificate>()
+            .is_some_and(|presented| presented.0)
+    {
+        let peer = req
+            .peer_addr()
+            .map(|a| a.to_string())
+            .unwrap_or_else(|| "an unknown address".into());
+        tracing::warn!(
+            %peer,
+            path = req.path(),
+            "refused a node: it presented no client certificate (tls_client_ca requires one)"
+        );
+        return HttpResponse::Forbidden().json(json!({
+            "error": "a client certificate signed by the control plane's tls_client_ca is required: \
+                      set control_plane.client_certificate and control_plane.client_key"
+        }));
+    }
     let Some(token) = offered_token_hash(&req).filter(|hash| {
         state
             .config

@@ -363,7 +363,7 @@ impl Node {
                 continue;
             }
             asked.push(&m.meta.node);
-            let theirs = fetch_profile(m.meta.api, self.api_key.as_deref()).and_then(|p| {
+            let theirs = fetch_profile(m.meta.api, &self.live.local_api_keys()).and_then(|p| {
                 if p.fingerprint.as_deref().is_some_and(|f| f != fingerprint) {
                     return Err(format!("measured on another model ({:?})", p.fingerprint));
                 }

@@ -17,7 +17,7 @@ pub const BIN: &str = env!("CARGO_BIN_EXE_moe-node");
 
 pub struct Process {
     pub child: Child,
-    /// `http://ADDR` of its API.
+    /// `http://ADDR` (or `https://ADDR`) of its API.
     pub base: String,
     pub log: Arc<Mutex<Vec<String>>>,
 }
@@ -37,8 +37,14 @@ impl Process {
     /// `moe-node ARGS...` (a command that serves HTTP and logs where), waiting until it
     /// listens.
     pub fn start(args: &[&std::ffi::OsStr]) -> Process {
+        Process::start_with_env(args, &[])
+    }
+
+    /// As [`Process::start`], with `env` added to the environment.
+    pub fn start_with_env(args: &[&OsStr], env: &[(&str, &OsStr)]) -> Process {
         let mut child = Command::new(BIN)
             .args(args)
+            .envs(env.iter().copied())
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -50,20 +56,19 @@ impl Process {
         let lines = log.clone();
         std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                if let Some(rest) = line.split("listening on http://").nth(1) {
-                    let _ = addr_tx.send(rest.trim().to_string());
+                for scheme in ["http", "https"] {
+                    if let Some(rest) = line.split(&format!("listening on {scheme}://")).nth(1) {
+                        let addr = rest.split_whitespace().next().unwrap_or_default();
+                        let _ = addr_tx.send(format!("{scheme}://{addr}"));
+                    }
                 }
                 lines.lock().unwrap().push(line);
             }
         });
-        let addr = addr_rx
+        let base = addr_rx
             .recv_timeout(Duration::from_secs(60))
             .unwrap_or_else(|_| panic!("server did not start: {:?}", log.lock().unwrap()));
-        Process {
-            child,
-            base: format!("http://{addr}"),
-            log,
-        }
+        Process { child, base, log }
     }
 
     pub fn log_lines(&self) -> Vec<String> {
@@ -152,12 +157,23 @@ impl Server {
     }
 
     pub fn start_with(config: &str, args: &[&str]) -> Server {
+        Self::start_with_env(config, args, &[])
+    }
+
+    /// As [`Server::start_with`], with `env` added to the environment.
+    pub fn start_with_env(config: &str, args: &[&str], env: &[(&str, &OsStr)]) -> Server {
         let dir = tempfile::tempdir().unwrap();
         let config_path = dir.path().join("moe-node.toml");
         std::fs::write(&config_path, config).unwrap();
         let mut all: Vec<&OsStr> = vec![OsStr::new("--config"), config_path.as_os_str()];
         all.extend(args.iter().map(OsStr::new));
-        let process = Process::serve(&all);
+        let mut serve = vec![
+            OsStr::new("serve"),
+            OsStr::new("--listen"),
+            OsStr::new("127.0.0.1:0"),
+        ];
+        serve.extend(all);
+        let process = Process::start_with_env(&serve, env);
         let key = config
             .lines()
             .find_map(|l| l.strip_prefix("api_keys = [\""))
@@ -245,7 +261,12 @@ impl Server {
 
     /// Waits (a little) for a line the server logs from another thread.
     pub fn wait_for_log(&self, needle: &str) {
-        let deadline = Instant::now() + Duration::from_secs(10);
+        self.wait_for_log_within(needle, 10);
+    }
+
+    /// Waits up to `seconds` for a line the server logs.
+    pub fn wait_for_log_within(&self, needle: &str, seconds: u64) {
+        let deadline = Instant::now() + Duration::from_secs(seconds);
         while !self.log_contains(needle) {
             assert!(
                 Instant::now() < deadline,
