@@ -331,7 +331,7 @@ mod tests {
 
     #[test]
     fn products_equal_the_product_of_the_widened_matrix_for_few_and_many_rows() {
-        let (n, k) = (70, 45);
+        let (n, k): (usize, usize) = (70, 45);
         let bytes: Vec<u8> = (0..n * k).map(|i| ((i * 37) % 251) as u8 & 0x7e).collect();
         let scales: Vec<f32> = (0..n.div_ceil(16) * k.div_ceil(8))
             .map(|i| 0.01 * (1 + i % 5) as f32)
