@@ -1,14 +1,17 @@
 //! One MoE layer at a Kimi K3-like shape (896 experts, top-16, one shared expert, hidden 1024,
 //! expert intermediate 256, f32 arithmetic), through the same code the engine runs
 //! (`moe_forward` with `LocalExperts`), at 1, 16 and 256 tokens per step, with the experts
-//! held in f32 and again in bf16 (as a bf16 checkpoint loads them); side by side with
+//! held in f32, in bf16 (as a bf16 checkpoint loads them), in FP8 e4m3 with [128, 128]
+//! block scales and in INT4 with a scale per 32 (as FP8 and compressed-tensors checkpoints
+//! load them, dequantized as the kernel reads them); side by side with
 //! transformers' DeepseekV3MoE block on the same machine and thread count, in f32 and bf16,
 //! with each experts implementation transformers offers (benches/moe_layer_reference.py).
 //!
 //!     cargo bench --bench moe_layer
 //!
 //! Environment: MOE_BENCH_TOKENS (default 1,16,256), MOE_BENCH_SECONDS (time budget per
-//! point, default 3), MOE_BENCH_PYTHON (default python3; set to "" to skip the reference).
+//! point, default 3), MOE_BENCH_PYTHON (default python3; set to "" to skip the reference),
+//! MOE_BENCH_EXPERT_FORMATS (default f32,bf16,fp8,int4).
 //! Prints medians; each iteration gets fresh inputs so that it routes to other experts and
 //! reads their weights from memory, as decoding does.
 
@@ -17,6 +20,7 @@ use std::time::{Duration, Instant};
 
 use half::bf16;
 use moe_node::compute::cpu::{Linear, SwiGlu, dot};
+use moe_node::compute::quant::{QuantLinear, QuantSwiGlu, e4m3_to_f32};
 use moe_node::model::config::{GatingConfig, MoeConfig};
 use moe_node::model::weights::{ExpertWeights, MoeWeights};
 use moe_node::moe::{DispatchPlan, LocalExperts, moe_forward, route};
@@ -257,20 +261,46 @@ fn main() {
         shared_expert: Some(rng.swiglu()),
     };
 
-    // The same experts twice: held in f32, and held as bf16 (what a bf16 checkpoint loads
-    // to; arithmetic stays f32).
+    // The same experts held four ways: f32; bf16 (what a bf16 checkpoint loads to); FP8 and
+    // INT4 as quantized checkpoints store them. Arithmetic stays f32.
+    let formats =
+        std::env::var("MOE_BENCH_EXPERT_FORMATS").unwrap_or_else(|_| "f32,bf16,fp8,int4".into());
+    let formats: Vec<&str> = formats.split(',').map(str::trim).collect();
     let mut ours = Vec::new();
     let f32_experts: Vec<SwiGlu> = (0..EXPERTS).map(|_| rng.swiglu()).collect();
-    let bf16_experts: Vec<ExpertWeights> = f32_experts
-        .iter()
-        .map(|e| ExpertWeights::Bf16(to_bf16(e)))
-        .collect();
-    let f32_experts = f32_experts.into_iter().map(ExpertWeights::F32).collect();
-    for (label, layer) in [("f32 experts", f32_experts), ("bf16 experts", bf16_experts)] {
+    for (format, label) in [
+        ("f32", "f32 experts"),
+        ("bf16", "bf16 experts"),
+        ("fp8", "fp8 experts"),
+        ("int4", "int4 experts"),
+    ] {
+        if !formats.contains(&format) {
+            continue;
+        }
+        let resident_before = resident_bytes();
+        let layer: Vec<ExpertWeights> = f32_experts
+            .iter()
+            .map(|e| match format {
+                "f32" => ExpertWeights::F32(e.clone()),
+                "bf16" => ExpertWeights::Bf16(to_bf16(e)),
+                "fp8" => ExpertWeights::Quantized(quantize(e, to_fp8)),
+                _ => ExpertWeights::Quantized(quantize(e, to_int4)),
+            })
+            .collect();
+        let held: usize = layer.iter().map(ExpertWeights::weight_bytes).sum();
+        // Resident memory the layer's experts added (Linux; 0 elsewhere).
+        let resident = resident_bytes().saturating_sub(resident_before);
+        println!(
+            "  {label}: {EXPERTS} experts hold {:.1} MiB ({:.3} bytes per weight); resident memory grew {:.1} MiB",
+            held as f64 / (1u64 << 20) as f64,
+            held as f64 / (EXPERTS * 3 * HIDDEN * INTERMEDIATE) as f64,
+            resident as f64 / (1u64 << 20) as f64
+        );
         let experts = LocalExperts::new(vec![layer], HIDDEN);
         let results = run_ours(label, &cfg, &weights, &experts, &tokens, budget, bandwidth);
         ours.push((label, results));
     }
+    drop(f32_experts);
 
     let mut reference = Vec::new();
     if !python.is_empty() {
@@ -302,6 +332,80 @@ fn main() {
             }
         }
     }
+}
+
+/// This process's resident set in bytes, from /proc/self/statm (0 where there is none).
+fn resident_bytes() -> usize {
+    std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1)?.parse::<usize>().ok())
+        .map_or(0, |pages| pages * 4096)
+}
+
+fn quantize(block: &SwiGlu, format: fn(&Linear) -> QuantLinear) -> QuantSwiGlu {
+    QuantSwiGlu {
+        gate: format(&block.gate),
+        up: format(&block.up),
+        down: format(&block.down),
+    }
+}
+
+/// Block-scaled e4m3 in [128, 128] blocks (amax / 448), as published FP8 checkpoints are.
+fn to_fp8(l: &Linear) -> QuantLinear {
+    const BLOCK: usize = 128;
+    // Every non-negative finite e4m3 value, ascending, to round to the nearest.
+    let table: Vec<(f32, u8)> = (0u8..0x7f).map(|b| (e4m3_to_f32(b), b)).collect();
+    let encode = |v: f32| -> u8 {
+        let at = table
+            .partition_point(|(t, _)| *t < v.abs())
+            .min(table.len() - 1);
+        let below = at.saturating_sub(1);
+        let nearest = if (table[at].0 - v.abs()).abs() < (v.abs() - table[below].0).abs() {
+            at
+        } else {
+            below
+        };
+        table[nearest].1 | if v < 0.0 { 0x80 } else { 0 }
+    };
+    let (n, k) = (l.out_features, l.in_features);
+    let (block_rows, block_cols) = (n.div_ceil(BLOCK), k.div_ceil(BLOCK));
+    let mut scales = vec![0.0f32; block_rows * block_cols];
+    for r in 0..n {
+        for c in 0..k {
+            let s = &mut scales[r / BLOCK * block_cols + c / BLOCK];
+            *s = s.max(l.weight[r * k + c].abs() / 448.0);
+        }
+    }
+    let weights = (0..n * k)
+        .map(|i| {
+            let s = scales[i / k / BLOCK * block_cols + i % k / BLOCK];
+            encode(if s > 0.0 { l.weight[i] / s } else { 0.0 })
+        })
+        .collect();
+    QuantLinear::fp8(weights, scales, n, k, [BLOCK, BLOCK]).expect("shapes match")
+}
+
+/// Symmetric 4-bit in groups of 32 (amax / 7.5, as compressed-tensors computes it).
+fn to_int4(l: &Linear) -> QuantLinear {
+    const GROUP: usize = 32;
+    let (n, k) = (l.out_features, l.in_features);
+    let groups = k.div_ceil(GROUP);
+    let mut scales = vec![0.0f32; n * groups];
+    let mut packed = vec![0u32; n * k.div_ceil(8)];
+    for r in 0..n {
+        let row = &l.weight[r * k..(r + 1) * k];
+        for (g, chunk) in row.chunks(GROUP).enumerate() {
+            let amax = chunk.iter().fold(0f32, |m, v| m.max(v.abs()));
+            scales[r * groups + g] = if amax > 0.0 { amax / 7.5 } else { 1.0 };
+        }
+        for (c, v) in row.iter().enumerate() {
+            let q = (v / scales[r * groups + c / GROUP])
+                .round()
+                .clamp(-8.0, 7.0) as i32;
+            packed[r * k.div_ceil(8) + c / 8] |= ((q + 8) as u32) << (4 * (c % 8));
+        }
+    }
+    QuantLinear::int4(packed, scales, n, k, GROUP).expect("shapes match")
 }
 
 fn to_bf16(block: &SwiGlu) -> SwiGlu<bf16> {

@@ -322,3 +322,30 @@ fn kimi_k2_matches_transformers() {
 fn mixtral_sliding_window_matches_transformers() {
     check("mixtral_sliding");
 }
+
+// Quantized checkpoints (tests/fixtures/make_quant_fixtures.py): transformers ran on the
+// dequantized weights, so the tolerance is the f32 one.
+
+/// FP8 e4m3 in the published [128, 128] blocks, with partial blocks on every edge.
+#[test]
+fn kimi_k2_fp8_matches_transformers() {
+    check("kimi_k2_fp8");
+}
+
+/// FP8 e4m3 in [16, 32] blocks with bf16 scales.
+#[test]
+fn qwen3_moe_fp8_matches_transformers() {
+    check("qwen3_moe_fp8");
+}
+
+/// compressed-tensors pack-quantized INT4 experts, groups of 32.
+#[test]
+fn kimi_k2_int4_matches_transformers() {
+    check("kimi_k2_int4");
+}
+
+/// The Kimi K2.5 layout: text model under `language_model.`, vision tower beside it, sharded.
+#[test]
+fn kimi_k25_int4_matches_transformers() {
+    check("kimi_k25_int4");
+}

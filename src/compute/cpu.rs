@@ -222,7 +222,7 @@ fn gemm_strided(
 
 /// Up to this many rows, products stream the weights once and reuse each weight row for
 /// every input row from L1 ([`matmul_few_rows`]); above it the packed GEMM wins.
-const FEW_ROWS: usize = 8;
+pub(crate) const FEW_ROWS: usize = 8;
 
 /// Output columns per parallel task in [`matmul_few_rows`].
 const COLUMNS_PER_TASK: usize = 32;
@@ -269,7 +269,7 @@ fn matmul_few_rows<W: WeightElement>(
     "x86_64+avx2+fma",
     "aarch64+neon"
 ))]
-fn dot_rows<W: WeightElement>(x: &[f32], k: usize, w: &[W], out: &mut [f32]) {
+pub(crate) fn dot_rows<W: WeightElement>(x: &[f32], k: usize, w: &[W], out: &mut [f32]) {
     const LANES: usize = 16;
     let whole = k / LANES * LANES;
     let tail = |xr: &[f32]| (whole..k).map(|i| xr[i] * w[i].to_f32()).sum::<f32>();

@@ -4,3 +4,4 @@
 pub mod cpu;
 pub mod cuda;
 pub mod layout;
+pub mod quant;

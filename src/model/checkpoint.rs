@@ -29,7 +29,13 @@ pub struct Checkpoint {
     shards: Vec<Shard>,
     /// Tensor name to the index of the shard that holds it.
     locations: HashMap<String, usize>,
+    /// Prepended to every name the loader asks for: `language_model.` where the text model
+    /// sits beside a vision tower (Kimi K2.5 and later), else empty.
+    prefix: &'static str,
 }
+
+/// Where a multimodal checkpoint keeps its text model.
+const TEXT_MODEL_PREFIX: &str = "language_model.";
 
 impl Checkpoint {
     /// The model directory the checkpoint was opened from.
@@ -55,7 +61,9 @@ impl Checkpoint {
                 dir: dir.to_path_buf(),
                 shards: vec![shard],
                 locations,
-            })
+                prefix: "",
+            }
+            .with_text_model_prefix())
         } else {
             Err(ModelError::NoWeights {
                 dir: dir.to_path_buf(),
@@ -115,7 +123,53 @@ impl Checkpoint {
             dir: dir.to_path_buf(),
             shards,
             locations,
-        })
+            prefix: "",
+        }
+        .with_text_model_prefix())
+    }
+
+    /// A checkpoint whose text model lies under `language_model.` (and no `model.` tensors
+    /// beside it) is read through that prefix; everything else in it (the vision tower and its
+    /// projector) is left unloaded, and the log says so.
+    fn with_text_model_prefix(mut self) -> Self {
+        let probe = "model.embed_tokens.weight";
+        if self.locations.contains_key(probe)
+            || !self
+                .locations
+                .contains_key(&format!("{TEXT_MODEL_PREFIX}{probe}"))
+        {
+            return self;
+        }
+        self.prefix = TEXT_MODEL_PREFIX;
+        let mut left: Vec<&str> = self
+            .locations
+            .keys()
+            .filter(|name| !name.starts_with(TEXT_MODEL_PREFIX))
+            .map(|name| name.split('.').next().unwrap_or(name))
+            .collect();
+        let tensors = left.len();
+        left.sort_unstable();
+        left.dedup();
+        tracing::info!(
+            dir = %self.dir.display(),
+            "serving the text model under `{TEXT_MODEL_PREFIX}`; {tensors} other tensors \
+             ({}) are left unloaded",
+            left.join(", ")
+        );
+        self
+    }
+
+    /// The name tensor `name` is stored under (the text-model prefix added).
+    pub fn stored_name(&self, name: &str) -> String {
+        format!("{}{name}", self.prefix)
+    }
+
+    fn location(&self, name: &str) -> Option<usize> {
+        if self.prefix.is_empty() {
+            self.locations.get(name).copied()
+        } else {
+            self.locations.get(&self.stored_name(name)).copied()
+        }
     }
 
     /// A fingerprint of the model: `config.json` and every tensor's name, dtype and shape.
@@ -139,13 +193,80 @@ impl Checkpoint {
     }
 
     pub fn contains(&self, name: &str) -> bool {
-        self.locations.contains_key(name)
+        self.location(name).is_some()
     }
 
     /// The storage dtype of tensor `name`, if present.
     pub fn dtype(&self, name: &str) -> Option<Dtype> {
-        let shard = &self.shards[*self.locations.get(name)?];
-        shard.metadata.info(name).map(|info| info.dtype)
+        let shard = &self.shards[self.location(name)?];
+        shard
+            .metadata
+            .info(&self.stored_name(name))
+            .map(|info| info.dtype)
+    }
+
+    /// The shape of tensor `name` as stored, if present.
+    pub fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        let shard = &self.shards[self.location(name)?];
+        shard
+            .metadata
+            .info(&self.stored_name(name))
+            .map(|info| info.shape.clone())
+    }
+
+    /// Reads an FP8 e4m3 tensor `name` of shape `shape` as its bytes.
+    pub fn read_fp8(&self, name: &str, shape: &[usize]) -> Result<Vec<u8>, ModelError> {
+        let (shard, dtype, bytes) = self.raw(name, shape)?;
+        if dtype != Dtype::F8_E4M3 {
+            return Err(ModelError::Corrupt {
+                path: shard.path.clone(),
+                reason: format!(
+                    "tensor `{}` is {dtype:?}; its scale says it is FP8, expected F8_E4M3",
+                    self.stored_name(name)
+                ),
+            });
+        }
+        Ok(bytes.to_vec())
+    }
+
+    /// Reads an int32 tensor `name` of shape `shape`, each word as its bits.
+    pub fn read_i32_bits(&self, name: &str, shape: &[usize]) -> Result<Vec<u32>, ModelError> {
+        let (shard, dtype, bytes) = self.raw(name, shape)?;
+        if dtype != Dtype::I32 {
+            return Err(ModelError::Corrupt {
+                path: shard.path.clone(),
+                reason: format!(
+                    "tensor `{}` is {dtype:?}, expected I32",
+                    self.stored_name(name)
+                ),
+            });
+        }
+        Ok(bytes
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect())
+    }
+
+    /// Reads a small integer tensor (int32 or int64) `name` of shape `shape` as i64 values.
+    pub fn read_int(&self, name: &str, shape: &[usize]) -> Result<Vec<i64>, ModelError> {
+        let (shard, dtype, bytes) = self.raw(name, shape)?;
+        match dtype {
+            Dtype::I32 => Ok(bytes
+                .chunks_exact(4)
+                .map(|b| i64::from(i32::from_le_bytes([b[0], b[1], b[2], b[3]])))
+                .collect()),
+            Dtype::I64 => Ok(bytes
+                .chunks_exact(8)
+                .map(|b| i64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]))
+                .collect()),
+            other => Err(ModelError::Corrupt {
+                path: shard.path.clone(),
+                reason: format!(
+                    "tensor `{}` is {other:?}, expected I32 or I64",
+                    self.stored_name(name)
+                ),
+            }),
+        }
     }
 
     /// Reads tensor `name`, checks that its shape is `shape`, and converts it to f32.
@@ -153,7 +274,7 @@ impl Checkpoint {
         let (shard, dtype, bytes) = self.raw(name, shape)?;
         decode_f32(bytes, dtype).map_err(|reason| ModelError::Corrupt {
             path: shard.path.clone(),
-            reason: format!("tensor `{name}`: {reason}"),
+            reason: format!("tensor `{}`: {reason}", self.stored_name(name)),
         })
     }
 
@@ -163,7 +284,10 @@ impl Checkpoint {
         if dtype != Dtype::BF16 {
             return Err(ModelError::Corrupt {
                 path: shard.path.clone(),
-                reason: format!("tensor `{name}` is {dtype:?}, expected BF16"),
+                reason: format!(
+                    "tensor `{}` is {dtype:?}, expected BF16",
+                    self.stored_name(name)
+                ),
             });
         }
         Ok(bytes
@@ -174,25 +298,19 @@ impl Checkpoint {
 
     /// The shard, dtype and bytes of tensor `name`, after checking its shape.
     fn raw(&self, name: &str, shape: &[usize]) -> Result<(&Shard, Dtype, &[u8]), ModelError> {
-        let shard_index = *self
-            .locations
-            .get(name)
-            .ok_or_else(|| ModelError::MissingTensor {
-                name: name.to_string(),
-                expected_shape: shape.to_vec(),
-            })?;
-        let shard = &self.shards[shard_index];
+        let missing = || ModelError::MissingTensor {
+            name: self.stored_name(name),
+            expected_shape: shape.to_vec(),
+        };
+        let shard = &self.shards[self.location(name).ok_or_else(missing)?];
         let info = shard
             .metadata
-            .info(name)
-            .ok_or_else(|| ModelError::MissingTensor {
-                name: name.to_string(),
-                expected_shape: shape.to_vec(),
-            })?;
+            .info(&self.stored_name(name))
+            .ok_or_else(missing)?;
         if info.shape != shape {
             return Err(ModelError::TensorShape {
                 path: shard.path.clone(),
-                name: name.to_string(),
+                name: self.stored_name(name),
                 expected: shape.to_vec(),
                 found: info.shape.clone(),
             });
@@ -243,6 +361,13 @@ fn decode_f32(bytes: &[u8], dtype: Dtype) -> Result<Vec<f32>, String> {
         Dtype::F16 => words(2)
             .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
             .collect(),
+        Dtype::F8_E4M3 => {
+            return Err(
+                "dtype F8_E4M3 here needs config.json's quantization_config to say `fp8` with \
+                 its weight_block_size"
+                    .into(),
+            );
+        }
         other => {
             return Err(format!(
                 "dtype {other:?} is not supported (bf16, f16, f32 are)"

@@ -10,6 +10,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::ModelError;
+use super::quant::Quantization;
 
 /// Which forward-pass code a checkpoint runs through.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -123,6 +124,8 @@ pub struct ModelConfig {
     pub eos_token_ids: Vec<u32>,
     /// Storage dtype named by the config (`torch_dtype` or `dtype`), if any.
     pub dtype: Option<String>,
+    /// How linear weights are stored (`quantization_config`).
+    pub quantization: Quantization,
 }
 
 /// The keys we read. Everything is optional here so that every missing key is reported at
@@ -220,9 +223,16 @@ impl ModelConfig {
 
     /// Parses the text of a `config.json`; on failure returns every problem found.
     pub fn parse(text: &str) -> Result<Self, Vec<String>> {
-        let raw: RawConfig =
+        let value: Value =
             serde_json::from_str(text).map_err(|e| vec![format!("cannot read it: {e}")])?;
-        Self::from_raw(raw)
+        let (value, outer_type) = text_model_config(value)?;
+        let raw: RawConfig =
+            serde_json::from_value(value).map_err(|e| vec![format!("cannot read it: {e}")])?;
+        let mut config = Self::from_raw(raw)?;
+        if let Some(outer) = outer_type {
+            config.model_type = outer;
+        }
+        Ok(config)
     }
 
     fn from_raw(raw: RawConfig) -> Result<Self, Vec<String>> {
@@ -285,16 +295,13 @@ impl ModelConfig {
             }
         };
 
-        if let Some(q) = raw.quantization_config.as_ref().filter(|q| !q.is_null()) {
-            let method = q
-                .get("quant_method")
-                .and_then(Value::as_str)
-                .unwrap_or("unknown");
-            p.0.push(format!(
-                "quantized checkpoints (quant_method `{method}`) are not supported yet: \
-                 use a bf16, f16 or f32 copy of the weights"
-            ));
-        }
+        let quantization = match raw.quantization_config.as_ref() {
+            None => Quantization::None,
+            Some(q) => Quantization::parse(q).unwrap_or_else(|problems| {
+                p.0.extend(problems);
+                Quantization::None
+            }),
+        };
         let vocab_size = p.require(raw.vocab_size, "vocab_size");
         let hidden_size = p.require(raw.hidden_size, "hidden_size");
         let num_layers = p.require(raw.num_hidden_layers, "num_hidden_layers");
@@ -561,8 +568,53 @@ impl ModelConfig {
             moe_layers,
             eos_token_ids,
             dtype: raw.dtype.or(raw.torch_dtype),
+            quantization,
         })
     }
+}
+
+/// Keys a multimodal wrapper keeps at its top level that belong to the text model too.
+const WRAPPER_KEYS_FOR_TEXT: [&str; 5] = [
+    "quantization_config",
+    "eos_token_id",
+    "tie_word_embeddings",
+    "torch_dtype",
+    "dtype",
+];
+
+/// The text model's config. Kimi K2.5 and later (`model_type = "kimi_k25"`,
+/// `KimiK25ForConditionalGeneration`) nest it under `text_config` beside a vision tower's, with
+/// `quantization_config` at the top level; moe-node serves the text model. Returns the config
+/// to read and, for a wrapper, its `model_type` (for display).
+fn text_model_config(value: Value) -> Result<(Value, Option<String>), Vec<String>> {
+    let Value::Object(mut outer) = value else {
+        return Err(vec!["cannot read it: not a JSON object".into()]);
+    };
+    if outer.get("model_type").and_then(Value::as_str) != Some("kimi_k25") {
+        return Ok((Value::Object(outer), None));
+    }
+    let Some(Value::Object(mut text)) = outer.remove("text_config") else {
+        return Err(vec![
+            "model_type `kimi_k25` needs `text_config`, the text model's config".into(),
+        ]);
+    };
+    match text.get("model_type").and_then(Value::as_str) {
+        Some("kimi_k2" | "deepseek_v3") => {}
+        other => {
+            return Err(vec![format!(
+                "kimi_k25: text_config.model_type is {other:?}; moe-node serves kimi_k2 or \
+                 deepseek_v3 text models"
+            )]);
+        }
+    }
+    for key in WRAPPER_KEYS_FOR_TEXT {
+        if !text.contains_key(key)
+            && let Some(v) = outer.remove(key)
+        {
+            text.insert(key.to_string(), v);
+        }
+    }
+    Ok((Value::Object(text), Some("kimi_k25".into())))
 }
 
 /// Reads rope settings from either style: `rope_theta` + `rope_scaling` at the top level
@@ -715,16 +767,44 @@ mod tests {
     }
 
     #[test]
-    fn quantized_checkpoints_are_refused_up_front() {
-        let text = KIMI_LIKE.replace(
-            r#""eos_token_id": 7"#,
-            r#""eos_token_id": 7, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}"#,
+    fn quantized_checkpoints_are_read_or_refused_naming_the_method() {
+        let with = |q: &str| {
+            KIMI_LIKE.replace(
+                r#""eos_token_id": 7"#,
+                &format!(r#""eos_token_id": 7, "quantization_config": {q}"#),
+            )
+        };
+        let fp8 = with(
+            r#"{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": [128, 128]}"#,
         );
-        let err = ModelConfig::parse(&text).unwrap_err();
+        let c = ModelConfig::parse(&fp8).unwrap();
+        assert_eq!(c.quantization, Quantization::Fp8 { block: [128, 128] });
+        let err = ModelConfig::parse(&with(r#"{"quant_method": "awq", "bits": 4}"#)).unwrap_err();
         assert!(
-            err.iter().any(|m| m.contains("quant_method `fp8`")),
+            err.iter().any(|m| m.contains("quant_method `awq`")),
             "{err:?}"
         );
+    }
+
+    #[test]
+    fn kimi_k25_serves_the_nested_text_config_with_the_top_level_quantization() {
+        let text: Value = serde_json::from_str(KIMI_LIKE).unwrap();
+        let wrapper = serde_json::json!({
+            "architectures": ["KimiK25ForConditionalGeneration"],
+            "model_type": "kimi_k25",
+            "text_config": text,
+            "vision_config": {"model_type": "moonvit", "hidden_size": 32},
+            "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+                                    "weight_block_size": [128, 128]},
+        });
+        let c = ModelConfig::parse(&wrapper.to_string()).unwrap();
+        assert_eq!(c.model_type, "kimi_k25");
+        assert_eq!(c.family, Family::DeepseekV3);
+        assert_eq!(c.hidden_size, 64);
+        assert_eq!(c.quantization, Quantization::Fp8 { block: [128, 128] });
+        let err = ModelConfig::parse(r#"{"model_type": "kimi_k25"}"#).unwrap_err();
+        assert!(err[0].contains("text_config"), "{err:?}");
     }
 
     #[test]

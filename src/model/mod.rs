@@ -4,6 +4,7 @@ pub mod chat_template;
 pub mod checkpoint;
 pub mod config;
 pub mod demo;
+pub mod quant;
 pub mod template_worker;
 pub mod tokenizer;
 pub mod weights;

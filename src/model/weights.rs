@@ -5,15 +5,19 @@ use half::bf16;
 use safetensors::tensor::Dtype;
 
 use super::config::{AttentionConfig, Family, ModelConfig};
+use super::quant::Quantization;
 use super::{Checkpoint, ModelError};
 use crate::compute::cpu::{Linear, SwiGlu};
+use crate::compute::quant::{QuantLinear, QuantSwiGlu};
 
 /// One expert's FFN, a SwiGLU block of `moe_intermediate_size`, held in the checkpoint's
-/// precision when that is bf16 (exact, and half the bytes each token reads), else in f32.
+/// precision when that is bf16 (exact, and half the bytes each token reads) or quantized
+/// (FP8 or INT4 as stored, dequantized as the kernel reads it), else in f32.
 #[derive(Debug, Clone)]
 pub enum ExpertWeights {
     F32(SwiGlu<f32>),
     Bf16(SwiGlu<bf16>),
+    Quantized(QuantSwiGlu),
 }
 
 impl ExpertWeights {
@@ -21,6 +25,7 @@ impl ExpertWeights {
         match self {
             ExpertWeights::F32(block) => block.forward_with(x, rows, parallel),
             ExpertWeights::Bf16(block) => block.forward_with(x, rows, parallel),
+            ExpertWeights::Quantized(block) => block.forward_with(x, rows, parallel),
         }
     }
 
@@ -29,6 +34,7 @@ impl ExpertWeights {
         match self {
             ExpertWeights::F32(block) => block.weight_bytes(),
             ExpertWeights::Bf16(block) => block.weight_bytes(),
+            ExpertWeights::Quantized(block) => block.weight_bytes(),
         }
     }
 }
@@ -109,11 +115,12 @@ pub struct DenseWeights {
 impl DenseWeights {
     pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig) -> Result<Self, ModelError> {
         let h = cfg.hidden_size;
-        let embed_tokens = linear(ckpt, "model.embed_tokens", cfg.vocab_size, h)?;
+        let quant = &cfg.quantization;
+        let embed_tokens = linear(ckpt, quant, "model.embed_tokens", cfg.vocab_size, h)?;
         let lm_head = if cfg.tie_word_embeddings && !ckpt.contains("lm_head.weight") {
             None
         } else {
-            Some(linear(ckpt, "lm_head", cfg.vocab_size, h)?)
+            Some(linear(ckpt, quant, "lm_head", cfg.vocab_size, h)?)
         };
         let layers = (0..cfg.num_layers)
             .map(|l| {
@@ -137,6 +144,7 @@ impl DenseWeights {
 
 fn load_layer(ckpt: &Checkpoint, cfg: &ModelConfig, l: usize) -> Result<LayerWeights, ModelError> {
     let h = cfg.hidden_size;
+    let quant = &cfg.quantization;
     let eps = cfg.rms_norm_eps;
     let p = format!("model.layers.{l}");
     let heads = cfg.num_heads;
@@ -149,10 +157,22 @@ fn load_layer(ckpt: &Checkpoint, cfg: &ModelConfig, l: usize) -> Result<LayerWei
         } => {
             let a = format!("{p}.self_attn");
             AttentionWeights::Gqa {
-                q: linear(ckpt, &format!("{a}.q_proj"), heads * head_dim, h)?,
-                k: linear(ckpt, &format!("{a}.k_proj"), num_kv_heads * head_dim, h)?,
-                v: linear(ckpt, &format!("{a}.v_proj"), num_kv_heads * head_dim, h)?,
-                o: linear(ckpt, &format!("{a}.o_proj"), h, heads * head_dim)?,
+                q: linear(ckpt, quant, &format!("{a}.q_proj"), heads * head_dim, h)?,
+                k: linear(
+                    ckpt,
+                    quant,
+                    &format!("{a}.k_proj"),
+                    num_kv_heads * head_dim,
+                    h,
+                )?,
+                v: linear(
+                    ckpt,
+                    quant,
+                    &format!("{a}.v_proj"),
+                    num_kv_heads * head_dim,
+                    h,
+                )?,
+                o: linear(ckpt, quant, &format!("{a}.o_proj"), h, heads * head_dim)?,
                 q_norm: qk_norm
                     .then(|| norm(ckpt, &format!("{a}.q_norm"), head_dim, eps))
                     .transpose()?,
@@ -172,17 +192,20 @@ fn load_layer(ckpt: &Checkpoint, cfg: &ModelConfig, l: usize) -> Result<LayerWei
             let a = format!("{p}.self_attn");
             let q_dim = heads * (qk_nope_head_dim + qk_rope_head_dim);
             let q = match q_lora_rank {
-                None => QueryProjection::Direct(linear(ckpt, &format!("{a}.q_proj"), q_dim, h)?),
+                None => {
+                    QueryProjection::Direct(linear(ckpt, quant, &format!("{a}.q_proj"), q_dim, h)?)
+                }
                 Some(rank) => QueryProjection::LowRank {
-                    down: linear(ckpt, &format!("{a}.q_a_proj"), rank, h)?,
+                    down: linear(ckpt, quant, &format!("{a}.q_a_proj"), rank, h)?,
                     norm: norm(ckpt, &format!("{a}.q_a_layernorm"), rank, eps)?,
-                    up: linear(ckpt, &format!("{a}.q_b_proj"), q_dim, rank)?,
+                    up: linear(ckpt, quant, &format!("{a}.q_b_proj"), q_dim, rank)?,
                 },
             };
             AttentionWeights::Mla {
                 q,
                 kv_down: linear(
                     ckpt,
+                    quant,
                     &format!("{a}.kv_a_proj_with_mqa"),
                     kv_lora_rank + qk_rope_head_dim,
                     h,
@@ -190,11 +213,12 @@ fn load_layer(ckpt: &Checkpoint, cfg: &ModelConfig, l: usize) -> Result<LayerWei
                 kv_norm: norm(ckpt, &format!("{a}.kv_a_layernorm"), kv_lora_rank, eps)?,
                 kv_up: linear(
                     ckpt,
+                    quant,
                     &format!("{a}.kv_b_proj"),
                     heads * (qk_nope_head_dim + v_head_dim),
                     kv_lora_rank,
                 )?,
-                o: linear(ckpt, &format!("{a}.o_proj"), h, heads * v_head_dim)?,
+                o: linear(ckpt, quant, &format!("{a}.o_proj"), h, heads * v_head_dim)?,
             }
         }
     };
@@ -204,6 +228,7 @@ fn load_layer(ckpt: &Checkpoint, cfg: &ModelConfig, l: usize) -> Result<LayerWei
             .then(|| {
                 swiglu(
                     ckpt,
+                    quant,
                     &format!("{mlp}.shared_experts"),
                     ExpertNames::PROJ,
                     h,
@@ -218,13 +243,14 @@ fn load_layer(ckpt: &Checkpoint, cfg: &ModelConfig, l: usize) -> Result<LayerWei
             None
         };
         FeedForward::Moe(MoeWeights {
-            router: linear(ckpt, &format!("{mlp}.gate"), cfg.moe.num_experts, h)?,
+            router: linear(ckpt, quant, &format!("{mlp}.gate"), cfg.moe.num_experts, h)?,
             correction_bias,
             shared_expert,
         })
     } else {
         FeedForward::Dense(swiglu(
             ckpt,
+            quant,
             &mlp,
             ExpertNames::PROJ,
             h,
@@ -253,7 +279,28 @@ pub fn load_expert(
     };
     let prefix = format!("{}.experts.{expert}", mlp_prefix(cfg.family, layer));
     let (h, i) = (cfg.hidden_size, cfg.moe.expert_intermediate_size);
-    let gate_name = format!("{prefix}.{}.weight", names.gate);
+    let quant = &cfg.quantization;
+    let gate_prefix = format!("{prefix}.{}", names.gate);
+    if let Some(gate) = quantized(ckpt, quant, &gate_prefix, i, h)? {
+        let also = |name: &str, out, inp| {
+            let module = format!("{prefix}.{name}");
+            quantized(ckpt, quant, &module, out, inp)?.ok_or_else(|| ModelError::Corrupt {
+                path: ckpt.dir().to_path_buf(),
+                reason: format!(
+                    "`{}` is quantized but `{}` is not: an expert's projections are \
+                     stored alike",
+                    ckpt.stored_name(&gate_prefix),
+                    ckpt.stored_name(&module)
+                ),
+            })
+        };
+        return Ok(ExpertWeights::Quantized(QuantSwiGlu {
+            gate,
+            up: also(names.up, i, h)?,
+            down: also(names.down, h, i)?,
+        }));
+    }
+    let gate_name = format!("{gate_prefix}.weight");
     if ckpt.dtype(&gate_name) == Some(Dtype::BF16) {
         let read = |name: &str, out, inp| -> Result<Linear<bf16>, ModelError> {
             let weight = ckpt.read_bf16(&format!("{prefix}.{name}.weight"), &[out, inp])?;
@@ -265,7 +312,9 @@ pub fn load_expert(
             down: read(names.down, h, i)?,
         }));
     }
-    Ok(ExpertWeights::F32(swiglu(ckpt, &prefix, names, h, i)?))
+    Ok(ExpertWeights::F32(swiglu(
+        ckpt, quant, &prefix, names, h, i,
+    )?))
 }
 
 /// Loads every routed expert of every MoE layer: `[layer][expert]`, empty for dense layers.
@@ -314,6 +363,7 @@ impl ExpertNames {
 
 fn swiglu(
     ckpt: &Checkpoint,
+    quant: &Quantization,
     prefix: &str,
     names: ExpertNames,
     hidden: usize,
@@ -322,18 +372,21 @@ fn swiglu(
     Ok(SwiGlu {
         gate: linear(
             ckpt,
+            quant,
             &format!("{prefix}.{}", names.gate),
             intermediate,
             hidden,
         )?,
         up: linear(
             ckpt,
+            quant,
             &format!("{prefix}.{}", names.up),
             intermediate,
             hidden,
         )?,
         down: linear(
             ckpt,
+            quant,
             &format!("{prefix}.{}", names.down),
             hidden,
             intermediate,
@@ -342,8 +395,19 @@ fn swiglu(
 }
 
 /// `{prefix}.weight` of shape `[out, in]`, and `{prefix}.bias` when the checkpoint has one.
-fn linear(ckpt: &Checkpoint, prefix: &str, out: usize, inp: usize) -> Result<Linear, ModelError> {
-    let weight = ckpt.read_f32(&format!("{prefix}.weight"), &[out, inp])?;
+/// A quantized weight is widened to f32 here: dense weights are a small part of an MoE model
+/// (Kimi K2: about 11 B of 1 T parameters) and every router runs them for every token.
+fn linear(
+    ckpt: &Checkpoint,
+    quant: &Quantization,
+    prefix: &str,
+    out: usize,
+    inp: usize,
+) -> Result<Linear, ModelError> {
+    let weight = match quantized(ckpt, quant, prefix, out, inp)? {
+        Some(matrix) => matrix.widen(),
+        None => ckpt.read_f32(&format!("{prefix}.weight"), &[out, inp])?,
+    };
     let bias_name = format!("{prefix}.bias");
     let bias = if ckpt.contains(&bias_name) {
         Some(ckpt.read_f32(&bias_name, &[out])?)
@@ -356,6 +420,67 @@ fn linear(ckpt: &Checkpoint, prefix: &str, out: usize, inp: usize) -> Result<Lin
         out_features: out,
         in_features: inp,
     })
+}
+
+/// Linear layer `prefix` in its quantized form, or `None` where the checkpoint stores it
+/// unquantized: FP8 where `{prefix}.weight` is e4m3 (with `weight_scale_inv`); INT4 where
+/// `{prefix}.weight_packed` is present or `{prefix}.weight` is absent, unless the config's
+/// `ignore` list names the module (compressed-tensors quantizes `nn.Linear` layers only, so a
+/// router stored as a plain `weight` is read as it is).
+fn quantized(
+    ckpt: &Checkpoint,
+    q: &Quantization,
+    prefix: &str,
+    out: usize,
+    inp: usize,
+) -> Result<Option<QuantLinear>, ModelError> {
+    let corrupt = |reason: String| ModelError::Corrupt {
+        path: ckpt.dir().to_path_buf(),
+        reason: format!("`{}`: {reason}", ckpt.stored_name(prefix)),
+    };
+    match q {
+        Quantization::None => Ok(None),
+        Quantization::Fp8 { block } => {
+            let weight_name = format!("{prefix}.weight");
+            if ckpt.dtype(&weight_name) != Some(Dtype::F8_E4M3) {
+                return Ok(None);
+            }
+            let [rows, cols] = *block;
+            let weights = ckpt.read_fp8(&weight_name, &[out, inp])?;
+            let scales = ckpt.read_f32(
+                &format!("{prefix}.weight_scale_inv"),
+                &[out.div_ceil(rows), inp.div_ceil(cols)],
+            )?;
+            QuantLinear::fp8(weights, scales, out, inp, *block)
+                .map(Some)
+                .map_err(corrupt)
+        }
+        Quantization::PackedInt4 { group_size, ignore } => {
+            let packed_name = format!("{prefix}.weight_packed");
+            if ignore.contains(&ckpt.stored_name(prefix))
+                || (!ckpt.contains(&packed_name) && ckpt.contains(&format!("{prefix}.weight")))
+            {
+                return Ok(None);
+            }
+            let packed = ckpt.read_i32_bits(&packed_name, &[out, inp.div_ceil(8)])?;
+            let scales = ckpt.read_f32(
+                &format!("{prefix}.weight_scale"),
+                &[out, inp.div_ceil(*group_size)],
+            )?;
+            let shape_name = format!("{prefix}.weight_shape");
+            if ckpt.contains(&shape_name) {
+                let shape = ckpt.read_int(&shape_name, &[2])?;
+                if shape != [out as i64, inp as i64] {
+                    return Err(corrupt(format!(
+                        "weight_shape says {shape:?}, the config needs [{out}, {inp}]"
+                    )));
+                }
+            }
+            QuantLinear::int4(packed, scales, out, inp, *group_size)
+                .map(Some)
+                .map_err(corrupt)
+        }
+    }
 }
 
 fn norm(ckpt: &Checkpoint, prefix: &str, width: usize, eps: f32) -> Result<RmsNorm, ModelError> {

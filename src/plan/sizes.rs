@@ -4,14 +4,20 @@
 use serde::Serialize;
 
 use crate::model::ModelConfig;
-use crate::model::config::AttentionConfig;
+use crate::model::config::{AttentionConfig, Family};
+use crate::model::quant::Quantization;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct ModelSizes {
     /// Bytes per parameter of the stored dtype (bf16 and f16: 2, f32: 4).
     pub dtype_bytes: u64,
-    /// One routed expert of one layer: gate, up and down projections.
+    /// One routed expert of one layer: gate, up and down projections, as a node holds them:
+    /// in the stored form for a quantized checkpoint (FP8: 1 byte per weight, INT4: half a
+    /// byte, plus their f32 scales).
     pub expert_bytes: u64,
+    /// The same on a GPU, which widens quantized experts to bf16 for now (2 bytes per weight);
+    /// equal to `expert_bytes` for an unquantized checkpoint.
+    pub expert_bytes_on_gpu: u64,
     /// Everything every node loads besides routed experts: embeddings, attention, norms,
     /// gates, shared experts, dense MLPs, the output head.
     pub dense_bytes: u64,
@@ -84,10 +90,59 @@ impl ModelSizes {
                 swiglu(model.intermediate_size)
             };
         }
+        let expert_params = swiglu(model.moe.expert_intermediate_size);
+        let expert_bytes = quantized_expert_bytes(model).unwrap_or(expert_params * bytes);
         ModelSizes {
             dtype_bytes: bytes,
-            expert_bytes: swiglu(model.moe.expert_intermediate_size) * bytes,
+            expert_bytes,
+            expert_bytes_on_gpu: if expert_bytes == expert_params * bytes {
+                expert_bytes
+            } else {
+                expert_params * 2
+            },
             dense_bytes: dense * bytes,
+        }
+    }
+}
+
+/// Bytes of one routed expert held in its quantized form (weights and f32 scales), or `None`
+/// where the checkpoint stores experts unquantized.
+fn quantized_expert_bytes(model: &ModelConfig) -> Option<u64> {
+    let (h, i) = (
+        model.hidden_size as u64,
+        model.moe.expert_intermediate_size as u64,
+    );
+    // gate and up are [i, h], down is [h, i].
+    let matrices = [(i, h), (i, h), (h, i)];
+    match &model.quantization {
+        Quantization::None => None,
+        Quantization::Fp8 { block } => {
+            let [rows, cols] = block.map(|b| b as u64);
+            Some(
+                matrices
+                    .iter()
+                    .map(|&(out, inp)| out * inp + 4 * out.div_ceil(rows) * inp.div_ceil(cols))
+                    .sum(),
+            )
+        }
+        Quantization::PackedInt4 { group_size, ignore } => {
+            let layer = model.moe_layers.iter().position(|&m| m)?;
+            let mlp = match model.family {
+                Family::Mixtral => "block_sparse_moe",
+                _ => "mlp",
+            };
+            let module = format!("model.layers.{layer}.{mlp}.experts.0.gate_proj");
+            let multimodal = format!("language_model.{module}");
+            if ignore.contains(&module) || ignore.contains(&multimodal) {
+                return None;
+            }
+            let group = *group_size as u64;
+            Some(
+                matrices
+                    .iter()
+                    .map(|&(out, inp)| 4 * out * inp.div_ceil(8) + 4 * out * inp.div_ceil(group))
+                    .sum(),
+            )
         }
     }
 }

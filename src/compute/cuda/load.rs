@@ -71,7 +71,9 @@ pub fn load_experts(
     Ok(held)
 }
 
-/// An expert's three matrices as bf16: exact for a bf16 checkpoint, rounded for f32.
+/// An expert's three matrices as bf16: exact for a bf16 checkpoint, rounded for f32. A
+/// quantized expert (FP8, INT4) is widened to bf16 here, so on the GPU it takes the bytes of
+/// a bf16 one (2 per weight): the GPU's expert kernels read bf16 only, for now.
 pub fn bf16_matrices(weights: &ExpertWeights) -> (Vec<bf16>, Vec<bf16>, Vec<bf16>) {
     fn convert<W: WeightElement>(w: &[W]) -> Vec<bf16> {
         w.iter().map(|v| bf16::from_f32(v.to_f32())).collect()
@@ -86,6 +88,11 @@ pub fn bf16_matrices(weights: &ExpertWeights) -> (Vec<bf16>, Vec<bf16>, Vec<bf16
             convert(&b.gate.weight),
             convert(&b.up.weight),
             convert(&b.down.weight),
+        ),
+        ExpertWeights::Quantized(b) => (
+            convert(&b.gate.widen()),
+            convert(&b.up.widen()),
+            convert(&b.down.widen()),
         ),
     }
 }

@@ -1,0 +1,360 @@
+//! Weights held in a checkpoint's quantized form, and the CPU products that dequantize them as
+//! they read them.
+//!
+//! Two stored forms, as published:
+//! - FP8 e4m3 (`float8_e4m3fn`) with one f32 multiplier per `block_rows x block_cols` block
+//!   (`weight_scale_inv`; DeepSeek-V3/R1, Kimi K2 Instruct, Qwen3 "-FP8"): 1 byte per weight.
+//! - 4-bit symmetric integers packed eight to an int32 with one scale per `group` consecutive
+//!   weights of a row (compressed-tensors `pack-quantized`; Kimi K2 Thinking and later):
+//!   half a byte per weight.
+//!
+//! A product with few input rows (decode) is bound by the bytes of weights it reads, so it
+//! dequantizes one weight row at a time into a buffer that stays in L1 and dots every input
+//! row with it: the compressed bytes are read once. With many rows the matrix is widened once
+//! to f32 and handed to the packed GEMM, as bf16 weights are.
+
+use rayon::prelude::*;
+
+use super::cpu::{self, FEW_ROWS};
+
+/// Output rows (weight rows) per parallel task in the few-rows product.
+const WEIGHT_ROWS_PER_TASK: usize = 32;
+
+/// Below this many multiply-adds a product runs on the calling thread.
+const PARALLEL_MIN_FLOPS: usize = 1 << 18;
+
+/// The value of an e4m3fn byte. Its exponent and mantissa fields, moved to an f32's
+/// positions, give the value times 2^-120 (for the subnormals too); 0x7f/0xff, e4m3fn's NaN,
+/// reads as ±480, which no quantizer writes. Branch-free, so it vectorises.
+#[inline(always)]
+pub fn e4m3_to_f32(byte: u8) -> f32 {
+    const TWO_POW_120: f32 = f32::from_bits((127 + 120) << 23);
+    let bits = (u32::from(byte & 0x80) << 24) | (u32::from(byte & 0x7f) << 20);
+    f32::from_bits(bits) * TWO_POW_120
+}
+
+/// How a quantized matrix is stored.
+#[derive(Debug, Clone)]
+pub enum QuantFormat {
+    /// One e4m3 byte per weight; `scales[block_row * blocks_per_row + block_col]` multiplies
+    /// every weight of its block. Edge blocks may be partial.
+    Fp8 {
+        weights: Vec<u8>,
+        scales: Vec<f32>,
+        block_rows: usize,
+        block_cols: usize,
+    },
+    /// Eight 4-bit values per word, lowest nibble first, each stored as value + 8 (so
+    /// -8..=7); a row takes `in_features.div_ceil(8)` words. `scales[row * groups + g]`
+    /// multiplies weights `g * group .. (g + 1) * group` of the row.
+    Int4 {
+        packed: Vec<u32>,
+        scales: Vec<f32>,
+        group: usize,
+    },
+}
+
+/// A quantized `[out_features, in_features]` matrix, as `nn.Linear` lays out its weight.
+#[derive(Debug, Clone)]
+pub struct QuantLinear {
+    pub format: QuantFormat,
+    pub out_features: usize,
+    pub in_features: usize,
+}
+
+impl QuantLinear {
+    /// An FP8 block-scaled matrix; fails when a length does not match the shape.
+    pub fn fp8(
+        weights: Vec<u8>,
+        scales: Vec<f32>,
+        out_features: usize,
+        in_features: usize,
+        [block_rows, block_cols]: [usize; 2],
+    ) -> Result<Self, String> {
+        if block_rows == 0 || block_cols == 0 {
+            return Err("weight_block_size must be greater than 0".into());
+        }
+        let expected_scales = out_features.div_ceil(block_rows) * in_features.div_ceil(block_cols);
+        if weights.len() != out_features * in_features || scales.len() != expected_scales {
+            return Err(format!(
+                "{} weights and {} scales do not make a [{out_features}, {in_features}] matrix \
+                 in [{block_rows}, {block_cols}] blocks",
+                weights.len(),
+                scales.len()
+            ));
+        }
+        Ok(QuantLinear {
+            format: QuantFormat::Fp8 {
+                weights,
+                scales,
+                block_rows,
+                block_cols,
+            },
+            out_features,
+            in_features,
+        })
+    }
+
+    /// A packed 4-bit matrix; fails when a length does not match the shape.
+    pub fn int4(
+        packed: Vec<u32>,
+        scales: Vec<f32>,
+        out_features: usize,
+        in_features: usize,
+        group: usize,
+    ) -> Result<Self, String> {
+        if group == 0 {
+            return Err("group_size must be greater than 0".into());
+        }
+        if packed.len() != out_features * in_features.div_ceil(8)
+            || scales.len() != out_features * in_features.div_ceil(group)
+        {
+            return Err(format!(
+                "{} packed words and {} scales do not make a [{out_features}, {in_features}] \
+                 matrix in groups of {group}",
+                packed.len(),
+                scales.len()
+            ));
+        }
+        Ok(QuantLinear {
+            format: QuantFormat::Int4 {
+                packed,
+                scales,
+                group,
+            },
+            out_features,
+            in_features,
+        })
+    }
+
+    /// Bytes this matrix holds in memory (weights and scales): what one pass reads.
+    pub fn stored_bytes(&self) -> usize {
+        match &self.format {
+            QuantFormat::Fp8 {
+                weights, scales, ..
+            } => weights.len() + 4 * scales.len(),
+            QuantFormat::Int4 { packed, scales, .. } => 4 * packed.len() + 4 * scales.len(),
+        }
+    }
+
+    /// Writes row `row` of the dequantized matrix into `out` (`in_features` long).
+    #[inline]
+    pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
+        let k = self.in_features;
+        match &self.format {
+            QuantFormat::Fp8 {
+                weights,
+                scales,
+                block_rows,
+                block_cols,
+            } => {
+                let blocks_per_row = k.div_ceil(*block_cols);
+                let scale_row = &scales[row / block_rows * blocks_per_row..][..blocks_per_row];
+                let bytes = &weights[row * k..][..k];
+                for ((out, bytes), scale) in out
+                    .chunks_mut(*block_cols)
+                    .zip(bytes.chunks(*block_cols))
+                    .zip(scale_row)
+                {
+                    for (o, b) in out.iter_mut().zip(bytes) {
+                        *o = e4m3_to_f32(*b) * scale;
+                    }
+                }
+            }
+            QuantFormat::Int4 {
+                packed,
+                scales,
+                group,
+            } => {
+                let words_per_row = k.div_ceil(8);
+                let groups = k.div_ceil(*group);
+                let words = &packed[row * words_per_row..][..words_per_row];
+                let scale_row = &scales[row * groups..][..groups];
+                for (chunk, word) in out.chunks_mut(8).zip(words) {
+                    for (i, o) in chunk.iter_mut().enumerate() {
+                        *o = (((word >> (4 * i)) & 0xf) as i32 - 8) as f32;
+                    }
+                }
+                for (out, scale) in out.chunks_mut(*group).zip(scale_row) {
+                    for o in out {
+                        *o *= scale;
+                    }
+                }
+            }
+        }
+    }
+
+    /// The whole matrix in f32 (`out_features * in_features`).
+    pub fn widen(&self) -> Vec<f32> {
+        let k = self.in_features;
+        let mut out = vec![0.0f32; self.out_features * k];
+        if k > 0 {
+            for (row, chunk) in out.chunks_exact_mut(k).enumerate() {
+                self.dequantize_row(row, chunk);
+            }
+        }
+        out
+    }
+
+    /// `x [rows, in] -> [rows, out]`; `parallel = false` keeps the work on this thread.
+    pub fn forward_with(&self, x: &[f32], rows: usize, parallel: bool) -> Vec<f32> {
+        let (n, k) = (self.out_features, self.in_features);
+        assert_eq!(x.len(), rows * k, "lhs size");
+        let mut out = vec![0.0f32; rows * n];
+        if rows == 0 || n == 0 || k == 0 {
+            return out;
+        }
+        if rows > FEW_ROWS {
+            let widened = self.widen();
+            cpu::matmul_transposed(x, rows, k, &widened, n, &mut out, parallel);
+            return out;
+        }
+        // Output-transposed blocks ([weight row][input row]) so that tasks own disjoint
+        // memory; scattered into place at the end.
+        let weight_rows = |first: usize, out_t: &mut [f32]| {
+            let mut row_buffer = vec![0.0f32; k];
+            for (c, column) in out_t.chunks_exact_mut(rows).enumerate() {
+                self.dequantize_row(first + c, &mut row_buffer);
+                cpu::dot_rows(x, k, &row_buffer, column);
+            }
+        };
+        let mut out_t = vec![0.0f32; n * rows];
+        if parallel && rows * n * k >= PARALLEL_MIN_FLOPS {
+            out_t
+                .par_chunks_mut(WEIGHT_ROWS_PER_TASK * rows)
+                .enumerate()
+                .for_each(|(task, block)| weight_rows(task * WEIGHT_ROWS_PER_TASK, block));
+        } else {
+            weight_rows(0, &mut out_t);
+        }
+        for (j, column) in out_t.chunks_exact(rows).enumerate() {
+            for (i, v) in column.iter().enumerate() {
+                out[i * n + j] = *v;
+            }
+        }
+        out
+    }
+}
+
+/// A routed expert's SwiGLU block with quantized projections:
+/// `down(silu(gate(x)) * up(x))`.
+#[derive(Debug, Clone)]
+pub struct QuantSwiGlu {
+    pub gate: QuantLinear,
+    pub up: QuantLinear,
+    pub down: QuantLinear,
+}
+
+impl QuantSwiGlu {
+    pub fn forward_with(&self, x: &[f32], rows: usize, parallel: bool) -> Vec<f32> {
+        let mut gate = self.gate.forward_with(x, rows, parallel);
+        let up = self.up.forward_with(x, rows, parallel);
+        cpu::silu_mul(&mut gate, &up);
+        self.down.forward_with(&gate, rows, parallel)
+    }
+
+    /// Bytes of weights and scales this block holds and reads per forward pass.
+    pub fn weight_bytes(&self) -> usize {
+        self.gate.stored_bytes() + self.up.stored_bytes() + self.down.stored_bytes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn naive(x: &[f32], m: usize, k: usize, w: &[f32], n: usize) -> Vec<f32> {
+        let mut out = vec![0.0; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                out[i * n + j] = (0..k).map(|l| x[i * k + l] * w[j * k + l]).sum();
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn e4m3_bytes_decode_to_their_values() {
+        // Values from the OCP FP8 spec's e4m3 table.
+        for (byte, value) in [
+            (0x00u8, 0.0f32),
+            (0x80, -0.0),
+            (0x38, 1.0),
+            (0xb8, -1.0),
+            (0x7e, 448.0),
+            (0x01, 2f32.powi(-9)),
+            (0x07, 7.0 * 2f32.powi(-9)),
+            (0x08, 2f32.powi(-6)),
+            (0x3c, 1.5),
+            (0x40, 2.0),
+        ] {
+            assert_eq!(e4m3_to_f32(byte), value, "byte {byte:#04x}");
+        }
+    }
+
+    #[test]
+    fn fp8_blocks_scale_their_own_weights_including_partial_edge_blocks() {
+        // 3 x 5 in [2, 2] blocks: 2 x 3 scales, the last row and column blocks partial.
+        let (n, k) = (3, 5);
+        let weights = vec![0x38u8; n * k]; // 1.0 everywhere
+        let scales: Vec<f32> = (1..=6).map(|s| s as f32).collect();
+        let m = QuantLinear::fp8(weights, scales, n, k, [2, 2]).unwrap();
+        let widened = m.widen();
+        #[rustfmt::skip]
+        let expected = [
+            1.0, 1.0, 2.0, 2.0, 3.0,
+            1.0, 1.0, 2.0, 2.0, 3.0,
+            4.0, 4.0, 5.0, 5.0, 6.0,
+        ];
+        assert_eq!(widened, expected);
+        assert!(QuantLinear::fp8(vec![0; 15], vec![1.0; 4], n, k, [2, 2]).is_err());
+    }
+
+    #[test]
+    fn int4_nibbles_are_offset_by_eight_lowest_first_and_scaled_per_group() {
+        // One row of 10 values (two words, the second padded), groups of 4.
+        let values: [i32; 10] = [-8, -1, 0, 1, 7, 3, -3, 2, 5, -5];
+        let mut packed = [0u32; 2];
+        for (i, v) in values.iter().enumerate() {
+            packed[i / 8] |= ((v + 8) as u32) << (4 * (i % 8));
+        }
+        let scales = vec![0.5, 2.0, -1.0];
+        let m = QuantLinear::int4(packed.to_vec(), scales.clone(), 1, 10, 4).unwrap();
+        let expected: Vec<f32> = values
+            .iter()
+            .enumerate()
+            .map(|(i, v)| *v as f32 * scales[i / 4])
+            .collect();
+        assert_eq!(m.widen(), expected);
+        assert!(QuantLinear::int4(packed.to_vec(), vec![1.0; 2], 1, 10, 4).is_err());
+    }
+
+    #[test]
+    fn products_equal_the_product_of_the_widened_matrix_for_few_and_many_rows() {
+        let (n, k): (usize, usize) = (70, 45);
+        let bytes: Vec<u8> = (0..n * k).map(|i| ((i * 37) % 251) as u8 & 0x7e).collect();
+        let scales: Vec<f32> = (0..n.div_ceil(16) * k.div_ceil(8))
+            .map(|i| 0.01 * (1 + i % 5) as f32)
+            .collect();
+        let fp8 = QuantLinear::fp8(bytes, scales, n, k, [16, 8]).unwrap();
+        let packed: Vec<u32> = (0..n * k.div_ceil(8))
+            .map(|i| (i as u32).wrapping_mul(2_654_435_761))
+            .collect();
+        let int4 = QuantLinear::int4(packed, vec![0.1; n * k.div_ceil(32)], n, k, 32).unwrap();
+        for matrix in [fp8, int4] {
+            let w = matrix.widen();
+            for m in [1, 3, 8, 9, 40] {
+                let x: Vec<f32> = (0..m * k)
+                    .map(|i| ((i * 5 % 11) as f32 - 5.0) / 3.0)
+                    .collect();
+                let expected = naive(&x, m, k, &w, n);
+                for parallel in [false, true] {
+                    let got = matrix.forward_with(&x, m, parallel);
+                    for (g, e) in got.iter().zip(&expected) {
+                        assert!((g - e).abs() <= 1e-4 * (1.0 + e.abs()), "m={m}: {g} vs {e}");
+                    }
+                }
+            }
+        }
+    }
+}
