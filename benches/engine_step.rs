@@ -7,12 +7,11 @@
 //! `cargo bench --bench engine_step`; `MOE_STEP_ITERS` (default 200), `MOE_STEP_BATCHES`
 //! (default 1,8,32).
 
-use std::path::Path;
-use std::process::{Command, Stdio};
-use std::sync::Arc;
-use std::time::Instant;
+mod common;
 
-use moe_node::engine::{Engine, SequenceStep};
+use std::sync::Arc;
+
+use moe_node::engine::Engine;
 use moe_node::model::{Checkpoint, DenseWeights, ModelConfig};
 use moe_node::moe::{DispatchPlan, ExpertError, ExpertExecutor};
 
@@ -27,35 +26,7 @@ impl ExpertExecutor for NoExperts {
 
 /// Median milliseconds of a decode step for `batch` sequences with 16-token prompts.
 fn step_ms(engine: &Engine, batch: usize, iters: usize) -> f64 {
-    let mut caches: Vec<_> = (0..batch).map(|_| engine.new_cache()).collect();
-    let prompts: Vec<Vec<u32>> = (0..batch)
-        .map(|b| {
-            (0..16)
-                .map(|i| ((b * 31 + i * 7) % 250 + 1) as u32)
-                .collect()
-        })
-        .collect();
-    let mut prefill: Vec<SequenceStep> = caches
-        .iter_mut()
-        .zip(&prompts)
-        .map(|(cache, tokens)| SequenceStep::new(cache, tokens))
-        .collect();
-    engine.forward(&mut prefill).expect("prefill");
-    let tokens: Vec<[u32; 1]> = (0..batch).map(|b| [(b as u32 * 13) % 250 + 1]).collect();
-    let mut times: Vec<f64> = (0..iters)
-        .map(|_| {
-            let mut step: Vec<SequenceStep> = caches
-                .iter_mut()
-                .zip(&tokens)
-                .map(|(cache, tokens)| SequenceStep::new(cache, tokens))
-                .collect();
-            let started = Instant::now();
-            engine.forward(&mut step).expect("decode step");
-            started.elapsed().as_secs_f64() * 1e3
-        })
-        .collect();
-    times.sort_by(f64::total_cmp);
-    times[times.len() / 2]
+    common::median(&mut common::decode_steps_ms(engine, batch, iters))
 }
 
 fn main() {
@@ -63,16 +34,7 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(200);
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("bench-demo-model");
-    if !dir.join("config.json").exists() {
-        let status = Command::new(env!("CARGO_BIN_EXE_moe-node"))
-            .args(["demo-model", "--out"])
-            .arg(&dir)
-            .stderr(Stdio::null())
-            .status()
-            .expect("demo-model runs");
-        assert!(status.success());
-    }
+    let dir = common::demo_model(env!("CARGO_BIN_EXE_moe-node"));
     let full = Engine::load(&dir).expect("demo model loads");
     let config = ModelConfig::load(&dir).expect("config");
     let weights = DenseWeights::load(&Checkpoint::open(&dir).expect("checkpoint"), &config)

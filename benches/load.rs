@@ -1,9 +1,19 @@
 //! Load benchmark: starts `moe-node serve` on the demo model and streams completions at
-//! concurrency 1, 8 and 32, reporting generated tokens/s, time to first token and the
-//! throughput ratio against concurrency 1 (goal: 32 concurrent ≥ 8x).
+//! concurrency 1, 8 and 32, reporting generated tokens/s, time to first token, the time
+//! between tokens and the throughput ratio against concurrency 1 (goal: 32 concurrent ≥
+//! 8x). In the same run it times the engine's own decode step at batch 1 (no actors, no
+//! HTTP: what `benches/engine_step.rs` measures), before and after the levels, and quotes
+//! the server's time per token at concurrency 1 against it (goal: at most 1.2x).
 //!
-//! `cargo bench --bench load`; `MOE_LOAD_SECONDS` (per level, default 10),
-//! `MOE_LOAD_MAX_TOKENS` (per request, default 64), `MOE_LOAD_LEVELS` (default 1,8,32).
+//! With `MOE_LOAD_BASELINE=/path/to/other/moe-node`, that build serves the same levels
+//! too, its rounds alternating with this build's, so that a change is measured before and
+//! after side by side on a shared machine.
+//!
+//! `cargo bench --bench load`; `MOE_LOAD_SECONDS` (per level and round, default 10),
+//! `MOE_LOAD_ROUNDS` (default 1; medians over rounds), `MOE_LOAD_MAX_TOKENS` (per request,
+//! default 64), `MOE_LOAD_LEVELS` (default 1,8,32).
+
+mod common;
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -31,8 +41,8 @@ impl Drop for Server {
     }
 }
 
-fn start_server(model: &Path) -> (Server, String) {
-    let mut child = Command::new(BIN)
+fn start_server(bin: &str, model: &Path) -> (Server, String) {
+    let mut child = Command::new(bin)
         .args(["serve", "--listen", "127.0.0.1:0", "--model"])
         .arg(model)
         .env("RUST_LOG", "warn,moe_node::server=info")
@@ -66,8 +76,15 @@ fn start_server(model: &Path) -> (Server, String) {
     (Server(child), base)
 }
 
-/// One streamed request: (time to first token, generated tokens).
-fn stream_one(client: &Client, base: &str, seed: u32, max_tokens: usize) -> (Duration, usize) {
+/// One streamed request: time to first token, generated tokens, and the gaps between
+/// successive tokens.
+struct Streamed {
+    ttft: Duration,
+    tokens: usize,
+    gaps: Vec<Duration>,
+}
+
+fn stream_one(client: &Client, base: &str, seed: u32, max_tokens: usize) -> Streamed {
     let prompt: Vec<u32> = (0..16).map(|i| (seed * 31 + i * 7) % 250 + 1).collect();
     let started = Instant::now();
     let resp = client
@@ -84,35 +101,45 @@ fn stream_one(client: &Client, base: &str, seed: u32, max_tokens: usize) -> (Dur
         .expect("request sent");
     assert!(resp.status().is_success(), "status {}", resp.status());
     let mut first = None;
+    let mut last: Option<Instant> = None;
+    let mut gaps = Vec::with_capacity(max_tokens);
     let mut tokens = 0;
     for line in BufReader::new(resp).lines() {
         let line = line.expect("stream read");
         // Token chunks carry one id each; the final chunk carries none.
         if line.starts_with("data: {") && !line.contains("\"token_ids\":[]") {
-            first.get_or_insert_with(|| started.elapsed());
+            let now = Instant::now();
+            first.get_or_insert_with(|| now - started);
+            if let Some(last) = last {
+                gaps.push(now - last);
+            }
+            last = Some(now);
             tokens += 1;
         }
     }
-    (first.unwrap_or_default(), tokens)
+    Streamed {
+        ttft: first.unwrap_or_default(),
+        tokens,
+        gaps,
+    }
 }
 
-fn median(values: &mut [f64]) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
-}
+use common::median;
 
 struct Level {
     concurrency: usize,
     tokens_per_second: f64,
     ttft_median_ms: f64,
     ttft_p90_ms: f64,
+    /// Median time between two tokens of one stream.
+    token_gap_median_ms: f64,
     requests: usize,
 }
 
 fn run_level(base: &str, concurrency: usize, seconds: f64, max_tokens: usize) -> Level {
     let started = Instant::now();
     let deadline = started + Duration::from_secs_f64(seconds);
-    let results: Vec<Vec<(Duration, usize)>> = std::thread::scope(|scope| {
+    let results: Vec<Vec<Streamed>> = std::thread::scope(|scope| {
         let workers: Vec<_> = (0..concurrency)
             .map(|worker| {
                 scope.spawn(move || {
@@ -141,71 +168,160 @@ fn run_level(base: &str, concurrency: usize, seconds: f64, max_tokens: usize) ->
             .collect()
     });
     let elapsed = started.elapsed().as_secs_f64();
-    let all: Vec<(Duration, usize)> = results.into_iter().flatten().collect();
-    let tokens: usize = all.iter().map(|(_, t)| t).sum();
-    let mut ttft: Vec<f64> = all.iter().map(|(d, _)| d.as_secs_f64() * 1e3).collect();
+    let all: Vec<Streamed> = results.into_iter().flatten().collect();
+    let tokens: usize = all.iter().map(|s| s.tokens).sum();
+    let mut ttft: Vec<f64> = all.iter().map(|s| s.ttft.as_secs_f64() * 1e3).collect();
     let ttft_median_ms = median(&mut ttft);
     let ttft_p90_ms = ttft.get((ttft.len() * 9) / 10).copied().unwrap_or(f64::NAN);
+    let mut gaps: Vec<f64> = all
+        .iter()
+        .flat_map(|s| s.gaps.iter().map(|g| g.as_secs_f64() * 1e3))
+        .collect();
     Level {
         concurrency,
         tokens_per_second: tokens as f64 / elapsed,
         ttft_median_ms,
         ttft_p90_ms,
+        token_gap_median_ms: median(&mut gaps),
         requests: all.len(),
+    }
+}
+
+/// The engine's decode step at batch 1, in this process, with every expert: the samples in
+/// milliseconds.
+fn engine_step_samples(model: &Path) -> Vec<f64> {
+    let engine = moe_node::engine::Engine::load(model).expect("demo model loads");
+    common::decode_steps_ms(&engine, 1, 200)
+}
+
+/// A build under test: its name, and its server.
+struct Build {
+    name: &'static str,
+    base: String,
+    _server: Server,
+}
+
+/// The median of each figure over a level's rounds.
+fn median_level(rounds: &[Level]) -> Level {
+    let figure = |f: fn(&Level) -> f64| median(&mut rounds.iter().map(f).collect::<Vec<_>>());
+    Level {
+        concurrency: rounds[0].concurrency,
+        tokens_per_second: figure(|l| l.tokens_per_second),
+        ttft_median_ms: figure(|l| l.ttft_median_ms),
+        ttft_p90_ms: figure(|l| l.ttft_p90_ms),
+        token_gap_median_ms: figure(|l| l.token_gap_median_ms),
+        requests: rounds.iter().map(|l| l.requests).sum(),
     }
 }
 
 fn main() {
     // `cargo bench` passes --bench; nothing else is taken from the command line.
     let seconds: f64 = env_or("MOE_LOAD_SECONDS", 10.0);
+    let rounds: usize = env_or("MOE_LOAD_ROUNDS", 1usize).max(1);
     let max_tokens: usize = env_or("MOE_LOAD_MAX_TOKENS", 64);
     let levels: Vec<usize> = std::env::var("MOE_LOAD_LEVELS")
         .unwrap_or_else(|_| "1,8,32".into())
         .split(',')
         .filter_map(|v| v.trim().parse().ok())
         .collect();
-    let model = Path::new(env!("CARGO_TARGET_TMPDIR")).join("bench-demo-model");
-    if !model.join("config.json").exists() {
-        let status = Command::new(BIN)
-            .args(["demo-model", "--out"])
-            .arg(&model)
-            .stderr(Stdio::null())
-            .status()
-            .expect("demo-model runs");
-        assert!(status.success(), "demo model written");
+    let model = common::demo_model(BIN);
+    let mut engine_ms = engine_step_samples(&model);
+
+    let mut bins = vec![("this build", BIN.to_string())];
+    if let Ok(other) = std::env::var("MOE_LOAD_BASELINE") {
+        bins.push(("baseline", other));
     }
-    let (_server, base) = start_server(&model);
+    let builds: Vec<Build> = bins
+        .into_iter()
+        .map(|(name, bin)| {
+            let (server, base) = start_server(&bin, &model);
+            Build {
+                name,
+                base,
+                _server: server,
+            }
+        })
+        .collect();
     println!(
         "load: demo model (kimi_k2 layout, 896 experts, top-16), 16-token prompts, {max_tokens} \
-         tokens per request, streamed, {seconds} s per level, {} cores",
+         tokens per request, streamed, {seconds} s per level and round, {rounds} round(s), {} cores",
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
     // A short warm-up so the first level does not pay for cold caches.
-    run_level(&base, 1, 1.0, 8);
-    let results: Vec<Level> = levels
-        .iter()
-        .map(|&c| run_level(&base, c, seconds, max_tokens))
-        .collect();
-    let baseline = results
-        .iter()
-        .find(|l| l.concurrency == 1)
-        .map(|l| l.tokens_per_second);
-    println!(
-        "{:>11} {:>9} {:>12} {:>15} {:>12} {:>10}",
-        "concurrency", "requests", "tokens/s", "ttft median ms", "ttft p90 ms", "vs c=1"
-    );
-    for l in &results {
-        let ratio = baseline.map_or(f64::NAN, |b| l.tokens_per_second / b);
-        println!(
-            "{:>11} {:>9} {:>12.1} {:>15.1} {:>12.1} {:>9.2}x",
-            l.concurrency, l.requests, l.tokens_per_second, l.ttft_median_ms, l.ttft_p90_ms, ratio
-        );
+    for build in &builds {
+        run_level(&build.base, 1, 1.0, 8);
     }
-    if let (Some(b), Some(top)) = (baseline, results.iter().find(|l| l.concurrency == 32)) {
-        let ratio = top.tokens_per_second / b;
+    // results[build][level]: each round runs every build in turn.
+    let mut samples: Vec<Vec<Vec<Level>>> = builds
+        .iter()
+        .map(|_| levels.iter().map(|_| Vec::new()).collect())
+        .collect();
+    for (l, &concurrency) in levels.iter().enumerate() {
+        for _ in 0..rounds {
+            for (b, build) in builds.iter().enumerate() {
+                samples[b][l].push(run_level(&build.base, concurrency, seconds, max_tokens));
+            }
+        }
+    }
+    let names: Vec<&str> = builds.iter().map(|b| b.name).collect();
+    // The servers stop before the engine is timed again.
+    drop(builds);
+    engine_ms.extend(engine_step_samples(&model));
+    let engine_step_ms = median(&mut engine_ms);
+
+    let results: Vec<Vec<Level>> = samples
+        .iter()
+        .map(|per_level| per_level.iter().map(|r| median_level(r)).collect())
+        .collect();
+    println!("engine decode step, batch 1, in process: median {engine_step_ms:.3} ms (400 steps)");
+    for (name, levels) in names.iter().zip(&results) {
+        let c1 = levels.iter().find(|l| l.concurrency == 1);
+        println!("{name}:");
         println!(
-            "goal: concurrency 32 >= 8x concurrency 1: {ratio:.2}x ({})",
-            if ratio >= 8.0 { "met" } else { "not met" }
+            "{:>11} {:>9} {:>12} {:>15} {:>12} {:>14} {:>10}",
+            "concurrency",
+            "requests",
+            "tokens/s",
+            "ttft median ms",
+            "ttft p90 ms",
+            "token gap ms",
+            "vs c=1"
         );
+        for l in levels {
+            let ratio = c1.map_or(f64::NAN, |b| l.tokens_per_second / b.tokens_per_second);
+            println!(
+                "{:>11} {:>9} {:>12.1} {:>15.1} {:>12.1} {:>14.3} {:>9.2}x",
+                l.concurrency,
+                l.requests,
+                l.tokens_per_second,
+                l.ttft_median_ms,
+                l.ttft_p90_ms,
+                l.token_gap_median_ms,
+                ratio
+            );
+        }
+        if let Some(c1) = c1 {
+            let overhead = c1.token_gap_median_ms / engine_step_ms;
+            println!(
+                "goal: time per token at concurrency 1 <= 1.2x the engine step: {overhead:.2}x ({})",
+                if overhead <= 1.2 { "met" } else { "not met" }
+            );
+            if let Some(top) = levels.iter().find(|l| l.concurrency == 32) {
+                let ratio = top.tokens_per_second / c1.tokens_per_second;
+                println!(
+                    "goal: concurrency 32 >= 8x concurrency 1: {ratio:.2}x ({})",
+                    if ratio >= 8.0 { "met" } else { "not met" }
+                );
+            }
+        }
+    }
+    if let [this, base] = results.as_slice() {
+        for (a, b) in this.iter().zip(base) {
+            println!(
+                "concurrency {}: this build / baseline tokens/s {:.2}x",
+                a.concurrency,
+                a.tokens_per_second / b.tokens_per_second
+            );
+        }
     }
 }

@@ -239,4 +239,62 @@ fn echo_scores_the_prompt_as_the_engine_does_across_prefill_chunks() {
             .starts_with(prompt)
     );
     assert!(plain["choices"][0]["logprobs"].is_null());
+
+    // Streamed, the prompt comes first in a chunk of its own: the chunks put together are
+    // the whole response, text and legacy log probabilities (offsets included).
+    let body = json!({"prompt": prompt, "max_tokens": 3, "echo": true, "logprobs": 1,
+                      "temperature": 0});
+    let whole = server.post_ok("/v1/completions", &body);
+    let mut streamed_body = body.clone();
+    streamed_body["stream"] = json!(true);
+    let (events, done) = read_sse(server.post("/v1/completions", &streamed_body));
+    assert!(done, "the stream ends with [DONE]");
+    let mut text = String::new();
+    let mut joined = json!({"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                            "text_offset": []});
+    for event in &events {
+        let choice = &event["choices"][0];
+        text.push_str(choice["text"].as_str().unwrap());
+        if let Some(lp) = choice["logprobs"].as_object() {
+            for key in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+                let part = lp[key].as_array().unwrap().clone();
+                joined[key].as_array_mut().unwrap().extend(part);
+            }
+        }
+    }
+    assert_eq!(events[0]["choices"][0]["text"], prompt, "the prompt first");
+    let whole_choice = &whole["choices"][0];
+    assert_eq!(text, whole_choice["text"].as_str().unwrap());
+    for key in ["tokens", "text_offset"] {
+        assert_eq!(joined[key], whole_choice["logprobs"][key], "{key}");
+    }
+    let (streamed_lp, whole_lp) = (
+        joined["token_logprobs"].as_array().unwrap(),
+        whole_choice["logprobs"]["token_logprobs"]
+            .as_array()
+            .unwrap(),
+    );
+    assert_eq!(streamed_lp.len(), prompt_ids.len() + 3);
+    assert!(streamed_lp[0].is_null());
+    for (a, b) in streamed_lp.iter().zip(whole_lp).skip(1) {
+        assert!(close(a.as_f64().unwrap(), b.as_f64().unwrap()));
+    }
+    // Scoring only (`max_tokens: 0`), streamed: the prompt and its log probabilities.
+    let (events, done) = read_sse(server.post(
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 0, "echo": true, "logprobs": 2,
+                "stream": true}),
+    ));
+    assert!(done);
+    let first = &events[0]["choices"][0];
+    assert_eq!(first["text"], prompt);
+    assert_eq!(
+        first["logprobs"]["token_logprobs"]
+            .as_array()
+            .unwrap()
+            .len(),
+        prompt_ids.len()
+    );
+    let last = &events.last().unwrap()["choices"][0];
+    assert_eq!(last["finish_reason"], "length");
 }

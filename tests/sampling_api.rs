@@ -372,12 +372,6 @@ fn bad_sampling_values_and_unknown_fields_get_400_naming_the_parameter() {
             "echo",
         ),
         (
-            "/v1/completions",
-            json!({"echo": true, "stream": true}),
-            "echo",
-            "stream",
-        ),
-        (
             "/v1/chat/completions",
             json!({"logprobs": 3}),
             "logprobs",

@@ -1,11 +1,13 @@
 //! The device actor: owns the expert weights placed on one device (a GPU, or a CPU slot)
 //! and runs groups of token rows through them. Each device actor has its own thread (a
-//! dedicated arbiter), so expert compute never runs on the HTTP runtime.
+//! dedicated arbiter), so expert compute never runs on the HTTP runtime. A CPU slot's
+//! handle can also run small work on the caller's thread ([`DeviceHandle::run_here`]):
+//! below a few hundred microseconds of work, handing it to the slot's thread and back
+//! costs more than the work.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc;
+use std::sync::{Arc, PoisonError, RwLock, mpsc};
 
 use actix::prelude::*;
 
@@ -32,7 +34,6 @@ pub enum DeviceTarget {
 
 pub struct DeviceActor {
     id: usize,
-    hidden_size: usize,
     experts: Held,
     holding: Arc<Holding>,
 }
@@ -45,8 +46,66 @@ pub struct Holding {
 }
 
 enum Held {
-    Cpu(HashMap<(usize, u32), ExpertWeights>),
+    Cpu(Arc<CpuExperts>),
     Gpu(Box<GpuExperts>),
+}
+
+/// A CPU slot's experts. The actor decides what they are (load, take, release); its handle
+/// reads them too, to run small work on the caller's thread.
+#[derive(Debug, Default)]
+pub struct CpuExperts {
+    experts: RwLock<HashMap<(usize, u32), ExpertWeights>>,
+    hidden_size: usize,
+}
+
+impl CpuExperts {
+    fn new(experts: HashMap<(usize, u32), ExpertWeights>, hidden_size: usize) -> Self {
+        CpuExperts {
+            experts: RwLock::new(experts),
+            hidden_size,
+        }
+    }
+
+    /// Runs each `(expert, rows)` group of `layer`, unless the work (weight bytes times
+    /// rows, summed over the groups) is over `work_limit`: then `None`, nothing run.
+    /// `on_pool` spreads the groups over the global thread pool (as the dense part of a
+    /// step is); otherwise they run on the calling thread alone.
+    fn run(
+        &self,
+        layer: usize,
+        groups: &[(u32, &[f32])],
+        work_limit: usize,
+        on_pool: bool,
+    ) -> Option<GroupOutputs> {
+        let experts = self.experts.read().unwrap_or_else(PoisonError::into_inner);
+        let mut work = 0usize;
+        let mut held = Vec::with_capacity(groups.len());
+        for &(expert, input) in groups {
+            let Some(weights) = experts.get(&(layer, expert)) else {
+                return Some(Err(TargetError::NotHeld { layer, expert }));
+            };
+            let rows = input.len() / self.hidden_size.max(1);
+            work = work.saturating_add(weights.weight_bytes().saturating_mul(rows));
+            held.push((weights, input));
+        }
+        if work > work_limit {
+            return None;
+        }
+        Some(Ok(run_expert_groups(&held, self.hidden_size, on_pool)))
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<(usize, u32), ExpertWeights>> {
+        self.experts.write().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Experts held, and their weight bytes.
+    fn count(&self) -> (usize, usize) {
+        let experts = self.experts.read().unwrap_or_else(PoisonError::into_inner);
+        (
+            experts.len(),
+            experts.values().map(ExpertWeights::weight_bytes).sum(),
+        )
+    }
 }
 
 /// Runs token rows through experts this device holds; answers with one output per group.
@@ -112,12 +171,17 @@ impl DeviceActor {
             layer: msg.layer,
             expert,
         };
-        let experts = match &mut self.experts {
-            Held::Cpu(experts) => experts,
+        let groups: Vec<(u32, &[f32])> =
+            msg.groups.iter().map(|(e, x)| (*e, x.as_slice())).collect();
+        match &mut self.experts {
+            // No limit: `None` cannot come back.
+            // A slot computes on its own thread: slots run side by side without contending
+            // for one pool.
+            Held::Cpu(experts) => experts
+                .run(msg.layer, &groups, usize::MAX, false)
+                .unwrap_or_else(|| Err(TargetError::Failed("work over the limit".into()))),
             Held::Gpu(gpu) => {
-                let groups: Vec<(u32, &[f32])> =
-                    msg.groups.iter().map(|(e, x)| (*e, x.as_slice())).collect();
-                return match gpu.run(msg.layer, &groups) {
+                match gpu.run(msg.layer, &groups) {
                     Ok(RunOutcome::Done(outputs)) => Ok(outputs),
                     Ok(RunOutcome::NotHeld(expert)) => Err(not_held(expert)),
                     Err(e) => {
@@ -127,29 +191,16 @@ impl DeviceActor {
                         ctx.stop();
                         Err(TargetError::Gone(format!("device {}: {e}", self.id)))
                     }
-                };
+                }
             }
-        };
-        let mut groups = Vec::with_capacity(msg.groups.len());
-        for (expert, input) in &msg.groups {
-            let weights = experts
-                .get(&(msg.layer, *expert))
-                .ok_or_else(|| not_held(*expert))?;
-            groups.push((weights, input.as_slice()));
         }
-        // A CPU device slot computes on its own thread: slots run side by side without
-        // contending for one pool.
-        Ok(run_expert_groups(&groups, self.hidden_size, false))
     }
 }
 
 impl DeviceActor {
     fn count(&self) -> usize {
         let (experts, bytes) = match &self.experts {
-            Held::Cpu(map) => (
-                map.len(),
-                map.values().map(ExpertWeights::weight_bytes).sum(),
-            ),
+            Held::Cpu(held) => held.count(),
             Held::Gpu(gpu) => (gpu.experts_held(), gpu.weight_bytes()),
         };
         self.holding.experts.store(experts, Ordering::Relaxed);
@@ -163,7 +214,7 @@ impl Handler<TakeExperts> for DeviceActor {
 
     fn handle(&mut self, msg: TakeExperts, _: &mut Self::Context) -> Self::Result {
         match &mut self.experts {
-            Held::Cpu(map) => map.extend(msg.0),
+            Held::Cpu(held) => held.write().extend(msg.0),
             // A GPU's experts live in one buffer sized at load: a new share needs a restart
             // of the node (the cluster meanwhile serves these experts from other replicas).
             Held::Gpu(_) => {
@@ -181,8 +232,8 @@ impl Handler<ReleaseExperts> for DeviceActor {
     type Result = usize;
 
     fn handle(&mut self, msg: ReleaseExperts, _: &mut Self::Context) -> usize {
-        if let Held::Cpu(map) = &mut self.experts {
-            map.retain(|key, _| msg.0.contains(key));
+        if let Held::Cpu(held) = &self.experts {
+            held.write().retain(|key, _| msg.0.contains(key));
         }
         self.count()
     }
@@ -206,6 +257,8 @@ pub struct DeviceHandle {
     pub gpu: Option<usize>,
     /// What it computes on: `cpu`, or the GPU's name.
     pub name: String,
+    /// A CPU slot's experts, for work run on the caller's thread.
+    cpu: Option<Arc<CpuExperts>>,
 }
 
 impl DeviceHandle {
@@ -222,6 +275,26 @@ impl DeviceHandle {
     /// Bytes of expert weights the device holds.
     pub fn weight_bytes(&self) -> usize {
         self.holding.weight_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Runs `(expert, rows)` groups of `layer` from the calling thread (on the global pool,
+    /// as the rest of a step), when this is a CPU slot in service and the work (weight
+    /// bytes times rows) is at most `work_limit`; `None` otherwise (send it to the actor).
+    /// The answer is what the actor would give.
+    pub fn run_here(
+        &self,
+        layer: usize,
+        groups: &[(u32, &[f32])],
+        work_limit: usize,
+    ) -> Option<GroupOutputs> {
+        let experts = self.cpu.as_ref()?;
+        if !self.addr.connected() {
+            return Some(Err(TargetError::Gone(format!(
+                "device {} stopped",
+                self.id
+            ))));
+        }
+        experts.run(layer, groups, work_limit, true)
     }
 }
 
@@ -240,6 +313,7 @@ pub fn start_device(
     let experts_held = experts.len();
     let holding = Arc::new(Holding::default());
     let actor_holding = holding.clone();
+    let (cpu_tx, cpu_rx) = mpsc::channel();
     let dir = checkpoint.dir().to_path_buf();
     let (gpu, name) = match &target {
         DeviceTarget::Cpu => (None, "cpu".to_string()),
@@ -251,7 +325,12 @@ pub fn start_device(
     let addr = DeviceActor::start_in_arbiter(&arbiter.handle(), move |ctx| {
         let loaded = match &target {
             DeviceTarget::Cpu => load_experts(&checkpoint, &config, &experts)
-                .map(Held::Cpu)
+                .map(|map| {
+                    let held = Arc::new(CpuExperts::new(map, hidden_size));
+                    // The receiver waits below for what the handle shares.
+                    let _ = cpu_tx.send(held.clone());
+                    Held::Cpu(held)
+                })
                 .map_err(NodeError::from),
             DeviceTarget::Gpu(gpu, options) => {
                 load_gpu(gpu, options, &checkpoint, &config, &experts)
@@ -262,21 +341,20 @@ pub fn start_device(
         let (experts, ready) = match loaded {
             Ok(held) => {
                 let bytes = match &held {
-                    Held::Cpu(map) => map.values().map(ExpertWeights::weight_bytes).sum(),
+                    Held::Cpu(cpu) => cpu.count().1,
                     Held::Gpu(gpu) => gpu.weight_bytes(),
                 };
                 (held, Ok(bytes))
             }
             Err(e) => {
                 ctx.stop();
-                (Held::Cpu(HashMap::new()), Err(e))
+                (Held::Cpu(Arc::default()), Err(e))
             }
         };
         // The receiver waits below; it is gone only if the caller gave up.
         let _ = ready_tx.send(ready);
         let actor = DeviceActor {
             id,
-            hidden_size,
             experts,
             holding: actor_holding,
         };
@@ -301,6 +379,7 @@ pub fn start_device(
         holding,
         gpu,
         name,
+        cpu: cpu_rx.try_recv().ok(),
     })
 }
 

@@ -105,9 +105,8 @@ struct ChatRequest {
     /// in [`structured::tool_use`].
     tools: Option<Vec<Value>>,
     tool_choice: Option<Value>,
-    /// Accepted; a forced call (`tool_choice`) is one call, and `auto` returns every call
-    /// the model writes.
-    #[allow(dead_code)]
+    /// `false`: each choice returns the first call the model writes, no more (a forced
+    /// call, `tool_choice` required or named, is one call either way).
     parallel_tool_calls: Option<bool>,
     #[serde(flatten)]
     fields: GenerationFields,
@@ -312,6 +311,8 @@ pub struct Admitted {
     pub(super) constraint: Option<(Constraint, u32)>,
     /// The format tool calls are parsed out of the output in.
     pub(super) tool_calls: Option<ToolCallFormat>,
+    /// `parallel_tool_calls: false`: a choice returns its first call only.
+    pub(super) single_tool_call: bool,
     /// The tokens that end the generation (their text is never part of the output).
     pub(super) end_tokens: Vec<u32>,
 }
@@ -424,6 +425,7 @@ pub fn chat_request(served: &RequestContext, body: &[u8]) -> Result<Admitted, Ap
         admitted.constraint = Some((constraint, structured_end(served)));
     }
     admitted.tool_calls = tools.parse;
+    admitted.single_tool_call = request.parallel_tool_calls == Some(false);
     Ok(admitted)
 }
 
@@ -585,12 +587,6 @@ fn admit(
         .with_param("n"));
     }
     let (logprobs, echo) = logprobs_asked(endpoint, &fields)?;
-    if echo.is_some() && fields.stream {
-        return Err(
-            ApiError::bad_request("echo is not supported with stream: send stream: false")
-                .with_param("echo"),
-        );
-    }
     let model = served.model;
     if prompt.is_empty() {
         return Err(ApiError::bad_request("the prompt is empty").with_param("prompt"));
@@ -711,6 +707,7 @@ fn admit(
         end_tokens,
         constraint,
         tool_calls: None,
+        single_tool_call: false,
     })
 }
 

@@ -51,6 +51,8 @@ struct Choice {
     finish_reason: Option<&'static str>,
     /// Tool calls streamed so far.
     calls_sent: usize,
+    /// Whether a stream has sent the prompt of an `echo` request for this choice.
+    echoed: bool,
 }
 
 impl Response {
@@ -74,6 +76,7 @@ impl Response {
                 streamed_chars: 0,
                 finish_reason: None,
                 calls_sent: 0,
+                echoed: false,
             })
             .collect();
         Response {
@@ -115,6 +118,12 @@ impl Response {
                 }
                 self.tokens_seen += 1;
                 choice.token_ids.push(token);
+                if streaming {
+                    self.stream_echo(tokenizer, index);
+                }
+                let Some(choice) = self.choices.get_mut(index) else {
+                    return Ok(false);
+                };
                 let stopped = choice.text.push(tokenizer, token);
                 if streaming {
                     let delta = choice.text.delta();
@@ -171,6 +180,10 @@ impl Response {
     fn end_choice(&mut self, tokenizer: Option<&Tokenizer>, index: usize, reason: FinishReason) {
         let reason = finish_reason(reason);
         let streaming = self.streaming();
+        if streaming {
+            // A choice can end before its first token (`max_tokens: 0` scores the prompt).
+            self.stream_echo(tokenizer, index);
+        }
         let Some(choice) = self.choices.get_mut(index) else {
             return;
         };
@@ -208,6 +221,42 @@ impl Response {
         }
     }
 
+    /// The prompt of an `echo` request, with its log probabilities when they were asked
+    /// for (the first token has none).
+    fn echo_logprobs(&self, tokenizer: Option<&Tokenizer>) -> Option<LegacyLogprobs> {
+        let echo = self.request.echo.as_ref()?;
+        let mut legacy = LegacyLogprobs::starting_at(0);
+        for (i, &id) in echo.ids.iter().enumerate() {
+            let lp = i.checked_sub(1).and_then(|i| self.prompt_logprobs.get(i));
+            legacy.push(tokenizer, id, lp);
+        }
+        Some(legacy)
+    }
+
+    /// A stream of an `echo` request sends each choice's prompt in a chunk of its own
+    /// before the choice's first token, as the whole response puts it before the text.
+    fn stream_echo(&mut self, tokenizer: Option<&Tokenizer>, index: usize) {
+        let Some(echo) = &self.request.echo else {
+            return;
+        };
+        if self.choices.get(index).is_none_or(|c| c.echoed) {
+            return;
+        }
+        let text = echo.text.clone();
+        let with_logprobs = echo.logprobs.is_some();
+        let legacy = self.echo_logprobs(tokenizer);
+        let offset = legacy.as_ref().map_or(0, |l| l.offset);
+        let logprobs = legacy
+            .filter(|_| with_logprobs)
+            .map(LegacyLogprobs::into_json);
+        let chunk = self.chunk(index, &text, &[], logprobs, None);
+        self.out.push_back(sse(&chunk));
+        if let Some(choice) = self.choices.get_mut(index) {
+            choice.echoed = true;
+            choice.streamed_chars = offset;
+        }
+    }
+
     /// Queues the chunks of `pieces` of choice `index`: text as content, each call as a
     /// `tool_calls` delta. The token's ids and log probabilities go with the first; with
     /// no pieces, an empty chunk carries them.
@@ -219,6 +268,12 @@ impl Response {
         logprobs: Option<Value>,
     ) {
         let mut ids = Some((ids, logprobs));
+        let pieces = match self.choices.get(index) {
+            Some(choice) if self.request.single_tool_call => {
+                first_call_only(pieces, choice.calls_sent)
+            }
+            _ => pieces,
+        };
         let mut pieces = pieces.into_iter().peekable();
         if pieces.peek().is_none() {
             if let Some((ids, logprobs)) = ids.take()
@@ -337,24 +392,26 @@ impl Response {
     /// The whole response, once every choice has ended.
     fn whole_body(&mut self, served: &ServedModel) -> Value {
         let tokenizer = served.tokenizer.as_ref();
+        let echo_legacy = self.echo_logprobs(tokenizer);
         let mut choices = Vec::with_capacity(self.choices.len());
         for (index, choice) in self.choices.iter_mut().enumerate() {
             let generated = choice.text.final_text(tokenizer);
             let mut body = match self.request.endpoint {
                 Endpoint::Completions => {
                     let mut text = String::new();
-                    let mut logprobs = self
-                        .request
-                        .logprobs
-                        .map(|_| LegacyLogprobs::starting_at(0));
+                    let mut logprobs = self.request.logprobs.map(|_| {
+                        let echoed = self
+                            .request
+                            .echo
+                            .as_ref()
+                            .is_some_and(|echo| echo.logprobs.is_some());
+                        echo_legacy
+                            .clone()
+                            .filter(|_| echoed)
+                            .unwrap_or_else(|| LegacyLogprobs::starting_at(0))
+                    });
                     if let Some(echo) = &self.request.echo {
                         text.push_str(&echo.text);
-                        if let (Some(legacy), Some(_)) = (&mut logprobs, echo.logprobs) {
-                            for (i, &id) in echo.ids.iter().enumerate() {
-                                let lp = i.checked_sub(1).and_then(|i| self.prompt_logprobs.get(i));
-                                legacy.push(tokenizer, id, lp);
-                            }
-                        }
                     }
                     text.push_str(&generated);
                     if let Some(legacy) = &mut logprobs {
@@ -369,13 +426,16 @@ impl Response {
                     })
                 }
                 Endpoint::Chat => {
-                    let (content, calls) = match self.request.tool_calls {
+                    let (content, mut calls) = match self.request.tool_calls {
                         Some(format) => {
                             let parsed = format.parse(&generated);
                             (parsed.content, parsed.calls)
                         }
                         None => (generated, Vec::new()),
                     };
+                    if self.request.single_tool_call {
+                        calls.truncate(1);
+                    }
                     if let Some(reason) = &mut choice.finish_reason {
                         *reason = tool_calls_reason(reason, !calls.is_empty());
                     }
@@ -415,6 +475,22 @@ impl Response {
         body["usage"] = self.usage();
         body
     }
+}
+
+/// `parallel_tool_calls: false`: `pieces` without the calls after a choice's first, of
+/// which `calls_sent` are already out.
+fn first_call_only(pieces: Vec<Piece>, calls_sent: usize) -> Vec<Piece> {
+    let mut calls = calls_sent;
+    pieces
+        .into_iter()
+        .filter(|piece| match piece {
+            Piece::Call(_) => {
+                calls += 1;
+                calls == 1
+            }
+            Piece::Text(_) => true,
+        })
+        .collect()
 }
 
 /// A choice that ended at the model's end token after calling tools ends with
@@ -475,6 +551,7 @@ fn token_text(tokenizer: Option<&Tokenizer>, id: u32) -> (String, Option<Vec<u8>
 /// The completions endpoint's log probabilities: parallel lists of token texts, their
 /// log probabilities, the alternatives (text → log probability, the chosen token among
 /// them) and each token's offset in characters.
+#[derive(Clone)]
 struct LegacyLogprobs {
     tokens: Vec<String>,
     token_logprobs: Vec<Value>,
@@ -673,4 +750,50 @@ pub(super) fn sse_stream(
 
 fn sse(value: &Value) -> Bytes {
     Bytes::from(format!("data: {value}\n\n"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::tool_calls::ToolCall;
+
+    fn call(name: &str) -> Piece {
+        Piece::Call(ToolCall {
+            id: None,
+            name: name.into(),
+            arguments: "{}".into(),
+        })
+    }
+
+    fn names(pieces: &[Piece]) -> Vec<String> {
+        pieces
+            .iter()
+            .map(|p| match p {
+                Piece::Text(t) => format!("text {t}"),
+                Piece::Call(c) => format!("call {}", c.name),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn without_parallel_tool_calls_a_choice_streams_its_first_call_only() {
+        let pieces = vec![
+            Piece::Text("a".into()),
+            call("f"),
+            Piece::Text("b".into()),
+            call("g"),
+        ];
+        assert_eq!(
+            names(&first_call_only(pieces, 0)),
+            ["text a", "call f", "text b"]
+        );
+        // A call already streamed: the next ones are dropped, text is kept.
+        assert_eq!(
+            names(&first_call_only(
+                vec![call("h"), Piece::Text("c".into())],
+                1
+            )),
+            ["text c"]
+        );
+    }
 }
