@@ -843,6 +843,15 @@ impl Dispatcher {
         }
     }
 
+    /// Local device `device`'s handle as it is now.
+    fn device(&self, device: u16) -> Option<DeviceHandle> {
+        self.devices
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(device as usize)
+            .cloned()
+    }
+
     fn send_local(
         &self,
         device: u16,
@@ -853,12 +862,9 @@ impl Dispatcher {
         answer: Answer,
     ) -> Result<(), TargetError> {
         let handle = self
-            .devices
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(device as usize)
-            .map(|d| d.addr.clone())
-            .ok_or_else(|| TargetError::Gone(format!("no device {device} on this node")))?;
+            .device(device)
+            .ok_or_else(|| TargetError::Gone(format!("no device {device} on this node")))?
+            .addr;
         let message = RunExperts {
             layer,
             groups: groups
@@ -884,12 +890,7 @@ impl Dispatcher {
         group_input: &GroupInput<'_>,
         answer: Answer,
     ) {
-        let handle = self
-            .devices
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(device as usize)
-            .cloned();
+        let handle = self.device(device);
         let work: Vec<(u32, &[f32])> = groups
             .iter()
             .map(|&g| (experts[g], group_input.get(g)))

@@ -238,15 +238,26 @@ fn matmul_few_rows<W: WeightElement>(
     out: &mut [f32],
     parallel: bool,
 ) {
-    let n = out.len() / m;
     let columns = |first: usize, out_t: &mut [f32]| {
         for (c, column) in out_t.chunks_exact_mut(m).enumerate() {
             let row = &w[(first + c) * k..(first + c + 1) * k];
             dot_rows(x, k, row, column);
         }
     };
-    // Work in output-transposed blocks ([column][row]) and scatter, so tasks own disjoint
-    // memory.
+    few_rows_by_columns(m, k, out, parallel, columns);
+}
+
+/// The frame of a few-row product `out [m, n]` with `k`-wide inputs: `columns(first, block)`
+/// computes output columns `first..` into `block`, output-transposed (`[column][row]`) so that
+/// parallel tasks own disjoint memory; the blocks are scattered into `out` at the end.
+pub(crate) fn few_rows_by_columns(
+    m: usize,
+    k: usize,
+    out: &mut [f32],
+    parallel: bool,
+    columns: impl Fn(usize, &mut [f32]) + Sync,
+) {
+    let n = out.len() / m;
     let mut out_t = vec![0.0f32; n * m];
     if parallel && m * n * k >= PARALLEL_MIN_FLOPS {
         out_t

@@ -13,15 +13,7 @@
 //! row with it: the compressed bytes are read once. With many rows the matrix is widened once
 //! to f32 and handed to the packed GEMM, as bf16 weights are.
 
-use rayon::prelude::*;
-
 use super::cpu::{self, FEW_ROWS};
-
-/// Output rows (weight rows) per parallel task in the few-rows product.
-const WEIGHT_ROWS_PER_TASK: usize = 32;
-
-/// Below this many multiply-adds a product runs on the calling thread.
-const PARALLEL_MIN_FLOPS: usize = 1 << 18;
 
 /// The value of an e4m3fn byte. Its exponent and mantissa fields, moved to an f32's
 /// positions, give the value times 2^-120 (for the subnormals too); 0x7f/0xff, e4m3fn's NaN,
@@ -209,8 +201,7 @@ impl QuantLinear {
             cpu::matmul_transposed(x, rows, k, &widened, n, &mut out, parallel);
             return out;
         }
-        // Output-transposed blocks ([weight row][input row]) so that tasks own disjoint
-        // memory; scattered into place at the end.
+        // Each weight row dequantized once, then dotted with every input row.
         let weight_rows = |first: usize, out_t: &mut [f32]| {
             let mut row_buffer = vec![0.0f32; k];
             for (c, column) in out_t.chunks_exact_mut(rows).enumerate() {
@@ -218,20 +209,7 @@ impl QuantLinear {
                 cpu::dot_rows(x, k, &row_buffer, column);
             }
         };
-        let mut out_t = vec![0.0f32; n * rows];
-        if parallel && rows * n * k >= PARALLEL_MIN_FLOPS {
-            out_t
-                .par_chunks_mut(WEIGHT_ROWS_PER_TASK * rows)
-                .enumerate()
-                .for_each(|(task, block)| weight_rows(task * WEIGHT_ROWS_PER_TASK, block));
-        } else {
-            weight_rows(0, &mut out_t);
-        }
-        for (j, column) in out_t.chunks_exact(rows).enumerate() {
-            for (i, v) in column.iter().enumerate() {
-                out[i * n + j] = *v;
-            }
-        }
+        cpu::few_rows_by_columns(rows, k, &mut out, parallel, weight_rows);
         out
     }
 }
