@@ -130,11 +130,15 @@ fn offered_token_hash(req: &HttpRequest) -> Option<String> {
         .map(|(_, token)| wire::sha256_hex(token.trim()))
 }
 
-fn refused(req: &HttpRequest, who: &str) -> HttpResponse {
-    let peer = req
-        .peer_addr()
+/// The address a request came from, for the log.
+fn peer(req: &HttpRequest) -> String {
+    req.peer_addr()
         .map(|a| a.to_string())
-        .unwrap_or_else(|| "an unknown address".into());
+        .unwrap_or_else(|| "an unknown address".into())
+}
+
+fn refused(req: &HttpRequest, who: &str) -> HttpResponse {
+    let peer = peer(req);
     tracing::warn!(
         %peer,
         path = req.path(),
@@ -176,10 +180,7 @@ async fn report(
             .conn_data::<ClientCertificate>()
             .is_some_and(|presented| presented.0)
     {
-        let peer = req
-            .peer_addr()
-            .map(|a| a.to_string())
-            .unwrap_or_else(|| "an unknown address".into());
+        let peer = peer(&req);
         tracing::warn!(
             %peer,
             path = req.path(),
