@@ -86,7 +86,10 @@ fn a_server_with_a_hostile_template_answers_the_next_request() {
         &["--model", model.path().to_str().unwrap()],
     );
     server.wait_ready();
-    let chat = |content: &str| json!({"messages": [{"role": "user", "content": content}], "max_tokens": 2});
+    let chat = |content: &str| {
+        json!({"messages": [{"role": "user", "content": content}], "max_tokens": 2,
+                "ignore_eos": true})
+    };
     assert_envelope(
         server.post("/v1/chat/completions", &chat("bomb")),
         StatusCode::BAD_REQUEST,

@@ -187,7 +187,7 @@ fn a_key_set_at_the_control_plane_reaches_a_running_node_which_keeps_serving_wit
     // (The test client's own key is the configured local-key.)
     let completion = server.post_ok(
         "/v1/completions",
-        &json!({"prompt": "hello", "max_tokens": 2}),
+        &json!({"prompt": "hello", "max_tokens": 2, "ignore_eos": true}),
     );
     assert_eq!(completion["usage"]["completion_tokens"], 2, "{completion}");
     assert_eq!(server.get("/ready").status(), StatusCode::OK);
