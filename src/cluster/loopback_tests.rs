@@ -308,3 +308,42 @@ fn bad_configs_are_refused_before_binding() {
         Err(super::MembershipError::Bind { .. })
     ));
 }
+
+/// Two members that change their versions at the same moment (both switch once the other
+/// has loaded) each address their gossip to the other's old identity, which the other no
+/// longer accepts. Both must still learn the other's new versions.
+#[test]
+fn two_members_changing_versions_at_once_both_learn_the_other_s() {
+    let a = start("a", &[]);
+    let b = start("b", &[a.local_addr()]);
+    assert!(
+        wait_for(Duration::from_secs(5) + SLACK, || all_alive(&[&a, &b], 2)).is_some(),
+        "{:?}",
+        a.members()
+    );
+    let version_of = |observer: &Membership, node: &str| {
+        observer
+            .members()
+            .into_iter()
+            .find(|view| {
+                view.meta.node == node && !view.is_self && view.state == MemberState::Alive
+            })
+            .map(|view| (view.meta.placement_version, view.meta.loaded_version))
+    };
+    for round in 2..12u64 {
+        a.set_versions(round - 1, round);
+        b.set_versions(round - 1, round);
+        a.set_versions(round, round);
+        b.set_versions(round, round);
+        let seen = wait_for(PROBE * 10 + SLACK, || {
+            version_of(&a, "b") == Some((round, round))
+                && version_of(&b, "a") == Some((round, round))
+        });
+        assert!(
+            seen.is_some(),
+            "round {round}: a sees b at {:?}, b sees a at {:?}",
+            version_of(&a, "b"),
+            version_of(&b, "a")
+        );
+    }
+}

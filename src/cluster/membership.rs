@@ -45,6 +45,10 @@ pub const POLL_INTERVAL: Duration = Duration::from_millis(50);
 const WARN_PERIOD: Duration = Duration::from_secs(60);
 /// How long a node may stay alone before it says its seeds do not answer.
 const ALONE_WARNING_AFTER_PERIODS: u32 = 5;
+/// How long a node that knows active members may hear nothing from any of them before it
+/// announces to them again (members probe each other every period, so silence this long
+/// means packets were lost and foca may have stopped speaking; see [`SilenceWatch`]).
+const SILENT_PERIODS: u32 = 8;
 
 /// How to join and run membership.
 #[derive(Clone, Debug)]
@@ -320,6 +324,7 @@ impl Membership {
             commands: commands_rx,
             seeds,
             seed_schedule: SeedSchedule::new(config.probe_period, now),
+            silence: SilenceWatch::new(config.probe_period * SILENT_PERIODS, now),
             nonce_rng: StdRng::from_os_rng(),
             rejected_log: WarnLimiter::new(WARN_PERIOD, 1024),
             refused_log: WarnLimiter::new(WARN_PERIOD, 1024),
@@ -464,6 +469,46 @@ impl SeedSchedule {
     }
 }
 
+/// When a node that knows active members but hears from none of them announces to them
+/// again. Foca sends nothing of its own accord while disconnected, and it disconnects
+/// itself on every identity change (each new placement version): if the datagrams that
+/// would reconnect it are lost, two members that each believe the other active can stay
+/// silent for good. An announce is accepted whatever identity its receiver has now.
+#[derive(Debug)]
+pub struct SilenceWatch {
+    limit: Duration,
+    heard_at: Instant,
+    next: Instant,
+}
+
+impl SilenceWatch {
+    pub fn new(limit: Duration, now: Instant) -> SilenceWatch {
+        SilenceWatch {
+            limit,
+            heard_at: now,
+            next: now + limit,
+        }
+    }
+
+    /// A datagram from a member was accepted.
+    pub fn heard(&mut self, now: Instant) {
+        self.heard_at = now;
+    }
+
+    /// Whether to announce to the known members now: they are there, nothing has been heard
+    /// for the limit, and the last such announce is a limit ago.
+    pub fn poll(&mut self, knows_members: bool, now: Instant) -> bool {
+        if !knows_members || now.saturating_duration_since(self.heard_at) < self.limit {
+            return false;
+        }
+        if now < self.next {
+            return false;
+        }
+        self.next = now + self.limit;
+        true
+    }
+}
+
 /// What every received datagram goes through before foca reads it: the size limit, the
 /// keyring (no secret opens it: refused), and the model screen. `Err` says why it was
 /// dropped. Public so that the gossip fuzz target drives the same path.
@@ -498,6 +543,7 @@ struct Driver {
     commands: mpsc::Receiver<Command>,
     seeds: Vec<SocketAddr>,
     seed_schedule: SeedSchedule,
+    silence: SilenceWatch,
     nonce_rng: StdRng,
     rejected_log: WarnLimiter<SocketAddr>,
     refused_log: WarnLimiter<SocketAddr>,
@@ -553,6 +599,13 @@ impl Driver {
             let now = Instant::now();
             self.fire_timers(now);
             self.poll_seeds(now);
+            if self.silence.poll(self.foca.num_members() > 0, now) {
+                tracing::warn!(
+                    members = self.foca.num_members(),
+                    "no member heard from for {SILENT_PERIODS} probe periods: announcing to them again"
+                );
+                self.announce_to_members();
+            }
             self.flush(now);
         }
     }
@@ -571,6 +624,7 @@ impl Driver {
                     self.refuse(refusal, now);
                 }
                 lock(&self.table).heard_from(sender, now);
+                self.silence.heard(now);
                 match self.foca.handle_data(&packet, &mut self.runtime) {
                     Ok(()) => {}
                     Err(
@@ -663,6 +717,25 @@ impl Driver {
         });
         if let Err(error) = self.foca.change_identity(renewed, &mut self.runtime) {
             tracing::warn!(%error, "cannot gossip the new placement version");
+            return;
+        }
+        // Foca addresses what it sends to the identities it knows, and accepts only what is
+        // addressed to its own: a member that changed its identity at the same moment (two
+        // nodes switch together once each has seen the other load) drops the gossip above,
+        // as we drop theirs, and with no probe timer left after the change neither side
+        // would speak again. An announce is accepted by address, whatever the identity: its
+        // reply reconnects us under the new one.
+        self.announce_to_members();
+    }
+
+    /// Announces to every member foca counts active (by address: accepted whatever
+    /// identity they have now).
+    fn announce_to_members(&mut self) {
+        let known: Vec<NodeIdentity> = self.foca.iter_members().map(|m| m.id().clone()).collect();
+        for member in known {
+            if let Err(error) = self.foca.announce(member, &mut self.runtime) {
+                tracing::debug!(%error, "announce");
+            }
         }
     }
 
@@ -762,6 +835,23 @@ mod tests {
             }
         }
         assert_eq!(gaps, vec![4000, 8000, 8000, 8000]);
+    }
+
+    #[test]
+    fn silence_from_known_members_is_answered_by_an_announce_once_per_limit() {
+        let limit = Duration::from_secs(8);
+        let start = Instant::now();
+        let mut watch = SilenceWatch::new(limit, start);
+        assert!(!watch.poll(true, start + limit / 2));
+        // Alone: the seed schedule's business, not this one's.
+        assert!(!watch.poll(false, start + limit * 2));
+        assert!(watch.poll(true, start + limit * 2));
+        assert!(!watch.poll(true, start + limit * 2 + limit / 2));
+        assert!(watch.poll(true, start + limit * 3));
+        // Heard from someone: quiet again until a limit of silence.
+        watch.heard(start + limit * 3);
+        assert!(!watch.poll(true, start + limit * 4 - Duration::from_millis(1)));
+        assert!(watch.poll(true, start + limit * 4));
     }
 
     #[test]

@@ -82,6 +82,18 @@ impl Process {
 
 impl Drop for Process {
     fn drop(&mut self) {
+        // A failing test shows the end of each node's log with its failure (the harness
+        // prints what a failed test wrote).
+        if std::thread::panicking() {
+            let lines = self.log_lines();
+            let tail = &lines[lines.len().saturating_sub(80)..];
+            eprintln!(
+                "--- last {} log lines of the node at {} ---\n{}",
+                tail.len(),
+                self.base,
+                tail.join("\n")
+            );
+        }
         // A paused process would not die of SIGKILL before it is waited on otherwise.
         let _ = Command::new("kill")
             .args(["-CONT", &self.child.id().to_string()])
@@ -182,8 +194,10 @@ impl Server {
         Server {
             base: process.base.clone(),
             process,
+            // Longer than the server's own limits (a cluster rebalance waits up to 120 s for
+            // its members), so that a test sees the server's error rather than its own.
             client: Client::builder()
-                .timeout(Duration::from_secs(120))
+                .timeout(Duration::from_secs(180))
                 .build()
                 .unwrap(),
             key,
