@@ -54,29 +54,37 @@ enum Held {
 /// reads them too, to run small work on the caller's thread.
 #[derive(Debug, Default)]
 pub struct CpuExperts {
-    experts: RwLock<HashMap<(usize, u32), ExpertWeights>>,
+    /// Shared handles: work run from another thread copies the ones it needs and computes
+    /// without the lock, so no product waits for a rebalance's write nor a write for a product.
+    experts: RwLock<HashMap<(usize, u32), Arc<ExpertWeights>>>,
     hidden_size: usize,
 }
+
+/// The weights of a share of expert work, and its size (weight bytes times rows).
+pub type SharedWeights = (Vec<Arc<ExpertWeights>>, usize);
 
 impl CpuExperts {
     fn new(experts: HashMap<(usize, u32), ExpertWeights>, hidden_size: usize) -> Self {
         CpuExperts {
-            experts: RwLock::new(experts),
+            experts: RwLock::new(
+                experts
+                    .into_iter()
+                    .map(|(key, weights)| (key, Arc::new(weights)))
+                    .collect(),
+            ),
             hidden_size,
         }
     }
 
-    /// Runs each `(expert, rows)` group of `layer`, unless the work (weight bytes times
-    /// rows, summed over the groups) is over `work_limit`: then `None`, nothing run.
-    /// `on_pool` spreads the groups over the global thread pool (as the dense part of a
-    /// step is); otherwise they run on the calling thread alone.
-    fn run(
+    /// The weights of each `(expert, rows)` group of `layer` and the work (weight bytes
+    /// times rows, summed over the groups), unless the work is over `work_limit`: then
+    /// `None`. The lock is held only while the handles are copied.
+    fn weights_for(
         &self,
         layer: usize,
         groups: &[(u32, &[f32])],
         work_limit: usize,
-        on_pool: bool,
-    ) -> Option<GroupOutputs> {
+    ) -> Option<Result<SharedWeights, TargetError>> {
         let experts = self.experts.read().unwrap_or_else(PoisonError::into_inner);
         let mut work = 0usize;
         let mut held = Vec::with_capacity(groups.len());
@@ -86,15 +94,26 @@ impl CpuExperts {
             };
             let rows = input.len() / self.hidden_size.max(1);
             work = work.saturating_add(weights.weight_bytes().saturating_mul(rows));
-            held.push((weights, input));
+            held.push(weights.clone());
         }
-        if work > work_limit {
-            return None;
-        }
-        Some(Ok(run_expert_groups(&held, self.hidden_size, on_pool)))
+        (work <= work_limit).then_some(Ok((held, work)))
     }
 
-    fn write(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<(usize, u32), ExpertWeights>> {
+    /// Runs each `(expert, rows)` group of `layer` on the calling thread alone (a slot
+    /// computes on its own thread: slots run side by side without contending for one pool).
+    fn run(&self, layer: usize, groups: &[(u32, &[f32])]) -> GroupOutputs {
+        let (weights, _) = self
+            .weights_for(layer, groups, usize::MAX)
+            .unwrap_or_else(|| Err(TargetError::Failed("work over the limit".into())))?;
+        let held: Vec<(&ExpertWeights, &[f32])> = weights
+            .iter()
+            .zip(groups)
+            .map(|(weights, &(_, input))| (&**weights, input))
+            .collect();
+        Ok(run_expert_groups(&held, self.hidden_size, false))
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<(usize, u32), Arc<ExpertWeights>>> {
         self.experts.write().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -103,7 +122,7 @@ impl CpuExperts {
         let experts = self.experts.read().unwrap_or_else(PoisonError::into_inner);
         (
             experts.len(),
-            experts.values().map(ExpertWeights::weight_bytes).sum(),
+            experts.values().map(|weights| weights.weight_bytes()).sum(),
         )
     }
 }
@@ -174,12 +193,7 @@ impl DeviceActor {
         let groups: Vec<(u32, &[f32])> =
             msg.groups.iter().map(|(e, x)| (*e, x.as_slice())).collect();
         match &mut self.experts {
-            // No limit: `None` cannot come back.
-            // A slot computes on its own thread: slots run side by side without contending
-            // for one pool.
-            Held::Cpu(experts) => experts
-                .run(msg.layer, &groups, usize::MAX, false)
-                .unwrap_or_else(|| Err(TargetError::Failed("work over the limit".into()))),
+            Held::Cpu(experts) => experts.run(msg.layer, &groups),
             Held::Gpu(gpu) => {
                 match gpu.run(msg.layer, &groups) {
                     Ok(RunOutcome::Done(outputs)) => Ok(outputs),
@@ -214,7 +228,11 @@ impl Handler<TakeExperts> for DeviceActor {
 
     fn handle(&mut self, msg: TakeExperts, _: &mut Self::Context) -> Self::Result {
         match &mut self.experts {
-            Held::Cpu(held) => held.write().extend(msg.0),
+            Held::Cpu(held) => held.write().extend(
+                msg.0
+                    .into_iter()
+                    .map(|(key, weights)| (key, Arc::new(weights))),
+            ),
             // A GPU's experts live in one buffer sized at load: a new share needs a restart
             // of the node (the cluster meanwhile serves these experts from other replicas).
             Held::Gpu(_) => {
@@ -277,16 +295,16 @@ impl DeviceHandle {
         self.holding.weight_bytes.load(Ordering::Relaxed)
     }
 
-    /// Runs `(expert, rows)` groups of `layer` from the calling thread (on the global pool,
-    /// as the rest of a step), when this is a CPU slot in service and the work (weight
-    /// bytes times rows) is at most `work_limit`; `None` otherwise (send it to the actor).
-    /// The answer is what the actor would give.
-    pub fn run_here(
+    /// The weights of `(expert, rows)` groups of `layer`, for the calling thread to run
+    /// them (on the global pool, as the rest of a step), and their work (weight bytes times
+    /// rows), when this is a CPU slot in service and the work is at most `work_limit`;
+    /// `None` otherwise (send it to the actor). An error is what the actor would answer.
+    pub fn weights_here(
         &self,
         layer: usize,
         groups: &[(u32, &[f32])],
         work_limit: usize,
-    ) -> Option<GroupOutputs> {
+    ) -> Option<Result<SharedWeights, TargetError>> {
         let experts = self.cpu.as_ref()?;
         if !self.addr.connected() {
             return Some(Err(TargetError::Gone(format!(
@@ -294,7 +312,7 @@ impl DeviceHandle {
                 self.id
             ))));
         }
-        experts.run(layer, groups, work_limit, true)
+        experts.weights_for(layer, groups, work_limit)
     }
 }
 

@@ -15,7 +15,8 @@ use std::sync::{Arc, Mutex, RwLock, mpsc};
 use std::time::{Duration, Instant};
 
 use super::device::{DeviceHandle, RunExperts};
-use crate::moe::{DispatchPlan, ExpertError, ExpertExecutor};
+use crate::model::ExpertWeights;
+use crate::moe::{DispatchPlan, ExpertError, ExpertExecutor, run_expert_groups};
 use crate::placement::health::{Penalties, TargetHealth, hedge_after};
 use crate::placement::{ExpertLoad, Placement, Replica, ReplicaHealth, assign_groups_among};
 
@@ -24,8 +25,9 @@ use crate::placement::{ExpertLoad, Placement, Replica, ReplicaHealth, assign_gro
 /// to the slot's thread and back (two thread wake-ups) would cost more than it does.
 const INLINE_MAX_ROWS: usize = 64;
 
-/// Weight bytes times rows, summed over a send's groups, below which a CPU slot's work
-/// runs on the dispatching thread: 8 MiB, a few hundred microseconds on one core. Decode
+/// Weight bytes times rows, summed over the groups of every CPU slot's share of a layer
+/// call, below which the CPU slots' work runs on the dispatching thread: 8 MiB, a few
+/// hundred microseconds on one core. Decode
 /// of the demo model at batch 1 is about 0.4 MiB a layer; one token through one expert of
 /// DeepSeek-V3 in bf16 is 42 MiB, which goes to the slots and runs in parallel.
 const INLINE_MAX_WORK: usize = 8 << 20;
@@ -652,9 +654,7 @@ impl Dispatcher {
                         let _ = done_tx.send((id, Err(e)));
                     }
                 }
-                for (device, groups, answer) in inline.drain(..) {
-                    self.run_here(device, layer, &groups, experts, &group_input, answer);
-                }
+                self.run_inline(layer, &mut inline, experts, &group_input);
                 if !pending.is_empty() {
                     // Nothing to send to yet: look again shortly.
                     std::thread::sleep(Duration::from_millis(20));
@@ -879,28 +879,51 @@ impl Dispatcher {
             .map_err(|_| TargetError::Gone(format!("device {device} stopped")))
     }
 
-    /// Runs `groups` on this thread when `device` is a CPU slot and the work is small
-    /// (see [`INLINE_MAX_WORK`]), else sends them to its actor; answers either way.
-    fn run_here(
+    /// Runs the `(device, groups, answer)` shares on this thread, all of them in one
+    /// parallel region (one fork and join for the layer, however many CPU slots its
+    /// experts are spread over), while they are CPU slots' and their work together stays
+    /// within [`INLINE_MAX_WORK`]; the others go to their device's actor. Answers each.
+    fn run_inline(
         &self,
-        device: u16,
         layer: usize,
-        groups: &[usize],
+        shares: &mut Vec<(u16, Vec<usize>, Answer)>,
         experts: &[u32],
         group_input: &GroupInput<'_>,
-        answer: Answer,
     ) {
-        let handle = self.device(device);
-        let work: Vec<(u32, &[f32])> = groups
-            .iter()
-            .map(|&g| (experts[g], group_input.get(g)))
-            .collect();
-        match handle.and_then(|h| h.run_here(layer, &work, INLINE_MAX_WORK)) {
-            Some(outputs) => answer.send(outputs),
-            None => {
-                // A refused send answers through `answer`'s drop.
-                let _ = self.send_local(device, layer, groups, experts, group_input, answer);
+        let mut runs: Vec<(Vec<Arc<ExpertWeights>>, Vec<usize>, Answer)> = Vec::new();
+        let mut budget = INLINE_MAX_WORK;
+        for (device, groups, answer) in shares.drain(..) {
+            let work: Vec<(u32, &[f32])> = groups
+                .iter()
+                .map(|&g| (experts[g], group_input.get(g)))
+                .collect();
+            match self
+                .device(device)
+                .and_then(|h| h.weights_here(layer, &work, budget))
+            {
+                Some(Ok((weights, work))) => {
+                    budget -= work;
+                    runs.push((weights, groups, answer));
+                }
+                Some(Err(e)) => answer.send(Err(e)),
+                None => {
+                    // A refused send answers through `answer`'s drop.
+                    let _ = self.send_local(device, layer, &groups, experts, group_input, answer);
+                }
             }
+        }
+        let all: Vec<(&ExpertWeights, &[f32])> = runs
+            .iter()
+            .flat_map(|(weights, groups, _)| {
+                weights
+                    .iter()
+                    .zip(groups)
+                    .map(|(weights, &g)| (&**weights, group_input.get(g)))
+            })
+            .collect();
+        let mut outputs = run_expert_groups(&all, group_input.width, true).into_iter();
+        for (_, groups, answer) in runs {
+            answer.send(Ok(outputs.by_ref().take(groups.len()).collect()));
         }
     }
 
