@@ -1,5 +1,6 @@
-//! The peer data plane end to end: each test is written once and runs over TCP on 127.0.0.1
-//! and over the in-memory network; the link-fault tests (partition, blackhole, cut) run on
+//! The peer data plane end to end: each test is written once and runs over TCP on 127.0.0.1,
+//! over UCX on 127.0.0.1 (when libucp loads: otherwise the UCX variants print SKIP, or fail
+//! with `MOE_TEST_REQUIRE_UCX=1`) and over the in-memory network; the link-fault tests (partition, blackhole, cut) run on
 //! the in-memory network only. Callers are plain std threads, the runtime lives on its own
 //! worker threads, as in the node.
 
@@ -14,14 +15,36 @@ use moe_node::transport::peer::{PeerConfig, client_handshake};
 use moe_node::transport::wire::{self, HEADER_LEN};
 use moe_node::transport::{
     Dtype, ExpertReply, ExpertRequest, Handler, MemoryNetwork, PeerAuth, PeerClient, PeerError,
-    PeerServer, PeerStats, PeerStream, TcpTransport, Transport,
+    PeerServer, PeerStats, PeerStream, TcpTransport, Transport, UcxTransport,
 };
 use tokio::io::AsyncWriteExt;
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Kind {
     Tcp,
+    Ucx,
     Memory,
+}
+
+/// A UCX transport with its own worker, or `None` (after saying SKIP) without libucp.
+fn ucx_transport() -> Option<UcxTransport> {
+    // What `main` does first (the server-restart test binds the same port again): once,
+    // before this binary's first UCX context reads the environment.
+    static DEFAULT_ENV: std::sync::Once = std::sync::Once::new();
+    // SAFETY: nothing else in this test binary reads or writes the environment while the
+    // tests run (no test touches it, and UCX reads it only in ucp_config_read, after this).
+    DEFAULT_ENV.call_once(|| unsafe { moe_node::transport::ucx::set_default_env() });
+    match moe_node::transport::ucx::Library::load(None, true) {
+        Ok(library) => Some(UcxTransport::start(library).expect("UCX starts")),
+        Err(why) => {
+            assert!(
+                std::env::var("MOE_TEST_REQUIRE_UCX").as_deref() != Ok("1"),
+                "MOE_TEST_REQUIRE_UCX=1 but UCX does not load: {why}"
+            );
+            eprintln!("SKIP: UCX variant: {why}");
+            None
+        }
+    }
 }
 
 const CLIENT_NODE: &str = "10.0.0.1:7000";
@@ -36,6 +59,8 @@ struct Rig {
     kind: Kind,
     runtime: tokio::runtime::Runtime,
     network: MemoryNetwork,
+    /// Kind::Ucx: the server node's transport and the client node's (two workers).
+    ucx: Option<(UcxTransport, UcxTransport)>,
 }
 
 impl Rig {
@@ -49,12 +74,22 @@ impl Rig {
             kind,
             runtime,
             network: MemoryNetwork::new(),
+            ucx: None,
         }
+    }
+
+    /// A rig for `kind`; `None` for UCX where it does not load (the test is skipped).
+    fn try_new(kind: Kind) -> Option<Self> {
+        let mut rig = Rig::new(kind);
+        if kind == Kind::Ucx {
+            rig.ucx = Some((ucx_transport()?, ucx_transport()?));
+        }
+        Some(rig)
     }
 
     fn bind_addr(&self) -> SocketAddr {
         match self.kind {
-            Kind::Tcp => addr("127.0.0.1:0"),
+            Kind::Tcp | Kind::Ucx => addr("127.0.0.1:0"),
             Kind::Memory => addr(SERVER_NODE),
         }
     }
@@ -62,6 +97,7 @@ impl Rig {
     fn server_transport(&self) -> Arc<dyn Transport> {
         match self.kind {
             Kind::Tcp => Arc::new(TcpTransport::default()),
+            Kind::Ucx => Arc::new(self.ucx.as_ref().expect("UCX rig").0.clone()),
             Kind::Memory => Arc::new(self.network.transport(addr(SERVER_NODE))),
         }
     }
@@ -69,6 +105,7 @@ impl Rig {
     fn client_transport(&self) -> Arc<dyn Transport> {
         match self.kind {
             Kind::Tcp => Arc::new(TcpTransport::default()),
+            Kind::Ucx => Arc::new(self.ucx.as_ref().expect("UCX rig").1.clone()),
             Kind::Memory => Arc::new(self.network.transport(addr(CLIENT_NODE))),
         }
     }
@@ -250,12 +287,16 @@ fn wait_for(what: &str, deadline: Duration, condition: impl Fn() -> bool) {
     }
 }
 
-macro_rules! on_both_transports {
+macro_rules! on_every_transport {
     ($($name:ident),* $(,)?) => {$(
         mod $name {
             #[test]
             fn tcp() {
                 super::$name(super::Kind::Tcp);
+            }
+            #[test]
+            fn ucx() {
+                super::$name(super::Kind::Ucx);
             }
             #[test]
             fn memory() {
@@ -265,7 +306,7 @@ macro_rules! on_both_transports {
     )*};
 }
 
-on_both_transports!(
+on_every_transport!(
     round_trip_f32_bit_exact_and_bf16,
     hundred_concurrent_requests_from_four_threads,
     wrong_secret_is_refused_on_both_sides,
@@ -276,7 +317,9 @@ on_both_transports!(
 );
 
 fn round_trip_f32_bit_exact_and_bf16(kind: Kind) {
-    let rig = Rig::new(kind);
+    let Some(rig) = Rig::try_new(kind) else {
+        return;
+    };
     let stats = Arc::new(PeerStats::default());
     let server = rig.server(&stats, double_plus_expert());
     let client_stats = Arc::new(PeerStats::default());
@@ -297,7 +340,9 @@ fn round_trip_f32_bit_exact_and_bf16(kind: Kind) {
 }
 
 fn hundred_concurrent_requests_from_four_threads(kind: Kind) {
-    let rig = Rig::new(kind);
+    let Some(rig) = Rig::try_new(kind) else {
+        return;
+    };
     let stats = Arc::new(PeerStats::default());
     let server = rig.server(&stats, double_plus_expert());
     let client = Arc::new(rig.client(server.local_addr(), &stats));
@@ -341,7 +386,9 @@ fn hundred_concurrent_requests_from_four_threads(kind: Kind) {
 }
 
 fn wrong_secret_is_refused_on_both_sides(kind: Kind) {
-    let rig = Rig::new(kind);
+    let Some(rig) = Rig::try_new(kind) else {
+        return;
+    };
     let server_stats = Arc::new(PeerStats::default());
     let server = rig.server(&server_stats, double_plus_expert());
     let client_stats = Arc::new(PeerStats::default());
@@ -389,8 +436,11 @@ fn secrets_rotate_without_refusing_a_peer(kind: Kind) {
     };
     let (old, new): (&[u8], &[u8]) = (b"old secret", b"new secret");
     let request = make_request(3, Dtype::F32);
+    if Rig::try_new(kind).is_none() {
+        return;
+    }
     let call_with = |server: PeerAuth, client: PeerAuth| {
-        let rig = Rig::new(kind);
+        let rig = Rig::try_new(kind).expect("loaded before");
         let stats = Arc::new(PeerStats::default());
         let server = rig.server_at(rig.bind_addr(), server, &stats, double_plus_expert());
         let client = rig.client_with(server.local_addr(), client, &stats);
@@ -414,7 +464,9 @@ fn secrets_rotate_without_refusing_a_peer(kind: Kind) {
 }
 
 fn wrong_model_is_refused_on_both_sides(kind: Kind) {
-    let rig = Rig::new(kind);
+    let Some(rig) = Rig::try_new(kind) else {
+        return;
+    };
     let server_stats = Arc::new(PeerStats::default());
     let server = rig.server(&server_stats, double_plus_expert());
     let client_stats = Arc::new(PeerStats::default());
@@ -455,7 +507,9 @@ fn wrong_model_is_refused_on_both_sides(kind: Kind) {
 }
 
 fn server_killed_mid_request_fails_fast_then_reconnects(kind: Kind) {
-    let rig = Rig::new(kind);
+    let Some(rig) = Rig::try_new(kind) else {
+        return;
+    };
     let stats = Arc::new(PeerStats::default());
     let (started_tx, started_rx) = mpsc::channel::<()>();
     let (release_tx, release_rx) = mpsc::channel::<()>();
@@ -534,7 +588,9 @@ fn server_killed_mid_request_fails_fast_then_reconnects(kind: Kind) {
 }
 
 fn bad_frames_are_counted_and_the_server_keeps_serving(kind: Kind) {
-    let rig = Rig::new(kind);
+    let Some(rig) = Rig::try_new(kind) else {
+        return;
+    };
     let stats = Arc::new(PeerStats::default());
     let server = rig.server(&stats, double_plus_expert());
     let at = server.local_addr();
@@ -832,4 +888,44 @@ fn inconsistent_or_oversized_requests_are_refused_locally() {
         &request,
         &call(&client, request.clone(), Duration::from_secs(5)).expect("reply"),
     );
+}
+
+/// A cluster whose nodes disagree on `peer.transport`: a TCP client at a UCX peer port, and
+/// a UCX client at a TCP one, get an error (the link is down, work fails over) in about the
+/// handshake timeout at most; nothing hangs.
+#[test]
+fn mismatched_transports_fail_instead_of_hanging() {
+    let Some(rig) = Rig::try_new(Kind::Ucx) else {
+        return;
+    };
+    let stats = Arc::new(PeerStats::default());
+    let ucx_server = rig.server(&stats, double_plus_expert());
+    let tcp_server = PeerServer::start(
+        Arc::new(TcpTransport::default()),
+        addr("127.0.0.1:0"),
+        Arc::new(auth("server", b"cluster secret", 7)),
+        stats.clone(),
+        double_plus_expert(),
+        rig.runtime.handle().clone(),
+    )
+    .expect("TCP server starts");
+    let tcp_client = PeerClient::new(
+        Arc::new(TcpTransport::default()),
+        rig.runtime.handle().clone(),
+        ucx_server.local_addr(),
+        Arc::new(auth("client", b"cluster secret", 7)),
+        stats.clone(),
+    );
+    let ucx_client = rig.client(tcp_server.local_addr(), &stats);
+    for (what, client) in [("TCP to UCX", &tcp_client), ("UCX to TCP", &ucx_client)] {
+        let started = Instant::now();
+        let result = call(client, make_request(1, Dtype::F32), Duration::from_secs(15));
+        assert!(result.is_err(), "{what}: {result:?}");
+        assert!(
+            started.elapsed() < Duration::from_secs(12),
+            "{what}: took {:?}",
+            started.elapsed()
+        );
+        eprintln!("{what}: {:?} after {:?}", result.err(), started.elapsed());
+    }
 }

@@ -3,7 +3,9 @@
 //!
 //! - [`wire`]: the data-plane frame format (pure, fuzzable).
 //! - [`handshake`]: the keyed peer handshake messages and proofs (pure).
-//! - [`tcp`]: [`TcpTransport`], the default transport.
+//! - [`tcp`]: [`TcpTransport`], the transport every node has.
+//! - [`ucx`]: [`UcxTransport`], UCX (shared memory, RDMA, TCP) when libucp loads.
+//! - [`select`]: which of the two `peer.transport` and the machine give.
 //! - [`memory`]: [`MemoryTransport`], an in-memory network whose links tests can cut,
 //!   partition, delay and blackhole.
 //! - [`peer`]: [`PeerClient`] and [`PeerServer`], the protocol over any transport.
@@ -11,7 +13,9 @@
 pub mod handshake;
 pub mod memory;
 pub mod peer;
+pub mod select;
 pub mod tcp;
+pub mod ucx;
 pub mod wire;
 
 use std::net::SocketAddr;
@@ -23,6 +27,7 @@ pub use peer::{
     Completion, Handler, PeerAuth, PeerClient, PeerConfig, PeerError, PeerServer, PeerStats,
 };
 pub use tcp::TcpTransport;
+pub use ucx::UcxTransport;
 pub use wire::{Dtype, ExpertReply, ExpertRequest, RemoteError, WIRE_VERSION};
 
 /// A connected byte stream to a peer.

@@ -1,0 +1,908 @@
+//! The UCX worker thread: it owns the ucp context, the worker, every endpoint and listener,
+//! and is the only thread that calls UCX (the worker is created `UCS_THREAD_MODE_SINGLE`).
+//!
+//! Tokio tasks talk to it through [`WorkerHandle`]: commands go down an mpsc queue and an
+//! eventfd wakes the thread; results come back through each endpoint's [`EpShared`] (bytes
+//! received, sends completed, the endpoint's failure), whose wakers it wakes. The thread
+//! sleeps in `epoll_wait` on the worker's event fd (`ucp_worker_get_efd`, armed with
+//! `ucp_worker_arm`) and the command eventfd, so an idle node spends no CPU here.
+//!
+//! UCX callbacks only record what happened (a thread-local event list); the loop handles
+//! the events after `ucp_worker_progress` returns, so no callback re-enters the loop's state.
+
+use std::cell::RefCell;
+use std::collections::{HashMap, VecDeque};
+use std::ffi::c_void;
+use std::io;
+use std::net::SocketAddr;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::mpsc as std_mpsc;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::Waker;
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, oneshot};
+use ucx_sys as sys;
+
+use super::Library;
+use super::sockaddr;
+
+/// Bytes one posted stream receive takes at most.
+const RECV_CHUNK: usize = 1 << 20;
+/// Bytes received and not yet read by the endpoint's reader before no more receives are
+/// posted (UCX then holds what arrives, and its flow control slows the sender).
+pub const RECV_BUFFERED_MAX: usize = 32 << 20;
+/// Bytes handed to the thread and not yet sent before writers wait.
+pub const SEND_PENDING_MAX: usize = 32 << 20;
+/// Incoming connections accepted by UCX but not yet taken by the listener's owner.
+pub const ACCEPT_BACKLOG: usize = 128;
+/// The longest sleep of the loop: a safety net, so UCX's timers (keepalive of
+/// `UCP_ERR_HANDLING_MODE_PEER`) run even if no event fd fires.
+const IDLE_TICK_MS: i32 = 100;
+/// How long stopping waits for endpoints to close before the worker is destroyed.
+const STOP_GRACE: Duration = Duration::from_millis(500);
+
+/// What one endpoint's stream halves and the worker thread share.
+#[derive(Default)]
+pub struct EpShared {
+    state: Mutex<EpState>,
+}
+
+#[derive(Default)]
+pub struct EpState {
+    /// Received, not yet read.
+    pub received: VecDeque<u8>,
+    /// The thread stopped posting receives (too much unread); the reader asks it to resume.
+    pub recv_paused: bool,
+    /// Bytes handed to the thread whose sends have not completed.
+    pub send_pending: usize,
+    /// Why the endpoint is unusable: the peer failed or closed, or a send or receive failed.
+    pub failure: Option<Failure>,
+    pub read_waker: Option<Waker>,
+    pub write_waker: Option<Waker>,
+}
+
+/// How an endpoint ended.
+#[derive(Debug, Clone)]
+pub struct Failure {
+    /// The peer closed the connection (reads see the end of the stream, not an error).
+    pub closed_by_peer: bool,
+    pub message: String,
+}
+
+impl EpShared {
+    pub fn lock(&self) -> MutexGuard<'_, EpState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn fail(&self, failure: Failure) {
+        let (read, write) = {
+            let mut state = self.lock();
+            if state.failure.is_none() {
+                state.failure = Some(failure);
+            }
+            (state.read_waker.take(), state.write_waker.take())
+        };
+        read.into_iter().chain(write).for_each(Waker::wake);
+    }
+}
+
+/// An incoming connection: its endpoint and the client's address.
+pub struct Accepted {
+    pub ep: u64,
+    pub shared: Arc<EpShared>,
+    pub peer: SocketAddr,
+}
+
+pub enum Command {
+    Connect {
+        addr: SocketAddr,
+        shared: Arc<EpShared>,
+        reply: oneshot::Sender<io::Result<u64>>,
+    },
+    Listen {
+        addr: SocketAddr,
+        accepted: mpsc::Sender<Accepted>,
+        reply: oneshot::Sender<io::Result<(u64, SocketAddr)>>,
+    },
+    Send {
+        ep: u64,
+        data: Vec<u8>,
+    },
+    ResumeRecv {
+        ep: u64,
+    },
+    CloseEp {
+        ep: u64,
+    },
+    CloseListener {
+        id: u64,
+    },
+}
+
+/// The way to the worker thread; the thread stops when the last handle is dropped.
+pub struct WorkerHandle {
+    commands: std_mpsc::Sender<Option<Command>>,
+    /// Shared with the thread, which keeps it open until it has stopped.
+    wake: Arc<OwnedFd>,
+}
+
+impl WorkerHandle {
+    /// Starts the thread: a ucp context (stream API, wakeup) and one worker. Fails with the
+    /// UCX error when either cannot be made (no usable transport, bad `UCX_*` variable).
+    pub fn start(library: Arc<Library>) -> io::Result<Arc<WorkerHandle>> {
+        // SAFETY: eventfd takes no pointers; the result is checked.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: fd is a new descriptor that nothing else owns.
+        let wake = Arc::new(unsafe { OwnedFd::from_raw_fd(fd) });
+        let wake_fd = wake.clone();
+        let (commands, receiver) = std_mpsc::channel();
+        let (ready_tx, ready_rx) = std_mpsc::channel();
+        std::thread::Builder::new()
+            .name("moe-node-ucx".into())
+            .spawn(move || match Worker::new(library, wake_fd) {
+                Ok(mut worker) => {
+                    let _ = ready_tx.send(Ok(()));
+                    worker.run(receiver);
+                }
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                }
+            })?;
+        ready_rx
+            .recv()
+            .map_err(|_| io::Error::other("the UCX worker thread ended while starting"))??;
+        Ok(Arc::new(WorkerHandle { commands, wake }))
+    }
+
+    /// Queues `command` and wakes the thread.
+    pub fn send(&self, command: Command) -> io::Result<()> {
+        self.commands.send(Some(command)).map_err(|_| {
+            io::Error::new(
+                io::ErrorKind::BrokenPipe,
+                "the UCX worker thread has stopped",
+            )
+        })?;
+        self.wake();
+        Ok(())
+    }
+
+    fn wake(&self) {
+        let one: u64 = 1;
+        // SAFETY: writes 8 bytes from a live u64 to the eventfd this handle owns. A full
+        // counter (EAGAIN) already means "wake up".
+        unsafe { libc::write(self.wake.as_raw_fd(), (&raw const one).cast(), 8) };
+    }
+}
+
+impl Drop for WorkerHandle {
+    fn drop(&mut self) {
+        // The thread closes every endpoint and listener, then destroys the worker.
+        if self.commands.send(None).is_ok() {
+            self.wake();
+        }
+    }
+}
+
+/// What a UCX callback saw, handled by the loop once progress returns.
+enum Event {
+    ConnRequest {
+        listener: u64,
+        request: sys::ucp_conn_request_h,
+    },
+    EpError {
+        ep: u64,
+        status: sys::ucs_status_t,
+    },
+    SendDone {
+        op: *mut SendOp,
+        request: *mut c_void,
+        status: sys::ucs_status_t,
+    },
+    RecvDone {
+        op: *mut RecvOp,
+        request: *mut c_void,
+        status: sys::ucs_status_t,
+        length: usize,
+    },
+    CloseDone {
+        request: *mut c_void,
+    },
+}
+
+thread_local! {
+    static EVENTS: RefCell<Vec<Event>> = const { RefCell::new(Vec::new()) };
+}
+
+fn record(event: Event) {
+    EVENTS.with(|events| events.borrow_mut().push(event));
+}
+
+/// A send in flight: its bytes live here until UCX is done with them.
+struct SendOp {
+    ep: u64,
+    data: Vec<u8>,
+}
+
+/// A receive in flight: UCX writes into `buffer`.
+struct RecvOp {
+    ep: u64,
+    buffer: Vec<u8>,
+}
+
+struct Endpoint {
+    handle: sys::ucp_ep_h,
+    shared: Arc<EpShared>,
+    recv_posted: bool,
+}
+
+struct Listener {
+    handle: sys::ucp_listener_h,
+    accepted: mpsc::Sender<Accepted>,
+}
+
+struct Worker {
+    library: Arc<Library>,
+    context: sys::ucp_context_h,
+    worker: sys::ucp_worker_h,
+    epoll: OwnedFd,
+    wake_fd: Arc<OwnedFd>,
+    endpoints: HashMap<u64, Endpoint>,
+    listeners: HashMap<u64, Listener>,
+    closing: usize,
+    next_id: u64,
+}
+
+fn status_error(library: &Library, what: &str, status: sys::ucs_status_t) -> io::Error {
+    let kind = match status {
+        sys::UCS_ERR_UNREACHABLE => io::ErrorKind::ConnectionRefused,
+        sys::UCS_ERR_CONNECTION_RESET => io::ErrorKind::ConnectionReset,
+        sys::UCS_ERR_BUSY => io::ErrorKind::AddrInUse,
+        sys::UCS_ERR_TIMED_OUT | sys::UCS_ERR_ENDPOINT_TIMEOUT => io::ErrorKind::TimedOut,
+        sys::UCS_ERR_INVALID_PARAM | sys::UCS_ERR_INVALID_ADDR => io::ErrorKind::InvalidInput,
+        _ => io::ErrorKind::Other,
+    };
+    io::Error::new(
+        kind,
+        format!(
+            "{what}: {} (UCX status {status})",
+            library.ucp.status_string(status)
+        ),
+    )
+}
+
+extern "C" fn on_conn_request(request: sys::ucp_conn_request_h, arg: *mut c_void) {
+    record(Event::ConnRequest {
+        listener: arg as u64,
+        request,
+    });
+}
+
+extern "C" fn on_ep_error(arg: *mut c_void, _ep: sys::ucp_ep_h, status: sys::ucs_status_t) {
+    record(Event::EpError {
+        ep: arg as u64,
+        status,
+    });
+}
+
+extern "C" fn on_send(request: *mut c_void, status: sys::ucs_status_t, user_data: *mut c_void) {
+    record(Event::SendDone {
+        op: user_data.cast(),
+        request,
+        status,
+    });
+}
+
+extern "C" fn on_recv(
+    request: *mut c_void,
+    status: sys::ucs_status_t,
+    length: usize,
+    user_data: *mut c_void,
+) {
+    record(Event::RecvDone {
+        op: user_data.cast(),
+        request,
+        status,
+        length,
+    });
+}
+
+extern "C" fn on_close(request: *mut c_void, _status: sys::ucs_status_t, _user: *mut c_void) {
+    record(Event::CloseDone { request });
+}
+
+impl Worker {
+    fn new(library: Arc<Library>, wake_fd: Arc<OwnedFd>) -> io::Result<Worker> {
+        let ucp = &library.ucp;
+        let mut config: *mut sys::ucp_config_t = std::ptr::null_mut();
+        // SAFETY: null prefix and file mean "read UCX_* from the environment"; config is
+        // written on success and released below.
+        let status =
+            unsafe { ucp.ucp_config_read(std::ptr::null(), std::ptr::null(), &mut config) };
+        if status != sys::UCS_OK {
+            return Err(status_error(
+                &library,
+                "reading the UCX configuration",
+                status,
+            ));
+        }
+        // SAFETY: ucp_params_t is plain data; zero is "no field set" for the fields not
+        // named in field_mask.
+        let mut params: sys::ucp_params_t = unsafe { std::mem::zeroed() };
+        params.field_mask = (sys::UCP_PARAM_FIELD_FEATURES | sys::UCP_PARAM_FIELD_NAME) as u64;
+        params.features = (sys::UCP_FEATURE_STREAM | sys::UCP_FEATURE_WAKEUP) as u64;
+        params.name = c"moe-node".as_ptr();
+        let mut context: sys::ucp_context_h = std::ptr::null_mut();
+        // SAFETY: params and config are valid for the call; context is written on success.
+        let status = unsafe {
+            ucp.ucp_init_version(
+                sys::UCP_API_MAJOR,
+                sys::UCP_API_MINOR,
+                &params,
+                config,
+                &mut context,
+            )
+        };
+        // SAFETY: config came from ucp_config_read and is not used after this.
+        unsafe { ucp.ucp_config_release(config) };
+        if status != sys::UCS_OK {
+            return Err(status_error(&library, "creating the UCX context", status));
+        }
+        // SAFETY: zeroed plain data, fields selected by field_mask.
+        let mut worker_params: sys::ucp_worker_params_t = unsafe { std::mem::zeroed() };
+        worker_params.field_mask = sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE as u64;
+        worker_params.thread_mode = sys::UCS_THREAD_MODE_SINGLE;
+        let mut worker: sys::ucp_worker_h = std::ptr::null_mut();
+        // SAFETY: context is live; worker is written on success.
+        let status = unsafe { ucp.ucp_worker_create(context, &worker_params, &mut worker) };
+        if status != sys::UCS_OK {
+            // SAFETY: the context is not used after this.
+            unsafe { ucp.ucp_cleanup(context) };
+            return Err(status_error(&library, "creating the UCX worker", status));
+        }
+        let fail = |e: io::Error| {
+            // SAFETY: neither is used after this.
+            unsafe {
+                ucp.ucp_worker_destroy(worker);
+                ucp.ucp_cleanup(context);
+            }
+            e
+        };
+        let mut efd: libc::c_int = -1;
+        // SAFETY: the worker is live; efd is written on success.
+        let status = unsafe { ucp.ucp_worker_get_efd(worker, &mut efd) };
+        if status != sys::UCS_OK {
+            return Err(fail(status_error(
+                &library,
+                "getting the UCX event fd",
+                status,
+            )));
+        }
+        // SAFETY: epoll_create1 takes no pointers; the result is checked.
+        let epoll = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+        if epoll < 0 {
+            return Err(fail(io::Error::last_os_error()));
+        }
+        // SAFETY: a new descriptor nothing else owns.
+        let epoll = unsafe { OwnedFd::from_raw_fd(epoll) };
+        for fd in [efd, wake_fd.as_raw_fd()] {
+            let mut event = libc::epoll_event {
+                events: libc::EPOLLIN as u32,
+                u64: fd as u64,
+            };
+            // SAFETY: both descriptors are open (the worker's, and the eventfd this thread
+            // holds a reference to); event is a live struct.
+            if unsafe { libc::epoll_ctl(epoll.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &mut event) }
+                < 0
+            {
+                return Err(fail(io::Error::last_os_error()));
+            }
+        }
+        Ok(Worker {
+            library,
+            context,
+            worker,
+            epoll,
+            wake_fd,
+            endpoints: HashMap::new(),
+            listeners: HashMap::new(),
+            closing: 0,
+            next_id: 1,
+        })
+    }
+
+    fn run(&mut self, commands: std_mpsc::Receiver<Option<Command>>) {
+        'outer: loop {
+            loop {
+                match commands.try_recv() {
+                    Ok(Some(command)) => self.command(command),
+                    Ok(None) | Err(std_mpsc::TryRecvError::Disconnected) => break 'outer,
+                    Err(std_mpsc::TryRecvError::Empty) => break,
+                }
+            }
+            if self.progress() {
+                continue;
+            }
+            // SAFETY: the worker is live and used on this thread only.
+            let armed = unsafe { self.library.ucp.ucp_worker_arm(self.worker) };
+            if armed == sys::UCS_ERR_BUSY {
+                continue;
+            }
+            let mut events = [libc::epoll_event { events: 0, u64: 0 }; 4];
+            // SAFETY: events is a live array of the length given.
+            let n = unsafe {
+                libc::epoll_wait(
+                    self.epoll.as_raw_fd(),
+                    events.as_mut_ptr(),
+                    events.len() as i32,
+                    IDLE_TICK_MS,
+                )
+            };
+            if n < 0 && io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
+                tracing::error!(error = %io::Error::last_os_error(), "UCX worker: epoll_wait failed");
+                std::thread::sleep(Duration::from_millis(IDLE_TICK_MS as u64));
+            }
+            let mut counter = 0u64;
+            // SAFETY: reads 8 bytes into a live u64 from the (non-blocking) eventfd.
+            unsafe { libc::read(self.wake_fd.as_raw_fd(), (&raw mut counter).cast(), 8) };
+        }
+        self.stop();
+    }
+
+    /// Progresses the worker and handles what its callbacks recorded; whether anything
+    /// happened.
+    fn progress(&mut self) -> bool {
+        let mut any = false;
+        // SAFETY: the worker is live and used on this thread only.
+        while unsafe { self.library.ucp.ucp_worker_progress(self.worker) } != 0 {
+            any = true;
+        }
+        let events = EVENTS.with(|events| std::mem::take(&mut *events.borrow_mut()));
+        any |= !events.is_empty();
+        for event in events {
+            self.event(event);
+        }
+        any
+    }
+
+    fn next_id(&mut self) -> u64 {
+        self.next_id += 1;
+        self.next_id
+    }
+
+    fn command(&mut self, command: Command) {
+        match command {
+            Command::Connect {
+                addr,
+                shared,
+                reply,
+            } => {
+                let id = self.next_id();
+                let result = self.connect(id, addr, shared);
+                let _ = reply.send(result.map(|()| id));
+            }
+            Command::Listen {
+                addr,
+                accepted,
+                reply,
+            } => {
+                let id = self.next_id();
+                let _ = reply.send(self.listen(id, addr, accepted).map(|addr| (id, addr)));
+            }
+            Command::Send { ep, data } => self.send(ep, data),
+            Command::ResumeRecv { ep } => self.post_recv(ep),
+            Command::CloseEp { ep } => self.close_ep(ep, 0),
+            Command::CloseListener { id } => {
+                if let Some(listener) = self.listeners.remove(&id) {
+                    // SAFETY: the listener is live and removed from the table, so it is
+                    // never used again.
+                    unsafe { self.library.ucp.ucp_listener_destroy(listener.handle) };
+                }
+            }
+        }
+    }
+
+    fn ep_params(id: u64) -> sys::ucp_ep_params_t {
+        // SAFETY: zeroed plain data, fields selected by field_mask.
+        let mut params: sys::ucp_ep_params_t = unsafe { std::mem::zeroed() };
+        params.field_mask = (sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
+            | sys::UCP_EP_PARAM_FIELD_ERR_HANDLER) as u64;
+        params.err_mode = sys::UCP_ERR_HANDLING_MODE_PEER;
+        params.err_handler.cb = Some(on_ep_error);
+        params.err_handler.arg = id as *mut c_void;
+        params
+    }
+
+    fn connect(&mut self, id: u64, addr: SocketAddr, shared: Arc<EpShared>) -> io::Result<()> {
+        let (storage, len) = sockaddr::to_c(addr);
+        let mut params = Self::ep_params(id);
+        params.field_mask |=
+            (sys::UCP_EP_PARAM_FIELD_FLAGS | sys::UCP_EP_PARAM_FIELD_SOCK_ADDR) as u64;
+        params.flags = sys::UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+        params.sockaddr.addr = (&raw const storage).cast();
+        params.sockaddr.addrlen = len;
+        let mut handle: sys::ucp_ep_h = std::ptr::null_mut();
+        // SAFETY: the worker is live; params and the sockaddr it points at live through the
+        // call (UCX copies the address); handle is written on success.
+        let status = unsafe {
+            self.library
+                .ucp
+                .ucp_ep_create(self.worker, &params, &mut handle)
+        };
+        if status != sys::UCS_OK {
+            return Err(status_error(
+                &self.library,
+                &format!("connecting to {addr}"),
+                status,
+            ));
+        }
+        self.add_endpoint(id, handle, shared);
+        Ok(())
+    }
+
+    fn add_endpoint(&mut self, id: u64, handle: sys::ucp_ep_h, shared: Arc<EpShared>) {
+        self.endpoints.insert(
+            id,
+            Endpoint {
+                handle,
+                shared,
+                recv_posted: false,
+            },
+        );
+        self.post_recv(id);
+    }
+
+    fn listen(
+        &mut self,
+        id: u64,
+        addr: SocketAddr,
+        accepted: mpsc::Sender<Accepted>,
+    ) -> io::Result<SocketAddr> {
+        let (storage, len) = sockaddr::to_c(addr);
+        // SAFETY: zeroed plain data, fields selected by field_mask.
+        let mut params: sys::ucp_listener_params_t = unsafe { std::mem::zeroed() };
+        params.field_mask = (sys::UCP_LISTENER_PARAM_FIELD_SOCK_ADDR
+            | sys::UCP_LISTENER_PARAM_FIELD_CONN_HANDLER) as u64;
+        params.sockaddr.addr = (&raw const storage).cast();
+        params.sockaddr.addrlen = len;
+        params.conn_handler.cb = Some(on_conn_request);
+        params.conn_handler.arg = id as *mut c_void;
+        let mut handle: sys::ucp_listener_h = std::ptr::null_mut();
+        // SAFETY: the worker is live; params and the address live through the call;
+        // handle is written on success.
+        let status = unsafe {
+            self.library
+                .ucp
+                .ucp_listener_create(self.worker, &params, &mut handle)
+        };
+        if status != sys::UCS_OK {
+            return Err(status_error(
+                &self.library,
+                &format!("listening on {addr}"),
+                status,
+            ));
+        }
+        // SAFETY: zeroed plain data, fields selected by field_mask.
+        let mut attr: sys::ucp_listener_attr_t = unsafe { std::mem::zeroed() };
+        attr.field_mask = sys::UCP_LISTENER_ATTR_FIELD_SOCKADDR as u64;
+        // SAFETY: the listener is live; attr is written.
+        let status = unsafe { self.library.ucp.ucp_listener_query(handle, &mut attr) };
+        // SAFETY: ucx-sys's sockaddr_storage and libc's are the same C type.
+        let bound = (status == sys::UCS_OK)
+            .then(|| sockaddr::from_c(unsafe { &*(&raw const attr.sockaddr).cast() }))
+            .flatten();
+        let Some(bound) = bound else {
+            // SAFETY: the listener is not used after this.
+            unsafe { self.library.ucp.ucp_listener_destroy(handle) };
+            return Err(io::Error::other(format!(
+                "UCX listener on {addr}: cannot read the address it is bound to"
+            )));
+        };
+        self.listeners.insert(id, Listener { handle, accepted });
+        Ok(bound)
+    }
+
+    fn accept(&mut self, listener_id: u64, request: sys::ucp_conn_request_h) {
+        let library = self.library.clone();
+        let ucp = &library.ucp;
+        let Some(listener) = self.listeners.get(&listener_id) else {
+            return;
+        };
+        if listener.accepted.capacity() == 0 {
+            tracing::warn!("UCX listener: {ACCEPT_BACKLOG} connections not yet taken; refusing");
+            // SAFETY: the listener is live and the request was made for it, unused since.
+            unsafe { ucp.ucp_listener_reject(listener.handle, request) };
+            return;
+        }
+        // SAFETY: zeroed plain data, fields selected by field_mask.
+        let mut attr: sys::ucp_conn_request_attr_t = unsafe { std::mem::zeroed() };
+        attr.field_mask = sys::UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR as u64;
+        // SAFETY: the request is live (not yet accepted or rejected); attr is written.
+        let status = unsafe { ucp.ucp_conn_request_query(request, &mut attr) };
+        let peer = (status == sys::UCS_OK)
+            // SAFETY: ucx-sys's sockaddr_storage and libc's are the same C type.
+            .then(|| sockaddr::from_c(unsafe { &*(&raw const attr.client_address).cast() }))
+            .flatten()
+            .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0)));
+        let id = self.next_id();
+        let mut params = Self::ep_params(id);
+        params.field_mask |= sys::UCP_EP_PARAM_FIELD_CONN_REQUEST as u64;
+        params.conn_request = request;
+        let mut handle: sys::ucp_ep_h = std::ptr::null_mut();
+        // SAFETY: the worker is live; the request is consumed by this call.
+        let status = unsafe { ucp.ucp_ep_create(self.worker, &params, &mut handle) };
+        if status != sys::UCS_OK {
+            let error = status_error(&self.library, &format!("accepting {peer}"), status);
+            tracing::warn!(%error, "UCX listener: connection not accepted");
+            return;
+        }
+        let shared = Arc::new(EpShared::default());
+        self.add_endpoint(id, handle, shared.clone());
+        let Some(listener) = self.listeners.get(&listener_id) else {
+            return self.close_ep(id, 0);
+        };
+        if listener
+            .accepted
+            .try_send(Accepted {
+                ep: id,
+                shared,
+                peer,
+            })
+            .is_err()
+        {
+            self.close_ep(id, 0);
+        }
+    }
+
+    fn send(&mut self, ep: u64, data: Vec<u8>) {
+        let Some(endpoint) = self.endpoints.get(&ep) else {
+            return;
+        };
+        let len = data.len();
+        let op = Box::into_raw(Box::new(SendOp { ep, data }));
+        // SAFETY: zeroed plain data, fields selected by op_attr_mask.
+        let mut param: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
+        param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA;
+        param.cb.send = Some(on_send);
+        param.user_data = op.cast();
+        // SAFETY: the endpoint is live; the bytes live in `op`, which is freed only once
+        // UCX is done with them (at once when the call completes immediately, else in the
+        // completion event).
+        let request = unsafe {
+            let buffer = (*op).data.as_ptr().cast();
+            self.library
+                .ucp
+                .ucp_stream_send_nbx(endpoint.handle, buffer, len, &param)
+        };
+        let status = sys::ptr_status(request);
+        if status == sys::UCS_INPROGRESS {
+            return;
+        }
+        // SAFETY: completed (or failed) at once: UCX holds no reference to op or its bytes.
+        let op = unsafe { Box::from_raw(op) };
+        self.sent(op.ep, len, status);
+    }
+
+    fn sent(&mut self, ep: u64, len: usize, status: sys::ucs_status_t) {
+        let Some(endpoint) = self.endpoints.get(&ep) else {
+            return;
+        };
+        if status != sys::UCS_OK {
+            let error = status_error(&self.library, "UCX stream send", status);
+            return self.failed(ep, error.to_string(), false);
+        }
+        let waker = {
+            let mut state = endpoint.shared.lock();
+            state.send_pending = state.send_pending.saturating_sub(len);
+            state.write_waker.take()
+        };
+        if let Some(waker) = waker {
+            waker.wake();
+        }
+    }
+
+    /// Posts receives on `ep` until one is in flight or the reader has enough unread.
+    fn post_recv(&mut self, ep: u64) {
+        loop {
+            let Some(endpoint) = self.endpoints.get_mut(&ep) else {
+                return;
+            };
+            if endpoint.recv_posted {
+                return;
+            }
+            {
+                let mut state = endpoint.shared.lock();
+                if state.failure.is_some() {
+                    return;
+                }
+                if state.received.len() >= RECV_BUFFERED_MAX {
+                    state.recv_paused = true;
+                    return;
+                }
+                state.recv_paused = false;
+            }
+            let op = Box::into_raw(Box::new(RecvOp {
+                ep,
+                buffer: vec![0; RECV_CHUNK],
+            }));
+            let mut length: usize = 0;
+            // SAFETY: zeroed plain data, fields selected by op_attr_mask.
+            let mut param: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
+            param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA;
+            param.cb.recv_stream = Some(on_recv);
+            param.user_data = op.cast();
+            // SAFETY: the endpoint is live; UCX writes into op's buffer, which is freed only
+            // once UCX is done with it (as for sends); `length` is written when the receive
+            // completes at once.
+            let request = unsafe {
+                let buffer = (*op).buffer.as_mut_ptr().cast();
+                self.library.ucp.ucp_stream_recv_nbx(
+                    endpoint.handle,
+                    buffer,
+                    RECV_CHUNK,
+                    &mut length,
+                    &param,
+                )
+            };
+            let status = sys::ptr_status(request);
+            if status == sys::UCS_INPROGRESS {
+                endpoint.recv_posted = true;
+                return;
+            }
+            // SAFETY: completed (or failed) at once: UCX holds no reference to op.
+            let op = unsafe { Box::from_raw(op) };
+            if !self.received(&op, status, length) {
+                return;
+            }
+        }
+    }
+
+    /// Hands received bytes to the reader; whether the endpoint is still good.
+    fn received(&mut self, op: &RecvOp, status: sys::ucs_status_t, length: usize) -> bool {
+        let ep = op.ep;
+        let Some(endpoint) = self.endpoints.get_mut(&ep) else {
+            return false;
+        };
+        endpoint.recv_posted = false;
+        if status != sys::UCS_OK {
+            if status != sys::UCS_ERR_CANCELED {
+                let error = status_error(&self.library, "UCX stream receive", status);
+                self.failed(
+                    ep,
+                    error.to_string(),
+                    status == sys::UCS_ERR_CONNECTION_RESET,
+                );
+            }
+            return false;
+        }
+        let waker = {
+            let mut state = endpoint.shared.lock();
+            state
+                .received
+                .extend(&op.buffer[..length.min(op.buffer.len())]);
+            state.read_waker.take()
+        };
+        if let Some(waker) = waker {
+            waker.wake();
+        }
+        true
+    }
+
+    fn event(&mut self, event: Event) {
+        let library = self.library.clone();
+        let ucp = &library.ucp;
+        match event {
+            Event::ConnRequest { listener, request } => self.accept(listener, request),
+            Event::EpError { ep, status } => {
+                let closed = matches!(
+                    status,
+                    sys::UCS_ERR_CONNECTION_RESET | sys::UCS_ERR_NOT_CONNECTED
+                );
+                let error = status_error(&self.library, "UCX endpoint failed", status);
+                self.failed(ep, error.to_string(), closed);
+            }
+            Event::SendDone {
+                op,
+                request,
+                status,
+            } => {
+                // SAFETY: the request completed: UCX is done with op, handed over in send().
+                let op = unsafe { Box::from_raw(op) };
+                // SAFETY: a completed request, released once.
+                unsafe { ucp.ucp_request_free(request) };
+                self.sent(op.ep, op.data.len(), status);
+            }
+            Event::RecvDone {
+                op,
+                request,
+                status,
+                length,
+            } => {
+                // SAFETY: as for sends: UCX is done with op, handed over in post_recv().
+                let op = unsafe { Box::from_raw(op) };
+                // SAFETY: a completed request, released once.
+                unsafe { ucp.ucp_request_free(request) };
+                let ep = op.ep;
+                if self.received(&op, status, length) {
+                    self.post_recv(ep);
+                }
+            }
+            Event::CloseDone { request } => {
+                // SAFETY: a completed close request, released once.
+                unsafe { ucp.ucp_request_free(request) };
+                self.closing = self.closing.saturating_sub(1);
+            }
+        }
+    }
+
+    /// The endpoint failed: its reader and writer see why, and UCX's side is closed.
+    fn failed(&mut self, ep: u64, message: String, closed_by_peer: bool) {
+        let Some(endpoint) = self.endpoints.get(&ep) else {
+            return;
+        };
+        tracing::debug!(ep, %message, "UCX endpoint down");
+        endpoint.shared.fail(Failure {
+            closed_by_peer,
+            message,
+        });
+        // A failed endpoint can only be closed by force.
+        self.close_ep(ep, sys::UCP_EP_CLOSE_FLAG_FORCE);
+    }
+
+    fn close_ep(&mut self, ep: u64, flags: u32) {
+        let Some(endpoint) = self.endpoints.remove(&ep) else {
+            return;
+        };
+        endpoint.shared.fail(Failure {
+            closed_by_peer: false,
+            message: "UCX endpoint closed".into(),
+        });
+        // SAFETY: zeroed plain data, fields selected by op_attr_mask.
+        let mut param: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
+        param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_FLAGS;
+        param.cb.send = Some(on_close);
+        param.flags = flags;
+        // SAFETY: the endpoint is live and removed from the table, so never used again;
+        // operations still in flight on it complete (cancelled) through their callbacks.
+        let request = unsafe { self.library.ucp.ucp_ep_close_nbx(endpoint.handle, &param) };
+        if sys::ptr_status(request) == sys::UCS_INPROGRESS {
+            self.closing += 1;
+        }
+    }
+
+    /// Closes everything, waits a little for the closes, and destroys the worker.
+    fn stop(&mut self) {
+        let ids: Vec<u64> = self.listeners.keys().copied().collect();
+        for id in ids {
+            self.command(Command::CloseListener { id });
+        }
+        let eps: Vec<u64> = self.endpoints.keys().copied().collect();
+        for ep in eps {
+            self.close_ep(ep, sys::UCP_EP_CLOSE_FLAG_FORCE);
+        }
+        let deadline = Instant::now() + STOP_GRACE;
+        while self.closing > 0 && Instant::now() < deadline {
+            if !self.progress() {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        if self.closing > 0 {
+            // Requests still open keep pointers into the worker: leave it rather than
+            // destroy it under them.
+            tracing::warn!(
+                endpoints = self.closing,
+                "UCX worker stopping with endpoints still closing"
+            );
+            return;
+        }
+        let ucp = &self.library.ucp;
+        // SAFETY: nothing refers to the worker or the context any more.
+        unsafe {
+            ucp.ucp_worker_destroy(self.worker);
+            ucp.ucp_cleanup(self.context);
+        }
+    }
+}
