@@ -449,7 +449,8 @@ impl ClusterConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct PeerSection {
     /// `auto`: UCX when libucp loads, else TCP (the log says which and why); `ucx`: UCX or
-    /// refuse to start; `tcp`: TCP. Every node of a cluster must use the same transport.
+    /// refuse to start; `tcp` (the default, see README "Peers over UCX": UCX 1.13's own
+    /// listener aborts on junk bytes): TCP. Every node of a cluster must use the same one.
     pub transport: PeerTransport,
     /// Directory searched first for libucp.so.0 (e.g. the `lib` folder of PyPI's
     /// `libucx-cu13`, a UCX built with CUDA). Empty: none.
@@ -462,7 +463,7 @@ pub struct PeerSection {
 impl Default for PeerSection {
     fn default() -> Self {
         PeerSection {
-            transport: PeerTransport::Auto,
+            transport: PeerTransport::Tcp,
             ucx_lib_dir: String::new(),
             ucx_system_search: true,
         }
@@ -495,9 +496,9 @@ impl PeerSection {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum PeerTransport {
-    #[default]
     Auto,
     Ucx,
+    #[default]
     Tcp,
 }
 
@@ -1208,9 +1209,12 @@ mod tests {
         assert!(text.contains("peer.ucx_dir: unknown key"), "{text}");
         assert!(text.contains("peer.transport"), "{text}");
 
-        let problems = load("[peer]\nucx_system_search = false\n", &[])
-            .unwrap_err()
-            .problems;
+        let problems = load(
+            "[peer]\ntransport = \"auto\"\nucx_system_search = false\n",
+            &[],
+        )
+        .unwrap_err()
+        .problems;
         assert!(
             problems[0].contains("nowhere to look for UCX"),
             "{problems:?}"
