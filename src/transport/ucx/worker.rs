@@ -39,6 +39,8 @@ pub const ACCEPT_BACKLOG: usize = 128;
 /// The longest sleep of the loop: a safety net, so UCX's timers (keepalive of
 /// `UCP_ERR_HANDLING_MODE_PEER`) run even if no event fd fires.
 const IDLE_TICK_MS: i32 = 100;
+/// How long the loop keeps polling after the last event before it sleeps on the event fd.
+const SPIN_BEFORE_SLEEP: Duration = Duration::from_micros(50);
 /// How long stopping waits for endpoints to close before the worker is destroyed.
 const STOP_GRACE: Duration = Duration::from_millis(500);
 
@@ -254,7 +256,13 @@ struct Worker {
     listeners: HashMap<u64, Listener>,
     closing: usize,
     next_id: u64,
+    /// Receive buffers to reuse (a fresh zeroed 1 MiB per receive cost more than a small
+    /// message's whole round trip).
+    spare_buffers: Vec<Vec<u8>>,
 }
+
+/// Receive buffers kept for reuse at most.
+const SPARE_BUFFERS: usize = 64;
 
 fn status_error(library: &Library, what: &str, status: sys::ucs_status_t) -> io::Error {
     let kind = match status {
@@ -411,10 +419,12 @@ impl Worker {
             listeners: HashMap::new(),
             closing: 0,
             next_id: 1,
+            spare_buffers: Vec::new(),
         })
     }
 
     fn run(&mut self, commands: std_mpsc::Receiver<Option<Command>>) {
+        let mut last_busy = Instant::now();
         'outer: loop {
             loop {
                 match commands.try_recv() {
@@ -424,6 +434,13 @@ impl Worker {
                 }
             }
             if self.progress() {
+                last_busy = Instant::now();
+                continue;
+            }
+            // Keep polling a little after the last event before sleeping: a reply usually
+            // follows a request within microseconds, and waking from epoll costs more.
+            if last_busy.elapsed() < SPIN_BEFORE_SLEEP {
+                std::hint::spin_loop();
                 continue;
             }
             // SAFETY: the worker is live and used on this thread only.
@@ -724,10 +741,11 @@ impl Worker {
                 }
                 state.recv_paused = false;
             }
-            let op = Box::into_raw(Box::new(RecvOp {
-                ep,
-                buffer: vec![0; RECV_CHUNK],
-            }));
+            let buffer = self
+                .spare_buffers
+                .pop()
+                .unwrap_or_else(|| vec![0; RECV_CHUNK]);
+            let op = Box::into_raw(Box::new(RecvOp { ep, buffer }));
             let mut length: usize = 0;
             // SAFETY: zeroed plain data, fields selected by op_attr_mask.
             let mut param: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
@@ -754,9 +772,17 @@ impl Worker {
             }
             // SAFETY: completed (or failed) at once: UCX holds no reference to op.
             let op = unsafe { Box::from_raw(op) };
-            if !self.received(&op, status, length) {
+            let good = self.received(&op, status, length);
+            self.recycle(op.buffer);
+            if !good {
                 return;
             }
+        }
+    }
+
+    fn recycle(&mut self, buffer: Vec<u8>) {
+        if self.spare_buffers.len() < SPARE_BUFFERS {
+            self.spare_buffers.push(buffer);
         }
     }
 
@@ -826,7 +852,9 @@ impl Worker {
                 // SAFETY: a completed request, released once.
                 unsafe { ucp.ucp_request_free(request) };
                 let ep = op.ep;
-                if self.received(&op, status, length) {
+                let good = self.received(&op, status, length);
+                self.recycle(op.buffer);
+                if good {
                     self.post_recv(ep);
                 }
             }
