@@ -115,7 +115,13 @@ impl UcpLib {
         // SAFETY: opening libucp runs its (and libucs's) initialisers, which only set up
         // UCX's own global state; every symbol bound is resolved (require-all) or the open
         // fails, so no call through a missing pointer can happen later.
-        let lib = unsafe { UcpLib::new(file) }.map_err(|e| e.to_string())?;
+        let lib = unsafe { UcpLib::new(file) }.map_err(|e| {
+            // libloading's message is "dlopen failed"; the loader's reason is its source.
+            match std::error::Error::source(&e) {
+                Some(reason) => format!("{e}: {reason}"),
+                None => e.to_string(),
+            }
+        })?;
         let (mut major, mut minor, mut release) = (0, 0, 0);
         // SAFETY: ucp_get_version only writes the three integers it is given.
         unsafe { lib.ucp_get_version(&mut major, &mut minor, &mut release) };
