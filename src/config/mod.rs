@@ -281,7 +281,8 @@ pub struct ClusterConfig {
     pub secrets: Vec<String>,
     /// UDP address gossip listens on.
     pub gossip_listen: String,
-    /// TCP address expert work from other nodes arrives on.
+    /// Address expert work from other nodes arrives on (a TCP port, or UCX's listener: see
+    /// [`PeerSection`]).
     pub peer_listen: String,
     /// Host other nodes reach this one at. Empty: the host of the listen addresses (which
     /// must then not be 0.0.0.0).
