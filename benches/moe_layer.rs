@@ -277,6 +277,13 @@ fn main() {
         if !formats.contains(&format) {
             continue;
         }
+        // The last format's experts are freed; hand their pages back so that this format's
+        // resident memory is its own and not the freed heap reused.
+        #[cfg(target_env = "gnu")]
+        // SAFETY: malloc_trim only returns free heap memory to the system.
+        unsafe {
+            libc::malloc_trim(0);
+        }
         let resident_before = resident_bytes();
         let layer: Vec<ExpertWeights> = f32_experts
             .iter()

@@ -25,6 +25,30 @@ pub fn e4m3_to_f32(byte: u8) -> f32 {
     f32::from_bits(bits) * TWO_POW_120
 }
 
+/// An e4m3fn byte as the few-row kernel reads it, decoded as it is loaded (unscaled).
+#[derive(Debug, Clone, Copy)]
+#[repr(transparent)]
+struct E4m3(u8);
+
+impl E4m3 {
+    fn slice(bytes: &[u8]) -> &[E4m3] {
+        // SAFETY: E4m3 is a transparent wrapper around u8 (same size, alignment and valid
+        // values), so the same memory read as E4m3 is the same length of valid values.
+        unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast::<E4m3>(), bytes.len()) }
+    }
+}
+
+impl cpu::WeightElement for E4m3 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        e4m3_to_f32(self.0)
+    }
+
+    fn widen(weights: &[E4m3]) -> std::borrow::Cow<'_, [f32]> {
+        weights.iter().map(|w| e4m3_to_f32(w.0)).collect()
+    }
+}
+
 /// How a quantized matrix is stored.
 #[derive(Debug, Clone)]
 pub enum QuantFormat {
@@ -142,36 +166,16 @@ impl QuantLinear {
             } => {
                 let blocks_per_row = k.div_ceil(*block_cols);
                 let scale_row = &scales[row / block_rows * blocks_per_row..][..blocks_per_row];
-                let bytes = &weights[row * k..][..k];
-                for ((out, bytes), scale) in out
-                    .chunks_mut(*block_cols)
-                    .zip(bytes.chunks(*block_cols))
-                    .zip(scale_row)
-                {
-                    for (o, b) in out.iter_mut().zip(bytes) {
-                        *o = e4m3_to_f32(*b) * scale;
-                    }
-                }
+                decode_fp8(&weights[row * k..][..k], scale_row, *block_cols, out);
             }
             QuantFormat::Int4 {
                 packed,
                 scales,
                 group,
             } => {
-                let words_per_row = k.div_ceil(8);
-                let groups = k.div_ceil(*group);
-                let words = &packed[row * words_per_row..][..words_per_row];
+                let (words, groups) = (k.div_ceil(8), k.div_ceil(*group));
                 let scale_row = &scales[row * groups..][..groups];
-                for (chunk, word) in out.chunks_mut(8).zip(words) {
-                    for (i, o) in chunk.iter_mut().enumerate() {
-                        *o = (((word >> (4 * i)) & 0xf) as i32 - 8) as f32;
-                    }
-                }
-                for (out, scale) in out.chunks_mut(*group).zip(scale_row) {
-                    for o in out {
-                        *o *= scale;
-                    }
-                }
+                decode_int4(&packed[row * words..][..words], scale_row, *group, out);
             }
         }
     }
@@ -201,6 +205,44 @@ impl QuantLinear {
             cpu::matmul_transposed(x, rows, k, &widened, n, &mut out, parallel);
             return out;
         }
+        if let QuantFormat::Fp8 {
+            weights,
+            scales,
+            block_rows,
+            block_cols,
+        } = &self.format
+        {
+            // The bytes are decoded in registers by the same kernel as bf16 weights; each
+            // block's scale multiplies the input's columns of that block instead of every
+            // weight, once per block of output rows.
+            let bytes = E4m3::slice(weights);
+            let blocks_per_row = k.div_ceil(*block_cols);
+            let weight_rows = |first: usize, out_t: &mut [f32]| {
+                let mut scaled = vec![0.0f32; rows * k];
+                let mut scaled_for = usize::MAX;
+                for (c, column) in out_t.chunks_exact_mut(rows).enumerate() {
+                    let row = first + c;
+                    if row / block_rows != scaled_for {
+                        scaled_for = row / block_rows;
+                        let row_scales = &scales[scaled_for * blocks_per_row..][..blocks_per_row];
+                        for (to, from) in scaled.chunks_exact_mut(k).zip(x.chunks_exact(k)) {
+                            for ((to, from), scale) in to
+                                .chunks_mut(*block_cols)
+                                .zip(from.chunks(*block_cols))
+                                .zip(row_scales)
+                            {
+                                for (t, f) in to.iter_mut().zip(from) {
+                                    *t = f * scale;
+                                }
+                            }
+                        }
+                    }
+                    cpu::dot_rows(&scaled, k, &bytes[row * k..][..k], column);
+                }
+            };
+            cpu::few_rows_by_columns(rows, k, &mut out, parallel, weight_rows);
+            return out;
+        }
         // Each weight row dequantized once, then dotted with every input row.
         let weight_rows = |first: usize, out_t: &mut [f32]| {
             let mut row_buffer = vec![0.0f32; k];
@@ -211,6 +253,52 @@ impl QuantLinear {
         };
         cpu::few_rows_by_columns(rows, k, &mut out, parallel, weight_rows);
         out
+    }
+}
+
+/// `out[j] = e4m3(bytes[j]) * scales[j / block_cols]`: one row of an FP8 matrix. Compiled for
+/// the vector instructions the CPU has (chosen at run time), as the products are.
+#[multiversion::multiversion(targets(
+    "x86_64+avx512f+avx512vl+avx2+fma",
+    "x86_64+avx2+fma",
+    "aarch64+neon"
+))]
+fn decode_fp8(bytes: &[u8], scales: &[f32], block_cols: usize, out: &mut [f32]) {
+    for ((out, bytes), scale) in out
+        .chunks_mut(block_cols)
+        .zip(bytes.chunks(block_cols))
+        .zip(scales)
+    {
+        for (o, b) in out.iter_mut().zip(bytes) {
+            *o = e4m3_to_f32(*b) * scale;
+        }
+    }
+}
+
+/// `out[j] = (nibble j of words, less 8) * scales[j / group]`: one row of an INT4 matrix.
+#[multiversion::multiversion(targets(
+    "x86_64+avx512f+avx512vl+avx2+fma",
+    "x86_64+avx2+fma",
+    "aarch64+neon"
+))]
+fn decode_int4(words: &[u32], scales: &[f32], group: usize, out: &mut [f32]) {
+    let nibble = |word: u32, i: usize| (((word >> (4 * i)) & 0xf) as i32 - 8) as f32;
+    let whole = out.len() / 8 * 8;
+    let (head, tail) = out.split_at_mut(whole);
+    for (chunk, word) in head.chunks_exact_mut(8).zip(words) {
+        for (i, o) in chunk.iter_mut().enumerate() {
+            *o = nibble(*word, i);
+        }
+    }
+    if let Some(word) = words.get(whole / 8) {
+        for (i, o) in tail.iter_mut().enumerate() {
+            *o = nibble(*word, i);
+        }
+    }
+    for (out, scale) in out.chunks_mut(group).zip(scales) {
+        for o in out {
+            *o *= scale;
+        }
     }
 }
 
@@ -246,6 +334,38 @@ mod tests {
         for i in 0..m {
             for j in 0..n {
                 out[i * n + j] = (0..k).map(|l| x[i * k + l] * w[j * k + l]).sum();
+            }
+        }
+        out
+    }
+
+    /// The dequantized matrix computed value by value from the stored fields.
+    fn by_hand(m: &QuantLinear) -> Vec<f32> {
+        let (n, k) = (m.out_features, m.in_features);
+        let mut out = Vec::with_capacity(n * k);
+        for r in 0..n {
+            for c in 0..k {
+                out.push(match &m.format {
+                    QuantFormat::Fp8 {
+                        weights,
+                        scales,
+                        block_rows,
+                        block_cols,
+                    } => {
+                        let scale =
+                            scales[r / block_rows * k.div_ceil(*block_cols) + c / block_cols];
+                        e4m3_to_f32(weights[r * k + c]) * scale
+                    }
+                    QuantFormat::Int4 {
+                        packed,
+                        scales,
+                        group,
+                    } => {
+                        let word = packed[r * k.div_ceil(8) + c / 8];
+                        let value = ((word >> (4 * (c % 8))) & 0xf) as i32 - 8;
+                        value as f32 * scales[r * k.div_ceil(*group) + c / group]
+                    }
+                });
             }
         }
         out
@@ -309,18 +429,30 @@ mod tests {
 
     #[test]
     fn products_equal_the_product_of_the_widened_matrix_for_few_and_many_rows() {
-        let (n, k): (usize, usize) = (70, 45);
+        // k = 100: several 16-wide chunks, scale blocks and groups along a row, and a tail.
+        let (n, k): (usize, usize) = (70, 100);
         let bytes: Vec<u8> = (0..n * k).map(|i| ((i * 37) % 251) as u8 & 0x7e).collect();
-        let scales: Vec<f32> = (0..n.div_ceil(16) * k.div_ceil(8))
-            .map(|i| 0.01 * (1 + i % 5) as f32)
-            .collect();
-        let fp8 = QuantLinear::fp8(bytes, scales, n, k, [16, 8]).unwrap();
+        let fp8 = |[rows, cols]: [usize; 2]| {
+            let scales: Vec<f32> = (0..n.div_ceil(rows) * k.div_ceil(cols))
+                .map(|i| 0.01 * (1 + i % 5) as f32)
+                .collect();
+            QuantLinear::fp8(bytes.clone(), scales, n, k, [rows, cols]).unwrap()
+        };
         let packed: Vec<u32> = (0..n * k.div_ceil(8))
             .map(|i| (i as u32).wrapping_mul(2_654_435_761))
             .collect();
-        let int4 = QuantLinear::int4(packed, vec![0.1; n * k.div_ceil(32)], n, k, 32).unwrap();
-        for matrix in [fp8, int4] {
-            let w = matrix.widen();
+        let int4 = |group: usize| {
+            let scales = (0..n * k.div_ceil(group))
+                .map(|i| 0.05 * (1 + i % 7) as f32)
+                .collect();
+            QuantLinear::int4(packed.clone(), scales, n, k, group).unwrap()
+        };
+        // Blocks and groups that are whole chunks (one scale per chunk, as published) and
+        // ones that are not (a scale per value).
+        let matrices = [fp8([16, 8]), fp8([128, 32]), int4(32), int4(12)];
+        for matrix in matrices {
+            let w = by_hand(&matrix);
+            assert_eq!(matrix.widen(), w);
             for m in [1, 3, 8, 9, 40] {
                 let x: Vec<f32> = (0..m * k)
                     .map(|i| ((i * 5 % 11) as f32 - 5.0) / 3.0)
