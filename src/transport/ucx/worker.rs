@@ -17,7 +17,7 @@ use std::io;
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::mpsc as std_mpsc;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::Waker;
 use std::time::{Duration, Instant};
 
@@ -127,6 +127,10 @@ pub struct WorkerHandle {
     commands: std_mpsc::Sender<Option<Command>>,
     /// Shared with the thread, which keeps it open until it has stopped.
     wake: Arc<OwnedFd>,
+    /// Joined on drop: the worker and context are destroyed before the handle is gone, so a
+    /// process that exits next never runs libucs's destructors beside a destroy in flight
+    /// (that race aborts in `vfs_obj.c`).
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 impl WorkerHandle {
@@ -143,7 +147,7 @@ impl WorkerHandle {
         let wake_fd = wake.clone();
         let (commands, receiver) = std_mpsc::channel();
         let (ready_tx, ready_rx) = std_mpsc::channel();
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name("moe-node-ucx".into())
             .spawn(move || match Worker::new(library, wake_fd) {
                 Ok(mut worker) => {
@@ -157,7 +161,11 @@ impl WorkerHandle {
         ready_rx
             .recv()
             .map_err(|_| io::Error::other("the UCX worker thread ended while starting"))??;
-        Ok(Arc::new(WorkerHandle { commands, wake }))
+        Ok(Arc::new(WorkerHandle {
+            commands,
+            wake,
+            thread: Mutex::new(Some(thread)),
+        }))
     }
 
     /// Queues `command` and wakes the thread.
@@ -185,6 +193,17 @@ impl Drop for WorkerHandle {
         // The thread closes every endpoint and listener, then destroys the worker.
         if self.commands.send(None).is_ok() {
             self.wake();
+        }
+        let thread = self
+            .thread
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        // Its stop is bounded (STOP_GRACE); never join from the thread itself.
+        if let Some(thread) = thread
+            && thread.thread().id() != std::thread::current().id()
+        {
+            let _ = thread.join();
         }
     }
 }
