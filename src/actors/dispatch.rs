@@ -14,8 +14,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, mpsc};
 use std::time::{Duration, Instant};
 
-use rayon::prelude::*;
-
 use super::device::{DeviceHandle, RunExperts};
 use crate::moe::{DispatchPlan, ExpertError, ExpertExecutor};
 use crate::placement::health::{Penalties, TargetHealth, hedge_after};
@@ -654,11 +652,9 @@ impl Dispatcher {
                         let _ = done_tx.send((id, Err(e)));
                     }
                 }
-                // Every slot's share in one parallel region, not one region after another:
-                // the pool spreads all of their experts at once.
-                inline.par_drain(..).for_each(|(device, groups, answer)| {
+                for (device, groups, answer) in inline.drain(..) {
                     self.run_here(device, layer, &groups, experts, &group_input, answer);
-                });
+                }
                 if !pending.is_empty() {
                     // Nothing to send to yet: look again shortly.
                     std::thread::sleep(Duration::from_millis(20));
