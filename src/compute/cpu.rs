@@ -425,10 +425,11 @@ pub fn softmax_in_place(x: &mut [f32]) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn naive(x: &[f32], m: usize, k: usize, w: &[f32], n: usize) -> Vec<f32> {
+    /// `x [m, k] · w [n, k]ᵀ`, element by element: the reference the products are held to.
+    pub(crate) fn naive(x: &[f32], m: usize, k: usize, w: &[f32], n: usize) -> Vec<f32> {
         let mut out = vec![0.0; m * n];
         for i in 0..m {
             for j in 0..n {

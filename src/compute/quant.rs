@@ -328,16 +328,7 @@ impl QuantSwiGlu {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn naive(x: &[f32], m: usize, k: usize, w: &[f32], n: usize) -> Vec<f32> {
-        let mut out = vec![0.0; m * n];
-        for i in 0..m {
-            for j in 0..n {
-                out[i * n + j] = (0..k).map(|l| x[i * k + l] * w[j * k + l]).sum();
-            }
-        }
-        out
-    }
+    use crate::compute::cpu::tests::naive;
 
     /// The dequantized matrix computed value by value from the stored fields.
     fn by_hand(m: &QuantLinear) -> Vec<f32> {
