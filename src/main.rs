@@ -239,8 +239,6 @@ fn init_logging_filtered(format: LogFormat, filter: &str) {
 }
 
 fn main() -> ExitCode {
-    // SAFETY: the first statement of main: no other thread exists yet.
-    unsafe { moe_node::transport::ucx::set_default_env() };
     let cli = Cli::parse();
     let result = match cli.command {
         // Serving logs in the configured format, so it starts logging once the config is read.

@@ -6,8 +6,8 @@
 //! /metrics) while nodes are killed, paused, restarted, or sent garbage.
 
 use std::ffi::OsStr;
-use std::io::{BufRead, BufReader, Write};
-use std::net::{SocketAddr, TcpStream, UdpSocket};
+use std::io::{BufRead, BufReader};
+use std::net::{SocketAddr, UdpSocket};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -17,6 +17,7 @@ use reqwest::blocking::{Client, Response};
 use serde_json::{Value, json};
 
 mod serve;
+mod sockets;
 use serve::{BIN, Process};
 const SECRET: &str = "cluster-test-secret-0123456789";
 
@@ -418,29 +419,6 @@ fn three_nodes_serve_one_model_and_survive_kill_pause_restart_and_garbage_over_u
     three_nodes_serve_one_model_and_survive_kill_pause_restart_and_garbage(Transport::Ucx);
 }
 
-/// Junk written to `peer` over UCX streams (a UCX client in this process), as a peer would
-/// send it.
-fn ucx_garbage(peer: SocketAddr, junks: &[&[u8]]) {
-    use tokio::io::AsyncWriteExt;
-    let library = moe_node::transport::ucx::Library::load(None, true).unwrap();
-    let transport = moe_node::transport::UcxTransport::start(library).unwrap();
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    runtime.block_on(async {
-        for junk in junks {
-            let mut stream = moe_node::transport::Transport::connect(&transport, peer)
-                .await
-                .unwrap();
-            let _ = stream.write_all(junk).await;
-            let _ = stream.flush().await;
-            // Give the node time to read it before the endpoint closes.
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    });
-}
-
 fn three_nodes_serve_one_model_and_survive_kill_pause_restart_and_garbage(transport: Transport) {
     if !transport.available() {
         return;
@@ -508,6 +486,14 @@ fn three_nodes_serve_one_model_and_survive_kill_pause_restart_and_garbage(transp
         .map(|n| n.metric_sum("moe_node_peer_bytes_sent_total"))
         .sum();
     assert!(remote_before > 0.0, "expert work crossed nodes");
+    // Each node's links to the others came up on the transport asked for.
+    let link_up = match transport {
+        Transport::Tcp => "path=\"tcp\"",
+        Transport::Ucx => "path=\"ucx\"",
+    };
+    for node in &nodes {
+        assert!(node.process.log_contains(link_up), "{:?}", node.log());
+    }
 
     // Garbage on node1's gossip and peer ports: refused and counted; it keeps serving.
     let me = nodes[0].me();
@@ -517,23 +503,25 @@ fn three_nodes_serve_one_model_and_survive_kill_pause_restart_and_garbage(transp
     for n in 0..20u8 {
         udp.send_to(&vec![n; 30 + n as usize * 40], gossip).unwrap();
     }
-    let junks = [
-        &b"GET / HTTP/1.1\r\n\r\n"[..],
-        &[0xff; 4096][..],
-        b"MOEW\x01",
-    ];
-    match transport {
-        Transport::Tcp => {
-            for junk in junks {
-                let mut tcp = TcpStream::connect(peer).unwrap();
-                let _ = tcp.write_all(junk);
-            }
-        }
-        // Over UCX the peer port is UCX's own listener (its TCP connection manager). Raw TCP
-        // junk there aborts the process inside UCX 1.13.1 (an assertion in
-        // tcp_sockcm_ep.c: README "Peers over UCX"), so the junk goes over UCX streams, as a
-        // broken or hostile UCX peer would send it.
-        Transport::Ucx => ucx_garbage(peer, &junks),
+    // Junk at the peer port, and at every other TCP port the node listens on: over UCX,
+    // UCX's own transports listen too (`ss -ltnp` shows them). The peer port is TCP on
+    // both transports: UCX is reached only through an authenticated handshake.
+    let ports = sockets::listening(nodes[0].process.child.id());
+    assert!(
+        ports.contains(&peer),
+        "{ports:?} lacks the peer port {peer}"
+    );
+    if transport == Transport::Ucx {
+        assert!(
+            ports.len() > 2,
+            "UCX listens on no port of its own: {ports:?}"
+        );
+    }
+    for port in &ports {
+        assert!(
+            sockets::throw_junk(*port, 1) > 0,
+            "{port} refused every connection"
+        );
     }
     let deadline = Instant::now() + Duration::from_secs(10);
     while nodes[0].metric_sum("moe_node_gossip_packets_rejected_total") < 20.0

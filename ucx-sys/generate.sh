@@ -17,7 +17,7 @@ functions=(
     ucp_worker_progress ucp_listener_create ucp_listener_destroy ucp_listener_query
     ucp_listener_reject ucp_conn_request_query ucp_ep_create ucp_ep_close_nbx
     ucp_stream_send_nbx ucp_stream_recv_nbx ucp_request_check_status ucp_request_free
-    ucp_request_cancel ucs_status_string
+    ucp_request_cancel ucs_status_string ucp_worker_get_address ucp_worker_release_address
 )
 allow=()
 for f in "${functions[@]}"; do allow+=(--allowlist-function "$f"); done

@@ -419,6 +419,13 @@ pub struct UcpLib {
         worker_p: *mut ucp_worker_h,
     ) -> ucs_status_t,
     pub ucp_worker_destroy: unsafe extern "C" fn(worker: ucp_worker_h),
+    pub ucp_worker_get_address: unsafe extern "C" fn(
+        worker: ucp_worker_h,
+        address_p: *mut *mut ucp_address_t,
+        address_length_p: *mut usize,
+    ) -> ucs_status_t,
+    pub ucp_worker_release_address:
+        unsafe extern "C" fn(worker: ucp_worker_h, address: *mut ucp_address_t),
     pub ucp_worker_progress: unsafe extern "C" fn(worker: ucp_worker_h) -> ::std::os::raw::c_uint,
     pub ucp_worker_get_efd:
         unsafe extern "C" fn(worker: ucp_worker_h, fd: *mut ::std::os::raw::c_int) -> ucs_status_t,
@@ -490,6 +497,10 @@ impl UcpLib {
         let ucp_context_query = __library.get(b"ucp_context_query\0").map(|sym| *sym)?;
         let ucp_worker_create = __library.get(b"ucp_worker_create\0").map(|sym| *sym)?;
         let ucp_worker_destroy = __library.get(b"ucp_worker_destroy\0").map(|sym| *sym)?;
+        let ucp_worker_get_address = __library.get(b"ucp_worker_get_address\0").map(|sym| *sym)?;
+        let ucp_worker_release_address = __library
+            .get(b"ucp_worker_release_address\0")
+            .map(|sym| *sym)?;
         let ucp_worker_progress = __library.get(b"ucp_worker_progress\0").map(|sym| *sym)?;
         let ucp_worker_get_efd = __library.get(b"ucp_worker_get_efd\0").map(|sym| *sym)?;
         let ucp_worker_arm = __library.get(b"ucp_worker_arm\0").map(|sym| *sym)?;
@@ -518,6 +529,8 @@ impl UcpLib {
             ucp_context_query,
             ucp_worker_create,
             ucp_worker_destroy,
+            ucp_worker_get_address,
+            ucp_worker_release_address,
             ucp_worker_progress,
             ucp_worker_get_efd,
             ucp_worker_arm,
@@ -593,6 +606,21 @@ impl UcpLib {
     }
     pub unsafe fn ucp_worker_destroy(&self, worker: ucp_worker_h) {
         (self.ucp_worker_destroy)(worker)
+    }
+    pub unsafe fn ucp_worker_get_address(
+        &self,
+        worker: ucp_worker_h,
+        address_p: *mut *mut ucp_address_t,
+        address_length_p: *mut usize,
+    ) -> ucs_status_t {
+        (self.ucp_worker_get_address)(worker, address_p, address_length_p)
+    }
+    pub unsafe fn ucp_worker_release_address(
+        &self,
+        worker: ucp_worker_h,
+        address: *mut ucp_address_t,
+    ) {
+        (self.ucp_worker_release_address)(worker, address)
     }
     pub unsafe fn ucp_worker_progress(&self, worker: ucp_worker_h) -> ::std::os::raw::c_uint {
         (self.ucp_worker_progress)(worker)

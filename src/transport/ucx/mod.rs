@@ -4,15 +4,22 @@
 //!
 //! - libucp is opened at run time ([`Library::load`], through the `ucx-sys` crate): a
 //!   machine without UCX runs the same binary over TCP.
-//! - Connections are made the way TCP's are: a `ucp_listener` on the peer address, clients
-//!   connect to it by address (`UCP_EP_PARAM_FIELD_SOCK_ADDR`), so no worker addresses need
-//!   exchanging. Each connection carries UCX's stream API: ordered bytes, like a socket.
+//! - Every link starts as TCP on the peer port, where the peer handshake authenticates both
+//!   sides. Only then does each side offer UCX: it makes a worker for the link and sends the
+//!   worker's address over that TCP connection; when both offered, each creates its endpoint
+//!   from the other's address (`UCP_EP_PARAM_FIELD_REMOTE_ADDRESS`), and the link's frames
+//!   travel over UCX's stream API. No `ucp_listener` exists: UCX 1.13's connection manager
+//!   aborts the whole process on junk bytes at its port, and nothing but an authenticated
+//!   peer ever reaches UCX this way. A peer without UCX (or whose UCX cannot reach ours)
+//!   keeps the link on TCP.
+//! - The TCP connection stays open as the link's control connection: nothing travels on it
+//!   after the handshake, but its end (the peer exited, or dropped the link) ends the link at
+//!   once, as a TCP link's would (see [`stream`]).
 //! - Endpoints use `UCP_ERR_HANDLING_MODE_PEER`: a peer that dies or resets fails its
 //!   stream's reads and writes, which the peer protocol treats as a lost link (fail over).
-//! - One worker thread per transport does all UCX calls and sleeps on the worker's event fd
-//!   when idle (see [`worker`]).
+//! - One worker thread per link does all UCX calls for its worker and sleeps on the worker's
+//!   event fd when idle (see [`worker`] for why one worker per link).
 
-mod sockaddr;
 mod stream;
 mod worker;
 
@@ -21,37 +28,16 @@ use std::mem::ManuallyDrop;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use futures::FutureExt;
 use futures::future::BoxFuture;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
-pub use stream::{UcxListener, UcxStream};
-use worker::{ACCEPT_BACKLOG, Command, EpShared, WorkerHandle};
+pub use stream::UcxStream;
+use worker::{Command, Context, EpShared, WorkerHandle};
 
-use super::{PeerListener, PeerStream, Transport};
-
-/// UCX options moe-node wants unless the environment sets them: a restarted node binds its
-/// peer address again while the old connections' sockets sit in TIME_WAIT, as a TCP
-/// listener may (UCX reads these only from the environment, not `ucp_config_modify`).
-pub const DEFAULT_ENV: [(&str, &str); 2] = [
-    ("UCX_TCP_CM_REUSEADDR", "y"),
-    ("UCX_RDMA_CM_REUSEADDR", "y"),
-];
-
-/// Sets [`DEFAULT_ENV`]'s variables the environment does not set.
-///
-/// # Safety
-/// Changes the process environment: call it before any other thread runs (at the top of
-/// `main`), as for [`std::env::set_var`].
-pub unsafe fn set_default_env() {
-    for (key, value) in DEFAULT_ENV {
-        if std::env::var_os(key).is_none() {
-            // SAFETY: the caller guarantees no other thread reads or writes the environment.
-            unsafe { std::env::set_var(key, value) };
-        }
-    }
-}
+use super::{LinkUpgrade, PeerListener, PeerStream, TcpTransport, Transport};
 
 /// A loaded libucp (1.13 or newer).
 pub struct Library {
@@ -100,25 +86,36 @@ fn loaded_file(lib: &ucx_sys::UcpLib) -> Option<PathBuf> {
     Some(std::fs::canonicalize(&path).unwrap_or(path))
 }
 
-/// Peers over UCX. Cloning shares the worker thread.
+/// Peers over UCX: TCP for the handshake, then UCX for the frames. Cloning shares the UCX
+/// context.
 #[derive(Clone)]
 pub struct UcxTransport {
-    worker: Arc<WorkerHandle>,
+    tcp: TcpTransport,
+    context: Arc<Context>,
     library: Arc<Library>,
+    /// Links moved to UCX so far.
+    links: Arc<AtomicU64>,
 }
 
 impl UcxTransport {
-    /// Creates the UCX context and worker (on their own thread). Fails when UCX cannot make
-    /// them, e.g. `UCX_TLS` names no transport this machine has.
+    /// Creates the UCX context. Fails when UCX cannot make it, e.g. `UCX_TLS` names no
+    /// transport this machine has.
     pub fn start(library: Arc<Library>) -> io::Result<UcxTransport> {
         Ok(UcxTransport {
-            worker: WorkerHandle::start(library.clone())?,
+            tcp: TcpTransport::default(),
+            context: Context::new(library.clone())?,
             library,
+            links: Arc::new(AtomicU64::new(0)),
         })
     }
 
     pub fn library(&self) -> &Library {
         &self.library
+    }
+
+    /// How many links this transport has moved to UCX (each side counts its own).
+    pub fn links_moved(&self) -> u64 {
+        self.links.load(Ordering::Relaxed)
     }
 }
 
@@ -129,43 +126,109 @@ fn stopped() -> io::Error {
     )
 }
 
+/// Drops a link's worker handle off the async threads: the last one joins the worker's
+/// thread, which may wait for its endpoint to close.
+fn release(worker: Arc<WorkerHandle>) {
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => {
+            runtime.spawn_blocking(move || drop(worker));
+        }
+        Err(_) => drop(worker),
+    }
+}
+
 impl Transport for UcxTransport {
-    /// Creates the endpoint; the connection is made in the background, and a peer that is
-    /// not there fails the stream's first read (the peer handshake's timeout bounds it).
+    /// A TCP connection: the handshake runs on it, then the link moves to UCX.
     fn connect(&self, addr: SocketAddr) -> BoxFuture<'static, io::Result<Box<dyn PeerStream>>> {
-        let worker = self.worker.clone();
+        self.tcp.connect(addr)
+    }
+
+    /// A TCP listener: UCX itself listens on nothing a stranger can reach before the
+    /// handshake.
+    fn bind(&self, addr: SocketAddr) -> BoxFuture<'static, io::Result<Box<dyn PeerListener>>> {
+        self.tcp.bind(addr)
+    }
+
+    /// A new worker for the link, offered by its address.
+    fn upgrade(&self) -> BoxFuture<'static, io::Result<Option<Box<dyn LinkUpgrade>>>> {
+        let context = self.context.clone();
+        let links = self.links.clone();
         async move {
+            let (worker, address) =
+                tokio::task::spawn_blocking(move || WorkerHandle::start(context))
+                    .await
+                    .map_err(|_| io::Error::other("the UCX worker start was cancelled"))??;
+            Ok(Some(Box::new(UcxLink {
+                worker: Some(worker),
+                address,
+                ep: None,
+                links,
+            }) as Box<dyn LinkUpgrade>))
+        }
+        .boxed()
+    }
+}
+
+/// One side's UCX offer for one link: its worker, and the endpoint once made.
+struct UcxLink {
+    worker: Option<Arc<WorkerHandle>>,
+    address: Vec<u8>,
+    ep: Option<(u64, Arc<EpShared>)>,
+    links: Arc<AtomicU64>,
+}
+
+impl Drop for UcxLink {
+    /// Not taken (the peer offered no UCX, or a side failed): the worker and its endpoint go.
+    fn drop(&mut self) {
+        if let Some(worker) = self.worker.take() {
+            release(worker);
+        }
+    }
+}
+
+impl LinkUpgrade for UcxLink {
+    fn address(&self) -> &[u8] {
+        &self.address
+    }
+
+    fn name(&self) -> &'static str {
+        "ucx"
+    }
+
+    fn connect(&mut self, address: &[u8]) -> BoxFuture<'_, io::Result<()>> {
+        let remote = address.to_vec();
+        async move {
+            let worker = self.worker.as_ref().ok_or_else(stopped)?;
             let shared = Arc::new(EpShared::default());
             let (reply, answer) = oneshot::channel();
             worker.send(Command::Connect {
-                addr,
+                remote,
                 shared: shared.clone(),
                 reply,
             })?;
             let ep = answer.await.map_err(|_| stopped())??;
-            Ok(Box::new(UcxStream::new(worker, ep, shared)) as Box<dyn PeerStream>)
+            self.ep = Some((ep, shared));
+            Ok(())
         }
         .boxed()
     }
 
-    fn bind(&self, addr: SocketAddr) -> BoxFuture<'static, io::Result<Box<dyn PeerListener>>> {
-        let worker = self.worker.clone();
-        async move {
-            let (accepted_tx, accepted) = mpsc::channel(ACCEPT_BACKLOG);
-            let (reply, answer) = oneshot::channel();
-            worker.send(Command::Listen {
-                addr,
-                accepted: accepted_tx,
-                reply,
-            })?;
-            let (id, local_addr) = answer.await.map_err(|_| stopped())??;
-            Ok(Box::new(UcxListener {
-                worker,
-                id,
-                local_addr,
-                accepted,
-            }) as Box<dyn PeerListener>)
+    fn into_stream(mut self: Box<Self>, control: Box<dyn PeerStream>) -> Box<dyn PeerStream> {
+        let worker = self.worker.take();
+        let ep = self.ep.take();
+        match (worker, ep) {
+            (Some(worker), Some((ep, shared))) => {
+                self.links.fetch_add(1, Ordering::Relaxed);
+                Box::new(UcxStream::new(worker, ep, shared, control))
+            }
+            // connect() was not called or failed: the caller keeps the link on `control`
+            // in that case, so this is not reached; stay on TCP regardless.
+            (worker, _) => {
+                if let Some(worker) = worker {
+                    release(worker);
+                }
+                control
+            }
         }
-        .boxed()
     }
 }

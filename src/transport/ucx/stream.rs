@@ -1,47 +1,108 @@
-//! [`UcxStream`]: one UCX endpoint as a tokio byte stream (UCX's stream API), and
-//! [`UcxListener`], the endpoints a `ucp_listener` accepts.
+//! [`UcxStream`]: one link's UCX endpoint as a tokio byte stream (UCX's stream API), watched
+//! by the link's TCP control connection.
 //!
 //! Writes copy the bytes and hand them to the worker thread, which sends them in order;
 //! writers wait once [`SEND_PENDING_MAX`] bytes are in flight. The thread keeps a receive
-//! posted and appends what arrives for the reader. An endpoint the peer closed reads as the
-//! end of the stream; one that failed (UCX's error callback) errors reads and writes.
+//! posted and appends what arrives for the reader. The link ends when UCX fails the endpoint
+//! (its error callback) or when the control connection ends: a peer that exits or drops the
+//! link closes that socket at once, whatever UCX's own transports would take to notice.
+//! A control connection that ends cleanly reads as the end of the stream; anything else
+//! errors reads and writes.
 
 use std::io;
-use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::task::{Context, Poll};
 
-use futures::FutureExt;
-use futures::future::BoxFuture;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::sync::mpsc;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 
 use super::worker::{
-    Accepted, Command, EpShared, RECV_BUFFERED_MAX, SEND_PENDING_MAX, WorkerHandle,
+    Command, EpShared, Failure, RECV_BUFFERED_MAX, SEND_PENDING_MAX, WorkerHandle,
 };
-use crate::transport::{PeerListener, PeerStream};
+use crate::transport::PeerStream;
 
 /// Bytes one write hands over at most (a bigger buffer is taken in several writes).
 const WRITE_CHUNK: usize = 8 << 20;
 
 /// A connected UCX endpoint as a byte stream.
 pub struct UcxStream {
-    worker: Arc<WorkerHandle>,
+    worker: Option<Arc<WorkerHandle>>,
     ep: u64,
     shared: Arc<EpShared>,
+    /// The task watching the control connection (it owns the connection).
+    watcher: tokio::task::AbortHandle,
 }
 
 impl UcxStream {
-    pub(super) fn new(worker: Arc<WorkerHandle>, ep: u64, shared: Arc<EpShared>) -> Self {
-        UcxStream { worker, ep, shared }
+    /// Must be called within a tokio runtime (the watcher is a task).
+    pub(super) fn new(
+        worker: Arc<WorkerHandle>,
+        ep: u64,
+        shared: Arc<EpShared>,
+        control: Box<dyn PeerStream>,
+    ) -> Self {
+        let watcher = tokio::spawn(watch_control(
+            control,
+            shared.clone(),
+            Arc::downgrade(&worker),
+            ep,
+        ))
+        .abort_handle();
+        UcxStream {
+            worker: Some(worker),
+            ep,
+            shared,
+            watcher,
+        }
+    }
+
+    fn worker(&self) -> io::Result<&WorkerHandle> {
+        self.worker.as_deref().ok_or_else(super::stopped)
+    }
+}
+
+/// Waits for the control connection to end (nothing is sent on it after the handshake), then
+/// fails the link and closes its endpoint.
+async fn watch_control(
+    mut control: Box<dyn PeerStream>,
+    shared: Arc<EpShared>,
+    worker: Weak<WorkerHandle>,
+    ep: u64,
+) {
+    let mut byte = [0u8; 1];
+    let failure = match control.read(&mut byte).await {
+        Ok(0) => Failure {
+            closed_by_peer: true,
+            message: "the peer closed the link".into(),
+        },
+        Ok(_) => Failure {
+            closed_by_peer: false,
+            message: "the peer sent bytes on the link's control connection".into(),
+        },
+        Err(error) => Failure {
+            closed_by_peer: false,
+            message: format!("the link's control connection failed: {error}"),
+        },
+    };
+    shared.fail(failure);
+    if let Some(worker) = worker.upgrade() {
+        let _ = worker.send(Command::CloseEp { ep, force: true });
+        super::release(worker);
     }
 }
 
 impl Drop for UcxStream {
     fn drop(&mut self) {
-        // Flushes what was written, then closes. A stopped thread has closed it already.
-        let _ = self.worker.send(Command::CloseEp { ep: self.ep });
+        // Flushes what was written, then closes; the control connection closes with the
+        // watcher, which tells the peer. A stopped thread has closed the endpoint already.
+        if let Some(worker) = self.worker.take() {
+            let _ = worker.send(Command::CloseEp {
+                ep: self.ep,
+                force: false,
+            });
+            super::release(worker);
+        }
+        self.watcher.abort();
     }
 }
 
@@ -77,7 +138,9 @@ impl AsyncRead for UcxStream {
         drop(state);
         if resume {
             // A stopped thread fails the next read instead.
-            let _ = this.worker.send(Command::ResumeRecv { ep: this.ep });
+            let _ = this
+                .worker()
+                .and_then(|worker| worker.send(Command::ResumeRecv { ep: this.ep }));
         }
         Poll::Ready(Ok(()))
     }
@@ -108,7 +171,7 @@ impl AsyncWrite for UcxStream {
             }
             state.send_pending += n;
         }
-        this.worker.send(Command::Send {
+        this.worker()?.send(Command::Send {
             ep: this.ep,
             data: buf[..n].to_vec(),
         })?;
@@ -133,39 +196,5 @@ impl AsyncWrite for UcxStream {
     /// UCX streams have no half-close: this flushes; dropping the stream closes it.
     fn poll_shutdown(self: Pin<&mut Self>, context: &mut Context<'_>) -> Poll<io::Result<()>> {
         self.poll_flush(context)
-    }
-}
-
-/// A `ucp_listener` bound to an address; its connections come as [`UcxStream`]s.
-pub struct UcxListener {
-    pub(super) worker: Arc<WorkerHandle>,
-    pub(super) id: u64,
-    pub(super) local_addr: SocketAddr,
-    pub(super) accepted: mpsc::Receiver<Accepted>,
-}
-
-impl Drop for UcxListener {
-    fn drop(&mut self) {
-        let _ = self.worker.send(Command::CloseListener { id: self.id });
-    }
-}
-
-impl PeerListener for UcxListener {
-    fn local_addr(&self) -> SocketAddr {
-        self.local_addr
-    }
-
-    fn accept(&mut self) -> BoxFuture<'_, io::Result<(Box<dyn PeerStream>, SocketAddr)>> {
-        async move {
-            let Accepted { ep, shared, peer } = self.accepted.recv().await.ok_or_else(|| {
-                io::Error::new(
-                    io::ErrorKind::BrokenPipe,
-                    "the UCX worker thread has stopped",
-                )
-            })?;
-            let stream = UcxStream::new(self.worker.clone(), ep, shared);
-            Ok((Box::new(stream) as Box<dyn PeerStream>, peer))
-        }
-        .boxed()
     }
 }

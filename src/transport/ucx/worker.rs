@@ -1,5 +1,11 @@
-//! The UCX worker thread: it owns the ucp context, the worker, every endpoint and listener,
-//! and is the only thread that calls UCX (the worker is created `UCS_THREAD_MODE_SINGLE`).
+//! The UCX worker threads: one per link, each owning one ucp worker (on the transport's
+//! shared [`Context`]) and the link's one endpoint; it is the only thread that calls UCX for
+//! that worker (created `UCS_THREAD_MODE_SINGLE`).
+//!
+//! One worker per link, not one per node: endpoints made from worker addresses are paired by
+//! UCX in the order each side creates them toward the same remote worker, so two links made
+//! at once between the same two workers (each node dialling the other) could be crossed.
+//! A worker that only ever has one peer endpoint cannot be.
 //!
 //! Tokio tasks talk to it through [`WorkerHandle`]: commands go down an mpsc queue and an
 //! eventfd wakes the thread; results come back through each endpoint's [`EpShared`] (bytes
@@ -14,18 +20,16 @@ use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
 use std::ffi::c_void;
 use std::io;
-use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::Waker;
 use std::time::{Duration, Instant};
 
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 use ucx_sys as sys;
 
 use super::Library;
-use super::sockaddr;
 
 /// Bytes one posted stream receive takes at most.
 const RECV_CHUNK: usize = 1 << 20;
@@ -34,8 +38,6 @@ const RECV_CHUNK: usize = 1 << 20;
 pub const RECV_BUFFERED_MAX: usize = 32 << 20;
 /// Bytes handed to the thread and not yet sent before writers wait.
 pub const SEND_PENDING_MAX: usize = 32 << 20;
-/// Incoming connections accepted by UCX but not yet taken by the listener's owner.
-pub const ACCEPT_BACKLOG: usize = 128;
 /// The longest sleep of the loop: a safety net, so UCX's timers (keepalive of
 /// `UCP_ERR_HANDLING_MODE_PEER`) run even if no event fd fires.
 const IDLE_TICK_MS: i32 = 100;
@@ -77,7 +79,7 @@ impl EpShared {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn fail(&self, failure: Failure) {
+    pub fn fail(&self, failure: Failure) {
         let (read, write) = {
             let mut state = self.lock();
             if state.failure.is_none() {
@@ -89,23 +91,78 @@ impl EpShared {
     }
 }
 
-/// An incoming connection: its endpoint and the client's address.
-pub struct Accepted {
-    pub ep: u64,
-    pub shared: Arc<EpShared>,
-    pub peer: SocketAddr,
+/// A ucp context (stream API, wakeup), shared by every link's worker; cleaned up when the
+/// last of them is gone.
+pub struct Context {
+    library: Arc<Library>,
+    handle: sys::ucp_context_h,
+}
+
+// SAFETY: the context is created with UCP_PARAM_FIELD_MT_WORKERS_SHARED, which makes it safe
+// to create and destroy workers on it from several threads; the handle is only passed to UCX.
+unsafe impl Send for Context {}
+// SAFETY: as above.
+unsafe impl Sync for Context {}
+
+impl Context {
+    /// Creates the context. Fails with the UCX error when it cannot (no usable transport,
+    /// a bad `UCX_*` variable).
+    pub fn new(library: Arc<Library>) -> io::Result<Arc<Context>> {
+        let ucp = &library.ucp;
+        let mut config: *mut sys::ucp_config_t = std::ptr::null_mut();
+        // SAFETY: null prefix and file mean "read UCX_* from the environment"; config is
+        // written on success and released below.
+        let status =
+            unsafe { ucp.ucp_config_read(std::ptr::null(), std::ptr::null(), &mut config) };
+        if status != sys::UCS_OK {
+            return Err(status_error(
+                &library,
+                "reading the UCX configuration",
+                status,
+            ));
+        }
+        // SAFETY: ucp_params_t is plain data; zero is "no field set" for the fields not
+        // named in field_mask.
+        let mut params: sys::ucp_params_t = unsafe { std::mem::zeroed() };
+        params.field_mask = (sys::UCP_PARAM_FIELD_FEATURES
+            | sys::UCP_PARAM_FIELD_NAME
+            | sys::UCP_PARAM_FIELD_MT_WORKERS_SHARED) as u64;
+        params.features = (sys::UCP_FEATURE_STREAM | sys::UCP_FEATURE_WAKEUP) as u64;
+        params.name = c"moe-node".as_ptr();
+        params.mt_workers_shared = 1;
+        let mut handle: sys::ucp_context_h = std::ptr::null_mut();
+        // SAFETY: params and config are valid for the call; handle is written on success.
+        let status = unsafe {
+            ucp.ucp_init_version(
+                sys::UCP_API_MAJOR,
+                sys::UCP_API_MINOR,
+                &params,
+                config,
+                &mut handle,
+            )
+        };
+        // SAFETY: config came from ucp_config_read and is not used after this.
+        unsafe { ucp.ucp_config_release(config) };
+        if status != sys::UCS_OK {
+            return Err(status_error(&library, "creating the UCX context", status));
+        }
+        Ok(Arc::new(Context { library, handle }))
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // SAFETY: every worker made on the context holds an Arc to it, so none is left.
+        unsafe { self.library.ucp.ucp_cleanup(self.handle) };
+    }
 }
 
 pub enum Command {
+    /// Creates the link's endpoint toward the peer worker's address.
     Connect {
-        addr: SocketAddr,
+        remote: Vec<u8>,
         shared: Arc<EpShared>,
         reply: oneshot::Sender<io::Result<u64>>,
-    },
-    Listen {
-        addr: SocketAddr,
-        accepted: mpsc::Sender<Accepted>,
-        reply: oneshot::Sender<io::Result<(u64, SocketAddr)>>,
     },
     Send {
         ep: u64,
@@ -114,11 +171,10 @@ pub enum Command {
     ResumeRecv {
         ep: u64,
     },
+    /// Closes the endpoint (by force: without flushing, for one already failed).
     CloseEp {
         ep: u64,
-    },
-    CloseListener {
-        id: u64,
+        force: bool,
     },
 }
 
@@ -134,9 +190,9 @@ pub struct WorkerHandle {
 }
 
 impl WorkerHandle {
-    /// Starts the thread: a ucp context (stream API, wakeup) and one worker. Fails with the
-    /// UCX error when either cannot be made (no usable transport, bad `UCX_*` variable).
-    pub fn start(library: Arc<Library>) -> io::Result<Arc<WorkerHandle>> {
+    /// Starts a thread with a new worker on `context`; returns its handle and the worker's
+    /// address (what a peer needs to reach it). Fails with the UCX error.
+    pub fn start(context: Arc<Context>) -> io::Result<(Arc<WorkerHandle>, Vec<u8>)> {
         // SAFETY: eventfd takes no pointers; the result is checked.
         let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
         if fd < 0 {
@@ -149,23 +205,24 @@ impl WorkerHandle {
         let (ready_tx, ready_rx) = std_mpsc::channel();
         let thread = std::thread::Builder::new()
             .name("moe-node-ucx".into())
-            .spawn(move || match Worker::new(library, wake_fd) {
-                Ok(mut worker) => {
-                    let _ = ready_tx.send(Ok(()));
+            .spawn(move || match Worker::new(context, wake_fd) {
+                Ok((mut worker, address)) => {
+                    let _ = ready_tx.send(Ok(address));
                     worker.run(receiver);
                 }
                 Err(e) => {
                     let _ = ready_tx.send(Err(e));
                 }
             })?;
-        ready_rx
+        let address = ready_rx
             .recv()
             .map_err(|_| io::Error::other("the UCX worker thread ended while starting"))??;
-        Ok(Arc::new(WorkerHandle {
+        let handle = Arc::new(WorkerHandle {
             commands,
             wake,
             thread: Mutex::new(Some(thread)),
-        }))
+        });
+        Ok((handle, address))
     }
 
     /// Queues `command` and wakes the thread.
@@ -210,10 +267,6 @@ impl Drop for WorkerHandle {
 
 /// What a UCX callback saw, handled by the loop once progress returns.
 enum Event {
-    ConnRequest {
-        listener: u64,
-        request: sys::ucp_conn_request_h,
-    },
     EpError {
         ep: u64,
         status: sys::ucs_status_t,
@@ -260,19 +313,14 @@ struct Endpoint {
     recv_posted: bool,
 }
 
-struct Listener {
-    handle: sys::ucp_listener_h,
-    accepted: mpsc::Sender<Accepted>,
-}
-
 struct Worker {
     library: Arc<Library>,
-    context: sys::ucp_context_h,
+    /// Kept alive (not cleaned up) while this worker exists.
+    context: Arc<Context>,
     worker: sys::ucp_worker_h,
     epoll: OwnedFd,
     wake_fd: Arc<OwnedFd>,
     endpoints: HashMap<u64, Endpoint>,
-    listeners: HashMap<u64, Listener>,
     closing: usize,
     next_id: u64,
     /// Receive buffers to reuse (a fresh zeroed 1 MiB per receive cost more than a small
@@ -299,13 +347,6 @@ fn status_error(library: &Library, what: &str, status: sys::ucs_status_t) -> io:
             library.ucp.status_string(status)
         ),
     )
-}
-
-extern "C" fn on_conn_request(request: sys::ucp_conn_request_h, arg: *mut c_void) {
-    record(Event::ConnRequest {
-        listener: arg as u64,
-        request,
-    });
 }
 
 extern "C" fn on_ep_error(arg: *mut c_void, _ep: sys::ucp_ep_h, status: sys::ucs_status_t) {
@@ -342,62 +383,41 @@ extern "C" fn on_close(request: *mut c_void, _status: sys::ucs_status_t, _user: 
 }
 
 impl Worker {
-    fn new(library: Arc<Library>, wake_fd: Arc<OwnedFd>) -> io::Result<Worker> {
+    fn new(context: Arc<Context>, wake_fd: Arc<OwnedFd>) -> io::Result<(Worker, Vec<u8>)> {
+        let library = context.library.clone();
         let ucp = &library.ucp;
-        let mut config: *mut sys::ucp_config_t = std::ptr::null_mut();
-        // SAFETY: null prefix and file mean "read UCX_* from the environment"; config is
-        // written on success and released below.
-        let status =
-            unsafe { ucp.ucp_config_read(std::ptr::null(), std::ptr::null(), &mut config) };
-        if status != sys::UCS_OK {
-            return Err(status_error(
-                &library,
-                "reading the UCX configuration",
-                status,
-            ));
-        }
-        // SAFETY: ucp_params_t is plain data; zero is "no field set" for the fields not
-        // named in field_mask.
-        let mut params: sys::ucp_params_t = unsafe { std::mem::zeroed() };
-        params.field_mask = (sys::UCP_PARAM_FIELD_FEATURES | sys::UCP_PARAM_FIELD_NAME) as u64;
-        params.features = (sys::UCP_FEATURE_STREAM | sys::UCP_FEATURE_WAKEUP) as u64;
-        params.name = c"moe-node".as_ptr();
-        let mut context: sys::ucp_context_h = std::ptr::null_mut();
-        // SAFETY: params and config are valid for the call; context is written on success.
-        let status = unsafe {
-            ucp.ucp_init_version(
-                sys::UCP_API_MAJOR,
-                sys::UCP_API_MINOR,
-                &params,
-                config,
-                &mut context,
-            )
-        };
-        // SAFETY: config came from ucp_config_read and is not used after this.
-        unsafe { ucp.ucp_config_release(config) };
-        if status != sys::UCS_OK {
-            return Err(status_error(&library, "creating the UCX context", status));
-        }
         // SAFETY: zeroed plain data, fields selected by field_mask.
         let mut worker_params: sys::ucp_worker_params_t = unsafe { std::mem::zeroed() };
         worker_params.field_mask = sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE as u64;
         worker_params.thread_mode = sys::UCS_THREAD_MODE_SINGLE;
         let mut worker: sys::ucp_worker_h = std::ptr::null_mut();
         // SAFETY: context is live; worker is written on success.
-        let status = unsafe { ucp.ucp_worker_create(context, &worker_params, &mut worker) };
+        let status = unsafe { ucp.ucp_worker_create(context.handle, &worker_params, &mut worker) };
         if status != sys::UCS_OK {
-            // SAFETY: the context is not used after this.
-            unsafe { ucp.ucp_cleanup(context) };
             return Err(status_error(&library, "creating the UCX worker", status));
         }
         let fail = |e: io::Error| {
-            // SAFETY: neither is used after this.
-            unsafe {
-                ucp.ucp_worker_destroy(worker);
-                ucp.ucp_cleanup(context);
-            }
+            // SAFETY: the worker is not used after this.
+            unsafe { ucp.ucp_worker_destroy(worker) };
             e
         };
+        let mut raw_address: *mut sys::ucp_address_t = std::ptr::null_mut();
+        let mut address_len: usize = 0;
+        // SAFETY: the worker is live; both outputs are written on success.
+        let status =
+            unsafe { ucp.ucp_worker_get_address(worker, &mut raw_address, &mut address_len) };
+        if status != sys::UCS_OK {
+            return Err(fail(status_error(
+                &library,
+                "getting the UCX worker's address",
+                status,
+            )));
+        }
+        // SAFETY: UCX wrote address_len bytes at raw_address, released right after the copy.
+        let address =
+            unsafe { std::slice::from_raw_parts(raw_address.cast::<u8>(), address_len) }.to_vec();
+        // SAFETY: the address came from ucp_worker_get_address on this worker, released once.
+        unsafe { ucp.ucp_worker_release_address(worker, raw_address) };
         let mut efd: libc::c_int = -1;
         // SAFETY: the worker is live; efd is written on success.
         let status = unsafe { ucp.ucp_worker_get_efd(worker, &mut efd) };
@@ -428,18 +448,18 @@ impl Worker {
                 return Err(fail(io::Error::last_os_error()));
             }
         }
-        Ok(Worker {
+        let worker = Worker {
             library,
             context,
             worker,
             epoll,
             wake_fd,
             endpoints: HashMap::new(),
-            listeners: HashMap::new(),
             closing: 0,
             next_id: 1,
             spare_buffers: Vec::new(),
-        })
+        };
+        Ok((worker, address))
     }
 
     fn run(&mut self, commands: std_mpsc::Receiver<Option<Command>>) {
@@ -512,31 +532,23 @@ impl Worker {
     fn command(&mut self, command: Command) {
         match command {
             Command::Connect {
-                addr,
+                remote,
                 shared,
                 reply,
             } => {
                 let id = self.next_id();
-                let result = self.connect(id, addr, shared);
+                let result = self.connect(id, &remote, shared);
                 let _ = reply.send(result.map(|()| id));
-            }
-            Command::Listen {
-                addr,
-                accepted,
-                reply,
-            } => {
-                let id = self.next_id();
-                let _ = reply.send(self.listen(id, addr, accepted).map(|addr| (id, addr)));
             }
             Command::Send { ep, data } => self.send(ep, data),
             Command::ResumeRecv { ep } => self.post_recv(ep),
-            Command::CloseEp { ep } => self.close_ep(ep, 0),
-            Command::CloseListener { id } => {
-                if let Some(listener) = self.listeners.remove(&id) {
-                    // SAFETY: the listener is live and removed from the table, so it is
-                    // never used again.
-                    unsafe { self.library.ucp.ucp_listener_destroy(listener.handle) };
-                }
+            Command::CloseEp { ep, force } => {
+                let flags = if force {
+                    sys::UCP_EP_CLOSE_FLAG_FORCE
+                } else {
+                    0
+                };
+                self.close_ep(ep, flags);
             }
         }
     }
@@ -552,17 +564,14 @@ impl Worker {
         params
     }
 
-    fn connect(&mut self, id: u64, addr: SocketAddr, shared: Arc<EpShared>) -> io::Result<()> {
-        let (storage, len) = sockaddr::to_c(addr);
+    fn connect(&mut self, id: u64, remote: &[u8], shared: Arc<EpShared>) -> io::Result<()> {
         let mut params = Self::ep_params(id);
-        params.field_mask |=
-            (sys::UCP_EP_PARAM_FIELD_FLAGS | sys::UCP_EP_PARAM_FIELD_SOCK_ADDR) as u64;
-        params.flags = sys::UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
-        params.sockaddr.addr = (&raw const storage).cast();
-        params.sockaddr.addrlen = len;
+        params.field_mask |= sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS as u64;
+        params.address = remote.as_ptr().cast();
         let mut handle: sys::ucp_ep_h = std::ptr::null_mut();
-        // SAFETY: the worker is live; params and the sockaddr it points at live through the
-        // call (UCX copies the address); handle is written on success.
+        // SAFETY: the worker is live; params and the address bytes it points at live through
+        // the call (UCX unpacks the address); handle is written on success. The address came
+        // from a peer that proved it holds the cluster secret.
         let status = unsafe {
             self.library
                 .ucp
@@ -571,7 +580,7 @@ impl Worker {
         if status != sys::UCS_OK {
             return Err(status_error(
                 &self.library,
-                &format!("connecting to {addr}"),
+                "creating the UCX endpoint toward the peer's worker",
                 status,
             ));
         }
@@ -589,108 +598,6 @@ impl Worker {
             },
         );
         self.post_recv(id);
-    }
-
-    fn listen(
-        &mut self,
-        id: u64,
-        addr: SocketAddr,
-        accepted: mpsc::Sender<Accepted>,
-    ) -> io::Result<SocketAddr> {
-        let (storage, len) = sockaddr::to_c(addr);
-        // SAFETY: zeroed plain data, fields selected by field_mask.
-        let mut params: sys::ucp_listener_params_t = unsafe { std::mem::zeroed() };
-        params.field_mask = (sys::UCP_LISTENER_PARAM_FIELD_SOCK_ADDR
-            | sys::UCP_LISTENER_PARAM_FIELD_CONN_HANDLER) as u64;
-        params.sockaddr.addr = (&raw const storage).cast();
-        params.sockaddr.addrlen = len;
-        params.conn_handler.cb = Some(on_conn_request);
-        params.conn_handler.arg = id as *mut c_void;
-        let mut handle: sys::ucp_listener_h = std::ptr::null_mut();
-        // SAFETY: the worker is live; params and the address live through the call;
-        // handle is written on success.
-        let status = unsafe {
-            self.library
-                .ucp
-                .ucp_listener_create(self.worker, &params, &mut handle)
-        };
-        if status != sys::UCS_OK {
-            return Err(status_error(
-                &self.library,
-                &format!("listening on {addr}"),
-                status,
-            ));
-        }
-        // SAFETY: zeroed plain data, fields selected by field_mask.
-        let mut attr: sys::ucp_listener_attr_t = unsafe { std::mem::zeroed() };
-        attr.field_mask = sys::UCP_LISTENER_ATTR_FIELD_SOCKADDR as u64;
-        // SAFETY: the listener is live; attr is written.
-        let status = unsafe { self.library.ucp.ucp_listener_query(handle, &mut attr) };
-        // SAFETY: ucx-sys's sockaddr_storage and libc's are the same C type.
-        let bound = (status == sys::UCS_OK)
-            .then(|| sockaddr::from_c(unsafe { &*(&raw const attr.sockaddr).cast() }))
-            .flatten();
-        let Some(bound) = bound else {
-            // SAFETY: the listener is not used after this.
-            unsafe { self.library.ucp.ucp_listener_destroy(handle) };
-            return Err(io::Error::other(format!(
-                "UCX listener on {addr}: cannot read the address it is bound to"
-            )));
-        };
-        self.listeners.insert(id, Listener { handle, accepted });
-        Ok(bound)
-    }
-
-    fn accept(&mut self, listener_id: u64, request: sys::ucp_conn_request_h) {
-        let library = self.library.clone();
-        let ucp = &library.ucp;
-        let Some(listener) = self.listeners.get(&listener_id) else {
-            return;
-        };
-        if listener.accepted.capacity() == 0 {
-            tracing::warn!("UCX listener: {ACCEPT_BACKLOG} connections not yet taken; refusing");
-            // SAFETY: the listener is live and the request was made for it, unused since.
-            unsafe { ucp.ucp_listener_reject(listener.handle, request) };
-            return;
-        }
-        // SAFETY: zeroed plain data, fields selected by field_mask.
-        let mut attr: sys::ucp_conn_request_attr_t = unsafe { std::mem::zeroed() };
-        attr.field_mask = sys::UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR as u64;
-        // SAFETY: the request is live (not yet accepted or rejected); attr is written.
-        let status = unsafe { ucp.ucp_conn_request_query(request, &mut attr) };
-        let peer = (status == sys::UCS_OK)
-            // SAFETY: ucx-sys's sockaddr_storage and libc's are the same C type.
-            .then(|| sockaddr::from_c(unsafe { &*(&raw const attr.client_address).cast() }))
-            .flatten()
-            .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0)));
-        let id = self.next_id();
-        let mut params = Self::ep_params(id);
-        params.field_mask |= sys::UCP_EP_PARAM_FIELD_CONN_REQUEST as u64;
-        params.conn_request = request;
-        let mut handle: sys::ucp_ep_h = std::ptr::null_mut();
-        // SAFETY: the worker is live; the request is consumed by this call.
-        let status = unsafe { ucp.ucp_ep_create(self.worker, &params, &mut handle) };
-        if status != sys::UCS_OK {
-            let error = status_error(&self.library, &format!("accepting {peer}"), status);
-            tracing::warn!(%error, "UCX listener: connection not accepted");
-            return;
-        }
-        let shared = Arc::new(EpShared::default());
-        self.add_endpoint(id, handle, shared.clone());
-        let Some(listener) = self.listeners.get(&listener_id) else {
-            return self.close_ep(id, 0);
-        };
-        if listener
-            .accepted
-            .try_send(Accepted {
-                ep: id,
-                shared,
-                peer,
-            })
-            .is_err()
-        {
-            self.close_ep(id, 0);
-        }
     }
 
     fn send(&mut self, ep: u64, data: Vec<u8>) {
@@ -840,7 +747,6 @@ impl Worker {
         let library = self.library.clone();
         let ucp = &library.ucp;
         match event {
-            Event::ConnRequest { listener, request } => self.accept(listener, request),
             Event::EpError { ep, status } => {
                 let closed = matches!(
                     status,
@@ -922,10 +828,6 @@ impl Worker {
 
     /// Closes everything, waits a little for the closes, and destroys the worker.
     fn stop(&mut self) {
-        let ids: Vec<u64> = self.listeners.keys().copied().collect();
-        for id in ids {
-            self.command(Command::CloseListener { id });
-        }
         let eps: Vec<u64> = self.endpoints.keys().copied().collect();
         for ep in eps {
             self.close_ep(ep, sys::UCP_EP_CLOSE_FLAG_FORCE);
@@ -939,17 +841,15 @@ impl Worker {
         if self.closing > 0 {
             // Requests still open keep pointers into the worker: leave it rather than
             // destroy it under them.
+            // The context stays too (this worker's Arc is leaked with it).
             tracing::warn!(
                 endpoints = self.closing,
                 "UCX worker stopping with endpoints still closing"
             );
+            std::mem::forget(self.context.clone());
             return;
         }
-        let ucp = &self.library.ucp;
-        // SAFETY: nothing refers to the worker or the context any more.
-        unsafe {
-            ucp.ucp_worker_destroy(self.worker);
-            ucp.ucp_cleanup(self.context);
-        }
+        // SAFETY: nothing refers to the worker any more.
+        unsafe { self.library.ucp.ucp_worker_destroy(self.worker) };
     }
 }
