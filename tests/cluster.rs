@@ -685,7 +685,12 @@ fn three_nodes_serve_one_model_and_survive_kill_pause_restart_and_garbage(transp
         .iter()
         .map(|n| n.metric_sum("moe_node_dispatch_hedges_total"))
         .sum();
-    assert!(hedged > 0.0, "work sent to the paused node was hedged");
+    assert!(
+        hedged > 0.0,
+        "work sent to the paused node was hedged: {:?}\n{:?}",
+        nodes[0].log(),
+        nodes[1].log()
+    );
 }
 
 /// Every expert of `placement` has two copies, on distinct nodes, all among `nodes`.

@@ -281,7 +281,8 @@ pub struct ClusterConfig {
     pub secrets: Vec<String>,
     /// UDP address gossip listens on.
     pub gossip_listen: String,
-    /// Address expert work from other nodes arrives on (a TCP port, or UCX's listener: see
+    /// TCP address expert work from other nodes arrives on; every link starts here with the
+    /// authenticated handshake, and moves to UCX after it when both nodes offer UCX (see
     /// [`PeerSection`]).
     pub peer_listen: String,
     /// Host other nodes reach this one at. Empty: the host of the listen addresses (which
@@ -449,9 +450,10 @@ impl ClusterConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PeerSection {
-    /// `auto`: UCX when libucp loads, else TCP (the log says which and why); `ucx`: UCX or
-    /// refuse to start; `tcp` (the default, see README "Peers over UCX": UCX 1.13's own
-    /// listener aborts on junk bytes): TCP. Every node of a cluster must use the same one.
+    /// `auto` (the default): UCX when libucp loads, else TCP (the log says which and why);
+    /// `ucx`: UCX or refuse to start; `tcp`: TCP only. Either way a link starts as TCP on
+    /// the peer port and moves to UCX after the handshake only when both nodes offer it, so
+    /// nodes with different settings still talk (over TCP).
     pub transport: PeerTransport,
     /// Directory searched first for libucp.so.0 (e.g. the `lib` folder of PyPI's
     /// `libucx-cu13`, a UCX built with CUDA). Empty: none.
@@ -464,7 +466,7 @@ pub struct PeerSection {
 impl Default for PeerSection {
     fn default() -> Self {
         PeerSection {
-            transport: PeerTransport::Tcp,
+            transport: PeerTransport::Auto,
             ucx_lib_dir: String::new(),
             ucx_system_search: true,
         }

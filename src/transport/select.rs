@@ -40,7 +40,8 @@ pub fn choose(peer: &PeerSection) -> Result<Chosen, String> {
             transport: Arc::new(transport),
             name: "ucx",
             why: format!(
-                "peer.transport = \"{}\" and UCX {} loaded from {}; UCX_TLS={}",
+                "peer.transport = \"{}\" and UCX {} loaded from {}; UCX_TLS={}; each link \
+                 moves to UCX after its handshake when the peer offers UCX too",
                 if mode == PeerTransport::Ucx {
                     "ucx"
                 } else {
