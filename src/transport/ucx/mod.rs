@@ -53,8 +53,17 @@ pub struct Library {
 impl Library {
     /// Opens libucp from `dir` (when given), then, when `search_system`, from the dynamic
     /// loader's paths. The error lists every place tried and why each failed.
+    ///
+    /// Loading libucs (UCX 1.13) installs its own SIGHUP handler (`UCX_DEBUG_SIGNO`,
+    /// default SIGHUP: "enter debug mode"), which would take `systemctl reload` away from the
+    /// node: the handler in place before loading is put back.
     pub fn load(dir: Option<&Path>, search_system: bool) -> Result<Arc<Library>, String> {
-        let loaded = ucx_sys::UcpLib::open(dir, search_system).map_err(|e| e.to_string())?;
+        let hangup = SavedHandler::save(libc::SIGHUP);
+        let loaded = ucx_sys::UcpLib::open(dir, search_system);
+        if let Some(hangup) = hangup {
+            hangup.restore();
+        }
+        let loaded = loaded.map_err(|e| e.to_string())?;
         let file = loaded_file(&loaded.lib).unwrap_or(loaded.opened);
         Ok(Arc::new(Library {
             ucp: ManuallyDrop::new(loaded.lib),
@@ -67,6 +76,27 @@ impl Library {
     pub fn version_string(&self) -> String {
         let (major, minor, release) = self.version;
         format!("{major}.{minor}.{release}")
+    }
+}
+
+/// A signal's disposition, to put back after a library changed it.
+struct SavedHandler {
+    signal: libc::c_int,
+    action: libc::sigaction,
+}
+
+impl SavedHandler {
+    fn save(signal: libc::c_int) -> Option<SavedHandler> {
+        // SAFETY: sigaction is plain data; zero is a valid starting value.
+        let mut action: libc::sigaction = unsafe { std::mem::zeroed() };
+        // SAFETY: a null new action only reads the current one into a live struct.
+        let read = unsafe { libc::sigaction(signal, std::ptr::null(), &mut action) };
+        (read == 0).then_some(SavedHandler { signal, action })
+    }
+
+    fn restore(&self) {
+        // SAFETY: puts back a disposition read from the kernel for the same signal.
+        unsafe { libc::sigaction(self.signal, &self.action, std::ptr::null_mut()) };
     }
 }
 
