@@ -98,6 +98,13 @@ pub trait RemoteNodes: Send + Sync {
     /// Sends `work` to placement node `node`; `answer` is called with the outputs per group.
     /// An error means nothing was sent.
     fn send(&self, node: u16, work: RemoteWork, answer: Answer) -> Result<(), TargetError>;
+
+    /// Whether work sent to `node` now goes out on a link that is already set up. Work that
+    /// must wait for a link (the first send to a node, or one after a reconnect) is answered
+    /// after the connect and handshake, which measures the link's set-up, not the node.
+    fn link_up(&self, _node: u16) -> bool {
+        true
+    }
 }
 
 /// What to do when a group's expert has no live replica.
@@ -254,6 +261,8 @@ struct Attempt {
     rows: usize,
     sent: Instant,
     hedged: bool,
+    /// Sent to a node whose link was not up yet: its answer time includes the link's set-up.
+    cold: bool,
     finished: bool,
 }
 
@@ -618,12 +627,17 @@ impl Dispatcher {
                     for &g in &groups {
                         covering[g] += 1;
                     }
+                    let cold = match (target, &self.remote) {
+                        (Target::Node(n), Some(remote)) => !remote.link_up(n),
+                        _ => false,
+                    };
                     attempts.push(Attempt {
                         target,
                         groups: groups.clone(),
                         rows,
                         sent: now,
                         hedged: false,
+                        cold,
                         finished: false,
                     });
                     self.health().entry(target).or_default().sent(rows);
@@ -681,7 +695,11 @@ impl Dispatcher {
                         Ok(outs) if outs.len() == attempt.groups.len() => {
                             // A hedged send's answer time is an outlier (a pause, a node still
                             // loading): its missed deadline already counts against the target.
-                            let sample = (!attempt.hedged).then_some(took);
+                            // A cold send's includes setting up the link (a fresh UCX link takes
+                            // tens of ms): taken as the node's latency, it made a just restarted
+                            // node look far slower than its peers, so it got no work (and so no
+                            // new measurement) until the sample went stale.
+                            let sample = (!attempt.hedged && !attempt.cold).then_some(took);
                             self.health()
                                 .entry(target)
                                 .or_default()

@@ -706,6 +706,12 @@ impl PeerClient {
         self.addr
     }
 
+    /// Whether a connection is up now (after its handshake): a request sent while not waits
+    /// for the connect and handshake first.
+    pub fn is_linked(&self) -> bool {
+        lock(&self.shared.link).stream.is_some()
+    }
+
     /// Non-blocking: checks the request on the calling thread and queues it. A full queue
     /// answers `Err(PeerError::Overloaded)` at once. On `Err`, `done` is dropped uncalled
     /// (the error is the answer); on `Ok`, `done` is called exactly once. Callable from any
