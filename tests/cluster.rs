@@ -664,6 +664,20 @@ fn three_nodes_serve_one_model_and_survive_kill_pause_restart_and_garbage(transp
         .iter()
         .map(|n| n.metric_sum("moe_node_membership_transitions_total{state=\"dead\"}"))
         .collect();
+    // Hedges counted so far (the kill above may have made some): the pause must add its own.
+    let hedges = |nodes: &[Node]| -> f64 {
+        nodes[..2]
+            .iter()
+            .map(|n| n.metric_sum("moe_node_dispatch_hedges_total"))
+            .sum()
+    };
+    let hedged_before = hedges(&nodes);
+    // How node1 and node2 rate node3 now (shown if the check below fails): a node rated much
+    // slower than the others gets no work, so nothing of it can be hedged.
+    let rated: Vec<String> = nodes[..2]
+        .iter()
+        .map(|n| format!("{}: {}", n.name, n.cluster()["dispatch"]))
+        .collect();
     nodes[2].signal("-STOP");
     let pause_started = Instant::now();
     for i in 0..4 {
@@ -681,13 +695,10 @@ fn three_nodes_serve_one_model_and_survive_kill_pause_restart_and_garbage(transp
             node.name
         );
     }
-    let hedged: f64 = nodes[..2]
-        .iter()
-        .map(|n| n.metric_sum("moe_node_dispatch_hedges_total"))
-        .sum();
+    let hedged = hedges(&nodes) - hedged_before;
     assert!(
         hedged > 0.0,
-        "work sent to the paused node was hedged: {:?}\n{:?}",
+        "work sent to the paused node was hedged: {rated:?}\n{:?}\n{:?}",
         nodes[0].log(),
         nodes[1].log()
     );
