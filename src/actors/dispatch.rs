@@ -493,10 +493,36 @@ impl Dispatcher {
         input: &[f32],
         local_only: bool,
     ) -> Result<Vec<Vec<f32>>, ExpertError> {
-        let width = self.hidden_size;
         self.load.tick();
         self.calls_started.fetch_add(1, Ordering::SeqCst);
         let _finished = CallFinished(&self.calls_finished);
+        let mut attempts: Vec<Attempt> = Vec::new();
+        let result =
+            self.run_attempts(layer, experts, group_rows, input, local_only, &mut attempts);
+        // Sends still unanswered (a hedged send whose other replica answered first, sends
+        // in flight when the step failed) will be answered to nobody: their rows no longer
+        // count as the target's load, or every hedge would leave rows on a slow or paused
+        // node for good and it would lose the load comparison from then on.
+        let mut health = self.health();
+        for attempt in attempts.iter().filter(|a| !a.finished) {
+            health
+                .entry(attempt.target)
+                .or_default()
+                .answered(attempt.rows, None);
+        }
+        result
+    }
+
+    fn run_attempts(
+        &self,
+        layer: usize,
+        experts: &[u32],
+        group_rows: &[usize],
+        input: &[f32],
+        local_only: bool,
+        attempts: &mut Vec<Attempt>,
+    ) -> Result<Vec<Vec<f32>>, ExpertError> {
+        let width = self.hidden_size;
         let placement = self.placement();
         let holdings = self.holdings();
         // Work from another node runs on whichever local device holds its expert now.
@@ -538,7 +564,6 @@ impl Dispatcher {
         // In-flight sends per group, and the targets that already failed it.
         let mut covering = vec![0u32; experts.len()];
         let mut failed_on: Vec<Vec<Target>> = vec![Vec::new(); experts.len()];
-        let mut attempts: Vec<Attempt> = Vec::new();
         let mut pending: Vec<usize> = (0..experts.len()).collect();
         let mut waiting_since: Option<Instant> = None;
         // Small work for this node's CPU slots, run on this thread once the rest is sent.
@@ -676,7 +701,7 @@ impl Dispatcher {
                 }
             }
 
-            let wait = self.next_wait(&attempts);
+            let wait = self.next_wait(attempts);
             let event = done_rx.recv_timeout(wait);
             let now = Instant::now();
             match event {
