@@ -133,6 +133,7 @@ impl Node {
             ));
             let (joined, start) = join(
                 &config.cluster,
+                &config.peer,
                 checkpoint.fingerprint(),
                 OfferedDevices {
                     count: num_devices,

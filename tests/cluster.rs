@@ -1,11 +1,13 @@
 //! A real cluster: three `moe-node serve` processes on loopback, gossiping over UDP and
-//! sending expert work to each other over TCP, driven over HTTP as a user would. Each test
+//! sending expert work to each other over TCP, or over UCX (`peer.transport = "ucx"`: those
+//! variants print SKIP where libucp does not load, and fail then with
+//! `MOE_TEST_REQUIRE_UCX=1`), driven over HTTP as a user would. Each test
 //! asserts what a client sees (tokens, statuses) and what an operator sees (/admin/cluster,
 //! /metrics) while nodes are killed, paused, restarted, or sent garbage.
 
 use std::ffi::OsStr;
-use std::io::{BufRead, BufReader, Write};
-use std::net::{SocketAddr, TcpStream, UdpSocket};
+use std::io::{BufRead, BufReader};
+use std::net::{SocketAddr, UdpSocket};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -15,6 +17,7 @@ use reqwest::blocking::{Client, Response};
 use serde_json::{Value, json};
 
 mod serve;
+mod sockets;
 use serve::{BIN, Process};
 const SECRET: &str = "cluster-test-secret-0123456789";
 
@@ -46,15 +49,53 @@ struct ClusterSpec {
     dir: tempfile::TempDir,
     /// How long a dead node keeps its share before its copies are made again.
     rereplicate_after_ms: u64,
+    /// `peer.transport` of every node.
+    transport: Transport,
+}
+
+/// The peer transport a test cluster runs over.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Transport {
+    Tcp,
+    Ucx,
+}
+
+impl Transport {
+    fn name(self) -> &'static str {
+        match self {
+            Transport::Tcp => "tcp",
+            Transport::Ucx => "ucx",
+        }
+    }
+
+    /// Whether the test can run: UCX variants need libucp (SKIP without it, unless
+    /// `MOE_TEST_REQUIRE_UCX=1`).
+    fn available(self) -> bool {
+        if self == Transport::Tcp {
+            return true;
+        }
+        match moe_node::transport::ucx::Library::load(None, true) {
+            Ok(_) => true,
+            Err(why) => {
+                assert!(
+                    std::env::var("MOE_TEST_REQUIRE_UCX").as_deref() != Ok("1"),
+                    "MOE_TEST_REQUIRE_UCX=1 but UCX does not load: {why}"
+                );
+                eprintln!("SKIP: the UCX variant needs libucp: {why}");
+                false
+            }
+        }
+    }
 }
 
 impl ClusterSpec {
-    fn new(nodes: usize) -> Self {
+    fn new(nodes: usize, transport: Transport) -> Self {
         ClusterSpec {
             gossip_ports: (0..nodes).map(|_| free_udp_port()).collect(),
             dir: tempfile::tempdir().unwrap(),
             // Longer than any test takes: a killed node keeps its share until restarted.
             rereplicate_after_ms: 600_000,
+            transport,
         }
     }
 
@@ -73,9 +114,11 @@ impl ClusterSpec {
              gossip_listen = \"127.0.0.1:{gossip_port}\"\npeer_listen = \"127.0.0.1:0\"\n\
              seeds = [{}]\nexpect_nodes = 3\nreplication = 2\n\
              probe_period_ms = 200\nsuspicion_timeout_ms = 2000\nhedge_after_ms = 100\n\
-             join_timeout_seconds = 4\nrereplicate_after_ms = {}\n",
+             join_timeout_seconds = 4\nrereplicate_after_ms = {}\n\
+             [peer]\ntransport = \"{}\"\n",
             seeds.join(", "),
-            self.rereplicate_after_ms
+            self.rereplicate_after_ms,
+            self.transport.name()
         );
         let path = self.dir.path().join(format!("node{i}-{node_id}.toml"));
         std::fs::write(&path, text).unwrap();
@@ -367,11 +410,31 @@ fn prompt(i: usize) -> Vec<u32> {
 }
 
 #[test]
-fn three_nodes_serve_one_model_and_survive_kill_pause_restart_and_garbage() {
-    let spec = ClusterSpec::new(3);
+fn three_nodes_serve_one_model_and_survive_kill_pause_restart_and_garbage_over_tcp() {
+    three_nodes_serve_one_model_and_survive_kill_pause_restart_and_garbage(Transport::Tcp);
+}
+
+#[test]
+fn three_nodes_serve_one_model_and_survive_kill_pause_restart_and_garbage_over_ucx() {
+    three_nodes_serve_one_model_and_survive_kill_pause_restart_and_garbage(Transport::Ucx);
+}
+
+fn three_nodes_serve_one_model_and_survive_kill_pause_restart_and_garbage(transport: Transport) {
+    if !transport.available() {
+        return;
+    }
+    let spec = ClusterSpec::new(3, transport);
     let mut nodes: Vec<Node> = (0..3).map(|i| spec.start(i)).collect();
     for node in &nodes {
         node.wait_ready();
+    }
+    // Each node's log says which transport carries its peer links, and why.
+    let said = match transport {
+        Transport::Tcp => "peer transport: peer.transport = \"tcp\"",
+        Transport::Ucx => "peer transport: peer.transport = \"ucx\" and UCX 1.",
+    };
+    for node in &nodes {
+        assert!(node.process.log_contains(said), "{:?}", node.log());
     }
 
     // Every node sees the other two alive, serving placement 1.
@@ -423,6 +486,14 @@ fn three_nodes_serve_one_model_and_survive_kill_pause_restart_and_garbage() {
         .map(|n| n.metric_sum("moe_node_peer_bytes_sent_total"))
         .sum();
     assert!(remote_before > 0.0, "expert work crossed nodes");
+    // Each node's links to the others came up on the transport asked for.
+    let link_up = match transport {
+        Transport::Tcp => "path=\"tcp\"",
+        Transport::Ucx => "path=\"ucx\"",
+    };
+    for node in &nodes {
+        assert!(node.process.log_contains(link_up), "{:?}", node.log());
+    }
 
     // Garbage on node1's gossip and peer ports: refused and counted; it keeps serving.
     let me = nodes[0].me();
@@ -432,13 +503,25 @@ fn three_nodes_serve_one_model_and_survive_kill_pause_restart_and_garbage() {
     for n in 0..20u8 {
         udp.send_to(&vec![n; 30 + n as usize * 40], gossip).unwrap();
     }
-    for junk in [
-        &b"GET / HTTP/1.1\r\n\r\n"[..],
-        &[0xff; 4096][..],
-        b"MOEW\x01",
-    ] {
-        let mut tcp = TcpStream::connect(peer).unwrap();
-        let _ = tcp.write_all(junk);
+    // Junk at the peer port, and at every other TCP port the node listens on: over UCX,
+    // UCX's own transports listen too (`ss -ltnp` shows them). The peer port is TCP on
+    // both transports: UCX is reached only through an authenticated handshake.
+    let ports = sockets::listening(nodes[0].process.child.id());
+    assert!(
+        ports.contains(&peer),
+        "{ports:?} lacks the peer port {peer}"
+    );
+    if transport == Transport::Ucx {
+        assert!(
+            ports.len() > 2,
+            "UCX listens on no port of its own: {ports:?}"
+        );
+    }
+    for port in &ports {
+        assert!(
+            sockets::throw_junk(*port, 1) > 0,
+            "{port} refused every connection"
+        );
     }
     let deadline = Instant::now() + Duration::from_secs(10);
     while nodes[0].metric_sum("moe_node_gossip_packets_rejected_total") < 20.0
@@ -581,6 +664,20 @@ fn three_nodes_serve_one_model_and_survive_kill_pause_restart_and_garbage() {
         .iter()
         .map(|n| n.metric_sum("moe_node_membership_transitions_total{state=\"dead\"}"))
         .collect();
+    // Hedges counted so far (the kill above may have made some): the pause must add its own.
+    let hedges = |nodes: &[Node]| -> f64 {
+        nodes[..2]
+            .iter()
+            .map(|n| n.metric_sum("moe_node_dispatch_hedges_total"))
+            .sum()
+    };
+    let hedged_before = hedges(&nodes);
+    // How node1 and node2 rate node3 now (shown if the check below fails): a node rated much
+    // slower than the others gets no work, so nothing of it can be hedged.
+    let rated: Vec<String> = nodes[..2]
+        .iter()
+        .map(|n| format!("{}: {}", n.name, n.cluster()["dispatch"]))
+        .collect();
     nodes[2].signal("-STOP");
     let pause_started = Instant::now();
     for i in 0..4 {
@@ -598,11 +695,13 @@ fn three_nodes_serve_one_model_and_survive_kill_pause_restart_and_garbage() {
             node.name
         );
     }
-    let hedged: f64 = nodes[..2]
-        .iter()
-        .map(|n| n.metric_sum("moe_node_dispatch_hedges_total"))
-        .sum();
-    assert!(hedged > 0.0, "work sent to the paused node was hedged");
+    let hedged = hedges(&nodes) - hedged_before;
+    assert!(
+        hedged > 0.0,
+        "work sent to the paused node was hedged: {rated:?}\n{:?}\n{:?}",
+        nodes[0].log(),
+        nodes[1].log()
+    );
 }
 
 /// Every expert of `placement` has two copies, on distinct nodes, all among `nodes`.
@@ -626,8 +725,20 @@ fn assert_two_copies_among(placement: &Value, nodes: &[&str]) {
 }
 
 #[test]
-fn a_dead_nodes_copies_are_made_again_and_it_gets_a_share_when_it_returns() {
-    let mut spec = ClusterSpec::new(3);
+fn a_dead_nodes_copies_are_made_again_and_it_gets_a_share_when_it_returns_over_tcp() {
+    a_dead_nodes_copies_are_made_again_and_it_gets_a_share_when_it_returns(Transport::Tcp);
+}
+
+#[test]
+fn a_dead_nodes_copies_are_made_again_and_it_gets_a_share_when_it_returns_over_ucx() {
+    a_dead_nodes_copies_are_made_again_and_it_gets_a_share_when_it_returns(Transport::Ucx);
+}
+
+fn a_dead_nodes_copies_are_made_again_and_it_gets_a_share_when_it_returns(transport: Transport) {
+    if !transport.available() {
+        return;
+    }
+    let mut spec = ClusterSpec::new(3, transport);
     spec.rereplicate_after_ms = 500;
     let mut nodes: Vec<Node> = (0..3).map(|i| spec.start(i)).collect();
     for node in &nodes {
@@ -695,4 +806,75 @@ fn a_dead_nodes_copies_are_made_again_and_it_gets_a_share_when_it_returns() {
         assert_eq!(me["placement_version"], 3, "{me}");
         assert_eq!(me["loaded_version"], 3, "{me}");
     }
+}
+
+/// The config of a one-node cluster with `[peer]` set to `peer` (UCX looked for only in an
+/// empty directory: as on a machine without libucp).
+fn lone_node_config(dir: &Path, transport: &str) -> PathBuf {
+    let empty = dir.join("no-ucx-here");
+    std::fs::create_dir_all(&empty).unwrap();
+    let text = format!(
+        "[devices]\nbackend = \"cpu\"\ncpu_slots = 1\n\
+         [cluster]\nnode_id = \"lone\"\nsecrets = [\"{SECRET}\"]\n\
+         gossip_listen = \"127.0.0.1:{}\"\npeer_listen = \"127.0.0.1:0\"\n\
+         expect_nodes = 1\nreplication = 1\njoin_timeout_seconds = 4\n\
+         [peer]\ntransport = \"{transport}\"\nucx_lib_dir = \"{}\"\nucx_system_search = false\n",
+        free_udp_port(),
+        empty.display()
+    );
+    let path = dir.join(format!("lone-{transport}.toml"));
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+#[test]
+fn a_node_without_ucx_falls_back_to_tcp_and_says_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = Node::start("lone", lone_node_config(dir.path(), "auto"), model());
+    node.wait_ready();
+    let said = "peer transport: peer.transport = \"auto\" and UCX is not usable, so TCP: \
+                libucp not loaded; tried";
+    assert!(node.process.log_contains(said), "{:?}", node.log());
+    assert!(
+        node.process
+            .log_contains("no-ucx-here/libucp.so.0: no such file"),
+        "{:?}",
+        node.log()
+    );
+    // It serves (over TCP, alone).
+    assert_eq!(completion(&node, &prompt(0), 4).len(), 4);
+}
+
+#[test]
+fn transport_ucx_without_ucx_refuses_to_start_and_says_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = lone_node_config(dir.path(), "ucx");
+    let mut child = Command::new(BIN)
+        .args(["serve", "--listen", "127.0.0.1:0", "--config"])
+        .arg(&config)
+        .arg("--model")
+        .arg(model())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let reader = std::thread::spawn(move || std::io::read_to_string(stderr).unwrap_or_default());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("a node with peer.transport = \"ucx\" and no UCX kept running");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let log = reader.join().unwrap();
+    assert!(!status.success(), "{log}");
+    assert!(
+        log.contains("peer.transport = \"ucx\" but UCX is not usable: libucp not loaded"),
+        "{log}"
+    );
 }

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use moe_node::actors::dispatch::{DispatchTiming, Dispatcher, OnUnavailable};
+use moe_node::actors::dispatch::{DispatchTiming, Dispatcher, OnUnavailable, Target};
 use moe_node::cluster::MemberState;
 use moe_node::cluster::peers::{PeerDirectory, PeerEntry, PeerNodes};
 use moe_node::model::weights::{DenseWeights, FeedForward, load_expert};
@@ -257,6 +257,14 @@ fn a_partition_is_routed_around_fails_cleanly_when_total_and_heals() {
     let rerouted = router.counters.hedges.load(Ordering::Relaxed)
         + router.counters.failovers.load(Ordering::Relaxed);
     assert!(rerouted > 0, "B's groups went to C");
+    // B's unanswered sends are not counted as its load once the step is done (they would
+    // be for good: their answers come to nobody).
+    let load: Vec<_> = router
+        .targets()
+        .into_iter()
+        .map(|(t, h)| (t, h.outstanding_rows))
+        .collect();
+    assert!(load.iter().all(|&(_, rows)| rows == 0), "{load:?}");
     // While B stays unreachable the next steps avoid it.
     assert_eq!(run(&router).unwrap(), expected);
 
@@ -276,6 +284,34 @@ fn a_partition_is_routed_around_fails_cleanly_when_total_and_heals() {
     f.network.heal();
     std::thread::sleep(Duration::from_millis(300));
     assert_eq!(run(&router).unwrap(), expected);
+}
+
+/// The first send to a node waits for its link (connect, handshake; over UCX also the
+/// worker's set-up, tens of ms): that answer time is not taken as the node's latency, or a
+/// node just (re)joined would look far slower than its peers and get no work.
+#[test]
+fn a_links_set_up_is_not_measured_as_the_nodes_latency() {
+    let f = fixture();
+    let router = f.router(OnUnavailable::Fail);
+    let (experts, rows, input, expected) = f.work();
+    let run = || router.run_groups(f.layer, &experts, &rows, &input, false);
+    let measured = || -> Vec<(Target, f64)> {
+        router
+            .targets()
+            .into_iter()
+            .map(|(t, h)| (t, h.latency_micros))
+            .collect()
+    };
+    // Every send of the first step waited for its link: nothing measured yet (the latency
+    // assumed before the first answer is 500 us).
+    assert_eq!(run().unwrap(), expected);
+    let first = measured();
+    assert_eq!(first.len(), 2, "{first:?}");
+    assert!(first.iter().all(|&(_, l)| l == 500.0), "{first:?}");
+    // The links are up now: the next step's answers are measured.
+    assert_eq!(run().unwrap(), expected);
+    let second = measured();
+    assert!(second.iter().all(|&(_, l)| l != 500.0), "{second:?}");
 }
 
 #[test]

@@ -1,5 +1,6 @@
-//! The peer data plane end to end: each test is written once and runs over TCP on 127.0.0.1
-//! and over the in-memory network; the link-fault tests (partition, blackhole, cut) run on
+//! The peer data plane end to end: each test is written once and runs over TCP on 127.0.0.1,
+//! over UCX on 127.0.0.1 (when libucp loads: otherwise the UCX variants print SKIP, or fail
+//! with `MOE_TEST_REQUIRE_UCX=1`) and over the in-memory network; the link-fault tests (partition, blackhole, cut) run on
 //! the in-memory network only. Callers are plain std threads, the runtime lives on its own
 //! worker threads, as in the node.
 
@@ -11,17 +12,35 @@ use std::time::{Duration, Instant};
 
 use moe_node::transport::handshake::HandshakeError;
 use moe_node::transport::peer::{PeerConfig, client_handshake};
+
+mod sockets;
 use moe_node::transport::wire::{self, HEADER_LEN};
 use moe_node::transport::{
     Dtype, ExpertReply, ExpertRequest, Handler, MemoryNetwork, PeerAuth, PeerClient, PeerError,
-    PeerServer, PeerStats, PeerStream, TcpTransport, Transport,
+    PeerServer, PeerStats, PeerStream, TcpTransport, Transport, UcxTransport,
 };
 use tokio::io::AsyncWriteExt;
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Kind {
     Tcp,
+    Ucx,
     Memory,
+}
+
+/// A UCX transport with its own worker, or `None` (after saying SKIP) without libucp.
+fn ucx_transport() -> Option<UcxTransport> {
+    match moe_node::transport::ucx::Library::load(None, true) {
+        Ok(library) => Some(UcxTransport::start(library).expect("UCX starts")),
+        Err(why) => {
+            assert!(
+                std::env::var("MOE_TEST_REQUIRE_UCX").as_deref() != Ok("1"),
+                "MOE_TEST_REQUIRE_UCX=1 but UCX does not load: {why}"
+            );
+            eprintln!("SKIP: UCX variant: {why}");
+            None
+        }
+    }
 }
 
 const CLIENT_NODE: &str = "10.0.0.1:7000";
@@ -36,6 +55,8 @@ struct Rig {
     kind: Kind,
     runtime: tokio::runtime::Runtime,
     network: MemoryNetwork,
+    /// Kind::Ucx: the server node's transport and the client node's (two workers).
+    ucx: Option<(UcxTransport, UcxTransport)>,
 }
 
 impl Rig {
@@ -49,12 +70,22 @@ impl Rig {
             kind,
             runtime,
             network: MemoryNetwork::new(),
+            ucx: None,
         }
+    }
+
+    /// A rig for `kind`; `None` for UCX where it does not load (the test is skipped).
+    fn try_new(kind: Kind) -> Option<Self> {
+        let mut rig = Rig::new(kind);
+        if kind == Kind::Ucx {
+            rig.ucx = Some((ucx_transport()?, ucx_transport()?));
+        }
+        Some(rig)
     }
 
     fn bind_addr(&self) -> SocketAddr {
         match self.kind {
-            Kind::Tcp => addr("127.0.0.1:0"),
+            Kind::Tcp | Kind::Ucx => addr("127.0.0.1:0"),
             Kind::Memory => addr(SERVER_NODE),
         }
     }
@@ -62,6 +93,7 @@ impl Rig {
     fn server_transport(&self) -> Arc<dyn Transport> {
         match self.kind {
             Kind::Tcp => Arc::new(TcpTransport::default()),
+            Kind::Ucx => Arc::new(self.ucx.as_ref().expect("UCX rig").0.clone()),
             Kind::Memory => Arc::new(self.network.transport(addr(SERVER_NODE))),
         }
     }
@@ -69,7 +101,17 @@ impl Rig {
     fn client_transport(&self) -> Arc<dyn Transport> {
         match self.kind {
             Kind::Tcp => Arc::new(TcpTransport::default()),
+            Kind::Ucx => Arc::new(self.ucx.as_ref().expect("UCX rig").1.clone()),
             Kind::Memory => Arc::new(self.network.transport(addr(CLIENT_NODE))),
+        }
+    }
+
+    /// Over UCX, both sides moved their link onto UCX (it did not stay on the handshake's
+    /// TCP connection).
+    fn assert_links_moved(&self) {
+        if let Some((server, client)) = &self.ucx {
+            assert!(server.links_moved() >= 1, "the server's link stayed on TCP");
+            assert!(client.links_moved() >= 1, "the client's link stayed on TCP");
         }
     }
 
@@ -250,12 +292,16 @@ fn wait_for(what: &str, deadline: Duration, condition: impl Fn() -> bool) {
     }
 }
 
-macro_rules! on_both_transports {
+macro_rules! on_every_transport {
     ($($name:ident),* $(,)?) => {$(
         mod $name {
             #[test]
             fn tcp() {
                 super::$name(super::Kind::Tcp);
+            }
+            #[test]
+            fn ucx() {
+                super::$name(super::Kind::Ucx);
             }
             #[test]
             fn memory() {
@@ -265,7 +311,7 @@ macro_rules! on_both_transports {
     )*};
 }
 
-on_both_transports!(
+on_every_transport!(
     round_trip_f32_bit_exact_and_bf16,
     hundred_concurrent_requests_from_four_threads,
     wrong_secret_is_refused_on_both_sides,
@@ -276,7 +322,9 @@ on_both_transports!(
 );
 
 fn round_trip_f32_bit_exact_and_bf16(kind: Kind) {
-    let rig = Rig::new(kind);
+    let Some(rig) = Rig::try_new(kind) else {
+        return;
+    };
     let stats = Arc::new(PeerStats::default());
     let server = rig.server(&stats, double_plus_expert());
     let client_stats = Arc::new(PeerStats::default());
@@ -294,10 +342,13 @@ fn round_trip_f32_bit_exact_and_bf16(kind: Kind) {
         client_stats.bytes_sent.load(Ordering::Relaxed),
         stats.bytes_received.load(Ordering::Relaxed)
     );
+    rig.assert_links_moved();
 }
 
 fn hundred_concurrent_requests_from_four_threads(kind: Kind) {
-    let rig = Rig::new(kind);
+    let Some(rig) = Rig::try_new(kind) else {
+        return;
+    };
     let stats = Arc::new(PeerStats::default());
     let server = rig.server(&stats, double_plus_expert());
     let client = Arc::new(rig.client(server.local_addr(), &stats));
@@ -341,7 +392,9 @@ fn hundred_concurrent_requests_from_four_threads(kind: Kind) {
 }
 
 fn wrong_secret_is_refused_on_both_sides(kind: Kind) {
-    let rig = Rig::new(kind);
+    let Some(rig) = Rig::try_new(kind) else {
+        return;
+    };
     let server_stats = Arc::new(PeerStats::default());
     let server = rig.server(&server_stats, double_plus_expert());
     let client_stats = Arc::new(PeerStats::default());
@@ -389,8 +442,11 @@ fn secrets_rotate_without_refusing_a_peer(kind: Kind) {
     };
     let (old, new): (&[u8], &[u8]) = (b"old secret", b"new secret");
     let request = make_request(3, Dtype::F32);
+    if Rig::try_new(kind).is_none() {
+        return;
+    }
     let call_with = |server: PeerAuth, client: PeerAuth| {
-        let rig = Rig::new(kind);
+        let rig = Rig::try_new(kind).expect("loaded before");
         let stats = Arc::new(PeerStats::default());
         let server = rig.server_at(rig.bind_addr(), server, &stats, double_plus_expert());
         let client = rig.client_with(server.local_addr(), client, &stats);
@@ -414,7 +470,9 @@ fn secrets_rotate_without_refusing_a_peer(kind: Kind) {
 }
 
 fn wrong_model_is_refused_on_both_sides(kind: Kind) {
-    let rig = Rig::new(kind);
+    let Some(rig) = Rig::try_new(kind) else {
+        return;
+    };
     let server_stats = Arc::new(PeerStats::default());
     let server = rig.server(&server_stats, double_plus_expert());
     let client_stats = Arc::new(PeerStats::default());
@@ -455,7 +513,9 @@ fn wrong_model_is_refused_on_both_sides(kind: Kind) {
 }
 
 fn server_killed_mid_request_fails_fast_then_reconnects(kind: Kind) {
-    let rig = Rig::new(kind);
+    let Some(rig) = Rig::try_new(kind) else {
+        return;
+    };
     let stats = Arc::new(PeerStats::default());
     let (started_tx, started_rx) = mpsc::channel::<()>();
     let (release_tx, release_rx) = mpsc::channel::<()>();
@@ -534,7 +594,9 @@ fn server_killed_mid_request_fails_fast_then_reconnects(kind: Kind) {
 }
 
 fn bad_frames_are_counted_and_the_server_keeps_serving(kind: Kind) {
-    let rig = Rig::new(kind);
+    let Some(rig) = Rig::try_new(kind) else {
+        return;
+    };
     let stats = Arc::new(PeerStats::default());
     let server = rig.server(&stats, double_plus_expert());
     let at = server.local_addr();
@@ -832,4 +894,117 @@ fn inconsistent_or_oversized_requests_are_refused_locally() {
         &request,
         &call(&client, request.clone(), Duration::from_secs(5)).expect("reply"),
     );
+}
+
+/// Junk (random bytes, an HTTP request, a truncated handshake, 64 KiB of 0xff, an empty
+/// connection) at the peer port and at every TCP port this process listens on once a link
+/// is over UCX (UCX's own transports listen too: `ss -ltnp` shows them) kills nothing: the
+/// link keeps working and a new one comes up. Runs in a child process of its own, so the
+/// junk reaches no other test's ports and an abort inside UCX shows as the child's signal.
+#[test]
+fn junk_at_every_listening_port_leaves_ucx_links_working() {
+    if Rig::try_new(Kind::Ucx).is_none() {
+        return;
+    }
+    let child = std::process::Command::new(std::env::current_exe().expect("test binary"))
+        .args(["--exact", "junk_child", "--nocapture", "--test-threads=1"])
+        .env("MOE_TEST_JUNK_CHILD", "1")
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("child runs");
+    let output = String::from_utf8_lossy(&child.stdout).into_owned()
+        + &String::from_utf8_lossy(&child.stderr);
+    eprintln!("{output}");
+    assert!(
+        child.status.success(),
+        "child: {:?}\n{output}",
+        child.status
+    );
+    assert!(
+        output.contains("junk_child ... ok") || output.contains("1 passed"),
+        "{output}"
+    );
+}
+
+/// The child of [`junk_at_every_listening_port_leaves_ucx_links_working`]; a no-op unless
+/// started by it.
+#[test]
+fn junk_child() {
+    if std::env::var("MOE_TEST_JUNK_CHILD").as_deref() != Ok("1") {
+        return;
+    }
+    let rig = Rig::try_new(Kind::Ucx).expect("UCX loads in the child");
+    let stats = Arc::new(PeerStats::default());
+    let server = rig.server(&stats, double_plus_expert());
+    let client = rig.client(server.local_addr(), &stats);
+    let request = make_request(1, Dtype::F32);
+    assert_reply(
+        &request,
+        &call(&client, request.clone(), Duration::from_secs(5)).expect("reply"),
+    );
+    rig.assert_links_moved();
+    let ports = sockets::listening(std::process::id());
+    eprintln!("listening: {ports:?} (peer port {})", server.local_addr());
+    assert!(ports.contains(&server.local_addr()), "{ports:?}");
+    // MOE_TEST_JUNK_ROUNDS=200 throws 200 different random buffers (and the rest) at each.
+    let rounds = std::env::var("MOE_TEST_JUNK_ROUNDS")
+        .ok()
+        .and_then(|rounds| rounds.parse().ok())
+        .unwrap_or(1);
+    for port in &ports {
+        let accepted = sockets::throw_junk(*port, rounds);
+        eprintln!("junk to {port}: {accepted} connections");
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    assert_reply(
+        &request,
+        &call(&client, request.clone(), Duration::from_secs(5)).expect("old link"),
+    );
+    let fresh = rig.client(server.local_addr(), &stats);
+    assert_reply(
+        &request,
+        &call(&fresh, request.clone(), Duration::from_secs(5)).expect("new link"),
+    );
+    let (server_side, client_side) = rig.ucx.as_ref().expect("UCX rig");
+    assert!(server_side.links_moved() >= 2 && client_side.links_moved() >= 2);
+    assert!(
+        stats.handshakes_failed.load(Ordering::Relaxed) >= 1,
+        "the peer port saw the junk"
+    );
+}
+
+/// A cluster whose nodes disagree on `peer.transport`: a TCP client at a UCX node, and a UCX
+/// client at a TCP node, both work, over TCP (the UCX side offers UCX, the TCP side offers
+/// nothing, so the link stays on the handshake's connection).
+#[test]
+fn mixed_transports_talk_over_tcp() {
+    let Some(rig) = Rig::try_new(Kind::Ucx) else {
+        return;
+    };
+    let stats = Arc::new(PeerStats::default());
+    let ucx_server = rig.server(&stats, double_plus_expert());
+    let tcp_server = PeerServer::start(
+        Arc::new(TcpTransport::default()),
+        addr("127.0.0.1:0"),
+        Arc::new(auth("server", b"cluster secret", 7)),
+        stats.clone(),
+        double_plus_expert(),
+        rig.runtime.handle().clone(),
+    )
+    .expect("TCP server starts");
+    let tcp_client = PeerClient::new(
+        Arc::new(TcpTransport::default()),
+        rig.runtime.handle().clone(),
+        ucx_server.local_addr(),
+        Arc::new(auth("client", b"cluster secret", 7)),
+        stats.clone(),
+    );
+    let ucx_client = rig.client(tcp_server.local_addr(), &stats);
+    for (what, client) in [("TCP to UCX", &tcp_client), ("UCX to TCP", &ucx_client)] {
+        let request = make_request(1, Dtype::F32);
+        let reply = call(client, request.clone(), Duration::from_secs(10));
+        assert_reply(&request, &reply.unwrap_or_else(|e| panic!("{what}: {e:?}")));
+    }
+    let (server, client) = rig.ucx.as_ref().expect("UCX rig");
+    assert_eq!((server.links_moved(), client.links_moved()), (0, 0));
 }

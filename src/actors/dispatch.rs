@@ -100,6 +100,13 @@ pub trait RemoteNodes: Send + Sync {
     /// Sends `work` to placement node `node`; `answer` is called with the outputs per group.
     /// An error means nothing was sent.
     fn send(&self, node: u16, work: RemoteWork, answer: Answer) -> Result<(), TargetError>;
+
+    /// Whether work sent to `node` now goes out on a link that is already set up. Work that
+    /// must wait for a link (the first send to a node, or one after a reconnect) is answered
+    /// after the connect and handshake, which measures the link's set-up, not the node.
+    fn link_up(&self, _node: u16) -> bool {
+        true
+    }
 }
 
 /// What to do when a group's expert has no live replica.
@@ -256,6 +263,8 @@ struct Attempt {
     rows: usize,
     sent: Instant,
     hedged: bool,
+    /// Sent to a node whose link was not up yet: its answer time includes the link's set-up.
+    cold: bool,
     finished: bool,
 }
 
@@ -486,10 +495,36 @@ impl Dispatcher {
         input: &[f32],
         local_only: bool,
     ) -> Result<Vec<Vec<f32>>, ExpertError> {
-        let width = self.hidden_size;
         self.load.tick();
         self.calls_started.fetch_add(1, Ordering::SeqCst);
         let _finished = CallFinished(&self.calls_finished);
+        let mut attempts: Vec<Attempt> = Vec::new();
+        let result =
+            self.run_attempts(layer, experts, group_rows, input, local_only, &mut attempts);
+        // Sends still unanswered (a hedged send whose other replica answered first, sends
+        // in flight when the step failed) will be answered to nobody: their rows no longer
+        // count as the target's load, or every hedge would leave rows on a slow or paused
+        // node for good and it would lose the load comparison from then on.
+        let mut health = self.health();
+        for attempt in attempts.iter().filter(|a| !a.finished) {
+            health
+                .entry(attempt.target)
+                .or_default()
+                .answered(attempt.rows, None);
+        }
+        result
+    }
+
+    fn run_attempts(
+        &self,
+        layer: usize,
+        experts: &[u32],
+        group_rows: &[usize],
+        input: &[f32],
+        local_only: bool,
+        attempts: &mut Vec<Attempt>,
+    ) -> Result<Vec<Vec<f32>>, ExpertError> {
+        let width = self.hidden_size;
         let placement = self.placement();
         let holdings = self.holdings();
         // Work from another node runs on whichever local device holds its expert now.
@@ -531,7 +566,6 @@ impl Dispatcher {
         // In-flight sends per group, and the targets that already failed it.
         let mut covering = vec![0u32; experts.len()];
         let mut failed_on: Vec<Vec<Target>> = vec![Vec::new(); experts.len()];
-        let mut attempts: Vec<Attempt> = Vec::new();
         let mut pending: Vec<usize> = (0..experts.len()).collect();
         let mut waiting_since: Option<Instant> = None;
         // Small work for this node's CPU slots, run on this thread once the rest is sent.
@@ -620,12 +654,17 @@ impl Dispatcher {
                     for &g in &groups {
                         covering[g] += 1;
                     }
+                    let cold = match (target, &self.remote) {
+                        (Target::Node(n), Some(remote)) => !remote.link_up(n),
+                        _ => false,
+                    };
                     attempts.push(Attempt {
                         target,
                         groups: groups.clone(),
                         rows,
                         sent: now,
                         hedged: false,
+                        cold,
                         finished: false,
                     });
                     self.health().entry(target).or_default().sent(rows);
@@ -662,7 +701,7 @@ impl Dispatcher {
                 }
             }
 
-            let wait = self.next_wait(&attempts);
+            let wait = self.next_wait(attempts);
             let event = done_rx.recv_timeout(wait);
             let now = Instant::now();
             match event {
@@ -681,7 +720,11 @@ impl Dispatcher {
                         Ok(outs) if outs.len() == attempt.groups.len() => {
                             // A hedged send's answer time is an outlier (a pause, a node still
                             // loading): its missed deadline already counts against the target.
-                            let sample = (!attempt.hedged).then_some(took);
+                            // A cold send's includes setting up the link (a fresh UCX link takes
+                            // tens of ms): taken as the node's latency, it made a just restarted
+                            // node look far slower than its peers, so it got no work (and so no
+                            // new measurement) until the sample went stale.
+                            let sample = (!attempt.hedged && !attempt.cold).then_some(took);
                             self.health()
                                 .entry(target)
                                 .or_default()

@@ -13,11 +13,11 @@ use super::follow::{FollowParts, follow};
 use super::peers::{PeerNodes, serve_remote_work};
 use super::{MemberMeta, Membership, MembershipConfig, MembershipError};
 use crate::actors::dispatch::Dispatcher;
-use crate::config::ClusterConfig;
 use crate::config::live::LiveSettings;
+use crate::config::{ClusterConfig, PeerSection};
 use crate::placement::PlacementSpec;
 use crate::transport::peer::{PeerAuth, PeerServer, PeerStats};
-use crate::transport::{TcpTransport, Transport};
+use crate::transport::select;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClusterError {
@@ -32,6 +32,8 @@ pub enum ClusterError {
     Runtime(std::io::Error),
     #[error("{0}")]
     Bootstrap(#[from] BootstrapError),
+    #[error("{0}")]
+    Transport(String),
     #[error("cluster.{key}: `{value}` is not an address")]
     Address { key: &'static str, value: String },
 }
@@ -86,6 +88,7 @@ fn parse(key: &'static str, value: &str) -> Result<SocketAddr, ClusterError> {
 /// this node serves under.
 pub fn join(
     config: &ClusterConfig,
+    peer: &PeerSection,
     model_fingerprint: u64,
     devices: OfferedDevices,
     width: usize,
@@ -109,7 +112,9 @@ pub fn join(
         model_fingerprint,
     });
     let stats = Arc::new(PeerStats::default());
-    let transport: Arc<dyn Transport> = Arc::new(TcpTransport::default());
+    let chosen = select::choose(peer).map_err(ClusterError::Transport)?;
+    tracing::info!(transport = chosen.name, "peer transport: {}", chosen.why);
+    let transport = chosen.transport;
     let dispatcher = Arc::new(OnceLock::new());
     let peer_listen = parse("peer_listen", &config.peer_listen)?;
     let server = PeerServer::start(

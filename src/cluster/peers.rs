@@ -258,6 +258,17 @@ impl RemoteNodes for PeerNodes {
         }
         Ok(())
     }
+
+    fn link_up(&self, node: u16) -> bool {
+        let Some(id) = self.node_id(node) else {
+            return false;
+        };
+        self.clients
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&id)
+            .is_some_and(|(client, _)| client.is_linked())
+    }
 }
 
 /// How long work from another node waits for this node to finish loading its experts.

@@ -26,6 +26,7 @@ pub struct NodeConfig {
     pub metrics: MetricsConfig,
     pub logging: LoggingConfig,
     pub cluster: ClusterConfig,
+    pub peer: PeerSection,
     pub placement: PlacementConfig,
     pub control_plane: ControlPlaneSection,
 }
@@ -280,7 +281,9 @@ pub struct ClusterConfig {
     pub secrets: Vec<String>,
     /// UDP address gossip listens on.
     pub gossip_listen: String,
-    /// TCP address expert work from other nodes arrives on.
+    /// TCP address expert work from other nodes arrives on; every link starts here with the
+    /// authenticated handshake, and moves to UCX after it when both nodes offer UCX (see
+    /// [`PeerSection`]).
     pub peer_listen: String,
     /// Host other nodes reach this one at. Empty: the host of the listen addresses (which
     /// must then not be 0.0.0.0).
@@ -441,6 +444,65 @@ impl ClusterConfig {
         }
         problems
     }
+}
+
+/// How expert work travels between the nodes of a cluster.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PeerSection {
+    /// `auto` (the default): UCX when libucp loads, else TCP (the log says which and why);
+    /// `ucx`: UCX or refuse to start; `tcp`: TCP only. Either way a link starts as TCP on
+    /// the peer port and moves to UCX after the handshake only when both nodes offer it, so
+    /// nodes with different settings still talk (over TCP).
+    pub transport: PeerTransport,
+    /// Directory searched first for libucp.so.0 (e.g. the `lib` folder of PyPI's
+    /// `libucx-cu13`, a UCX built with CUDA). Empty: none.
+    pub ucx_lib_dir: String,
+    /// After `ucx_lib_dir`, also search the dynamic loader's paths (the system's UCX);
+    /// `false` uses only the UCX in `ucx_lib_dir`.
+    pub ucx_system_search: bool,
+}
+
+impl Default for PeerSection {
+    fn default() -> Self {
+        PeerSection {
+            transport: PeerTransport::Auto,
+            ucx_lib_dir: String::new(),
+            ucx_system_search: true,
+        }
+    }
+}
+
+impl PeerSection {
+    /// `ucx_lib_dir`, when set.
+    pub fn ucx_lib_path(&self) -> Option<&Path> {
+        (!self.ucx_lib_dir.is_empty()).then(|| Path::new(&self.ucx_lib_dir))
+    }
+
+    fn problems(&self) -> Vec<String> {
+        let mut problems = Vec::new();
+        if self.transport != PeerTransport::Tcp
+            && self.ucx_lib_dir.is_empty()
+            && !self.ucx_system_search
+        {
+            problems.push(
+                "peer.ucx_system_search: false with no peer.ucx_lib_dir leaves nowhere to \
+                 look for UCX; set peer.ucx_lib_dir, or peer.transport = \"tcp\""
+                    .into(),
+            );
+        }
+        problems
+    }
+}
+
+/// The transport of the peer links (see [`PeerSection::transport`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PeerTransport {
+    Auto,
+    Ucx,
+    #[default]
+    Tcp,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -648,6 +710,7 @@ impl NodeConfig {
         section(&merged, "metrics", &mut config.metrics, &mut problems);
         section(&merged, "logging", &mut config.logging, &mut problems);
         section(&merged, "cluster", &mut config.cluster, &mut problems);
+        section(&merged, "peer", &mut config.peer, &mut problems);
         section(&merged, "placement", &mut config.placement, &mut problems);
         section(
             &merged,
@@ -782,6 +845,7 @@ impl NodeConfig {
             ));
         }
         problems.extend(self.cluster.problems());
+        problems.extend(self.peer.problems());
         problems.extend(self.control_plane.problems());
         problems
     }
@@ -1128,6 +1192,43 @@ mod tests {
         }
         // Alone (no node_id), the section is not checked.
         assert!(load("[cluster]\nreplication = 5\n", &[]).is_ok());
+    }
+
+    #[test]
+    fn peer_transport_is_read_from_file_and_env_and_checked() {
+        let config = load(
+            "[peer]\ntransport = \"ucx\"\nucx_lib_dir = \"/opt/ucx/lib\"\n",
+            &[("MOE_NODE_PEER__UCX_SYSTEM_SEARCH", "false")],
+        )
+        .unwrap();
+        assert_eq!(config.peer.transport, PeerTransport::Ucx);
+        assert_eq!(config.peer.ucx_lib_path(), Some(Path::new("/opt/ucx/lib")));
+        assert!(!config.peer.ucx_system_search);
+
+        let problems = load("[peer]\ntransport = \"rdma\"\nucx_dir = \"x\"\n", &[])
+            .unwrap_err()
+            .problems;
+        let text = problems.join("\n");
+        assert!(text.contains("peer.ucx_dir: unknown key"), "{text}");
+        assert!(text.contains("peer.transport"), "{text}");
+
+        let problems = load(
+            "[peer]\ntransport = \"auto\"\nucx_system_search = false\n",
+            &[],
+        )
+        .unwrap_err()
+        .problems;
+        assert!(
+            problems[0].contains("nowhere to look for UCX"),
+            "{problems:?}"
+        );
+        assert!(
+            load(
+                "[peer]\ntransport = \"tcp\"\nucx_system_search = false\n",
+                &[]
+            )
+            .is_ok()
+        );
     }
 
     #[test]

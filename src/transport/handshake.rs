@@ -6,6 +6,8 @@
 //!                                id_len u16 id mac[32]
 //! client -> server  ClientProof  "MOEH" version 3 status u8 mac[32]
 //! server -> client  Verdict      "MOEH" version 4 status u8
+//! both, once Ok      LinkOffer    "MOEH" version 5 kind u8 len u32 address[len]
+//! both, after UCX    LinkReady    "MOEH" version 6 ready u8 (1: made, 0: failed)
 //! ```
 //!
 //! The server MAC is HMAC-SHA256(secret, "moe-node peer server" || transcript), the client
@@ -18,6 +20,13 @@
 //! a foreign model fingerprint with `WrongModel` (and no MAC), the client answers a server
 //! proof that does not verify with `AuthFailed`, the server's verdict says whether the client
 //! proof verified.
+//!
+//! Once authenticated, each side says what else could carry the link ([`LinkOffer`]): nothing
+//! (the frames stay on this stream) or a UCX worker address. Only when both offer UCX does
+//! each create its UCX endpoint toward the other's address and say whether that worked
+//! (`LinkReady`); when both did, the frames travel over UCX and this stream stays open only
+//! to tell each side when the other is gone. No UCX listener is ever exposed: nothing
+//! reaches UCX before the peer has proved it holds the cluster secret.
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -26,7 +35,7 @@ use thiserror::Error;
 /// First bytes of every handshake message.
 pub const HANDSHAKE_MAGIC: [u8; 4] = *b"MOEH";
 /// The handshake version this build speaks.
-pub const HANDSHAKE_VERSION: u8 = 1;
+pub const HANDSHAKE_VERSION: u8 = 2;
 /// Longest node id accepted.
 pub const MAX_NODE_ID: usize = 255;
 /// Size of a MAC.
@@ -38,6 +47,15 @@ const TYPE_CLIENT_HELLO: u8 = 1;
 const TYPE_SERVER_HELLO: u8 = 2;
 const TYPE_CLIENT_PROOF: u8 = 3;
 const TYPE_VERDICT: u8 = 4;
+const TYPE_LINK_OFFER: u8 = 5;
+const TYPE_LINK_READY: u8 = 6;
+
+/// Longest address a link offer may carry (a UCX worker address is a few hundred bytes).
+pub const MAX_LINK_ADDRESS: usize = 64 * 1024;
+/// Fixed part of a link offer after its preamble: kind, address length.
+pub const LINK_OFFER_FIXED_LEN: usize = 5;
+const OFFER_STAY: u8 = 0;
+const OFFER_UCX: u8 = 1;
 
 /// Fixed part of a hello: magic, version, type.
 pub const PREAMBLE_LEN: usize = 6;
@@ -168,6 +186,69 @@ pub fn encode_verdict(status: Status) -> Vec<u8> {
     out
 }
 
+/// What a side offers to carry the link's frames once the handshake succeeded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LinkOffer {
+    /// Nothing but the handshake's own stream.
+    Stay,
+    /// UCX, reaching this side's worker at this address (`ucp_worker_get_address`).
+    Ucx(Vec<u8>),
+}
+
+/// Encodes a link offer.
+pub fn encode_link_offer(offer: &LinkOffer) -> Vec<u8> {
+    let mut out = Vec::new();
+    preamble(&mut out, TYPE_LINK_OFFER);
+    let (kind, address): (u8, &[u8]) = match offer {
+        LinkOffer::Stay => (OFFER_STAY, &[]),
+        LinkOffer::Ucx(address) => (OFFER_UCX, address),
+    };
+    out.push(kind);
+    out.extend_from_slice(&(address.len() as u32).to_le_bytes());
+    out.extend_from_slice(address);
+    out
+}
+
+/// Parses a link offer's kind and address length: the kind, and how many address bytes follow.
+pub fn parse_link_offer_fixed(
+    bytes: &[u8; LINK_OFFER_FIXED_LEN],
+) -> Result<(u8, usize), HandshakeError> {
+    let len = u32::from_le_bytes([bytes[1], bytes[2], bytes[3], bytes[4]]) as usize;
+    match bytes[0] {
+        OFFER_STAY if len == 0 => Ok((OFFER_STAY, 0)),
+        OFFER_UCX if (1..=MAX_LINK_ADDRESS).contains(&len) => Ok((OFFER_UCX, len)),
+        kind => Err(HandshakeError::Protocol(format!(
+            "link offer of kind {kind} with a {len}-byte address"
+        ))),
+    }
+}
+
+/// The offer from a kind [`parse_link_offer_fixed`] accepted and its address bytes.
+pub fn link_offer(kind: u8, address: Vec<u8>) -> LinkOffer {
+    if kind == OFFER_UCX {
+        LinkOffer::Ucx(address)
+    } else {
+        LinkOffer::Stay
+    }
+}
+
+/// Encodes whether this side made its end of the offered link.
+pub fn encode_link_ready(ready: bool) -> Vec<u8> {
+    let mut out = Vec::new();
+    preamble(&mut out, TYPE_LINK_READY);
+    out.push(u8::from(ready));
+    out
+}
+
+/// Parses a link-ready byte.
+pub fn parse_link_ready(byte: u8) -> Result<bool, HandshakeError> {
+    match byte {
+        0 => Ok(false),
+        1 => Ok(true),
+        other => Err(HandshakeError::Protocol(format!("link ready byte {other}"))),
+    }
+}
+
 /// Checks the fixed preamble of a message of the expected type.
 pub fn check_preamble(bytes: &[u8; PREAMBLE_LEN], expected_type: u8) -> Result<(), HandshakeError> {
     if bytes[..4] != HANDSHAKE_MAGIC {
@@ -196,6 +277,8 @@ pub mod message {
     pub const SERVER_HELLO: u8 = super::TYPE_SERVER_HELLO;
     pub const CLIENT_PROOF: u8 = super::TYPE_CLIENT_PROOF;
     pub const VERDICT: u8 = super::TYPE_VERDICT;
+    pub const LINK_OFFER: u8 = super::TYPE_LINK_OFFER;
+    pub const LINK_READY: u8 = super::TYPE_LINK_READY;
 }
 
 /// Size of the fixed hello fields after the preamble (fingerprint, nonce, id length).
@@ -316,12 +399,37 @@ mod tests {
         let id = parse_id(bytes[PREAMBLE_LEN + HELLO_FIXED_LEN..].to_vec()).expect("id");
         assert_eq!(id, "node-1");
         let mut wrong = preamble;
-        wrong[4] = 2;
+        wrong[4] = 1;
         assert_eq!(
             check_preamble(&wrong, message::CLIENT_HELLO),
-            Err(HandshakeError::BadVersion { theirs: 2, ours: 1 })
+            Err(HandshakeError::BadVersion { theirs: 1, ours: 2 })
         );
         fixed[24..26].copy_from_slice(&1000u16.to_le_bytes());
         assert!(parse_hello_fixed(&fixed).is_err());
+    }
+
+    #[test]
+    fn link_offers_parse_back_and_bad_ones_are_refused() {
+        for offer in [LinkOffer::Stay, LinkOffer::Ucx(vec![7; 300])] {
+            let bytes = encode_link_offer(&offer);
+            let mut preamble = [0u8; PREAMBLE_LEN];
+            preamble.copy_from_slice(&bytes[..PREAMBLE_LEN]);
+            check_preamble(&preamble, message::LINK_OFFER).expect("preamble");
+            let mut fixed = [0u8; LINK_OFFER_FIXED_LEN];
+            fixed.copy_from_slice(&bytes[PREAMBLE_LEN..PREAMBLE_LEN + LINK_OFFER_FIXED_LEN]);
+            let (kind, len) = parse_link_offer_fixed(&fixed).expect("fixed");
+            let address = bytes[PREAMBLE_LEN + LINK_OFFER_FIXED_LEN..].to_vec();
+            assert_eq!(len, address.len());
+            assert_eq!(link_offer(kind, address), offer);
+        }
+        let too_long = (MAX_LINK_ADDRESS as u32 + 1).to_le_bytes();
+        for fixed in [
+            [1, 0, 0, 0, 0],
+            [1, too_long[0], too_long[1], too_long[2], too_long[3]],
+            [0, 1, 0, 0, 0],
+            [9, 0, 0, 0, 0],
+        ] {
+            assert!(parse_link_offer_fixed(&fixed).is_err(), "{fixed:?}");
+        }
     }
 }

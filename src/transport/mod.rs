@@ -3,7 +3,9 @@
 //!
 //! - [`wire`]: the data-plane frame format (pure, fuzzable).
 //! - [`handshake`]: the keyed peer handshake messages and proofs (pure).
-//! - [`tcp`]: [`TcpTransport`], the default transport.
+//! - [`tcp`]: [`TcpTransport`], the transport every node has.
+//! - [`ucx`]: [`UcxTransport`], UCX (shared memory, RDMA, TCP) when libucp loads.
+//! - [`select`]: which of the two `peer.transport` and the machine give.
 //! - [`memory`]: [`MemoryTransport`], an in-memory network whose links tests can cut,
 //!   partition, delay and blackhole.
 //! - [`peer`]: [`PeerClient`] and [`PeerServer`], the protocol over any transport.
@@ -11,7 +13,9 @@
 pub mod handshake;
 pub mod memory;
 pub mod peer;
+pub mod select;
 pub mod tcp;
+pub mod ucx;
 pub mod wire;
 
 use std::net::SocketAddr;
@@ -23,6 +27,7 @@ pub use peer::{
     Completion, Handler, PeerAuth, PeerClient, PeerConfig, PeerError, PeerServer, PeerStats,
 };
 pub use tcp::TcpTransport;
+pub use ucx::UcxTransport;
 pub use wire::{Dtype, ExpertReply, ExpertRequest, RemoteError, WIRE_VERSION};
 
 /// A connected byte stream to a peer.
@@ -37,12 +42,37 @@ impl<T> PeerStream for T where
 }
 
 /// How to get a byte stream to a peer.
+///
+/// Every link starts on the stream `connect` and `bind` give (TCP for the TCP and UCX
+/// transports), where the peer handshake authenticates both sides. A transport with a faster
+/// path then offers [`Transport::upgrade`]: when both sides offer one, the link's frames move
+/// to it (see [`handshake`]).
 pub trait Transport: Send + Sync + 'static {
     /// Opens a stream to `addr` (the transport applies its own connect timeout).
     fn connect(&self, addr: SocketAddr)
     -> BoxFuture<'static, std::io::Result<Box<dyn PeerStream>>>;
     /// Listens on `addr` (port 0 picks a free port; see [`PeerListener::local_addr`]).
     fn bind(&self, addr: SocketAddr) -> BoxFuture<'static, std::io::Result<Box<dyn PeerListener>>>;
+    /// Another path this transport could move an authenticated link to: `Ok(None)` when it
+    /// has none (the default), `Err` when it has one but cannot offer it now (said in the log;
+    /// the link stays on its stream).
+    fn upgrade(&self) -> BoxFuture<'static, std::io::Result<Option<Box<dyn LinkUpgrade>>>> {
+        Box::pin(async { Ok(None) })
+    }
+}
+
+/// One side's offer of another path for one link, made before the peer answered.
+pub trait LinkUpgrade: Send {
+    /// What the peer needs to reach this side (a UCX worker address).
+    fn address(&self) -> &[u8];
+    /// Which path this is, for logs ("ucx").
+    fn name(&self) -> &'static str;
+    /// Creates this side's end toward the peer's `address`.
+    fn connect(&mut self, address: &[u8]) -> BoxFuture<'_, std::io::Result<()>>;
+    /// The link's stream, once both sides' ends are made. `control` is the handshake's
+    /// stream: nothing more travels on it, and its end (the peer exited or dropped the link)
+    /// ends the link.
+    fn into_stream(self: Box<Self>, control: Box<dyn PeerStream>) -> Box<dyn PeerStream>;
 }
 
 /// A bound listening endpoint.

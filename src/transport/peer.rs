@@ -21,7 +21,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::runtime::Handle;
 use tokio::sync::{Notify, mpsc, watch};
 
-use super::handshake::{self, HandshakeError, Hello, MAC_LEN, Status};
+use super::handshake::{self, HandshakeError, Hello, LinkOffer, MAC_LEN, Status};
 use super::wire::{
     self, Dtype, ExpertReply, ExpertRequest, FrameBody, FrameHeader, FrameKind, HEADER_LEN,
     RemoteError, RowsFrame, WireError, WireLimits,
@@ -256,9 +256,105 @@ fn our_hello(auth: &PeerAuth) -> Hello {
     }
 }
 
-/// The client half of the handshake; returns the server's node id. Public so that tests
-/// and tools can speak raw frames to a server.
+/// The client half of the handshake, offering no other path (the frames stay on `stream`);
+/// returns the server's node id. Public so that tests and tools can speak raw frames to a
+/// server.
 pub async fn client_handshake<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    auth: &PeerAuth,
+) -> Result<String, HandshakeError> {
+    let server_id = client_authenticate(stream, auth).await?;
+    exchange_offers(stream, &LinkOffer::Stay).await?;
+    Ok(server_id)
+}
+
+/// The server half of the handshake, offering no other path; returns the client's node id.
+/// Public for the handshake fuzz target.
+pub async fn server_handshake<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    auth: &PeerAuth,
+) -> Result<String, HandshakeError> {
+    let client_id = server_authenticate(stream, auth).await?;
+    exchange_offers(stream, &LinkOffer::Stay).await?;
+    Ok(client_id)
+}
+
+/// Sends our link offer and reads the peer's.
+async fn exchange_offers<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    ours: &LinkOffer,
+) -> Result<LinkOffer, HandshakeError> {
+    write(stream, &handshake::encode_link_offer(ours)).await?;
+    let preamble = read_array::<{ handshake::PREAMBLE_LEN }, _>(stream).await?;
+    handshake::check_preamble(&preamble, handshake::message::LINK_OFFER)?;
+    let fixed = read_array::<{ handshake::LINK_OFFER_FIXED_LEN }, _>(stream).await?;
+    let (kind, len) = handshake::parse_link_offer_fixed(&fixed)?;
+    let mut address = vec![0u8; len];
+    stream.read_exact(&mut address).await.map_err(io_error)?;
+    Ok(handshake::link_offer(kind, address))
+}
+
+/// After both sides authenticated: each offers what else could carry the link, and the link
+/// moves there when both offer it and both make their end; otherwise it stays on `stream`.
+/// Returns the link's stream and the name of its path ("tcp" when it stays).
+async fn negotiate_link(
+    mut stream: Box<dyn PeerStream>,
+    transport: &dyn Transport,
+    peer: SocketAddr,
+) -> Result<(Box<dyn PeerStream>, &'static str), HandshakeError> {
+    let upgrade = transport.upgrade().await.unwrap_or_else(|error| {
+        tracing::warn!(%peer, %error, "cannot offer this peer link UCX: it stays on TCP");
+        None
+    });
+    let ours = match &upgrade {
+        Some(upgrade) => LinkOffer::Ucx(upgrade.address().to_vec()),
+        None => LinkOffer::Stay,
+    };
+    let theirs = exchange_offers(&mut stream, &ours).await?;
+    let (mut upgrade, address) = match (upgrade, theirs) {
+        (Some(upgrade), LinkOffer::Ucx(address)) => (upgrade, address),
+        (Some(upgrade), LinkOffer::Stay) => {
+            tracing::info!(
+                %peer,
+                "peer link stays on TCP: the peer offers no {} (its peer.transport is \"tcp\", or UCX does not load there)",
+                upgrade.name()
+            );
+            return Ok((stream, "tcp"));
+        }
+        (None, _) => return Ok((stream, "tcp")),
+    };
+    let made = upgrade.connect(&address).await;
+    write(&mut stream, &handshake::encode_link_ready(made.is_ok())).await?;
+    let preamble = read_array::<{ handshake::PREAMBLE_LEN }, _>(&mut stream).await?;
+    handshake::check_preamble(&preamble, handshake::message::LINK_READY)?;
+    let [ready] = read_array::<1, _>(&mut stream).await?;
+    let theirs_ready = handshake::parse_link_ready(ready)?;
+    match made {
+        Ok(()) if theirs_ready => {
+            let name = upgrade.name();
+            Ok((upgrade.into_stream(stream), name))
+        }
+        Ok(()) => {
+            tracing::warn!(
+                %peer,
+                "peer link stays on TCP: the peer could not reach this node's {} address (see its log)",
+                upgrade.name()
+            );
+            Ok((stream, "tcp"))
+        }
+        Err(error) => {
+            tracing::warn!(
+                %peer,
+                %error,
+                "peer link stays on TCP: cannot reach the peer's {} address",
+                upgrade.name()
+            );
+            Ok((stream, "tcp"))
+        }
+    }
+}
+
+async fn client_authenticate<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut S,
     auth: &PeerAuth,
 ) -> Result<String, HandshakeError> {
@@ -308,9 +404,7 @@ pub async fn client_handshake<S: AsyncRead + AsyncWrite + Unpin>(
     }
 }
 
-/// The server half of the handshake; returns the client's node id. Public for the
-/// handshake fuzz target.
-pub async fn server_handshake<S: AsyncRead + AsyncWrite + Unpin>(
+async fn server_authenticate<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut S,
     auth: &PeerAuth,
 ) -> Result<String, HandshakeError> {
@@ -612,6 +706,12 @@ impl PeerClient {
         self.addr
     }
 
+    /// Whether a connection is up now (after its handshake): a request sent while not waits
+    /// for the connect and handshake first.
+    pub fn is_linked(&self) -> bool {
+        lock(&self.shared.link).stream.is_some()
+    }
+
     /// Non-blocking: checks the request on the calling thread and queues it. A full queue
     /// answers `Err(PeerError::Overloaded)` at once. On `Err`, `done` is dropped uncalled
     /// (the error is the answer); on `Ok`, `done` is called exactly once. Callable from any
@@ -775,12 +875,17 @@ impl Driver {
             .await
             .map_err(|error| PeerError::Connect(format!("{}: {error}", self.addr)))?;
         let timeout = self.config.handshake_timeout;
-        let result = tokio::time::timeout(timeout, client_handshake(&mut stream, &self.auth))
+        let handshake = async {
+            let server_id = client_authenticate(&mut stream, &self.auth).await?;
+            let (stream, path) = negotiate_link(stream, &*self.transport, self.addr).await?;
+            Ok((server_id, stream, path))
+        };
+        let result = tokio::time::timeout(timeout, handshake)
             .await
             .unwrap_or(Err(HandshakeError::Timeout(timeout)));
         match result {
-            Ok(server_id) => {
-                tracing::debug!(peer = %self.addr, %server_id, "peer link up");
+            Ok((server_id, stream, path)) => {
+                tracing::info!(peer = %self.addr, %server_id, path, "peer link up");
                 Ok(stream)
             }
             Err(error) => {
@@ -960,6 +1065,8 @@ async fn read_replies<S: AsyncRead + Unpin>(
 // Server
 
 struct ServerContext {
+    /// Offers each authenticated connection its faster path, if it has one.
+    transport: Arc<dyn Transport>,
     auth: Arc<PeerAuth>,
     stats: Arc<PeerStats>,
     handler: Handler,
@@ -1017,8 +1124,9 @@ impl PeerServer {
         config: PeerConfig,
     ) -> std::io::Result<PeerServer> {
         let (bound_tx, bound_rx) = std::sync::mpsc::channel();
+        let binding = transport.clone();
         runtime.spawn(async move {
-            let _ = bound_tx.send(transport.bind(addr).await);
+            let _ = bound_tx.send(binding.bind(addr).await);
         });
         let receive = || {
             bound_rx.recv().map_err(|_| {
@@ -1039,7 +1147,7 @@ impl PeerServer {
             },
         };
         Ok(PeerServer::serve(
-            listener, auth, stats, handler, &runtime, config,
+            transport, listener, auth, stats, handler, &runtime, config,
         ))
     }
 
@@ -1054,6 +1162,7 @@ impl PeerServer {
     ) -> std::io::Result<PeerServer> {
         let listener = transport.bind(addr).await?;
         Ok(PeerServer::serve(
+            transport,
             listener,
             auth,
             stats,
@@ -1064,6 +1173,7 @@ impl PeerServer {
     }
 
     fn serve(
+        transport: Arc<dyn Transport>,
         listener: Box<dyn PeerListener>,
         auth: Arc<PeerAuth>,
         stats: Arc<PeerStats>,
@@ -1074,6 +1184,7 @@ impl PeerServer {
         let local_addr = listener.local_addr();
         let (shutdown, stopped) = watch::channel(());
         let context = Arc::new(ServerContext {
+            transport,
             auth,
             stats,
             handler,
@@ -1129,21 +1240,26 @@ async fn serve_connection(
     mut stopped: watch::Receiver<()>,
 ) {
     let timeout = context.config.handshake_timeout;
+    let handshake = async {
+        let client_id = server_authenticate(&mut stream, &context.auth).await?;
+        let (stream, path) = negotiate_link(stream, &*context.transport, peer).await?;
+        Ok((client_id, stream, path))
+    };
     let handshake = tokio::select! {
-        result = tokio::time::timeout(timeout, server_handshake(&mut stream, &context.auth)) => {
+        result = tokio::time::timeout(timeout, handshake) => {
             result.unwrap_or(Err(HandshakeError::Timeout(timeout)))
         }
         _ = stopped.changed() => return,
     };
-    let client_id = match handshake {
-        Ok(client_id) => client_id,
+    let (client_id, stream, path) = match handshake {
+        Ok(accepted) => accepted,
         Err(error) => {
             context.stats.handshake_failed(&error);
             context.warn(peer, "peer handshake refused", &error);
             return;
         }
     };
-    tracing::debug!(%peer, %client_id, "peer connection accepted");
+    tracing::debug!(%peer, %client_id, path, "peer connection accepted");
     let (read_half, write_half) = tokio::io::split(stream);
     let (outbox, queued) = mpsc::unbounded_channel();
     let link = Arc::new(ReplyLink {

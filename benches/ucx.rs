@@ -1,0 +1,335 @@
+//! The peer transport over UCX between two processes, beside `ucx_perftest` on the same UCX
+//! transports and beside the TCP transport, in one run.
+//!
+//! `cargo bench --bench ucx` runs, for UCX shared memory (`UCX_TLS=shm,tcp`: the connection
+//! manager needs tcp; the data goes over shared memory), UCX TCP (`UCX_TLS=tcp`) and the TCP
+//! transport:
+//! 1. one MoE layer's dispatch+combine for 256 tokens × 7168 bf16 (3.5 MiB each way): a
+//!    request through `PeerClient` to a server process that hands the rows back; median
+//!    round trip over 30, and payload GB/s (both directions counted);
+//! 2. the same for 1 token: median and p99 round trip over 2000;
+//! 3. `ucx_perftest` (Debian `ucx-utils`) on the same `UCX_TLS`: `stream_bw` with 3.5 MiB
+//!    messages and `stream_lat` with 14 KiB, and the ratios (ours / perftest bandwidth; our
+//!    round trip / perftest's, which reports half a round trip, times two).
+//!
+//! Without libucp or ucx_perftest it says SKIP for what it cannot run. The same binary is
+//! the server and client processes (`MOE_BENCH_UCX_ROLE`).
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, mpsc};
+use std::time::{Duration, Instant};
+
+use moe_node::transport::ucx::Library;
+use moe_node::transport::{
+    Dtype, ExpertReply, ExpertRequest, Handler, PeerAuth, PeerClient, PeerServer, PeerStats,
+    TcpTransport, Transport, UcxTransport,
+};
+
+const WIDTH: u32 = 7168;
+const LAYER_TOKENS: u32 = 256;
+const LAYER_ROUNDS: usize = 30;
+const PINGS: usize = 2000;
+const ROLE: &str = "MOE_BENCH_UCX_ROLE";
+const KIND: &str = "MOE_BENCH_UCX_TRANSPORT";
+const ADDR: &str = "MOE_BENCH_UCX_ADDR";
+
+fn main() {
+    match std::env::var(ROLE).as_deref() {
+        Ok("server") => serve(),
+        Ok("client") => client(),
+        _ => compare(),
+    }
+}
+
+fn transport(kind: &str) -> Arc<dyn Transport> {
+    match kind {
+        "ucx" => {
+            let library = Library::load(None, true).expect("libucp loads");
+            Arc::new(UcxTransport::start(library).expect("UCX starts"))
+        }
+        _ => Arc::new(TcpTransport::default()),
+    }
+}
+
+fn auth(node: &str) -> Arc<PeerAuth> {
+    Arc::new(PeerAuth {
+        node_id: node.into(),
+        secret: b"bench secret 0123456789".to_vec(),
+        accepted: Vec::new(),
+        model_fingerprint: 1,
+    })
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+/// The server process: hands every request's rows back; prints its address, runs until
+/// its stdin closes.
+fn serve() {
+    let kind = std::env::var(KIND).unwrap_or_default();
+    let runtime = runtime();
+    let echo: Handler = Arc::new(|request: ExpertRequest| {
+        Ok(ExpertReply {
+            groups: request.groups,
+            rows: request.rows,
+        })
+    });
+    let server = PeerServer::start(
+        transport(&kind),
+        "127.0.0.1:0".parse().expect("address"),
+        auth("server"),
+        Arc::new(PeerStats::default()),
+        echo,
+        runtime.handle().clone(),
+    )
+    .expect("server starts");
+    println!("ADDR {}", server.local_addr());
+    std::io::stdout().flush().expect("stdout");
+    let mut line = String::new();
+    while std::io::stdin().read_line(&mut line).is_ok_and(|n| n > 0) {}
+}
+
+fn request(tokens: u32) -> ExpertRequest {
+    ExpertRequest {
+        layer: 1,
+        placement_version: 1,
+        width: WIDTH,
+        dtype: Dtype::Bf16,
+        groups: vec![(3, tokens)],
+        rows: (0..tokens * WIDTH)
+            .map(|i| (i % 977) as f32 * 0.01)
+            .collect(),
+    }
+}
+
+fn round_trip(client: &PeerClient, request: ExpertRequest) -> Duration {
+    let (tx, rx) = mpsc::channel();
+    let start = Instant::now();
+    client
+        .send(
+            request,
+            Box::new(move |result| {
+                let _ = tx.send(result.is_ok());
+            }),
+        )
+        .expect("queued");
+    assert!(
+        rx.recv_timeout(Duration::from_secs(30)).expect("reply"),
+        "request failed"
+    );
+    start.elapsed()
+}
+
+fn sorted_micros(mut times: Vec<Duration>) -> Vec<f64> {
+    let mut micros: Vec<f64> = times.drain(..).map(|t| t.as_secs_f64() * 1e6).collect();
+    micros.sort_by(f64::total_cmp);
+    micros
+}
+
+/// The client process: prints `LAYER <median us> <GB/s>` and `TOKEN <median us> <p99 us>`.
+fn client() {
+    let kind = std::env::var(KIND).unwrap_or_default();
+    let addr: SocketAddr = std::env::var(ADDR)
+        .expect("server address")
+        .parse()
+        .expect("address");
+    let runtime = runtime();
+    let client = PeerClient::new(
+        transport(&kind),
+        runtime.handle().clone(),
+        addr,
+        auth("client"),
+        Arc::new(PeerStats::default()),
+    );
+    let layer = request(LAYER_TOKENS);
+    let bytes = 2.0 * (layer.rows.len() * Dtype::Bf16.size()) as f64;
+    for _ in 0..3 {
+        round_trip(&client, layer.clone());
+    }
+    let times = (0..LAYER_ROUNDS)
+        .map(|_| round_trip(&client, layer.clone()))
+        .collect();
+    let layer_us = sorted_micros(times)[LAYER_ROUNDS / 2];
+    println!("LAYER {layer_us:.1} {:.3}", bytes / layer_us / 1e3);
+    let token = request(1);
+    for _ in 0..100 {
+        round_trip(&client, token.clone());
+    }
+    let times = (0..PINGS)
+        .map(|_| round_trip(&client, token.clone()))
+        .collect();
+    let micros = sorted_micros(times);
+    println!(
+        "TOKEN {:.1} {:.1}",
+        micros[PINGS / 2],
+        micros[PINGS * 99 / 100]
+    );
+}
+
+/// Figures of one transport: layer round trip (us), layer GB/s, token median, token p99.
+struct Figures {
+    layer_us: f64,
+    layer_gbps: f64,
+    token_us: f64,
+    token_p99_us: f64,
+}
+
+fn spawn_self(role: &str, kind: &str, tls: Option<&str>, addr: Option<SocketAddr>) -> Child {
+    let mut command = Command::new(std::env::current_exe().expect("own path"));
+    command.env(ROLE, role).env(KIND, kind);
+    if let Some(tls) = tls {
+        command.env("UCX_TLS", tls);
+    }
+    if let Some(addr) = addr {
+        command.env(ADDR, addr.to_string());
+    }
+    command
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn")
+}
+
+fn measure(kind: &str, tls: Option<&str>) -> Figures {
+    let mut server = spawn_self("server", kind, tls, None);
+    let mut lines = BufReader::new(server.stdout.take().expect("stdout")).lines();
+    let addr: SocketAddr = lines
+        .next()
+        .and_then(Result::ok)
+        .and_then(|l| l.strip_prefix("ADDR ").map(str::to_string))
+        .expect("server address")
+        .parse()
+        .expect("address");
+    let client = spawn_self("client", kind, tls, Some(addr));
+    let out = client.wait_with_output().expect("client");
+    assert!(out.status.success(), "client failed");
+    drop(server.stdin.take());
+    let _ = server.kill();
+    let _ = server.wait();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let numbers = |tag: &str| -> Vec<f64> {
+        text.lines()
+            .find_map(|l| l.strip_prefix(tag))
+            .expect("figures")
+            .split_whitespace()
+            .map(|n| n.parse().expect("number"))
+            .collect()
+    };
+    let (layer, token) = (numbers("LAYER "), numbers("TOKEN "));
+    Figures {
+        layer_us: layer[0],
+        layer_gbps: layer[1],
+        token_us: token[0],
+        token_p99_us: token[1],
+    }
+}
+
+/// `ucx_perftest` on `tls`: the `Final:` figures of one test (typical latency in us and
+/// average bandwidth in MB/s).
+fn perftest(
+    tls: &str,
+    test: &str,
+    size: usize,
+    iterations: usize,
+    port: u16,
+) -> Option<(f64, f64)> {
+    let run = |args: &[String]| {
+        Command::new("ucx_perftest")
+            .args(args)
+            .env("UCX_TLS", tls)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .ok()
+    };
+    let port_arg = vec!["-p".to_string(), port.to_string()];
+    let mut server = run(&port_arg)?;
+    std::thread::sleep(Duration::from_millis(500));
+    let mut args = vec!["127.0.0.1".to_string()];
+    args.extend(port_arg);
+    args.extend(
+        [
+            "-t",
+            test,
+            "-s",
+            &size.to_string(),
+            "-n",
+            &iterations.to_string(),
+        ]
+        .map(str::to_string),
+    );
+    let out = run(&args)?.wait_with_output().ok()?;
+    let _ = server.kill();
+    let _ = server.wait();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let last = text
+        .lines()
+        .rev()
+        .find(|l| l.trim_start().starts_with("Final:"))?;
+    let fields: Vec<f64> = last
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|f| f.parse().ok())
+        .collect();
+    // iterations, 50%ile, average, overall latency; average, overall bandwidth; rates.
+    Some((*fields.get(1)?, *fields.get(4)?))
+}
+
+fn compare() {
+    if let Err(why) = Library::load(None, true) {
+        println!("SKIP: UCX does not load ({why}); only the TCP transport would run");
+        return;
+    }
+    let perftest_found = Command::new("ucx_perftest")
+        .arg("-h")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok();
+    let layer_bytes = (LAYER_TOKENS * WIDTH) as usize * 2;
+    println!(
+        "one layer: {LAYER_TOKENS} tokens x {WIDTH} bf16 ({:.2} MiB each way); 1 token: {} KiB",
+        layer_bytes as f64 / (1 << 20) as f64,
+        WIDTH * 2 / 1024
+    );
+    let mut port = 13_400;
+    for (label, kind, tls) in [
+        ("UCX shared memory", "ucx", Some("shm,tcp")),
+        ("UCX tcp", "ucx", Some("tcp")),
+        ("TCP transport", "tcp", None),
+    ] {
+        let ours = measure(kind, tls);
+        println!(
+            "{label:18} layer {:8.1} us  {:6.2} GB/s | 1 token {:7.1} us (p99 {:7.1})",
+            ours.layer_us, ours.layer_gbps, ours.token_us, ours.token_p99_us
+        );
+        let Some(tls) = tls else { continue };
+        if !perftest_found {
+            println!("{:18} SKIP: ucx_perftest not found (Debian ucx-utils)", "");
+            continue;
+        }
+        port += 1;
+        let bw = perftest(tls, "stream_bw", layer_bytes, 200, port);
+        port += 1;
+        let lat = perftest(tls, "stream_lat", (WIDTH * 2) as usize, 2000, port);
+        match (bw, lat) {
+            (Some((_, mbps)), Some((half_rtt_us, _))) => println!(
+                "{:18} ucx_perftest stream_bw {:6.2} GB/s, stream_lat {:6.1} us one way \
+                 -> ours/perftest bandwidth {:.0}%, round trip {:.1}x",
+                "",
+                mbps * 1.048_576 / 1e3,
+                half_rtt_us,
+                100.0 * ours.layer_gbps / (mbps * 1.048_576 / 1e3),
+                ours.token_us / (2.0 * half_rtt_us)
+            ),
+            _ => println!("{:18} ucx_perftest gave no figures", ""),
+        }
+    }
+}

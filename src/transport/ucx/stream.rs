@@ -1,0 +1,200 @@
+//! [`UcxStream`]: one link's UCX endpoint as a tokio byte stream (UCX's stream API), watched
+//! by the link's TCP control connection.
+//!
+//! Writes copy the bytes and hand them to the worker thread, which sends them in order;
+//! writers wait once [`SEND_PENDING_MAX`] bytes are in flight. The thread keeps a receive
+//! posted and appends what arrives for the reader. The link ends when UCX fails the endpoint
+//! (its error callback) or when the control connection ends: a peer that exits or drops the
+//! link closes that socket at once, whatever UCX's own transports would take to notice.
+//! A control connection that ends cleanly reads as the end of the stream; anything else
+//! errors reads and writes.
+
+use std::io;
+use std::pin::Pin;
+use std::sync::{Arc, Weak};
+use std::task::{Context, Poll};
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
+
+use super::worker::{
+    Command, EpShared, Failure, RECV_BUFFERED_MAX, SEND_PENDING_MAX, WorkerHandle,
+};
+use crate::transport::PeerStream;
+
+/// Bytes one write hands over at most (a bigger buffer is taken in several writes).
+const WRITE_CHUNK: usize = 8 << 20;
+
+/// A connected UCX endpoint as a byte stream.
+pub struct UcxStream {
+    worker: Option<Arc<WorkerHandle>>,
+    ep: u64,
+    shared: Arc<EpShared>,
+    /// The task watching the control connection (it owns the connection).
+    watcher: tokio::task::AbortHandle,
+}
+
+impl UcxStream {
+    /// Must be called within a tokio runtime (the watcher is a task).
+    pub(super) fn new(
+        worker: Arc<WorkerHandle>,
+        ep: u64,
+        shared: Arc<EpShared>,
+        control: Box<dyn PeerStream>,
+    ) -> Self {
+        let watcher = tokio::spawn(watch_control(
+            control,
+            shared.clone(),
+            Arc::downgrade(&worker),
+            ep,
+        ))
+        .abort_handle();
+        UcxStream {
+            worker: Some(worker),
+            ep,
+            shared,
+            watcher,
+        }
+    }
+
+    fn worker(&self) -> io::Result<&WorkerHandle> {
+        self.worker.as_deref().ok_or_else(super::stopped)
+    }
+}
+
+/// Waits for the control connection to end (nothing is sent on it after the handshake), then
+/// fails the link and closes its endpoint.
+async fn watch_control(
+    mut control: Box<dyn PeerStream>,
+    shared: Arc<EpShared>,
+    worker: Weak<WorkerHandle>,
+    ep: u64,
+) {
+    let mut byte = [0u8; 1];
+    let failure = match control.read(&mut byte).await {
+        Ok(0) => Failure {
+            closed_by_peer: true,
+            message: "the peer closed the link".into(),
+        },
+        Ok(_) => Failure {
+            closed_by_peer: false,
+            message: "the peer sent bytes on the link's control connection".into(),
+        },
+        Err(error) => Failure {
+            closed_by_peer: false,
+            message: format!("the link's control connection failed: {error}"),
+        },
+    };
+    shared.fail(failure);
+    if let Some(worker) = worker.upgrade() {
+        let _ = worker.send(Command::CloseEp { ep, force: true });
+        super::release(worker);
+    }
+}
+
+impl Drop for UcxStream {
+    fn drop(&mut self) {
+        // Flushes what was written, then closes; the control connection closes with the
+        // watcher, which tells the peer. A stopped thread has closed the endpoint already.
+        if let Some(worker) = self.worker.take() {
+            let _ = worker.send(Command::CloseEp {
+                ep: self.ep,
+                force: false,
+            });
+            super::release(worker);
+        }
+        self.watcher.abort();
+    }
+}
+
+impl AsyncRead for UcxStream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        context: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let mut state = this.shared.lock();
+        if state.received.is_empty() {
+            return match &state.failure {
+                Some(failure) if failure.closed_by_peer => Poll::Ready(Ok(())),
+                Some(failure) => Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::ConnectionReset,
+                    failure.message.clone(),
+                ))),
+                None => {
+                    state.read_waker = Some(context.waker().clone());
+                    Poll::Pending
+                }
+            };
+        }
+        let was_full = state.received.len() >= RECV_BUFFERED_MAX;
+        let n = buf.remaining().min(state.received.len());
+        let (front, back) = state.received.as_slices();
+        let from_front = n.min(front.len());
+        buf.put_slice(&front[..from_front]);
+        buf.put_slice(&back[..n - from_front]);
+        state.received.drain(..n);
+        let resume = was_full && state.recv_paused && state.received.len() < RECV_BUFFERED_MAX;
+        drop(state);
+        if resume {
+            // A stopped thread fails the next read instead.
+            let _ = this
+                .worker()
+                .and_then(|worker| worker.send(Command::ResumeRecv { ep: this.ep }));
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl AsyncWrite for UcxStream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        context: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        if buf.is_empty() {
+            return Poll::Ready(Ok(0));
+        }
+        let n = buf.len().min(WRITE_CHUNK);
+        {
+            let mut state = this.shared.lock();
+            if let Some(failure) = &state.failure {
+                return Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::BrokenPipe,
+                    failure.message.clone(),
+                )));
+            }
+            if state.send_pending >= SEND_PENDING_MAX {
+                state.write_waker = Some(context.waker().clone());
+                return Poll::Pending;
+            }
+            state.send_pending += n;
+        }
+        this.worker()?.send(Command::Send {
+            ep: this.ep,
+            data: buf[..n].to_vec(),
+        })?;
+        Poll::Ready(Ok(n))
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, context: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let mut state = self.shared.lock();
+        if state.send_pending == 0 {
+            return Poll::Ready(Ok(()));
+        }
+        if let Some(failure) = &state.failure {
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::BrokenPipe,
+                failure.message.clone(),
+            )));
+        }
+        state.write_waker = Some(context.waker().clone());
+        Poll::Pending
+    }
+
+    /// UCX streams have no half-close: this flushes; dropping the stream closes it.
+    fn poll_shutdown(self: Pin<&mut Self>, context: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.poll_flush(context)
+    }
+}

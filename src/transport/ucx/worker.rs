@@ -1,0 +1,855 @@
+//! The UCX worker threads: one per link, each owning one ucp worker (on the transport's
+//! shared [`Context`]) and the link's one endpoint; it is the only thread that calls UCX for
+//! that worker (created `UCS_THREAD_MODE_SINGLE`).
+//!
+//! One worker per link, not one per node: endpoints made from worker addresses are paired by
+//! UCX in the order each side creates them toward the same remote worker, so two links made
+//! at once between the same two workers (each node dialling the other) could be crossed.
+//! A worker that only ever has one peer endpoint cannot be.
+//!
+//! Tokio tasks talk to it through [`WorkerHandle`]: commands go down an mpsc queue and an
+//! eventfd wakes the thread; results come back through each endpoint's [`EpShared`] (bytes
+//! received, sends completed, the endpoint's failure), whose wakers it wakes. The thread
+//! sleeps in `epoll_wait` on the worker's event fd (`ucp_worker_get_efd`, armed with
+//! `ucp_worker_arm`) and the command eventfd, so an idle node spends no CPU here.
+//!
+//! UCX callbacks only record what happened (a thread-local event list); the loop handles
+//! the events after `ucp_worker_progress` returns, so no callback re-enters the loop's state.
+
+use std::cell::RefCell;
+use std::collections::{HashMap, VecDeque};
+use std::ffi::c_void;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::mpsc as std_mpsc;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::task::Waker;
+use std::time::{Duration, Instant};
+
+use tokio::sync::oneshot;
+use ucx_sys as sys;
+
+use super::Library;
+
+/// Bytes one posted stream receive takes at most.
+const RECV_CHUNK: usize = 1 << 20;
+/// Bytes received and not yet read by the endpoint's reader before no more receives are
+/// posted (UCX then holds what arrives, and its flow control slows the sender).
+pub const RECV_BUFFERED_MAX: usize = 32 << 20;
+/// Bytes handed to the thread and not yet sent before writers wait.
+pub const SEND_PENDING_MAX: usize = 32 << 20;
+/// The longest sleep of the loop: a safety net, so UCX's timers (keepalive of
+/// `UCP_ERR_HANDLING_MODE_PEER`) run even if no event fd fires.
+const IDLE_TICK_MS: i32 = 100;
+/// How long the loop keeps polling after the last event before it sleeps on the event fd.
+const SPIN_BEFORE_SLEEP: Duration = Duration::from_micros(50);
+/// How long stopping waits for endpoints to close before the worker is destroyed.
+const STOP_GRACE: Duration = Duration::from_millis(500);
+
+/// What one endpoint's stream halves and the worker thread share.
+#[derive(Default)]
+pub struct EpShared {
+    state: Mutex<EpState>,
+}
+
+#[derive(Default)]
+pub struct EpState {
+    /// Received, not yet read.
+    pub received: VecDeque<u8>,
+    /// The thread stopped posting receives (too much unread); the reader asks it to resume.
+    pub recv_paused: bool,
+    /// Bytes handed to the thread whose sends have not completed.
+    pub send_pending: usize,
+    /// Why the endpoint is unusable: the peer failed or closed, or a send or receive failed.
+    pub failure: Option<Failure>,
+    pub read_waker: Option<Waker>,
+    pub write_waker: Option<Waker>,
+}
+
+/// How an endpoint ended.
+#[derive(Debug, Clone)]
+pub struct Failure {
+    /// The peer closed the connection (reads see the end of the stream, not an error).
+    pub closed_by_peer: bool,
+    pub message: String,
+}
+
+impl EpShared {
+    pub fn lock(&self) -> MutexGuard<'_, EpState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn fail(&self, failure: Failure) {
+        let (read, write) = {
+            let mut state = self.lock();
+            if state.failure.is_none() {
+                state.failure = Some(failure);
+            }
+            (state.read_waker.take(), state.write_waker.take())
+        };
+        read.into_iter().chain(write).for_each(Waker::wake);
+    }
+}
+
+/// A ucp context (stream API, wakeup), shared by every link's worker; cleaned up when the
+/// last of them is gone.
+pub struct Context {
+    library: Arc<Library>,
+    handle: sys::ucp_context_h,
+}
+
+// SAFETY: the context is created with UCP_PARAM_FIELD_MT_WORKERS_SHARED, which makes it safe
+// to create and destroy workers on it from several threads; the handle is only passed to UCX.
+unsafe impl Send for Context {}
+// SAFETY: as above.
+unsafe impl Sync for Context {}
+
+impl Context {
+    /// Creates the context. Fails with the UCX error when it cannot (no usable transport,
+    /// a bad `UCX_*` variable).
+    pub fn new(library: Arc<Library>) -> io::Result<Arc<Context>> {
+        let ucp = &library.ucp;
+        let mut config: *mut sys::ucp_config_t = std::ptr::null_mut();
+        // SAFETY: null prefix and file mean "read UCX_* from the environment"; config is
+        // written on success and released below.
+        let status =
+            unsafe { ucp.ucp_config_read(std::ptr::null(), std::ptr::null(), &mut config) };
+        if status != sys::UCS_OK {
+            return Err(status_error(
+                &library,
+                "reading the UCX configuration",
+                status,
+            ));
+        }
+        // SAFETY: ucp_params_t is plain data; zero is "no field set" for the fields not
+        // named in field_mask.
+        let mut params: sys::ucp_params_t = unsafe { std::mem::zeroed() };
+        params.field_mask = (sys::UCP_PARAM_FIELD_FEATURES
+            | sys::UCP_PARAM_FIELD_NAME
+            | sys::UCP_PARAM_FIELD_MT_WORKERS_SHARED) as u64;
+        params.features = (sys::UCP_FEATURE_STREAM | sys::UCP_FEATURE_WAKEUP) as u64;
+        params.name = c"moe-node".as_ptr();
+        params.mt_workers_shared = 1;
+        let mut handle: sys::ucp_context_h = std::ptr::null_mut();
+        // SAFETY: params and config are valid for the call; handle is written on success.
+        let status = unsafe {
+            ucp.ucp_init_version(
+                sys::UCP_API_MAJOR,
+                sys::UCP_API_MINOR,
+                &params,
+                config,
+                &mut handle,
+            )
+        };
+        // SAFETY: config came from ucp_config_read and is not used after this.
+        unsafe { ucp.ucp_config_release(config) };
+        if status != sys::UCS_OK {
+            return Err(status_error(&library, "creating the UCX context", status));
+        }
+        Ok(Arc::new(Context { library, handle }))
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // SAFETY: every worker made on the context holds an Arc to it, so none is left.
+        unsafe { self.library.ucp.ucp_cleanup(self.handle) };
+    }
+}
+
+pub enum Command {
+    /// Creates the link's endpoint toward the peer worker's address.
+    Connect {
+        remote: Vec<u8>,
+        shared: Arc<EpShared>,
+        reply: oneshot::Sender<io::Result<u64>>,
+    },
+    Send {
+        ep: u64,
+        data: Vec<u8>,
+    },
+    ResumeRecv {
+        ep: u64,
+    },
+    /// Closes the endpoint (by force: without flushing, for one already failed).
+    CloseEp {
+        ep: u64,
+        force: bool,
+    },
+}
+
+/// The way to the worker thread; the thread stops when the last handle is dropped.
+pub struct WorkerHandle {
+    commands: std_mpsc::Sender<Option<Command>>,
+    /// Shared with the thread, which keeps it open until it has stopped.
+    wake: Arc<OwnedFd>,
+    /// Joined on drop: the worker and context are destroyed before the handle is gone, so a
+    /// process that exits next never runs libucs's destructors beside a destroy in flight
+    /// (that race aborts in `vfs_obj.c`).
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl WorkerHandle {
+    /// Starts a thread with a new worker on `context`; returns its handle and the worker's
+    /// address (what a peer needs to reach it). Fails with the UCX error.
+    pub fn start(context: Arc<Context>) -> io::Result<(Arc<WorkerHandle>, Vec<u8>)> {
+        // SAFETY: eventfd takes no pointers; the result is checked.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: fd is a new descriptor that nothing else owns.
+        let wake = Arc::new(unsafe { OwnedFd::from_raw_fd(fd) });
+        let wake_fd = wake.clone();
+        let (commands, receiver) = std_mpsc::channel();
+        let (ready_tx, ready_rx) = std_mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name("moe-node-ucx".into())
+            .spawn(move || match Worker::new(context, wake_fd) {
+                Ok((mut worker, address)) => {
+                    let _ = ready_tx.send(Ok(address));
+                    worker.run(receiver);
+                }
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                }
+            })?;
+        let address = ready_rx
+            .recv()
+            .map_err(|_| io::Error::other("the UCX worker thread ended while starting"))??;
+        let handle = Arc::new(WorkerHandle {
+            commands,
+            wake,
+            thread: Mutex::new(Some(thread)),
+        });
+        Ok((handle, address))
+    }
+
+    /// Queues `command` and wakes the thread.
+    pub fn send(&self, command: Command) -> io::Result<()> {
+        self.commands.send(Some(command)).map_err(|_| {
+            io::Error::new(
+                io::ErrorKind::BrokenPipe,
+                "the UCX worker thread has stopped",
+            )
+        })?;
+        self.wake();
+        Ok(())
+    }
+
+    fn wake(&self) {
+        let one: u64 = 1;
+        // SAFETY: writes 8 bytes from a live u64 to the eventfd this handle owns. A full
+        // counter (EAGAIN) already means "wake up".
+        unsafe { libc::write(self.wake.as_raw_fd(), (&raw const one).cast(), 8) };
+    }
+}
+
+impl Drop for WorkerHandle {
+    fn drop(&mut self) {
+        // The thread closes every endpoint and listener, then destroys the worker.
+        if self.commands.send(None).is_ok() {
+            self.wake();
+        }
+        let thread = self
+            .thread
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        // Its stop is bounded (STOP_GRACE); never join from the thread itself.
+        if let Some(thread) = thread
+            && thread.thread().id() != std::thread::current().id()
+        {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// What a UCX callback saw, handled by the loop once progress returns.
+enum Event {
+    EpError {
+        ep: u64,
+        status: sys::ucs_status_t,
+    },
+    SendDone {
+        op: *mut SendOp,
+        request: *mut c_void,
+        status: sys::ucs_status_t,
+    },
+    RecvDone {
+        op: *mut RecvOp,
+        request: *mut c_void,
+        status: sys::ucs_status_t,
+        length: usize,
+    },
+    CloseDone {
+        request: *mut c_void,
+    },
+}
+
+thread_local! {
+    static EVENTS: RefCell<Vec<Event>> = const { RefCell::new(Vec::new()) };
+}
+
+fn record(event: Event) {
+    EVENTS.with(|events| events.borrow_mut().push(event));
+}
+
+/// A send in flight: its bytes live here until UCX is done with them.
+struct SendOp {
+    ep: u64,
+    data: Vec<u8>,
+}
+
+/// A receive in flight: UCX writes into `buffer`.
+struct RecvOp {
+    ep: u64,
+    buffer: Vec<u8>,
+}
+
+struct Endpoint {
+    handle: sys::ucp_ep_h,
+    shared: Arc<EpShared>,
+    recv_posted: bool,
+}
+
+struct Worker {
+    library: Arc<Library>,
+    /// Kept alive (not cleaned up) while this worker exists.
+    context: Arc<Context>,
+    worker: sys::ucp_worker_h,
+    epoll: OwnedFd,
+    wake_fd: Arc<OwnedFd>,
+    endpoints: HashMap<u64, Endpoint>,
+    closing: usize,
+    next_id: u64,
+    /// Receive buffers to reuse (a fresh zeroed 1 MiB per receive cost more than a small
+    /// message's whole round trip).
+    spare_buffers: Vec<Vec<u8>>,
+}
+
+/// Receive buffers kept for reuse at most.
+const SPARE_BUFFERS: usize = 64;
+
+fn status_error(library: &Library, what: &str, status: sys::ucs_status_t) -> io::Error {
+    let kind = match status {
+        sys::UCS_ERR_UNREACHABLE => io::ErrorKind::ConnectionRefused,
+        sys::UCS_ERR_CONNECTION_RESET => io::ErrorKind::ConnectionReset,
+        sys::UCS_ERR_BUSY => io::ErrorKind::AddrInUse,
+        sys::UCS_ERR_TIMED_OUT | sys::UCS_ERR_ENDPOINT_TIMEOUT => io::ErrorKind::TimedOut,
+        sys::UCS_ERR_INVALID_PARAM | sys::UCS_ERR_INVALID_ADDR => io::ErrorKind::InvalidInput,
+        _ => io::ErrorKind::Other,
+    };
+    io::Error::new(
+        kind,
+        format!(
+            "{what}: {} (UCX status {status})",
+            library.ucp.status_string(status)
+        ),
+    )
+}
+
+extern "C" fn on_ep_error(arg: *mut c_void, _ep: sys::ucp_ep_h, status: sys::ucs_status_t) {
+    record(Event::EpError {
+        ep: arg as u64,
+        status,
+    });
+}
+
+extern "C" fn on_send(request: *mut c_void, status: sys::ucs_status_t, user_data: *mut c_void) {
+    record(Event::SendDone {
+        op: user_data.cast(),
+        request,
+        status,
+    });
+}
+
+extern "C" fn on_recv(
+    request: *mut c_void,
+    status: sys::ucs_status_t,
+    length: usize,
+    user_data: *mut c_void,
+) {
+    record(Event::RecvDone {
+        op: user_data.cast(),
+        request,
+        status,
+        length,
+    });
+}
+
+extern "C" fn on_close(request: *mut c_void, _status: sys::ucs_status_t, _user: *mut c_void) {
+    record(Event::CloseDone { request });
+}
+
+impl Worker {
+    fn new(context: Arc<Context>, wake_fd: Arc<OwnedFd>) -> io::Result<(Worker, Vec<u8>)> {
+        let library = context.library.clone();
+        let ucp = &library.ucp;
+        // SAFETY: zeroed plain data, fields selected by field_mask.
+        let mut worker_params: sys::ucp_worker_params_t = unsafe { std::mem::zeroed() };
+        worker_params.field_mask = sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE as u64;
+        worker_params.thread_mode = sys::UCS_THREAD_MODE_SINGLE;
+        let mut worker: sys::ucp_worker_h = std::ptr::null_mut();
+        // SAFETY: context is live; worker is written on success.
+        let status = unsafe { ucp.ucp_worker_create(context.handle, &worker_params, &mut worker) };
+        if status != sys::UCS_OK {
+            return Err(status_error(&library, "creating the UCX worker", status));
+        }
+        let fail = |e: io::Error| {
+            // SAFETY: the worker is not used after this.
+            unsafe { ucp.ucp_worker_destroy(worker) };
+            e
+        };
+        let mut raw_address: *mut sys::ucp_address_t = std::ptr::null_mut();
+        let mut address_len: usize = 0;
+        // SAFETY: the worker is live; both outputs are written on success.
+        let status =
+            unsafe { ucp.ucp_worker_get_address(worker, &mut raw_address, &mut address_len) };
+        if status != sys::UCS_OK {
+            return Err(fail(status_error(
+                &library,
+                "getting the UCX worker's address",
+                status,
+            )));
+        }
+        // SAFETY: UCX wrote address_len bytes at raw_address, released right after the copy.
+        let address =
+            unsafe { std::slice::from_raw_parts(raw_address.cast::<u8>(), address_len) }.to_vec();
+        // SAFETY: the address came from ucp_worker_get_address on this worker, released once.
+        unsafe { ucp.ucp_worker_release_address(worker, raw_address) };
+        let mut efd: libc::c_int = -1;
+        // SAFETY: the worker is live; efd is written on success.
+        let status = unsafe { ucp.ucp_worker_get_efd(worker, &mut efd) };
+        if status != sys::UCS_OK {
+            return Err(fail(status_error(
+                &library,
+                "getting the UCX event fd",
+                status,
+            )));
+        }
+        // SAFETY: epoll_create1 takes no pointers; the result is checked.
+        let epoll = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+        if epoll < 0 {
+            return Err(fail(io::Error::last_os_error()));
+        }
+        // SAFETY: a new descriptor nothing else owns.
+        let epoll = unsafe { OwnedFd::from_raw_fd(epoll) };
+        for fd in [efd, wake_fd.as_raw_fd()] {
+            let mut event = libc::epoll_event {
+                events: libc::EPOLLIN as u32,
+                u64: fd as u64,
+            };
+            // SAFETY: both descriptors are open (the worker's, and the eventfd this thread
+            // holds a reference to); event is a live struct.
+            if unsafe { libc::epoll_ctl(epoll.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &mut event) }
+                < 0
+            {
+                return Err(fail(io::Error::last_os_error()));
+            }
+        }
+        let worker = Worker {
+            library,
+            context,
+            worker,
+            epoll,
+            wake_fd,
+            endpoints: HashMap::new(),
+            closing: 0,
+            next_id: 1,
+            spare_buffers: Vec::new(),
+        };
+        Ok((worker, address))
+    }
+
+    fn run(&mut self, commands: std_mpsc::Receiver<Option<Command>>) {
+        let mut last_busy = Instant::now();
+        'outer: loop {
+            loop {
+                match commands.try_recv() {
+                    Ok(Some(command)) => self.command(command),
+                    Ok(None) | Err(std_mpsc::TryRecvError::Disconnected) => break 'outer,
+                    Err(std_mpsc::TryRecvError::Empty) => break,
+                }
+            }
+            if self.progress() {
+                last_busy = Instant::now();
+                continue;
+            }
+            // Keep polling a little after the last event before sleeping: a reply usually
+            // follows a request within microseconds, and waking from epoll costs more.
+            if last_busy.elapsed() < SPIN_BEFORE_SLEEP {
+                std::hint::spin_loop();
+                continue;
+            }
+            // SAFETY: the worker is live and used on this thread only.
+            let armed = unsafe { self.library.ucp.ucp_worker_arm(self.worker) };
+            if armed == sys::UCS_ERR_BUSY {
+                continue;
+            }
+            let mut events = [libc::epoll_event { events: 0, u64: 0 }; 4];
+            // SAFETY: events is a live array of the length given.
+            let n = unsafe {
+                libc::epoll_wait(
+                    self.epoll.as_raw_fd(),
+                    events.as_mut_ptr(),
+                    events.len() as i32,
+                    IDLE_TICK_MS,
+                )
+            };
+            if n < 0 && io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
+                tracing::error!(error = %io::Error::last_os_error(), "UCX worker: epoll_wait failed");
+                std::thread::sleep(Duration::from_millis(IDLE_TICK_MS as u64));
+            }
+            let mut counter = 0u64;
+            // SAFETY: reads 8 bytes into a live u64 from the (non-blocking) eventfd.
+            unsafe { libc::read(self.wake_fd.as_raw_fd(), (&raw mut counter).cast(), 8) };
+        }
+        self.stop();
+    }
+
+    /// Progresses the worker and handles what its callbacks recorded; whether anything
+    /// happened.
+    fn progress(&mut self) -> bool {
+        let mut any = false;
+        // SAFETY: the worker is live and used on this thread only.
+        while unsafe { self.library.ucp.ucp_worker_progress(self.worker) } != 0 {
+            any = true;
+        }
+        let events = EVENTS.with(|events| std::mem::take(&mut *events.borrow_mut()));
+        any |= !events.is_empty();
+        for event in events {
+            self.event(event);
+        }
+        any
+    }
+
+    fn next_id(&mut self) -> u64 {
+        self.next_id += 1;
+        self.next_id
+    }
+
+    fn command(&mut self, command: Command) {
+        match command {
+            Command::Connect {
+                remote,
+                shared,
+                reply,
+            } => {
+                let id = self.next_id();
+                let result = self.connect(id, &remote, shared);
+                let _ = reply.send(result.map(|()| id));
+            }
+            Command::Send { ep, data } => self.send(ep, data),
+            Command::ResumeRecv { ep } => self.post_recv(ep),
+            Command::CloseEp { ep, force } => {
+                let flags = if force {
+                    sys::UCP_EP_CLOSE_FLAG_FORCE
+                } else {
+                    0
+                };
+                self.close_ep(ep, flags);
+            }
+        }
+    }
+
+    fn ep_params(id: u64) -> sys::ucp_ep_params_t {
+        // SAFETY: zeroed plain data, fields selected by field_mask.
+        let mut params: sys::ucp_ep_params_t = unsafe { std::mem::zeroed() };
+        params.field_mask = (sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
+            | sys::UCP_EP_PARAM_FIELD_ERR_HANDLER) as u64;
+        params.err_mode = sys::UCP_ERR_HANDLING_MODE_PEER;
+        params.err_handler.cb = Some(on_ep_error);
+        params.err_handler.arg = id as *mut c_void;
+        params
+    }
+
+    fn connect(&mut self, id: u64, remote: &[u8], shared: Arc<EpShared>) -> io::Result<()> {
+        let mut params = Self::ep_params(id);
+        params.field_mask |= sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS as u64;
+        params.address = remote.as_ptr().cast();
+        let mut handle: sys::ucp_ep_h = std::ptr::null_mut();
+        // SAFETY: the worker is live; params and the address bytes it points at live through
+        // the call (UCX unpacks the address); handle is written on success. The address came
+        // from a peer that proved it holds the cluster secret.
+        let status = unsafe {
+            self.library
+                .ucp
+                .ucp_ep_create(self.worker, &params, &mut handle)
+        };
+        if status != sys::UCS_OK {
+            return Err(status_error(
+                &self.library,
+                "creating the UCX endpoint toward the peer's worker",
+                status,
+            ));
+        }
+        self.add_endpoint(id, handle, shared);
+        Ok(())
+    }
+
+    fn add_endpoint(&mut self, id: u64, handle: sys::ucp_ep_h, shared: Arc<EpShared>) {
+        self.endpoints.insert(
+            id,
+            Endpoint {
+                handle,
+                shared,
+                recv_posted: false,
+            },
+        );
+        self.post_recv(id);
+    }
+
+    fn send(&mut self, ep: u64, data: Vec<u8>) {
+        let Some(endpoint) = self.endpoints.get(&ep) else {
+            return;
+        };
+        let len = data.len();
+        let op = Box::into_raw(Box::new(SendOp { ep, data }));
+        // SAFETY: zeroed plain data, fields selected by op_attr_mask.
+        let mut param: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
+        param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA;
+        param.cb.send = Some(on_send);
+        param.user_data = op.cast();
+        // SAFETY: the endpoint is live; the bytes live in `op`, which is freed only once
+        // UCX is done with them (at once when the call completes immediately, else in the
+        // completion event).
+        let request = unsafe {
+            let buffer = (*op).data.as_ptr().cast();
+            self.library
+                .ucp
+                .ucp_stream_send_nbx(endpoint.handle, buffer, len, &param)
+        };
+        let status = sys::ptr_status(request);
+        if status == sys::UCS_INPROGRESS {
+            return;
+        }
+        // SAFETY: completed (or failed) at once: UCX holds no reference to op or its bytes.
+        let op = unsafe { Box::from_raw(op) };
+        self.sent(op.ep, len, status);
+    }
+
+    fn sent(&mut self, ep: u64, len: usize, status: sys::ucs_status_t) {
+        let Some(endpoint) = self.endpoints.get(&ep) else {
+            return;
+        };
+        if status != sys::UCS_OK {
+            let error = status_error(&self.library, "UCX stream send", status);
+            return self.failed(ep, error.to_string(), false);
+        }
+        let waker = {
+            let mut state = endpoint.shared.lock();
+            state.send_pending = state.send_pending.saturating_sub(len);
+            state.write_waker.take()
+        };
+        if let Some(waker) = waker {
+            waker.wake();
+        }
+    }
+
+    /// Posts receives on `ep` until one is in flight or the reader has enough unread.
+    fn post_recv(&mut self, ep: u64) {
+        loop {
+            let Some(endpoint) = self.endpoints.get_mut(&ep) else {
+                return;
+            };
+            if endpoint.recv_posted {
+                return;
+            }
+            {
+                let mut state = endpoint.shared.lock();
+                if state.failure.is_some() {
+                    return;
+                }
+                if state.received.len() >= RECV_BUFFERED_MAX {
+                    state.recv_paused = true;
+                    return;
+                }
+                state.recv_paused = false;
+            }
+            let buffer = self
+                .spare_buffers
+                .pop()
+                .unwrap_or_else(|| vec![0; RECV_CHUNK]);
+            let op = Box::into_raw(Box::new(RecvOp { ep, buffer }));
+            let mut length: usize = 0;
+            // SAFETY: zeroed plain data, fields selected by op_attr_mask.
+            let mut param: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
+            param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA;
+            param.cb.recv_stream = Some(on_recv);
+            param.user_data = op.cast();
+            // SAFETY: the endpoint is live; UCX writes into op's buffer, which is freed only
+            // once UCX is done with it (as for sends); `length` is written when the receive
+            // completes at once.
+            let request = unsafe {
+                let buffer = (*op).buffer.as_mut_ptr().cast();
+                self.library.ucp.ucp_stream_recv_nbx(
+                    endpoint.handle,
+                    buffer,
+                    RECV_CHUNK,
+                    &mut length,
+                    &param,
+                )
+            };
+            let status = sys::ptr_status(request);
+            if status == sys::UCS_INPROGRESS {
+                endpoint.recv_posted = true;
+                return;
+            }
+            // SAFETY: completed (or failed) at once: UCX holds no reference to op.
+            let op = unsafe { Box::from_raw(op) };
+            let good = self.received(&op, status, length);
+            self.recycle(op.buffer);
+            if !good {
+                return;
+            }
+        }
+    }
+
+    fn recycle(&mut self, buffer: Vec<u8>) {
+        if self.spare_buffers.len() < SPARE_BUFFERS {
+            self.spare_buffers.push(buffer);
+        }
+    }
+
+    /// Hands received bytes to the reader; whether the endpoint is still good.
+    fn received(&mut self, op: &RecvOp, status: sys::ucs_status_t, length: usize) -> bool {
+        let ep = op.ep;
+        let Some(endpoint) = self.endpoints.get_mut(&ep) else {
+            return false;
+        };
+        endpoint.recv_posted = false;
+        if status != sys::UCS_OK {
+            if status != sys::UCS_ERR_CANCELED {
+                let error = status_error(&self.library, "UCX stream receive", status);
+                self.failed(
+                    ep,
+                    error.to_string(),
+                    status == sys::UCS_ERR_CONNECTION_RESET,
+                );
+            }
+            return false;
+        }
+        let waker = {
+            let mut state = endpoint.shared.lock();
+            state
+                .received
+                .extend(&op.buffer[..length.min(op.buffer.len())]);
+            state.read_waker.take()
+        };
+        if let Some(waker) = waker {
+            waker.wake();
+        }
+        true
+    }
+
+    fn event(&mut self, event: Event) {
+        let library = self.library.clone();
+        let ucp = &library.ucp;
+        match event {
+            Event::EpError { ep, status } => {
+                let closed = matches!(
+                    status,
+                    sys::UCS_ERR_CONNECTION_RESET | sys::UCS_ERR_NOT_CONNECTED
+                );
+                let error = status_error(&self.library, "UCX endpoint failed", status);
+                self.failed(ep, error.to_string(), closed);
+            }
+            Event::SendDone {
+                op,
+                request,
+                status,
+            } => {
+                // SAFETY: the request completed: UCX is done with op, handed over in send().
+                let op = unsafe { Box::from_raw(op) };
+                // SAFETY: a completed request, released once.
+                unsafe { ucp.ucp_request_free(request) };
+                self.sent(op.ep, op.data.len(), status);
+            }
+            Event::RecvDone {
+                op,
+                request,
+                status,
+                length,
+            } => {
+                // SAFETY: as for sends: UCX is done with op, handed over in post_recv().
+                let op = unsafe { Box::from_raw(op) };
+                // SAFETY: a completed request, released once.
+                unsafe { ucp.ucp_request_free(request) };
+                let ep = op.ep;
+                let good = self.received(&op, status, length);
+                self.recycle(op.buffer);
+                if good {
+                    self.post_recv(ep);
+                }
+            }
+            Event::CloseDone { request } => {
+                // SAFETY: a completed close request, released once.
+                unsafe { ucp.ucp_request_free(request) };
+                self.closing = self.closing.saturating_sub(1);
+            }
+        }
+    }
+
+    /// The endpoint failed: its reader and writer see why, and UCX's side is closed.
+    fn failed(&mut self, ep: u64, message: String, closed_by_peer: bool) {
+        let Some(endpoint) = self.endpoints.get(&ep) else {
+            return;
+        };
+        tracing::debug!(ep, %message, "UCX endpoint down");
+        endpoint.shared.fail(Failure {
+            closed_by_peer,
+            message,
+        });
+        // A failed endpoint can only be closed by force.
+        self.close_ep(ep, sys::UCP_EP_CLOSE_FLAG_FORCE);
+    }
+
+    fn close_ep(&mut self, ep: u64, flags: u32) {
+        let Some(endpoint) = self.endpoints.remove(&ep) else {
+            return;
+        };
+        endpoint.shared.fail(Failure {
+            closed_by_peer: false,
+            message: "UCX endpoint closed".into(),
+        });
+        // SAFETY: zeroed plain data, fields selected by op_attr_mask.
+        let mut param: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
+        param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_FLAGS;
+        param.cb.send = Some(on_close);
+        param.flags = flags;
+        // SAFETY: the endpoint is live and removed from the table, so never used again;
+        // operations still in flight on it complete (cancelled) through their callbacks.
+        let request = unsafe { self.library.ucp.ucp_ep_close_nbx(endpoint.handle, &param) };
+        if sys::ptr_status(request) == sys::UCS_INPROGRESS {
+            self.closing += 1;
+        }
+    }
+
+    /// Closes everything, waits a little for the closes, and destroys the worker.
+    fn stop(&mut self) {
+        let eps: Vec<u64> = self.endpoints.keys().copied().collect();
+        for ep in eps {
+            self.close_ep(ep, sys::UCP_EP_CLOSE_FLAG_FORCE);
+        }
+        let deadline = Instant::now() + STOP_GRACE;
+        while self.closing > 0 && Instant::now() < deadline {
+            if !self.progress() {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        if self.closing > 0 {
+            // Requests still open keep pointers into the worker: leave it rather than
+            // destroy it under them.
+            // The context stays too (this worker's Arc is leaked with it).
+            tracing::warn!(
+                endpoints = self.closing,
+                "UCX worker stopping with endpoints still closing"
+            );
+            std::mem::forget(self.context.clone());
+            return;
+        }
+        // SAFETY: nothing refers to the worker any more.
+        unsafe { self.library.ucp.ucp_worker_destroy(self.worker) };
+    }
+}
