@@ -450,10 +450,11 @@ impl ClusterConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PeerSection {
-    /// `auto` (the default): UCX when libucp loads, else TCP (the log says which and why);
-    /// `ucx`: UCX or refuse to start; `tcp`: TCP only. Either way a link starts as TCP on
-    /// the peer port and moves to UCX after the handshake only when both nodes offer it, so
-    /// nodes with different settings still talk (over TCP).
+    /// `auto`: UCX when libucp loads, else TCP (the log says which and why); `ucx`: UCX or
+    /// refuse to start; `tcp` (the default for now: README "Peers over UCX" says why): TCP
+    /// only. Either way a link starts as TCP on the peer port and moves to UCX after the
+    /// handshake only when both nodes offer it, so nodes with different settings still talk
+    /// (over TCP).
     pub transport: PeerTransport,
     /// Directory searched first for libucp.so.0 (e.g. the `lib` folder of PyPI's
     /// `libucx-cu13`, a UCX built with CUDA). Empty: none.
@@ -466,7 +467,7 @@ pub struct PeerSection {
 impl Default for PeerSection {
     fn default() -> Self {
         PeerSection {
-            transport: PeerTransport::Auto,
+            transport: PeerTransport::Tcp,
             ucx_lib_dir: String::new(),
             ucx_system_search: true,
         }
