@@ -97,6 +97,10 @@ async fn run(config: NodeConfig, reload: ConfigReader) -> Result<(), ServeError>
     let loader_state = state.clone();
     let loading = Arc::new(AtomicBool::new(true));
     notify_while_loading(loading.clone()).map_err(ServeError::Http)?;
+    // Before the loader starts: loading may open a library that installs a SIGHUP handler of
+    // its own (libucs does), and the loader then puts back the handler it found, which must
+    // be ours by then. Listening from a task spawned now would race with the loader.
+    let hangups = listen_for_hangups();
     std::thread::Builder::new()
         .name("moe-node-loader".into())
         .spawn(move || {
@@ -112,7 +116,7 @@ async fn run(config: NodeConfig, reload: ConfigReader) -> Result<(), ServeError>
         })
         .map_err(ServeError::Http)?;
     actix_web::rt::spawn(drain_on_signal(state.clone(), handle.clone(), drain));
-    actix_web::rt::spawn(reload_on_hangup(state.clone(), reload));
+    actix_web::rt::spawn(reload_on_hangup(state.clone(), reload, hangups));
     if state.config.control_plane.enabled() {
         let reporting = state.clone();
         crate::cluster::control_plane::start(
@@ -379,12 +383,11 @@ fn node_report(state: &AppState) -> crate::control_plane::wire::Report {
 /// ([`crate::config::live::LIVE_KEYS`]); other changed keys are logged as needing a
 /// restart. A configuration that is not valid changes nothing. Once serving, systemd is
 /// told `RELOADING=1` (with `MONOTONIC_USEC`) before and `READY=1` after (sd_notify(3)).
-async fn reload_on_hangup(state: web::Data<AppState>, reload: ConfigReader) {
+async fn reload_on_hangup(state: web::Data<AppState>, reload: ConfigReader, hangups: Hangups) {
     #[cfg(unix)]
     {
-        use tokio::signal::unix::{SignalKind, signal};
         // Registered at start, so that a SIGHUP while loading does not end the process.
-        let mut hangups = match signal(SignalKind::hangup()) {
+        let mut hangups = match hangups {
             Ok(hangups) => hangups,
             Err(error) => {
                 tracing::error!(%error, "cannot listen for SIGHUP; reloading is not possible");
@@ -420,9 +423,23 @@ async fn reload_on_hangup(state: web::Data<AppState>, reload: ConfigReader) {
     }
     #[cfg(not(unix))]
     {
-        let _ = (state, reload);
+        let _ = (state, reload, hangups);
     }
 }
+
+/// SIGHUP as the node listens for it (see [`reload_on_hangup`]).
+#[cfg(unix)]
+type Hangups = std::io::Result<tokio::signal::unix::Signal>;
+#[cfg(not(unix))]
+type Hangups = ();
+
+#[cfg(unix)]
+fn listen_for_hangups() -> Hangups {
+    tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+}
+
+#[cfg(not(unix))]
+fn listen_for_hangups() -> Hangups {}
 
 /// Applies the live keys of `new` (the settings in force being `in_force`) and says what
 /// changed and what waits for a restart.
