@@ -450,9 +450,8 @@ impl ClusterConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PeerSection {
-    /// `auto`: UCX when libucp loads, else TCP (the log says which and why); `ucx`: UCX or
-    /// refuse to start; `tcp` (the default for now: README "Peers over UCX" says why): TCP
-    /// only. Either way a link starts as TCP on the peer port and moves to UCX after the
+    /// `auto` (the default): UCX when libucp loads, else TCP (the log says which and why);
+    /// `ucx`: UCX or refuse to start; `tcp`: TCP only. Either way a link starts as TCP on the peer port and moves to UCX after the
     /// handshake only when both nodes offer it, so nodes with different settings still talk
     /// (over TCP).
     pub transport: PeerTransport,
@@ -467,7 +466,7 @@ pub struct PeerSection {
 impl Default for PeerSection {
     fn default() -> Self {
         PeerSection {
-            transport: PeerTransport::Tcp,
+            transport: PeerTransport::default(),
             ucx_lib_dir: String::new(),
             ucx_system_search: true,
         }
@@ -500,9 +499,9 @@ impl PeerSection {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum PeerTransport {
+    #[default]
     Auto,
     Ucx,
-    #[default]
     Tcp,
 }
 
