@@ -282,6 +282,8 @@ pub(crate) fn few_rows_by_columns(
 ))]
 pub(crate) fn dot_rows<W: WeightElement>(x: &[f32], k: usize, w: &[W], out: &mut [f32]) {
     const LANES: usize = 16;
+    let fused =
+        multiversion::target::target_cfg_f!(any(target_feature = "fma", target_feature = "neon"));
     let whole = k / LANES * LANES;
     let tail = |xr: &[f32]| (whole..k).map(|i| xr[i] * w[i].to_f32()).sum::<f32>();
     let mut rows = x.chunks_exact(k);
@@ -304,10 +306,10 @@ pub(crate) fn dot_rows<W: WeightElement>(x: &[f32], k: usize, w: &[W], out: &mut
             prefetch_ahead(wc);
             let wc: [f32; LANES] = std::array::from_fn(|l| wc[l].to_f32());
             for l in 0..LANES {
-                a0[l] += c0[l] * wc[l];
-                a1[l] += c1[l] * wc[l];
-                a2[l] += c2[l] * wc[l];
-                a3[l] += c3[l] * wc[l];
+                a0[l] = madd(fused, c0[l], wc[l], a0[l]);
+                a1[l] = madd(fused, c1[l], wc[l], a1[l]);
+                a2[l] = madd(fused, c2[l], wc[l], a2[l]);
+                a3[l] = madd(fused, c3[l], wc[l], a3[l]);
             }
         }
         for (a, xr) in [(a0, x0), (a1, x1), (a2, x2), (a3, x3)] {
@@ -323,7 +325,7 @@ pub(crate) fn dot_rows<W: WeightElement>(x: &[f32], k: usize, w: &[W], out: &mut
         for (xc, wc) in lanes(xr, whole).zip(lanes(w, whole)) {
             prefetch_ahead(wc);
             for l in 0..LANES {
-                acc[l] += xc[l] * wc[l].to_f32();
+                acc[l] = madd(fused, xc[l], wc[l].to_f32(), acc[l]);
             }
         }
         *o = acc.iter().sum::<f32>() + tail(xr);
@@ -339,6 +341,8 @@ pub(crate) fn dot_rows<W: WeightElement>(x: &[f32], k: usize, w: &[W], out: &mut
     "aarch64+neon"
 ))]
 pub fn dot_strided(x: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
+    let fused =
+        multiversion::target::target_cfg_f!(any(target_feature = "fma", target_feature = "neon"));
     let k = x.len();
     let whole = k / 16 * 16;
     for (j, o) in out.iter_mut().enumerate() {
@@ -346,11 +350,19 @@ pub fn dot_strided(x: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
         let mut acc = [0.0f32; 16];
         for (xc, rc) in lanes(x, whole).zip(lanes(row, whole)) {
             for l in 0..16 {
-                acc[l] += xc[l] * rc[l];
+                acc[l] = madd(fused, xc[l], rc[l], acc[l]);
             }
         }
         *o = acc.iter().sum::<f32>() + (whole..k).map(|i| x[i] * row[i]).sum::<f32>();
     }
+}
+
+/// `a * b + c`: one fused instruction when `fused` (the kernel's target has FMA; callers
+/// pass `target_cfg_f!`, a constant in each compiled version), else a multiply and an add.
+/// Rust never fuses them itself, and `mul_add` without FMA is a slow library call.
+#[inline(always)]
+pub(crate) fn madd(fused: bool, a: f32, b: f32, c: f32) -> f32 {
+    if fused { a.mul_add(b, c) } else { a * b + c }
 }
 
 /// Asks the cache for the weights 4 KiB past `chunk`: with a few rows per weight row the

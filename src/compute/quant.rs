@@ -8,10 +8,12 @@
 //!   weights of a row (compressed-tensors `pack-quantized`; Kimi K2 Thinking and later):
 //!   half a byte per weight.
 //!
-//! A product with few input rows (decode) is bound by the bytes of weights it reads, so it
-//! dequantizes one weight row at a time into a buffer that stays in L1 and dots every input
-//! row with it: the compressed bytes are read once. With many rows the matrix is widened once
-//! to f32 and handed to the packed GEMM, as bf16 weights are.
+//! A product with few input rows (decode) is bound by the bytes of weights it reads, so its
+//! kernels decode the stored values in registers as they load them and use each for every
+//! input row: FP8 bytes through the bf16 kernel (the block scales multiply the inputs), INT4
+//! words through [`int4_dot_rows`] (the group scales multiply sixteen words' partial sums).
+//! With many rows the matrix is widened once to f32 and handed to the packed GEMM, as bf16
+//! weights are.
 
 use super::cpu::{self, FEW_ROWS};
 
@@ -21,7 +23,9 @@ use super::cpu::{self, FEW_ROWS};
 #[inline(always)]
 pub fn e4m3_to_f32(byte: u8) -> f32 {
     const TWO_POW_120: f32 = f32::from_bits((127 + 120) << 23);
-    let bits = (u32::from(byte & 0x80) << 24) | (u32::from(byte & 0x7f) << 20);
+    // The byte sign-extended and shifted puts its sign at bit 31 and copies of it at bits
+    // 27..=30, which the mask clears: three integer operations per lane.
+    let bits = ((byte as i8 as i32) << 20) as u32 & 0x87f0_0000;
     f32::from_bits(bits) * TWO_POW_120
 }
 
@@ -243,6 +247,29 @@ impl QuantLinear {
             cpu::few_rows_by_columns(rows, k, &mut out, parallel, weight_rows);
             return out;
         }
+        if let QuantFormat::Int4 {
+            packed,
+            scales,
+            group,
+        } = &self.format
+            && int4_kernel_takes(*group)
+        {
+            let inputs = Int4Inputs::new(x, rows, k);
+            let (words, groups, words_per_group) = (k.div_ceil(8), k.div_ceil(*group), group / 8);
+            let weight_rows = |first: usize, out_t: &mut [f32]| {
+                // The row's scales, padded with zeros to whole chunks (the padding lanes hold
+                // no inputs).
+                let mut row_scales = vec![0.0f32; inputs.chunks * INT4_WORDS / words_per_group + 1];
+                for (c, column) in out_t.chunks_exact_mut(rows).enumerate() {
+                    let row = first + c;
+                    row_scales[..groups].copy_from_slice(&scales[row * groups..][..groups]);
+                    let row_words = &packed[row * words..][..words];
+                    inputs.dot(row_words, &row_scales, words_per_group, column);
+                }
+            };
+            cpu::few_rows_by_columns(rows, k, &mut out, parallel, weight_rows);
+            return out;
+        }
         // Each weight row dequantized once, then dotted with every input row.
         let weight_rows = |first: usize, out_t: &mut [f32]| {
             let mut row_buffer = vec![0.0f32; k];
@@ -254,6 +281,153 @@ impl QuantLinear {
         cpu::few_rows_by_columns(rows, k, &mut out, parallel, weight_rows);
         out
     }
+}
+
+/// Packed words per chunk of the few-row INT4 kernel: one f32 lane each (128 weights).
+const INT4_WORDS: usize = 16;
+
+/// Whether [`int4_dot_rows`] handles groups of `group` weights: whole words, and a chunk's
+/// sixteen words in whole groups or a group in whole chunks (8, 16, 32, 64, 128, 256, ...;
+/// the published files use 32). Other sizes take the row-by-row path.
+fn int4_kernel_takes(group: usize) -> bool {
+    let words_per_group = group / 8;
+    group >= 8
+        && group.is_multiple_of(8)
+        && (INT4_WORDS.is_multiple_of(words_per_group)
+            || words_per_group.is_multiple_of(INT4_WORDS))
+}
+
+/// The input rows of a few-row INT4 product, laid out for [`int4_dot_rows`]: nibble `i` of
+/// sixteen consecutive words multiplies sixteen contiguous inputs. For input row `r` and
+/// chunk `c`: `planes[(r * chunks + c) * 128 + i * 16 + l] = x[r][(16c + l) * 8 + i]`, and
+/// `sums[(r * chunks + c) * 16 + l]` is the sum of word `16c + l`'s eight inputs (each nibble
+/// holds its value plus 8; the kernel takes 8 times this sum off). Inputs past the row's end
+/// are zero.
+struct Int4Inputs {
+    planes: Vec<f32>,
+    sums: Vec<f32>,
+    chunks: usize,
+    rows: usize,
+}
+
+impl Int4Inputs {
+    fn new(x: &[f32], rows: usize, k: usize) -> Self {
+        let chunks = k.div_ceil(8 * INT4_WORDS);
+        let per_row = chunks * INT4_WORDS * 8;
+        let mut planes = vec![0.0f32; rows * per_row];
+        let mut sums = vec![0.0f32; rows * chunks * INT4_WORDS];
+        for (r, xr) in x.chunks_exact(k).enumerate() {
+            for (j, v) in xr.iter().enumerate() {
+                let (word, i) = (j / 8, j % 8);
+                let (c, l) = (word / INT4_WORDS, word % INT4_WORDS);
+                planes[r * per_row + c * 8 * INT4_WORDS + i * INT4_WORDS + l] = *v;
+                sums[r * chunks * INT4_WORDS + word] += v;
+            }
+        }
+        Int4Inputs {
+            planes,
+            sums,
+            chunks,
+            rows,
+        }
+    }
+
+    /// `out[r] = x[r] · row` for one packed row whose group scales are `row_scales` (padded
+    /// to whole chunks), `words_per_group` words to a scale.
+    fn dot(&self, words: &[u32], row_scales: &[f32], words_per_group: usize, out: &mut [f32]) {
+        // One lane per word, so each lane has one scale; the arrangement of a chunk's
+        // sixteen scales is fixed by the group size, given here as a constant.
+        macro_rules! with_groups_of {
+            ($($wpg:literal)*) => {
+                match words_per_group {
+                    $($wpg => int4_dot_rows(self, words, |c| {
+                        std::array::from_fn(|l| row_scales[(c * INT4_WORDS + l) / $wpg])
+                    }, out),)*
+                    wpg => int4_dot_rows(self, words, |c| {
+                        [row_scales[c * INT4_WORDS / wpg]; INT4_WORDS]
+                    }, out),
+                }
+            };
+        }
+        with_groups_of!(1 2 4 8);
+    }
+}
+
+/// The few-row INT4 kernel: `out[r] = x[r] · row`, the row's words decoded in registers as
+/// they are loaded. Each lane holds one word; nibble `i` of sixteen words times plane `i` of
+/// the inputs accumulates in f32, and each chunk's sixteen partial sums, less 8 times their
+/// inputs' sums, are multiplied by their words' scales (`scales_of(chunk)`).
+#[multiversion::multiversion(targets(
+    "x86_64+avx512f+avx512vl+avx2+fma",
+    "x86_64+avx2+fma",
+    "aarch64+neon"
+))]
+fn int4_dot_rows<S: Fn(usize) -> [f32; INT4_WORDS]>(
+    inputs: &Int4Inputs,
+    words: &[u32],
+    scales_of: S,
+    out: &mut [f32],
+) {
+    let fused =
+        multiversion::target::target_cfg_f!(any(target_feature = "fma", target_feature = "neon"));
+    let mut r = 0;
+    while r + 2 <= inputs.rows {
+        let sums: [f32; 2] = int4_pass(inputs, r, words, &scales_of, fused);
+        out[r..r + 2].copy_from_slice(&sums);
+        r += 2;
+    }
+    while r < inputs.rows {
+        let [sum]: [f32; 1] = int4_pass(inputs, r, words, &scales_of, fused);
+        out[r] = sum;
+        r += 1;
+    }
+}
+
+/// [`int4_dot_rows`] for input rows `first..first + R`, sharing each decoded word. R is at
+/// most 2: with four rows the accumulators outgrow AVX2's sixteen registers, and the spills
+/// made the MoE layer at 256 tokens per step (about five rows per expert) 3x slower.
+#[inline(always)]
+fn int4_pass<const R: usize, S: Fn(usize) -> [f32; INT4_WORDS]>(
+    inputs: &Int4Inputs,
+    first: usize,
+    words: &[u32],
+    scales_of: &S,
+    fused: bool,
+) -> [f32; R] {
+    const PLANE: usize = 8 * INT4_WORDS;
+    let chunks = inputs.chunks;
+    let planes: [&[f32]; R] =
+        std::array::from_fn(|r| &inputs.planes[(first + r) * chunks * PLANE..][..chunks * PLANE]);
+    let sums: [&[f32]; R] = std::array::from_fn(|r| {
+        &inputs.sums[(first + r) * chunks * INT4_WORDS..][..chunks * INT4_WORDS]
+    });
+    let mut total = [[0.0f32; INT4_WORDS]; R];
+    for c in 0..chunks {
+        let w: [u32; INT4_WORDS] = match words.get(c * INT4_WORDS..(c + 1) * INT4_WORDS) {
+            Some(whole) => whole.try_into().expect("a chunk is INT4_WORDS long"),
+            None => std::array::from_fn(|l| words.get(c * INT4_WORDS + l).copied().unwrap_or(0)),
+        };
+        let mut acc = [[0.0f32; INT4_WORDS]; R];
+        for i in 0..8 {
+            let q: [f32; INT4_WORDS] =
+                std::array::from_fn(|l| ((w[l] >> (4 * i)) & 0xf) as i32 as f32);
+            for r in 0..R {
+                let p = &planes[r][c * PLANE + i * INT4_WORDS..][..INT4_WORDS];
+                for l in 0..INT4_WORDS {
+                    acc[r][l] = cpu::madd(fused, q[l], p[l], acc[r][l]);
+                }
+            }
+        }
+        let scales = scales_of(c);
+        for r in 0..R {
+            let s = &sums[r][c * INT4_WORDS..][..INT4_WORDS];
+            for l in 0..INT4_WORDS {
+                let partial = cpu::madd(fused, -8.0, s[l], acc[r][l]);
+                total[r][l] = cpu::madd(fused, partial, scales[l], total[r][l]);
+            }
+        }
+    }
+    std::array::from_fn(|r| total[r].iter().sum())
 }
 
 /// `out[j] = e4m3(bytes[j]) * scales[j / block_cols]`: one row of an FP8 matrix. Compiled for
@@ -420,9 +594,16 @@ mod tests {
 
     #[test]
     fn products_equal_the_product_of_the_widened_matrix_for_few_and_many_rows() {
-        // k = 100: several 16-wide chunks, scale blocks and groups along a row, and a tail.
-        let (n, k): (usize, usize) = (70, 100);
-        let bytes: Vec<u8> = (0..n * k).map(|i| ((i * 37) % 251) as u8 & 0x7e).collect();
+        // k = 100: several 16-wide chunks, scale blocks and groups along a row, and a tail;
+        // k = 300: INT4 rows of two whole 16-word chunks and a partial one.
+        for k in [100usize, 300] {
+            products_equal_the_widened_product(70, k);
+        }
+    }
+
+    fn products_equal_the_widened_product(n: usize, k: usize) {
+        // Both signs; no NaN (0x7f, 0xff).
+        let bytes: Vec<u8> = (0..n * k).map(|i| ((i * 37) % 251) as u8 & 0xfe).collect();
         let fp8 = |[rows, cols]: [usize; 2]| {
             let scales: Vec<f32> = (0..n.div_ceil(rows) * k.div_ceil(cols))
                 .map(|i| 0.01 * (1 + i % 5) as f32)
@@ -438,9 +619,20 @@ mod tests {
                 .collect();
             QuantLinear::int4(packed.clone(), scales, n, k, group).unwrap()
         };
-        // Blocks and groups that are whole chunks (one scale per chunk, as published) and
-        // ones that are not (a scale per value).
-        let matrices = [fp8([16, 8]), fp8([128, 32]), int4(32), int4(12)];
+        // FP8 blocks that are whole 16-value chunks and ones that are not; INT4 groups the
+        // chunked kernel takes (1 to 16 words to a scale, or 32: two chunks to a scale) and
+        // ones it leaves to the row-by-row path (12 and 48 weights).
+        let matrices = [
+            fp8([16, 8]),
+            fp8([128, 32]),
+            int4(32),
+            int4(8),
+            int4(64),
+            int4(128),
+            int4(256),
+            int4(12),
+            int4(48),
+        ];
         for matrix in matrices {
             let w = by_hand(&matrix);
             assert_eq!(matrix.widen(), w);
