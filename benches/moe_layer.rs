@@ -233,7 +233,7 @@ fn main() {
     let budget = Duration::from_secs_f64(seconds);
 
     println!(
-        "MoE layer: {EXPERTS} experts, top-{TOP_K}, 1 shared, hidden {HIDDEN}, intermediate {INTERMEDIATE}, f32 arithmetic, {threads} threads"
+        "MoE layer: {EXPERTS} experts, top-{TOP_K}, 1 shared (held like the routed experts; bf16 beside INT4), router f32, hidden {HIDDEN}, intermediate {INTERMEDIATE}, f32 arithmetic, {threads} threads"
     );
     let (bandwidth, copy_bandwidth) = memory_bandwidth();
     println!(
@@ -255,11 +255,9 @@ fn main() {
             routed_scaling_factor: 2.827,
         },
     };
-    let weights = MoeWeights {
-        router: rng.linear(EXPERTS, HIDDEN, 0.05),
-        correction_bias: Some((0..EXPERTS).map(|_| rng.next(0.01)).collect()),
-        shared_expert: Some(rng.swiglu()),
-    };
+    let router = rng.linear(EXPERTS, HIDDEN, 0.05);
+    let correction_bias: Vec<f32> = (0..EXPERTS).map(|_| rng.next(0.01)).collect();
+    let shared = rng.swiglu();
 
     // The same experts held four ways: f32; bf16 (what a bf16 checkpoint loads to); FP8 and
     // INT4 as quantized checkpoints store them. Arithmetic stays f32.
@@ -285,15 +283,26 @@ fn main() {
             libc::malloc_trim(0);
         }
         let resident_before = resident_bytes();
-        let layer: Vec<ExpertWeights> = f32_experts
-            .iter()
-            .map(|e| match format {
-                "f32" => ExpertWeights::F32(e.clone()),
-                "bf16" => ExpertWeights::Bf16(to_bf16(e)),
-                "fp8" => ExpertWeights::Quantized(quantize(e, to_fp8)),
-                _ => ExpertWeights::Quantized(quantize(e, to_int4)),
-            })
-            .collect();
+        let hold = |e: &SwiGlu| match format {
+            "f32" => ExpertWeights::F32(e.clone()),
+            "bf16" => ExpertWeights::Bf16(to_bf16(e)),
+            "fp8" => ExpertWeights::Quantized(quantize(e, to_fp8)),
+            _ => ExpertWeights::Quantized(quantize(e, to_int4)),
+        };
+        let layer: Vec<ExpertWeights> = f32_experts.iter().map(hold).collect();
+        // The shared expert as such a checkpoint stores it: FP8 like the routed experts
+        // (DeepSeek-V3, Kimi K2 Instruct); bf16 beside INT4 experts (Kimi K2 Thinking's
+        // `ignore` list names the shared experts). The router is f32 in every case (the
+        // node widens it at load).
+        let shared_expert = match format {
+            "int4" => ExpertWeights::Bf16(to_bf16(&shared)),
+            _ => hold(&shared),
+        };
+        let weights = MoeWeights {
+            router: router.clone(),
+            correction_bias: Some(correction_bias.clone()),
+            shared_expert: Some(shared_expert),
+        };
         let held: usize = layer.iter().map(ExpertWeights::weight_bytes).sum();
         // Resident memory the layer's experts added (Linux; 0 elsewhere).
         let resident = resident_bytes().saturating_sub(resident_before);

@@ -284,3 +284,37 @@ fn kimi_k25_serves_the_text_model_and_leaves_the_vision_tower() {
     assert!(!checkpoint.contains("vision_tower.patch_embed.proj.weight"));
     assert!(checkpoint.contains("model.layers.1.mlp.experts.0.gate_proj.weight_packed"));
 }
+
+#[test]
+fn shared_experts_are_held_as_stored_like_the_routed_ones() {
+    use moe_node::model::weights::{DenseWeights, FeedForward};
+    // FP8 checkpoints quantize the shared experts too; Kimi K2 Thinking's INT4 `ignore`
+    // list leaves them bf16. Neither is widened to f32 at load.
+    for (name, fp8) in [("kimi_k2_fp8", true), ("kimi_k2_int4", false)] {
+        let dir = fixture(name);
+        let config = ModelConfig::load(&dir).unwrap();
+        let checkpoint = Checkpoint::open(&dir).unwrap();
+        let dense = DenseWeights::load(&checkpoint, &config).unwrap();
+        let shared: Vec<&ExpertWeights> = dense
+            .layers
+            .iter()
+            .filter_map(|l| match &l.feed_forward {
+                FeedForward::Moe(moe) => moe.shared_expert.as_ref(),
+                FeedForward::Dense(_) => None,
+            })
+            .collect();
+        assert!(!shared.is_empty(), "{name}: no shared experts");
+        for expert in shared {
+            match expert {
+                ExpertWeights::Quantized(block) if fp8 => {
+                    assert!(
+                        matches!(block.down.format, QuantFormat::Fp8 { .. }),
+                        "{name}"
+                    )
+                }
+                ExpertWeights::Bf16(_) if !fp8 => {}
+                other => panic!("{name}: shared expert held as {other:?}"),
+            }
+        }
+    }
+}

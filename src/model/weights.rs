@@ -7,7 +7,7 @@ use safetensors::tensor::Dtype;
 use super::config::{AttentionConfig, Family, ModelConfig};
 use super::quant::Quantization;
 use super::{Checkpoint, ModelError};
-use crate::compute::cpu::{Linear, SwiGlu};
+use crate::compute::cpu::{Linear, SwiGlu, WeightElement};
 use crate::compute::quant::{QuantLinear, QuantSwiGlu};
 
 /// One expert's FFN, a SwiGLU block of `moe_intermediate_size`, held in the checkpoint's
@@ -27,6 +27,55 @@ impl ExpertWeights {
             ExpertWeights::Bf16(block) => block.forward_with(x, rows, parallel),
             ExpertWeights::Quantized(block) => block.forward_with(x, rows, parallel),
         }
+    }
+
+    /// The block with f32 weights (a copy, or a clone where it is f32 already): for a
+    /// backend that keeps its own precision.
+    pub fn widened(&self) -> SwiGlu {
+        fn widen<W: WeightElement>(l: &Linear<W>) -> Linear {
+            Linear {
+                weight: W::widen(&l.weight).into_owned(),
+                bias: l.bias.clone(),
+                out_features: l.out_features,
+                in_features: l.in_features,
+            }
+        }
+        fn dequantize(l: &QuantLinear) -> Linear {
+            Linear::without_bias(l.widen(), l.out_features, l.in_features)
+        }
+        match self {
+            ExpertWeights::F32(block) => block.clone(),
+            ExpertWeights::Bf16(b) => SwiGlu {
+                gate: widen(&b.gate),
+                up: widen(&b.up),
+                down: widen(&b.down),
+            },
+            ExpertWeights::Quantized(b) => SwiGlu {
+                gate: dequantize(&b.gate),
+                up: dequantize(&b.up),
+                down: dequantize(&b.down),
+            },
+        }
+    }
+
+    /// How many weights the block has (whatever their form).
+    pub fn parameters(&self) -> usize {
+        let (gate, down) = match self {
+            ExpertWeights::F32(b) => (
+                (b.gate.out_features, b.gate.in_features),
+                b.down.out_features * b.down.in_features,
+            ),
+            ExpertWeights::Bf16(b) => (
+                (b.gate.out_features, b.gate.in_features),
+                b.down.out_features * b.down.in_features,
+            ),
+            ExpertWeights::Quantized(b) => (
+                (b.gate.out_features, b.gate.in_features),
+                b.down.out_features * b.down.in_features,
+            ),
+        };
+        // gate and up have the same shape.
+        2 * gate.0 * gate.1 + down
     }
 
     /// Bytes of weights one pass reads.
@@ -84,7 +133,8 @@ pub struct MoeWeights {
     /// `[num_experts, hidden]`.
     pub router: Linear,
     pub correction_bias: Option<Vec<f32>>,
-    pub shared_expert: Option<SwiGlu>,
+    /// Held in its stored form, as the routed experts are.
+    pub shared_expert: Option<ExpertWeights>,
 }
 
 #[derive(Debug, Clone)]
@@ -226,7 +276,7 @@ fn load_layer(ckpt: &Checkpoint, cfg: &ModelConfig, l: usize) -> Result<LayerWei
     let feed_forward = if cfg.moe_layers[l] {
         let shared_expert = (cfg.moe.shared_intermediate_size > 0)
             .then(|| {
-                swiglu(
+                expert_block(
                     ckpt,
                     quant,
                     &format!("{mlp}.shared_experts"),
@@ -279,7 +329,19 @@ pub fn load_expert(
     };
     let prefix = format!("{}.experts.{expert}", mlp_prefix(cfg.family, layer));
     let (h, i) = (cfg.hidden_size, cfg.moe.expert_intermediate_size);
-    let quant = &cfg.quantization;
+    expert_block(ckpt, &cfg.quantization, &prefix, names, h, i)
+}
+
+/// The SwiGLU block under `prefix` in its stored form: quantized as stored, bf16 kept bf16,
+/// anything else widened to f32. Routed and shared experts are read alike.
+fn expert_block(
+    ckpt: &Checkpoint,
+    quant: &Quantization,
+    prefix: &str,
+    names: ExpertNames,
+    h: usize,
+    i: usize,
+) -> Result<ExpertWeights, ModelError> {
     let gate_prefix = format!("{prefix}.{}", names.gate);
     if let Some(gate) = quantized(ckpt, quant, &gate_prefix, i, h)? {
         let also = |name: &str, out, inp| {
@@ -313,7 +375,7 @@ pub fn load_expert(
         }));
     }
     Ok(ExpertWeights::F32(swiglu(
-        ckpt, quant, &prefix, names, h, i,
+        ckpt, quant, prefix, names, h, i,
     )?))
 }
 

@@ -125,7 +125,9 @@ pub(super) fn weight_bytes(weights: &DenseWeights) -> usize {
             };
             let ff = match &l.feed_forward {
                 FeedForward::Dense(m) => mlp(m),
-                FeedForward::Moe(moe) => moe.shared_expert.as_ref().map_or(0, mlp),
+                FeedForward::Moe(moe) => {
+                    moe.shared_expert.as_ref().map_or(0, |e| e.parameters() * 2)
+                }
             };
             attention + ff + norm(&l.input_norm) + norm(&l.post_attention_norm)
         })
@@ -219,7 +221,13 @@ pub(super) fn upload(
         };
         let (ff, moe) = match &l.feed_forward {
             FeedForward::Dense(m) => (Some(mlp(m)?), false),
-            FeedForward::Moe(w) => (w.shared_expert.as_ref().map(mlp).transpose()?, true),
+            FeedForward::Moe(w) => (
+                w.shared_expert
+                    .as_ref()
+                    .map(|e| mlp(&e.widened()))
+                    .transpose()?,
+                true,
+            ),
         };
         layers.push(Layer {
             input_norm: norm(&l.input_norm)?,
