@@ -412,7 +412,9 @@ fn to_int4(l: &Linear) -> QuantLinear {
         let row = &l.weight[r * k..(r + 1) * k];
         for (g, chunk) in row.chunks(GROUP).enumerate() {
             let amax = chunk.iter().fold(0f32, |m, v| m.max(v.abs()));
-            scales[r * groups + g] = if amax > 0.0 { amax / 7.5 } else { 1.0 };
+            // In bf16, as compressed-tensors writes them for a bf16 model (held in bf16).
+            scales[r * groups + g] =
+                bf16::from_f32(if amax > 0.0 { amax / 7.5 } else { 1.0 }).to_f32();
         }
         for (c, v) in row.iter().enumerate() {
             let q = (v / scales[r * groups + c / GROUP])

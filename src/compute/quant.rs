@@ -15,6 +15,8 @@
 //! With many rows the matrix is widened once to f32 and handed to the packed GEMM, as bf16
 //! weights are.
 
+use half::bf16;
+
 use super::cpu::{self, FEW_ROWS};
 
 /// The value of an e4m3fn byte. Its exponent and mantissa fields, moved to an f32's
@@ -69,9 +71,75 @@ pub enum QuantFormat {
     /// multiplies weights `g * group .. (g + 1) * group` of the row.
     Int4 {
         packed: Vec<u32>,
-        scales: Vec<f32>,
+        scales: GroupScales,
         group: usize,
     },
+}
+
+/// The group scales of an INT4 matrix: bf16 when every scale is a bf16 value (published
+/// files store them in bf16: half the bytes, nothing lost), else f32.
+#[derive(Debug, Clone)]
+pub enum GroupScales {
+    Bf16(Vec<bf16>),
+    F32(Vec<f32>),
+}
+
+impl GroupScales {
+    /// `scales` in the narrowest form that holds them exactly.
+    pub fn new(scales: Vec<f32>) -> Self {
+        let narrow: Vec<bf16> = scales.iter().map(|&s| bf16::from_f32(s)).collect();
+        if narrow
+            .iter()
+            .zip(&scales)
+            .all(|(n, s)| n.to_f32().to_bits() == s.to_bits())
+        {
+            GroupScales::Bf16(narrow)
+        } else {
+            GroupScales::F32(scales)
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            GroupScales::Bf16(s) => s.len(),
+            GroupScales::F32(s) => s.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Scale `i`.
+    pub fn get(&self, i: usize) -> f32 {
+        match self {
+            GroupScales::Bf16(s) => s[i].to_f32(),
+            GroupScales::F32(s) => s[i],
+        }
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        match self {
+            GroupScales::Bf16(s) => 2 * s.len(),
+            GroupScales::F32(s) => 4 * s.len(),
+        }
+    }
+
+    /// Scales `start..start + out.len()` into `out`.
+    fn read_into(&self, start: usize, out: &mut [f32]) {
+        let end = start + out.len();
+        match self {
+            GroupScales::Bf16(s) => {
+                // bf16 is the top half of an f32: a shift, which vectorises (`to_f32` does
+                // not, and this runs for every output row of a few-row product).
+                for (o, v) in out.iter_mut().zip(&s[start..end]) {
+                    *o = f32::from_bits(u32::from(v.to_bits()) << 16);
+                }
+            }
+            GroupScales::F32(s) => out.copy_from_slice(&s[start..end]),
+        }
+    }
 }
 
 /// A quantized `[out_features, in_features]` matrix, as `nn.Linear` lays out its weight.
@@ -139,7 +207,7 @@ impl QuantLinear {
         Ok(QuantLinear {
             format: QuantFormat::Int4 {
                 packed,
-                scales,
+                scales: GroupScales::new(scales),
                 group,
             },
             out_features,
@@ -153,7 +221,7 @@ impl QuantLinear {
             QuantFormat::Fp8 {
                 weights, scales, ..
             } => weights.len() + 4 * scales.len(),
-            QuantFormat::Int4 { packed, scales, .. } => 4 * packed.len() + 4 * scales.len(),
+            QuantFormat::Int4 { packed, scales, .. } => 4 * packed.len() + scales.bytes(),
         }
     }
 
@@ -178,8 +246,9 @@ impl QuantLinear {
                 group,
             } => {
                 let (words, groups) = (k.div_ceil(8), k.div_ceil(*group));
-                let scale_row = &scales[row * groups..][..groups];
-                decode_int4(&packed[row * words..][..words], scale_row, *group, out);
+                let mut scale_row = vec![0.0f32; groups];
+                scales.read_into(row * groups, &mut scale_row);
+                decode_int4(&packed[row * words..][..words], &scale_row, *group, out);
             }
         }
     }
@@ -262,7 +331,7 @@ impl QuantLinear {
                 let mut row_scales = vec![0.0f32; inputs.chunks * INT4_WORDS / words_per_group + 1];
                 for (c, column) in out_t.chunks_exact_mut(rows).enumerate() {
                     let row = first + c;
-                    row_scales[..groups].copy_from_slice(&scales[row * groups..][..groups]);
+                    scales.read_into(row * groups, &mut row_scales[..groups]);
                     let row_words = &packed[row * words..][..words];
                     inputs.dot(row_words, &row_scales, words_per_group, column);
                 }
@@ -528,7 +597,7 @@ mod tests {
                     } => {
                         let word = packed[r * k.div_ceil(8) + c / 8];
                         let value = ((word >> (4 * (c % 8))) & 0xf) as i32 - 8;
-                        value as f32 * scales[r * k.div_ceil(*group) + c / group]
+                        value as f32 * scales.get(r * k.div_ceil(*group) + c / group)
                     }
                 });
             }
@@ -593,6 +662,20 @@ mod tests {
     }
 
     #[test]
+    fn int4_scales_are_held_in_bf16_only_when_that_loses_nothing() {
+        let exact = GroupScales::new(vec![0.125, -3.0, 0.0]);
+        assert!(matches!(exact, GroupScales::Bf16(_)));
+        assert_eq!(exact.bytes(), 6);
+        assert_eq!(exact.get(1), -3.0);
+        let inexact = GroupScales::new(vec![0.125, 0.05]);
+        assert!(matches!(inexact, GroupScales::F32(_)));
+        assert_eq!((inexact.bytes(), inexact.get(1)), (8, 0.05));
+        // A packed matrix reports the bytes it holds.
+        let m = QuantLinear::int4(vec![0; 4], vec![0.5; 2], 2, 16, 16).unwrap();
+        assert_eq!(m.stored_bytes(), 4 * 4 + 2 * 2);
+    }
+
+    #[test]
     fn products_equal_the_product_of_the_widened_matrix_for_few_and_many_rows() {
         // k = 100: several 16-wide chunks, scale blocks and groups along a row, and a tail;
         // k = 300: INT4 rows of two whole 16-word chunks and a partial one.
@@ -613,12 +696,15 @@ mod tests {
         let packed: Vec<u32> = (0..n * k.div_ceil(8))
             .map(|i| (i as u32).wrapping_mul(2_654_435_761))
             .collect();
-        let int4 = |group: usize| {
+        // Scales that are bf16 values are held in bf16 (as published files store them);
+        // 0.05 and its multiples are not, and stay f32.
+        let int4_scaled = |group: usize, unit: f32| {
             let scales = (0..n * k.div_ceil(group))
-                .map(|i| 0.05 * (1 + i % 7) as f32)
+                .map(|i| unit * (1 + i % 7) as f32)
                 .collect();
             QuantLinear::int4(packed.clone(), scales, n, k, group).unwrap()
         };
+        let int4 = |group: usize| int4_scaled(group, 0.05);
         // FP8 blocks that are whole 16-value chunks and ones that are not; INT4 groups the
         // chunked kernel takes (1 to 16 words to a scale, or 32: two chunks to a scale) and
         // ones it leaves to the row-by-row path (12 and 48 weights).
@@ -632,6 +718,8 @@ mod tests {
             int4(256),
             int4(12),
             int4(48),
+            int4_scaled(32, 0.125),
+            int4_scaled(12, 0.125),
         ];
         for matrix in matrices {
             let w = by_hand(&matrix);

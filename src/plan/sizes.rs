@@ -137,10 +137,18 @@ fn quantized_expert_bytes(model: &ModelConfig) -> Option<u64> {
                 return None;
             }
             let group = *group_size as u64;
+            // Scales are held in bf16 when the file's are (compressed-tensors writes them in
+            // the model's dtype), else in f32 (`GroupScales`).
+            let scale_bytes = match model.dtype.as_deref() {
+                None | Some("bfloat16" | "bf16") => 2,
+                Some(_) => 4,
+            };
             Some(
                 matrices
                     .iter()
-                    .map(|&(out, inp)| 4 * out * inp.div_ceil(8) + 4 * out * inp.div_ceil(group))
+                    .map(|&(out, inp)| {
+                        4 * out * inp.div_ceil(8) + scale_bytes * out * inp.div_ceil(group)
+                    })
                     .sum(),
             )
         }
