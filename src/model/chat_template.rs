@@ -307,6 +307,16 @@ fn tojson(value: minijinja::Value, kwargs: minijinja::value::Kwargs) -> Result<S
     // Accepted and not applied: templates pass Python's defaults.
     let _: Option<minijinja::Value> = kwargs.get("separators")?;
     kwargs.assert_all_used()?;
+    // Converting and writing recurse once per level, with larger frames than minijinja's
+    // own printing: a value nested as deep as the fuel allows (hundreds of thousands of
+    // levels) would overflow even the render thread's stack. Python's json.dumps stops at
+    // its recursion limit (1000) too.
+    if nested_deeper_than(&value, MAX_TOJSON_DEPTH) {
+        return Err(Error::new(
+            ErrorKind::InvalidOperation,
+            format!("tojson: the value is nested more than {MAX_TOJSON_DEPTH} levels deep"),
+        ));
+    }
     let json = serde_json::to_value(&value)
         .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
     let mut out = String::new();
@@ -328,6 +338,41 @@ fn tojson(value: minijinja::Value, kwargs: minijinja::value::Kwargs) -> Result<S
             .collect();
     }
     Ok(out)
+}
+
+/// The deepest nesting of lists and maps that `tojson` writes.
+const MAX_TOJSON_DEPTH: usize = 512;
+
+/// Whether `value` holds lists or maps nested more than `levels` deep. Recurses at most
+/// `levels + 1` times, whatever the value's depth.
+fn nested_deeper_than(value: &minijinja::Value, levels: usize) -> bool {
+    use minijinja::value::ValueKind;
+    let is_container = matches!(
+        value.kind(),
+        ValueKind::Seq | ValueKind::Map | ValueKind::Iterable
+    );
+    if !is_container {
+        return false;
+    }
+    if levels == 0 {
+        return true;
+    }
+    let Ok(items) = value.try_iter() else {
+        return false;
+    };
+    let is_map = value.kind() == ValueKind::Map;
+    for item in items {
+        // A map iterates its keys; its values are what nest.
+        let child = if is_map {
+            value.get_item(&item).unwrap_or_default()
+        } else {
+            item
+        };
+        if nested_deeper_than(&child, levels - 1) {
+            return true;
+        }
+    }
+    false
 }
 
 /// JSON as Python's `json.dumps` writes it (see [`tojson`]).
@@ -580,6 +625,23 @@ mod tests {
         // The depth reached: close to one level per instruction.
         let depth = iterations * LEVELS;
         assert!(depth > RENDER_FUEL * 8 / 10, "{depth}");
+        // tojson recurses with larger frames (this overflowed the render thread's stack
+        // under the fuzzer): it refuses the value instead, as Python's json.dumps does.
+        for sink in [
+            "{{ ns.a|tojson|length }}",
+            "{{ {'k': ns.a}|tojson|length }}",
+        ] {
+            let source = format!(
+                "{{% set ns = namespace(a=[]) %}}{{% for i in range({iterations}) %}}\
+                 {{% set ns.a = {} %}}{{% endfor %}}{sink}",
+                wrap("ns.a")
+            );
+            let err = render_one(&source).unwrap_err();
+            assert!(err.contains("nested more than 512 levels"), "{sink}: {err}");
+        }
+        // Within the limit it writes the value.
+        let shallow = format!("{{{{ {}|tojson }}}}", wrap("1"));
+        assert_eq!(render_one(&shallow).unwrap(), wrap("1"));
     }
 
     #[test]
