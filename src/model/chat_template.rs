@@ -607,17 +607,21 @@ mod tests {
         };
         // About 45 instructions per iteration.
         let iterations = RENDER_FUEL / 48;
+        // A list nested as deep as the fuel allows, then `sink` applied to it.
+        let nested_then = |sink: &str| {
+            format!(
+                "{{% set ns = namespace(a=[]) %}}{{% for i in range({iterations}) %}}\
+                 {{% set ns.a = {} %}}{{% endfor %}}{sink}",
+                wrap("ns.a")
+            )
+        };
         for sink in [
             "{{ ns.a|length }}",
             "{{ ns.a|string|length }}",
             "{{ ns.a|unique|length }}",
             "{{ [ns.a, ns.a]|sort|length }}",
         ] {
-            let source = format!(
-                "{{% set ns = namespace(a=[]) %}}{{% for i in range({iterations}) %}}\
-                 {{% set ns.a = {} %}}{{% endfor %}}{sink}",
-                wrap("ns.a")
-            );
+            let source = nested_then(sink);
             // Renders: the nesting is built within the fuel, and the sink survives it.
             let text = render_one(&source).unwrap_or_else(|e| panic!("{sink}: {e}"));
             assert!(!text.is_empty());
@@ -625,17 +629,13 @@ mod tests {
         // The depth reached: close to one level per instruction.
         let depth = iterations * LEVELS;
         assert!(depth > RENDER_FUEL * 8 / 10, "{depth}");
-        // tojson recurses with larger frames (this overflowed the render thread's stack
-        // under the fuzzer): it refuses the value instead, as Python's json.dumps does.
+        // tojson refuses such a value, as Python's json.dumps does past its recursion limit,
+        // rather than recursing once per level through serde_json and its writer.
         for sink in [
             "{{ ns.a|tojson|length }}",
             "{{ {'k': ns.a}|tojson|length }}",
         ] {
-            let source = format!(
-                "{{% set ns = namespace(a=[]) %}}{{% for i in range({iterations}) %}}\
-                 {{% set ns.a = {} %}}{{% endfor %}}{sink}",
-                wrap("ns.a")
-            );
+            let source = nested_then(sink);
             let err = render_one(&source).unwrap_err();
             assert!(err.contains("nested more than 512 levels"), "{sink}: {err}");
         }

@@ -61,21 +61,15 @@ impl ExpertWeights {
     /// How many weights the block has (whatever their form).
     pub fn parameters(&self) -> usize {
         let (gate, down) = match self {
-            ExpertWeights::F32(b) => (
-                (b.gate.out_features, b.gate.in_features),
-                b.down.out_features * b.down.in_features,
-            ),
-            ExpertWeights::Bf16(b) => (
-                (b.gate.out_features, b.gate.in_features),
-                b.down.out_features * b.down.in_features,
-            ),
+            ExpertWeights::F32(b) => (b.gate.weight.len(), b.down.weight.len()),
+            ExpertWeights::Bf16(b) => (b.gate.weight.len(), b.down.weight.len()),
             ExpertWeights::Quantized(b) => (
-                (b.gate.out_features, b.gate.in_features),
+                b.gate.out_features * b.gate.in_features,
                 b.down.out_features * b.down.in_features,
             ),
         };
         // gate and up have the same shape.
-        2 * gate.0 * gate.1 + down
+        2 * gate + down
     }
 
     /// Bytes of weights one pass reads.
