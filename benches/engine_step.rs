@@ -1,7 +1,9 @@
 //! Decode step time of the engine alone (no actors, no HTTP) on the demo model at batch 1, 8
 //! and 32: with every expert, and with the routed experts replaced by a no-op, which leaves
 //! the part of a step that does not depend on which experts the tokens pick (embeddings,
-//! attention over each sequence's cache, norms, gates, shared expert, lm head). The load
+//! attention over each sequence's cache, norms, gates, shared expert, lm head); and with
+//! the experts on CPU device actors reached through the dispatcher, as `moe-node serve`
+//! runs them (what the node adds to a step before the router and HTTP). The load
 //! benchmark's concurrency ratio can be no better than what this shows.
 //!
 //! `cargo bench --bench engine_step`; `MOE_STEP_ITERS` (default 200), `MOE_STEP_BATCHES`
@@ -41,10 +43,11 @@ fn main() {
         .expect("dense weights");
     let hidden = config.hidden_size;
     let dense_only = Engine::new(config, weights, Arc::new(NoExperts(hidden)));
+    let (_system, dispatched) = common::dispatched_engine(&dir);
     println!("engine decode step on the demo model, median of {iters} steps");
     println!(
-        "{:>6} {:>12} {:>12} {:>14} {:>14}",
-        "batch", "full ms", "full tok/s", "no-experts ms", "no-experts tok/s"
+        "{:>6} {:>12} {:>12} {:>14} {:>16} {:>15}",
+        "batch", "full ms", "full tok/s", "no-experts ms", "no-experts tok/s", "dispatched ms"
     );
     let mut base = None;
     let batches: Vec<usize> = std::env::var("MOE_STEP_BATCHES")
@@ -55,10 +58,11 @@ fn main() {
     for batch in batches {
         let f = step_ms(&full, batch, iters);
         let d = step_ms(&dense_only, batch, iters);
+        let n = step_ms(&dispatched, batch, iters);
         let tps = batch as f64 / f * 1e3;
         let base_tps = *base.get_or_insert(tps);
         println!(
-            "{batch:>6} {f:>12.3} {tps:>12.0} {d:>14.3} {:>14.0}   full vs batch 1: {:.2}x",
+            "{batch:>6} {f:>12.3} {tps:>12.0} {d:>14.3} {:>16.0} {n:>15.3}   full vs batch 1: {:.2}x",
             batch as f64 / d * 1e3,
             tps / base_tps
         );

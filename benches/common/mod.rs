@@ -24,6 +24,65 @@ pub fn demo_model(bin: &str) -> PathBuf {
     dir
 }
 
+/// The engine as `moe-node serve` builds it, without the router and HTTP: the demo
+/// model's experts on the default number of CPU device actors, reached through the
+/// dispatcher. The returned system runs the device actors; keep it while using the engine.
+pub fn dispatched_engine(model: &Path) -> (actix::SystemRunner, Engine) {
+    use std::sync::Arc;
+
+    use moe_node::actors::device::{DeviceTarget, start_device};
+    use moe_node::actors::dispatch::{DispatchTiming, Dispatcher};
+    use moe_node::config::DevicesConfig;
+    use moe_node::model::{Checkpoint, DenseWeights, ModelConfig};
+    use moe_node::placement::Placement;
+    use moe_node::placement::load::ExpertLoad;
+
+    let system = actix::System::new();
+    let engine = system.block_on(async {
+        let devices_config = DevicesConfig::default();
+        let slots = devices_config.cpu_slots;
+        let config = Arc::new(ModelConfig::load(model).expect("demo config"));
+        let checkpoint = Arc::new(Checkpoint::open(model).expect("demo checkpoint"));
+        let placement = Arc::new(
+            Placement::single_node(
+                &config.moe_layers,
+                config.moe.num_experts,
+                slots,
+                devices_config.replication,
+            )
+            .expect("placement"),
+        );
+        let devices = (0..slots)
+            .map(|id| {
+                start_device(
+                    id,
+                    DeviceTarget::Cpu,
+                    checkpoint.clone(),
+                    config.clone(),
+                    placement.experts_on(0, id as u16),
+                )
+                .expect("CPU slot starts")
+            })
+            .collect();
+        let load = Arc::new(ExpertLoad::new(
+            config.num_layers,
+            config.moe.num_experts,
+            slots,
+        ));
+        let dispatcher = Dispatcher::new(
+            devices,
+            placement,
+            0,
+            load,
+            config.hidden_size,
+            DispatchTiming::default(),
+        );
+        let weights = DenseWeights::load(&checkpoint, &config).expect("dense weights");
+        Engine::new((*config).clone(), weights, Arc::new(dispatcher))
+    });
+    (system, engine)
+}
+
 /// Milliseconds of each of `iters` decode steps for `batch` sequences with 16-token
 /// prompts (the load benchmark's prompts).
 pub fn decode_steps_ms(engine: &Engine, batch: usize, iters: usize) -> Vec<f64> {
