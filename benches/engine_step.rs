@@ -7,7 +7,8 @@
 //! benchmark's concurrency ratio can be no better than what this shows.
 //!
 //! `cargo bench --bench engine_step`; `MOE_STEP_ITERS` (default 200), `MOE_STEP_BATCHES`
-//! (default 1,8,32).
+//! (default 1,8,32), `MOE_STEP_MODEL` (a model directory to time instead of the demo model,
+//! e.g. one of a published shape with random weights).
 
 mod common;
 
@@ -36,7 +37,10 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(200);
-    let dir = common::demo_model(env!("CARGO_BIN_EXE_moe-node"));
+    let dir = match std::env::var_os("MOE_STEP_MODEL") {
+        Some(dir) => std::path::PathBuf::from(dir),
+        None => common::demo_model(env!("CARGO_BIN_EXE_moe-node")),
+    };
     let full = Engine::load(&dir).expect("demo model loads");
     let config = ModelConfig::load(&dir).expect("config");
     let weights = DenseWeights::load(&Checkpoint::open(&dir).expect("checkpoint"), &config)
@@ -44,7 +48,10 @@ fn main() {
     let hidden = config.hidden_size;
     let dense_only = Engine::new(config, weights, Arc::new(NoExperts(hidden)));
     let (_system, dispatched) = common::dispatched_engine(&dir);
-    println!("engine decode step on the demo model, median of {iters} steps");
+    println!(
+        "engine decode step on {}, median of {iters} steps",
+        dir.display()
+    );
     println!(
         "{:>6} {:>12} {:>12} {:>14} {:>16} {:>15}",
         "batch", "full ms", "full tok/s", "no-experts ms", "no-experts tok/s", "dispatched ms"

@@ -22,7 +22,7 @@ use half::bf16;
 use moe_node::compute::cpu::{Linear, SwiGlu, dot};
 use moe_node::compute::quant::{QuantLinear, QuantSwiGlu, e4m3_to_f32};
 use moe_node::model::config::{GatingConfig, MoeConfig};
-use moe_node::model::weights::{ExpertWeights, MoeWeights};
+use moe_node::model::weights::{ExpertWeights, MoeWeights, StoredLinear};
 use moe_node::moe::{DispatchPlan, LocalExperts, moe_forward, route};
 use rayon::prelude::*;
 
@@ -292,14 +292,14 @@ fn main() {
         let layer: Vec<ExpertWeights> = f32_experts.iter().map(hold).collect();
         // The shared expert as such a checkpoint stores it: FP8 like the routed experts
         // (DeepSeek-V3, Kimi K2 Instruct); bf16 beside INT4 experts (Kimi K2 Thinking's
-        // `ignore` list names the shared experts). The router is f32 in every case (the
-        // node widens it at load).
+        // `ignore` list names the shared experts). The router is f32 in every case (a
+        // published checkpoint's is bf16, which the node keeps as stored: half these bytes).
         let shared_expert = match format {
             "int4" => ExpertWeights::Bf16(to_bf16(&shared)),
             _ => hold(&shared),
         };
         let weights = MoeWeights {
-            router: router.clone(),
+            router: StoredLinear::F32(router.clone()),
             correction_bias: Some(correction_bias.clone()),
             shared_expert: Some(shared_expert),
         };

@@ -319,3 +319,55 @@ fn shared_experts_are_held_as_stored_like_the_routed_ones() {
         }
     }
 }
+
+#[test]
+fn dense_projections_are_held_as_stored() {
+    use moe_node::model::weights::{AttentionWeights, DenseWeights, FeedForward, StoredLinear};
+    // (fixture, how its attention projections are stored, how its embeddings, output head
+    // and router gates are stored): FP8 checkpoints quantize attention and leave the rest
+    // bf16; nothing stored bf16 or FP8 is widened to f32 at load.
+    for (name, attention, rest) in [
+        ("kimi_k2_fp8", "fp8", "bf16"),
+        ("kimi_k2", "bf16", "bf16"),
+        ("qwen3_moe_bf16", "bf16", "bf16"),
+        ("qwen3_moe", "f32", "f32"),
+    ] {
+        let dir = fixture(name);
+        let config = ModelConfig::load(&dir).unwrap();
+        let checkpoint = Checkpoint::open(&dir).unwrap();
+        let dense = DenseWeights::load(&checkpoint, &config).unwrap();
+        let held = |l: &StoredLinear| match l {
+            StoredLinear::F32(_) => "f32",
+            StoredLinear::Bf16(_) => "bf16",
+            StoredLinear::Quantized { matrix, .. } => match matrix.format {
+                QuantFormat::Fp8 { .. } => "fp8",
+                QuantFormat::Int4 { .. } => "int4",
+            },
+        };
+        let per_weight = |l: &StoredLinear| {
+            l.stored_bytes() as f64 / (l.out_features() * l.in_features()) as f64
+        };
+        assert_eq!(held(&dense.embed_tokens), rest, "{name}: embeddings");
+        assert_eq!(held(dense.lm_head()), rest, "{name}: lm_head");
+        for layer in &dense.layers {
+            let o = match &layer.attention {
+                AttentionWeights::Gqa { o, .. } | AttentionWeights::Mla { o, .. } => o,
+            };
+            assert_eq!(held(o), attention, "{name}: o_proj");
+            let bytes = per_weight(o);
+            let expected = match attention {
+                "f32" => 4.0..=4.0,
+                "bf16" => 2.0..=2.0,
+                // One byte per weight and a few block scales.
+                _ => 1.0..=1.25,
+            };
+            assert!(
+                expected.contains(&bytes),
+                "{name}: o_proj holds {bytes} bytes per weight"
+            );
+            if let FeedForward::Moe(moe) = &layer.feed_forward {
+                assert_eq!(held(&moe.router), rest, "{name}: router gate");
+            }
+        }
+    }
+}

@@ -16,6 +16,9 @@ const PARALLEL_MIN_FLOPS: usize = 1 << 18;
 /// weights stay bf16 (exactly as stored, half the bytes to read per token) and are widened
 /// as the kernels load them.
 pub trait WeightElement: Copy + Send + Sync + std::fmt::Debug + 'static {
+    /// Whether the element is f32 already (products read it as it is, without widening).
+    const IS_F32: bool = false;
+
     fn to_f32(self) -> f32;
 
     /// The matrix as f32, borrowed when it already is.
@@ -23,6 +26,8 @@ pub trait WeightElement: Copy + Send + Sync + std::fmt::Debug + 'static {
 }
 
 impl WeightElement for f32 {
+    const IS_F32: bool = true;
+
     #[inline(always)]
     fn to_f32(self) -> f32 {
         self
@@ -139,8 +144,15 @@ pub fn matmul_transposed<W: WeightElement>(
         matmul_few_rows(x, m, k, w, out, parallel);
         return;
     }
-    // rhs is wᵀ: element (kk, nn) lies at w[nn * k + kk]. Widening a bf16 matrix here costs
-    // one pass over it, shared by the more than FEW_ROWS rows.
+    if !W::IS_F32 {
+        matmul_widening(x, m, k, n, out, parallel, |first, panel| {
+            for (v, w) in panel.iter_mut().zip(&w[first * k..]) {
+                *v = w.to_f32();
+            }
+        });
+        return;
+    }
+    // rhs is wᵀ: element (kk, nn) lies at w[nn * k + kk].
     let w = W::widen(w);
     gemm_strided(
         x,
@@ -217,6 +229,101 @@ fn gemm_strided(
             false,
             parallelism,
         );
+    }
+}
+
+/// Bytes of f32 weights one task of [`matmul_widening`] widens at a time: small enough to
+/// stay in L2 while the GEMM reads it once per block of input rows.
+const PANEL_BYTES: usize = 256 * 1024;
+
+thread_local! {
+    /// A task's widened panel, reused from product to product (a fresh allocation of this
+    /// size would be mapped and faulted in each time).
+    static PANEL: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// `out [m, n] = x [m, k] · wᵀ` for weights held in another form than f32 (bf16, FP8,
+/// INT4), over more than [`FEW_ROWS`] rows: panels of weight rows are widened in turn into
+/// an f32 buffer that stays in cache, and each goes through the packed GEMM. Widening the
+/// whole matrix first would write and read it again at f32 size, in a fresh allocation, for
+/// every product. `widen(first, panel)` writes weight rows `first..` into `panel` (`k`
+/// values per row, as many rows as `panel` holds).
+pub fn matmul_widening(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    n: usize,
+    out: &mut [f32],
+    parallel: bool,
+    widen: impl Fn(usize, &mut [f32]) + Sync,
+) {
+    assert_eq!(x.len(), m * k, "lhs size");
+    assert_eq!(out.len(), m * n, "output size");
+    if m == 0 || n == 0 || k == 0 {
+        out.fill(0.0);
+        return;
+    }
+    let parallel = parallel && m * n * k >= PARALLEL_MIN_FLOPS;
+    let mut panel_rows = (PANEL_BYTES / (4 * k)).clamp(16, 256);
+    if parallel {
+        // Enough panels for every thread to take several.
+        panel_rows = panel_rows.min(n.div_ceil(4 * rayon::current_num_threads()).max(16));
+    }
+    let panels = n.div_ceil(panel_rows);
+    let out_at = SharedOut(out.as_mut_ptr());
+    let run = |p: usize| {
+        let first = p * panel_rows;
+        let rows = panel_rows.min(n - first);
+        PANEL.with(|buffer| {
+            let mut buffer = buffer.borrow_mut();
+            buffer.resize(rows * k, 0.0);
+            widen(first, &mut buffer);
+            // SAFETY: x holds m*k and the panel rows*k elements, addressed by the strides
+            // given; this task writes only columns first..first+rows of each of the m output
+            // rows (row stride n), which no other task writes, and out outlives the tasks.
+            unsafe {
+                gemm::gemm(
+                    m,
+                    rows,
+                    k,
+                    out_at.get().add(first),
+                    1,
+                    n as isize,
+                    false,
+                    x.as_ptr(),
+                    1,
+                    k as isize,
+                    buffer.as_ptr(),
+                    k as isize,
+                    1,
+                    0.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    Parallelism::None,
+                );
+            }
+        });
+    };
+    if parallel {
+        (0..panels).into_par_iter().for_each(run);
+    } else {
+        (0..panels).for_each(run);
+    }
+}
+
+/// The output of [`matmul_widening`], written by tasks at disjoint columns.
+#[derive(Clone, Copy)]
+struct SharedOut(*mut f32);
+
+// SAFETY: tasks write through the pointer only at disjoint elements (see matmul_widening).
+unsafe impl Send for SharedOut {}
+unsafe impl Sync for SharedOut {}
+
+impl SharedOut {
+    fn get(self) -> *mut f32 {
+        self.0
     }
 }
 
@@ -477,18 +584,24 @@ pub(crate) mod tests {
 
     #[test]
     fn bf16_weights_give_the_product_of_their_f32_values() {
-        let (k, n) = (40, 24);
-        let w: Vec<bf16> = (0..n * k)
-            .map(|i| bf16::from_f32(((i * 7 % 13) as f32 - 6.0) / 5.0))
-            .collect();
-        let widened: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
-        for m in [1, 4, 6, 12] {
-            let x: Vec<f32> = (0..m * k)
-                .map(|i| ((i * 5 % 11) as f32 - 5.0) / 3.0)
+        // (300, 530): above FEW_ROWS rows the weights are widened in panels of 218 rows
+        // (fewer when parallel), the last one partial.
+        for (k, n) in [(40, 24), (300, 530)] {
+            let w: Vec<bf16> = (0..n * k)
+                .map(|i| bf16::from_f32(((i * 7 % 13) as f32 - 6.0) / 5.0))
                 .collect();
-            let mut out = vec![0.0; m * n];
-            matmul_transposed(&x, m, k, &w, n, &mut out, false);
-            assert!(close(&out, &naive(&x, m, k, &widened, n)), "m={m}");
+            let widened: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
+            for m in [1, 4, 6, 12, 33] {
+                let x: Vec<f32> = (0..m * k)
+                    .map(|i| ((i * 5 % 11) as f32 - 5.0) / 3.0)
+                    .collect();
+                let expected = naive(&x, m, k, &widened, n);
+                for parallel in [false, true] {
+                    let mut out = vec![f32::NAN; m * n];
+                    matmul_transposed(&x, m, k, &w, n, &mut out, parallel);
+                    assert!(close(&out, &expected), "k={k} n={n} m={m} {parallel}");
+                }
+            }
         }
     }
 

@@ -274,8 +274,11 @@ impl QuantLinear {
             return out;
         }
         if rows > FEW_ROWS {
-            let widened = self.widen();
-            cpu::matmul_transposed(x, rows, k, &widened, n, &mut out, parallel);
+            cpu::matmul_widening(x, rows, k, n, &mut out, parallel, |first, panel| {
+                for (r, row) in panel.chunks_exact_mut(k).enumerate() {
+                    self.dequantize_row(first + r, row);
+                }
+            });
             return out;
         }
         if let QuantFormat::Fp8 {

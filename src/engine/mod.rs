@@ -229,7 +229,7 @@ impl Engine {
         for (step, segment) in batch.iter().zip(&segments) {
             for (i, &token) in step.tokens.iter().enumerate() {
                 let t = token as usize;
-                hidden.extend_from_slice(&self.weights.embed_tokens.weight[t * h..(t + 1) * h]);
+                self.weights.embed_tokens.extend_with_row(t, &mut hidden);
                 angles.push(self.rope.angles(segment.start_position + i));
             }
         }

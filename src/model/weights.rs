@@ -1,13 +1,15 @@
 //! Tensors of a checkpoint, by the names each family publishes them under, loaded into the
 //! typed blocks the forward pass runs.
 
+use std::borrow::Cow;
+
 use half::bf16;
 use safetensors::tensor::Dtype;
 
 use super::config::{AttentionConfig, Family, ModelConfig};
 use super::quant::Quantization;
 use super::{Checkpoint, ModelError};
-use crate::compute::cpu::{Linear, SwiGlu, WeightElement};
+use crate::compute::cpu::{Linear, SwiGlu, WeightElement, add_in_place};
 use crate::compute::quant::{QuantLinear, QuantSwiGlu};
 
 /// One expert's FFN, a SwiGLU block of `moe_intermediate_size`, held in the checkpoint's
@@ -82,6 +84,103 @@ impl ExpertWeights {
     }
 }
 
+/// A dense projection held as the checkpoint stores it, as the experts are: bf16 kept bf16
+/// (every product widens it exactly as it reads, so outputs are those of f32 weights, and a
+/// decode step reads half the bytes), FP8 or INT4 kept quantized, anything else in f32.
+#[derive(Debug, Clone)]
+pub enum StoredLinear {
+    F32(Linear<f32>),
+    Bf16(Linear<bf16>),
+    Quantized {
+        matrix: QuantLinear,
+        bias: Option<Vec<f32>>,
+    },
+}
+
+impl StoredLinear {
+    /// `x [rows, in] -> [rows, out]`, using all cores when the product is large enough.
+    pub fn forward(&self, x: &[f32], rows: usize) -> Vec<f32> {
+        self.forward_with(x, rows, true)
+    }
+
+    /// As [`StoredLinear::forward`]; `parallel = false` keeps the work on this thread.
+    pub fn forward_with(&self, x: &[f32], rows: usize, parallel: bool) -> Vec<f32> {
+        match self {
+            StoredLinear::F32(l) => l.forward_with(x, rows, parallel),
+            StoredLinear::Bf16(l) => l.forward_with(x, rows, parallel),
+            StoredLinear::Quantized { matrix, bias } => {
+                let mut out = matrix.forward_with(x, rows, parallel);
+                if let Some(bias) = bias {
+                    for row in out.chunks_exact_mut(matrix.out_features) {
+                        add_in_place(row, bias);
+                    }
+                }
+                out
+            }
+        }
+    }
+
+    pub fn out_features(&self) -> usize {
+        match self {
+            StoredLinear::F32(l) => l.out_features,
+            StoredLinear::Bf16(l) => l.out_features,
+            StoredLinear::Quantized { matrix, .. } => matrix.out_features,
+        }
+    }
+
+    pub fn in_features(&self) -> usize {
+        match self {
+            StoredLinear::F32(l) => l.in_features,
+            StoredLinear::Bf16(l) => l.in_features,
+            StoredLinear::Quantized { matrix, .. } => matrix.in_features,
+        }
+    }
+
+    pub fn bias(&self) -> Option<&[f32]> {
+        match self {
+            StoredLinear::F32(l) => l.bias.as_deref(),
+            StoredLinear::Bf16(l) => l.bias.as_deref(),
+            StoredLinear::Quantized { bias, .. } => bias.as_deref(),
+        }
+    }
+
+    /// Bytes held in memory (weights, scales and bias): what one pass reads.
+    pub fn stored_bytes(&self) -> usize {
+        let bias = self.bias().map_or(0, |b| 4 * b.len());
+        bias + match self {
+            StoredLinear::F32(l) => 4 * l.weight.len(),
+            StoredLinear::Bf16(l) => 2 * l.weight.len(),
+            StoredLinear::Quantized { matrix, .. } => matrix.stored_bytes(),
+        }
+    }
+
+    /// Appends row `row` of the weight, in f32, to `out` (an embedding lookup).
+    pub fn extend_with_row(&self, row: usize, out: &mut Vec<f32>) {
+        let k = self.in_features();
+        match self {
+            StoredLinear::F32(l) => out.extend_from_slice(&l.weight[row * k..][..k]),
+            StoredLinear::Bf16(l) => {
+                out.extend(l.weight[row * k..][..k].iter().map(|w| w.to_f32()))
+            }
+            StoredLinear::Quantized { matrix, .. } => {
+                let start = out.len();
+                out.resize(start + k, 0.0);
+                matrix.dequantize_row(row, &mut out[start..]);
+            }
+        }
+    }
+
+    /// The weight in f32 (borrowed where it is f32 already): for a backend that keeps its
+    /// own precision.
+    pub fn widened(&self) -> Cow<'_, [f32]> {
+        match self {
+            StoredLinear::F32(l) => Cow::Borrowed(&l.weight),
+            StoredLinear::Bf16(l) => bf16::widen(&l.weight),
+            StoredLinear::Quantized { matrix, .. } => Cow::Owned(matrix.widen()),
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct RmsNorm {
     pub weight: Vec<f32>,
@@ -91,32 +190,34 @@ pub struct RmsNorm {
 /// Projection to queries in MLA: direct, or through a low-rank bottleneck with a norm.
 #[derive(Debug, Clone)]
 pub enum QueryProjection {
-    Direct(Linear),
+    Direct(StoredLinear),
     LowRank {
-        down: Linear,
+        down: StoredLinear,
         norm: RmsNorm,
-        up: Linear,
+        up: StoredLinear,
     },
 }
 
 #[derive(Debug, Clone)]
 pub enum AttentionWeights {
     Gqa {
-        q: Linear,
-        k: Linear,
-        v: Linear,
-        o: Linear,
+        q: StoredLinear,
+        k: StoredLinear,
+        v: StoredLinear,
+        o: StoredLinear,
         q_norm: Option<RmsNorm>,
         k_norm: Option<RmsNorm>,
     },
     Mla {
         q: QueryProjection,
         /// `kv_a_proj_with_mqa`: hidden -> latent (kv_lora_rank) + shared rope key.
-        kv_down: Linear,
+        kv_down: StoredLinear,
         kv_norm: RmsNorm,
         /// `kv_b_proj`: latent -> per head (k_nope, v), `[heads * (nope + v), kv_lora_rank]`.
+        /// Held in f32: attention multiplies by its blocks head by head, keys absorbed into
+        /// the queries (Kimi K2: 8.4 M weights per layer, 16 MiB more than bf16).
         kv_up: Linear,
-        o: Linear,
+        o: StoredLinear,
     },
 }
 
@@ -125,7 +226,7 @@ pub enum AttentionWeights {
 #[derive(Debug, Clone)]
 pub struct MoeWeights {
     /// `[num_experts, hidden]`.
-    pub router: Linear,
+    pub router: StoredLinear,
     pub correction_bias: Option<Vec<f32>>,
     /// Held in its stored form, as the routed experts are.
     pub shared_expert: Option<ExpertWeights>,
@@ -133,7 +234,8 @@ pub struct MoeWeights {
 
 #[derive(Debug, Clone)]
 pub enum FeedForward {
-    Dense(SwiGlu),
+    /// Held in its stored form, as the experts are.
+    Dense(ExpertWeights),
     Moe(MoeWeights),
 }
 
@@ -149,11 +251,11 @@ pub struct LayerWeights {
 #[derive(Debug, Clone)]
 pub struct DenseWeights {
     /// `[vocab, hidden]`, one row per token.
-    pub embed_tokens: Linear,
+    pub embed_tokens: StoredLinear,
     pub layers: Vec<LayerWeights>,
     pub final_norm: RmsNorm,
     /// `[vocab, hidden]`; `None` when the model ties it to the embeddings.
-    lm_head: Option<Linear>,
+    lm_head: Option<StoredLinear>,
 }
 
 impl DenseWeights {
@@ -181,7 +283,7 @@ impl DenseWeights {
     }
 
     /// The output projection to vocabulary logits.
-    pub fn lm_head(&self) -> &Linear {
+    pub fn lm_head(&self) -> &StoredLinear {
         self.lm_head.as_ref().unwrap_or(&self.embed_tokens)
     }
 }
@@ -255,7 +357,7 @@ fn load_layer(ckpt: &Checkpoint, cfg: &ModelConfig, l: usize) -> Result<LayerWei
                     h,
                 )?,
                 kv_norm: norm(ckpt, &format!("{a}.kv_a_layernorm"), kv_lora_rank, eps)?,
-                kv_up: linear(
+                kv_up: linear_f32(
                     ckpt,
                     quant,
                     &format!("{a}.kv_b_proj"),
@@ -292,7 +394,7 @@ fn load_layer(ckpt: &Checkpoint, cfg: &ModelConfig, l: usize) -> Result<LayerWei
             shared_expert,
         })
     } else {
-        FeedForward::Dense(swiglu(
+        FeedForward::Dense(expert_block(
             ckpt,
             quant,
             &mlp,
@@ -426,21 +528,21 @@ fn swiglu(
     intermediate: usize,
 ) -> Result<SwiGlu, ModelError> {
     Ok(SwiGlu {
-        gate: linear(
+        gate: linear_f32(
             ckpt,
             quant,
             &format!("{prefix}.{}", names.gate),
             intermediate,
             hidden,
         )?,
-        up: linear(
+        up: linear_f32(
             ckpt,
             quant,
             &format!("{prefix}.{}", names.up),
             intermediate,
             hidden,
         )?,
-        down: linear(
+        down: linear_f32(
             ckpt,
             quant,
             &format!("{prefix}.{}", names.down),
@@ -450,10 +552,39 @@ fn swiglu(
     })
 }
 
-/// `{prefix}.weight` of shape `[out, in]`, and `{prefix}.bias` when the checkpoint has one.
-/// A quantized weight is widened to f32 here: dense weights are a small part of an MoE model
-/// (Kimi K2: about 11 B of 1 T parameters) and every router runs them for every token.
+/// `{prefix}.weight` of shape `[out, in]` in its stored form (quantized as stored, bf16 kept
+/// bf16, anything else widened to f32), and `{prefix}.bias` when the checkpoint has one.
 fn linear(
+    ckpt: &Checkpoint,
+    quant: &Quantization,
+    prefix: &str,
+    out: usize,
+    inp: usize,
+) -> Result<StoredLinear, ModelError> {
+    let bias = read_bias(ckpt, prefix, out)?;
+    if let Some(matrix) = quantized(ckpt, quant, prefix, out, inp)? {
+        return Ok(StoredLinear::Quantized { matrix, bias });
+    }
+    let weight_name = format!("{prefix}.weight");
+    Ok(if ckpt.dtype(&weight_name) == Some(Dtype::BF16) {
+        StoredLinear::Bf16(Linear {
+            weight: ckpt.read_bf16(&weight_name, &[out, inp])?,
+            bias,
+            out_features: out,
+            in_features: inp,
+        })
+    } else {
+        StoredLinear::F32(Linear {
+            weight: ckpt.read_f32(&weight_name, &[out, inp])?,
+            bias,
+            out_features: out,
+            in_features: inp,
+        })
+    })
+}
+
+/// As [`linear`], widened to f32 whatever its stored form.
+fn linear_f32(
     ckpt: &Checkpoint,
     quant: &Quantization,
     prefix: &str,
@@ -464,18 +595,22 @@ fn linear(
         Some(matrix) => matrix.widen(),
         None => ckpt.read_f32(&format!("{prefix}.weight"), &[out, inp])?,
     };
-    let bias_name = format!("{prefix}.bias");
-    let bias = if ckpt.contains(&bias_name) {
-        Some(ckpt.read_f32(&bias_name, &[out])?)
-    } else {
-        None
-    };
     Ok(Linear {
         weight,
-        bias,
+        bias: read_bias(ckpt, prefix, out)?,
         out_features: out,
         in_features: inp,
     })
+}
+
+/// `{prefix}.bias` of `out` values, when the checkpoint has one.
+fn read_bias(ckpt: &Checkpoint, prefix: &str, out: usize) -> Result<Option<Vec<f32>>, ModelError> {
+    let bias_name = format!("{prefix}.bias");
+    if ckpt.contains(&bias_name) {
+        Ok(Some(ckpt.read_f32(&bias_name, &[out])?))
+    } else {
+        Ok(None)
+    }
 }
 
 /// Linear layer `prefix` in its quantized form, or `None` where the checkpoint stores it

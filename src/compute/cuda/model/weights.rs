@@ -8,9 +8,9 @@ use half::bf16;
 
 use super::super::CudaError;
 use super::super::experts::Buffer;
-use crate::compute::cpu::{Linear, SwiGlu};
+use crate::compute::cpu::SwiGlu;
 use crate::model::weights::{
-    AttentionWeights, DenseWeights, FeedForward, QueryProjection, RmsNorm,
+    AttentionWeights, DenseWeights, FeedForward, QueryProjection, RmsNorm, StoredLinear,
 };
 
 /// A projection: bf16 `[out, in]` and its f32 bias.
@@ -80,11 +80,8 @@ pub(super) struct Uploaded {
 
 /// Everything the weights will take on the GPU, in bytes.
 pub(super) fn weight_bytes(weights: &DenseWeights) -> usize {
-    fn linear(l: &Linear) -> usize {
-        l.weight.len() * 2 + l.bias.as_ref().map_or(0, |b| b.len() * 4)
-    }
-    fn mlp(m: &SwiGlu) -> usize {
-        linear(&m.gate) + linear(&m.up) + linear(&m.down)
+    fn linear(l: &StoredLinear) -> usize {
+        l.out_features() * l.in_features() * 2 + l.bias().map_or(0, |b| b.len() * 4)
     }
     let norm = |n: &RmsNorm| n.weight.len() * 4;
     let layers: usize = weights
@@ -120,11 +117,11 @@ pub(super) fn weight_bytes(weights: &DenseWeights) -> usize {
                             linear(down) + norm(n) + linear(up)
                         }
                     };
-                    q + linear(kv_down) + norm(kv_norm) + linear(kv_up) + linear(o)
+                    q + linear(kv_down) + norm(kv_norm) + kv_up.weight.len() * 2 + linear(o)
                 }
             };
             let ff = match &l.feed_forward {
-                FeedForward::Dense(m) => mlp(m),
+                FeedForward::Dense(m) => m.parameters() * 2,
                 FeedForward::Moe(moe) => {
                     moe.shared_expert.as_ref().map_or(0, |e| e.parameters() * 2)
                 }
@@ -144,18 +141,17 @@ pub(super) fn upload(
     stream: &Arc<CudaStream>,
     weights: &DenseWeights,
 ) -> Result<Uploaded, CudaError> {
-    let matrix = |l: &Linear| -> Result<Matrix, CudaError> {
-        Ok(Matrix {
-            weight: Buffer::from_host(stream, &to_bf16(&l.weight))?,
-            bias: l
-                .bias
-                .as_deref()
-                .map(|b| Buffer::from_host(stream, b))
-                .transpose()?,
-            out: l.out_features,
-            inp: l.in_features,
-        })
-    };
+    let upload_matrix =
+        |weight: &[f32], bias: Option<&[f32]>, out, inp| -> Result<Matrix, CudaError> {
+            Ok(Matrix {
+                weight: Buffer::from_host(stream, &to_bf16(weight))?,
+                bias: bias.map(|b| Buffer::from_host(stream, b)).transpose()?,
+                out,
+                inp,
+            })
+        };
+    let matrix =
+        |l: &StoredLinear| upload_matrix(&l.widened(), l.bias(), l.out_features(), l.in_features());
     let norm = |n: &RmsNorm| -> Result<Norm, CudaError> {
         Ok(Norm {
             weight: Buffer::from_host(stream, &n.weight)?,
@@ -177,7 +173,12 @@ pub(super) fn upload(
                 out: m.gate.out_features + m.up.out_features,
                 inp: m.gate.in_features,
             },
-            down: matrix(&m.down)?,
+            down: upload_matrix(
+                &m.down.weight,
+                m.down.bias.as_deref(),
+                m.down.out_features,
+                m.down.in_features,
+            )?,
         })
     };
     let mut layers = Vec::with_capacity(weights.layers.len());
@@ -220,7 +221,7 @@ pub(super) fn upload(
             },
         };
         let (ff, moe) = match &l.feed_forward {
-            FeedForward::Dense(m) => (Some(mlp(m)?), false),
+            FeedForward::Dense(m) => (Some(mlp(&m.widened())?), false),
             FeedForward::Moe(w) => (
                 w.shared_expert
                     .as_ref()
