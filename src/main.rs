@@ -370,6 +370,9 @@ fn run_devices(path: Option<PathBuf>) -> anyhow::Result<()> {
         env: node_env(),
         overrides: Vec::new(),
     })?;
+    // The dense part and CPU slots run these; a GPU node's router too where the dense part
+    // stays on the CPU.
+    println!("CPU kernels: {}", moe_node::compute::cpu::kernel_path());
     let runtime = match choose_devices(&config.devices) {
         Ok(DeviceChoice::Gpus(runtime)) => runtime,
         Ok(DeviceChoice::Cpu {

@@ -341,6 +341,15 @@ fn without_a_gpu_auto_serves_on_the_cpu_and_says_why_while_cuda_refuses_to_start
         "{stdout}"
     );
     assert!(stdout.contains("experts run on 2 CPU slots"), "{stdout}");
+    // Which instructions the CPU kernels use here.
+    let kernels = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("CPU kernels: "))
+        .unwrap_or_else(|| panic!("no CPU kernels line: {stdout}"));
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        assert!(kernels.starts_with("AVX"), "{kernels}");
+    }
     let out = Command::new(env!("CARGO_BIN_EXE_moe-node"))
         .arg("devices")
         .env("MOE_NODE_DEVICES__BACKEND", "cuda")

@@ -12,6 +12,44 @@ use rayon::prelude::*;
 /// pool costs more than it saves.
 const PARALLEL_MIN_FLOPS: usize = 1 << 18;
 
+/// The instruction set the CPU kernels run with on this machine, as their run-time dispatch
+/// (`multiversion`, the first of the kernels' targets whose features the CPU has) picks it,
+/// and the native bf16 instructions the CPU offers, which no kernel uses yet: products widen
+/// bf16, FP8 and INT4 weights to f32 in registers and accumulate in f32.
+pub fn kernel_path() -> String {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // The kernels' targets, in their order of preference.
+        let path = if std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512vl")
+            && std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+        {
+            "AVX-512 with FMA"
+        } else if std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+        {
+            "AVX2 with FMA"
+        } else {
+            "portable (no AVX2 and FMA: the compiler's baseline x86_64)"
+        };
+        let bf16 = if std::arch::is_x86_feature_detected!("avx512bf16") {
+            "the CPU has AVX512_BF16, not used yet"
+        } else {
+            "the CPU has no AVX512_BF16"
+        };
+        format!("{path}; weights widened to f32 in registers ({bf16})")
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        "NEON with FMA; weights widened to f32 in registers".to_string()
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    {
+        "portable (the compiler's baseline)".to_string()
+    }
+}
+
 /// How weights may be held in memory. Arithmetic is always f32; a bf16 checkpoint's expert
 /// weights stay bf16 (exactly as stored, half the bytes to read per token) and are widened
 /// as the kernels load them.
