@@ -1,0 +1,152 @@
+#!/usr/bin/env bash
+# moe-node serve vs llama.cpp's llama-server on the same random-weight Qwen3-MoE (issue 17).
+#
+#   benches/llama_cpp/run.sh            # everything under /tmp/llama_bench (LLAMA_BENCH_DIR)
+#
+# Steps (each skipped when its output exists): install cmake/g++ and the converter's Python
+# packages; download llama-cpp-python's sdist from PyPI (llama.cpp is vendored in it) and build
+# llama-server; make the model (random bf16 weights, transformers) and a trained 32k byte-level
+# BPE tokenizer; convert it to GGUF (BF16, and Q8_0 unless QUANTS says otherwise); build
+# moe-node (target/release/moe-node, reused if present). Then each server is started alone,
+# timed by client.py, and stopped, one after the other; report.py prints the table.
+#
+# Environment: LLAMA_BENCH_DIR (/tmp/llama_bench), EXPERTS (128), QUANTS ("bf16 q8_0"),
+# THREADS (2), LLAMA_CPP_PYTHON_VERSION (0.3.36), MOE_NODE_PORT (18080), LLAMA_PORT (18081).
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO="$(cd "$HERE/../.." && pwd)"
+WORK="${LLAMA_BENCH_DIR:-/tmp/llama_bench}"
+EXPERTS="${EXPERTS:-128}"
+QUANTS="${QUANTS:-bf16 q8_0}"
+THREADS="${THREADS:-2}"
+VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
+MOE_PORT="${MOE_NODE_PORT:-18080}"
+LLAMA_PORT="${LLAMA_PORT:-18081}"
+READY_TIMEOUT=300
+MODEL="$WORK/model"
+
+die() { echo "run.sh: error: $*" >&2; exit 1; }
+log() { echo "== $*"; }
+mkdir -p "$WORK"
+
+SERVER_PID=""
+stop_server() {
+    if [[ -n "$SERVER_PID" ]] && kill -0 "$SERVER_PID" 2>/dev/null; then
+        kill "$SERVER_PID" 2>/dev/null || true
+        for _ in $(seq 50); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 0.2; done
+        kill -9 "$SERVER_PID" 2>/dev/null || true
+        wait "$SERVER_PID" 2>/dev/null || true
+    fi
+    SERVER_PID=""
+}
+trap stop_server EXIT INT TERM
+
+# wait_ready URL LOG: until URL answers 200, the server dies, or READY_TIMEOUT passes.
+wait_ready() {
+    local url="$1" logfile="$2" start=$SECONDS
+    while true; do
+        if [[ "$(curl -s -o /dev/null -w '%{http_code}' "$url" || true)" == 200 ]]; then
+            return 0
+        fi
+        kill -0 "$SERVER_PID" 2>/dev/null || { tail -20 "$logfile" >&2; die "server exited before $url answered 200 (log: $logfile)"; }
+        (( SECONDS - start < READY_TIMEOUT )) || { tail -20 "$logfile" >&2; die "$url not ready after ${READY_TIMEOUT}s (log: $logfile)"; }
+        sleep 1
+    done
+}
+
+# --- 1. Tools -------------------------------------------------------------------------------
+if ! command -v cmake >/dev/null || ! command -v g++ >/dev/null; then
+    log "installing cmake g++"
+    apt-get install -y cmake g++ || { apt-get update && apt-get install -y cmake g++; }
+fi
+python3 -c "import gguf, numpy, sentencepiece, google.protobuf, tokenizers, transformers, torch, yaml" 2>/dev/null || {
+    log "installing Python packages"
+    pip install gguf numpy sentencepiece protobuf tokenizers pyyaml
+}
+
+# --- 2. llama.cpp from llama-cpp-python's sdist ---------------------------------------------
+SRC="$WORK/llama_cpp_python-$VERSION"
+LLAMA="$SRC/vendor/llama.cpp"
+if [[ ! -d "$LLAMA" ]]; then
+    log "downloading llama-cpp-python $VERSION sdist"
+    mkdir -p "$WORK/sdist"
+    # --no-binary for this package only: with :all: pip would also build its build
+    # dependencies (cmake, ninja) from source just to read the metadata.
+    pip download --no-deps --no-binary llama-cpp-python "llama-cpp-python==$VERSION" -d "$WORK/sdist" \
+        || die "llama-cpp-python==$VERSION not downloadable (set LLAMA_CPP_PYTHON_VERSION)"
+    tar xzf "$WORK/sdist/llama_cpp_python-$VERSION.tar.gz" -C "$WORK"
+fi
+[[ -f "$LLAMA/CMakeLists.txt" ]] || die "no vendored llama.cpp in $SRC"
+LLAMA_COMMIT="$(grep -m1 -o 'llama.cpp@[0-9a-f]*' "$SRC/CHANGELOG.md" || echo unknown)"
+LLAMA_SERVER="$WORK/build/bin/llama-server"
+if [[ ! -x "$LLAMA_SERVER" ]]; then
+    log "building llama-server (2 cores: ~30-40 min)"
+    cmake -S "$LLAMA" -B "$WORK/build" -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_TESTS=OFF
+    cmake --build "$WORK/build" -j2 --target llama-server
+fi
+[[ -x "$LLAMA_SERVER" ]] || die "llama-server did not build"
+
+# --- 3. The model ---------------------------------------------------------------------------
+if [[ ! -f "$MODEL/model.safetensors" && ! -f "$MODEL/model.safetensors.index.json" ]]; then
+    log "making the model ($EXPERTS experts)"
+    python3 "$REPO/benches/random_qwen3_moe.py" "$MODEL" "$EXPERTS"
+fi
+if [[ ! -f "$MODEL/tokenizer.json" ]]; then
+    log "training the tokenizer"
+    python3 "$HERE/make_tokenizer.py" "$MODEL" 32000
+fi
+
+# --- 4. GGUF --------------------------------------------------------------------------------
+# The converter does not know the fresh tokenizer's pre-tokenizer hash: patch_converter.py
+# copies it to $WORK/convert with unknown hashes mapped to "gpt-2" (ByteLevel's regex).
+python3 "$HERE/patch_converter.py" "$LLAMA" "$WORK/convert"
+export PYTHONPATH="$LLAMA/gguf-py${PYTHONPATH:+:$PYTHONPATH}"
+for q in $QUANTS; do
+    out="$WORK/model-$q.gguf"
+    if [[ ! -f "$out" ]]; then
+        log "converting to GGUF $q"
+        python3 "$WORK/convert/convert_hf_to_gguf.py" "$MODEL" --outtype "$q" --outfile "$out.part"
+        mv "$out.part" "$out"
+    fi
+done
+
+# --- 5. moe-node ----------------------------------------------------------------------------
+MOE_NODE="$REPO/target/release/moe-node"
+if [[ ! -x "$MOE_NODE" ]]; then
+    log "building moe-node"
+    (cd "$REPO" && cargo build --release --bin moe-node)
+fi
+
+# --- 6. The runs, one server at a time ------------------------------------------------------
+RES="$WORK/results"
+mkdir -p "$RES"
+log "command: benches/llama_cpp/run.sh (EXPERTS=$EXPERTS QUANTS=\"$QUANTS\" THREADS=$THREADS)"
+log "date: $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
+log "machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores, $(free -g | awk '/^Mem:/ {print $2}') GiB"
+log "llama.cpp: llama-cpp-python $VERSION sdist, $LLAMA_COMMIT; $("$LLAMA_SERVER" --version 2>&1 | grep -m1 version || true)"
+log "moe-node: $MOE_NODE built $(date -u -r "$MOE_NODE" '+%Y-%m-%d %H:%M:%S UTC'), repository at $(cd "$REPO" && git rev-parse --short HEAD)"
+
+log "moe-node serve"
+RUST_LOG=warn "$MOE_NODE" serve --listen "127.0.0.1:$MOE_PORT" --model "$MODEL" > "$RES/moe-node.log" 2>&1 &
+SERVER_PID=$!
+wait_ready "http://127.0.0.1:$MOE_PORT/ready" "$RES/moe-node.log"
+python3 "$HERE/client.py" --url "http://127.0.0.1:$MOE_PORT" --label moe-node --out "$RES/moe-node.json"
+stop_server
+
+REPORT_ARGS=()
+for q in $QUANTS; do
+    Q="$(echo "$q" | tr a-z A-Z)"
+    log "llama-server $Q"
+    # -np 8: 8 slots decode concurrently; --kv-unified: the slots share the 4096 context
+    # (without it each slot gets 4096/8 = 512, too small for the 512-token prefill).
+    "$LLAMA_SERVER" -m "$WORK/model-$q.gguf" -t "$THREADS" -tb "$THREADS" -c 4096 -np 8 --kv-unified \
+        --host 127.0.0.1 --port "$LLAMA_PORT" > "$RES/llama-$q.log" 2>&1 &
+    SERVER_PID=$!
+    wait_ready "http://127.0.0.1:$LLAMA_PORT/health" "$RES/llama-$q.log"
+    python3 "$HERE/client.py" --url "http://127.0.0.1:$LLAMA_PORT" --label "llama.cpp $Q" --out "$RES/llama-$q.json"
+    stop_server
+    REPORT_ARGS+=("$RES/llama-$q.json:$WORK/model-$q.gguf")
+done
+
+python3 "$HERE/report.py" "$MODEL" "$RES/moe-node.json" "${REPORT_ARGS[@]}"
