@@ -178,7 +178,7 @@ pub fn matmul_transposed<W: WeightElement>(
         out.fill(0.0);
         return;
     }
-    if m <= FEW_ROWS {
+    if m <= FEW_ROWS || (!W::IS_F32 && m <= FEW_ROWS_WIDENED) {
         matmul_few_rows(x, m, k, w, out, parallel);
         return;
     }
@@ -281,7 +281,7 @@ thread_local! {
 }
 
 /// `out [m, n] = x [m, k] · wᵀ` for weights held in another form than f32 (bf16, FP8,
-/// INT4), over more than [`FEW_ROWS`] rows: panels of weight rows are widened in turn into
+/// INT4), over more rows than the few-row kernels take: panels of weight rows are widened into
 /// an f32 buffer that stays in cache, and each goes through the packed GEMM. Widening the
 /// whole matrix first would write and read it again at f32 size, in a fresh allocation, for
 /// every product. `widen(first, panel)` writes weight rows `first..` into `panel` (`k`
@@ -368,6 +368,12 @@ impl SharedOut {
 /// Up to this many rows, products stream the weights once and reuse each weight row for
 /// every input row from L1 ([`matmul_few_rows`]); above it the packed GEMM wins.
 pub(crate) const FEW_ROWS: usize = 8;
+
+/// The same limit for weights held narrower than f32 (bf16), which the packed GEMM can only
+/// read after widening: the few-row kernel widens in registers and wins up to 16 rows
+/// (`benches/roofline.rs`, 128 bf16 experts of 384 x 1024 on 2 cores: 136 against 184 ms at
+/// 16 rows each, even at 24, 293 against 254 ms at 32).
+pub(crate) const FEW_ROWS_WIDENED: usize = 16;
 
 /// Output columns per parallel task in [`matmul_few_rows`].
 const COLUMNS_PER_TASK: usize = 32;

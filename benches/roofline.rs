@@ -1,0 +1,254 @@
+//! A small roofline of this machine's CPU against the engine's products (issue 17): the
+//! measured peak of f32 fused multiply-adds on every core (register-resident, no memory
+//! traffic), the measured read bandwidth, and beside them what the CPU kernels reach on the
+//! shapes a Qwen3-MoE of hidden 1024 runs: the dense projections at prefill (256 rows), the
+//! grouped expert products of a 256-token step (128 experts of 384, top-8: 16 rows each), and
+//! the decode matrix-vector products (1 row), which read their weights once and so are
+//! measured against the bandwidth. Each figure is the median of several repetitions.
+//!
+//! `cargo bench --bench roofline`; `MOE_ROOFLINE_REPS` (default 7), `MOE_ROOFLINE_EXPERT_ROWS`
+//! (rows per expert group, default 16).
+
+use std::time::Instant;
+
+use half::bf16;
+use moe_node::compute::cpu::{Linear, SwiGlu, matmul_transposed};
+use moe_node::model::ExpertWeights;
+use moe_node::moe::run_expert_groups;
+use rayon::prelude::*;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Seconds of each of `reps` runs of `f`, after one warm-up run.
+fn timed(reps: usize, mut f: impl FnMut()) -> Vec<f64> {
+    f();
+    (0..reps)
+        .map(|_| {
+            let started = Instant::now();
+            f();
+            started.elapsed().as_secs_f64()
+        })
+        .collect()
+}
+
+/// Multiply-adds per call of [`fma_block`] per thread.
+const FMA_ITERS: usize = 1 << 22;
+/// Independent accumulators: enough to cover the FMA latency on two ports.
+const CHAINS: usize = 12;
+
+/// `FMA_ITERS` rounds of `CHAINS` independent 8-wide fused multiply-adds in registers.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn fma_block_avx2(seed: f32) -> f32 {
+    use std::arch::x86_64::*;
+    let a = _mm256_set1_ps(0.999_999);
+    let b = _mm256_set1_ps(1e-7);
+    let mut acc = [_mm256_set1_ps(seed); CHAINS];
+    for _ in 0..FMA_ITERS {
+        for v in acc.iter_mut() {
+            *v = _mm256_fmadd_ps(*v, a, b);
+        }
+    }
+    let mut sum = _mm256_setzero_ps();
+    for v in acc {
+        sum = _mm256_add_ps(sum, v);
+    }
+    let mut lanes = [0.0f32; 8];
+    // SAFETY: lanes holds 8 f32, the width of the store.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), sum) };
+    lanes.iter().sum()
+}
+
+/// The same with scalar fused multiply-adds, where AVX2 and FMA are absent.
+fn fma_block_portable(seed: f32) -> f32 {
+    let mut acc = [seed; CHAINS * 8];
+    for _ in 0..FMA_ITERS {
+        for v in acc.iter_mut() {
+            *v = v.mul_add(0.999_999, 1e-7);
+        }
+    }
+    acc.iter().sum()
+}
+
+/// (name, flops per call per thread, the block): AVX2 and FMA where the CPU has them.
+fn fma_kernel() -> (&'static str, f64, fn(f32) -> f32) {
+    let flops = (2 * FMA_ITERS * CHAINS * 8) as f64;
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU has AVX2 and FMA, the features the function is compiled for.
+        return ("AVX2 FMA, 8 lanes", flops, |s| unsafe { fma_block_avx2(s) });
+    }
+    ("scalar mul_add", flops, fma_block_portable)
+}
+
+fn random(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
+        })
+        .collect()
+}
+
+fn narrow(w: &[f32]) -> Vec<bf16> {
+    w.iter().map(|&v| bf16::from_f32(v)).collect()
+}
+
+fn main() {
+    let reps: usize = std::env::var("MOE_ROOFLINE_REPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(7);
+    let threads = rayon::current_num_threads();
+    println!(
+        "roofline: {threads} threads, {}",
+        moe_node::compute::cpu::kernel_path()
+    );
+
+    // Peak: every thread runs the register-resident block.
+    let (fma_name, flops_per_block, block) = fma_kernel();
+    let peak = median(
+        timed(reps, || {
+            let sum: f32 = (0..threads).into_par_iter().map(|t| block(t as f32)).sum();
+            std::hint::black_box(sum);
+        })
+        .into_iter()
+        .map(|s| flops_per_block * threads as f64 / s / 1e9)
+        .collect(),
+    );
+    println!("peak f32 ({fma_name}), all threads: {peak:.1} GFLOP/s");
+
+    // Bandwidth: every thread sums its share of a 1 GiB buffer.
+    let buffer = vec![1.0f32; 1 << 28];
+    let bandwidth = median(
+        timed(reps, || {
+            let sum: f32 = buffer
+                .par_chunks(1 << 20)
+                .map(|c| {
+                    // Independent lanes, so that the sum vectorises and is not bound by the
+                    // latency of one chain of additions.
+                    let lanes = c.chunks_exact(32).fold([0.0f32; 32], |mut acc, x| {
+                        for (a, v) in acc.iter_mut().zip(x) {
+                            *a += v;
+                        }
+                        acc
+                    });
+                    lanes.iter().sum::<f32>()
+                })
+                .sum();
+            std::hint::black_box(sum);
+        })
+        .into_iter()
+        .map(|s| (buffer.len() * 4) as f64 / s / 1e9)
+        .collect(),
+    );
+    drop(buffer);
+    println!("read bandwidth, all threads: {bandwidth:.1} GB/s");
+    println!();
+    println!(
+        "{:<52} {:>10} {:>12} {:>10}",
+        "product", "ms", "GFLOP/s", "of peak"
+    );
+
+    // Dense projections at prefill: q_proj [2048, 1024] over 256 rows, f32 and bf16 weights.
+    let (m, n, k) = (256, 2048, 1024);
+    let x = random(m * k, 1, 1.0);
+    let w = random(n * k, 2, 0.05);
+    let w_bf16 = narrow(&w);
+    let mut out = vec![0.0f32; m * n];
+    let flops = (2 * m * n * k) as f64;
+    let product = |name: &str, seconds: Vec<f64>, flops: f64| {
+        let s = median(seconds);
+        let rate = flops / s / 1e9;
+        println!(
+            "{name:<52} {:>10.3} {rate:>12.1} {:>9.0}%",
+            s * 1e3,
+            rate / peak * 100.0
+        );
+    };
+    product(
+        "dense [2048 x 1024] f32 weights, 256 rows",
+        timed(reps, || matmul_transposed(&x, m, k, &w, n, &mut out, true)),
+        flops,
+    );
+    product(
+        "dense [2048 x 1024] bf16 weights, 256 rows",
+        timed(reps, || {
+            matmul_transposed(&x, m, k, &w_bf16, n, &mut out, true)
+        }),
+        flops,
+    );
+
+    // The grouped expert products of a 256-token step: 128 experts of 384, 16 rows each.
+    let rows: usize = std::env::var("MOE_ROOFLINE_EXPERT_ROWS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(16);
+    let (experts, inter, hidden) = (128, 384, 1024);
+    let blocks: Vec<ExpertWeights> = (0..experts)
+        .map(|e| {
+            let linear = |o: usize, i: usize, seed: u64| {
+                Linear::without_bias(narrow(&random(o * i, seed, 0.05)), o, i)
+            };
+            ExpertWeights::Bf16(SwiGlu {
+                gate: linear(inter, hidden, 10 + 3 * e as u64),
+                up: linear(inter, hidden, 11 + 3 * e as u64),
+                down: linear(hidden, inter, 12 + 3 * e as u64),
+            })
+        })
+        .collect();
+    let inputs: Vec<Vec<f32>> = (0..experts)
+        .map(|e| random(rows * hidden, 1000 + e as u64, 1.0))
+        .collect();
+    let groups: Vec<(&ExpertWeights, &[f32])> = blocks
+        .iter()
+        .zip(&inputs)
+        .map(|(b, x)| (b, &x[..]))
+        .collect();
+    product(
+        &format!("128 experts [3 x 384 x 1024] bf16, {rows} rows each"),
+        timed(reps, || {
+            std::hint::black_box(run_expert_groups(&groups, hidden, true));
+        }),
+        (2 * experts * rows * 3 * inter * hidden) as f64,
+    );
+
+    // Decode: the output head [32000, 1024] times one row reads its weights once.
+    println!();
+    println!(
+        "{:<52} {:>10} {:>12} {:>10}",
+        "matrix-vector product (1 row)", "ms", "GB/s read", "of bw"
+    );
+    let (n, k) = (32000, 1024);
+    let w = random(n * k, 3, 0.05);
+    let w_bf16 = narrow(&w);
+    let x = random(k, 4, 1.0);
+    let mut out = vec![0.0f32; n];
+    let read = |name: &str, seconds: Vec<f64>, bytes: usize| {
+        let s = median(seconds);
+        let rate = bytes as f64 / s / 1e9;
+        println!(
+            "{name:<52} {:>10.3} {rate:>12.1} {:>9.0}%",
+            s * 1e3,
+            rate / bandwidth * 100.0
+        );
+    };
+    read(
+        "lm head [32000 x 1024] f32 weights",
+        timed(reps, || matmul_transposed(&x, 1, k, &w, n, &mut out, true)),
+        n * k * 4,
+    );
+    read(
+        "lm head [32000 x 1024] bf16 weights",
+        timed(reps, || {
+            matmul_transposed(&x, 1, k, &w_bf16, n, &mut out, true)
+        }),
+        n * k * 2,
+    );
+}
