@@ -13,6 +13,7 @@ this architecture, the router in f32; Q8_0 is 34 bytes per 32 weights, ~1.06 per
 
 import json
 import re
+import statistics
 import sys
 
 
@@ -86,24 +87,22 @@ def main():
           f" of {cfg['moe_intermediate_size']}, vocab {cfg['vocab_size']}")
     print()
     rows = [
-        ("decode, batch 1 (tok/s, median of 3)", "decode_tps"),
-        ("prefill, 512-token prompt (tok/s, median of 3)", "prefill_tps"),
-        ("8 concurrent x 64 tokens (tok/s)", "batch_tps"),
+        ("decode, batch 1 (tok/s)", "decode"),
+        ("prefill, 512-token prompt (tok/s)", "prefill"),
+        ("8 concurrent x 64 tokens (tok/s)", "batch"),
     ]
     for other, _ in others:
         name = other["label"]
-        print(f"{'':48} {'moe-node':>10} {name:>16} {'moe-node / ' + name:>24}")
+        print(f"{'':36} {'':6} {'moe-node':>10} {name:>16} {'moe-node / ' + name:>26}")
         for title, key in rows:
-            a, b = moe[key], other[key]
-            print(f"{title:48} {a:10.2f} {b:16.2f} {a / b:24.2f}")
+            for stat, f in (("median", statistics.median), ("best", max)):
+                a, b = f(moe[key + "_all"]), f(other[key + "_all"])
+                print(f"{title:36} {stat:6} {a:10.2f} {b:16.2f} {a / b:26.2f}")
         print()
-    for other, _ in others:
-        print(f"all repetitions: {other['label']}: decode "
-              + ", ".join(f"{x:.2f}" for x in other["decode_all"]) + "; prefill "
-              + ", ".join(f"{x:.1f}" for x in other["prefill_all"]))
-    print("all repetitions: moe-node: decode "
-          + ", ".join(f"{x:.2f}" for x in moe["decode_all"]) + "; prefill "
-          + ", ".join(f"{x:.1f}" for x in moe["prefill_all"]))
+    print("all repetitions (tok/s):")
+    for r in [moe] + [o for o, _ in others]:
+        print(f"  {r['label']:16} " + "; ".join(
+            f"{key} " + ", ".join(f"{x:.1f}" for x in r[key + "_all"]) for _, key in rows))
     print()
 
     # Same greedy output? (bf16 rounding differs between the engines, so a late divergence is
@@ -129,11 +128,12 @@ def main():
               f"(dense {g['dense'] / 2**20:.1f} MiB, active experts {g['experts'] / 2**20:.1f} MiB;"
               f" tensor types {g['types']})")
     print()
-    print("Decode bandwidth implied (bytes per token x tokens/s):")
-    print(f"  moe-node: {m['total'] * moe['decode_tps'] / 1e9:.2f} GB/s")
+    print("Decode bandwidth implied (bytes per token x decode tok/s, median / best):")
+    bw = lambda b, r: f"{b * statistics.median(r['decode_all']) / 1e9:.2f} / {b * max(r['decode_all']) / 1e9:.2f} GB/s"
+    print(f"  moe-node: {bw(m['total'], moe)}")
     for other, gguf in others:
         g = gguf_bytes(gguf, cfg)
-        print(f"  {other['label']}: {g['total'] * other['decode_tps'] / 1e9:.2f} GB/s")
+        print(f"  {other['label']}: {bw(g['total'], other)}")
 
 
 if __name__ == "__main__":

@@ -127,7 +127,9 @@ log "machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores, $(free -g
 log "llama.cpp: llama-cpp-python $VERSION sdist, $LLAMA_COMMIT; $("$LLAMA_SERVER" --version 2>&1 | grep -m1 version || true)"
 log "moe-node: $MOE_NODE built $(date -u -r "$MOE_NODE" '+%Y-%m-%d %H:%M:%S UTC'), repository at $(cd "$REPO" && git rev-parse --short HEAD)"
 
-log "moe-node serve"
+# The machine may be shared: say how busy it was before each server's run.
+busy() { echo "load average $(cut -d' ' -f1-3 /proc/loadavg); other processes on the CPUs: $(ps -eo pcpu=,comm= --sort=-pcpu | awk '$1 > 20 {printf "%s(%s%%) ", $2, $1}')"; }
+log "moe-node serve; $(busy)"
 RUST_LOG=warn "$MOE_NODE" serve --listen "127.0.0.1:$MOE_PORT" --model "$MODEL" > "$RES/moe-node.log" 2>&1 &
 SERVER_PID=$!
 wait_ready "http://127.0.0.1:$MOE_PORT/ready" "$RES/moe-node.log"
@@ -137,7 +139,7 @@ stop_server
 REPORT_ARGS=()
 for q in $QUANTS; do
     Q="$(echo "$q" | tr a-z A-Z)"
-    log "llama-server $Q"
+    log "llama-server $Q; $(busy)"
     # -np 8: 8 slots decode concurrently; --kv-unified: the slots share the 4096 context
     # (without it each slot gets 4096/8 = 512, too small for the 512-token prefill).
     "$LLAMA_SERVER" -m "$WORK/model-$q.gguf" -t "$THREADS" -tb "$THREADS" -c 4096 -np 8 --kv-unified \
