@@ -60,8 +60,8 @@ pub struct CpuExperts {
     hidden_size: usize,
 }
 
-/// The weights of a share of expert work, and its size (weight bytes times rows).
-pub type SharedWeights = (Vec<Arc<ExpertWeights>>, usize);
+/// The weights of a share of expert work, one handle per group.
+pub type SharedWeights = Vec<Arc<ExpertWeights>>;
 
 impl CpuExperts {
     fn new(experts: HashMap<(usize, u32), ExpertWeights>, hidden_size: usize) -> Self {
@@ -76,35 +76,29 @@ impl CpuExperts {
         }
     }
 
-    /// The weights of each `(expert, rows)` group of `layer` and the work (weight bytes
-    /// times rows, summed over the groups), unless the work is over `work_limit`: then
-    /// `None`. The lock is held only while the handles are copied.
+    /// The weights of each `(expert, rows)` group of `layer`. The lock is held only while
+    /// the handles are copied.
     fn weights_for(
         &self,
         layer: usize,
         groups: &[(u32, &[f32])],
-        work_limit: usize,
-    ) -> Option<Result<SharedWeights, TargetError>> {
+    ) -> Result<SharedWeights, TargetError> {
         let experts = self.experts.read().unwrap_or_else(PoisonError::into_inner);
-        let mut work = 0usize;
-        let mut held = Vec::with_capacity(groups.len());
-        for &(expert, input) in groups {
-            let Some(weights) = experts.get(&(layer, expert)) else {
-                return Some(Err(TargetError::NotHeld { layer, expert }));
-            };
-            let rows = input.len() / self.hidden_size.max(1);
-            work = work.saturating_add(weights.weight_bytes().saturating_mul(rows));
-            held.push(weights.clone());
-        }
-        (work <= work_limit).then_some(Ok((held, work)))
+        groups
+            .iter()
+            .map(|&(expert, _)| {
+                experts
+                    .get(&(layer, expert))
+                    .cloned()
+                    .ok_or(TargetError::NotHeld { layer, expert })
+            })
+            .collect()
     }
 
     /// Runs each `(expert, rows)` group of `layer` on the calling thread alone (a slot
     /// computes on its own thread: slots run side by side without contending for one pool).
     fn run(&self, layer: usize, groups: &[(u32, &[f32])]) -> GroupOutputs {
-        let (weights, _) = self
-            .weights_for(layer, groups, usize::MAX)
-            .unwrap_or_else(|| Err(TargetError::Failed("work over the limit".into())))?;
+        let weights = self.weights_for(layer, groups)?;
         let held: Vec<(&ExpertWeights, &[f32])> = weights
             .iter()
             .zip(groups)
@@ -296,14 +290,12 @@ impl DeviceHandle {
     }
 
     /// The weights of `(expert, rows)` groups of `layer`, for the calling thread to run
-    /// them (on the global pool, as the rest of a step), and their work (weight bytes times
-    /// rows), when this is a CPU slot in service and the work is at most `work_limit`;
+    /// them (on the global pool, as the rest of a step), when this is a CPU slot in service;
     /// `None` otherwise (send it to the actor). An error is what the actor would answer.
     pub fn weights_here(
         &self,
         layer: usize,
         groups: &[(u32, &[f32])],
-        work_limit: usize,
     ) -> Option<Result<SharedWeights, TargetError>> {
         let experts = self.cpu.as_ref()?;
         if !self.addr.connected() {
@@ -312,7 +304,7 @@ impl DeviceHandle {
                 self.id
             ))));
         }
-        experts.weights_for(layer, groups, work_limit)
+        Some(experts.weights_for(layer, groups))
     }
 }
 
