@@ -11,8 +11,8 @@
 
 use std::time::Instant;
 
-use half::bf16;
 use moe_node::compute::cpu::{Linear, SwiGlu, matmul_transposed};
+use moe_node::compute::cuda::experts::random_bf16;
 use moe_node::model::ExpertWeights;
 use moe_node::moe::run_expert_groups;
 use rayon::prelude::*;
@@ -84,20 +84,13 @@ fn fma_kernel() -> (&'static str, f64, fn(f32) -> f32) {
     ("scalar mul_add", flops, fma_block_portable)
 }
 
+/// `n` reproducible f32 values in `[-scale, scale)` (bf16 values, so that f32 and bf16
+/// weights hold the same numbers).
 fn random(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
-        })
+    random_bf16(n, seed, scale)
+        .iter()
+        .map(|v| v.to_f32())
         .collect()
-}
-
-fn narrow(w: &[f32]) -> Vec<bf16> {
-    w.iter().map(|&v| bf16::from_f32(v)).collect()
 }
 
 fn main() {
@@ -160,7 +153,7 @@ fn main() {
     let (m, n, k) = (256, 2048, 1024);
     let x = random(m * k, 1, 1.0);
     let w = random(n * k, 2, 0.05);
-    let w_bf16 = narrow(&w);
+    let w_bf16 = random_bf16(n * k, 2, 0.05);
     let mut out = vec![0.0f32; m * n];
     let flops = (2 * m * n * k) as f64;
     let product = |name: &str, seconds: Vec<f64>, flops: f64| {
@@ -194,7 +187,7 @@ fn main() {
     let blocks: Vec<ExpertWeights> = (0..experts)
         .map(|e| {
             let linear = |o: usize, i: usize, seed: u64| {
-                Linear::without_bias(narrow(&random(o * i, seed, 0.05)), o, i)
+                Linear::without_bias(random_bf16(o * i, seed, 0.05), o, i)
             };
             ExpertWeights::Bf16(SwiGlu {
                 gate: linear(inter, hidden, 10 + 3 * e as u64),
@@ -227,7 +220,7 @@ fn main() {
     );
     let (n, k) = (32000, 1024);
     let w = random(n * k, 3, 0.05);
-    let w_bf16 = narrow(&w);
+    let w_bf16 = random_bf16(n * k, 3, 0.05);
     let x = random(k, 4, 1.0);
     let mut out = vec![0.0f32; n];
     let read = |name: &str, seconds: Vec<f64>, bytes: usize| {
