@@ -591,13 +591,10 @@ fn linear_f32(
     out: usize,
     inp: usize,
 ) -> Result<Linear, ModelError> {
-    let weight = match quantized(ckpt, quant, prefix, out, inp)? {
-        Some(matrix) => matrix.widen(),
-        None => ckpt.read_f32(&format!("{prefix}.weight"), &[out, inp])?,
-    };
+    let stored = linear(ckpt, quant, prefix, out, inp)?;
     Ok(Linear {
-        weight,
-        bias: read_bias(ckpt, prefix, out)?,
+        weight: stored.widened().into_owned(),
+        bias: stored.bias().map(<[f32]>::to_vec),
         out_features: out,
         in_features: inp,
     })
