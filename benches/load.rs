@@ -5,7 +5,9 @@
 //! HTTP: what `benches/engine_step.rs` measures) right before each round, and quotes the
 //! server's time per token at concurrency 1 against the engine step of the same round
 //! (goal: at most 1.2x): the median of the rounds' ratios, as the machine's speed drifts
-//! between rounds. Beside it, the engine step with the experts on CPU device actors
+//! between rounds. The server's time per token is each request's time from its first token
+//! to its last over the tokens in between (median over requests), not the median gap
+//! between tokens, which reads low when the client takes two tokens in one read. Beside it, the engine step with the experts on CPU device actors
 //! reached through the dispatcher (as the server runs them, still without router and HTTP),
 //! which splits the server's overhead into the node's dispatch and the serving path.
 //!
@@ -80,12 +82,22 @@ fn start_server(bin: &str, model: &Path) -> (Server, String) {
     (Server(child), base)
 }
 
-/// One streamed request: time to first token, generated tokens, and the gaps between
-/// successive tokens.
+/// One streamed request: time to first token, generated tokens, the gaps between
+/// successive tokens, and the time from its first token to its last.
 struct Streamed {
     ttft: Duration,
     tokens: usize,
     gaps: Vec<Duration>,
+    decoding: Duration,
+}
+
+impl Streamed {
+    /// Milliseconds per token after the first: the request's decode time over the tokens it
+    /// decoded. Unlike the median gap, it cannot read low when the client receives two
+    /// tokens in one read (a gap of nearly zero, then a long one).
+    fn decode_ms_per_token(&self) -> Option<f64> {
+        (self.tokens > 1).then(|| self.decoding.as_secs_f64() * 1e3 / (self.tokens - 1) as f64)
+    }
 }
 
 fn stream_one(client: &Client, base: &str, seed: u32, max_tokens: usize) -> Streamed {
@@ -121,10 +133,12 @@ fn stream_one(client: &Client, base: &str, seed: u32, max_tokens: usize) -> Stre
             tokens += 1;
         }
     }
+    let ttft = first.unwrap_or_default();
     Streamed {
-        ttft: first.unwrap_or_default(),
+        ttft,
         tokens,
         gaps,
+        decoding: last.map_or(Duration::ZERO, |last| last - started - ttft),
     }
 }
 
@@ -137,6 +151,8 @@ struct Level {
     ttft_p90_ms: f64,
     /// Median time between two tokens of one stream.
     token_gap_median_ms: f64,
+    /// Median over requests of each request's decode time per token.
+    decode_ms_per_token: f64,
     requests: usize,
 }
 
@@ -187,6 +203,12 @@ fn run_level(base: &str, concurrency: usize, seconds: f64, max_tokens: usize) ->
         ttft_median_ms,
         ttft_p90_ms,
         token_gap_median_ms: median(&mut gaps),
+        decode_ms_per_token: median(
+            &mut all
+                .iter()
+                .filter_map(Streamed::decode_ms_per_token)
+                .collect::<Vec<_>>(),
+        ),
         requests: all.len(),
     }
 }
@@ -212,6 +234,7 @@ fn median_level(rounds: &[Level]) -> Level {
         ttft_median_ms: figure(|l| l.ttft_median_ms),
         ttft_p90_ms: figure(|l| l.ttft_p90_ms),
         token_gap_median_ms: figure(|l| l.token_gap_median_ms),
+        decode_ms_per_token: figure(|l| l.decode_ms_per_token),
         requests: rounds.iter().map(|l| l.requests).sum(),
     }
 }
@@ -300,8 +323,8 @@ fn main() {
                     .zip(&engine_rounds)
                     .map(|(level, (alone, through))| {
                         (
-                            level.token_gap_median_ms / alone,
-                            level.token_gap_median_ms / through,
+                            level.decode_ms_per_token / alone,
+                            level.decode_ms_per_token / through,
                         )
                     })
                     .collect()
@@ -312,25 +335,27 @@ fn main() {
         let c1 = levels.iter().find(|l| l.concurrency == 1);
         println!("{name}:");
         println!(
-            "{:>11} {:>9} {:>12} {:>15} {:>12} {:>14} {:>10}",
+            "{:>11} {:>9} {:>12} {:>15} {:>12} {:>14} {:>14} {:>10}",
             "concurrency",
             "requests",
             "tokens/s",
             "ttft median ms",
             "ttft p90 ms",
             "token gap ms",
+            "ms per token",
             "vs c=1"
         );
         for l in levels {
             let ratio = c1.map_or(f64::NAN, |b| l.tokens_per_second / b.tokens_per_second);
             println!(
-                "{:>11} {:>9} {:>12.1} {:>15.1} {:>12.1} {:>14.3} {:>9.2}x",
+                "{:>11} {:>9} {:>12.1} {:>15.1} {:>12.1} {:>14.3} {:>14.3} {:>9.2}x",
                 l.concurrency,
                 l.requests,
                 l.tokens_per_second,
                 l.ttft_median_ms,
                 l.ttft_p90_ms,
                 l.token_gap_median_ms,
+                l.decode_ms_per_token,
                 ratio
             );
         }

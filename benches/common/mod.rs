@@ -100,7 +100,7 @@ pub fn decode_steps_ms(engine: &Engine, batch: usize, iters: usize) -> Vec<f64> 
         .map(|(cache, tokens)| SequenceStep::new(cache, tokens))
         .collect();
     engine.forward(&mut prefill).expect("prefill");
-    let tokens: Vec<[u32; 1]> = (0..batch).map(|b| [(b as u32 * 13) % 250 + 1]).collect();
+    let mut tokens: Vec<[u32; 1]> = (0..batch).map(|b| [(b as u32 * 13) % 250 + 1]).collect();
     (0..iters)
         .map(|_| {
             let mut step: Vec<SequenceStep> = caches
@@ -109,10 +109,28 @@ pub fn decode_steps_ms(engine: &Engine, batch: usize, iters: usize) -> Vec<f64> 
                 .map(|(cache, tokens)| SequenceStep::new(cache, tokens))
                 .collect();
             let started = Instant::now();
-            engine.forward(&mut step).expect("decode step");
-            started.elapsed().as_secs_f64() * 1e3
+            let logits = engine.forward(&mut step).expect("decode step");
+            let took = started.elapsed().as_secs_f64() * 1e3;
+            // Each sequence goes on with its greedy token, as a served decode does: a step
+            // fed the same token again would route to the same experts every time and find
+            // their weights in cache, which no real decode does.
+            for (token, logits) in tokens.iter_mut().zip(&logits) {
+                token[0] = argmax(logits);
+            }
+            took
         })
         .collect()
+}
+
+/// The index of the largest of `values` (the greedy token of a row of logits).
+fn argmax(values: &[f32]) -> u32 {
+    values
+        .iter()
+        .enumerate()
+        .fold((0, f32::NEG_INFINITY), |best, (i, &v)| {
+            if v > best.1 { (i, v) } else { best }
+        })
+        .0 as u32
 }
 
 /// The median of `values` (NaN when empty).
