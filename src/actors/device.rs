@@ -6,6 +6,8 @@
 //! costs more than the work.
 
 use std::collections::{HashMap, HashSet};
+
+use rustc_hash::FxHashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, PoisonError, RwLock, mpsc};
 
@@ -56,7 +58,7 @@ enum Held {
 pub struct CpuExperts {
     /// Shared handles: work run from another thread copies the ones it needs and computes
     /// without the lock, so no product waits for a rebalance's write nor a write for a product.
-    experts: RwLock<HashMap<(usize, u32), Arc<ExpertWeights>>>,
+    experts: RwLock<FxHashMap<(usize, u32), Arc<ExpertWeights>>>,
     hidden_size: usize,
 }
 
@@ -107,7 +109,9 @@ impl CpuExperts {
         Ok(run_expert_groups(&held, self.hidden_size, false))
     }
 
-    fn write(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<(usize, u32), Arc<ExpertWeights>>> {
+    fn write(
+        &self,
+    ) -> std::sync::RwLockWriteGuard<'_, FxHashMap<(usize, u32), Arc<ExpertWeights>>> {
         self.experts.write().unwrap_or_else(PoisonError::into_inner)
     }
 

@@ -10,6 +10,8 @@
 //! [`assign_groups`]; this file carries it out and keeps the health it is fed.
 
 use std::collections::{HashMap, HashSet};
+
+use rustc_hash::FxHashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, mpsc};
 use std::time::{Duration, Instant};
@@ -230,7 +232,7 @@ pub struct Dispatcher {
     placement: RwLock<Arc<Placement>>,
     /// This node's index in the placement.
     local_node: RwLock<u16>,
-    health: Mutex<HashMap<Target, TargetHealth>>,
+    health: Mutex<FxHashMap<Target, TargetHealth>>,
     load: Arc<ExpertLoad>,
     hidden_size: usize,
     timing: DispatchTiming,
@@ -295,7 +297,7 @@ impl Dispatcher {
             remote: None,
             placement: RwLock::new(placement),
             local_node: RwLock::new(local_node),
-            health: Mutex::new(HashMap::new()),
+            health: Mutex::new(FxHashMap::default()),
             load,
             hidden_size,
             timing,
@@ -388,7 +390,7 @@ impl Dispatcher {
         *self.local_node.read().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn health(&self) -> std::sync::MutexGuard<'_, HashMap<Target, TargetHealth>> {
+    fn health(&self) -> std::sync::MutexGuard<'_, FxHashMap<Target, TargetHealth>> {
         self.health.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -460,7 +462,7 @@ impl Dispatcher {
     fn usable(
         &self,
         target: Target,
-        health: &HashMap<Target, TargetHealth>,
+        health: &FxHashMap<Target, TargetHealth>,
         alive_devices: &[bool],
         now: Instant,
     ) -> bool {
@@ -600,7 +602,7 @@ impl Dispatcher {
                         |i, r| failed_on[pending[i]].contains(&self.target_of(r, local_node)),
                     )
                 };
-                let mut per_target: HashMap<Target, Vec<usize>> = HashMap::new();
+                let mut per_target: FxHashMap<Target, Vec<usize>> = FxHashMap::default();
                 let mut unplaced = Vec::new();
                 for (&g, choice) in pending.iter().zip(&chosen) {
                     match choice {

@@ -328,7 +328,7 @@ pub fn assign_groups_among<'a>(
     health: impl Fn(Replica) -> ReplicaHealth,
     excluded: impl Fn(usize, Replica) -> bool,
 ) -> Vec<Option<Replica>> {
-    let mut step_rows: std::collections::HashMap<Replica, usize> = Default::default();
+    let mut step_rows: rustc_hash::FxHashMap<Replica, usize> = Default::default();
     let mut chosen = Vec::with_capacity(experts.len());
     for (i, &expert) in experts.iter().enumerate() {
         let candidates: Vec<(Replica, ReplicaHealth)> = replicas_of(expert)
