@@ -370,10 +370,10 @@ impl SharedOut {
 pub(crate) const FEW_ROWS: usize = 8;
 
 /// The same limit for weights held narrower than f32 (bf16), which the packed GEMM can only
-/// read after widening: the few-row kernel widens in registers and wins up to 16 rows
-/// (`benches/roofline.rs`, 128 bf16 experts of 384 x 1024 on 2 cores: 136 against 184 ms at
-/// 16 rows each, even at 24, 293 against 254 ms at 32).
-pub(crate) const FEW_ROWS_WIDENED: usize = 16;
+/// read after widening: the few-row tiles widen a few weight rows at a time and win up to 32
+/// rows (`benches/roofline.rs`, 128 bf16 experts of 384 x 1024 on 2 cores of an AVX-512
+/// Xeon: 106 against 120 ms at 32 rows each; at 48 rows 208 against 151).
+pub(crate) const FEW_ROWS_WIDENED: usize = 32;
 
 /// Output columns per parallel task in [`matmul_few_rows`].
 const COLUMNS_PER_TASK: usize = 32;
@@ -390,12 +390,218 @@ fn matmul_few_rows<W: WeightElement>(
     parallel: bool,
 ) {
     let columns = |first: usize, out_t: &mut [f32]| {
-        for (c, column) in out_t.chunks_exact_mut(m).enumerate() {
-            let row = &w[(first + c) * k..(first + c + 1) * k];
-            dot_rows(x, k, row, column);
-        }
+        let count = out_t.len() / m;
+        dot_tiles(x, m, k, &w[first * k..(first + count) * k], out_t);
     };
     few_rows_by_columns(m, k, out, parallel, columns);
+}
+
+/// Input rows of one register tile of [`dot_tiles`].
+const TILE_ROWS: usize = 4;
+
+/// Bytes of input rows one pass of [`dot_tiles`] keeps in L1 (of 32 KiB or more): the
+/// products run over slices of `k` short enough that every input row's slice fits.
+const TILE_INPUT_BYTES: usize = 24 * 1024;
+
+thread_local! {
+    /// The widened weights of one column tile of [`dot_tiles`] (bf16, FP8, ... as f32).
+    static TILE_WEIGHTS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// `out_t[c * m + i] = x[i] · w[c]` for the `m` rows of `x` and each of the `out_t.len() / m`
+/// rows of `w` (all `k` wide): the few-row product, output-transposed. Tiles of four input
+/// rows and several weight rows keep their sums in registers, so that each load feeds several
+/// multiply-adds, where [`dot_rows`] (one weight row at a time) loads an input value for every
+/// multiply-add and stays near half the peak. The products run over slices of `k` whose input
+/// rows fit L1 together; a tile's weight slices are widened once into a buffer that serves
+/// every input row. Below four rows, and where the CPU has neither AVX-512 nor AVX2 with FMA,
+/// every column goes through [`dot_rows`], as do the rows and columns left over by the tiles.
+pub(crate) fn dot_tiles<W: WeightElement>(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    w: &[W],
+    out_t: &mut [f32],
+) {
+    let n = out_t.len() / m;
+    let kernel = if m < TILE_ROWS {
+        None
+    } else {
+        TileKernel::detect()
+    };
+    let columns = kernel.map_or(0, TileKernel::columns);
+    let tiled_rows = m / TILE_ROWS * TILE_ROWS;
+    let tiled_columns = n.checked_div(columns).map_or(0, |tiles| tiles * columns);
+    // Rows and columns outside the tiles, whole.
+    for (c, column) in out_t.chunks_exact_mut(m).enumerate() {
+        let weights = &w[c * k..][..k];
+        if c >= tiled_columns {
+            dot_rows(x, k, weights, column);
+        } else if tiled_rows < m {
+            dot_rows(&x[tiled_rows * k..], k, weights, &mut column[tiled_rows..]);
+        }
+    }
+    let Some(kernel) = kernel else { return };
+    let slice = (TILE_INPUT_BYTES / (4 * m)).max(64) / 16 * 16;
+    TILE_WEIGHTS.with(|buffer| {
+        let mut buffer = buffer.borrow_mut();
+        for from in (0..k).step_by(slice) {
+            let len = slice.min(k - from);
+            for first in (0..tiled_columns).step_by(columns) {
+                buffer.clear();
+                for c in first..first + columns {
+                    buffer.extend(w[c * k + from..][..len].iter().map(|v| v.to_f32()));
+                }
+                for i in (0..tiled_rows).step_by(TILE_ROWS) {
+                    let sums = kernel.tile(&x[i * k + from..], k, &buffer, len);
+                    for c in 0..columns {
+                        let out = &mut out_t[(first + c) * m + i..][..TILE_ROWS];
+                        for (o, sum) in out.iter_mut().zip(&sums[c * TILE_ROWS..]) {
+                            *o = if from == 0 { *sum } else { *o + sum };
+                        }
+                    }
+                }
+            }
+        }
+    });
+}
+
+/// The register tiles this CPU can run.
+#[derive(Clone, Copy)]
+enum TileKernel {
+    /// Four weight rows by four input rows of 16 lanes: 16 of the 32 registers accumulate.
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+    /// Three weight rows by four input rows of 8 lanes: 12 of the 16 registers accumulate.
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+}
+
+impl TileKernel {
+    fn detect() -> Option<TileKernel> {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                return Some(TileKernel::Avx512);
+            }
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                return Some(TileKernel::Avx2);
+            }
+        }
+        None
+    }
+
+    /// Weight rows per tile.
+    fn columns(self) -> usize {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            TileKernel::Avx512 => 4,
+            #[cfg(target_arch = "x86_64")]
+            TileKernel::Avx2 => 3,
+        }
+    }
+
+    /// `sums[c * TILE_ROWS + r] = x[r * stride..][..len] · w[c * len..][..len]`: the
+    /// products of [`TILE_ROWS`] input rows (`stride` apart in `x`) with `columns()` weight
+    /// rows (packed in `w`), over `len` values each.
+    fn tile(self, x: &[f32], stride: usize, w: &[f32], len: usize) -> [f32; 16] {
+        assert!(
+            len <= stride && x.len() >= (TILE_ROWS - 1) * stride + len,
+            "tile input rows"
+        );
+        assert_eq!(w.len(), self.columns() * len, "tile weight rows");
+        match self {
+            // SAFETY: detect() saw AVX-512F; the asserts above bound every row it reads.
+            #[cfg(target_arch = "x86_64")]
+            TileKernel::Avx512 => unsafe { tile_avx512(x, stride, w, len) },
+            // SAFETY: detect() saw AVX2 and FMA; the asserts above bound every row it reads.
+            #[cfg(target_arch = "x86_64")]
+            TileKernel::Avx2 => unsafe { tile_avx2(x, stride, w, len) },
+        }
+    }
+}
+
+/// [`TileKernel::tile`] with AVX-512: 4 weight rows by 4 input rows, 16 lanes; the last
+/// partial chunk of `len` is read with masked loads.
+///
+/// # Safety
+/// The CPU has AVX-512F; `x` holds [`TILE_ROWS`] rows of `len` values `stride` apart and `w`
+/// four rows of `len` values, packed.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn tile_avx512(x: &[f32], stride: usize, w: &[f32], len: usize) -> [f32; 16] {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm512_setzero_ps(); 16];
+    let (x, w) = (x.as_ptr(), w.as_ptr());
+    // One chunk of 16 lanes at `at` of every row, each read by `$load(pointer)`.
+    macro_rules! chunk {
+        ($at:expr, $load:expr) => {{
+            // SAFETY: the rows hold `len` values (the caller's contract); `$at` addresses a
+            // whole chunk below `len`, or the last, partial one, read through a mask.
+            let wv: [__m512; 4] = std::array::from_fn(|c| unsafe { $load(w.add(c * len + $at)) });
+            for r in 0..TILE_ROWS {
+                let xv = unsafe { $load(x.add(r * stride + $at)) };
+                for c in 0..4 {
+                    acc[c * TILE_ROWS + r] = _mm512_fmadd_ps(xv, wv[c], acc[c * TILE_ROWS + r]);
+                }
+            }
+        }};
+    }
+    let whole = len / 16 * 16;
+    for at in (0..whole).step_by(16) {
+        chunk!(at, |p| _mm512_loadu_ps(p));
+    }
+    if whole < len {
+        let mask: __mmask16 = (1u16 << (len - whole)) - 1;
+        chunk!(whole, |p| _mm512_maskz_loadu_ps(mask, p));
+    }
+    let mut sums = [0.0f32; 16];
+    for (s, v) in sums.iter_mut().zip(acc) {
+        *s = _mm512_reduce_add_ps(v);
+    }
+    sums
+}
+
+/// [`TileKernel::tile`] with AVX2 and FMA: 3 weight rows by 4 input rows, 8 lanes; the last
+/// partial chunk of `len` is summed in scalars.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; `x` holds [`TILE_ROWS`] rows of `len` values `stride` apart and
+/// `w` three rows of `len` values, packed.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn tile_avx2(x: &[f32], stride: usize, w: &[f32], len: usize) -> [f32; 16] {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm256_setzero_ps(); 12];
+    let whole = len / 8 * 8;
+    let (xp, wp) = (x.as_ptr(), w.as_ptr());
+    for at in (0..whole).step_by(8) {
+        // SAFETY: every row holds 8 values from `at` (at + 8 <= whole <= len).
+        let wv: [__m256; 3] =
+            std::array::from_fn(|c| unsafe { _mm256_loadu_ps(wp.add(c * len + at)) });
+        for r in 0..TILE_ROWS {
+            // SAFETY: as above, for the input rows.
+            let xv = unsafe { _mm256_loadu_ps(xp.add(r * stride + at)) };
+            for c in 0..3 {
+                acc[c * TILE_ROWS + r] = _mm256_fmadd_ps(xv, wv[c], acc[c * TILE_ROWS + r]);
+            }
+        }
+    }
+    let mut sums = [0.0f32; 16];
+    for c in 0..3 {
+        for r in 0..TILE_ROWS {
+            let mut lanes = [0.0f32; 8];
+            // SAFETY: lanes holds 8 f32, the width of the store.
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[c * TILE_ROWS + r]) };
+            let tail: f32 = (whole..len)
+                .map(|q| x[r * stride + q] * w[c * len + q])
+                .sum();
+            sums[c * TILE_ROWS + r] = lanes.iter().sum::<f32>() + tail;
+        }
+    }
+    sums
 }
 
 /// The frame of a few-row product `out [m, n]` with `k`-wide inputs: `columns(first, block)`
@@ -644,6 +850,81 @@ pub(crate) mod tests {
                     let mut out = vec![f32::NAN; m * n];
                     matmul_transposed(&x, m, k, &w, n, &mut out, parallel);
                     assert!(close(&out, &expected), "k={k} n={n} m={m} {parallel}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn few_row_tiles_match_the_naive_product_at_every_edge() {
+        // Rows left over by the tiles of four (5, 7, 33), weight rows left over by the tiles
+        // of three or four (10), inputs that leave a partial chunk of lanes (37, 1000), and
+        // inputs long enough to be cut into several slices at 33 rows (1000).
+        for (m, k, n) in [
+            (4, 16, 4),
+            (5, 37, 10),
+            (7, 64, 9),
+            (16, 1000, 12),
+            (33, 1000, 10),
+        ] {
+            let x: Vec<f32> = (0..m * k)
+                .map(|i| ((i * 7 % 23) as f32 - 11.0) / 8.0)
+                .collect();
+            let w: Vec<bf16> = (0..n * k)
+                .map(|i| bf16::from_f32(((i * 5 % 19) as f32 - 9.0) / 16.0))
+                .collect();
+            let wide: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
+            let expected = naive(&x, m, k, &wide, n);
+            let mut out_t = vec![0.0f32; n * m];
+            dot_tiles(&x, m, k, &w, &mut out_t);
+            for i in 0..m {
+                for j in 0..n {
+                    let (got, want) = (out_t[j * m + i], expected[i * n + j]);
+                    assert!(
+                        (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                        "({m}, {k}, {n}) at row {i}, column {j}: {got} against {want}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_tile_kernel_the_cpu_has_computes_its_tile() {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let mut kernels = Vec::new();
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                kernels.push(TileKernel::Avx512);
+            }
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                kernels.push(TileKernel::Avx2);
+            }
+            if kernels.is_empty() {
+                eprintln!("skipped: this CPU has neither AVX-512 nor AVX2 with FMA");
+            }
+            for kernel in kernels {
+                let c = kernel.columns();
+                for len in [8, 16, 37, 100] {
+                    let stride = len + 3;
+                    let x: Vec<f32> = (0..TILE_ROWS * stride)
+                        .map(|i| (i % 13) as f32 - 6.0)
+                        .collect();
+                    let w: Vec<f32> = (0..c * len).map(|i| (i % 7) as f32 * 0.5 - 1.5).collect();
+                    let sums = kernel.tile(&x, stride, &w, len);
+                    for col in 0..c {
+                        for r in 0..TILE_ROWS {
+                            let want: f32 =
+                                (0..len).map(|q| x[r * stride + q] * w[col * len + q]).sum();
+                            assert_eq!(
+                                sums[col * TILE_ROWS + r],
+                                want,
+                                "column {col}, row {r}, {len} values"
+                            );
+                        }
+                    }
                 }
             }
         }
