@@ -43,63 +43,63 @@ const FMA_ITERS: usize = 1 << 22;
 /// Independent accumulators: enough to cover the FMA latency on two ports.
 const CHAINS: usize = 12;
 
-/// `FMA_ITERS` rounds of `CHAINS` independent 8-wide fused multiply-adds in registers.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn fma_block_avx2(seed: f32) -> f32 {
-    use std::arch::x86_64::*;
-    let a = _mm256_set1_ps(0.999_999);
-    let b = _mm256_set1_ps(1e-7);
-    let mut acc = [_mm256_set1_ps(seed); CHAINS];
-    for _ in 0..FMA_ITERS {
-        for v in acc.iter_mut() {
-            *v = _mm256_fmadd_ps(*v, a, b);
+/// A function `$name(seed) -> f32` running `FMA_ITERS` rounds of `CHAINS` independent
+/// accumulators in registers, `*v = $step(*v)` each (with `$setup` in scope), compiled for
+/// `$features`; `$sum(v)` reduces one accumulator at the end.
+macro_rules! peak_block {
+    ($(#[$doc:meta])* $name:ident, $features:literal, |$seed:ident| $init:expr,
+     { $($setup:tt)* }, |$v:ident| $step:expr, |$r:ident| $sum:expr) => {
+        $(#[$doc])*
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $features)]
+        fn $name($seed: f32) -> f32 {
+            use std::arch::x86_64::*;
+            $($setup)*
+            let mut acc = [$init; CHAINS];
+            for _ in 0..FMA_ITERS {
+                for $v in acc.iter_mut() {
+                    *$v = $step;
+                }
+            }
+            acc.iter().map(|&$r| $sum).sum()
         }
-    }
-    let mut sum = _mm256_setzero_ps();
-    for v in acc {
-        sum = _mm256_add_ps(sum, v);
-    }
-    let mut lanes = [0.0f32; 8];
-    // SAFETY: lanes holds 8 f32, the width of the store.
-    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), sum) };
-    lanes.iter().sum()
+    };
 }
 
-/// The same with 16-lane AVX-512 fused multiply-adds.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-fn fma_block_avx512(seed: f32) -> f32 {
-    use std::arch::x86_64::*;
-    let a = _mm512_set1_ps(0.999_999);
-    let b = _mm512_set1_ps(1e-7);
-    let mut acc = [_mm512_set1_ps(seed); CHAINS];
-    for _ in 0..FMA_ITERS {
-        for v in acc.iter_mut() {
-            *v = _mm512_fmadd_ps(*v, a, b);
-        }
+peak_block!(
+    /// 8-wide AVX2 fused multiply-adds.
+    fma_block_avx2, "avx2,fma", |seed| _mm256_set1_ps(seed),
+    { let (a, b) = (_mm256_set1_ps(0.999_999), _mm256_set1_ps(1e-7)); },
+    |v| _mm256_fmadd_ps(*v, a, b),
+    |r| {
+        let mut lanes = [0.0f32; 8];
+        // SAFETY: lanes holds 8 f32, the width of the store.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), r) };
+        lanes.iter().sum::<f32>()
     }
-    acc.iter().map(|&v| _mm512_reduce_add_ps(v)).sum()
-}
+);
 
-/// The same with AVX512_BF16 dot products (`vdpbf16ps`: 16 lanes, each adding the products
-/// of two bf16 pairs), the native bf16 instruction issue 17 asks about: a product of them
-/// would have to round its f32 inputs to bf16 (or split each into two bf16 halves to stay
-/// exact, twice the instructions), so it pays only where it runs at twice the FMA rate.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bf16")]
-fn dpbf16_block(seed: f32) -> f32 {
-    use std::arch::x86_64::*;
-    let a = _mm512_cvtne2ps_pbh(_mm512_set1_ps(0.999), _mm512_set1_ps(0.5));
-    let b = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1e-7), _mm512_set1_ps(1e-7));
-    let mut acc = [_mm512_set1_ps(seed); CHAINS];
-    for _ in 0..FMA_ITERS {
-        for v in acc.iter_mut() {
-            *v = _mm512_dpbf16_ps(*v, a, b);
-        }
-    }
-    acc.iter().map(|&v| _mm512_reduce_add_ps(v)).sum()
-}
+peak_block!(
+    /// 16-wide AVX-512 fused multiply-adds.
+    fma_block_avx512, "avx512f", |seed| _mm512_set1_ps(seed),
+    { let (a, b) = (_mm512_set1_ps(0.999_999), _mm512_set1_ps(1e-7)); },
+    |v| _mm512_fmadd_ps(*v, a, b),
+    |r| _mm512_reduce_add_ps(r)
+);
+
+peak_block!(
+    /// AVX512_BF16 dot products (`vdpbf16ps`: 16 lanes, each adding the products of two bf16
+    /// pairs), the native bf16 instruction issue 17 asks about: a product of them would have
+    /// to round its f32 inputs to bf16 (or split each into two bf16 halves to stay exact,
+    /// twice the instructions), so it pays only where it runs at twice the FMA rate.
+    dpbf16_block, "avx512f,avx512bf16", |seed| _mm512_set1_ps(seed),
+    {
+        let a = _mm512_cvtne2ps_pbh(_mm512_set1_ps(0.999), _mm512_set1_ps(0.5));
+        let b = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1e-7), _mm512_set1_ps(1e-7));
+    },
+    |v| _mm512_dpbf16_ps(*v, a, b),
+    |r| _mm512_reduce_add_ps(r)
+);
 
 /// The same with scalar fused multiply-adds, where AVX2 and FMA are absent.
 fn fma_block_portable(seed: f32) -> f32 {
@@ -241,7 +241,8 @@ fn main() {
     let w_bf16 = random_bf16(n * k, 2, 0.05);
     let mut out = vec![0.0f32; m * n];
     let flops = (2 * m * n * k) as f64;
-    let product = |name: &str, seconds: Vec<f64>, flops: f64| {
+    // One product's line: time, rate, and the rate against `peak`.
+    let product = |name: &str, seconds: Vec<f64>, flops: f64, peak: f64| {
         let s = median(seconds);
         let rate = flops / s / 1e9;
         println!(
@@ -254,6 +255,7 @@ fn main() {
         "dense [2048 x 1024] f32 weights, 256 rows",
         timed(reps, || matmul_transposed(&x, m, k, &w, n, &mut out, true)),
         flops,
+        peak,
     );
     product(
         "dense [2048 x 1024] bf16 weights, 256 rows",
@@ -261,6 +263,7 @@ fn main() {
             matmul_transposed(&x, m, k, &w_bf16, n, &mut out, true)
         }),
         flops,
+        peak,
     );
 
     // The grouped expert products of a 256-token step: 128 experts of 384, 16 rows each.
@@ -290,21 +293,13 @@ fn main() {
         .map(|(b, x)| (b, &x[..]))
         .collect();
     println!("grouped experts, against the {tile_name} peak:");
-    let product = |name: &str, seconds: Vec<f64>, flops: f64| {
-        let s = median(seconds);
-        let rate = flops / s / 1e9;
-        println!(
-            "{name:<52} {:>10.3} {rate:>12.1} {:>9.0}%",
-            s * 1e3,
-            rate / tile_peak * 100.0
-        );
-    };
     product(
         &format!("128 experts [3 x 384 x 1024] bf16, {rows} rows each"),
         timed(reps, || {
             std::hint::black_box(run_expert_groups(&groups, hidden, true));
         }),
         (2 * experts * rows * 3 * inter * hidden) as f64,
+        tile_peak,
     );
 
     // Decode: the output head [32000, 1024] times one row reads its weights once.
