@@ -14,8 +14,10 @@ const PARALLEL_MIN_FLOPS: usize = 1 << 18;
 
 /// The instruction set the CPU kernels run with on this machine, as their run-time dispatch
 /// (`multiversion`, the first of the kernels' targets whose features the CPU has) picks it,
-/// and the native bf16 instructions the CPU offers, which no kernel uses yet: products widen
-/// bf16, FP8 and INT4 weights to f32 in registers and accumulate in f32.
+/// the register tiles of products of 4 to 32 rows (`dot_tiles`), and the native bf16
+/// instructions the CPU offers, which no kernel uses: products widen bf16, FP8 and INT4
+/// weights to f32 and accumulate in f32 (`benches/roofline.rs` measures why: on the Xeon it
+/// ran on, `vdpbf16ps` runs at half the AVX-512 FMA rate).
 pub fn kernel_path() -> String {
     #[cfg(target_arch = "x86_64")]
     {
@@ -38,11 +40,20 @@ pub fn kernel_path() -> String {
         } else {
             "the CPU has no AVX512_BF16"
         };
-        format!("{path}; weights widened to f32 in registers ({bf16})")
+        let tiles = if std::arch::is_x86_feature_detected!("avx512f") {
+            "AVX-512"
+        } else if std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+        {
+            "AVX2"
+        } else {
+            "none: one weight row at a time"
+        };
+        format!("{path}; few-row tiles {tiles}; weights widened to f32 as they are loaded ({bf16})")
     }
     #[cfg(target_arch = "aarch64")]
     {
-        "NEON with FMA; weights widened to f32 in registers".to_string()
+        "NEON with FMA; weights widened to f32 as they are loaded".to_string()
     }
     #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
     {
