@@ -40,15 +40,7 @@ pub fn kernel_path() -> String {
         } else {
             "the CPU has no AVX512_BF16"
         };
-        let tiles = if std::arch::is_x86_feature_detected!("avx512f") {
-            "AVX-512"
-        } else if std::arch::is_x86_feature_detected!("avx2")
-            && std::arch::is_x86_feature_detected!("fma")
-        {
-            "AVX2"
-        } else {
-            "none: one weight row at a time"
-        };
+        let tiles = TileKernel::detect().map_or("none: one weight row at a time", TileKernel::name);
         format!("{path}; few-row tiles {tiles}; weights widened to f32 as they are loaded ({bf16})")
     }
     #[cfg(target_arch = "aarch64")]
@@ -502,6 +494,16 @@ impl TileKernel {
             }
         }
         None
+    }
+
+    /// The instruction set, as `moe-node devices` names it.
+    fn name(self) -> &'static str {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            TileKernel::Avx512 => "AVX-512",
+            #[cfg(target_arch = "x86_64")]
+            TileKernel::Avx2 => "AVX2",
+        }
     }
 
     /// Weight rows per tile.
