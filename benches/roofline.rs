@@ -5,16 +5,22 @@
 //! grouped expert products of a 256-token step (128 experts of 384, top-8: 16 rows each), and
 //! the decode matrix-vector products (1 row), which read their weights once and so are
 //! measured against the bandwidth (eight heads in turn, more than a last-level cache holds).
+//! Then decode steps through a Kimi K3-like layer's experts held in bf16, FP8 and INT4, one
+//! row through 16 experts at a time, against the bandwidth and against bf16 (issue 16).
 //! The grouped expert products are measured against the peak of the widest fused
 //! multiply-adds the CPU has (their few-row tiles use AVX-512 where present), the dense
 //! products against AVX2's (the `gemm` crate's packed kernels on stable Rust). Each figure is
 //! the median of several repetitions.
 //!
 //! `cargo bench --bench roofline`; `MOE_ROOFLINE_REPS` (default 7), `MOE_ROOFLINE_EXPERT_ROWS`
-//! (rows per expert group, default 16).
+//! (rows per expert group, default 16), `MOE_ROOFLINE_EXPERT_BYTES` (bytes of experts per
+//! format in the decode lines, default 768 MiB; a few MiB leave them in cache).
 
 use std::time::Instant;
 
+mod common;
+
+use common::quantize::{quantize, to_bf16, to_fp8, to_int4};
 use moe_node::compute::cpu::{Linear, SwiGlu, matmul_transposed};
 use moe_node::compute::cuda::experts::random_bf16;
 use moe_node::model::ExpertWeights;
@@ -202,25 +208,16 @@ fn main() {
     let peak = peaks[0].1;
     let (tile_name, tile_peak) = peaks[widths - 1];
 
-    // Bandwidth: every thread sums its share of a 1 GiB buffer.
-    let buffer = vec![1.0f32; 1 << 28];
+    // Bandwidth: a 1 GiB f32 matrix times one row through the engine's decode kernel, whose
+    // one multiply-add per 4 bytes leaves it bound by reading (a plain sum written here
+    // compiled for the baseline x86-64, SSE, and read 20-30% less).
+    let (bw_rows, bw_k) = (1usize << 18, 1024);
+    let buffer: Vec<f32> = (0..bw_rows * bw_k).map(|i| (i % 7) as f32).collect();
+    let ones = vec![1.0f32; bw_k];
+    let mut sums = vec![0.0f32; bw_rows];
     let bandwidth = median(
         timed(reps, || {
-            let sum: f32 = buffer
-                .par_chunks(1 << 20)
-                .map(|c| {
-                    // Independent lanes, so that the sum vectorises and is not bound by the
-                    // latency of one chain of additions.
-                    let lanes = c.chunks_exact(32).fold([0.0f32; 32], |mut acc, x| {
-                        for (a, v) in acc.iter_mut().zip(x) {
-                            *a += v;
-                        }
-                        acc
-                    });
-                    lanes.iter().sum::<f32>()
-                })
-                .sum();
-            std::hint::black_box(sum);
+            matmul_transposed(&ones, 1, bw_k, &buffer, bw_rows, &mut sums, true)
         })
         .into_iter()
         .map(|s| (buffer.len() * 4) as f64 / s / 1e9)
@@ -345,4 +342,81 @@ fn main() {
         }),
         heads as usize * n * k * 2,
     );
+    drop(w_bf16);
+    expert_decode(reps, bandwidth);
+}
+
+/// Decode steps through the experts of a Kimi K3-like layer (hidden 1024, expert
+/// intermediate 256, top-16): one row through 16 experts at a time on the pool, as a 1-token
+/// step runs them, with the experts held in bf16, FP8 e4m3 ([128, 128] block scales) and
+/// INT4 (a scale per 32), each format filling 768 MiB so that every step reads its experts
+/// from memory. Issue 16's goal: FP8 close to 2x bf16, INT4 close to 4x.
+fn expert_decode(reps: usize, bandwidth: f64) {
+    const HIDDEN: usize = 1024;
+    const INTER: usize = 256;
+    const TOP_K: usize = 16;
+    let bytes: usize = std::env::var("MOE_ROOFLINE_EXPERT_BYTES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(768 << 20);
+    println!();
+    println!(
+        "{:<52} {:>10} {:>12} {:>10} {:>8}",
+        "decode step, 1 row through 16 experts", "ms", "GB/s read", "of bw", "vs bf16"
+    );
+    // A few distinct experts quantized as the published tools do, copied to fill the bytes.
+    let distinct: Vec<SwiGlu> = (0..32u64)
+        .map(|e| {
+            let linear = |o: usize, i: usize, seed: u64| {
+                Linear::without_bias(random(o * i, seed, 0.05), o, i)
+            };
+            SwiGlu {
+                gate: linear(INTER, HIDDEN, 100 + 3 * e),
+                up: linear(INTER, HIDDEN, 101 + 3 * e),
+                down: linear(HIDDEN, INTER, 102 + 3 * e),
+            }
+        })
+        .collect();
+    type Hold = fn(&SwiGlu) -> ExpertWeights;
+    let formats: [(&str, Hold); 3] = [
+        ("bf16", |e| ExpertWeights::Bf16(to_bf16(e))),
+        ("fp8", |e| ExpertWeights::Quantized(quantize(e, to_fp8))),
+        ("int4", |e| ExpertWeights::Quantized(quantize(e, to_int4))),
+    ];
+    let x = random(TOP_K * HIDDEN, 5, 1.0);
+    let sets: Vec<(&str, Vec<ExpertWeights>)> = formats
+        .iter()
+        .map(|(name, hold)| {
+            let held: Vec<ExpertWeights> = distinct.iter().map(hold).collect();
+            let count = bytes.div_ceil(held[0].weight_bytes()) / TOP_K * TOP_K;
+            (*name, held.iter().cycle().take(count).cloned().collect())
+        })
+        .collect();
+    // One pass over every format in turn per repetition, so that each sees the same noise
+    // (on a shared machine, others' memory traffic comes and goes).
+    let mut seconds = vec![Vec::new(); sets.len()];
+    for _ in 0..=reps {
+        for ((_, experts), times) in sets.iter().zip(&mut seconds) {
+            let started = Instant::now();
+            for step in experts.chunks_exact(TOP_K) {
+                let groups: Vec<(&ExpertWeights, &[f32])> =
+                    step.iter().zip(x.chunks_exact(HIDDEN)).collect();
+                std::hint::black_box(run_expert_groups(&groups, HIDDEN, true));
+            }
+            times.push(started.elapsed().as_secs_f64() / (experts.len() / TOP_K) as f64);
+        }
+    }
+    let mut bf16_step = None;
+    for ((name, experts), mut times) in sets.iter().zip(seconds) {
+        times.remove(0); // the warm-up pass
+        let s = median(times);
+        let rate = (TOP_K * experts[0].weight_bytes()) as f64 / s / 1e9;
+        let against = *bf16_step.get_or_insert(s) / s;
+        println!(
+            "{:<52} {:>10.3} {rate:>12.1} {:>9.0}% {against:>7.2}x",
+            format!("{} {name} experts [3 x {INTER} x {HIDDEN}]", experts.len()),
+            s * 1e3,
+            rate / bandwidth * 100.0
+        );
+    }
 }

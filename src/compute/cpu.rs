@@ -41,7 +41,15 @@ pub fn kernel_path() -> String {
             "the CPU has no AVX512_BF16"
         };
         let tiles = TileKernel::detect().map_or("none: one weight row at a time", TileKernel::name);
-        format!("{path}; few-row tiles {tiles}; weights widened to f32 as they are loaded ({bf16})")
+        let decode = if decode_kernel_available() {
+            "AVX-512, four weight rows a pass"
+        } else {
+            "one weight row at a time"
+        };
+        format!(
+            "{path}; few-row tiles {tiles}; decode rows {decode}; weights widened to f32 as they \
+             are loaded ({bf16})"
+        )
     }
     #[cfg(target_arch = "aarch64")]
     {
@@ -60,14 +68,29 @@ pub trait WeightElement: Copy + Send + Sync + std::fmt::Debug + 'static {
     /// Whether the element is f32 already (products read it as it is, without widening).
     const IS_F32: bool = false;
 
+    /// How the element is stored, for the kernels that decode it with explicit vector
+    /// instructions ([`Stored::Other`]: only through [`WeightElement::to_f32`]).
+    const STORED: Stored = Stored::Other;
+
     fn to_f32(self) -> f32;
 
     /// The matrix as f32, borrowed when it already is.
     fn widen(weights: &[Self]) -> Cow<'_, [f32]>;
 }
 
+/// The stored forms the explicit vector kernels decode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stored {
+    F32,
+    Bf16,
+    /// FP8 e4m3fn, unscaled.
+    E4m3,
+    Other,
+}
+
 impl WeightElement for f32 {
     const IS_F32: bool = true;
+    const STORED: Stored = Stored::F32;
 
     #[inline(always)]
     fn to_f32(self) -> f32 {
@@ -80,6 +103,8 @@ impl WeightElement for f32 {
 }
 
 impl WeightElement for bf16 {
+    const STORED: Stored = Stored::Bf16;
+
     #[inline(always)]
     fn to_f32(self) -> f32 {
         // bf16 is the top half of an f32: widening is a shift, which vectorises.
@@ -426,6 +451,9 @@ pub(crate) fn dot_tiles<W: WeightElement>(
     w: &[W],
     out_t: &mut [f32],
 ) {
+    if m < TILE_ROWS && dot_few_rows(x, m, k, w, out_t) {
+        return;
+    }
     let n = out_t.len() / m;
     let kernel = if m < TILE_ROWS {
         None
@@ -617,6 +645,150 @@ unsafe fn tile_avx2(x: &[f32], stride: usize, w: &[f32], len: usize) -> [f32; 16
     sums
 }
 
+/// `out_t[c * m + r] = x[r] · w[c]` for one to three input rows (decode) through the
+/// explicit AVX-512 kernel [`rows_avx512`], where the CPU has AVX-512 (F, BW and VL) and the
+/// weights are f32, bf16 or FP8; false, having done nothing, where not.
+fn dot_few_rows<W: WeightElement>(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    w: &[W],
+    out_t: &mut [f32],
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if W::STORED == Stored::Other || !decode_kernel_available() {
+            return false;
+        }
+        let n = out_t.len() / m;
+        assert!(
+            x.len() >= m * k && w.len() >= n * k,
+            "few-row product sizes"
+        );
+        // SAFETY: the CPU has the kernel's features (checked above); the assert bounds the
+        // rows it reads, and it writes only `out_t`.
+        match m {
+            1 => unsafe { rows_avx512::<W, 1>(x, k, w, out_t) },
+            2 => unsafe { rows_avx512::<W, 2>(x, k, w, out_t) },
+            3 => unsafe { rows_avx512::<W, 3>(x, k, w, out_t) },
+            _ => return false,
+        }
+        true
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (x, m, k, w, out_t);
+        false
+    }
+}
+
+/// Whether the CPU runs [`rows_avx512`].
+fn decode_kernel_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512vl")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// [`dot_few_rows`] for `R` input rows: four weight rows per pass, each decoded from its
+/// stored form in registers as it is loaded (bf16 by a shift; FP8 through the half-precision
+/// conversion, which takes e4m3's subnormals without the slow path that f32 subnormals take)
+/// and used for every input row, in 4 x `R` independent accumulators. The pass's weight rows
+/// are read as four streams, with the next pass's prefetched.
+///
+/// # Safety
+/// The CPU has AVX-512F, BW and VL; `x` holds `R` rows of `k` and `w` the `out_t.len() / R`
+/// rows of `k`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+unsafe fn rows_avx512<W: WeightElement, const R: usize>(
+    x: &[f32],
+    k: usize,
+    w: &[W],
+    out_t: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    const COLUMNS: usize = 4;
+    let n = out_t.len() / R;
+    let (xp, wp) = (x.as_ptr(), w.as_ptr());
+    // The half-precision route reads an e4m3 value times 2^-8 (the exponent bias of f16 is 8
+    // more than e4m3's): the sums are scaled back, exactly.
+    let scale = if W::STORED == Stored::E4m3 {
+        256.0
+    } else {
+        1.0
+    };
+    // Sixteen weights from `$p`, the lanes outside `$mask` zero.
+    macro_rules! load_w {
+        ($p:expr, $mask:expr) => {
+            match W::STORED {
+                Stored::F32 => _mm512_maskz_loadu_ps($mask, $p.cast::<f32>()),
+                Stored::Bf16 => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(
+                    _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16($mask, $p.cast::<i16>())),
+                )),
+                // Sign-extended to 16 bits and shifted by 7, the byte's sign lands on the
+                // f16 sign and its exponent and mantissa on f16's low exponent bits and high
+                // mantissa bits; the mask clears the copies of the sign between them.
+                _ => _mm512_cvtph_ps(_mm256_and_si256(
+                    _mm256_slli_epi16::<7>(_mm256_cvtepi8_epi16(_mm_maskz_loadu_epi8(
+                        $mask,
+                        $p.cast::<i8>(),
+                    ))),
+                    _mm256_set1_epi16(0xbf80u16 as i16),
+                )),
+            }
+        };
+    }
+    let whole = k / 16 * 16;
+    let tail: __mmask16 = ((1u32 << (k - whole)) - 1) as __mmask16;
+    // Prefetched: the same place in the rows of a pass at least 4 KiB ahead, one cache line
+    // at a time (a chunk of 16 narrow weights is less than a line).
+    let size = std::mem::size_of::<W>();
+    let ahead = COLUMNS * k * (4096usize).div_ceil(COLUMNS * k * size);
+    let line_chunks = (64 / (16 * size)).max(1);
+    for first in (0..n).step_by(COLUMNS) {
+        // The last pass repeats the last row where fewer than four are left.
+        let rows: [*const W; COLUMNS] =
+            std::array::from_fn(|c| wp.wrapping_add((first + c).min(n - 1) * k));
+        let mut acc = [[_mm512_setzero_ps(); R]; COLUMNS];
+        // One chunk of 16 lanes at `$at` of every row, read through `$mask`.
+        macro_rules! chunk {
+            ($at:expr, $mask:expr) => {{
+                // SAFETY: every row holds `k` values (the caller's contract) and `$mask`
+                // covers only lanes below `k`. (A prefetch is a hint that never faults.)
+                if ($at / 16).is_multiple_of(line_chunks) {
+                    for row in rows {
+                        _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(ahead + $at).cast::<i8>());
+                    }
+                }
+                let wv: [__m512; COLUMNS] =
+                    std::array::from_fn(|c| unsafe { load_w!(rows[c].add($at), $mask) });
+                for r in 0..R {
+                    let xv = unsafe { _mm512_maskz_loadu_ps($mask, xp.add(r * k + $at)) };
+                    for c in 0..COLUMNS {
+                        acc[c][r] = _mm512_fmadd_ps(xv, wv[c], acc[c][r]);
+                    }
+                }
+            }};
+        }
+        for at in (0..whole).step_by(16) {
+            chunk!(at, 0xffff);
+        }
+        if whole < k {
+            chunk!(whole, tail);
+        }
+        for (c, acc) in acc.iter().enumerate().take(n - first) {
+            for (r, acc) in acc.iter().enumerate() {
+                out_t[(first + c) * R + r] = _mm512_reduce_add_ps(*acc) * scale;
+            }
+        }
+    }
+}
+
 /// The frame of a few-row product `out [m, n]` with `k`-wide inputs: `columns(first, block)`
 /// computes output columns `first..` into `block`, output-transposed (`[column][row]`) so that
 /// parallel tasks own disjoint memory; the blocks are scattered into `out` at the end.
@@ -684,22 +856,42 @@ pub(crate) fn dot_rows<W: WeightElement>(x: &[f32], k: usize, w: &[W], out: &mut
         }
         for (a, xr) in [(a0, x0), (a1, x1), (a2, x2), (a3, x3)] {
             if let Some(o) = outs.next() {
-                *o = a.iter().sum::<f32>() + tail(xr);
+                *o = hsum16(a) + tail(xr);
             }
         }
         left -= 4;
     }
-    // The rows left over (fewer than four), one at a time.
+    // The rows left over (fewer than four), one at a time, in two accumulators: one chain of
+    // multiply-adds would wait on its own latency at every chunk.
     for (xr, o) in rows.zip(outs) {
-        let mut acc = [0.0f32; LANES];
-        for (xc, wc) in lanes(xr, whole).zip(lanes(w, whole)) {
+        let (mut even, mut odd) = ([0.0f32; LANES], [0.0f32; LANES]);
+        let pairs = whole / (2 * LANES) * (2 * LANES);
+        for (xc, wc) in xr[..pairs]
+            .chunks_exact(2 * LANES)
+            .zip(w[..pairs].chunks_exact(2 * LANES))
+        {
             prefetch_ahead(wc);
             for l in 0..LANES {
-                acc[l] = madd(fused, xc[l], wc[l].to_f32(), acc[l]);
+                even[l] = madd(fused, xc[l], wc[l].to_f32(), even[l]);
+                odd[l] = madd(fused, xc[LANES + l], wc[LANES + l].to_f32(), odd[l]);
             }
         }
-        *o = acc.iter().sum::<f32>() + tail(xr);
+        if pairs < whole {
+            for l in 0..LANES {
+                even[l] = madd(fused, xr[pairs + l], w[pairs + l].to_f32(), even[l]);
+            }
+        }
+        *o = hsum16(std::array::from_fn(|l| even[l] + odd[l])) + tail(xr);
     }
+}
+
+/// The sum of sixteen lanes as a tree (halves added to halves): four dependent additions
+/// that vectorise, where a sum in order is fifteen.
+#[inline(always)]
+pub(crate) fn hsum16(a: [f32; 16]) -> f32 {
+    let h: [f32; 8] = std::array::from_fn(|i| a[i] + a[i + 8]);
+    let q: [f32; 4] = std::array::from_fn(|i| h[i] + h[i + 4]);
+    (q[0] + q[2]) + (q[1] + q[3])
 }
 
 /// `out[j] = x · rows[j * stride..][..x.len()]`: one vector against many, as attention
@@ -872,8 +1064,13 @@ pub(crate) mod tests {
     fn few_row_tiles_match_the_naive_product_at_every_edge() {
         // Rows left over by the tiles of four (5, 7, 33), weight rows left over by the tiles
         // of three or four (10), inputs that leave a partial chunk of lanes (37, 1000), and
-        // inputs long enough to be cut into several slices at 33 rows (1000).
+        // inputs long enough to be cut into several slices at 33 rows (1000); below four rows,
+        // the decode kernel (four weight rows a pass: 9 and 10 leave one and two over).
         for (m, k, n) in [
+            (1, 37, 10),
+            (2, 1000, 9),
+            (3, 16, 4),
+            (1, 8, 3),
             (4, 16, 4),
             (5, 37, 10),
             (7, 64, 9),
@@ -888,15 +1085,20 @@ pub(crate) mod tests {
                 .collect();
             let wide: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
             let expected = naive(&x, m, k, &wide, n);
-            let mut out_t = vec![0.0f32; n * m];
-            dot_tiles(&x, m, k, &w, &mut out_t);
-            for i in 0..m {
-                for j in 0..n {
-                    let (got, want) = (out_t[j * m + i], expected[i * n + j]);
-                    assert!(
-                        (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
-                        "({m}, {k}, {n}) at row {i}, column {j}: {got} against {want}"
-                    );
+            // The same product from bf16 weights and from the same weights in f32.
+            let mut from_bf16 = vec![0.0f32; n * m];
+            dot_tiles(&x, m, k, &w, &mut from_bf16);
+            let mut from_f32 = vec![0.0f32; n * m];
+            dot_tiles(&x, m, k, &wide, &mut from_f32);
+            for out_t in [from_bf16, from_f32] {
+                for i in 0..m {
+                    for j in 0..n {
+                        let (got, want) = (out_t[j * m + i], expected[i * n + j]);
+                        assert!(
+                            (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                            "({m}, {k}, {n}) at row {i}, column {j}: {got} against {want}"
+                        );
+                    }
                 }
             }
         }

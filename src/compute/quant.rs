@@ -45,6 +45,8 @@ impl E4m3 {
 }
 
 impl cpu::WeightElement for E4m3 {
+    const STORED: cpu::Stored = cpu::Stored::E4m3;
+
     #[inline(always)]
     fn to_f32(self) -> f32 {
         e4m3_to_f32(self.0)
@@ -294,26 +296,33 @@ impl QuantLinear {
             let bytes = E4m3::slice(weights);
             let blocks_per_row = k.div_ceil(*block_cols);
             let weight_rows = |first: usize, out_t: &mut [f32]| {
+                let end = first + out_t.len() / rows;
                 let mut scaled = vec![0.0f32; rows * k];
-                let mut scaled_for = usize::MAX;
-                for (c, column) in out_t.chunks_exact_mut(rows).enumerate() {
-                    let row = first + c;
-                    if row / block_rows != scaled_for {
-                        scaled_for = row / block_rows;
-                        let row_scales = &scales[scaled_for * blocks_per_row..][..blocks_per_row];
-                        for (to, from) in scaled.chunks_exact_mut(k).zip(x.chunks_exact(k)) {
-                            for ((to, from), scale) in to
-                                .chunks_mut(*block_cols)
-                                .zip(from.chunks(*block_cols))
-                                .zip(row_scales)
-                            {
-                                for (t, f) in to.iter_mut().zip(from) {
-                                    *t = f * scale;
-                                }
+                let mut row = first;
+                while row < end {
+                    // The rows of one block row share their scales.
+                    let block = row / block_rows;
+                    let block_end = ((block + 1) * block_rows).min(end);
+                    let row_scales = &scales[block * blocks_per_row..][..blocks_per_row];
+                    for (to, from) in scaled.chunks_exact_mut(k).zip(x.chunks_exact(k)) {
+                        for ((to, from), scale) in to
+                            .chunks_mut(*block_cols)
+                            .zip(from.chunks(*block_cols))
+                            .zip(row_scales)
+                        {
+                            for (t, f) in to.iter_mut().zip(from) {
+                                *t = f * scale;
                             }
                         }
                     }
-                    cpu::dot_rows(&scaled, k, &bytes[row * k..][..k], column);
+                    cpu::dot_tiles(
+                        &scaled,
+                        rows,
+                        k,
+                        &bytes[row * k..block_end * k],
+                        &mut out_t[(row - first) * rows..(block_end - first) * rows],
+                    );
+                    row = block_end;
                 }
             };
             cpu::few_rows_by_columns(rows, k, &mut out, parallel, weight_rows);
@@ -727,7 +736,7 @@ mod tests {
         for matrix in matrices {
             let w = by_hand(&matrix);
             assert_eq!(matrix.widen(), w);
-            for m in [1, 3, 8, 9, 40] {
+            for m in [1, 2, 3, 8, 9, 40] {
                 let x: Vec<f32> = (0..m * k)
                     .map(|i| ((i * 5 % 11) as f32 - 5.0) / 3.0)
                     .collect();

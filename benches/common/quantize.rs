@@ -1,0 +1,90 @@
+//! Experts held as checkpoints store them, for the benchmarks that compare formats
+//! (`moe_layer`, `roofline`): bf16, FP8 e4m3 in [128, 128] blocks and INT4 in groups of 32,
+//! quantized from f32 weights as the published tools do.
+
+use half::bf16;
+use moe_node::compute::cpu::{Linear, SwiGlu};
+use moe_node::compute::quant::{QuantLinear, QuantSwiGlu, e4m3_to_f32};
+
+pub fn quantize(block: &SwiGlu, format: fn(&Linear) -> QuantLinear) -> QuantSwiGlu {
+    QuantSwiGlu {
+        gate: format(&block.gate),
+        up: format(&block.up),
+        down: format(&block.down),
+    }
+}
+
+/// Block-scaled e4m3 in [128, 128] blocks (amax / 448), as published FP8 checkpoints are.
+pub fn to_fp8(l: &Linear) -> QuantLinear {
+    const BLOCK: usize = 128;
+    // Every non-negative finite e4m3 value, ascending, to round to the nearest.
+    let table: Vec<(f32, u8)> = (0u8..0x7f).map(|b| (e4m3_to_f32(b), b)).collect();
+    let encode = |v: f32| -> u8 {
+        let at = table
+            .partition_point(|(t, _)| *t < v.abs())
+            .min(table.len() - 1);
+        let below = at.saturating_sub(1);
+        let nearest = if (table[at].0 - v.abs()).abs() < (v.abs() - table[below].0).abs() {
+            at
+        } else {
+            below
+        };
+        table[nearest].1 | if v < 0.0 { 0x80 } else { 0 }
+    };
+    let (n, k) = (l.out_features, l.in_features);
+    let (block_rows, block_cols) = (n.div_ceil(BLOCK), k.div_ceil(BLOCK));
+    let mut scales = vec![0.0f32; block_rows * block_cols];
+    for r in 0..n {
+        for c in 0..k {
+            let s = &mut scales[r / BLOCK * block_cols + c / BLOCK];
+            *s = s.max(l.weight[r * k + c].abs() / 448.0);
+        }
+    }
+    let weights = (0..n * k)
+        .map(|i| {
+            let s = scales[i / k / BLOCK * block_cols + i % k / BLOCK];
+            encode(if s > 0.0 { l.weight[i] / s } else { 0.0 })
+        })
+        .collect();
+    QuantLinear::fp8(weights, scales, n, k, [BLOCK, BLOCK]).expect("shapes match")
+}
+
+/// Symmetric 4-bit in groups of 32 (amax / 7.5, as compressed-tensors computes it).
+pub fn to_int4(l: &Linear) -> QuantLinear {
+    const GROUP: usize = 32;
+    let (n, k) = (l.out_features, l.in_features);
+    let groups = k.div_ceil(GROUP);
+    let mut scales = vec![0.0f32; n * groups];
+    let mut packed = vec![0u32; n * k.div_ceil(8)];
+    for r in 0..n {
+        let row = &l.weight[r * k..(r + 1) * k];
+        for (g, chunk) in row.chunks(GROUP).enumerate() {
+            let amax = chunk.iter().fold(0f32, |m, v| m.max(v.abs()));
+            // In bf16, as compressed-tensors writes them for a bf16 model (held in bf16).
+            scales[r * groups + g] =
+                bf16::from_f32(if amax > 0.0 { amax / 7.5 } else { 1.0 }).to_f32();
+        }
+        for (c, v) in row.iter().enumerate() {
+            let q = (v / scales[r * groups + c / GROUP])
+                .round()
+                .clamp(-8.0, 7.0) as i32;
+            packed[r * k.div_ceil(8) + c / 8] |= ((q + 8) as u32) << (4 * (c % 8));
+        }
+    }
+    QuantLinear::int4(packed, scales, n, k, GROUP).expect("shapes match")
+}
+
+pub fn to_bf16(block: &SwiGlu) -> SwiGlu<bf16> {
+    let narrow = |l: &Linear| {
+        Linear::without_bias(
+            l.weight.iter().map(|&w| bf16::from_f32(w)).collect(),
+            l.out_features,
+            l.in_features,
+        )
+    };
+    SwiGlu {
+        gate: narrow(&block.gate),
+        up: narrow(&block.up),
+        down: narrow(&block.down),
+    }
+}
