@@ -683,7 +683,7 @@ fn dot_few_rows<W: WeightElement>(
 }
 
 /// Whether the CPU runs [`rows_avx512`].
-fn decode_kernel_available() -> bool {
+pub(crate) fn decode_kernel_available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         std::arch::is_x86_feature_detected!("avx512f")

@@ -337,6 +337,22 @@ impl QuantLinear {
         {
             let inputs = Int4Inputs::new(x, rows, k);
             let (words, groups, words_per_group) = (k.div_ceil(8), k.div_ceil(*group), group / 8);
+            #[cfg(target_arch = "x86_64")]
+            if rows == 1 && cpu::decode_kernel_available() {
+                let planes = inputs.planes_for_masks();
+                let weight_rows = |first: usize, out_t: &mut [f32]| {
+                    let rows = Int4Rows {
+                        packed,
+                        scales,
+                        words,
+                        groups,
+                        words_per_group,
+                    };
+                    rows.dot(&planes, &inputs, first, out_t)
+                };
+                cpu::few_rows_by_columns(rows, k, &mut out, parallel, weight_rows);
+                return out;
+            }
             let weight_rows = |first: usize, out_t: &mut [f32]| {
                 // The row's scales, padded with zeros to whole chunks (the padding lanes hold
                 // no inputs).
@@ -413,6 +429,20 @@ impl Int4Inputs {
         }
     }
 
+    /// The planes of the first input row, plane `i` of each chunk scaled by 2^-4i (exactly),
+    /// for [`int4_rows_avx512`], which reads nibble `i` in place as its value times 16^i.
+    #[cfg(target_arch = "x86_64")]
+    fn planes_for_masks(&self) -> Vec<f32> {
+        self.planes[..self.chunks * 8 * INT4_WORDS]
+            .chunks_exact(INT4_WORDS)
+            .enumerate()
+            .flat_map(|(at, plane)| {
+                let scale = f32::from_bits((127 - 4 * (at % 8) as u32) << 23);
+                plane.iter().map(move |v| v * scale)
+            })
+            .collect()
+    }
+
     /// `out[r] = x[r] · row` for one packed row whose group scales are `row_scales` (padded
     /// to whole chunks), `words_per_group` words to a scale.
     fn dot(&self, words: &[u32], row_scales: &[f32], words_per_group: usize, out: &mut [f32]) {
@@ -432,6 +462,132 @@ impl Int4Inputs {
         }
         with_groups_of!(1 2 4 8);
     }
+}
+
+/// A packed INT4 matrix as the decode kernel [`int4_rows_avx512`] reads it.
+#[cfg(target_arch = "x86_64")]
+struct Int4Rows<'a> {
+    packed: &'a [u32],
+    scales: &'a GroupScales,
+    /// Words and scales per row.
+    words: usize,
+    groups: usize,
+    words_per_group: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Int4Rows<'_> {
+    /// `out[c] = x · row (first + c)` for the one input row of `inputs` (`planes` from
+    /// [`Int4Inputs::planes_for_masks`]), four weight rows a pass; the last pass repeats its
+    /// last row where fewer are left.
+    fn dot(&self, planes: &[f32], inputs: &Int4Inputs, first: usize, out: &mut [f32]) {
+        const PASS: usize = 4;
+        let chunks = inputs.chunks;
+        assert!(
+            inputs.rows == 1
+                && planes.len() == chunks * 8 * INT4_WORDS
+                && inputs.sums.len() == chunks * INT4_WORDS
+                && self.words <= chunks * INT4_WORDS,
+            "INT4 decode inputs"
+        );
+        // Each row's scales, padded so that the kernel's 16-scale load at any chunk stays
+        // inside (the lanes past the row's groups multiply zero sums).
+        let stride = chunks * INT4_WORDS / self.words_per_group + INT4_WORDS;
+        let mut scales = vec![0.0f32; PASS * stride];
+        for at in (0..out.len()).step_by(PASS) {
+            let count = (out.len() - at).min(PASS);
+            let row = |j: usize| first + at + j.min(count - 1);
+            for j in 0..PASS {
+                self.scales.read_into(
+                    row(j) * self.groups,
+                    &mut scales[j * stride..][..self.groups],
+                );
+            }
+            let words: [&[u32]; PASS] =
+                std::array::from_fn(|j| &self.packed[row(j) * self.words..][..self.words]);
+            // SAFETY: the callers check the CPU's features (`decode_kernel_available`); the
+            // assert above and the slices' lengths bound every load.
+            let sums = unsafe {
+                int4_rows_avx512(
+                    planes,
+                    &inputs.sums,
+                    words,
+                    &scales,
+                    stride,
+                    self.words_per_group,
+                )
+            };
+            out[at..at + count].copy_from_slice(&sums[..count]);
+        }
+    }
+}
+
+/// Four packed INT4 rows times one input row, with AVX-512: each lane holds a word, nibble
+/// `i` of sixteen words is masked in place (no shift) and converted as its value times 16^i,
+/// against the input plane `i` scaled by 2^-4i; each chunk's sums, less 8 times its inputs'
+/// sums, are multiplied by the lanes' group scales (`scales[j * stride..]` for row `j`, a
+/// scale per `words_per_group` words) into the row's total.
+///
+/// # Safety
+/// The CPU has AVX-512F; `planes` holds `chunks` chunks of 8 planes of 16 and `sums` 16 per
+/// chunk; every word row has at most `16 * chunks` words; each scale row holds at least
+/// `16 * chunks / words_per_group + 16` values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn int4_rows_avx512(
+    planes: &[f32],
+    sums: &[f32],
+    words: [&[u32]; 4],
+    scales: &[f32],
+    stride: usize,
+    words_per_group: usize,
+) -> [f32; 4] {
+    use std::arch::x86_64::*;
+    let chunks = sums.len() / INT4_WORDS;
+    // Lane l takes scale l / words_per_group of its chunk's (0 for a group of whole chunks).
+    let lanes: [i32; INT4_WORDS] = std::array::from_fn(|l| (l / words_per_group) as i32);
+    // SAFETY: `lanes` holds 16 i32, the width of the load.
+    let lane_scale = unsafe { _mm512_loadu_si512(lanes.as_ptr().cast()) };
+    let eight = _mm512_set1_ps(8.0);
+    let mut total = [_mm512_setzero_ps(); 4];
+    for c in 0..chunks {
+        let mask: __mmask16 = match words[0].len() - c * INT4_WORDS {
+            left if left >= INT4_WORDS => 0xffff,
+            left => ((1u32 << left) - 1) as __mmask16,
+        };
+        // SAFETY: the mask covers only the words of each row (all rows are one length).
+        let w: [__m512i; 4] = std::array::from_fn(|j| unsafe {
+            _mm512_maskz_loadu_epi32(mask, words[j].as_ptr().add(c * INT4_WORDS).cast())
+        });
+        // Two accumulators per row (even and odd nibbles): eight chains of multiply-adds.
+        let mut acc = [[_mm512_setzero_ps(); 2]; 4];
+        for i in 0..8 {
+            // SAFETY: plane i of chunk c lies within `planes` (the caller's contract).
+            let p = unsafe { _mm512_loadu_ps(planes.as_ptr().add((c * 8 + i) * INT4_WORDS)) };
+            let nibble = _mm512_set1_epi32((0xf_u32 << (4 * i)) as i32);
+            for j in 0..4 {
+                let q = _mm512_cvtepu32_ps(_mm512_and_si512(w[j], nibble));
+                acc[j][i % 2] = _mm512_fmadd_ps(q, p, acc[j][i % 2]);
+            }
+        }
+        // SAFETY: chunk c's sums lie within `sums`.
+        let s = unsafe { _mm512_loadu_ps(sums.as_ptr().add(c * INT4_WORDS)) };
+        for j in 0..4 {
+            let partial = _mm512_fnmadd_ps(eight, s, _mm512_add_ps(acc[j][0], acc[j][1]));
+            // SAFETY: the load starts at the chunk's first scale and stays within the row's
+            // padded scales (the caller's contract).
+            let row_scales = unsafe {
+                _mm512_loadu_ps(
+                    scales
+                        .as_ptr()
+                        .add(j * stride + c * INT4_WORDS / words_per_group),
+                )
+            };
+            let scale = _mm512_permutexvar_ps(lane_scale, row_scales);
+            total[j] = _mm512_fmadd_ps(partial, scale, total[j]);
+        }
+    }
+    std::array::from_fn(|j| _mm512_reduce_add_ps(total[j]))
 }
 
 /// The few-row INT4 kernel: `out[r] = x[r] · row`, the row's words decoded in registers as
