@@ -559,6 +559,12 @@ unsafe fn int4_rows_avx512(
         let w: [__m512i; 4] = std::array::from_fn(|j| unsafe {
             _mm512_maskz_loadu_epi32(mask, words[j].as_ptr().add(c * INT4_WORDS).cast())
         });
+        // The same line two passes on (rows 8 further in the matrix): a hint, which never
+        // faults. One pass on read 10% slower, none 40% (roofline's INT4 decode line).
+        for row in words {
+            let ahead = row.as_ptr().wrapping_add(8 * row.len() + c * INT4_WORDS);
+            _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+        }
         // Two accumulators per row (even and odd nibbles): eight chains of multiply-adds.
         let mut acc = [[_mm512_setzero_ps(); 2]; 4];
         for i in 0..8 {
