@@ -76,6 +76,11 @@ pub trait WeightElement: Copy + Send + Sync + std::fmt::Debug + 'static {
 
     /// The matrix as f32, borrowed when it already is.
     fn widen(weights: &[Self]) -> Cow<'_, [f32]>;
+
+    /// Appends `weights` widened to f32 to `buffer`.
+    fn extend_widened(weights: &[Self], buffer: &mut Vec<f32>) {
+        buffer.extend(weights.iter().map(|v| v.to_f32()));
+    }
 }
 
 /// The stored forms the explicit vector kernels decode.
@@ -481,7 +486,7 @@ pub(crate) fn dot_tiles<W: WeightElement>(
             for first in (0..tiled_columns).step_by(columns) {
                 buffer.clear();
                 for c in first..first + columns {
-                    buffer.extend(w[c * k + from..][..len].iter().map(|v| v.to_f32()));
+                    W::extend_widened(&w[c * k + from..][..len], &mut buffer);
                 }
                 for i in (0..tiled_rows).step_by(TILE_ROWS) {
                     let sums = kernel.tile(&x[i * k + from..], k, &buffer, len);
@@ -1099,6 +1104,33 @@ pub(crate) mod tests {
                             "({m}, {k}, {n}) at row {i}, column {j}: {got} against {want}"
                         );
                     }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_portable_row_kernel_matches_the_naive_product() {
+        // dot_rows is what products below four rows run where the CPU has no AVX-512 (and
+        // what `dot` always runs): one to six input rows (the passes of four and the rows
+        // left over), inputs that leave no, a partial, or a whole odd chunk of 16 lanes.
+        for m in 1..=6 {
+            for k in [1, 15, 16, 17, 32, 33, 48, 100] {
+                let x: Vec<f32> = (0..m * k)
+                    .map(|i| ((i * 7 % 23) as f32 - 11.0) / 8.0)
+                    .collect();
+                let w: Vec<bf16> = (0..k)
+                    .map(|i| bf16::from_f32(((i * 5 % 19) as f32 - 9.0) / 16.0))
+                    .collect();
+                let wide: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
+                let expected = naive(&x, m, k, &wide, 1);
+                let mut out = vec![0.0f32; m];
+                dot_rows(&x, k, &w, &mut out);
+                for (got, want) in out.iter().zip(&expected) {
+                    assert!(
+                        (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                        "m={m}, k={k}: {got} against {want}"
+                    );
                 }
             }
         }
