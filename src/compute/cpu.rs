@@ -41,11 +41,7 @@ pub fn kernel_path() -> String {
             "the CPU has no AVX512_BF16"
         };
         let tiles = TileKernel::detect().map_or("none: one weight row at a time", TileKernel::name);
-        let decode = if decode_kernel_available() {
-            "AVX-512, four weight rows a pass"
-        } else {
-            "one weight row at a time"
-        };
+        let decode = DecodeKernel::detect().map_or("one weight row at a time", DecodeKernel::name);
         format!(
             "{path}; few-row tiles {tiles}; decode rows {decode}; weights widened to f32 as they \
              are loaded ({bf16})"
@@ -651,8 +647,8 @@ unsafe fn tile_avx2(x: &[f32], stride: usize, w: &[f32], len: usize) -> [f32; 16
 }
 
 /// `out_t[c * m + r] = x[r] · w[c]` for one to three input rows (decode) through the
-/// explicit AVX-512 kernel [`rows_avx512`], where the CPU has AVX-512 (F, BW and VL) and the
-/// weights are f32, bf16 or FP8; false, having done nothing, where not.
+/// explicit kernel the CPU runs ([`DecodeKernel`]), where the weights are f32, bf16 or FP8;
+/// false, having done nothing, where not.
 fn dot_few_rows<W: WeightElement>(
     x: &[f32],
     m: usize,
@@ -660,30 +656,195 @@ fn dot_few_rows<W: WeightElement>(
     w: &[W],
     out_t: &mut [f32],
 ) -> bool {
+    let Some(kernel) = DecodeKernel::detect() else {
+        return false;
+    };
+    if W::STORED == Stored::Other || !(1..=3).contains(&m) {
+        return false;
+    }
+    kernel.run(x, m, k, w, out_t);
+    true
+}
+
+/// The explicit decode kernels (one to three input rows) this CPU can run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum DecodeKernel {
+    /// [`rows_avx512`]: AVX-512 F, BW and VL.
     #[cfg(target_arch = "x86_64")]
-    {
-        if W::STORED == Stored::Other || !decode_kernel_available() {
-            return false;
+    Avx512,
+    /// [`rows_avx2`]: AVX2, FMA and F16C.
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+}
+
+impl DecodeKernel {
+    /// Every decode kernel the CPU can run (an AVX-512 CPU runs the AVX2 one too), for tests.
+    #[cfg(test)]
+    pub(crate) fn all() -> Vec<DecodeKernel> {
+        let mut kernels = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            if decode_kernel_available() {
+                kernels.push(DecodeKernel::Avx512);
+            }
+            if avx2_decode_available() {
+                kernels.push(DecodeKernel::Avx2);
+            }
         }
+        if kernels.is_empty() {
+            println!("skipped: this CPU has no explicit decode kernel (x86-64 AVX2 or AVX-512)");
+        }
+        kernels
+    }
+
+    fn detect() -> Option<DecodeKernel> {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if decode_kernel_available() {
+                return Some(DecodeKernel::Avx512);
+            }
+            if avx2_decode_available() {
+                return Some(DecodeKernel::Avx2);
+            }
+        }
+        None
+    }
+
+    /// As `moe-node devices` names it.
+    fn name(self) -> &'static str {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            DecodeKernel::Avx512 => "AVX-512, four weight rows a pass",
+            #[cfg(target_arch = "x86_64")]
+            DecodeKernel::Avx2 => "AVX2, three weight rows a pass",
+        }
+    }
+
+    /// `out_t[c * m + r] = x[r] · w[c]` for `m` of 1 to 3 and weights of a [`Stored`] form
+    /// other than `Other`.
+    pub(crate) fn run<W: WeightElement>(
+        self,
+        x: &[f32],
+        m: usize,
+        k: usize,
+        w: &[W],
+        out_t: &mut [f32],
+    ) {
+        assert!(
+            (1..=3).contains(&m) && W::STORED != Stored::Other,
+            "a decode product"
+        );
         let n = out_t.len() / m;
         assert!(
             x.len() >= m * k && w.len() >= n * k,
             "few-row product sizes"
         );
-        // SAFETY: the CPU has the kernel's features (checked above); the assert bounds the
-        // rows it reads, and it writes only `out_t`.
-        match m {
-            1 => unsafe { rows_avx512::<W, 1>(x, k, w, out_t) },
-            2 => unsafe { rows_avx512::<W, 2>(x, k, w, out_t) },
-            3 => unsafe { rows_avx512::<W, 3>(x, k, w, out_t) },
-            _ => return false,
+        // SAFETY: detect() or all() saw the kernel's features; the asserts bound the rows it
+        // reads, and it writes only `out_t`.
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            DecodeKernel::Avx512 => match m {
+                1 => unsafe { rows_avx512::<W, 1>(x, k, w, out_t) },
+                2 => unsafe { rows_avx512::<W, 2>(x, k, w, out_t) },
+                _ => unsafe { rows_avx512::<W, 3>(x, k, w, out_t) },
+            },
+            #[cfg(target_arch = "x86_64")]
+            DecodeKernel::Avx2 => match m {
+                1 => unsafe { rows_avx2::<W, 1>(x, k, w, out_t) },
+                2 => unsafe { rows_avx2::<W, 2>(x, k, w, out_t) },
+                _ => unsafe { rows_avx2::<W, 3>(x, k, w, out_t) },
+            },
         }
-        true
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = (x, m, k, w, out_t);
-        false
+}
+
+/// Whether the CPU runs [`rows_avx2`].
+#[cfg(target_arch = "x86_64")]
+fn avx2_decode_available() -> bool {
+    std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("fma")
+        && std::arch::is_x86_feature_detected!("f16c")
+}
+
+/// [`DecodeKernel::Avx2`]: [`rows_avx512`] with 8 lanes and three weight rows a pass (9
+/// accumulators of the 16 registers at three input rows); the last partial chunk of each
+/// row is summed in scalars.
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C; `x` holds `R` rows of `k` and `w` the `out_t.len() / R`
+/// rows of `k`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows_avx2<W: WeightElement, const R: usize>(
+    x: &[f32],
+    k: usize,
+    w: &[W],
+    out_t: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    const COLUMNS: usize = 3;
+    let n = out_t.len() / R;
+    let (xp, wp) = (x.as_ptr(), w.as_ptr());
+    let scale = if W::STORED == Stored::E4m3 {
+        256.0
+    } else {
+        1.0
+    };
+    // Eight weights from `$p` (see rows_avx512 for the FP8 route).
+    macro_rules! load_w {
+        ($p:expr) => {
+            match W::STORED {
+                Stored::F32 => _mm256_loadu_ps($p.cast::<f32>()),
+                Stored::Bf16 => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(
+                    _mm256_cvtepu16_epi32(_mm_loadu_si128($p.cast())),
+                )),
+                _ => _mm256_cvtph_ps(_mm_and_si128(
+                    _mm_slli_epi16::<7>(_mm_cvtepi8_epi16(_mm_loadl_epi64($p.cast()))),
+                    _mm_set1_epi16(0xbf80u16 as i16),
+                )),
+            }
+        };
+    }
+    let whole = k / 8 * 8;
+    let size = std::mem::size_of::<W>();
+    let ahead = COLUMNS * k * (4096usize).div_ceil(COLUMNS * k * size);
+    let line_chunks = (64 / (8 * size)).max(1);
+    for first in (0..n).step_by(COLUMNS) {
+        let rows: [*const W; COLUMNS] =
+            std::array::from_fn(|c| wp.wrapping_add((first + c).min(n - 1) * k));
+        let mut acc = [[_mm256_setzero_ps(); R]; COLUMNS];
+        for at in (0..whole).step_by(8) {
+            if (at / 8).is_multiple_of(line_chunks) {
+                for row in rows {
+                    _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(ahead + at).cast::<i8>());
+                }
+            }
+            // SAFETY: every row holds `k` values (the caller's contract) and the chunk at
+            // `at` ends at or before `whole <= k`.
+            let wv: [__m256; COLUMNS] =
+                std::array::from_fn(|c| unsafe { load_w!(rows[c].add(at)) });
+            for r in 0..R {
+                // SAFETY: as above, for the input rows.
+                let xv = unsafe { _mm256_loadu_ps(xp.add(r * k + at)) };
+                for c in 0..COLUMNS {
+                    acc[c][r] = _mm256_fmadd_ps(xv, wv[c], acc[c][r]);
+                }
+            }
+        }
+        for (c, acc) in acc.iter().enumerate().take(n - first) {
+            for (r, acc) in acc.iter().enumerate() {
+                let half = _mm_add_ps(
+                    _mm256_castps256_ps128(*acc),
+                    _mm256_extractf128_ps::<1>(*acc),
+                );
+                let quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
+                let sum = _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
+                let tail: f32 = (whole..k)
+                    .map(|i| x[r * k + i] * w[(first + c) * k + i].to_f32())
+                    .sum();
+                out_t[(first + c) * R + r] = sum * scale + tail;
+            }
+        }
     }
 }
 
@@ -1131,6 +1292,39 @@ pub(crate) mod tests {
                         (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
                         "m={m}, k={k}: {got} against {want}"
                     );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_decode_kernel_the_cpu_has_matches_the_naive_product() {
+        // One to three input rows; weight rows left over by passes of three and four (5, 7);
+        // inputs with and without a partial chunk of 8 or 16 lanes.
+        for kernel in DecodeKernel::all() {
+            for (m, k, n) in [(1, 16, 4), (1, 37, 5), (2, 1000, 7), (3, 8, 3), (3, 100, 9)] {
+                let x: Vec<f32> = (0..m * k)
+                    .map(|i| ((i * 7 % 23) as f32 - 11.0) / 8.0)
+                    .collect();
+                let w: Vec<bf16> = (0..n * k)
+                    .map(|i| bf16::from_f32(((i * 5 % 19) as f32 - 9.0) / 16.0))
+                    .collect();
+                let wide: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
+                let expected = naive(&x, m, k, &wide, n);
+                let mut from_bf16 = vec![f32::NAN; n * m];
+                kernel.run(&x, m, k, &w, &mut from_bf16);
+                let mut from_f32 = vec![f32::NAN; n * m];
+                kernel.run(&x, m, k, &wide, &mut from_f32);
+                for out_t in [from_bf16, from_f32] {
+                    for i in 0..m {
+                        for j in 0..n {
+                            let (got, want) = (out_t[j * m + i], expected[i * n + j]);
+                            assert!(
+                                (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                                "{kernel:?} ({m}, {k}, {n}) at {i}, {j}: {got} against {want}"
+                            );
+                        }
+                    }
                 }
             }
         }

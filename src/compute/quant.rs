@@ -876,6 +876,27 @@ mod tests {
     }
 
     #[test]
+    fn every_decode_kernel_reads_every_e4m3_byte() {
+        // Each byte (no NaN) as a weight of its own: one input row of ones times a matrix
+        // whose row j holds byte j at column j % 24 and zeros elsewhere.
+        let k = 24;
+        let values: Vec<u8> = (0..=255u8).filter(|b| b & 0x7f != 0x7f).collect();
+        let n = values.len();
+        let mut bytes = vec![0u8; n * k];
+        for (j, b) in values.iter().enumerate() {
+            bytes[j * k + j % k] = *b;
+        }
+        let x = vec![1.0f32; k];
+        for kernel in cpu::DecodeKernel::all() {
+            let mut out = vec![f32::NAN; n];
+            kernel.run(&x, 1, k, E4m3::slice(&bytes), &mut out);
+            for (b, o) in values.iter().zip(&out) {
+                assert_eq!(*o, e4m3_to_f32(*b), "{kernel:?}, byte {b:#04x}");
+            }
+        }
+    }
+
+    #[test]
     fn fp8_blocks_scale_their_own_weights_including_partial_edge_blocks() {
         // 3 x 5 in [2, 2] blocks: 2 x 3 scales, the last row and column blocks partial.
         let (n, k) = (3, 5);
