@@ -823,11 +823,12 @@ unsafe fn rows_avx2<W: WeightElement, const R: usize>(
             // `at` ends at or before `whole <= k`.
             let wv: [__m256; COLUMNS] =
                 std::array::from_fn(|c| unsafe { load_w!(rows[c].add(at)) });
-            for r in 0..R {
-                // SAFETY: as above, for the input rows.
-                let xv = unsafe { _mm256_loadu_ps(xp.add(r * k + at)) };
-                for c in 0..COLUMNS {
-                    acc[c][r] = _mm256_fmadd_ps(xv, wv[c], acc[c][r]);
+            // SAFETY: as above, for the input rows.
+            let xv: [__m256; R] =
+                std::array::from_fn(|r| unsafe { _mm256_loadu_ps(xp.add(r * k + at)) });
+            for (acc, wv) in acc.iter_mut().zip(wv) {
+                for (acc, xv) in acc.iter_mut().zip(xv) {
+                    *acc = _mm256_fmadd_ps(xv, wv, *acc);
                 }
             }
         }
