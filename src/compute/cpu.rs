@@ -758,6 +758,45 @@ impl DecodeKernel {
     }
 }
 
+/// What the decode kernels settle before their passes.
+struct DecodePlan {
+    /// The factor of the vector sums: the half-precision route reads an e4m3 value times
+    /// 2^-8 (f16's exponent bias is 8 more than e4m3's), so FP8 sums are scaled back, exactly.
+    scale: f32,
+    /// Elements ahead to prefetch: the same place in the rows of a pass at least 4 KiB on.
+    ahead: usize,
+    /// Chunks per cache line (a chunk of narrow weights is less than a line): one prefetch
+    /// each.
+    line_chunks: usize,
+}
+
+impl DecodePlan {
+    fn new<W: WeightElement>(columns: usize, k: usize, lanes: usize) -> Self {
+        let size = std::mem::size_of::<W>();
+        DecodePlan {
+            scale: if W::STORED == Stored::E4m3 {
+                256.0
+            } else {
+                1.0
+            },
+            ahead: columns * k * (4096usize).div_ceil(columns * k * size),
+            line_chunks: (64 / (lanes * size)).max(1),
+        }
+    }
+
+    /// The weight rows of the pass from row `first` (of `n`, `k` apart): the last pass
+    /// repeats the last row where fewer than `C` are left.
+    fn rows<W, const C: usize>(
+        &self,
+        w: *const W,
+        first: usize,
+        n: usize,
+        k: usize,
+    ) -> [*const W; C] {
+        std::array::from_fn(|c| w.wrapping_add((first + c).min(n - 1) * k))
+    }
+}
+
 /// Whether the CPU runs [`rows_avx2`].
 #[cfg(target_arch = "x86_64")]
 fn avx2_decode_available() -> bool {
@@ -785,11 +824,7 @@ unsafe fn rows_avx2<W: WeightElement, const R: usize>(
     const COLUMNS: usize = 3;
     let n = out_t.len() / R;
     let (xp, wp) = (x.as_ptr(), w.as_ptr());
-    let scale = if W::STORED == Stored::E4m3 {
-        256.0
-    } else {
-        1.0
-    };
+    let plan = DecodePlan::new::<W>(COLUMNS, k, 8);
     // Eight weights from `$p` (see rows_avx512 for the FP8 route).
     macro_rules! load_w {
         ($p:expr) => {
@@ -806,17 +841,13 @@ unsafe fn rows_avx2<W: WeightElement, const R: usize>(
         };
     }
     let whole = k / 8 * 8;
-    let size = std::mem::size_of::<W>();
-    let ahead = COLUMNS * k * (4096usize).div_ceil(COLUMNS * k * size);
-    let line_chunks = (64 / (8 * size)).max(1);
     for first in (0..n).step_by(COLUMNS) {
-        let rows: [*const W; COLUMNS] =
-            std::array::from_fn(|c| wp.wrapping_add((first + c).min(n - 1) * k));
+        let rows: [*const W; COLUMNS] = plan.rows(wp, first, n, k);
         let mut acc = [[_mm256_setzero_ps(); R]; COLUMNS];
         for at in (0..whole).step_by(8) {
-            if (at / 8).is_multiple_of(line_chunks) {
+            if (at / 8).is_multiple_of(plan.line_chunks) {
                 for row in rows {
-                    _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(ahead + at).cast::<i8>());
+                    _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(plan.ahead + at).cast::<i8>());
                 }
             }
             // SAFETY: every row holds `k` values (the caller's contract) and the chunk at
@@ -843,7 +874,7 @@ unsafe fn rows_avx2<W: WeightElement, const R: usize>(
                 let tail: f32 = (whole..k)
                     .map(|i| x[r * k + i] * w[(first + c) * k + i].to_f32())
                     .sum();
-                out_t[(first + c) * R + r] = sum * scale + tail;
+                out_t[(first + c) * R + r] = sum * plan.scale + tail;
             }
         }
     }
@@ -882,13 +913,7 @@ unsafe fn rows_avx512<W: WeightElement, const R: usize>(
     const COLUMNS: usize = 4;
     let n = out_t.len() / R;
     let (xp, wp) = (x.as_ptr(), w.as_ptr());
-    // The half-precision route reads an e4m3 value times 2^-8 (the exponent bias of f16 is 8
-    // more than e4m3's): the sums are scaled back, exactly.
-    let scale = if W::STORED == Stored::E4m3 {
-        256.0
-    } else {
-        1.0
-    };
+    let plan = DecodePlan::new::<W>(COLUMNS, k, 16);
     // Sixteen weights from `$p`, the lanes outside `$mask` zero.
     macro_rules! load_w {
         ($p:expr, $mask:expr) => {
@@ -912,24 +937,19 @@ unsafe fn rows_avx512<W: WeightElement, const R: usize>(
     }
     let whole = k / 16 * 16;
     let tail: __mmask16 = ((1u32 << (k - whole)) - 1) as __mmask16;
-    // Prefetched: the same place in the rows of a pass at least 4 KiB ahead, one cache line
-    // at a time (a chunk of 16 narrow weights is less than a line).
-    let size = std::mem::size_of::<W>();
-    let ahead = COLUMNS * k * (4096usize).div_ceil(COLUMNS * k * size);
-    let line_chunks = (64 / (16 * size)).max(1);
     for first in (0..n).step_by(COLUMNS) {
-        // The last pass repeats the last row where fewer than four are left.
-        let rows: [*const W; COLUMNS] =
-            std::array::from_fn(|c| wp.wrapping_add((first + c).min(n - 1) * k));
+        let rows: [*const W; COLUMNS] = plan.rows(wp, first, n, k);
         let mut acc = [[_mm512_setzero_ps(); R]; COLUMNS];
         // One chunk of 16 lanes at `$at` of every row, read through `$mask`.
         macro_rules! chunk {
             ($at:expr, $mask:expr) => {{
                 // SAFETY: every row holds `k` values (the caller's contract) and `$mask`
                 // covers only lanes below `k`. (A prefetch is a hint that never faults.)
-                if ($at / 16).is_multiple_of(line_chunks) {
+                if ($at / 16).is_multiple_of(plan.line_chunks) {
                     for row in rows {
-                        _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(ahead + $at).cast::<i8>());
+                        _mm_prefetch::<_MM_HINT_T0>(
+                            row.wrapping_add(plan.ahead + $at).cast::<i8>(),
+                        );
                     }
                 }
                 let wv: [__m512; COLUMNS] =
@@ -950,7 +970,7 @@ unsafe fn rows_avx512<W: WeightElement, const R: usize>(
         }
         for (c, acc) in acc.iter().enumerate().take(n - first) {
             for (r, acc) in acc.iter().enumerate() {
-                out_t[(first + c) * R + r] = _mm512_reduce_add_ps(*acc) * scale;
+                out_t[(first + c) * R + r] = _mm512_reduce_add_ps(*acc) * plan.scale;
             }
         }
     }
@@ -1244,29 +1264,14 @@ pub(crate) mod tests {
             (16, 1000, 12),
             (33, 1000, 10),
         ] {
-            let x: Vec<f32> = (0..m * k)
-                .map(|i| ((i * 7 % 23) as f32 - 11.0) / 8.0)
-                .collect();
-            let w: Vec<bf16> = (0..n * k)
-                .map(|i| bf16::from_f32(((i * 5 % 19) as f32 - 9.0) / 16.0))
-                .collect();
-            let wide: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
-            let expected = naive(&x, m, k, &wide, n);
             // The same product from bf16 weights and from the same weights in f32.
-            let mut from_bf16 = vec![0.0f32; n * m];
+            let (x, w, wide, expected) = few_row_case(m, k, n);
+            let mut from_bf16 = vec![f32::NAN; n * m];
             dot_tiles(&x, m, k, &w, &mut from_bf16);
-            let mut from_f32 = vec![0.0f32; n * m];
+            let mut from_f32 = vec![f32::NAN; n * m];
             dot_tiles(&x, m, k, &wide, &mut from_f32);
             for out_t in [from_bf16, from_f32] {
-                for i in 0..m {
-                    for j in 0..n {
-                        let (got, want) = (out_t[j * m + i], expected[i * n + j]);
-                        assert!(
-                            (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
-                            "({m}, {k}, {n}) at row {i}, column {j}: {got} against {want}"
-                        );
-                    }
-                }
+                assert_transposed_matches(&out_t, &expected, m, n, "dot_tiles");
             }
         }
     }
@@ -1304,29 +1309,40 @@ pub(crate) mod tests {
         // inputs with and without a partial chunk of 8 or 16 lanes.
         for kernel in DecodeKernel::all() {
             for (m, k, n) in [(1, 16, 4), (1, 37, 5), (2, 1000, 7), (3, 8, 3), (3, 100, 9)] {
-                let x: Vec<f32> = (0..m * k)
-                    .map(|i| ((i * 7 % 23) as f32 - 11.0) / 8.0)
-                    .collect();
-                let w: Vec<bf16> = (0..n * k)
-                    .map(|i| bf16::from_f32(((i * 5 % 19) as f32 - 9.0) / 16.0))
-                    .collect();
-                let wide: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
-                let expected = naive(&x, m, k, &wide, n);
+                let (x, w, wide, expected) = few_row_case(m, k, n);
                 let mut from_bf16 = vec![f32::NAN; n * m];
                 kernel.run(&x, m, k, &w, &mut from_bf16);
                 let mut from_f32 = vec![f32::NAN; n * m];
                 kernel.run(&x, m, k, &wide, &mut from_f32);
                 for out_t in [from_bf16, from_f32] {
-                    for i in 0..m {
-                        for j in 0..n {
-                            let (got, want) = (out_t[j * m + i], expected[i * n + j]);
-                            assert!(
-                                (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
-                                "{kernel:?} ({m}, {k}, {n}) at {i}, {j}: {got} against {want}"
-                            );
-                        }
-                    }
+                    assert_transposed_matches(&out_t, &expected, m, n, &format!("{kernel:?}"));
                 }
+            }
+        }
+    }
+
+    /// Inputs `[m, k]`, bf16 weights `[n, k]`, the same weights in f32, and the naive product.
+    fn few_row_case(m: usize, k: usize, n: usize) -> (Vec<f32>, Vec<bf16>, Vec<f32>, Vec<f32>) {
+        let x: Vec<f32> = (0..m * k)
+            .map(|i| ((i * 7 % 23) as f32 - 11.0) / 8.0)
+            .collect();
+        let w: Vec<bf16> = (0..n * k)
+            .map(|i| bf16::from_f32(((i * 5 % 19) as f32 - 9.0) / 16.0))
+            .collect();
+        let wide: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
+        let expected = naive(&x, m, k, &wide, n);
+        (x, w, wide, expected)
+    }
+
+    /// `out_t[j * m + i]` (output-transposed) is `expected[i * n + j]` within f32 rounding.
+    fn assert_transposed_matches(out_t: &[f32], expected: &[f32], m: usize, n: usize, what: &str) {
+        for i in 0..m {
+            for j in 0..n {
+                let (got, want) = (out_t[j * m + i], expected[i * n + j]);
+                assert!(
+                    (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                    "{what} ({m}, {n}) at row {i}, column {j}: {got} against {want}"
+                );
             }
         }
     }
