@@ -1,9 +1,11 @@
 //! [`UcxStream`]: one link's UCX endpoint as a tokio byte stream (UCX's stream API), watched
 //! by the link's TCP control connection.
 //!
-//! Writes copy the bytes and hand them to the worker thread, which sends them in order;
-//! writers wait once [`SEND_PENDING_MAX`] bytes are in flight. The thread keeps a receive
-//! posted and appends what arrives for the reader. The link ends when UCX fails the endpoint
+//! Writes copy the bytes into a send buffer (reused once its send completes) and hand it
+//! to the worker thread, which sends them in order; writers wait once [`SEND_PENDING_MAX`]
+//! bytes are in flight. The thread keeps a receive posted and hands each filled receive
+//! buffer to the reader as it is (small receives are copied out), so a read copies the
+//! bytes once, out of UCX's buffer. The link ends when UCX fails the endpoint
 //! (its error callback) or when the control connection ends: a peer that exits or drops the
 //! link closes that socket at once, whatever UCX's own transports would take to notice.
 //! A control connection that ends cleanly reads as the end of the stream; anything else
@@ -128,12 +130,7 @@ impl AsyncRead for UcxStream {
             };
         }
         let was_full = state.received.len() >= RECV_BUFFERED_MAX;
-        let n = buf.remaining().min(state.received.len());
-        let (front, back) = state.received.as_slices();
-        let from_front = n.min(front.len());
-        buf.put_slice(&front[..from_front]);
-        buf.put_slice(&back[..n - from_front]);
-        state.received.drain(..n);
+        state.received.read_into(buf);
         let resume = was_full && state.recv_paused && state.received.len() < RECV_BUFFERED_MAX;
         drop(state);
         if resume {
@@ -157,7 +154,7 @@ impl AsyncWrite for UcxStream {
             return Poll::Ready(Ok(0));
         }
         let n = buf.len().min(WRITE_CHUNK);
-        {
+        let data = {
             let mut state = this.shared.lock();
             if let Some(failure) = &state.failure {
                 return Poll::Ready(Err(io::Error::new(
@@ -170,11 +167,12 @@ impl AsyncWrite for UcxStream {
                 return Poll::Pending;
             }
             state.send_pending += n;
-        }
-        this.worker()?.send(Command::Send {
-            ep: this.ep,
-            data: buf[..n].to_vec(),
-        })?;
+            let mut data = state.spare_send.pop().unwrap_or_default();
+            data.clear();
+            data.extend_from_slice(&buf[..n]);
+            data
+        };
+        this.worker()?.send(Command::Send { ep: this.ep, data })?;
         Poll::Ready(Ok(n))
     }
 

@@ -55,7 +55,10 @@ pub struct EpShared {
 #[derive(Default)]
 pub struct EpState {
     /// Received, not yet read.
-    pub received: VecDeque<u8>,
+    pub received: Received,
+    /// Send buffers whose sends completed, for the writer's next writes (no fresh
+    /// allocation, and no first-touch page faults, per write).
+    pub spare_send: Vec<Vec<u8>>,
     /// The thread stopped posting receives (too much unread); the reader asks it to resume.
     pub recv_paused: bool,
     /// Bytes handed to the thread whose sends have not completed.
@@ -64,6 +67,66 @@ pub struct EpState {
     pub failure: Option<Failure>,
     pub read_waker: Option<Waker>,
     pub write_waker: Option<Waker>,
+}
+
+/// Send buffers an endpoint keeps for reuse at most, and the largest kept.
+const SPARE_SEND: usize = 4;
+const SPARE_SEND_BYTES: usize = 8 << 20;
+/// A receive this much smaller than its buffer is copied out, so the buffer is posted again
+/// at once instead of holding a whole chunk for a few bytes.
+const COPY_OUT_BELOW: usize = RECV_CHUNK / 8;
+
+/// Bytes received and not yet read: the receive buffers themselves, as UCX filled them, so
+/// a large receive reaches the reader without another copy.
+#[derive(Default)]
+pub struct Received {
+    /// (buffer, first unread byte); each buffer holds exactly what was received.
+    chunks: VecDeque<(Vec<u8>, usize)>,
+    unread: usize,
+    /// Buffers the reader emptied, for the worker's next receives.
+    spare: Vec<Vec<u8>>,
+}
+
+impl Received {
+    /// Unread bytes.
+    pub fn len(&self) -> usize {
+        self.unread
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.unread == 0
+    }
+
+    fn push(&mut self, buffer: Vec<u8>) {
+        self.unread += buffer.len();
+        self.chunks.push_back((buffer, 0));
+    }
+
+    /// Moves as many unread bytes as fit into `out`; returns how many.
+    pub fn read_into(&mut self, out: &mut tokio::io::ReadBuf<'_>) -> usize {
+        let mut moved = 0;
+        while out.remaining() > 0 {
+            let Some((buffer, start)) = self.chunks.front_mut() else {
+                break;
+            };
+            let n = out.remaining().min(buffer.len() - *start);
+            out.put_slice(&buffer[*start..*start + n]);
+            *start += n;
+            moved += n;
+            if *start == buffer.len() {
+                let (buffer, _) = self.chunks.pop_front().expect("a front chunk");
+                if buffer.capacity() >= RECV_CHUNK && self.spare.len() < SPARE_BUFFERS {
+                    self.spare.push(buffer);
+                }
+            }
+        }
+        self.unread -= moved;
+        moved
+    }
+
+    fn take_spare(&mut self) -> Option<Vec<u8>> {
+        self.spare.pop()
+    }
 }
 
 /// How an endpoint ended.
@@ -324,7 +387,8 @@ struct Worker {
     closing: usize,
     next_id: u64,
     /// Receive buffers to reuse (a fresh zeroed 1 MiB per receive cost more than a small
-    /// message's whole round trip).
+    /// message's whole round trip); buffers the reader emptied come back through
+    /// [`Received`].
     spare_buffers: Vec<Vec<u8>>,
 }
 
@@ -626,10 +690,13 @@ impl Worker {
         }
         // SAFETY: completed (or failed) at once: UCX holds no reference to op or its bytes.
         let op = unsafe { Box::from_raw(op) };
-        self.sent(op.ep, len, status);
+        self.sent(*op, status);
     }
 
-    fn sent(&mut self, ep: u64, len: usize, status: sys::ucs_status_t) {
+    /// A send completed: its bytes no longer count against the writer, and its buffer goes
+    /// back to the writer for reuse.
+    fn sent(&mut self, op: SendOp, status: sys::ucs_status_t) {
+        let SendOp { ep, data } = op;
         let Some(endpoint) = self.endpoints.get(&ep) else {
             return;
         };
@@ -639,7 +706,10 @@ impl Worker {
         }
         let waker = {
             let mut state = endpoint.shared.lock();
-            state.send_pending = state.send_pending.saturating_sub(len);
+            state.send_pending = state.send_pending.saturating_sub(data.len());
+            if data.capacity() <= SPARE_SEND_BYTES && state.spare_send.len() < SPARE_SEND {
+                state.spare_send.push(data);
+            }
             state.write_waker.take()
         };
         if let Some(waker) = waker {
@@ -667,10 +737,20 @@ impl Worker {
                 }
                 state.recv_paused = false;
             }
-            let buffer = self
-                .spare_buffers
-                .pop()
-                .unwrap_or_else(|| vec![0; RECV_CHUNK]);
+            let buffer = match self.spare_buffers.pop() {
+                Some(buffer) => buffer,
+                None => endpoint
+                    .shared
+                    .lock()
+                    .received
+                    .take_spare()
+                    .map(|mut buffer| {
+                        // Its bytes were all read; UCX overwrites them.
+                        buffer.resize(RECV_CHUNK, 0);
+                        buffer
+                    })
+                    .unwrap_or_else(|| vec![0; RECV_CHUNK]),
+            };
             let op = Box::into_raw(Box::new(RecvOp { ep, buffer }));
             let mut length: usize = 0;
             // SAFETY: zeroed plain data, fields selected by op_attr_mask.
@@ -698,9 +778,7 @@ impl Worker {
             }
             // SAFETY: completed (or failed) at once: UCX holds no reference to op.
             let op = unsafe { Box::from_raw(op) };
-            let good = self.received(&op, status, length);
-            self.recycle(op.buffer);
-            if !good {
+            if !self.received(*op, status, length) {
                 return;
             }
         }
@@ -712,14 +790,17 @@ impl Worker {
         }
     }
 
-    /// Hands received bytes to the reader; whether the endpoint is still good.
-    fn received(&mut self, op: &RecvOp, status: sys::ucs_status_t, length: usize) -> bool {
-        let ep = op.ep;
+    /// Hands received bytes to the reader; whether the endpoint is still good. A large
+    /// receive hands over its buffer itself; a small one is copied out and its buffer kept
+    /// for the next receive.
+    fn received(&mut self, op: RecvOp, status: sys::ucs_status_t, length: usize) -> bool {
+        let RecvOp { ep, mut buffer } = op;
         let Some(endpoint) = self.endpoints.get_mut(&ep) else {
             return false;
         };
         endpoint.recv_posted = false;
         if status != sys::UCS_OK {
+            self.recycle(buffer);
             if status != sys::UCS_ERR_CANCELED {
                 let error = status_error(&self.library, "UCX stream receive", status);
                 self.failed(
@@ -730,11 +811,22 @@ impl Worker {
             }
             return false;
         }
+        let length = length.min(buffer.len());
+        let bytes = if length < COPY_OUT_BELOW {
+            let bytes = buffer[..length].to_vec();
+            if self.spare_buffers.len() < SPARE_BUFFERS {
+                self.spare_buffers.push(buffer);
+            }
+            bytes
+        } else {
+            buffer.truncate(length);
+            buffer
+        };
         let waker = {
             let mut state = endpoint.shared.lock();
-            state
-                .received
-                .extend(&op.buffer[..length.min(op.buffer.len())]);
+            if !bytes.is_empty() {
+                state.received.push(bytes);
+            }
             state.read_waker.take()
         };
         if let Some(waker) = waker {
@@ -764,7 +856,7 @@ impl Worker {
                 let op = unsafe { Box::from_raw(op) };
                 // SAFETY: a completed request, released once.
                 unsafe { ucp.ucp_request_free(request) };
-                self.sent(op.ep, op.data.len(), status);
+                self.sent(*op, status);
             }
             Event::RecvDone {
                 op,
@@ -777,9 +869,7 @@ impl Worker {
                 // SAFETY: a completed request, released once.
                 unsafe { ucp.ucp_request_free(request) };
                 let ep = op.ep;
-                let good = self.received(&op, status, length);
-                self.recycle(op.buffer);
-                if good {
+                if self.received(*op, status, length) {
                     self.post_recv(ep);
                 }
             }
@@ -851,5 +941,46 @@ impl Worker {
         }
         // SAFETY: nothing refers to the worker any more.
         unsafe { self.library.ucp.ucp_worker_destroy(self.worker) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Reads of any size take the received chunks' bytes in order, across chunk ends, and
+    /// the emptied full-sized buffers come back for the next receives.
+    #[test]
+    fn received_chunks_read_back_in_order_across_their_ends() {
+        let mut received = Received::default();
+        let mut big = vec![0u8; RECV_CHUNK];
+        big.iter_mut()
+            .enumerate()
+            .for_each(|(i, b)| *b = (i % 251) as u8);
+        let small: Vec<u8> = (0..10).map(|i| 200 + i).collect();
+        let mut expected = big.clone();
+        expected.extend_from_slice(&small);
+        received.push(big);
+        received.push(small);
+        assert_eq!(received.len(), expected.len());
+        let mut out = Vec::new();
+        for size in [1, 7, 4096, RECV_CHUNK].into_iter().cycle() {
+            if received.is_empty() {
+                break;
+            }
+            let mut storage = vec![0u8; size];
+            let mut buf = tokio::io::ReadBuf::new(&mut storage);
+            let moved = received.read_into(&mut buf);
+            assert_eq!(moved, buf.filled().len());
+            out.extend_from_slice(buf.filled());
+        }
+        assert_eq!(out, expected);
+        assert_eq!(received.len(), 0);
+        let spare = received.take_spare().expect("the emptied 1 MiB buffer");
+        assert_eq!(spare.capacity(), RECV_CHUNK);
+        assert!(
+            received.take_spare().is_none(),
+            "the small buffer is not kept"
+        );
     }
 }
