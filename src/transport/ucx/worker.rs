@@ -364,7 +364,8 @@ struct SendOp {
     data: Vec<u8>,
 }
 
-/// A receive in flight: UCX writes into `buffer`.
+/// A receive in flight: UCX writes into `buffer`'s capacity (its length is 0 until the
+/// receive completes).
 struct RecvOp {
     ep: u64,
     buffer: Vec<u8>,
@@ -737,20 +738,14 @@ impl Worker {
                 }
                 state.recv_paused = false;
             }
-            let buffer = match self.spare_buffers.pop() {
-                Some(buffer) => buffer,
-                None => endpoint
-                    .shared
-                    .lock()
-                    .received
-                    .take_spare()
-                    .map(|mut buffer| {
-                        // Its bytes were all read; UCX overwrites them.
-                        buffer.resize(RECV_CHUNK, 0);
-                        buffer
-                    })
-                    .unwrap_or_else(|| vec![0; RECV_CHUNK]),
-            };
+            // Only the buffer's capacity is posted: UCX writes into it and the completion
+            // sets its length, so nothing is zeroed first.
+            let mut buffer = self
+                .spare_buffers
+                .pop()
+                .or_else(|| endpoint.shared.lock().received.take_spare())
+                .unwrap_or_else(|| Vec::with_capacity(RECV_CHUNK));
+            buffer.clear();
             let op = Box::into_raw(Box::new(RecvOp { ep, buffer }));
             let mut length: usize = 0;
             // SAFETY: zeroed plain data, fields selected by op_attr_mask.
@@ -758,15 +753,16 @@ impl Worker {
             param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA;
             param.cb.recv_stream = Some(on_recv);
             param.user_data = op.cast();
-            // SAFETY: the endpoint is live; UCX writes into op's buffer, which is freed only
-            // once UCX is done with it (as for sends); `length` is written when the receive
-            // completes at once.
+            // SAFETY: the endpoint is live; UCX writes at most the buffer's capacity into
+            // op's buffer, which is freed only once UCX is done with it (as for sends);
+            // `length` is written when the receive completes at once.
             let request = unsafe {
+                let capacity = (*op).buffer.capacity();
                 let buffer = (*op).buffer.as_mut_ptr().cast();
                 self.library.ucp.ucp_stream_recv_nbx(
                     endpoint.handle,
                     buffer,
-                    RECV_CHUNK,
+                    capacity,
                     &mut length,
                     &param,
                 )
@@ -799,6 +795,7 @@ impl Worker {
             return false;
         };
         endpoint.recv_posted = false;
+        let shared = endpoint.shared.clone();
         if status != sys::UCS_OK {
             self.recycle(buffer);
             if status != sys::UCS_ERR_CANCELED {
@@ -811,19 +808,19 @@ impl Worker {
             }
             return false;
         }
-        let length = length.min(buffer.len());
-        let bytes = if length < COPY_OUT_BELOW {
-            let bytes = buffer[..length].to_vec();
-            if self.spare_buffers.len() < SPARE_BUFFERS {
-                self.spare_buffers.push(buffer);
-            }
+        // SAFETY: the receive completed having written `length` bytes at the start of the
+        // buffer's allocation (at most its capacity, which is what was posted), so they are
+        // initialised.
+        unsafe { buffer.set_len(length.min(buffer.capacity())) };
+        let bytes = if buffer.len() < COPY_OUT_BELOW {
+            let bytes = buffer.to_vec();
+            self.recycle(buffer);
             bytes
         } else {
-            buffer.truncate(length);
             buffer
         };
         let waker = {
-            let mut state = endpoint.shared.lock();
+            let mut state = shared.lock();
             if !bytes.is_empty() {
                 state.received.push(bytes);
             }
