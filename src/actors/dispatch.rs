@@ -458,6 +458,17 @@ impl Dispatcher {
         all
     }
 
+    /// Rows sent to each target so far (every send: hedges and failovers included).
+    pub fn rows_sent(&self) -> Vec<(Target, u64)> {
+        let mut all: Vec<_> = self
+            .health()
+            .iter()
+            .map(|(t, h)| (*t, h.rows_sent()))
+            .collect();
+        all.sort_by_key(|(t, _)| *t);
+        all
+    }
+
     /// Whether work may go to `target` now, as [`Dispatcher::run_groups`] judges it.
     fn usable(
         &self,

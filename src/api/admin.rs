@@ -248,7 +248,9 @@ pub async fn rebalance(
 }
 
 /// `GET /admin/cluster`: every member this node knows (itself included) with its state,
-/// incarnation, addresses, when it was last heard from and the placement it serves.
+/// incarnation, addresses, when it was last heard from and the placement it serves; and
+/// how dispatch rates each place it sends expert work to (reach, latency, rows in flight,
+/// rows sent so far).
 pub async fn cluster(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let served = state.admitting()?;
     let Some(joined) = &served.node.cluster else {
@@ -277,17 +279,26 @@ pub async fn cluster(state: web::Data<AppState>) -> Result<HttpResponse, ApiErro
         })
         .collect();
     members.sort_by(|a, b| a["node"].as_str().cmp(&b["node"].as_str()));
-    let targets: Vec<_> = served
-        .node
-        .experts
+    let experts = &served.node.experts;
+    let placement = experts.placement();
+    let sent: std::collections::HashMap<_, _> = experts.rows_sent().into_iter().collect();
+    let targets: Vec<_> = experts
         .targets()
         .into_iter()
         .map(|(target, health)| {
+            let node = match target {
+                crate::actors::dispatch::Target::Node(n) => {
+                    placement.nodes().get(n as usize).map(|n| n.node.clone())
+                }
+                crate::actors::dispatch::Target::Device(_) => None,
+            };
             json!({
                 "target": format!("{target:?}"),
+                "node": node,
                 "reach": health.reach,
                 "latency_ms": health.latency_micros / 1000.0,
                 "outstanding_rows": health.outstanding_rows,
+                "rows_sent": sent.get(&target).copied().unwrap_or(0),
             })
         })
         .collect();

@@ -11,7 +11,7 @@ use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 
 use super::{MemberState, Membership, MembershipStats};
-use crate::actors::dispatch::Dispatcher;
+use crate::actors::dispatch::{Dispatcher, Target};
 use crate::transport::peer::PeerStats;
 
 pub struct ClusterCollector {
@@ -153,6 +153,27 @@ impl Collector for ClusterCollector {
             &mut encoder,
             "node_experts",
             "Expert copies (layer, expert) each node holds in the placement",
+            &series,
+        )?;
+        let sent: Vec<(String, u64)> = self
+            .dispatcher
+            .rows_sent()
+            .into_iter()
+            .filter_map(|(target, rows)| match target {
+                Target::Node(n) => Some((placement.nodes().get(n as usize)?.node.clone(), rows)),
+                Target::Device(_) => None,
+            })
+            .collect();
+        let series: Vec<([(&str, &str); 1], u64)> = sent
+            .iter()
+            .map(|(n, v)| ([("node", n.as_str())], *v))
+            .collect();
+        let series: Vec<(&[(&str, &str)], u64)> =
+            series.iter().map(|(l, v)| (&l[..], *v)).collect();
+        counter(
+            &mut encoder,
+            "dispatch_rows_sent",
+            "Rows of expert work sent to each other node (hedges and failovers included)",
             &series,
         )?;
         let c = &self.dispatcher.counters;

@@ -74,6 +74,8 @@ pub struct TargetHealth {
     slow_until: Option<Instant>,
     /// Down for good (a local device whose actor stopped).
     gone: bool,
+    /// Rows sent to it since this node started (hedges and failovers included).
+    rows_sent: u64,
 }
 
 /// Latency assumed before the first answer: a target is not avoided for being unknown.
@@ -94,6 +96,7 @@ impl Default for TargetHealth {
             down_until: None,
             slow_until: None,
             gone: false,
+            rows_sent: 0,
         }
     }
 }
@@ -132,6 +135,12 @@ impl TargetHealth {
 
     pub fn sent(&mut self, rows: usize) {
         self.outstanding_rows += rows;
+        self.rows_sent += rows as u64;
+    }
+
+    /// Rows sent to it so far, answered or not.
+    pub fn rows_sent(&self) -> u64 {
+        self.rows_sent
     }
 
     /// An answer (or a failure) for `rows` sent earlier; `took` is its answer time when it
@@ -177,6 +186,7 @@ impl TargetHealth {
             *self = TargetHealth {
                 gone: self.gone,
                 outstanding_rows: self.outstanding_rows,
+                rows_sent: self.rows_sent,
                 ..TargetHealth::default()
             };
         }
@@ -240,6 +250,11 @@ mod tests {
         h.set_gossip(Reach::Suspect);
         h.set_gossip(Reach::Up);
         assert_eq!(h.view(now).latency_micros, FIRST_LATENCY_MICROS);
+        assert_eq!(
+            h.rows_sent(),
+            1,
+            "what was sent is not forgotten with the measurement"
+        );
     }
 
     #[test]
@@ -253,6 +268,7 @@ mod tests {
         assert!((h.latency().as_secs_f64() * 1e6 - 4000.0).abs() < 1e-3);
         h.sent(64);
         assert_eq!(h.view(Instant::now()).outstanding_rows, 64);
+        assert_eq!(h.rows_sent(), 79, "every row sent counts, answered or not");
         assert_eq!(h.view(Instant::now()).load(10), 74);
         let local = ReplicaHealth {
             local: true,
