@@ -420,35 +420,104 @@ fn rows_frame_prefix(
 }
 
 /// Writes `values` in `dtype` into `out` (exactly `values.len() × dtype.size()` bytes).
-/// Branch-free per value so the loops vectorise.
+/// Branch-free per value and compiled per vector width, so the loops vectorise: at the
+/// baseline x86-64 target the bf16 loops ran at about a nanosecond a value, byte by byte.
 pub fn encode_values(values: &[f32], dtype: Dtype, out: &mut [u8]) {
     match dtype {
-        Dtype::F32 => {
-            for (slot, value) in out.chunks_exact_mut(4).zip(values) {
-                slot.copy_from_slice(&value.to_le_bytes());
-            }
-        }
-        Dtype::Bf16 => {
-            for (slot, value) in out.chunks_exact_mut(2).zip(values) {
-                slot.copy_from_slice(&f32_to_bf16_bits(*value).to_le_bytes());
-            }
-        }
+        Dtype::F32 => match bytemuck::try_cast_slice_mut::<u8, f32>(out) {
+            Ok(words) => encode_f32(values, words),
+            Err(_) => encode_f32_bytes(values, out),
+        },
+        Dtype::Bf16 => match bytemuck::try_cast_slice_mut::<u8, u16>(out) {
+            Ok(words) => encode_bf16(values, words),
+            Err(_) => encode_bf16_bytes(values, out),
+        },
     }
 }
 
 /// Reads `out.len()` values in `dtype` from `bytes` (exactly `out.len() × dtype.size()`).
 pub fn decode_values(bytes: &[u8], dtype: Dtype, out: &mut [f32]) {
     match dtype {
-        Dtype::F32 => {
-            for (value, chunk) in out.iter_mut().zip(bytes.chunks_exact(4)) {
-                *value = f32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]);
-            }
-        }
-        Dtype::Bf16 => {
-            for (value, chunk) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                *value = bf16_bits_to_f32(u16::from_le_bytes([chunk[0], chunk[1]]));
-            }
-        }
+        Dtype::F32 => match bytemuck::try_cast_slice::<u8, f32>(bytes) {
+            Ok(words) => decode_f32(words, out),
+            Err(_) => decode_f32_bytes(bytes, out),
+        },
+        Dtype::Bf16 => match bytemuck::try_cast_slice::<u8, u16>(bytes) {
+            Ok(words) => decode_bf16(words, out),
+            Err(_) => decode_bf16_bytes(bytes, out),
+        },
+    }
+}
+
+// The conversions proper: over whole words when the buffer is aligned for them (it is, in
+// practice: frames are allocations, and every part of a frame before the rows is a multiple
+// of four bytes), over byte pairs when it is not.
+
+#[multiversion::multiversion(targets(
+    "x86_64+avx512f+avx512bw+avx512vl+avx2",
+    "x86_64+avx2",
+    "aarch64+neon"
+))]
+fn encode_bf16(values: &[f32], out: &mut [u16]) {
+    for (word, value) in out.iter_mut().zip(values) {
+        *word = f32_to_bf16_bits(*value).to_le();
+    }
+}
+
+#[multiversion::multiversion(targets(
+    "x86_64+avx512f+avx512bw+avx512vl+avx2",
+    "x86_64+avx2",
+    "aarch64+neon"
+))]
+fn encode_bf16_bytes(values: &[f32], out: &mut [u8]) {
+    for (slot, value) in out.chunks_exact_mut(2).zip(values) {
+        slot.copy_from_slice(&f32_to_bf16_bits(*value).to_le_bytes());
+    }
+}
+
+#[multiversion::multiversion(targets(
+    "x86_64+avx512f+avx512bw+avx512vl+avx2",
+    "x86_64+avx2",
+    "aarch64+neon"
+))]
+fn decode_bf16(words: &[u16], out: &mut [f32]) {
+    for (value, word) in out.iter_mut().zip(words) {
+        *value = bf16_bits_to_f32(u16::from_le(*word));
+    }
+}
+
+#[multiversion::multiversion(targets(
+    "x86_64+avx512f+avx512bw+avx512vl+avx2",
+    "x86_64+avx2",
+    "aarch64+neon"
+))]
+fn decode_bf16_bytes(bytes: &[u8], out: &mut [f32]) {
+    for (value, chunk) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+        *value = bf16_bits_to_f32(u16::from_le_bytes([chunk[0], chunk[1]]));
+    }
+}
+
+fn encode_f32(values: &[f32], out: &mut [f32]) {
+    for (word, value) in out.iter_mut().zip(values) {
+        *word = f32::from_bits(value.to_bits().to_le());
+    }
+}
+
+fn encode_f32_bytes(values: &[f32], out: &mut [u8]) {
+    for (slot, value) in out.chunks_exact_mut(4).zip(values) {
+        slot.copy_from_slice(&value.to_le_bytes());
+    }
+}
+
+fn decode_f32(words: &[f32], out: &mut [f32]) {
+    for (value, word) in out.iter_mut().zip(words) {
+        *value = f32::from_bits(u32::from_le(word.to_bits()));
+    }
+}
+
+fn decode_f32_bytes(bytes: &[u8], out: &mut [f32]) {
+    for (value, chunk) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+        *value = f32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]);
     }
 }
 
@@ -1005,21 +1074,51 @@ mod tests {
             f32::from_bits(0x3f81_8000),
             f32::from_bits(0x7f7f_ffff),
         ];
-        let values = specials
+        let values: Vec<f32> = specials
             .into_iter()
-            .chain((0..100_000).map(|_| f32::from_bits(rng.random())));
-        for value in values {
-            let expected = half::bf16::from_f32(value).to_bits();
-            assert_eq!(
-                f32_to_bf16_bits(value),
-                expected,
-                "{:#010x}",
-                value.to_bits()
-            );
+            .chain((0..100_000).map(|_| f32::from_bits(rng.random())))
+            .collect();
+        let expected: Vec<u16> = values
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_bits())
+            .collect();
+        let all_bits: Vec<u16> = (0..=u16::MAX).collect();
+        let widened: Vec<u32> = all_bits
+            .iter()
+            .map(|&bits| half::bf16::from_bits(bits).to_f32().to_bits())
+            .collect();
+        // Offset 0 takes the word loops, offset 1 the byte-pair loops.
+        for offset in [0, 1] {
+            let mut buffer = vec![0u8; offset + 2 * values.len()];
+            encode_values(&values, Dtype::Bf16, &mut buffer[offset..]);
+            for (i, pair) in buffer[offset..].chunks_exact(2).enumerate() {
+                let got = u16::from_le_bytes([pair[0], pair[1]]);
+                assert_eq!(got, expected[i], "{:#010x}", values[i].to_bits());
+            }
+            let mut buffer = vec![0u8; offset + 2 * all_bits.len()];
+            for (pair, bits) in buffer[offset..].chunks_exact_mut(2).zip(&all_bits) {
+                pair.copy_from_slice(&bits.to_le_bytes());
+            }
+            let mut out = vec![0.0f32; all_bits.len()];
+            decode_values(&buffer[offset..], Dtype::Bf16, &mut out);
+            for (bits, (value, want)) in all_bits.iter().zip(out.iter().zip(&widened)) {
+                assert_eq!(value.to_bits(), *want, "{bits:#06x}");
+            }
         }
-        for bits in 0..=u16::MAX {
-            let expected = half::bf16::from_bits(bits).to_f32().to_bits();
-            assert_eq!(bf16_bits_to_f32(bits).to_bits(), expected, "{bits:#06x}");
+    }
+
+    #[test]
+    fn f32_values_round_trip_at_every_alignment() {
+        let values: Vec<f32> = (0..1001).map(|i| i as f32 * -0.37).collect();
+        for offset in 0..4 {
+            let mut buffer = vec![0u8; offset + 4 * values.len()];
+            encode_values(&values, Dtype::F32, &mut buffer[offset..]);
+            for (chunk, value) in buffer[offset..].chunks_exact(4).zip(&values) {
+                assert_eq!(chunk, value.to_le_bytes());
+            }
+            let mut out = vec![0.0f32; values.len()];
+            decode_values(&buffer[offset..], Dtype::F32, &mut out);
+            assert_eq!(out, values);
         }
     }
 
