@@ -345,6 +345,42 @@ fn round_trip_f32_bit_exact_and_bf16(kind: Kind) {
     rig.assert_links_moved();
 }
 
+/// Two nodes on one host talk over UCX's shared memory, not its TCP: our endpoints ask for
+/// peer-failure reporting, which UCX 1.13 leaves off for shared memory unless told, and
+/// without it every same-host link fell back to `tcp/lo` whatever `UCX_TLS` said. Only
+/// where `UCX_TLS` leaves shared memory in (unset, or naming `shm`, `sysv` or `posix`).
+#[test]
+fn ucx_links_on_one_host_use_shared_memory() {
+    let tls = std::env::var("UCX_TLS").unwrap_or_default();
+    if !(tls.is_empty()
+        || ["all", "shm", "sm", "sysv", "posix"]
+            .iter()
+            .any(|t| tls.contains(t)))
+    {
+        eprintln!("SKIP: UCX_TLS={tls} leaves out shared memory");
+        return;
+    }
+    let Some(rig) = Rig::try_new(Kind::Ucx) else {
+        return;
+    };
+    let stats = Arc::new(PeerStats::default());
+    let server = rig.server(&stats, double_plus_expert());
+    let client = rig.client(server.local_addr(), &stats);
+    let request = make_request(1, Dtype::Bf16);
+    let reply = call(&client, request.clone(), Duration::from_secs(5)).expect("reply");
+    assert_reply(&request, &reply);
+    rig.assert_links_moved();
+    let (server_side, client_side) = rig.ucx.as_ref().expect("UCX rig");
+    for (side, transport) in [("server", server_side), ("client", client_side)] {
+        let used = transport.transports_used();
+        assert!(
+            used.iter()
+                .any(|t| t.starts_with("sysv/") || t.starts_with("posix/")),
+            "the {side}'s link uses {used:?}, no shared memory"
+        );
+    }
+}
+
 fn hundred_concurrent_requests_from_four_threads(kind: Kind) {
     let Some(rig) = Rig::try_new(kind) else {
         return;

@@ -27,8 +27,8 @@ use std::io;
 use std::mem::ManuallyDrop;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use futures::FutureExt;
 use futures::future::BoxFuture;
@@ -125,6 +125,8 @@ pub struct UcxTransport {
     library: Arc<Library>,
     /// Links moved to UCX so far.
     links: Arc<AtomicU64>,
+    /// The UCX transports the links' endpoints have used, each once.
+    transports: Arc<Mutex<Vec<String>>>,
 }
 
 impl UcxTransport {
@@ -136,6 +138,7 @@ impl UcxTransport {
             context: Context::new(library.clone())?,
             library,
             links: Arc::new(AtomicU64::new(0)),
+            transports: Arc::default(),
         })
     }
 
@@ -146,6 +149,15 @@ impl UcxTransport {
     /// How many links this transport has moved to UCX (each side counts its own).
     pub fn links_moved(&self) -> u64 {
         self.links.load(Ordering::Relaxed)
+    }
+
+    /// The UCX transports (`tl/device`: `sysv/memory`, `tcp/lo`, ...) that the endpoints of
+    /// this transport's links have used so far, each once.
+    pub fn transports_used(&self) -> Vec<String> {
+        self.transports
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 }
 
@@ -183,6 +195,7 @@ impl Transport for UcxTransport {
     fn upgrade(&self) -> BoxFuture<'static, io::Result<Option<Box<dyn LinkUpgrade>>>> {
         let context = self.context.clone();
         let links = self.links.clone();
+        let transports = self.transports.clone();
         async move {
             let (worker, address) =
                 tokio::task::spawn_blocking(move || WorkerHandle::start(context))
@@ -193,6 +206,7 @@ impl Transport for UcxTransport {
                 address,
                 ep: None,
                 links,
+                transports,
             }) as Box<dyn LinkUpgrade>))
         }
         .boxed()
@@ -205,6 +219,7 @@ struct UcxLink {
     address: Vec<u8>,
     ep: Option<(u64, Arc<EpShared>)>,
     links: Arc<AtomicU64>,
+    transports: Arc<Mutex<Vec<String>>>,
 }
 
 impl Drop for UcxLink {
@@ -236,8 +251,22 @@ impl LinkUpgrade for UcxLink {
                 shared: shared.clone(),
                 reply,
             })?;
-            let ep = answer.await.map_err(|_| stopped())??;
-            self.ep = Some((ep, shared));
+            let connected = answer.await.map_err(|_| stopped())??;
+            tracing::info!(
+                transports = %connected.transports.join(", "),
+                "UCX endpoint made for a peer link"
+            );
+            let mut used = self
+                .transports
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            for transport in connected.transports {
+                if !used.contains(&transport) {
+                    used.push(transport);
+                }
+            }
+            drop(used);
+            self.ep = Some((connected.ep, shared));
             Ok(())
         }
         .boxed()

@@ -184,6 +184,11 @@ impl Context {
                 status,
             ));
         }
+        if let Err(error) = allow_shared_memory(&library, config) {
+            // SAFETY: config came from ucp_config_read and is not used after this.
+            unsafe { ucp.ucp_config_release(config) };
+            return Err(error);
+        }
         // SAFETY: ucp_params_t is plain data; zero is "no field set" for the fields not
         // named in field_mask.
         let mut params: sys::ucp_params_t = unsafe { std::mem::zeroed() };
@@ -213,6 +218,43 @@ impl Context {
     }
 }
 
+/// The `UCX_*` variables that choose whether UCX's shared-memory transports report peer
+/// failure; a user who sets any of them decides.
+const SHM_ERROR_HANDLING_VARS: [&str; 3] = [
+    "UCX_MM_ERROR_HANDLING",
+    "UCX_POSIX_ERROR_HANDLING",
+    "UCX_SYSV_ERROR_HANDLING",
+];
+
+/// Turns on peer-failure reporting of the shared-memory transports (posix, sysv) unless the
+/// environment says otherwise. Our endpoints ask for `UCP_ERR_HANDLING_MODE_PEER`, and UCX
+/// (1.13 at least) leaves it off for shared memory by default, so without this two nodes on
+/// one host are joined over UCX's TCP transport however `UCX_TLS` reads.
+fn allow_shared_memory(library: &Library, config: *mut sys::ucp_config_t) -> io::Result<()> {
+    if SHM_ERROR_HANDLING_VARS
+        .iter()
+        .any(|name| std::env::var_os(name).is_some())
+    {
+        return Ok(());
+    }
+    // SAFETY: config is a live configuration from ucp_config_read; the strings are
+    // NUL-terminated literals. Names that are not ucp's own are kept by UCX and applied to
+    // each transport's configuration as it opens.
+    let status = unsafe {
+        library
+            .ucp
+            .ucp_config_modify(config, c"MM_ERROR_HANDLING".as_ptr(), c"y".as_ptr())
+    };
+    if status != sys::UCS_OK {
+        return Err(status_error(
+            library,
+            "turning on shared-memory peer-failure reporting (UCX_MM_ERROR_HANDLING)",
+            status,
+        ));
+    }
+    Ok(())
+}
+
 impl Drop for Context {
     fn drop(&mut self) {
         // SAFETY: every worker made on the context holds an Arc to it, so none is left.
@@ -225,7 +267,8 @@ pub enum Command {
     Connect {
         remote: Vec<u8>,
         shared: Arc<EpShared>,
-        reply: oneshot::Sender<io::Result<u64>>,
+        /// The endpoint's id and the UCX transports its lanes use ([`Connected`]).
+        reply: oneshot::Sender<io::Result<Connected>>,
     },
     Send {
         ep: u64,
@@ -326,6 +369,38 @@ impl Drop for WorkerHandle {
             let _ = thread.join();
         }
     }
+}
+
+/// A new endpoint: its id, and the transports its lanes use.
+pub struct Connected {
+    pub ep: u64,
+    pub transports: Vec<String>,
+}
+
+/// The transports of the `lane[i]:` lines of `ucp_ep_print_info`'s text (`  2:sysv/memory.0
+/// md[1] -> ...`: resource index, `tl/device`, then a path index), each once, in lane order.
+fn parse_lane_transports(printed: &str) -> Vec<String> {
+    let mut transports: Vec<String> = Vec::new();
+    for line in printed.lines() {
+        let Some((_, rest)) = line
+            .split_once("lane[")
+            .and_then(|(_, r)| r.split_once("]:"))
+        else {
+            continue;
+        };
+        let Some(resource) = rest.split_whitespace().next() else {
+            continue;
+        };
+        let name = resource.split_once(':').map_or(resource, |(_, name)| name);
+        let name = match name.rsplit_once('.') {
+            Some((base, index)) if index.bytes().all(|b| b.is_ascii_digit()) => base,
+            _ => name,
+        };
+        if !name.is_empty() && !transports.iter().any(|t| t == name) {
+            transports.push(name.to_string());
+        }
+    }
+    transports
 }
 
 /// What a UCX callback saw, handled by the loop once progress returns.
@@ -603,7 +678,7 @@ impl Worker {
             } => {
                 let id = self.next_id();
                 let result = self.connect(id, &remote, shared);
-                let _ = reply.send(result.map(|()| id));
+                let _ = reply.send(result.map(|transports| Connected { ep: id, transports }));
             }
             Command::Send { ep, data } => self.send(ep, data),
             Command::ResumeRecv { ep } => self.post_recv(ep),
@@ -629,7 +704,13 @@ impl Worker {
         params
     }
 
-    fn connect(&mut self, id: u64, remote: &[u8], shared: Arc<EpShared>) -> io::Result<()> {
+    /// Creates the endpoint; returns the transports its lanes use.
+    fn connect(
+        &mut self,
+        id: u64,
+        remote: &[u8],
+        shared: Arc<EpShared>,
+    ) -> io::Result<Vec<String>> {
         let mut params = Self::ep_params(id);
         params.field_mask |= sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS as u64;
         params.address = remote.as_ptr().cast();
@@ -649,8 +730,35 @@ impl Worker {
                 status,
             ));
         }
+        let transports = self.lane_transports(handle);
         self.add_endpoint(id, handle, shared);
-        Ok(())
+        Ok(transports)
+    }
+
+    /// The transports (`tl/device`, e.g. `sysv/memory`, `tcp/lo`, `rc_mlx5/mlx5_0:1`) the
+    /// lanes of `ep` use, as `ucp_ep_print_info` lists them; empty if it printed none.
+    fn lane_transports(&self, ep: sys::ucp_ep_h) -> Vec<String> {
+        let mut text: *mut libc::c_char = std::ptr::null_mut();
+        let mut len: libc::size_t = 0;
+        // SAFETY: both out-pointers are live locals; the stream is closed below.
+        let stream = unsafe { libc::open_memstream(&mut text, &mut len) };
+        if stream.is_null() {
+            return Vec::new();
+        }
+        // SAFETY: ep is a live endpoint of this worker, stream an open FILE.
+        unsafe { self.library.ucp.ucp_ep_print_info(ep, stream.cast()) };
+        // SAFETY: stream came from open_memstream; closing it sets text and len.
+        unsafe { libc::fclose(stream) };
+        if text.is_null() {
+            return Vec::new();
+        }
+        // SAFETY: after fclose, text points at len bytes that open_memstream allocated.
+        let printed =
+            String::from_utf8_lossy(unsafe { std::slice::from_raw_parts(text.cast::<u8>(), len) })
+                .into_owned();
+        // SAFETY: text was allocated by open_memstream and is not used after this.
+        unsafe { libc::free(text.cast()) };
+        parse_lane_transports(&printed)
     }
 
     fn add_endpoint(&mut self, id: u64, handle: sys::ucp_ep_h, shared: Arc<EpShared>) {
@@ -925,6 +1033,9 @@ impl Worker {
                 std::thread::sleep(Duration::from_millis(1));
             }
         }
+        // A close that completed at once leaves its endpoint's receive cancelled but its
+        // callback not yet run: run it, so the request is freed before the worker goes.
+        while self.progress() {}
         if self.closing > 0 {
             // Requests still open keep pointers into the worker: leave it rather than
             // destroy it under them.
@@ -944,6 +1055,22 @@ impl Worker {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lane_transports_are_read_from_the_endpoint_printout() {
+        let printed = "#\n# UCP endpoint\n#\n#               peer: <no debug data>\n\
+            #                 lane[0]:  2:sysv/memory.0 md[1]           -> md[1]/sysv/sysdev[255] am am_bw#0 keepalive\n\
+            #                 lane[1]:  1:tcp/lo.0 md[0]                -> md[0]/tcp/sysdev[255] am_bw#1\n\
+            #                 lane[2]:  7:rc_mlx5/mlx5_0:1.0 md[3]      -> md[3]/ib/sysdev[255] rma_bw#0\n\
+            #                 lane[3]:  2:sysv/memory.0 md[1]           -> md[1]/sysv/sysdev[255] rma#0\n\
+            #\n#                tag_send: 0..<egr/short>..8185..<egr/bcopy>..(inf)\n";
+        assert_eq!(
+            parse_lane_transports(printed),
+            ["sysv/memory", "tcp/lo", "rc_mlx5/mlx5_0:1"]
+        );
+        assert!(parse_lane_transports("").is_empty());
+        assert!(parse_lane_transports("lane[0]:\nlane[x").is_empty());
+    }
 
     /// Reads of any size take the received chunks' bytes in order, across chunk ends, and
     /// the emptied full-sized buffers come back for the next receives.
