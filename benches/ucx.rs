@@ -8,9 +8,12 @@
 //!    request through `PeerClient` to a server process that hands the rows back; median
 //!    round trip over 30, and payload GB/s (both directions counted);
 //! 2. the same for 1 token: median and p99 round trip over 2000;
-//! 3. `ucx_perftest` (Debian `ucx-utils`) on the same `UCX_TLS`: `stream_bw` with 3.5 MiB
-//!    messages and `stream_lat` with 14 KiB, and the ratios (ours / perftest bandwidth; our
-//!    round trip / perftest's, which reports half a round trip, times two).
+//! 3. `ucx_perftest` (Debian `ucx-utils`) on the same `UCX_TLS`: `ucp_am_bw` with 3.5 MiB
+//!    messages and `ucp_am_lat` with 14 KiB (the links' bytes are active messages), each
+//!    with endpoints that report peer failure (`-e`, as ours do) and without (`-e` costs
+//!    shared memory its zero-copy `cma` lane in UCX 1.13), and the ratios (ours / perftest
+//!    bandwidth; our round trip / perftest's, which reports half a round trip, times two);
+//! 4. which UCX transports our links' endpoints used (`ucp_ep_print_info`'s lanes).
 //!
 //! Without libucp or ucx_perftest it says SKIP for what it cannot run. The same binary is
 //! the server and client processes (`MOE_BENCH_UCX_ROLE`).
@@ -43,13 +46,15 @@ fn main() {
     }
 }
 
-fn transport(kind: &str) -> Arc<dyn Transport> {
+/// The transport `kind` names, and the UCX one itself (to ask what it used) when it is UCX.
+fn transport(kind: &str) -> (Arc<dyn Transport>, Option<UcxTransport>) {
     match kind {
         "ucx" => {
             let library = Library::load(None, true).expect("libucp loads");
-            Arc::new(UcxTransport::start(library).expect("UCX starts"))
+            let ucx = UcxTransport::start(library).expect("UCX starts");
+            (Arc::new(ucx.clone()), Some(ucx))
         }
-        _ => Arc::new(TcpTransport::default()),
+        _ => (Arc::new(TcpTransport::default()), None),
     }
 }
 
@@ -82,7 +87,7 @@ fn serve() {
         })
     });
     let server = PeerServer::start(
-        transport(&kind),
+        transport(&kind).0,
         "127.0.0.1:0".parse().expect("address"),
         auth("server"),
         Arc::new(PeerStats::default()),
@@ -133,7 +138,8 @@ fn sorted_micros(mut times: Vec<Duration>) -> Vec<f64> {
     micros
 }
 
-/// The client process: prints `LAYER <median us> <GB/s>` and `TOKEN <median us> <p99 us>`.
+/// The client process: prints `LAYER <median us> <GB/s>`, `TOKEN <median us> <p99 us>` and,
+/// over UCX, `TRANSPORTS <what the link's endpoint used>`.
 fn client() {
     let kind = std::env::var(KIND).unwrap_or_default();
     let addr: SocketAddr = std::env::var(ADDR)
@@ -141,8 +147,9 @@ fn client() {
         .parse()
         .expect("address");
     let runtime = runtime();
+    let (transport, ucx) = transport(&kind);
     let client = PeerClient::new(
-        transport(&kind),
+        transport,
         runtime.handle().clone(),
         addr,
         auth("client"),
@@ -171,6 +178,9 @@ fn client() {
         micros[PINGS / 2],
         micros[PINGS * 99 / 100]
     );
+    if let Some(ucx) = ucx {
+        println!("TRANSPORTS {}", ucx.transports_used().join(","));
+    }
 }
 
 /// Figures of one transport: layer round trip (us), layer GB/s, token median, token p99.
@@ -179,6 +189,8 @@ struct Figures {
     layer_gbps: f64,
     token_us: f64,
     token_p99_us: f64,
+    /// The UCX transports the link used ("" over TCP).
+    transports: String,
 }
 
 fn spawn_self(role: &str, kind: &str, tls: Option<&str>, addr: Option<SocketAddr>) -> Child {
@@ -223,25 +235,37 @@ fn measure(kind: &str, tls: Option<&str>) -> Figures {
             .collect()
     };
     let (layer, token) = (numbers("LAYER "), numbers("TOKEN "));
+    let transports = text
+        .lines()
+        .find_map(|l| l.strip_prefix("TRANSPORTS "))
+        .unwrap_or_default()
+        .to_string();
     Figures {
         layer_us: layer[0],
         layer_gbps: layer[1],
         token_us: token[0],
         token_p99_us: token[1],
+        transports,
     }
 }
 
 /// `ucx_perftest` on `tls`: the `Final:` figures of one test (typical latency in us and
-/// average bandwidth in MB/s).
+/// average bandwidth in MB/s); `peer_failure` makes its endpoints report peer failure (`-e`).
 fn perftest(
     tls: &str,
     test: &str,
     size: usize,
     iterations: usize,
     port: u16,
+    peer_failure: bool,
 ) -> Option<(f64, f64)> {
     let run = |args: &[String]| {
-        Command::new("ucx_perftest")
+        let mut command = Command::new("ucx_perftest");
+        if peer_failure && std::env::var_os("UCX_MM_ERROR_HANDLING").is_none() {
+            // What the node sets for its own endpoints (else `-e` leaves shared memory out).
+            command.env("UCX_MM_ERROR_HANDLING", "y");
+        }
+        command
             .args(args)
             .env("UCX_TLS", tls)
             .stdout(Stdio::piped())
@@ -249,7 +273,10 @@ fn perftest(
             .spawn()
             .ok()
     };
-    let port_arg = vec!["-p".to_string(), port.to_string()];
+    let mut port_arg = vec!["-p".to_string(), port.to_string()];
+    if peer_failure {
+        port_arg.push("-e".to_string());
+    }
     let mut server = run(&port_arg)?;
     std::thread::sleep(Duration::from_millis(500));
     let mut args = vec!["127.0.0.1".to_string()];
@@ -311,25 +338,35 @@ fn compare() {
             ours.layer_us, ours.layer_gbps, ours.token_us, ours.token_p99_us
         );
         let Some(tls) = tls else { continue };
+        println!("{:18} our links used {}", "", ours.transports);
         if !perftest_found {
             println!("{:18} SKIP: ucx_perftest not found (Debian ucx-utils)", "");
             continue;
         }
-        port += 1;
-        let bw = perftest(tls, "stream_bw", layer_bytes, 200, port);
-        port += 1;
-        let lat = perftest(tls, "stream_lat", (WIDTH * 2) as usize, 2000, port);
-        match (bw, lat) {
-            (Some((_, mbps)), Some((half_rtt_us, _))) => println!(
-                "{:18} ucx_perftest stream_bw {:6.2} GB/s, stream_lat {:6.1} us one way \
-                 -> ours/perftest bandwidth {:.0}%, round trip {:.1}x",
-                "",
-                mbps * 1.048_576 / 1e3,
-                half_rtt_us,
-                100.0 * ours.layer_gbps / (mbps * 1.048_576 / 1e3),
-                ours.token_us / (2.0 * half_rtt_us)
-            ),
-            _ => println!("{:18} ucx_perftest gave no figures", ""),
+        for (peer_failure, how) in [(true, "-e (as ours)"), (false, "no -e")] {
+            port += 1;
+            let bw = perftest(tls, "ucp_am_bw", layer_bytes, 200, port, peer_failure);
+            port += 1;
+            let lat = perftest(
+                tls,
+                "ucp_am_lat",
+                (WIDTH * 2) as usize,
+                2000,
+                port,
+                peer_failure,
+            );
+            match (bw, lat) {
+                (Some((_, mbps)), Some((half_rtt_us, _))) => println!(
+                    "{:18} ucx_perftest {how:12} am_bw {:6.2} GB/s, am_lat {:6.1} us one way \
+                     -> ours/perftest bandwidth {:.0}%, round trip {:.1}x",
+                    "",
+                    mbps * 1.048_576 / 1e3,
+                    half_rtt_us,
+                    100.0 * ours.layer_gbps / (mbps * 1.048_576 / 1e3),
+                    ours.token_us / (2.0 * half_rtt_us)
+                ),
+                _ => println!("{:18} ucx_perftest {how} gave no figures", ""),
+            }
         }
     }
 }

@@ -34,8 +34,10 @@ use thiserror::Error;
 
 /// First bytes of every handshake message.
 pub const HANDSHAKE_MAGIC: [u8; 4] = *b"MOEH";
-/// The handshake version this build speaks.
-pub const HANDSHAKE_VERSION: u8 = 2;
+/// The handshake version this build speaks. 3: a UCX link carries its bytes as active
+/// messages (2 used UCX's stream API, which a 3 cannot read), so the two refuse each other
+/// here, with a clear error, instead of linking and never hearing each other.
+pub const HANDSHAKE_VERSION: u8 = 3;
 /// Longest node id accepted.
 pub const MAX_NODE_ID: usize = 255;
 /// Size of a MAC.
@@ -399,10 +401,10 @@ mod tests {
         let id = parse_id(bytes[PREAMBLE_LEN + HELLO_FIXED_LEN..].to_vec()).expect("id");
         assert_eq!(id, "node-1");
         let mut wrong = preamble;
-        wrong[4] = 1;
+        wrong[4] = 2;
         assert_eq!(
             check_preamble(&wrong, message::CLIENT_HELLO),
-            Err(HandshakeError::BadVersion { theirs: 1, ours: 2 })
+            Err(HandshakeError::BadVersion { theirs: 2, ours: 3 })
         );
         fixed[24..26].copy_from_slice(&1000u16.to_le_bytes());
         assert!(parse_hello_fixed(&fixed).is_err());

@@ -73,6 +73,7 @@ pub struct ucs_sock_addr {
 }
 pub type ucs_sock_addr_t = ucs_sock_addr;
 pub type ucp_tag_recv_info_t = ucp_tag_recv_info;
+pub type ucp_am_recv_param_t = ucp_am_recv_param;
 #[repr(C)]
 #[derive(Debug)]
 pub struct ucp_context {
@@ -183,6 +184,16 @@ pub type ucp_am_recv_data_nbx_callback_t = ::std::option::Option<
         user_data: *mut ::std::os::raw::c_void,
     ),
 >;
+pub type ucp_am_recv_callback_t = ::std::option::Option<
+    unsafe extern "C" fn(
+        arg: *mut ::std::os::raw::c_void,
+        header: *const ::std::os::raw::c_void,
+        header_length: usize,
+        data: *mut ::std::os::raw::c_void,
+        length: usize,
+        param: *const ucp_am_recv_param_t,
+    ) -> ucs_status_t,
+>;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct ucp_ep_params {
@@ -274,8 +285,14 @@ pub type ucp_listener_attr_field = ::std::os::raw::c_uint;
 pub const UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR: ucp_conn_request_attr_field = 1;
 pub const UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ID: ucp_conn_request_attr_field = 2;
 pub type ucp_conn_request_attr_field = ::std::os::raw::c_uint;
-pub const UCP_STREAM_RECV_FLAG_WAITALL: ucp_stream_recv_flags_t = 1;
-pub type ucp_stream_recv_flags_t = ::std::os::raw::c_uint;
+pub const UCP_AM_FLAG_WHOLE_MSG: ucp_am_cb_flags = 1;
+pub const UCP_AM_FLAG_PERSISTENT_DATA: ucp_am_cb_flags = 2;
+pub type ucp_am_cb_flags = ::std::os::raw::c_uint;
+pub const UCP_AM_SEND_FLAG_REPLY: ucp_send_am_flags = 1;
+pub const UCP_AM_SEND_FLAG_EAGER: ucp_send_am_flags = 2;
+pub const UCP_AM_SEND_FLAG_RNDV: ucp_send_am_flags = 4;
+pub const UCP_AM_SEND_REPLY: ucp_send_am_flags = 1;
+pub type ucp_send_am_flags = ::std::os::raw::c_uint;
 pub const UCP_OP_ATTR_FIELD_REQUEST: ucp_op_attr_t = 1;
 pub const UCP_OP_ATTR_FIELD_CALLBACK: ucp_op_attr_t = 2;
 pub const UCP_OP_ATTR_FIELD_USER_DATA: ucp_op_attr_t = 4;
@@ -290,6 +307,15 @@ pub const UCP_OP_ATTR_FLAG_FAST_CMPL: ucp_op_attr_t = 131072;
 pub const UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL: ucp_op_attr_t = 262144;
 pub const UCP_OP_ATTR_FLAG_MULTI_SEND: ucp_op_attr_t = 524288;
 pub type ucp_op_attr_t = ::std::os::raw::c_uint;
+pub const UCP_AM_RECV_ATTR_FIELD_REPLY_EP: ucp_am_recv_attr_t = 1;
+pub const UCP_AM_RECV_ATTR_FLAG_DATA: ucp_am_recv_attr_t = 65536;
+pub const UCP_AM_RECV_ATTR_FLAG_RNDV: ucp_am_recv_attr_t = 131072;
+pub type ucp_am_recv_attr_t = ::std::os::raw::c_uint;
+pub const UCP_AM_HANDLER_PARAM_FIELD_ID: ucp_am_handler_param_field = 1;
+pub const UCP_AM_HANDLER_PARAM_FIELD_FLAGS: ucp_am_handler_param_field = 2;
+pub const UCP_AM_HANDLER_PARAM_FIELD_CB: ucp_am_handler_param_field = 4;
+pub const UCP_AM_HANDLER_PARAM_FIELD_ARG: ucp_am_handler_param_field = 8;
+pub type ucp_am_handler_param_field = ::std::os::raw::c_uint;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct ucp_params {
@@ -388,6 +414,22 @@ pub union ucp_request_param_t__bindgen_ty_2 {
     pub length: *mut usize,
     pub tag_info: *mut ucp_tag_recv_info_t,
 }
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct ucp_am_handler_param {
+    pub field_mask: u64,
+    pub id: ::std::os::raw::c_uint,
+    pub flags: u32,
+    pub cb: ucp_am_recv_callback_t,
+    pub arg: *mut ::std::os::raw::c_void,
+}
+pub type ucp_am_handler_param_t = ucp_am_handler_param;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct ucp_am_recv_param {
+    pub recv_attr: u64,
+    pub reply_ep: ucp_ep_h,
+}
 pub struct UcpLib {
     __library: ::libloading::Library,
     pub ucs_status_string:
@@ -463,19 +505,28 @@ pub struct UcpLib {
         conn_request: ucp_conn_request_h,
     ) -> ucs_status_t,
     pub ucp_ep_print_info: unsafe extern "C" fn(ep: ucp_ep_h, stream: *mut FILE),
-    pub ucp_stream_send_nbx: unsafe extern "C" fn(
+    pub ucp_worker_set_am_recv_handler: unsafe extern "C" fn(
+        worker: ucp_worker_h,
+        param: *const ucp_am_handler_param_t,
+    ) -> ucs_status_t,
+    pub ucp_am_send_nbx: unsafe extern "C" fn(
         ep: ucp_ep_h,
+        id: ::std::os::raw::c_uint,
+        header: *const ::std::os::raw::c_void,
+        header_length: usize,
         buffer: *const ::std::os::raw::c_void,
         count: usize,
         param: *const ucp_request_param_t,
     ) -> ucs_status_ptr_t,
-    pub ucp_stream_recv_nbx: unsafe extern "C" fn(
-        ep: ucp_ep_h,
+    pub ucp_am_recv_data_nbx: unsafe extern "C" fn(
+        worker: ucp_worker_h,
+        data_desc: *mut ::std::os::raw::c_void,
         buffer: *mut ::std::os::raw::c_void,
         count: usize,
-        length: *mut usize,
         param: *const ucp_request_param_t,
     ) -> ucs_status_ptr_t,
+    pub ucp_am_data_release:
+        unsafe extern "C" fn(worker: ucp_worker_h, data: *mut ::std::os::raw::c_void),
     pub ucp_request_check_status:
         unsafe extern "C" fn(request: *mut ::std::os::raw::c_void) -> ucs_status_t,
     pub ucp_request_cancel:
@@ -521,8 +572,12 @@ impl UcpLib {
         let ucp_ep_close_nbx = __library.get(b"ucp_ep_close_nbx\0").map(|sym| *sym)?;
         let ucp_listener_reject = __library.get(b"ucp_listener_reject\0").map(|sym| *sym)?;
         let ucp_ep_print_info = __library.get(b"ucp_ep_print_info\0").map(|sym| *sym)?;
-        let ucp_stream_send_nbx = __library.get(b"ucp_stream_send_nbx\0").map(|sym| *sym)?;
-        let ucp_stream_recv_nbx = __library.get(b"ucp_stream_recv_nbx\0").map(|sym| *sym)?;
+        let ucp_worker_set_am_recv_handler = __library
+            .get(b"ucp_worker_set_am_recv_handler\0")
+            .map(|sym| *sym)?;
+        let ucp_am_send_nbx = __library.get(b"ucp_am_send_nbx\0").map(|sym| *sym)?;
+        let ucp_am_recv_data_nbx = __library.get(b"ucp_am_recv_data_nbx\0").map(|sym| *sym)?;
+        let ucp_am_data_release = __library.get(b"ucp_am_data_release\0").map(|sym| *sym)?;
         let ucp_request_check_status = __library
             .get(b"ucp_request_check_status\0")
             .map(|sym| *sym)?;
@@ -553,8 +608,10 @@ impl UcpLib {
             ucp_ep_close_nbx,
             ucp_listener_reject,
             ucp_ep_print_info,
-            ucp_stream_send_nbx,
-            ucp_stream_recv_nbx,
+            ucp_worker_set_am_recv_handler,
+            ucp_am_send_nbx,
+            ucp_am_recv_data_nbx,
+            ucp_am_data_release,
             ucp_request_check_status,
             ucp_request_cancel,
             ucp_request_free,
@@ -705,24 +762,41 @@ impl UcpLib {
     pub unsafe fn ucp_ep_print_info(&self, ep: ucp_ep_h, stream: *mut FILE) {
         (self.ucp_ep_print_info)(ep, stream)
     }
-    pub unsafe fn ucp_stream_send_nbx(
+    pub unsafe fn ucp_worker_set_am_recv_handler(
+        &self,
+        worker: ucp_worker_h,
+        param: *const ucp_am_handler_param_t,
+    ) -> ucs_status_t {
+        (self.ucp_worker_set_am_recv_handler)(worker, param)
+    }
+    pub unsafe fn ucp_am_send_nbx(
         &self,
         ep: ucp_ep_h,
+        id: ::std::os::raw::c_uint,
+        header: *const ::std::os::raw::c_void,
+        header_length: usize,
         buffer: *const ::std::os::raw::c_void,
         count: usize,
         param: *const ucp_request_param_t,
     ) -> ucs_status_ptr_t {
-        (self.ucp_stream_send_nbx)(ep, buffer, count, param)
+        (self.ucp_am_send_nbx)(ep, id, header, header_length, buffer, count, param)
     }
-    pub unsafe fn ucp_stream_recv_nbx(
+    pub unsafe fn ucp_am_recv_data_nbx(
         &self,
-        ep: ucp_ep_h,
+        worker: ucp_worker_h,
+        data_desc: *mut ::std::os::raw::c_void,
         buffer: *mut ::std::os::raw::c_void,
         count: usize,
-        length: *mut usize,
         param: *const ucp_request_param_t,
     ) -> ucs_status_ptr_t {
-        (self.ucp_stream_recv_nbx)(ep, buffer, count, length, param)
+        (self.ucp_am_recv_data_nbx)(worker, data_desc, buffer, count, param)
+    }
+    pub unsafe fn ucp_am_data_release(
+        &self,
+        worker: ucp_worker_h,
+        data: *mut ::std::os::raw::c_void,
+    ) {
+        (self.ucp_am_data_release)(worker, data)
     }
     pub unsafe fn ucp_request_check_status(
         &self,

@@ -7,8 +7,11 @@
 //! - Every link starts as TCP on the peer port, where the peer handshake authenticates both
 //!   sides. Only then does each side offer UCX: it makes a worker for the link and sends the
 //!   worker's address over that TCP connection; when both offered, each creates its endpoint
-//!   from the other's address (`UCP_EP_PARAM_FIELD_REMOTE_ADDRESS`), and the link's frames
-//!   travel over UCX's stream API. No `ucp_listener` exists: UCX 1.13's connection manager
+//!   from the other's address (`UCP_EP_PARAM_FIELD_REMOTE_ADDRESS`), and the link's bytes
+//!   travel as UCX active messages, one per write (a frame, or a part of a large one): UCX
+//!   sends small ones eagerly and large ones by rendezvous, where the receiver fetches the
+//!   message into a buffer of its size (zero-copy where the transports allow it, e.g. RDMA).
+//!   No `ucp_listener` exists: UCX 1.13's connection manager
 //!   aborts the whole process on junk bytes at its port, and nothing but an authenticated
 //!   peer ever reaches UCX this way. A peer without UCX (or whose UCX cannot reach ours)
 //!   keeps the link on TCP.

@@ -1,15 +1,15 @@
-//! [`UcxStream`]: one link's UCX endpoint as a tokio byte stream (UCX's stream API), watched
-//! by the link's TCP control connection.
+//! [`UcxStream`]: one link's UCX endpoint as a tokio byte stream (its bytes carried as UCX
+//! active messages), watched by the link's TCP control connection.
 //!
 //! Writes copy the bytes into a send buffer (reused once its send completes) and hand it
-//! to the worker thread, which sends them in order; writers wait once [`SEND_PENDING_MAX`]
-//! bytes are in flight. The thread keeps a receive posted and hands each filled receive
-//! buffer to the reader as it is (small receives are copied out), so a read copies the
-//! bytes once, out of UCX's buffer. The link ends when UCX fails the endpoint
-//! (its error callback) or when the control connection ends: a peer that exits or drops the
-//! link closes that socket at once, whatever UCX's own transports would take to notice.
-//! A control connection that ends cleanly reads as the end of the stream; anything else
-//! errors reads and writes.
+//! to the worker thread, which sends each as one active message, in order; writers wait once
+//! [`SEND_PENDING_MAX`] bytes are in flight. The thread hands each received message to the
+//! reader whole and in order (a rendezvous one once fetched into a buffer of its size), so
+//! a read copies the bytes once, out of that buffer. The link ends when UCX fails the
+//! endpoint (its error callback) or when the control connection ends: a peer that exits or
+//! drops the link closes that socket at once, whatever UCX's own transports would take to
+//! notice. A control connection that ends cleanly reads as the end of the stream; anything
+//! else errors reads and writes.
 
 use std::io;
 use std::pin::Pin;
@@ -137,7 +137,7 @@ impl AsyncRead for UcxStream {
             // A stopped thread fails the next read instead.
             let _ = this
                 .worker()
-                .and_then(|worker| worker.send(Command::ResumeRecv { ep: this.ep }));
+                .and_then(|worker| worker.send(Command::ResumeRecv));
         }
         Poll::Ready(Ok(()))
     }

@@ -31,10 +31,14 @@ use ucx_sys as sys;
 
 use super::Library;
 
-/// Bytes one posted stream receive takes at most.
-const RECV_CHUNK: usize = 1 << 20;
-/// Bytes received and not yet read by the endpoint's reader before no more receives are
-/// posted (UCX then holds what arrives, and its flow control slows the sender).
+/// The active-message id the link's bytes travel under (one handler per worker).
+const AM_BYTES: u32 = 1;
+/// Messages up to this size are sent eagerly (UCX may pick rendezvous from a few KiB, whose
+/// extra handshake costs a small message more than the copy it saves); larger ones by
+/// whatever UCX picks for their size.
+const EAGER_MAX: usize = 64 << 10;
+/// Bytes received and not yet read by the endpoint's reader before no more rendezvous
+/// messages are fetched (UCX then holds them at the sender, which waits).
 pub const RECV_BUFFERED_MAX: usize = 32 << 20;
 /// Bytes handed to the thread and not yet sent before writers wait.
 pub const SEND_PENDING_MAX: usize = 32 << 20;
@@ -59,7 +63,8 @@ pub struct EpState {
     /// Send buffers whose sends completed, for the writer's next writes (no fresh
     /// allocation, and no first-touch page faults, per write).
     pub spare_send: Vec<Vec<u8>>,
-    /// The thread stopped posting receives (too much unread); the reader asks it to resume.
+    /// The thread stopped fetching rendezvous messages (too much unread); the reader asks it
+    /// to resume.
     pub recv_paused: bool,
     /// Bytes handed to the thread whose sends have not completed.
     pub send_pending: usize,
@@ -72,12 +77,18 @@ pub struct EpState {
 /// Send buffers an endpoint keeps for reuse at most, and the largest kept.
 const SPARE_SEND: usize = 4;
 const SPARE_SEND_BYTES: usize = 8 << 20;
-/// A receive this much smaller than its buffer is copied out, so the buffer is posted again
-/// at once instead of holding a whole chunk for a few bytes.
-const COPY_OUT_BELOW: usize = RECV_CHUNK / 8;
+/// Receive buffers are kept for reuse when their capacity lies in this range (smaller ones
+/// cost little to allocate; larger ones would pin memory for a rare message), a few at most.
+const KEEP_BUFFER_MIN: usize = 64 << 10;
+const KEEP_BUFFER_MAX: usize = 16 << 20;
+const SPARE_BUFFERS: usize = 8;
 
-/// Bytes received and not yet read: the receive buffers themselves, as UCX filled them, so
-/// a large receive reaches the reader without another copy.
+fn worth_keeping(capacity: usize) -> bool {
+    (KEEP_BUFFER_MIN..=KEEP_BUFFER_MAX).contains(&capacity)
+}
+
+/// Bytes received and not yet read: the messages themselves, as UCX delivered them, so a
+/// large message reaches the reader without another copy.
 #[derive(Default)]
 pub struct Received {
     /// (buffer, first unread byte); each buffer holds exactly what was received.
@@ -115,7 +126,7 @@ impl Received {
             moved += n;
             if *start == buffer.len() {
                 let (buffer, _) = self.chunks.pop_front().expect("a front chunk");
-                if buffer.capacity() >= RECV_CHUNK && self.spare.len() < SPARE_BUFFERS {
+                if worth_keeping(buffer.capacity()) && self.spare.len() < SPARE_BUFFERS {
                     self.spare.push(buffer);
                 }
             }
@@ -124,8 +135,10 @@ impl Received {
         moved
     }
 
-    fn take_spare(&mut self) -> Option<Vec<u8>> {
-        self.spare.pop()
+    /// An emptied buffer of at least `capacity` bytes.
+    fn take_spare(&mut self, capacity: usize) -> Option<Vec<u8>> {
+        let i = self.spare.iter().position(|b| b.capacity() >= capacity)?;
+        Some(self.spare.swap_remove(i))
     }
 }
 
@@ -154,7 +167,7 @@ impl EpShared {
     }
 }
 
-/// A ucp context (stream API, wakeup), shared by every link's worker; cleaned up when the
+/// A ucp context (active messages, wakeup), shared by every link's worker; cleaned up when the
 /// last of them is gone.
 pub struct Context {
     library: Arc<Library>,
@@ -195,7 +208,7 @@ impl Context {
         params.field_mask = (sys::UCP_PARAM_FIELD_FEATURES
             | sys::UCP_PARAM_FIELD_NAME
             | sys::UCP_PARAM_FIELD_MT_WORKERS_SHARED) as u64;
-        params.features = (sys::UCP_FEATURE_STREAM | sys::UCP_FEATURE_WAKEUP) as u64;
+        params.features = (sys::UCP_FEATURE_AM | sys::UCP_FEATURE_WAKEUP) as u64;
         params.name = c"moe-node".as_ptr();
         params.mt_workers_shared = 1;
         let mut handle: sys::ucp_context_h = std::ptr::null_mut();
@@ -274,9 +287,8 @@ pub enum Command {
         ep: u64,
         data: Vec<u8>,
     },
-    ResumeRecv {
-        ep: u64,
-    },
+    /// The reader caught up: fetch the rendezvous messages that were held back.
+    ResumeRecv,
     /// Closes the endpoint (by force: without flushing, for one already failed).
     CloseEp {
         ep: u64,
@@ -414,8 +426,22 @@ enum Event {
         request: *mut c_void,
         status: sys::ucs_status_t,
     },
-    RecvDone {
-        op: *mut RecvOp,
+    /// A whole message, copied out in the callback (UCX keeps its bytes only through it).
+    Message {
+        bytes: Vec<u8>,
+    },
+    /// A whole message whose bytes UCX keeps until `ucp_am_data_release`.
+    MessageKept {
+        data: *mut c_void,
+        length: usize,
+    },
+    /// A rendezvous message announced: `ucp_am_recv_data_nbx` fetches its bytes.
+    Announced {
+        desc: *mut c_void,
+        length: usize,
+    },
+    FetchDone {
+        op: *mut FetchOp,
         request: *mut c_void,
         status: sys::ucs_status_t,
         length: usize,
@@ -439,17 +465,27 @@ struct SendOp {
     data: Vec<u8>,
 }
 
-/// A receive in flight: UCX writes into `buffer`'s capacity (its length is 0 until the
-/// receive completes).
-struct RecvOp {
-    ep: u64,
+/// A rendezvous fetch in flight: UCX writes into `buffer`'s capacity (its length is 0 until
+/// the fetch completes).
+struct FetchOp {
     buffer: Vec<u8>,
+}
+
+/// A message the worker received, in arrival order, not yet handed to the endpoint's reader.
+enum Incoming {
+    Ready(Vec<u8>),
+    /// A rendezvous message not fetched yet (it waits while the reader is behind).
+    Announced {
+        desc: *mut c_void,
+        length: usize,
+    },
+    /// The front message, being fetched.
+    Fetching,
 }
 
 struct Endpoint {
     handle: sys::ucp_ep_h,
     shared: Arc<EpShared>,
-    recv_posted: bool,
 }
 
 struct Worker {
@@ -462,14 +498,15 @@ struct Worker {
     endpoints: HashMap<u64, Endpoint>,
     closing: usize,
     next_id: u64,
-    /// Receive buffers to reuse (a fresh zeroed 1 MiB per receive cost more than a small
-    /// message's whole round trip); buffers the reader emptied come back through
-    /// [`Received`].
+    /// Receive buffers to reuse (no fresh allocation and first-touch page faults per large
+    /// message); buffers the reader emptied come back through [`Received`].
     spare_buffers: Vec<Vec<u8>>,
+    /// Messages received and not yet handed over: a worker has one endpoint (one link), and
+    /// a message may arrive before that endpoint is made.
+    incoming: VecDeque<Incoming>,
+    /// The endpoint was made and has gone: what arrives now is dropped.
+    ended: bool,
 }
-
-/// Receive buffers kept for reuse at most.
-const SPARE_BUFFERS: usize = 64;
 
 fn status_error(library: &Library, what: &str, status: sys::ucs_status_t) -> io::Error {
     let kind = match status {
@@ -504,13 +541,40 @@ extern "C" fn on_send(request: *mut c_void, status: sys::ucs_status_t, user_data
     });
 }
 
-extern "C" fn on_recv(
+extern "C" fn on_message(
+    _arg: *mut c_void,
+    _header: *const c_void,
+    _header_length: usize,
+    data: *mut c_void,
+    length: usize,
+    param: *const sys::ucp_am_recv_param_t,
+) -> sys::ucs_status_t {
+    // SAFETY: UCX passes a live parameter block for the callback's duration.
+    let attributes = unsafe { (*param).recv_attr };
+    if attributes & u64::from(sys::UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 {
+        record(Event::Announced { desc: data, length });
+        return sys::UCS_INPROGRESS;
+    }
+    if length == 0 {
+        return sys::UCS_OK;
+    }
+    if attributes & u64::from(sys::UCP_AM_RECV_ATTR_FLAG_DATA) != 0 {
+        record(Event::MessageKept { data, length });
+        return sys::UCS_INPROGRESS;
+    }
+    // SAFETY: without the DATA flag, data points at length bytes valid through this call.
+    let bytes = unsafe { std::slice::from_raw_parts(data.cast::<u8>(), length) }.to_vec();
+    record(Event::Message { bytes });
+    sys::UCS_OK
+}
+
+extern "C" fn on_fetched(
     request: *mut c_void,
     status: sys::ucs_status_t,
     length: usize,
     user_data: *mut c_void,
 ) {
-    record(Event::RecvDone {
+    record(Event::FetchDone {
         op: user_data.cast(),
         request,
         status,
@@ -541,6 +605,24 @@ impl Worker {
             unsafe { ucp.ucp_worker_destroy(worker) };
             e
         };
+        // SAFETY: zeroed plain data, fields selected by field_mask.
+        let mut handler: sys::ucp_am_handler_param_t = unsafe { std::mem::zeroed() };
+        handler.field_mask = (sys::UCP_AM_HANDLER_PARAM_FIELD_ID
+            | sys::UCP_AM_HANDLER_PARAM_FIELD_FLAGS
+            | sys::UCP_AM_HANDLER_PARAM_FIELD_CB) as u64;
+        handler.id = AM_BYTES;
+        // Whole messages only: a rendezvous one is announced whole, its bytes fetched after.
+        handler.flags = sys::UCP_AM_FLAG_WHOLE_MSG;
+        handler.cb = Some(on_message);
+        // SAFETY: the worker is live; UCX copies the parameters; on_message only records.
+        let status = unsafe { ucp.ucp_worker_set_am_recv_handler(worker, &handler) };
+        if status != sys::UCS_OK {
+            return Err(fail(status_error(
+                &library,
+                "setting the UCX active-message handler",
+                status,
+            )));
+        }
         let mut raw_address: *mut sys::ucp_address_t = std::ptr::null_mut();
         let mut address_len: usize = 0;
         // SAFETY: the worker is live; both outputs are written on success.
@@ -598,6 +680,8 @@ impl Worker {
             closing: 0,
             next_id: 1,
             spare_buffers: Vec::new(),
+            incoming: VecDeque::new(),
+            ended: false,
         };
         Ok((worker, address))
     }
@@ -681,7 +765,7 @@ impl Worker {
                 let _ = reply.send(result.map(|transports| Connected { ep: id, transports }));
             }
             Command::Send { ep, data } => self.send(ep, data),
-            Command::ResumeRecv { ep } => self.post_recv(ep),
+            Command::ResumeRecv => self.deliver(),
             Command::CloseEp { ep, force } => {
                 let flags = if force {
                     sys::UCP_EP_CLOSE_FLAG_FORCE
@@ -762,15 +846,8 @@ impl Worker {
     }
 
     fn add_endpoint(&mut self, id: u64, handle: sys::ucp_ep_h, shared: Arc<EpShared>) {
-        self.endpoints.insert(
-            id,
-            Endpoint {
-                handle,
-                shared,
-                recv_posted: false,
-            },
-        );
-        self.post_recv(id);
+        self.endpoints.insert(id, Endpoint { handle, shared });
+        self.deliver();
     }
 
     fn send(&mut self, ep: u64, data: Vec<u8>) {
@@ -781,17 +858,28 @@ impl Worker {
         let op = Box::into_raw(Box::new(SendOp { ep, data }));
         // SAFETY: zeroed plain data, fields selected by op_attr_mask.
         let mut param: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
-        param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA;
+        param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_CALLBACK
+            | sys::UCP_OP_ATTR_FIELD_USER_DATA
+            | sys::UCP_OP_ATTR_FIELD_FLAGS;
         param.cb.send = Some(on_send);
         param.user_data = op.cast();
+        if len <= EAGER_MAX {
+            param.flags = sys::UCP_AM_SEND_FLAG_EAGER;
+        }
         // SAFETY: the endpoint is live; the bytes live in `op`, which is freed only once
         // UCX is done with them (at once when the call completes immediately, else in the
-        // completion event).
+        // completion event). No header.
         let request = unsafe {
             let buffer = (*op).data.as_ptr().cast();
-            self.library
-                .ucp
-                .ucp_stream_send_nbx(endpoint.handle, buffer, len, &param)
+            self.library.ucp.ucp_am_send_nbx(
+                endpoint.handle,
+                AM_BYTES,
+                std::ptr::null(),
+                0,
+                buffer,
+                len,
+                &param,
+            )
         };
         let status = sys::ptr_status(request);
         if status == sys::UCS_INPROGRESS {
@@ -810,7 +898,7 @@ impl Worker {
             return;
         };
         if status != sys::UCS_OK {
-            let error = status_error(&self.library, "UCX stream send", status);
+            let error = status_error(&self.library, "UCX active-message send", status);
             return self.failed(ep, error.to_string(), false);
         }
         let waker = {
@@ -826,118 +914,130 @@ impl Worker {
         }
     }
 
-    /// Posts receives on `ep` until one is in flight or the reader has enough unread.
-    fn post_recv(&mut self, ep: u64) {
-        loop {
-            let Some(endpoint) = self.endpoints.get_mut(&ep) else {
-                return;
-            };
-            if endpoint.recv_posted {
-                return;
+    /// Hands the received messages to the endpoint's reader in order, fetching each
+    /// rendezvous message when it reaches the front and the reader is not too far behind.
+    fn deliver(&mut self) {
+        let Some((&ep, endpoint)) = self.endpoints.iter().next() else {
+            if self.ended {
+                self.drop_incoming();
             }
-            {
-                let mut state = endpoint.shared.lock();
-                if state.failure.is_some() {
-                    return;
+            return;
+        };
+        let shared = endpoint.shared.clone();
+        let mut delivered = false;
+        while let Some(message) = self.incoming.pop_front() {
+            match message {
+                Incoming::Fetching => {
+                    self.incoming.push_front(Incoming::Fetching);
+                    break;
                 }
-                if state.received.len() >= RECV_BUFFERED_MAX {
-                    state.recv_paused = true;
-                    return;
+                Incoming::Ready(bytes) => {
+                    shared.lock().received.push(bytes);
+                    delivered = true;
                 }
-                state.recv_paused = false;
+                Incoming::Announced { desc, length } => {
+                    let behind = {
+                        let mut state = shared.lock();
+                        state.recv_paused = state.received.len() >= RECV_BUFFERED_MAX;
+                        state.recv_paused
+                    };
+                    if behind {
+                        self.incoming
+                            .push_front(Incoming::Announced { desc, length });
+                        break;
+                    }
+                    match self.fetch(desc, length) {
+                        Ok(Some(bytes)) => self.incoming.push_front(Incoming::Ready(bytes)),
+                        Ok(None) => {
+                            self.incoming.push_front(Incoming::Fetching);
+                            break;
+                        }
+                        Err(error) => return self.failed(ep, error.to_string(), false),
+                    }
+                }
             }
-            // Only the buffer's capacity is posted: UCX writes into it and the completion
-            // sets its length, so nothing is zeroed first.
-            let mut buffer = self
-                .spare_buffers
-                .pop()
-                .or_else(|| endpoint.shared.lock().received.take_spare())
-                .unwrap_or_else(|| Vec::with_capacity(RECV_CHUNK));
-            buffer.clear();
-            let op = Box::into_raw(Box::new(RecvOp { ep, buffer }));
-            let mut length: usize = 0;
-            // SAFETY: zeroed plain data, fields selected by op_attr_mask.
-            let mut param: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
-            param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA;
-            param.cb.recv_stream = Some(on_recv);
-            param.user_data = op.cast();
-            // SAFETY: the endpoint is live; UCX writes at most the buffer's capacity into
-            // op's buffer, which is freed only once UCX is done with it (as for sends);
-            // `length` is written when the receive completes at once.
-            let request = unsafe {
-                let capacity = (*op).buffer.capacity();
-                let buffer = (*op).buffer.as_mut_ptr().cast();
-                self.library.ucp.ucp_stream_recv_nbx(
-                    endpoint.handle,
-                    buffer,
-                    capacity,
-                    &mut length,
-                    &param,
-                )
-            };
-            let status = sys::ptr_status(request);
-            if status == sys::UCS_INPROGRESS {
-                endpoint.recv_posted = true;
-                return;
-            }
-            // SAFETY: completed (or failed) at once: UCX holds no reference to op.
-            let op = unsafe { Box::from_raw(op) };
-            if !self.received(*op, status, length) {
-                return;
-            }
+        }
+        if delivered && let Some(waker) = shared.lock().read_waker.take() {
+            waker.wake();
         }
     }
 
+    /// Starts fetching a rendezvous message into a buffer of its size: the bytes when it
+    /// completed at once, `None` while it is in flight (its event follows).
+    fn fetch(&mut self, desc: *mut c_void, length: usize) -> io::Result<Option<Vec<u8>>> {
+        let buffer = self.buffer_for(length);
+        let op = Box::into_raw(Box::new(FetchOp { buffer }));
+        // SAFETY: zeroed plain data, fields selected by op_attr_mask.
+        let mut param: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
+        param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA;
+        param.cb.recv_am = Some(on_fetched);
+        param.user_data = op.cast();
+        // SAFETY: desc is a rendezvous descriptor UCX announced on this worker and kept for
+        // us (the callback returned UCS_INPROGRESS), used once; UCX writes `length` bytes
+        // into op's buffer, whose capacity is at least that, and op is freed only once UCX
+        // is done with it (as for sends).
+        let request = unsafe {
+            let buffer = (*op).buffer.as_mut_ptr().cast();
+            self.library
+                .ucp
+                .ucp_am_recv_data_nbx(self.worker, desc, buffer, length, &param)
+        };
+        let status = sys::ptr_status(request);
+        if status == sys::UCS_INPROGRESS {
+            return Ok(None);
+        }
+        // SAFETY: completed (or failed) at once: UCX holds no reference to op.
+        let FetchOp { mut buffer } = *unsafe { Box::from_raw(op) };
+        if status != sys::UCS_OK {
+            return Err(status_error(
+                &self.library,
+                "UCX rendezvous receive",
+                status,
+            ));
+        }
+        // SAFETY: the fetch wrote all `length` bytes at the start of the allocation.
+        unsafe { buffer.set_len(length) };
+        Ok(Some(buffer))
+    }
+
+    /// An empty buffer of at least `capacity` bytes: a kept one if there is one.
+    fn buffer_for(&mut self, capacity: usize) -> Vec<u8> {
+        let kept = match self
+            .spare_buffers
+            .iter()
+            .position(|b| b.capacity() >= capacity)
+        {
+            Some(i) => Some(self.spare_buffers.swap_remove(i)),
+            None => self
+                .endpoints
+                .values()
+                .next()
+                .and_then(|endpoint| endpoint.shared.lock().received.take_spare(capacity)),
+        };
+        let mut buffer = kept.unwrap_or_else(|| Vec::with_capacity(capacity));
+        buffer.clear();
+        buffer
+    }
+
     fn recycle(&mut self, buffer: Vec<u8>) {
-        if self.spare_buffers.len() < SPARE_BUFFERS {
+        if worth_keeping(buffer.capacity()) && self.spare_buffers.len() < SPARE_BUFFERS {
             self.spare_buffers.push(buffer);
         }
     }
 
-    /// Hands received bytes to the reader; whether the endpoint is still good. A large
-    /// receive hands over its buffer itself; a small one is copied out and its buffer kept
-    /// for the next receive.
-    fn received(&mut self, op: RecvOp, status: sys::ucs_status_t, length: usize) -> bool {
-        let RecvOp { ep, mut buffer } = op;
-        let Some(endpoint) = self.endpoints.get_mut(&ep) else {
-            return false;
-        };
-        endpoint.recv_posted = false;
-        let shared = endpoint.shared.clone();
-        if status != sys::UCS_OK {
-            self.recycle(buffer);
-            if status != sys::UCS_ERR_CANCELED {
-                let error = status_error(&self.library, "UCX stream receive", status);
-                self.failed(
-                    ep,
-                    error.to_string(),
-                    status == sys::UCS_ERR_CONNECTION_RESET,
-                );
+    /// Drops what was received and not handed over, releasing the rendezvous descriptors
+    /// UCX kept for it (a fetch in flight completes as cancelled, and its event frees it).
+    fn drop_incoming(&mut self) {
+        for message in std::mem::take(&mut self.incoming) {
+            match message {
+                // SAFETY: a descriptor UCX kept for us and not yet fetched, released once.
+                Incoming::Announced { desc, .. } => unsafe {
+                    self.library.ucp.ucp_am_data_release(self.worker, desc)
+                },
+                Incoming::Ready(buffer) => self.recycle(buffer),
+                Incoming::Fetching => {}
             }
-            return false;
         }
-        // SAFETY: the receive completed having written `length` bytes at the start of the
-        // buffer's allocation (at most its capacity, which is what was posted), so they are
-        // initialised.
-        unsafe { buffer.set_len(length.min(buffer.capacity())) };
-        let bytes = if buffer.len() < COPY_OUT_BELOW {
-            let bytes = buffer.to_vec();
-            self.recycle(buffer);
-            bytes
-        } else {
-            buffer
-        };
-        let waker = {
-            let mut state = shared.lock();
-            if !bytes.is_empty() {
-                state.received.push(bytes);
-            }
-            state.read_waker.take()
-        };
-        if let Some(waker) = waker {
-            waker.wake();
-        }
-        true
     }
 
     fn event(&mut self, event: Event) {
@@ -963,20 +1063,58 @@ impl Worker {
                 unsafe { ucp.ucp_request_free(request) };
                 self.sent(*op, status);
             }
-            Event::RecvDone {
+            Event::Message { bytes } => {
+                self.incoming.push_back(Incoming::Ready(bytes));
+                self.deliver();
+            }
+            Event::MessageKept { data, length } => {
+                let mut buffer = self.buffer_for(length);
+                // SAFETY: UCX keeps `length` bytes at data until released, just below.
+                buffer.extend_from_slice(unsafe {
+                    std::slice::from_raw_parts(data.cast::<u8>(), length)
+                });
+                // SAFETY: data was kept for us (the callback returned UCS_INPROGRESS) and is
+                // released once, after its last use.
+                unsafe { ucp.ucp_am_data_release(self.worker, data) };
+                self.incoming.push_back(Incoming::Ready(buffer));
+                self.deliver();
+            }
+            Event::Announced { desc, length } => {
+                self.incoming
+                    .push_back(Incoming::Announced { desc, length });
+                self.deliver();
+            }
+            Event::FetchDone {
                 op,
                 request,
                 status,
                 length,
             } => {
-                // SAFETY: as for sends: UCX is done with op, handed over in post_recv().
-                let op = unsafe { Box::from_raw(op) };
+                // SAFETY: as for sends: UCX is done with op, handed over in fetch().
+                let FetchOp { mut buffer } = *unsafe { Box::from_raw(op) };
                 // SAFETY: a completed request, released once.
                 unsafe { ucp.ucp_request_free(request) };
-                let ep = op.ep;
-                if self.received(*op, status, length) {
-                    self.post_recv(ep);
+                let front = self.incoming.front_mut();
+                if !matches!(front, Some(Incoming::Fetching)) {
+                    // Dropped meanwhile (the endpoint ended).
+                    return self.recycle(buffer);
                 }
+                if status != sys::UCS_OK {
+                    self.incoming.pop_front();
+                    self.recycle(buffer);
+                    let error = status_error(&self.library, "UCX rendezvous receive", status);
+                    if let Some(&ep) = self.endpoints.keys().next() {
+                        self.failed(ep, error.to_string(), false);
+                    }
+                    return;
+                }
+                // SAFETY: the fetch wrote `length` bytes (at most the capacity it was
+                // given) at the start of the allocation.
+                unsafe { buffer.set_len(length.min(buffer.capacity())) };
+                if let Some(front) = front {
+                    *front = Incoming::Ready(buffer);
+                }
+                self.deliver();
             }
             Event::CloseDone { request } => {
                 // SAFETY: a completed close request, released once.
@@ -1008,6 +1146,8 @@ impl Worker {
             closed_by_peer: false,
             message: "UCX endpoint closed".into(),
         });
+        self.ended = true;
+        self.drop_incoming();
         // SAFETY: zeroed plain data, fields selected by op_attr_mask.
         let mut param: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
         param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_FLAGS;
@@ -1033,9 +1173,10 @@ impl Worker {
                 std::thread::sleep(Duration::from_millis(1));
             }
         }
-        // A close that completed at once leaves its endpoint's receive cancelled but its
-        // callback not yet run: run it, so the request is freed before the worker goes.
+        // A close that completed at once may leave a fetch cancelled but its callback not
+        // yet run: run it, so the request is freed before the worker goes.
         while self.progress() {}
+        self.drop_incoming();
         if self.closing > 0 {
             // Requests still open keep pointers into the worker: leave it rather than
             // destroy it under them.
@@ -1073,11 +1214,12 @@ mod tests {
     }
 
     /// Reads of any size take the received chunks' bytes in order, across chunk ends, and
-    /// the emptied full-sized buffers come back for the next receives.
+    /// the emptied large buffers come back for the next receives.
     #[test]
     fn received_chunks_read_back_in_order_across_their_ends() {
         let mut received = Received::default();
-        let mut big = vec![0u8; RECV_CHUNK];
+        const BIG: usize = 1 << 20;
+        let mut big = vec![0u8; BIG];
         big.iter_mut()
             .enumerate()
             .for_each(|(i, b)| *b = (i % 251) as u8);
@@ -1088,7 +1230,7 @@ mod tests {
         received.push(small);
         assert_eq!(received.len(), expected.len());
         let mut out = Vec::new();
-        for size in [1, 7, 4096, RECV_CHUNK].into_iter().cycle() {
+        for size in [1, 7, 4096, BIG].into_iter().cycle() {
             if received.is_empty() {
                 break;
             }
@@ -1100,10 +1242,16 @@ mod tests {
         }
         assert_eq!(out, expected);
         assert_eq!(received.len(), 0);
-        let spare = received.take_spare().expect("the emptied 1 MiB buffer");
-        assert_eq!(spare.capacity(), RECV_CHUNK);
         assert!(
-            received.take_spare().is_none(),
+            received.take_spare(BIG + 1).is_none(),
+            "no kept buffer is that large"
+        );
+        let spare = received
+            .take_spare(BIG / 2)
+            .expect("the emptied 1 MiB buffer");
+        assert_eq!(spare.capacity(), BIG);
+        assert!(
+            received.take_spare(1).is_none(),
             "the small buffer is not kept"
         );
     }
