@@ -313,6 +313,7 @@ macro_rules! on_every_transport {
 
 on_every_transport!(
     round_trip_f32_bit_exact_and_bf16,
+    layer_sized_requests_round_trip_exactly,
     hundred_concurrent_requests_from_four_threads,
     wrong_secret_is_refused_on_both_sides,
     secrets_rotate_without_refusing_a_peer,
@@ -379,6 +380,41 @@ fn ucx_links_on_one_host_use_shared_memory() {
             "the {side}'s link uses {used:?}, no shared memory"
         );
     }
+}
+
+/// Requests of one MoE layer's size and beyond, each way: over UCX they go as several
+/// active messages (the writer's chunks), each large enough for rendezvous, which must reach
+/// the reader whole and in order; the rows come back bit for bit.
+fn layer_sized_requests_round_trip_exactly(kind: Kind) {
+    let Some(rig) = Rig::try_new(kind) else {
+        return;
+    };
+    let stats = Arc::new(PeerStats::default());
+    let server = rig.server(&stats, double_plus_expert());
+    let client = rig.client(server.local_addr(), &stats);
+    let width = 7168u32;
+    // 3.5 MiB of bf16; 8.4 MiB of f32 (more than one UCX write); 3 groups of odd sizes.
+    for (dtype, groups) in [
+        (Dtype::Bf16, vec![(5, 256)]),
+        (Dtype::F32, vec![(1, 100), (700, 93), (895, 107)]),
+        (Dtype::Bf16, vec![(2, 1)]),
+    ] {
+        let total: u32 = groups.iter().map(|g| g.1).sum();
+        let rows = (0..total * width)
+            .map(|i| (i % 4099) as f32 / 64.0 - 30.0)
+            .collect();
+        let request = ExpertRequest {
+            layer: 7,
+            placement_version: 2,
+            width,
+            dtype,
+            groups,
+            rows,
+        };
+        let reply = call(&client, request.clone(), Duration::from_secs(20)).expect("reply");
+        assert_reply(&request, &reply);
+    }
+    rig.assert_links_moved();
 }
 
 fn hundred_concurrent_requests_from_four_threads(kind: Kind) {

@@ -34,8 +34,10 @@ use super::Library;
 /// The active-message id the link's bytes travel under (one handler per worker).
 const AM_BYTES: u32 = 1;
 /// Messages up to this size are sent eagerly (UCX may pick rendezvous from a few KiB, whose
-/// extra handshake costs a small message more than the copy it saves); larger ones by
-/// whatever UCX picks for their size.
+/// extra handshake costs a small message more than the copy it saves); larger ones always by
+/// rendezvous: zero-copy where the transports allow it (RDMA; shared memory's `cma` only
+/// without peer-failure endpoints, in UCX 1.13), and the receiver fetches each only when its
+/// reader keeps up, so unread bytes stay bounded whatever the sender writes.
 const EAGER_MAX: usize = 64 << 10;
 /// Bytes received and not yet read by the endpoint's reader before no more rendezvous
 /// messages are fetched (UCX then holds them at the sender, which waits).
@@ -863,9 +865,11 @@ impl Worker {
             | sys::UCP_OP_ATTR_FIELD_FLAGS;
         param.cb.send = Some(on_send);
         param.user_data = op.cast();
-        if len <= EAGER_MAX {
-            param.flags = sys::UCP_AM_SEND_FLAG_EAGER;
-        }
+        param.flags = if len <= EAGER_MAX {
+            sys::UCP_AM_SEND_FLAG_EAGER
+        } else {
+            sys::UCP_AM_SEND_FLAG_RNDV
+        };
         // SAFETY: the endpoint is live; the bytes live in `op`, which is freed only once
         // UCX is done with them (at once when the call completes immediately, else in the
         // completion event). No header.
