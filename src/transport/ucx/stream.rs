@@ -191,7 +191,7 @@ impl AsyncWrite for UcxStream {
         Poll::Pending
     }
 
-    /// UCX streams have no half-close: this flushes; dropping the stream closes it.
+    /// A UCX link has no half-close: this flushes; dropping the stream closes it.
     fn poll_shutdown(self: Pin<&mut Self>, context: &mut Context<'_>) -> Poll<io::Result<()>> {
         self.poll_flush(context)
     }

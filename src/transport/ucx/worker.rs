@@ -33,11 +33,18 @@ use super::Library;
 
 /// The active-message id the link's bytes travel under (one handler per worker).
 const AM_BYTES: u32 = 1;
+/// The longest message a link sends (a bigger write goes as several): a peer announcing a
+/// longer one is broken, and fails the link rather than have us allocate what it says.
+pub const MESSAGE_MAX: usize = 8 << 20;
+/// How many messages past the last one filed a message may arrive (UCX may complete a
+/// message split over several lanes after a later one); beyond this the peer is broken.
+const OUT_OF_ORDER_MAX: u64 = 1024;
 /// Messages up to this size are sent eagerly (UCX may pick rendezvous from a few KiB, whose
 /// extra handshake costs a small message more than the copy it saves); larger ones always by
 /// rendezvous: zero-copy where the transports allow it (RDMA; shared memory's `cma` only
 /// without peer-failure endpoints, in UCX 1.13), and the receiver fetches each only when its
-/// reader keeps up, so unread bytes stay bounded whatever the sender writes.
+/// reader keeps up (eager ones it takes as they come: the peer protocol bounds how many
+/// requests a link has outstanding).
 const EAGER_MAX: usize = 64 << 10;
 /// Bytes received and not yet read by the endpoint's reader before no more rendezvous
 /// messages are fetched (UCX then holds them at the sender, which waits).
@@ -87,6 +94,16 @@ const SPARE_BUFFERS: usize = 8;
 
 fn worth_keeping(capacity: usize) -> bool {
     (KEEP_BUFFER_MIN..=KEEP_BUFFER_MAX).contains(&capacity)
+}
+
+/// The smallest of `buffers` that holds `capacity` bytes, taken out.
+fn take_best_fit(buffers: &mut Vec<Vec<u8>>, capacity: usize) -> Option<Vec<u8>> {
+    let (i, _) = buffers
+        .iter()
+        .enumerate()
+        .filter(|(_, b)| b.capacity() >= capacity)
+        .min_by_key(|(_, b)| b.capacity())?;
+    Some(buffers.swap_remove(i))
 }
 
 /// Bytes received and not yet read: the messages themselves, as UCX delivered them, so a
@@ -139,8 +156,7 @@ impl Received {
 
     /// An emptied buffer of at least `capacity` bytes.
     fn take_spare(&mut self, capacity: usize) -> Option<Vec<u8>> {
-        let i = self.spare.iter().position(|b| b.capacity() >= capacity)?;
-        Some(self.spare.swap_remove(i))
+        take_best_fit(&mut self.spare, capacity)
     }
 }
 
@@ -430,17 +446,24 @@ enum Event {
     },
     /// A whole message, copied out in the callback (UCX keeps its bytes only through it).
     Message {
+        seq: u64,
         bytes: Vec<u8>,
     },
     /// A whole message whose bytes UCX keeps until `ucp_am_data_release`.
     MessageKept {
+        seq: u64,
         data: *mut c_void,
         length: usize,
     },
     /// A rendezvous message announced: `ucp_am_recv_data_nbx` fetches its bytes.
     Announced {
+        seq: u64,
         desc: *mut c_void,
         length: usize,
+    },
+    /// A message without our header (UCX dropped its bytes): the peer is broken.
+    Garbled {
+        header_length: usize,
     },
     FetchDone {
         op: *mut FetchOp,
@@ -465,6 +488,8 @@ fn record(event: Event) {
 struct SendOp {
     ep: u64,
     data: Vec<u8>,
+    /// The message's header: its sequence number on the link, little-endian.
+    header: [u8; 8],
 }
 
 /// A rendezvous fetch in flight: UCX writes into `buffer`'s capacity (its length is 0 until
@@ -503,11 +528,17 @@ struct Worker {
     /// Receive buffers to reuse (no fresh allocation and first-touch page faults per large
     /// message); buffers the reader emptied come back through [`Received`].
     spare_buffers: Vec<Vec<u8>>,
-    /// Messages received and not yet handed over: a worker has one endpoint (one link), and
-    /// a message may arrive before that endpoint is made.
-    incoming: VecDeque<Incoming>,
+    /// Messages received and not yet handed over, by sequence number from `front_seq` (a
+    /// `None` is one not arrived yet): a worker has one endpoint (one link), and a message
+    /// may arrive before that endpoint is made.
+    incoming: VecDeque<Option<Incoming>>,
+    front_seq: u64,
+    /// The sequence number of the next message sent.
+    next_send_seq: u64,
     /// The endpoint was made and has gone: what arrives now is dropped.
     ended: bool,
+    /// The peer broke the protocol before the endpoint was made: it fails once made.
+    broken: Option<String>,
 }
 
 fn status_error(library: &Library, what: &str, status: sys::ucs_status_t) -> io::Error {
@@ -545,28 +576,40 @@ extern "C" fn on_send(request: *mut c_void, status: sys::ucs_status_t, user_data
 
 extern "C" fn on_message(
     _arg: *mut c_void,
-    _header: *const c_void,
-    _header_length: usize,
+    header: *const c_void,
+    header_length: usize,
     data: *mut c_void,
     length: usize,
     param: *const sys::ucp_am_recv_param_t,
 ) -> sys::ucs_status_t {
+    if header_length != 8 {
+        // UCS_OK drops the bytes (and a rendezvous descriptor) at once.
+        record(Event::Garbled { header_length });
+        return sys::UCS_OK;
+    }
+    // SAFETY: header points at header_length (8) bytes valid through this call.
+    let seq = u64::from_le_bytes(unsafe { std::ptr::read_unaligned(header.cast::<[u8; 8]>()) });
     // SAFETY: UCX passes a live parameter block for the callback's duration.
     let attributes = unsafe { (*param).recv_attr };
     if attributes & u64::from(sys::UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 {
-        record(Event::Announced { desc: data, length });
+        record(Event::Announced {
+            seq,
+            desc: data,
+            length,
+        });
         return sys::UCS_INPROGRESS;
     }
-    if length == 0 {
-        return sys::UCS_OK;
-    }
-    if attributes & u64::from(sys::UCP_AM_RECV_ATTR_FLAG_DATA) != 0 {
-        record(Event::MessageKept { data, length });
+    if length > 0 && attributes & u64::from(sys::UCP_AM_RECV_ATTR_FLAG_DATA) != 0 {
+        record(Event::MessageKept { seq, data, length });
         return sys::UCS_INPROGRESS;
     }
-    // SAFETY: without the DATA flag, data points at length bytes valid through this call.
-    let bytes = unsafe { std::slice::from_raw_parts(data.cast::<u8>(), length) }.to_vec();
-    record(Event::Message { bytes });
+    let bytes = if length == 0 {
+        Vec::new()
+    } else {
+        // SAFETY: without the DATA flag, data points at length bytes valid through this call.
+        unsafe { std::slice::from_raw_parts(data.cast::<u8>(), length) }.to_vec()
+    };
+    record(Event::Message { seq, bytes });
     sys::UCS_OK
 }
 
@@ -683,7 +726,10 @@ impl Worker {
             next_id: 1,
             spare_buffers: Vec::new(),
             incoming: VecDeque::new(),
+            front_seq: 0,
+            next_send_seq: 0,
             ended: false,
+            broken: None,
         };
         Ok((worker, address))
     }
@@ -849,6 +895,9 @@ impl Worker {
 
     fn add_endpoint(&mut self, id: u64, handle: sys::ucp_ep_h, shared: Arc<EpShared>) {
         self.endpoints.insert(id, Endpoint { handle, shared });
+        if let Some(why) = self.broken.take() {
+            return self.failed(id, why, false);
+        }
         self.deliver();
     }
 
@@ -857,7 +906,9 @@ impl Worker {
             return;
         };
         let len = data.len();
-        let op = Box::into_raw(Box::new(SendOp { ep, data }));
+        let header = self.next_send_seq.to_le_bytes();
+        self.next_send_seq += 1;
+        let op = Box::into_raw(Box::new(SendOp { ep, data, header }));
         // SAFETY: zeroed plain data, fields selected by op_attr_mask.
         let mut param: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
         param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_CALLBACK
@@ -870,16 +921,17 @@ impl Worker {
         } else {
             sys::UCP_AM_SEND_FLAG_RNDV
         };
-        // SAFETY: the endpoint is live; the bytes live in `op`, which is freed only once
-        // UCX is done with them (at once when the call completes immediately, else in the
-        // completion event). No header.
+        // SAFETY: the endpoint is live; the bytes and the header live in `op`, which is
+        // freed only once UCX is done with them (at once when the call completes
+        // immediately, else in the completion event).
         let request = unsafe {
             let buffer = (*op).data.as_ptr().cast();
+            let header = (*op).header.as_ptr().cast();
             self.library.ucp.ucp_am_send_nbx(
                 endpoint.handle,
                 AM_BYTES,
-                std::ptr::null(),
-                0,
+                header,
+                8,
                 buffer,
                 len,
                 &param,
@@ -897,7 +949,7 @@ impl Worker {
     /// A send completed: its bytes no longer count against the writer, and its buffer goes
     /// back to the writer for reuse.
     fn sent(&mut self, op: SendOp, status: sys::ucs_status_t) {
-        let SendOp { ep, data } = op;
+        let SendOp { ep, data, .. } = op;
         let Some(endpoint) = self.endpoints.get(&ep) else {
             return;
         };
@@ -918,6 +970,46 @@ impl Worker {
         }
     }
 
+    /// Files message `seq` in its place among those not yet handed over; a message out of
+    /// the window or filed twice means the peer is broken.
+    fn file(&mut self, seq: u64, message: Incoming) {
+        let arrived = self.incoming.len() as u64;
+        let offset = match seq.checked_sub(self.front_seq) {
+            Some(offset) if offset < arrived + OUT_OF_ORDER_MAX => offset as usize,
+            _ => {
+                self.release(message);
+                return self.broken_peer(format!(
+                    "the peer sent message {seq} of the link while {} was next",
+                    self.front_seq
+                ));
+            }
+        };
+        if self.incoming.len() <= offset {
+            self.incoming.resize_with(offset + 1, || None);
+        }
+        if self.incoming[offset].is_some() {
+            self.release(message);
+            return self.broken_peer(format!("the peer sent message {seq} of the link twice"));
+        }
+        self.incoming[offset] = Some(message);
+        self.deliver();
+    }
+
+    /// The peer broke the link's protocol: the link fails (once its endpoint exists).
+    fn broken_peer(&mut self, why: String) {
+        tracing::warn!(%why, "UCX peer link broken");
+        self.fail_link(why);
+    }
+
+    /// The link fails (once its endpoint exists, if it does not yet).
+    fn fail_link(&mut self, why: String) {
+        match self.endpoints.keys().next().copied() {
+            Some(ep) => self.failed(ep, why, false),
+            None if !self.ended => self.broken = Some(why),
+            None => {}
+        }
+    }
+
     /// Hands the received messages to the endpoint's reader in order, fetching each
     /// rendezvous message when it reaches the front and the reader is not too far behind.
     fn deliver(&mut self) {
@@ -929,36 +1021,42 @@ impl Worker {
         };
         let shared = endpoint.shared.clone();
         let mut delivered = false;
-        while let Some(message) = self.incoming.pop_front() {
-            match message {
-                Incoming::Fetching => {
-                    self.incoming.push_front(Incoming::Fetching);
-                    break;
+        loop {
+            match self.incoming.front() {
+                Some(Some(Incoming::Ready(_))) => {
+                    if let Some(Some(Incoming::Ready(bytes))) = self.incoming.pop_front() {
+                        self.front_seq += 1;
+                        if !bytes.is_empty() {
+                            shared.lock().received.push(bytes);
+                            delivered = true;
+                        }
+                    }
                 }
-                Incoming::Ready(bytes) => {
-                    shared.lock().received.push(bytes);
-                    delivered = true;
-                }
-                Incoming::Announced { desc, length } => {
+                Some(Some(Incoming::Announced { desc, length })) => {
+                    let (desc, length) = (*desc, *length);
                     let behind = {
                         let mut state = shared.lock();
                         state.recv_paused = state.received.len() >= RECV_BUFFERED_MAX;
                         state.recv_paused
                     };
                     if behind {
-                        self.incoming
-                            .push_front(Incoming::Announced { desc, length });
                         break;
                     }
                     match self.fetch(desc, length) {
-                        Ok(Some(bytes)) => self.incoming.push_front(Incoming::Ready(bytes)),
+                        Ok(Some(bytes)) => self.incoming[0] = Some(Incoming::Ready(bytes)),
                         Ok(None) => {
-                            self.incoming.push_front(Incoming::Fetching);
+                            self.incoming[0] = Some(Incoming::Fetching);
                             break;
                         }
-                        Err(error) => return self.failed(ep, error.to_string(), false),
+                        Err(error) => {
+                            // UCX owns the descriptor once the fetch was tried.
+                            self.incoming[0] = None;
+                            return self.failed(ep, error.to_string(), false);
+                        }
                     }
                 }
+                // Nothing, a message not arrived yet, or one being fetched.
+                _ => break,
             }
         }
         if delivered && let Some(waker) = shared.lock().read_waker.take() {
@@ -1006,18 +1104,16 @@ impl Worker {
 
     /// An empty buffer of at least `capacity` bytes: a kept one if there is one.
     fn buffer_for(&mut self, capacity: usize) -> Vec<u8> {
-        let kept = match self
-            .spare_buffers
-            .iter()
-            .position(|b| b.capacity() >= capacity)
-        {
-            Some(i) => Some(self.spare_buffers.swap_remove(i)),
-            None => self
-                .endpoints
+        if capacity < KEEP_BUFFER_MIN {
+            // Cheap to allocate, and a kept one would sit idle under a few bytes.
+            return Vec::with_capacity(capacity);
+        }
+        let kept = take_best_fit(&mut self.spare_buffers, capacity).or_else(|| {
+            self.endpoints
                 .values()
                 .next()
-                .and_then(|endpoint| endpoint.shared.lock().received.take_spare(capacity)),
-        };
+                .and_then(|endpoint| endpoint.shared.lock().received.take_spare(capacity))
+        });
         let mut buffer = kept.unwrap_or_else(|| Vec::with_capacity(capacity));
         buffer.clear();
         buffer
@@ -1032,15 +1128,20 @@ impl Worker {
     /// Drops what was received and not handed over, releasing the rendezvous descriptors
     /// UCX kept for it (a fetch in flight completes as cancelled, and its event frees it).
     fn drop_incoming(&mut self) {
-        for message in std::mem::take(&mut self.incoming) {
-            match message {
-                // SAFETY: a descriptor UCX kept for us and not yet fetched, released once.
-                Incoming::Announced { desc, .. } => unsafe {
-                    self.library.ucp.ucp_am_data_release(self.worker, desc)
-                },
-                Incoming::Ready(buffer) => self.recycle(buffer),
-                Incoming::Fetching => {}
-            }
+        for message in std::mem::take(&mut self.incoming).into_iter().flatten() {
+            self.release(message);
+        }
+    }
+
+    /// Lets go of a message not handed over: a rendezvous descriptor goes back to UCX.
+    fn release(&mut self, message: Incoming) {
+        match message {
+            // SAFETY: a descriptor UCX kept for us and not yet fetched, released once.
+            Incoming::Announced { desc, .. } => unsafe {
+                self.library.ucp.ucp_am_data_release(self.worker, desc)
+            },
+            Incoming::Ready(buffer) => self.recycle(buffer),
+            Incoming::Fetching => {}
         }
     }
 
@@ -1067,27 +1168,38 @@ impl Worker {
                 unsafe { ucp.ucp_request_free(request) };
                 self.sent(*op, status);
             }
-            Event::Message { bytes } => {
-                self.incoming.push_back(Incoming::Ready(bytes));
-                self.deliver();
-            }
-            Event::MessageKept { data, length } => {
-                let mut buffer = self.buffer_for(length);
-                // SAFETY: UCX keeps `length` bytes at data until released, just below.
-                buffer.extend_from_slice(unsafe {
-                    std::slice::from_raw_parts(data.cast::<u8>(), length)
+            Event::Message { seq, bytes } => self.file(seq, Incoming::Ready(bytes)),
+            Event::MessageKept { seq, data, length } => {
+                let buffer = (length <= MESSAGE_MAX).then(|| {
+                    let mut buffer = self.buffer_for(length);
+                    // SAFETY: UCX keeps `length` bytes at data until released, just below.
+                    buffer.extend_from_slice(unsafe {
+                        std::slice::from_raw_parts(data.cast::<u8>(), length)
+                    });
+                    buffer
                 });
                 // SAFETY: data was kept for us (the callback returned UCS_INPROGRESS) and is
                 // released once, after its last use.
                 unsafe { ucp.ucp_am_data_release(self.worker, data) };
-                self.incoming.push_back(Incoming::Ready(buffer));
-                self.deliver();
+                match buffer {
+                    Some(buffer) => self.file(seq, Incoming::Ready(buffer)),
+                    None => self.broken_peer(format!(
+                        "the peer sent a {length}-byte message (at most {MESSAGE_MAX})"
+                    )),
+                }
             }
-            Event::Announced { desc, length } => {
-                self.incoming
-                    .push_back(Incoming::Announced { desc, length });
-                self.deliver();
+            Event::Announced { seq, desc, length } => {
+                if length > MESSAGE_MAX {
+                    self.release(Incoming::Announced { desc, length });
+                    return self.broken_peer(format!(
+                        "the peer announced a {length}-byte message (at most {MESSAGE_MAX})"
+                    ));
+                }
+                self.file(seq, Incoming::Announced { desc, length });
             }
+            Event::Garbled { header_length } => self.broken_peer(format!(
+                "the peer sent a message with a {header_length}-byte header (8 expected)"
+            )),
             Event::FetchDone {
                 op,
                 request,
@@ -1098,26 +1210,20 @@ impl Worker {
                 let FetchOp { mut buffer } = *unsafe { Box::from_raw(op) };
                 // SAFETY: a completed request, released once.
                 unsafe { ucp.ucp_request_free(request) };
-                let front = self.incoming.front_mut();
-                if !matches!(front, Some(Incoming::Fetching)) {
+                if !matches!(self.incoming.front(), Some(Some(Incoming::Fetching))) {
                     // Dropped meanwhile (the endpoint ended).
                     return self.recycle(buffer);
                 }
                 if status != sys::UCS_OK {
-                    self.incoming.pop_front();
+                    self.incoming[0] = None;
                     self.recycle(buffer);
                     let error = status_error(&self.library, "UCX rendezvous receive", status);
-                    if let Some(&ep) = self.endpoints.keys().next() {
-                        self.failed(ep, error.to_string(), false);
-                    }
-                    return;
+                    return self.fail_link(error.to_string());
                 }
                 // SAFETY: the fetch wrote `length` bytes (at most the capacity it was
                 // given) at the start of the allocation.
                 unsafe { buffer.set_len(length.min(buffer.capacity())) };
-                if let Some(front) = front {
-                    *front = Incoming::Ready(buffer);
-                }
+                self.incoming[0] = Some(Incoming::Ready(buffer));
                 self.deliver();
             }
             Event::CloseDone { request } => {
@@ -1178,8 +1284,9 @@ impl Worker {
             }
         }
         // A close that completed at once may leave a fetch cancelled but its callback not
-        // yet run: run it, so the request is freed before the worker goes.
-        while self.progress() {}
+        // yet run: run it, so the request is freed before the worker goes (bounded: a peer
+        // still sending would keep progress busy).
+        while self.progress() && Instant::now() < deadline {}
         self.drop_incoming();
         if self.closing > 0 {
             // Requests still open keep pointers into the worker: leave it rather than
