@@ -19,12 +19,13 @@ use std::task::{Context, Poll};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 
 use super::worker::{
-    Command, EpShared, Failure, RECV_BUFFERED_MAX, SEND_PENDING_MAX, WorkerHandle,
+    Command, EpShared, Failure, MESSAGE_MAX, RECV_BUFFERED_MAX, SEND_PENDING_MAX, WorkerHandle,
 };
 use crate::transport::PeerStream;
 
-/// Bytes one write hands over at most (a bigger buffer is taken in several writes).
-const WRITE_CHUNK: usize = 8 << 20;
+/// Bytes one write hands over at most (a bigger buffer is taken in several writes): one
+/// UCX message, which the peer refuses beyond this.
+const WRITE_CHUNK: usize = MESSAGE_MAX;
 
 /// A connected UCX endpoint as a byte stream.
 pub struct UcxStream {
