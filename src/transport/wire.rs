@@ -424,10 +424,11 @@ fn rows_frame_prefix(
 /// baseline x86-64 target the bf16 loops ran at about a nanosecond a value, byte by byte.
 pub fn encode_values(values: &[f32], dtype: Dtype, out: &mut [u8]) {
     match dtype {
-        Dtype::F32 => match bytemuck::try_cast_slice_mut::<u8, f32>(out) {
-            Ok(words) => encode_f32(values, words),
-            Err(_) => encode_f32_bytes(values, out),
-        },
+        Dtype::F32 => {
+            for (slot, value) in out.chunks_exact_mut(4).zip(values) {
+                slot.copy_from_slice(&value.to_le_bytes());
+            }
+        }
         Dtype::Bf16 => match bytemuck::try_cast_slice_mut::<u8, u16>(out) {
             Ok(words) => encode_bf16(values, words),
             Err(_) => encode_bf16_bytes(values, out),
@@ -438,10 +439,11 @@ pub fn encode_values(values: &[f32], dtype: Dtype, out: &mut [u8]) {
 /// Reads `out.len()` values in `dtype` from `bytes` (exactly `out.len() × dtype.size()`).
 pub fn decode_values(bytes: &[u8], dtype: Dtype, out: &mut [f32]) {
     match dtype {
-        Dtype::F32 => match bytemuck::try_cast_slice::<u8, f32>(bytes) {
-            Ok(words) => decode_f32(words, out),
-            Err(_) => decode_f32_bytes(bytes, out),
-        },
+        Dtype::F32 => {
+            for (value, chunk) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *value = f32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]);
+            }
+        }
         Dtype::Bf16 => match bytemuck::try_cast_slice::<u8, u16>(bytes) {
             Ok(words) => decode_bf16(words, out),
             Err(_) => decode_bf16_bytes(bytes, out),
@@ -449,9 +451,9 @@ pub fn decode_values(bytes: &[u8], dtype: Dtype, out: &mut [f32]) {
     }
 }
 
-// The conversions proper: over whole words when the buffer is aligned for them (it is, in
-// practice: frames are allocations, and every part of a frame before the rows is a multiple
-// of four bytes), over byte pairs when it is not.
+// The bf16 conversions proper: over whole words when the buffer is aligned for them (it is,
+// in practice: frames are allocations, and every part of a frame before the rows is a
+// multiple of four bytes), over byte pairs when it is not. f32 rows are a plain copy.
 
 #[multiversion::multiversion(targets(
     "x86_64+avx512f+avx512bw+avx512vl+avx2",
@@ -494,30 +496,6 @@ fn decode_bf16(words: &[u16], out: &mut [f32]) {
 fn decode_bf16_bytes(bytes: &[u8], out: &mut [f32]) {
     for (value, chunk) in out.iter_mut().zip(bytes.chunks_exact(2)) {
         *value = bf16_bits_to_f32(u16::from_le_bytes([chunk[0], chunk[1]]));
-    }
-}
-
-fn encode_f32(values: &[f32], out: &mut [f32]) {
-    for (word, value) in out.iter_mut().zip(values) {
-        *word = f32::from_bits(value.to_bits().to_le());
-    }
-}
-
-fn encode_f32_bytes(values: &[f32], out: &mut [u8]) {
-    for (slot, value) in out.chunks_exact_mut(4).zip(values) {
-        slot.copy_from_slice(&value.to_le_bytes());
-    }
-}
-
-fn decode_f32(words: &[f32], out: &mut [f32]) {
-    for (value, word) in out.iter_mut().zip(words) {
-        *value = f32::from_bits(u32::from_le(word.to_bits()));
-    }
-}
-
-fn decode_f32_bytes(bytes: &[u8], out: &mut [f32]) {
-    for (value, chunk) in out.iter_mut().zip(bytes.chunks_exact(4)) {
-        *value = f32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]);
     }
 }
 
