@@ -68,10 +68,11 @@ curl -fsS "$base/ready" >/dev/null || { cat "$log"; fail "not ready"; }
 # The key from the credential is required; without it, 401.
 status="$(curl -s -o /dev/null -w '%{http_code}' "$base/v1/models")"
 [ "$status" = 401 ] || fail "/v1/models without a key: $status, expected 401"
-curl -fsS -H "Authorization: Bearer package-test-key" "$base/v1/completions" \
-    -H 'Content-Type: application/json' \
-    -d '{"prompt": "Hello", "max_tokens": 4}' | grep -q '"completion_tokens":4' ||
-    fail "no completion"
+answer="$(curl -sS -w ' (HTTP %{http_code})' -H "Authorization: Bearer package-test-key" \
+    "$base/v1/completions" -H 'Content-Type: application/json' \
+    -d '{"prompt": "Hello", "max_tokens": 4}' 2>&1 || true)"
+grep -q '"completion_tokens":4' <<<"$answer" ||
+    { tail -n 20 "$log"; fail "no completion: $answer"; }
 kill -TERM "$server"
 status=0; wait "$server" || status=$?
 [ "$status" = 0 ] || { tail -n 20 "$log"; fail "the service exited $status on SIGTERM, expected 0"; }
