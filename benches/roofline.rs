@@ -21,6 +21,7 @@ use std::time::Instant;
 mod common;
 
 use common::quantize::{quantize, to_bf16, to_fp8, to_int4};
+use moe_node::compute::amx;
 use moe_node::compute::cpu::{Linear, SwiGlu, matmul_transposed};
 use moe_node::compute::cuda::experts::random_bf16;
 use moe_node::model::ExpertWeights;
@@ -107,6 +108,57 @@ peak_block!(
     |r| _mm512_reduce_add_ps(r)
 );
 
+/// Rounds of [`amx_block`] per call.
+const AMX_ITERS: usize = 1 << 20;
+
+/// AMX-BF16 tile products (`tdpbf16ps`, 16 x 16 sums of 32 bf16 products each) on four
+/// independent sum tiles, register-resident. Counted as bf16 flops: an exact product of f32
+/// inputs (`compute::amx`) issues three of them per weight tile.
+fn amx_block(_seed: f32) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[repr(C, align(64))]
+        struct Config([u8; 16], [u16; 16], [u8; 16]);
+        let mut config = Config([0; 16], [0; 16], [0; 16]);
+        config.0[0] = 1;
+        for t in 0..8 {
+            (config.1[t], config.2[t]) = (64, 16);
+        }
+        let values = [0x3f80u16; 512];
+        // SAFETY: only called where compute::amx is enabled (the CPU has AMX-BF16 and Linux
+        // granted the tile state); the configuration is a valid palette 1; the loads read
+        // 16 rows of 64 bytes from `values` (1 KiB).
+        unsafe {
+            use std::arch::asm;
+            asm!("ldtilecfg [{0}]", in(reg) &config as *const Config);
+            asm!("tileloadd tmm4, [{0} + {1}]", in(reg) values.as_ptr(), in(reg) 64usize);
+            asm!("tileloadd tmm5, [{0} + {1}]", in(reg) values.as_ptr(), in(reg) 64usize);
+            asm!("tileloadd tmm6, [{0} + {1}]", in(reg) values.as_ptr(), in(reg) 64usize);
+            asm!("tileloadd tmm7, [{0} + {1}]", in(reg) values.as_ptr(), in(reg) 64usize);
+            for _ in 0..AMX_ITERS {
+                asm!(
+                    "tdpbf16ps tmm0, tmm4, tmm6",
+                    "tdpbf16ps tmm1, tmm4, tmm7",
+                    "tdpbf16ps tmm2, tmm5, tmm6",
+                    "tdpbf16ps tmm3, tmm5, tmm7",
+                    options(nostack, nomem)
+                );
+            }
+            asm!("tilerelease");
+        }
+    }
+    0.0
+}
+
+/// The AMX block where this process runs AMX tiles.
+fn amx_kernel() -> Option<FmaKernel> {
+    moe_node::compute::amx::enabled().then_some((
+        "AMX-BF16 tdpbf16ps, bf16 flops",
+        (AMX_ITERS * 4 * 2 * 16 * 16 * 32) as f64,
+        amx_block as fn(f32) -> f32,
+    ))
+}
+
 /// The same with scalar fused multiply-adds, where AVX2 and FMA are absent.
 fn fma_block_portable(seed: f32) -> f32 {
     let mut acc = [seed; CHAINS * 8];
@@ -189,6 +241,7 @@ fn main() {
     let peaks: Vec<(&str, f64)> = kernels
         .into_iter()
         .chain(bf16_kernel())
+        .chain(amx_kernel())
         .map(|(name, flops_per_block, block)| {
             let peak = median(
                 timed(reps, || {
@@ -207,6 +260,11 @@ fn main() {
     // the widest the CPU has.
     let peak = peaks[0].1;
     let (tile_name, tile_peak) = peaks[widths - 1];
+    // Exact products on AMX issue three tile products (one per bf16 part of the inputs).
+    let amx_peak = peaks
+        .iter()
+        .find(|(name, _)| name.starts_with("AMX"))
+        .map(|(_, peak)| peak / 3.0);
 
     // Bandwidth: a 1 GiB f32 matrix times one row through the engine's decode kernel, whose
     // one multiply-add per 4 bytes leaves it bound by reading (a plain sum written here
@@ -254,14 +312,24 @@ fn main() {
         flops,
         peak,
     );
-    product(
-        "dense [2048 x 1024] bf16 weights, 256 rows",
-        timed(reps, || {
-            matmul_transposed(&x, m, k, &w_bf16, n, &mut out, true)
-        }),
-        flops,
-        peak,
-    );
+    let mut dense_bf16 = |name: &str, peak: f64| {
+        product(
+            name,
+            timed(reps, || {
+                matmul_transposed(&x, m, k, &w_bf16, n, &mut out, true)
+            }),
+            flops,
+            peak,
+        )
+    };
+    if let Some(amx_peak) = amx_peak {
+        amx::set_aside(true);
+        dense_bf16("dense [2048 x 1024] bf16 weights, 256 rows, no AMX", peak);
+        amx::set_aside(false);
+        dense_bf16("dense [2048 x 1024] bf16 weights, 256 rows, AMX", amx_peak);
+    } else {
+        dense_bf16("dense [2048 x 1024] bf16 weights, 256 rows", peak);
+    }
 
     // The grouped expert products of a 256-token step: 128 experts of 384, 16 rows each.
     let rows: usize = std::env::var("MOE_ROOFLINE_EXPERT_ROWS")
@@ -289,15 +357,29 @@ fn main() {
         .zip(&inputs)
         .map(|(b, x)| (b, &x[..]))
         .collect();
-    println!("grouped experts, against the {tile_name} peak:");
-    product(
-        &format!("128 experts [3 x 384 x 1024] bf16, {rows} rows each"),
-        timed(reps, || {
-            std::hint::black_box(run_expert_groups(&groups, hidden, true));
-        }),
-        (2 * experts * rows * 3 * inter * hidden) as f64,
-        tile_peak,
-    );
+    let grouped = |name: &str, peak: f64| {
+        product(
+            &format!("128 experts [3 x 384 x 1024] bf16, {rows} rows each{name}"),
+            timed(reps, || {
+                std::hint::black_box(run_expert_groups(&groups, hidden, true));
+            }),
+            (2 * experts * rows * 3 * inter * hidden) as f64,
+            peak,
+        )
+    };
+    if let Some(amx_peak) = amx_peak {
+        println!(
+            "grouped experts, against the {tile_name} peak, and on AMX against a third of the \
+             AMX peak (three tile products per exact one):"
+        );
+        amx::set_aside(true);
+        grouped(", no AMX", tile_peak);
+        amx::set_aside(false);
+        grouped(", AMX", amx_peak);
+    } else {
+        println!("grouped experts, against the {tile_name} peak:");
+        grouped("", tile_peak);
+    }
 
     // Decode: the output head [32000, 1024] times one row reads its weights once.
     println!();

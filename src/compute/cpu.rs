@@ -5,19 +5,22 @@
 use std::borrow::Cow;
 
 use gemm::Parallelism;
+
+use super::amx::{self, PackedInputs};
 use half::bf16;
 use rayon::prelude::*;
 
 /// Below this many multiply-adds a product runs on the calling thread: splitting it over the
 /// pool costs more than it saves.
-const PARALLEL_MIN_FLOPS: usize = 1 << 18;
+pub(crate) const PARALLEL_MIN_FLOPS: usize = 1 << 18;
 
 /// The instruction set the CPU kernels run with on this machine, as their run-time dispatch
 /// (`multiversion`, the first of the kernels' targets whose features the CPU has) picks it,
-/// the register tiles of products of 4 to 32 rows (`dot_tiles`), and the native bf16
-/// instructions the CPU offers, which no kernel uses: products widen bf16, FP8 and INT4
-/// weights to f32 and accumulate in f32 (`benches/roofline.rs` measures why: on the Xeon it
-/// ran on, `vdpbf16ps` runs at half the AVX-512 FMA rate).
+/// the register tiles of products of 4 to 32 rows (`dot_tiles`), the decode kernels, and
+/// whether products of many rows with bf16 weights run on AMX tiles (`compute::amx`). Other
+/// products widen bf16, FP8 and INT4 weights to f32 and accumulate in f32; AVX512_BF16's
+/// `vdpbf16ps` is not used (`benches/roofline.rs` measures why: on the Xeon it ran on, it runs
+/// at half the AVX-512 FMA rate and rounds its inputs to bf16).
 pub fn kernel_path() -> String {
     #[cfg(target_arch = "x86_64")]
     {
@@ -35,16 +38,12 @@ pub fn kernel_path() -> String {
         } else {
             "portable (no AVX2 and FMA: the compiler's baseline x86_64)"
         };
-        let bf16 = if std::arch::is_x86_feature_detected!("avx512bf16") {
-            "the CPU has AVX512_BF16, not used yet"
-        } else {
-            "the CPU has no AVX512_BF16"
-        };
         let tiles = TileKernel::detect().map_or("none: one weight row at a time", TileKernel::name);
         let decode = DecodeKernel::detect().map_or("one weight row at a time", DecodeKernel::name);
         format!(
-            "{path}; few-row tiles {tiles}; decode rows {decode}; weights widened to f32 as they \
-             are loaded ({bf16})"
+            "{path}; few-row tiles {tiles}; decode rows {decode}; {}; other weights widened to f32 \
+             as they are loaded",
+            amx_path()
         )
     }
     #[cfg(target_arch = "aarch64")]
@@ -54,6 +53,19 @@ pub fn kernel_path() -> String {
     #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
     {
         "portable (the compiler's baseline)".to_string()
+    }
+}
+
+/// What products of many rows with bf16 weights run on, as [`kernel_path`] says it.
+#[cfg(target_arch = "x86_64")]
+fn amx_path() -> String {
+    match amx::status() {
+        amx::AmxStatus::Enabled => format!(
+            "products of {} or more rows with bf16 weights on AMX-BF16 tiles (inputs split into \
+             three bf16 parts: exact to f32)",
+            amx::MIN_ROWS
+        ),
+        amx::AmxStatus::Unavailable(why) => format!("no AMX tiles ({why})"),
     }
 }
 
@@ -76,6 +88,12 @@ pub trait WeightElement: Copy + Send + Sync + std::fmt::Debug + 'static {
     /// Appends `weights` widened to f32 to `buffer`.
     fn extend_widened(weights: &[Self], buffer: &mut Vec<f32>) {
         buffer.extend(weights.iter().map(|v| v.to_f32()));
+    }
+
+    /// The weights as bf16 when that is how they are held (the AMX tiles read them as
+    /// they are).
+    fn as_bf16(_weights: &[Self]) -> Option<&[bf16]> {
+        None
     }
 }
 
@@ -115,6 +133,10 @@ impl WeightElement for bf16 {
     fn widen(weights: &[bf16]) -> Cow<'_, [f32]> {
         Cow::Owned(weights.iter().map(|w| w.to_f32()).collect())
     }
+
+    fn as_bf16(weights: &[bf16]) -> Option<&[bf16]> {
+        Some(weights)
+    }
 }
 
 /// A dense row-major weight matrix `[out_features, in_features]` with an optional bias, as
@@ -145,16 +167,42 @@ impl<W: WeightElement> Linear<W> {
     /// As [`Linear::forward`]; `parallel = false` keeps the work on this thread (the caller
     /// is already spreading work over the pool).
     pub fn forward_with(&self, x: &[f32], rows: usize, parallel: bool) -> Vec<f32> {
+        self.forward_packed(x, rows, self.pack(x, rows).as_ref(), parallel)
+    }
+
+    /// `x` split and packed for the AMX tiles, where they take this product (bf16 weights,
+    /// enough rows, `in_features` whole tiles): done once for products that share `x`.
+    fn pack(&self, x: &[f32], rows: usize) -> Option<PackedInputs> {
+        W::as_bf16(&self.weight)?;
+        PackedInputs::new(x, rows, self.in_features)
+    }
+
+    /// As [`Linear::forward_with`], with `x` already packed for the AMX tiles (`None`: not).
+    fn forward_packed(
+        &self,
+        x: &[f32],
+        rows: usize,
+        packed: Option<&PackedInputs>,
+        parallel: bool,
+    ) -> Vec<f32> {
         let mut out = vec![0.0; rows * self.out_features];
-        matmul_transposed(
-            x,
-            rows,
-            self.in_features,
-            &self.weight,
-            self.out_features,
-            &mut out,
-            parallel,
-        );
+        let on_tiles = match (packed, W::as_bf16(&self.weight)) {
+            (Some(packed), Some(weight)) => {
+                amx::matmul_transposed(packed, weight, self.out_features, &mut out, parallel)
+            }
+            _ => false,
+        };
+        if !on_tiles {
+            matmul_transposed(
+                x,
+                rows,
+                self.in_features,
+                &self.weight,
+                self.out_features,
+                &mut out,
+                parallel,
+            );
+        }
         if let Some(bias) = &self.bias {
             for row in out.chunks_exact_mut(self.out_features) {
                 for (o, b) in row.iter_mut().zip(bias) {
@@ -177,8 +225,10 @@ pub struct SwiGlu<W: WeightElement = f32> {
 
 impl<W: WeightElement> SwiGlu<W> {
     pub fn forward_with(&self, x: &[f32], rows: usize, parallel: bool) -> Vec<f32> {
-        let mut gate = self.gate.forward_with(x, rows, parallel);
-        let up = self.up.forward_with(x, rows, parallel);
+        // gate and up read the same input: split and pack it once.
+        let packed = self.gate.pack(x, rows);
+        let mut gate = self.gate.forward_packed(x, rows, packed.as_ref(), parallel);
+        let up = self.up.forward_packed(x, rows, packed.as_ref(), parallel);
         silu_mul(&mut gate, &up);
         self.down.forward_with(&gate, rows, parallel)
     }
@@ -205,6 +255,12 @@ pub fn matmul_transposed<W: WeightElement>(
     assert_eq!(out.len(), m * n, "output size");
     if m == 0 || n == 0 || k == 0 {
         out.fill(0.0);
+        return;
+    }
+    if let Some(weights) = W::as_bf16(w)
+        && let Some(packed) = PackedInputs::new(x, m, k)
+        && amx::matmul_transposed(&packed, weights, n, out, parallel)
+    {
         return;
     }
     if m <= FEW_ROWS || (!W::IS_F32 && m <= FEW_ROWS_WIDENED) {
@@ -337,7 +393,7 @@ pub fn matmul_widening(
         panel_rows = panel_rows.min(n.div_ceil(4 * rayon::current_num_threads()).max(16));
     }
     let panels = n.div_ceil(panel_rows);
-    let out_at = SharedOut(out.as_mut_ptr());
+    let out_at = SharedOut::new(out);
     let run = |p: usize| {
         let first = p * panel_rows;
         let rows = panel_rows.min(n - first);
@@ -380,16 +436,21 @@ pub fn matmul_widening(
     }
 }
 
-/// The output of [`matmul_widening`], written by tasks at disjoint columns.
+/// The output of a product whose tasks write disjoint columns ([`matmul_widening`], the
+/// AMX tiles).
 #[derive(Clone, Copy)]
-struct SharedOut(*mut f32);
+pub(crate) struct SharedOut(*mut f32);
 
 // SAFETY: tasks write through the pointer only at disjoint elements (see matmul_widening).
 unsafe impl Send for SharedOut {}
 unsafe impl Sync for SharedOut {}
 
 impl SharedOut {
-    fn get(self) -> *mut f32 {
+    pub(crate) fn new(out: &mut [f32]) -> Self {
+        SharedOut(out.as_mut_ptr())
+    }
+
+    pub(crate) fn get(self) -> *mut f32 {
         self.0
     }
 }
