@@ -240,6 +240,9 @@ fn init_logging_filtered(format: LogFormat, filter: &str) {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // Linux grants the AMX tile state to a whole process on request; asked before any thread
+    // exists, so that no thread's signal stack can be too small for it.
+    moe_node::compute::amx::status();
     let result = match cli.command {
         // Serving logs in the configured format, so it starts logging once the config is read.
         Command::Serve(args) => run_serve(args),

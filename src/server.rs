@@ -179,6 +179,10 @@ fn load(state: &AppState, api: std::net::SocketAddr) -> Result<(), ServeError> {
         seconds = started.elapsed().as_secs_f32(),
         "model loaded"
     );
+    tracing::info!(
+        kernels = %crate::compute::cpu::kernel_path(),
+        "CPU kernels"
+    );
     if config.batching.max_prompt_tokens >= node.model.max_position_embeddings {
         tracing::warn!(
             max_prompt_tokens = config.batching.max_prompt_tokens,
