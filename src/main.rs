@@ -375,6 +375,7 @@ fn run_devices(path: Option<PathBuf>) -> anyhow::Result<()> {
     })?;
     // The dense part and CPU slots run these; a GPU node's router too where the dense part
     // stays on the CPU.
+    moe_node::compute::amx::set_aside(!config.devices.cpu_amx);
     println!("CPU kernels: {}", moe_node::compute::cpu::kernel_path());
     let runtime = match choose_devices(&config.devices) {
         Ok(DeviceChoice::Gpus(runtime)) => runtime,

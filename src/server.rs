@@ -147,6 +147,7 @@ async fn run(config: NodeConfig, reload: ConfigReader) -> Result<(), ServeError>
 fn load(state: &AppState, api: std::net::SocketAddr) -> Result<(), ServeError> {
     let started = Instant::now();
     let config = &state.config;
+    crate::compute::amx::set_aside(!config.devices.cpu_amx);
     let dir = match config.model_path() {
         Some(dir) => dir,
         None => ensure_demo_model(&config.cache_dir())?,

@@ -62,14 +62,19 @@ pub fn status() -> &'static AmxStatus {
 
 /// Whether products may take the AMX tiles.
 pub fn enabled() -> bool {
-    *status() == AmxStatus::Enabled && !SET_ASIDE.load(std::sync::atomic::Ordering::Relaxed)
+    *status() == AmxStatus::Enabled && !is_set_aside()
+}
+
+/// Whether [`set_aside`] turned the tiles off.
+pub fn is_set_aside() -> bool {
+    SET_ASIDE.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// Set by [`set_aside`].
 static SET_ASIDE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// Products leave the AMX tiles alone (`true`) or take them again where enabled (`false`):
-/// for benchmarks that compare the kernels side by side in one process.
+/// Products leave the AMX tiles alone (`true`) or take them again where granted (`false`):
+/// `devices.cpu_amx`, and benchmarks that compare the kernels side by side in one process.
 pub fn set_aside(aside: bool) {
     SET_ASIDE.store(aside, std::sync::atomic::Ordering::Relaxed);
 }

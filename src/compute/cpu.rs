@@ -60,6 +60,9 @@ pub fn kernel_path() -> String {
 #[cfg(target_arch = "x86_64")]
 fn amx_path() -> String {
     match amx::status() {
+        amx::AmxStatus::Enabled if amx::is_set_aside() => {
+            "AMX tiles not used (devices.cpu_amx = false)".to_string()
+        }
         amx::AmxStatus::Enabled => format!(
             "products of {} or more rows with bf16 weights on AMX-BF16 tiles (inputs split into \
              three bf16 parts: exact to f32)",

@@ -234,6 +234,9 @@ pub struct DevicesConfig {
     /// Extra directory searched for NVRTC and cuBLAS (after the loader's path, before
     /// `$CUDA_HOME/lib64` and `/usr/local/cuda*/lib64`). Empty: none.
     pub cuda_lib_dir: String,
+    /// Products of many rows with bf16 weights on the CPU's AMX tiles where the CPU and Linux
+    /// allow (exact to f32, as the other kernels); `false` keeps them on AVX-512/AVX2.
+    pub cpu_amx: bool,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -553,6 +556,7 @@ impl Default for DevicesConfig {
             gpu_memory_fraction: 0.9,
             dense_on_gpu: true,
             cuda_lib_dir: String::new(),
+            cpu_amx: true,
         }
     }
 }
@@ -1052,12 +1056,14 @@ mod tests {
             "[server]\nlisten = \"0.0.0.0:9000\"\n[devices]\ncpu_slots = 4\n",
             &[
                 ("MOE_NODE_DEVICES__CPU_SLOTS", "3"),
+                ("MOE_NODE_DEVICES__CPU_AMX", "false"),
                 ("MOE_NODE_SERVER__API_KEYS", "a,b"),
             ],
         )
         .unwrap();
         assert_eq!(config.server.listen, "0.0.0.0:9000");
         assert_eq!(config.devices.cpu_slots, 3);
+        assert!(!config.devices.cpu_amx, "a typed bool from the environment");
         assert_eq!(config.server.api_keys, vec!["a", "b"]);
         assert_eq!(config.batching, BatchingConfig::default());
 
