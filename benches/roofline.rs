@@ -367,6 +367,18 @@ fn main() {
             peak,
         )
     };
+    // Each weight (2 bytes) meets `rows` inputs: 2 * rows flops per 2 bytes read, so that
+    // below a few hundred rows the products are bound by reading the experts, not by the peak.
+    let roof = bandwidth * rows as f64;
+    println!(
+        "grouped experts read {} MiB of weights: at {rows} rows each, reading them at the \
+         bandwidth bounds the products at {roof:.0} GFLOP/s",
+        blocks
+            .iter()
+            .map(ExpertWeights::weight_bytes)
+            .sum::<usize>()
+            >> 20
+    );
     if let Some(amx_peak) = amx_peak {
         println!(
             "grouped experts, against the {tile_name} peak, and on AMX against a third of the \
