@@ -352,46 +352,52 @@ fn main() {
     let inputs: Vec<Vec<f32>> = (0..experts)
         .map(|e| random(rows * hidden, 1000 + e as u64, 1.0))
         .collect();
-    let groups: Vec<(&ExpertWeights, &[f32])> = blocks
+    // The same experts in FP8 ([128, 128] block scales), as DeepSeek-V3 and Kimi K2 ship.
+    let fp8_blocks: Vec<ExpertWeights> = blocks
         .iter()
-        .zip(&inputs)
-        .map(|(b, x)| (b, &x[..]))
+        .map(|b| ExpertWeights::Quantized(quantize(&b.widened(), to_fp8)))
         .collect();
-    let grouped = |name: &str, peak: f64| {
-        product(
-            &format!("128 experts [3 x 384 x 1024] bf16, {rows} rows each{name}"),
-            timed(reps, || {
-                std::hint::black_box(run_expert_groups(&groups, hidden, true));
-            }),
-            (2 * experts * rows * 3 * inter * hidden) as f64,
-            peak,
-        )
-    };
-    // Each weight (2 bytes) meets `rows` inputs: 2 * rows flops per 2 bytes read, so that
-    // below a few hundred rows the products are bound by reading the experts, not by the peak.
-    let roof = bandwidth * rows as f64;
-    println!(
-        "grouped experts read {} MiB of weights: at {rows} rows each, reading them at the \
-         bandwidth bounds the products at {roof:.0} GFLOP/s",
-        blocks
+    for (format, blocks) in [("bf16", &blocks), ("fp8", &fp8_blocks)] {
+        let groups: Vec<(&ExpertWeights, &[f32])> = blocks
             .iter()
-            .map(ExpertWeights::weight_bytes)
-            .sum::<usize>()
-            >> 20
-    );
-    if let Some(amx_peak) = amx_peak {
+            .zip(&inputs)
+            .map(|(b, x)| (b, &x[..]))
+            .collect();
+        let grouped = |name: &str, peak: f64| {
+            product(
+                &format!("128 experts [3 x 384 x 1024] {format}, {rows} rows each{name}"),
+                timed(reps, || {
+                    std::hint::black_box(run_expert_groups(&groups, hidden, true));
+                }),
+                (2 * experts * rows * 3 * inter * hidden) as f64,
+                peak,
+            )
+        };
+        // Each weight meets `rows` inputs: 2 * rows flops per weight read, so that below a few
+        // hundred rows the products are bound by reading the experts, not by the peak.
+        let bytes: usize = blocks.iter().map(ExpertWeights::weight_bytes).sum();
+        let roof =
+            bandwidth * 1e9 * (2 * experts * rows * 3 * inter * hidden) as f64 / bytes as f64 / 1e9;
         println!(
-            "grouped experts, against the {tile_name} peak, and on AMX against a third of the \
-             AMX peak (three tile products per exact one):"
+            "grouped {format} experts read {} MiB of weights: at {rows} rows each, reading them at \
+             the bandwidth bounds the products at {roof:.0} GFLOP/s",
+            bytes >> 20
         );
-        amx::set_aside(true);
-        grouped(", no AMX", tile_peak);
-        amx::set_aside(false);
-        grouped(", AMX", amx_peak);
-    } else {
-        println!("grouped experts, against the {tile_name} peak:");
-        grouped("", tile_peak);
+        if let Some(amx_peak) = amx_peak {
+            println!(
+                "against the {tile_name} peak, and on AMX against a third of the AMX peak (three \
+                 tile products per exact one):"
+            );
+            amx::set_aside(true);
+            grouped(", no AMX", tile_peak);
+            amx::set_aside(false);
+            grouped(", AMX", amx_peak);
+        } else {
+            println!("against the {tile_name} peak:");
+            grouped("", tile_peak);
+        }
     }
+    drop(fp8_blocks);
 
     // Decode: the output head [32000, 1024] times one row reads its weights once.
     println!();

@@ -287,36 +287,80 @@ unsafe fn pack_avx512(x: &[f32], rows: usize, k: usize, tiles: &mut [u16]) {
     }
 }
 
-/// `out [rows, n] = inputs · w [n, k]ᵀ` on AMX tiles; false, having done nothing, where `n` is
-/// not a multiple of 16 (the caller takes another kernel). `parallel` spreads the output
-/// neurons over the rayon pool.
+/// The weights of a product on the tiles, `[n, k]` row-major: bf16, read as they are, or FP8
+/// e4m3 bytes, whose values bf16 holds exactly (a 4-bit significand and an exponent within
+/// bf16's), made bf16 one pair of 16-row blocks at a time.
+#[derive(Clone, Copy)]
+pub(crate) enum TileWeights<'a> {
+    Bf16(&'a [bf16]),
+    E4m3(&'a [u8]),
+}
+
+impl TileWeights<'_> {
+    fn len(self) -> usize {
+        match self {
+            TileWeights::Bf16(w) => w.len(),
+            TileWeights::E4m3(w) => w.len(),
+        }
+    }
+}
+
+/// `out [rows, n] = inputs · w [n, k]ᵀ` on AMX tiles, output row `r` at `out[r * out_stride..]`
+/// (a product may fill some of the columns of a wider output); false, having done nothing,
+/// where `n` is not a multiple of 16 (the caller takes another kernel). `parallel` spreads
+/// the output neurons over the rayon pool.
 pub(crate) fn matmul_transposed(
     inputs: &PackedInputs,
-    w: &[bf16],
+    weights: TileWeights,
     n: usize,
     out: &mut [f32],
+    out_stride: usize,
     parallel: bool,
 ) -> bool {
     let (rows, k) = (inputs.rows, inputs.k);
     if n == 0 || !n.is_multiple_of(TILE) {
         return false;
     }
-    assert_eq!(w.len(), n * k, "weight size");
-    assert_eq!(out.len(), rows * n, "output size");
+    assert_eq!(weights.len(), n * k, "weight size");
+    assert!(
+        n <= out_stride && out.len() >= (rows - 1) * out_stride + n,
+        "output size"
+    );
     let out_at = super::cpu::SharedOut::new(out);
     let neuron_blocks = n / TILE;
     let run = |first_block: usize, blocks: usize| {
         let session = TileSession::start();
+        // FP8 rows made bf16, one pair of blocks at a time.
+        let mut widened = Vec::new();
         for first_row in (0..rows).step_by(ROWS_PER_PASS) {
             let pass_rows = ROWS_PER_PASS.min(rows - first_row);
             for nb in (first_block..first_block + blocks).step_by(2) {
                 let neuron_pair = 2.min(first_block + blocks - nb);
+                let (w, first) = match weights {
+                    TileWeights::Bf16(w) => (w, nb),
+                    TileWeights::E4m3(bytes) => {
+                        let span = nb * TILE * k..(nb + neuron_pair) * TILE * k;
+                        e4m3_to_bf16(&bytes[span], &mut widened);
+                        (&widened[..], 0)
+                    }
+                };
                 for rb in (first_row / TILE..(first_row + pass_rows).div_ceil(TILE)).step_by(2) {
                     let row_pair = 2.min(rows.div_ceil(TILE) - rb);
-                    let sums = session.block(inputs, w, nb, rb, neuron_pair, row_pair);
+                    let sums = session.block(inputs, w, first, rb, neuron_pair, row_pair);
                     // SAFETY: this task alone writes neurons of blocks first_block..+blocks,
-                    // of every row, and `out` outlives the tasks.
-                    unsafe { scatter(&sums, out_at, rows, n, nb, rb, neuron_pair, row_pair) };
+                    // of every row, and `out` outlives the tasks (its size asserted above).
+                    unsafe {
+                        scatter(
+                            &sums,
+                            out_at,
+                            rows,
+                            out_stride,
+                            nb,
+                            rb,
+                            neuron_pair,
+                            row_pair,
+                        )
+                    };
                 }
             }
         }
@@ -335,11 +379,28 @@ pub(crate) fn matmul_transposed(
     true
 }
 
+/// `bytes` (FP8 e4m3) as bf16 in `out`, exactly: widened to f32, whose upper half is the
+/// bf16 value (e4m3's 3 mantissa bits fit bf16's 7).
+fn e4m3_to_bf16(bytes: &[u8], out: &mut Vec<bf16>) {
+    out.clear();
+    // In pieces that stay in L1.
+    let mut wide = [0.0f32; 512];
+    for piece in bytes.chunks(wide.len()) {
+        let wide = &mut wide[..piece.len()];
+        super::quant::widen_e4m3(piece, wide);
+        out.extend(
+            wide.iter()
+                .map(|v| bf16::from_bits((v.to_bits() >> 16) as u16)),
+        );
+    }
+}
+
 /// Writes the sums of a block (`sums[c]`: tile `c = neuron half * 2 + row half`, 16 neurons
-/// by 16 rows) into `out [rows, n]`, leaving out padded rows.
+/// by 16 rows) into `out`, row `r` at `r * n` (the output's stride), leaving out padded rows.
 ///
 /// # Safety
-/// No other thread writes these elements of `out` meanwhile; `out` holds `rows * n` values.
+/// No other thread writes these elements of `out` meanwhile; `out` holds the `rows` rows of
+/// the block's neurons.
 #[allow(clippy::too_many_arguments)]
 unsafe fn scatter(
     sums: &[[f32; TILE * TILE]; 4],
@@ -612,7 +673,14 @@ mod tests {
             let inputs = PackedInputs::new(&x, m, k).expect("AMX applies");
             for parallel in [false, true] {
                 let mut out = vec![f32::NAN; m * n];
-                assert!(matmul_transposed(&inputs, &w, n, &mut out, parallel));
+                assert!(matmul_transposed(
+                    &inputs,
+                    TileWeights::Bf16(&w),
+                    n,
+                    &mut out,
+                    n,
+                    parallel
+                ));
                 for (i, (got, want)) in out.iter().zip(&expected).enumerate() {
                     assert!(
                         (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
@@ -639,12 +707,9 @@ mod tests {
         );
         let inputs = PackedInputs::new(&[1.0; 8 * 32], 8, 32).expect("AMX applies");
         let mut out = vec![0.0; 8 * 20];
+        let weights = TileWeights::Bf16(&[bf16::ONE; 20 * 32]);
         assert!(!matmul_transposed(
-            &inputs,
-            &[bf16::ONE; 20 * 32],
-            20,
-            &mut out,
-            false
+            &inputs, weights, 20, &mut out, 20, false
         ));
     }
 }

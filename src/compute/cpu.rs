@@ -6,7 +6,7 @@ use std::borrow::Cow;
 
 use gemm::Parallelism;
 
-use super::amx::{self, PackedInputs};
+use super::amx::{self, PackedInputs, TileWeights};
 use half::bf16;
 use rayon::prelude::*;
 
@@ -191,7 +191,8 @@ impl<W: WeightElement> Linear<W> {
         let mut out = vec![0.0; rows * self.out_features];
         let on_tiles = match (packed, W::as_bf16(&self.weight)) {
             (Some(packed), Some(weight)) => {
-                amx::matmul_transposed(packed, weight, self.out_features, &mut out, parallel)
+                let n = self.out_features;
+                amx::matmul_transposed(packed, TileWeights::Bf16(weight), n, &mut out, n, parallel)
             }
             _ => false,
         };
@@ -262,7 +263,7 @@ pub fn matmul_transposed<W: WeightElement>(
     }
     if let Some(weights) = W::as_bf16(w)
         && let Some(packed) = PackedInputs::new(x, m, k)
-        && amx::matmul_transposed(&packed, weights, n, out, parallel)
+        && amx::matmul_transposed(&packed, TileWeights::Bf16(weights), n, out, n, parallel)
     {
         return;
     }

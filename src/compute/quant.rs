@@ -17,6 +17,7 @@
 
 use half::bf16;
 
+use super::amx::{self, PackedInputs, TileWeights};
 use super::cpu::{self, FEW_ROWS};
 
 /// The value of an e4m3fn byte. Its exponent and mantissa fields, moved to an f32's
@@ -326,12 +327,71 @@ impl QuantLinear {
         out
     }
 
+    /// The product of FP8 weights on the AMX tiles, where they run it (enough rows, whole
+    /// tiles, blocks of whole 16-row tiles): per block row, the inputs scaled by that row's
+    /// block scales (as the few-row kernels scale them), split and packed, times the e4m3
+    /// values made bf16 (exactly). False, having done nothing, where not.
+    fn fp8_on_tiles(&self, x: &[f32], rows: usize, out: &mut [f32], parallel: bool) -> bool {
+        let QuantFormat::Fp8 {
+            weights,
+            scales,
+            block_rows,
+            block_cols,
+        } = &self.format
+        else {
+            return false;
+        };
+        let (n, k) = (self.out_features, self.in_features);
+        if !amx::enabled()
+            || rows < amx::MIN_ROWS
+            || !block_rows.is_multiple_of(16)
+            || !n.is_multiple_of(16)
+        {
+            return false;
+        }
+        let blocks_per_row = k.div_ceil(*block_cols);
+        let mut scaled = vec![0.0f32; rows * k];
+        for (block, first) in (0..n).step_by(*block_rows).enumerate() {
+            let count = (*block_rows).min(n - first);
+            let row_scales = &scales[block * blocks_per_row..][..blocks_per_row];
+            for (to, from) in scaled.chunks_exact_mut(k).zip(x.chunks_exact(k)) {
+                for ((to, from), scale) in to
+                    .chunks_mut(*block_cols)
+                    .zip(from.chunks(*block_cols))
+                    .zip(row_scales)
+                {
+                    for (t, f) in to.iter_mut().zip(from) {
+                        *t = f * scale;
+                    }
+                }
+            }
+            let Some(packed) = PackedInputs::new(&scaled, rows, k) else {
+                return false;
+            };
+            let block_weights = TileWeights::E4m3(&weights[first * k..(first + count) * k]);
+            if !amx::matmul_transposed(
+                &packed,
+                block_weights,
+                count,
+                &mut out[first..],
+                n,
+                parallel,
+            ) {
+                return false;
+            }
+        }
+        true
+    }
+
     /// `x [rows, in] -> [rows, out]`; `parallel = false` keeps the work on this thread.
     pub fn forward_with(&self, x: &[f32], rows: usize, parallel: bool) -> Vec<f32> {
         let (n, k) = (self.out_features, self.in_features);
         assert_eq!(x.len(), rows * k, "lhs size");
         let mut out = vec![0.0f32; rows * n];
         if rows == 0 || n == 0 || k == 0 {
+            return out;
+        }
+        if self.fp8_on_tiles(x, rows, &mut out, parallel) {
             return out;
         }
         if rows > FEW_ROWS {
@@ -950,9 +1010,11 @@ mod tests {
     #[test]
     fn products_equal_the_product_of_the_widened_matrix_for_few_and_many_rows() {
         // k = 100: several 16-wide chunks, scale blocks and groups along a row, and a tail;
-        // k = 300: INT4 rows of two whole 16-word chunks and a partial one.
-        for k in [100usize, 300] {
-            products_equal_the_widened_product(70, k);
+        // k = 300: INT4 rows of two whole 16-word chunks and a partial one; (96, 128): whole
+        // AMX tiles (FP8 from 5 rows where the CPU has them: one block row of 16 and a partial
+        // one of 96 of 128).
+        for (n, k) in [(70, 100usize), (70, 300), (96, 128)] {
+            products_equal_the_widened_product(n, k);
         }
     }
 
