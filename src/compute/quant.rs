@@ -354,17 +354,7 @@ impl QuantLinear {
         for (block, first) in (0..n).step_by(*block_rows).enumerate() {
             let count = (*block_rows).min(n - first);
             let row_scales = &scales[block * blocks_per_row..][..blocks_per_row];
-            for (to, from) in scaled.chunks_exact_mut(k).zip(x.chunks_exact(k)) {
-                for ((to, from), scale) in to
-                    .chunks_mut(*block_cols)
-                    .zip(from.chunks(*block_cols))
-                    .zip(row_scales)
-                {
-                    for (t, f) in to.iter_mut().zip(from) {
-                        *t = f * scale;
-                    }
-                }
-            }
+            scale_by_blocks(x, k, *block_cols, row_scales, &mut scaled);
             let Some(packed) = PackedInputs::new(&scaled, rows, k) else {
                 return false;
             };
@@ -423,17 +413,7 @@ impl QuantLinear {
                     let block = row / block_rows;
                     let block_end = ((block + 1) * block_rows).min(end);
                     let row_scales = &scales[block * blocks_per_row..][..blocks_per_row];
-                    for (to, from) in scaled.chunks_exact_mut(k).zip(x.chunks_exact(k)) {
-                        for ((to, from), scale) in to
-                            .chunks_mut(*block_cols)
-                            .zip(from.chunks(*block_cols))
-                            .zip(row_scales)
-                        {
-                            for (t, f) in to.iter_mut().zip(from) {
-                                *t = f * scale;
-                            }
-                        }
-                    }
+                    scale_by_blocks(x, k, *block_cols, row_scales, &mut scaled);
                     cpu::dot_tiles(
                         &scaled,
                         rows,
@@ -496,6 +476,23 @@ impl QuantLinear {
         };
         cpu::few_rows_by_columns(rows, k, &mut out, parallel, weight_rows);
         out
+    }
+}
+
+/// `scaled = x` with each row's columns multiplied by the scale of their block (`block_cols`
+/// wide) in `row_scales`: an FP8 block row's scales applied to the inputs instead of to every
+/// weight.
+fn scale_by_blocks(x: &[f32], k: usize, block_cols: usize, row_scales: &[f32], scaled: &mut [f32]) {
+    for (to, from) in scaled.chunks_exact_mut(k).zip(x.chunks_exact(k)) {
+        for ((to, from), scale) in to
+            .chunks_mut(block_cols)
+            .zip(from.chunks(block_cols))
+            .zip(row_scales)
+        {
+            for (t, f) in to.iter_mut().zip(from) {
+                *t = f * scale;
+            }
+        }
     }
 }
 
