@@ -287,6 +287,11 @@ unsafe fn pack_avx512(x: &[f32], rows: usize, k: usize, tiles: &mut [u16]) {
     }
 }
 
+/// Whether the tiles take products of `n` output neurons (whole tiles of 16).
+pub(crate) fn takes_outputs(n: usize) -> bool {
+    n > 0 && n.is_multiple_of(TILE)
+}
+
 /// The weights of a product on the tiles, `[n, k]` row-major: bf16, read as they are, or FP8
 /// e4m3 bytes, whose values bf16 holds exactly (a 4-bit significand and an exponent within
 /// bf16's), made bf16 one pair of 16-row blocks at a time.
@@ -318,7 +323,7 @@ pub(crate) fn matmul_transposed(
     parallel: bool,
 ) -> bool {
     let (rows, k) = (inputs.rows, inputs.k);
-    if n == 0 || !n.is_multiple_of(TILE) {
+    if !takes_outputs(n) {
         return false;
     }
     assert_eq!(weights.len(), n * k, "weight size");

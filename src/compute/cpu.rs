@@ -5,10 +5,10 @@
 use std::borrow::Cow;
 
 use gemm::Parallelism;
-
-use super::amx::{self, PackedInputs, TileWeights};
 use half::bf16;
 use rayon::prelude::*;
+
+use super::amx::{self, PackedInputs, TileWeights};
 
 /// Below this many multiply-adds a product runs on the calling thread: splitting it over the
 /// pool costs more than it saves.
@@ -177,6 +177,9 @@ impl<W: WeightElement> Linear<W> {
     /// enough rows, `in_features` whole tiles): done once for products that share `x`.
     fn pack(&self, x: &[f32], rows: usize) -> Option<PackedInputs> {
         W::as_bf16(&self.weight)?;
+        if !amx::takes_outputs(self.out_features) {
+            return None;
+        }
         PackedInputs::new(x, rows, self.in_features)
     }
 
@@ -262,6 +265,7 @@ pub fn matmul_transposed<W: WeightElement>(
         return;
     }
     if let Some(weights) = W::as_bf16(w)
+        && amx::takes_outputs(n)
         && let Some(packed) = PackedInputs::new(x, m, k)
         && amx::matmul_transposed(&packed, TileWeights::Bf16(weights), n, out, n, parallel)
     {

@@ -344,8 +344,8 @@ impl QuantLinear {
         let (n, k) = (self.out_features, self.in_features);
         if !amx::enabled()
             || rows < amx::MIN_ROWS
-            || !block_rows.is_multiple_of(16)
-            || !n.is_multiple_of(16)
+            || !amx::takes_outputs(*block_rows)
+            || !amx::takes_outputs(n)
         {
             return false;
         }
