@@ -1,14 +1,14 @@
-//! Products of many input rows with bf16 weights on Intel AMX tiles (Sapphire Rapids and
-//! later), exact to f32.
+//! Products of many input rows with bf16 (or FP8) weights on Intel AMX tiles (Sapphire Rapids
+//! and later), exact to f32.
 //!
-//! An AMX-BF16 tile product multiplies bf16 pairs and accumulates in f32, at about twenty
-//! times the rate of AVX-512 f32 multiply-adds on one core (`benches/roofline.rs` measures
-//! both). The weights are bf16 already, exactly as stored. The inputs are f32: each is split
+//! An AMX-BF16 tile product multiplies bf16 pairs and accumulates in f32, at about fifteen
+//! times the rate of AVX-512 f32 multiply-adds (`benches/roofline.rs` measures both). The
+//! weights are bf16 already, exactly as stored (FP8 e4m3 values are exact in bf16 too). The inputs are f32: each is split
 //! into three bf16 parts, `x = hi + mid + lo` (each part the residual of the ones before,
 //! rounded to bf16), which carry its 24 significant bits, so every product of a weight and a
 //! part is exact in f32 and the sums are f32 sums, as in the other kernels. Rounding the
 //! inputs to bf16 instead (what llama.cpp's BF16 path does) is what takes its tokens away from
-//! transformers'; three tile products per weight tile cost less than that drift.
+//! transformers'; three tile products per weight tile are the price of not drifting.
 //!
 //! Tiles: `C[16 neurons][16 rows] += A[16 neurons][32 k] · B[16 k pairs][16 rows][2]`. A is
 //! read straight from the row-major weights (`k` apart), B is the inputs' parts transposed into
