@@ -62,7 +62,7 @@ if ! command -v cmake >/dev/null || ! command -v g++ >/dev/null; then
 fi
 python3 -c "import gguf, numpy, sentencepiece, google.protobuf, tokenizers, transformers, torch, yaml" 2>/dev/null || {
     log "installing Python packages"
-    pip install gguf numpy sentencepiece protobuf tokenizers pyyaml
+    pip install gguf numpy sentencepiece protobuf tokenizers pyyaml torch transformers
 }
 
 # --- 2. llama.cpp from llama-cpp-python's sdist ---------------------------------------------
