@@ -11,7 +11,8 @@
 //!
 //! Environment: MOE_BENCH_TOKENS (default 1,16,256), MOE_BENCH_SECONDS (time budget per
 //! point, default 3), MOE_BENCH_PYTHON (default python3; set to "" to skip the reference),
-//! MOE_BENCH_EXPERT_FORMATS (default f32,bf16,fp8,int4).
+//! MOE_BENCH_EXPERT_FORMATS (default f32,bf16,fp8,int4), MOE_BENCH_CPU_AMX (default 1; 0 sets
+//! the AMX tiles aside, as `devices.cpu_amx = false` does, for a side-by-side run).
 //! Prints medians; each iteration gets fresh inputs so that it routes to other experts and
 //! reads their weights from memory, as decoding does.
 
@@ -220,6 +221,9 @@ fn run_ours(
 }
 
 fn main() {
+    if std::env::var_os("MOE_BENCH_CPU_AMX").is_some_and(|v| v == "0") {
+        moe_node::compute::amx::set_aside(true);
+    }
     let tokens: Vec<usize> = std::env::var("MOE_BENCH_TOKENS")
         .unwrap_or_else(|_| "1,16,256".into())
         .split(',')

@@ -14,7 +14,8 @@
 //!
 //! `cargo bench --bench roofline`; `MOE_ROOFLINE_REPS` (default 7), `MOE_ROOFLINE_EXPERT_ROWS`
 //! (rows per expert group, default 16), `MOE_ROOFLINE_EXPERT_BYTES` (bytes of experts per
-//! format in the decode lines, default 768 MiB; a few MiB leave them in cache).
+//! format in the decode lines, default 768 MiB; a few MiB leave them in cache),
+//! `MOE_ROOFLINE_DECODE_ONLY=1` (the bandwidth and the decode steps through the experts only).
 
 use std::time::Instant;
 
@@ -283,6 +284,10 @@ fn main() {
     );
     drop(buffer);
     println!("read bandwidth, all threads: {bandwidth:.1} GB/s");
+    if std::env::var_os("MOE_ROOFLINE_DECODE_ONLY").is_some_and(|v| v == "1") {
+        expert_decode(reps, bandwidth);
+        return;
+    }
     println!();
     println!(
         "{:<52} {:>10} {:>12} {:>10}",
@@ -478,25 +483,39 @@ fn expert_decode(reps: usize, bandwidth: f64) {
         })
         .collect();
     type Hold = fn(&SwiGlu) -> ExpertWeights;
-    let formats: [(&str, Hold); 3] = [
-        ("bf16", |e| ExpertWeights::Bf16(to_bf16(e))),
-        ("fp8", |e| ExpertWeights::Quantized(quantize(e, to_fp8))),
-        ("int4", |e| ExpertWeights::Quantized(quantize(e, to_int4))),
+    // (name, how the experts are held, whether the AMX tiles are set aside): INT4 runs on
+    // the AMX-INT8 tiles where the CPU has them, and beside that on the vector kernels.
+    let int4: Hold = |e| ExpertWeights::Quantized(quantize(e, to_int4));
+    let mut formats: Vec<(&str, Hold, bool)> = vec![
+        ("bf16", |e| ExpertWeights::Bf16(to_bf16(e)), false),
+        (
+            "fp8",
+            |e| ExpertWeights::Quantized(quantize(e, to_fp8)),
+            false,
+        ),
+        ("int4", int4, false),
     ];
+    let tiles_aside = amx::is_set_aside();
+    if amx::enabled() {
+        formats[2].0 = "int4 (AMX-INT8)";
+        formats.push(("int4 (AMX set aside)", int4, true));
+    }
     let x = random(TOP_K * HIDDEN, 5, 1.0);
-    let sets: Vec<(&str, Vec<ExpertWeights>)> = formats
+    let sets: Vec<(&str, Vec<ExpertWeights>, bool)> = formats
         .iter()
-        .map(|(name, hold)| {
+        .map(|(name, hold, aside)| {
             let held: Vec<ExpertWeights> = distinct.iter().map(hold).collect();
             let count = bytes.div_ceil(held[0].weight_bytes()) / TOP_K * TOP_K;
-            (*name, held.iter().cycle().take(count).cloned().collect())
+            let experts = held.iter().cycle().take(count).cloned().collect();
+            (*name, experts, *aside)
         })
         .collect();
     // One pass over every format in turn per repetition, so that each sees the same noise
     // (on a shared machine, others' memory traffic comes and goes).
     let mut seconds = vec![Vec::new(); sets.len()];
     for _ in 0..=reps {
-        for ((_, experts), times) in sets.iter().zip(&mut seconds) {
+        for ((_, experts, aside), times) in sets.iter().zip(&mut seconds) {
+            amx::set_aside(*aside || tiles_aside);
             let started = Instant::now();
             for step in experts.chunks_exact(TOP_K) {
                 let groups: Vec<(&ExpertWeights, &[f32])> =
@@ -506,8 +525,9 @@ fn expert_decode(reps: usize, bandwidth: f64) {
             times.push(started.elapsed().as_secs_f64() / (experts.len() / TOP_K) as f64);
         }
     }
+    amx::set_aside(tiles_aside);
     let mut bf16_step = None;
-    for ((name, experts), mut times) in sets.iter().zip(seconds) {
+    for ((name, experts, _), mut times) in sets.iter().zip(seconds) {
         times.remove(0); // the warm-up pass
         let s = median(times);
         let rate = (TOP_K * experts[0].weight_bytes()) as f64 / s / 1e9;

@@ -541,6 +541,11 @@ macro_rules! tile {
         std::arch::asm!(concat!("tdpbf16ps tmm", $c, ", tmm", $a, ", tmm", $b),
             options(nostack, nomem))
     };
+    // Unsigned bytes of A times signed bytes of B, four at a time, summed into i32.
+    (dot_bytes $c:literal, $a:literal, $b:literal) => {
+        std::arch::asm!(concat!("tdpbusd tmm", $c, ", tmm", $a, ", tmm", $b),
+            options(nostack, nomem))
+    };
 }
 
 /// Sums of `NB` weight blocks (tiles 4, 5: 16 rows each, `k` apart, from `weights`) by `RB`
@@ -602,6 +607,9 @@ unsafe fn tile_block<const NB: usize, const RB: usize>(
         tile!(store 3, sums[3].as_mut_ptr());
     }
 }
+
+pub(crate) mod int4;
+pub(crate) use int4::{Int4Digits, int4_product};
 
 #[cfg(test)]
 mod tests {

@@ -63,11 +63,23 @@ fn amx_path() -> String {
         amx::AmxStatus::Enabled if amx::is_set_aside() => {
             "AMX tiles not used (devices.cpu_amx = false)".to_string()
         }
-        amx::AmxStatus::Enabled => format!(
-            "products of {} or more rows with bf16 weights on AMX-BF16 tiles (inputs split into \
-             three bf16 parts: exact to f32)",
-            amx::MIN_ROWS
-        ),
+        amx::AmxStatus::Enabled => {
+            let int4 = if amx::int4::int8_enabled() {
+                format!(
+                    "; INT4 weights by {} to {} rows on AMX-INT8 tiles (inputs as four 8-bit \
+                     digits: to within 2^-28 of each row's largest)",
+                    amx::int4::MIN_ROWS,
+                    amx::int4::MAX_ROWS
+                )
+            } else {
+                String::new()
+            };
+            format!(
+                "products of {} or more rows with bf16 weights on AMX-BF16 tiles (inputs split \
+                 into three bf16 parts: exact to f32){int4}",
+                amx::MIN_ROWS
+            )
+        }
         amx::AmxStatus::Unavailable(why) => format!("no AMX tiles ({why})"),
     }
 }

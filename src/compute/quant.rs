@@ -189,7 +189,7 @@ impl GroupScales {
     }
 
     /// Scales `start..start + out.len()` into `out`.
-    fn read_into(&self, start: usize, out: &mut [f32]) {
+    pub(crate) fn read_into(&self, start: usize, out: &mut [f32]) {
         let end = start + out.len();
         match self {
             GroupScales::Bf16(s) => {
@@ -373,6 +373,53 @@ impl QuantLinear {
         true
     }
 
+    /// The product of INT4 weights by a few rows on the AMX-INT8 tiles, where they run it
+    /// (see `amx::int4`); false, having done nothing, where not.
+    fn int4_on_tiles(&self, x: &[f32], rows: usize, out: &mut [f32], parallel: bool) -> bool {
+        let QuantFormat::Int4 { group, .. } = &self.format else {
+            return false;
+        };
+        let k = self.in_features;
+        if !amx::int4::takes(rows, k, *group) {
+            return false;
+        }
+        let Some(digits) = amx::Int4Digits::new(x, rows, k) else {
+            return false;
+        };
+        self.int4_digits_product(&digits, out, parallel)
+    }
+
+    /// The product of INT4 weights with inputs already made digits (shared by an expert's
+    /// gate and up); false, having done nothing, where the tiles do not take it.
+    fn int4_digits_product(
+        &self,
+        digits: &amx::Int4Digits,
+        out: &mut [f32],
+        parallel: bool,
+    ) -> bool {
+        let QuantFormat::Int4 {
+            packed,
+            scales,
+            group,
+        } = &self.format
+        else {
+            return false;
+        };
+        if !digits.fits(self.in_features, *group) {
+            return false;
+        }
+        amx::int4_product(
+            digits,
+            packed,
+            scales,
+            *group,
+            self.out_features,
+            out,
+            parallel,
+        );
+        true
+    }
+
     /// `x [rows, in] -> [rows, out]`; `parallel = false` keeps the work on this thread.
     pub fn forward_with(&self, x: &[f32], rows: usize, parallel: bool) -> Vec<f32> {
         let (n, k) = (self.out_features, self.in_features);
@@ -381,7 +428,9 @@ impl QuantLinear {
         if rows == 0 || n == 0 || k == 0 {
             return out;
         }
-        if self.fp8_on_tiles(x, rows, &mut out, parallel) {
+        if self.fp8_on_tiles(x, rows, &mut out, parallel)
+            || self.int4_on_tiles(x, rows, &mut out, parallel)
+        {
             return out;
         }
         if rows > FEW_ROWS {
@@ -844,8 +893,23 @@ pub struct QuantSwiGlu {
 
 impl QuantSwiGlu {
     pub fn forward_with(&self, x: &[f32], rows: usize, parallel: bool) -> Vec<f32> {
-        let mut gate = self.gate.forward_with(x, rows, parallel);
-        let up = self.up.forward_with(x, rows, parallel);
+        let k = self.gate.in_features;
+        // INT4 gate and up on the AMX-INT8 tiles share one making of the inputs' digits.
+        let digits = match (&self.gate.format, &self.up.format) {
+            (QuantFormat::Int4 { .. }, QuantFormat::Int4 { .. }) => {
+                amx::Int4Digits::new(x, rows, k)
+            }
+            _ => None,
+        };
+        let project = |linear: &QuantLinear| {
+            let mut out = vec![0.0f32; rows * linear.out_features];
+            match &digits {
+                Some(d) if linear.int4_digits_product(d, &mut out, parallel) => out,
+                _ => linear.forward_with(x, rows, parallel),
+            }
+        };
+        let mut gate = project(&self.gate);
+        let up = project(&self.up);
         cpu::silu_mul(&mut gate, &up);
         self.down.forward_with(&gate, rows, parallel)
     }
