@@ -501,21 +501,19 @@ fn expert_decode(reps: usize, bandwidth: f64) {
         formats.push(("int4 (AMX set aside)", int4, true));
     }
     let x = random(TOP_K * HIDDEN, 5, 1.0);
-    let sets: Vec<(&str, Vec<ExpertWeights>, bool)> = formats
+    let sets: Vec<(&str, Vec<ExpertWeights>)> = formats
         .iter()
-        .map(|(name, hold, aside)| {
+        .map(|(name, hold)| {
             let held: Vec<ExpertWeights> = distinct.iter().map(hold).collect();
             let count = bytes.div_ceil(held[0].weight_bytes()) / TOP_K * TOP_K;
-            let experts = held.iter().cycle().take(count).cloned().collect();
-            (*name, experts, *aside)
+            (*name, held.iter().cycle().take(count).cloned().collect())
         })
         .collect();
     // One pass over every format in turn per repetition, so that each sees the same noise
     // (on a shared machine, others' memory traffic comes and goes).
     let mut seconds = vec![Vec::new(); sets.len()];
     for _ in 0..=reps {
-        for ((_, experts, aside), times) in sets.iter().zip(&mut seconds) {
-            amx::set_aside(*aside || tiles_aside);
+        for ((_, experts), times) in sets.iter().zip(&mut seconds) {
             let started = Instant::now();
             for step in experts.chunks_exact(TOP_K) {
                 let groups: Vec<(&ExpertWeights, &[f32])> =
@@ -525,9 +523,8 @@ fn expert_decode(reps: usize, bandwidth: f64) {
             times.push(started.elapsed().as_secs_f64() / (experts.len() / TOP_K) as f64);
         }
     }
-    amx::set_aside(tiles_aside);
     let mut bf16_step = None;
-    for ((name, experts, _), mut times) in sets.iter().zip(seconds) {
+    for ((name, experts), mut times) in sets.iter().zip(seconds) {
         times.remove(0); // the warm-up pass
         let s = median(times);
         let rate = (TOP_K * experts[0].weight_bytes()) as f64 / s / 1e9;
