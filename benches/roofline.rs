@@ -483,23 +483,11 @@ fn expert_decode(reps: usize, bandwidth: f64) {
         })
         .collect();
     type Hold = fn(&SwiGlu) -> ExpertWeights;
-    // (name, how the experts are held, whether the AMX tiles are set aside): INT4 runs on
-    // the AMX-INT8 tiles where the CPU has them, and beside that on the vector kernels.
-    let int4: Hold = |e| ExpertWeights::Quantized(quantize(e, to_int4));
-    let mut formats: Vec<(&str, Hold, bool)> = vec![
-        ("bf16", |e| ExpertWeights::Bf16(to_bf16(e)), false),
-        (
-            "fp8",
-            |e| ExpertWeights::Quantized(quantize(e, to_fp8)),
-            false,
-        ),
-        ("int4", int4, false),
+    let formats: [(&str, Hold); 3] = [
+        ("bf16", |e| ExpertWeights::Bf16(to_bf16(e))),
+        ("fp8", |e| ExpertWeights::Quantized(quantize(e, to_fp8))),
+        ("int4", |e| ExpertWeights::Quantized(quantize(e, to_int4))),
     ];
-    let tiles_aside = amx::is_set_aside();
-    if amx::enabled() {
-        formats[2].0 = "int4 (AMX-INT8)";
-        formats.push(("int4 (AMX set aside)", int4, true));
-    }
     let x = random(TOP_K * HIDDEN, 5, 1.0);
     let sets: Vec<(&str, Vec<ExpertWeights>)> = formats
         .iter()
