@@ -585,6 +585,14 @@ fn three_nodes_serve_one_model_and_survive_kill_pause_restart_and_garbage(transp
             > 0.0
     );
 
+    // Rows node1 and node2 sent to node3, as they count them.
+    let sent_to_node3 = |nodes: &[Node]| -> f64 {
+        nodes[..2]
+            .iter()
+            .map(|n| n.metric_sum("moe_node_dispatch_rows_sent_total{node=\"node3\"}"))
+            .sum()
+    };
+
     // kill -9 of node3 while 16 streams run through node1 and node2: none fails, none
     // changes.
     let long = 200;
@@ -602,12 +610,22 @@ fn three_nodes_serve_one_model_and_survive_kill_pause_restart_and_garbage(transp
             .recv_timeout(Duration::from_secs(60))
             .expect("streams started");
     }
-    // Whether node3 is running expert work right up to the kill: under CPU load its
-    // measured latency can make the others route around it for a while, and then nothing
-    // is in flight to it when it dies.
-    let node3_tokens = nodes[2].metric_sum("moe_node_device_tokens_total");
-    std::thread::sleep(Duration::from_millis(300));
-    let node3_busy = nodes[2].metric_sum("moe_node_device_tokens_total") > node3_tokens;
+    // Work in flight to node3 when it dies, for certain: it is stopped first (SIGSTOP) and
+    // killed once node1 or node2 has sent it rows since, which it can no longer answer (it
+    // was "busy in the last 300 ms" before, which left a window where nothing was in flight
+    // at the kill). Under CPU load its measured latency can make the others route around it
+    // for a while; then nothing is sent to it and the check below is skipped, saying so.
+    let sent_before_kill = sent_to_node3(&nodes);
+    nodes[2].signal("-STOP");
+    let stopped = Instant::now();
+    let mut node3_busy = false;
+    while stopped.elapsed() < Duration::from_secs(2) {
+        if sent_to_node3(&nodes) > sent_before_kill {
+            node3_busy = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
     nodes[2].kill();
     let killed_at = Instant::now();
     for (i, stream) in streams.into_iter().enumerate() {
@@ -628,8 +646,8 @@ fn three_nodes_serve_one_model_and_survive_kill_pause_restart_and_garbage(transp
         assert!(resent > 0.0, "work in flight to node3 was re-sent");
     } else {
         eprintln!(
-            "SKIPPED check: node3 ran no expert work in the 300 ms before the kill (routed \
-             around as slow), so nothing was in flight to re-send"
+            "SKIPPED check: node3 was sent no rows in the 2 s it was stopped before the kill \
+             (routed around as slow), so nothing was in flight to re-send"
         );
     }
     for node in &nodes[..2] {
@@ -665,12 +683,6 @@ fn three_nodes_serve_one_model_and_survive_kill_pause_restart_and_garbage(transp
     // few seconds its measurement counts). So each pause is preceded by requests until node3
     // gets work again, and the check is on the rows sent to node3 during the pause, as
     // node1 and node2 count them: every one of those had to be answered by another copy.
-    let sent_to_node3 = |nodes: &[Node]| -> f64 {
-        nodes[..2]
-            .iter()
-            .map(|n| n.metric_sum("moe_node_dispatch_rows_sent_total{node=\"node3\"}"))
-            .sum()
-    };
     let hedges = |nodes: &[Node]| -> f64 {
         nodes[..2]
             .iter()
