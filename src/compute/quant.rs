@@ -420,6 +420,41 @@ impl QuantLinear {
         true
     }
 
+    /// Whether one input row of this matrix takes [`QuantLinear::int4_decode`]: INT4 in
+    /// groups the kernel takes, on a CPU with the decode kernel.
+    #[cfg(target_arch = "x86_64")]
+    fn int4_decodes(&self) -> bool {
+        matches!(&self.format, QuantFormat::Int4 { group, .. } if int4_kernel_takes(*group))
+            && cpu::decode_kernel_available()
+    }
+
+    /// `out = x · wᵀ` for one input row given as `inputs` ([`Int4Inputs::for_decode`]), on the
+    /// AVX-512 decode kernel; the caller checked [`QuantLinear::int4_decodes`].
+    #[cfg(target_arch = "x86_64")]
+    fn int4_decode(&self, inputs: &Int4Inputs, out: &mut [f32], parallel: bool) {
+        let QuantFormat::Int4 {
+            packed,
+            scales,
+            group,
+        } = &self.format
+        else {
+            unreachable!("int4_decodes checked the format");
+        };
+        let k = self.in_features;
+        let (words, groups, words_per_group) = (k.div_ceil(8), k.div_ceil(*group), group / 8);
+        let weight_rows = |first: usize, out_t: &mut [f32]| {
+            let rows = Int4Rows {
+                packed,
+                scales,
+                words,
+                groups,
+                words_per_group,
+            };
+            rows.dot(&inputs.planes, inputs, first, out_t)
+        };
+        cpu::few_rows_by_columns(1, k, out, parallel, weight_rows);
+    }
+
     /// `x [rows, in] -> [rows, out]`; `parallel = false` keeps the work on this thread.
     pub fn forward_with(&self, x: &[f32], rows: usize, parallel: bool) -> Vec<f32> {
         let (n, k) = (self.out_features, self.in_features);
@@ -483,24 +518,13 @@ impl QuantLinear {
         } = &self.format
             && int4_kernel_takes(*group)
         {
-            let inputs = Int4Inputs::new(x, rows, k);
-            let (words, groups, words_per_group) = (k.div_ceil(8), k.div_ceil(*group), group / 8);
             #[cfg(target_arch = "x86_64")]
             if rows == 1 && cpu::decode_kernel_available() {
-                let planes = inputs.planes_for_masks();
-                let weight_rows = |first: usize, out_t: &mut [f32]| {
-                    let rows = Int4Rows {
-                        packed,
-                        scales,
-                        words,
-                        groups,
-                        words_per_group,
-                    };
-                    rows.dot(&planes, &inputs, first, out_t)
-                };
-                cpu::few_rows_by_columns(rows, k, &mut out, parallel, weight_rows);
+                self.int4_decode(&Int4Inputs::for_decode(x), &mut out, parallel);
                 return out;
             }
+            let inputs = Int4Inputs::new(x, rows, k);
+            let (words, groups, words_per_group) = (k.div_ceil(8), k.div_ceil(*group), group / 8);
             let weight_rows = |first: usize, out_t: &mut [f32]| {
                 // The row's scales, padded with zeros to whole chunks (the padding lanes hold
                 // no inputs).
@@ -594,18 +618,30 @@ impl Int4Inputs {
         }
     }
 
-    /// The planes of the first input row, plane `i` of each chunk scaled by 2^-4i (exactly),
-    /// for [`int4_rows_avx512`], which reads nibble `i` in place as its value times 16^i.
+    /// One input row as [`int4_rows_avx512`] reads it, in one pass: plane `i` of each chunk
+    /// scaled by 2^-4i (exactly), since the kernel reads nibble `i` in place as its value times
+    /// 16^i; the sums as [`Int4Inputs::new`] makes them.
     #[cfg(target_arch = "x86_64")]
-    fn planes_for_masks(&self) -> Vec<f32> {
-        self.planes[..self.chunks * 8 * INT4_WORDS]
-            .chunks_exact(INT4_WORDS)
-            .enumerate()
-            .flat_map(|(at, plane)| {
-                let scale = f32::from_bits((127 - 4 * (at % 8) as u32) << 23);
-                plane.iter().map(move |v| v * scale)
-            })
-            .collect()
+    fn for_decode(x: &[f32]) -> Self {
+        let chunks = x.len().div_ceil(8 * INT4_WORDS);
+        let mut planes = vec![0.0f32; chunks * 8 * INT4_WORDS];
+        let mut sums = vec![0.0f32; chunks * INT4_WORDS];
+        let scales: [f32; 8] = std::array::from_fn(|i| f32::from_bits((127 - 4 * i as u32) << 23));
+        for (word, values) in x.chunks(8).enumerate() {
+            let (c, l) = (word / INT4_WORDS, word % INT4_WORDS);
+            let mut sum = 0.0f32;
+            for (i, v) in values.iter().enumerate() {
+                planes[c * 8 * INT4_WORDS + i * INT4_WORDS + l] = v * scales[i];
+                sum += v;
+            }
+            sums[word] = sum;
+        }
+        Int4Inputs {
+            planes,
+            sums,
+            chunks,
+            rows: 1,
+        }
     }
 
     /// `out[r] = x[r] · row` for one packed row whose group scales are `row_scales` (padded
@@ -901,8 +937,17 @@ impl QuantSwiGlu {
             }
             _ => None,
         };
+        // One INT4 row: gate and up share the decode kernel's planes.
+        #[cfg(target_arch = "x86_64")]
+        let planes = (rows == 1 && self.gate.int4_decodes() && self.up.int4_decodes())
+            .then(|| Int4Inputs::for_decode(x));
         let project = |linear: &QuantLinear| {
             let mut out = vec![0.0f32; rows * linear.out_features];
+            #[cfg(target_arch = "x86_64")]
+            if let Some(planes) = &planes {
+                linear.int4_decode(planes, &mut out, parallel);
+                return out;
+            }
             match &digits {
                 Some(d) if linear.int4_digits_product(d, &mut out, parallel) => out,
                 _ => linear.forward_with(x, rows, parallel),
