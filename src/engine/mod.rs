@@ -12,6 +12,7 @@ pub mod kv_cache;
 pub mod logprobs;
 pub mod rope;
 pub mod sampling;
+mod step_pool;
 
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -189,7 +190,13 @@ impl Engine {
     /// Runs one step for a batch of sequences and returns, for each, the logits after its
     /// last new token (`[vocab]`), or after every new token when it asks for all
     /// (`[tokens, vocab]`). Caches are extended only when the whole step succeeds.
+    ///
+    /// The step computes on the step pool ([`step_pool`]), whatever thread calls it.
     pub fn forward(&self, batch: &mut [SequenceStep]) -> Result<Vec<Vec<f32>>, EngineError> {
+        step_pool::run(|| self.forward_here(batch))
+    }
+
+    fn forward_here(&self, batch: &mut [SequenceStep]) -> Result<Vec<Vec<f32>>, EngineError> {
         if batch.is_empty() {
             return Ok(Vec::new());
         }
