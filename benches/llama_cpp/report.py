@@ -1,15 +1,21 @@
 """Print the comparison table from client.py's results, and the bytes of weights each engine
 reads per decode token.
 
-    python3 report.py MODEL_DIR moe-node.json llama.cpp-BF16.json:GGUF [llama.cpp-Q8_0.json:GGUF ...]
+    python3 report.py --moe bf16 MODEL_DIR JSONS [--moe fp8 FP8_DIR JSONS] \
+                      --llama bf16 GGUF JSONS [--llama q8_0 GGUF JSONS ...]
 
-Bytes per decode token (batch 1): every dense weight is read once per token (attention
-q/k/v/o, the per-layer router, the output head, the norms), one row of the embedding, and the
-top-k active experts of each layer (3 matrices of hidden x moe_intermediate each). moe-node
-holds a bf16 checkpoint's dense and expert matrices in bf16 (2 bytes), norms in f32; for
-llama.cpp the bytes come from the GGUF's own tensor types (a BF16 file keeps norms and, for
-this architecture, the router in f32; Q8_0 is 34 bytes per 32 weights, ~1.06 per weight).
+JSONS: one server's client.py results, one file per round, comma-separated. Each llama.cpp
+quantization is set beside the moe-node format of about the same size: BF16 beside bf16, Q8_0
+beside fp8 (bf16 when moe-node ran no fp8).
+
+Bytes per decode token (batch 1): every tensor is read once per token (attention q/k/v/o, the
+per-layer router, the output head, the norms, FP8 block scales), but the token embedding only
+one row and the expert tensors only top-k of every layer's experts. For moe-node they come from
+the safetensors header (it holds bf16 as bf16 and FP8 as FP8; norms, a few KiB, are counted as
+stored though it widens them to f32); for llama.cpp from the GGUF's own tensor types (a BF16 file
+keeps norms and, for this architecture, the router in f32; Q8_0 is 34 bytes per 32 weights).
 """
+
 
 import json
 import re
@@ -17,33 +23,41 @@ import statistics
 import sys
 
 
-def moe_node_bytes(cfg, weight_bytes=2, norm_bytes=4):
-    h = cfg["hidden_size"]
-    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
-    q = cfg["num_attention_heads"] * hd
-    kv = cfg["num_key_value_heads"] * hd
+DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "I8": 1, "U8": 1, "I32": 4}
+# The moe-node format each llama.cpp quantization is compared with.
+PAIR = {"bf16": "bf16", "q8_0": "fp8"}
+
+
+def safetensors_bytes(model_dir, cfg):
+    """Bytes read per decode token from a safetensors checkpoint (one file or an index)."""
+    import struct
+    from pathlib import Path
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
     experts = cfg.get("num_experts") or cfg.get("num_local_experts")
     k = cfg["num_experts_per_tok"]
-    inter = cfg["moe_intermediate_size"]
-    layers = cfg["num_hidden_layers"]
-    vocab = cfg["vocab_size"]
-    attn = h * q + 2 * h * kv + q * h
-    router = h * experts
-    active = k * 3 * h * inter
-    norms = 2 * h + 2 * hd  # input/post-attention norms, q/k norms
-    per_layer = (attn + router + active) * weight_bytes + norms * norm_bytes
-    dense = layers * (attn + router) * weight_bytes + vocab * h * weight_bytes
-    total = layers * per_layer + vocab * h * weight_bytes + h * weight_bytes + h * norm_bytes
-    return {
-        "total": total,
-        "dense": dense,
-        "experts": layers * active * weight_bytes,
-        "formula": (
-            f"{layers} layers x [attention {attn:,} + router {router:,} + {k} experts x 3 x "
-            f"{h} x {inter} = {active:,}] x {weight_bytes} B + lm_head {vocab} x {h} x "
-            f"{weight_bytes} B + norms x {norm_bytes} B + 1 embedding row"
-        ),
-    }
+    total = dense = exp = 0
+    types = {}
+    for path in files:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        for name, t in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = t["data_offsets"]
+            size = end - start
+            types[t["dtype"]] = types.get(t["dtype"], 0) + 1
+            if ".mlp.experts." in name:
+                part = size * k / experts
+                exp += part
+            elif name == "model.embed_tokens.weight":
+                part = size / cfg["vocab_size"]
+            else:
+                part = size
+                dense += size
+            total += part
+    return {"total": total, "dense": dense, "experts": exp, "types": types}
 
 
 def gguf_bytes(path, cfg):
@@ -71,14 +85,41 @@ def gguf_bytes(path, cfg):
     return {"total": total, "dense": dense, "experts": exp, "types": types}
 
 
+def load_rounds(paths):
+    """One server's client.py results from one or more rounds (comma-separated paths): the
+    repetitions of every round together, the first round's text."""
+    runs = [json.load(open(p)) for p in paths.split(",")]
+    merged = dict(runs[0])
+    for key in ("decode_all", "prefill_all", "batch_all"):
+        merged[key] = [x for r in runs for x in r[key]]
+    merged["rounds"] = len(runs)
+    return merged
+
+
 def main():
-    model_dir = sys.argv[1]
-    cfg = json.load(open(f"{model_dir}/config.json"))
-    moe = json.load(open(sys.argv[2]))
-    others = []
-    for arg in sys.argv[3:]:
-        path, gguf = arg.split(":", 1)
-        others.append((json.load(open(path)), gguf))
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--moe", nargs=3, action="append", required=True,
+                    metavar=("FORMAT", "MODEL_DIR", "JSONS"))
+    ap.add_argument("--llama", nargs=3, action="append", default=[],
+                    metavar=("QUANT", "GGUF", "JSONS"))
+    args = ap.parse_args()
+    moe = {}
+    for fmt, model_dir, jsons in args.moe:
+        r = load_rounds(jsons)
+        r["label"] = "moe-node" if fmt == "bf16" else f"moe-node {fmt.upper()}"
+        moe[fmt] = (r, model_dir)
+    cfg = json.load(open(f"{moe['bf16' if 'bf16' in moe else next(iter(moe))][1]}/config.json"))
+    for fmt, (r, model_dir) in moe.items():
+        r["bytes"] = safetensors_bytes(model_dir, cfg)
+    pairs = []
+    for quant, gguf, jsons in args.llama:
+        other = load_rounds(jsons)
+        other["bytes"] = gguf_bytes(gguf, cfg)
+        fmt = PAIR.get(quant, "bf16")
+        mine = moe.get(fmt, moe.get("bf16"))[0]
+        pairs.append((mine, other))
 
     experts = cfg.get("num_experts") or cfg.get("num_local_experts")
     print()
@@ -91,49 +132,48 @@ def main():
         ("prefill, 512-token prompt (tok/s)", "prefill"),
         ("8 concurrent x 64 tokens (tok/s)", "batch"),
     ]
-    for other, _ in others:
-        name = other["label"]
-        print(f"{'':36} {'':6} {'moe-node':>10} {name:>16} {'moe-node / ' + name:>26}")
+    for mine, other in pairs:
+        a_name, b_name = mine["label"], other["label"]
+        print(f"{'':36} {'':6} {a_name:>14} {b_name:>16} {a_name + ' / ' + b_name:>32}")
         for title, key in rows:
             for stat, f in (("median", statistics.median), ("best", max)):
-                a, b = f(moe[key + "_all"]), f(other[key + "_all"])
-                print(f"{title:36} {stat:6} {a:10.2f} {b:16.2f} {a / b:26.2f}")
+                a, b = f(mine[key + "_all"]), f(other[key + "_all"])
+                print(f"{title:36} {stat:6} {a:14.2f} {b:16.2f} {a / b:32.2f}")
+        ba, bb = mine["bytes"]["total"], other["bytes"]["total"]
+        print(f"{'weight bytes per decode token (MiB)':36} {'':6} {ba / 2**20:14.1f} "
+              f"{bb / 2**20:16.1f} {ba / bb:32.2f}")
         print()
-    print("all repetitions (tok/s):")
-    for r in [moe] + [o for o, _ in others]:
+    servers = [r for r, _ in moe.values()] + [o for _, o in pairs]
+    rounds = servers[0]["rounds"]
+    print(f"all repetitions (tok/s), {rounds} round(s), each server in turn:")
+    for r in servers:
         print(f"  {r['label']:16} " + "; ".join(
             f"{key} " + ", ".join(f"{x:.1f}" for x in r[key + "_all"]) for _, key in rows))
     print()
 
     # Same greedy output? (bf16 rounding differs between the engines, so a late divergence is
     # expected; an early one would point at a wrong model.)
-    for other, _ in others:
-        a, b = moe["decode_text"], other["decode_text"]
+    for mine, other in pairs:
+        a, b = mine["decode_text"], other["decode_text"]
         same = 0
         while same < min(len(a), len(b)) and a[same] == b[same]:
             same += 1
-        print(f"greedy text of the first decode request, moe-node vs {other['label']}: "
+        print(f"greedy text of the first decode request, {mine['label']} vs {other['label']}: "
               f"identical for the first {same} of {len(a)} / {len(b)} characters")
     print()
 
-    m = moe_node_bytes(cfg)
     print("Weight bytes read per decode token (batch 1):")
-    print(f"  moe-node (bf16 dense + experts): {m['total'] / 2**20:8.1f} MiB "
-          f"(dense {m['dense'] / 2**20:.1f} MiB incl. lm_head, active experts "
-          f"{m['experts'] / 2**20:.1f} MiB)")
-    print(f"    = {m['formula']}")
-    for other, gguf in others:
-        g = gguf_bytes(gguf, cfg)
-        print(f"  {other['label']:31}: {g['total'] / 2**20:8.1f} MiB "
-              f"(dense {g['dense'] / 2**20:.1f} MiB, active experts {g['experts'] / 2**20:.1f} MiB;"
-              f" tensor types {g['types']})")
+    for r in servers:
+        g = r["bytes"]
+        print(f"  {r['label']:16}: {g['total'] / 2**20:8.1f} MiB (dense {g['dense'] / 2**20:.1f} MiB"
+              f" incl. the output head, active experts {g['experts'] / 2**20:.1f} MiB; "
+              f"tensor types {g['types']})")
     print()
     print("Decode bandwidth implied (bytes per token x decode tok/s, median / best):")
-    bw = lambda b, r: f"{b * statistics.median(r['decode_all']) / 1e9:.2f} / {b * max(r['decode_all']) / 1e9:.2f} GB/s"
-    print(f"  moe-node: {bw(m['total'], moe)}")
-    for other, gguf in others:
-        g = gguf_bytes(gguf, cfg)
-        print(f"  {other['label']}: {bw(g['total'], other)}")
+    for r in servers:
+        b = r["bytes"]["total"]
+        print(f"  {r['label']:16}: {b * statistics.median(r['decode_all']) / 1e9:.2f} / "
+              f"{b * max(r['decode_all']) / 1e9:.2f} GB/s")
 
 
 if __name__ == "__main__":

@@ -8,10 +8,11 @@
 # llama-server; make the model (random bf16 weights, transformers) and a trained 32k byte-level
 # BPE tokenizer; convert it to GGUF (BF16, and Q8_0 unless QUANTS says otherwise); build
 # moe-node (target/release/moe-node, reused if present). Then each server is started alone,
-# timed by client.py, and stopped, one after the other; report.py prints the table.
+# timed by client.py, and stopped, one after the other, ROUNDS times over; report.py prints the table.
 #
 # Environment: LLAMA_BENCH_DIR (/tmp/llama_bench), EXPERTS (128), QUANTS ("bf16 q8_0"),
-# THREADS (2), LLAMA_CPP_PYTHON_VERSION (0.3.36), MOE_NODE_PORT (18080), LLAMA_PORT (18081).
+# MOE_FORMATS ("bf16 fp8": moe-node on the bf16 model and on its FP8 copy, make_fp8.py),
+# THREADS (2), ROUNDS (2), LLAMA_CPP_PYTHON_VERSION (0.3.36), MOE_NODE_PORT (18080), LLAMA_PORT (18081).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -19,7 +20,9 @@ REPO="$(cd "$HERE/../.." && pwd)"
 WORK="${LLAMA_BENCH_DIR:-/tmp/llama_bench}"
 EXPERTS="${EXPERTS:-128}"
 QUANTS="${QUANTS:-bf16 q8_0}"
+MOE_FORMATS="${MOE_FORMATS:-bf16 fp8}"
 THREADS="${THREADS:-2}"
+ROUNDS="${ROUNDS:-2}"
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 MOE_PORT="${MOE_NODE_PORT:-18080}"
 LLAMA_PORT="${LLAMA_PORT:-18081}"
@@ -111,6 +114,12 @@ for q in $QUANTS; do
     fi
 done
 
+if [[ " $MOE_FORMATS " == *" fp8 "* && ! -f "$WORK/model-fp8/model.safetensors" ]]; then
+    log "quantizing the model to FP8 (the Qwen3 -FP8 layout)"
+    python3 "$HERE/make_fp8.py" "$MODEL" "$WORK/model-fp8"
+fi
+moe_model() { if [[ "$1" == bf16 ]]; then echo "$MODEL"; else echo "$WORK/model-$1"; fi; }
+
 # --- 5. moe-node ----------------------------------------------------------------------------
 MOE_NODE="$REPO/target/release/moe-node"
 if [[ ! -x "$MOE_NODE" ]]; then
@@ -121,7 +130,7 @@ fi
 # --- 6. The runs, one server at a time ------------------------------------------------------
 RES="$WORK/results"
 mkdir -p "$RES"
-log "command: benches/llama_cpp/run.sh (EXPERTS=$EXPERTS QUANTS=\"$QUANTS\" THREADS=$THREADS)"
+log "command: benches/llama_cpp/run.sh (EXPERTS=$EXPERTS QUANTS=\"$QUANTS\" MOE_FORMATS=\"$MOE_FORMATS\" THREADS=$THREADS ROUNDS=$ROUNDS)"
 log "date: $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
 log "machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores, $(free -g | awk '/^Mem:/ {print $2}') GiB"
 log "llama.cpp: llama-cpp-python $VERSION sdist, $LLAMA_COMMIT; $("$LLAMA_SERVER" --version 2>&1 | grep -m1 version || true)"
@@ -129,26 +138,42 @@ log "moe-node: $MOE_NODE built $(date -u -r "$MOE_NODE" '+%Y-%m-%d %H:%M:%S UTC'
 
 # The machine may be shared: say how busy it was before each server's run.
 busy() { echo "load average $(cut -d' ' -f1-3 /proc/loadavg); other processes on the CPUs: $(ps -eo pcpu=,comm= --sort=-pcpu | awk '$1 > 20 {printf "%s(%s%%) ", $2, $1}')"; }
-log "moe-node serve; $(busy)"
-RUST_LOG=warn "$MOE_NODE" serve --listen "127.0.0.1:$MOE_PORT" --model "$MODEL" > "$RES/moe-node.log" 2>&1 &
-SERVER_PID=$!
-wait_ready "http://127.0.0.1:$MOE_PORT/ready" "$RES/moe-node.log"
-python3 "$HERE/client.py" --url "http://127.0.0.1:$MOE_PORT" --label moe-node --out "$RES/moe-node.json"
-stop_server
-
-REPORT_ARGS=()
-for q in $QUANTS; do
+# ROUNDS rounds, each every server in turn, so a change in the machine's load reaches both
+# sides; report.py takes the medians over all rounds' repetitions.
+run_moe_node() {  # run_moe_node FORMAT ROUND
+    log "moe-node serve $1, round $2; $(busy)"
+    RUST_LOG=warn "$MOE_NODE" serve --listen "127.0.0.1:$MOE_PORT" --model "$(moe_model "$1")" > "$RES/moe-node-$1.log" 2>&1 &
+    SERVER_PID=$!
+    wait_ready "http://127.0.0.1:$MOE_PORT/ready" "$RES/moe-node-$1.log"
+    python3 "$HERE/client.py" --url "http://127.0.0.1:$MOE_PORT" --label "moe-node $1" --out "$RES/moe-node-$1.$2.json"
+    stop_server
+}
+run_llama() {  # run_llama QUANT ROUND
+    local q="$1" Q
     Q="$(echo "$q" | tr a-z A-Z)"
-    log "llama-server $Q; $(busy)"
+    log "llama-server $Q, round $2; $(busy)"
     # -np 8: 8 slots decode concurrently; --kv-unified: the slots share the 4096 context
     # (without it each slot gets 4096/8 = 512, too small for the 512-token prefill).
     "$LLAMA_SERVER" -m "$WORK/model-$q.gguf" -t "$THREADS" -tb "$THREADS" -c 4096 -np 8 --kv-unified \
         --host 127.0.0.1 --port "$LLAMA_PORT" > "$RES/llama-$q.log" 2>&1 &
     SERVER_PID=$!
     wait_ready "http://127.0.0.1:$LLAMA_PORT/health" "$RES/llama-$q.log"
-    python3 "$HERE/client.py" --url "http://127.0.0.1:$LLAMA_PORT" --label "llama.cpp $Q" --out "$RES/llama-$q.json"
+    python3 "$HERE/client.py" --url "http://127.0.0.1:$LLAMA_PORT" --label "llama.cpp $Q" --out "$RES/llama-$q.$2.json"
     stop_server
-    REPORT_ARGS+=("$RES/llama-$q.json:$WORK/model-$q.gguf")
+}
+rm -f "$RES"/moe-node*.json "$RES"/llama-*.json
+for round in $(seq "$ROUNDS"); do
+    for f in $MOE_FORMATS; do run_moe_node "$f" "$round"; done
+    for q in $QUANTS; do run_llama "$q" "$round"; done
 done
 
-python3 "$HERE/report.py" "$MODEL" "$RES/moe-node.json" "${REPORT_ARGS[@]}"
+# Each server's rounds as one comma-separated list.
+join() { local IFS=,; echo "$*"; }
+REPORT_ARGS=()
+for f in $MOE_FORMATS; do
+    REPORT_ARGS+=(--moe "$f" "$(moe_model "$f")" "$(join "$RES"/moe-node-$f.*.json)")
+done
+for q in $QUANTS; do
+    REPORT_ARGS+=(--llama "$q" "$WORK/model-$q.gguf" "$(join "$RES"/llama-$q.*.json)")
+done
+python3 "$HERE/report.py" "${REPORT_ARGS[@]}"
