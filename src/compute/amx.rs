@@ -294,18 +294,37 @@ pub(crate) fn takes_outputs(n: usize) -> bool {
 
 /// The weights of a product on the tiles, `[n, k]` row-major: bf16, read as they are, or FP8
 /// e4m3 bytes, whose values bf16 holds exactly (a 4-bit significand and an exponent within
-/// bf16's), made bf16 one pair of 16-row blocks at a time.
+/// bf16's), made bf16 one pair of 16-row blocks at a time and weighed by their block scales.
 #[derive(Clone, Copy)]
 pub(crate) enum TileWeights<'a> {
     Bf16(&'a [bf16]),
-    E4m3(&'a [u8]),
+    E4m3 {
+        bytes: &'a [u8],
+        scales: BlockScales<'a>,
+    },
+}
+
+/// A scale per block of `rows` x `cols` weights, `scales[block row * k.div_ceil(cols) + block
+/// column]`. On the tiles each block column's products are summed apart, then weighed by its
+/// scale: the inputs are packed once for the whole product.
+#[derive(Clone, Copy)]
+pub(crate) struct BlockScales<'a> {
+    pub scales: &'a [f32],
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// Whether the tiles take weights scaled in blocks of `rows` x `cols`: each 16-neuron tile
+/// within one block row, each block column whole 32-value steps.
+pub(crate) fn takes_scale_blocks(rows: usize, cols: usize) -> bool {
+    takes_outputs(rows) && cols > 0 && cols.is_multiple_of(TILE_K)
 }
 
 impl TileWeights<'_> {
     fn len(self) -> usize {
         match self {
             TileWeights::Bf16(w) => w.len(),
-            TileWeights::E4m3(w) => w.len(),
+            TileWeights::E4m3 { bytes, .. } => bytes.len(),
         }
     }
 }
@@ -331,6 +350,13 @@ pub(crate) fn matmul_transposed(
         n <= out_stride && out.len() >= (rows - 1) * out_stride + n,
         "output size"
     );
+    if let TileWeights::E4m3 { scales, .. } = weights {
+        assert!(takes_scale_blocks(scales.rows, scales.cols), "scale blocks");
+        assert!(
+            scales.scales.len() >= n.div_ceil(scales.rows) * k.div_ceil(scales.cols),
+            "scale count"
+        );
+    }
     let out_at = super::cpu::SharedOut::new(out);
     let neuron_blocks = n / TILE;
     let run = |first_block: usize, blocks: usize| {
@@ -341,17 +367,24 @@ pub(crate) fn matmul_transposed(
             let pass_rows = ROWS_PER_PASS.min(rows - first_row);
             for nb in (first_block..first_block + blocks).step_by(2) {
                 let neuron_pair = 2.min(first_block + blocks - nb);
-                let (w, first) = match weights {
-                    TileWeights::Bf16(w) => (w, nb),
-                    TileWeights::E4m3(bytes) => {
+                let (w, first, scaled) = match weights {
+                    TileWeights::Bf16(w) => (w, nb, None),
+                    TileWeights::E4m3 { bytes, scales } => {
                         let span = nb * TILE * k..(nb + neuron_pair) * TILE * k;
                         e4m3_to_bf16(&bytes[span], &mut widened);
-                        (&widened[..], 0)
+                        // Each neuron block's row of block scales.
+                        let per_row = k.div_ceil(scales.cols);
+                        let row_of = |a: usize| {
+                            let block_row = (nb + a.min(neuron_pair - 1)) * TILE / scales.rows;
+                            &scales.scales[block_row * per_row..][..per_row]
+                        };
+                        (&widened[..], 0, Some(([row_of(0), row_of(1)], scales.cols)))
                     }
                 };
                 for rb in (first_row / TILE..(first_row + pass_rows).div_ceil(TILE)).step_by(2) {
                     let row_pair = 2.min(rows.div_ceil(TILE) - rb);
-                    let sums = session.block(inputs, w, first, rb, neuron_pair, row_pair);
+                    let w = &w[first * TILE * k..];
+                    let sums = session.block(inputs, w, rb, neuron_pair, row_pair, scaled);
                     // SAFETY: this task alone writes neurons of blocks first_block..+blocks,
                     // of every row, and `out` outlives the tasks (its size asserted above).
                     unsafe {
@@ -478,19 +511,25 @@ impl TileSession {
         }
     }
 
-    /// The sums of `neuron_pair` (1 or 2) blocks of 16 weight rows from block `nb` by
-    /// `row_pair` (1 or 2) blocks of 16 input rows from block `rb`, over all of `k`.
+    /// The sums of `neuron_pair` (1 or 2) blocks of 16 weight rows from the start of `w` by
+    /// `row_pair` (1 or 2) blocks of 16 input rows from block `rb`, over all of `k`; with
+    /// `scaled` (each neuron block's scales, a scale per `cols` of `k`), each block column's
+    /// sums weighed by its scale.
     fn block(
         &self,
         inputs: &PackedInputs,
         w: &[bf16],
-        nb: usize,
         rb: usize,
         neuron_pair: usize,
         row_pair: usize,
+        scaled: Option<([&[f32]; 2], usize)>,
     ) -> [[f32; TILE * TILE]; 4] {
         let k = inputs.k;
-        assert!((nb + neuron_pair) * TILE * k <= w.len(), "weight blocks");
+        if let Some((scales, cols)) = scaled {
+            assert!(cols.is_multiple_of(TILE_K), "scale block columns");
+            assert!(scales.iter().all(|s| s.len() >= k.div_ceil(cols)), "scales");
+        }
+        assert!(neuron_pair * TILE * k <= w.len(), "weight blocks");
         assert!(rb + row_pair <= inputs.rows.div_ceil(TILE), "row blocks");
         let mut sums = [[0.0f32; TILE * TILE]; 4];
         // SAFETY: the session configured the tiles on this thread; the asserts above keep
@@ -498,13 +537,30 @@ impl TileSession {
         // input tile inside the packing, which holds all row blocks for every k block.
         #[cfg(target_arch = "x86_64")]
         unsafe {
-            let weights = w[nb * TILE * k..].as_ptr();
+            let weights = w.as_ptr();
             let inputs_at = [inputs.tile(rb, 0), inputs.tile(rb + row_pair - 1, 0)];
-            match (neuron_pair, row_pair) {
-                (2, 2) => tile_block::<2, 2>(weights, k, inputs_at, &mut sums),
-                (2, _) => tile_block::<2, 1>(weights, k, inputs_at, &mut sums),
-                (_, 2) => tile_block::<1, 2>(weights, k, inputs_at, &mut sums),
-                _ => tile_block::<1, 1>(weights, k, inputs_at, &mut sums),
+            let at = TileOperands {
+                weights,
+                k,
+                inputs: inputs_at,
+            };
+            match (neuron_pair, row_pair, scaled) {
+                (2, 2, None) => tile_block::<2, 2>(at, &mut sums),
+                (2, _, None) => tile_block::<2, 1>(at, &mut sums),
+                (_, 2, None) => tile_block::<1, 2>(at, &mut sums),
+                (_, _, None) => tile_block::<1, 1>(at, &mut sums),
+                (2, 2, Some((scales, cols))) => {
+                    tile_block_scaled::<2, 2>(at, scales, cols / TILE_K, &mut sums)
+                }
+                (2, _, Some((scales, cols))) => {
+                    tile_block_scaled::<2, 1>(at, scales, cols / TILE_K, &mut sums)
+                }
+                (_, 2, Some((scales, cols))) => {
+                    tile_block_scaled::<1, 2>(at, scales, cols / TILE_K, &mut sums)
+                }
+                (_, _, Some((scales, cols))) => {
+                    tile_block_scaled::<1, 1>(at, scales, cols / TILE_K, &mut sums)
+                }
             }
         }
         sums
@@ -548,29 +604,126 @@ macro_rules! tile {
     };
 }
 
-/// Sums of `NB` weight blocks (tiles 4, 5: 16 rows each, `k` apart, from `weights`) by `RB`
-/// input row blocks (tiles 6, 7, from `inputs[0]` and `inputs[1]`) into tiles 0-3 (sum `a * 2
-/// + b` of weight block `a` and row block `b`), over every k block and part, stored into
-/// `sums`.
-///
-/// # Safety
-/// Tiles configured as [`CONFIG`] on this thread; `weights` holds `NB * 16` rows of `k`
-/// bf16; each `inputs` pointer starts the packed tiles of a row block (all k blocks).
+/// Where a block's tile operands are: `NB * 16` weight rows of `k` bf16 from `weights`, and
+/// the packed tiles of up to two input row blocks (all k blocks) from `inputs[0]`, `inputs[1]`.
 #[cfg(target_arch = "x86_64")]
-unsafe fn tile_block<const NB: usize, const RB: usize>(
+#[derive(Clone, Copy)]
+struct TileOperands {
     weights: *const bf16,
     k: usize,
     inputs: [*const u16; 2],
+}
+
+/// Sums of `NB` weight blocks (tiles 4, 5) by `RB` input row blocks (tiles 6, 7) into tiles
+/// 0-3 (sum `a * 2 + b` of weight block `a` and row block `b`), over every k block and part,
+/// stored into `sums`.
+///
+/// # Safety
+/// Tiles configured as [`CONFIG`] on this thread; `at` bounds every weight and input tile.
+#[cfg(target_arch = "x86_64")]
+unsafe fn tile_block<const NB: usize, const RB: usize>(
+    at: TileOperands,
     sums: &mut [[f32; TILE * TILE]; 4],
 ) {
-    // SAFETY (the whole body): the caller's contract bounds every address below.
+    // SAFETY (the whole body): the caller's contract.
     unsafe {
         tile!(zero 0);
         tile!(zero 1);
         tile!(zero 2);
         tile!(zero 3);
-        for kb in 0..k / TILE_K {
-            let a = weights.add(kb * TILE_K);
+        tile_steps::<NB, RB>(at, 0..at.k / TILE_K);
+        store_sums(sums);
+    }
+}
+
+/// As [`tile_block`], with the sums of every `steps` k blocks (a block column of the scales)
+/// made apart and added into `sums` weighed by that column's scale (`scales[a][column]` for
+/// weight block `a`).
+///
+/// # Safety
+/// As [`tile_block`]; `scales[a]` holds a scale per `steps` k blocks.
+#[cfg(target_arch = "x86_64")]
+unsafe fn tile_block_scaled<const NB: usize, const RB: usize>(
+    at: TileOperands,
+    scales: [&[f32]; 2],
+    steps: usize,
+    sums: &mut [[f32; TILE * TILE]; 4],
+) {
+    let k_blocks = at.k / TILE_K;
+    let mut column_sums = [[0.0f32; TILE * TILE]; 4];
+    *sums = [[0.0; TILE * TILE]; 4];
+    for (column, first) in (0..k_blocks).step_by(steps).enumerate() {
+        // SAFETY: the caller's contract.
+        unsafe {
+            tile!(zero 0);
+            tile!(zero 1);
+            tile!(zero 2);
+            tile!(zero 3);
+            tile_steps::<NB, RB>(at, first..(first + steps).min(k_blocks));
+            store_sums(&mut column_sums);
+        }
+        for a in 0..NB {
+            for b in 0..RB {
+                add_scaled(
+                    &mut sums[a * 2 + b],
+                    &column_sums[a * 2 + b],
+                    scales[a][column],
+                );
+            }
+        }
+    }
+}
+
+/// `sum += scale * part`, with AVX-512 where the CPU has it (every CPU with AMX does).
+#[cfg(target_arch = "x86_64")]
+fn add_scaled(sum: &mut [f32; TILE * TILE], part: &[f32; TILE * TILE], scale: f32) {
+    #[target_feature(enable = "avx512f")]
+    fn wide(sum: &mut [f32; TILE * TILE], part: &[f32; TILE * TILE], scale: f32) {
+        for (s, p) in sum.iter_mut().zip(part) {
+            *s += scale * p;
+        }
+    }
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU has AVX-512 F.
+        unsafe { wide(sum, part, scale) }
+    } else {
+        for (s, p) in sum.iter_mut().zip(part) {
+            *s += scale * p;
+        }
+    }
+}
+
+/// Tiles 0-3 into `sums`.
+///
+/// # Safety
+/// Tiles configured as [`CONFIG`] on this thread.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn store_sums(sums: &mut [[f32; TILE * TILE]; 4]) {
+    // SAFETY: each sum holds a 16 x 16 f32 tile.
+    unsafe {
+        tile!(store 0, sums[0].as_mut_ptr());
+        tile!(store 1, sums[1].as_mut_ptr());
+        tile!(store 2, sums[2].as_mut_ptr());
+        tile!(store 3, sums[3].as_mut_ptr());
+    }
+}
+
+/// Adds the products of k blocks `k_blocks` into tiles 0-3.
+///
+/// # Safety
+/// As [`tile_block`].
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn tile_steps<const NB: usize, const RB: usize>(
+    at: TileOperands,
+    k_blocks: std::ops::Range<usize>,
+) {
+    let (k, inputs) = (at.k, at.inputs);
+    // SAFETY (the whole body): the caller's contract bounds every address below.
+    unsafe {
+        for kb in k_blocks {
+            let a = at.weights.add(kb * TILE_K);
             // The weight rows' lines PREFETCH_TILES tiles on: a tile load that misses the
             // caches waits on its 16 lines.
             if kb + PREFETCH_TILES < k / TILE_K {
@@ -601,10 +754,6 @@ unsafe fn tile_block<const NB: usize, const RB: usize>(
                 }
             }
         }
-        tile!(store 0, sums[0].as_mut_ptr());
-        tile!(store 1, sums[1].as_mut_ptr());
-        tile!(store 2, sums[2].as_mut_ptr());
-        tile!(store 3, sums[3].as_mut_ptr());
     }
 }
 

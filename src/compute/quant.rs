@@ -328,9 +328,9 @@ impl QuantLinear {
     }
 
     /// The product of FP8 weights on the AMX tiles, where they run it (enough rows, whole
-    /// tiles, blocks of whole 16-row tiles): per block row, the inputs scaled by that row's
-    /// block scales (as the few-row kernels scale them), split and packed, times the e4m3
-    /// values made bf16 (exactly). False, having done nothing, where not.
+    /// tiles, blocks of whole 16-row tiles and 32-value steps): the inputs split and packed
+    /// once, times the e4m3 values made bf16 (exactly), each block column's sums weighed by
+    /// its scale. False, having done nothing, where not.
     fn fp8_on_tiles(&self, x: &[f32], rows: usize, out: &mut [f32], parallel: bool) -> bool {
         let QuantFormat::Fp8 {
             weights,
@@ -341,36 +341,30 @@ impl QuantLinear {
         else {
             return false;
         };
-        let (n, k) = (self.out_features, self.in_features);
-        if !amx::enabled()
-            || rows < amx::MIN_ROWS
-            || !amx::takes_outputs(*block_rows)
-            || !amx::takes_outputs(n)
-        {
+        let n = self.out_features;
+        if !amx::takes_outputs(n) || !amx::takes_scale_blocks(*block_rows, *block_cols) {
             return false;
         }
-        let blocks_per_row = k.div_ceil(*block_cols);
-        let mut scaled = vec![0.0f32; rows * k];
-        for (block, first) in (0..n).step_by(*block_rows).enumerate() {
-            let count = (*block_rows).min(n - first);
-            let row_scales = &scales[block * blocks_per_row..][..blocks_per_row];
-            scale_by_blocks(x, k, *block_cols, row_scales, &mut scaled);
-            let Some(packed) = PackedInputs::new(&scaled, rows, k) else {
-                return false;
-            };
-            let block_weights = TileWeights::E4m3(&weights[first * k..(first + count) * k]);
-            if !amx::matmul_transposed(
-                &packed,
-                block_weights,
-                count,
-                &mut out[first..],
-                n,
-                parallel,
-            ) {
-                return false;
-            }
-        }
-        true
+        // Packed once: each block column's products are weighed by its scale on the tiles.
+        let Some(packed) = PackedInputs::new(x, rows, self.in_features) else {
+            return false;
+        };
+        let block_scales = amx::BlockScales {
+            scales,
+            rows: *block_rows,
+            cols: *block_cols,
+        };
+        amx::matmul_transposed(
+            &packed,
+            TileWeights::E4m3 {
+                bytes: weights,
+                scales: block_scales,
+            },
+            n,
+            out,
+            n,
+            parallel,
+        )
     }
 
     /// The product of INT4 weights by a few rows on the AMX-INT8 tiles, where they run it
@@ -1116,10 +1110,11 @@ mod tests {
     #[test]
     fn products_equal_the_product_of_the_widened_matrix_for_few_and_many_rows() {
         // k = 100: several 16-wide chunks, scale blocks and groups along a row, and a tail;
-        // k = 300: INT4 rows of two whole 16-word chunks and a partial one; (96, 128): whole
-        // AMX tiles (FP8 from 5 rows where the CPU has them: one block row of 16 and a partial
-        // one of 96 of 128).
-        for (n, k) in [(70, 100usize), (70, 300), (96, 128)] {
+        // k = 300: INT4 rows of two whole 16-word chunks and a partial one; (96, 128) and
+        // (96, 320): whole AMX tiles (FP8 from 5 rows where the CPU has them: block rows of
+        // 16 and a partial one of 96 of 128; with k = 320, a partial block column of 64 of
+        // 128).
+        for (n, k) in [(70, 100usize), (70, 300), (96, 128), (96, 320)] {
             products_equal_the_widened_product(n, k);
         }
     }
@@ -1151,6 +1146,10 @@ mod tests {
         let matrices = [
             fp8([16, 8]),
             fp8([128, 32]),
+            // On the tiles where k allows: tiles of one 16-row block row each, and two
+            // 32-value steps to a scale; the published blocks.
+            fp8([16, 64]),
+            fp8([128, 128]),
             int4(32),
             int4(8),
             int4(64),
