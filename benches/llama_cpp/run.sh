@@ -45,14 +45,18 @@ stop_server() {
 }
 trap stop_server EXIT INT TERM
 
-# wait_ready URL LOG: until URL answers 200, the server dies, or READY_TIMEOUT passes.
+# wait_ready URL LOG [may-exit]: until URL answers 200, the server dies, or READY_TIMEOUT passes.
+# With may-exit, a server that died returns 1 instead of ending the run.
 wait_ready() {
     local url="$1" logfile="$2" start=$SECONDS
     while true; do
         if [[ "$(curl -s -o /dev/null -w '%{http_code}' "$url" || true)" == 200 ]]; then
             return 0
         fi
-        kill -0 "$SERVER_PID" 2>/dev/null || { tail -20 "$logfile" >&2; die "server exited before $url answered 200 (log: $logfile)"; }
+        if ! kill -0 "$SERVER_PID" 2>/dev/null; then
+            [[ "${3:-}" == may-exit ]] && { wait "$SERVER_PID" 2>/dev/null || true; SERVER_PID=""; return 1; }
+            tail -20 "$logfile" >&2; die "server exited before $url answered 200 (log: $logfile)"
+        fi
         (( SECONDS - start < READY_TIMEOUT )) || { tail -20 "$logfile" >&2; die "$url not ready after ${READY_TIMEOUT}s (log: $logfile)"; }
         sleep 1
     done
@@ -148,16 +152,28 @@ run_moe_node() {  # run_moe_node FORMAT ROUND
     python3 "$HERE/client.py" --url "http://127.0.0.1:$MOE_PORT" --label "moe-node $1" --out "$RES/moe-node-$1.$2.json"
     stop_server
 }
+start_llama() {  # start_llama QUANT [ARGS...]
+    local q="$1"
+    shift
+    # -np 8: 8 slots decode concurrently; --kv-unified: the slots share the 4096 context
+    # (without it each slot gets 4096/8 = 512, too small for the 512-token prefill).
+    "$LLAMA_SERVER" -m "$WORK/model-$q.gguf" -t "$THREADS" -tb "$THREADS" -c 4096 -np 8 --kv-unified \
+        --host 127.0.0.1 --port "$LLAMA_PORT" "$@" > "$RES/llama-$q.log" 2>&1 &
+    SERVER_PID=$!
+}
 run_llama() {  # run_llama QUANT ROUND
     local q="$1" Q
     Q="$(echo "$q" | tr a-z A-Z)"
     log "llama-server $Q, round $2; $(busy)"
-    # -np 8: 8 slots decode concurrently; --kv-unified: the slots share the 4096 context
-    # (without it each slot gets 4096/8 = 512, too small for the 512-token prefill).
-    "$LLAMA_SERVER" -m "$WORK/model-$q.gguf" -t "$THREADS" -tb "$THREADS" -c 4096 -np 8 --kv-unified \
-        --host 127.0.0.1 --port "$LLAMA_PORT" > "$RES/llama-$q.log" 2>&1 &
-    SERVER_PID=$!
-    wait_ready "http://127.0.0.1:$LLAMA_PORT/health" "$RES/llama-$q.log"
+    start_llama "$q"
+    if ! wait_ready "http://127.0.0.1:$LLAMA_PORT/health" "$RES/llama-$q.log" may-exit; then
+        # On the AMX Xeon of run 9, llama-server dies loading Q8_0 (SIGSEGV, "trap invalid
+        # opcode in libggml-cpu.so": the repacking into its AMX-INT8 layout). Without the
+        # repacking it runs its AVX-512 (VNNI) Q8_0 kernels.
+        log "llama-server $Q exited while loading ($(dmesg 2>/dev/null | grep -c 'libggml-cpu' || true) ggml traps in dmesg); again with --no-repack"
+        start_llama "$q" --no-repack
+        wait_ready "http://127.0.0.1:$LLAMA_PORT/health" "$RES/llama-$q.log"
+    fi
     python3 "$HERE/client.py" --url "http://127.0.0.1:$LLAMA_PORT" --label "llama.cpp $Q" --out "$RES/llama-$q.$2.json"
     stop_server
 }
