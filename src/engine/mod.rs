@@ -382,3 +382,62 @@ fn split_logits(logits: Vec<f32>, rows_per_sequence: &[usize], vocab: usize) -> 
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The fixture's experts, noting the name of every thread that runs a layer's experts.
+    struct NotingThreads {
+        experts: LocalExperts,
+        threads: Mutex<Vec<Option<String>>>,
+    }
+
+    impl ExpertExecutor for NotingThreads {
+        fn run(
+            &self,
+            layer: usize,
+            plan: &crate::moe::DispatchPlan,
+            grouped_input: &[f32],
+        ) -> Result<Vec<f32>, ExpertError> {
+            let name = std::thread::current().name().map(String::from);
+            self.threads.lock().unwrap().push(name);
+            self.experts.run(layer, plan, grouped_input)
+        }
+    }
+
+    #[test]
+    fn a_step_computes_on_the_step_pool_whatever_thread_calls_it() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3_moe");
+        let mut noting = None;
+        let engine = Engine::load_with(&dir, |checkpoint, config| {
+            let experts =
+                LocalExperts::new(load_all_experts(checkpoint, config)?, config.hidden_size);
+            let executor = Arc::new(NotingThreads {
+                experts,
+                threads: Mutex::new(Vec::new()),
+            });
+            noting = Some(executor.clone());
+            Ok::<Arc<dyn ExpertExecutor>, ModelError>(executor)
+        })
+        .unwrap();
+        let noting = noting.unwrap();
+        let tokens = [5u32, 9, 17];
+        let logits = std::thread::scope(|s| {
+            s.spawn(|| {
+                let mut cache = engine.new_cache();
+                engine.forward(&mut [SequenceStep::new(&mut cache, &tokens)])
+            })
+            .join()
+            .unwrap()
+        })
+        .unwrap();
+        assert_eq!(logits[0].len(), engine.config().vocab_size);
+        let threads = noting.threads.lock().unwrap();
+        assert!(!threads.is_empty(), "no MoE layer ran");
+        for name in threads.iter() {
+            let name = name.as_deref().unwrap_or("(unnamed)");
+            assert!(name.starts_with("step-"), "experts ran on {name}");
+        }
+    }
+}
