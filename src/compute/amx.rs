@@ -417,19 +417,76 @@ pub(crate) fn matmul_transposed(
     true
 }
 
-/// `bytes` (FP8 e4m3) as bf16 in `out`, exactly: widened to f32, whose upper half is the
-/// bf16 value (e4m3's 3 mantissa bits fit bf16's 7).
+/// `bytes` (FP8 e4m3) as bf16 in `out`, exactly: e4m3's 3 mantissa bits fit bf16's 7 and its
+/// exponents bf16's.
 fn e4m3_to_bf16(bytes: &[u8], out: &mut Vec<bf16>) {
     out.clear();
-    // In pieces that stay in L1.
-    let mut wide = [0.0f32; 512];
-    for piece in bytes.chunks(wide.len()) {
-        let wide = &mut wide[..piece.len()];
-        super::quant::widen_e4m3(piece, wide);
-        out.extend(
-            wide.iter()
-                .map(|v| bf16::from_bits((v.to_bits() >> 16) as u16)),
-        );
+    out.reserve(bytes.len());
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512bw") {
+        let whole = bytes.len() / 32 * 32;
+        // SAFETY: the CPU has AVX-512 F and BW; `out` has room for every byte's value.
+        unsafe {
+            e4m3_to_bf16_avx512(&bytes[..whole], out.spare_capacity_mut());
+            out.set_len(whole);
+        }
+        out.extend(bytes[whole..].iter().map(|&b| e4m3_bf16(b)));
+        return;
+    }
+    out.extend(bytes.iter().map(|&b| e4m3_bf16(b)));
+}
+
+/// One e4m3 byte as bf16 (the upper half of its f32 value, which it holds exactly).
+fn e4m3_bf16(byte: u8) -> bf16 {
+    bf16::from_bits((super::quant::e4m3_to_f32(byte).to_bits() >> 16) as u16)
+}
+
+/// The bf16 bits of the 128 unsigned e4m3 values, in the four 32-word registers the
+/// two-register word permutes read.
+fn e4m3_bf16_table() -> &'static [[u16; 32]; 4] {
+    static TABLE: OnceLock<[[u16; 32]; 4]> = OnceLock::new();
+    TABLE.get_or_init(|| {
+        let mut table = [[0u16; 32]; 4];
+        for byte in 0..128u8 {
+            table[byte as usize / 32][byte as usize % 32] = e4m3_bf16(byte).to_bits();
+        }
+        table
+    })
+}
+
+/// [`e4m3_to_bf16`] with AVX-512, 32 bytes at a time: the low 7 bits of each byte look up its
+/// magnitude (two table permutes, one per half of the table, and a blend on bit 6), the sign
+/// moves to bit 15. About 8 instructions for 32 values, against the f32 route's 2 x 5 and a
+/// narrowing.
+///
+/// # Safety
+/// The CPU has AVX-512 F and BW; `bytes.len()` is a multiple of 32 and `out` has room for it.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx2")]
+unsafe fn e4m3_to_bf16_avx512(bytes: &[u8], out: &mut [std::mem::MaybeUninit<bf16>]) {
+    use std::arch::x86_64::*;
+    assert!(bytes.len().is_multiple_of(32) && out.len() >= bytes.len());
+    let table = e4m3_bf16_table();
+    // SAFETY (the whole body): the assert bounds every load and store; the table's rows are
+    // 64 bytes each.
+    unsafe {
+        let t = table.map(|row| _mm512_loadu_si512(row.as_ptr().cast()));
+        let low7 = _mm512_set1_epi16(0x7f);
+        let bit6 = _mm512_set1_epi16(0x40);
+        let sign = _mm512_set1_epi16(0x80);
+        for at in (0..bytes.len()).step_by(32) {
+            let b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(bytes.as_ptr().add(at).cast()));
+            let index = _mm512_and_si512(b, low7);
+            // Bits 0-5 pick a word of the register pair (bit 5: which register).
+            let first = _mm512_permutex2var_epi16(t[0], index, t[1]);
+            let second = _mm512_permutex2var_epi16(t[2], index, t[3]);
+            let magnitude = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(b, bit6), first, second);
+            let signs = _mm512_slli_epi16::<8>(_mm512_and_si512(b, sign));
+            _mm512_storeu_si512(
+                out.as_mut_ptr().add(at).cast(),
+                _mm512_or_si512(magnitude, signs),
+            );
+        }
     }
 }
 
@@ -764,6 +821,19 @@ pub(crate) use int4::{Int4Digits, int4_product};
 mod tests {
     use super::*;
     use crate::compute::cpu::tests::naive;
+
+    #[test]
+    fn every_e4m3_byte_becomes_its_bf16_value() {
+        // Every byte, in a run long enough for the 32-byte vector steps and a tail.
+        let bytes: Vec<u8> = (0..=255u8).chain(0..=40).collect();
+        let mut out = Vec::new();
+        e4m3_to_bf16(&bytes, &mut out);
+        assert_eq!(out.len(), bytes.len());
+        for (&b, v) in bytes.iter().zip(&out) {
+            let expected = crate::compute::quant::e4m3_to_f32(b);
+            assert_eq!(v.to_f32().to_bits(), expected.to_bits(), "byte {b:#04x}");
+        }
+    }
 
     #[test]
     fn three_parts_carry_every_bit_of_an_f32() {
