@@ -23,66 +23,57 @@ import statistics
 import sys
 
 
-DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "I8": 1, "U8": 1, "I32": 4}
 # The moe-node format each llama.cpp quantization is compared with.
 PAIR = {"bf16": "bf16", "q8_0": "fp8"}
 
 
+def per_token_bytes(tensors, cfg, is_expert, embedding):
+    """Bytes read per decode token from `(name, bytes, type)` tensors: every tensor, but the
+    expert tensors scaled by k/experts and the token embedding by 1/vocab (one row)."""
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    k = cfg["num_experts_per_tok"]
+    total = dense = exp = 0
+    types = {}
+    for name, size, kind in tensors:
+        types[kind] = types.get(kind, 0) + 1
+        if is_expert(name):
+            part = size * k / experts
+            exp += part
+        elif name == embedding:
+            part = size / cfg["vocab_size"]
+        else:
+            part = size
+            dense += size
+        total += part
+    return {"total": total, "dense": dense, "experts": exp, "types": types}
+
+
 def safetensors_bytes(model_dir, cfg):
-    """Bytes read per decode token from a safetensors checkpoint (one file or an index)."""
+    """Bytes read per decode token from a safetensors checkpoint (its files' headers)."""
     import struct
     from pathlib import Path
 
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
-    k = cfg["num_experts_per_tok"]
-    total = dense = exp = 0
-    types = {}
-    for path in files:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-        for name, t in header.items():
-            if name == "__metadata__":
-                continue
-            start, end = t["data_offsets"]
-            size = end - start
-            types[t["dtype"]] = types.get(t["dtype"], 0) + 1
-            if ".mlp.experts." in name:
-                part = size * k / experts
-                exp += part
-            elif name == "model.embed_tokens.weight":
-                part = size / cfg["vocab_size"]
-            else:
-                part = size
-                dense += size
-            total += part
-    return {"total": total, "dense": dense, "experts": exp, "types": types}
+    def tensors():
+        for path in sorted(Path(model_dir).glob("*.safetensors")):
+            with open(path, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(n))
+            for name, t in header.items():
+                if name != "__metadata__":
+                    start, end = t["data_offsets"]
+                    yield name, end - start, t["dtype"]
+
+    return per_token_bytes(tensors(), cfg, lambda name: ".mlp.experts." in name,
+                           "model.embed_tokens.weight")
 
 
 def gguf_bytes(path, cfg):
-    """Bytes read per decode token from a GGUF: every tensor, but expert tensors scaled by
-    k/experts and the token embedding by 1/vocab (one row)."""
+    """Bytes read per decode token from a GGUF (its tensors' own types)."""
     from gguf import GGUFReader
 
-    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
-    k = cfg["num_experts_per_tok"]
-    total = dense = exp = 0
-    types = {}
-    for t in GGUFReader(path).tensors:
-        n = int(t.n_bytes)
-        types.setdefault(t.tensor_type.name, 0)
-        types[t.tensor_type.name] += 1
-        if re.search(r"_exps\.weight$", t.name):
-            part = n * k / experts
-            exp += part
-        elif t.name == "token_embd.weight":
-            part = n / cfg["vocab_size"]
-        else:
-            part = n
-            dense += n
-        total += part
-    return {"total": total, "dense": dense, "experts": exp, "types": types}
+    tensors = ((t.name, int(t.n_bytes), t.tensor_type.name) for t in GGUFReader(path).tensors)
+    return per_token_bytes(tensors, cfg, lambda name: re.search(r"_exps\.weight$", name),
+                           "token_embd.weight")
 
 
 def load_rounds(paths):
