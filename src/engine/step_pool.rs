@@ -3,9 +3,9 @@
 //! A decode step is some thirty parallel products, each tens to hundreds of microseconds.
 //! Run from a thread outside rayon's pool, each one injects a job, wakes the workers and
 //! sleeps on a latch until they finish; between products the workers fall asleep again. On a
-//! two-core virtual machine that left both cores idle 16% of a decode step (`perf`, the
-//! llama.cpp comparison's model), on top of the wake-ups' own cost. So a step runs *on* a
-//! pool of its own:
+//! two-core virtual machine about 12% of a decode step's samples were in the scheduler
+//! (`perf`, the llama.cpp comparison's model: futex waits, wake-ups, yields). So a step runs
+//! *on* a pool of its own:
 //! - the step's thread is one of the pool's workers, so each product forks and joins by work
 //!   stealing, without a latch;
 //! - for as long as the step runs, the pool's other workers stay awake looking for work
