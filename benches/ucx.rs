@@ -13,7 +13,11 @@
 //!    with endpoints that report peer failure (`-e`, as ours do) and without (`-e` costs
 //!    shared memory its zero-copy `cma` lane in UCX 1.13), and the ratios (ours / perftest
 //!    bandwidth; our round trip / perftest's, which reports half a round trip, times two);
-//! 4. which UCX transports our links' endpoints used (`ucp_ep_print_info`'s lanes).
+//! 4. which UCX transports our links' endpoints used (`ucp_ep_print_info`'s lanes);
+//! 5. what the layer's row conversions cost alone, in this process: the f32 rows encoded to
+//!    bf16 and decoded back, once per direction, as the peer protocol does (`ucx_perftest`
+//!    moves bytes it never converts), into buffers already touched (the floor of that work),
+//!    and our bandwidth once that time is taken out of the round trip (an upper bound).
 //!
 //! Without libucp or ucx_perftest it says SKIP for what it cannot run. The same binary is
 //! the server and client processes (`MOE_BENCH_UCX_ROLE`).
@@ -25,6 +29,7 @@ use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 use moe_node::transport::ucx::Library;
+use moe_node::transport::wire;
 use moe_node::transport::{
     Dtype, ExpertReply, ExpertRequest, Handler, PeerAuth, PeerClient, PeerServer, PeerStats,
     TcpTransport, Transport, UcxTransport,
@@ -309,6 +314,35 @@ fn perftest(
     Some((*fields.get(1)?, *fields.get(4)?))
 }
 
+/// Median time of the arithmetic the peer protocol does to one layer's rows besides moving
+/// them, over a round trip: per direction, the f32 rows encoded to bf16 and decoded back to
+/// f32 a chunk at a time (as `read_frame` reads a frame). Into buffers already touched: the
+/// floor of that work, without the page faults fresh buffers add (which depend on the
+/// allocator's state), so "less the conversions" is an upper bound on the moving rate.
+fn conversions_us() -> f64 {
+    const CHUNK_VALUES: usize = 128 << 10;
+    let rows = request(LAYER_TOKENS).rows;
+    let mut bytes = vec![0u8; rows.len() * Dtype::Bf16.size()];
+    let mut back = vec![0.0f32; rows.len()];
+    let times = (0..LAYER_ROUNDS)
+        .map(|_| {
+            let start = Instant::now();
+            for _ in 0..2 {
+                wire::encode_values(&rows, Dtype::Bf16, &mut bytes);
+                for (back, bytes) in back
+                    .chunks_mut(CHUNK_VALUES)
+                    .zip(bytes.chunks(CHUNK_VALUES * Dtype::Bf16.size()))
+                {
+                    wire::decode_values(bytes, Dtype::Bf16, back);
+                }
+                std::hint::black_box(&back);
+            }
+            start.elapsed()
+        })
+        .collect();
+    sorted_micros(times)[LAYER_ROUNDS / 2]
+}
+
 fn compare() {
     if let Err(why) = Library::load(None, true) {
         println!("SKIP: UCX does not load ({why}); only the TCP transport would run");
@@ -326,6 +360,10 @@ fn compare() {
         layer_bytes as f64 / (1 << 20) as f64,
         WIDTH * 2 / 1024
     );
+    let conversions = conversions_us();
+    println!(
+        "row conversions alone (f32 -> bf16 -> f32 both ways, warm buffers, this process): {conversions:.1} us"
+    );
     let mut port = 13_400;
     for (label, kind, tls) in [
         ("UCX shared memory", "ucx", Some("shm,tcp")),
@@ -337,6 +375,16 @@ fn compare() {
             "{label:18} layer {:8.1} us  {:6.2} GB/s | 1 token {:7.1} us (p99 {:7.1})",
             ours.layer_us, ours.layer_gbps, ours.token_us, ours.token_p99_us
         );
+        // The round trip less the conversions: what moving the bytes took.
+        let moving_us = ours.layer_us - conversions;
+        let moving_gbps = (moving_us > 0.0).then(|| 2.0 * layer_bytes as f64 / moving_us / 1e3);
+        match moving_gbps {
+            Some(gbps) => println!(
+                "{:18} less the conversions {moving_us:8.1} us  {gbps:6.2} GB/s",
+                ""
+            ),
+            None => println!("{:18} less the conversions: nothing left (noise)", ""),
+        }
         let Some(tls) = tls else { continue };
         println!("{:18} our links used {}", "", ours.transports);
         if !perftest_found {
@@ -358,11 +406,13 @@ fn compare() {
             match (bw, lat) {
                 (Some((_, mbps)), Some((half_rtt_us, _))) => println!(
                     "{:18} ucx_perftest {how:12} am_bw {:6.2} GB/s, am_lat {:6.1} us one way \
-                     -> ours/perftest bandwidth {:.0}%, round trip {:.1}x",
+                     -> ours/perftest bandwidth {:.0}% ({:.0}% less the conversions), \
+                     round trip {:.1}x",
                     "",
                     mbps * 1.048_576 / 1e3,
                     half_rtt_us,
                     100.0 * ours.layer_gbps / (mbps * 1.048_576 / 1e3),
+                    100.0 * moving_gbps.unwrap_or(f64::NAN) / (mbps * 1.048_576 / 1e3),
                     ours.token_us / (2.0 * half_rtt_us)
                 ),
                 _ => println!("{:18} ucx_perftest {how} gave no figures", ""),
