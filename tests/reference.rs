@@ -5,11 +5,13 @@
 //! usable: experts in bf16 on GPU 0, then the whole model there) to the CPU backend.
 
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 use moe_node::compute::cuda;
 use moe_node::engine::{
     Engine, GenerateRequest, Generation, SamplingParams, SequenceStep, generate,
 };
+use moe_node::moe::{DispatchPlan, ExpertError, ExpertExecutor};
 
 /// Largest absolute logit difference accepted on the CPU. Both sides compute in f32 from the
 /// same weights; only summation order differs (absorbed MLA, blocked GEMM). Measured: at most
@@ -25,15 +27,78 @@ const BF16_LOGIT_TOLERANCE: f32 = 0.1;
 /// The same with the dense part on the GPU too, where every product (attention projections,
 /// MLA's per-head products, dense MLPs, shared experts, lm head) takes bf16 inputs and
 /// weights. Emulated with transformers (tests/fixtures/bf16_effect.py), that moved the
-/// logits after the prompt by at most 0.163 (kimi_k2). Over the continuations it also moves
+/// logits after the prompt by at most 0.351 (kimi_k2_int4; the others 0.03 to 0.163); the
+/// H200 measured 0.290 there (2026-12-04). Over the continuations it also moves
 /// routing (tokens near a tie between experts change experts) and flips near-tied greedy
 /// choices (deepseek_v3 step 9, kimi_k2 step 5: top-2 margins of 0.012 and 0.008), so there
 /// the whole-model GPU path is held to itself instead: decoding through its KV cache must
 /// give what one prefill of the same tokens gives.
-const BF16_DENSE_LOGIT_TOLERANCE: f32 = 0.25;
+const BF16_DENSE_LOGIT_TOLERANCE: f32 = 0.4;
 
 /// Decode and prefill on one backend differ only in how rows are batched into products.
 const CACHE_LOGIT_TOLERANCE: f32 = 0.05;
+
+/// Batched against alone on the GPU, a token whose experts were chosen differently in the
+/// two runs is exempt from [`CACHE_LOGIT_TOLERANCE`]: cuBLAS picks its kernels by the rows of
+/// each product, so bf16 sums round differently with the batch, and where two experts' scores
+/// are within that rounding of the top-k boundary the choice flips (the H200 measured one
+/// such flip in 544 demo-model steps, moving that step's logits by 0.087 while every other
+/// step stayed within 1e-3). Such flips must stay rare: a routing error would not.
+const MAX_ROUTING_FLIPS_PER_STEP: f64 = 0.05;
+
+/// Records, for each MoE layer an engine runs, the experts each token row was routed to.
+struct RoutingLog {
+    experts: Arc<dyn ExpertExecutor>,
+    /// `[call][row]`: the experts of each row, ascending.
+    layers: Mutex<Vec<Vec<Vec<u32>>>>,
+}
+
+impl RoutingLog {
+    fn install(engine: &mut Engine) -> Arc<RoutingLog> {
+        let mut log = None;
+        engine.wrap_experts(|experts| {
+            let l = Arc::new(RoutingLog {
+                experts,
+                layers: Mutex::default(),
+            });
+            log = Some(l.clone());
+            l
+        });
+        log.unwrap()
+    }
+
+    /// The routing recorded since the last call: `[layer][row]`.
+    fn take(&self) -> Vec<Vec<Vec<u32>>> {
+        std::mem::take(&mut self.layers.lock().unwrap())
+    }
+}
+
+impl ExpertExecutor for RoutingLog {
+    fn run(
+        &self,
+        layer: usize,
+        plan: &DispatchPlan,
+        grouped_input: &[f32],
+    ) -> Result<Vec<f32>, ExpertError> {
+        let rows = plan.source_rows.iter().max().map_or(0, |&r| r as usize + 1);
+        let mut routed = vec![Vec::new(); rows];
+        for (i, &expert) in plan.experts.iter().enumerate() {
+            for &row in &plan.source_rows[plan.offsets[i]..plan.offsets[i + 1]] {
+                routed[row as usize].push(expert);
+            }
+        }
+        self.layers.lock().unwrap().push(routed);
+        self.experts.run(layer, plan, grouped_input)
+    }
+
+    fn avoid(&self, layer: usize) -> Option<Vec<bool>> {
+        self.experts.avoid(layer)
+    }
+
+    fn rerouted(&self, layer: usize, choices: usize) {
+        self.experts.rerouted(layer, choices)
+    }
+}
 
 #[derive(serde::Deserialize)]
 struct Reference {
@@ -127,9 +192,9 @@ fn check(name: &str) {
                  {gpu_diff})"
             );
             drop(experts_on_gpu);
-            let whole = moe_node::engine::gpu::engine_on_gpu(&dir, 0, true, None, None)
+            let mut whole = moe_node::engine::gpu::engine_on_gpu(&dir, 0, true, None, None)
                 .unwrap_or_else(|e| panic!("{name}, whole model on GPU 0: {e}"));
-            check_whole_model_on_gpu(name, &whole, &reference, &generation);
+            check_whole_model_on_gpu(name, &mut whole, &reference, &generation);
         }
     }
 }
@@ -139,7 +204,7 @@ fn check(name: &str) {
 /// GPU prefill of the same tokens.
 fn check_whole_model_on_gpu(
     name: &str,
-    engine: &Engine,
+    engine: &mut Engine,
     reference: &Reference,
     on_cpu: &Generation,
 ) {
@@ -206,24 +271,37 @@ fn check_whole_model_on_gpu(
             p
         })
         .collect();
-    let diff = batched_against_alone(engine, &prompts, 4);
-    eprintln!("{name}, whole model on GPU: 32 sequences stepped together vs each alone {diff:e}");
-    assert!(
-        diff <= CACHE_LOGIT_TOLERANCE,
-        "{name}, whole model on GPU: 32 sequences stepped together differ from each alone by \
-         {diff}"
-    );
+    check_batching(&format!("{name}, whole model on GPU"), engine, &prompts, 4);
+}
+
+/// What [`batched_against_alone`] found.
+struct Batching {
+    /// The largest logit difference of a (sequence, step) whose tokens were routed alike.
+    worst: f32,
+    /// (sequence, step) pairs where some token so far was routed differently.
+    flipped: usize,
+    pairs: usize,
+    /// Each step's largest difference, for the log.
+    per_step: Vec<f32>,
 }
 
 /// Runs each prompt alone (prefill, then `steps` greedy decode steps), then all of them
-/// together in the same steps fed the same tokens; returns the largest logit difference.
-fn batched_against_alone(engine: &Engine, prompts: &[Vec<u32>], steps: usize) -> f32 {
+/// together in the same steps fed the same tokens, and compares the logits, noting where
+/// routing differed.
+fn batched_against_alone(
+    engine: &Engine,
+    log: &RoutingLog,
+    prompts: &[Vec<u32>],
+    steps: usize,
+) -> Batching {
     let argmax = |l: &[f32]| (0..l.len()).max_by(|&a, &b| l[a].total_cmp(&l[b])).unwrap() as u32;
+    log.take();
     let mut alone = Vec::new();
+    let mut alone_routing = Vec::new();
     for prompt in prompts {
         let mut cache = engine.new_cache();
         let mut tokens = prompt.clone();
-        let mut logits = Vec::new();
+        let (mut logits, mut routing) = (Vec::new(), Vec::new());
         for _ in 0..=steps {
             let out = engine
                 .forward(&mut [SequenceStep::new(&mut cache, &tokens)])
@@ -231,11 +309,19 @@ fn batched_against_alone(engine: &Engine, prompts: &[Vec<u32>], steps: usize) ->
                 .remove(0);
             tokens = vec![argmax(&out)];
             logits.push(out);
+            routing.push(log.take());
         }
         alone.push(logits);
+        alone_routing.push(routing);
     }
     let mut caches: Vec<_> = prompts.iter().map(|_| engine.new_cache()).collect();
-    let mut worst = 0f32;
+    let mut found = Batching {
+        worst: 0.0,
+        flipped: 0,
+        pairs: 0,
+        per_step: Vec::new(),
+    };
+    let mut diverged = vec![false; prompts.len()];
     for step in 0..=steps {
         let inputs: Vec<Vec<u32>> = (0..prompts.len())
             .map(|i| match step {
@@ -249,16 +335,79 @@ fn batched_against_alone(engine: &Engine, prompts: &[Vec<u32>], steps: usize) ->
             .map(|(cache, tokens)| SequenceStep::new(cache, tokens))
             .collect();
         let together = engine.forward(&mut batch).unwrap();
+        let routing = log.take();
+        assert!(!routing.is_empty(), "no MoE layer's routing was recorded");
+        let mut step_worst = 0f32;
+        let mut first_row = 0;
         for (i, logits) in together.iter().enumerate() {
-            worst = worse(worst, max_difference(logits, &alone[i][step]));
+            let rows = first_row..first_row + inputs[i].len();
+            first_row = rows.end;
+            let mine = &alone_routing[i][step];
+            diverged[i] |= routing.len() != mine.len()
+                || routing
+                    .iter()
+                    .zip(mine)
+                    .any(|(all, one)| all[rows.clone()] != one[..]);
+            let diff = max_difference(logits, &alone[i][step]);
+            step_worst = worse(step_worst, diff);
+            found.pairs += 1;
+            if diverged[i] {
+                found.flipped += 1;
+            } else {
+                found.worst = worse(found.worst, diff);
+            }
         }
+        found.per_step.push(step_worst);
     }
-    worst
+    found
 }
 
-/// The demo model the server serves, stepped as the server's 32-stream test does.
+/// `prompts` stepped together against each alone: logits within [`CACHE_LOGIT_TOLERANCE`]
+/// wherever routing agreed, and routing flips rare.
+fn check_batching(what: &str, engine: &mut Engine, prompts: &[Vec<u32>], steps: usize) {
+    let log = RoutingLog::install(engine);
+    let found = batched_against_alone(engine, &log, prompts, steps);
+    let per_step: Vec<String> = found.per_step.iter().map(|d| format!("{d:.1e}")).collect();
+    eprintln!(
+        "{what}: {} sequences stepped together vs each alone {:e} where routed alike; {} of {} \
+         (sequence, step) pairs routed differently; each step's largest difference: {}",
+        prompts.len(),
+        found.worst,
+        found.flipped,
+        found.pairs,
+        per_step.join(" ")
+    );
+    assert!(
+        found.worst <= CACHE_LOGIT_TOLERANCE,
+        "{what}: {} sequences stepped together differ from each alone by {} where they were \
+         routed alike",
+        prompts.len(),
+        found.worst
+    );
+    assert!(
+        found.flipped as f64 <= MAX_ROUTING_FLIPS_PER_STEP * found.pairs as f64,
+        "{what}: {} of {} (sequence, step) pairs were routed differently batched and alone",
+        found.flipped,
+        found.pairs
+    );
+}
+
+/// The demo model the server serves, stepped as the server's 32-stream test does: on the
+/// CPU, and where this machine has a GPU with the experts there, then the whole model.
 #[test]
-fn demo_model_batched_on_the_gpu_equals_each_sequence_alone() {
+fn demo_model_batched_equals_each_sequence_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    moe_node::model::demo::write_demo_model(
+        dir.path(),
+        &moe_node::model::demo::DemoSpec::default(),
+        |_, _| {},
+    )
+    .unwrap();
+    let prompts: Vec<Vec<u32>> = (0..32u32)
+        .map(|i| vec![256, 10 + i, 20 + i % 7, 30 + (i * 3) % 11])
+        .collect();
+    let mut on_cpu = Engine::load(dir.path()).unwrap();
+    check_batching("demo model on the CPU", &mut on_cpu, &prompts, 16);
     if let Err(e) = cuda::runtime(None) {
         assert!(
             std::env::var_os("MOE_TEST_REQUIRE_GPU").is_none(),
@@ -271,24 +420,14 @@ fn demo_model_batched_on_the_gpu_equals_each_sequence_alone() {
         );
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
-    moe_node::model::demo::write_demo_model(
-        dir.path(),
-        &moe_node::model::demo::DemoSpec::default(),
-        |_, _| {},
-    )
-    .unwrap();
-    let prompts: Vec<Vec<u32>> = (0..32u32)
-        .map(|i| vec![256, 10 + i, 20 + i % 7, 30 + (i * 3) % 11])
-        .collect();
     for dense in [false, true] {
-        let engine =
+        let mut engine =
             moe_node::engine::gpu::engine_on_gpu(dir.path(), 0, dense, None, None).unwrap();
-        let diff = batched_against_alone(&engine, &prompts, 16);
-        eprintln!("demo model, dense on GPU {dense}: 32 sequences together vs alone {diff:e}");
-        assert!(
-            diff <= CACHE_LOGIT_TOLERANCE,
-            "demo model, dense on GPU {dense}: batched logits differ from alone by {diff}"
+        check_batching(
+            &format!("demo model on the GPU (dense part there too: {dense})"),
+            &mut engine,
+            &prompts,
+            16,
         );
     }
 }

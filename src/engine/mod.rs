@@ -166,6 +166,15 @@ impl Engine {
         &self.config
     }
 
+    /// Puts `wrap`'s executor in front of the routed experts, e.g. one that records where
+    /// each token was routed (the reference tests tell routing flips from errors with it).
+    pub fn wrap_experts(
+        &mut self,
+        wrap: impl FnOnce(Arc<dyn ExpertExecutor>) -> Arc<dyn ExpertExecutor>,
+    ) {
+        self.experts = wrap(self.experts.clone());
+    }
+
     pub fn new_cache(&self) -> KvCache {
         match &self.gpu {
             Some(_) => KvCache::on_device(DeviceCache::new(&self.config)),
