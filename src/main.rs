@@ -18,7 +18,7 @@ use moe_node::engine::{Engine, EngineError, GenerateRequest, SamplingParams, gen
 use moe_node::logging::ClientMistakes;
 use moe_node::model::demo::{DemoSpec, write_demo_model};
 use moe_node::model::template_worker;
-use moe_node::model::{ModelConfig, ModelError, Tokenizer};
+use moe_node::model::{LoadFormat, ModelConfig, ModelError, ModelSource, Tokenizer};
 use moe_node::node::NodeError;
 use moe_node::server::{ConfigReader, ServeError, serve};
 
@@ -153,6 +153,13 @@ struct ServeArgs {
     /// Address to listen on, e.g. 0.0.0.0:8080 (overrides server.listen).
     #[arg(long)]
     listen: Option<String>,
+    /// How the weights are read (overrides model.load_format): `dummy` makes random bf16
+    /// weights from the model directory's config.json alone.
+    #[arg(long, value_enum)]
+    load_format: Option<LoadFormat>,
+    /// Serve only the first N decoder layers (overrides model.num_layers).
+    #[arg(long, value_name = "N")]
+    num_layers: Option<usize>,
 }
 
 #[derive(clap::Args)]
@@ -193,6 +200,12 @@ struct GenerateArgs {
     /// With --gpu, keep the dense part (attention, norms, lm head) on the CPU.
     #[arg(long, requires = "gpu")]
     dense_on_cpu: bool,
+    /// How the weights are read: `dummy` makes random bf16 weights from config.json alone.
+    #[arg(long, value_enum, default_value_t = LoadFormat::Safetensors)]
+    load_format: LoadFormat,
+    /// Run only the first N decoder layers.
+    #[arg(long, value_name = "N")]
+    num_layers: Option<usize>,
 }
 
 /// Exit status for a model directory that is not usable (sysexits' EX_CONFIG, EX_DATAERR).
@@ -452,10 +465,19 @@ fn run_devices(path: Option<PathBuf>) -> anyhow::Result<()> {
 fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     let mut overrides = Vec::new();
     if let Some(model) = &args.model {
-        overrides.push(("model.path", model.display().to_string()));
+        overrides.push(("model.path", model.display().to_string().into()));
     }
     if let Some(listen) = &args.listen {
-        overrides.push(("server.listen", listen.clone()));
+        overrides.push(("server.listen", listen.clone().into()));
+    }
+    if let Some(format) = args.load_format {
+        overrides.push((
+            "model.load_format",
+            format!("{format:?}").to_lowercase().into(),
+        ));
+    }
+    if let Some(layers) = args.num_layers {
+        overrides.push(("model.num_layers", (layers as u64).into()));
     }
     let config = NodeConfig::load(ConfigSources {
         file: args.config.as_deref(),
@@ -495,10 +517,15 @@ fn run_control_plane(path: PathBuf) -> anyhow::Result<()> {
 
 fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {
     let started = Instant::now();
+    let source = ModelSource {
+        dir: args.model.clone(),
+        load_format: args.load_format,
+        num_layers: args.num_layers,
+    };
     let engine = match args.gpu {
-        None => Engine::load(&args.model)?,
+        None => Engine::load_source(&source)?,
         Some(ordinal) => {
-            let engine = engine_on_gpu(&args.model, ordinal, !args.dense_on_cpu, None, None)?;
+            let engine = engine_on_gpu(&source, ordinal, !args.dense_on_cpu, None, None)?;
             if let Ok(runtime) = moe_node::compute::cuda::runtime(None) {
                 moe_node::compute::cuda::log_runtime(runtime);
             }

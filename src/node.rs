@@ -7,7 +7,6 @@ mod rebalance;
 pub use rebalance::{RebalanceMetrics, RebalanceReport};
 
 use std::net::SocketAddr;
-use std::path::Path;
 use std::sync::Arc;
 
 use crate::actors::device::{
@@ -25,7 +24,7 @@ use crate::config::live::LiveSettings;
 use crate::engine::batch::BatchLimits;
 use crate::engine::{Engine, generate::PREFILL_CHUNK};
 use crate::metrics::{DeviceState, NodeMetrics};
-use crate::model::{Checkpoint, DenseWeights, ModelConfig, ModelError};
+use crate::model::{Checkpoint, DenseWeights, ModelConfig, ModelError, ModelSource};
 use crate::placement::{ExpertLoad, Placement, PlacementError};
 
 #[derive(Debug, thiserror::Error)]
@@ -95,22 +94,22 @@ pub struct Node {
 }
 
 impl Node {
-    /// Loads the model in `model_dir`: dense weights for the router, each device's experts on
+    /// Loads the model `source` names: dense weights for the router, each device's experts on
     /// that device's thread. In a cluster, joins it first (gossip, peer server) and loads
     /// only the experts the cluster's placement gives this node. `api` is the HTTP address
     /// other nodes reach this one at; `board` shows the placement as soon as it is known
     /// (nodes starting together take it from there). Must be called inside an actix
     /// system; blocks while loading.
     pub fn start(
-        model_dir: &Path,
+        source: &ModelSource,
         config: &NodeConfig,
         metrics: Arc<NodeMetrics>,
         api: SocketAddr,
         board: &Arc<PlacementBoard>,
         live: &Arc<LiveSettings>,
     ) -> Result<Node, NodeError> {
-        crate::progress::stage(format!("opening the model in {}", model_dir.display()));
-        let model = Arc::new(ModelConfig::load(model_dir)?);
+        crate::progress::stage(format!("opening the model in {}", source.dir.display()));
+        let model = Arc::new(source.config()?);
         let gpu_options = GpuOptions {
             max_rows: config.batching.max_tokens_per_step * model.moe.top_k,
             memory_fraction: config.devices.gpu_memory_fraction,
@@ -125,7 +124,7 @@ impl Node {
             _ => None,
         };
         // Opened once: the devices and the router read their tensors from the same map.
-        let checkpoint = Arc::new(Checkpoint::open(model_dir)?);
+        let checkpoint = Arc::new(source.checkpoint(&model)?);
         let (cluster, placement) = if config.cluster.enabled() {
             crate::progress::stage(format!(
                 "joining the cluster (expecting {} nodes)",

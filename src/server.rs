@@ -165,7 +165,7 @@ fn load(state: &AppState, api: std::net::SocketAddr) -> Result<(), ServeError> {
         }
     }
     let node = Node::start(
-        &dir,
+        &config.model_source(&dir),
         config,
         state.metrics.clone(),
         api,

@@ -11,6 +11,7 @@ use moe_node::compute::cuda;
 use moe_node::engine::{
     Engine, GenerateRequest, Generation, SamplingParams, SequenceStep, generate,
 };
+use moe_node::model::ModelSource;
 use moe_node::moe::{DispatchPlan, ExpertError, ExpertExecutor};
 
 /// Largest absolute logit difference accepted on the CPU. Both sides compute in f32 from the
@@ -177,8 +178,14 @@ fn check(name: &str) {
             );
         }
         Ok(_) => {
-            let experts_on_gpu = moe_node::engine::gpu::engine_on_gpu(&dir, 0, false, None, None)
-                .unwrap_or_else(|e| panic!("{name}, experts on GPU 0: {e}"));
+            let experts_on_gpu = moe_node::engine::gpu::engine_on_gpu(
+                &ModelSource::files(&dir),
+                0,
+                false,
+                None,
+                None,
+            )
+            .unwrap_or_else(|e| panic!("{name}, experts on GPU 0: {e}"));
             let on_gpu = run(&experts_on_gpu, &reference);
             let gpu_diff = max_difference(&on_gpu.last_logits, &generation.last_logits);
             eprintln!("{name}, experts on GPU: max logit difference from the CPU {gpu_diff:e}");
@@ -192,8 +199,14 @@ fn check(name: &str) {
                  {gpu_diff})"
             );
             drop(experts_on_gpu);
-            let mut whole = moe_node::engine::gpu::engine_on_gpu(&dir, 0, true, None, None)
-                .unwrap_or_else(|e| panic!("{name}, whole model on GPU 0: {e}"));
+            let mut whole = moe_node::engine::gpu::engine_on_gpu(
+                &ModelSource::files(&dir),
+                0,
+                true,
+                None,
+                None,
+            )
+            .unwrap_or_else(|e| panic!("{name}, whole model on GPU 0: {e}"));
             check_whole_model_on_gpu(name, &mut whole, &reference, &generation);
         }
     }
@@ -421,8 +434,14 @@ fn demo_model_batched_equals_each_sequence_alone() {
         return;
     }
     for dense in [false, true] {
-        let mut engine =
-            moe_node::engine::gpu::engine_on_gpu(dir.path(), 0, dense, None, None).unwrap();
+        let mut engine = moe_node::engine::gpu::engine_on_gpu(
+            &ModelSource::files(dir.path()),
+            0,
+            dense,
+            None,
+            None,
+        )
+        .unwrap();
         check_batching(
             &format!("demo model on the GPU (dense part there too: {dense})"),
             &mut engine,

@@ -213,6 +213,13 @@ pub struct ModelSection {
     pub cache_dir: String,
     /// Name clients use in the `model` field. Empty: the model directory's name.
     pub served_name: String,
+    /// `safetensors`: the weights beside config.json; `dummy`: random bf16 weights made from
+    /// config.json alone, to measure a published shape without its weights (the answers are
+    /// noise). Dummy needs `path`.
+    pub load_format: crate::model::LoadFormat,
+    /// Serve only the first this many decoder layers (0: all): with `dummy`, a few layers of
+    /// a published shape on one machine.
+    pub num_layers: usize,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -597,7 +604,7 @@ impl ConfigError {
 pub struct ConfigSources<'a> {
     pub file: Option<&'a Path>,
     pub env: HashMap<String, String>,
-    pub overrides: Vec<(&'static str, String)>,
+    pub overrides: Vec<(&'static str, config::Value)>,
 }
 
 /// Secrets systemd hands the service as credentials (`LoadCredential=` in the unit), so
@@ -782,6 +789,13 @@ impl NodeConfig {
         if self.devices.cpu_slots == 0 {
             problems.push("devices.cpu_slots: at least one device slot is needed".into());
         }
+        if self.model.load_format == crate::model::LoadFormat::Dummy && self.model.path.is_empty() {
+            problems.push(
+                "model.load_format: dummy needs model.path, a directory with the config.json \
+                 of the model to imitate"
+                    .into(),
+            );
+        }
         // Each slot is a thread; each count below sizes a table or a queue.
         for (name, value, max) in [
             ("devices.cpu_slots", self.devices.cpu_slots, 1024),
@@ -889,6 +903,15 @@ impl NodeConfig {
     /// The model directory, or `None` for the demo model.
     pub fn model_path(&self) -> Option<PathBuf> {
         (!self.model.path.is_empty()).then(|| PathBuf::from(&self.model.path))
+    }
+
+    /// The model in `dir` as `model.load_format` and `model.num_layers` say to load it.
+    pub fn model_source(&self, dir: &Path) -> crate::model::ModelSource {
+        crate::model::ModelSource {
+            dir: dir.to_path_buf(),
+            load_format: self.model.load_format,
+            num_layers: (self.model.num_layers > 0).then_some(self.model.num_layers),
+        }
     }
 
     pub fn cache_dir(&self) -> PathBuf {

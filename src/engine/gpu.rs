@@ -3,6 +3,8 @@
 //! (A serving node reaches its GPUs through device actors instead.)
 
 use std::path::{Path, PathBuf};
+
+use crate::model::ModelSource;
 use std::sync::Arc;
 
 use super::Engine;
@@ -14,7 +16,7 @@ use crate::compute::cuda::{self, CudaError};
 /// part too when `dense` is set (else that runs on the CPU). `lib_dir` as
 /// `devices.cuda_lib_dir`.
 pub fn engine_on_gpu(
-    dir: &Path,
+    source: &ModelSource,
     ordinal: usize,
     dense: bool,
     lib_dir: Option<&Path>,
@@ -28,7 +30,7 @@ pub fn engine_on_gpu(
         ))
     })?;
     let memory_fraction = 0.9;
-    let mut engine = Engine::load_with::<LoadError>(dir, |checkpoint, config| {
+    let mut engine = Engine::load_with::<LoadError>(source, |checkpoint, config| {
         let options = GpuOptions {
             max_rows: PREFILL_CHUNK * config.moe.top_k,
             memory_fraction,

@@ -28,7 +28,7 @@ use crate::compute::cuda::model::{DeviceCache, GpuModel};
 use crate::compute::cuda::{CudaError, GpuInfo};
 use crate::model::config::{AttentionConfig, RopeScaling};
 use crate::model::weights::{FeedForward, load_all_experts};
-use crate::model::{Checkpoint, DenseWeights, ModelConfig, ModelError};
+use crate::model::{Checkpoint, DenseWeights, ModelConfig, ModelError, ModelSource};
 use crate::moe::{ExpertError, ExpertExecutor, LocalExperts, moe_forward, moe_routed};
 
 #[derive(Debug, thiserror::Error)]
@@ -84,19 +84,24 @@ pub struct Engine {
 impl Engine {
     /// Loads a model directory with every expert held in this process.
     pub fn load(dir: &Path) -> Result<Self, ModelError> {
-        Self::load_with(dir, |checkpoint, config| {
+        Self::load_source(&ModelSource::files(dir))
+    }
+
+    /// Loads the model `source` names with every expert held in this process.
+    pub fn load_source(source: &ModelSource) -> Result<Self, ModelError> {
+        Self::load_with(source, |checkpoint, config| {
             let experts = load_all_experts(checkpoint, config)?;
             Ok(Arc::new(LocalExperts::new(experts, config.hidden_size)))
         })
     }
 
-    /// Loads a model directory with its routed experts wherever `experts` puts them.
+    /// Loads a model with its routed experts wherever `experts` puts them.
     pub fn load_with<E: From<ModelError>>(
-        dir: &Path,
+        source: &ModelSource,
         experts: impl FnOnce(&Checkpoint, &ModelConfig) -> Result<Arc<dyn ExpertExecutor>, E>,
     ) -> Result<Self, E> {
-        let config = ModelConfig::load(dir)?;
-        let checkpoint = Checkpoint::open(dir)?;
+        let config = source.config()?;
+        let checkpoint = source.checkpoint(&config)?;
         let experts = experts(&checkpoint, &config)?;
         let weights = DenseWeights::load(&checkpoint, &config)?;
         Ok(Self::new(config, weights, experts))
@@ -419,7 +424,7 @@ mod tests {
     fn a_step_computes_on_the_step_pool_whatever_thread_calls_it() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3_moe");
         let mut noting = None;
-        let engine = Engine::load_with(&dir, |checkpoint, config| {
+        let engine = Engine::load_with(&ModelSource::files(&dir), |checkpoint, config| {
             let experts =
                 LocalExperts::new(load_all_experts(checkpoint, config)?, config.hidden_size);
             let executor = Arc::new(NotingThreads {

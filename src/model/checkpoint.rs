@@ -1,6 +1,8 @@
 //! Safetensors checkpoints, one file or sharded behind `model.safetensors.index.json`,
-//! memory-mapped and read tensor by tensor into f32.
+//! memory-mapped and read tensor by tensor into f32; or a dummy checkpoint whose tensors are
+//! made as they are read ([`super::dummy`]).
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -10,6 +12,7 @@ use memmap2::Mmap;
 use safetensors::tensor::{Dtype, Metadata, SafeTensors};
 
 use super::ModelError;
+use super::dummy::DummyWeights;
 
 const SINGLE_FILE: &str = "model.safetensors";
 const INDEX_FILE: &str = "model.safetensors.index.json";
@@ -32,6 +35,8 @@ pub struct Checkpoint {
     /// Prepended to every name the loader asks for: `language_model.` where the text model
     /// sits beside a vision tower (Kimi K2.5 and later), else empty.
     prefix: &'static str,
+    /// Set for a dummy checkpoint: no files, every tensor made when it is read.
+    dummy: Option<DummyWeights>,
 }
 
 /// Where a multimodal checkpoint keeps its text model.
@@ -62,6 +67,7 @@ impl Checkpoint {
                 shards: vec![shard],
                 locations,
                 prefix: "",
+                dummy: None,
             }
             .with_text_model_prefix())
         } else {
@@ -124,8 +130,26 @@ impl Checkpoint {
             shards,
             locations,
             prefix: "",
+            dummy: None,
         }
         .with_text_model_prefix())
+    }
+
+    /// A checkpoint of random bf16 weights for the model `config.json` in `dir` describes
+    /// (`--load-format dummy`): nothing is read from disk but the config.
+    pub fn dummy(dir: &Path, weights: DummyWeights) -> Self {
+        Checkpoint {
+            dir: dir.to_path_buf(),
+            shards: Vec::new(),
+            locations: HashMap::new(),
+            prefix: "",
+            dummy: Some(weights),
+        }
+    }
+
+    /// Whether the weights are made up rather than read ([`Checkpoint::dummy`]).
+    pub fn is_dummy(&self) -> bool {
+        self.dummy.is_some()
     }
 
     /// A checkpoint whose text model lies under `language_model.` (and no `model.` tensors
@@ -188,16 +212,25 @@ impl Checkpoint {
             }
             hash.update([0]);
         }
+        if let Some(dummy) = &self.dummy {
+            hash.update(format!("dummy {dummy:?}").as_bytes());
+        }
         let digest = hash.finalize();
         u64::from_le_bytes(digest[..8].try_into().unwrap_or_default())
     }
 
     pub fn contains(&self, name: &str) -> bool {
-        self.location(name).is_some()
+        match &self.dummy {
+            Some(dummy) => dummy.has(name),
+            None => self.location(name).is_some(),
+        }
     }
 
     /// The storage dtype of tensor `name`, if present.
     pub fn dtype(&self, name: &str) -> Option<Dtype> {
+        if let Some(dummy) = &self.dummy {
+            return dummy.has(name).then_some(Dtype::BF16);
+        }
         let shard = &self.shards[self.location(name)?];
         shard
             .metadata
@@ -207,6 +240,7 @@ impl Checkpoint {
 
     /// The shape of tensor `name` as stored, if present.
     pub fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        // A dummy tensor takes the shape it is read with.
         let shard = &self.shards[self.location(name)?];
         shard
             .metadata
@@ -216,10 +250,10 @@ impl Checkpoint {
 
     /// Reads an FP8 e4m3 tensor `name` of shape `shape` as its bytes.
     pub fn read_fp8(&self, name: &str, shape: &[usize]) -> Result<Vec<u8>, ModelError> {
-        let (shard, dtype, bytes) = self.raw(name, shape)?;
+        let (path, dtype, bytes) = self.raw(name, shape)?;
         if dtype != Dtype::F8_E4M3 {
             return Err(ModelError::Corrupt {
-                path: shard.path.clone(),
+                path: path.to_path_buf(),
                 reason: format!(
                     "tensor `{}` is {dtype:?}; its scale says it is FP8, expected F8_E4M3",
                     self.stored_name(name)
@@ -231,10 +265,10 @@ impl Checkpoint {
 
     /// Reads an int32 tensor `name` of shape `shape`, each word as its bits.
     pub fn read_i32_bits(&self, name: &str, shape: &[usize]) -> Result<Vec<u32>, ModelError> {
-        let (shard, dtype, bytes) = self.raw(name, shape)?;
+        let (path, dtype, bytes) = self.raw(name, shape)?;
         if dtype != Dtype::I32 {
             return Err(ModelError::Corrupt {
-                path: shard.path.clone(),
+                path: path.to_path_buf(),
                 reason: format!(
                     "tensor `{}` is {dtype:?}, expected I32",
                     self.stored_name(name)
@@ -249,7 +283,7 @@ impl Checkpoint {
 
     /// Reads a small integer tensor (int32 or int64) `name` of shape `shape` as i64 values.
     pub fn read_int(&self, name: &str, shape: &[usize]) -> Result<Vec<i64>, ModelError> {
-        let (shard, dtype, bytes) = self.raw(name, shape)?;
+        let (path, dtype, bytes) = self.raw(name, shape)?;
         match dtype {
             Dtype::I32 => Ok(bytes
                 .chunks_exact(4)
@@ -260,7 +294,7 @@ impl Checkpoint {
                 .map(|b| i64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]))
                 .collect()),
             other => Err(ModelError::Corrupt {
-                path: shard.path.clone(),
+                path: path.to_path_buf(),
                 reason: format!(
                     "tensor `{}` is {other:?}, expected I32 or I64",
                     self.stored_name(name)
@@ -271,19 +305,19 @@ impl Checkpoint {
 
     /// Reads tensor `name`, checks that its shape is `shape`, and converts it to f32.
     pub fn read_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
-        let (shard, dtype, bytes) = self.raw(name, shape)?;
-        decode_f32(bytes, dtype).map_err(|reason| ModelError::Corrupt {
-            path: shard.path.clone(),
+        let (path, dtype, bytes) = self.raw(name, shape)?;
+        decode_f32(&bytes, dtype).map_err(|reason| ModelError::Corrupt {
+            path: path.to_path_buf(),
             reason: format!("tensor `{}`: {reason}", self.stored_name(name)),
         })
     }
 
     /// Reads a bf16 tensor `name` of shape `shape` as it is stored, without widening it.
     pub fn read_bf16(&self, name: &str, shape: &[usize]) -> Result<Vec<bf16>, ModelError> {
-        let (shard, dtype, bytes) = self.raw(name, shape)?;
+        let (path, dtype, bytes) = self.raw(name, shape)?;
         if dtype != Dtype::BF16 {
             return Err(ModelError::Corrupt {
-                path: shard.path.clone(),
+                path: path.to_path_buf(),
                 reason: format!(
                     "tensor `{}` is {dtype:?}, expected BF16",
                     self.stored_name(name)
@@ -296,12 +330,23 @@ impl Checkpoint {
             .collect())
     }
 
-    /// The shard, dtype and bytes of tensor `name`, after checking its shape.
-    fn raw(&self, name: &str, shape: &[usize]) -> Result<(&Shard, Dtype, &[u8]), ModelError> {
+    /// The file, dtype and bytes of tensor `name`, after checking its shape.
+    fn raw(
+        &self,
+        name: &str,
+        shape: &[usize],
+    ) -> Result<(&Path, Dtype, Cow<'_, [u8]>), ModelError> {
         let missing = || ModelError::MissingTensor {
             name: self.stored_name(name),
             expected_shape: shape.to_vec(),
         };
+        if let Some(dummy) = &self.dummy {
+            if !dummy.has(name) {
+                return Err(missing());
+            }
+            let bytes = dummy.bytes(name, shape);
+            return Ok((&self.dir, Dtype::BF16, Cow::Owned(bytes)));
+        }
         let shard = &self.shards[self.location(name).ok_or_else(missing)?];
         let info = shard
             .metadata
@@ -317,7 +362,7 @@ impl Checkpoint {
         }
         let (begin, end) = info.data_offsets;
         let bytes = &shard.map[shard.data_start + begin..shard.data_start + end];
-        Ok((shard, info.dtype, bytes))
+        Ok((&shard.path, info.dtype, Cow::Borrowed(bytes)))
     }
 }
 

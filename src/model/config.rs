@@ -573,6 +573,21 @@ impl ModelConfig {
     }
 }
 
+impl ModelConfig {
+    /// The first `layers` decoder layers only (`--num-layers`).
+    pub fn with_layers(mut self, layers: usize) -> Result<Self, String> {
+        if layers == 0 || layers > self.num_layers {
+            return Err(format!(
+                "--num-layers {layers}: the model has {} layers (1 to {} can be served)",
+                self.num_layers, self.num_layers
+            ));
+        }
+        self.num_layers = layers;
+        self.moe_layers.truncate(layers);
+        Ok(self)
+    }
+}
+
 /// Keys a multimodal wrapper keeps at its top level that belong to the text model too.
 const WRAPPER_KEYS_FOR_TEXT: [&str; 5] = [
     "quantization_config",

@@ -4,17 +4,97 @@ pub mod chat_template;
 pub mod checkpoint;
 pub mod config;
 pub mod demo;
+pub mod dummy;
 pub mod quant;
 pub mod template_worker;
 pub mod tokenizer;
 pub mod weights;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
 
 pub use checkpoint::Checkpoint;
 pub use config::{Family, ModelConfig};
 pub use tokenizer::Tokenizer;
 pub use weights::{DenseWeights, ExpertWeights};
+
+/// How a model's weights are read (`model.load_format`, `--load-format`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LoadFormat {
+    /// The safetensors files beside `config.json`.
+    #[default]
+    Safetensors,
+    /// Random bf16 weights made from `config.json` alone ([`dummy`]): a published shape
+    /// served or benchmarked without its weights.
+    Dummy,
+}
+
+/// A model to load: its directory, how its weights are read, and how many of its layers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelSource {
+    pub dir: PathBuf,
+    pub load_format: LoadFormat,
+    /// Only the first this many decoder layers (`--num-layers`), e.g. a few layers of a
+    /// published shape on one GPU; `None`: all of them.
+    pub num_layers: Option<usize>,
+}
+
+/// The seed of every dummy checkpoint: all nodes and runs make the same weights.
+const DUMMY_SEED: u64 = 0x6d6f_652d_6e6f_6465;
+
+impl ModelSource {
+    /// The checkpoint files in `dir`, every layer.
+    pub fn files(dir: &Path) -> Self {
+        ModelSource {
+            dir: dir.to_path_buf(),
+            load_format: LoadFormat::Safetensors,
+            num_layers: None,
+        }
+    }
+
+    /// The model's config as it will be served: `config.json`, cut to `num_layers`; dummy
+    /// weights are bf16, so a `quantization_config` does not apply to them.
+    pub fn config(&self) -> Result<ModelConfig, ModelError> {
+        let mut config = ModelConfig::load(&self.dir)?;
+        if let Some(layers) = self.num_layers {
+            config = config
+                .with_layers(layers)
+                .map_err(|problem| ModelError::Config {
+                    path: self.dir.join("config.json"),
+                    problems: vec![problem],
+                })?;
+        }
+        if self.load_format == LoadFormat::Dummy && config.quantization != quant::Quantization::None
+        {
+            tracing::info!(
+                quantization = ?config.quantization,
+                "dummy weights are bf16: the config's quantization_config is not applied"
+            );
+            config.quantization = quant::Quantization::None;
+        }
+        Ok(config)
+    }
+
+    /// The checkpoint to read `config`'s tensors from.
+    pub fn checkpoint(&self, config: &ModelConfig) -> Result<Checkpoint, ModelError> {
+        match self.load_format {
+            LoadFormat::Safetensors => Checkpoint::open(&self.dir),
+            LoadFormat::Dummy => {
+                tracing::warn!(
+                    dir = %self.dir.display(),
+                    "--load-format dummy: the weights are random, the answers noise (for \
+                     speed and memory measurements)"
+                );
+                Ok(Checkpoint::dummy(
+                    &self.dir,
+                    dummy::DummyWeights::new(DUMMY_SEED, config.tie_word_embeddings),
+                ))
+            }
+        }
+    }
+}
 
 /// Everything that can be wrong with a model directory. Each variant names the file and,
 /// where there is one, the tensor.
