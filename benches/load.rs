@@ -17,7 +17,19 @@
 //!
 //! `cargo bench --bench load`; `MOE_LOAD_SECONDS` (per level and round, default 10),
 //! `MOE_LOAD_ROUNDS` (default 1; medians over rounds), `MOE_LOAD_MAX_TOKENS` (per request,
-//! default 64), `MOE_LOAD_LEVELS` (default 1,8,32).
+//! default 64), `MOE_LOAD_LEVELS` (default 1,8,32), `MOE_LOAD_PROMPT_TOKENS` (default 16).
+//!
+//! Another model: `MOE_LOAD_MODEL=DIR` serves it instead of the demo model, with
+//! `MOE_LOAD_SERVE_ARGS` added to `moe-node serve` (e.g. `--load-format dummy --num-layers 3`
+//! for a published shape from its config.json alone; `MOE_NODE_*` variables pass through).
+//! The in-process engine steps are then left out, and each level also prints the bytes a
+//! decode step reads (dense weights but the embedding table, and the distinct experts the
+//! batch is expected to touch under uniform routing) over the step's time; with
+//! `MOE_LOAD_COPY_GBPS` (the device's measured copy bandwidth) that rate's share of it.
+//! `MOE_LOAD_READY_SECONDS` (default 120) bounds the wait for the server to load;
+//! `MOE_LOAD_SERVER_LOG` echoes the server's log. `MOE_LOAD_PREFILL_TOKENS=N` ends the run
+//! with three requests of N prompt tokens each, one at a time, and prints the time to their
+//! first token: prefill tokens/s through the whole server.
 
 mod common;
 
@@ -47,10 +59,12 @@ impl Drop for Server {
     }
 }
 
-fn start_server(bin: &str, model: &Path) -> (Server, String) {
+fn start_server(bin: &str, model: &Path, extra: &[String]) -> (Server, String) {
+    let ready_seconds: u64 = env_or("MOE_LOAD_READY_SECONDS", 120);
     let mut child = Command::new(bin)
         .args(["serve", "--listen", "127.0.0.1:0", "--model"])
         .arg(model)
+        .args(extra)
         .env("RUST_LOG", "warn,moe_node::server=info")
         .stderr(Stdio::piped())
         .spawn()
@@ -58,7 +72,11 @@ fn start_server(bin: &str, model: &Path) -> (Server, String) {
     let stderr = child.stderr.take().expect("stderr is piped");
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
+        let echo = std::env::var_os("MOE_LOAD_SERVER_LOG").is_some();
         for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if echo {
+                eprintln!("server: {line}");
+            }
             if let Some(addr) = line.split("listening on http://").nth(1) {
                 let _ = tx.send(addr.trim().to_string());
             }
@@ -69,7 +87,7 @@ fn start_server(bin: &str, model: &Path) -> (Server, String) {
         .expect("the server listens");
     let base = format!("http://{addr}");
     let client = Client::new();
-    let deadline = Instant::now() + Duration::from_secs(120);
+    let deadline = Instant::now() + Duration::from_secs(ready_seconds);
     while client
         .get(format!("{base}/ready"))
         .send()
@@ -100,8 +118,23 @@ impl Streamed {
     }
 }
 
-fn stream_one(client: &Client, base: &str, seed: u32, max_tokens: usize) -> Streamed {
-    let prompt: Vec<u32> = (0..16).map(|i| (seed * 31 + i * 7) % 250 + 1).collect();
+/// The prompts a level sends: `tokens` ids each, drawn from 1..=`ids`.
+#[derive(Clone, Copy)]
+struct Prompts {
+    tokens: u32,
+    ids: u32,
+}
+
+fn stream_one(
+    client: &Client,
+    base: &str,
+    seed: u32,
+    prompts: Prompts,
+    max_tokens: usize,
+) -> Streamed {
+    let prompt: Vec<u32> = (0..prompts.tokens)
+        .map(|i| (seed * 31 + i * 7) % prompts.ids + 1)
+        .collect();
     let started = Instant::now();
     let resp = client
         .post(format!("{base}/v1/completions"))
@@ -115,7 +148,12 @@ fn stream_one(client: &Client, base: &str, seed: u32, max_tokens: usize) -> Stre
         }))
         .send()
         .expect("request sent");
-    assert!(resp.status().is_success(), "status {}", resp.status());
+    let status = resp.status();
+    assert!(
+        status.is_success(),
+        "status {status}: {}",
+        resp.text().unwrap_or_default()
+    );
     let mut first = None;
     let mut last: Option<Instant> = None;
     let mut gaps = Vec::with_capacity(max_tokens);
@@ -156,7 +194,13 @@ struct Level {
     requests: usize,
 }
 
-fn run_level(base: &str, concurrency: usize, seconds: f64, max_tokens: usize) -> Level {
+fn run_level(
+    base: &str,
+    concurrency: usize,
+    seconds: f64,
+    prompts: Prompts,
+    max_tokens: usize,
+) -> Level {
     let started = Instant::now();
     let deadline = started + Duration::from_secs_f64(seconds);
     let results: Vec<Vec<Streamed>> = std::thread::scope(|scope| {
@@ -174,6 +218,7 @@ fn run_level(base: &str, concurrency: usize, seconds: f64, max_tokens: usize) ->
                             &client,
                             base,
                             (worker * 1000 + n) as u32,
+                            prompts,
                             max_tokens,
                         ));
                         n += 1;
@@ -213,6 +258,80 @@ fn run_level(base: &str, concurrency: usize, seconds: f64, max_tokens: usize) ->
     }
 }
 
+/// What a decode step of a served model reads, from its config alone.
+struct StepBytes {
+    /// Dense weights but the embedding table (a step reads only its rows of that).
+    dense: f64,
+    expert: f64,
+    experts: usize,
+    top_k: usize,
+    moe_layers: usize,
+    vocab: usize,
+}
+
+impl StepBytes {
+    /// The model in `dir` as `moe-node serve` loads it with `args`.
+    fn of(dir: &Path, args: &[String]) -> StepBytes {
+        use moe_node::model::{LoadFormat, ModelSource};
+        let after = |flag: &str| {
+            args.iter()
+                .position(|a| a == flag)
+                .and_then(|i| args.get(i + 1))
+        };
+        let source = ModelSource {
+            dir: dir.to_path_buf(),
+            load_format: match after("--load-format").map(String::as_str) {
+                Some("dummy") => LoadFormat::Dummy,
+                _ => LoadFormat::Safetensors,
+            },
+            num_layers: after("--num-layers").and_then(|n| n.parse().ok()),
+        };
+        let config = source.config().expect("the model's config.json reads");
+        let sizes = moe_node::plan::sizes::ModelSizes::of(&config);
+        let embedding = (config.vocab_size * config.hidden_size) as u64 * sizes.dtype_bytes;
+        StepBytes {
+            dense: (sizes.dense_bytes - embedding) as f64,
+            expert: sizes.expert_bytes_on_gpu as f64,
+            experts: config.moe.num_experts,
+            top_k: config.moe.top_k,
+            moe_layers: config.moe_layers.iter().filter(|&&m| m).count(),
+            vocab: config.vocab_size,
+        }
+    }
+
+    /// Bytes read by a decode step of `batch` sequences: the distinct experts of each MoE
+    /// layer expected under uniform routing, E (1 - (1 - k/E)^batch). The KV cache is left
+    /// out (short contexts here).
+    fn at(&self, batch: usize) -> f64 {
+        let e = self.experts as f64;
+        let distinct = e * (1.0 - (1.0 - self.top_k as f64 / e).powi(batch as i32));
+        self.dense + distinct * self.expert * self.moe_layers as f64
+    }
+
+    fn report(&self, levels: &[Level]) {
+        let copy: Option<f64> = std::env::var("MOE_LOAD_COPY_GBPS")
+            .ok()
+            .and_then(|v| v.parse().ok());
+        for l in levels {
+            let bytes = self.at(l.concurrency);
+            let rate = bytes / (l.decode_ms_per_token * 1e-3) / 1e9;
+            println!(
+                "  concurrency {}: a decode step reads ~{:.2} GB (dense {:.2} GB, experts {:.2} \
+                 GB) in {:.3} ms: {rate:.0} GB/s{}",
+                l.concurrency,
+                bytes / 1e9,
+                self.dense / 1e9,
+                (bytes - self.dense) / 1e9,
+                l.decode_ms_per_token,
+                copy.map_or(String::new(), |c| format!(
+                    ", {:.0}% of the {c:.0} GB/s copy bandwidth",
+                    100.0 * rate / c
+                ))
+            );
+        }
+    }
+}
+
 /// The median milliseconds of the engine's decode step at batch 1 in this process.
 fn engine_step_ms(engine: &moe_node::engine::Engine) -> f64 {
     median(&mut common::decode_steps_ms(engine, 1, 200))
@@ -249,9 +368,31 @@ fn main() {
         .split(',')
         .filter_map(|v| v.trim().parse().ok())
         .collect();
-    let model = common::demo_model(BIN);
-    let engine = moe_node::engine::Engine::load(&model).expect("demo model loads");
-    let (_system, dispatched) = common::dispatched_engine(&model);
+    let prompt_tokens: u32 = env_or("MOE_LOAD_PROMPT_TOKENS", 16);
+    let custom = std::env::var_os("MOE_LOAD_MODEL").map(std::path::PathBuf::from);
+    let extra: Vec<String> = std::env::var("MOE_LOAD_SERVE_ARGS")
+        .unwrap_or_default()
+        .split_whitespace()
+        .map(String::from)
+        .collect();
+    // The demo model is also run in this process (the engine step the server is held to).
+    let (model, in_process) = match &custom {
+        Some(dir) => (dir.clone(), None),
+        None => {
+            let model = common::demo_model(BIN);
+            let engine = moe_node::engine::Engine::load(&model).expect("demo model loads");
+            let dispatched = common::dispatched_engine(&model);
+            (model, Some((engine, dispatched)))
+        }
+    };
+    let step_bytes = custom.as_ref().map(|dir| StepBytes::of(dir, &extra));
+    let prompts = Prompts {
+        tokens: prompt_tokens,
+        // Ids every model here has (the demo's vocabulary is larger than 251).
+        ids: step_bytes
+            .as_ref()
+            .map_or(250, |b| b.vocab.min(251) as u32 - 1),
+    };
 
     let mut bins = vec![("this build", BIN.to_string())];
     if let Ok(other) = std::env::var("MOE_LOAD_BASELINE") {
@@ -260,7 +401,7 @@ fn main() {
     let builds: Vec<Build> = bins
         .into_iter()
         .map(|(name, bin)| {
-            let (server, base) = start_server(&bin, &model);
+            let (server, base) = start_server(&bin, &model, &extra);
             Build {
                 name,
                 base,
@@ -268,14 +409,18 @@ fn main() {
             }
         })
         .collect();
+    let described = match &custom {
+        Some(dir) => format!("{} {}", dir.display(), extra.join(" ")),
+        None => "demo model (kimi_k2 layout, 896 experts, top-16)".into(),
+    };
     println!(
-        "load: demo model (kimi_k2 layout, 896 experts, top-16), 16-token prompts, {max_tokens} \
-         tokens per request, streamed, {seconds} s per level and round, {rounds} round(s), {} cores",
+        "load: {described}, {prompt_tokens}-token prompts, {max_tokens} tokens per request, \
+         streamed, {seconds} s per level and round, {rounds} round(s), {} cores",
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
     // A short warm-up so the first level does not pay for cold caches.
     for build in &builds {
-        run_level(&build.base, 1, 1.0, 8);
+        run_level(&build.base, 1, 1.0, prompts, 8);
     }
     // results[build][level]: each round runs every build in turn.
     let mut samples: Vec<Vec<Vec<Level>>> = builds
@@ -287,12 +432,47 @@ fn main() {
     let mut engine_rounds: Vec<(f64, f64)> = Vec::new();
     for (l, &concurrency) in levels.iter().enumerate() {
         for _ in 0..rounds {
-            if concurrency == 1 {
-                engine_rounds.push((engine_step_ms(&engine), engine_step_ms(&dispatched)));
+            if concurrency == 1
+                && let Some((engine, (_system, dispatched))) = &in_process
+            {
+                engine_rounds.push((engine_step_ms(engine), engine_step_ms(dispatched)));
             }
             for (b, build) in builds.iter().enumerate() {
-                samples[b][l].push(run_level(&build.base, concurrency, seconds, max_tokens));
+                samples[b][l].push(run_level(
+                    &build.base,
+                    concurrency,
+                    seconds,
+                    prompts,
+                    max_tokens,
+                ));
             }
+        }
+    }
+    if let Some(tokens) = std::env::var("MOE_LOAD_PREFILL_TOKENS")
+        .ok()
+        .and_then(|v| v.parse::<u32>().ok())
+    {
+        let client = Client::builder()
+            .timeout(Duration::from_secs(600))
+            .build()
+            .expect("client");
+        for build in &builds {
+            let long = Prompts { tokens, ..prompts };
+            let mut ttft: Vec<f64> = (0..3)
+                .map(|i| {
+                    stream_one(&client, &build.base, 7 + i, long, 1)
+                        .ttft
+                        .as_secs_f64()
+                })
+                .collect();
+            let seconds = median(&mut ttft);
+            println!(
+                "{}: prefill of {tokens} prompt tokens, one request at a time: time to first \
+                 token {:.1} ms (median of 3), {:.0} prompt tokens/s",
+                build.name,
+                seconds * 1e3,
+                tokens as f64 / seconds
+            );
         }
     }
     let names: Vec<&str> = builds.iter().map(|b| b.name).collect();
@@ -359,7 +539,12 @@ fn main() {
                 ratio
             );
         }
-        if let Some(c1) = c1 {
+        if let Some(bytes) = &step_bytes {
+            bytes.report(levels);
+        }
+        if let Some(c1) = c1
+            && in_process.is_some()
+        {
             let ratios = c1_ratios(b);
             let mut alone: Vec<f64> = ratios.iter().map(|r| r.0).collect();
             let mut through: Vec<f64> = ratios.iter().map(|r| r.1).collect();

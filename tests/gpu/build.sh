@@ -25,7 +25,8 @@ for line in sys.stdin:
 cargo build --release --bin moe-node --message-format=json | executables > "$out/.list"
 cargo test --release --no-run --test gpu_kernels --test reference --test server \
     --message-format=json | executables >> "$out/.list"
-cargo bench --no-run --bench moe_layer_gpu --message-format=json | executables >> "$out/.list"
+cargo bench --no-run --bench moe_layer_gpu --bench load --message-format=json \
+    | executables >> "$out/.list"
 while read -r name path; do
     strip -o "$out/$name" "$path"
 done < "$out/.list"
