@@ -206,6 +206,7 @@ impl GpuModel {
         let cfg = &self.config;
         let h = cfg.hidden_size;
         let rows = hidden.len() / h;
+        let mut phases = Phases::new();
         for (cache, segment) in caches.iter_mut().zip(segments) {
             let end = segment.start_position + segment.rows.len();
             cache.reserve(stream, end, segment.start_position)?;
@@ -249,10 +250,13 @@ impl GpuModel {
         // Buffers of the whole step; each layer's own are dropped after it.
         let step_buffers = scratch.held.len();
         let mut normed_host = Vec::new();
+        phases.end(0, stream)?;
         for (l, layer) in self.layers.iter().enumerate() {
             self.norm(&layer.input_norm, x, rows, h, normed)?;
             let xb = self.bf16_of(&mut scratch, normed, rows * h)?;
+            phases.end(2, stream)?;
             let attended = self.attention(l, &layer.attention, &step, &mut scratch, xb)?;
+            phases.end(1, stream)?;
             // SAFETY: both `[rows, H]` f32.
             unsafe { self.dense.add_rows(stream, x, attended, rows * h)? };
             self.norm(&layer.post_norm, x, rows, h, normed)?;
@@ -262,6 +266,7 @@ impl GpuModel {
                 // SAFETY: both `[rows, H]` f32.
                 unsafe { self.dense.add_rows(stream, x, out, rows * h)? };
             }
+            phases.end(2, stream)?;
             if layer.moe {
                 normed_host.resize(rows * h, 0.0);
                 // SAFETY: `normed` holds `[rows, H]` f32; synchronised before it is read.
@@ -274,6 +279,7 @@ impl GpuModel {
                 let out = scratch.upload(&out)?;
                 // SAFETY: both `[rows, H]` f32.
                 unsafe { self.dense.add_rows(stream, x, out, rows * h)? };
+                phases.end(3, stream)?;
             }
             // This layer's temporaries are no longer needed (freed in stream order).
             scratch.held.truncate(step_buffers);
@@ -309,11 +315,65 @@ impl GpuModel {
                 .map_err(CudaError::from)?
         };
         stream.synchronize().map_err(CudaError::from)?;
+        phases.end(4, stream)?;
+        phases.log(rows, seqs);
         Ok(out)
     }
 }
 
 type StepResult = Result<(), CudaError>;
+
+/// Where a step's time goes, phase by phase (`MOE_GPU_STEP_PROFILE=1`): the stream is
+/// synchronised after each phase, which costs speed, and each step logs its phases.
+struct Phases {
+    enabled: bool,
+    last: std::time::Instant,
+    /// Milliseconds: set-up and uploads, attention, norms and dense MLPs, routed experts
+    /// (to the host, routed, back), output head and logits to the host.
+    ms: [f64; 5],
+}
+
+impl Phases {
+    const NAMES: [&'static str; 5] = ["setup", "attention", "norms_mlp", "routed", "head"];
+
+    fn new() -> Phases {
+        static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        Phases {
+            enabled: *ENABLED
+                .get_or_init(|| std::env::var_os("MOE_GPU_STEP_PROFILE").is_some_and(|v| v != "0")),
+            last: std::time::Instant::now(),
+            ms: [0.0; 5],
+        }
+    }
+
+    /// Ends phase `i` (the time since the previous phase ended).
+    fn end(&mut self, i: usize, stream: &CudaStream) -> StepResult {
+        if self.enabled {
+            stream.synchronize().map_err(CudaError::from)?;
+            let now = std::time::Instant::now();
+            self.ms[i] += (now - self.last).as_secs_f64() * 1e3;
+            self.last = now;
+        }
+        Ok(())
+    }
+
+    fn log(&self, rows: usize, seqs: usize) {
+        if self.enabled {
+            let phases: Vec<String> = Self::NAMES
+                .iter()
+                .zip(self.ms)
+                .map(|(name, ms)| format!("{name} {ms:.2}"))
+                .collect();
+            tracing::info!(
+                rows,
+                seqs,
+                total_ms = self.ms.iter().sum::<f64>(),
+                "GPU step phases (ms): {}",
+                phases.join(", ")
+            );
+        }
+    }
+}
 
 /// `(layer, normed rows, rows)` → the combined output of the layer's routed experts.
 pub type RoutedExperts<'a, E> = dyn FnMut(usize, &[f32], usize) -> Result<Vec<f32>, E> + 'a;
