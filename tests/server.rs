@@ -559,6 +559,13 @@ fn a_dead_device_is_survived_when_its_experts_have_replicas() {
     // With a second device gone some experts have no copy left: requests fail cleanly
     // with 503, and nothing hangs.
     server.post_ok("/admin/devices/2/stop", &json!({}));
+    // The stop is asynchronous: a request admitted before the dispatcher sees the device
+    // gone may get its first token (200), and the error only in its body.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while server.metric("moe_node_device_up{device=\"2\",kind=\"cpu\",name=\"cpu\"}") != 0.0 {
+        assert!(std::time::Instant::now() < deadline, "device 2 never went");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let resp = server.post("/v1/completions", &body);
     assert_envelope(
         resp,
