@@ -24,6 +24,11 @@ pub struct NodeMetrics {
     pub request_latency: Histogram,
     pub prompt_tokens: Counter,
     pub generation_tokens: Counter,
+    /// KV cache blocks the running sequences hold, and the budget's total (0: no budget).
+    pub kv_cache_blocks_used: Gauge,
+    pub kv_cache_blocks: Gauge,
+    /// Sequences preempted for KV cache room (recomputed later).
+    pub preemptions: Counter,
     /// Constrained decoding's cost (structured output, forced tool calls).
     pub grammar: crate::engine::grammar::GrammarMetrics,
     peer_latency: PeerLatency,
@@ -79,6 +84,24 @@ impl NodeMetrics {
             "Tokens generated",
             generation_tokens.clone(),
         );
+        let kv_cache_blocks_used = Gauge::default();
+        let kv_cache_blocks = Gauge::default();
+        let preemptions = Counter::default();
+        registry.register(
+            "kv_cache_blocks_used",
+            "KV cache blocks (16 positions of one sequence) the running sequences hold",
+            kv_cache_blocks_used.clone(),
+        );
+        registry.register(
+            "kv_cache_blocks",
+            "KV cache blocks the budget holds (batching.kv_cache_mib); 0: no budget",
+            kv_cache_blocks.clone(),
+        );
+        registry.register(
+            "preemptions",
+            "Running sequences whose KV caches were released for room, to be recomputed",
+            preemptions.clone(),
+        );
         let grammar = crate::engine::grammar::GrammarMetrics::default();
         registry.register(
             "grammar_masks",
@@ -113,6 +136,9 @@ impl NodeMetrics {
             request_latency,
             prompt_tokens,
             generation_tokens,
+            kv_cache_blocks_used,
+            kv_cache_blocks,
+            preemptions,
             grammar,
         }
     }

@@ -21,7 +21,8 @@ use crate::cluster::metrics::ClusterCollector;
 use crate::compute::cuda::{self, CudaError};
 use crate::config::NodeConfig;
 use crate::config::live::LiveSettings;
-use crate::engine::batch::BatchLimits;
+use crate::engine::batch::{BatchLimits, KvBudget};
+use crate::engine::kv_cache::KvCache;
 use crate::engine::{Engine, generate::PREFILL_CHUNK};
 use crate::metrics::{DeviceState, NodeMetrics};
 use crate::model::{Checkpoint, DenseWeights, ModelConfig, ModelError, ModelSource};
@@ -240,11 +241,28 @@ impl Node {
                 kernel_cache.as_deref(),
             )?;
         }
+        let kv = kv_budget(config.batching.kv_cache_mib, &model, &engine);
         let limits = BatchLimits {
             max_sequences: config.batching.max_sequences,
             max_tokens_per_step: config.batching.max_tokens_per_step,
             max_waiting: config.batching.max_waiting,
             prefill_chunk: PREFILL_CHUNK,
+            kv,
+        };
+        // The node serves no longer a context than the KV budget holds for one sequence.
+        let model = match kv {
+            Some(kv) if kv.max_positions() < model.max_position_embeddings => {
+                tracing::warn!(
+                    model_context = model.max_position_embeddings,
+                    served_context = kv.max_positions(),
+                    "the KV cache budget holds less than the model's context: prompts and \
+                     max_tokens are limited to what it holds (batching.kv_cache_mib)"
+                );
+                let mut served = (*model).clone();
+                served.max_position_embeddings = kv.max_positions();
+                Arc::new(served)
+            }
+            _ => model,
         };
         if let Some(joined) = &cluster {
             joined.serve(ServeParts {
@@ -327,4 +345,58 @@ impl Node {
         self.experts.replace_device(handle);
         Ok(())
     }
+}
+
+/// Positions of one sequence per KV cache block (the unit a paged cache allocates).
+const KV_BLOCK_TOKENS: usize = 16;
+
+/// The KV cache budget: `mib` when set, else sized from the memory left after loading where
+/// the caches live (see `batching.kv_cache_mib`); `None` where that memory cannot be read.
+fn kv_budget(mib: usize, model: &ModelConfig, engine: &Engine) -> Option<KvBudget> {
+    let (bytes, from) = if mib > 0 {
+        (mib << 20, "batching.kv_cache_mib")
+    } else {
+        match engine.cache_gpu_free_memory() {
+            Some(Ok(free)) => (
+                free / 10 * 9 / 2,
+                "90% of the GPU's free memory, halved (caches grow by doubling)",
+            ),
+            Some(Err(error)) => {
+                tracing::warn!(%error, "GPU free memory unknown: the KV cache is not bounded");
+                return None;
+            }
+            None => match host_memory_available() {
+                Some(available) => (available / 2, "half of the host's available memory"),
+                None => {
+                    tracing::warn!(
+                        "/proc/meminfo unreadable: the KV cache is not bounded; set \
+                         batching.kv_cache_mib"
+                    );
+                    return None;
+                }
+            },
+        }
+    };
+    let block_bytes = KvCache::bytes_per_position(model) * KV_BLOCK_TOKENS;
+    let budget = KvBudget {
+        block_tokens: KV_BLOCK_TOKENS,
+        blocks: (bytes / block_bytes.max(1)).max(1),
+    };
+    tracing::info!(
+        mib = bytes >> 20,
+        from,
+        blocks = budget.blocks,
+        block_tokens = KV_BLOCK_TOKENS,
+        positions = budget.max_positions(),
+        "KV cache budget"
+    );
+    Some(budget)
+}
+
+/// `MemAvailable` of /proc/meminfo, in bytes.
+fn host_memory_available() -> Option<usize> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }

@@ -428,6 +428,7 @@ proptest! {
             max_tokens_per_step: 6,
             max_waiting: 4,
             prefill_chunk: 4,
+            kv: None,
         };
         let mut batcher: Batcher<usize> = Batcher::new(limits, vec![EOS]);
         let mut ledger = Ledger::default();

@@ -287,6 +287,70 @@ fn thirty_two_concurrent_streams_give_what_they_give_alone() {
     assert!(text.contains("moe_node_expert_activations_total{layer=\"1\",expert=\"895\"}"));
 }
 
+/// A KV cache budget too small for every stream at once: the latest arrivals are preempted
+/// and recompute their caches later, none fails, and each stream still gets what it gets
+/// alone; the served context shrinks to what the budget holds.
+#[test]
+fn a_full_kv_cache_preempts_and_recomputes_instead_of_failing() {
+    // 1 MiB of the demo model's caches (4 layers of 64 + 16 f32 per position): 51 blocks
+    // of 16 positions, 816 positions in all; eight streams of 140 positions need 72 blocks.
+    let server = Server::start("[devices]\nbackend = \"cpu\"\n[batching]\nkv_cache_mib = 1\n");
+    server.wait_ready();
+    let models: Value = server.get("/v1/models").json().unwrap();
+    assert_eq!(models["data"][0]["max_model_len"], 816, "{models}");
+    let request = |i: u32| {
+        let prompt: Vec<u32> = (0..40).map(|k| 1 + (i * 37 + k * 11) % 250).collect();
+        json!({
+            "prompt": prompt,
+            "max_tokens": 100,
+            "temperature": 0,
+            "ignore_eos": true,
+            "stream": true,
+            "return_token_ids": true,
+        })
+    };
+    let alone: Vec<Vec<u64>> = (0..8)
+        .map(|i| {
+            let (events, done) = read_sse(server.post("/v1/completions", &request(i)));
+            assert!(done);
+            streamed_ids(&events)
+        })
+        .collect();
+    assert_eq!(server.metric("moe_node_preemptions_total"), 0.0);
+    let server = Arc::new(server);
+    let together: Vec<Vec<u64>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..8)
+            .map(|i| {
+                let server = server.clone();
+                let body = request(i);
+                scope.spawn(move || {
+                    let (events, done) = read_sse(server.post("/v1/completions", &body));
+                    assert!(done);
+                    streamed_ids(&events)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
+        assert_eq!(a.len(), 100, "request {i}");
+        assert_eq!(a, t, "request {i}");
+    }
+    assert!(server.metric("moe_node_preemptions_total") > 0.0);
+    assert_eq!(server.metric("moe_node_kv_cache_blocks"), 51.0);
+    assert_eq!(
+        server.metric("moe_node_kv_cache_blocks_used"),
+        0.0,
+        "all released"
+    );
+    // Beyond the served context: a clear 400, as beyond the model's.
+    let long: Vec<u32> = (0..816).map(|k| 1 + k % 250).collect();
+    let resp = server.post("/v1/completions", &json!({"prompt": long, "max_tokens": 1}));
+    assert_eq!(resp.status(), StatusCode::BAD_REQUEST);
+    let body: Value = resp.json().unwrap();
+    assert_eq!(body["error"]["code"], "context_length_exceeded", "{body}");
+}
+
 #[test]
 fn bad_requests_get_openai_errors_with_the_right_status() {
     let server = Server::start(

@@ -31,6 +31,8 @@ pub struct RouterActor {
     metrics: Arc<NodeMetrics>,
     step_scheduled: bool,
     clock: Arc<StepClock>,
+    /// Preemptions already added to the metrics.
+    preemptions_reported: u64,
 }
 
 /// When the step in progress began, so that a router that no longer steps (a device that
@@ -178,6 +180,7 @@ impl RouterActor {
             metrics,
             step_scheduled: false,
             clock: Arc::new(StepClock::new()),
+            preemptions_reported: 0,
         }
     }
 
@@ -200,13 +203,19 @@ impl RouterActor {
         }
     }
 
-    fn update_gauges(&self) {
-        self.metrics
-            .requests_running
-            .set(self.batcher.running() as i64);
-        self.metrics
-            .requests_waiting
-            .set(self.batcher.waiting() as i64);
+    fn update_gauges(&mut self) {
+        let metrics = &self.metrics;
+        metrics.requests_running.set(self.batcher.running() as i64);
+        metrics.requests_waiting.set(self.batcher.waiting() as i64);
+        if let Some((used, total)) = self.batcher.kv_blocks() {
+            metrics.kv_cache_blocks_used.set(used as i64);
+            metrics.kv_cache_blocks.set(total as i64);
+        }
+        let preemptions = self.batcher.preemptions();
+        metrics
+            .preemptions
+            .inc_by(preemptions - self.preemptions_reported);
+        self.preemptions_reported = preemptions;
     }
 }
 

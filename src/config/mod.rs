@@ -268,6 +268,12 @@ pub struct BatchingConfig {
     pub max_prompt_tokens: usize,
     /// `max_tokens` of a request that does not set it.
     pub default_max_tokens: usize,
+    /// KV cache memory the running sequences may hold, in MiB; 0: sized after loading, from
+    /// half of the host's available memory (caches on the host) or 90% of the GPU's free
+    /// memory, halved because caches there grow by doubling (caches on a GPU). Sequences
+    /// wait while it is full, and the latest are preempted (recomputed later) rather than
+    /// failed; the node serves a context no longer than it holds.
+    pub kv_cache_mib: usize,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -576,6 +582,7 @@ impl Default for BatchingConfig {
             max_waiting: 256,
             max_prompt_tokens: 8192,
             default_max_tokens: 256,
+            kv_cache_mib: 0,
         }
     }
 }
@@ -811,6 +818,7 @@ impl NodeConfig {
                 1 << 20,
             ),
             ("batching.max_waiting", self.batching.max_waiting, 1 << 20),
+            ("batching.kv_cache_mib", self.batching.kv_cache_mib, 1 << 30),
             (
                 "batching.max_prompt_tokens",
                 self.batching.max_prompt_tokens,

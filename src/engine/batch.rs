@@ -22,6 +22,32 @@ pub struct BatchLimits {
     pub max_waiting: usize,
     /// Prompt tokens one sequence prefills in one step at most.
     pub prefill_chunk: usize,
+    /// The KV cache memory the running sequences may hold; `None`: no bound.
+    pub kv: Option<KvBudget>,
+}
+
+/// KV cache memory counted in blocks of `block_tokens` positions of one sequence (what a
+/// paged cache allocates). A sequence is admitted when its prompt fits beside what the
+/// running ones hold; when a step would need more blocks than are free, the most recently
+/// arrived running sequences are preempted: their caches are released and they wait to
+/// recompute them (prompt and tokens so far, in one prefill), then go on. A sequence alone
+/// is never preempted: the node serves a context no longer than the whole budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvBudget {
+    pub block_tokens: usize,
+    pub blocks: usize,
+}
+
+impl KvBudget {
+    /// Blocks holding `positions` positions of one sequence.
+    pub fn blocks_for(&self, positions: usize) -> usize {
+        positions.div_ceil(self.block_tokens.max(1))
+    }
+
+    /// Positions one sequence can hold with the whole budget.
+    pub fn max_positions(&self) -> usize {
+        self.blocks * self.block_tokens
+    }
 }
 
 /// What happened to a sequence in a step, as its client sees it. `choice` tells the
@@ -57,7 +83,16 @@ pub struct QueueFull {
 
 /// A request to generate, with `sink` receiving its events.
 pub struct Sequence<S> {
+    /// The tokens to prefill: the prompt, and after a preemption the tokens generated
+    /// before it too.
     prompt: Vec<u32>,
+    /// The client's prompt length (what usage reports).
+    prompt_tokens: usize,
+    /// Every token generated so far, and how many of them `prompt` already holds.
+    generated_tokens: Vec<u32>,
+    replayed: usize,
+    /// Arrival order: preemption takes the latest first.
+    arrival: u64,
     prefilled: usize,
     /// The last sampled token, fed in the next step.
     pending: u32,
@@ -90,7 +125,11 @@ impl<S> Sequence<S> {
     ) -> Self {
         Sequence {
             sampler: Sampler::new(sampling).with_prompt(&prompt),
+            prompt_tokens: prompt.len(),
             prompt,
+            generated_tokens: Vec::new(),
+            replayed: 0,
+            arrival: 0,
             prefilled: 0,
             pending: 0,
             generated: 0,
@@ -150,6 +189,10 @@ impl<S> Sequence<S> {
     {
         Sequence {
             prompt: self.prompt.clone(),
+            prompt_tokens: self.prompt_tokens,
+            generated_tokens: self.generated_tokens.clone(),
+            replayed: self.replayed,
+            arrival: self.arrival,
             prefilled: self.prefilled,
             pending: self.pending,
             generated: self.generated,
@@ -183,6 +226,7 @@ impl<S> Sequence<S> {
         let logprobs = logprobs.map(|(top, raw)| token_logprobs(&raw, token, top));
         self.pending = token;
         self.generated += 1;
+        self.generated_tokens.push(token);
         let event = SequenceEvent::Token {
             choice: self.choice,
             token,
@@ -207,11 +251,26 @@ impl<S> Sequence<S> {
         let finished = SequenceEvent::Finished {
             choice: self.choice,
             reason,
-            prompt_tokens: self.prompt.len(),
+            prompt_tokens: self.prompt_tokens,
             completion_tokens: self.generated,
         };
         emit(&mut self.sink, finished);
         false
+    }
+
+    /// Releases the cache; the sequence will prefill its prompt and the tokens generated so
+    /// far (the last one included: its logits give the next token) before it goes on.
+    fn preempt(&mut self) {
+        if self.decoding() {
+            // Its prompt's log probabilities were reported.
+            self.prompt_logprobs = None;
+        }
+        self.prompt_logprobs_so_far.clear();
+        self.prompt
+            .extend_from_slice(&self.generated_tokens[self.replayed..]);
+        self.replayed = self.generated_tokens.len();
+        self.prefilled = 0;
+        self.cache.release();
     }
 
     /// Log probabilities of the prompt tokens that `rows` (the logits of the `rows.len() /
@@ -238,6 +297,8 @@ pub struct Batcher<S> {
     /// `(index into running, tokens)` of the step planned by [`Batcher::plan_step`].
     planned: Vec<(usize, usize)>,
     planned_prompt_tokens: usize,
+    arrivals: u64,
+    preemptions: u64,
 }
 
 impl<S> Batcher<S> {
@@ -249,7 +310,27 @@ impl<S> Batcher<S> {
             running: Vec::new(),
             planned: Vec::new(),
             planned_prompt_tokens: 0,
+            arrivals: 0,
+            preemptions: 0,
         }
+    }
+
+    /// Sequences preempted so far (their caches released, to be recomputed).
+    pub fn preemptions(&self) -> u64 {
+        self.preemptions
+    }
+
+    /// KV cache blocks the running sequences hold, and the budget's total (`None`: no
+    /// budget).
+    pub fn kv_blocks(&self) -> Option<(usize, usize)> {
+        self.limits.kv.map(|kv| (self.blocks_held(&kv), kv.blocks))
+    }
+
+    fn blocks_held(&self, kv: &KvBudget) -> usize {
+        self.running
+            .iter()
+            .map(|s| kv.blocks_for(s.cache.len()))
+            .sum()
     }
 
     pub fn waiting(&self) -> usize {
@@ -280,6 +361,8 @@ impl<S> Batcher<S> {
         if sequence.stop_at_eos {
             sequence.sampler.end_also_at(&self.eos_token_ids);
         }
+        self.arrivals += 1;
+        sequence.arrival = self.arrivals;
         self.waiting.push_back(sequence);
         Ok(())
     }
@@ -293,24 +376,38 @@ impl<S> Batcher<S> {
         before - self.waiting.len() - self.running.len()
     }
 
-    /// Admits waiting sequences into free places and plans the next step: one token for
-    /// every decoding sequence first (their latency is what users feel between tokens), then
-    /// prompt chunks in arrival order while the step's token budget lasts. Returns the step's
-    /// inputs, empty when there is nothing to do.
-    pub fn plan_step(&mut self) -> Vec<SequenceStep<'_>> {
+    /// Moves waiting sequences into free places (and, with a KV budget, while the blocks
+    /// their prompts need fit beside what the running ones hold or will hold once their
+    /// prompts are in, one position more each).
+    fn admit(&mut self) {
         let mut occupied: usize = self.running.iter().map(Sequence::places).sum();
+        let reserved = |kv: &KvBudget, s: &Sequence<S>| {
+            kv.blocks_for(s.cache.len().max(s.prompt.len()) + 1) * s.places()
+        };
+        let mut held = self
+            .limits
+            .kv
+            .map_or(0, |kv| self.running.iter().map(|s| reserved(&kv, s)).sum());
         while let Some(next) = self.waiting.front() {
             // A request with more choices than places still gets in, alone.
             let fits = occupied + next.places() <= self.limits.max_sequences;
-            if !fits && occupied > 0 {
+            let needs = self.limits.kv.map_or(0, |kv| reserved(&kv, next));
+            let room = self.limits.kv.is_none_or(|kv| held + needs <= kv.blocks);
+            if !(fits && room) && occupied > 0 {
                 break;
             }
             let Some(s) = self.waiting.pop_front() else {
                 break;
             };
             occupied += s.places();
+            held += needs;
             self.running.push(s);
         }
+    }
+
+    /// Plans which tokens each running sequence steps: one for every decoding sequence
+    /// first, then prompt chunks in arrival order while the step's token budget lasts.
+    fn plan_tokens(&mut self) {
         self.planned.clear();
         let mut budget = self.limits.max_tokens_per_step;
         for (i, s) in self.running.iter().enumerate() {
@@ -320,17 +417,56 @@ impl<S> Batcher<S> {
             }
         }
         let decoding = self.planned.len();
-        for (i, s) in self.running.iter().enumerate() {
-            if !s.decoding() && budget > 0 {
-                let chunk = (s.prompt.len() - s.prefilled)
-                    .min(budget)
-                    .min(self.limits.prefill_chunk);
-                self.planned.push((i, chunk));
-                budget -= chunk;
+        let mut prefilling: Vec<usize> = (0..self.running.len())
+            .filter(|&i| !self.running[i].decoding())
+            .collect();
+        prefilling.sort_by_key(|&i| self.running[i].arrival);
+        for i in prefilling {
+            if budget == 0 {
+                break;
             }
+            let s = &self.running[i];
+            let chunk = (s.prompt.len() - s.prefilled)
+                .min(budget)
+                .min(self.limits.prefill_chunk);
+            self.planned.push((i, chunk));
+            budget -= chunk;
         }
         self.planned_prompt_tokens = self.limits.max_tokens_per_step - budget - decoding;
         self.planned.sort_unstable();
+    }
+
+    /// Blocks the running sequences would hold after the planned step.
+    fn step_blocks(&self, kv: &KvBudget) -> usize {
+        let mut planned = self.planned.iter().peekable();
+        (0..self.running.len())
+            .map(|i| {
+                let tokens = planned.next_if(|(p, _)| *p == i).map_or(0, |&(_, t)| t);
+                kv.blocks_for(self.running[i].cache.len() + tokens)
+            })
+            .sum()
+    }
+
+    /// Admits waiting sequences into free places and plans the next step: one token for
+    /// every decoding sequence first (their latency is what users feel between tokens), then
+    /// prompt chunks in arrival order while the step's token budget lasts. Returns the step's
+    /// inputs, empty when there is nothing to do.
+    pub fn plan_step(&mut self) -> Vec<SequenceStep<'_>> {
+        self.admit();
+        self.plan_tokens();
+        if let Some(kv) = self.limits.kv {
+            // Preempt the latest arrivals until the step's new blocks fit.
+            while self.running.len() > 1 && self.step_blocks(&kv) > kv.blocks {
+                let latest = (0..self.running.len())
+                    .max_by_key(|&i| self.running[i].arrival)
+                    .unwrap_or(0);
+                let mut s = self.running.swap_remove(latest);
+                s.preempt();
+                self.preemptions += 1;
+                self.waiting.push_front(s);
+                self.plan_tokens();
+            }
+        }
         let mut planned = self.planned.iter().peekable();
         let mut steps = Vec::with_capacity(self.planned.len());
         for (i, s) in self.running.iter_mut().enumerate() {
@@ -456,6 +592,7 @@ mod tests {
             max_tokens_per_step: 6,
             max_waiting: 2,
             prefill_chunk: 4,
+            kv: None,
         }
     }
 
@@ -671,6 +808,113 @@ mod tests {
             }
         ));
         assert!(!b.has_work());
+    }
+
+    /// Plans and runs steps until nothing is left (each step's caches advanced as the
+    /// engine would, every sequence given token 1), checking after each plan that the
+    /// running sequences stay within `kv` unless one runs alone; returns every event.
+    fn run_to_the_end(b: &mut Batcher<u32>, kv: KvBudget) -> Vec<(u32, SequenceEvent)> {
+        let mut events = Vec::new();
+        for _ in 0..200 {
+            let mut steps = b.plan_step();
+            if steps.is_empty() {
+                return events;
+            }
+            for step in &mut steps {
+                step.cache.advance(step.tokens.len());
+            }
+            let n = steps.len();
+            drop(steps);
+            let (held, total) = b.kv_blocks().unwrap();
+            assert_eq!(total, kv.blocks);
+            assert!(held <= kv.blocks || b.running() == 1, "{held} blocks held");
+            b.complete_step(vec![logits_for(1); n], host_fork, |id, e| {
+                events.push((*id, e));
+                true
+            });
+        }
+        panic!("the batch never emptied");
+    }
+
+    #[test]
+    fn a_full_kv_budget_preempts_the_latest_arrival_which_resumes_and_finishes() {
+        let cfg = config();
+        let kv = KvBudget {
+            block_tokens: 4,
+            blocks: 5,
+        };
+        let mut b = Batcher::new(
+            BatchLimits {
+                kv: Some(kv),
+                ..limits()
+            },
+            vec![],
+        );
+        // Each needs 2 blocks for its prompt and grows to 12 positions (3 blocks): both fit
+        // at first, not both at the end.
+        b.submit(sequence(&cfg, 6, 6, 0)).unwrap();
+        b.submit(sequence(&cfg, 6, 6, 1)).unwrap();
+        let events = run_to_the_end(&mut b, kv);
+        assert!(b.preemptions() >= 1, "nothing was preempted");
+        for id in [0, 1] {
+            let mine: Vec<&SequenceEvent> = events
+                .iter()
+                .filter(|(i, _)| *i == id)
+                .map(|(_, e)| e)
+                .collect();
+            // Six tokens each, none repeated or lost by the preemption, then the end, with
+            // the client's prompt length.
+            assert_eq!(mine.len(), 7, "sequence {id}: {mine:?}");
+            assert!(mine[..6].iter().all(|e| **e == token(0, 1)));
+            assert_eq!(
+                *mine[6],
+                SequenceEvent::Finished {
+                    choice: 0,
+                    reason: FinishReason::Length,
+                    prompt_tokens: 6,
+                    completion_tokens: 6
+                }
+            );
+        }
+        // The first arrival ran through: the second was the one preempted.
+        let first_end = events
+            .iter()
+            .position(|(i, e)| *i == 0 && matches!(e, SequenceEvent::Finished { .. }));
+        let second_end = events
+            .iter()
+            .position(|(i, e)| *i == 1 && matches!(e, SequenceEvent::Finished { .. }));
+        assert!(first_end < second_end);
+    }
+
+    #[test]
+    fn a_prompt_waits_until_its_blocks_are_free() {
+        let cfg = config();
+        let kv = KvBudget {
+            block_tokens: 4,
+            blocks: 3,
+        };
+        let mut b = Batcher::new(
+            BatchLimits {
+                kv: Some(kv),
+                ..limits()
+            },
+            vec![],
+        );
+        // 7 prompt positions and one more: 2 blocks; the second prompt needs 2 as well.
+        b.submit(sequence(&cfg, 7, 1, 0)).unwrap();
+        b.submit(sequence(&cfg, 7, 1, 1)).unwrap();
+        assert_eq!(plan(&mut b), vec![4], "only the first is admitted");
+        assert_eq!(b.running(), 1);
+        assert_eq!(b.waiting(), 1);
+        let events = run_to_the_end(&mut b, kv);
+        assert_eq!(b.preemptions(), 0);
+        assert_eq!(
+            events
+                .iter()
+                .filter(|(_, e)| matches!(e, SequenceEvent::Finished { .. }))
+                .count(),
+            2
+        );
     }
 
     fn limits_for_three() -> BatchLimits {

@@ -106,6 +106,37 @@ impl KvCache {
         }
     }
 
+    /// Forgets every cached position and gives the memory back (a preempted sequence
+    /// recomputes its cache when it runs again).
+    pub(crate) fn release(&mut self) {
+        self.len = 0;
+        for layer in &mut self.layers {
+            layer.first = Vec::new();
+            layer.second = Vec::new();
+        }
+        if let Some(device) = &mut self.device {
+            device.release();
+        }
+    }
+
+    /// Bytes one cached position takes in each of `layers` layers (f32 on the host and on
+    /// a GPU alike).
+    pub fn bytes_per_position(cfg: &ModelConfig) -> usize {
+        let widths = match cfg.attention {
+            AttentionConfig::Gqa {
+                num_kv_heads,
+                head_dim,
+                ..
+            } => 2 * num_kv_heads * head_dim,
+            AttentionConfig::Mla {
+                kv_lora_rank,
+                qk_rope_head_dim,
+                ..
+            } => kv_lora_rank + qk_rope_head_dim,
+        };
+        cfg.num_layers * widths * 4
+    }
+
     /// Bytes held, for memory accounting (GPU memory for a cache on a GPU).
     pub fn bytes(&self) -> usize {
         if let Some(device) = &self.device {

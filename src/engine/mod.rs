@@ -180,6 +180,13 @@ impl Engine {
         self.experts = wrap(self.experts.clone());
     }
 
+    /// Free memory of the GPU the KV caches live on; `None` when they are in host memory.
+    pub fn cache_gpu_free_memory(&self) -> Option<Result<usize, CudaError>> {
+        let gpu = self.gpu.as_ref()?;
+        let model = gpu.lock().unwrap_or_else(|e| e.into_inner());
+        Some(model.free_memory())
+    }
+
     pub fn new_cache(&self) -> KvCache {
         match &self.gpu {
             Some(_) => KvCache::on_device(DeviceCache::new(&self.config)),

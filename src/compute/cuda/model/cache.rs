@@ -50,6 +50,14 @@ impl DeviceCache {
         }
     }
 
+    /// Gives the GPU memory back (freed in stream order); the cache grows again from empty.
+    pub fn release(&mut self) {
+        for layer in &mut self.layers {
+            *layer = [None, None];
+        }
+        self.capacity = 0;
+    }
+
     /// Bytes of GPU memory held.
     pub fn bytes(&self) -> usize {
         self.layers.len() * self.capacity * (self.widths[0] + self.widths[1]) * 4

@@ -178,6 +178,11 @@ impl GpuModel {
     }
 
     /// A copy of the first `positions` positions of `cache`, in new GPU memory.
+    /// Free memory on this model's GPU now.
+    pub fn free_memory(&self) -> Result<usize, CudaError> {
+        Ok(self.stream.context().mem_get_info()?.0)
+    }
+
     pub fn copy_cache(
         &self,
         cache: &DeviceCache,
