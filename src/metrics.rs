@@ -29,6 +29,11 @@ pub struct NodeMetrics {
     pub kv_cache_blocks: Gauge,
     /// Sequences preempted for KV cache room (recomputed later).
     pub preemptions: Counter,
+    /// Prompts that started from a kept prefix, and the prompt tokens that saved.
+    pub prefix_cache_hits: Counter,
+    pub prefix_cache_hit_tokens: Counter,
+    /// KV cache blocks the kept prefixes hold.
+    pub prefix_cache_blocks: Gauge,
     /// Constrained decoding's cost (structured output, forced tool calls).
     pub grammar: crate::engine::grammar::GrammarMetrics,
     peer_latency: PeerLatency,
@@ -102,6 +107,24 @@ impl NodeMetrics {
             "Running sequences whose KV caches were released for room, to be recomputed",
             preemptions.clone(),
         );
+        let prefix_cache_hits = Counter::default();
+        let prefix_cache_hit_tokens = Counter::default();
+        let prefix_cache_blocks = Gauge::default();
+        registry.register(
+            "prefix_cache_blocks",
+            "KV cache blocks the kept prompt prefixes hold (within the budget)",
+            prefix_cache_blocks.clone(),
+        );
+        registry.register(
+            "prefix_cache_hits",
+            "Prompts that started from a kept prefix's KV cache",
+            prefix_cache_hits.clone(),
+        );
+        registry.register(
+            "prefix_cache_hit_tokens",
+            "Prompt tokens not prefilled because a kept prefix stood for them",
+            prefix_cache_hit_tokens.clone(),
+        );
         let grammar = crate::engine::grammar::GrammarMetrics::default();
         registry.register(
             "grammar_masks",
@@ -139,6 +162,9 @@ impl NodeMetrics {
             kv_cache_blocks_used,
             kv_cache_blocks,
             preemptions,
+            prefix_cache_hits,
+            prefix_cache_hit_tokens,
+            prefix_cache_blocks,
             grammar,
         }
     }

@@ -248,6 +248,7 @@ impl Node {
             max_waiting: config.batching.max_waiting,
             prefill_chunk: PREFILL_CHUNK,
             kv,
+            prefix_cache_entries: config.batching.prefix_cache_entries,
         };
         // The node serves no longer a context than the KV budget holds for one sequence.
         let model = match kv {

@@ -429,13 +429,14 @@ proptest! {
             max_waiting: 4,
             prefill_chunk: 4,
             kv: None,
+            prefix_cache_entries: 0,
         };
         let mut batcher: Batcher<usize> = Batcher::new(limits, vec![EOS]);
         let mut ledger = Ledger::default();
         let mut submitted = 0usize;
         let mut max_tokens = HashMap::new();
         let run_step = |batcher: &mut Batcher<usize>, ledger: &mut Ledger, eos: &[bool], gone: &[bool]| {
-            let planned = batcher.plan_step().len();
+            let planned = batcher.plan_step(|c: &KvCache| c.host_copy().ok_or(moe_node::engine::EngineError::ForeignCache)).len();
             let logits = (0..planned)
                 .map(|i| logits_for(if eos.get(i).copied().unwrap_or(false) { EOS } else { 3 }))
                 .collect();
@@ -494,7 +495,7 @@ proptest! {
                 }
                 Op::Step { eos, gone } => run_step(&mut batcher, &mut ledger, &eos, &gone),
                 Op::FailStep => {
-                    batcher.plan_step();
+                    batcher.plan_step(|c: &KvCache| c.host_copy().ok_or(moe_node::engine::EngineError::ForeignCache));
                     let error = moe_node::engine::EngineError::EmptyPrompt;
                     let mut failed = Vec::new();
                     batcher.fail_step(&error, |&mut id, event| {

@@ -337,6 +337,10 @@ fn a_full_kv_cache_preempts_and_recomputes_instead_of_failing() {
         assert_eq!(a, t, "request {i}");
     }
     assert!(server.metric("moe_node_preemptions_total") > 0.0);
+    // The alone runs kept their prompts' whole blocks (two each), the batched ones started
+    // from them, as did the preempted ones when they came back.
+    assert!(server.metric("moe_node_prefix_cache_hits_total") >= 8.0);
+    assert!(server.metric("moe_node_prefix_cache_blocks") > 0.0);
     assert_eq!(server.metric("moe_node_kv_cache_blocks"), 51.0);
     assert_eq!(
         server.metric("moe_node_kv_cache_blocks_used"),
@@ -349,6 +353,38 @@ fn a_full_kv_cache_preempts_and_recomputes_instead_of_failing() {
     assert_eq!(resp.status(), StatusCode::BAD_REQUEST);
     let body: Value = resp.json().unwrap();
     assert_eq!(body["error"]["code"], "context_length_exceeded", "{body}");
+}
+
+/// A prompt that starts with whole blocks of an earlier one prefills only the rest, from a
+/// copy of the kept cache, and gives what a fresh process gives.
+#[test]
+fn a_shared_prompt_prefix_is_reused_and_changes_no_token() {
+    let server = Server::start("[devices]\nbackend = \"cpu\"\n");
+    server.wait_ready();
+    let first: Vec<u32> = (0..100).map(|k| 1 + (k * 13) % 250).collect();
+    let mut second = first[..80].to_vec();
+    second.extend((0..20).map(|k| 7 + k * 3));
+    let complete = |prompt: &[u32]| {
+        let reply = server.post_ok(
+            "/v1/completions",
+            &json!({"prompt": prompt, "max_tokens": 24, "temperature": 0,
+                    "return_token_ids": true}),
+        );
+        ids(&reply["choices"][0]["token_ids"])
+    };
+    let hits = || server.metric("moe_node_prefix_cache_hits_total");
+    let saved = || server.metric("moe_node_prefix_cache_hit_tokens_total");
+    let a = complete(&first);
+    assert_eq!((hits(), saved()), (0.0, 0.0));
+    // 96 of the first prompt's 100 positions were kept (six blocks); the second shares 80.
+    let b = complete(&second);
+    assert_eq!((hits(), saved()), (1.0, 80.0));
+    // The same prompt again: 96 positions reused, the last 4 prefilled.
+    let again = complete(&first);
+    assert_eq!((hits(), saved()), (2.0, 176.0));
+    assert_eq!(a, again);
+    assert_eq!(a, generate_cli(&server, &first, 24));
+    assert_eq!(b, generate_cli(&server, &second, 24));
 }
 
 #[test]

@@ -31,8 +31,9 @@ pub struct RouterActor {
     metrics: Arc<NodeMetrics>,
     step_scheduled: bool,
     clock: Arc<StepClock>,
-    /// Preemptions already added to the metrics.
+    /// Preemptions, prefix hits and the tokens they saved, already added to the metrics.
     preemptions_reported: u64,
+    prefix_hits_reported: (u64, u64),
 }
 
 /// When the step in progress began, so that a router that no longer steps (a device that
@@ -181,6 +182,7 @@ impl RouterActor {
             step_scheduled: false,
             clock: Arc::new(StepClock::new()),
             preemptions_reported: 0,
+            prefix_hits_reported: (0, 0),
         }
     }
 
@@ -216,6 +218,16 @@ impl RouterActor {
             .preemptions
             .inc_by(preemptions - self.preemptions_reported);
         self.preemptions_reported = preemptions;
+        metrics
+            .prefix_cache_blocks
+            .set(self.batcher.prefix_blocks() as i64);
+        let (hits, tokens) = self.batcher.prefix_hits();
+        let (reported_hits, reported_tokens) = self.prefix_hits_reported;
+        metrics.prefix_cache_hits.inc_by(hits - reported_hits);
+        metrics
+            .prefix_cache_hit_tokens
+            .inc_by(tokens - reported_tokens);
+        self.prefix_hits_reported = (hits, tokens);
     }
 }
 
@@ -271,7 +283,8 @@ impl Handler<Step> for RouterActor {
         if cancelled > 0 {
             tracing::debug!(cancelled, "clients went away; their sequences were dropped");
         }
-        let mut steps = self.batcher.plan_step();
+        let engine = &self.engine;
+        let mut steps = self.batcher.plan_step(|cache| engine.fork_cache(cache));
         if !steps.is_empty() {
             self.clock.begin(Instant::now());
             let result = self.engine.forward(&mut steps);

@@ -274,6 +274,10 @@ pub struct BatchingConfig {
     /// wait while it is full, and the latest are preempted (recomputed later) rather than
     /// failed; the node serves a context no longer than it holds.
     pub kv_cache_mib: usize,
+    /// Prompt prefixes whose KV caches are kept for reuse (whole blocks of 16 positions): a
+    /// prompt starting with one prefills only the rest. The copies count against the KV
+    /// budget and go first when it is short. 0: none kept.
+    pub prefix_cache_entries: usize,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -583,6 +587,7 @@ impl Default for BatchingConfig {
             max_prompt_tokens: 8192,
             default_max_tokens: 256,
             kv_cache_mib: 0,
+            prefix_cache_entries: 16,
         }
     }
 }
@@ -819,6 +824,11 @@ impl NodeConfig {
             ),
             ("batching.max_waiting", self.batching.max_waiting, 1 << 20),
             ("batching.kv_cache_mib", self.batching.kv_cache_mib, 1 << 30),
+            (
+                "batching.prefix_cache_entries",
+                self.batching.prefix_cache_entries,
+                4096,
+            ),
             (
                 "batching.max_prompt_tokens",
                 self.batching.max_prompt_tokens,

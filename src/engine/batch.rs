@@ -9,6 +9,7 @@ use super::generate::FinishReason;
 use super::grammar::Constraint;
 use super::kv_cache::KvCache;
 use super::logprobs::{TokenLogprobs, token_logprobs};
+use super::prefix::PrefixStore;
 use super::sampling::{Sampler, SamplingParams};
 use super::{EngineError, SequenceStep};
 
@@ -24,6 +25,8 @@ pub struct BatchLimits {
     pub prefill_chunk: usize,
     /// The KV cache memory the running sequences may hold; `None`: no bound.
     pub kv: Option<KvBudget>,
+    /// Prompt prefixes kept for reuse at most ([`PrefixStore`]); 0: none.
+    pub prefix_cache_entries: usize,
 }
 
 /// KV cache memory counted in blocks of `block_tokens` positions of one sequence (what a
@@ -299,6 +302,7 @@ pub struct Batcher<S> {
     planned_prompt_tokens: usize,
     arrivals: u64,
     preemptions: u64,
+    prefixes: PrefixStore,
 }
 
 impl<S> Batcher<S> {
@@ -312,7 +316,16 @@ impl<S> Batcher<S> {
             planned_prompt_tokens: 0,
             arrivals: 0,
             preemptions: 0,
+            prefixes: PrefixStore::new(
+                limits.kv.map_or(16, |kv| kv.block_tokens),
+                limits.prefix_cache_entries,
+            ),
         }
+    }
+
+    /// Prompts that started from a kept prefix, and the prompt tokens that saved.
+    pub fn prefix_hits(&self) -> (u64, u64) {
+        self.prefixes.hits()
     }
 
     /// Sequences preempted so far (their caches released, to be recomputed).
@@ -324,6 +337,11 @@ impl<S> Batcher<S> {
     /// budget).
     pub fn kv_blocks(&self) -> Option<(usize, usize)> {
         self.limits.kv.map(|kv| (self.blocks_held(&kv), kv.blocks))
+    }
+
+    /// KV cache blocks the kept prompt prefixes hold (within the budget).
+    pub fn prefix_blocks(&self) -> usize {
+        self.prefixes.blocks()
     }
 
     fn blocks_held(&self, kv: &KvBudget) -> usize {
@@ -379,7 +397,7 @@ impl<S> Batcher<S> {
     /// Moves waiting sequences into free places (and, with a KV budget, while the blocks
     /// their prompts need fit beside what the running ones hold or will hold once their
     /// prompts are in, one position more each).
-    fn admit(&mut self) {
+    fn admit(&mut self, copy: &mut impl FnMut(&KvCache) -> Result<KvCache, EngineError>) {
         let mut occupied: usize = self.running.iter().map(Sequence::places).sum();
         let reserved = |kv: &KvBudget, s: &Sequence<S>| {
             kv.blocks_for(s.cache.len().max(s.prompt.len()) + 1) * s.places()
@@ -392,13 +410,27 @@ impl<S> Batcher<S> {
             // A request with more choices than places still gets in, alone.
             let fits = occupied + next.places() <= self.limits.max_sequences;
             let needs = self.limits.kv.map_or(0, |kv| reserved(&kv, next));
-            let room = self.limits.kv.is_none_or(|kv| held + needs <= kv.blocks);
+            let room = self
+                .limits
+                .kv
+                .is_none_or(|kv| held + needs + self.prefixes.blocks() <= kv.blocks);
+            if fits && !room && self.prefixes.evict_oldest() {
+                continue;
+            }
             if !(fits && room) && occupied > 0 {
                 break;
             }
-            let Some(s) = self.waiting.pop_front() else {
+            let Some(mut s) = self.waiting.pop_front() else {
                 break;
             };
+            // A prompt whose log probabilities are wanted computes every position.
+            if s.cache.is_empty()
+                && s.prompt_logprobs.is_none()
+                && let Some((cache, positions)) = self.prefixes.reuse(&s.prompt, copy)
+            {
+                s.cache = cache;
+                s.prefilled = positions;
+            }
             occupied += s.places();
             held += needs;
             self.running.push(s);
@@ -447,16 +479,27 @@ impl<S> Batcher<S> {
             .sum()
     }
 
-    /// Admits waiting sequences into free places and plans the next step: one token for
+    /// Admits waiting sequences into free places (from a copy of a kept prefix's cache when
+    /// one matches, made by `copy`) and plans the next step: one token for
     /// every decoding sequence first (their latency is what users feel between tokens), then
     /// prompt chunks in arrival order while the step's token budget lasts. Returns the step's
     /// inputs, empty when there is nothing to do.
-    pub fn plan_step(&mut self) -> Vec<SequenceStep<'_>> {
-        self.admit();
+    pub fn plan_step(
+        &mut self,
+        mut copy: impl FnMut(&KvCache) -> Result<KvCache, EngineError>,
+    ) -> Vec<SequenceStep<'_>> {
+        self.admit(&mut copy);
         self.plan_tokens();
         if let Some(kv) = self.limits.kv {
-            // Preempt the latest arrivals until the step's new blocks fit.
-            while self.running.len() > 1 && self.step_blocks(&kv) > kv.blocks {
+            // Drop kept prefixes, then preempt the latest arrivals, until the step's new
+            // blocks fit.
+            while self.step_blocks(&kv) + self.prefixes.blocks() > kv.blocks {
+                if self.prefixes.evict_oldest() {
+                    continue;
+                }
+                if self.running.len() <= 1 {
+                    break;
+                }
                 let latest = (0..self.running.len())
                     .max_by_key(|&i| self.running[i].arrival)
                     .unwrap_or(0);
@@ -524,6 +567,7 @@ impl<S> Batcher<S> {
                 if !s.decoding() {
                     continue;
                 }
+                self.prefixes.keep(&s.prompt, &s.cache, &mut fork_cache);
                 if s.prompt_logprobs.is_some() {
                     let prompt = std::mem::take(&mut s.prompt_logprobs_so_far);
                     if !emit(&mut s.sink, SequenceEvent::PromptLogprobs(prompt)) {
@@ -593,6 +637,7 @@ mod tests {
             max_waiting: 2,
             prefill_chunk: 4,
             kv: None,
+            prefix_cache_entries: 0,
         }
     }
 
@@ -627,7 +672,10 @@ mod tests {
     }
 
     fn plan(b: &mut Batcher<u32>) -> Vec<usize> {
-        b.plan_step().iter().map(|s| s.tokens.len()).collect()
+        b.plan_step(host_fork)
+            .iter()
+            .map(|s| s.tokens.len())
+            .collect()
     }
 
     #[test]
@@ -720,7 +768,7 @@ mod tests {
             .with_choices(3)
             .with_prompt_logprobs(Some(1));
         b.submit(sequence).unwrap();
-        let steps = b.plan_step();
+        let steps = b.plan_step(host_fork);
         assert_eq!(steps.len(), 1);
         assert!(steps[0].all_logits);
         drop(steps);
@@ -816,7 +864,7 @@ mod tests {
     fn run_to_the_end(b: &mut Batcher<u32>, kv: KvBudget) -> Vec<(u32, SequenceEvent)> {
         let mut events = Vec::new();
         for _ in 0..200 {
-            let mut steps = b.plan_step();
+            let mut steps = b.plan_step(host_fork);
             if steps.is_empty() {
                 return events;
             }

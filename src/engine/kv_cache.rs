@@ -27,6 +27,18 @@ pub struct KvCache {
     len: usize,
 }
 
+impl LayerCache {
+    /// Values per position in `first`.
+    pub fn first_width(&self) -> usize {
+        self.first_width
+    }
+
+    /// Values per position in `second`.
+    pub fn second_width(&self) -> usize {
+        self.second_width
+    }
+}
+
 impl KvCache {
     pub fn new(cfg: &ModelConfig) -> Self {
         let (first_width, second_width) = match cfg.attention {
@@ -104,6 +116,12 @@ impl KvCache {
             layer.first.truncate(self.len * layer.first_width);
             layer.second.truncate(self.len * layer.second_width);
         }
+    }
+
+    /// Keeps only the first `len` cached positions.
+    pub(crate) fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+        self.rollback();
     }
 
     /// Forgets every cached position and gives the memory back (a preempted sequence

@@ -10,6 +10,7 @@ pub mod gpu;
 pub mod grammar;
 pub mod kv_cache;
 pub mod logprobs;
+pub mod prefix;
 pub mod rope;
 pub mod sampling;
 mod step_pool;

@@ -1,0 +1,214 @@
+//! Prompt prefixes kept for reuse: when a prompt has been prefilled, a copy of its KV cache
+//! (whole blocks of it) is kept, and a later prompt that starts with the same blocks of
+//! tokens (a shared system prompt, a conversation's earlier turns, a sequence preempted and
+//! recomputing) starts from a copy of it and prefills only the rest. The caches are copies,
+//! not shared pages (the caches are contiguous), so reuse saves compute and time to first
+//! token, not memory; the kept copies count against the KV budget and are dropped, oldest
+//! first, before any running sequence is preempted.
+
+use super::EngineError;
+use super::kv_cache::KvCache;
+
+struct Entry {
+    /// The prefix, a whole number of blocks.
+    tokens: Vec<u32>,
+    /// Its cache, holding exactly `tokens.len()` positions.
+    cache: KvCache,
+}
+
+pub struct PrefixStore {
+    block_tokens: usize,
+    max_entries: usize,
+    /// Least recently used first.
+    entries: Vec<Entry>,
+    hits: u64,
+    hit_tokens: u64,
+}
+
+impl PrefixStore {
+    pub fn new(block_tokens: usize, max_entries: usize) -> Self {
+        PrefixStore {
+            block_tokens: block_tokens.max(1),
+            max_entries,
+            entries: Vec::new(),
+            hits: 0,
+            hit_tokens: 0,
+        }
+    }
+
+    /// Prompts that started from a kept prefix, and the prompt tokens they did not prefill.
+    pub fn hits(&self) -> (u64, u64) {
+        (self.hits, self.hit_tokens)
+    }
+
+    /// Blocks the kept caches hold.
+    pub fn blocks(&self) -> usize {
+        self.entries
+            .iter()
+            .map(|e| e.tokens.len() / self.block_tokens)
+            .sum()
+    }
+
+    /// Drops the least recently used prefix; false when none is kept.
+    pub fn evict_oldest(&mut self) -> bool {
+        if self.entries.is_empty() {
+            return false;
+        }
+        self.entries.remove(0);
+        true
+    }
+
+    /// Positions of `prompt` a kept prefix can stand for: whole blocks in common, leaving at
+    /// least one prompt token to compute (its logits choose the next token).
+    fn reusable(&self, entry: &Entry, prompt: &[u32]) -> usize {
+        let common = entry
+            .tokens
+            .iter()
+            .zip(prompt)
+            .take_while(|(a, b)| a == b)
+            .count();
+        let limit = prompt.len().saturating_sub(1);
+        common.min(limit) / self.block_tokens * self.block_tokens
+    }
+
+    /// A copy of the cache of the longest kept prefix of `prompt`, cut to the positions it
+    /// stands for, and that number; `None` when no whole block is in common.
+    pub fn reuse(
+        &mut self,
+        prompt: &[u32],
+        copy: &mut impl FnMut(&KvCache) -> Result<KvCache, EngineError>,
+    ) -> Option<(KvCache, usize)> {
+        let (best, positions) = self
+            .entries
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (i, self.reusable(e, prompt)))
+            .max_by_key(|&(_, positions)| positions)?;
+        if positions == 0 {
+            return None;
+        }
+        let mut cache = copy(&self.entries[best].cache).ok()?;
+        cache.truncate(positions);
+        let entry = self.entries.remove(best);
+        self.entries.push(entry);
+        self.hits += 1;
+        self.hit_tokens += positions as u64;
+        Some((cache, positions))
+    }
+
+    /// Keeps the whole blocks of `prompt` that `cache` holds (just prefilled), unless a kept
+    /// prefix already covers them.
+    pub fn keep(
+        &mut self,
+        prompt: &[u32],
+        cache: &KvCache,
+        copy: &mut impl FnMut(&KvCache) -> Result<KvCache, EngineError>,
+    ) {
+        if self.max_entries == 0 {
+            return;
+        }
+        let positions = cache.len().min(prompt.len()) / self.block_tokens * self.block_tokens;
+        if positions == 0 {
+            return;
+        }
+        let tokens = &prompt[..positions];
+        if let Some(i) = self
+            .entries
+            .iter()
+            .position(|e| e.tokens.len() >= positions && e.tokens[..positions] == *tokens)
+        {
+            let entry = self.entries.remove(i);
+            self.entries.push(entry);
+            return;
+        }
+        // A shorter kept prefix of this one is superseded.
+        self.entries
+            .retain(|e| !(e.tokens.len() < positions && tokens[..e.tokens.len()] == e.tokens));
+        let Ok(mut kept) = copy(cache) else {
+            return;
+        };
+        kept.truncate(positions);
+        self.entries.push(Entry {
+            tokens: tokens.to_vec(),
+            cache: kept,
+        });
+        while self.entries.len() > self.max_entries {
+            self.entries.remove(0);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::ModelConfig;
+
+    fn cache_of(len: usize) -> KvCache {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3_moe");
+        let mut cache = KvCache::new(&ModelConfig::load(&dir).unwrap());
+        for layer in &mut cache.layers {
+            let (a, b) = (layer.first_width(), layer.second_width());
+            layer.first = (0..len * a).map(|v| v as f32).collect();
+            layer.second = (0..len * b).map(|v| v as f32).collect();
+        }
+        cache.advance(len);
+        cache
+    }
+
+    fn copy(cache: &KvCache) -> Result<KvCache, EngineError> {
+        cache.host_copy().ok_or(EngineError::ForeignCache)
+    }
+
+    #[test]
+    fn the_longest_prefix_in_whole_blocks_is_reused_leaving_a_token_to_compute() {
+        let mut store = PrefixStore::new(4, 2);
+        let prompt: Vec<u32> = (0..11).collect();
+        store.keep(&prompt, &cache_of(11), &mut copy);
+        assert_eq!(store.blocks(), 2, "8 of 11 positions: two whole blocks");
+        // Shares 10 tokens: two whole blocks.
+        let mut other: Vec<u32> = (0..10).collect();
+        other.extend([99, 98]);
+        let (cache, positions) = store.reuse(&other, &mut copy).unwrap();
+        assert_eq!((positions, cache.len()), (8, 8));
+        assert_eq!(
+            cache.layers[0].first.len(),
+            8 * cache.layers[0].first_width()
+        );
+        // The same 8-token prompt: at most 7 positions may be reused, so one block.
+        let (_, positions) = store.reuse(&prompt[..8], &mut copy).unwrap();
+        assert_eq!(positions, 4);
+        // Nothing in common, or less than a block.
+        assert!(store.reuse(&[5, 6, 7, 8, 9], &mut copy).is_none());
+        assert!(store.reuse(&[0, 1, 2, 9, 9, 9], &mut copy).is_none());
+        assert_eq!(store.hits(), (2, 12));
+    }
+
+    #[test]
+    fn kept_prefixes_are_bounded_superseded_and_evicted_oldest_first() {
+        let mut store = PrefixStore::new(4, 2);
+        let a: Vec<u32> = (0..8).collect();
+        store.keep(&a[..4], &cache_of(4), &mut copy);
+        store.keep(&a, &cache_of(8), &mut copy);
+        assert_eq!(
+            store.blocks(),
+            2,
+            "the longer prefix replaced the shorter one"
+        );
+        store.keep(&a, &cache_of(8), &mut copy);
+        assert_eq!(store.blocks(), 2, "kept once");
+        let b: Vec<u32> = (100..108).collect();
+        let c: Vec<u32> = (200..204).collect();
+        store.keep(&b, &cache_of(8), &mut copy);
+        store.keep(&c, &cache_of(4), &mut copy);
+        assert_eq!(store.blocks(), 3, "two entries at most: `a` went");
+        assert!(
+            store
+                .reuse(&[0, 1, 2, 3, 4, 5, 6, 7, 8], &mut copy)
+                .is_none()
+        );
+        assert!(store.evict_oldest());
+        assert!(store.evict_oldest());
+        assert!(!store.evict_oldest());
+        assert_eq!(store.blocks(), 0);
+    }
+}
