@@ -33,6 +33,12 @@ fn config_only(dir: &Path, name: &str) -> PathBuf {
 }
 
 fn generate(model: &Path, extra: &[&str]) -> Output {
+    generate_tokens(model, 6, extra)
+}
+
+/// `moe-node generate --json` of `max_tokens` after the prompt 3,17,42,7.
+fn generate_tokens(model: &Path, max_tokens: usize, extra: &[&str]) -> Output {
+    let max_tokens = max_tokens.to_string();
     let mut args = vec![
         "generate",
         "--model",
@@ -40,7 +46,7 @@ fn generate(model: &Path, extra: &[&str]) -> Output {
         "--prompt-ids",
         "3,17,42,7",
         "--max-tokens",
-        "6",
+        &max_tokens,
         "--json",
     ];
     args.extend_from_slice(extra);
@@ -143,21 +149,7 @@ fn a_node_serves_a_dummy_model_over_http() {
     assert_eq!(reply["usage"]["prompt_tokens"], 4, "{reply}");
     // The node and `generate` load the same weights: the same greedy tokens.
     let alone: Value = serde_json::from_slice(
-        &moe_node(&[
-            "generate",
-            "--model",
-            model.to_str().unwrap(),
-            "--prompt-ids",
-            "3,17,42,7",
-            "--max-tokens",
-            "5",
-            "--json",
-            "--load-format",
-            "dummy",
-            "--num-layers",
-            "2",
-        ])
-        .stdout,
+        &generate_tokens(&model, 5, &["--load-format", "dummy", "--num-layers", "2"]).stdout,
     )
     .unwrap();
     assert_eq!(

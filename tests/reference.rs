@@ -84,7 +84,7 @@ impl ExpertExecutor for RoutingLog {
         let rows = plan.source_rows.iter().max().map_or(0, |&r| r as usize + 1);
         let mut routed = vec![Vec::new(); rows];
         for (i, &expert) in plan.experts.iter().enumerate() {
-            for &row in &plan.source_rows[plan.offsets[i]..plan.offsets[i + 1]] {
+            for &row in &plan.source_rows[plan.group(i)] {
                 routed[row as usize].push(expert);
             }
         }

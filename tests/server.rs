@@ -3,7 +3,6 @@
 
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Command, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use reqwest::StatusCode;
@@ -34,6 +33,35 @@ fn generate_cli(server: &Server, prompt: &[u32], max_tokens: usize) -> Vec<u64> 
     assert!(out.status.success());
     let value: Value = serde_json::from_slice(&out.stdout).unwrap();
     ids(&value["token_ids"])
+}
+
+/// Each request streamed alone, one after another.
+fn streamed_alone(server: &Server, bodies: &[Value]) -> Vec<Vec<u64>> {
+    bodies
+        .iter()
+        .map(|body| {
+            let (events, done) = read_sse(server.post("/v1/completions", body));
+            assert!(done);
+            streamed_ids(&events)
+        })
+        .collect()
+}
+
+/// All the requests streamed at once, each from its own thread.
+fn streamed_together(server: &Server, bodies: &[Value]) -> Vec<Vec<u64>> {
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = bodies
+            .iter()
+            .map(|body| {
+                scope.spawn(move || {
+                    let (events, done) = read_sse(server.post("/v1/completions", body));
+                    assert!(done);
+                    streamed_ids(&events)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
 }
 
 #[test]
@@ -256,28 +284,9 @@ fn thirty_two_concurrent_streams_give_what_they_give_alone() {
             "return_token_ids": true,
         })
     };
-    let alone: Vec<Vec<u64>> = (0..32)
-        .map(|i| {
-            let (events, done) = read_sse(server.post("/v1/completions", &request(i)));
-            assert!(done);
-            streamed_ids(&events)
-        })
-        .collect();
-    let server = Arc::new(server);
-    let together: Vec<Vec<u64>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..32)
-            .map(|i| {
-                let server = server.clone();
-                let body = request(i);
-                scope.spawn(move || {
-                    let (events, done) = read_sse(server.post("/v1/completions", &body));
-                    assert!(done);
-                    streamed_ids(&events)
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    let bodies: Vec<Value> = (0..32).map(request).collect();
+    let alone = streamed_alone(&server, &bodies);
+    let together = streamed_together(&server, &bodies);
     assert_eq!(alone.len(), together.len());
     for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
         assert_eq!(a, t, "request {i}");
@@ -309,29 +318,10 @@ fn a_full_kv_cache_preempts_and_recomputes_instead_of_failing() {
             "return_token_ids": true,
         })
     };
-    let alone: Vec<Vec<u64>> = (0..8)
-        .map(|i| {
-            let (events, done) = read_sse(server.post("/v1/completions", &request(i)));
-            assert!(done);
-            streamed_ids(&events)
-        })
-        .collect();
+    let bodies: Vec<Value> = (0..8).map(request).collect();
+    let alone = streamed_alone(&server, &bodies);
     assert_eq!(server.metric("moe_node_preemptions_total"), 0.0);
-    let server = Arc::new(server);
-    let together: Vec<Vec<u64>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..8)
-            .map(|i| {
-                let server = server.clone();
-                let body = request(i);
-                scope.spawn(move || {
-                    let (events, done) = read_sse(server.post("/v1/completions", &body));
-                    assert!(done);
-                    streamed_ids(&events)
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    let together = streamed_together(&server, &bodies);
     for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
         assert_eq!(a.len(), 100, "request {i}");
         assert_eq!(a, t, "request {i}");
