@@ -202,6 +202,29 @@ extern "C" __global__ void to_f32(const bf16* in, size_t n, float* out) {
     }
 }
 
+// SplitMix64's output function (src/model/dummy.rs).
+__device__ __forceinline__ unsigned long long splitmix(unsigned long long x) {
+    unsigned long long z = x + 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+// The n values of a `--load-format dummy` tensor, made where they are used (a Kimi K2 MoE
+// layer is 34 GB of bf16): value i from the i-th output of SplitMix64 started at `stream`,
+// uniform on [-half_width, half_width), as src/model/dummy.rs's DummyFill::value makes it on
+// the host. The unit value is exact in f32 (even if the compiler fuses its multiply and
+// subtract), and the one product rounds as the host's does, so the bf16 bits are the same.
+extern "C" __global__ void fill_dummy(bf16* out, size_t n, unsigned long long stream,
+                                      float half_width) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        unsigned long long bits = splitmix(stream + (unsigned long long)i * 0x9e3779b97f4a7c15ull);
+        float unit = (float)(bits >> 40) * (1.0f / 8388608.0f) - 1.0f;
+        out[i] = f32_to_bf16(unit * half_width);
+    }
+}
+
 // The expert products of a decode step, where each expert gets a few rows: a grouped
 // matrix-vector product that reads every weight once, at full memory bandwidth, instead of
 // a GEMM tiled for many rows. For each group g, C_g[j][r] = Σ_c A_g[r][c] · B_g[j][c] for

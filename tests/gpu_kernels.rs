@@ -7,9 +7,11 @@ use half::bf16;
 use moe_node::compute::cpu::{Linear, SwiGlu};
 use moe_node::compute::cuda::experts::{ExpertShape, random_bf16 as values};
 use moe_node::compute::cuda::layer::{Gate, GpuMoeLayer};
+use moe_node::compute::cuda::load::{GpuOptions, load_experts};
 use moe_node::compute::cuda::{self, GpuInfo};
-use moe_node::model::ExpertWeights;
 use moe_node::model::config::GatingConfig;
+use moe_node::model::weights::load_expert;
+use moe_node::model::{ExpertWeights, LoadFormat, ModelSource};
 use moe_node::moe::{DispatchPlan, route};
 
 mod common;
@@ -167,6 +169,40 @@ fn softmax_without_renormalising_at_many_experts_matches_the_cpu() {
 struct Dense {
     stream: std::sync::Arc<cudarc::driver::CudaStream>,
     kernels: moe_node::compute::cuda::dense::DenseKernels,
+}
+
+/// `--load-format dummy` makes a GPU's experts on the device: the very bits the host would
+/// make and upload.
+#[test]
+fn dummy_experts_made_on_the_gpu_equal_the_hosts() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let source = ModelSource {
+        dir: std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/kimi_k2"),
+        load_format: LoadFormat::Dummy,
+        num_layers: None,
+    };
+    let config = source.config().unwrap();
+    let checkpoint = source.checkpoint(&config).unwrap();
+    let experts: Vec<(usize, u32)> = (0..config.num_layers)
+        .filter(|&l| config.moe_layers[l])
+        .flat_map(|l| (0..config.moe.num_experts as u32).map(move |e| (l, e)))
+        .collect();
+    let options = GpuOptions {
+        max_rows: 64,
+        memory_fraction: 0.5,
+        kernel_cache: None,
+    };
+    let held = load_experts(&gpu, &options, &checkpoint, &config, &experts).unwrap();
+    for &(layer, expert) in &experts {
+        let device = held.download(layer, expert).unwrap().unwrap();
+        let ExpertWeights::Bf16(host) =
+            load_expert(&checkpoint, &config, layer, expert as usize).unwrap()
+        else {
+            panic!("dummy experts are bf16");
+        };
+        let host: Vec<bf16> = [host.gate.weight, host.up.weight, host.down.weight].concat();
+        assert!(device == host, "layer {layer}, expert {expert}");
+    }
 }
 
 fn dense_or_skip() -> Option<Dense> {

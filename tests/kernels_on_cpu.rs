@@ -14,6 +14,7 @@ use moe_node::compute::cpu::rms_norm;
 use moe_node::compute::cuda::kernels::{DENSE, MOE, full_source};
 use moe_node::model::config::GatingConfig;
 use moe_node::model::config::RopeScaling;
+use moe_node::model::dummy::{DummyFill, DummyWeights};
 use moe_node::moe::{DispatchPlan, Routing, route};
 
 mod common;
@@ -530,4 +531,30 @@ fn grouped_gemv_matches_the_products_in_bf16() {
             );
         }
     }
+}
+
+/// The device's dummy weights (`--load-format dummy` on a GPU) are the host's, bit for bit,
+/// across more than one of the host's chunks.
+#[test]
+fn dummy_weights_made_by_the_kernel_equal_the_hosts() {
+    let Some(exe) = harness() else { return };
+    let dummy = DummyWeights::new(11, false);
+    let name = "model.layers.2.mlp.experts.5.down_proj.weight";
+    let shape = [72, 1000];
+    let DummyFill::Uniform { stream, half_width } = dummy.fill(name, &shape) else {
+        panic!("a matrix is uniform");
+    };
+    let n = shape[0] * shape[1];
+    let out = run(
+        exe,
+        "fill_dummy",
+        &format!("{n} {stream} {}\n", half_width.to_bits()),
+    );
+    let host: Vec<f64> = dummy
+        .bytes(name, &shape)
+        .chunks_exact(2)
+        .map(|b| u16::from_le_bytes([b[0], b[1]]) as f64)
+        .collect();
+    assert_eq!(out[0].len(), n);
+    assert!(out[0] == host, "the kernel's values differ from the host's");
 }

@@ -12,7 +12,7 @@ use memmap2::Mmap;
 use safetensors::tensor::{Dtype, Metadata, SafeTensors};
 
 use super::ModelError;
-use super::dummy::DummyWeights;
+use super::dummy::{DummyFill, DummyWeights};
 
 const SINGLE_FILE: &str = "model.safetensors";
 const INDEX_FILE: &str = "model.safetensors.index.json";
@@ -150,6 +150,13 @@ impl Checkpoint {
     /// Whether the weights are made up rather than read ([`Checkpoint::dummy`]).
     pub fn is_dummy(&self) -> bool {
         self.dummy.is_some()
+    }
+
+    /// How a dummy checkpoint makes tensor `name` of `shape` (`None`: not dummy, or no such
+    /// tensor); reading it gives these values.
+    pub fn dummy_fill(&self, name: &str, shape: &[usize]) -> Option<DummyFill> {
+        let dummy = self.dummy.as_ref()?;
+        dummy.has(name).then(|| dummy.fill(name, shape))
     }
 
     /// A checkpoint whose text model lies under `language_model.` (and no `model.` tensors

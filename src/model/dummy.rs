@@ -42,45 +42,82 @@ impl DummyWeights {
         !(self.tied && name == "lm_head.weight")
     }
 
-    /// The bf16 values of tensor `name` of `shape`, little-endian, as a checkpoint stores
-    /// them.
-    pub fn bytes(&self, name: &str, shape: &[usize]) -> Vec<u8> {
-        let count: usize = shape.iter().product();
-        let constant = |v: f32| bf16::from_f32(v).to_le_bytes().repeat(count);
+    /// How the values of tensor `name` of `shape` are made. A GPU makes its experts' values
+    /// on the device from this (a Kimi K2 MoE layer is 34 GB of bf16), equal to [`bytes`].
+    ///
+    /// [`bytes`]: DummyWeights::bytes
+    pub fn fill(&self, name: &str, shape: &[usize]) -> DummyFill {
         if shape.len() < 2 {
-            return if name.contains("norm") {
-                constant(1.0)
-            } else {
-                constant(0.0)
-            };
+            return DummyFill::Constant(if name.contains("norm") { 1.0 } else { 0.0 });
         }
         let std = if name.contains("embed_tokens") {
             1.0
         } else {
             (shape[shape.len() - 1] as f32).powf(-0.5)
         };
-        // Uniform on [-a, a] has standard deviation a / sqrt(3).
-        let half_width = std * 3f32.sqrt();
-        let stream = splitmix(self.seed ^ fnv1a(name.as_bytes()));
+        DummyFill::Uniform {
+            stream: splitmix(self.seed ^ fnv1a(name.as_bytes())),
+            // Uniform on [-a, a] has standard deviation a / sqrt(3).
+            half_width: std * 3f32.sqrt(),
+        }
+    }
+
+    /// The bf16 values of tensor `name` of `shape`, little-endian, as a checkpoint stores
+    /// them.
+    pub fn bytes(&self, name: &str, shape: &[usize]) -> Vec<u8> {
+        let count: usize = shape.iter().product();
+        let fill = self.fill(name, shape);
         let mut out = vec![0u8; count * 2];
         out.par_chunks_mut(CHUNK * 2)
             .enumerate()
             .for_each(|(chunk, bytes)| {
-                let mut state = splitmix(stream.wrapping_add(chunk as u64));
-                for pair in bytes.chunks_exact_mut(2) {
-                    state = splitmix(state);
-                    // The top 24 bits as a value in [-1, 1).
-                    let unit = (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0;
-                    pair.copy_from_slice(&bf16::from_f32(unit * half_width).to_le_bytes());
+                let first = (chunk * CHUNK) as u64;
+                for (i, pair) in bytes.chunks_exact_mut(2).enumerate() {
+                    pair.copy_from_slice(&fill.value(first + i as u64).to_le_bytes());
                 }
             });
         out
     }
 }
 
+/// How a dummy tensor's values are made: value `i` depends on `i` alone, so any part of a
+/// tensor can be made anywhere (a thread's chunk on the host, a GPU thread's element) and
+/// come out the same. `kernels/moe.cu`'s `fill_dummy` is the device's copy of [`value`].
+///
+/// [`value`]: DummyFill::value
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum DummyFill {
+    Constant(f32),
+    /// Uniform on `[-half_width, half_width)`: value `i` from the `i`-th output of SplitMix64
+    /// started at `stream`.
+    Uniform {
+        stream: u64,
+        half_width: f32,
+    },
+}
+
+impl DummyFill {
+    /// Value `index` of the tensor, as bf16.
+    pub fn value(&self, index: u64) -> bf16 {
+        match *self {
+            DummyFill::Constant(v) => bf16::from_f32(v),
+            DummyFill::Uniform { stream, half_width } => {
+                let bits = splitmix(stream.wrapping_add(index.wrapping_mul(GOLDEN_GAMMA)));
+                // The top 24 bits as a value in [-1, 1): exact in f32, as is the one product,
+                // so the device rounds to the same bf16.
+                let unit = (bits >> 40) as f32 / (1u64 << 23) as f32 - 1.0;
+                bf16::from_f32(unit * half_width)
+            }
+        }
+    }
+}
+
+/// SplitMix64's increment: its `i`-th output is `splitmix(start + i * GOLDEN_GAMMA)`.
+const GOLDEN_GAMMA: u64 = 0x9e37_79b9_7f4a_7c15;
+
 /// SplitMix64's output function: a well-mixed 64-bit value from any 64-bit input.
 fn splitmix(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = x.wrapping_add(GOLDEN_GAMMA);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)

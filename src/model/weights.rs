@@ -7,6 +7,7 @@ use half::bf16;
 use safetensors::tensor::Dtype;
 
 use super::config::{AttentionConfig, Family, ModelConfig};
+use super::dummy::DummyFill;
 use super::quant::Quantization;
 use super::{Checkpoint, ModelError};
 use crate::compute::cpu::{Linear, SwiGlu, WeightElement, add_in_place};
@@ -418,14 +419,40 @@ pub fn load_expert(
     layer: usize,
     expert: usize,
 ) -> Result<ExpertWeights, ModelError> {
+    let (prefix, names) = routed_expert(cfg, layer, expert);
+    let (h, i) = (cfg.hidden_size, cfg.moe.expert_intermediate_size);
+    expert_block(ckpt, &cfg.quantization, &prefix, names, h, i)
+}
+
+/// How a dummy checkpoint makes routed expert `expert` of `layer`: its gate, up and down
+/// weights, in that order (`None` when the checkpoint is not dummy). A GPU makes them on the
+/// device from this rather than uploading what [`load_expert`] would make on the host.
+pub fn dummy_expert(
+    ckpt: &Checkpoint,
+    cfg: &ModelConfig,
+    layer: usize,
+    expert: usize,
+) -> Option<[DummyFill; 3]> {
+    let (prefix, names) = routed_expert(cfg, layer, expert);
+    let (h, i) = (cfg.hidden_size, cfg.moe.expert_intermediate_size);
+    let fill =
+        |name: &str, shape: [usize; 2]| ckpt.dummy_fill(&format!("{prefix}.{name}.weight"), &shape);
+    Some([
+        fill(names.gate, [i, h])?,
+        fill(names.up, [i, h])?,
+        fill(names.down, [h, i])?,
+    ])
+}
+
+/// The tensor-name prefix and projection names of routed expert `expert` of `layer`.
+fn routed_expert(cfg: &ModelConfig, layer: usize, expert: usize) -> (String, ExpertNames) {
     let names = if cfg.family == Family::Mixtral {
         ExpertNames::MIXTRAL
     } else {
         ExpertNames::PROJ
     };
     let prefix = format!("{}.experts.{expert}", mlp_prefix(cfg.family, layer));
-    let (h, i) = (cfg.hidden_size, cfg.moe.expert_intermediate_size);
-    expert_block(ckpt, &cfg.quantization, &prefix, names, h, i)
+    (prefix, names)
 }
 
 /// The SwiGLU block under `prefix` in its stored form: quantized as stored, bf16 kept bf16,

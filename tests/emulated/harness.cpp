@@ -99,6 +99,15 @@ int main(int argc, char** argv) {
         std::vector<unsigned> back_bits(n);
         for (size_t i = 0; i < n; ++i) back_bits[i] = __float_as_uint(back[i]);
         print(back_bits);
+    } else if (mode == "fill_dummy") {
+        // n values from `stream` (a u64) and `half_width` (f32 bits); prints the bf16 bits.
+        size_t n;
+        unsigned long long stream;
+        unsigned half_width_bits;
+        std::cin >> n >> stream >> half_width_bits;
+        std::vector<bf16> out(n);
+        launch(3, 64, 0, [&] { fill_dummy(out.data(), n, stream, __uint_as_float(half_width_bits)); });
+        print(out);
     } else if (mode == "gemv") {
         // groups, m, k; then per group: its rows n, A [m, k], B [n, k].
         int groups, m, k;

@@ -16,6 +16,7 @@ use rayon::prelude::*;
 
 use super::moe::MoeKernels;
 use super::{CudaError, GpuInfo};
+use crate::model::dummy::DummyFill;
 
 /// Bytes cuBLAS may use for its own work on top of the sized buffers.
 const BLAS_RESERVE: usize = 64 << 20;
@@ -273,6 +274,49 @@ impl GpuExperts {
         }
         self.stream.synchronize()?;
         Ok(())
+    }
+
+    /// Makes one expert's weights on the device from a dummy checkpoint's `fills` (gate, up,
+    /// down; src/model/dummy.rs): the values [`upload`] would copy from the host, without
+    /// making and copying tens of GB per layer.
+    ///
+    /// [`upload`]: GpuExperts::upload
+    pub fn fill_dummy(
+        &mut self,
+        layer: usize,
+        expert: u32,
+        fills: &[DummyFill; 3],
+    ) -> Result<(), CudaError> {
+        let ptr = self
+            .expert_ptr(layer, expert)
+            .expect("fill of an expert not placed on this device");
+        let matrix = self.shape.hidden * self.shape.intermediate;
+        for (i, &fill) in fills.iter().enumerate() {
+            // SAFETY: each matrix lands inside this expert's slot of the weight buffer.
+            unsafe {
+                self.kernels.fill_dummy(
+                    &self.stream,
+                    fill,
+                    matrix,
+                    ptr + (i * matrix * 2) as u64,
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// What the device holds for expert `(layer, expert)`: gate, up and down as bf16, in
+    /// that order (`None`: not held here). For checks; it synchronises.
+    pub fn download(&self, layer: usize, expert: u32) -> Result<Option<Vec<bf16>>, CudaError> {
+        let Some(ptr) = self.expert_ptr(layer, expert) else {
+            return Ok(None);
+        };
+        let mut out = vec![bf16::ZERO; self.shape.expert_elems()];
+        // SAFETY: the copy reads this expert's slot of the weight buffer into `out`, which
+        // outlives it (synchronised below).
+        unsafe { result::memcpy_dtoh_async(&mut out, ptr, self.stream.cu_stream())? };
+        self.stream.synchronize()?;
+        Ok(Some(out))
     }
 
     /// Fills every held expert with one random `[I, H]` matrix repeated (for the benchmark:

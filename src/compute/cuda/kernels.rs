@@ -39,6 +39,7 @@ pub const MOE: KernelFile = KernelFile {
         "to_bf16",
         "to_f32",
         "grouped_gemv",
+        "fill_dummy",
     ],
 };
 

@@ -9,6 +9,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKe
 use super::kernels::{self, MOE, elementwise};
 use super::{CudaError, GpuInfo};
 use crate::model::config::GatingConfig;
+use crate::model::dummy::DummyFill;
 
 /// The kernels of `kernels/moe.cu`, loaded into one device's context.
 pub struct MoeKernels {
@@ -22,6 +23,7 @@ pub struct MoeKernels {
     to_bf16: CudaFunction,
     to_f32: CudaFunction,
     grouped_gemv: CudaFunction,
+    fill_dummy: CudaFunction,
 }
 
 /// Largest top-k and expert count the gating kernel takes (two floats per expert in 48 KiB of
@@ -71,6 +73,7 @@ impl MoeKernels {
             to_bf16: f("to_bf16")?,
             to_f32: f("to_f32")?,
             grouped_gemv: f("grouped_gemv")?,
+            fill_dummy: f("fill_dummy")?,
         })
     }
 
@@ -323,6 +326,40 @@ impl MoeKernels {
     ) -> Result<(), CudaError> {
         // SAFETY: as the caller vouches.
         unsafe { convert(&self.to_bf16, stream, input, n, out) }
+    }
+
+    /// `n` values of a dummy tensor made from `fill` (src/model/dummy.rs), as the host makes
+    /// them.
+    ///
+    /// # Safety
+    /// `out`: room for `[n]` bf16.
+    pub unsafe fn fill_dummy(
+        &self,
+        stream: &CudaStream,
+        fill: DummyFill,
+        n: usize,
+        out: u64,
+    ) -> Result<(), CudaError> {
+        let DummyFill::Uniform {
+            stream: start,
+            half_width,
+        } = fill
+        else {
+            return Err(CudaError::Unsupported(format!(
+                "made on the device: {fill:?} (only uniform weights are)"
+            )));
+        };
+        // SAFETY: as the caller vouches; arguments match moe.cu's fill_dummy.
+        unsafe {
+            stream
+                .launch_builder(&self.fill_dummy)
+                .arg(&out)
+                .arg(&n)
+                .arg(&start)
+                .arg(&half_width)
+                .launch(elementwise(n))?;
+        }
+        Ok(())
     }
 
     /// `n` bf16 values to f32 (exact).
