@@ -5,8 +5,8 @@ reads per decode token.
                       --llama bf16 GGUF JSONS [--llama q8_0 GGUF JSONS ...]
 
 JSONS: one server's client.py results, one file per round, comma-separated. Each llama.cpp
-quantization is set beside the moe-node format of about the same size: BF16 beside bf16, Q8_0
-beside fp8 (bf16 when moe-node ran no fp8).
+quantization is set beside the moe-node formats of about the same size: BF16 beside bf16, Q8_0
+beside fp8, Q4_K_M beside int4 and int4all (bf16 when moe-node ran none of them).
 
 Bytes per decode token (batch 1): every tensor is read once per token (attention q/k/v/o, the
 per-layer router, the output head, the norms, FP8 block scales), but the token embedding only
@@ -23,8 +23,8 @@ import statistics
 import sys
 
 
-# The moe-node format each llama.cpp quantization is compared with.
-PAIR = {"bf16": "bf16", "q8_0": "fp8"}
+# The moe-node formats each llama.cpp quantization is compared with.
+PAIR = {"bf16": ["bf16"], "q8_0": ["fp8"], "q4_k_m": ["int4", "int4all"], "q4_k_s": ["int4", "int4all"]}
 
 
 def per_token_bytes(tensors, cfg, is_expert, embedding):
@@ -108,9 +108,8 @@ def main():
     for quant, gguf, jsons in args.llama:
         other = load_rounds(jsons)
         other["bytes"] = gguf_bytes(gguf, cfg)
-        fmt = PAIR.get(quant, "bf16")
-        mine = moe.get(fmt, moe.get("bf16"))[0]
-        pairs.append((mine, other))
+        mine = [moe[f][0] for f in PAIR.get(quant, ["bf16"]) if f in moe] or [moe.get("bf16", next(iter(moe.values())))[0]]
+        pairs.extend((m, other) for m in mine)
 
     experts = cfg.get("num_experts") or cfg.get("num_local_experts")
     print()
@@ -134,7 +133,8 @@ def main():
         print(f"{'weight bytes per decode token (MiB)':36} {'':6} {ba / 2**20:14.1f} "
               f"{bb / 2**20:16.1f} {ba / bb:32.2f}")
         print()
-    servers = [r for r, _ in moe.values()] + [o for _, o in pairs]
+    servers = [r for r, _ in moe.values()]
+    servers += [o for i, (_, o) in enumerate(pairs) if all(o is not p for _, p in pairs[:i])]
     rounds = servers[0]["rounds"]
     print(f"all repetitions (tok/s), {rounds} round(s), each server in turn:")
     for r in servers:

@@ -6,12 +6,14 @@
 # Steps (each skipped when its output exists): install cmake/g++ and the converter's Python
 # packages; download llama-cpp-python's sdist from PyPI (llama.cpp is vendored in it) and build
 # llama-server; make the model (random bf16 weights, transformers) and a trained 32k byte-level
-# BPE tokenizer; convert it to GGUF (BF16, and Q8_0 unless QUANTS says otherwise); build
-# moe-node (target/release/moe-node, reused if present). Then each server is started alone,
+# BPE tokenizer; convert it to GGUF (BF16, and Q8_0 unless QUANTS says otherwise; Q4_K_M and
+# other k-quants through llama-quantize from the BF16 file); build moe-node (target/release/moe-node, reused if present). Then each server is started alone,
 # timed by client.py, and stopped, one after the other, ROUNDS times over; report.py prints the table.
 #
 # Environment: LLAMA_BENCH_DIR (/tmp/llama_bench), EXPERTS (128), QUANTS ("bf16 q8_0"),
-# MOE_FORMATS ("bf16 fp8": moe-node on the bf16 model and on its FP8 copy, make_fp8.py),
+# MOE_FORMATS ("bf16 fp8": moe-node on the bf16 model and on its FP8 copy, make_fp8.py; also
+# int4 and int4all: compressed-tensors INT4 copies, experts only as Kimi K2 Thinking publishes
+# them, or attention too, make_int4.py; e.g. QUANTS="q4_k_m" MOE_FORMATS="int4 int4all"),
 # THREADS (2), ROUNDS (2), LLAMA_CPP_PYTHON_VERSION (0.3.36), MOE_NODE_PORT (18080), LLAMA_PORT (18081).
 set -euo pipefail
 
@@ -93,6 +95,11 @@ if [[ ! -x "$LLAMA_SERVER" ]]; then
     cmake --build "$WORK/build" -j2 --target llama-server
 fi
 [[ -x "$LLAMA_SERVER" ]] || die "llama-server did not build"
+LLAMA_QUANTIZE="$WORK/build/bin/llama-quantize"
+if [[ " $QUANTS " == *" q"*"_k"* && ! -x "$LLAMA_QUANTIZE" ]]; then
+    log "building llama-quantize"
+    cmake --build "$WORK/build" -j2 --target llama-quantize
+fi
 
 # --- 3. The model ---------------------------------------------------------------------------
 if [[ ! -f "$MODEL/model.safetensors" && ! -f "$MODEL/model.safetensors.index.json" ]]; then
@@ -109,19 +116,34 @@ fi
 # copies it to $WORK/convert with unknown hashes mapped to "gpt-2" (ByteLevel's regex).
 python3 "$HERE/patch_converter.py" "$LLAMA" "$WORK/convert"
 export PYTHONPATH="$LLAMA/gguf-py${PYTHONPATH:+:$PYTHONPATH}"
-for q in $QUANTS; do
-    out="$WORK/model-$q.gguf"
-    if [[ ! -f "$out" ]]; then
-        log "converting to GGUF $q"
-        python3 "$WORK/convert/convert_hf_to_gguf.py" "$MODEL" --outtype "$q" --outfile "$out.part"
-        mv "$out.part" "$out"
-    fi
-done
+gguf() {  # gguf QUANT: convert_hf_to_gguf.py writes f32/bf16/q8_0; k-quants come from BF16
+    local q="$1" out="$WORK/model-$1.gguf"
+    [[ -f "$out" ]] && return
+    case "$q" in
+        q*_k*)
+            gguf bf16
+            log "quantizing the BF16 GGUF to $q (llama-quantize)"
+            "$LLAMA_QUANTIZE" "$WORK/model-bf16.gguf" "$out.part" "$(echo "$q" | tr a-z A-Z)" "$THREADS" ;;
+        *)
+            log "converting to GGUF $q"
+            python3 "$WORK/convert/convert_hf_to_gguf.py" "$MODEL" --outtype "$q" --outfile "$out.part" ;;
+    esac
+    mv "$out.part" "$out"
+}
+for q in $QUANTS; do gguf "$q"; done
 
 if [[ " $MOE_FORMATS " == *" fp8 "* && ! -f "$WORK/model-fp8/model.safetensors" ]]; then
     log "quantizing the model to FP8 (the Qwen3 -FP8 layout)"
     python3 "$HERE/make_fp8.py" "$MODEL" "$WORK/model-fp8"
 fi
+for layout in experts all; do
+    f=int4; [[ $layout == all ]] && f=int4all
+    if [[ " $MOE_FORMATS " == *" $f "* && ! -f "$WORK/model-$f/model.safetensors" ]]; then
+        python3 -c "import compressed_tensors" 2>/dev/null || pip install compressed-tensors
+        log "quantizing the model to INT4 ($layout; compressed-tensors pack-quantized)"
+        python3 "$HERE/make_int4.py" "$MODEL" "$WORK/model-$f" "$layout"
+    fi
+done
 moe_model() { if [[ "$1" == bf16 ]]; then echo "$MODEL"; else echo "$WORK/model-$1"; fi; }
 
 # --- 5. moe-node ----------------------------------------------------------------------------
