@@ -2,8 +2,9 @@
 //! measured peak of f32 fused multiply-adds on every core (register-resident, no memory
 //! traffic), the measured read bandwidth, and beside them what the CPU kernels reach on the
 //! shapes a Qwen3-MoE of hidden 1024 runs: the dense projections at prefill (256 rows), the
-//! grouped expert products of a 256-token step (128 experts of 384, top-8: 16 rows each), and
-//! the decode matrix-vector products (1 row), which read their weights once and so are
+//! grouped expert products of a 256-token step (128 experts of 384, top-8: 16 rows each; in
+//! bf16, FP8 and INT4), and the decode matrix-vector products (1 row), which read their
+//! weights once and so are
 //! measured against the bandwidth (eight heads in turn, more than a last-level cache holds).
 //! Then decode steps through a Kimi K3-like layer's experts held in bf16, FP8 and INT4, one
 //! row through 16 experts at a time, against the bandwidth and against bf16 (issue 16).
@@ -362,7 +363,16 @@ fn main() {
         .iter()
         .map(|b| ExpertWeights::Quantized(quantize(&b.widened(), to_fp8)))
         .collect();
-    for (format, blocks) in [("bf16", &blocks), ("fp8", &fp8_blocks)] {
+    // And in INT4 (groups of 32), as Kimi K2 Thinking ships its experts.
+    let int4_blocks: Vec<ExpertWeights> = blocks
+        .iter()
+        .map(|b| ExpertWeights::Quantized(quantize(&b.widened(), to_int4)))
+        .collect();
+    for (format, blocks) in [
+        ("bf16", &blocks),
+        ("fp8", &fp8_blocks),
+        ("int4", &int4_blocks),
+    ] {
         let groups: Vec<(&ExpertWeights, &[f32])> = blocks
             .iter()
             .zip(&inputs)
@@ -403,6 +413,7 @@ fn main() {
         }
     }
     drop(fp8_blocks);
+    drop(int4_blocks);
 
     // Decode: the output head [32000, 1024] times one row reads its weights once.
     println!();

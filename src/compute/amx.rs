@@ -24,6 +24,8 @@ use std::sync::OnceLock;
 use half::bf16;
 use rayon::prelude::*;
 
+use super::quant::GroupScales;
+
 /// Rows (and output neurons) of a tile.
 const TILE: usize = 16;
 /// Values of `k` a tile covers: 64 bytes of bf16.
@@ -292,9 +294,12 @@ pub(crate) fn takes_outputs(n: usize) -> bool {
     n > 0 && n.is_multiple_of(TILE)
 }
 
-/// The weights of a product on the tiles, `[n, k]` row-major: bf16, read as they are, or FP8
+/// The weights of a product on the tiles, `[n, k]` row-major: bf16, read as they are; FP8
 /// e4m3 bytes, whose values bf16 holds exactly (a 4-bit significand and an exponent within
-/// bf16's), made bf16 one pair of 16-row blocks at a time and weighed by their block scales.
+/// bf16's); or INT4 nibbles (compressed-tensors pack-quantized: eight a word, each its value
+/// plus 8), whose values -8..7 bf16 holds exactly. FP8 and INT4 are made bf16 one pair of
+/// 16-row blocks at a time, their products summed apart per scale block or group and weighed
+/// by its scale.
 #[derive(Clone, Copy)]
 pub(crate) enum TileWeights<'a> {
     Bf16(&'a [bf16]),
@@ -302,6 +307,18 @@ pub(crate) enum TileWeights<'a> {
         bytes: &'a [u8],
         scales: BlockScales<'a>,
     },
+    Int4 {
+        words: &'a [u32],
+        /// A scale per neuron and group: `scales[neuron * k / group + group index]`.
+        scales: &'a GroupScales,
+        group: usize,
+    },
+}
+
+/// Whether the tiles take INT4 weights in groups of `group` over `k` inputs: whole 32-value
+/// steps per group.
+pub(crate) fn takes_int4_groups(k: usize, group: usize) -> bool {
+    group > 0 && group.is_multiple_of(TILE_K) && k.is_multiple_of(group)
 }
 
 /// A scale per block of `rows` x `cols` weights, `scales[block row * k.div_ceil(cols) + block
@@ -325,6 +342,7 @@ impl TileWeights<'_> {
         match self {
             TileWeights::Bf16(w) => w.len(),
             TileWeights::E4m3 { bytes, .. } => bytes.len(),
+            TileWeights::Int4 { words, .. } => 8 * words.len(),
         }
     }
 }
@@ -350,19 +368,28 @@ pub(crate) fn matmul_transposed(
         n <= out_stride && out.len() >= (rows - 1) * out_stride + n,
         "output size"
     );
-    if let TileWeights::E4m3 { scales, .. } = weights {
-        assert!(takes_scale_blocks(scales.rows, scales.cols), "scale blocks");
-        assert!(
-            scales.scales.len() >= n.div_ceil(scales.rows) * k.div_ceil(scales.cols),
-            "scale count"
-        );
+    match weights {
+        TileWeights::Bf16(_) => {}
+        TileWeights::E4m3 { scales, .. } => {
+            assert!(takes_scale_blocks(scales.rows, scales.cols), "scale blocks");
+            assert!(
+                scales.scales.len() >= n.div_ceil(scales.rows) * k.div_ceil(scales.cols),
+                "scale count"
+            );
+        }
+        TileWeights::Int4 { scales, group, .. } => {
+            assert!(takes_int4_groups(k, group), "INT4 groups");
+            assert!(scales.len() >= n * (k / group), "scale count");
+        }
     }
     let out_at = super::cpu::SharedOut::new(out);
     let neuron_blocks = n / TILE;
     let run = |first_block: usize, blocks: usize| {
         let session = TileSession::start();
-        // FP8 rows made bf16, one pair of blocks at a time.
+        // FP8 or INT4 rows made bf16, one pair of blocks at a time, and INT4's scales of
+        // those rows.
         let mut widened = Vec::new();
+        let mut neuron_scales = Vec::new();
         for first_row in (0..rows).step_by(ROWS_PER_PASS) {
             let pass_rows = ROWS_PER_PASS.min(rows - first_row);
             for nb in (first_block..first_block + blocks).step_by(2) {
@@ -378,7 +405,25 @@ pub(crate) fn matmul_transposed(
                             let block_row = (nb + a.min(neuron_pair - 1)) * TILE / scales.rows;
                             &scales.scales[block_row * per_row..][..per_row]
                         };
-                        (&widened[..], 0, Some(([row_of(0), row_of(1)], scales.cols)))
+                        let scaling = Scaling::PerBlock([row_of(0), row_of(1)]);
+                        (&widened[..], 0, Some((scaling, scales.cols)))
+                    }
+                    TileWeights::Int4 {
+                        words,
+                        scales,
+                        group,
+                    } => {
+                        let row_words = k / 8;
+                        let span = nb * TILE * row_words..(nb + neuron_pair) * TILE * row_words;
+                        int4_to_bf16(&words[span], &mut widened);
+                        let groups = k / group;
+                        let per_block = TILE * groups;
+                        neuron_scales.resize(neuron_pair * per_block, 0.0);
+                        scales.read_into(nb * per_block, &mut neuron_scales);
+                        let last = &neuron_scales[(neuron_pair - 1) * per_block..];
+                        let scaling =
+                            Scaling::PerNeuron([&neuron_scales[..per_block], last], groups);
+                        (&widened[..], 0, Some((scaling, group)))
                     }
                 };
                 for rb in (first_row / TILE..(first_row + pass_rows).div_ceil(TILE)).step_by(2) {
@@ -434,6 +479,62 @@ fn e4m3_to_bf16(bytes: &[u8], out: &mut Vec<bf16>) {
         return;
     }
     out.extend(bytes.iter().map(|&b| e4m3_bf16(b)));
+}
+
+/// INT4 `words` (eight nibbles each, lowest first, each its value plus 8) as bf16 in `out`,
+/// exactly: the values -8..7.
+fn int4_to_bf16(words: &[u32], out: &mut Vec<bf16>) {
+    out.clear();
+    out.reserve(8 * words.len());
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512bw") {
+        let whole = words.len() / 4 * 4;
+        // SAFETY: the CPU has AVX-512 F and BW; `out` has room for every word's values.
+        unsafe {
+            int4_to_bf16_avx512(&words[..whole], out.spare_capacity_mut());
+            out.set_len(8 * whole);
+        }
+        out.extend(words[whole..].iter().flat_map(|&w| int4_values(w)));
+        return;
+    }
+    out.extend(words.iter().flat_map(|&w| int4_values(w)));
+}
+
+/// The eight values of an INT4 word, as bf16.
+fn int4_values(word: u32) -> [bf16; 8] {
+    std::array::from_fn(|j| bf16::from_f32(((word >> (4 * j)) & 0xf) as f32 - 8.0))
+}
+
+/// [`int4_to_bf16`] with AVX-512, four words (32 values) at a time: the nibbles masked apart
+/// and interleaved (low nibble first), widened to words, and looked up in a 16-entry table of
+/// the bf16 of `nibble - 8`.
+///
+/// # Safety
+/// The CPU has AVX-512 F and BW; `words.len()` is a multiple of 4 and `out` has room for
+/// eight values per word.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx2")]
+unsafe fn int4_to_bf16_avx512(words: &[u32], out: &mut [std::mem::MaybeUninit<half::bf16>]) {
+    use std::arch::x86_64::*;
+    assert!(words.len().is_multiple_of(4) && out.len() >= 8 * words.len());
+    let table: [u16; 32] =
+        std::array::from_fn(|i| half::bf16::from_f32((i % 16) as f32 - 8.0).to_bits());
+    // SAFETY (the whole body): the assert bounds every load and store; `table` is 64 bytes.
+    unsafe {
+        let table = _mm512_loadu_si512(table.as_ptr().cast());
+        let low4 = _mm_set1_epi8(0x0f);
+        for (i, at) in (0..words.len()).step_by(4).enumerate() {
+            let bytes = _mm_loadu_si128(words.as_ptr().add(at).cast());
+            let low = _mm_and_si128(bytes, low4);
+            let high = _mm_and_si128(_mm_srli_epi16::<4>(bytes), low4);
+            // Byte b holds values 2b (low nibble) and 2b + 1 (high).
+            let first = _mm_unpacklo_epi8(low, high);
+            let second = _mm_unpackhi_epi8(low, high);
+            let nibbles = _mm256_set_m128i(second, first);
+            let values = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(nibbles), table);
+            _mm512_storeu_si512(out.as_mut_ptr().add(32 * i).cast(), values);
+        }
+    }
 }
 
 /// One e4m3 byte as bf16 (the upper half of its f32 value, which it holds exactly).
@@ -570,8 +671,8 @@ impl TileSession {
 
     /// The sums of `neuron_pair` (1 or 2) blocks of 16 weight rows from the start of `w` by
     /// `row_pair` (1 or 2) blocks of 16 input rows from block `rb`, over all of `k`; with
-    /// `scaled` (each neuron block's scales, a scale per `cols` of `k`), each block column's
-    /// sums weighed by its scale.
+    /// `scaled` (the scales, one per `cols` of `k` for a neuron block or for each neuron),
+    /// each block column's sums weighed by its scale.
     fn block(
         &self,
         inputs: &PackedInputs,
@@ -579,12 +680,19 @@ impl TileSession {
         rb: usize,
         neuron_pair: usize,
         row_pair: usize,
-        scaled: Option<([&[f32]; 2], usize)>,
+        scaled: Option<(Scaling<'_>, usize)>,
     ) -> [[f32; TILE * TILE]; 4] {
         let k = inputs.k;
         if let Some((scales, cols)) = scaled {
             assert!(cols.is_multiple_of(TILE_K), "scale block columns");
-            assert!(scales.iter().all(|s| s.len() >= k.div_ceil(cols)), "scales");
+            let columns = k.div_ceil(cols);
+            match scales {
+                Scaling::PerBlock(s) => assert!(s.iter().all(|s| s.len() >= columns), "scales"),
+                Scaling::PerNeuron(s, per_neuron) => assert!(
+                    per_neuron >= columns && s.iter().all(|s| s.len() >= TILE * per_neuron),
+                    "scales"
+                ),
+            }
         }
         assert!(neuron_pair * TILE * k <= w.len(), "weight blocks");
         assert!(rb + row_pair <= inputs.rows.div_ceil(TILE), "row blocks");
@@ -694,15 +802,14 @@ unsafe fn tile_block<const NB: usize, const RB: usize>(
 }
 
 /// As [`tile_block`], with the sums of every `steps` k blocks (a block column of the scales)
-/// made apart and added into `sums` weighed by that column's scale (`scales[a][column]` for
-/// weight block `a`).
+/// made apart and added into `sums` weighed by that column's scales.
 ///
 /// # Safety
-/// As [`tile_block`]; `scales[a]` holds a scale per `steps` k blocks.
+/// As [`tile_block`]; `scales` holds a scale per `steps` k blocks (checked by `block`).
 #[cfg(target_arch = "x86_64")]
 unsafe fn tile_block_scaled<const NB: usize, const RB: usize>(
     at: TileOperands,
-    scales: [&[f32]; 2],
+    scales: Scaling,
     steps: usize,
     sums: &mut [[f32; TILE * TILE]; 4],
 ) {
@@ -720,33 +827,66 @@ unsafe fn tile_block_scaled<const NB: usize, const RB: usize>(
             store_sums(&mut column_sums);
         }
         for a in 0..NB {
+            // The scale of each of the block's 16 neurons (the rows of its sum tiles).
+            let neuron_scales: [f32; TILE] = match scales {
+                Scaling::PerBlock(s) => [s[a][column]; TILE],
+                Scaling::PerNeuron(s, per_neuron) => {
+                    std::array::from_fn(|c| s[a][c * per_neuron + column])
+                }
+            };
             for b in 0..RB {
                 add_scaled(
                     &mut sums[a * 2 + b],
                     &column_sums[a * 2 + b],
-                    scales[a][column],
+                    &neuron_scales,
                 );
             }
         }
     }
 }
 
-/// `sum += scale * part`, with AVX-512 where the CPU has it (every CPU with AMX does).
+/// The scales of a product whose sums are weighed per block column (see `block`).
+#[derive(Clone, Copy)]
+enum Scaling<'a> {
+    /// One scale per column for all 16 neurons of weight block `a`: `[a][column]` (FP8).
+    PerBlock([&'a [f32]; 2]),
+    /// A scale per neuron and column: `[a][neuron * .1 + column]` (INT4 groups).
+    PerNeuron([&'a [f32]; 2], usize),
+}
+
+/// `sum += scale * part`, each sum tile row (a neuron) by its own scale, with AVX-512 where
+/// the CPU has it (every CPU with AMX does).
 #[cfg(target_arch = "x86_64")]
-fn add_scaled(sum: &mut [f32; TILE * TILE], part: &[f32; TILE * TILE], scale: f32) {
+fn add_scaled(sum: &mut [f32; TILE * TILE], part: &[f32; TILE * TILE], scales: &[f32; TILE]) {
+    fn each(sum: &mut [f32; TILE * TILE], part: &[f32; TILE * TILE], scales: &[f32; TILE]) {
+        for ((s, p), &scale) in sum
+            .chunks_exact_mut(TILE)
+            .zip(part.chunks_exact(TILE))
+            .zip(scales)
+        {
+            for (s, p) in s.iter_mut().zip(p) {
+                *s += scale * p;
+            }
+        }
+    }
     #[target_feature(enable = "avx512f")]
-    fn wide(sum: &mut [f32; TILE * TILE], part: &[f32; TILE * TILE], scale: f32) {
-        for (s, p) in sum.iter_mut().zip(part) {
-            *s += scale * p;
+    fn wide(sum: &mut [f32; TILE * TILE], part: &[f32; TILE * TILE], scales: &[f32; TILE]) {
+        use std::arch::x86_64::*;
+        for (c, &scale) in scales.iter().enumerate() {
+            // SAFETY: row c of both tiles is 16 f32 inside them.
+            unsafe {
+                let at = sum.as_mut_ptr().add(c * TILE);
+                let p = _mm512_loadu_ps(part.as_ptr().add(c * TILE));
+                let s = _mm512_loadu_ps(at);
+                _mm512_storeu_ps(at, _mm512_fmadd_ps(_mm512_set1_ps(scale), p, s));
+            }
         }
     }
     if std::arch::is_x86_feature_detected!("avx512f") {
         // SAFETY: the CPU has AVX-512 F.
-        unsafe { wide(sum, part, scale) }
+        unsafe { wide(sum, part, scales) }
     } else {
-        for (s, p) in sum.iter_mut().zip(part) {
-            *s += scale * p;
-        }
+        each(sum, part, scales)
     }
 }
 
@@ -821,6 +961,22 @@ pub(crate) use int4::{Int4Digits, int4_product};
 mod tests {
     use super::*;
     use crate::compute::cpu::tests::naive;
+
+    #[test]
+    fn int4_words_become_their_values_in_bf16() {
+        // Every nibble in every position, in a run long enough for the four-word vector steps
+        // and a tail of three.
+        let words: Vec<u32> = (0..23u32)
+            .map(|i| (0..8).fold(0, |w, j| w | (((i + 3 * j) % 16) << (4 * j))))
+            .collect();
+        let mut out = Vec::new();
+        int4_to_bf16(&words, &mut out);
+        assert_eq!(out.len(), 8 * words.len());
+        for (i, v) in out.iter().enumerate() {
+            let nibble = (words[i / 8] >> (4 * (i % 8))) & 0xf;
+            assert_eq!(v.to_f32(), nibble as f32 - 8.0, "value {i}");
+        }
+    }
 
     #[test]
     fn every_e4m3_byte_becomes_its_bf16_value() {
