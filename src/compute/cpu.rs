@@ -64,19 +64,21 @@ fn amx_path() -> String {
             "AMX tiles not used (devices.cpu_amx = false)".to_string()
         }
         amx::AmxStatus::Enabled => {
+            let int4_tiles = super::quant::INT4_BF16_TILES_MIN_ROWS;
             let int4 = if amx::int4::int8_enabled() {
                 format!(
                     "; INT4 weights by {} to {} rows on AMX-INT8 tiles (inputs as four 8-bit \
                      digits: to within 2^-28 of each row's largest)",
                     amx::int4::MIN_ROWS,
-                    amx::int4::MAX_ROWS
+                    int4_tiles - 1
                 )
             } else {
                 String::new()
             };
             format!(
-                "products of {} or more rows with bf16 weights on AMX-BF16 tiles (inputs split \
-                 into three bf16 parts: exact to f32){int4}",
+                "products of {} or more rows with bf16 or FP8 weights, and of {int4_tiles} or \
+                 more with INT4, on AMX-BF16 tiles (inputs split into three bf16 parts: exact \
+                 to f32){int4}",
                 amx::MIN_ROWS
             )
         }

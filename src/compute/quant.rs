@@ -205,12 +205,12 @@ impl GroupScales {
 }
 
 /// INT4 products of at least this many input rows take the AMX-BF16 tiles (the nibbles made
-/// bf16, the groups' sums weighed apart); fewer, the AMX-INT8 kernel (`amx::int4`, 2 to 8
-/// rows). Roofline, 128 INT4 experts [3 x 384 x 1024] (groups of 32) on an AMX Xeon, the two
+/// bf16, the groups' sums weighed apart); fewer, from 2, the AMX-INT8 kernel (`amx::int4`).
+/// Roofline, 128 INT4 experts [3 x 384 x 1024] (groups of 32) on an AMX Xeon, the two
 /// alternated in one binary each: at 5 rows 16.5 ms on INT8 against 21.9 on BF16, at 6 rows
 /// 20.1, 19.3 against 22.4, 19.0; at 7 rows 24.9, 24.5 against 23.6, 20.0; at 8 rows 28.1
 /// against 21.0; at 32 rows BF16 took 31 ms where the dequantized f32 product took 91.
-const INT4_BF16_TILES_MIN_ROWS: usize = 7;
+pub(crate) const INT4_BF16_TILES_MIN_ROWS: usize = 7;
 
 /// A quantized `[out_features, in_features]` matrix, as `nn.Linear` lays out its weight.
 #[derive(Debug, Clone)]

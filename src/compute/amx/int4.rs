@@ -1,8 +1,9 @@
 //! INT4 weights (compressed-tensors pack-quantized: eight nibbles a word, each its value plus
-//! 8, a scale per group of 32 or more along `k`) times 2 to 8 input rows on AMX-INT8 tiles:
-//! the experts of decode batches and of prefill steps that route a few tokens to each, which
-//! the vector kernels run at a fraction of the memory's bandwidth because every weight takes
-//! a conversion and a multiply-add per row.
+//! 8, a scale per group of 32 or more along `k`) times 2 to 8 input rows on AMX-INT8 tiles
+//! (from 7 rows `quant.rs` gives them to the AMX-BF16 tiles, faster there): the experts of
+//! decode batches and of prefill steps that route a few tokens to each, which the vector
+//! kernels run at a fraction of the memory's bandwidth because every weight takes a
+//! conversion and a multiply-add per row.
 //!
 //! The tile unit multiplies bytes: the weights are bytes already once their nibbles are
 //! masked apart, and each f32 input becomes four signed 8-bit digits in a power-of-two scale
