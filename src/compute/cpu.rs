@@ -1177,7 +1177,35 @@ pub fn dot_strided(x: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
         multiversion::target::target_cfg_f!(any(target_feature = "fma", target_feature = "neon"));
     let k = x.len();
     let whole = k / 16 * 16;
-    for (j, o) in out.iter_mut().enumerate() {
+    let tail = |row: &[f32]| (whole..k).map(|i| x[i] * row[i]).sum::<f32>();
+    // Four rows at a time: four independent chains of multiply-adds, where one row's chain
+    // waits on each step's latency. Each row's sum is made the same way in both loops (its
+    // lanes, then the same tree), so a score does not depend on its neighbours.
+    let grouped = out.len() / 4 * 4;
+    for (j, o) in out[..grouped].chunks_exact_mut(4).enumerate() {
+        let row = |t: usize| &rows[(4 * j + t) * stride..][..k];
+        let (r0, r1, r2, r3) = (row(0), row(1), row(2), row(3));
+        let (mut a0, mut a1, mut a2, mut a3) =
+            ([0.0f32; 16], [0.0f32; 16], [0.0f32; 16], [0.0f32; 16]);
+        let chunks = lanes(x, whole)
+            .zip(lanes(r0, whole))
+            .zip(lanes(r1, whole))
+            .zip(lanes(r2, whole))
+            .zip(lanes(r3, whole));
+        for ((((xc, c0), c1), c2), c3) in chunks {
+            for l in 0..16 {
+                a0[l] = madd(fused, xc[l], c0[l], a0[l]);
+                a1[l] = madd(fused, xc[l], c1[l], a1[l]);
+                a2[l] = madd(fused, xc[l], c2[l], a2[l]);
+                a3[l] = madd(fused, xc[l], c3[l], a3[l]);
+            }
+        }
+        o[0] = hsum16(a0) + tail(r0);
+        o[1] = hsum16(a1) + tail(r1);
+        o[2] = hsum16(a2) + tail(r2);
+        o[3] = hsum16(a3) + tail(r3);
+    }
+    for (j, o) in out.iter_mut().enumerate().skip(grouped) {
         let row = &rows[j * stride..][..k];
         let mut acc = [0.0f32; 16];
         for (xc, rc) in lanes(x, whole).zip(lanes(row, whole)) {
@@ -1185,7 +1213,42 @@ pub fn dot_strided(x: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
                 acc[l] = madd(fused, xc[l], rc[l], acc[l]);
             }
         }
-        *o = acc.iter().sum::<f32>() + (whole..k).map(|i| x[i] * row[i]).sum::<f32>();
+        *o = hsum16(acc) + tail(row);
+    }
+}
+
+/// `out[i] = Σ_j weights[j] · values[j * stride + i]`, summed in order of `j`: attention's
+/// weighted sum of the cached values. The output is made 128 values at a time (eight AVX-512
+/// registers), kept in registers across the rows instead of loaded and stored per row.
+#[multiversion::multiversion(targets(
+    "x86_64+avx512f+avx512vl+avx2+fma",
+    "x86_64+avx2+fma",
+    "aarch64+neon"
+))]
+pub fn weighted_rows(weights: &[f32], values: &[f32], stride: usize, out: &mut [f32]) {
+    let fused =
+        multiversion::target::target_cfg_f!(any(target_feature = "fma", target_feature = "neon"));
+    const BLOCK: usize = 128;
+    let whole = out.len() / BLOCK * BLOCK;
+    for (c, o) in out[..whole].chunks_exact_mut(BLOCK).enumerate() {
+        let mut acc = [0.0f32; BLOCK];
+        for (j, &w) in weights.iter().enumerate() {
+            let v: &[f32; BLOCK] = values[j * stride + c * BLOCK..][..BLOCK]
+                .try_into()
+                .expect("a block");
+            for l in 0..BLOCK {
+                acc[l] = madd(fused, w, v[l], acc[l]);
+            }
+        }
+        o.copy_from_slice(&acc);
+    }
+    let rest = &mut out[whole..];
+    rest.fill(0.0);
+    for (j, &w) in weights.iter().enumerate() {
+        let v = &values[j * stride + whole..][..rest.len()];
+        for (o, &v) in rest.iter_mut().zip(v) {
+            *o = madd(fused, w, v, *o);
+        }
     }
 }
 
@@ -1287,6 +1350,45 @@ pub(crate) mod tests {
         a.iter()
             .zip(b)
             .all(|(x, y)| (x - y).abs() <= 1e-4 * (1.0 + y.abs()))
+    }
+
+    #[test]
+    fn attention_scores_and_weighted_sums_equal_the_plain_loops() {
+        // Keys and values `stride` apart (other heads between them); widths below, at and
+        // above a 16-lane chunk and a 128-value block, with tails; row counts that leave
+        // rows over after the groups of four.
+        for (width, stride, count) in [(128, 512, 37), (64, 64, 4), (200, 300, 9), (20, 21, 3)] {
+            let x: Vec<f32> = (0..width)
+                .map(|i| ((i * 7 % 13) as f32 - 6.0) / 5.0)
+                .collect();
+            let rows: Vec<f32> = (0..count * stride)
+                .map(|i| ((i * 11 % 17) as f32 - 8.0) / 9.0)
+                .collect();
+            let mut scores = vec![0.0; count];
+            dot_strided(&x, &rows, stride, &mut scores);
+            for (j, &got) in scores.iter().enumerate() {
+                let want: f32 = (0..width).map(|i| x[i] * rows[j * stride + i]).sum();
+                assert!(
+                    (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                    "score {j}: {got} vs {want}"
+                );
+            }
+            // A row's score is the same whatever rows are scored beside it (the first is
+            // scored in a group of four above, alone here).
+            let mut alone = vec![0.0; 1];
+            dot_strided(&x, &rows, stride, &mut alone);
+            assert_eq!(alone[0].to_bits(), scores[0].to_bits());
+            let weights: Vec<f32> = (0..count).map(|j| 1.0 / (1 + j) as f32).collect();
+            let mut out = vec![f32::NAN; width];
+            weighted_rows(&weights, &rows, stride, &mut out);
+            for (i, &got) in out.iter().enumerate() {
+                let want: f32 = (0..count).map(|j| weights[j] * rows[j * stride + i]).sum();
+                assert!(
+                    (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                    "value {i}: {got} vs {want}"
+                );
+            }
+        }
     }
 
     #[test]

@@ -1,13 +1,13 @@
 //! Attention over the KV cache for a batch of sequence segments: GQA (Qwen3-MoE, Mixtral) and
 //! MLA (DeepSeek-V3, Kimi K2) computed in its absorbed form, so the cache holds only latents.
 
-use std::ops::Range;
-
 use rayon::prelude::*;
 
 use super::kv_cache::{KvCache, LayerCache};
 use super::rope::{Rope, RopeAngles};
-use crate::compute::cpu::{Linear, dot_strided, matmul, matmul_transposed, rms_norm_in_place};
+use crate::compute::cpu::{
+    Linear, dot_strided, matmul, matmul_transposed, rms_norm_in_place, weighted_rows,
+};
 use crate::model::config::AttentionConfig;
 use crate::model::weights::{AttentionWeights, QueryProjection};
 
@@ -86,9 +86,9 @@ pub fn attention(
                     &mut scores,
                 );
                 attend(
-                    first..position + 1,
                     scores,
-                    |j| &values[j * kv_width + kv_offset..][..head_dim],
+                    &values[first * kv_width + kv_offset..],
+                    kv_width,
                     input.softmax_scale,
                     out,
                 );
@@ -164,13 +164,7 @@ pub fn attention(
                     for (s, r) in scores.iter_mut().zip(&rope_scores) {
                         *s += r;
                     }
-                    attend(
-                        0..position + 1,
-                        scores,
-                        |j| &latents[j * kv_lora_rank..][..kv_lora_rank],
-                        input.softmax_scale,
-                        out,
-                    );
+                    attend(scores, latents, kv_lora_rank, input.softmax_scale, out);
                 },
             );
             // Expand the attended latents through kv_b's value half, head by head.
@@ -315,23 +309,12 @@ where
     });
 }
 
-/// Softmax-weighted sum of values over `positions` given their raw `scores`, written into
-/// `out`.
-fn attend<'v>(
-    positions: Range<usize>,
-    mut weights: Vec<f32>,
-    value: impl Fn(usize) -> &'v [f32],
-    scale: f32,
-    out: &mut [f32],
-) {
+/// Softmax-weighted sum of the values given their raw `scores` (one per value row, `stride`
+/// apart in `values`), written into `out`.
+fn attend(mut weights: Vec<f32>, values: &[f32], stride: usize, scale: f32, out: &mut [f32]) {
     for w in weights.iter_mut() {
         *w *= scale;
     }
     crate::compute::cpu::softmax_in_place(&mut weights);
-    out.fill(0.0);
-    for (j, w) in positions.zip(weights) {
-        for (o, v) in out.iter_mut().zip(value(j)) {
-            *o += w * v;
-        }
-    }
+    weighted_rows(&weights, values, stride, out);
 }
