@@ -14,13 +14,13 @@ Tokenizer and generation files are copied. One tensor is quantized at a time.
 """
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+
+from quantized_copy import write_model
 
 BLOCK = 128
 FP8_MAX = 448.0
@@ -70,12 +70,7 @@ def main():
                 quantized += 1
             else:
                 tensors[name] = t
-    save_file(tensors, str(dst / "model.safetensors.part"), metadata={"format": "pt"})
-    (dst / "model.safetensors.part").rename(dst / "model.safetensors")
-    (dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        if (src / name).exists():
-            shutil.copy(src / name, dst / name)
+    write_model(src, dst, tensors, cfg)
     print(f"make_fp8.py: {quantized} projections as e4m3 in [{BLOCK}, {BLOCK}] blocks -> {dst}")
 
 

@@ -16,7 +16,6 @@ Tokenizer and generation files are copied. One tensor is quantized at a time.
 """
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -25,7 +24,8 @@ from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfi
                                              QuantizationScheme)
 from compressed_tensors.quantization.utils import calculate_qparams
 from safetensors import safe_open
-from safetensors.torch import save_file
+
+from quantized_copy import write_model
 
 GROUP = 32
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -74,12 +74,7 @@ def main():
             for key, value in compressed.items():
                 tensors[f"{module}.{key}"] = value.contiguous()
             count += 1
-    save_file(tensors, str(dst / "model.safetensors.part"), metadata={"format": "pt"})
-    (dst / "model.safetensors.part").rename(dst / "model.safetensors")
-    (dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        if (src / name).exists():
-            shutil.copy(src / name, dst / name)
+    write_model(src, dst, tensors, cfg)
     print(f"make_int4.py: {count} projections ({layout}) as 4-bit groups of {GROUP} -> {dst}")
 
 
