@@ -1153,9 +1153,64 @@ mod tests {
         // k = 300: INT4 rows of two whole 16-word chunks and a partial one; (96, 128) and
         // (96, 320): whole AMX tiles (FP8 from 5 rows where the CPU has them: block rows of
         // 16 and a partial one of 96 of 128; with k = 320, a partial block column of 64 of
-        // 128).
-        for (n, k) in [(70, 100usize), (70, 300), (96, 128), (96, 320)] {
+        // 128); (80, 128): an odd count of 16-neuron blocks, so a lone last block.
+        for (n, k) in [(70, 100usize), (70, 300), (96, 128), (96, 320), (80, 128)] {
             products_equal_the_widened_product(n, k);
+        }
+    }
+
+    #[test]
+    fn an_expert_whose_gate_and_up_share_one_packing_equals_the_widened_expert() {
+        // Hidden 64, intermediate 96: whole tiles; 9 and 24 rows take the AMX-BF16 tiles
+        // where the CPU has them (gate and up from one packing), 3 rows the other kernels.
+        let (h, i) = (64, 96);
+        let int4 = |n: usize, k: usize, seed: u32| {
+            let packed = (0..n * k / 8)
+                .map(|j| (j as u32 ^ seed).wrapping_mul(2_654_435_761))
+                .collect();
+            let scales = (0..n * k / 32).map(|j| 0.125 * (1 + (j + seed as usize) % 5) as f32);
+            QuantLinear::int4(packed, scales.collect(), n, k, 32).unwrap()
+        };
+        let fp8 = |n: usize, k: usize, seed: usize| {
+            let bytes = (0..n * k)
+                .map(|j| ((j * 37 + seed) % 251) as u8 & 0xfe)
+                .collect();
+            let scales = (0..n.div_ceil(16) * k.div_ceil(32))
+                .map(|j| 0.01 * (1 + j % 3) as f32)
+                .collect();
+            QuantLinear::fp8(bytes, scales, n, k, [16, 32]).unwrap()
+        };
+        let experts = [
+            QuantSwiGlu {
+                gate: int4(i, h, 1),
+                up: int4(i, h, 2),
+                down: int4(h, i, 3),
+            },
+            QuantSwiGlu {
+                gate: fp8(i, h, 1),
+                up: fp8(i, h, 2),
+                down: fp8(h, i, 3),
+            },
+        ];
+        for expert in &experts {
+            for rows in [3, 9, 24] {
+                let x: Vec<f32> = (0..rows * h)
+                    .map(|j| ((j * 5 % 11) as f32 - 5.0) / 7.0)
+                    .collect();
+                let mut gate = naive(&x, rows, h, &by_hand(&expert.gate), i);
+                let up = naive(&x, rows, h, &by_hand(&expert.up), i);
+                cpu::silu_mul(&mut gate, &up);
+                let expected = naive(&gate, rows, i, &by_hand(&expert.down), h);
+                let got = expert.forward_with(&x, rows, false);
+                // The outputs are sums of large terms that cancel: bounded against the largest.
+                let largest = expected.iter().fold(0f32, |m, e| m.max(e.abs()));
+                for (g, e) in got.iter().zip(&expected) {
+                    assert!(
+                        (g - e).abs() <= 1e-5 * largest,
+                        "{rows} rows: {g} vs {e} ({largest})"
+                    );
+                }
+            }
         }
     }
 

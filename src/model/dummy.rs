@@ -23,6 +23,11 @@ pub struct DummyWeights {
 }
 
 impl DummyWeights {
+    /// The version of how values are made from the seed (2: counter-based, [`DummyFill`]);
+    /// part of the model's fingerprint, so nodes that would make different values from the
+    /// same config do not form one cluster.
+    pub const FORMULA: u32 = 2;
+
     pub fn new(seed: u64, tied: bool) -> Self {
         DummyWeights { seed, tied }
     }
