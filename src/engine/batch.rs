@@ -861,6 +861,19 @@ mod tests {
     /// Plans and runs steps until nothing is left (each step's caches advanced as the
     /// engine would, every sequence given token 1), checking after each plan that the
     /// running sequences stay within `kv` unless one runs alone; returns every event.
+    /// A batcher whose KV cache holds `blocks` blocks of 4 positions, and that budget.
+    fn kv_batcher(blocks: usize) -> (Batcher<u32>, KvBudget) {
+        let kv = KvBudget {
+            block_tokens: 4,
+            blocks,
+        };
+        let limits = BatchLimits {
+            kv: Some(kv),
+            ..limits()
+        };
+        (Batcher::new(limits, vec![]), kv)
+    }
+
     fn run_to_the_end(b: &mut Batcher<u32>, kv: KvBudget) -> Vec<(u32, SequenceEvent)> {
         let mut events = Vec::new();
         for _ in 0..200 {
@@ -887,17 +900,7 @@ mod tests {
     #[test]
     fn a_full_kv_budget_preempts_the_latest_arrival_which_resumes_and_finishes() {
         let cfg = config();
-        let kv = KvBudget {
-            block_tokens: 4,
-            blocks: 5,
-        };
-        let mut b = Batcher::new(
-            BatchLimits {
-                kv: Some(kv),
-                ..limits()
-            },
-            vec![],
-        );
+        let (mut b, kv) = kv_batcher(5);
         // Each needs 2 blocks for its prompt and grows to 12 positions (3 blocks): both fit
         // at first, not both at the end.
         b.submit(sequence(&cfg, 6, 6, 0)).unwrap();
@@ -937,17 +940,7 @@ mod tests {
     #[test]
     fn a_prompt_waits_until_its_blocks_are_free() {
         let cfg = config();
-        let kv = KvBudget {
-            block_tokens: 4,
-            blocks: 3,
-        };
-        let mut b = Batcher::new(
-            BatchLimits {
-                kv: Some(kv),
-                ..limits()
-            },
-            vec![],
-        );
+        let (mut b, kv) = kv_batcher(3);
         // 7 prompt positions and one more: 2 blocks; the second prompt needs 2 as well.
         b.submit(sequence(&cfg, 7, 1, 0)).unwrap();
         b.submit(sequence(&cfg, 7, 1, 1)).unwrap();
