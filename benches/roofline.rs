@@ -16,7 +16,8 @@
 //! `cargo bench --bench roofline`; `MOE_ROOFLINE_REPS` (default 7), `MOE_ROOFLINE_EXPERT_ROWS`
 //! (rows per expert group, default 16), `MOE_ROOFLINE_EXPERT_BYTES` (bytes of experts per
 //! format in the decode lines, default 768 MiB; a few MiB leave them in cache),
-//! `MOE_ROOFLINE_DECODE_ONLY=1` (the bandwidth and the decode steps through the experts only).
+//! `MOE_ROOFLINE_DECODE_ONLY=1` (the bandwidth and the decode steps through the experts only),
+//! `MOE_ROOFLINE_DECODE_FORMATS` (of those steps, the formats to run: `bf16,fp8,int4`).
 
 use std::time::Instant;
 
@@ -237,6 +238,27 @@ fn main() {
         moe_node::compute::cpu::kernel_path()
     );
 
+    // Bandwidth: a 1 GiB f32 matrix times one row through the engine's decode kernel, whose
+    // one multiply-add per 4 bytes leaves it bound by reading (a plain sum written here
+    // compiled for the baseline x86-64, SSE, and read 20-30% less).
+    let (bw_rows, bw_k) = (1usize << 18, 1024);
+    let buffer: Vec<f32> = (0..bw_rows * bw_k).map(|i| (i % 7) as f32).collect();
+    let ones = vec![1.0f32; bw_k];
+    let mut sums = vec![0.0f32; bw_rows];
+    let bandwidth = median(
+        timed(reps, || {
+            matmul_transposed(&ones, 1, bw_k, &buffer, bw_rows, &mut sums, true)
+        })
+        .into_iter()
+        .map(|s| (buffer.len() * 4) as f64 / s / 1e9)
+        .collect(),
+    );
+    drop(buffer);
+    println!("read bandwidth, all threads: {bandwidth:.1} GB/s");
+    if std::env::var_os("MOE_ROOFLINE_DECODE_ONLY").is_some_and(|v| v == "1") {
+        expert_decode(reps, bandwidth);
+        return;
+    }
     // Peak: every thread runs the register-resident block, for each width the CPU has.
     let kernels = fma_kernels();
     let widths = kernels.len();
@@ -268,27 +290,6 @@ fn main() {
         .find(|(name, _)| name.starts_with("AMX"))
         .map(|(_, peak)| peak / 3.0);
 
-    // Bandwidth: a 1 GiB f32 matrix times one row through the engine's decode kernel, whose
-    // one multiply-add per 4 bytes leaves it bound by reading (a plain sum written here
-    // compiled for the baseline x86-64, SSE, and read 20-30% less).
-    let (bw_rows, bw_k) = (1usize << 18, 1024);
-    let buffer: Vec<f32> = (0..bw_rows * bw_k).map(|i| (i % 7) as f32).collect();
-    let ones = vec![1.0f32; bw_k];
-    let mut sums = vec![0.0f32; bw_rows];
-    let bandwidth = median(
-        timed(reps, || {
-            matmul_transposed(&ones, 1, bw_k, &buffer, bw_rows, &mut sums, true)
-        })
-        .into_iter()
-        .map(|s| (buffer.len() * 4) as f64 / s / 1e9)
-        .collect(),
-    );
-    drop(buffer);
-    println!("read bandwidth, all threads: {bandwidth:.1} GB/s");
-    if std::env::var_os("MOE_ROOFLINE_DECODE_ONLY").is_some_and(|v| v == "1") {
-        expert_decode(reps, bandwidth);
-        return;
-    }
     println!();
     println!(
         "{:<52} {:>10} {:>12} {:>10}",
@@ -500,8 +501,14 @@ fn expert_decode(reps: usize, bandwidth: f64) {
         ("int4", |e| ExpertWeights::Quantized(quantize(e, to_int4))),
     ];
     let x = random(TOP_K * HIDDEN, 5, 1.0);
+    // `MOE_ROOFLINE_DECODE_FORMATS=int4` (a comma list) runs only those, e.g. under a profiler.
+    let only = std::env::var("MOE_ROOFLINE_DECODE_FORMATS").ok();
     let sets: Vec<(&str, Vec<ExpertWeights>)> = formats
         .iter()
+        .filter(|(name, _)| {
+            only.as_ref()
+                .is_none_or(|o| o.split(',').any(|f| f == *name))
+        })
         .map(|(name, hold)| {
             let held: Vec<ExpertWeights> = distinct.iter().map(hold).collect();
             let count = bytes.div_ceil(held[0].weight_bytes()) / TOP_K * TOP_K;
@@ -522,14 +529,22 @@ fn expert_decode(reps: usize, bandwidth: f64) {
             times.push(started.elapsed().as_secs_f64() / (experts.len() / TOP_K) as f64);
         }
     }
-    let mut bf16_step = None;
-    for ((name, experts), mut times) in sets.iter().zip(seconds) {
-        times.remove(0); // the warm-up pass
-        let s = median(times);
+    let steps: Vec<f64> = seconds
+        .into_iter()
+        .map(|mut times| {
+            times.remove(0); // the warm-up pass
+            median(times)
+        })
+        .collect();
+    let bf16_step = sets
+        .iter()
+        .zip(&steps)
+        .find(|((name, _), _)| *name == "bf16");
+    for ((name, experts), &s) in sets.iter().zip(&steps) {
         let rate = (TOP_K * experts[0].weight_bytes()) as f64 / s / 1e9;
-        let against = *bf16_step.get_or_insert(s) / s;
+        let against = bf16_step.map_or_else(|| "-".into(), |(_, b)| format!("{:.2}x", b / s));
         println!(
-            "{:<52} {:>10.3} {rate:>12.1} {:>9.0}% {against:>7.2}x",
+            "{:<52} {:>10.3} {rate:>12.1} {:>9.0}% {against:>8}",
             format!("{} {name} experts [3 x {INTER} x {HIDDEN}]", experts.len()),
             s * 1e3,
             rate / bandwidth * 100.0

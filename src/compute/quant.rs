@@ -704,122 +704,185 @@ struct Int4Rows<'a> {
 #[cfg(target_arch = "x86_64")]
 impl Int4Rows<'_> {
     /// `out[c] = x · row (first + c)` for the one input row of `inputs` (`planes` from
-    /// [`Int4Inputs::planes_for_masks`]), four weight rows a pass; the last pass repeats its
-    /// last row where fewer are left.
+    /// [`Int4Inputs::for_decode`]).
     fn dot(&self, planes: &[f32], inputs: &Int4Inputs, first: usize, out: &mut [f32]) {
-        const PASS: usize = 4;
         let chunks = inputs.chunks;
         assert!(
             inputs.rows == 1
                 && planes.len() == chunks * 8 * INT4_WORDS
                 && inputs.sums.len() == chunks * INT4_WORDS
-                && self.words <= chunks * INT4_WORDS,
+                && self.words <= chunks * INT4_WORDS
+                && self.words > (chunks - 1) * INT4_WORDS
+                && (first + out.len()) * self.words <= self.packed.len()
+                && (first + out.len()) * self.groups <= self.scales.len()
+                && self.groups == (self.words * 8).div_ceil(self.words_per_group * 8),
             "INT4 decode inputs"
         );
-        // Each row's scales, padded so that the kernel's 16-scale load at any chunk stays
-        // inside (the lanes past the row's groups multiply zero sums).
-        let stride = chunks * INT4_WORDS / self.words_per_group + INT4_WORDS;
-        let mut scales = vec![0.0f32; PASS * stride];
-        for at in (0..out.len()).step_by(PASS) {
-            let count = (out.len() - at).min(PASS);
-            let row = |j: usize| first + at + j.min(count - 1);
-            for j in 0..PASS {
-                self.scales.read_into(
-                    row(j) * self.groups,
-                    &mut scales[j * stride..][..self.groups],
-                );
+        let rows = Int4Decode {
+            planes,
+            sums: &inputs.sums,
+            packed: self.packed,
+            words: self.words,
+            groups: self.groups,
+            words_per_group: self.words_per_group,
+        };
+        // SAFETY: the callers check the CPU's features (`decode_kernel_available`); the
+        // assert above bounds every load (the kernel's contract).
+        unsafe {
+            match self.scales {
+                GroupScales::Bf16(s) => {
+                    int4_rows_avx512::<true>(&rows, s.as_ptr().cast(), first, out)
+                }
+                GroupScales::F32(s) => {
+                    int4_rows_avx512::<false>(&rows, s.as_ptr().cast(), first, out)
+                }
             }
-            let words: [&[u32]; PASS] =
-                std::array::from_fn(|j| &self.packed[row(j) * self.words..][..self.words]);
-            // SAFETY: the callers check the CPU's features (`decode_kernel_available`); the
-            // assert above and the slices' lengths bound every load.
-            let sums = unsafe {
-                int4_rows_avx512(
-                    planes,
-                    &inputs.sums,
-                    words,
-                    &scales,
-                    stride,
-                    self.words_per_group,
-                )
-            };
-            out[at..at + count].copy_from_slice(&sums[..count]);
         }
     }
 }
 
-/// Four packed INT4 rows times one input row, with AVX-512: each lane holds a word, nibble
-/// `i` of sixteen words is masked in place (no shift) and converted as its value times 16^i,
-/// against the input plane `i` scaled by 2^-4i; each chunk's sums, less 8 times its inputs'
-/// sums, are multiplied by the lanes' group scales (`scales[j * stride..]` for row `j`, a
-/// scale per `words_per_group` words) into the row's total.
+/// What [`int4_rows_avx512`] reads besides the scales: one input row as
+/// [`Int4Inputs::for_decode`] lays it out, and the packed rows, `words` to a row, with
+/// `groups` scales a row, one per `words_per_group` words.
+#[cfg(target_arch = "x86_64")]
+struct Int4Decode<'a> {
+    planes: &'a [f32],
+    sums: &'a [f32],
+    packed: &'a [u32],
+    words: usize,
+    groups: usize,
+    words_per_group: usize,
+}
+
+/// `out[c] = x · row (first + c)` for packed INT4 rows, four a pass (the last pass repeats
+/// its last row where fewer are left), with AVX-512. Each lane holds a word; nibble `i` of
+/// sixteen words is masked in place (no shift) and converted as its value times 16^i, against
+/// the input plane `i` scaled by 2^-4i. Each chunk's sums, less 8 times its inputs' sums, are
+/// multiplied by the lanes' group scales, read from the matrix's own scales (`BF16`: bf16
+/// values, else f32; `scales` points at the first row's) into the row's total; the pass's
+/// four totals are summed across their lanes together.
+///
+/// Everything a pass does not change is set up once per call: one call takes all the rows a
+/// task has, so a product of short rows (a down projection: 256 inputs, two chunks) is not
+/// dominated by each pass's set-up.
 ///
 /// # Safety
-/// The CPU has AVX-512F; `planes` holds `chunks` chunks of 8 planes of 16 and `sums` 16 per
-/// chunk; every word row has at most `16 * chunks` words; each scale row holds at least
-/// `16 * chunks / words_per_group + 16` values.
+/// The CPU has AVX-512 F, BW and VL. `rows.planes` holds `chunks` chunks of 8 planes of 16
+/// and `rows.sums` 16 per chunk, where `16 (chunks - 1) < rows.words <= 16 chunks`; the packed
+/// words hold rows `first..first + out.len()` and `scales` their `rows.groups` scales each;
+/// `rows.groups` is the count of `rows.words_per_group`-word groups in `rows.words` words.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn int4_rows_avx512(
-    planes: &[f32],
-    sums: &[f32],
-    words: [&[u32]; 4],
-    scales: &[f32],
-    stride: usize,
-    words_per_group: usize,
-) -> [f32; 4] {
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn int4_rows_avx512<const BF16: bool>(
+    rows: &Int4Decode<'_>,
+    scales: *const u8,
+    first: usize,
+    out: &mut [f32],
+) {
     use std::arch::x86_64::*;
-    let chunks = sums.len() / INT4_WORDS;
-    // Lane l takes scale l / words_per_group of its chunk's (0 for a group of whole chunks).
+    const PASS: usize = 4;
+    let (words, groups, words_per_group) = (rows.words, rows.groups, rows.words_per_group);
+    let chunks = rows.sums.len() / INT4_WORDS;
+    // Lane l takes scale l / words_per_group of its chunk's (0 for a group of whole chunks);
+    // a chunk reads `per_chunk` scales from its first.
     let lanes: [i32; INT4_WORDS] = std::array::from_fn(|l| (l / words_per_group) as i32);
     // SAFETY: `lanes` holds 16 i32, the width of the load.
     let lane_scale = unsafe { _mm512_loadu_si512(lanes.as_ptr().cast()) };
+    let per_chunk = INT4_WORDS.div_ceil(words_per_group);
+    let tail = words - (chunks - 1) * INT4_WORDS;
+    let last_mask: __mmask16 = if tail == INT4_WORDS {
+        0xffff
+    } else {
+        ((1u32 << tail) - 1) as __mmask16
+    };
     let eight = _mm512_set1_ps(8.0);
-    let mut total = [_mm512_setzero_ps(); 4];
-    for c in 0..chunks {
-        let mask: __mmask16 = match words[0].len() - c * INT4_WORDS {
-            left if left >= INT4_WORDS => 0xffff,
-            left => ((1u32 << left) - 1) as __mmask16,
-        };
-        // SAFETY: the mask covers only the words of each row (all rows are one length).
-        let w: [__m512i; 4] = std::array::from_fn(|j| unsafe {
-            _mm512_maskz_loadu_epi32(mask, words[j].as_ptr().add(c * INT4_WORDS).cast())
-        });
-        // The same line two passes on (rows 8 further in the matrix): a hint, which never
-        // faults. One pass on read 10% slower, none 40% (roofline's INT4 decode line).
-        for row in words {
-            let ahead = row.as_ptr().wrapping_add(8 * row.len() + c * INT4_WORDS);
-            _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+    // Scales `start..start + count` (count <= 16) of the matrix, as f32, the rest zero.
+    let load_scales = |start: usize, count: usize| -> __m512 {
+        let mask = ((1u32 << count) - 1) as __mmask16;
+        if BF16 {
+            // SAFETY: the mask covers only scales of the rows (the contract); bf16 is the top
+            // half of an f32.
+            let half =
+                unsafe { _mm256_maskz_loadu_epi16(mask, scales.cast::<u16>().add(start).cast()) };
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(half)))
+        } else {
+            // SAFETY: as above.
+            unsafe { _mm512_maskz_loadu_ps(mask, scales.cast::<f32>().add(start)) }
         }
-        // Two accumulators per row (even and odd nibbles): eight chains of multiply-adds.
-        let mut acc = [[_mm512_setzero_ps(); 2]; 4];
-        for i in 0..8 {
-            // SAFETY: plane i of chunk c lies within `planes` (the caller's contract).
-            let p = unsafe { _mm512_loadu_ps(planes.as_ptr().add((c * 8 + i) * INT4_WORDS)) };
-            let nibble = _mm512_set1_epi32((0xf_u32 << (4 * i)) as i32);
-            for j in 0..4 {
-                let q = _mm512_cvtepu32_ps(_mm512_and_si512(w[j], nibble));
-                acc[j][i % 2] = _mm512_fmadd_ps(q, p, acc[j][i % 2]);
+    };
+    let planes = rows.planes.as_ptr();
+    let sums = rows.sums.as_ptr();
+    for at in (0..out.len()).step_by(PASS) {
+        let count = (out.len() - at).min(PASS);
+        let row: [usize; PASS] = std::array::from_fn(|j| first + at + j.min(count - 1));
+        let w_rows: [*const u32; PASS] =
+            std::array::from_fn(|j| rows.packed.as_ptr().wrapping_add(row[j] * words));
+        let mut total = [_mm512_setzero_ps(); PASS];
+        for c in 0..chunks {
+            let mask = if c + 1 == chunks { last_mask } else { 0xffff };
+            // SAFETY: the mask covers only the words of each row.
+            let w: [__m512i; PASS] = std::array::from_fn(|j| unsafe {
+                _mm512_maskz_loadu_epi32(mask, w_rows[j].add(c * INT4_WORDS).cast())
+            });
+            // The same line two passes on (rows 8 further in the matrix): a hint, which never
+            // faults. One pass on read 10% slower, none 40% (roofline's INT4 decode line).
+            for w_row in w_rows {
+                let ahead = w_row.wrapping_add(8 * words + c * INT4_WORDS);
+                _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+            }
+            // Two accumulators per row (even and odd nibbles): eight chains of multiply-adds.
+            let mut acc = [[_mm512_setzero_ps(); 2]; PASS];
+            for i in 0..8 {
+                // SAFETY: plane i of chunk c lies within the planes (the contract).
+                let p = unsafe { _mm512_loadu_ps(planes.add((c * 8 + i) * INT4_WORDS)) };
+                let nibble = _mm512_set1_epi32((0xf_u32 << (4 * i)) as i32);
+                for j in 0..PASS {
+                    let q = _mm512_cvtepu32_ps(_mm512_and_si512(w[j], nibble));
+                    acc[j][i % 2] = _mm512_fmadd_ps(q, p, acc[j][i % 2]);
+                }
+            }
+            // SAFETY: chunk c's sums lie within the sums.
+            let s = unsafe { _mm512_loadu_ps(sums.add(c * INT4_WORDS)) };
+            let start = c * INT4_WORDS / words_per_group;
+            let count = per_chunk.min(groups - start);
+            for j in 0..PASS {
+                let partial = _mm512_fnmadd_ps(eight, s, _mm512_add_ps(acc[j][0], acc[j][1]));
+                let scale =
+                    _mm512_permutexvar_ps(lane_scale, load_scales(row[j] * groups + start, count));
+                total[j] = _mm512_fmadd_ps(partial, scale, total[j]);
             }
         }
-        // SAFETY: chunk c's sums lie within `sums`.
-        let s = unsafe { _mm512_loadu_ps(sums.as_ptr().add(c * INT4_WORDS)) };
-        for j in 0..4 {
-            let partial = _mm512_fnmadd_ps(eight, s, _mm512_add_ps(acc[j][0], acc[j][1]));
-            // SAFETY: the load starts at the chunk's first scale and stays within the row's
-            // padded scales (the caller's contract).
-            let row_scales = unsafe {
-                _mm512_loadu_ps(
-                    scales
-                        .as_ptr()
-                        .add(j * stride + c * INT4_WORDS / words_per_group),
-                )
-            };
-            let scale = _mm512_permutexvar_ps(lane_scale, row_scales);
-            total[j] = _mm512_fmadd_ps(partial, scale, total[j]);
-        }
+        // The four totals summed across their lanes at once: pairs interleaved and added,
+        // then the pairs' halves, then the 128-bit lanes.
+        let ab = _mm512_add_ps(
+            _mm512_unpacklo_ps(total[0], total[1]),
+            _mm512_unpackhi_ps(total[0], total[1]),
+        );
+        let cd = _mm512_add_ps(
+            _mm512_unpacklo_ps(total[2], total[3]),
+            _mm512_unpackhi_ps(total[2], total[3]),
+        );
+        let abcd = _mm512_add_ps(
+            _mm512_shuffle_ps::<0b01_00_01_00>(ab, cd),
+            _mm512_shuffle_ps::<0b11_10_11_10>(ab, cd),
+        );
+        let halves = _mm256_add_ps(
+            _mm512_castps512_ps256(abcd),
+            _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(abcd))),
+        );
+        let sum = _mm_add_ps(
+            _mm256_castps256_ps128(halves),
+            _mm256_extractf128_ps::<1>(halves),
+        );
+        // SAFETY: `count` outputs from `at` lie within `out`.
+        unsafe {
+            _mm_mask_storeu_ps(
+                out.as_mut_ptr().add(at),
+                ((1u32 << count) - 1) as __mmask8,
+                sum,
+            )
+        };
     }
-    std::array::from_fn(|j| _mm512_reduce_add_ps(total[j]))
 }
 
 /// The few-row INT4 kernel: `out[r] = x[r] · row`, the row's words decoded in registers as
