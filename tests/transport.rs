@@ -393,6 +393,41 @@ fn ucx_links_on_one_host_use_shared_memory() {
     }
 }
 
+/// The UCX context says what memory it moves (`ucp_context_query`): host memory always, and
+/// CUDA memory only where the loaded UCX has its CUDA module (`ucx/libuct_cuda.so*` beside
+/// libucp; Debian's libucx0 has none, PyPI's libucx-cu13 has it). A UCX that cannot move CUDA
+/// memory must never be handed a device pointer, which `takes_cuda_memory` guards.
+#[test]
+fn ucx_reports_the_kinds_of_memory_it_moves() {
+    let Some(transport) = ucx_transport() else {
+        return;
+    };
+    let types = transport.memory_types();
+    assert!(types.names().contains(&"host"), "{:?}", types.names());
+    let modules = transport
+        .library()
+        .file
+        .parent()
+        .expect("libucp's folder")
+        .join("ucx");
+    let has_cuda_module = std::fs::read_dir(&modules)
+        .map(|entries| {
+            entries
+                .flatten()
+                .any(|e| e.file_name().to_string_lossy().starts_with("libuct_cuda"))
+        })
+        .unwrap_or(false);
+    if !has_cuda_module {
+        assert!(
+            !types.cuda() && !transport.takes_cuda_memory(),
+            "UCX claims CUDA memory without a CUDA module in {}: {:?}",
+            modules.display(),
+            types.names()
+        );
+    }
+    assert_eq!(transport.takes_cuda_memory(), types.cuda());
+}
+
 /// Requests of one MoE layer's size and beyond, each way: over UCX they go as several
 /// active messages (the writer's chunks), each large enough for rendezvous, which must reach
 /// the reader whole and in order; the rows come back bit for bit.

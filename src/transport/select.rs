@@ -37,11 +37,12 @@ pub fn choose(peer: &PeerSection) -> Result<Chosen, String> {
     });
     match (ucx, peer.transport) {
         (Ok((library, transport)), mode) => Ok(Chosen {
-            transport: Arc::new(transport),
+            transport: Arc::new(transport.clone()),
             name: "ucx",
             why: format!(
-                "peer.transport = \"{}\" and UCX {} loaded from {}; UCX_TLS={}; each link \
-                 moves to UCX after its handshake when the peer offers UCX too",
+                "peer.transport = \"{}\" and UCX {} loaded from {}; UCX_TLS={}; memory \
+                 types {} ({}); each link moves to UCX after its handshake when the peer \
+                 offers UCX too",
                 if mode == PeerTransport::Ucx {
                     "ucx"
                 } else {
@@ -49,7 +50,14 @@ pub fn choose(peer: &PeerSection) -> Result<Chosen, String> {
                 },
                 library.version_string(),
                 library.file.display(),
-                std::env::var("UCX_TLS").unwrap_or_else(|_| "(unset: UCX picks)".into())
+                std::env::var("UCX_TLS").unwrap_or_else(|_| "(unset: UCX picks)".into()),
+                transport.memory_types().names().join(", "),
+                if transport.takes_cuda_memory() {
+                    "this UCX can move GPU memory; GPU rows still travel through pinned host \
+                     memory, as direct GPU memory is not wired yet"
+                } else {
+                    "no GPU memory: GPU rows travel through pinned host memory"
+                }
             ),
         }),
         (Err(why), PeerTransport::Ucx) => Err(format!(

@@ -38,6 +38,7 @@ use futures::future::BoxFuture;
 use tokio::sync::oneshot;
 
 pub use stream::UcxStream;
+pub use worker::MemoryTypes;
 use worker::{Command, Context, EpShared, WorkerHandle};
 
 use super::{LinkUpgrade, PeerListener, PeerStream, TcpTransport, Transport};
@@ -147,6 +148,20 @@ impl UcxTransport {
 
     pub fn library(&self) -> &Library {
         &self.library
+    }
+
+    /// The kinds of memory this UCX moves (host always; CUDA where it has the module and
+    /// the driver).
+    pub fn memory_types(&self) -> MemoryTypes {
+        self.context.memory_types
+    }
+
+    /// Whether GPU rows may be handed to UCX as device pointers. They never are yet: the
+    /// experts' rows reach a link through host memory (the GPU's pinned staging buffers),
+    /// which every UCX takes. A UCX without CUDA memory must never get a device pointer (it
+    /// would read it as host memory), so this is what that path will ask first.
+    pub fn takes_cuda_memory(&self) -> bool {
+        self.memory_types().cuda()
     }
 
     /// How many links this transport has moved to UCX (each side counts its own).

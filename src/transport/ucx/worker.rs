@@ -190,6 +190,8 @@ impl EpShared {
 pub struct Context {
     library: Arc<Library>,
     handle: sys::ucp_context_h,
+    /// What kinds of memory the context moves (`ucp_context_query`).
+    pub memory_types: MemoryTypes,
 }
 
 // SAFETY: the context is created with UCP_PARAM_FIELD_MT_WORKERS_SHARED, which makes it safe
@@ -245,7 +247,62 @@ impl Context {
         if status != sys::UCS_OK {
             return Err(status_error(&library, "creating the UCX context", status));
         }
-        Ok(Arc::new(Context { library, handle }))
+        // SAFETY: zeroed plain data, fields selected by field_mask.
+        let mut attributes: sys::ucp_context_attr_t = unsafe { std::mem::zeroed() };
+        attributes.field_mask = sys::UCP_ATTR_FIELD_MEMORY_TYPES as u64;
+        // SAFETY: the context was just made; attributes is a live struct UCX fills.
+        let status = unsafe { ucp.ucp_context_query(handle, &mut attributes) };
+        if status != sys::UCS_OK {
+            // SAFETY: the context is not used after this.
+            unsafe { ucp.ucp_cleanup(handle) };
+            return Err(status_error(&library, "querying the UCX context", status));
+        }
+        Ok(Arc::new(Context {
+            library,
+            handle,
+            memory_types: MemoryTypes::from_mask(attributes.memory_types),
+        }))
+    }
+}
+
+/// The kinds of memory a ucp context can move (`ucp_context_query`'s `memory_types`, one
+/// bit per `ucs_memory_type_t`): host memory always; CUDA or ROCm memory only where the
+/// loaded UCX has the modules for them and their driver loads (Debian's libucx0 has none;
+/// PyPI's libucx-cu13 has CUDA's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryTypes(u64);
+
+impl MemoryTypes {
+    /// Each type's bit and name, as UCX names them (`ucs_memory_type_names`).
+    const NAMES: [(sys::ucs_memory_type_t, &'static str); 5] = [
+        (sys::UCS_MEMORY_TYPE_HOST, "host"),
+        (sys::UCS_MEMORY_TYPE_CUDA, "cuda"),
+        (sys::UCS_MEMORY_TYPE_CUDA_MANAGED, "cuda-managed"),
+        (sys::UCS_MEMORY_TYPE_ROCM, "rocm"),
+        (sys::UCS_MEMORY_TYPE_ROCM_MANAGED, "rocm-managed"),
+    ];
+
+    pub fn from_mask(mask: u64) -> MemoryTypes {
+        MemoryTypes(mask)
+    }
+
+    /// Whether UCX takes pointers to CUDA device memory (`cuda_copy`, `cuda_ipc`, GPUDirect
+    /// RDMA where the NIC allows).
+    pub fn cuda(self) -> bool {
+        self.has(sys::UCS_MEMORY_TYPE_CUDA)
+    }
+
+    fn has(self, kind: sys::ucs_memory_type_t) -> bool {
+        self.0 & (1u64 << kind) != 0
+    }
+
+    /// The types' names, in UCX's order ("host", "cuda", ...).
+    pub fn names(self) -> Vec<&'static str> {
+        Self::NAMES
+            .iter()
+            .filter(|(kind, _)| self.has(*kind))
+            .map(|(_, name)| *name)
+            .collect()
     }
 }
 
@@ -1307,6 +1364,21 @@ impl Worker {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn memory_types_are_read_from_ucx_bits() {
+        let host = MemoryTypes::from_mask(1 << sys::UCS_MEMORY_TYPE_HOST);
+        assert_eq!((host.names(), host.cuda()), (vec!["host"], false));
+        let cuda = MemoryTypes::from_mask(
+            1 << sys::UCS_MEMORY_TYPE_HOST
+                | 1 << sys::UCS_MEMORY_TYPE_CUDA
+                | 1 << sys::UCS_MEMORY_TYPE_CUDA_MANAGED,
+        );
+        assert_eq!(cuda.names(), vec!["host", "cuda", "cuda-managed"]);
+        assert!(cuda.cuda());
+        // Managed memory alone is not device memory UCX takes as such.
+        assert!(!MemoryTypes::from_mask(1 << sys::UCS_MEMORY_TYPE_CUDA_MANAGED).cuda());
+    }
 
     #[test]
     fn lane_transports_are_read_from_the_endpoint_printout() {
