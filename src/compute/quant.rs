@@ -475,7 +475,7 @@ impl QuantLinear {
                 groups,
                 words_per_group,
             };
-            rows.dot(&inputs.planes, inputs, first, out_t)
+            rows.dot(inputs, first, out_t)
         };
         cpu::few_rows_by_columns(1, k, out, parallel, weight_rows);
     }
@@ -703,23 +703,23 @@ struct Int4Rows<'a> {
 
 #[cfg(target_arch = "x86_64")]
 impl Int4Rows<'_> {
-    /// `out[c] = x · row (first + c)` for the one input row of `inputs` (`planes` from
+    /// `out[c] = x · row (first + c)` for the one input row of `inputs` (made by
     /// [`Int4Inputs::for_decode`]).
-    fn dot(&self, planes: &[f32], inputs: &Int4Inputs, first: usize, out: &mut [f32]) {
+    fn dot(&self, inputs: &Int4Inputs, first: usize, out: &mut [f32]) {
         let chunks = inputs.chunks;
         assert!(
             inputs.rows == 1
-                && planes.len() == chunks * 8 * INT4_WORDS
+                && inputs.planes.len() == chunks * 8 * INT4_WORDS
                 && inputs.sums.len() == chunks * INT4_WORDS
                 && self.words <= chunks * INT4_WORDS
                 && self.words > (chunks - 1) * INT4_WORDS
                 && (first + out.len()) * self.words <= self.packed.len()
                 && (first + out.len()) * self.groups <= self.scales.len()
-                && self.groups == (self.words * 8).div_ceil(self.words_per_group * 8),
+                && self.groups == self.words.div_ceil(self.words_per_group),
             "INT4 decode inputs"
         );
         let rows = Int4Decode {
-            planes,
+            planes: &inputs.planes,
             sums: &inputs.sums,
             packed: self.packed,
             words: self.words,
