@@ -718,40 +718,19 @@ impl Int4Rows<'_> {
                 && self.groups == self.words.div_ceil(self.words_per_group),
             "INT4 decode inputs"
         );
-        let rows = Int4Decode {
-            planes: &inputs.planes,
-            sums: &inputs.sums,
-            packed: self.packed,
-            words: self.words,
-            groups: self.groups,
-            words_per_group: self.words_per_group,
-        };
         // SAFETY: the callers check the CPU's features (`decode_kernel_available`); the
         // assert above bounds every load (the kernel's contract).
         unsafe {
             match self.scales {
                 GroupScales::Bf16(s) => {
-                    int4_rows_avx512::<true>(&rows, s.as_ptr().cast(), first, out)
+                    int4_rows_avx512::<true>(self, inputs, s.as_ptr().cast(), first, out)
                 }
                 GroupScales::F32(s) => {
-                    int4_rows_avx512::<false>(&rows, s.as_ptr().cast(), first, out)
+                    int4_rows_avx512::<false>(self, inputs, s.as_ptr().cast(), first, out)
                 }
             }
         }
     }
-}
-
-/// What [`int4_rows_avx512`] reads besides the scales: one input row as
-/// [`Int4Inputs::for_decode`] lays it out, and the packed rows, `words` to a row, with
-/// `groups` scales a row, one per `words_per_group` words.
-#[cfg(target_arch = "x86_64")]
-struct Int4Decode<'a> {
-    planes: &'a [f32],
-    sums: &'a [f32],
-    packed: &'a [u32],
-    words: usize,
-    groups: usize,
-    words_per_group: usize,
 }
 
 /// `out[c] = x · row (first + c)` for packed INT4 rows, four a pass (the last pass repeats
@@ -767,22 +746,21 @@ struct Int4Decode<'a> {
 /// dominated by each pass's set-up.
 ///
 /// # Safety
-/// The CPU has AVX-512 F, BW and VL. `rows.planes` holds `chunks` chunks of 8 planes of 16
-/// and `rows.sums` 16 per chunk, where `16 (chunks - 1) < rows.words <= 16 chunks`; the packed
-/// words hold rows `first..first + out.len()` and `scales` their `rows.groups` scales each;
-/// `rows.groups` is the count of `rows.words_per_group`-word groups in `rows.words` words.
+/// The CPU has AVX-512 F, BW and VL; `scales` points at `matrix`'s own scales (bf16 when
+/// `BF16`, else f32); the rest is what [`Int4Rows::dot`] asserts.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 unsafe fn int4_rows_avx512<const BF16: bool>(
-    rows: &Int4Decode<'_>,
+    matrix: &Int4Rows<'_>,
+    inputs: &Int4Inputs,
     scales: *const u8,
     first: usize,
     out: &mut [f32],
 ) {
     use std::arch::x86_64::*;
     const PASS: usize = 4;
-    let (words, groups, words_per_group) = (rows.words, rows.groups, rows.words_per_group);
-    let chunks = rows.sums.len() / INT4_WORDS;
+    let (words, groups, words_per_group) = (matrix.words, matrix.groups, matrix.words_per_group);
+    let chunks = inputs.chunks;
     // Lane l takes scale l / words_per_group of its chunk's (0 for a group of whole chunks);
     // a chunk reads `per_chunk` scales from its first.
     let lanes: [i32; INT4_WORDS] = std::array::from_fn(|l| (l / words_per_group) as i32);
@@ -810,13 +788,13 @@ unsafe fn int4_rows_avx512<const BF16: bool>(
             unsafe { _mm512_maskz_loadu_ps(mask, scales.cast::<f32>().add(start)) }
         }
     };
-    let planes = rows.planes.as_ptr();
-    let sums = rows.sums.as_ptr();
+    let planes = inputs.planes.as_ptr();
+    let sums = inputs.sums.as_ptr();
     for at in (0..out.len()).step_by(PASS) {
         let count = (out.len() - at).min(PASS);
         let row: [usize; PASS] = std::array::from_fn(|j| first + at + j.min(count - 1));
         let w_rows: [*const u32; PASS] =
-            std::array::from_fn(|j| rows.packed.as_ptr().wrapping_add(row[j] * words));
+            std::array::from_fn(|j| matrix.packed.as_ptr().wrapping_add(row[j] * words));
         let mut total = [_mm512_setzero_ps(); PASS];
         for c in 0..chunks {
             let mask = if c + 1 == chunks { last_mask } else { 0xffff };
