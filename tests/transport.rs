@@ -54,6 +54,8 @@ fn addr(text: &str) -> SocketAddr {
 struct Rig {
     kind: Kind,
     runtime: tokio::runtime::Runtime,
+    /// The runtime's threads' name, this rig's own (see [`Rig::cpu_ticks`]).
+    thread_name: String,
     network: MemoryNetwork,
     /// Kind::Ucx: the server node's transport and the client node's (two workers).
     ucx: Option<(UcxTransport, UcxTransport)>,
@@ -61,14 +63,21 @@ struct Rig {
 
 impl Rig {
     fn new(kind: Kind) -> Self {
+        static RIGS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let thread_name = format!(
+            "rig-{}",
+            RIGS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        );
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
+            .thread_name(&thread_name)
             .enable_all()
             .build()
             .expect("runtime");
         Rig {
             kind,
             runtime,
+            thread_name,
             network: MemoryNetwork::new(),
             ucx: None,
         }
@@ -104,6 +113,32 @@ impl Rig {
             Kind::Ucx => Arc::new(self.ucx.as_ref().expect("UCX rig").1.clone()),
             Kind::Memory => Arc::new(self.network.transport(addr(CLIENT_NODE))),
         }
+    }
+
+    /// CPU time (user + system, in clock ticks) this rig's runtime threads have used so far,
+    /// and how many of them there are: other tests of this binary run beside it, so the
+    /// process's own total would not say what this rig spent.
+    fn cpu_ticks(&self) -> (u64, usize) {
+        let mut ticks = 0;
+        let mut threads = 0;
+        for task in std::fs::read_dir("/proc/self/task").expect("/proc/self/task") {
+            let Ok(stat) = std::fs::read_to_string(task.expect("task").path().join("stat")) else {
+                continue; // the thread ended meanwhile
+            };
+            // "tid (comm) state ppid ...": the name sits in parentheses, fields follow it.
+            let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+                continue;
+            };
+            if stat[open + 1..close] != self.thread_name {
+                continue;
+            }
+            let fields: Vec<&str> = stat[close + 1..].split_whitespace().collect();
+            // utime and stime: fields 14 and 15 of the line, 12 and 13 after the name.
+            ticks += fields[11].parse::<u64>().expect("utime")
+                + fields[12].parse::<u64>().expect("stime");
+            threads += 1;
+        }
+        (ticks, threads)
     }
 
     /// Over UCX, both sides moved their link onto UCX (it did not stay on the handshake's
@@ -391,6 +426,49 @@ fn ucx_links_on_one_host_use_shared_memory() {
             "the {side}'s link uses {used:?}, no shared memory"
         );
     }
+}
+
+/// A UCX link nobody uses costs no CPU: once a transfer is done, each side's driver sleeps on
+/// its worker's event fd (waking at most every 100 ms for UCX's timers) instead of polling.
+/// A layer-sized request first, so the links have moved large messages (rendezvous) and
+/// small ones before they go idle.
+#[test]
+fn an_idle_ucx_link_spends_no_cpu() {
+    let Some(rig) = Rig::try_new(Kind::Ucx) else {
+        return;
+    };
+    let stats = Arc::new(PeerStats::default());
+    let server = rig.server(&stats, double_plus_expert());
+    let client = rig.client(server.local_addr(), &stats);
+    let width = 7168;
+    let layer = ExpertRequest {
+        layer: 7,
+        placement_version: 2,
+        width,
+        dtype: Dtype::Bf16,
+        groups: vec![(5, 256)],
+        rows: (0..256 * width).map(|i| (i % 977) as f32 / 8.0).collect(),
+    };
+    for request in [layer, make_request(1, Dtype::Bf16)] {
+        let reply = call(&client, request.clone(), Duration::from_secs(20)).expect("reply");
+        assert_reply(&request, &reply);
+    }
+    rig.assert_links_moved();
+    std::thread::sleep(Duration::from_millis(300));
+    let (before, threads) = rig.cpu_ticks();
+    assert!(threads >= 2, "found {threads} of the rig's runtime threads");
+    std::thread::sleep(Duration::from_secs(2));
+    let (after, _) = rig.cpu_ticks();
+    // Clock ticks are 10 ms: a driver polling without sleeping would spend about 200.
+    assert!(
+        after - before <= 20,
+        "the idle rig's threads used {} ticks of CPU in 2 s",
+        after - before
+    );
+    // The links still work after sleeping.
+    let request = make_request(3, Dtype::Bf16);
+    let reply = call(&client, request.clone(), Duration::from_secs(5)).expect("reply");
+    assert_reply(&request, &reply);
 }
 
 /// The UCX context says what memory it moves (`ucp_context_query`): host memory always, and

@@ -20,8 +20,8 @@
 //!   once, as a TCP link's would (see [`stream`]).
 //! - Endpoints use `UCP_ERR_HANDLING_MODE_PEER`: a peer that dies or resets fails its
 //!   stream's reads and writes, which the peer protocol treats as a lost link (fail over).
-//! - One worker thread per link does all UCX calls for its worker and sleeps on the worker's
-//!   event fd when idle (see [`worker`] for why one worker per link).
+//! - One UCX worker per link (see [`worker`] for why), called by the link's tasks on the
+//!   runtime's threads; a driver task per link waits on the worker's event fd when idle.
 
 mod stream;
 mod worker;
@@ -35,11 +35,10 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use futures::FutureExt;
 use futures::future::BoxFuture;
-use tokio::sync::oneshot;
 
 pub use stream::UcxStream;
 pub use worker::MemoryTypes;
-use worker::{Command, Context, EpShared, WorkerHandle};
+use worker::{Context, EpShared, WorkerHandle};
 
 use super::{LinkUpgrade, PeerListener, PeerStream, TcpTransport, Transport};
 
@@ -180,10 +179,7 @@ impl UcxTransport {
 }
 
 fn stopped() -> io::Error {
-    io::Error::new(
-        io::ErrorKind::BrokenPipe,
-        "the UCX worker thread has stopped",
-    )
+    io::Error::new(io::ErrorKind::BrokenPipe, "the link's UCX worker is gone")
 }
 
 /// Drops a link's worker handle off the async threads: the last one joins the worker's
@@ -216,9 +212,10 @@ impl Transport for UcxTransport {
         let transports = self.transports.clone();
         async move {
             let (worker, address) =
-                tokio::task::spawn_blocking(move || WorkerHandle::start(context))
+                tokio::task::spawn_blocking(move || WorkerHandle::create(context))
                     .await
                     .map_err(|_| io::Error::other("the UCX worker start was cancelled"))??;
+            let worker = WorkerHandle::start(worker)?;
             Ok(Some(Box::new(UcxLink {
                 worker: Some(worker),
                 address,
@@ -263,13 +260,7 @@ impl LinkUpgrade for UcxLink {
         async move {
             let worker = self.worker.as_ref().ok_or_else(stopped)?;
             let shared = Arc::new(EpShared::default());
-            let (reply, answer) = oneshot::channel();
-            worker.send(Command::Connect {
-                remote,
-                shared: shared.clone(),
-                reply,
-            })?;
-            let connected = answer.await.map_err(|_| stopped())??;
+            let connected = worker.connect(&remote, shared.clone())?;
             tracing::info!(
                 transports = %connected.transports.join(", "),
                 "UCX endpoint made for a peer link"

@@ -1,11 +1,11 @@
 //! [`UcxStream`]: one link's UCX endpoint as a tokio byte stream (its bytes carried as UCX
 //! active messages), watched by the link's TCP control connection.
 //!
-//! Writes copy the bytes into a send buffer (reused once its send completes) and hand it
-//! to the worker thread, which sends each as one active message, in order; writers wait once
-//! [`SEND_PENDING_MAX`] bytes are in flight. The thread hands each received message to the
-//! reader whole and in order (a rendezvous one once fetched into a buffer of its size), so
-//! a read copies the bytes once, out of that buffer. The link ends when UCX fails the
+//! A write copies the bytes into a send buffer (reused once its send completes) and sends it
+//! as one active message itself, in order; writers wait once [`SEND_PENDING_MAX`] bytes are
+//! in flight. The worker hands each received message to the reader whole and in order (a
+//! rendezvous one once fetched into a buffer of its size), so a read copies the bytes once,
+//! out of that buffer; a read that finds nothing progresses the worker before it waits. The link ends when UCX fails the
 //! endpoint (its error callback) or when the control connection ends: a peer that exits or
 //! drops the link closes that socket at once, whatever UCX's own transports would take to
 //! notice. A control connection that ends cleanly reads as the end of the stream; anything
@@ -19,7 +19,7 @@ use std::task::{Context, Poll};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 
 use super::worker::{
-    Command, EpShared, Failure, MESSAGE_MAX, RECV_BUFFERED_MAX, SEND_PENDING_MAX, WorkerHandle,
+    EpShared, Failure, MESSAGE_MAX, RECV_BUFFERED_MAX, SEND_PENDING_MAX, WorkerHandle,
 };
 use crate::transport::PeerStream;
 
@@ -89,7 +89,7 @@ async fn watch_control(
     };
     shared.fail(failure);
     if let Some(worker) = worker.upgrade() {
-        let _ = worker.send(Command::CloseEp { ep, force: true });
+        worker.close_ep(ep, true);
         super::release(worker);
     }
 }
@@ -97,12 +97,9 @@ async fn watch_control(
 impl Drop for UcxStream {
     fn drop(&mut self) {
         // Flushes what was written, then closes; the control connection closes with the
-        // watcher, which tells the peer. A stopped thread has closed the endpoint already.
+        // watcher, which tells the peer.
         if let Some(worker) = self.worker.take() {
-            let _ = worker.send(Command::CloseEp {
-                ep: self.ep,
-                force: false,
-            });
+            worker.close_ep(self.ep, false);
             super::release(worker);
         }
         self.watcher.abort();
@@ -117,6 +114,14 @@ impl AsyncRead for UcxStream {
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
         let mut state = this.shared.lock();
+        if state.received.is_empty() && state.failure.is_none() {
+            // What arrived since the driver task last ran is found now, not after a wake-up.
+            drop(state);
+            if let Ok(worker) = this.worker() {
+                worker.progress();
+            }
+            state = this.shared.lock();
+        }
         if state.received.is_empty() {
             return match &state.failure {
                 Some(failure) if failure.closed_by_peer => Poll::Ready(Ok(())),
@@ -134,11 +139,8 @@ impl AsyncRead for UcxStream {
         state.received.read_into(buf);
         let resume = was_full && state.recv_paused && state.received.len() < RECV_BUFFERED_MAX;
         drop(state);
-        if resume {
-            // A stopped thread fails the next read instead.
-            let _ = this
-                .worker()
-                .and_then(|worker| worker.send(Command::ResumeRecv));
+        if resume && let Ok(worker) = this.worker() {
+            worker.resume_recv();
         }
         Poll::Ready(Ok(()))
     }
@@ -173,7 +175,7 @@ impl AsyncWrite for UcxStream {
             data.extend_from_slice(&buf[..n]);
             data
         };
-        this.worker()?.send(Command::Send { ep: this.ep, data })?;
+        this.worker()?.send(this.ep, data);
         Poll::Ready(Ok(n))
     }
 

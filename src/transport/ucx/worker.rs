@@ -1,32 +1,36 @@
-//! The UCX worker threads: one per link, each owning one ucp worker (on the transport's
-//! shared [`Context`]) and the link's one endpoint; it is the only thread that calls UCX for
-//! that worker (created `UCS_THREAD_MODE_SINGLE`).
+//! The UCX workers: one per link, each owning one ucp worker (on the transport's shared
+//! [`Context`]) and the link's one endpoint, behind a mutex (the worker is created
+//! `UCS_THREAD_MODE_SERIALIZED`: any thread may call UCX for it, one at a time).
 //!
 //! One worker per link, not one per node: endpoints made from worker addresses are paired by
 //! UCX in the order each side creates them toward the same remote worker, so two links made
 //! at once between the same two workers (each node dialling the other) could be crossed.
 //! A worker that only ever has one peer endpoint cannot be.
 //!
-//! Tokio tasks talk to it through [`WorkerHandle`]: commands go down an mpsc queue and an
-//! eventfd wakes the thread; results come back through each endpoint's [`EpShared`] (bytes
-//! received, sends completed, the endpoint's failure), whose wakers it wakes. The thread
-//! sleeps in `epoll_wait` on the worker's event fd (`ucp_worker_get_efd`, armed with
-//! `ucp_worker_arm`) and the command eventfd, so an idle node spends no CPU here.
+//! The link's tasks call UCX themselves through [`WorkerHandle`], on the runtime's threads:
+//! a write hands its bytes to `ucp_am_send_nbx` at once, a read that finds nothing progresses
+//! the worker before it waits. What arrives while nobody is reading is picked up by the
+//! link's driver task, which waits on the worker's event fd (`ucp_worker_get_efd`, armed with
+//! `ucp_worker_arm`) in the runtime's reactor, so an idle link spends no CPU, and wakes the
+//! reader and writer through the endpoint's [`EpShared`] (bytes received, sends completed,
+//! the endpoint's failure). No thread of our own and no hand-off between threads stand
+//! between a task and UCX.
 //!
-//! UCX callbacks only record what happened (a thread-local event list); the loop handles
-//! the events after `ucp_worker_progress` returns, so no callback re-enters the loop's state.
+//! UCX callbacks only record what happened (a thread-local event list); each call into UCX
+//! under the mutex handles the events before it lets go, so no callback re-enters the
+//! worker's state and no event outlives the lock it was recorded under.
 
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
 use std::ffi::c_void;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::mpsc as std_mpsc;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::task::Waker;
 use std::time::{Duration, Instant};
 
-use tokio::sync::oneshot;
+use tokio::io::unix::AsyncFd;
+use tokio::sync::Notify;
 use ucx_sys as sys;
 
 use super::Library;
@@ -51,10 +55,14 @@ const EAGER_MAX: usize = 64 << 10;
 pub const RECV_BUFFERED_MAX: usize = 32 << 20;
 /// Bytes handed to the thread and not yet sent before writers wait.
 pub const SEND_PENDING_MAX: usize = 32 << 20;
-/// The longest sleep of the loop: a safety net, so UCX's timers (keepalive of
-/// `UCP_ERR_HANDLING_MODE_PEER`) run even if no event fd fires.
-const IDLE_TICK_MS: i32 = 100;
-/// How long the loop keeps polling after the last event before it sleeps on the event fd.
+/// The longest the driver task waits without progressing the worker: a safety net, so UCX's
+/// timers (keepalive of `UCP_ERR_HANDLING_MODE_PEER`) run even if no event fd fires.
+const IDLE_TICK: Duration = Duration::from_millis(100);
+/// How long the driver keeps progressing a worker with a transfer in flight (a send or a
+/// rendezvous fetch not complete) after its last work, before it sleeps on the event fd: the
+/// next FIFO's worth of a large message usually follows within microseconds, and a wake-up
+/// through the reactor costs more. A worker with nothing in flight (waiting for the peer to
+/// answer) sleeps at once rather than take a core from the work it waits for.
 const SPIN_BEFORE_SLEEP: Duration = Duration::from_micros(50);
 /// How long stopping waits for endpoints to close before the worker is destroyed.
 const STOP_GRACE: Duration = Duration::from_millis(500);
@@ -350,111 +358,195 @@ impl Drop for Context {
     }
 }
 
-pub enum Command {
-    /// Creates the link's endpoint toward the peer worker's address.
-    Connect {
-        remote: Vec<u8>,
-        shared: Arc<EpShared>,
-        /// The endpoint's id and the UCX transports its lanes use ([`Connected`]).
-        reply: oneshot::Sender<io::Result<Connected>>,
-    },
-    Send {
-        ep: u64,
-        data: Vec<u8>,
-    },
-    /// The reader caught up: fetch the rendezvous messages that were held back.
-    ResumeRecv,
-    /// Closes the endpoint (by force: without flushing, for one already failed).
-    CloseEp {
-        ep: u64,
-        force: bool,
-    },
-}
-
-/// The way to the worker thread; the thread stops when the last handle is dropped.
+/// A link's worker, shared by the link's stream, its control watcher and (weakly) its driver
+/// task. Dropping the last handle closes the endpoint, waits up to [`STOP_GRACE`] for the
+/// close and destroys the worker, so a process that exits next never runs libucs's
+/// destructors beside a destroy in flight (that race aborts in `vfs_obj.c`): drop it off the
+/// runtime's threads (see `release`).
 pub struct WorkerHandle {
-    commands: std_mpsc::Sender<Option<Command>>,
-    /// Shared with the thread, which keeps it open until it has stopped.
-    wake: Arc<OwnedFd>,
-    /// Joined on drop: the worker and context are destroyed before the handle is gone, so a
-    /// process that exits next never runs libucs's destructors beside a destroy in flight
-    /// (that race aborts in `vfs_obj.c`).
-    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    worker: Mutex<Worker>,
+    /// Wakes the driver task when something was started that needs progress and may not
+    /// signal the event fd by itself (a send UCX did not finish at once, an endpoint being
+    /// made or closed).
+    kick: Arc<Notify>,
 }
 
 impl WorkerHandle {
-    /// Starts a thread with a new worker on `context`; returns its handle and the worker's
-    /// address (what a peer needs to reach it). Fails with the UCX error.
-    pub fn start(context: Arc<Context>) -> io::Result<(Arc<WorkerHandle>, Vec<u8>)> {
-        // SAFETY: eventfd takes no pointers; the result is checked.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        if fd < 0 {
+    /// Creates a worker on `context`; returns it and its address (what a peer needs to reach
+    /// it). Blocks for a while (UCX opens its transports): call it off the runtime's threads.
+    pub fn create(context: Arc<Context>) -> io::Result<(Worker, Vec<u8>)> {
+        Worker::new(context)
+    }
+
+    /// Puts `worker` behind a handle and starts its driver task. Must be called within a
+    /// tokio runtime (the task, and the reactor watching the worker's event fd).
+    pub fn start(worker: Worker) -> io::Result<Arc<WorkerHandle>> {
+        // The driver watches its own duplicate of the worker's event fd: the reactor
+        // deregisters it when the task ends, whenever that is, and UCX closes its own
+        // descriptor when the worker is destroyed, never one the reactor still watches.
+        // SAFETY: dup takes no pointers; efd is open while the worker lives.
+        let duplicate = unsafe { libc::fcntl(worker.efd, libc::F_DUPFD_CLOEXEC, 0) };
+        if duplicate < 0 {
             return Err(io::Error::last_os_error());
         }
-        // SAFETY: fd is a new descriptor that nothing else owns.
-        let wake = Arc::new(unsafe { OwnedFd::from_raw_fd(fd) });
-        let wake_fd = wake.clone();
-        let (commands, receiver) = std_mpsc::channel();
-        let (ready_tx, ready_rx) = std_mpsc::channel();
-        let thread = std::thread::Builder::new()
-            .name("moe-node-ucx".into())
-            .spawn(move || match Worker::new(context, wake_fd) {
-                Ok((mut worker, address)) => {
-                    let _ = ready_tx.send(Ok(address));
-                    worker.run(receiver);
-                }
-                Err(e) => {
-                    let _ = ready_tx.send(Err(e));
-                }
-            })?;
-        let address = ready_rx
-            .recv()
-            .map_err(|_| io::Error::other("the UCX worker thread ended while starting"))??;
+        // SAFETY: a new descriptor nothing else owns.
+        let duplicate = unsafe { OwnedFd::from_raw_fd(duplicate) };
+        // SAFETY: the AsyncFd owns the descriptor, which stays open, the same description,
+        // until the AsyncFd is dropped.
+        let events =
+            unsafe { AsyncFd::register_with_interest(duplicate, tokio::io::Interest::READABLE) }?;
+        let kick = Arc::new(Notify::new());
         let handle = Arc::new(WorkerHandle {
-            commands,
-            wake,
-            thread: Mutex::new(Some(thread)),
+            worker: Mutex::new(worker),
+            kick: kick.clone(),
         });
-        Ok((handle, address))
+        tokio::spawn(drive(Arc::downgrade(&handle), events, kick));
+        Ok(handle)
     }
 
-    /// Queues `command` and wakes the thread.
-    pub fn send(&self, command: Command) -> io::Result<()> {
-        self.commands.send(Some(command)).map_err(|_| {
-            io::Error::new(
-                io::ErrorKind::BrokenPipe,
-                "the UCX worker thread has stopped",
-            )
-        })?;
-        self.wake();
-        Ok(())
+    /// The worker, for one call into UCX: the events its callbacks record are handled before
+    /// the lock is let go.
+    fn lock(&self) -> Locked<'_> {
+        Locked(self.worker.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
-    fn wake(&self) {
-        let one: u64 = 1;
-        // SAFETY: writes 8 bytes from a live u64 to the eventfd this handle owns. A full
-        // counter (EAGAIN) already means "wake up".
-        unsafe { libc::write(self.wake.as_raw_fd(), (&raw const one).cast(), 8) };
+    /// Creates the link's endpoint toward the peer worker's `remote` address.
+    pub fn connect(&self, remote: &[u8], shared: Arc<EpShared>) -> io::Result<Connected> {
+        let connected = self.lock().connect(remote, shared);
+        // Wiring the endpoint up takes messages both ways.
+        self.kick.notify_one();
+        connected
+    }
+
+    /// Sends `data` as the link's next message.
+    pub fn send(&self, ep: u64, data: Vec<u8>) {
+        if self.lock().send(ep, data) {
+            self.kick.notify_one();
+        }
+    }
+
+    /// The reader caught up: fetch the rendezvous messages that were held back.
+    pub fn resume_recv(&self) {
+        self.lock().deliver();
+        self.kick.notify_one();
+    }
+
+    /// Progresses the worker now (a reader that found nothing does, before it waits).
+    pub fn progress(&self) {
+        self.lock().progress();
+    }
+
+    /// Closes the endpoint (by force: without flushing, for one already failed).
+    pub fn close_ep(&self, ep: u64, force: bool) {
+        let flags = if force {
+            sys::UCP_EP_CLOSE_FLAG_FORCE
+        } else {
+            0
+        };
+        self.lock().close_ep(ep, flags);
+        self.kick.notify_one();
+    }
+
+    /// Progresses the worker; when it had nothing to do, arms its event fd, unless a
+    /// transfer it started is in flight and `spinning` (see [`SPIN_BEFORE_SLEEP`]).
+    fn progress_and_arm(&self, spinning: bool) -> Drive {
+        let mut worker = self.lock();
+        if worker.progress() {
+            return Drive::Worked;
+        }
+        if spinning && worker.transferring() {
+            return Drive::Idle;
+        }
+        // SAFETY: the worker is live, and the lock serialises every call into it.
+        match unsafe { worker.library.ucp.ucp_worker_arm(worker.worker) } {
+            sys::UCS_OK => Drive::Armed,
+            // Events came in meanwhile, or UCX has work only more progress moves (sends
+            // queued for room in a shared-memory FIFO the peer has yet to drain).
+            sys::UCS_ERR_BUSY => Drive::Worked,
+            status => {
+                // The idle tick keeps the worker moving meanwhile.
+                let error = status_error(&worker.library, "arming the UCX worker", status);
+                tracing::debug!(%error, "UCX worker not armed");
+                Drive::Armed
+            }
+        }
     }
 }
 
-impl Drop for WorkerHandle {
+/// What one pass of the driver found.
+enum Drive {
+    /// Progress did something, or UCX is not ready to sleep.
+    Worked,
+    /// Nothing to do, not armed (still within the spin after the last work).
+    Idle,
+    /// Armed: the event fd fires on the next event.
+    Armed,
+}
+
+/// A locked worker: what its callbacks recorded is handled before the lock goes, so no
+/// event is left in the thread's list for the next worker locked on this thread.
+struct Locked<'a>(MutexGuard<'a, Worker>);
+
+impl std::ops::Deref for Locked<'_> {
+    type Target = Worker;
+    fn deref(&self) -> &Worker {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Locked<'_> {
+    fn deref_mut(&mut self) -> &mut Worker {
+        &mut self.0
+    }
+}
+
+impl Drop for Locked<'_> {
     fn drop(&mut self) {
-        // The thread closes every endpoint and listener, then destroys the worker.
-        if self.commands.send(None).is_ok() {
-            self.wake();
+        self.0.settle();
+    }
+}
+
+/// The link's driver task: progresses the worker whenever its event fd fires (something
+/// arrived, a send or fetch completed, the peer failed), when kicked, and at least every
+/// [`IDLE_TICK`]; ends once the last handle is gone.
+async fn drive(handle: Weak<WorkerHandle>, events: AsyncFd<OwnedFd>, kick: Arc<Notify>) {
+    let mut last_work = Instant::now();
+    loop {
+        let Some(link) = handle.upgrade() else {
+            return;
+        };
+        let pass = link.progress_and_arm(last_work.elapsed() < SPIN_BEFORE_SLEEP);
+        if Arc::strong_count(&link) == 1 {
+            // Everyone else let go while this ran: the worker is destroyed here.
+            super::release(link);
+            return;
         }
-        let thread = self
-            .thread
-            .get_mut()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
-        // Its stop is bounded (STOP_GRACE); never join from the thread itself.
-        if let Some(thread) = thread
-            && thread.thread().id() != std::thread::current().id()
-        {
-            let _ = thread.join();
+        drop(link);
+        match pass {
+            Drive::Worked | Drive::Idle => {
+                if matches!(pass, Drive::Worked) {
+                    last_work = Instant::now();
+                }
+                // Come back after the runtime's other tasks (and its reactor) had their turn,
+                // the peer's among them when it runs in this process: a spin that yields.
+                tokio::task::yield_now().await;
+                continue;
+            }
+            Drive::Armed => {}
         }
+        tokio::select! {
+            ready = events.readable() => match ready {
+                // Cleared before the next progress: what fires after it sets it again.
+                Ok(mut ready) => ready.clear_ready(),
+                Err(error) => {
+                    tracing::warn!(%error, "UCX worker: waiting on its event fd failed");
+                    tokio::time::sleep(IDLE_TICK).await;
+                }
+            },
+            () = kick.notified() => {}
+            () = tokio::time::sleep(IDLE_TICK) => {}
+        }
+        last_work = Instant::now();
     }
 }
 
@@ -572,13 +664,15 @@ struct Endpoint {
     shared: Arc<EpShared>,
 }
 
-struct Worker {
+/// One link's ucp worker and what it keeps between calls; always reached through its
+/// handle's lock ([`WorkerHandle`]).
+pub struct Worker {
     library: Arc<Library>,
     /// Kept alive (not cleaned up) while this worker exists.
     context: Arc<Context>,
     worker: sys::ucp_worker_h,
-    epoll: OwnedFd,
-    wake_fd: Arc<OwnedFd>,
+    /// The worker's event fd (UCX owns it).
+    efd: libc::c_int,
     endpoints: HashMap<u64, Endpoint>,
     closing: usize,
     next_id: u64,
@@ -592,6 +686,8 @@ struct Worker {
     front_seq: u64,
     /// The sequence number of the next message sent.
     next_send_seq: u64,
+    /// Sends UCX has not completed yet.
+    sends_in_flight: usize,
     /// The endpoint was made and has gone: what arrives now is dropped.
     ended: bool,
     /// The peer broke the protocol before the endpoint was made: it fails once made.
@@ -689,13 +785,14 @@ extern "C" fn on_close(request: *mut c_void, _status: sys::ucs_status_t, _user: 
 }
 
 impl Worker {
-    fn new(context: Arc<Context>, wake_fd: Arc<OwnedFd>) -> io::Result<(Worker, Vec<u8>)> {
+    fn new(context: Arc<Context>) -> io::Result<(Worker, Vec<u8>)> {
         let library = context.library.clone();
         let ucp = &library.ucp;
         // SAFETY: zeroed plain data, fields selected by field_mask.
         let mut worker_params: sys::ucp_worker_params_t = unsafe { std::mem::zeroed() };
         worker_params.field_mask = sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE as u64;
-        worker_params.thread_mode = sys::UCS_THREAD_MODE_SINGLE;
+        // Called from whichever runtime thread holds the handle's lock.
+        worker_params.thread_mode = sys::UCS_THREAD_MODE_SERIALIZED;
         let mut worker: sys::ucp_worker_h = std::ptr::null_mut();
         // SAFETY: context is live; worker is written on success.
         let status = unsafe { ucp.ucp_worker_create(context.handle, &worker_params, &mut worker) };
@@ -752,32 +849,11 @@ impl Worker {
                 status,
             )));
         }
-        // SAFETY: epoll_create1 takes no pointers; the result is checked.
-        let epoll = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
-        if epoll < 0 {
-            return Err(fail(io::Error::last_os_error()));
-        }
-        // SAFETY: a new descriptor nothing else owns.
-        let epoll = unsafe { OwnedFd::from_raw_fd(epoll) };
-        for fd in [efd, wake_fd.as_raw_fd()] {
-            let mut event = libc::epoll_event {
-                events: libc::EPOLLIN as u32,
-                u64: fd as u64,
-            };
-            // SAFETY: both descriptors are open (the worker's, and the eventfd this thread
-            // holds a reference to); event is a live struct.
-            if unsafe { libc::epoll_ctl(epoll.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &mut event) }
-                < 0
-            {
-                return Err(fail(io::Error::last_os_error()));
-            }
-        }
         let worker = Worker {
             library,
             context,
             worker,
-            epoll,
-            wake_fd,
+            efd,
             endpoints: HashMap::new(),
             closing: 0,
             next_id: 1,
@@ -785,101 +861,51 @@ impl Worker {
             incoming: VecDeque::new(),
             front_seq: 0,
             next_send_seq: 0,
+            sends_in_flight: 0,
             ended: false,
             broken: None,
         };
         Ok((worker, address))
     }
 
-    fn run(&mut self, commands: std_mpsc::Receiver<Option<Command>>) {
-        let mut last_busy = Instant::now();
-        'outer: loop {
-            loop {
-                match commands.try_recv() {
-                    Ok(Some(command)) => self.command(command),
-                    Ok(None) | Err(std_mpsc::TryRecvError::Disconnected) => break 'outer,
-                    Err(std_mpsc::TryRecvError::Empty) => break,
-                }
-            }
-            if self.progress() {
-                last_busy = Instant::now();
-                continue;
-            }
-            // Keep polling a little after the last event before sleeping: a reply usually
-            // follows a request within microseconds, and waking from epoll costs more.
-            if last_busy.elapsed() < SPIN_BEFORE_SLEEP {
-                std::hint::spin_loop();
-                continue;
-            }
-            // SAFETY: the worker is live and used on this thread only.
-            let armed = unsafe { self.library.ucp.ucp_worker_arm(self.worker) };
-            if armed == sys::UCS_ERR_BUSY {
-                continue;
-            }
-            let mut events = [libc::epoll_event { events: 0, u64: 0 }; 4];
-            // SAFETY: events is a live array of the length given.
-            let n = unsafe {
-                libc::epoll_wait(
-                    self.epoll.as_raw_fd(),
-                    events.as_mut_ptr(),
-                    events.len() as i32,
-                    IDLE_TICK_MS,
-                )
-            };
-            if n < 0 && io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
-                tracing::error!(error = %io::Error::last_os_error(), "UCX worker: epoll_wait failed");
-                std::thread::sleep(Duration::from_millis(IDLE_TICK_MS as u64));
-            }
-            let mut counter = 0u64;
-            // SAFETY: reads 8 bytes into a live u64 from the (non-blocking) eventfd.
-            unsafe { libc::read(self.wake_fd.as_raw_fd(), (&raw mut counter).cast(), 8) };
-        }
-        self.stop();
-    }
-
     /// Progresses the worker and handles what its callbacks recorded; whether anything
     /// happened.
     fn progress(&mut self) -> bool {
         let mut any = false;
-        // SAFETY: the worker is live and used on this thread only.
+        // SAFETY: the worker is live; its handle's lock (or its Drop) serialises the calls.
         while unsafe { self.library.ucp.ucp_worker_progress(self.worker) } != 0 {
             any = true;
         }
-        let events = EVENTS.with(|events| std::mem::take(&mut *events.borrow_mut()));
-        any |= !events.is_empty();
-        for event in events {
-            self.event(event);
+        any | self.settle()
+    }
+
+    /// Handles the events this thread's UCX calls for this worker recorded, including those
+    /// that handling them records (a close that cancels a fetch); whether there were any.
+    fn settle(&mut self) -> bool {
+        let mut any = false;
+        loop {
+            let events = EVENTS.with(|events| std::mem::take(&mut *events.borrow_mut()));
+            if events.is_empty() {
+                return any;
+            }
+            any = true;
+            for event in events {
+                self.event(event);
+            }
         }
-        any
+    }
+
+    /// Whether a transfer this worker started is still moving: a send, a rendezvous fetch
+    /// or an endpoint's close.
+    fn transferring(&self) -> bool {
+        self.sends_in_flight > 0
+            || self.closing > 0
+            || matches!(self.incoming.front(), Some(Some(Incoming::Fetching)))
     }
 
     fn next_id(&mut self) -> u64 {
         self.next_id += 1;
         self.next_id
-    }
-
-    fn command(&mut self, command: Command) {
-        match command {
-            Command::Connect {
-                remote,
-                shared,
-                reply,
-            } => {
-                let id = self.next_id();
-                let result = self.connect(id, &remote, shared);
-                let _ = reply.send(result.map(|transports| Connected { ep: id, transports }));
-            }
-            Command::Send { ep, data } => self.send(ep, data),
-            Command::ResumeRecv => self.deliver(),
-            Command::CloseEp { ep, force } => {
-                let flags = if force {
-                    sys::UCP_EP_CLOSE_FLAG_FORCE
-                } else {
-                    0
-                };
-                self.close_ep(ep, flags);
-            }
-        }
     }
 
     fn ep_params(id: u64) -> sys::ucp_ep_params_t {
@@ -893,13 +919,9 @@ impl Worker {
         params
     }
 
-    /// Creates the endpoint; returns the transports its lanes use.
-    fn connect(
-        &mut self,
-        id: u64,
-        remote: &[u8],
-        shared: Arc<EpShared>,
-    ) -> io::Result<Vec<String>> {
+    /// Creates the endpoint; returns its id and the transports its lanes use.
+    fn connect(&mut self, remote: &[u8], shared: Arc<EpShared>) -> io::Result<Connected> {
+        let id = self.next_id();
         let mut params = Self::ep_params(id);
         params.field_mask |= sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS as u64;
         params.address = remote.as_ptr().cast();
@@ -921,7 +943,7 @@ impl Worker {
         }
         let transports = self.lane_transports(handle);
         self.add_endpoint(id, handle, shared);
-        Ok(transports)
+        Ok(Connected { ep: id, transports })
     }
 
     /// The transports (`tl/device`, e.g. `sysv/memory`, `tcp/lo`, `rc_mlx5/mlx5_0:1`) the
@@ -958,9 +980,11 @@ impl Worker {
         self.deliver();
     }
 
-    fn send(&mut self, ep: u64, data: Vec<u8>) {
+    /// Sends `data` as the link's next message; whether UCX is still sending it (it needs
+    /// progress to finish).
+    fn send(&mut self, ep: u64, data: Vec<u8>) -> bool {
         let Some(endpoint) = self.endpoints.get(&ep) else {
-            return;
+            return false;
         };
         let len = data.len();
         let header = self.next_send_seq.to_le_bytes();
@@ -996,11 +1020,13 @@ impl Worker {
         };
         let status = sys::ptr_status(request);
         if status == sys::UCS_INPROGRESS {
-            return;
+            self.sends_in_flight += 1;
+            return true;
         }
         // SAFETY: completed (or failed) at once: UCX holds no reference to op or its bytes.
         let op = unsafe { Box::from_raw(op) };
         self.sent(*op, status);
+        false
     }
 
     /// A send completed: its bytes no longer count against the writer, and its buffer goes
@@ -1221,6 +1247,7 @@ impl Worker {
             } => {
                 // SAFETY: the request completed: UCX is done with op, handed over in send().
                 let op = unsafe { Box::from_raw(op) };
+                self.sends_in_flight = self.sends_in_flight.saturating_sub(1);
                 // SAFETY: a completed request, released once.
                 unsafe { ucp.ucp_request_free(request) };
                 self.sent(*op, status);
@@ -1328,7 +1355,8 @@ impl Worker {
         }
     }
 
-    /// Closes everything, waits a little for the closes, and destroys the worker.
+    /// Closes everything, waits a little for the closes, and destroys the worker (blocking,
+    /// up to [`STOP_GRACE`]).
     fn stop(&mut self) {
         let eps: Vec<u64> = self.endpoints.keys().copied().collect();
         for ep in eps {
@@ -1358,6 +1386,17 @@ impl Worker {
         }
         // SAFETY: nothing refers to the worker any more.
         unsafe { self.library.ucp.ucp_worker_destroy(self.worker) };
+    }
+}
+
+// SAFETY: the worker is created UCS_THREAD_MODE_SERIALIZED, so UCX allows calls from any
+// thread one at a time, which its handle's mutex ensures; the raw pointers it keeps (the
+// endpoints, rendezvous descriptors, requests' ops) are only used under that lock.
+unsafe impl Send for Worker {}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        self.stop();
     }
 }
 
