@@ -355,7 +355,71 @@ on_every_transport!(
     wrong_model_is_refused_on_both_sides,
     server_killed_mid_request_fails_fast_then_reconnects,
     bad_frames_are_counted_and_the_server_keeps_serving,
+    a_client_dropped_mid_transfer_leaves_the_server_serving,
 );
+
+/// A 256 x 7168 request (3.5 MiB of bf16, 7 MiB of f32): UCX sends it by rendezvous.
+fn layer_request(seed: u32, dtype: Dtype) -> ExpertRequest {
+    let width = 7168;
+    ExpertRequest {
+        layer: 7,
+        placement_version: 2,
+        width,
+        dtype,
+        groups: vec![(seed % 896, 256)],
+        rows: (0..256 * width)
+            .map(|i| ((i + seed) % 977) as f32 / 8.0)
+            .collect(),
+    }
+}
+
+/// A client dropped while its layer-sized requests and their replies are on the wire ends
+/// its link cleanly, at several points of the transfers: every completion is called once,
+/// the process goes on (over UCX: the endpoints close with their transfers in flight,
+/// cancelled, not torn down under them), and the server serves the next client.
+fn a_client_dropped_mid_transfer_leaves_the_server_serving(kind: Kind) {
+    let Some(rig) = Rig::try_new(kind) else {
+        return;
+    };
+    let stats = Arc::new(PeerStats::default());
+    let server = rig.server(&stats, double_plus_expert());
+    let at = server.local_addr();
+    for round in 0..4u32 {
+        let client = rig.client(at, &stats);
+        let warm = make_request(1, Dtype::Bf16);
+        let reply = call(&client, warm.clone(), Duration::from_secs(5)).expect("reply");
+        assert_reply(&warm, &reply);
+        let calls = Arc::new(AtomicUsize::new(0));
+        for i in 0..4 {
+            let dtype = if i % 2 == 0 { Dtype::Bf16 } else { Dtype::F32 };
+            let calls = calls.clone();
+            client
+                .send(
+                    layer_request(round * 4 + i, dtype),
+                    Box::new(move |_| {
+                        calls.fetch_add(1, Ordering::SeqCst);
+                    }),
+                )
+                .expect("queued");
+        }
+        std::thread::sleep(Duration::from_millis(u64::from(round) * 3));
+        drop(client);
+        wait_for("every completion", Duration::from_secs(10), || {
+            calls.load(Ordering::SeqCst) == 4
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            4,
+            "a completion was called twice"
+        );
+    }
+    let client = rig.client(at, &stats);
+    let request = layer_request(99, Dtype::Bf16);
+    let reply = call(&client, request.clone(), Duration::from_secs(20)).expect("reply");
+    assert_reply(&request, &reply);
+    rig.assert_links_moved();
+}
 
 fn round_trip_f32_bit_exact_and_bf16(kind: Kind) {
     let Some(rig) = Rig::try_new(kind) else {

@@ -1362,8 +1362,9 @@ impl Worker {
         for ep in eps {
             self.close_ep(ep, sys::UCP_EP_CLOSE_FLAG_FORCE);
         }
+        // The closes, and the sends and fetch they cancel, complete through their callbacks.
         let deadline = Instant::now() + STOP_GRACE;
-        while self.closing > 0 && Instant::now() < deadline {
+        while self.transferring() && Instant::now() < deadline {
             if !self.progress() {
                 std::thread::sleep(Duration::from_millis(1));
             }
@@ -1373,13 +1374,16 @@ impl Worker {
         // still sending would keep progress busy).
         while self.progress() && Instant::now() < deadline {}
         self.drop_incoming();
-        if self.closing > 0 {
-            // Requests still open keep pointers into the worker: leave it rather than
-            // destroy it under them.
-            // The context stays too (this worker's Arc is leaked with it).
+        if self.transferring() {
+            // Requests still open keep pointers into the worker, and UCX (1.13) aborts the
+            // process when a worker is destroyed under them: a rendezvous send whose peer
+            // went away before answering is not cancelled by the endpoint's forced close.
+            // Leave the worker (and the context: this worker's Arc is leaked with it) rather
+            // than destroy it under them.
             tracing::warn!(
-                endpoints = self.closing,
-                "UCX worker stopping with endpoints still closing"
+                closing = self.closing,
+                sends = self.sends_in_flight,
+                "UCX worker left in place: transfers of a link that ended never completed"
             );
             std::mem::forget(self.context.clone());
             return;
