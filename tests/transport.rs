@@ -375,8 +375,8 @@ fn layer_request(seed: u32, dtype: Dtype) -> ExpertRequest {
 
 /// A client dropped while its layer-sized requests and their replies are on the wire ends
 /// its link cleanly, at several points of the transfers: every completion is called once,
-/// the process goes on (over UCX: the endpoints close with their transfers in flight,
-/// cancelled, not torn down under them), and the server serves the next client.
+/// the process goes on (over UCX: no worker is destroyed under sends still in flight, which
+/// UCX 1.13 answers by aborting the process), and the server serves the next client.
 fn a_client_dropped_mid_transfer_leaves_the_server_serving(kind: Kind) {
     let Some(rig) = Rig::try_new(kind) else {
         return;
@@ -504,16 +504,7 @@ fn an_idle_ucx_link_spends_no_cpu() {
     let stats = Arc::new(PeerStats::default());
     let server = rig.server(&stats, double_plus_expert());
     let client = rig.client(server.local_addr(), &stats);
-    let width = 7168;
-    let layer = ExpertRequest {
-        layer: 7,
-        placement_version: 2,
-        width,
-        dtype: Dtype::Bf16,
-        groups: vec![(5, 256)],
-        rows: (0..256 * width).map(|i| (i % 977) as f32 / 8.0).collect(),
-    };
-    for request in [layer, make_request(1, Dtype::Bf16)] {
+    for request in [layer_request(0, Dtype::Bf16), make_request(1, Dtype::Bf16)] {
         let reply = call(&client, request.clone(), Duration::from_secs(20)).expect("reply");
         assert_reply(&request, &reply);
     }
