@@ -182,8 +182,8 @@ fn stopped() -> io::Error {
     io::Error::new(io::ErrorKind::BrokenPipe, "the link's UCX worker is gone")
 }
 
-/// Drops a link's worker handle off the async threads: the last one joins the worker's
-/// thread, which may wait for its endpoint to close.
+/// Drops a link's worker handle off the async threads: the last one destroys the worker,
+/// which may wait (up to half a second) for its endpoint to close.
 fn release(worker: Arc<WorkerHandle>) {
     match tokio::runtime::Handle::try_current() {
         Ok(runtime) => {

@@ -5,11 +5,12 @@
 //! as one active message itself, in order; writers wait once [`SEND_PENDING_MAX`] bytes are
 //! in flight. The worker hands each received message to the reader whole and in order (a
 //! rendezvous one once fetched into a buffer of its size), so a read copies the bytes once,
-//! out of that buffer; a read that finds nothing progresses the worker before it waits. The link ends when UCX fails the
-//! endpoint (its error callback) or when the control connection ends: a peer that exits or
-//! drops the link closes that socket at once, whatever UCX's own transports would take to
-//! notice. A control connection that ends cleanly reads as the end of the stream; anything
-//! else errors reads and writes.
+//! out of that buffer; a read that finds nothing progresses the worker before it waits.
+//!
+//! The link ends when UCX fails the endpoint (its error callback) or when the control
+//! connection ends: a peer that exits or drops the link closes that socket at once, whatever
+//! UCX's own transports would take to notice. A control connection that ends cleanly reads
+//! as the end of the stream; anything else errors reads and writes.
 
 use std::io;
 use std::pin::Pin;

@@ -53,7 +53,7 @@ const EAGER_MAX: usize = 64 << 10;
 /// Bytes received and not yet read by the endpoint's reader before no more rendezvous
 /// messages are fetched (UCX then holds them at the sender, which waits).
 pub const RECV_BUFFERED_MAX: usize = 32 << 20;
-/// Bytes handed to the thread and not yet sent before writers wait.
+/// Bytes handed to UCX and not yet sent before writers wait.
 pub const SEND_PENDING_MAX: usize = 32 << 20;
 /// The longest the driver task waits without progressing the worker: a safety net, so UCX's
 /// timers (keepalive of `UCP_ERR_HANDLING_MODE_PEER`) run even if no event fd fires.
@@ -67,7 +67,7 @@ const SPIN_BEFORE_SLEEP: Duration = Duration::from_micros(50);
 /// How long stopping waits for endpoints to close before the worker is destroyed.
 const STOP_GRACE: Duration = Duration::from_millis(500);
 
-/// What one endpoint's stream halves and the worker thread share.
+/// What one endpoint's stream halves and its worker share.
 #[derive(Default)]
 pub struct EpShared {
     state: Mutex<EpState>,
@@ -80,10 +80,10 @@ pub struct EpState {
     /// Send buffers whose sends completed, for the writer's next writes (no fresh
     /// allocation, and no first-touch page faults, per write).
     pub spare_send: Vec<Vec<u8>>,
-    /// The thread stopped fetching rendezvous messages (too much unread); the reader asks it
+    /// The worker stopped fetching rendezvous messages (too much unread); the reader asks it
     /// to resume.
     pub recv_paused: bool,
-    /// Bytes handed to the thread whose sends have not completed.
+    /// Bytes handed to UCX whose sends have not completed.
     pub send_pending: usize,
     /// Why the endpoint is unusable: the peer failed or closed, or a send or receive failed.
     pub failure: Option<Failure>,
