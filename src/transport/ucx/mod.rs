@@ -185,11 +185,17 @@ fn stopped() -> io::Error {
 /// Drops a link's worker handle off the async threads: the last one destroys the worker,
 /// which may wait (up to half a second) for its endpoint to close.
 fn release(worker: Arc<WorkerHandle>) {
+    off_runtime(worker);
+}
+
+/// Drops `value` on the runtime's blocking threads when called on a runtime, else here. A
+/// runtime shutting down refuses new blocking work and drops it on the calling thread.
+fn off_runtime<T: Send + 'static>(value: T) {
     match tokio::runtime::Handle::try_current() {
         Ok(runtime) => {
-            runtime.spawn_blocking(move || drop(worker));
+            runtime.spawn_blocking(move || drop(value));
         }
-        Err(_) => drop(worker),
+        Err(_) => drop(value),
     }
 }
 

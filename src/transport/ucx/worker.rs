@@ -64,6 +64,9 @@ const IDLE_TICK: Duration = Duration::from_millis(100);
 /// through the reactor costs more. A worker with nothing in flight (waiting for the peer to
 /// answer) sleeps at once rather than take a core from the work it waits for.
 const SPIN_BEFORE_SLEEP: Duration = Duration::from_micros(50);
+/// The most `ucp_worker_progress` calls one progress pass makes before it handles what they
+/// recorded and lets go of the worker.
+const PROGRESS_CALLS: usize = 64;
 /// How long stopping waits for endpoints to close before the worker is destroyed.
 const STOP_GRACE: Duration = Duration::from_millis(500);
 
@@ -381,10 +384,27 @@ impl WorkerHandle {
     /// Puts `worker` behind a handle and starts its driver task. Must be called within a
     /// tokio runtime (the task, and the reactor watching the worker's event fd).
     pub fn start(worker: Worker) -> io::Result<Arc<WorkerHandle>> {
-        // The driver watches its own duplicate of the worker's event fd: the reactor
-        // deregisters it when the task ends, whenever that is, and UCX closes its own
-        // descriptor when the worker is destroyed, never one the reactor still watches.
-        // SAFETY: dup takes no pointers; efd is open while the worker lives.
+        let events = match Self::watch(&worker) {
+            Ok(events) => events,
+            Err(error) => {
+                super::off_runtime(worker);
+                return Err(error);
+            }
+        };
+        let kick = Arc::new(Notify::new());
+        let handle = Arc::new(WorkerHandle {
+            worker: Mutex::new(worker),
+            kick: kick.clone(),
+        });
+        tokio::spawn(drive(Arc::downgrade(&handle), events, kick));
+        Ok(handle)
+    }
+
+    /// The driver's watch on the worker's event fd: its own duplicate, which the reactor
+    /// deregisters when the task ends, whenever that is, while UCX closes its own descriptor
+    /// when the worker is destroyed, never one the reactor still watches.
+    fn watch(worker: &Worker) -> io::Result<AsyncFd<OwnedFd>> {
+        // SAFETY: fcntl takes no pointers here; efd is open while the worker lives.
         let duplicate = unsafe { libc::fcntl(worker.efd, libc::F_DUPFD_CLOEXEC, 0) };
         if duplicate < 0 {
             return Err(io::Error::last_os_error());
@@ -395,19 +415,25 @@ impl WorkerHandle {
         // until the AsyncFd is dropped.
         let events =
             unsafe { AsyncFd::register_with_interest(duplicate, tokio::io::Interest::READABLE) }?;
-        let kick = Arc::new(Notify::new());
-        let handle = Arc::new(WorkerHandle {
-            worker: Mutex::new(worker),
-            kick: kick.clone(),
-        });
-        tokio::spawn(drive(Arc::downgrade(&handle), events, kick));
-        Ok(handle)
+        Ok(events)
     }
 
     /// The worker, for one call into UCX: the events its callbacks record are handled before
-    /// the lock is let go.
+    /// the lock is let go, and the driver task is woken if a transfer is then in flight
+    /// (handling events can start one: a fetch, a close).
     fn lock(&self) -> Locked<'_> {
-        Locked(self.worker.lock().unwrap_or_else(|p| p.into_inner()))
+        Locked {
+            guard: self.worker.lock().unwrap_or_else(|p| p.into_inner()),
+            kick: Some(&self.kick),
+        }
+    }
+
+    /// As [`WorkerHandle::lock`], for the driver task itself (which needs no waking).
+    fn lock_in_driver(&self) -> Locked<'_> {
+        Locked {
+            guard: self.worker.lock().unwrap_or_else(|p| p.into_inner()),
+            kick: None,
+        }
     }
 
     /// Creates the link's endpoint toward the peer worker's `remote` address.
@@ -420,15 +446,12 @@ impl WorkerHandle {
 
     /// Sends `data` as the link's next message.
     pub fn send(&self, ep: u64, data: Vec<u8>) {
-        if self.lock().send(ep, data) {
-            self.kick.notify_one();
-        }
+        self.lock().send(ep, data);
     }
 
     /// The reader caught up: fetch the rendezvous messages that were held back.
     pub fn resume_recv(&self) {
         self.lock().deliver();
-        self.kick.notify_one();
     }
 
     /// Progresses the worker now (a reader that found nothing does, before it waits).
@@ -444,13 +467,12 @@ impl WorkerHandle {
             0
         };
         self.lock().close_ep(ep, flags);
-        self.kick.notify_one();
     }
 
     /// Progresses the worker; when it had nothing to do, arms its event fd, unless a
     /// transfer it started is in flight and `spinning` (see [`SPIN_BEFORE_SLEEP`]).
     fn progress_and_arm(&self, spinning: bool) -> Drive {
-        let mut worker = self.lock();
+        let mut worker = self.lock_in_driver();
         if worker.progress() {
             return Drive::Worked;
         }
@@ -462,6 +484,8 @@ impl WorkerHandle {
             sys::UCS_OK => Drive::Armed,
             // Events came in meanwhile, or UCX has work only more progress moves (sends
             // queued for room in a shared-memory FIFO the peer has yet to drain).
+            // Spun on, however long: the peer draining the FIFO does not signal us, and a
+            // timer's wait here cost a shared-memory layer transfer 7x (tried).
             sys::UCS_ERR_BUSY => Drive::Worked,
             status => {
                 // The idle tick keeps the worker moving meanwhile.
@@ -485,24 +509,35 @@ enum Drive {
 
 /// A locked worker: what its callbacks recorded is handled before the lock goes, so no
 /// event is left in the thread's list for the next worker locked on this thread.
-struct Locked<'a>(MutexGuard<'a, Worker>);
+struct Locked<'a> {
+    guard: MutexGuard<'a, Worker>,
+    /// Woken when a transfer is in flight as the lock goes (`None` in the driver itself).
+    kick: Option<&'a Notify>,
+}
 
 impl std::ops::Deref for Locked<'_> {
     type Target = Worker;
     fn deref(&self) -> &Worker {
-        &self.0
+        &self.guard
     }
 }
 
 impl std::ops::DerefMut for Locked<'_> {
     fn deref_mut(&mut self) -> &mut Worker {
-        &mut self.0
+        &mut self.guard
     }
 }
 
 impl Drop for Locked<'_> {
     fn drop(&mut self) {
-        self.0.settle();
+        self.guard.settle();
+        if let Some(kick) = self.kick
+            && self.guard.transferring()
+        {
+            // A send or fetch UCX did not finish at once, or a close, moves only with
+            // progress, and may never signal the event fd by itself.
+            kick.notify_one();
+        }
     }
 }
 
@@ -516,12 +551,12 @@ async fn drive(handle: Weak<WorkerHandle>, events: AsyncFd<OwnedFd>, kick: Arc<N
             return;
         };
         let pass = link.progress_and_arm(last_work.elapsed() < SPIN_BEFORE_SLEEP);
-        if Arc::strong_count(&link) == 1 {
-            // Everyone else let go while this ran: the worker is destroyed here.
-            super::release(link);
+        if let Some(last) = Arc::into_inner(link) {
+            // Everyone else let go while this ran: the worker is destroyed, off the runtime's
+            // threads (stopping may wait for its endpoint to close).
+            super::off_runtime(last);
             return;
         }
-        drop(link);
         match pass {
             Drive::Worked | Drive::Idle => {
                 if matches!(pass, Drive::Worked) {
@@ -688,6 +723,9 @@ pub struct Worker {
     next_send_seq: u64,
     /// Sends UCX has not completed yet.
     sends_in_flight: usize,
+    /// Rendezvous fetches UCX has not completed yet (their messages may have been dropped
+    /// meanwhile, when the endpoint ended: the fetch still writes into its buffer).
+    fetches_in_flight: usize,
     /// The endpoint was made and has gone: what arrives now is dropped.
     ended: bool,
     /// The peer broke the protocol before the endpoint was made: it fails once made.
@@ -862,6 +900,7 @@ impl Worker {
             front_seq: 0,
             next_send_seq: 0,
             sends_in_flight: 0,
+            fetches_in_flight: 0,
             ended: false,
             broken: None,
         };
@@ -872,8 +911,13 @@ impl Worker {
     /// happened.
     fn progress(&mut self) -> bool {
         let mut any = false;
-        // SAFETY: the worker is live; its handle's lock (or its Drop) serialises the calls.
-        while unsafe { self.library.ucp.ucp_worker_progress(self.worker) } != 0 {
+        // Bounded: a peer that keeps sending would otherwise hold this thread (and the
+        // worker's lock) here, and grow the event list, until it stopped.
+        for _ in 0..PROGRESS_CALLS {
+            // SAFETY: the worker is live; its handle's lock (or its Drop) serialises calls.
+            if unsafe { self.library.ucp.ucp_worker_progress(self.worker) } == 0 {
+                break;
+            }
             any = true;
         }
         any | self.settle()
@@ -898,9 +942,7 @@ impl Worker {
     /// Whether a transfer this worker started is still moving: a send, a rendezvous fetch
     /// or an endpoint's close.
     fn transferring(&self) -> bool {
-        self.sends_in_flight > 0
-            || self.closing > 0
-            || matches!(self.incoming.front(), Some(Some(Incoming::Fetching)))
+        self.sends_in_flight > 0 || self.fetches_in_flight > 0 || self.closing > 0
     }
 
     fn next_id(&mut self) -> u64 {
@@ -1169,6 +1211,7 @@ impl Worker {
         };
         let status = sys::ptr_status(request);
         if status == sys::UCS_INPROGRESS {
+            self.fetches_in_flight += 1;
             return Ok(None);
         }
         // SAFETY: completed (or failed) at once: UCX holds no reference to op.
@@ -1292,6 +1335,7 @@ impl Worker {
             } => {
                 // SAFETY: as for sends: UCX is done with op, handed over in fetch().
                 let FetchOp { mut buffer } = *unsafe { Box::from_raw(op) };
+                self.fetches_in_flight = self.fetches_in_flight.saturating_sub(1);
                 // SAFETY: a completed request, released once.
                 unsafe { ucp.ucp_request_free(request) };
                 if !matches!(self.incoming.front(), Some(Some(Incoming::Fetching))) {
@@ -1390,6 +1434,7 @@ impl Worker {
         }
         // SAFETY: nothing refers to the worker any more.
         unsafe { self.library.ucp.ucp_worker_destroy(self.worker) };
+        discard_events();
     }
 }
 
@@ -1397,6 +1442,23 @@ impl Worker {
 // thread one at a time, which its handle's mutex ensures; the raw pointers it keeps (the
 // endpoints, rendezvous descriptors, requests' ops) are only used under that lock.
 unsafe impl Send for Worker {}
+
+/// Lets go of what callbacks recorded while a worker was destroyed (UCX completes what it
+/// purges): the ops handed to UCX are freed, and nothing is passed back to the destroyed
+/// worker, so no event outlives its worker to be handled under another one's lock.
+fn discard_events() {
+    let events = EVENTS.with(|events| std::mem::take(&mut *events.borrow_mut()));
+    for event in events {
+        match event {
+            // SAFETY: the request completed (UCX calls a callback once): UCX is done with
+            // the op handed over in send() / fetch(). The request itself went with its worker.
+            Event::SendDone { op, .. } => drop(unsafe { Box::from_raw(op) }),
+            // SAFETY: as above.
+            Event::FetchDone { op, .. } => drop(unsafe { Box::from_raw(op) }),
+            _ => {}
+        }
+    }
+}
 
 impl Drop for Worker {
     fn drop(&mut self) {
