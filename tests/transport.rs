@@ -31,7 +31,19 @@ enum Kind {
 /// A UCX transport with its own worker, or `None` (after saying SKIP) without libucp.
 fn ucx_transport() -> Option<UcxTransport> {
     match moe_node::transport::ucx::Library::load(None, true) {
-        Ok(library) => Some(UcxTransport::start(library).expect("UCX starts")),
+        Ok(library) => {
+            // CI runs these tests again against a second UCX put first on the loader's path:
+            // this says it is the one that loaded.
+            if let Ok(expected) = std::env::var("MOE_TEST_UCX_VERSION") {
+                let loaded = library.version_string();
+                assert!(
+                    loaded.starts_with(&format!("{expected}.")),
+                    "MOE_TEST_UCX_VERSION={expected} but UCX {loaded} loaded from {}",
+                    library.file.display()
+                );
+            }
+            Some(UcxTransport::start(library).expect("UCX starts"))
+        }
         Err(why) => {
             assert!(
                 std::env::var("MOE_TEST_REQUIRE_UCX").as_deref() != Ok("1"),
