@@ -38,7 +38,7 @@ use futures::future::BoxFuture;
 
 pub use stream::UcxStream;
 pub use worker::MemoryTypes;
-use worker::{Context, EpShared, WorkerHandle};
+use worker::{Context, EpShared, Worker, WorkerHandle};
 
 use super::{LinkUpgrade, PeerListener, PeerStream, TcpTransport, Transport};
 
@@ -182,14 +182,10 @@ fn stopped() -> io::Error {
     io::Error::new(io::ErrorKind::BrokenPipe, "the link's UCX worker is gone")
 }
 
-/// Drops a link's worker handle off the async threads: the last one destroys the worker,
-/// which may wait (up to half a second) for its endpoint to close.
-fn release(worker: Arc<WorkerHandle>) {
-    off_runtime(worker);
-}
-
 /// Drops `value` on the runtime's blocking threads when called on a runtime, else here. A
-/// runtime shutting down refuses new blocking work and drops it on the calling thread.
+/// runtime shutting down refuses new blocking work and drops it on the calling thread. For
+/// a link's worker handle: the last one destroys the worker, which may wait (up to half a
+/// second) for its endpoint to close.
 fn off_runtime<T: Send + 'static>(value: T) {
     match tokio::runtime::Handle::try_current() {
         Ok(runtime) => {
@@ -217,10 +213,9 @@ impl Transport for UcxTransport {
         let links = self.links.clone();
         let transports = self.transports.clone();
         async move {
-            let (worker, address) =
-                tokio::task::spawn_blocking(move || WorkerHandle::create(context))
-                    .await
-                    .map_err(|_| io::Error::other("the UCX worker start was cancelled"))??;
+            let (worker, address) = tokio::task::spawn_blocking(move || Worker::new(context))
+                .await
+                .map_err(|_| io::Error::other("the UCX worker start was cancelled"))??;
             let worker = WorkerHandle::start(worker)?;
             Ok(Some(Box::new(UcxLink {
                 worker: Some(worker),
@@ -247,7 +242,7 @@ impl Drop for UcxLink {
     /// Not taken (the peer offered no UCX, or a side failed): the worker and its endpoint go.
     fn drop(&mut self) {
         if let Some(worker) = self.worker.take() {
-            release(worker);
+            off_runtime(worker);
         }
     }
 }
@@ -299,7 +294,7 @@ impl LinkUpgrade for UcxLink {
             // in that case, so this is not reached; stay on TCP regardless.
             (worker, _) => {
                 if let Some(worker) = worker {
-                    release(worker);
+                    off_runtime(worker);
                 }
                 control
             }

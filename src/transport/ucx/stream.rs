@@ -91,7 +91,7 @@ async fn watch_control(
     shared.fail(failure);
     if let Some(worker) = worker.upgrade() {
         worker.close_ep(ep, true);
-        super::release(worker);
+        super::off_runtime(worker);
     }
 }
 
@@ -101,7 +101,7 @@ impl Drop for UcxStream {
         // watcher, which tells the peer.
         if let Some(worker) = self.worker.take() {
             worker.close_ep(self.ep, false);
-            super::release(worker);
+            super::off_runtime(worker);
         }
         self.watcher.abort();
     }

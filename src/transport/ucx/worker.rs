@@ -365,7 +365,7 @@ impl Drop for Context {
 /// task. Dropping the last handle closes the endpoint, waits up to [`STOP_GRACE`] for the
 /// close and destroys the worker, so a process that exits next never runs libucs's
 /// destructors beside a destroy in flight (that race aborts in `vfs_obj.c`): drop it off the
-/// runtime's threads (see `release`).
+/// runtime's threads (see `off_runtime`).
 pub struct WorkerHandle {
     worker: Mutex<Worker>,
     /// Wakes the driver task when something was started that needs progress and may not
@@ -375,12 +375,6 @@ pub struct WorkerHandle {
 }
 
 impl WorkerHandle {
-    /// Creates a worker on `context`; returns it and its address (what a peer needs to reach
-    /// it). Blocks for a while (UCX opens its transports): call it off the runtime's threads.
-    pub fn create(context: Arc<Context>) -> io::Result<(Worker, Vec<u8>)> {
-        Worker::new(context)
-    }
-
     /// Puts `worker` behind a handle and starts its driver task. Must be called within a
     /// tokio runtime (the task, and the reactor watching the worker's event fd).
     pub fn start(worker: Worker) -> io::Result<Arc<WorkerHandle>> {
@@ -823,7 +817,9 @@ extern "C" fn on_close(request: *mut c_void, _status: sys::ucs_status_t, _user: 
 }
 
 impl Worker {
-    fn new(context: Arc<Context>) -> io::Result<(Worker, Vec<u8>)> {
+    /// Creates a worker on `context`; returns it and its address (what a peer needs to reach
+    /// it). Blocks for a while (UCX opens its transports): call it off the runtime's threads.
+    pub fn new(context: Arc<Context>) -> io::Result<(Worker, Vec<u8>)> {
         let library = context.library.clone();
         let ucp = &library.ucp;
         // SAFETY: zeroed plain data, fields selected by field_mask.
