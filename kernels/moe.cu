@@ -225,17 +225,119 @@ extern "C" __global__ void fill_dummy(bf16* out, size_t n, unsigned long long st
     }
 }
 
+// The `a` matrices of the expert products (`[m, k]` row-major, one per group) in the form a
+// device holds them (src/compute/cuda/storage.rs), read eight weights at a time: `row(g, r,
+// k)` finds row r of group g, its `chunk(v, w)` writes weights 8v..8v+8 as f32, scaled. k is
+// a multiple of 8 and rows start 16-byte aligned (bf16), 8-byte (FP8) or 4-byte (INT4).
+
+struct Bf16Rows {
+    const bf16* const* a;
+
+    struct Row {
+        const uint4* w;
+        __device__ __forceinline__ void chunk(int v, float* out) const {
+            uint4 q = w[v];
+            unsigned words[4] = {q.x, q.y, q.z, q.w};
+            for (int i = 0; i < 4; ++i) {
+                out[2 * i] = bf16_to_f32((bf16)(words[i] & 0xffffu));
+                out[2 * i + 1] = bf16_to_f32((bf16)(words[i] >> 16));
+            }
+        }
+    };
+
+    __device__ __forceinline__ Row row(int g, int r, int k) const {
+        return Row{(const uint4*)(a[g] + (size_t)r * k)};
+    }
+};
+
+// The value of an e4m3fn byte, as src/compute/quant.rs's e4m3_to_f32 reads it: exponent and
+// mantissa moved to an f32's positions give the value times 2^-120.
+__device__ __forceinline__ float e4m3_to_f32(unsigned byte) {
+    unsigned bits = ((unsigned)(int)(signed char)byte << 20) & 0x87f00000u;
+    return __uint_as_float(bits) * __uint_as_float((127u + 120u) << 23);
+}
+
+// FP8 e4m3 bytes; one f32 scale per [block_rows, block_cols] block, at `scale_offset` bytes
+// after the matrix's first weight, a row of blocks per block_rows rows. The first `split`
+// rows and the rest are two matrices stacked (gate and up), each with its own blocks.
+struct Fp8Rows {
+    const unsigned char* const* a;
+    long long scale_offset;
+    int block_rows, block_cols, split;
+
+    struct Row {
+        const uint2* w;
+        const float* scales;
+        int block_cols;
+        __device__ __forceinline__ void chunk(int v, float* out) const {
+            uint2 q = w[v];
+            unsigned words[2] = {q.x, q.y};
+            int col = 8 * v;
+            bool one_block = col / block_cols == (col + 7) / block_cols;
+            float s = scales[col / block_cols];
+            for (int j = 0; j < 8; ++j) {
+                float scale = one_block ? s : scales[(col + j) / block_cols];
+                out[j] = e4m3_to_f32((words[j / 4] >> (8 * (j % 4))) & 0xffu) * scale;
+            }
+        }
+    };
+
+    __device__ __forceinline__ Row row(int g, int r, int k) const {
+        int blocks_per_row = (k + block_cols - 1) / block_cols;
+        int block_row = r < split ? r / block_rows
+                                  : (split + block_rows - 1) / block_rows + (r - split) / block_rows;
+        const float* scales = (const float*)(a[g] + scale_offset) + (size_t)block_row * blocks_per_row;
+        return Row{(const uint2*)(a[g] + (size_t)r * k), scales, block_cols};
+    }
+};
+
+// 4-bit integers, eight to a 32-bit word, lowest nibble first, each stored as value + 8; one
+// scale per `group` weights of a row (bf16 when `scales_bf16`, else f32), at `scale_offset`
+// bytes after the matrix's first word, a row of groups per weight row.
+struct Int4Rows {
+    const unsigned char* const* a;
+    long long scale_offset;
+    int group, scales_bf16;
+
+    struct Row {
+        const unsigned* w;
+        const unsigned char* scales;
+        int group, scales_bf16;
+        __device__ __forceinline__ float scale(int i) const {
+            return scales_bf16 ? bf16_to_f32(((const bf16*)scales)[i]) : ((const float*)scales)[i];
+        }
+        __device__ __forceinline__ void chunk(int v, float* out) const {
+            unsigned word = w[v];
+            int col = 8 * v;
+            bool one_group = col / group == (col + 7) / group;
+            float s = scale(col / group);
+            for (int j = 0; j < 8; ++j) {
+                float value = (float)((int)((word >> (4 * j)) & 0xfu) - 8);
+                out[j] = value * (one_group ? s : scale((col + j) / group));
+            }
+        }
+    };
+
+    __device__ __forceinline__ Row row(int g, int r, int k) const {
+        int groups = (k + group - 1) / group;
+        const unsigned char* scales =
+            a[g] + scale_offset + (size_t)r * groups * (scales_bf16 ? 2 : 4);
+        return Row{(const unsigned*)(a[g] + (size_t)r * (k / 2)), scales, group, scales_bf16};
+    }
+};
+
 // The expert products of a decode step, where each expert gets a few rows: a grouped
 // matrix-vector product that reads every weight once, at full memory bandwidth, instead of
-// a GEMM tiled for many rows. For each group g, C_g[j][r] = Σ_c A_g[r][c] · B_g[j][c] for
-// output rows r < m and the group's n_g ≤ GEMV_MAX_ROWS input rows j (A: [m, k] row-major,
-// B: [n_g, k], C: [n_g, m]; the layouts of the grouped GEMM). One warp per output row,
-// lanes over k in 16-byte loads (k a multiple of 8, rows 16-byte aligned).
-// Grid: (ceil(m / warps per block), groups).
+// a GEMM tiled for many rows, and decodes quantized weights in registers as it reads them.
+// For each group g, C_g[j][r] = Σ_c A_g[r][c] · B_g[j][c] for output rows r < m and the
+// group's n_g ≤ GEMV_MAX_ROWS input rows j (A: [m, k] in `weights`' form, B: [n_g, k] bf16,
+// C: [n_g, m] bf16; the layouts of the grouped GEMM). One warp per output row, lanes over
+// k eight weights at a time. Grid: (ceil(m / warps per block), groups).
 #define GEMV_MAX_ROWS 8
 
-extern "C" __global__ void grouped_gemv(const bf16* const* a, const bf16* const* b,
-                                        bf16* const* c, const int* rows, int m, int k) {
+template <class Weights>
+__device__ __forceinline__ void gemv(const Weights& weights, const bf16* const* b,
+                                     bf16* const* c, const int* rows, int m, int k) {
     int g = blockIdx.y;
     int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     int r = blockIdx.x * warps + warp;
@@ -243,20 +345,15 @@ extern "C" __global__ void grouped_gemv(const bf16* const* a, const bf16* const*
     if (r >= m) {
         return;  // a whole warp leaves together: no shuffle below is left waiting
     }
-    const uint4* weights = (const uint4*)(a[g] + (size_t)r * k);
+    auto row = weights.row(g, r, k);
     const bf16* x = b[g];
     float acc[GEMV_MAX_ROWS];
     for (int j = 0; j < GEMV_MAX_ROWS; ++j) {
         acc[j] = 0.0f;
     }
     for (int v = lane; v < k / 8; v += 32) {
-        uint4 w = weights[v];
-        unsigned wv[4] = {w.x, w.y, w.z, w.w};
         float wf[8];
-        for (int i = 0; i < 4; ++i) {
-            wf[2 * i] = bf16_to_f32((bf16)(wv[i] & 0xffffu));
-            wf[2 * i + 1] = bf16_to_f32((bf16)(wv[i] >> 16));
-        }
+        row.chunk(v, wf);
         for (int j = 0; j < GEMV_MAX_ROWS; ++j) {
             if (j < n) {
                 uint4 xv = ((const uint4*)(x + (size_t)j * k))[v];
@@ -277,4 +374,57 @@ extern "C" __global__ void grouped_gemv(const bf16* const* a, const bf16* const*
             c[g][(size_t)j * m + r] = f32_to_bf16(sum);
         }
     }
+}
+
+extern "C" __global__ void grouped_gemv(const bf16* const* a, const bf16* const* b,
+                                        bf16* const* c, const int* rows, int m, int k) {
+    gemv(Bf16Rows{a}, b, c, rows, m, k);
+}
+
+extern "C" __global__ void grouped_gemv_fp8(const unsigned char* const* a, long long scale_offset,
+                                            int block_rows, int block_cols, int split,
+                                            const bf16* const* b, bf16* const* c,
+                                            const int* rows, int m, int k) {
+    gemv(Fp8Rows{a, scale_offset, block_rows, block_cols, split}, b, c, rows, m, k);
+}
+
+extern "C" __global__ void grouped_gemv_int4(const unsigned char* const* a, long long scale_offset,
+                                             int group, int scales_bf16, const bf16* const* b,
+                                             bf16* const* c, const int* rows, int m, int k) {
+    gemv(Int4Rows{a, scale_offset, group, scales_bf16}, b, c, rows, m, k);
+}
+
+// Quantized `a` matrices widened to bf16 for the grouped GEMM (steps with more rows per
+// expert than the GEMV takes): group g's [m, k] matrix into out + g * out_stride, each
+// weight rounded once from its f32 value (the host's widening, bit for bit). Grid: (any,
+// groups); a grid-stride loop over the matrix's chunks of eight.
+template <class Weights>
+__device__ __forceinline__ void widen(const Weights& weights, bf16* out, size_t out_stride,
+                                      int m, int k) {
+    int g = blockIdx.y;
+    size_t per_row = k / 8, chunks = (size_t)m * per_row;
+    bf16* dst = out + g * out_stride;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < chunks;
+         i += (size_t)gridDim.x * blockDim.x) {
+        int r = (int)(i / per_row), v = (int)(i % per_row);
+        float w[8];
+        weights.row(g, r, k).chunk(v, w);
+        unsigned packed[4];
+        for (int j = 0; j < 4; ++j) {
+            packed[j] = (unsigned)f32_to_bf16(w[2 * j]) | ((unsigned)f32_to_bf16(w[2 * j + 1]) << 16);
+        }
+        ((uint4*)(dst + (size_t)r * k))[v] = uint4{packed[0], packed[1], packed[2], packed[3]};
+    }
+}
+
+extern "C" __global__ void widen_fp8(const unsigned char* const* a, long long scale_offset,
+                                     int block_rows, int block_cols, int split, bf16* out,
+                                     size_t out_stride, int m, int k) {
+    widen(Fp8Rows{a, scale_offset, block_rows, block_cols, split}, out, out_stride, m, k);
+}
+
+extern "C" __global__ void widen_int4(const unsigned char* const* a, long long scale_offset,
+                                      int group, int scales_bf16, bf16* out, size_t out_stride,
+                                      int m, int k) {
+    widen(Int4Rows{a, scale_offset, group, scales_bf16}, out, out_stride, m, k);
 }

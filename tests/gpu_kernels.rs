@@ -8,6 +8,7 @@ use moe_node::compute::cpu::{Linear, SwiGlu};
 use moe_node::compute::cuda::experts::{ExpertShape, random_bf16 as values};
 use moe_node::compute::cuda::layer::{Gate, GpuMoeLayer};
 use moe_node::compute::cuda::load::{GpuOptions, load_experts};
+use moe_node::compute::cuda::storage::ExpertStorage;
 use moe_node::compute::cuda::{self, GpuInfo};
 use moe_node::model::config::GatingConfig;
 use moe_node::model::weights::load_expert;
@@ -16,6 +17,9 @@ use moe_node::moe::{DispatchPlan, route};
 
 mod common;
 use common::{AttentionCase, RopeCase, assert_close, skipped};
+#[path = "../benches/common/quantize.rs"]
+#[allow(dead_code)]
+mod quantize;
 
 /// GPU 0, or `None` (with a line saying why) where CUDA is not usable. `tests/gpu/run.sh`
 /// sets `MOE_TEST_REQUIRE_GPU=1`, which makes that a failure.
@@ -36,15 +40,52 @@ fn widen(v: &[bf16]) -> Vec<f32> {
     v.iter().map(|x| x.to_f32()).collect()
 }
 
-fn check_layer(gating: GatingConfig, num_experts: usize, top_k: usize, bias: bool) {
+/// How the layer's experts are stored.
+#[derive(Clone, Copy)]
+enum Form {
+    Bf16,
+    /// FP8 e4m3 in these blocks.
+    Fp8([usize; 2]),
+    /// INT4 in groups of this many.
+    Int4(usize),
+}
+
+/// Expert `seed`'s weights in `form`: random values, quantized as the published tools do.
+fn random_expert(form: Form, h: usize, i: usize, seed: u64) -> ExpertWeights {
+    let linear = |rows: usize, cols: usize, seed: u64| {
+        let v = values(rows * cols, seed, (cols as f32).powf(-0.5));
+        Linear::without_bias(widen(&v), rows, cols)
+    };
+    let block = SwiGlu {
+        gate: linear(i, h, seed),
+        up: linear(i, h, seed + 1),
+        down: linear(h, i, seed + 2),
+    };
+    match form {
+        Form::Bf16 => ExpertWeights::Bf16(quantize::to_bf16(&block)),
+        Form::Fp8(blocks) => ExpertWeights::Quantized(quantize::quantize(&block, |l| {
+            quantize::to_fp8_blocks(l, blocks)
+        })),
+        Form::Int4(group) => ExpertWeights::Quantized(quantize::quantize(&block, |l| {
+            quantize::to_int4_groups(l, group)
+        })),
+    }
+}
+
+fn check_layer(gating: GatingConfig, num_experts: usize, top_k: usize, bias: bool, form: Form) {
     let Some(gpu) = gpu_or_skip() else { return };
     let (h, i, max_tokens) = (256, 128, 128);
+    let cpu_experts: Vec<ExpertWeights> = (0..num_experts as u64)
+        .map(|e| random_expert(form, h, i, 100 + 3 * e))
+        .collect();
+    let storage = ExpertStorage::of(&cpu_experts[0], h, i).0;
     let shape = ExpertShape {
         hidden: h,
         intermediate: i,
         num_experts,
         max_rows: max_tokens * top_k,
         host_io: false,
+        storage,
     };
     let gate = Gate {
         router: values(num_experts * h, 1, 0.2),
@@ -53,26 +94,31 @@ fn check_layer(gating: GatingConfig, num_experts: usize, top_k: usize, bias: boo
         top_k,
     };
     let mut layer = GpuMoeLayer::new(&gpu, shape, gate.clone(), max_tokens, 0.5, None).unwrap();
-    let mut cpu_experts = Vec::new();
-    for e in 0..num_experts as u32 {
-        let seed = 100 + 3 * e as u64;
-        let scale = (h as f32).powf(-0.5);
-        let (g, u, d) = (
-            values(i * h, seed, scale),
-            values(i * h, seed + 1, scale),
-            values(h * i, seed + 2, (i as f32).powf(-0.5)),
-        );
-        layer.experts.upload(0, e, &g, &u, &d).unwrap();
-        cpu_experts.push(ExpertWeights::Bf16(SwiGlu {
-            gate: Linear::without_bias(g, i, h),
-            up: Linear::without_bias(u, i, h),
-            down: Linear::without_bias(d, h, i),
-        }));
+    for (e, weights) in cpu_experts.iter().enumerate() {
+        layer.experts.upload(0, e as u32, weights).unwrap();
     }
-    // cuBLAS's grouped GEMM, then the grouped GEMV kernel where every expert has at most 8
-    // rows (1 and 7 tokens; 128 tokens falls back to cuBLAS).
-    for (tokens, gemv_rows) in [(1, 0), (7, 0), (128, 0), (1, 8), (7, 8), (128, 8)] {
+    // Held as stored: FP8 about half of bf16's bytes, INT4 about a quarter.
+    let bf16_bytes = num_experts * 3 * h * i * 2;
+    let held = layer.experts.weight_bytes();
+    match form {
+        Form::Bf16 => assert_eq!(held, bf16_bytes),
+        Form::Fp8(_) => assert!(held * 2 < bf16_bytes * 11 / 10, "{held} bytes"),
+        Form::Int4(_) => assert!(held * 3 < bf16_bytes, "{held} bytes"),
+    }
+    // cuBLAS's grouped GEMM (quantized experts widened first: in batches of 5 experts, then
+    // all at once), then the grouped GEMV kernel where every expert has at most 8 rows (1
+    // and 7 tokens; 128 tokens falls back to cuBLAS).
+    for (tokens, gemv_rows, widen_batch) in [
+        (1, 0, 5),
+        (7, 0, 5),
+        (128, 0, 5),
+        (128, 0, num_experts),
+        (1, 8, 5),
+        (7, 8, 5),
+        (128, 8, 5),
+    ] {
         layer.experts.gemv_rows = gemv_rows;
+        layer.experts.widen_batch = widen_batch;
         let x = values(tokens * h, 7 + tokens as u64, 1.0);
         layer.set_input(&x).unwrap();
         layer.forward(tokens).unwrap();
@@ -129,7 +175,9 @@ fn check_layer(gating: GatingConfig, num_experts: usize, top_k: usize, bias: boo
             .map(|(a, b)| (a - b).abs())
             .fold(0f32, |m, d| if d.is_nan() || d > m { d } else { m });
         eprintln!(
-            "{tokens} tokens, gemv_rows {gemv_rows}: largest difference {worst:e} of outputs up to {scale:e}"
+            "{} {tokens} tokens, gemv_rows {gemv_rows}, widen_batch {widen_batch}: largest \
+             difference {worst:e} of outputs up to {scale:e}",
+            storage.describe()
         );
         // bf16 rounding of the gate|up outputs and the activation, as the engine's GPU path.
         assert!(
@@ -142,7 +190,41 @@ fn check_layer(gating: GatingConfig, num_experts: usize, top_k: usize, bias: boo
 
 #[test]
 fn softmax_gated_layer_matches_the_cpu() {
-    check_layer(GatingConfig::Softmax { renormalize: true }, 64, 8, false);
+    check_layer(
+        GatingConfig::Softmax { renormalize: true },
+        64,
+        8,
+        false,
+        Form::Bf16,
+    );
+}
+
+/// FP8 experts held as stored: blocks that leave partial ones at the edges, and columns that
+/// are not a multiple of the kernels' eight (a chunk of eight spans two blocks).
+#[test]
+fn fp8_experts_held_as_stored_match_the_cpu() {
+    check_layer(
+        GatingConfig::Softmax { renormalize: true },
+        64,
+        8,
+        false,
+        Form::Fp8([48, 20]),
+    );
+}
+
+/// INT4 experts held as stored, in the published groups of 32 and in groups of 12 (a chunk
+/// of eight spans two groups).
+#[test]
+fn int4_experts_held_as_stored_match_the_cpu() {
+    for group in [32, 12] {
+        check_layer(
+            GatingConfig::Softmax { renormalize: true },
+            64,
+            8,
+            false,
+            Form::Int4(group),
+        );
+    }
 }
 
 #[test]
@@ -157,12 +239,19 @@ fn sigmoid_grouped_layer_with_correction_bias_matches_the_cpu() {
         64,
         6,
         true,
+        Form::Bf16,
     );
 }
 
 #[test]
 fn softmax_without_renormalising_at_many_experts_matches_the_cpu() {
-    check_layer(GatingConfig::Softmax { renormalize: false }, 384, 16, false);
+    check_layer(
+        GatingConfig::Softmax { renormalize: false },
+        384,
+        16,
+        false,
+        Form::Bf16,
+    );
 }
 
 /// A CUDA context and stream on GPU 0 with the dense kernels loaded.
@@ -195,12 +284,13 @@ fn dummy_experts_made_on_the_gpu_equal_the_hosts() {
     let held = load_experts(&gpu, &options, &checkpoint, &config, &experts).unwrap();
     for &(layer, expert) in &experts {
         let device = held.download(layer, expert).unwrap().unwrap();
-        let ExpertWeights::Bf16(host) =
-            load_expert(&checkpoint, &config, layer, expert as usize).unwrap()
-        else {
-            panic!("dummy experts are bf16");
-        };
-        let host: Vec<bf16> = [host.gate.weight, host.up.weight, host.down.weight].concat();
+        let host = load_expert(&checkpoint, &config, layer, expert as usize).unwrap();
+        assert!(
+            matches!(host, ExpertWeights::Bf16(_)),
+            "dummy experts are bf16"
+        );
+        let (h, i) = (config.hidden_size, config.moe.expert_intermediate_size);
+        let host = ExpertStorage::Bf16.pack(&host, h, i).unwrap();
         assert!(device == host, "layer {layer}, expert {expert}");
     }
 }

@@ -10,8 +10,11 @@ use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 
 use half::bf16;
-use moe_node::compute::cpu::rms_norm;
+use moe_node::compute::cpu::{Linear, SwiGlu, rms_norm};
 use moe_node::compute::cuda::kernels::{DENSE, MOE, full_source};
+use moe_node::compute::cuda::storage::{ExpertStorage, MatrixForm};
+use moe_node::compute::quant::{QuantFormat, QuantLinear};
+use moe_node::model::ExpertWeights;
 use moe_node::model::config::GatingConfig;
 use moe_node::model::config::RopeScaling;
 use moe_node::model::dummy::{DummyFill, DummyWeights};
@@ -19,6 +22,9 @@ use moe_node::moe::{DispatchPlan, Routing, route};
 
 mod common;
 use common::{AttentionCase, RopeCase, assert_close, skipped, values};
+#[path = "../benches/common/quantize.rs"]
+#[allow(dead_code)]
+mod quantize;
 
 /// The harness built once for all tests, or why it could not be.
 fn harness() -> Option<&'static Path> {
@@ -557,4 +563,184 @@ fn dummy_weights_made_by_the_kernel_equal_the_hosts() {
         .collect();
     assert_eq!(out[0].len(), n);
     assert!(out[0] == host, "the kernel's values differ from the host's");
+}
+
+/// An expert of hidden size `h` and intermediate size `i` in a quantized form: random
+/// weights quantized as the published tools do, with FP8 blocks or INT4 groups as given.
+/// `f32_scales` makes the INT4 scales f32 values that bf16 cannot hold.
+fn quantized_expert(h: usize, i: usize, seed: u64, form: &str, size: [usize; 2]) -> ExpertWeights {
+    let linear = |rows: usize, cols: usize, seed: u64| {
+        let scale = (cols as f32).powf(-0.5);
+        Linear::without_bias(
+            values(rows * cols, seed)
+                .iter()
+                .map(|v| v * scale)
+                .collect(),
+            rows,
+            cols,
+        )
+    };
+    let block = SwiGlu {
+        gate: linear(i, h, seed),
+        up: linear(i, h, seed + 1),
+        down: linear(h, i, seed + 2),
+    };
+    let int4_f32 = |l: &Linear| {
+        let q = quantize::to_int4_groups(l, size[0]);
+        let QuantFormat::Int4 { packed, scales, .. } = &q.format else {
+            unreachable!()
+        };
+        let scales = (0..scales.len())
+            .map(|n| scales.get(n) * (1.0 + (n % 5) as f32 / 4096.0))
+            .collect();
+        QuantLinear::int4(
+            packed.clone(),
+            scales,
+            q.out_features,
+            q.in_features,
+            size[0],
+        )
+        .unwrap()
+    };
+    ExpertWeights::Quantized(match form {
+        "fp8" => quantize::quantize(&block, |l| quantize::to_fp8_blocks(l, size)),
+        "int4" => quantize::quantize(&block, |l| quantize::to_int4_groups(l, size[0])),
+        "int4_f32" => quantize::quantize(&block, int4_f32),
+        _ => unreachable!(),
+    })
+}
+
+/// The harness's header for one of a slot's matrices: its form's numbers and where it lies.
+fn slot_header(
+    form: MatrixForm,
+    matrix_at: usize,
+    groups: usize,
+    m: usize,
+    k: usize,
+    slot: usize,
+) -> String {
+    let (kind, offset, p) = match form {
+        MatrixForm::Bf16 => (0, 0, [0, 0, 0]),
+        MatrixForm::Fp8 {
+            scale_offset,
+            block_rows,
+            block_cols,
+            split,
+        } => (1, scale_offset, [block_rows, block_cols, split]),
+        MatrixForm::Int4 {
+            scale_offset,
+            group,
+            scales_bf16,
+        } => (2, scale_offset, [group, scales_bf16, 0]),
+    };
+    format!(
+        "{kind} {offset} {} {} {} {matrix_at} {groups} {m} {k} {slot}\n",
+        p[0], p[1], p[2]
+    )
+}
+
+/// Quantized experts as a GPU holds them ([`ExpertStorage::pack`]'s slots), read by the
+/// kernels that decode them: the widening for the grouped GEMM gives the host's bf16 of
+/// every dequantized weight, bit for bit, and the grouped GEMV the products of the
+/// dequantized weights. FP8 blocks that leave partial ones at the edges and whose columns
+/// are not a multiple of the kernels' eight; INT4 groups of 32 and of 12, bf16 and f32
+/// scales.
+#[test]
+fn quantized_slots_widen_and_multiply_as_the_host_dequantizes() {
+    let Some(exe) = harness() else { return };
+    let (h, i) = (72usize, 40usize);
+    let cases: [(&str, [usize; 2]); 5] = [
+        ("fp8", [16, 20]),
+        ("fp8", [128, 128]),
+        ("int4", [32, 0]),
+        ("int4", [12, 0]),
+        ("int4_f32", [32, 0]),
+    ];
+    for (form, size) in cases {
+        let experts: Vec<ExpertWeights> = (0..3)
+            .map(|e| quantized_expert(h, i, 40 + 5 * e, form, size))
+            .collect();
+        let (storage, widened) = ExpertStorage::of(&experts[0], h, i);
+        assert!(
+            widened.is_none() && storage.is_quantized(),
+            "{form}: {storage:?}"
+        );
+        let layout = storage.layout(h, i);
+        let slots: Vec<Vec<u8>> = experts
+            .iter()
+            .map(|e| storage.pack(e, h, i).unwrap())
+            .collect();
+        let forms = storage.forms(h, i);
+        // gate|up [2I, H] at the slot's start, down [H, I] after it.
+        for (which, (form_of, at, m, k)) in [(forms[0], 0, 2 * i, h), (forms[1], layout.down, h, i)]
+            .into_iter()
+            .enumerate()
+        {
+            let dequantized: Vec<Vec<f32>> = experts
+                .iter()
+                .map(|e| {
+                    let ExpertWeights::Quantized(b) = e else {
+                        unreachable!()
+                    };
+                    match which {
+                        0 => [b.gate.widen(), b.up.widen()].concat(),
+                        _ => b.down.widen(),
+                    }
+                })
+                .collect();
+            let header = slot_header(form_of, at, slots.len(), m, k, layout.bytes);
+            let mut input = header.clone();
+            for slot in &slots {
+                input += &join(slot);
+                input += "\n";
+            }
+            let widened = run(exe, "widen_slot", &input);
+            for (g, (got, want)) in widened.iter().zip(&dequantized).enumerate() {
+                let want: Vec<f64> = want
+                    .iter()
+                    .map(|&v| bf16::from_f32(v).to_bits() as f64)
+                    .collect();
+                assert!(
+                    *got == want,
+                    "{form} {size:?}, matrix {which}, expert {g}: widened weights differ"
+                );
+            }
+
+            // One, five and eight input rows.
+            let rows = [1usize, 5, 8];
+            let mut input = header;
+            let mut expected = Vec::new();
+            for (g, slot) in slots.iter().enumerate() {
+                let x: Vec<f32> = values(rows[g] * k, 70 + g as u64)
+                    .iter()
+                    .map(|&v| bf16::from_f32(v).to_f32())
+                    .collect();
+                input += &format!("{}\n{}\n{}\n", join(slot), rows[g], join(&x));
+                let w = &dequantized[g];
+                expected.push(
+                    (0..rows[g] * m)
+                        .map(|n| {
+                            let (j, r) = (n / m, n % m);
+                            (0..k)
+                                .map(|c| w[r * k + c] as f64 * x[j * k + c] as f64)
+                                .sum::<f64>()
+                        })
+                        .collect::<Vec<f64>>(),
+                );
+            }
+            let out = run(exe, "gemv_slot", &input);
+            for (g, (got, want)) in out.iter().zip(&expected).enumerate() {
+                assert_eq!(got.len(), want.len());
+                let scale = want.iter().fold(0f64, |a, v| a.max(v.abs()));
+                for (n, (&got, &want)) in got.iter().zip(want).enumerate() {
+                    let got = bf16::from_bits(got as u16).to_f32() as f64;
+                    // The bf16 rounding of the output, and f32 sums in another order.
+                    assert!(
+                        (got - want).abs() <= want.abs() / 128.0 + scale * 1e-5,
+                        "{form} {size:?}, matrix {which}, expert {g}, value {n}: {got} vs {want}"
+                    );
+                }
+            }
+        }
+    }
 }

@@ -1,12 +1,13 @@
 //! Experts held as checkpoints store them, for the benchmarks that compare formats
-//! (`moe_layer`, `roofline`): bf16, FP8 e4m3 in [128, 128] blocks and INT4 in groups of 32,
+//! (`moe_layer`, `roofline`, `moe_layer_gpu`) and the GPU kernels' tests: bf16, FP8 e4m3 in
+//! [128, 128] blocks and INT4 in groups of 32 (other blocks and groups for the tests),
 //! quantized from f32 weights as the published tools do.
 
 use half::bf16;
 use moe_node::compute::cpu::{Linear, SwiGlu};
 use moe_node::compute::quant::{QuantLinear, QuantSwiGlu, e4m3_to_f32};
 
-pub fn quantize(block: &SwiGlu, format: fn(&Linear) -> QuantLinear) -> QuantSwiGlu {
+pub fn quantize(block: &SwiGlu, format: impl Fn(&Linear) -> QuantLinear) -> QuantSwiGlu {
     QuantSwiGlu {
         gate: format(&block.gate),
         up: format(&block.up),
@@ -16,7 +17,11 @@ pub fn quantize(block: &SwiGlu, format: fn(&Linear) -> QuantLinear) -> QuantSwiG
 
 /// Block-scaled e4m3 in [128, 128] blocks (amax / 448), as published FP8 checkpoints are.
 pub fn to_fp8(l: &Linear) -> QuantLinear {
-    const BLOCK: usize = 128;
+    to_fp8_blocks(l, [128, 128])
+}
+
+/// Block-scaled e4m3 in `[rows, cols]` blocks (amax / 448).
+pub fn to_fp8_blocks(l: &Linear, [block_rows, block_cols]: [usize; 2]) -> QuantLinear {
     // Every non-negative finite e4m3 value, ascending, to round to the nearest.
     let table: Vec<(f32, u8)> = (0u8..0x7f).map(|b| (e4m3_to_f32(b), b)).collect();
     let encode = |v: f32| -> u8 {
@@ -32,46 +37,51 @@ pub fn to_fp8(l: &Linear) -> QuantLinear {
         table[nearest].1 | if v < 0.0 { 0x80 } else { 0 }
     };
     let (n, k) = (l.out_features, l.in_features);
-    let (block_rows, block_cols) = (n.div_ceil(BLOCK), k.div_ceil(BLOCK));
-    let mut scales = vec![0.0f32; block_rows * block_cols];
+    let blocks_per_row = k.div_ceil(block_cols);
+    let block = |r: usize, c: usize| r / block_rows * blocks_per_row + c / block_cols;
+    let mut scales = vec![0.0f32; n.div_ceil(block_rows) * blocks_per_row];
     for r in 0..n {
         for c in 0..k {
-            let s = &mut scales[r / BLOCK * block_cols + c / BLOCK];
+            let s = &mut scales[block(r, c)];
             *s = s.max(l.weight[r * k + c].abs() / 448.0);
         }
     }
     let weights = (0..n * k)
         .map(|i| {
-            let s = scales[i / k / BLOCK * block_cols + i % k / BLOCK];
+            let s = scales[block(i / k, i % k)];
             encode(if s > 0.0 { l.weight[i] / s } else { 0.0 })
         })
         .collect();
-    QuantLinear::fp8(weights, scales, n, k, [BLOCK, BLOCK]).expect("shapes match")
+    QuantLinear::fp8(weights, scales, n, k, [block_rows, block_cols]).expect("shapes match")
 }
 
 /// Symmetric 4-bit in groups of 32 (amax / 7.5, as compressed-tensors computes it).
 pub fn to_int4(l: &Linear) -> QuantLinear {
-    const GROUP: usize = 32;
+    to_int4_groups(l, 32)
+}
+
+/// Symmetric 4-bit in groups of `group` (amax / 7.5), scales in bf16.
+pub fn to_int4_groups(l: &Linear, group: usize) -> QuantLinear {
     let (n, k) = (l.out_features, l.in_features);
-    let groups = k.div_ceil(GROUP);
+    let groups = k.div_ceil(group);
     let mut scales = vec![0.0f32; n * groups];
     let mut packed = vec![0u32; n * k.div_ceil(8)];
     for r in 0..n {
         let row = &l.weight[r * k..(r + 1) * k];
-        for (g, chunk) in row.chunks(GROUP).enumerate() {
+        for (g, chunk) in row.chunks(group).enumerate() {
             let amax = chunk.iter().fold(0f32, |m, v| m.max(v.abs()));
             // In bf16, as compressed-tensors writes them for a bf16 model (held in bf16).
             scales[r * groups + g] =
                 bf16::from_f32(if amax > 0.0 { amax / 7.5 } else { 1.0 }).to_f32();
         }
         for (c, v) in row.iter().enumerate() {
-            let q = (v / scales[r * groups + c / GROUP])
+            let q = (v / scales[r * groups + c / group])
                 .round()
                 .clamp(-8.0, 7.0) as i32;
             packed[r * k.div_ceil(8) + c / 8] |= ((q + 8) as u32) << (4 * (c % 8));
         }
     }
-    QuantLinear::int4(packed, scales, n, k, GROUP).expect("shapes match")
+    QuantLinear::int4(packed, scales, n, k, group).expect("shapes match")
 }
 
 pub fn to_bf16(block: &SwiGlu) -> SwiGlu<bf16> {

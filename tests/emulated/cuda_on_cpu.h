@@ -19,6 +19,10 @@ struct uint4 {
     unsigned x, y, z, w;
 };
 
+struct uint2 {
+    unsigned x, y;
+};
+
 struct dim3 {
     unsigned x = 1, y = 1, z = 1;
 };

@@ -130,6 +130,64 @@ int main(int argc, char** argv) {
             grouped_gemv(a_ptrs.data(), b_ptrs.data(), c_ptrs.data(), rows.data(), m, k);
         }, groups);
         for (auto& c : cs) print(c);
+    } else if (mode == "gemv_slot" || mode == "widen_slot") {
+        // One of a slot's matrices read in its stored form (src/compute/cuda/storage.rs):
+        // form (0 bf16, 1 FP8, 2 INT4) and its scale offset and integers (three; unused ones
+        // 0), the matrix's offset in the slot, groups, m, k, slot bytes; then per group its
+        // slot's bytes and (gemv_slot) its rows n and B [n, k]. gemv_slot prints each group's
+        // C [n, m], widen_slot each group's matrix in bf16 (written with a stride of m·k + 8).
+        int form, p1, p2, p3, groups, m, k;
+        long long scale_offset;
+        size_t matrix_at, slot_bytes;
+        std::cin >> form >> scale_offset >> p1 >> p2 >> p3 >> matrix_at >> groups >> m >> k >>
+            slot_bytes;
+        std::vector<std::vector<unsigned char>> slots(groups);
+        std::vector<std::vector<bf16>> bs(groups), cs(groups);
+        std::vector<const unsigned char*> a_ptrs(groups);
+        std::vector<const bf16*> b_ptrs(groups);
+        std::vector<bf16*> c_ptrs(groups);
+        std::vector<int> rows(groups);
+        for (int g = 0; g < groups; ++g) {
+            std::vector<int> bytes = read<int>(slot_bytes);
+            slots[g].assign(bytes.begin(), bytes.end());
+            a_ptrs[g] = slots[g].data() + matrix_at;
+            if (mode == "gemv_slot") {
+                std::cin >> rows[g];
+                bs[g] = to_bf16_host(read<float>((size_t)rows[g] * k));
+                cs[g].assign((size_t)rows[g] * m, 0);
+                b_ptrs[g] = bs[g].data();
+                c_ptrs[g] = cs[g].data();
+            }
+        }
+        if (mode == "gemv_slot") {
+            unsigned warps = 4;
+            launch((m + warps - 1) / warps, warps * 32, 0, [&] {
+                if (form == 0) {
+                    grouped_gemv((const bf16* const*)a_ptrs.data(), b_ptrs.data(), c_ptrs.data(),
+                                 rows.data(), m, k);
+                } else if (form == 1) {
+                    grouped_gemv_fp8(a_ptrs.data(), scale_offset, p1, p2, p3, b_ptrs.data(),
+                                     c_ptrs.data(), rows.data(), m, k);
+                } else {
+                    grouped_gemv_int4(a_ptrs.data(), scale_offset, p1, p2, b_ptrs.data(),
+                                      c_ptrs.data(), rows.data(), m, k);
+                }
+            }, groups);
+            for (auto& c : cs) print(c);
+        } else {
+            size_t stride = (size_t)m * k + 8;
+            std::vector<bf16> out(stride * groups, 0);
+            launch(3, 64, 0, [&] {
+                if (form == 1) {
+                    widen_fp8(a_ptrs.data(), scale_offset, p1, p2, p3, out.data(), stride, m, k);
+                } else {
+                    widen_int4(a_ptrs.data(), scale_offset, p1, p2, out.data(), stride, m, k);
+                }
+            }, groups);
+            for (int g = 0; g < groups; ++g) {
+                print(std::vector<bf16>(out.begin() + g * stride, out.begin() + g * stride + (size_t)m * k));
+            }
+        }
     } else if (mode == "rms_norm") {
         // Rows `stride` apart, the first `width` of each normalised; the rest kept.
         int rows, width, stride;
@@ -220,7 +278,7 @@ int main(int argc, char** argv) {
         });
         print(out);
     } else {
-        std::fprintf(stderr, "usage: harness gate|permute|swiglu|to_bf16|gemv|rms_norm|store_rows|copy_rows|add|rope|attend\n");
+        std::fprintf(stderr, "usage: harness gate|permute|swiglu|to_bf16|gemv|gemv_slot|widen_slot|rms_norm|store_rows|copy_rows|add|rope|attend\n");
         return 2;
     }
     return 0;

@@ -1,6 +1,10 @@
-//! Experts in GPU memory: every expert a device holds in one bf16 allocation, a work area
-//! sized from the config, and the expert FFN of a whole step as two grouped GEMMs (one
-//! cuBLAS call each, all experts together) with the SwiGLU kernel between them.
+//! Experts in GPU memory: every expert a device holds in one allocation, in the form the
+//! checkpoint stores it (bf16, FP8, INT4: [`ExpertStorage`]), a work area sized from the
+//! config, and the expert FFN of a whole step: two grouped products with the SwiGLU kernel
+//! between them. A step whose experts get a few rows each runs the grouped GEMV kernel,
+//! which decodes quantized weights as it reads them; a larger one runs cuBLAS's grouped GEMM,
+//! on bf16 copies of quantized experts made for the step in a scratch area
+//! ([`ExpertShape::scratch_experts`] at a time).
 //!
 //! All work goes to one CUDA stream per device; the device actor's thread is the only one
 //! that touches it, so cudarc's cross-stream event tracking is turned off.
@@ -15,11 +19,21 @@ use half::bf16;
 use rayon::prelude::*;
 
 use super::moe::MoeKernels;
+use super::storage::{ExpertStorage, MatrixForm};
 use super::{CudaError, GpuInfo};
+use crate::model::ExpertWeights;
 use crate::model::dummy::DummyFill;
 
 /// Bytes cuBLAS may use for its own work on top of the sized buffers.
 const BLAS_RESERVE: usize = 64 << 20;
+
+/// The bf16 copies of quantized experts one grouped GEMM works on take at most this much
+/// (and at least one expert): a Kimi K2 expert is 88 MB in bf16, so 12 at a time.
+const WIDEN_SCRATCH_BYTES: usize = 1 << 30;
+
+/// Pointer arrays per group: A, B, C of both products, and the quantized slots' two
+/// matrices (what the widening kernel reads).
+const POINTER_ARRAYS: usize = 8;
 
 /// The shape of the experts one device holds and the most rows one call may bring.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -34,6 +48,8 @@ pub struct ExpertShape {
     /// actors), rather than staying on the GPU (a whole layer on the GPU): f32 buffers on
     /// both sides are then needed.
     pub host_io: bool,
+    /// The form the experts are held in.
+    pub storage: ExpertStorage,
 }
 
 impl ExpertShape {
@@ -44,18 +60,33 @@ impl ExpertShape {
         3 * self.hidden * self.intermediate
     }
 
+    /// Bytes one expert takes in GPU memory, in its stored form.
+    pub fn slot_bytes(&self) -> usize {
+        self.storage.layout(self.hidden, self.intermediate).bytes
+    }
+
+    /// Quantized experts a step widens to bf16 at a time for the grouped GEMM (0 for bf16
+    /// experts, which it reads as they are).
+    pub fn scratch_experts(&self) -> usize {
+        if !self.storage.is_quantized() {
+            return 0;
+        }
+        (WIDEN_SCRATCH_BYTES / (self.expert_elems() * 2).max(1)).clamp(1, self.num_experts.max(1))
+    }
+
     /// Bytes of GPU memory `experts` experts and the work area take.
     pub fn bytes_needed(&self, experts: usize) -> usize {
-        let weights = experts * self.expert_elems() * 2;
+        let weights = experts * self.slot_bytes();
+        let scratch = self.scratch_experts() * self.expert_elems() * 2;
         // Input, gate|up, activation and output rows, in bf16; input and output rows as the
         // router sends and wants them, in f32.
         let mut rows = self.max_rows * (self.hidden + 3 * self.intermediate + self.hidden) * 2;
         if self.host_io {
             rows += self.max_rows * 2 * self.hidden * 4;
         }
-        // Six pointer arrays and the rows of each group, one entry per group.
-        let pointers = 6 * self.num_experts * 8 + self.num_experts * 4;
-        weights + rows + pointers + BLAS_RESERVE
+        // The pointer arrays and the rows of each group, one entry per group.
+        let pointers = POINTER_ARRAYS * self.num_experts * 8 + self.num_experts * 4;
+        weights + scratch + rows + pointers + BLAS_RESERVE
     }
 }
 
@@ -129,8 +160,15 @@ pub struct GpuExperts {
     act: u64,
     /// Expert outputs `[max_rows, hidden]`, bf16.
     pub y: u64,
-    /// A, B, C pointer arrays of both GEMMs: `[6, num_experts]`.
+    /// Pointer arrays, [`POINTER_ARRAYS`] per group: `[num_experts, POINTER_ARRAYS]` entries,
+    /// a batch of groups using `POINTER_ARRAYS` consecutive arrays from its first group's.
     pointers: u64,
+    /// bf16 copies of [`ExpertShape::scratch_experts`] quantized experts (0: none).
+    scratch: u64,
+    /// How the kernels read a slot's gate|up and down matrices.
+    forms: [MatrixForm; 2],
+    /// Bytes from a slot's start to its down matrix.
+    down_offset: usize,
     /// Rows of each group, `[num_experts]` i32 (for the GEMV kernel).
     group_rows: u64,
     /// The router's rows in and out, `[max_rows, hidden]` f32 each: converted to and from
@@ -151,9 +189,13 @@ pub struct GpuExperts {
     rows_host: PinnedHostSlice<i32>,
     /// Steps whose every expert has at most this many rows (up to
     /// [`GEMV_MAX_ROWS`]) run the grouped GEMV kernel instead of cuBLAS's grouped GEMM;
-    /// 0: always cuBLAS. Off until the GPU benchmark, which times both, says where the
-    /// kernel wins.
+    /// 0: always cuBLAS. For bf16 experts off until the GPU benchmark, which times both,
+    /// says where the kernel wins; for quantized ones [`GEMV_MAX_ROWS`], since their grouped
+    /// GEMM first widens every expert of the step.
     pub gemv_rows: usize,
+    /// Quantized experts widened per grouped GEMM: at most (and by default)
+    /// [`ExpertShape::scratch_experts`]; tests lower it to run a step in several batches.
+    pub widen_batch: usize,
 }
 
 /// Most rows per expert the grouped GEMV kernel takes (`GEMV_MAX_ROWS` in moe.cu).
@@ -177,7 +219,7 @@ impl GpuExperts {
         let stream = ctx.new_stream()?;
         let blas = CudaBlas::new(stream.clone())?;
         let kernels = MoeKernels::load(&ctx, gpu, cache_dir)?;
-        let weights = Buffer::new(&stream, experts.len() * shape.expert_elems() * 2)?;
+        let weights = Buffer::new(&stream, experts.len() * shape.slot_bytes())?;
         let index = experts.iter().enumerate().map(|(i, &k)| (k, i)).collect();
         let (h, i, rows) = (shape.hidden, shape.intermediate, shape.max_rows);
         let f32_rows = if shape.host_io { rows * h * 4 } else { 0 };
@@ -186,16 +228,17 @@ impl GpuExperts {
             rows * 2 * i * 2,
             rows * i * 2,
             rows * h * 2,
-            6 * shape.num_experts * 8,
+            POINTER_ARRAYS * shape.num_experts * 8,
             f32_rows,
             f32_rows,
             shape.num_experts * 4,
+            shape.scratch_experts() * shape.expert_elems() * 2,
         ]
         .into_iter()
         .map(|bytes| Buffer::new(&stream, bytes))
         .collect::<Result<_, _>>()?;
         // SAFETY: written before each upload.
-        let ptrs = unsafe { ctx.alloc_pinned::<u64>(6 * shape.num_experts) }?;
+        let ptrs = unsafe { ctx.alloc_pinned::<u64>(POINTER_ARRAYS * shape.num_experts) }?;
         // SAFETY: written before each upload.
         let rows_host = unsafe { ctx.alloc_pinned::<i32>(shape.num_experts) }?;
         let staging = || -> Result<Option<PinnedHostSlice<f32>>, CudaError> {
@@ -215,6 +258,9 @@ impl GpuExperts {
             x_f32: work[5].ptr,
             y_f32: work[6].ptr,
             group_rows: work[7].ptr,
+            scratch: work[8].ptr,
+            forms: shape.storage.forms(h, i),
+            down_offset: shape.storage.layout(h, i).down,
             _work: work,
             host_in: staging()?,
             host_out: staging()?,
@@ -228,7 +274,14 @@ impl GpuExperts {
             per_expert_gemm: false,
             ptrs,
             rows_host,
-            gemv_rows: 0,
+            // Quantized experts: the kernel that reads them as stored wherever it can; the
+            // grouped GEMM would first widen every expert of the step.
+            gemv_rows: if shape.storage.is_quantized() {
+                GEMV_MAX_ROWS
+            } else {
+                0
+            },
+            widen_batch: shape.scratch_experts(),
         })
     }
 
@@ -240,38 +293,41 @@ impl GpuExperts {
         self.index.len()
     }
 
+    /// Bytes of GPU memory the held experts take, in their stored form.
     pub fn weight_bytes(&self) -> usize {
-        self.index.len() * self.shape.expert_elems() * 2
+        self.index.len() * self.shape.slot_bytes()
     }
 
-    /// Address of expert `(layer, expert)`'s gate|up matrix; its down matrix follows.
+    /// Address of expert `(layer, expert)`'s slot (its gate|up matrix first).
     fn expert_ptr(&self, layer: usize, expert: u32) -> Option<u64> {
         let slot = *self.index.get(&(layer, expert))?;
-        Some(self.weights.ptr + (slot * self.shape.expert_elems() * 2) as u64)
+        Some(self.weights.ptr + (slot * self.shape.slot_bytes()) as u64)
     }
 
-    /// Writes one expert's weights: gate and up `[I, H]`, down `[H, I]`, as bf16.
+    /// Writes one expert's weights in the device's form ([`ExpertStorage::pack`]): bf16
+    /// weights as they are (f32 rounded), quantized ones as stored.
     pub fn upload(
         &mut self,
         layer: usize,
         expert: u32,
-        gate: &[bf16],
-        up: &[bf16],
-        down: &[bf16],
+        weights: &ExpertWeights,
     ) -> Result<(), CudaError> {
+        let (h, i) = (self.shape.hidden, self.shape.intermediate);
+        let slot = self.shape.storage.pack(weights, h, i).map_err(|reason| {
+            CudaError::Unsupported(format!("expert {expert} of layer {layer}: {reason}"))
+        })?;
+        self.upload_slot(layer, expert, &slot)
+    }
+
+    /// Writes one expert's slot, as [`ExpertStorage::pack`] makes it.
+    pub fn upload_slot(&mut self, layer: usize, expert: u32, slot: &[u8]) -> Result<(), CudaError> {
         let ptr = self
             .expert_ptr(layer, expert)
             .expect("upload of an expert not placed on this device");
-        let (h, i) = (self.shape.hidden, self.shape.intermediate);
-        assert_eq!((gate.len(), up.len(), down.len()), (i * h, i * h, h * i));
-        let cu = self.stream.cu_stream();
-        // SAFETY: the three copies land inside this expert's slot of the weight buffer; the
-        // host slices outlive them (synchronised below).
-        unsafe {
-            result::memcpy_htod_async(ptr, gate, cu)?;
-            result::memcpy_htod_async(ptr + (i * h * 2) as u64, up, cu)?;
-            result::memcpy_htod_async(ptr + (2 * i * h * 2) as u64, down, cu)?;
-        }
+        assert_eq!(slot.len(), self.shape.slot_bytes(), "one slot's bytes");
+        // SAFETY: the copy fills this expert's slot of the weight buffer; the host bytes
+        // outlive it (synchronised below).
+        unsafe { result::memcpy_htod_async(ptr, slot, self.stream.cu_stream())? };
         self.stream.synchronize()?;
         Ok(())
     }
@@ -290,28 +346,31 @@ impl GpuExperts {
         let ptr = self
             .expert_ptr(layer, expert)
             .expect("fill of an expert not placed on this device");
+        if self.shape.storage != ExpertStorage::Bf16 {
+            return Err(CudaError::Unsupported(format!(
+                "dummy weights are bf16; this device holds {}",
+                self.shape.storage.describe()
+            )));
+        }
         let matrix = self.shape.hidden * self.shape.intermediate;
-        for (i, &fill) in fills.iter().enumerate() {
+        let at = [0, matrix * 2, self.down_offset];
+        for (&fill, at) in fills.iter().zip(at) {
             // SAFETY: each matrix lands inside this expert's slot of the weight buffer.
             unsafe {
-                self.kernels.fill_dummy(
-                    &self.stream,
-                    fill,
-                    matrix,
-                    ptr + (i * matrix * 2) as u64,
-                )?;
+                self.kernels
+                    .fill_dummy(&self.stream, fill, matrix, ptr + at as u64)?;
             }
         }
         Ok(())
     }
 
-    /// What the device holds for expert `(layer, expert)`: gate, up and down as bf16, in
-    /// that order (`None`: not held here). For checks; it synchronises.
-    pub fn download(&self, layer: usize, expert: u32) -> Result<Option<Vec<bf16>>, CudaError> {
+    /// The bytes of expert `(layer, expert)`'s slot (`None`: not held here), as
+    /// [`ExpertStorage::pack`] lays them out. For checks; it synchronises.
+    pub fn download(&self, layer: usize, expert: u32) -> Result<Option<Vec<u8>>, CudaError> {
         let Some(ptr) = self.expert_ptr(layer, expert) else {
             return Ok(None);
         };
-        let mut out = vec![bf16::ZERO; self.shape.expert_elems()];
+        let mut out = vec![0u8; self.shape.slot_bytes()];
         // SAFETY: the copy reads this expert's slot of the weight buffer into `out`, which
         // outlives it (synchronised below).
         unsafe { result::memcpy_dtoh_async(&mut out, ptr, self.stream.cu_stream())? };
@@ -319,32 +378,25 @@ impl GpuExperts {
         Ok(Some(out))
     }
 
-    /// Fills every held expert with one random `[I, H]` matrix repeated (for the benchmark:
-    /// a Kimi-sized layer is tens of GB; the time of a pass does not depend on the values).
-    pub fn fill_random(&mut self, seed: u64) -> Result<(), CudaError> {
-        let n = self.index.len() * self.shape.expert_elems();
-        let scale = (self.shape.hidden as f32).powf(-0.5);
-        let host = random_bf16(
-            (self.shape.hidden * self.shape.intermediate).min(n),
-            seed,
-            scale,
-        );
+    /// Fills every held expert's slot with `slot` (one expert as [`ExpertStorage::pack`]
+    /// makes it): for the benchmark, where a Kimi-sized layer is tens of GB and the time of a
+    /// pass does not depend on the values.
+    pub fn fill_repeated(&mut self, slot: &[u8]) -> Result<(), CudaError> {
+        let bytes = self.shape.slot_bytes();
+        assert_eq!(slot.len(), bytes, "one slot's bytes");
         let cu = self.stream.cu_stream();
-        let chunk = host.len();
-        // SAFETY: every copy lands inside the weight buffer (n elements); `host` outlives the
-        // upload (synchronised below). The rest is copied on the GPU from the first chunk.
+        // SAFETY: every copy lands inside the weight buffer (one slot per held expert);
+        // `slot` outlives the upload (synchronised below). The other slots are copied on the
+        // GPU from the first.
         unsafe {
-            result::memcpy_htod_async(self.weights.ptr, &host, cu)?;
-            let mut done = chunk;
-            while done < n {
-                let len = chunk.min(n - done);
+            result::memcpy_htod_async(self.weights.ptr, slot, cu)?;
+            for n in 1..self.index.len() {
                 result::memcpy_dtod_async(
-                    self.weights.ptr + (done * 2) as u64,
+                    self.weights.ptr + (n * bytes) as u64,
                     self.weights.ptr,
-                    len * 2,
+                    bytes,
                     cu,
                 )?;
-                done += len;
             }
         }
         self.stream.synchronize()?;
@@ -433,8 +485,7 @@ impl GpuExperts {
     /// `experts[g]` of `layer`, consecutive), leaving the outputs in `y`. Queued on the
     /// stream; the caller synchronises.
     pub fn ffn(&mut self, layer: usize, experts: &[u32], sizes: &[usize]) -> Result<(), CudaError> {
-        let (h, i) = (self.shape.hidden, self.shape.intermediate);
-        let groups: Vec<(u64, usize, usize)> = experts
+        let groups: Vec<Group> = experts
             .iter()
             .zip(sizes)
             .scan(0usize, |offset, (&e, &n)| {
@@ -443,82 +494,150 @@ impl GpuExperts {
                 Some((e, at, n))
             })
             .filter(|&(_, _, n)| n > 0)
-            .map(|(e, at, n)| {
-                let w = self.expert_ptr(layer, e).expect("checked by the caller");
-                (w, at, n)
+            .map(|(e, at, rows)| Group {
+                slot: self.expert_ptr(layer, e).expect("checked by the caller"),
+                at,
+                rows,
             })
             .collect();
-        if groups.is_empty() {
-            return Ok(());
-        }
-        let rows: usize = groups.iter().map(|g| g.2).sum();
-        let g = groups.len();
-        if g > self.shape.num_experts {
+        if groups.len() > self.shape.num_experts {
             return Err(CudaError::TooManyRows {
-                rows: g,
+                rows: groups.len(),
                 max_rows: self.shape.num_experts,
             });
         }
-        // Pointer arrays: [A1, B1, C1, A2, B2, C2], g entries each.
+        let most_rows = groups.iter().map(|g| g.rows).max().unwrap_or(0);
+        let (h, i) = (self.shape.hidden, self.shape.intermediate);
+        let gemv = self.gemv_rows.min(GEMV_MAX_ROWS) >= most_rows
+            && h.is_multiple_of(8)
+            && i.is_multiple_of(8);
+        if gemv || !self.shape.storage.is_quantized() {
+            return self.ffn_batch(&groups, 0, gemv);
+        }
+        // Quantized experts with many rows: widened to bf16 a scratch area's worth at a time.
+        let per_batch = self.widen_batch.clamp(1, self.shape.scratch_experts());
+        for (b, batch) in groups.chunks(per_batch).enumerate() {
+            self.ffn_batch(batch, b * per_batch, false)?;
+        }
+        Ok(())
+    }
+
+    /// The expert FFN of `groups` (whose rows are consecutive), with pointer arrays from
+    /// group `first` on: the grouped GEMV kernel on the slots as they are (`gemv`), or the
+    /// grouped GEMM on bf16 weights (quantized slots widened into the scratch area first).
+    fn ffn_batch(&mut self, groups: &[Group], first: usize, gemv: bool) -> Result<(), CudaError> {
+        let Some(start) = groups.first().map(|g| g.at) else {
+            return Ok(());
+        };
+        let (h, i) = (self.shape.hidden, self.shape.intermediate);
+        let g = groups.len();
+        let widen = !gemv && self.shape.storage.is_quantized();
+        // Pointer arrays: [A1, B1, C1, A2, B2, C2, Q1, Q2], g entries each.
         let (x, gate_up, act, y) = (self.x, self.gate_up, self.act, self.y);
-        let ptrs = &mut self.ptrs.as_mut_slice()?[..6 * g];
-        for (k, &(w, at, _)) in groups.iter().enumerate() {
-            ptrs[k] = w;
-            ptrs[g + k] = x + (at * h * 2) as u64;
-            ptrs[2 * g + k] = gate_up + (at * 2 * i * 2) as u64;
-            ptrs[3 * g + k] = w + (2 * i * h * 2) as u64;
-            ptrs[4 * g + k] = act + (at * i * 2) as u64;
-            ptrs[5 * g + k] = y + (at * h * 2) as u64;
+        let (scratch, expert_bytes, down) = (
+            self.scratch,
+            self.shape.expert_elems() * 2,
+            self.down_offset as u64,
+        );
+        let region = &mut self.ptrs.as_mut_slice()?[POINTER_ARRAYS * first..][..POINTER_ARRAYS * g];
+        for (k, group) in groups.iter().enumerate() {
+            let (a1, a2) = if widen {
+                let copy = scratch + (k * expert_bytes) as u64;
+                (copy, copy + (2 * i * h * 2) as u64)
+            } else {
+                (group.slot, group.slot + down)
+            };
+            let at = group.at;
+            region[k] = a1;
+            region[g + k] = x + (at * h * 2) as u64;
+            region[2 * g + k] = gate_up + (at * 2 * i * 2) as u64;
+            region[3 * g + k] = a2;
+            region[4 * g + k] = act + (at * i * 2) as u64;
+            region[5 * g + k] = y + (at * h * 2) as u64;
+            region[6 * g + k] = group.slot;
+            region[7 * g + k] = group.slot + down;
         }
-        let ns: Vec<usize> = groups.iter().map(|x| x.2).collect();
-        // SAFETY: the pinned array is not written again before the stream is synchronised
-        // (every caller synchronises before its next call).
+        let arrays = self.pointers + (POINTER_ARRAYS * first * 8) as u64;
+        let array = |n: usize| arrays + (n * g * 8) as u64;
+        // SAFETY: this batch's region of the pinned arrays is not written again before the
+        // stream is synchronised (every caller synchronises before its next call, and the
+        // batches of one call use regions apart).
         unsafe {
-            result::memcpy_htod_async(self.pointers, &*ptrs, self.stream.cu_stream())?;
+            result::memcpy_htod_async(arrays, &*region, self.stream.cu_stream())?;
         }
-        let ptrs: Vec<u64> = ptrs.to_vec();
-        let gemv = self.gemv_rows.min(GEMV_MAX_ROWS) >= ns.iter().copied().max().unwrap_or(0)
-            && h % 8 == 0
-            && i % 8 == 0;
-        if gemv {
-            let rows_host = &mut self.rows_host.as_mut_slice()?[..g];
+        let host_ptrs: Vec<u64> = region[..6 * g].to_vec();
+        let ns: Vec<usize> = groups.iter().map(|g| g.rows).collect();
+        let rows: usize = ns.iter().sum();
+        if widen {
+            let [gate_up_form, down_form] = self.forms;
+            // SAFETY: the Q arrays point at g quantized slots of this device's form; the
+            // scratch area takes g ≤ scratch_experts bf16 experts, gate|up then down.
+            unsafe {
+                self.kernels.widen(
+                    &self.stream,
+                    gate_up_form,
+                    array(6),
+                    (scratch, self.shape.expert_elems()),
+                    g,
+                    (2 * i, h),
+                )?;
+                self.kernels.widen(
+                    &self.stream,
+                    down_form,
+                    array(7),
+                    (scratch + (2 * i * h * 2) as u64, self.shape.expert_elems()),
+                    g,
+                    (h, i),
+                )?;
+            }
+        }
+        let gemv = if gemv {
+            let rows_host = &mut self.rows_host.as_mut_slice()?[first..][..g];
             for (r, &n) in rows_host.iter_mut().zip(&ns) {
                 *r = n as i32;
             }
+            let rows_device = self.group_rows + (first * 4) as u64;
             // SAFETY: as for the pointer arrays above.
             unsafe {
-                result::memcpy_htod_async(self.group_rows, &*rows_host, self.stream.cu_stream())?
+                result::memcpy_htod_async(rows_device, &*rows_host, self.stream.cu_stream())?
             };
-        }
-        let gemv = gemv.then_some(self.group_rows);
+            Some(rows_device)
+        } else {
+            None
+        };
+        let forms = if widen {
+            [MatrixForm::Bf16; 2]
+        } else {
+            self.forms
+        };
         // gate|up: out[n, 2I] = x[n, H] · W[2I, H]ᵀ.
         self.gemm(
             GemmShape { m: 2 * i, k: h },
+            forms[0],
             gemv,
             &ns,
-            [
-                self.pointers,
-                self.pointers + (g * 8) as u64,
-                self.pointers + (2 * g * 8) as u64,
-            ],
-            &ptrs[..3 * g],
+            [array(0), array(1), array(2)],
+            &host_ptrs[..3 * g],
         )?;
-        // SAFETY: gate_up holds `rows` rows of 2I, act has room for `rows` rows of I.
+        // SAFETY: gate_up holds the batch's rows of 2I from row `start`, act has room for
+        // them as rows of I.
         unsafe {
-            self.kernels
-                .swiglu(&self.stream, self.gate_up, rows, i, self.act)?
+            self.kernels.swiglu(
+                &self.stream,
+                gate_up + (start * 2 * i * 2) as u64,
+                rows,
+                i,
+                act + (start * i * 2) as u64,
+            )?
         };
         // down: out[n, H] = act[n, I] · W[H, I]ᵀ.
         self.gemm(
             GemmShape { m: h, k: i },
+            forms[1],
             gemv,
             &ns,
-            [
-                self.pointers + (3 * g * 8) as u64,
-                self.pointers + (4 * g * 8) as u64,
-                self.pointers + (5 * g * 8) as u64,
-            ],
-            &ptrs[3 * g..],
+            [array(3), array(4), array(5)],
+            &host_ptrs[3 * g..],
         )?;
         Ok(())
     }
@@ -527,10 +646,12 @@ impl GpuExperts {
     /// cuBLAS call: in cuBLAS's column-major terms `C_g = op(A_g) · B_g` with A transposed.
     /// `device_arrays` are the A, B, C pointer arrays in GPU memory, `host_ptrs` the same
     /// pointers (for the one-GEMM-per-expert fallback). With `gemv` (the groups' row counts
-    /// in GPU memory), the grouped GEMV kernel runs instead.
+    /// in GPU memory), the grouped GEMV kernel runs instead, reading A in `form`; cuBLAS
+    /// reads bf16 only.
     fn gemm(
         &mut self,
         shape: GemmShape,
+        form: MatrixForm,
         gemv: Option<u64>,
         ns: &[usize],
         device_arrays: [u64; 3],
@@ -539,12 +660,19 @@ impl GpuExperts {
         let g = ns.len();
         if let Some(rows) = gemv {
             // SAFETY: the pointer arrays and row counts describe g groups of the stated
-            // shapes, at most GEMV_MAX_ROWS rows each, k a multiple of 8.
+            // shapes, at most GEMV_MAX_ROWS rows each, k a multiple of 8, A in `form`.
             return unsafe {
-                self.kernels
-                    .grouped_gemv(&self.stream, device_arrays, rows, g, shape.m, shape.k)
+                self.kernels.grouped_gemv(
+                    &self.stream,
+                    form,
+                    device_arrays,
+                    rows,
+                    g,
+                    (shape.m, shape.k),
+                )
             };
         }
+        assert_eq!(form, MatrixForm::Bf16, "cuBLAS reads bf16 weights only");
         let (m, k) = (shape.m as i32, shape.k as i32);
         let handle = *self.blas.handle();
         let data = blas::cudaDataType_t::CUDA_R_16BF;
@@ -654,6 +782,15 @@ pub fn random_bf16(n: usize, seed: u64, scale: f32) -> Vec<bf16> {
         .collect()
 }
 
+/// One group of a step: the slot of its expert and its rows in the grouped buffers.
+#[derive(Debug, Clone, Copy)]
+struct Group {
+    slot: u64,
+    /// Its first row.
+    at: usize,
+    rows: usize,
+}
+
 #[derive(Debug, Clone, Copy)]
 struct GemmShape {
     m: usize,
@@ -679,6 +816,7 @@ mod tests {
             num_experts: 384,
             max_rows: 512 * 8,
             host_io: true,
+            storage: ExpertStorage::Bf16,
         }
     }
 
@@ -694,10 +832,48 @@ mod tests {
         // bf16 rows, f32 rows in and out, pointer arrays and group sizes, cuBLAS reserve.
         let work = 4096 * (7168 + 3 * 2048 + 7168) * 2
             + 4096 * 2 * 7168 * 4
-            + 6 * 384 * 8
+            + 8 * 384 * 8
             + 384 * 4
             + BLAS_RESERVE;
         assert_eq!(shape.bytes_needed(0), work);
+    }
+
+    #[test]
+    fn quantized_experts_take_their_stored_bytes_and_a_widening_scratch() {
+        let bf16 = kimi();
+        let one_bf16 = bf16.bytes_needed(1) - bf16.bytes_needed(0);
+        let fp8 = ExpertShape {
+            storage: ExpertStorage::Fp8 {
+                block_rows: 128,
+                block_cols: 128,
+            },
+            ..kimi()
+        };
+        let int4 = ExpertShape {
+            storage: ExpertStorage::Int4 {
+                group: 32,
+                scales_bf16: true,
+            },
+            ..kimi()
+        };
+        let weights = 3 * 7168 * 2048;
+        // FP8: a byte a weight and an f32 per 128 x 128 block: gate and up 16 x 56 blocks
+        // each, down 56 x 16 (every part a multiple of 256 bytes here).
+        assert_eq!(
+            fp8.bytes_needed(2) - fp8.bytes_needed(1),
+            weights + 4 * (2 * 16 * 56 + 56 * 16)
+        );
+        // INT4: half a byte a weight and a bf16 per 32 weights.
+        assert_eq!(
+            int4.bytes_needed(2) - int4.bytes_needed(1),
+            weights / 2 + weights / 32 * 2
+        );
+        assert!(fp8.slot_bytes() * 2 < one_bf16 + one_bf16 / 50);
+        assert!(int4.slot_bytes() * 3 < one_bf16);
+        // Widening for the grouped GEMM: 12 Kimi K2 experts in bf16 (1 GiB at most).
+        assert_eq!(bf16.scratch_experts(), 0);
+        assert_eq!(fp8.scratch_experts(), 12);
+        assert_eq!(fp8.bytes_needed(0) - bf16.bytes_needed(0), 12 * weights * 2);
     }
 
     #[test]

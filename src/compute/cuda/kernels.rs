@@ -39,6 +39,10 @@ pub const MOE: KernelFile = KernelFile {
         "to_bf16",
         "to_f32",
         "grouped_gemv",
+        "grouped_gemv_fp8",
+        "grouped_gemv_int4",
+        "widen_fp8",
+        "widen_int4",
         "fill_dummy",
     ],
 };

@@ -5,11 +5,9 @@
 use std::path::PathBuf;
 use std::sync::Mutex;
 
-use half::bf16;
-
 use super::experts::{ExpertShape, RunOutcome};
+use super::storage::ExpertStorage;
 use super::{CudaError, GpuExperts, GpuInfo};
-use crate::compute::cpu::WeightElement;
 use crate::model::weights::{dummy_expert, load_expert};
 use crate::model::{Checkpoint, ExpertWeights, ModelConfig, ModelError};
 use crate::moe::{DispatchPlan, ExpertError, ExpertExecutor};
@@ -32,9 +30,10 @@ pub struct GpuOptions {
     pub kernel_cache: Option<PathBuf>,
 }
 
-/// Loads `experts` onto a GPU: checks they fit, uploads them as bf16 (or makes a dummy
-/// checkpoint's on the device), then checks that the GPU computes the first of them as the
-/// CPU does before the device takes work.
+/// Loads `experts` onto a GPU: checks they fit, uploads them in their stored form (bf16, or
+/// FP8 or INT4 as the checkpoint quantizes them; [`ExpertStorage::of`] says when a form is
+/// widened to bf16 instead), or makes a dummy checkpoint's on the device, then checks that
+/// the GPU computes the first of them as the CPU does before the device takes work.
 pub fn load_experts(
     gpu: &GpuInfo,
     options: &GpuOptions,
@@ -42,12 +41,33 @@ pub fn load_experts(
     config: &ModelConfig,
     experts: &[(usize, u32)],
 ) -> Result<GpuExperts, LoadError> {
+    let (h, i) = (config.hidden_size, config.moe.expert_intermediate_size);
+    // The first expert's form is the device's: a checkpoint stores its experts alike.
+    let first = match experts.first() {
+        Some(&(layer, expert)) => Some((
+            layer,
+            expert,
+            load_expert(checkpoint, config, layer, expert as usize)?,
+        )),
+        None => None,
+    };
+    let storage = match &first {
+        Some((_, _, weights)) => {
+            let (storage, widened) = ExpertStorage::of(weights, h, i);
+            if let Some(reason) = widened {
+                tracing::warn!(gpu = gpu.ordinal, %reason, "quantized experts widened to bf16 on the GPU");
+            }
+            storage
+        }
+        None => ExpertStorage::Bf16,
+    };
     let shape = ExpertShape {
-        hidden: config.hidden_size,
-        intermediate: config.moe.expert_intermediate_size,
+        hidden: h,
+        intermediate: i,
         num_experts: config.moe.num_experts,
         max_rows: options.max_rows,
         host_io: true,
+        storage,
     };
     let mut held = GpuExperts::new(
         gpu,
@@ -56,27 +76,30 @@ pub fn load_experts(
         options.memory_fraction,
         options.kernel_cache.as_deref(),
     )?;
-    let mut first = None;
+    tracing::info!(
+        gpu = gpu.ordinal,
+        experts = experts.len(),
+        form = %storage.describe(),
+        mib = held.weight_bytes() >> 20,
+        "experts held on the GPU as stored"
+    );
     for &(layer, expert) in experts {
         crate::progress::layer(layer, config.num_layers);
         // Dummy weights are made on the device (the values the host would make and upload):
         // a published shape's layer loads in milliseconds instead of a minute.
         if let Some(fills) = dummy_expert(checkpoint, config, layer, expert as usize) {
             held.fill_dummy(layer, expert, &fills)?;
-            if first.is_none() {
-                first = Some((
-                    layer,
-                    expert,
-                    load_expert(checkpoint, config, layer, expert as usize)?,
-                ));
-            }
             continue;
         }
-        let weights = load_expert(checkpoint, config, layer, expert as usize)?;
-        let (gate, up, down) = bf16_matrices(&weights);
-        held.upload(layer, expert, &gate, &up, &down)?;
-        if first.is_none() {
-            first = Some((layer, expert, weights));
+        match &first {
+            Some((l, e, weights)) if (*l, *e) == (layer, expert) => {
+                held.upload(layer, expert, weights)?
+            }
+            _ => held.upload(
+                layer,
+                expert,
+                &load_expert(checkpoint, config, layer, expert as usize)?,
+            )?,
         }
     }
     // For dummy weights this also checks that the device made values whose products agree
@@ -85,32 +108,6 @@ pub fn load_experts(
         self_check(&mut held, layer, expert, &weights)?;
     }
     Ok(held)
-}
-
-/// An expert's three matrices as bf16: exact for a bf16 checkpoint, rounded for f32. A
-/// quantized expert (FP8, INT4) is widened to bf16 here, so on the GPU it takes the bytes of
-/// a bf16 one (2 per weight): the GPU's expert kernels read bf16 only, for now.
-pub fn bf16_matrices(weights: &ExpertWeights) -> (Vec<bf16>, Vec<bf16>, Vec<bf16>) {
-    fn convert<W: WeightElement>(w: &[W]) -> Vec<bf16> {
-        w.iter().map(|v| bf16::from_f32(v.to_f32())).collect()
-    }
-    match weights {
-        ExpertWeights::Bf16(b) => (
-            b.gate.weight.clone(),
-            b.up.weight.clone(),
-            b.down.weight.clone(),
-        ),
-        ExpertWeights::F32(b) => (
-            convert(&b.gate.weight),
-            convert(&b.up.weight),
-            convert(&b.down.weight),
-        ),
-        ExpertWeights::Quantized(b) => (
-            convert(&b.gate.widen()),
-            convert(&b.up.widen()),
-            convert(&b.down.widen()),
-        ),
-    }
 }
 
 /// Largest difference allowed between the GPU's expert output and the CPU's, relative to the

@@ -1,7 +1,7 @@
 //! The CUDA backend, through cudarc with every library loaded at run time: one binary runs
 //! on machines with and without a GPU. [`runtime`] finds the driver, NVRTC and cuBLAS and
 //! lists the GPUs; [`kernels`] compiles `kernels/*.cu` with NVRTC (cached by source hash and
-//! architecture); [`experts`] holds experts in GPU memory as bf16 and runs token groups
+//! architecture); [`experts`] holds experts in GPU memory as stored ([`storage`]) and runs token groups
 //! through them with grouped GEMMs.
 
 pub mod blas;
@@ -13,6 +13,7 @@ pub mod libs;
 pub mod load;
 pub mod model;
 pub mod moe;
+pub mod storage;
 
 use std::path::Path;
 use std::sync::OnceLock;

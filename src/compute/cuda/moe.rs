@@ -7,6 +7,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 
 use super::kernels::{self, MOE, elementwise};
+use super::storage::MatrixForm;
 use super::{CudaError, GpuInfo};
 use crate::model::config::GatingConfig;
 use crate::model::dummy::DummyFill;
@@ -23,11 +24,45 @@ pub struct MoeKernels {
     to_bf16: CudaFunction,
     to_f32: CudaFunction,
     grouped_gemv: CudaFunction,
+    grouped_gemv_fp8: CudaFunction,
+    grouped_gemv_int4: CudaFunction,
+    widen_fp8: CudaFunction,
+    widen_int4: CudaFunction,
     fill_dummy: CudaFunction,
 }
 
-/// Largest top-k and expert count the gating kernel takes (two floats per expert in 48 KiB of
-/// shared memory), and the most expert groups.
+/// The kernel arguments that say how a quantized matrix is stored ([`MatrixForm`]), in
+/// moe.cu's order: the scales' offset, then the form's integers (none for bf16).
+struct FormParams(Option<(i64, Vec<i32>)>);
+
+impl FormParams {
+    fn of(form: &MatrixForm) -> FormParams {
+        FormParams(match *form {
+            MatrixForm::Bf16 => None,
+            MatrixForm::Fp8 {
+                scale_offset,
+                block_rows,
+                block_cols,
+                split,
+            } => Some((scale_offset, vec![block_rows, block_cols, split])),
+            MatrixForm::Int4 {
+                scale_offset,
+                group,
+                scales_bf16,
+            } => Some((scale_offset, vec![group, scales_bf16])),
+        })
+    }
+
+    fn push<'a>(&'a self, launch: &mut cudarc::driver::LaunchArgs<'a>) {
+        if let Some((offset, ints)) = &self.0 {
+            launch.arg(offset);
+            for v in ints {
+                launch.arg(v);
+            }
+        }
+    }
+}
+
 pub const MAX_TOP_K: usize = 64;
 pub const MAX_EXPERTS: usize = 6144;
 pub const MAX_GROUPS: usize = 64;
@@ -73,6 +108,10 @@ impl MoeKernels {
             to_bf16: f("to_bf16")?,
             to_f32: f("to_f32")?,
             grouped_gemv: f("grouped_gemv")?,
+            grouped_gemv_fp8: f("grouped_gemv_fp8")?,
+            grouped_gemv_int4: f("grouped_gemv_int4")?,
+            widen_fp8: f("widen_fp8")?,
+            widen_int4: f("widen_int4")?,
             fill_dummy: f("fill_dummy")?,
         })
     }
@@ -277,39 +316,81 @@ impl MoeKernels {
     }
 
     /// For each of `groups` groups, `C_g[j] = A_g · B_g[j]` for its few rows j: the grouped
-    /// GEMM's layouts (A `[m, k]`, B `[n_g, k]`, C `[n_g, m]`, bf16), one warp per output row.
+    /// GEMM's layouts (A `[m, k]` in `form`, B `[n_g, k]` and C `[n_g, m]` bf16), one warp
+    /// per output row, quantized weights decoded as they are read.
     ///
     /// # Safety
-    /// `arrays`: device arrays of `groups` A, B and C pointers; `rows`: `[groups]` i32, each
-    /// at most [`super::experts::GEMV_MAX_ROWS`]; `k` a multiple of 8 and every row
-    /// 16-byte aligned.
+    /// `arrays`: device arrays of `groups` A, B and C pointers (A's scales where `form`
+    /// says); `rows`: `[groups]` i32, each at most [`super::experts::GEMV_MAX_ROWS`]; `k` a
+    /// multiple of 8 and every row 16-byte aligned (A's: 8 for FP8, 4 for INT4).
     pub unsafe fn grouped_gemv(
         &self,
         stream: &CudaStream,
+        form: MatrixForm,
         arrays: [u64; 3],
         rows: u64,
         groups: usize,
-        m: usize,
-        k: usize,
+        (m, k): (usize, usize),
     ) -> Result<(), CudaError> {
         const WARPS: usize = 8;
         let (m_i, k_i) = (m as i32, k as i32);
+        let config = LaunchConfig {
+            grid_dim: (m.div_ceil(WARPS) as u32, groups as u32, 1),
+            block_dim: ((WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch = match form {
+            MatrixForm::Bf16 => stream.launch_builder(&self.grouped_gemv),
+            MatrixForm::Fp8 { .. } => stream.launch_builder(&self.grouped_gemv_fp8),
+            MatrixForm::Int4 { .. } => stream.launch_builder(&self.grouped_gemv_int4),
+        };
+        launch.arg(&arrays[0]);
+        let params = FormParams::of(&form);
+        params.push(&mut launch);
+        launch
+            .arg(&arrays[1])
+            .arg(&arrays[2])
+            .arg(&rows)
+            .arg(&m_i)
+            .arg(&k_i);
+        // SAFETY: as the caller vouches; arguments match moe.cu.
+        unsafe { launch.launch(config) }?;
+        Ok(())
+    }
+
+    /// Widens `groups` quantized matrices of `[m, k]` (`a`: a device array of their
+    /// addresses, read in `form`) to bf16: group g's into `out.0 + g · out.1` elements.
+    ///
+    /// # Safety
+    /// `a` holds `groups` addresses of matrices in `form` (their scales where `form` says);
+    /// `out` has room for `groups` bf16 matrices `out.1` elements apart; k is a multiple of 8.
+    pub unsafe fn widen(
+        &self,
+        stream: &CudaStream,
+        form: MatrixForm,
+        a: u64,
+        out: (u64, usize),
+        groups: usize,
+        (m, k): (usize, usize),
+    ) -> Result<(), CudaError> {
+        let (m_i, k_i) = (m as i32, k as i32);
+        let mut launch = match form {
+            MatrixForm::Bf16 => return Ok(()),
+            MatrixForm::Fp8 { .. } => stream.launch_builder(&self.widen_fp8),
+            MatrixForm::Int4 { .. } => stream.launch_builder(&self.widen_int4),
+        };
+        let config = elementwise(m * k / 8);
+        launch.arg(&a);
+        let params = FormParams::of(&form);
+        params.push(&mut launch);
+        launch.arg(&out.0).arg(&out.1).arg(&m_i).arg(&k_i);
         // SAFETY: as the caller vouches; arguments match moe.cu.
         unsafe {
-            stream
-                .launch_builder(&self.grouped_gemv)
-                .arg(&arrays[0])
-                .arg(&arrays[1])
-                .arg(&arrays[2])
-                .arg(&rows)
-                .arg(&m_i)
-                .arg(&k_i)
-                .launch(LaunchConfig {
-                    grid_dim: (m.div_ceil(WARPS) as u32, groups as u32, 1),
-                    block_dim: ((WARPS * 32) as u32, 1, 1),
-                    shared_mem_bytes: 0,
-                })?;
-        }
+            launch.launch(LaunchConfig {
+                grid_dim: (config.grid_dim.0, groups as u32, 1),
+                ..config
+            })
+        }?;
         Ok(())
     }
 
