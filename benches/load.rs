@@ -289,9 +289,15 @@ impl StepBytes {
         let config = source.config().expect("the model's config.json reads");
         let sizes = moe_node::plan::sizes::ModelSizes::of(&config);
         let embedding = (config.vocab_size * config.hidden_size) as u64 * sizes.dtype_bytes;
+        // Dummy weights are bf16 whatever the config's quantization; a checkpoint's experts
+        // are held as stored.
+        let expert = match source.load_format {
+            LoadFormat::Dummy => 3 * config.hidden_size * config.moe.expert_intermediate_size * 2,
+            LoadFormat::Safetensors => sizes.expert_bytes as usize,
+        };
         StepBytes {
             dense: (sizes.dense_bytes - embedding) as f64,
-            expert: sizes.expert_bytes_on_gpu as f64,
+            expert: expert as f64,
             experts: config.moe.num_experts,
             top_k: config.moe.top_k,
             moe_layers: config.moe_layers.iter().filter(|&&m| m).count(),

@@ -30,14 +30,6 @@ impl PlanReport {
             gib(m.sizes.dense_bytes),
             m.sizes.dtype_bytes
         )?;
-        if m.sizes.expert_bytes_on_gpu != m.sizes.expert_bytes {
-            writeln!(
-                out,
-                "quantized experts: held as stored on CPU slots; GPUs widen them to bf16 for now \
-                 ({:.2} MiB per expert there, which the fit below does not count)",
-                m.sizes.expert_bytes_on_gpu as f64 / (1u64 << 20) as f64,
-            )?;
-        }
         writeln!(
             out,
             "cluster: {} node(s) x {} device(s), replication {}, {} spare slot(s) per device{}",

@@ -11,13 +11,10 @@ use crate::model::quant::Quantization;
 pub struct ModelSizes {
     /// Bytes per parameter of the stored dtype (bf16 and f16: 2, f32: 4).
     pub dtype_bytes: u64,
-    /// One routed expert of one layer: gate, up and down projections, as a node holds them:
-    /// in the stored form for a quantized checkpoint (FP8: 1 byte per weight, INT4: half a
-    /// byte, plus their f32 scales).
+    /// One routed expert of one layer: gate, up and down projections, as a node holds them
+    /// on CPU slots and GPUs alike: in the stored form for a quantized checkpoint (FP8: 1
+    /// byte per weight, INT4: half a byte, plus their f32 scales).
     pub expert_bytes: u64,
-    /// The same on a GPU, which widens quantized experts to bf16 for now (2 bytes per weight);
-    /// equal to `expert_bytes` for an unquantized checkpoint.
-    pub expert_bytes_on_gpu: u64,
     /// Everything every node loads besides routed experts: embeddings, attention, norms,
     /// gates, shared experts, dense MLPs, the output head.
     pub dense_bytes: u64,
@@ -95,11 +92,6 @@ impl ModelSizes {
         ModelSizes {
             dtype_bytes: bytes,
             expert_bytes,
-            expert_bytes_on_gpu: if expert_bytes == expert_params * bytes {
-                expert_bytes
-            } else {
-                expert_params * 2
-            },
             dense_bytes: dense * bytes,
         }
     }
