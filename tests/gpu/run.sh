@@ -15,8 +15,8 @@
 #      tolerance), then the whole model (logits after the prompt within the bf16 tolerance
 #      of the dense part; decoding through the GPU's KV cache equal to one prefill);
 #   4. tests/server.rs: the node's HTTP tests, whose devices are now the GPU;
-#   5. benches/moe_layer_gpu.rs, then benches/moe_layer_gpu_reference.py (transformers on
-#      the same GPU), side by side.
+#   5. benches/moe_layer_gpu.rs (bf16 experts, then FP8 and INT4 held as stored), then
+#      benches/moe_layer_gpu_reference.py (transformers on the same GPU), side by side.
 set -uo pipefail
 out=${1:?usage: tests/gpu/run.sh OUT}
 bin=gpu-bin
@@ -60,7 +60,12 @@ step generate-gpu-experts 120 env RUST_LOG=info "$bin/moe-node" generate \
 step gpu-kernel-tests 180 "$bin/gpu_kernels" --test-threads=1 --nocapture
 step reference-tests 180 "$bin/reference" --test-threads=1 --nocapture
 step server-tests 240 "$bin/server" --test-threads=2
-TAIL=40 step bench 300 env MOE_GPU_BENCH_OUT="$out/moe_layer_gpu.jsonl" "$bin/moe_layer_gpu"
+TAIL=40 step bench 300 env MOE_GPU_BENCH_FORMATS=bf16 MOE_GPU_BENCH_OUT="$out/moe_layer_gpu.jsonl" \
+    "$bin/moe_layer_gpu"
+# FP8 and INT4 experts held as stored (issue 16), at the K3 shape.
+TAIL=40 step bench-quantized 240 env MOE_GPU_BENCH_FORMATS=fp8,int4 MOE_GPU_BENCH_SHAPES=k3 \
+    MOE_GPU_BENCH_TOKENS=1,16,256 MOE_GPU_BENCH_OUT="$out/moe_layer_gpu_quantized.jsonl" \
+    "$bin/moe_layer_gpu"
 TAIL=40 step torch-reference 300 python3 benches/moe_layer_gpu_reference.py \
     "$out/moe_layer_gpu.jsonl" --out "$out/torch.jsonl"
 echo "=== overall: $([ $status -eq 0 ] && echo passed || echo FAILED)"
