@@ -8,9 +8,11 @@ format Kimi K2 Thinking publishes, for moe-node's side of the comparison with ll
   embeddings and the output head stay bf16;
 - LAYOUT `all`: every projection of the decoder layers (attention too); routers, norms,
   embeddings and the output head stay bf16. Closer to Q4_K_M's bytes per token, which also
-  quantizes attention (and the head, which no published INT4 checkpoint does).
+  quantizes attention (and the head, which no published INT4 checkpoint does);
+- LAYOUT `head`: `all` and the output head too, for a comparison at fewer bytes per token
+  than Q4_K_M (whose head is Q6_K).
 
-    python3 make_int4.py BF16_MODEL_DIR INT4_MODEL_DIR experts|all
+    python3 make_int4.py BF16_MODEL_DIR INT4_MODEL_DIR experts|all|head
 
 Tokenizer and generation files are copied. One tensor is quantized at a time.
 """
@@ -34,15 +36,18 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 IGNORE = {
     "experts": ["lm_head", "re:.*mlp\\.gate$", "re:.*self_attn.*"],
     "all": ["lm_head", "re:.*mlp\\.gate$"],
+    "head": ["re:.*mlp\\.gate$"],
 }
 
 
 def quantized(name, layout):
+    if name == "lm_head.weight":
+        return layout == "head"
     parts = name.split(".")
     if not (name.startswith("model.layers.") and parts[-1] == "weight"
             and parts[-2] in PROJECTIONS):
         return False
-    return layout == "all" or ".mlp.experts." in name
+    return layout != "experts" or ".mlp.experts." in name
 
 
 def main():

@@ -6,7 +6,7 @@ reads per decode token.
 
 JSONS: one server's client.py results, one file per round, comma-separated. Each llama.cpp
 quantization is set beside the moe-node formats of about the same size: BF16 beside bf16, Q8_0
-beside fp8, Q4_K_M beside int4 and int4all (bf16 when moe-node ran none of them).
+beside fp8, Q4_K_M beside int4, int4all and int4head (bf16 when moe-node ran none of them).
 
 Bytes per decode token (batch 1): every tensor is read once per token (attention q/k/v/o, the
 per-layer router, the output head, the norms, FP8 block scales), but the token embedding only
@@ -24,7 +24,8 @@ import sys
 
 
 # The moe-node formats each llama.cpp quantization is compared with.
-PAIR = {"bf16": ["bf16"], "q8_0": ["fp8"], "q4_k_m": ["int4", "int4all"], "q4_k_s": ["int4", "int4all"]}
+PAIR = {"bf16": ["bf16"], "q8_0": ["fp8"], "q4_k_m": ["int4", "int4all", "int4head"],
+        "q4_k_s": ["int4", "int4all", "int4head"]}
 
 
 def per_token_bytes(tensors, cfg, is_expert, embedding):

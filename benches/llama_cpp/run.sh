@@ -13,7 +13,8 @@
 # Environment: LLAMA_BENCH_DIR (/tmp/llama_bench), EXPERTS (128), QUANTS ("bf16 q8_0"),
 # MOE_FORMATS ("bf16 fp8": moe-node on the bf16 model and on its FP8 copy, make_fp8.py; also
 # int4 and int4all: compressed-tensors INT4 copies, experts only as Kimi K2 Thinking publishes
-# them, or attention too, make_int4.py; e.g. QUANTS="q4_k_m" MOE_FORMATS="int4 int4all"),
+# them, attention too, or attention and the output head too (int4head), make_int4.py; e.g.
+# QUANTS="q4_k_m" MOE_FORMATS="int4 int4all int4head"),
 # THREADS (2), ROUNDS (2), LLAMA_CPP_PYTHON_VERSION (0.3.36), MOE_NODE_PORT (18080), LLAMA_PORT (18081).
 set -euo pipefail
 
@@ -136,8 +137,8 @@ if [[ " $MOE_FORMATS " == *" fp8 "* && ! -f "$WORK/model-fp8/model.safetensors" 
     log "quantizing the model to FP8 (the Qwen3 -FP8 layout)"
     python3 "$HERE/make_fp8.py" "$MODEL" "$WORK/model-fp8"
 fi
-for layout in experts all; do
-    f=int4; [[ $layout == all ]] && f=int4all
+for layout in experts all head; do
+    f=int4; [[ $layout == all ]] && f=int4all; [[ $layout == head ]] && f=int4head
     if [[ " $MOE_FORMATS " == *" $f "* && ! -f "$WORK/model-$f/model.safetensors" ]]; then
         python3 -c "import compressed_tensors" 2>/dev/null || pip install compressed-tensors
         log "quantizing the model to INT4 ($layout; compressed-tensors pack-quantized)"
