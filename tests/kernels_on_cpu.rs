@@ -695,6 +695,7 @@ fn quantized_slots_widen_and_multiply_as_the_host_dequantizes() {
                 input += "\n";
             }
             let widened = run(exe, "widen_slot", &input);
+            assert_eq!(widened.len(), slots.len(), "one matrix per slot");
             for (g, (got, want)) in widened.iter().zip(&dequantized).enumerate() {
                 let want: Vec<f64> = want
                     .iter()
@@ -729,6 +730,7 @@ fn quantized_slots_widen_and_multiply_as_the_host_dequantizes() {
                 );
             }
             let out = run(exe, "gemv_slot", &input);
+            assert_eq!(out.len(), expected.len(), "one product per slot");
             for (g, (got, want)) in out.iter().zip(&expected).enumerate() {
                 assert_eq!(got.len(), want.len());
                 let scale = want.iter().fold(0f64, |a, v| a.max(v.abs()));

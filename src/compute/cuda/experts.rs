@@ -220,6 +220,17 @@ impl GpuExperts {
         let blas = CudaBlas::new(stream.clone())?;
         let kernels = MoeKernels::load(&ctx, gpu, cache_dir)?;
         let weights = Buffer::new(&stream, experts.len() * shape.slot_bytes())?;
+        // Zeroed, so that a slot's padding reads as [`ExpertStorage::pack`] writes it,
+        // whichever way its matrices are written.
+        // SAFETY: the buffer holds this many bytes.
+        unsafe {
+            result::memset_d8_async(
+                weights.ptr,
+                0,
+                experts.len() * shape.slot_bytes(),
+                stream.cu_stream(),
+            )?
+        };
         let index = experts.iter().enumerate().map(|(i, &k)| (k, i)).collect();
         let (h, i, rows) = (shape.hidden, shape.intermediate, shape.max_rows);
         let f32_rows = if shape.host_io { rows * h * 4 } else { 0 };
@@ -506,29 +517,40 @@ impl GpuExperts {
                 max_rows: self.shape.num_experts,
             });
         }
-        let most_rows = groups.iter().map(|g| g.rows).max().unwrap_or(0);
         let (h, i) = (self.shape.hidden, self.shape.intermediate);
-        let gemv = self.gemv_rows.min(GEMV_MAX_ROWS) >= most_rows
-            && h.is_multiple_of(8)
-            && i.is_multiple_of(8);
-        if gemv || !self.shape.storage.is_quantized() {
+        let gemv_rows = if h.is_multiple_of(8) && i.is_multiple_of(8) {
+            self.gemv_rows.min(GEMV_MAX_ROWS)
+        } else {
+            0
+        };
+        if !self.shape.storage.is_quantized() {
+            // bf16: one product for the whole step, the GEMV where every group takes it.
+            let gemv = groups.iter().all(|g| g.rows <= gemv_rows);
             return self.ffn_batch(&groups, 0, gemv);
         }
-        // Quantized experts with many rows: widened to bf16 a scratch area's worth at a time.
+        // Quantized: the groups the GEMV takes read their experts as stored; the others are
+        // widened to bf16 a scratch area's worth at a time for the grouped GEMM.
+        let (few, many): (Vec<Group>, Vec<Group>) =
+            groups.iter().partition(|g| g.rows <= gemv_rows);
+        self.ffn_batch(&few, 0, true)?;
         let per_batch = self.widen_batch.clamp(1, self.shape.scratch_experts());
-        for (b, batch) in groups.chunks(per_batch).enumerate() {
-            self.ffn_batch(batch, b * per_batch, false)?;
+        for (b, batch) in many.chunks(per_batch).enumerate() {
+            self.ffn_batch(batch, few.len() + b * per_batch, false)?;
         }
         Ok(())
     }
 
-    /// The expert FFN of `groups` (whose rows are consecutive), with pointer arrays from
+    /// The expert FFN of `groups` (in the order of their rows), with pointer arrays from
     /// group `first` on: the grouped GEMV kernel on the slots as they are (`gemv`), or the
     /// grouped GEMM on bf16 weights (quantized slots widened into the scratch area first).
+    /// The SwiGLU between the products runs over every row from the first group's to the
+    /// last's: rows of other groups between them are rewritten by their own batch before
+    /// their down product reads them, or were read by it already (one stream, in order).
     fn ffn_batch(&mut self, groups: &[Group], first: usize, gemv: bool) -> Result<(), CudaError> {
-        let Some(start) = groups.first().map(|g| g.at) else {
+        let (Some(head), Some(last)) = (groups.first(), groups.last()) else {
             return Ok(());
         };
+        let (start, end) = (head.at, last.at + last.rows);
         let (h, i) = (self.shape.hidden, self.shape.intermediate);
         let g = groups.len();
         let widen = !gemv && self.shape.storage.is_quantized();
@@ -567,7 +589,6 @@ impl GpuExperts {
         }
         let host_ptrs: Vec<u64> = region[..6 * g].to_vec();
         let ns: Vec<usize> = groups.iter().map(|g| g.rows).collect();
-        let rows: usize = ns.iter().sum();
         if widen {
             let [gate_up_form, down_form] = self.forms;
             // SAFETY: the Q arrays point at g quantized slots of this device's form; the
@@ -619,13 +640,12 @@ impl GpuExperts {
             [array(0), array(1), array(2)],
             &host_ptrs[..3 * g],
         )?;
-        // SAFETY: gate_up holds the batch's rows of 2I from row `start`, act has room for
-        // them as rows of I.
+        // SAFETY: gate_up holds rows `start..end` of 2I, act has room for them as rows of I.
         unsafe {
             self.kernels.swiglu(
                 &self.stream,
                 gate_up + (start * 2 * i * 2) as u64,
-                rows,
+                end - start,
                 i,
                 act + (start * i * 2) as u64,
             )?

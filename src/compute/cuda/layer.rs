@@ -59,7 +59,7 @@ pub struct GpuMoeLayer {
 
 impl GpuMoeLayer {
     /// A layer of `shape` on `gpu` for up to `max_tokens` tokens a pass. Expert weights are
-    /// written afterwards through `experts` (upload or fill_random).
+    /// written afterwards through `experts` (upload or fill_repeated).
     pub fn new(
         gpu: &GpuInfo,
         shape: ExpertShape,

@@ -42,7 +42,9 @@ pub fn load_experts(
     experts: &[(usize, u32)],
 ) -> Result<GpuExperts, LoadError> {
     let (h, i) = (config.hidden_size, config.moe.expert_intermediate_size);
-    // The first expert's form is the device's: a checkpoint stores its experts alike.
+    // The first expert's form is the device's: a checkpoint stores its experts alike. One
+    // that does not (other blocks, scales of another width) sets a form holding both, and
+    // the load starts again.
     let first = match experts.first() {
         Some(&(layer, expert)) => Some((
             layer,
@@ -51,7 +53,7 @@ pub fn load_experts(
         )),
         None => None,
     };
-    let storage = match &first {
+    let mut storage = match &first {
         Some((_, _, weights)) => {
             let (storage, widened) = ExpertStorage::of(weights, h, i);
             if let Some(reason) = widened {
@@ -61,27 +63,72 @@ pub fn load_experts(
         }
         None => ExpertStorage::Bf16,
     };
-    let shape = ExpertShape {
-        hidden: h,
-        intermediate: i,
-        num_experts: config.moe.num_experts,
-        max_rows: options.max_rows,
-        host_io: true,
-        storage,
+    let mut held = loop {
+        let shape = ExpertShape {
+            hidden: h,
+            intermediate: i,
+            num_experts: config.moe.num_experts,
+            max_rows: options.max_rows,
+            host_io: true,
+            storage,
+        };
+        let mut held = GpuExperts::new(
+            gpu,
+            shape,
+            experts,
+            options.memory_fraction,
+            options.kernel_cache.as_deref(),
+        )?;
+        match upload_all(&mut held, checkpoint, config, experts, first.as_ref())? {
+            None => break held,
+            Some(unheld) => {
+                tracing::warn!(
+                    gpu = gpu.ordinal,
+                    layer = unheld.layer,
+                    expert = unheld.expert,
+                    was = %storage.describe(),
+                    now = %unheld.form.describe(),
+                    "an expert is stored unlike the first: loading the GPU's experts again"
+                );
+                storage = unheld.form;
+            }
+        }
     };
-    let mut held = GpuExperts::new(
-        gpu,
-        shape,
-        experts,
-        options.memory_fraction,
-        options.kernel_cache.as_deref(),
-    )?;
     tracing::info!(
         gpu = gpu.ordinal,
         experts = experts.len(),
         form = %storage.describe(),
         mib = held.weight_bytes() >> 20,
         "experts held on the GPU as stored"
+    );
+    // For dummy weights this also checks that the device made values whose products agree
+    // with the host's (within the bf16 tolerance; tests/gpu_kernels.rs checks the bits).
+    if let Some((layer, expert, weights)) = first {
+        self_check(&mut held, layer, expert, &weights)?;
+    }
+    Ok(held)
+}
+
+/// An expert the device's form cannot hold, and a form that holds it and the others.
+struct Unheld {
+    layer: usize,
+    expert: u32,
+    form: ExpertStorage,
+}
+
+/// Writes `experts` into `held` (the first already loaded as `first`); stops at the first
+/// expert the device's form cannot hold.
+fn upload_all(
+    held: &mut GpuExperts,
+    checkpoint: &Checkpoint,
+    config: &ModelConfig,
+    experts: &[(usize, u32)],
+    first: Option<&(usize, u32, ExpertWeights)>,
+) -> Result<Option<Unheld>, LoadError> {
+    let (h, i, storage) = (
+        held.shape.hidden,
+        held.shape.intermediate,
+        held.shape.storage,
     );
     for &(layer, expert) in experts {
         crate::progress::layer(layer, config.num_layers);
@@ -91,23 +138,25 @@ pub fn load_experts(
             held.fill_dummy(layer, expert, &fills)?;
             continue;
         }
-        match &first {
-            Some((l, e, weights)) if (*l, *e) == (layer, expert) => {
-                held.upload(layer, expert, weights)?
+        let loaded;
+        let weights = match first {
+            Some((l, e, weights)) if (*l, *e) == (layer, expert) => weights,
+            _ => {
+                loaded = load_expert(checkpoint, config, layer, expert as usize)?;
+                &loaded
             }
-            _ => held.upload(
+        };
+        let needed = storage.with(ExpertStorage::of(weights, h, i).0);
+        if needed != storage {
+            return Ok(Some(Unheld {
                 layer,
                 expert,
-                &load_expert(checkpoint, config, layer, expert as usize)?,
-            )?,
+                form: needed,
+            }));
         }
+        held.upload(layer, expert, weights)?;
     }
-    // For dummy weights this also checks that the device made values whose products agree
-    // with the host's (within the bf16 tolerance; tests/gpu_kernels.rs checks the bits).
-    if let Some((layer, expert, weights)) = first {
-        self_check(&mut held, layer, expert, &weights)?;
-    }
-    Ok(held)
+    Ok(None)
 }
 
 /// Largest difference allowed between the GPU's expert output and the CPU's, relative to the

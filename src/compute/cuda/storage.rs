@@ -135,6 +135,23 @@ impl ExpertStorage {
         }
     }
 
+    /// The narrowest form that holds experts of both forms: the same form, INT4 with f32
+    /// scales for INT4 whose scales differ in width, else bf16.
+    pub fn with(self, other: ExpertStorage) -> ExpertStorage {
+        match (self, other) {
+            (a, b) if a == b => a,
+            (ExpertStorage::Int4 { group: a, .. }, ExpertStorage::Int4 { group: b, .. })
+                if a == b =>
+            {
+                ExpertStorage::Int4 {
+                    group: a,
+                    scales_bf16: false,
+                }
+            }
+            _ => ExpertStorage::Bf16,
+        }
+    }
+
     pub fn is_quantized(&self) -> bool {
         !matches!(self, ExpertStorage::Bf16)
     }
@@ -394,21 +411,33 @@ mod tests {
         })
     }
 
-    fn fp8(rows: usize, cols: usize, block: [usize; 2]) -> QuantLinear {
+    /// An FP8 matrix whose bytes and scales start from `base`: gate, up and down apart.
+    fn fp8_from(base: usize, rows: usize, cols: usize, block: [usize; 2]) -> QuantLinear {
         let scales = rows.div_ceil(block[0]) * cols.div_ceil(block[1]);
-        let weights = (0..rows * cols).map(|n| (n % 0x7e) as u8).collect();
-        let scales = (0..scales).map(|n| 0.5 + n as f32).collect();
+        let weights = (0..rows * cols)
+            .map(|n| ((base + n) % 0x7e) as u8)
+            .collect();
+        let scales = (0..scales).map(|n| (base + n) as f32 + 0.5).collect();
         QuantLinear::fp8(weights, scales, rows, cols, block).unwrap()
     }
 
-    fn int4(rows: usize, cols: usize, group: usize, scale: f32) -> QuantLinear {
+    fn fp8(rows: usize, cols: usize, block: [usize; 2]) -> QuantLinear {
+        fp8_from(0, rows, cols, block)
+    }
+
+    /// An INT4 matrix whose words and scales start from `base` (times `scale` for scales).
+    fn int4_from(base: usize, rows: usize, cols: usize, group: usize, scale: f32) -> QuantLinear {
         let packed = (0..rows * cols / 8)
-            .map(|n| n as u32 * 0x0101_0101)
+            .map(|n| (base + n) as u32 * 0x0101_0101)
             .collect();
         let scales = (0..rows * cols.div_ceil(group))
-            .map(|n| scale * (n + 1) as f32)
+            .map(|n| scale * (base + n + 1) as f32)
             .collect();
         QuantLinear::int4(packed, scales, rows, cols, group).unwrap()
+    }
+
+    fn int4(rows: usize, cols: usize, group: usize, scale: f32) -> QuantLinear {
+        int4_from(0, rows, cols, group, scale)
     }
 
     fn quantized(gate: QuantLinear, up: QuantLinear, down: QuantLinear) -> ExpertWeights {
@@ -455,6 +484,34 @@ mod tests {
     }
 
     #[test]
+    fn a_form_that_holds_two_is_the_same_int4_with_f32_scales_or_bf16() {
+        let int4 = |scales_bf16| ExpertStorage::Int4 {
+            group: 32,
+            scales_bf16,
+        };
+        let fp8 = ExpertStorage::Fp8 {
+            block_rows: 128,
+            block_cols: 128,
+        };
+        assert_eq!(int4(true).with(int4(true)), int4(true));
+        assert_eq!(int4(true).with(int4(false)), int4(false));
+        assert_eq!(int4(false).with(int4(true)), int4(false));
+        assert_eq!(fp8.with(fp8), fp8);
+        let other_group = ExpertStorage::Int4 {
+            group: 64,
+            scales_bf16: true,
+        };
+        for (a, b) in [
+            (int4(true), other_group),
+            (fp8, int4(true)),
+            (ExpertStorage::Bf16, fp8),
+        ] {
+            assert_eq!(a.with(b), ExpertStorage::Bf16);
+            assert_eq!(b.with(a), ExpertStorage::Bf16);
+        }
+    }
+
+    #[test]
     fn a_bf16_slot_is_gate_up_then_down_as_stored() {
         let expert = bf16_expert();
         let slot = ExpertStorage::Bf16.pack(&expert, H, I).unwrap();
@@ -478,7 +535,11 @@ mod tests {
     #[test]
     fn an_fp8_slot_holds_the_bytes_and_each_matrixs_block_scales() {
         // Blocks of [3, 5]: gate and up [8, 16] have 3 x 4 blocks each, down [16, 8] 6 x 2.
-        let expert = quantized(fp8(I, H, [3, 5]), fp8(I, H, [3, 5]), fp8(H, I, [3, 5]));
+        let expert = quantized(
+            fp8_from(0, I, H, [3, 5]),
+            fp8_from(100, I, H, [3, 5]),
+            fp8_from(200, H, I, [3, 5]),
+        );
         let storage = ExpertStorage::of(&expert, H, I).0;
         let slot = storage.pack(&expert, H, I).unwrap();
         let layout = storage.layout(H, I);
@@ -517,12 +578,23 @@ mod tests {
         for (n, s) in down_scales.iter().enumerate() {
             assert_eq!(f32_at(layout.down_scales + 4 * n), *s);
         }
+        // Where: gate|up's 256 bytes, down's 128 from 256, gate|up's 96 bytes of scales from
+        // 512, down's 48 from 768 (every part on 256 bytes).
+        assert_eq!(
+            (
+                layout.down,
+                layout.gate_up_scales,
+                layout.down_scales,
+                layout.bytes
+            ),
+            (256, 512, 768, 1024)
+        );
         // How the kernels read them: up's block rows follow gate's.
         let [gate_up, down_form] = storage.forms(H, I);
         assert_eq!(
             gate_up,
             MatrixForm::Fp8 {
-                scale_offset: layout.gate_up_scales as i64,
+                scale_offset: 512,
                 block_rows: 3,
                 block_cols: 5,
                 split: I as i32
@@ -531,7 +603,7 @@ mod tests {
         assert_eq!(
             down_form,
             MatrixForm::Fp8 {
-                scale_offset: (layout.down_scales - layout.down) as i64,
+                scale_offset: 512,
                 block_rows: 3,
                 block_cols: 5,
                 split: H as i32
@@ -541,7 +613,11 @@ mod tests {
 
     #[test]
     fn an_int4_slot_holds_the_words_and_scales_in_the_form_held() {
-        let expert = quantized(int4(I, H, 8, 0.5), int4(I, H, 8, 0.5), int4(H, I, 8, 0.5));
+        let expert = quantized(
+            int4_from(0, I, H, 8, 0.5),
+            int4_from(100, I, H, 8, 0.5),
+            int4_from(200, H, I, 8, 0.5),
+        );
         for scales_bf16 in [true, false] {
             let storage = ExpertStorage::Int4 {
                 group: 8,
@@ -550,12 +626,12 @@ mod tests {
             let slot = storage.pack(&expert, H, I).unwrap();
             let layout = storage.layout(H, I);
             let word = |at: usize| u32::from_le_bytes(slot[at..at + 4].try_into().unwrap());
-            // Gate's I rows of H / 8 words, then up's (the same words), then down's.
-            let last = (I * H / 8 - 1) as u32 * 0x0101_0101;
-            assert_eq!(word(I * H / 2 - 4), last);
-            assert_eq!((word(I * H / 2), word(I * H / 2 + 4)), (0, 0x0101_0101));
-            assert_eq!(word(2 * (I * H / 2) - 4), last);
-            assert_eq!(word(layout.down + 4), 0x0101_0101);
+            // Gate's I rows of H / 8 words, then up's, then down's.
+            let n = |base: usize| base as u32 * 0x0101_0101;
+            assert_eq!(word(I * H / 2 - 4), n(I * H / 8 - 1));
+            assert_eq!(word(I * H / 2), n(100));
+            assert_eq!(word(2 * (I * H / 2) - 4), n(100 + I * H / 8 - 1));
+            assert_eq!(word(layout.down + 4), n(201));
             // Up's first scale follows gate's I rows of 2 groups; down's first is its own.
             let scale = |at: usize| {
                 if scales_bf16 {
@@ -565,9 +641,9 @@ mod tests {
                 }
             };
             let width = if scales_bf16 { 2 } else { 4 };
-            assert_eq!(scale(layout.gate_up_scales + 2 * I * width), 0.5);
             assert_eq!(scale(layout.gate_up_scales + (2 * I - 1) * width), 8.0);
-            assert_eq!(scale(layout.down_scales + width), 1.0);
+            assert_eq!(scale(layout.gate_up_scales + 2 * I * width), 50.5);
+            assert_eq!(scale(layout.down_scales + width), 101.0);
         }
         // f32 scales that bf16 cannot hold are refused by a device holding bf16 ones.
         let f32_scales = quantized(int4(I, H, 8, 0.1), int4(I, H, 8, 0.1), int4(H, I, 8, 0.1));
