@@ -148,11 +148,32 @@ impl WeightElement for bf16 {
     }
 
     fn widen(weights: &[bf16]) -> Cow<'_, [f32]> {
-        Cow::Owned(weights.iter().map(|w| w.to_f32()).collect())
+        let mut out = Vec::with_capacity(weights.len());
+        Self::extend_widened(weights, &mut out);
+        Cow::Owned(out)
+    }
+
+    fn extend_widened(weights: &[bf16], buffer: &mut Vec<f32>) {
+        let at = buffer.len();
+        buffer.resize(at + weights.len(), 0.0);
+        widen_bf16(weights, &mut buffer[at..]);
     }
 
     fn as_bf16(weights: &[bf16]) -> Option<&[bf16]> {
         Some(weights)
+    }
+}
+
+/// `out[j] = bf16 weight j` as f32: a shift, sixteen lanes at a time where the CPU has
+/// AVX-512 (the few-row tiles widen every weight of a product this way).
+#[multiversion::multiversion(targets(
+    "x86_64+avx512f+avx512bw+avx512vl+avx2+fma",
+    "x86_64+avx2+fma",
+    "aarch64+neon"
+))]
+fn widen_bf16(weights: &[bf16], out: &mut [f32]) {
+    for (o, w) in out.iter_mut().zip(weights) {
+        *o = f32::from_bits((w.to_bits() as u32) << 16);
     }
 }
 
@@ -501,6 +522,30 @@ fn matmul_few_rows<W: WeightElement>(
     out: &mut [f32],
     parallel: bool,
 ) {
+    // The broadcast tiles' transposed inputs, made once for every task.
+    #[cfg(target_arch = "x86_64")]
+    if let Some(inputs) = BroadcastInputs::new(x, m, k) {
+        let n = out.len() / m;
+        let at = SharedOut::new(out);
+        let columns = |task: usize| {
+            let first = task * COLUMNS_PER_TASK;
+            let count = COLUMNS_PER_TASK.min(n - first);
+            let out = Columns::RowMajor {
+                out: at.get().wrapping_add(first),
+                stride: n,
+            };
+            // SAFETY: w holds n rows of k; this task alone writes columns first..first +
+            // count of the m output rows (row stride n), and `out` outlives the tasks.
+            unsafe { inputs.product_into(&w[first * k..(first + count) * k], count, out) };
+        };
+        let tasks = n.div_ceil(COLUMNS_PER_TASK);
+        if parallel && m * n * k >= PARALLEL_MIN_FLOPS {
+            (0..tasks).into_par_iter().for_each(columns);
+        } else {
+            (0..tasks).for_each(columns);
+        }
+        return;
+    }
     let columns = |first: usize, out_t: &mut [f32]| {
         let count = out_t.len() / m;
         dot_tiles(x, m, k, &w[first * k..(first + count) * k], out_t);
@@ -536,6 +581,11 @@ pub(crate) fn dot_tiles<W: WeightElement>(
     out_t: &mut [f32],
 ) {
     if m < TILE_ROWS && dot_few_rows(x, m, k, w, out_t) {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if let Some(inputs) = BroadcastInputs::new(x, m, k) {
+        inputs.product(w, out_t);
         return;
     }
     let n = out_t.len() / m;
@@ -581,6 +631,172 @@ pub(crate) fn dot_tiles<W: WeightElement>(
     });
 }
 
+/// From this many input rows to [`BROADCAST_MAX_ROWS`], AVX-512 few-row products run the
+/// broadcast tiles ([`BroadcastInputs`]) instead of the dot-product tiles.
+const BROADCAST_MIN_ROWS: usize = 9;
+
+/// The most input rows the broadcast tiles take: two registers of 16.
+const BROADCAST_MAX_ROWS: usize = 32;
+
+/// Weight values of one row the broadcast tiles widen at a time: the slice's weight rows
+/// (16 KiB at 16 rows) and the inputs' (16 KiB at 16 rows) stay in L1 together.
+const BROADCAST_SLICE: usize = 256;
+
+thread_local! {
+    /// The widened weight rows of a [`BroadcastInputs::product`] slice.
+    static BROADCAST_PANEL: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The input rows of a few-row product for the broadcast tiles, shaped as a GEMM's
+/// microkernel wants them: transposed once (`k` rows of the `m` input values, padded to 16
+/// or 32), for every task of the product. For each `k`, every weight of a tile of output
+/// columns is broadcast and multiplied into one or two registers of 16 input rows. Each
+/// output's sum stays in one register lane for all of `k`, so no horizontal sums end a tile
+/// (as they end [`dot_tiles`]' dot-product tiles), and every weight loaded feeds one or two
+/// multiply-adds of 16 lanes. Weight rows are widened a slice of `k` at a time.
+#[cfg(target_arch = "x86_64")]
+struct BroadcastInputs {
+    transposed: Vec<f32>,
+    m: usize,
+    k: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl BroadcastInputs {
+    /// The inputs `x [m, k]` transposed, where the CPU has AVX-512 and `m` is 9 to 32.
+    fn new(x: &[f32], m: usize, k: usize) -> Option<Self> {
+        if !(BROADCAST_MIN_ROWS..=BROADCAST_MAX_ROWS).contains(&m)
+            || !matches!(TileKernel::detect(), Some(TileKernel::Avx512))
+        {
+            return None;
+        }
+        let padded = m.div_ceil(16) * 16;
+        let mut transposed = Vec::with_capacity(k * padded);
+        for kk in 0..k {
+            transposed.extend((0..padded).map(|r| if r < m { x[r * k + kk] } else { 0.0 }));
+        }
+        Some(BroadcastInputs { transposed, m, k })
+    }
+
+    /// `out_t[c * m + i] = x[i] · w[c]` for every row `c` of `w` (`out_t.len() / m` rows).
+    fn product<W: WeightElement>(&self, w: &[W], out_t: &mut [f32]) {
+        let n = out_t.len() / self.m;
+        assert!(w.len() >= n * self.k, "broadcast tile sizes");
+        // SAFETY: out_t holds n columns of m.
+        unsafe { self.product_into(w, n, Columns::Transposed(out_t.as_mut_ptr())) }
+    }
+
+    /// The products of the inputs with the `n` rows of `w`, into `out`.
+    ///
+    /// # Safety
+    /// `w` holds `n` rows of `k`; `out` addresses `n` columns of `m` outputs that nothing
+    /// else touches while this runs.
+    unsafe fn product_into<W: WeightElement>(&self, w: &[W], n: usize, out: Columns) {
+        let (m, k) = (self.m, self.k);
+        BROADCAST_PANEL.with(|panel| {
+            let panel = &mut *panel.borrow_mut();
+            let mut widen = |first: usize, columns: usize, from: usize, len: usize| {
+                panel.clear();
+                for c in first..first + columns {
+                    if c < n {
+                        W::extend_widened(&w[c * k + from..][..len], panel);
+                    } else {
+                        panel.resize(panel.len() + len, 0.0);
+                    }
+                }
+                panel.as_ptr()
+            };
+            // SAFETY: new() saw AVX-512F; `transposed` holds k rows of 16 or 32, `widen`
+            // gives `columns` rows of `len`, and the kernel writes columns below n, rows
+            // below m, of `out` (the caller's contract).
+            unsafe {
+                if m <= 16 {
+                    broadcast_avx512::<1, 16>(&self.transposed, m, k, n, &mut widen, out);
+                } else {
+                    broadcast_avx512::<2, 8>(&self.transposed, m, k, n, &mut widen, out);
+                }
+            }
+        });
+    }
+}
+
+/// Where the broadcast tiles write a product's outputs.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+enum Columns {
+    /// Output-transposed, as [`dot_tiles`] writes: column `c` at `c * m`.
+    Transposed(*mut f32),
+    /// Row-major: output `(r, c)` at `r * stride + c`.
+    RowMajor { out: *mut f32, stride: usize },
+}
+
+/// The broadcast tiles' kernel ([`BroadcastInputs`]): `C` output columns by `RB` registers of 16 input rows.
+/// `widen(first, C, from, len)` returns `C` weight rows from column `first`, values
+/// `from..from + len` each, as f32 (rows from `n` on zero).
+///
+/// # Safety
+/// The CPU has AVX-512F; `xt` holds `k` rows of `16 · RB` values; `widen` returns a pointer
+/// to `C · len` values that stay until its next call; `out_t` holds `n` columns of `m`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn broadcast_avx512<const RB: usize, const C: usize>(
+    xt: &[f32],
+    m: usize,
+    k: usize,
+    n: usize,
+    widen: &mut dyn FnMut(usize, usize, usize, usize) -> *const f32,
+    out: Columns,
+) {
+    use std::arch::x86_64::*;
+    let padded = 16 * RB;
+    for first in (0..n).step_by(C) {
+        let mut acc = [[_mm512_setzero_ps(); RB]; C];
+        for from in (0..k).step_by(BROADCAST_SLICE) {
+            let len = BROADCAST_SLICE.min(k - from);
+            let panel = widen(first, C, from, len);
+            // SAFETY: row `from` of xt exists (from < k).
+            let inputs = unsafe { xt.as_ptr().add(from * padded) };
+            for kk in 0..len {
+                // SAFETY: row from + kk of xt, and value kk of each panel row, exist.
+                let xv: [__m512; RB] = std::array::from_fn(|b| unsafe {
+                    _mm512_loadu_ps(inputs.add(kk * padded + 16 * b))
+                });
+                for (c, acc) in acc.iter_mut().enumerate() {
+                    let wv = _mm512_set1_ps(unsafe { *panel.add(c * len + kk) });
+                    for (acc, xv) in acc.iter_mut().zip(&xv) {
+                        *acc = _mm512_fmadd_ps(wv, *xv, *acc);
+                    }
+                }
+            }
+        }
+        for (c, acc) in acc.iter().enumerate().take(n - first) {
+            for (b, acc) in acc.iter().enumerate() {
+                let rows = m.saturating_sub(16 * b).min(16);
+                if rows == 0 {
+                    continue;
+                }
+                let mask = ((1u32 << rows) - 1) as __mmask16;
+                // SAFETY: the caller's `out` holds column first + c < n, rows below m; the
+                // mask keeps rows below m.
+                unsafe {
+                    match out {
+                        Columns::Transposed(out_t) => {
+                            _mm512_mask_storeu_ps(out_t.add((first + c) * m + 16 * b), mask, *acc)
+                        }
+                        Columns::RowMajor { out, stride } => {
+                            let mut lanes = [0.0f32; 16];
+                            _mm512_storeu_ps(lanes.as_mut_ptr(), *acc);
+                            for (r, v) in lanes.iter().enumerate().take(rows) {
+                                *out.add((16 * b + r) * stride + first + c) = *v;
+                            }
+                        }
+                    }
+                };
+            }
+        }
+    }
+}
+
 /// The register tiles this CPU can run.
 #[derive(Clone, Copy)]
 enum TileKernel {
@@ -612,7 +828,7 @@ impl TileKernel {
     fn name(self) -> &'static str {
         match self {
             #[cfg(target_arch = "x86_64")]
-            TileKernel::Avx512 => "AVX-512",
+            TileKernel::Avx512 => "AVX-512 (9 to 32 rows: weights broadcast into 16-row registers)",
             #[cfg(target_arch = "x86_64")]
             TileKernel::Avx2 => "AVX2",
         }
@@ -1484,6 +1700,12 @@ pub(crate) mod tests {
             (7, 64, 9),
             (16, 1000, 12),
             (33, 1000, 10),
+            // The broadcast tiles (9 to 32 rows, AVX-512): rows padded to one or two
+            // registers (9, 24, 32), weight rows left over by tiles of 16 or 8 (17, 19),
+            // slices of 256 whole (256) or with one value over (513).
+            (9, 300, 17),
+            (24, 256, 8),
+            (32, 513, 19),
         ] {
             // The same product from bf16 weights and from the same weights in f32.
             let (x, w, wide, expected) = few_row_case(m, k, n);
