@@ -1664,13 +1664,14 @@ pub(crate) mod tests {
     #[test]
     fn bf16_weights_give_the_product_of_their_f32_values() {
         // (300, 530): above FEW_ROWS rows the weights are widened in panels of 218 rows
-        // (fewer when parallel), the last one partial.
+        // (fewer when parallel), the last one partial; 9 to 32 rows take the broadcast tiles
+        // on AVX-512 (one or two registers of rows, tasks of 32 columns, the last partial).
         for (k, n) in [(40, 24), (300, 530)] {
             let w: Vec<bf16> = (0..n * k)
                 .map(|i| bf16::from_f32(((i * 7 % 13) as f32 - 6.0) / 5.0))
                 .collect();
             let widened: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
-            for m in [1, 4, 6, 12, 33] {
+            for m in [1, 4, 6, 9, 12, 20, 32, 33] {
                 let x: Vec<f32> = (0..m * k)
                     .map(|i| ((i * 5 % 11) as f32 - 5.0) / 3.0)
                     .collect();
