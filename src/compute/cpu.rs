@@ -525,25 +525,10 @@ fn matmul_few_rows<W: WeightElement>(
     // The broadcast tiles' transposed inputs, made once for every task.
     #[cfg(target_arch = "x86_64")]
     if let Some(inputs) = BroadcastInputs::new(x, m, k) {
-        let n = out.len() / m;
-        let at = SharedOut::new(out);
-        let columns = |task: usize| {
-            let first = task * COLUMNS_PER_TASK;
-            let count = COLUMNS_PER_TASK.min(n - first);
-            let out = Columns::RowMajor {
-                out: at.get().wrapping_add(first),
-                stride: n,
-            };
-            // SAFETY: w holds n rows of k; this task alone writes columns first..first +
-            // count of the m output rows (row stride n), and `out` outlives the tasks.
-            unsafe { inputs.product_into(&w[first * k..(first + count) * k], count, out) };
-        };
-        let tasks = n.div_ceil(COLUMNS_PER_TASK);
-        if parallel && m * n * k >= PARALLEL_MIN_FLOPS {
-            (0..tasks).into_par_iter().for_each(columns);
-        } else {
-            (0..tasks).for_each(columns);
-        }
+        assert!(w.len() >= out.len() / m * k, "rhs size");
+        inputs.run(out, parallel, |row, from, len, panel| {
+            W::extend_widened(&w[row * k + from..][..len], panel)
+        });
         return;
     }
     let columns = |first: usize, out_t: &mut [f32]| {
@@ -581,11 +566,6 @@ pub(crate) fn dot_tiles<W: WeightElement>(
     out_t: &mut [f32],
 ) {
     if m < TILE_ROWS && dot_few_rows(x, m, k, w, out_t) {
-        return;
-    }
-    #[cfg(target_arch = "x86_64")]
-    if let Some(inputs) = BroadcastInputs::new(x, m, k) {
-        inputs.product(w, out_t);
         return;
     }
     let n = out_t.len() / m;
@@ -653,9 +633,10 @@ thread_local! {
 /// columns is broadcast and multiplied into one or two registers of 16 input rows. Each
 /// output's sum stays in one register lane for all of `k`, so no horizontal sums end a tile
 /// (as they end [`dot_tiles`]' dot-product tiles), and every weight loaded feeds one or two
-/// multiply-adds of 16 lanes. Weight rows are widened a slice of `k` at a time.
+/// multiply-adds of 16 lanes. Weight rows are widened a slice of `k` at a time, by the
+/// caller's function (bf16 shifted, FP8 and INT4 dequantized).
 #[cfg(target_arch = "x86_64")]
-struct BroadcastInputs {
+pub(crate) struct BroadcastInputs {
     transposed: Vec<f32>,
     m: usize,
     k: usize,
@@ -664,7 +645,7 @@ struct BroadcastInputs {
 #[cfg(target_arch = "x86_64")]
 impl BroadcastInputs {
     /// The inputs `x [m, k]` transposed, where the CPU has AVX-512 and `m` is 9 to 32.
-    fn new(x: &[f32], m: usize, k: usize) -> Option<Self> {
+    pub(crate) fn new(x: &[f32], m: usize, k: usize) -> Option<Self> {
         if !(BROADCAST_MIN_ROWS..=BROADCAST_MAX_ROWS).contains(&m)
             || !matches!(TileKernel::detect(), Some(TileKernel::Avx512))
         {
@@ -678,82 +659,96 @@ impl BroadcastInputs {
         Some(BroadcastInputs { transposed, m, k })
     }
 
-    /// `out_t[c * m + i] = x[i] · w[c]` for every row `c` of `w` (`out_t.len() / m` rows).
-    fn product<W: WeightElement>(&self, w: &[W], out_t: &mut [f32]) {
-        let n = out_t.len() / self.m;
-        assert!(w.len() >= n * self.k, "broadcast tile sizes");
-        // SAFETY: out_t holds n columns of m.
-        unsafe { self.product_into(w, n, Columns::Transposed(out_t.as_mut_ptr())) }
-    }
-
-    /// The products of the inputs with the `n` rows of `w`, into `out`.
-    ///
-    /// # Safety
-    /// `w` holds `n` rows of `k`; `out` addresses `n` columns of `m` outputs that nothing
-    /// else touches while this runs.
-    unsafe fn product_into<W: WeightElement>(&self, w: &[W], n: usize, out: Columns) {
+    /// `out [m, n] = x · wᵀ` for the `n = out.len() / m` weight rows that
+    /// `widen(row, from, len, panel)` appends to `panel` as f32 (values `from..from + len`
+    /// of row `row`, `from` a multiple of [`BROADCAST_SLICE`]), over the pool where
+    /// `parallel` and the product is large enough.
+    pub(crate) fn run(
+        &self,
+        out: &mut [f32],
+        parallel: bool,
+        widen: impl Fn(usize, usize, usize, &mut Vec<f32>) + Sync,
+    ) {
         let (m, k) = (self.m, self.k);
-        BROADCAST_PANEL.with(|panel| {
-            let panel = &mut *panel.borrow_mut();
-            let mut widen = |first: usize, columns: usize, from: usize, len: usize| {
-                panel.clear();
-                for c in first..first + columns {
-                    if c < n {
-                        W::extend_widened(&w[c * k + from..][..len], panel);
+        let n = out.len() / m;
+        let at = SharedOut::new(out);
+        let columns = |task: usize| {
+            let first = task * COLUMNS_PER_TASK;
+            let count = COLUMNS_PER_TASK.min(n - first);
+            BROADCAST_PANEL.with(|panel| {
+                let panel = &mut *panel.borrow_mut();
+                let mut slice = |tile: usize, columns: usize, from: usize, len: usize| {
+                    panel.clear();
+                    for c in tile..tile + columns {
+                        if c < count {
+                            widen(first + c, from, len, panel);
+                        } else {
+                            panel.resize(panel.len() + len, 0.0);
+                        }
+                    }
+                    panel.as_ptr()
+                };
+                let out = Outputs {
+                    at: at.get().wrapping_add(first),
+                    stride: n,
+                    rows: m,
+                    columns: count,
+                };
+                // SAFETY: new() saw AVX-512F; `transposed` holds k rows of 16 or 32, `slice`
+                // gives `columns` rows of `len`; this task alone writes columns first..first
+                // + count of the m output rows (row stride n), and `out` outlives the tasks.
+                unsafe {
+                    if m <= 16 {
+                        broadcast_avx512::<1, 16>(&self.transposed, k, &mut slice, out);
                     } else {
-                        panel.resize(panel.len() + len, 0.0);
+                        broadcast_avx512::<2, 8>(&self.transposed, k, &mut slice, out);
                     }
                 }
-                panel.as_ptr()
-            };
-            // SAFETY: new() saw AVX-512F; `transposed` holds k rows of 16 or 32, `widen`
-            // gives `columns` rows of `len`, and the kernel writes columns below n, rows
-            // below m, of `out` (the caller's contract).
-            unsafe {
-                if m <= 16 {
-                    broadcast_avx512::<1, 16>(&self.transposed, m, k, n, &mut widen, out);
-                } else {
-                    broadcast_avx512::<2, 8>(&self.transposed, m, k, n, &mut widen, out);
-                }
-            }
-        });
+            });
+        };
+        let tasks = n.div_ceil(COLUMNS_PER_TASK);
+        if parallel && m * n * k >= PARALLEL_MIN_FLOPS {
+            (0..tasks).into_par_iter().for_each(columns);
+        } else {
+            (0..tasks).for_each(columns);
+        }
     }
 }
 
-/// Where the broadcast tiles write a product's outputs.
+/// Where a task of the broadcast tiles writes: `columns` columns of `rows` outputs, output
+/// `(r, c)` at `at + r * stride + c`.
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
-enum Columns {
-    /// Output-transposed, as [`dot_tiles`] writes: column `c` at `c * m`.
-    Transposed(*mut f32),
-    /// Row-major: output `(r, c)` at `r * stride + c`.
-    RowMajor { out: *mut f32, stride: usize },
+struct Outputs {
+    at: *mut f32,
+    stride: usize,
+    rows: usize,
+    columns: usize,
 }
 
-/// The broadcast tiles' kernel ([`BroadcastInputs`]): `C` output columns by `RB` registers of 16 input rows.
-/// `widen(first, C, from, len)` returns `C` weight rows from column `first`, values
-/// `from..from + len` each, as f32 (rows from `n` on zero).
+/// The broadcast tiles' kernel ([`BroadcastInputs`]): `C` output columns by `RB` registers of
+/// 16 input rows. `slice(first, C, from, len)` returns `C` weight rows from column `first`,
+/// values `from..from + len` each, as f32 (rows from `out.columns` on zero).
 ///
 /// # Safety
-/// The CPU has AVX-512F; `xt` holds `k` rows of `16 · RB` values; `widen` returns a pointer
-/// to `C · len` values that stay until its next call; `out_t` holds `n` columns of `m`.
+/// The CPU has AVX-512F; `xt` holds `k` rows of `16 · RB` values; `slice` returns a pointer
+/// to `C · len` values that stay until its next call; `out` addresses its outputs, which
+/// nothing else touches while this runs.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn broadcast_avx512<const RB: usize, const C: usize>(
     xt: &[f32],
-    m: usize,
     k: usize,
-    n: usize,
-    widen: &mut dyn FnMut(usize, usize, usize, usize) -> *const f32,
-    out: Columns,
+    slice: &mut dyn FnMut(usize, usize, usize, usize) -> *const f32,
+    out: Outputs,
 ) {
     use std::arch::x86_64::*;
     let padded = 16 * RB;
-    for first in (0..n).step_by(C) {
+    for first in (0..out.columns).step_by(C) {
         let mut acc = [[_mm512_setzero_ps(); RB]; C];
         for from in (0..k).step_by(BROADCAST_SLICE) {
             let len = BROADCAST_SLICE.min(k - from);
-            let panel = widen(first, C, from, len);
+            let panel = slice(first, C, from, len);
             // SAFETY: row `from` of xt exists (from < k).
             let inputs = unsafe { xt.as_ptr().add(from * padded) };
             for kk in 0..len {
@@ -769,29 +764,17 @@ unsafe fn broadcast_avx512<const RB: usize, const C: usize>(
                 }
             }
         }
-        for (c, acc) in acc.iter().enumerate().take(n - first) {
+        for (c, acc) in acc.iter().enumerate().take(out.columns - first) {
             for (b, acc) in acc.iter().enumerate() {
-                let rows = m.saturating_sub(16 * b).min(16);
-                if rows == 0 {
-                    continue;
+                let mut lanes = [0.0f32; 16];
+                // SAFETY: 16 f32 into a 16-value array.
+                unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), *acc) };
+                let rows = out.rows.saturating_sub(16 * b).min(16);
+                for (r, v) in lanes.iter().enumerate().take(rows) {
+                    // SAFETY: row 16b + r < rows and column first + c < columns are the
+                    // caller's outputs.
+                    unsafe { *out.at.add((16 * b + r) * out.stride + first + c) = *v };
                 }
-                let mask = ((1u32 << rows) - 1) as __mmask16;
-                // SAFETY: the caller's `out` holds column first + c < n, rows below m; the
-                // mask keeps rows below m.
-                unsafe {
-                    match out {
-                        Columns::Transposed(out_t) => {
-                            _mm512_mask_storeu_ps(out_t.add((first + c) * m + 16 * b), mask, *acc)
-                        }
-                        Columns::RowMajor { out, stride } => {
-                            let mut lanes = [0.0f32; 16];
-                            _mm512_storeu_ps(lanes.as_mut_ptr(), *acc);
-                            for (r, v) in lanes.iter().enumerate().take(rows) {
-                                *out.add((16 * b + r) * stride + first + c) = *v;
-                            }
-                        }
-                    }
-                };
             }
         }
     }

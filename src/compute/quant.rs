@@ -298,7 +298,28 @@ impl QuantLinear {
     /// Writes row `row` of the dequantized matrix into `out` (`in_features` long).
     #[inline]
     pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
-        let k = self.in_features;
+        self.dequantize_span(row, 0, out);
+    }
+
+    /// Writes values `from..from + out.len()` of row `row` of the dequantized matrix into
+    /// `out`; `from` is a multiple of 8.
+    pub fn dequantize_span(&self, row: usize, from: usize, out: &mut [f32]) {
+        let (k, len) = (self.in_features, out.len());
+        assert!(from.is_multiple_of(8) && from + len <= k, "a span of a row");
+        // Weight `from + j` takes scale `(from + j) / size` of the row's; scales from one
+        // that starts a block or group on are applied by the decoders themselves.
+        let scale_spans = |out: &mut [f32], size: usize, scale: &dyn Fn(usize) -> f32| {
+            let mut j = 0;
+            while j < len {
+                let at = (from + j) / size;
+                let end = ((at + 1) * size - from).min(len);
+                let s = scale(at);
+                for o in &mut out[j..end] {
+                    *o *= s;
+                }
+                j = end;
+            }
+        };
         match &self.format {
             QuantFormat::Fp8 {
                 weights,
@@ -308,7 +329,13 @@ impl QuantLinear {
             } => {
                 let blocks_per_row = k.div_ceil(*block_cols);
                 let scale_row = &scales[row / block_rows * blocks_per_row..][..blocks_per_row];
-                decode_fp8(&weights[row * k..][..k], scale_row, *block_cols, out);
+                let bytes = &weights[row * k + from..][..len];
+                if from.is_multiple_of(*block_cols) {
+                    decode_fp8(bytes, &scale_row[from / block_cols..], *block_cols, out);
+                } else {
+                    widen_e4m3(bytes, out);
+                    scale_spans(out, *block_cols, &|b| scale_row[b]);
+                }
             }
             QuantFormat::Int4 {
                 packed,
@@ -316,9 +343,16 @@ impl QuantLinear {
                 group,
             } => {
                 let (words, groups) = (k.div_ceil(8), k.div_ceil(*group));
-                let mut scale_row = vec![0.0f32; groups];
-                scales.read_into(row * groups, &mut scale_row);
-                decode_int4(&packed[row * words..][..words], &scale_row, *group, out);
+                let row_words = &packed[row * words + from / 8..][..len.div_ceil(8)];
+                if from.is_multiple_of(*group) {
+                    let first = from / group;
+                    let mut scale_row = vec![0.0f32; groups - first];
+                    scales.read_into(row * groups + first, &mut scale_row);
+                    decode_int4(row_words, &scale_row, *group, out);
+                } else {
+                    decode_int4(row_words, &[1.0], len.max(1), out);
+                    scale_spans(out, *group, &|g| scales.get(row * groups + g));
+                }
             }
         }
     }
@@ -494,6 +528,17 @@ impl QuantLinear {
             return out;
         }
         if rows > FEW_ROWS {
+            // 9 to 32 rows on AVX-512: the broadcast tiles, each slice of a weight row
+            // dequantized as they take it.
+            #[cfg(target_arch = "x86_64")]
+            if let Some(inputs) = cpu::BroadcastInputs::new(x, rows, k) {
+                inputs.run(&mut out, parallel, |row, from, len, panel| {
+                    let at = panel.len();
+                    panel.resize(at + len, 0.0);
+                    self.dequantize_span(row, from, &mut panel[at..]);
+                });
+                return out;
+            }
             cpu::matmul_widening(x, rows, k, n, &mut out, parallel, |first, panel| {
                 for (r, row) in panel.chunks_exact_mut(k).enumerate() {
                     self.dequantize_row(first + r, row);
@@ -1286,6 +1331,9 @@ mod tests {
             // 32-value steps to a scale; the published blocks.
             fp8([16, 64]),
             fp8([128, 128]),
+            // Blocks that the broadcast tiles' slices of 256 (9 to 32 rows, AVX-512) start
+            // within, rather than at their start.
+            fp8([16, 24]),
             int4(32),
             int4(8),
             int4(64),
@@ -1299,7 +1347,8 @@ mod tests {
         for matrix in matrices {
             let w = by_hand(&matrix);
             assert_eq!(matrix.widen(), w);
-            for m in [1, 2, 3, 8, 9, 40] {
+            // 9, 16 and 32 rows: the broadcast tiles on AVX-512 (one and two registers).
+            for m in [1, 2, 3, 8, 9, 16, 32, 40] {
                 let x: Vec<f32> = (0..m * k)
                     .map(|i| ((i * 5 % 11) as f32 - 5.0) / 3.0)
                     .collect();
