@@ -456,23 +456,19 @@ mod tests {
             block_cols: 4,
         };
         assert_eq!(ExpertStorage::of(&e, H, I), (fp8_form, None));
-        // INT4 scales held in bf16 only when every matrix's are bf16 values.
-        let bf16_scales = quantized(int4(I, H, 8, 0.5), int4(I, H, 8, 0.5), int4(H, I, 8, 0.5));
-        assert_eq!(
-            ExpertStorage::of(&bf16_scales, H, I).0,
-            ExpertStorage::Int4 {
+        // INT4 scales held in bf16 only when every matrix's are bf16 values (0.1 is not).
+        for (down_scale, scales_bf16) in [(0.5, true), (0.1, false)] {
+            let e = quantized(
+                int4(I, H, 8, 0.5),
+                int4(I, H, 8, 0.5),
+                int4(H, I, 8, down_scale),
+            );
+            let form = ExpertStorage::Int4 {
                 group: 8,
-                scales_bf16: true
-            }
-        );
-        let f32_down = quantized(int4(I, H, 8, 0.5), int4(I, H, 8, 0.5), int4(H, I, 8, 0.1));
-        assert_eq!(
-            ExpertStorage::of(&f32_down, H, I).0,
-            ExpertStorage::Int4 {
-                group: 8,
-                scales_bf16: false
-            }
-        );
+                scales_bf16,
+            };
+            assert_eq!(ExpertStorage::of(&e, H, I).0, form);
+        }
         // Mixed forms, and sizes the kernels cannot read eight at a time, are widened.
         let mixed = quantized(fp8(I, H, [4, 4]), fp8(I, H, [4, 4]), int4(H, I, 8, 0.5));
         let (form, reason) = ExpertStorage::of(&mixed, H, I);
