@@ -273,16 +273,16 @@ impl ExpertStorage {
         }
         match (self, weights) {
             (ExpertStorage::Bf16, ExpertWeights::F32(b)) => {
-                put_bf16(&mut slot, 0, [&b.gate.weight, &b.up.weight]);
-                put_bf16(&mut slot, layout.down, [&b.down.weight[..], &[]]);
+                put_bf16(&mut slot, 0, &[&b.gate.weight, &b.up.weight]);
+                put_bf16(&mut slot, layout.down, &[&b.down.weight]);
             }
             (ExpertStorage::Bf16, ExpertWeights::Bf16(b)) => {
-                put_bf16(&mut slot, 0, [&b.gate.weight, &b.up.weight]);
-                put_bf16(&mut slot, layout.down, [&b.down.weight[..], &[]]);
+                put_bf16(&mut slot, 0, &[&b.gate.weight, &b.up.weight]);
+                put_bf16(&mut slot, layout.down, &[&b.down.weight]);
             }
             (ExpertStorage::Bf16, ExpertWeights::Quantized(b)) => {
-                put_bf16(&mut slot, 0, [&b.gate.widen(), &b.up.widen()]);
-                put_bf16(&mut slot, layout.down, [&b.down.widen()[..], &[]]);
+                put_bf16(&mut slot, 0, &[&b.gate.widen(), &b.up.widen()]);
+                put_bf16(&mut slot, layout.down, &[&b.down.widen()]);
             }
             (_, ExpertWeights::Quantized(b)) => {
                 let parts = [
@@ -372,8 +372,8 @@ impl ExpertStorage {
 }
 
 /// Writes `matrices`' values one after another as bf16 at `at`.
-fn put_bf16<W: WeightElement>(slot: &mut [u8], at: usize, matrices: [&[W]; 2]) {
-    let values = matrices.into_iter().flatten();
+fn put_bf16<W: WeightElement>(slot: &mut [u8], at: usize, matrices: &[&[W]]) {
+    let values = matrices.iter().copied().flatten();
     put(
         slot,
         at,
