@@ -345,10 +345,18 @@ impl QuantLinear {
                 let (words, groups) = (k.div_ceil(8), k.div_ceil(*group));
                 let row_words = &packed[row * words + from / 8..][..len.div_ceil(8)];
                 if from.is_multiple_of(*group) {
-                    let first = from / group;
-                    let mut scale_row = vec![0.0f32; groups - first];
-                    scales.read_into(row * groups + first, &mut scale_row);
-                    decode_int4(row_words, &scale_row, *group, out);
+                    // The span's scales, on the stack for the broadcast tiles' slices (at
+                    // most 64 groups of 4): this runs for every slice of every weight row.
+                    let count = len.div_ceil(*group);
+                    let (mut stack, mut heap) = ([0.0f32; 64], Vec::new());
+                    let scale_row = if count <= stack.len() {
+                        &mut stack[..count]
+                    } else {
+                        heap.resize(count, 0.0);
+                        &mut heap[..]
+                    };
+                    scales.read_into(row * groups + from / group, scale_row);
+                    decode_int4(row_words, scale_row, *group, out);
                 } else {
                     decode_int4(row_words, &[1.0], len.max(1), out);
                     scale_spans(out, *group, &|g| scales.get(row * groups + g));
