@@ -613,17 +613,21 @@ pub(crate) fn dot_tiles<W: WeightElement>(
 
 /// From this many input rows to [`BROADCAST_MAX_ROWS`], AVX-512 few-row products run the
 /// broadcast tiles ([`BroadcastInputs`]) instead of the dot-product tiles.
+#[cfg(target_arch = "x86_64")]
 const BROADCAST_MIN_ROWS: usize = 9;
 
 /// The most input rows the broadcast tiles take: two registers of 16.
+#[cfg(target_arch = "x86_64")]
 const BROADCAST_MAX_ROWS: usize = 32;
 
 /// Weight values of one row the broadcast tiles widen at a time: the slice's weight rows
 /// (16 KiB at 16 rows) and the inputs' (16 KiB at 16 rows) stay in L1 together.
+#[cfg(target_arch = "x86_64")]
 const BROADCAST_SLICE: usize = 256;
 
+#[cfg(target_arch = "x86_64")]
 thread_local! {
-    /// The widened weight rows of a [`BroadcastInputs::product`] slice.
+    /// The widened weight rows of a [`BroadcastInputs::run`] slice.
     static BROADCAST_PANEL: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
