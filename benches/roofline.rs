@@ -8,10 +8,9 @@
 //! measured against the bandwidth (eight heads in turn, more than a last-level cache holds).
 //! Then decode steps through a Kimi K3-like layer's experts held in bf16, FP8 and INT4, one
 //! row through 16 experts at a time, against the bandwidth and against bf16 (issue 16).
-//! The grouped expert products are measured against the peak of the widest fused
-//! multiply-adds the CPU has (their few-row tiles use AVX-512 where present), the dense
-//! products against AVX2's (the `gemm` crate's packed kernels on stable Rust). Each figure is
-//! the median of several repetitions.
+//! The products are measured against the peak of the widest fused multiply-adds the CPU has:
+//! the few-row tiles and the `gemm` crate's packed kernels (its `x86-v4` feature) both use
+//! AVX-512 where present. Each figure is the median of several repetitions.
 //!
 //! `cargo bench --bench roofline`; `MOE_ROOFLINE_REPS` (default 7), `MOE_ROOFLINE_EXPERT_ROWS`
 //! (rows per expert group, default 16), `MOE_ROOFLINE_EXPERT_BYTES` (bytes of experts per
@@ -177,8 +176,8 @@ fn fma_block_portable(seed: f32) -> f32 {
 type FmaKernel = (&'static str, f64, fn(f32) -> f32);
 
 /// (name, flops per call per thread, the block) for each width of fused multiply-adds the
-/// CPU has: AVX2 with FMA (what the `gemm` crate's packed products use on stable Rust) and
-/// AVX-512 (what the few-row tiles use where the CPU has it); scalar where neither.
+/// CPU has: AVX2 with FMA, and AVX-512 (what the products use where the CPU has it); scalar
+/// where neither.
 fn fma_kernels() -> Vec<FmaKernel> {
     let flops = |lanes: usize| (2 * FMA_ITERS * CHAINS * lanes) as f64;
     let mut kernels: Vec<FmaKernel> = Vec::new();
@@ -280,10 +279,9 @@ fn main() {
             (name, peak)
         })
         .collect();
-    // The packed GEMM (dense products) runs AVX2 code on stable Rust; the few-row tiles run
-    // the widest the CPU has.
-    let peak = peaks[0].1;
+    // The packed GEMM (dense products) and the few-row tiles run the widest the CPU has.
     let (tile_name, tile_peak) = peaks[widths - 1];
+    let peak = tile_peak;
     // Exact products on AMX issue three tile products (one per bf16 part of the inputs).
     let amx_peak = peaks
         .iter()
