@@ -115,3 +115,54 @@ fn a_step_whose_experts_are_unreachable_fails_and_leaves_the_caches_as_they_were
     assert!(diff < 1e-4, "resumed logits differ by {diff}");
     assert!(complete.forward(&mut []).unwrap().is_empty());
 }
+
+/// A prompt attended in one step (its queries in blocks against the cache: the prefill path)
+/// gives the logits it gives fed one token at a time (each query alone: the decode path), and
+/// so does a chunk of it after a cached start; over GQA (with and without a sliding window)
+/// and MLA, and past one block's rows.
+#[test]
+fn a_prompt_attended_in_blocks_equals_it_fed_token_by_token() {
+    for name in ["qwen3_moe", "mixtral_sliding", "deepseek_v3"] {
+        let engine = Engine::load(
+            &Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/fixtures")
+                .join(name),
+        )
+        .unwrap();
+        let prompt: Vec<u32> = (0..150u32).map(|i| (i * 37 + 11) % 128).collect();
+        let last = |logits: Vec<Vec<f32>>| logits.into_iter().next().unwrap();
+
+        let mut cache = engine.new_cache();
+        let mut one_by_one = Vec::new();
+        for token in &prompt {
+            let mut step = [SequenceStep::new(&mut cache, std::slice::from_ref(token))];
+            one_by_one = last(engine.forward(&mut step).unwrap());
+        }
+
+        let mut cache = engine.new_cache();
+        let mut step = [SequenceStep::new(&mut cache, &prompt)];
+        let whole = last(engine.forward(&mut step).unwrap());
+
+        let mut cache = engine.new_cache();
+        for chunk in prompt.chunks(70) {
+            let mut step = [SequenceStep::new(&mut cache, chunk)];
+            engine.forward(&mut step).unwrap();
+        }
+        let next = [prompt[0]];
+        let mut step = [SequenceStep::new(&mut cache, &next)];
+        let after_chunks = last(engine.forward(&mut step).unwrap());
+        let mut cache = engine.new_cache();
+        let mut with_next = prompt.clone();
+        with_next.push(prompt[0]);
+        let mut step = [SequenceStep::new(&mut cache, &with_next)];
+        let whole_next = last(engine.forward(&mut step).unwrap());
+
+        let diff = max_difference(&one_by_one, &whole);
+        assert!(
+            diff < 1e-4,
+            "{name}: one step and token by token differ by {diff}"
+        );
+        let diff = max_difference(&after_chunks, &whole_next);
+        assert!(diff < 1e-4, "{name}: chunks and one step differ by {diff}");
+    }
+}

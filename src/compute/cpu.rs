@@ -330,6 +330,7 @@ pub fn matmul_transposed<W: WeightElement>(
         (1, k as isize),
         out,
         parallel,
+        false,
     );
 }
 
@@ -348,6 +349,76 @@ pub fn matmul(x: &[f32], m: usize, k: usize, w: &[f32], n: usize, out: &mut [f32
         (n as isize, 1),
         out,
         parallel,
+        false,
+    );
+}
+
+/// `out [m, n] (+)= x [m, k] · w [n, k]ᵀ` on this thread, with the rows of `x` `x_stride`
+/// apart and those of `w` `w_stride` apart: a block of attention queries against cached keys
+/// that lie interleaved with other heads' (no copy). `accumulate` adds the product to `out`.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_transposed_strided(
+    (x, x_stride): (&[f32], usize),
+    m: usize,
+    k: usize,
+    (w, w_stride): (&[f32], usize),
+    n: usize,
+    out: &mut [f32],
+    accumulate: bool,
+) {
+    check_strided(x.len(), m, x_stride, k, "lhs");
+    check_strided(w.len(), n, w_stride, k, "rhs");
+    assert_eq!(out.len(), m * n, "output size");
+    gemm_strided(
+        x,
+        m,
+        k,
+        (x_stride as isize, 1),
+        w,
+        n,
+        (1, w_stride as isize),
+        out,
+        false,
+        accumulate,
+    );
+}
+
+/// `out [m, n] = x [m, k] · w [k, n]` on this thread, with the rows of `w` `w_stride` apart:
+/// attention weights times the cached values of one head.
+pub fn matmul_strided(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    (w, w_stride): (&[f32], usize),
+    n: usize,
+    out: &mut [f32],
+) {
+    assert_eq!(x.len(), m * k, "lhs size");
+    check_strided(w.len(), k, w_stride, n, "rhs");
+    assert_eq!(out.len(), m * n, "output size");
+    gemm_strided(
+        x,
+        m,
+        k,
+        (k as isize, 1),
+        w,
+        n,
+        (w_stride as isize, 1),
+        out,
+        false,
+        false,
+    );
+}
+
+/// Checks that `len` values hold `rows` rows of `width`, `stride` apart.
+fn check_strided(len: usize, rows: usize, stride: usize, width: usize, what: &str) {
+    assert!(
+        width <= stride,
+        "{what}: rows of {width} values {stride} apart overlap"
+    );
+    assert!(
+        rows == 0 || len >= (rows - 1) * stride + width,
+        "{what}: {len} values cannot hold {rows} rows of {width}, {stride} apart"
     );
 }
 
@@ -365,14 +436,18 @@ fn gemm_strided(
     (rhs_rs, rhs_cs): Strides,
     out: &mut [f32],
     parallel: bool,
+    accumulate: bool,
 ) {
+    if m == 0 || n == 0 {
+        return;
+    }
     let parallelism = if parallel && m * n * k >= PARALLEL_MIN_FLOPS {
         Parallelism::Rayon(0)
     } else {
         Parallelism::None
     };
-    // SAFETY: the callers checked that lhs holds m*k, rhs k*n and out m*n elements, and the
-    // strides they pass address exactly those elements; out does not alias the inputs.
+    // SAFETY: the callers checked that lhs holds m*k, rhs k*n and out m*n elements at the
+    // strides they pass (which address nothing outside them); out does not alias the inputs.
     unsafe {
         gemm::gemm(
             m,
@@ -381,14 +456,14 @@ fn gemm_strided(
             out.as_mut_ptr(),
             1,
             n as isize,
-            false,
+            accumulate,
             lhs.as_ptr(),
             lhs_cs,
             lhs_rs,
             rhs.as_ptr(),
             rhs_cs,
             rhs_rs,
-            0.0,
+            if accumulate { 1.0 } else { 0.0 },
             1.0,
             false,
             false,

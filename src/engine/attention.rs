@@ -1,12 +1,15 @@
 //! Attention over the KV cache for a batch of sequence segments: GQA (Qwen3-MoE, Mixtral) and
 //! MLA (DeepSeek-V3, Kimi K2) computed in its absorbed form, so the cache holds only latents.
 
+use std::ops::Range;
+
 use rayon::prelude::*;
 
 use super::kv_cache::{KvCache, LayerCache};
 use super::rope::{Rope, RopeAngles};
 use crate::compute::cpu::{
-    Linear, dot_strided, matmul, matmul_transposed, rms_norm_in_place, weighted_rows,
+    Linear, dot_strided, matmul, matmul_strided, matmul_transposed, matmul_transposed_strided,
+    rms_norm_in_place, softmax_in_place, weighted_rows,
 };
 use crate::model::config::AttentionConfig;
 use crate::model::weights::{AttentionWeights, QueryProjection};
@@ -67,32 +70,96 @@ pub fn attention(
             let group = input.num_heads / num_kv_heads;
             let mut out = vec![0.0; rows * input.num_heads * head_dim];
             let caches: Vec<&KvCache> = caches.iter().map(|c| &**c).collect();
-            par_rows_heads(input, &mut out, head_dim, |segment, row, head, out| {
-                let LayerCache {
-                    first: keys,
-                    second: values,
-                    ..
-                } = &caches[segment].layers[layer];
-                let seg = &input.segments[segment];
-                let position = seg.start_position + (row - seg.rows.start);
-                let first = sliding_window.map_or(0, |w| (position + 1).saturating_sub(w));
-                let kv_offset = (head / group) * head_dim;
-                let query = &queries[(row * input.num_heads + head) * head_dim..][..head_dim];
-                let mut scores = vec![0.0; position + 1 - first];
-                dot_strided(
-                    query,
-                    &keys[first * kv_width + kv_offset..],
-                    kv_width,
-                    &mut scores,
-                );
-                attend(
-                    scores,
-                    &values[first * kv_width + kv_offset..],
-                    kv_width,
-                    input.softmax_scale,
-                    out,
-                );
-            });
+            let window_start =
+                |position: usize| sliding_window.map_or(0, |w| (position + 1).saturating_sub(w));
+            // Segments of several rows (prefill): blocks of queries against the cached keys
+            // and values as products, the `group` heads that share a key head together.
+            let blocked = blocked_segments(input);
+            let tasks = block_tasks(input, &blocked, group, num_kv_heads);
+            let done: Vec<Vec<f32>> = tasks
+                .par_iter()
+                .map(|task| {
+                    let LayerCache {
+                        first: keys,
+                        second: values,
+                        ..
+                    } = &caches[task.segment].layers[layer];
+                    let seg = &input.segments[task.segment];
+                    let position = |row: usize| seg.start_position + (row - seg.rows.start);
+                    let first = window_start(position(task.rows.start));
+                    let count = position(task.rows.end - 1) + 1 - first;
+                    let width = group * head_dim;
+                    let kv_offset = task.kv_head * head_dim;
+                    let mut block = Vec::with_capacity(task.rows.len() * width);
+                    for row in task.rows.clone() {
+                        let at = (row * input.num_heads + task.kv_head * group) * head_dim;
+                        block.extend_from_slice(&queries[at..][..width]);
+                    }
+                    let n_queries = task.rows.len() * group;
+                    let mut scores = vec![0.0; n_queries * count];
+                    matmul_transposed_strided(
+                        (&block, head_dim),
+                        n_queries,
+                        head_dim,
+                        (&keys[first * kv_width + kv_offset..], kv_width),
+                        count,
+                        &mut scores,
+                        false,
+                    );
+                    softmax_rows(&mut scores, count, input.softmax_scale, |query| {
+                        let position = position(task.rows.start + query / group);
+                        window_start(position) - first..position + 1 - first
+                    });
+                    matmul_strided(
+                        &scores,
+                        n_queries,
+                        count,
+                        (&values[first * kv_width + kv_offset..], kv_width),
+                        head_dim,
+                        &mut block,
+                    );
+                    block
+                })
+                .collect();
+            for (task, block) in tasks.iter().zip(&done) {
+                let width = group * head_dim;
+                for (row, block) in task.rows.clone().zip(block.chunks_exact(width)) {
+                    let at = (row * input.num_heads + task.kv_head * group) * head_dim;
+                    out[at..][..width].copy_from_slice(block);
+                }
+            }
+            par_rows_heads(
+                input,
+                &blocked,
+                &mut out,
+                head_dim,
+                |segment, row, head, out| {
+                    let LayerCache {
+                        first: keys,
+                        second: values,
+                        ..
+                    } = &caches[segment].layers[layer];
+                    let seg = &input.segments[segment];
+                    let position = seg.start_position + (row - seg.rows.start);
+                    let first = window_start(position);
+                    let kv_offset = (head / group) * head_dim;
+                    let query = &queries[(row * input.num_heads + head) * head_dim..][..head_dim];
+                    let mut scores = vec![0.0; position + 1 - first];
+                    dot_strided(
+                        query,
+                        &keys[first * kv_width + kv_offset..],
+                        kv_width,
+                        &mut scores,
+                    );
+                    attend(
+                        scores,
+                        &values[first * kv_width + kv_offset..],
+                        kv_width,
+                        input.softmax_scale,
+                        out,
+                    );
+                },
+            );
             o.forward(&out, rows)
         }
         (
@@ -143,8 +210,64 @@ pub fn attention(
                 absorb_queries(&queries, rows, heads, q_width, nope, kv_up, kv_lora_rank);
             let caches: Vec<&KvCache> = caches.iter().map(|c| &**c).collect();
             let mut latent_out = vec![0.0; rows * heads * kv_lora_rank];
+            // Segments of several rows (prefill): blocks of queries, every head at once (they
+            // share the latents), against the cached latents and rotary keys as products.
+            let blocked = blocked_segments(input);
+            let tasks = block_tasks(input, &blocked, heads, 1);
+            let done: Vec<Vec<f32>> = tasks
+                .par_iter()
+                .map(|task| {
+                    let LayerCache {
+                        first: latents,
+                        second: rope_keys,
+                        ..
+                    } = &caches[task.segment].layers[layer];
+                    let seg = &input.segments[task.segment];
+                    let position = |row: usize| seg.start_position + (row - seg.rows.start);
+                    let count = position(task.rows.end - 1) + 1;
+                    let n_queries = task.rows.len() * heads;
+                    let first_query = task.rows.start * heads;
+                    let mut scores = vec![0.0; n_queries * count];
+                    matmul_transposed_strided(
+                        (&absorbed[first_query * kv_lora_rank..], kv_lora_rank),
+                        n_queries,
+                        kv_lora_rank,
+                        (latents, kv_lora_rank),
+                        count,
+                        &mut scores,
+                        false,
+                    );
+                    matmul_transposed_strided(
+                        (&queries[first_query * q_width + nope..], q_width),
+                        n_queries,
+                        rope_dim,
+                        (rope_keys, rope_dim),
+                        count,
+                        &mut scores,
+                        true,
+                    );
+                    softmax_rows(&mut scores, count, input.softmax_scale, |query| {
+                        0..position(task.rows.start + query / heads) + 1
+                    });
+                    let mut block = vec![0.0; n_queries * kv_lora_rank];
+                    matmul_strided(
+                        &scores,
+                        n_queries,
+                        count,
+                        (latents, kv_lora_rank),
+                        kv_lora_rank,
+                        &mut block,
+                    );
+                    block
+                })
+                .collect();
+            for (task, block) in tasks.iter().zip(&done) {
+                let width = heads * kv_lora_rank;
+                latent_out[task.rows.start * width..task.rows.end * width].copy_from_slice(block);
+            }
             par_rows_heads(
                 input,
+                &blocked,
                 &mut latent_out,
                 kv_lora_rank,
                 |segment, row, head, out| {
@@ -291,8 +414,9 @@ fn rotate_heads(
 }
 
 /// Calls `f(segment, row, head, out)` for every (row, head) of the batch in parallel, with
-/// `out` that head's `width`-wide slice of the output.
-fn par_rows_heads<F>(input: &AttentionInput, out: &mut [f32], width: usize, f: F)
+/// `out` that head's `width`-wide slice of the output, except rows of the segments marked in
+/// `skip` (attended in blocks).
+fn par_rows_heads<F>(input: &AttentionInput, skip: &[bool], out: &mut [f32], width: usize, f: F)
 where
     F: Fn(usize, usize, usize, &mut [f32]) + Sync,
 {
@@ -305,8 +429,91 @@ where
         .collect();
     out.par_chunks_mut(width).enumerate().for_each(|(i, out)| {
         let (row, head) = (i / heads, i % heads);
-        f(segment_of_row[row], row, head, out)
+        let segment = segment_of_row[row];
+        if !skip[segment] {
+            f(segment, row, head, out)
+        }
     });
+}
+
+/// Segments of at least this many rows attend in blocks of queries ([`block_tasks`]): each
+/// cached key and value is then read once per block rather than once per query, and the
+/// scores and weighted sums are products for the packed GEMM. A decode row (one per
+/// sequence) reads them once either way and keeps the one-query kernels.
+const BLOCK_MIN_ROWS: usize = 4;
+
+/// Rows of a segment one block takes at most.
+const BLOCK_MAX_ROWS: usize = 64;
+
+/// Bytes of scores one block holds at most (its queries times the keys they may see), so a
+/// long context takes fewer rows a block rather than a larger buffer.
+const BLOCK_SCORE_BYTES: usize = 1 << 20;
+
+/// Which segments attend in blocks.
+fn blocked_segments(input: &AttentionInput) -> Vec<bool> {
+    input
+        .segments
+        .iter()
+        .map(|seg| seg.rows.len() >= BLOCK_MIN_ROWS)
+        .collect()
+}
+
+/// One block of queries: rows of one segment, and the key head whose queries it takes (GQA:
+/// `queries_per_row` heads share it; MLA: one for every head).
+struct BlockTask {
+    segment: usize,
+    rows: Range<usize>,
+    kv_head: usize,
+}
+
+/// The blocks of the `blocked` segments, for `kv_heads` key heads each serving
+/// `queries_per_row` query heads. A block's rows are sized so that its scores (every query
+/// against the keys its last row sees) stay within [`BLOCK_SCORE_BYTES`].
+fn block_tasks(
+    input: &AttentionInput,
+    blocked: &[bool],
+    queries_per_row: usize,
+    kv_heads: usize,
+) -> Vec<BlockTask> {
+    let mut tasks = Vec::new();
+    for (segment, seg) in input.segments.iter().enumerate() {
+        if !blocked[segment] {
+            continue;
+        }
+        let keys = seg.start_position + seg.rows.len();
+        let per_row = queries_per_row * keys * std::mem::size_of::<f32>();
+        let block_rows = (BLOCK_SCORE_BYTES / per_row).clamp(1, BLOCK_MAX_ROWS);
+        for start in seg.rows.clone().step_by(block_rows) {
+            let rows = start..(start + block_rows).min(seg.rows.end);
+            tasks.extend((0..kv_heads).map(|kv_head| BlockTask {
+                segment,
+                rows: rows.clone(),
+                kv_head,
+            }));
+        }
+    }
+    tasks
+}
+
+/// Turns a block's raw scores (`keys` per query) into attention weights, as [`attend`] does
+/// for one query: scaled, and a softmax over the keys each query sees (`visible(query)`, an
+/// index range into its row), zero for the others.
+fn softmax_rows(
+    scores: &mut [f32],
+    keys: usize,
+    scale: f32,
+    visible: impl Fn(usize) -> Range<usize>,
+) {
+    for (query, row) in scores.chunks_exact_mut(keys).enumerate() {
+        let seen = visible(query);
+        row[..seen.start].fill(0.0);
+        row[seen.end..].fill(0.0);
+        let row = &mut row[seen];
+        for w in row.iter_mut() {
+            *w *= scale;
+        }
+        softmax_in_place(row);
+    }
 }
 
 /// Softmax-weighted sum of the values given their raw `scores` (one per value row, `stride`
@@ -315,6 +522,6 @@ fn attend(mut weights: Vec<f32>, values: &[f32], stride: usize, scale: f32, out:
     for w in weights.iter_mut() {
         *w *= scale;
     }
-    crate::compute::cpu::softmax_in_place(&mut weights);
+    softmax_in_place(&mut weights);
     weighted_rows(&weights, values, stride, out);
 }
