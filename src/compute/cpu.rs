@@ -306,7 +306,7 @@ pub fn matmul_transposed<W: WeightElement>(
     {
         return;
     }
-    if m <= FEW_ROWS || (!W::IS_F32 && m <= FEW_ROWS_WIDENED) {
+    if m <= FEW_ROWS || (!W::IS_F32 && (m <= FEW_ROWS_WIDENED || broadcast_tiles_take(m))) {
         matmul_few_rows(x, m, k, w, out, parallel);
         return;
     }
@@ -691,9 +691,28 @@ pub(crate) fn dot_tiles<W: WeightElement>(
 #[cfg(target_arch = "x86_64")]
 const BROADCAST_MIN_ROWS: usize = 9;
 
-/// The most input rows the broadcast tiles take: two registers of 16.
+/// The most input rows the broadcast tiles take: four registers of 16. Above it the packed
+/// GEMM on widened panels wins
+/// (`benches/roofline.rs`, 128 bf16 experts of 384 x 1024 on 2 cores of an AVX-512 Xeon, ms,
+/// tiles against GEMM: 33 rows 83 / 104, 48 rows 96 / 124, 64 rows 118 / 135, 96 rows 194 /
+/// 181, 128 rows 244 / 210).
 #[cfg(target_arch = "x86_64")]
-const BROADCAST_MAX_ROWS: usize = 32;
+const BROADCAST_MAX_ROWS: usize = 64;
+
+/// Whether products of `m` input rows with weights held narrower than f32 run the broadcast
+/// tiles (and not panels widened for the packed GEMM).
+pub(crate) fn broadcast_tiles_take(m: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        (BROADCAST_MIN_ROWS..=BROADCAST_MAX_ROWS).contains(&m)
+            && matches!(TileKernel::detect(), Some(TileKernel::Avx512))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = m;
+        false
+    }
+}
 
 /// Weight values of one row the broadcast tiles widen at a time: the slice's weight rows
 /// (16 KiB at 16 rows) and the inputs' (16 KiB at 16 rows) stay in L1 together.
@@ -723,11 +742,9 @@ pub(crate) struct BroadcastInputs {
 
 #[cfg(target_arch = "x86_64")]
 impl BroadcastInputs {
-    /// The inputs `x [m, k]` transposed, where the CPU has AVX-512 and `m` is 9 to 32.
+    /// The inputs `x [m, k]` transposed, where the CPU has AVX-512 and `m` is 9 to 64.
     pub(crate) fn new(x: &[f32], m: usize, k: usize) -> Option<Self> {
-        if !(BROADCAST_MIN_ROWS..=BROADCAST_MAX_ROWS).contains(&m)
-            || !matches!(TileKernel::detect(), Some(TileKernel::Avx512))
-        {
+        if !broadcast_tiles_take(m) {
             return None;
         }
         let padded = m.div_ceil(16) * 16;
@@ -750,10 +767,14 @@ impl BroadcastInputs {
     ) {
         let (m, k) = (self.m, self.k);
         let n = out.len() / m;
+        let padded = m.div_ceil(16) * 16;
         let at = SharedOut::new(out);
+        // Blocks of four registers take six columns a tile: a task's columns a multiple of
+        // both widths.
+        let per_task = if m > 48 { 48 } else { COLUMNS_PER_TASK };
         let columns = |task: usize| {
-            let first = task * COLUMNS_PER_TASK;
-            let count = COLUMNS_PER_TASK.min(n - first);
+            let first = task * per_task;
+            let count = per_task.min(n - first);
             BROADCAST_PANEL.with(|panel| {
                 let panel = &mut *panel.borrow_mut();
                 let mut slice = |tile: usize, columns: usize, from: usize, len: usize| {
@@ -773,19 +794,22 @@ impl BroadcastInputs {
                     rows: m,
                     columns: count,
                 };
-                // SAFETY: new() saw AVX-512F; `transposed` holds k rows of 16 or 32, `slice`
-                // gives `columns` rows of `len`; this task alone writes columns first..first
-                // + count of the m output rows (row stride n), and `out` outlives the tasks.
+                let xt = &self.transposed;
+                // SAFETY: new() saw AVX-512F; `transposed` holds k rows of `padded` values
+                // (16 per register the kernel reads); `slice` gives `columns` rows of `len`;
+                // this task alone writes columns first..first + count of the m output rows
+                // (row stride n), and `out` outlives the tasks.
                 unsafe {
-                    if m <= 16 {
-                        broadcast_avx512::<1, 16>(&self.transposed, k, &mut slice, out);
-                    } else {
-                        broadcast_avx512::<2, 8>(&self.transposed, k, &mut slice, out);
+                    match padded / 16 {
+                        1 => broadcast_avx512::<1, 16>(xt, k, &mut slice, out),
+                        2 => broadcast_avx512::<2, 8>(xt, k, &mut slice, out),
+                        3 => broadcast_avx512::<3, 8>(xt, k, &mut slice, out),
+                        _ => broadcast_avx512::<4, 6>(xt, k, &mut slice, out),
                     }
                 }
             });
         };
-        let tasks = n.div_ceil(COLUMNS_PER_TASK);
+        let tasks = n.div_ceil(per_task);
         if parallel && m * n * k >= PARALLEL_MIN_FLOPS {
             (0..tasks).into_par_iter().for_each(columns);
         } else {
@@ -822,18 +846,19 @@ unsafe fn broadcast_avx512<const RB: usize, const C: usize>(
     out: Outputs,
 ) {
     use std::arch::x86_64::*;
-    let padded = 16 * RB;
+    let stride = 16 * RB;
+    debug_assert!(xt.len() >= k * stride);
     for first in (0..out.columns).step_by(C) {
         let mut acc = [[_mm512_setzero_ps(); RB]; C];
         for from in (0..k).step_by(BROADCAST_SLICE) {
             let len = BROADCAST_SLICE.min(k - from);
             let panel = slice(first, C, from, len);
             // SAFETY: row `from` of xt exists (from < k).
-            let inputs = unsafe { xt.as_ptr().add(from * padded) };
+            let inputs = unsafe { xt.as_ptr().add(from * stride) };
             for kk in 0..len {
                 // SAFETY: row from + kk of xt, and value kk of each panel row, exist.
                 let xv: [__m512; RB] = std::array::from_fn(|b| unsafe {
-                    _mm512_loadu_ps(inputs.add(kk * padded + 16 * b))
+                    _mm512_loadu_ps(inputs.add(kk * stride + 16 * b))
                 });
                 for (c, acc) in acc.iter_mut().enumerate() {
                     let wv = _mm512_set1_ps(unsafe { *panel.add(c * len + kk) });
@@ -843,11 +868,18 @@ unsafe fn broadcast_avx512<const RB: usize, const C: usize>(
                 }
             }
         }
-        for (c, acc) in acc.iter().enumerate().take(out.columns - first) {
-            for (b, acc) in acc.iter().enumerate() {
-                let mut lanes = [0.0f32; 16];
+        // Every register stored whole first: read only at constant places, the accumulators
+        // stay in registers through the loop above (a loop over a run-time count of them
+        // here made the compiler keep some on the stack, loaded and stored at every k).
+        let mut lanes = [[[0.0f32; 16]; RB]; C];
+        for (acc, lanes) in acc.iter().zip(lanes.iter_mut()) {
+            for (acc, lanes) in acc.iter().zip(lanes.iter_mut()) {
                 // SAFETY: 16 f32 into a 16-value array.
                 unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), *acc) };
+            }
+        }
+        for (c, lanes) in lanes.iter().enumerate().take(out.columns - first) {
+            for (b, lanes) in lanes.iter().enumerate() {
                 let rows = out.rows.saturating_sub(16 * b).min(16);
                 for (r, v) in lanes.iter().enumerate().take(rows) {
                     // SAFETY: row 16b + r < rows and column first + c < columns are the
@@ -890,7 +922,7 @@ impl TileKernel {
     fn name(self) -> &'static str {
         match self {
             #[cfg(target_arch = "x86_64")]
-            TileKernel::Avx512 => "AVX-512 (9 to 32 rows: weights broadcast into 16-row registers)",
+            TileKernel::Avx512 => "AVX-512 (9 to 64 rows: weights broadcast into 16-row registers)",
             #[cfg(target_arch = "x86_64")]
             TileKernel::Avx2 => "AVX2",
         }
@@ -1726,14 +1758,16 @@ pub(crate) mod tests {
     #[test]
     fn bf16_weights_give_the_product_of_their_f32_values() {
         // (300, 530): above FEW_ROWS rows the weights are widened in panels of 218 rows
-        // (fewer when parallel), the last one partial; 9 to 32 rows take the broadcast tiles
-        // on AVX-512 (one or two registers of rows, tasks of 32 columns, the last partial).
+        // (fewer when parallel), the last one partial; 9 to 64 rows take the broadcast tiles
+        // on AVX-512: one to four registers of 16 rows (the last partial at 33, 40 and 49
+        // rows), tasks of 32 columns (48 from 49 rows, in tiles of six), the last task and
+        // tile partial; 65 rows and more go to the packed GEMM.
         for (k, n) in [(40, 24), (300, 530)] {
             let w: Vec<bf16> = (0..n * k)
                 .map(|i| bf16::from_f32(((i * 7 % 13) as f32 - 6.0) / 5.0))
                 .collect();
             let widened: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
-            for m in [1, 4, 6, 9, 12, 20, 32, 33] {
+            for m in [1, 4, 6, 9, 12, 20, 32, 33, 40, 48, 49, 64, 65, 100] {
                 let x: Vec<f32> = (0..m * k)
                     .map(|i| ((i * 5 % 11) as f32 - 5.0) / 3.0)
                     .collect();

@@ -536,7 +536,7 @@ impl QuantLinear {
             return out;
         }
         if rows > FEW_ROWS {
-            // 9 to 32 rows on AVX-512: the broadcast tiles, each slice of a weight row
+            // 9 to 64 rows on AVX-512: the broadcast tiles, each slice of a weight row
             // dequantized as they take it.
             #[cfg(target_arch = "x86_64")]
             if let Some(inputs) = cpu::BroadcastInputs::new(x, rows, k) {
@@ -1355,8 +1355,9 @@ mod tests {
         for matrix in matrices {
             let w = by_hand(&matrix);
             assert_eq!(matrix.widen(), w);
-            // 9, 16 and 32 rows: the broadcast tiles on AVX-512 (one and two registers).
-            for m in [1, 2, 3, 8, 9, 16, 32, 40] {
+            // 9 to 64 rows: the broadcast tiles on AVX-512 (one to four registers of 16);
+            // 65: dequantized panels and the packed GEMM.
+            for m in [1, 2, 3, 8, 9, 16, 32, 40, 64, 65] {
                 let x: Vec<f32> = (0..m * k)
                     .map(|i| ((i * 5 % 11) as f32 - 5.0) / 3.0)
                     .collect();
