@@ -336,21 +336,8 @@ pub fn matmul_transposed<W: WeightElement>(
 
 /// `out [m, n] = x [m, k] · w [k, n]` for a row-major `w`.
 pub fn matmul(x: &[f32], m: usize, k: usize, w: &[f32], n: usize, out: &mut [f32], parallel: bool) {
-    assert_eq!(x.len(), m * k, "lhs size");
     assert_eq!(w.len(), k * n, "rhs size");
-    assert_eq!(out.len(), m * n, "output size");
-    gemm_strided(
-        x,
-        m,
-        k,
-        (k as isize, 1),
-        w,
-        n,
-        (n as isize, 1),
-        out,
-        parallel,
-        false,
-    );
+    matmul_strided(x, m, k, (w, n), n, out, parallel);
 }
 
 /// `out [m, n] (+)= x [m, k] · w [n, k]ᵀ` on this thread, with the rows of `x` `x_stride`
@@ -383,8 +370,8 @@ pub fn matmul_transposed_strided(
     );
 }
 
-/// `out [m, n] = x [m, k] · w [k, n]` on this thread, with the rows of `w` `w_stride` apart:
-/// attention weights times the cached values of one head.
+/// `out [m, n] = x [m, k] · w [k, n]` with the rows of `w` `w_stride` apart (attention
+/// weights times the cached values of one head, interleaved with other heads').
 pub fn matmul_strided(
     x: &[f32],
     m: usize,
@@ -392,6 +379,7 @@ pub fn matmul_strided(
     (w, w_stride): (&[f32], usize),
     n: usize,
     out: &mut [f32],
+    parallel: bool,
 ) {
     assert_eq!(x.len(), m * k, "lhs size");
     check_strided(w.len(), k, w_stride, n, "rhs");
@@ -405,7 +393,7 @@ pub fn matmul_strided(
         n,
         (w_stride as isize, 1),
         out,
-        false,
+        parallel,
         false,
     );
 }

@@ -117,6 +117,7 @@ pub fn attention(
                         (&values[first * kv_width + kv_offset..], kv_width),
                         head_dim,
                         &mut block,
+                        false,
                     );
                     block
                 })
@@ -257,6 +258,7 @@ pub fn attention(
                         (latents, kv_lora_rank),
                         kv_lora_rank,
                         &mut block,
+                        false,
                     );
                     block
                 })
