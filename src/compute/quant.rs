@@ -492,11 +492,11 @@ impl QuantLinear {
     #[cfg(target_arch = "x86_64")]
     fn int4_decodes(&self) -> bool {
         matches!(&self.format, QuantFormat::Int4 { group, .. } if int4_kernel_takes(*group))
-            && cpu::decode_kernel_available()
+            && Int4Decode::detect().is_some()
     }
 
     /// `out = x · wᵀ` for one input row given as `inputs` ([`Int4Inputs::for_decode`]), on the
-    /// AVX-512 decode kernel; the caller checked [`QuantLinear::int4_decodes`].
+    /// decode kernel they were made for; the caller checked [`QuantLinear::int4_decodes`].
     #[cfg(target_arch = "x86_64")]
     fn int4_decode(&self, inputs: &Int4Inputs, out: &mut [f32], parallel: bool) {
         let QuantFormat::Int4 {
@@ -597,8 +597,10 @@ impl QuantLinear {
             && int4_kernel_takes(*group)
         {
             #[cfg(target_arch = "x86_64")]
-            if rows == 1 && cpu::decode_kernel_available() {
-                self.int4_decode(&Int4Inputs::for_decode(x), &mut out, parallel);
+            if rows == 1
+                && let Some(kernel) = Int4Decode::detect()
+            {
+                self.int4_decode(&Int4Inputs::for_decode(x, kernel), &mut out, parallel);
                 return out;
             }
             let inputs = Int4Inputs::new(x, rows, k);
@@ -672,6 +674,10 @@ struct Int4Inputs {
     sums: Vec<f32>,
     chunks: usize,
     rows: usize,
+    /// The decode kernel the planes are scaled for ([`Int4Inputs::for_decode`]); `None` for
+    /// [`int4_dot_rows`]' unscaled planes.
+    #[cfg(target_arch = "x86_64")]
+    decode: Option<Int4Decode>,
 }
 
 impl Int4Inputs {
@@ -693,18 +699,20 @@ impl Int4Inputs {
             sums,
             chunks,
             rows,
+            #[cfg(target_arch = "x86_64")]
+            decode: None,
         }
     }
 
-    /// One input row as [`int4_rows_avx512`] reads it, in one pass: plane `i` of each chunk
-    /// scaled by 2^-4i (exactly), since the kernel reads nibble `i` in place as its value times
-    /// 16^i; the sums as [`Int4Inputs::new`] makes them.
+    /// One input row as `kernel` reads it, in one pass: plane `i` of each chunk scaled by
+    /// the power of two the kernel reads nibble `i` with ([`Int4Decode::plane_scale`]); the
+    /// sums as [`Int4Inputs::new`] makes them.
     #[cfg(target_arch = "x86_64")]
-    fn for_decode(x: &[f32]) -> Self {
+    fn for_decode(x: &[f32], kernel: Int4Decode) -> Self {
         let chunks = x.len().div_ceil(8 * INT4_WORDS);
         let mut planes = vec![0.0f32; chunks * 8 * INT4_WORDS];
         let mut sums = vec![0.0f32; chunks * INT4_WORDS];
-        let scales: [f32; 8] = std::array::from_fn(|i| f32::from_bits((127 - 4 * i as u32) << 23));
+        let scales: [f32; 8] = std::array::from_fn(|i| kernel.plane_scale(i));
         for (word, values) in x.chunks(8).enumerate() {
             let (c, l) = (word / INT4_WORDS, word % INT4_WORDS);
             let mut sum = 0.0f32;
@@ -719,6 +727,7 @@ impl Int4Inputs {
             sums,
             chunks,
             rows: 1,
+            decode: Some(kernel),
         }
     }
 
@@ -771,15 +780,27 @@ impl Int4Rows<'_> {
                 && self.groups == self.words.div_ceil(self.words_per_group),
             "INT4 decode inputs"
         );
-        // SAFETY: the callers check the CPU's features (`decode_kernel_available`); the
-        // assert above bounds every load (the kernel's contract).
+        let (scales, bf16_scales) = match self.scales {
+            GroupScales::Bf16(s) => (s.as_ptr().cast::<u8>(), true),
+            GroupScales::F32(s) => (s.as_ptr().cast::<u8>(), false),
+        };
+        let kernel = inputs.decode.expect("planes made for a decode kernel");
+        // SAFETY: the planes were made for `kernel`, which `Int4Decode::detect` found on this
+        // CPU; the assert above bounds every load (the kernels' contract); `scales` points at
+        // the matrix's own scales, bf16 where `bf16_scales`.
         unsafe {
-            match self.scales {
-                GroupScales::Bf16(s) => {
-                    int4_rows_avx512::<true>(self, inputs, s.as_ptr().cast(), first, out)
+            match (kernel, bf16_scales) {
+                (Int4Decode::Avx512, true) => {
+                    int4_rows_avx512::<true>(self, inputs, scales, first, out)
                 }
-                GroupScales::F32(s) => {
-                    int4_rows_avx512::<false>(self, inputs, s.as_ptr().cast(), first, out)
+                (Int4Decode::Avx512, false) => {
+                    int4_rows_avx512::<false>(self, inputs, scales, first, out)
+                }
+                (Int4Decode::Avx2, true) => {
+                    int4_rows_avx2::<true>(self, inputs, scales, first, out)
+                }
+                (Int4Decode::Avx2, false) => {
+                    int4_rows_avx2::<false>(self, inputs, scales, first, out)
                 }
             }
         }
@@ -913,6 +934,199 @@ unsafe fn int4_rows_avx512<const BF16: bool>(
                 sum,
             )
         };
+    }
+}
+
+/// The INT4 decode kernels (one input row, [`Int4Rows::dot`]) a CPU may run.
+#[cfg(target_arch = "x86_64")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Int4Decode {
+    /// [`int4_rows_avx512`]: AVX-512 F, BW and VL.
+    Avx512,
+    /// [`int4_rows_avx2`]: AVX2 and FMA.
+    Avx2,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Int4Decode {
+    /// The widest this CPU runs.
+    fn detect() -> Option<Int4Decode> {
+        Int4Decode::all().into_iter().next()
+    }
+
+    /// Every kernel this CPU runs, widest first.
+    fn all() -> Vec<Int4Decode> {
+        let mut kernels = Vec::new();
+        if cpu::decode_kernel_available() {
+            kernels.push(Int4Decode::Avx512);
+        }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            kernels.push(Int4Decode::Avx2);
+        }
+        kernels
+    }
+
+    /// The power of two input plane `i` is multiplied by (exactly): the kernels read nibble
+    /// `i` of a word in place, masked but not shifted, as its value times 16^i; AVX2 has no
+    /// unsigned conversion, so its top nibble (which would read as negative) is shifted down
+    /// to its value.
+    fn plane_scale(self, i: usize) -> f32 {
+        let exponent = match (self, i) {
+            (Int4Decode::Avx2, 7) => 0,
+            _ => 4 * i as u32,
+        };
+        f32::from_bits((127 - exponent) << 23)
+    }
+}
+
+/// [`int4_rows_avx512`] with AVX2: two packed rows a pass (the last pass repeats the last row
+/// where one is left), each chunk's sixteen words as two registers of eight. Nibble `i` is
+/// masked in place (the top one shifted down) and converted against the input plane scaled
+/// by [`Int4Decode::plane_scale`]; each chunk's sums, less 8 times its inputs' sums, are
+/// multiplied by the lanes' group scales into the row's total. The scales of a register's
+/// eight lanes are loaded as eight from its first (bf16 widened by a shift) and spread by a
+/// permutation; where eight would reach past the matrix's scales, or the register takes some
+/// past its row's, the row's are copied first.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; `inputs` were made by [`Int4Inputs::for_decode`] for
+/// [`Int4Decode::Avx2`]; `scales` points at `matrix`'s own scales (bf16 when `BF16`, else
+/// f32); the rest is what [`Int4Rows::dot`] asserts.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn int4_rows_avx2<const BF16: bool>(
+    matrix: &Int4Rows<'_>,
+    inputs: &Int4Inputs,
+    scales: *const u8,
+    first: usize,
+    out: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    const PASS: usize = 2;
+    const HALF: usize = INT4_WORDS / 2;
+    const PREFETCH_ROWS: usize = 8;
+    let (words, groups, words_per_group) = (matrix.words, matrix.groups, matrix.words_per_group);
+    let chunks = inputs.chunks;
+    let all_scales = matrix.scales.len();
+    // Lane l of either register takes scale l / words_per_group of those loaded for it (all
+    // lanes the first for a group of whole registers).
+    let lanes: [i32; HALF] = std::array::from_fn(|l| (l / words_per_group) as i32);
+    // SAFETY: `lanes` holds 8 i32, the width of the load.
+    let lane_scale = unsafe { _mm256_loadu_si256(lanes.as_ptr().cast()) };
+    // The last chunk's words: a lane mask per register (all lanes of whole chunks).
+    let tail = words - (chunks - 1) * INT4_WORDS;
+    let tail_masks: [__m256i; 2] = std::array::from_fn(|h| {
+        let valid: [i32; HALF] = std::array::from_fn(|l| -i32::from(h * HALF + l < tail));
+        // SAFETY: `valid` holds 8 i32, the width of the load.
+        unsafe { _mm256_loadu_si256(valid.as_ptr().cast()) }
+    });
+    let eight = _mm256_set1_ps(8.0);
+    // The scales a register's lanes take: the first `needed` of the eight loaded for it.
+    let needed = HALF.div_ceil(words_per_group);
+    // Row `row`'s scales from group `start` (below `groups`) as f32, eight loaded at once
+    // where they lie within the matrix's scales; where not, or where the register takes
+    // scales past the row's, only the row's are read (the rest zero).
+    let load_scales = |row: usize, start: usize| -> __m256 {
+        let at = row * groups + start;
+        let valid = needed.min(groups - start);
+        if valid == needed && at + HALF <= all_scales {
+            if BF16 {
+                // SAFETY: eight bf16 scales from `at` lie within the matrix's; bf16 is the
+                // top half of an f32.
+                let half = unsafe { _mm_loadu_si128(scales.cast::<u16>().add(at).cast()) };
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(half)))
+            } else {
+                // SAFETY: eight f32 scales from `at` lie within the matrix's.
+                unsafe { _mm256_loadu_ps(scales.cast::<f32>().add(at)) }
+            }
+        } else {
+            let mut copy = [0.0f32; HALF];
+            for (j, c) in copy.iter_mut().enumerate().take(valid) {
+                // SAFETY: scale `at + j` is one of row `row`'s.
+                *c = unsafe {
+                    if BF16 {
+                        f32::from_bits(u32::from(*scales.cast::<u16>().add(at + j)) << 16)
+                    } else {
+                        *scales.cast::<f32>().add(at + j)
+                    }
+                };
+            }
+            // SAFETY: `copy` holds 8 f32, the width of the load.
+            unsafe { _mm256_loadu_ps(copy.as_ptr()) }
+        }
+    };
+    let planes = inputs.planes.as_ptr();
+    let sums = inputs.sums.as_ptr();
+    for at in (0..out.len()).step_by(PASS) {
+        let count = (out.len() - at).min(PASS);
+        let row: [usize; PASS] = std::array::from_fn(|j| first + at + j.min(count - 1));
+        let w_rows: [*const u32; PASS] =
+            std::array::from_fn(|j| matrix.packed.as_ptr().wrapping_add(row[j] * words));
+        let mut total = [_mm256_setzero_ps(); PASS];
+        for c in 0..chunks {
+            // SAFETY: a whole chunk's 16 words lie within each row; the last chunk's lanes
+            // past the row's words are masked.
+            let w: [[__m256i; 2]; PASS] = std::array::from_fn(|j| {
+                std::array::from_fn(|h| unsafe {
+                    let at = w_rows[j].add(c * INT4_WORDS + h * HALF).cast::<i32>();
+                    if c + 1 == chunks {
+                        _mm256_maskload_epi32(at, tail_masks[h])
+                    } else {
+                        _mm256_loadu_si256(at.cast())
+                    }
+                })
+            });
+            // The same line four passes on (rows 8 further in the matrix): a hint, which never
+            // faults (16 rows on measured the same).
+            for w_row in w_rows {
+                let ahead = w_row.wrapping_add(PREFETCH_ROWS * words + c * INT4_WORDS);
+                _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+            }
+            let mut acc = [[_mm256_setzero_ps(); 2]; PASS];
+            for i in 0..8 {
+                // SAFETY: plane i of chunk c (16 values) lies within the planes.
+                let p: [__m256; 2] = std::array::from_fn(|h| unsafe {
+                    _mm256_loadu_ps(planes.add((c * 8 + i) * INT4_WORDS + h * HALF))
+                });
+                let nibble = _mm256_set1_epi32((0xf_u32 << (4 * i)) as i32);
+                for j in 0..PASS {
+                    for h in 0..2 {
+                        let bits = if i == 7 {
+                            _mm256_srli_epi32::<28>(w[j][h])
+                        } else {
+                            _mm256_and_si256(w[j][h], nibble)
+                        };
+                        let q = _mm256_cvtepi32_ps(bits);
+                        acc[j][h] = _mm256_fmadd_ps(q, p[h], acc[j][h]);
+                    }
+                }
+            }
+            for h in 0..2 {
+                // SAFETY: chunk c's sums (16 values) lie within the sums.
+                let s = unsafe { _mm256_loadu_ps(sums.add(c * INT4_WORDS + h * HALF)) };
+                let start = (c * INT4_WORDS + h * HALF) / words_per_group;
+                for (j, (acc, total)) in acc.iter().zip(&mut total).enumerate() {
+                    let partial = _mm256_fnmadd_ps(eight, s, acc[h]);
+                    let scale = if start < groups {
+                        _mm256_permutevar8x32_ps(load_scales(row[j], start), lane_scale)
+                    } else {
+                        // Lanes past the row's words (their partial sums are zero).
+                        _mm256_setzero_ps()
+                    };
+                    *total = _mm256_fmadd_ps(partial, scale, *total);
+                }
+            }
+        }
+        for (j, total) in total.iter().enumerate().take(count) {
+            let quad = _mm_add_ps(
+                _mm256_castps256_ps128(*total),
+                _mm256_extractf128_ps::<1>(*total),
+            );
+            let pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
+            let one = _mm_add_ss(pair, _mm_movehdup_ps(pair));
+            out[at + j] = _mm_cvtss_f32(one);
+        }
     }
 }
 
@@ -1062,8 +1276,9 @@ impl QuantSwiGlu {
         };
         // One INT4 row: gate and up share the decode kernel's planes.
         #[cfg(target_arch = "x86_64")]
-        let planes = (rows == 1 && self.gate.int4_decodes() && self.up.int4_decodes())
-            .then(|| Int4Inputs::for_decode(x));
+        let planes = Int4Decode::detect()
+            .filter(|_| rows == 1 && self.gate.int4_decodes() && self.up.int4_decodes())
+            .map(|kernel| Int4Inputs::for_decode(x, kernel));
         let project = |linear: &QuantLinear| {
             let mut out = vec![0.0f32; rows * linear.out_features];
             #[cfg(target_arch = "x86_64")]
@@ -1239,6 +1454,48 @@ mod tests {
         // A packed matrix reports the bytes it holds.
         let m = QuantLinear::int4(vec![0; 4], vec![0.5; 2], 2, 16, 16).unwrap();
         assert_eq!(m.stored_bytes(), 4 * 4 + 2 * 2);
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn every_int4_decode_kernel_equals_the_widened_product() {
+        // 37 weight rows: passes of two and of four with one row left over; k = 100 and 300:
+        // a partial last chunk (under and over half a chunk), 1024: whole chunks; groups of
+        // 8 to 256 weights (1 to 32 words to a scale); scales held in bf16 (0.125 and its
+        // multiples) and in f32 (0.05); every nibble value, the top nibble's too (AVX2 reads
+        // it shifted, not in place).
+        let kernels = Int4Decode::all();
+        println!("INT4 decode kernels on this CPU: {kernels:?}");
+        let n = 37;
+        for k in [100usize, 300, 1024] {
+            let x: Vec<f32> = (0..k).map(|i| ((i * 5 % 11) as f32 - 5.0) / 3.0).collect();
+            for group in [8usize, 32, 64, 128, 256] {
+                for unit in [0.125f32, 0.05] {
+                    let packed: Vec<u32> = (0..n * k.div_ceil(8))
+                        .map(|i| (i as u32 ^ group as u32).wrapping_mul(2_654_435_761))
+                        .collect();
+                    let scales = (0..n * k.div_ceil(group))
+                        .map(|i| unit * (1 + i % 7) as f32)
+                        .collect();
+                    let matrix = QuantLinear::int4(packed, scales, n, k, group).unwrap();
+                    assert_eq!(matrix.int4_decodes(), !kernels.is_empty());
+                    let expected = naive(&x, 1, k, &by_hand(&matrix), n);
+                    for &kernel in &kernels {
+                        for parallel in [false, true] {
+                            let mut got = vec![f32::NAN; n];
+                            let inputs = Int4Inputs::for_decode(&x, kernel);
+                            matrix.int4_decode(&inputs, &mut got, parallel);
+                            for (c, (g, e)) in got.iter().zip(&expected).enumerate() {
+                                assert!(
+                                    (g - e).abs() <= 1e-4 * (1.0 + e.abs()),
+                                    "{kernel:?} k={k} group={group} scale {unit} row {c}: {g} vs {e}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
     }
 
     #[test]
