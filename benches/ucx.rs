@@ -20,7 +20,8 @@
 //!    and our bandwidth once that time is taken out of the round trip (an upper bound).
 //!
 //! Without libucp or ucx_perftest it says SKIP for what it cannot run. The same binary is
-//! the server and client processes (`MOE_BENCH_UCX_ROLE`).
+//! the server and client processes (`MOE_BENCH_UCX_ROLE`). `MOE_BENCH_UCX_THREADS` sets their
+//! runtimes' worker threads (default 2).
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
@@ -72,9 +73,15 @@ fn auth(node: &str) -> Arc<PeerAuth> {
     })
 }
 
+/// Each process's runtime: `MOE_BENCH_UCX_THREADS` worker threads (default 2; `ucx_perftest`
+/// runs one thread a process).
 fn runtime() -> tokio::runtime::Runtime {
+    let threads = std::env::var("MOE_BENCH_UCX_THREADS")
+        .ok()
+        .and_then(|t| t.parse().ok())
+        .unwrap_or(2);
     tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(threads)
         .enable_all()
         .build()
         .expect("runtime")

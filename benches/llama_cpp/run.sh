@@ -15,7 +15,9 @@
 # int4 and int4all: compressed-tensors INT4 copies, experts only as Kimi K2 Thinking publishes
 # them, attention too, or attention and the output head too (int4head), make_int4.py; e.g.
 # QUANTS="q4_k_m" MOE_FORMATS="int4 int4all int4head"),
-# THREADS (2), ROUNDS (2), LLAMA_CPP_PYTHON_VERSION (0.3.36), MOE_NODE_PORT (18080), LLAMA_PORT (18081).
+# THREADS (2), ROUNDS (2), LLAMA_CPP_PYTHON_VERSION (0.3.36), MOE_NODE_PORT (18080), LLAMA_PORT (18081),
+# SETUP_ONLY (1: stop after steps 1-4, before building moe-node and the timed runs; for preparing
+# beside other work, then timing on a quiet machine).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -146,6 +148,10 @@ for layout in experts all head; do
     fi
 done
 moe_model() { if [[ "$1" == bf16 ]]; then echo "$MODEL"; else echo "$WORK/model-$1"; fi; }
+if [[ "${SETUP_ONLY:-0}" == 1 ]]; then
+    log "SETUP_ONLY=1: llama.cpp, the model and its GGUF and quantized copies are ready under $WORK"
+    exit 0
+fi
 
 # --- 5. moe-node ----------------------------------------------------------------------------
 MOE_NODE="$REPO/target/release/moe-node"
