@@ -949,19 +949,24 @@ enum Int4Decode {
 
 #[cfg(target_arch = "x86_64")]
 impl Int4Decode {
-    /// The widest this CPU runs.
+    /// The widest this CPU runs (on every INT4 decode product: no allocation).
     fn detect() -> Option<Int4Decode> {
-        Int4Decode::all().into_iter().next()
+        if cpu::decode_kernel_available() {
+            Some(Int4Decode::Avx512)
+        } else {
+            Int4Decode::avx2_available().then_some(Int4Decode::Avx2)
+        }
     }
 
-    /// Every kernel this CPU runs, widest first.
+    fn avx2_available() -> bool {
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    }
+
+    /// Every kernel this CPU runs, widest first (an AVX-512 CPU runs the AVX2 one too).
+    #[cfg(test)]
     fn all() -> Vec<Int4Decode> {
-        let mut kernels = Vec::new();
-        if cpu::decode_kernel_available() {
-            kernels.push(Int4Decode::Avx512);
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
+        let mut kernels: Vec<Int4Decode> = Int4Decode::detect().into_iter().collect();
+        if kernels == [Int4Decode::Avx512] && Int4Decode::avx2_available() {
             kernels.push(Int4Decode::Avx2);
         }
         kernels
