@@ -500,12 +500,14 @@ pub async fn read_frame<S: AsyncRead + Unpin>(
         read_payload(stream, &mut group_bytes, &header, stats).await?;
         match wire::decode_groups(&header, &group_bytes) {
             Ok((groups, values)) => {
-                let mut rows = vec![0.0f32; values];
+                // Filled as the chunks arrive, never zeroed first.
+                let mut rows = Vec::with_capacity(values);
                 let size = header.dtype.size();
-                for values in rows.chunks_mut(scratch.len() / size) {
-                    let bytes = &mut scratch[..values.len() * size];
+                while rows.len() < values {
+                    let chunk = (values - rows.len()).min(scratch.len() / size);
+                    let bytes = &mut scratch[..chunk * size];
                     read_payload(stream, bytes, &header, stats).await?;
-                    wire::decode_values(bytes, header.dtype, values);
+                    wire::decode_values_append(bytes, header.dtype, &mut rows);
                 }
                 Ok(wire::rows_body(&header, groups, rows))
             }
