@@ -13,6 +13,8 @@
 //!    with endpoints that report peer failure (`-e`, as ours do) and without (`-e` costs
 //!    shared memory its zero-copy `cma` lane in UCX 1.13), and the ratios (ours / perftest
 //!    bandwidth; our round trip / perftest's, which reports half a round trip, times two);
+//!    and `ucp_am_lat` with 3.5 MiB, the like-for-like reference for a layer: a ping-pong of
+//!    one message each way, not a stream of them (ratio: its round trip / ours);
 //! 4. which UCX transports our links' endpoints used (`ucp_ep_print_info`'s lanes);
 //! 5. what the layer's row conversions cost alone, in this process: the f32 rows encoded to
 //!    bf16 and decoded back, once per direction, as the peer protocol does (`ucx_perftest`
@@ -410,18 +412,33 @@ fn compare() {
                 port,
                 peer_failure,
             );
-            match (bw, lat) {
-                (Some((_, mbps)), Some((half_rtt_us, _))) => println!(
-                    "{:18} ucx_perftest {how:12} am_bw {:6.2} GB/s, am_lat {:6.1} us one way \
-                     -> ours/perftest bandwidth {:.0}% ({:.0}% less the conversions), \
-                     round trip {:.1}x",
-                    "",
-                    mbps * 1.048_576 / 1e3,
-                    half_rtt_us,
-                    100.0 * ours.layer_gbps / (mbps * 1.048_576 / 1e3),
-                    100.0 * moving_gbps.unwrap_or(f64::NAN) / (mbps * 1.048_576 / 1e3),
-                    ours.token_us / (2.0 * half_rtt_us)
-                ),
+            port += 1;
+            let layer_lat = perftest(tls, "ucp_am_lat", layer_bytes, 100, port, peer_failure);
+            match (bw, lat, layer_lat) {
+                (Some((_, mbps)), Some((half_rtt_us, _)), Some((layer_half_rtt_us, _))) => {
+                    println!(
+                        "{:18} ucx_perftest {how:12} am_bw {:6.2} GB/s, am_lat {:6.1} us one way \
+                         -> ours/perftest bandwidth {:.0}% ({:.0}% less the conversions), \
+                         round trip {:.1}x",
+                        "",
+                        mbps * 1.048_576 / 1e3,
+                        half_rtt_us,
+                        100.0 * ours.layer_gbps / (mbps * 1.048_576 / 1e3),
+                        100.0 * moving_gbps.unwrap_or(f64::NAN) / (mbps * 1.048_576 / 1e3),
+                        ours.token_us / (2.0 * half_rtt_us)
+                    );
+                    // A layer's dispatch+combine is one message each way, the second sent
+                    // when the first arrived: a ping-pong of the layer's size, not a stream.
+                    let pong_us = 2.0 * layer_half_rtt_us;
+                    println!(
+                        "{:18} {:25} am_lat at the layer's size {pong_us:8.1} us a round trip \
+                         -> ours/perftest ping-pong {:.0}% ({:.0}% less the conversions)",
+                        "",
+                        "",
+                        100.0 * pong_us / ours.layer_us,
+                        100.0 * pong_us / moving_us
+                    );
+                }
                 _ => println!("{:18} ucx_perftest {how} gave no figures", ""),
             }
         }

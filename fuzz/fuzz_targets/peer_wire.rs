@@ -1,6 +1,6 @@
 //! Peer data-plane frames, through both decoders: `wire::decode` (one whole frame) and the
-//! streaming `peer::read_frame` the connections run (header first, then the payload a chunk
-//! at a time). Neither may panic, and they must agree: a frame the stream reader accepts is
+//! streaming `peer::read_frame` the connections run (header first, then the payload as it
+//! arrives). Neither may panic, and they must agree: a frame the stream reader accepts is
 //! the frame `decode` reads from the same bytes, and a frame `decode` accepts is what the
 //! stream reader returns.
 #![no_main]
@@ -22,18 +22,19 @@ fuzz_target!(|data: &[u8]| {
             max_groups: 256,
         }
     };
-    // Chunks of 4 to 64 bytes: many chunk boundaries inside small frames.
-    let mut scratch = vec![0u8; 4 * (1 + usize::from(setup >> 4))];
+    // Read 1 to 16 bytes at a time: many boundaries inside small frames, values split
+    // between two reads among them.
+    let read_size = 1 + usize::from(setup >> 4);
     let stats = PeerStats::default();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .build()
         .expect("runtime");
 
     let whole = wire::decode(frames, &limits);
-    let mut stream: &[u8] = frames;
+    let mut stream = tokio::io::BufReader::with_capacity(read_size, frames);
     let mut offset = 0;
     for index in 0..4 {
-        let read = runtime.block_on(read_frame(&mut stream, &limits, &stats, &mut scratch));
+        let read = runtime.block_on(read_frame(&mut stream, &limits, &stats));
         match read {
             Ok(Some((header, body))) => {
                 let end = offset + HEADER_LEN + header.payload_len as usize;

@@ -21,6 +21,7 @@ pub mod wire;
 use std::net::SocketAddr;
 
 use futures::future::BoxFuture;
+use tokio::io::{AsyncBufRead, AsyncRead, AsyncWrite, BufReader, WriteHalf};
 
 pub use memory::{MemoryNetwork, MemoryTransport};
 pub use peer::{
@@ -31,14 +32,54 @@ pub use ucx::UcxTransport;
 pub use wire::{Dtype, ExpertReply, ExpertRequest, RemoteError, WIRE_VERSION};
 
 /// A connected byte stream to a peer.
-pub trait PeerStream:
-    tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static
-{
+pub trait PeerStream: AsyncRead + AsyncWrite + Send + Unpin + 'static {
+    /// The stream's halves as the peer protocol drives them once the handshake is over: a
+    /// reader that shows received bytes in place, and a writer that may take whole frames.
+    fn into_halves(self: Box<Self>) -> (Box<dyn FrameRead>, Box<dyn FrameWrite>);
 }
 
-impl<T> PeerStream for T where
-    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static
-{
+/// A link's read half: frames are decoded from the bytes where they were received (a UCX
+/// message's buffer; a buffer of [`READ_BUFFER`] bytes over a socket).
+pub trait FrameRead: AsyncBufRead + Send + Unpin + 'static {}
+
+impl<T: AsyncBufRead + Send + Unpin + 'static> FrameRead for T {}
+
+/// A link's write half.
+pub trait FrameWrite: AsyncWrite + Send + Unpin + 'static {
+    /// Sends a whole encoded frame from `frame` itself, sparing the copy a write makes, where
+    /// the stream can (UCX), without waiting; gives it back untouched where it cannot (or
+    /// the link failed), to be written. A frame taken is sent as a write's bytes would be:
+    /// in order, its failure the link's.
+    fn send_owned(&mut self, frame: Vec<u8>) -> Result<(), Vec<u8>> {
+        Err(frame)
+    }
+}
+
+impl<T: AsyncWrite + Send + Unpin + 'static> FrameWrite for WriteHalf<T> {}
+
+/// Bytes a socket's read half reads at once (the peer protocol decodes rows from them).
+pub const READ_BUFFER: usize = 256 << 10;
+
+/// `stream`'s halves over tokio's split, the reader buffered (for streams that have no
+/// halves of their own).
+fn buffered_halves<T: PeerStream>(stream: T) -> (Box<dyn FrameRead>, Box<dyn FrameWrite>) {
+    let (read, write) = tokio::io::split(stream);
+    (
+        Box::new(BufReader::with_capacity(READ_BUFFER, read)),
+        Box::new(write),
+    )
+}
+
+impl PeerStream for tokio::net::TcpStream {
+    fn into_halves(self: Box<Self>) -> (Box<dyn FrameRead>, Box<dyn FrameWrite>) {
+        buffered_halves(*self)
+    }
+}
+
+impl PeerStream for tokio::io::DuplexStream {
+    fn into_halves(self: Box<Self>) -> (Box<dyn FrameRead>, Box<dyn FrameWrite>) {
+        buffered_halves(*self)
+    }
 }
 
 /// How to get a byte stream to a peer.

@@ -17,7 +17,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{
+    AsyncBufRead, AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt,
+};
 use tokio::runtime::Handle;
 use tokio::sync::{Notify, mpsc, watch};
 
@@ -26,7 +28,7 @@ use super::wire::{
     self, Dtype, ExpertReply, ExpertRequest, FrameBody, FrameHeader, FrameKind, HEADER_LEN,
     RemoteError, RowsFrame, WireError, WireLimits,
 };
-use super::{PeerListener, PeerStream, Transport};
+use super::{FrameRead, FrameWrite, PeerListener, PeerStream, Transport};
 
 /// Who this node is to its peers, and the secret that proves it belongs to the cluster.
 #[derive(Clone)]
@@ -459,15 +461,15 @@ async fn server_authenticate<S: AsyncRead + AsyncWrite + Unpin>(
 /// values: small enough to stay in cache, large enough that a 1-row frame is one syscall.
 const CHUNK_BYTES: usize = 256 << 10;
 
-/// Reads one frame: the header, validated, then the payload. Rows are read a chunk at a time
-/// into `scratch` and converted straight into the values, so a large frame is never held
-/// twice. `Ok(None)` is a clean end of stream between frames. Public for the wire fuzz
+/// Reads one frame: the header, validated, then the payload. Rows are converted straight
+/// from the stream's buffer (a UCX message, or a socket's read buffer) into the values, as
+/// each part arrives, so a large frame is never held twice nor copied before it is
+/// converted. `Ok(None)` is a clean end of stream between frames. Public for the wire fuzz
 /// target.
-pub async fn read_frame<S: AsyncRead + Unpin>(
+pub async fn read_frame<S: AsyncBufRead + Unpin>(
     stream: &mut S,
     limits: &WireLimits,
     stats: &PeerStats,
-    scratch: &mut [u8],
 ) -> Result<Option<(FrameHeader, FrameBody)>, String> {
     let mut header_bytes = [0u8; HEADER_LEN];
     let mut filled = 0;
@@ -500,14 +502,32 @@ pub async fn read_frame<S: AsyncRead + Unpin>(
         read_payload(stream, &mut group_bytes, &header, stats).await?;
         match wire::decode_groups(&header, &group_bytes) {
             Ok((groups, values)) => {
-                // Filled as the chunks arrive, never zeroed first.
+                // Filled as the bytes arrive, never zeroed first.
                 let mut rows = Vec::with_capacity(values);
                 let size = header.dtype.size();
                 while rows.len() < values {
-                    let chunk = (values - rows.len()).min(scratch.len() / size);
-                    let bytes = &mut scratch[..chunk * size];
-                    read_payload(stream, bytes, &header, stats).await?;
-                    wire::decode_values_append(bytes, header.dtype, &mut rows);
+                    let available = match stream.fill_buf().await {
+                        Ok(available) => available,
+                        Err(error) => return Err(format!("read failed: {error}")),
+                    };
+                    if available.is_empty() {
+                        stats.reject_frame(&WireError::Truncated {
+                            needed: u64::from(header.payload_len),
+                            got: 0,
+                        });
+                        return Err("connection closed inside a frame payload".into());
+                    }
+                    let whole = (available.len() / size).min(values - rows.len());
+                    if whole == 0 {
+                        // A value split between two receives: its bytes gathered first.
+                        let mut value = [0u8; 4];
+                        read_payload(stream, &mut value[..size], &header, stats).await?;
+                        wire::decode_values_append(&value[..size], header.dtype, &mut rows);
+                    } else {
+                        let bytes = &available[..whole * size];
+                        wire::decode_values_append(bytes, header.dtype, &mut rows);
+                        stream.consume(whole * size);
+                    }
                 }
                 Ok(wire::rows_body(&header, groups, rows))
             }
@@ -576,9 +596,8 @@ async fn write_rows_frame<S: AsyncWrite + Unpin>(
 
 /// A request on its way to the driver.
 enum Outgoing {
-    /// Checked and its header encoded on the caller's thread; f32 rows are converted as
-    /// they are written, bf16 rows on the caller's thread (it has the time; the runtime's
-    /// workers carry every connection).
+    /// Checked and its header encoded on the caller's thread; large f32 frames' rows are
+    /// converted as they are written, other frames come encoded (see `PeerClient::send`).
     Fresh {
         request_id: u64,
         frame: Result<RowsFrame, Vec<u8>>,
@@ -733,33 +752,40 @@ impl PeerClient {
             mpsc::error::TrySendError::Closed(()) => PeerError::Closed,
         })?;
         let shared = &self.shared;
-        let mut link = lock(&shared.link);
-        if link.queued == 0 && link.stream.is_some() && frame.len() <= CHUNK_BYTES {
-            // The link is up and idle: write from this thread, sparing the hand-off to the
-            // driver task (most of a small request's round trip).
-            let bytes = frame.to_bytes();
-            lock(&shared.pending).insert(request_id, Pending { expect, done });
-            let written = write_now(&mut link, &bytes).unwrap_or(0);
-            if written == bytes.len() {
-                shared.stats.add_sent(bytes.len());
-                return Ok(());
-            }
-            // The socket is full, or failed: the driver writes the rest, or finds out.
-            link.queued += 1;
-            let generation = link.generation;
-            permit.send(Outgoing::Remainder {
-                bytes,
-                written,
-                generation,
-            });
-            return Ok(());
-        }
-        drop(link);
-        let frame = match frame.dtype {
-            Dtype::F32 => Ok(frame),
-            Dtype::Bf16 => Err(frame.to_bytes()),
+        // Small frames, and bf16 ones whole, are encoded here, on the caller's thread (it has
+        // the time; the runtime's workers carry every connection); large f32 ones as the
+        // driver writes them (their conversion is a plain copy).
+        let frame = if frame.len() <= CHUNK_BYTES || frame.dtype == Dtype::Bf16 {
+            Err(frame.to_bytes())
+        } else {
+            Ok(frame)
         };
         let mut link = lock(&shared.link);
+        let frame = match frame {
+            // The link is up and idle: sent from this thread, sparing the hand-off to the
+            // driver task (most of a small request's round trip).
+            Err(bytes) if link.queued == 0 && link.stream.is_some() => {
+                lock(&shared.pending).insert(request_id, Pending { expect, done });
+                let (bytes, written) = match send_now(&mut link, bytes) {
+                    SentNow::All(len) => {
+                        shared.stats.add_sent(len);
+                        return Ok(());
+                    }
+                    SentNow::Part { bytes, written } => (bytes, written),
+                    // The socket is full, or failed: the driver writes the rest, or finds out.
+                    SentNow::Failed(bytes) => (bytes, 0),
+                };
+                link.queued += 1;
+                let generation = link.generation;
+                permit.send(Outgoing::Remainder {
+                    bytes,
+                    written,
+                    generation,
+                });
+                return Ok(());
+            }
+            frame => frame,
+        };
         link.queued += 1;
         permit.send(Outgoing::Fresh {
             request_id,
@@ -924,7 +950,7 @@ impl Driver {
     }
 
     async fn run_connection(&mut self, stream: Box<dyn PeerStream>, first: Outgoing) -> LinkEnd {
-        let (read_half, write_half) = tokio::io::split(stream);
+        let (read_half, write_half) = stream.into_halves();
         let generation = {
             let mut link = lock(&self.shared.link);
             link.stream = Some(write_half);
@@ -1021,15 +1047,14 @@ impl Driver {
 }
 
 /// Reads replies until the connection fails; returns why it ended.
-async fn read_replies<S: AsyncRead + Unpin>(
-    mut stream: S,
+async fn read_replies(
+    mut stream: Box<dyn FrameRead>,
     pending: PendingMap,
     stats: Arc<PeerStats>,
     limits: WireLimits,
 ) -> String {
-    let mut scratch = vec![0u8; CHUNK_BYTES];
     loop {
-        let (header, body) = match read_frame(&mut stream, &limits, &stats, &mut scratch).await {
+        let (header, body) = match read_frame(&mut stream, &limits, &stats).await {
             Ok(Some(frame)) => frame,
             Ok(None) => return "the peer closed the connection".into(),
             Err(reason) => return reason,
@@ -1262,7 +1287,7 @@ async fn serve_connection(
         }
     };
     tracing::debug!(%peer, %client_id, path, "peer connection accepted");
-    let (read_half, write_half) = tokio::io::split(stream);
+    let (read_half, write_half) = stream.into_halves();
     let (outbox, queued) = mpsc::unbounded_channel();
     let link = Arc::new(ReplyLink {
         state: Mutex::new(WriterSlot {
@@ -1287,20 +1312,18 @@ async fn serve_connection(
 }
 
 /// Reads requests and hands each to the handler; `Err` when the peer misbehaved.
-async fn serve_requests<S: AsyncRead + Unpin>(
-    mut stream: S,
+async fn serve_requests(
+    mut stream: Box<dyn FrameRead>,
     link: &Arc<ReplyLink>,
     context: &Arc<ServerContext>,
 ) -> Result<(), String> {
     let inflight = Arc::new(AtomicUsize::new(0));
-    let mut scratch = vec![0u8; CHUNK_BYTES];
     loop {
         let limits = &context.config.limits;
-        let (header, body) =
-            match read_frame(&mut stream, limits, &context.stats, &mut scratch).await? {
-                Some(frame) => frame,
-                None => return Ok(()),
-            };
+        let (header, body) = match read_frame(&mut stream, limits, &context.stats).await? {
+            Some(frame) => frame,
+            None => return Ok(()),
+        };
         let FrameBody::Request(request) = body else {
             context
                 .stats
@@ -1374,12 +1397,41 @@ struct ReplyLink {
 /// threads that write directly when nothing is queued.
 struct WriterSlot {
     /// `None` while there is no connection (or once it is over).
-    stream: Option<tokio::io::WriteHalf<Box<dyn PeerStream>>>,
+    stream: Option<Box<dyn FrameWrite>>,
     /// Frames handed to the writing task and not yet written (or failed): while any is,
     /// nothing is written directly, so frames never interleave.
     queued: usize,
     /// Counts connections, so a frame's remainder never goes to a later connection.
     generation: u64,
+}
+
+/// What [`send_now`] did with a frame.
+enum SentNow {
+    /// Sent whole (this many bytes), or handed over whole to a stream that sends from it.
+    All(usize),
+    /// The first `written` bytes went out; the rest wait for room.
+    Part { bytes: Vec<u8>, written: usize },
+    /// The stream failed, or there is none.
+    Failed(Vec<u8>),
+}
+
+/// Sends a whole encoded frame from the calling thread without waiting: handed to a stream
+/// that sends from the buffer itself (UCX), else written as far as the stream takes it now
+/// (see [`write_now`]).
+fn send_now(slot: &mut WriterSlot, bytes: Vec<u8>) -> SentNow {
+    let Some(stream) = slot.stream.as_mut() else {
+        return SentNow::Failed(bytes);
+    };
+    let len = bytes.len();
+    let bytes = match stream.send_owned(bytes) {
+        Ok(()) => return SentNow::All(len),
+        Err(bytes) => bytes,
+    };
+    match write_now(slot, &bytes) {
+        Some(written) if written == len => SentNow::All(len),
+        Some(written) => SentNow::Part { bytes, written },
+        None => SentNow::Failed(bytes),
+    }
 }
 
 /// Writes `bytes` now if the socket takes them, polling with a no-op waker: when it does not,
@@ -1412,13 +1464,13 @@ impl ReplyLink {
         };
         let mut state = lock(&self.state);
         let frame = match frame {
-            OutFrame::Bytes(bytes) if state.queued == 0 => match write_now(&mut state, &bytes) {
-                Some(written) if written == bytes.len() => {
-                    self.stats.add_sent(bytes.len());
+            OutFrame::Bytes(bytes) if state.queued == 0 => match send_now(&mut state, bytes) {
+                SentNow::All(len) => {
+                    self.stats.add_sent(len);
                     return;
                 }
-                Some(written) => OutFrame::Partial { bytes, written },
-                None => {
+                SentNow::Part { bytes, written } => OutFrame::Partial { bytes, written },
+                SentNow::Failed(_) => {
                     // Broken (the reader sees it too and ends the connection), or over.
                     state.stream = None;
                     return;
@@ -1498,6 +1550,54 @@ mod tests {
         assert!(!limiter.allow(a, now + Duration::from_secs(59)));
         assert!(limiter.allow(b, now));
         assert!(limiter.allow(a, now + Duration::from_secs(61)));
+    }
+
+    /// Frames read as the stream delivers them, whatever the size of its reads (values split
+    /// between two reads among them), are the frames encoded; a frame cut short is refused.
+    #[test]
+    fn frames_read_in_pieces_of_any_size_are_the_frames_sent() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        for dtype in [Dtype::Bf16, Dtype::F32] {
+            let request = ExpertRequest {
+                layer: 3,
+                placement_version: 7,
+                width: 5,
+                dtype,
+                groups: vec![(1, 2), (4, 1)],
+                rows: (0..15).map(|i| i as f32 * 0.75 - 4.0).collect(),
+            };
+            let mut bytes = wire::encode_request(11, &request).expect("encode");
+            let reply = ExpertReply {
+                groups: vec![(4, 1)],
+                rows: vec![2.5; 5],
+            };
+            let reply = wire::reply_frame(12, 3, 7, 5, dtype, reply).expect("reply");
+            bytes.extend(reply.to_bytes());
+            let stats = PeerStats::default();
+            for read_size in [1, 2, 3, 7, 64, 4096] {
+                let mut stream = tokio::io::BufReader::with_capacity(read_size, &bytes[..]);
+                let limits = WireLimits::default();
+                let read = |stream: &mut tokio::io::BufReader<&[u8]>| {
+                    runtime.block_on(read_frame(stream, &limits, &stats))
+                };
+                let Ok(Some((header, FrameBody::Request(got)))) = read(&mut stream) else {
+                    panic!("{dtype:?} in reads of {read_size}: no request");
+                };
+                // The rows are exact in bf16.
+                assert_eq!((header.request_id, &got), (11, &request));
+                let Ok(Some((header, FrameBody::Reply(got)))) = read(&mut stream) else {
+                    panic!("{dtype:?} in reads of {read_size}: no reply");
+                };
+                assert_eq!((header.request_id, got.rows), (12, vec![2.5; 5]));
+                assert!(matches!(read(&mut stream), Ok(None)), "then the clean end");
+                let cut = &bytes[..bytes.len() - 3];
+                let mut stream = tokio::io::BufReader::with_capacity(read_size, cut);
+                assert!(read(&mut stream).is_ok());
+                assert!(read(&mut stream).is_err(), "a frame cut short is refused");
+            }
+        }
     }
 
     #[test]

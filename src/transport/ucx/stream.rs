@@ -3,9 +3,15 @@
 //!
 //! A write copies the bytes into a send buffer (reused once its send completes) and sends it
 //! as one active message itself, in order; writers wait once [`SEND_PENDING_MAX`] bytes are
-//! in flight. The worker hands each received message to the reader whole and in order (a
-//! rendezvous one once fetched into a buffer of its size), so a read copies the bytes once,
-//! out of that buffer; a read that finds nothing progresses the worker before it waits.
+//! in flight. A whole encoded frame is sent from its own buffer instead, without that copy
+//! ([`FrameWrite::send_owned`]). The worker hands each received message to the reader whole
+//! and in order (a rendezvous one once fetched into a buffer of its size), and the reader
+//! shows it in place ([`AsyncBufRead`]): the peer protocol converts rows straight out of it.
+//! A read that finds nothing progresses the worker before it waits.
+//!
+//! The stream splits into its two halves ([`PeerStream::into_halves`]) without a lock
+//! between them: each takes the endpoint's shared state on its own, and the endpoint closes
+//! when both are gone.
 //!
 //! The link ends when UCX fails the endpoint (its error callback) or when the control
 //! connection ends: a peer that exits or drops the link closes that socket at once, whatever
@@ -17,24 +23,61 @@ use std::pin::Pin;
 use std::sync::{Arc, Weak};
 use std::task::{Context, Poll};
 
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncBufRead, AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 
 use super::worker::{
     EpShared, Failure, MESSAGE_MAX, RECV_BUFFERED_MAX, SEND_PENDING_MAX, WorkerHandle,
 };
-use crate::transport::PeerStream;
+use crate::transport::{FrameRead, FrameWrite, PeerStream};
 
 /// Bytes one write hands over at most (a bigger buffer is taken in several writes): one
 /// UCX message, which the peer refuses beyond this.
 const WRITE_CHUNK: usize = MESSAGE_MAX;
 
-/// A connected UCX endpoint as a byte stream.
+/// A connected UCX endpoint as a byte stream: its two halves.
 pub struct UcxStream {
+    reader: UcxReader,
+    writer: UcxWriter,
+}
+
+/// What both halves hold: the worker, the endpoint and the task watching the control
+/// connection. The last half dropped closes the endpoint.
+struct Link {
     worker: Option<Arc<WorkerHandle>>,
     ep: u64,
     shared: Arc<EpShared>,
     /// The task watching the control connection (it owns the connection).
     watcher: tokio::task::AbortHandle,
+}
+
+impl Link {
+    fn worker(&self) -> io::Result<&WorkerHandle> {
+        self.worker.as_deref().ok_or_else(super::stopped)
+    }
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        // Flushes what was written, then closes; the control connection closes with the
+        // watcher, which tells the peer.
+        if let Some(worker) = self.worker.take() {
+            worker.close_ep(self.ep, false);
+            super::off_runtime(worker);
+        }
+        self.watcher.abort();
+    }
+}
+
+/// The read half: the received message being read, in place.
+pub struct UcxReader {
+    link: Arc<Link>,
+    /// The message being read and its first unread byte.
+    current: Option<(Vec<u8>, usize)>,
+}
+
+/// The write half.
+pub struct UcxWriter {
+    link: Arc<Link>,
 }
 
 impl UcxStream {
@@ -52,16 +95,26 @@ impl UcxStream {
             ep,
         ))
         .abort_handle();
-        UcxStream {
+        let link = Arc::new(Link {
             worker: Some(worker),
             ep,
             shared,
             watcher,
+        });
+        UcxStream {
+            reader: UcxReader {
+                link: link.clone(),
+                current: None,
+            },
+            writer: UcxWriter { link },
         }
     }
+}
 
-    fn worker(&self) -> io::Result<&WorkerHandle> {
-        self.worker.as_deref().ok_or_else(super::stopped)
+impl PeerStream for UcxStream {
+    fn into_halves(self: Box<Self>) -> (Box<dyn FrameRead>, Box<dyn FrameWrite>) {
+        let UcxStream { reader, writer } = *self;
+        (Box::new(reader), Box::new(writer))
     }
 }
 
@@ -95,35 +148,32 @@ async fn watch_control(
     }
 }
 
-impl Drop for UcxStream {
-    fn drop(&mut self) {
-        // Flushes what was written, then closes; the control connection closes with the
-        // watcher, which tells the peer.
-        if let Some(worker) = self.worker.take() {
-            worker.close_ep(self.ep, false);
-            super::off_runtime(worker);
+impl UcxReader {
+    /// Makes the next received message current, when the current one is read: `Ready(Ok)`
+    /// with one current or at the end of the stream (none), `Pending` until one arrives.
+    fn poll_next_message(&mut self, context: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if self
+            .current
+            .as_ref()
+            .is_some_and(|(buffer, start)| *start < buffer.len())
+        {
+            return Poll::Ready(Ok(()));
         }
-        self.watcher.abort();
-    }
-}
-
-impl AsyncRead for UcxStream {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        context: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        let this = self.get_mut();
-        let mut state = this.shared.lock();
+        let link = &self.link;
+        let mut state = link.shared.lock();
+        if let Some((done, _)) = self.current.take() {
+            state.received.recycle(done);
+        }
         if state.received.is_empty() && state.failure.is_none() {
             // What arrived since the driver task last ran is found now, not after a wake-up.
             drop(state);
-            if let Ok(worker) = this.worker() {
+            if let Ok(worker) = link.worker() {
                 worker.progress();
             }
-            state = this.shared.lock();
+            state = link.shared.lock();
         }
-        if state.received.is_empty() {
+        let was_full = state.received.len() >= RECV_BUFFERED_MAX;
+        let Some(message) = state.received.pop_front() else {
             return match &state.failure {
                 Some(failure) if failure.closed_by_peer => Poll::Ready(Ok(())),
                 Some(failure) => Poll::Ready(Err(io::Error::new(
@@ -135,36 +185,100 @@ impl AsyncRead for UcxStream {
                     Poll::Pending
                 }
             };
-        }
-        let was_full = state.received.len() >= RECV_BUFFERED_MAX;
-        state.received.read_into(buf);
+        };
+        self.current = Some((message, 0));
         let resume = was_full && state.recv_paused && state.received.len() < RECV_BUFFERED_MAX;
         drop(state);
-        if resume && let Ok(worker) = this.worker() {
+        if resume && let Ok(worker) = link.worker() {
             worker.resume_recv();
         }
         Poll::Ready(Ok(()))
     }
 }
 
-impl AsyncWrite for UcxStream {
+impl AsyncBufRead for UcxReader {
+    fn poll_fill_buf(self: Pin<&mut Self>, context: &mut Context<'_>) -> Poll<io::Result<&[u8]>> {
+        let this = self.get_mut();
+        match this.poll_next_message(context) {
+            Poll::Ready(Ok(())) => Poll::Ready(Ok(match &this.current {
+                Some((buffer, start)) => &buffer[*start..],
+                None => &[],
+            })),
+            Poll::Ready(Err(error)) => Poll::Ready(Err(error)),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn consume(self: Pin<&mut Self>, amount: usize) {
+        if let Some((buffer, start)) = &mut self.get_mut().current {
+            *start = (*start + amount).min(buffer.len());
+        }
+    }
+}
+
+impl AsyncRead for UcxReader {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        context: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let available = match self.as_mut().poll_fill_buf(context) {
+            Poll::Ready(Ok(available)) => available,
+            Poll::Ready(Err(error)) => return Poll::Ready(Err(error)),
+            Poll::Pending => return Poll::Pending,
+        };
+        let n = available.len().min(buf.remaining());
+        buf.put_slice(&available[..n]);
+        self.consume(n);
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl UcxWriter {
+    fn broken(failure: &Failure) -> io::Error {
+        io::Error::new(io::ErrorKind::BrokenPipe, failure.message.clone())
+    }
+}
+
+impl FrameWrite for UcxWriter {
+    /// Takes frames of one message at most ([`MESSAGE_MAX`]), while fewer than
+    /// [`SEND_PENDING_MAX`] bytes are in flight (past that, the frame is written, and the
+    /// writer waits for room as any writer does).
+    fn send_owned(&mut self, frame: Vec<u8>) -> Result<(), Vec<u8>> {
+        if frame.is_empty() || frame.len() > WRITE_CHUNK {
+            return Err(frame);
+        }
+        let Ok(worker) = self.link.worker() else {
+            return Err(frame);
+        };
+        {
+            let mut state = self.link.shared.lock();
+            if state.failure.is_some() || state.send_pending >= SEND_PENDING_MAX {
+                // A write finds out why, or waits for room.
+                return Err(frame);
+            }
+            state.send_pending += frame.len();
+        }
+        worker.send(self.link.ep, frame);
+        Ok(())
+    }
+}
+
+impl AsyncWrite for UcxWriter {
     fn poll_write(
         self: Pin<&mut Self>,
         context: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        let this = self.get_mut();
+        let link = &self.link;
         if buf.is_empty() {
             return Poll::Ready(Ok(0));
         }
         let n = buf.len().min(WRITE_CHUNK);
         let data = {
-            let mut state = this.shared.lock();
+            let mut state = link.shared.lock();
             if let Some(failure) = &state.failure {
-                return Poll::Ready(Err(io::Error::new(
-                    io::ErrorKind::BrokenPipe,
-                    failure.message.clone(),
-                )));
+                return Poll::Ready(Err(Self::broken(failure)));
             }
             if state.send_pending >= SEND_PENDING_MAX {
                 state.write_waker = Some(context.waker().clone());
@@ -176,27 +290,52 @@ impl AsyncWrite for UcxStream {
             data.extend_from_slice(&buf[..n]);
             data
         };
-        this.worker()?.send(this.ep, data);
+        link.worker()?.send(link.ep, data);
         Poll::Ready(Ok(n))
     }
 
     fn poll_flush(self: Pin<&mut Self>, context: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let mut state = self.shared.lock();
+        let mut state = self.link.shared.lock();
         if state.send_pending == 0 {
             return Poll::Ready(Ok(()));
         }
         if let Some(failure) = &state.failure {
-            return Poll::Ready(Err(io::Error::new(
-                io::ErrorKind::BrokenPipe,
-                failure.message.clone(),
-            )));
+            return Poll::Ready(Err(Self::broken(failure)));
         }
         state.write_waker = Some(context.waker().clone());
         Poll::Pending
     }
 
-    /// A UCX link has no half-close: this flushes; dropping the stream closes it.
+    /// A UCX link has no half-close: this flushes; dropping both halves closes it.
     fn poll_shutdown(self: Pin<&mut Self>, context: &mut Context<'_>) -> Poll<io::Result<()>> {
         self.poll_flush(context)
+    }
+}
+
+impl AsyncRead for UcxStream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        context: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().reader).poll_read(context, buf)
+    }
+}
+
+impl AsyncWrite for UcxStream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        context: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().writer).poll_write(context, buf)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, context: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().writer).poll_flush(context)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, context: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().writer).poll_shutdown(context)
     }
 }

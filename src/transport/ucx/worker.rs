@@ -117,12 +117,12 @@ fn take_best_fit(buffers: &mut Vec<Vec<u8>>, capacity: usize) -> Option<Vec<u8>>
     Some(buffers.swap_remove(i))
 }
 
-/// Bytes received and not yet read: the messages themselves, as UCX delivered them, so a
-/// large message reaches the reader without another copy.
+/// Messages received and not yet taken by the reader, as UCX delivered them, so a large
+/// message reaches the reader without another copy.
 #[derive(Default)]
 pub struct Received {
-    /// (buffer, first unread byte); each buffer holds exactly what was received.
-    chunks: VecDeque<(Vec<u8>, usize)>,
+    /// Each buffer holds exactly what was received.
+    messages: VecDeque<Vec<u8>>,
     unread: usize,
     /// Buffers the reader emptied, for the worker's next receives.
     spare: Vec<Vec<u8>>,
@@ -140,29 +140,22 @@ impl Received {
 
     fn push(&mut self, buffer: Vec<u8>) {
         self.unread += buffer.len();
-        self.chunks.push_back((buffer, 0));
+        self.messages.push_back(buffer);
     }
 
-    /// Moves as many unread bytes as fit into `out`; returns how many.
-    pub fn read_into(&mut self, out: &mut tokio::io::ReadBuf<'_>) -> usize {
-        let mut moved = 0;
-        while out.remaining() > 0 {
-            let Some((buffer, start)) = self.chunks.front_mut() else {
-                break;
-            };
-            let n = out.remaining().min(buffer.len() - *start);
-            out.put_slice(&buffer[*start..*start + n]);
-            *start += n;
-            moved += n;
-            if *start == buffer.len() {
-                let (buffer, _) = self.chunks.pop_front().expect("a front chunk");
-                if worth_keeping(buffer.capacity()) && self.spare.len() < SPARE_BUFFERS {
-                    self.spare.push(buffer);
-                }
-            }
+    /// The oldest received message, whole: the reader reads it in place, then gives the
+    /// buffer back ([`Received::recycle`]).
+    pub fn pop_front(&mut self) -> Option<Vec<u8>> {
+        let buffer = self.messages.pop_front()?;
+        self.unread -= buffer.len();
+        Some(buffer)
+    }
+
+    /// A buffer the reader is done with, kept for the next receives if worth it.
+    pub fn recycle(&mut self, buffer: Vec<u8>) {
+        if worth_keeping(buffer.capacity()) && self.spare.len() < SPARE_BUFFERS {
+            self.spare.push(buffer);
         }
-        self.unread -= moved;
-        moved
     }
 
     /// An emptied buffer of at least `capacity` bytes.
@@ -1497,35 +1490,25 @@ mod tests {
         assert!(parse_lane_transports("lane[0]:\nlane[x").is_empty());
     }
 
-    /// Reads of any size take the received chunks' bytes in order, across chunk ends, and
-    /// the emptied large buffers come back for the next receives.
+    /// Received messages come out whole and in order, the unread count follows them, and the
+    /// emptied large buffers come back for the next receives.
     #[test]
-    fn received_chunks_read_back_in_order_across_their_ends() {
+    fn received_messages_come_out_whole_in_order_and_their_buffers_come_back() {
         let mut received = Received::default();
         const BIG: usize = 1 << 20;
-        let mut big = vec![0u8; BIG];
-        big.iter_mut()
-            .enumerate()
-            .for_each(|(i, b)| *b = (i % 251) as u8);
+        let big: Vec<u8> = (0..BIG).map(|i| (i % 251) as u8).collect();
         let small: Vec<u8> = (0..10).map(|i| 200 + i).collect();
-        let mut expected = big.clone();
-        expected.extend_from_slice(&small);
-        received.push(big);
-        received.push(small);
-        assert_eq!(received.len(), expected.len());
-        let mut out = Vec::new();
-        for size in [1, 7, 4096, BIG].into_iter().cycle() {
-            if received.is_empty() {
-                break;
-            }
-            let mut storage = vec![0u8; size];
-            let mut buf = tokio::io::ReadBuf::new(&mut storage);
-            let moved = received.read_into(&mut buf);
-            assert_eq!(moved, buf.filled().len());
-            out.extend_from_slice(buf.filled());
-        }
-        assert_eq!(out, expected);
-        assert_eq!(received.len(), 0);
+        received.push(big.clone());
+        received.push(small.clone());
+        assert_eq!(received.len(), BIG + 10);
+        let first = received.pop_front().expect("the first message");
+        assert_eq!(first, big);
+        assert_eq!(received.len(), 10);
+        received.recycle(first);
+        let second = received.pop_front().expect("the second message");
+        assert_eq!(second, small);
+        assert!(received.is_empty() && received.pop_front().is_none());
+        received.recycle(second);
         assert!(
             received.take_spare(BIG + 1).is_none(),
             "no kept buffer is that large"
