@@ -47,6 +47,8 @@ pub fn run(args: &PlanArgs) -> anyhow::Result<bool> {
             .unwrap_or(config.placement.redundant_slots_per_device),
         profile: profile.as_ref(),
         device_memory_bytes,
+        memory_fraction: config.devices.gpu_memory_fraction,
+        max_rows: config.batching.max_tokens_per_step * model.moe.top_k,
         dense_on_device: config.devices.dense_on_gpu,
         on_unavailable: config.cluster.on_expert_unavailable,
         max_imbalance: args.max_imbalance,

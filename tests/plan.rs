@@ -35,6 +35,20 @@ fn k3(dir: &Path) -> PathBuf {
     model
 }
 
+/// The K3 shape stored as DeepSeek's FP8 checkpoints are: e4m3 weights, f32 scales per
+/// 128 x 128 block.
+fn k3_fp8(dir: &Path) -> PathBuf {
+    let model = k3(dir);
+    let path = model.join("config.json");
+    let mut config: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    config["quantization_config"] = json!({
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128]
+    });
+    std::fs::write(&path, config.to_string()).unwrap();
+    model
+}
+
 /// A skewed profile for the K3 shape: Zipf-like counts, hot experts at shuffled ids.
 fn skewed_profile(dir: &Path, skew: f64) -> PathBuf {
     let by_rank = zipf_probabilities(896, 16, skew);
@@ -231,7 +245,67 @@ fn the_readable_report_answers_the_deployment_questions() {
     }
     // 896 × 2 copies × 60 layers over 8 devices of 141 GiB: 1.1 TiB each does not fit.
     assert_eq!(out.status.code(), Some(1), "{text}");
-    assert!(text.contains("do not fit in 141.0 GiB"), "{text}");
+    assert!(
+        text.contains("of work area do not fit in 126.9 GiB (90% of 141.0 GiB"),
+        "{text}"
+    );
+}
+
+/// A device's fit counts what `serve`'s start-up check counts: the experts' stored bytes, the
+/// work area beside them (for FP8 experts, the bf16 copies a step widens them into) and
+/// `devices.gpu_memory_fraction` of the memory given.
+#[test]
+fn a_device_fits_only_with_room_for_its_work_area_within_the_usable_share() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = k3_fp8(dir.path());
+    let model = model.to_str().unwrap();
+    let shape = [
+        "--model",
+        model,
+        "--nodes",
+        "8",
+        "--devices-per-node",
+        "8",
+        "--replication",
+        "1",
+    ];
+    let device = |memory_gib: f64| {
+        let memory = format!("--device-memory-gib={memory_gib}");
+        let mut args = shape.to_vec();
+        args.push(&memory);
+        let (report, _) = plan_json(&args);
+        // Device 1 of node 0: experts only (the dense part is on device 0).
+        let d = report["devices"][1].clone();
+        assert_eq!(
+            (d["node"].as_u64(), d["device"].as_u64()),
+            (Some(0), Some(1))
+        );
+        d
+    };
+    let roomy = device(1000.0);
+    // 14 FP8 experts (1 byte a weight, f32 block scales) per layer, 60 layers.
+    let expert = 3 * 7168 * 2048 + 4 * 3 * 16 * 56u64;
+    assert_eq!(roomy["expert_bytes"], 14 * 60 * expert);
+    let (weights, work) = (
+        roomy["expert_bytes"].as_f64().unwrap(),
+        roomy["work_bytes"].as_f64().unwrap(),
+    );
+    // At least 12 experts widened to bf16 at a time (1 GiB of them), plus the rows.
+    assert!(work >= 12.0 * 2.0 * (3 * 7168 * 2048) as f64, "{work}");
+    assert_eq!(roomy["fits"], true);
+    let gib = (1u64 << 30) as f64;
+    let tight = device((weights + work / 2.0) / 0.9 / gib);
+    assert_eq!(
+        tight["fits"], false,
+        "weights fit, the work area does not: {tight}"
+    );
+    let enough = device((weights + work) / 0.9 / gib + 0.01);
+    assert_eq!(enough["fits"], true, "{enough}");
+    let whole = device((weights + work) / gib + 0.01);
+    assert_eq!(
+        whole["fits"], false,
+        "only 90% of the memory is usable: {whole}"
+    );
 }
 
 #[test]

@@ -31,6 +31,10 @@ pub struct PlanInput<'a> {
     pub redundant_slots: usize,
     pub profile: Option<&'a Profile>,
     pub device_memory_bytes: Option<u64>,
+    /// The share of each device's memory a node may use (`devices.gpu_memory_fraction`).
+    pub memory_fraction: f64,
+    /// Grouped rows of one step at most (tokens per step × top-k): sizes the work area.
+    pub max_rows: usize,
     /// The dense part lives on each node's device 0 (else in host memory).
     pub dense_on_device: bool,
     pub on_unavailable: OnUnavailable,
@@ -92,6 +96,8 @@ pub struct ClusterShape {
     pub replication: usize,
     pub redundant_slots: usize,
     pub device_memory_bytes: Option<u64>,
+    /// The share of it a node may use, as `serve` counts it at start-up.
+    pub memory_fraction: f64,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -104,6 +110,9 @@ pub struct DeviceReport {
     pub redundant_experts: usize,
     pub expert_bytes: u64,
     pub dense_bytes: u64,
+    /// What the device's experts need besides their weights on a GPU (see
+    /// [`sizes::gpu_work_bytes`]).
+    pub work_bytes: u64,
     pub fits: bool,
 }
 
@@ -184,6 +193,7 @@ pub fn plan(input: &PlanInput) -> Result<PlanReport, PlanError> {
     let devices = nodes * per_node;
     let global = |r: &crate::placement::Replica| r.node as usize * per_node + r.device as usize;
     let sizes = ModelSizes::of(model);
+    let work = sizes::gpu_work_bytes(model, input.max_rows);
     let node_of: Vec<u16> = (0..devices).map(|d| (d / per_node) as u16).collect();
     let dense_on = |d: usize| input.dense_on_device && d.is_multiple_of(per_node);
     // Spare slots per device and layer, as far as memory allows.
@@ -197,7 +207,7 @@ pub fn plan(input: &PlanInput) -> Result<PlanReport, PlanError> {
                 .len() as u64
                 * sizes.expert_bytes;
             let dense = if dense_on(d) { sizes.dense_bytes } else { 0 };
-            let free = memory.saturating_sub(held + dense);
+            let free = usable(memory, input.memory_fraction).saturating_sub(held + dense + work);
             let per_slot = sizes.expert_bytes * moe_count as u64;
             input.redundant_slots.min((free / per_slot.max(1)) as usize)
         })
@@ -286,6 +296,11 @@ fn hot(loads: &[f64]) -> Vec<u32> {
         .collect()
 }
 
+/// The bytes of a device of `memory` bytes a node may use.
+fn usable(memory: u64, fraction: f64) -> u64 {
+    (memory as f64 * fraction) as u64
+}
+
 fn assemble(input: &PlanInput, sizes: &ModelSizes, layers: &[LayerPlan]) -> PlanReport {
     let model = input.model;
     let per_node = input.devices_per_node;
@@ -303,6 +318,7 @@ fn assemble(input: &PlanInput, sizes: &ModelSizes, layers: &[LayerPlan]) -> Plan
             } else {
                 0
             },
+            work_bytes: sizes::gpu_work_bytes(model, input.max_rows),
             fits: true,
         })
         .collect();
@@ -358,13 +374,18 @@ fn assemble(input: &PlanInput, sizes: &ModelSizes, layers: &[LayerPlan]) -> Plan
     }
     if let Some(memory) = input.device_memory_bytes {
         for d in device_reports.iter_mut() {
-            d.fits = d.expert_bytes + d.dense_bytes <= memory;
+            let usable = usable(memory, input.memory_fraction);
+            d.fits = d.expert_bytes + d.dense_bytes + d.work_bytes <= usable;
             if !d.fits {
                 problems.push(format!(
-                    "node {} device {}: {:.1} GiB of weights do not fit in {:.1} GiB",
+                    "node {} device {}: {:.1} GiB of weights and {:.1} GiB of work area do not \
+                     fit in {:.1} GiB ({:.0}% of {:.1} GiB, devices.gpu_memory_fraction)",
                     d.node,
                     d.device,
                     gib(d.expert_bytes + d.dense_bytes),
+                    gib(d.work_bytes),
+                    gib(usable),
+                    100.0 * input.memory_fraction,
                     gib(memory)
                 ));
             }
@@ -442,6 +463,7 @@ fn assemble(input: &PlanInput, sizes: &ModelSizes, layers: &[LayerPlan]) -> Plan
             replication: input.replication,
             redundant_slots: input.redundant_slots,
             device_memory_bytes: input.device_memory_bytes,
+            memory_fraction: input.memory_fraction,
         },
         devices: device_reports,
         placement,

@@ -38,7 +38,11 @@ impl PlanReport {
             c.replication,
             c.redundant_slots,
             match c.device_memory_bytes {
-                Some(b) => format!(", {:.1} GiB per device", gib(b)),
+                Some(b) => format!(
+                    ", {:.1} GiB per device ({:.0}% usable: devices.gpu_memory_fraction)",
+                    gib(b),
+                    100.0 * c.memory_fraction
+                ),
                 None => String::new(),
             }
         )?;
@@ -58,8 +62,15 @@ impl PlanReport {
         )?;
         writeln!(
             out,
-            "  {:>4} {:>6} {:>9} {:>10} {:>11} {:>10} {:>5}",
-            "node", "device", "experts", "hot copies", "expert GiB", "dense GiB", "fits"
+            "  {:>4} {:>6} {:>9} {:>10} {:>11} {:>10} {:>9} {:>5}",
+            "node",
+            "device",
+            "experts",
+            "hot copies",
+            "expert GiB",
+            "dense GiB",
+            "work GiB",
+            "fits"
         )?;
         for d in &self.devices {
             let min = d.experts.values().min().copied().unwrap_or(0);
@@ -71,13 +82,14 @@ impl PlanReport {
             };
             writeln!(
                 out,
-                "  {:>4} {:>6} {:>9} {:>10} {:>11.2} {:>10.2} {:>5}",
+                "  {:>4} {:>6} {:>9} {:>10} {:>11.2} {:>10.2} {:>9.2} {:>5}",
                 d.node,
                 d.device,
                 held,
                 d.redundant_experts,
                 gib(d.expert_bytes),
                 gib(d.dense_bytes),
+                gib(d.work_bytes),
                 if d.fits { "yes" } else { "NO" }
             )?;
         }

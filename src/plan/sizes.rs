@@ -3,6 +3,8 @@
 
 use serde::Serialize;
 
+use crate::compute::cuda::experts::ExpertShape;
+use crate::compute::cuda::storage::ExpertStorage;
 use crate::model::ModelConfig;
 use crate::model::config::{AttentionConfig, Family};
 use crate::model::quant::Quantization;
@@ -97,6 +99,42 @@ impl ModelSizes {
     }
 }
 
+/// Bytes of GPU memory a device holding experts takes besides their weights, as the start-up
+/// fit check counts them ([`ExpertShape::bytes_needed`]): the bf16 copies quantized experts
+/// are widened into for the grouped GEMM (up to 1 GiB), the rows of a step of `max_rows`
+/// grouped rows, the per-group pointer arrays and cuBLAS's reserve.
+pub fn gpu_work_bytes(model: &ModelConfig, max_rows: usize) -> u64 {
+    let storage = match (&model.quantization, quantized_expert_bytes(model)) {
+        (_, None) | (Quantization::None, _) => ExpertStorage::Bf16,
+        (Quantization::Fp8 { block }, Some(_)) => ExpertStorage::Fp8 {
+            block_rows: block[0],
+            block_cols: block[1],
+        },
+        (Quantization::PackedInt4 { group_size, .. }, Some(_)) => ExpertStorage::Int4 {
+            group: *group_size,
+            scales_bf16: int4_scale_bytes(model) == 2,
+        },
+    };
+    let shape = ExpertShape {
+        hidden: model.hidden_size,
+        intermediate: model.moe.expert_intermediate_size,
+        num_experts: model.moe.num_experts,
+        max_rows,
+        host_io: true,
+        storage,
+    };
+    shape.bytes_needed(0) as u64
+}
+
+/// Bytes of one INT4 scale as a node holds them: bf16 when the file's are (compressed-tensors
+/// writes them in the model's dtype), else f32 (`GroupScales`).
+fn int4_scale_bytes(model: &ModelConfig) -> u64 {
+    match model.dtype.as_deref() {
+        None | Some("bfloat16" | "bf16") => 2,
+        Some(_) => 4,
+    }
+}
+
 /// Bytes of one routed expert held in its quantized form (weights and f32 scales), or `None`
 /// where the checkpoint stores experts unquantized.
 fn quantized_expert_bytes(model: &ModelConfig) -> Option<u64> {
@@ -129,12 +167,7 @@ fn quantized_expert_bytes(model: &ModelConfig) -> Option<u64> {
                 return None;
             }
             let group = *group_size as u64;
-            // Scales are held in bf16 when the file's are (compressed-tensors writes them in
-            // the model's dtype), else in f32 (`GroupScales`).
-            let scale_bytes = match model.dtype.as_deref() {
-                None | Some("bfloat16" | "bf16") => 2,
-                Some(_) => 4,
-            };
+            let scale_bytes = int4_scale_bytes(model);
             Some(
                 matrices
                     .iter()
