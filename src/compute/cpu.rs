@@ -1145,9 +1145,10 @@ impl DecodeKernel {
             },
             #[cfg(target_arch = "x86_64")]
             DecodeKernel::Avx2 => match m {
-                1 => unsafe { rows_avx2::<W, 1>(x, m, k, w, out_t) },
-                2 | 4 => unsafe { rows_avx2::<W, 2>(x, m, k, w, out_t) },
-                _ => unsafe { rows_avx2::<W, 3>(x, m, k, w, out_t) },
+                1 => unsafe { rows_avx2::<W, 3, 1>(x, m, k, w, out_t) },
+                2 => unsafe { rows_avx2::<W, 3, 2>(x, m, k, w, out_t) },
+                3 => unsafe { rows_avx2::<W, 3, 3>(x, m, k, w, out_t) },
+                _ => unsafe { rows_avx2::<W, 2, 4>(x, m, k, w, out_t) },
             },
         }
     }
@@ -1200,18 +1201,23 @@ fn avx2_decode_available() -> bool {
         && std::arch::is_x86_feature_detected!("f16c")
 }
 
-/// [`DecodeKernel::Avx2`]: [`rows_avx512`] with 8 lanes and three weight rows a pass, for one
-/// to [`FEW_ROWS`] input rows in groups of `R` (9 accumulators of the 16 registers at three):
-/// each pass's weight rows (in L1 after the first group) are decoded in registers for every
-/// group; the last group repeats the last input row where fewer than `R` are left (its
-/// outputs not written). The last partial chunk of each row is summed in scalars.
+/// [`DecodeKernel::Avx2`]: [`rows_avx512`] with 8 lanes and `COLUMNS` weight rows a pass, for
+/// one to [`FEW_ROWS`] input rows in groups of `R` (`COLUMNS` x `R` accumulators of the 16
+/// registers): each pass's weight rows (in L1 after the first group) are decoded in registers
+/// for every group; the last group repeats the last input row where fewer than `R` are left
+/// (its outputs not written). The last partial chunk of each row is summed in scalars.
+///
+/// Three weight rows a pass for one to three input rows, two for four to eight in groups of
+/// four: fewer groups decode each pass's weights fewer times (8 rows: 2 groups, against 3 of
+/// three), and one weight row a pass with all eight inputs (decoded once) was no faster, its
+/// eight input rows (32 KiB at k = 1024) no longer held in L1 beside the weights.
 ///
 /// # Safety
 /// The CPU has AVX2, FMA and F16C; `x` holds `m` rows of `k` and `w` the `out_t.len() / m`
 /// rows of `k`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_avx2<W: WeightElement, const R: usize>(
+unsafe fn rows_avx2<W: WeightElement, const COLUMNS: usize, const R: usize>(
     x: &[f32],
     m: usize,
     k: usize,
@@ -1219,7 +1225,6 @@ unsafe fn rows_avx2<W: WeightElement, const R: usize>(
     out_t: &mut [f32],
 ) {
     use std::arch::x86_64::*;
-    const COLUMNS: usize = 3;
     let n = out_t.len() / m;
     let (xp, wp) = (x.as_ptr(), w.as_ptr());
     let plan = DecodePlan::new::<W>(COLUMNS, k, 8);
@@ -1854,10 +1859,23 @@ pub(crate) mod tests {
 
     #[test]
     fn every_decode_kernel_the_cpu_has_matches_the_naive_product() {
-        // One to three input rows; weight rows left over by passes of three and four (5, 7);
-        // inputs with and without a partial chunk of 8 or 16 lanes.
+        // One to eight input rows (as many as the kernel takes: AVX2 in groups of up to
+        // four, the last group short); weight rows left over by passes of two, three and
+        // four (5, 7); inputs with and without a partial chunk of 8 or 16 lanes.
+        let cases = [
+            (1, 16, 4),
+            (1, 37, 5),
+            (2, 1000, 7),
+            (3, 8, 3),
+            (3, 100, 9),
+            (4, 37, 7),
+            (5, 100, 5),
+            (6, 16, 3),
+            (7, 1000, 4),
+            (8, 100, 9),
+        ];
         for kernel in DecodeKernel::all() {
-            for (m, k, n) in [(1, 16, 4), (1, 37, 5), (2, 1000, 7), (3, 8, 3), (3, 100, 9)] {
+            for (m, k, n) in cases.into_iter().filter(|c| c.0 <= kernel.max_rows()) {
                 let (x, w, wide, expected) = few_row_case(m, k, n);
                 let mut from_bf16 = vec![f32::NAN; n * m];
                 kernel.run(&x, m, k, &w, &mut from_bf16);
