@@ -256,7 +256,7 @@ pub fn plan(input: &PlanInput) -> Result<PlanReport, PlanError> {
             balanced_imbalance,
         });
     }
-    Ok(assemble(input, &sizes, &layer_plans))
+    Ok(assemble(input, &sizes, work, &layer_plans))
 }
 
 /// The layout `serve` starts with for this shape: one node places on its devices with
@@ -301,7 +301,9 @@ fn usable(memory: u64, fraction: f64) -> u64 {
     (memory as f64 * fraction) as u64
 }
 
-fn assemble(input: &PlanInput, sizes: &ModelSizes, layers: &[LayerPlan]) -> PlanReport {
+/// The report from the layers' plans; `work` is each device's work area (see
+/// [`sizes::gpu_work_bytes`]).
+fn assemble(input: &PlanInput, sizes: &ModelSizes, work: u64, layers: &[LayerPlan]) -> PlanReport {
     let model = input.model;
     let per_node = input.devices_per_node;
     let devices = input.nodes * per_node;
@@ -318,7 +320,7 @@ fn assemble(input: &PlanInput, sizes: &ModelSizes, layers: &[LayerPlan]) -> Plan
             } else {
                 0
             },
-            work_bytes: sizes::gpu_work_bytes(model, input.max_rows),
+            work_bytes: work,
             fits: true,
         })
         .collect();
@@ -373,8 +375,8 @@ fn assemble(input: &PlanInput, sizes: &ModelSizes, layers: &[LayerPlan]) -> Plan
         placement.insert(plan.layer.to_string(), plan.replicated.devices_of.clone());
     }
     if let Some(memory) = input.device_memory_bytes {
+        let usable = usable(memory, input.memory_fraction);
         for d in device_reports.iter_mut() {
-            let usable = usable(memory, input.memory_fraction);
             d.fits = d.expert_bytes + d.dense_bytes + d.work_bytes <= usable;
             if !d.fits {
                 problems.push(format!(
