@@ -487,16 +487,17 @@ impl QuantLinear {
         true
     }
 
-    /// Whether one input row of this matrix takes [`QuantLinear::int4_decode`]: INT4 in
-    /// groups the kernel takes, on a CPU with the decode kernel.
+    /// Whether `rows` input rows of this matrix take [`QuantLinear::int4_decode`]: INT4 in
+    /// groups the kernels take, on a CPU with a decode kernel for that many rows.
     #[cfg(target_arch = "x86_64")]
-    fn int4_decodes(&self) -> bool {
-        matches!(&self.format, QuantFormat::Int4 { group, .. } if int4_kernel_takes(*group))
-            && Int4Decode::detect().is_some()
+    fn int4_decodes(&self, rows: usize) -> bool {
+        matches!(&self.format, QuantFormat::Int4 { group, .. }
+            if int4_kernel_takes(*group) && Int4Decode::detect_for(rows, *group).is_some())
     }
 
-    /// `out = x · wᵀ` for one input row given as `inputs` ([`Int4Inputs::for_decode`]), on the
-    /// decode kernel they were made for; the caller checked [`QuantLinear::int4_decodes`].
+    /// `out = x · wᵀ` for the input rows given as `inputs` ([`Int4Inputs::for_decode`]), on
+    /// the decode kernel they were made for; the caller checked
+    /// [`QuantLinear::int4_decodes`].
     #[cfg(target_arch = "x86_64")]
     fn int4_decode(&self, inputs: &Int4Inputs, out: &mut [f32], parallel: bool) {
         let QuantFormat::Int4 {
@@ -519,7 +520,7 @@ impl QuantLinear {
             };
             rows.dot(inputs, first, out_t)
         };
-        cpu::few_rows_by_columns(1, k, out, parallel, weight_rows);
+        cpu::few_rows_by_columns(inputs.rows, k, out, parallel, weight_rows);
     }
 
     /// `x [rows, in] -> [rows, out]`; `parallel = false` keeps the work on this thread.
@@ -597,10 +598,9 @@ impl QuantLinear {
             && int4_kernel_takes(*group)
         {
             #[cfg(target_arch = "x86_64")]
-            if rows == 1
-                && let Some(kernel) = Int4Decode::detect()
-            {
-                self.int4_decode(&Int4Inputs::for_decode(x, kernel), &mut out, parallel);
+            if let Some(kernel) = Int4Decode::detect_for(rows, *group) {
+                let inputs = Int4Inputs::for_decode(x, rows, kernel);
+                self.int4_decode(&inputs, &mut out, parallel);
                 return out;
             }
             let inputs = Int4Inputs::new(x, rows, k);
@@ -704,29 +704,34 @@ impl Int4Inputs {
         }
     }
 
-    /// One input row as `kernel` reads it, in one pass: plane `i` of each chunk scaled by
-    /// the power of two the kernel reads nibble `i` with ([`Int4Decode::plane_scale`]); the
+    /// `rows` input rows as `kernel` reads them, in one pass: plane `i` of each chunk scaled
+    /// by the power of two the kernel reads nibble `i` with ([`Int4Decode::plane_scale`]); the
     /// sums as [`Int4Inputs::new`] makes them.
     #[cfg(target_arch = "x86_64")]
-    fn for_decode(x: &[f32], kernel: Int4Decode) -> Self {
-        let chunks = x.len().div_ceil(8 * INT4_WORDS);
-        let mut planes = vec![0.0f32; chunks * 8 * INT4_WORDS];
-        let mut sums = vec![0.0f32; chunks * INT4_WORDS];
+    fn for_decode(x: &[f32], rows: usize, kernel: Int4Decode) -> Self {
+        let k = x.len() / rows;
+        let chunks = k.div_ceil(8 * INT4_WORDS);
+        let mut planes = vec![0.0f32; rows * chunks * 8 * INT4_WORDS];
+        let mut sums = vec![0.0f32; rows * chunks * INT4_WORDS];
         let scales: [f32; 8] = std::array::from_fn(|i| kernel.plane_scale(i));
-        for (word, values) in x.chunks(8).enumerate() {
-            let (c, l) = (word / INT4_WORDS, word % INT4_WORDS);
-            let mut sum = 0.0f32;
-            for (i, v) in values.iter().enumerate() {
-                planes[c * 8 * INT4_WORDS + i * INT4_WORDS + l] = v * scales[i];
-                sum += v;
+        for (r, xr) in x.chunks_exact(k).enumerate() {
+            let planes = &mut planes[r * chunks * 8 * INT4_WORDS..];
+            let sums = &mut sums[r * chunks * INT4_WORDS..];
+            for (word, values) in xr.chunks(8).enumerate() {
+                let (c, l) = (word / INT4_WORDS, word % INT4_WORDS);
+                let mut sum = 0.0f32;
+                for (i, v) in values.iter().enumerate() {
+                    planes[c * 8 * INT4_WORDS + i * INT4_WORDS + l] = v * scales[i];
+                    sum += v;
+                }
+                sums[word] = sum;
             }
-            sums[word] = sum;
         }
         Int4Inputs {
             planes,
             sums,
             chunks,
-            rows: 1,
+            rows,
             decode: Some(kernel),
         }
     }
@@ -765,18 +770,20 @@ struct Int4Rows<'a> {
 
 #[cfg(target_arch = "x86_64")]
 impl Int4Rows<'_> {
-    /// `out[c] = x · row (first + c)` for the one input row of `inputs` (made by
+    /// `out[c * m + r] = x[r] · row (first + c)` for the `m` input rows of `inputs` (made by
     /// [`Int4Inputs::for_decode`]).
     fn dot(&self, inputs: &Int4Inputs, first: usize, out: &mut [f32]) {
-        let chunks = inputs.chunks;
+        let (chunks, m) = (inputs.chunks, inputs.rows);
+        let kernel = inputs.decode.expect("planes made for a decode kernel");
         assert!(
-            inputs.rows == 1
-                && inputs.planes.len() == chunks * 8 * INT4_WORDS
-                && inputs.sums.len() == chunks * INT4_WORDS
+            kernel.takes(m, self.words_per_group * 8)
+                && inputs.planes.len() == m * chunks * 8 * INT4_WORDS
+                && inputs.sums.len() == m * chunks * INT4_WORDS
+                && out.len().is_multiple_of(m)
                 && self.words <= chunks * INT4_WORDS
                 && self.words > (chunks - 1) * INT4_WORDS
-                && (first + out.len()) * self.words <= self.packed.len()
-                && (first + out.len()) * self.groups <= self.scales.len()
+                && (first + out.len() / m) * self.words <= self.packed.len()
+                && (first + out.len() / m) * self.groups <= self.scales.len()
                 && self.groups == self.words.div_ceil(self.words_per_group),
             "INT4 decode inputs"
         );
@@ -784,10 +791,24 @@ impl Int4Rows<'_> {
             GroupScales::Bf16(s) => (s.as_ptr().cast::<u8>(), true),
             GroupScales::F32(s) => (s.as_ptr().cast::<u8>(), false),
         };
-        let kernel = inputs.decode.expect("planes made for a decode kernel");
-        // SAFETY: the planes were made for `kernel`, which `Int4Decode::detect` found on this
-        // CPU; the assert above bounds every load (the kernels' contract); `scales` points at
-        // the matrix's own scales, bf16 where `bf16_scales`.
+        // Measured on an AVX2 machine with the matrix in L2 (G weights x rows a second, one
+        // thread): one row three packed rows a pass, each chain split between even and odd
+        // nibbles (14, against 12 with two a pass); more rows two a pass in groups of up to
+        // four (2 rows 18, 4 rows 23, 8 rows 20; one a pass 17 at 4 rows), their
+        // accumulators spilling past three rows but each input plane loaded once for both.
+        macro_rules! avx2 {
+            ($bf16:literal) => {
+                match m {
+                    1 => int4_rows_avx2::<$bf16, 3, 1, 2>,
+                    2 => int4_rows_avx2::<$bf16, 2, 2, 1>,
+                    3 | 5 | 6 => int4_rows_avx2::<$bf16, 2, 3, 1>,
+                    _ => int4_rows_avx2::<$bf16, 2, 4, 1>,
+                }
+            };
+        }
+        // SAFETY: the planes were made for `kernel`, which `Int4Decode::detect_for` found on
+        // this CPU for `m` rows; the assert above bounds every load (the kernels' contract);
+        // `scales` points at the matrix's own scales, bf16 where `bf16_scales`.
         unsafe {
             match (kernel, bf16_scales) {
                 (Int4Decode::Avx512, true) => {
@@ -796,12 +817,8 @@ impl Int4Rows<'_> {
                 (Int4Decode::Avx512, false) => {
                     int4_rows_avx512::<false>(self, inputs, scales, first, out)
                 }
-                (Int4Decode::Avx2, true) => {
-                    int4_rows_avx2::<true>(self, inputs, scales, first, out)
-                }
-                (Int4Decode::Avx2, false) => {
-                    int4_rows_avx2::<false>(self, inputs, scales, first, out)
-                }
+                (Int4Decode::Avx2, true) => avx2!(true)(self, inputs, scales, first, out),
+                (Int4Decode::Avx2, false) => avx2!(false)(self, inputs, scales, first, out),
             }
         }
     }
@@ -949,12 +966,31 @@ enum Int4Decode {
 
 #[cfg(target_arch = "x86_64")]
 impl Int4Decode {
-    /// The widest this CPU runs (on every INT4 decode product: no allocation).
+    /// The widest this CPU runs for one input row (on every INT4 decode product: no
+    /// allocation).
     fn detect() -> Option<Int4Decode> {
         if cpu::decode_kernel_available() {
             Some(Int4Decode::Avx512)
         } else {
             Int4Decode::avx2_available().then_some(Int4Decode::Avx2)
+        }
+    }
+
+    /// The kernel this CPU runs for `rows` input rows (one to [`FEW_ROWS`]) of a matrix in
+    /// groups of `group` weights (which [`int4_kernel_takes`]): for more than one row,
+    /// [`int4_rows_avx2`] on a CPU without AVX-512 (with it, more rows take the AMX-INT8
+    /// tiles where the CPU has them, else [`int4_dot_rows`] in 16 lanes).
+    fn detect_for(rows: usize, group: usize) -> Option<Int4Decode> {
+        Int4Decode::detect().filter(|kernel| kernel.takes(rows, group))
+    }
+
+    /// Whether this kernel takes `rows` input rows of a matrix in groups of `group` weights
+    /// (which [`int4_kernel_takes`]): AVX2 reads a group's scale by a shift, so only groups
+    /// of a power of two.
+    fn takes(self, rows: usize, group: usize) -> bool {
+        match self {
+            Int4Decode::Avx512 => rows == 1,
+            Int4Decode::Avx2 => (1..=FEW_ROWS).contains(&rows) && group.is_power_of_two(),
         }
     }
 
@@ -985,22 +1021,29 @@ impl Int4Decode {
     }
 }
 
-/// [`int4_rows_avx512`] with AVX2: two packed rows a pass (the last pass repeats the last row
-/// where one is left), each chunk's sixteen words as two registers of eight. Nibble `i` is
-/// masked in place (the top one shifted down) and converted against the input plane scaled
-/// by [`Int4Decode::plane_scale`]; each chunk's sums, less 8 times its inputs' sums, are
-/// multiplied by the lanes' group scales into the row's total. The scales of a register's
-/// eight lanes are loaded as eight from its first (bf16 widened by a shift) and spread by a
-/// permutation; where eight would reach past the matrix's scales, or the register takes some
-/// past its row's, the row's are copied first.
+/// [`int4_rows_avx512`] with AVX2, for one to [`FEW_ROWS`] input rows in groups of `R`:
+/// `PASS` packed rows a pass (the last pass repeats the last row where fewer are left), each
+/// pass's words (in L1 after the first group) decoded in registers for every group of input
+/// rows; the last group repeats the last input row where fewer than `R` are left (its
+/// outputs not written). Each chunk's sixteen words are taken as two halves of eight lanes.
+/// Nibble `i` is masked in place (the top one shifted down) and converted against the input
+/// plane scaled by [`Int4Decode::plane_scale`], into `S` accumulators a row taking the
+/// nibbles in turn (more independent chains of multiply-adds where `PASS * R` are few); each
+/// half's sums, less 8 times its inputs' sums, are multiplied by the lanes' group scales
+/// into the row's total.
+///
+/// Groups are a power of two words (the caller's contract), so a half's first scale is
+/// `(16c + 8h) >> log2(words_per_group)`, and it reads exactly its own (eight, four, two or
+/// one), spread over its lanes by a permutation; the last chunk of a row whose words end
+/// inside it copies its scales.
 ///
 /// # Safety
 /// The CPU has AVX2 and FMA; `inputs` were made by [`Int4Inputs::for_decode`] for
-/// [`Int4Decode::Avx2`]; `scales` points at `matrix`'s own scales (bf16 when `BF16`, else
-/// f32); the rest is what [`Int4Rows::dot`] asserts.
+/// [`Int4Decode::Avx2`]; `words_per_group` is a power of two; `scales` points at `matrix`'s
+/// own scales (bf16 when `BF16`, else f32); the rest is what [`Int4Rows::dot`] asserts.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn int4_rows_avx2<const BF16: bool>(
+unsafe fn int4_rows_avx2<const BF16: bool, const PASS: usize, const R: usize, const S: usize>(
     matrix: &Int4Rows<'_>,
     inputs: &Int4Inputs,
     scales: *const u8,
@@ -1008,18 +1051,22 @@ unsafe fn int4_rows_avx2<const BF16: bool>(
     out: &mut [f32],
 ) {
     use std::arch::x86_64::*;
-    const PASS: usize = 2;
     const HALF: usize = INT4_WORDS / 2;
+    const PLANE: usize = 8 * INT4_WORDS;
     const PREFETCH_ROWS: usize = 8;
-    let (words, groups, words_per_group) = (matrix.words, matrix.groups, matrix.words_per_group);
-    let chunks = inputs.chunks;
-    let all_scales = matrix.scales.len();
-    // Lane l of either register takes scale l / words_per_group of those loaded for it (all
-    // lanes the first for a group of whole registers).
-    let lanes: [i32; HALF] = std::array::from_fn(|l| (l / words_per_group) as i32);
+    let (words, groups) = (matrix.words, matrix.groups);
+    let shift = matrix.words_per_group.trailing_zeros();
+    let (chunks, m) = (inputs.chunks, inputs.rows);
+    let n = out.len() / m;
+    let size = if BF16 { 2 } else { 4 };
+    // Chunks whose sixteen words (and so whose scales) all lie within the row.
+    let whole_chunks = words / INT4_WORDS;
+    // A half's scales: `per_half` from its first, lane l taking the (l >> shift)-th.
+    let per_half = (HALF >> shift).max(1);
+    let lanes: [i32; HALF] = std::array::from_fn(|l| (l >> shift.min(3)) as i32);
     // SAFETY: `lanes` holds 8 i32, the width of the load.
-    let lane_scale = unsafe { _mm256_loadu_si256(lanes.as_ptr().cast()) };
-    // The last chunk's words: a lane mask per register (all lanes of whole chunks).
+    let spread = unsafe { _mm256_loadu_si256(lanes.as_ptr().cast()) };
+    // The last chunk's words: a lane mask per half (all lanes where its words are whole).
     let tail = words - (chunks - 1) * INT4_WORDS;
     let tail_masks: [__m256i; 2] = std::array::from_fn(|h| {
         let valid: [i32; HALF] = std::array::from_fn(|l| -i32::from(h * HALF + l < tail));
@@ -1027,110 +1074,166 @@ unsafe fn int4_rows_avx2<const BF16: bool>(
         unsafe { _mm256_loadu_si256(valid.as_ptr().cast()) }
     });
     let eight = _mm256_set1_ps(8.0);
-    // The scales a register's lanes take: the first `needed` of the eight loaded for it.
-    let needed = HALF.div_ceil(words_per_group);
-    // Row `row`'s scales from group `start` (below `groups`) as f32, eight loaded at once
-    // where they lie within the matrix's scales; where not, or where the register takes
-    // scales past the row's, only the row's are read (the rest zero).
-    let load_scales = |row: usize, start: usize| -> __m256 {
-        let at = row * groups + start;
-        let valid = needed.min(groups - start);
-        if valid == needed && at + HALF <= all_scales {
-            if BF16 {
-                // SAFETY: eight bf16 scales from `at` lie within the matrix's; bf16 is the
-                // top half of an f32.
-                let half = unsafe { _mm_loadu_si128(scales.cast::<u16>().add(at).cast()) };
+    // The lanes' scales of a half of a whole chunk whose first scale is `at` (`per_half` of
+    // them from there), spread over the lanes by `spread` (`B`: bf16).
+    //
+    // SAFETY (for callers): the CPU has AVX2; the `per_half` scales lie within the row's.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn half_scales<const B: bool>(
+        at: *const u8,
+        per_half: usize,
+        spread: __m256i,
+    ) -> __m256 {
+        // SAFETY: the caller's contract bounds the load; bf16 is the top half of an f32.
+        let loaded = unsafe {
+            if B {
+                let half = match per_half {
+                    8 => _mm_loadu_si128(at.cast()),
+                    4 => _mm_loadl_epi64(at.cast()),
+                    2 => _mm_cvtsi32_si128(at.cast::<i32>().read_unaligned()),
+                    _ => _mm_cvtsi32_si128(i32::from(at.cast::<u16>().read_unaligned())),
+                };
                 _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(half)))
             } else {
-                // SAFETY: eight f32 scales from `at` lie within the matrix's.
-                unsafe { _mm256_loadu_ps(scales.cast::<f32>().add(at)) }
+                match per_half {
+                    8 => _mm256_loadu_ps(at.cast()),
+                    4 => _mm256_zextps128_ps256(_mm_loadu_ps(at.cast())),
+                    2 => _mm256_zextps128_ps256(_mm_castpd_ps(_mm_load_sd(at.cast()))),
+                    _ => _mm256_zextps128_ps256(_mm_load_ss(at.cast())),
+                }
             }
-        } else {
-            let mut copy = [0.0f32; HALF];
-            for (j, c) in copy.iter_mut().enumerate().take(valid) {
-                // SAFETY: scale `at + j` is one of row `row`'s.
-                *c = unsafe {
-                    if BF16 {
-                        f32::from_bits(u32::from(*scales.cast::<u16>().add(at + j)) << 16)
-                    } else {
-                        *scales.cast::<f32>().add(at + j)
-                    }
-                };
+        };
+        _mm256_permutevar8x32_ps(loaded, spread)
+    }
+    // The same for the last chunk of a row whose words end inside it: the half's scales
+    // (lane l's the `(first_word + l) >> shift`-th of the row's `groups` from `row`) copied,
+    // those past the row's zero.
+    //
+    // SAFETY (for callers): the CPU has AVX2; `row` points at a row's `groups` scales.
+    #[target_feature(enable = "avx2")]
+    unsafe fn tail_scales<const B: bool>(
+        row: *const u8,
+        groups: usize,
+        first_word: usize,
+        shift: u32,
+    ) -> __m256 {
+        let lanes: [f32; HALF] = std::array::from_fn(|l| {
+            let group = (first_word + l) >> shift;
+            if group >= groups {
+                return 0.0;
             }
-            // SAFETY: `copy` holds 8 f32, the width of the load.
-            unsafe { _mm256_loadu_ps(copy.as_ptr()) }
-        }
-    };
+            // SAFETY: scale `group` is one of the row's.
+            unsafe {
+                if B {
+                    f32::from_bits(u32::from(*row.cast::<u16>().add(group)) << 16)
+                } else {
+                    *row.cast::<f32>().add(group)
+                }
+            }
+        });
+        // SAFETY: `lanes` holds 8 f32, the width of the load.
+        unsafe { _mm256_loadu_ps(lanes.as_ptr()) }
+    }
     let planes = inputs.planes.as_ptr();
     let sums = inputs.sums.as_ptr();
-    for at in (0..out.len()).step_by(PASS) {
-        let count = (out.len() - at).min(PASS);
-        let row: [usize; PASS] = std::array::from_fn(|j| first + at + j.min(count - 1));
-        let w_rows: [*const u32; PASS] =
-            std::array::from_fn(|j| matrix.packed.as_ptr().wrapping_add(row[j] * words));
-        let mut total = [_mm256_setzero_ps(); PASS];
-        for c in 0..chunks {
-            // SAFETY: a whole chunk's 16 words lie within each row; the last chunk's lanes
-            // past the row's words are masked.
-            let w: [[__m256i; 2]; PASS] = std::array::from_fn(|j| {
-                std::array::from_fn(|h| unsafe {
-                    let at = w_rows[j].add(c * INT4_WORDS + h * HALF).cast::<i32>();
-                    if c + 1 == chunks {
-                        _mm256_maskload_epi32(at, tail_masks[h])
-                    } else {
-                        _mm256_loadu_si256(at.cast())
-                    }
-                })
-            });
-            // The same line four passes on (rows 8 further in the matrix): a hint, which never
-            // faults (16 rows on measured the same).
-            for w_row in w_rows {
-                let ahead = w_row.wrapping_add(PREFETCH_ROWS * words + c * INT4_WORDS);
-                _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
-            }
-            let mut acc = [[_mm256_setzero_ps(); 2]; PASS];
-            for i in 0..8 {
-                // SAFETY: plane i of chunk c (16 values) lies within the planes.
-                let p: [__m256; 2] = std::array::from_fn(|h| unsafe {
-                    _mm256_loadu_ps(planes.add((c * 8 + i) * INT4_WORDS + h * HALF))
-                });
-                let nibble = _mm256_set1_epi32((0xf_u32 << (4 * i)) as i32);
-                for j in 0..PASS {
-                    for h in 0..2 {
-                        let bits = if i == 7 {
-                            _mm256_srli_epi32::<28>(w[j][h])
-                        } else {
-                            _mm256_and_si256(w[j][h], nibble)
-                        };
-                        let q = _mm256_cvtepi32_ps(bits);
-                        acc[j][h] = _mm256_fmadd_ps(q, p[h], acc[j][h]);
-                    }
-                }
-            }
-            for h in 0..2 {
-                // SAFETY: chunk c's sums (16 values) lie within the sums.
-                let s = unsafe { _mm256_loadu_ps(sums.add(c * INT4_WORDS + h * HALF)) };
-                let start = (c * INT4_WORDS + h * HALF) / words_per_group;
-                for (j, (acc, total)) in acc.iter().zip(&mut total).enumerate() {
-                    let partial = _mm256_fnmadd_ps(eight, s, acc[h]);
-                    let scale = if start < groups {
-                        _mm256_permutevar8x32_ps(load_scales(row[j], start), lane_scale)
-                    } else {
-                        // Lanes past the row's words (their partial sums are zero).
-                        _mm256_setzero_ps()
-                    };
-                    *total = _mm256_fmadd_ps(partial, scale, *total);
-                }
-            }
+    for at in (0..n).step_by(PASS) {
+        let count = (n - at).min(PASS);
+        let mut w_rows = [std::ptr::null::<u32>(); PASS];
+        let mut s_rows = [std::ptr::null::<u8>(); PASS];
+        for j in 0..PASS {
+            let row = first + at + j.min(count - 1);
+            w_rows[j] = matrix.packed.as_ptr().wrapping_add(row * words);
+            s_rows[j] = scales.wrapping_add(row * groups * size);
         }
-        for (j, total) in total.iter().enumerate().take(count) {
-            let quad = _mm_add_ps(
-                _mm256_castps256_ps128(*total),
-                _mm256_extractf128_ps::<1>(*total),
-            );
-            let pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
-            let one = _mm_add_ss(pair, _mm_movehdup_ps(pair));
-            out[at + j] = _mm_cvtss_f32(one);
+        for g in 0..m.div_ceil(R) {
+            // Input row `r` of the group (the last repeated past `m`).
+            let mut input = [0usize; R];
+            for (r, x) in input.iter_mut().enumerate() {
+                *x = (g * R + r).min(m - 1);
+            }
+            let mut total = [[_mm256_setzero_ps(); R]; PASS];
+            for c in 0..chunks {
+                let whole = c < whole_chunks;
+                if g == 0 {
+                    // The same words a few passes on: a hint, which never faults.
+                    for w_row in w_rows {
+                        let ahead = w_row.wrapping_add(PREFETCH_ROWS * words + c * INT4_WORDS);
+                        _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+                    }
+                }
+                for (h, tail_mask) in tail_masks.iter().enumerate() {
+                    // Loops, not `array::from_fn`: a closure is compiled without the
+                    // function's target features, and the inliner gives up on some (their
+                    // intrinsics then become calls).
+                    let first_word = c * INT4_WORDS + h * HALF;
+                    let mut w = [_mm256_setzero_si256(); PASS];
+                    let mut scale = [_mm256_setzero_ps(); PASS];
+                    for j in 0..PASS {
+                        // SAFETY: a whole chunk's 16 words and its scales lie within each
+                        // row; the last chunk's lanes past the row's words are masked.
+                        unsafe {
+                            let at = w_rows[j].add(first_word).cast::<i32>();
+                            if whole {
+                                w[j] = _mm256_loadu_si256(at.cast());
+                                let at = s_rows[j].add((first_word >> shift) * size);
+                                scale[j] = half_scales::<BF16>(at, per_half, spread);
+                            } else {
+                                w[j] = _mm256_maskload_epi32(at, *tail_mask);
+                                scale[j] =
+                                    tail_scales::<BF16>(s_rows[j], groups, first_word, shift);
+                            }
+                        }
+                    }
+                    let mut acc = [[[_mm256_setzero_ps(); S]; R]; PASS];
+                    for i in 0..8 {
+                        let nibble = _mm256_set1_epi32((0xf_u32 << (4 * i)) as i32);
+                        let mut q = [_mm256_setzero_ps(); PASS];
+                        for j in 0..PASS {
+                            q[j] = _mm256_cvtepi32_ps(if i == 7 {
+                                _mm256_srli_epi32::<28>(w[j])
+                            } else {
+                                _mm256_and_si256(w[j], nibble)
+                            });
+                        }
+                        for (r, x) in input.iter().enumerate() {
+                            let plane = (x * chunks + c) * PLANE + i * INT4_WORDS + h * HALF;
+                            // SAFETY: plane i of chunk c of the input row lies within the
+                            // planes.
+                            let p = unsafe { _mm256_loadu_ps(planes.add(plane)) };
+                            for j in 0..PASS {
+                                let a = &mut acc[j][r][i % S];
+                                *a = _mm256_fmadd_ps(q[j], p, *a);
+                            }
+                        }
+                    }
+                    for (r, x) in input.iter().enumerate() {
+                        // SAFETY: chunk c's sums of the input row lie within the sums.
+                        let s = unsafe {
+                            _mm256_loadu_ps(sums.add((x * chunks + c) * INT4_WORDS + h * HALF))
+                        };
+                        for j in 0..PASS {
+                            let mut sum = acc[j][r][0];
+                            for a in &acc[j][r][1..] {
+                                sum = _mm256_add_ps(sum, *a);
+                            }
+                            let partial = _mm256_fnmadd_ps(eight, s, sum);
+                            total[j][r] = _mm256_fmadd_ps(partial, scale[j], total[j][r]);
+                        }
+                    }
+                }
+            }
+            for (j, total) in total.iter().enumerate().take(count) {
+                for (r, total) in total.iter().enumerate().take(m - g * R) {
+                    let quad = _mm_add_ps(
+                        _mm256_castps256_ps128(*total),
+                        _mm256_extractf128_ps::<1>(*total),
+                    );
+                    let pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
+                    let one = _mm_add_ss(pair, _mm_movehdup_ps(pair));
+                    out[(at + j) * m + g * R + r] = _mm_cvtss_f32(one);
+                }
+            }
         }
     }
 }
@@ -1279,11 +1382,11 @@ impl QuantSwiGlu {
             }
             _ => None,
         };
-        // One INT4 row: gate and up share the decode kernel's planes.
+        // INT4 rows on a decode kernel: gate and up share its planes.
         #[cfg(target_arch = "x86_64")]
         let planes = Int4Decode::detect()
-            .filter(|_| rows == 1 && self.gate.int4_decodes() && self.up.int4_decodes())
-            .map(|kernel| Int4Inputs::for_decode(x, kernel));
+            .filter(|_| self.gate.int4_decodes(rows) && self.up.int4_decodes(rows))
+            .map(|kernel| Int4Inputs::for_decode(x, rows, kernel));
         let project = |linear: &QuantLinear| {
             let mut out = vec![0.0f32; rows * linear.out_features];
             #[cfg(target_arch = "x86_64")]
@@ -1464,17 +1567,22 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn every_int4_decode_kernel_equals_the_widened_product() {
-        // 37 weight rows: passes of two and of four with one row left over; k = 100 and 300:
-        // a partial last chunk (under and over half a chunk), 1024: whole chunks; groups of
-        // 8 to 256 weights (1 to 32 words to a scale); scales held in bf16 (0.125 and its
-        // multiples) and in f32 (0.05); every nibble value, the top nibble's too (AVX2 reads
-        // it shifted, not in place).
+        // 37 weight rows: passes of two and of four with one row left over; one to eight
+        // input rows: one group of one to four, two groups of three or four (the last
+        // repeating a row for 5 and 7); k = 100 and 300: a partial last chunk (under and
+        // over half a chunk), 1024: whole chunks; groups of 8 to 256 weights (1 to 32 words
+        // to a scale: a half's scales loaded as eight, four, two or one), and of 384 (not a
+        // power of two: AVX-512 only); scales held in bf16 (0.125 and its multiples) and in
+        // f32 (0.05); every nibble value, the top nibble's too (AVX2 reads it shifted, not in
+        // place).
         let kernels = Int4Decode::all();
         println!("INT4 decode kernels on this CPU: {kernels:?}");
         let n = 37;
         for k in [100usize, 300, 1024] {
-            let x: Vec<f32> = (0..k).map(|i| ((i * 5 % 11) as f32 - 5.0) / 3.0).collect();
-            for group in [8usize, 32, 64, 128, 256] {
+            let x: Vec<f32> = (0..FEW_ROWS * k)
+                .map(|i| ((i * 5 % 11) as f32 - 5.0) / 3.0 + (i / k) as f32 * 0.25)
+                .collect();
+            for group in [8usize, 16, 32, 64, 128, 256, 384] {
                 for unit in [0.125f32, 0.05] {
                     let packed: Vec<u32> = (0..n * k.div_ceil(8))
                         .map(|i| (i as u32 ^ group as u32).wrapping_mul(2_654_435_761))
@@ -1483,18 +1591,23 @@ mod tests {
                         .map(|i| unit * (1 + i % 7) as f32)
                         .collect();
                     let matrix = QuantLinear::int4(packed, scales, n, k, group).unwrap();
-                    assert_eq!(matrix.int4_decodes(), !kernels.is_empty());
-                    let expected = naive(&x, 1, k, &by_hand(&matrix), n);
+                    let decodes = kernels.first().is_some_and(|k| k.takes(1, group));
+                    assert_eq!(matrix.int4_decodes(1), decodes);
                     for &kernel in &kernels {
-                        for parallel in [false, true] {
-                            let mut got = vec![f32::NAN; n];
-                            let inputs = Int4Inputs::for_decode(&x, kernel);
-                            matrix.int4_decode(&inputs, &mut got, parallel);
-                            for (c, (g, e)) in got.iter().zip(&expected).enumerate() {
-                                assert!(
-                                    (g - e).abs() <= 1e-4 * (1.0 + e.abs()),
-                                    "{kernel:?} k={k} group={group} scale {unit} row {c}: {g} vs {e}"
-                                );
+                        for m in (1..=FEW_ROWS).filter(|&m| kernel.takes(m, group)) {
+                            let x = &x[..m * k];
+                            let expected = naive(x, m, k, &by_hand(&matrix), n);
+                            for parallel in [false, true] {
+                                let mut got = vec![f32::NAN; m * n];
+                                let inputs = Int4Inputs::for_decode(x, m, kernel);
+                                matrix.int4_decode(&inputs, &mut got, parallel);
+                                for (at, (g, e)) in got.iter().zip(&expected).enumerate() {
+                                    assert!(
+                                        (g - e).abs() <= 1e-4 * (1.0 + e.abs()),
+                                        "{kernel:?} {m} rows k={k} group={group} scale {unit} \
+                                         output {at}: {g} vs {e}"
+                                    );
+                                }
                             }
                         }
                     }
