@@ -349,6 +349,7 @@ fn without_a_gpu_auto_serves_on_the_cpu_and_says_why_while_cuda_refuses_to_start
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
         assert!(kernels.starts_with("AVX"), "{kernels}");
+        assert!(kernels.contains("INT4 decode rows AVX"), "{kernels}");
     }
     let out = Command::new(env!("CARGO_BIN_EXE_moe-node"))
         .arg("devices")

@@ -41,8 +41,9 @@ pub fn kernel_path() -> String {
         let tiles = TileKernel::detect().map_or("none: one weight row at a time", TileKernel::name);
         let decode = DecodeKernel::detect().map_or("one weight row at a time", DecodeKernel::name);
         format!(
-            "{path}; few-row tiles {tiles}; decode rows {decode}; {}; other weights widened to f32 \
-             as they are loaded",
+            "{path}; few-row tiles {tiles}; decode rows {decode}; INT4 decode rows {}; {}; other \
+             weights widened to f32 as they are loaded",
+            super::quant::int4_decode_path(),
             amx_path()
         )
     }
@@ -1099,7 +1100,7 @@ impl DecodeKernel {
             #[cfg(target_arch = "x86_64")]
             DecodeKernel::Avx512 => "AVX-512, four weight rows a pass",
             #[cfg(target_arch = "x86_64")]
-            DecodeKernel::Avx2 => "AVX2, three weight rows a pass",
+            DecodeKernel::Avx2 => "AVX2, three weight rows a pass (two from four input rows)",
         }
     }
 

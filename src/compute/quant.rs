@@ -954,7 +954,21 @@ unsafe fn int4_rows_avx512<const BF16: bool>(
     }
 }
 
-/// The INT4 decode kernels (one input row, [`Int4Rows::dot`]) a CPU may run.
+/// Which INT4 decode kernel takes how many input rows on this CPU, as `moe-node devices`
+/// names it (the rest of the INT4 products: [`int4_dot_rows`], the AMX tiles, or widening).
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn int4_decode_path() -> &'static str {
+    match Int4Decode::detect() {
+        Some(Int4Decode::Avx512) => "AVX-512 at one row, four packed rows a pass",
+        Some(Int4Decode::Avx2) => {
+            "AVX2 at one to eight rows (groups of a power of two weights), three packed rows a \
+             pass for one, two for more"
+        }
+        None => "none (the portable kernel)",
+    }
+}
+
+/// The INT4 decode kernels ([`Int4Rows::dot`]) a CPU may run.
 #[cfg(target_arch = "x86_64")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Int4Decode {
