@@ -536,6 +536,12 @@ impl QuantLinear {
         {
             return out;
         }
+        #[cfg(target_arch = "x86_64")]
+        if self.int4_decodes(rows) {
+            let kernel = Int4Decode::detect().expect("int4_decodes found a kernel");
+            self.int4_decode(&Int4Inputs::for_decode(x, rows, kernel), &mut out, parallel);
+            return out;
+        }
         if rows > FEW_ROWS {
             // 9 to 64 rows on AVX-512: the broadcast tiles, each slice of a weight row
             // dequantized as they take it.
@@ -548,12 +554,18 @@ impl QuantLinear {
                 });
                 return out;
             }
-            cpu::matmul_widening(x, rows, k, n, &mut out, parallel, |first, panel| {
-                for (r, row) in panel.chunks_exact_mut(k).enumerate() {
-                    self.dequantize_row(first + r, row);
-                }
-            });
-            return out;
+            // Elsewhere FP8 takes the few-row tiles below up to `FP8_TILES_MAX_ROWS` (each
+            // tile's bytes widened once for all its input rows); the rest widens the weights
+            // for the packed GEMM.
+            let fp8 = matches!(self.format, QuantFormat::Fp8 { .. });
+            if !fp8 || rows > FP8_TILES_MAX_ROWS {
+                cpu::matmul_widening(x, rows, k, n, &mut out, parallel, |first, panel| {
+                    for (r, row) in panel.chunks_exact_mut(k).enumerate() {
+                        self.dequantize_row(first + r, row);
+                    }
+                });
+                return out;
+            }
         }
         if let QuantFormat::Fp8 {
             weights,
@@ -597,12 +609,6 @@ impl QuantLinear {
         } = &self.format
             && int4_kernel_takes(*group)
         {
-            #[cfg(target_arch = "x86_64")]
-            if let Some(kernel) = Int4Decode::detect_for(rows, *group) {
-                let inputs = Int4Inputs::for_decode(x, rows, kernel);
-                self.int4_decode(&inputs, &mut out, parallel);
-                return out;
-            }
             let inputs = Int4Inputs::new(x, rows, k);
             let (words, groups, words_per_group) = (k.div_ceil(8), k.div_ceil(*group), group / 8);
             let weight_rows = |first: usize, out_t: &mut [f32]| {
@@ -648,6 +654,13 @@ fn scale_by_blocks(x: &[f32], k: usize, block_cols: usize, row_scales: &[f32], s
         }
     }
 }
+
+/// The most input rows an FP8 product takes through the few-row tiles ([`cpu::dot_tiles`])
+/// where the broadcast tiles do not run (without AVX-512): up to here they beat widening the
+/// weights to f32 for the packed GEMM (128 grouped experts [3 x 384 x 1024] on an AMD EPYC
+/// with AVX2, ms, widened against the tiles: 9 rows 92 against 56, 16 rows 103 against 76,
+/// 20 rows 108 against 104, 24 rows about equal, 32 rows 131 against 189).
+const FP8_TILES_MAX_ROWS: usize = 16;
 
 /// Packed words per chunk of the few-row INT4 kernel: one f32 lane each (128 weights).
 const INT4_WORDS: usize = 16;
@@ -801,7 +814,8 @@ impl Int4Rows<'_> {
                 match m {
                     1 => int4_rows_avx2::<$bf16, 3, 1, 2>,
                     2 => int4_rows_avx2::<$bf16, 2, 2, 1>,
-                    3 | 5 | 6 => int4_rows_avx2::<$bf16, 2, 3, 1>,
+                    // Groups of three where they are as few as of four.
+                    m if m.div_ceil(3) == m.div_ceil(4) => int4_rows_avx2::<$bf16, 2, 3, 1>,
                     _ => int4_rows_avx2::<$bf16, 2, 4, 1>,
                 }
             };
@@ -961,12 +975,19 @@ pub(crate) fn int4_decode_path() -> &'static str {
     match Int4Decode::detect() {
         Some(Int4Decode::Avx512) => "AVX-512 at one row, four packed rows a pass",
         Some(Int4Decode::Avx2) => {
-            "AVX2 at one to eight rows (groups of a power of two weights), three packed rows a \
+            "AVX2 at one to 32 rows (groups of a power of two weights), three packed rows a \
              pass for one, two for more"
         }
         None => "none (the portable kernel)",
     }
 }
+
+/// The most input rows [`int4_rows_avx2`] takes: up to here it beats widening the weights to
+/// f32 for the packed GEMM, which on AVX2 spends longer widening INT4 than multiplying (128
+/// grouped experts [3 x 384 x 1024] on an AMD EPYC, ms, widened against the kernel: 9 rows 92
+/// against 41, 16 rows 101 against 60, 24 rows 116 against 92, 32 rows 133 against 123, 64
+/// rows 191 against 265).
+const INT4_AVX2_MAX_ROWS: usize = 32;
 
 /// The INT4 decode kernels ([`Int4Rows::dot`]) a CPU may run.
 #[cfg(target_arch = "x86_64")]
@@ -990,10 +1011,11 @@ impl Int4Decode {
         }
     }
 
-    /// The kernel this CPU runs for `rows` input rows (one to [`FEW_ROWS`]) of a matrix in
-    /// groups of `group` weights (which [`int4_kernel_takes`]): for more than one row,
-    /// [`int4_rows_avx2`] on a CPU without AVX-512 (with it, more rows take the AMX-INT8
-    /// tiles where the CPU has them, else [`int4_dot_rows`] in 16 lanes).
+    /// The kernel this CPU runs for `rows` input rows of a matrix in groups of `group`
+    /// weights (which [`int4_kernel_takes`]): for more than one row, [`int4_rows_avx2`] on a
+    /// CPU without AVX-512, up to [`INT4_AVX2_MAX_ROWS`] (with AVX-512, more rows take the
+    /// AMX-INT8 tiles where the CPU has them, else [`int4_dot_rows`] in 16 lanes or the
+    /// broadcast tiles).
     fn detect_for(rows: usize, group: usize) -> Option<Int4Decode> {
         Int4Decode::detect().filter(|kernel| kernel.takes(rows, group))
     }
@@ -1004,7 +1026,7 @@ impl Int4Decode {
     fn takes(self, rows: usize, group: usize) -> bool {
         match self {
             Int4Decode::Avx512 => rows == 1,
-            Int4Decode::Avx2 => (1..=FEW_ROWS).contains(&rows) && group.is_power_of_two(),
+            Int4Decode::Avx2 => (1..=INT4_AVX2_MAX_ROWS).contains(&rows) && group.is_power_of_two(),
         }
     }
 
@@ -1035,7 +1057,7 @@ impl Int4Decode {
     }
 }
 
-/// [`int4_rows_avx512`] with AVX2, for one to [`FEW_ROWS`] input rows in groups of `R`:
+/// [`int4_rows_avx512`] with AVX2, for one to [`INT4_AVX2_MAX_ROWS`] input rows in groups of `R`:
 /// `PASS` packed rows a pass (the last pass repeats the last row where fewer are left), each
 /// pass's words (in L1 after the first group) decoded in registers for every group of input
 /// rows; the last group repeats the last input row where fewer than `R` are left (its
@@ -1581,9 +1603,9 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn every_int4_decode_kernel_equals_the_widened_product() {
-        // 37 weight rows: passes of two and of four with one row left over; one to eight
-        // input rows: one group of one to four, two groups of three or four (the last
-        // repeating a row for 5 and 7); k = 100 and 300: a partial last chunk (under and
+        // 37 weight rows: passes of two and of four with one row left over; one to nine, 16
+        // and 32 input rows: one group of one to four, then groups of three or four (the
+        // last repeating a row for 5 and 7); k = 100 and 300: a partial last chunk (under and
         // over half a chunk), 1024: whole chunks; groups of 8 to 256 weights (1 to 32 words
         // to a scale: a half's scales loaded as eight, four, two or one), and of 384 (not a
         // power of two: AVX-512 only); scales held in bf16 (0.125 and its multiples) and in
@@ -1593,7 +1615,7 @@ mod tests {
         println!("INT4 decode kernels on this CPU: {kernels:?}");
         let n = 37;
         for k in [100usize, 300, 1024] {
-            let x: Vec<f32> = (0..FEW_ROWS * k)
+            let x: Vec<f32> = (0..(INT4_AVX2_MAX_ROWS + 1) * k)
                 .map(|i| ((i * 5 % 11) as f32 - 5.0) / 3.0 + (i / k) as f32 * 0.25)
                 .collect();
             for group in [8usize, 16, 32, 64, 128, 256, 384] {
@@ -1608,7 +1630,8 @@ mod tests {
                     let decodes = kernels.first().is_some_and(|k| k.takes(1, group));
                     assert_eq!(matrix.int4_decodes(1), decodes);
                     for &kernel in &kernels {
-                        for m in (1..=FEW_ROWS).filter(|&m| kernel.takes(m, group)) {
+                        let some_rows = (1..=9).chain([16, INT4_AVX2_MAX_ROWS]);
+                        for m in some_rows.filter(|&m| kernel.takes(m, group)) {
                             let x = &x[..m * k];
                             let expected = naive(x, m, k, &by_hand(&matrix), n);
                             for parallel in [false, true] {
@@ -1745,6 +1768,7 @@ mod tests {
             let w = by_hand(&matrix);
             assert_eq!(matrix.widen(), w);
             // 9 to 64 rows: the broadcast tiles on AVX-512 (one to four registers of 16);
+            // without them, FP8's few-row tiles to 16 rows and the AVX2 INT4 kernel to 32;
             // 65: dequantized panels and the packed GEMM.
             for m in [1, 2, 3, 8, 9, 16, 32, 40, 64, 65] {
                 let x: Vec<f32> = (0..m * k)
