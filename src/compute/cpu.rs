@@ -307,7 +307,7 @@ pub fn matmul_transposed<W: WeightElement>(
     {
         return;
     }
-    if m <= FEW_ROWS || (!W::IS_F32 && (m <= FEW_ROWS_WIDENED || broadcast_tiles_take(m))) {
+    if m <= FEW_ROWS || (!W::IS_F32 && (m <= few_rows_widened() || broadcast_tiles_take(m))) {
         matmul_few_rows(x, m, k, w, out, parallel);
         return;
     }
@@ -566,11 +566,20 @@ impl SharedOut {
 /// every input row from L1 ([`matmul_few_rows`]); above it the packed GEMM wins.
 pub(crate) const FEW_ROWS: usize = 8;
 
-/// The same limit for weights held narrower than f32 (bf16), which the packed GEMM can only
-/// read after widening: the few-row tiles widen a few weight rows at a time and win up to 32
-/// rows (`benches/roofline.rs`, 128 bf16 experts of 384 x 1024 on 2 cores of an AVX-512
-/// Xeon: 106 against 120 ms at 32 rows each; at 48 rows 208 against 151).
-pub(crate) const FEW_ROWS_WIDENED: usize = 32;
+/// The same limit for weights held narrower than f32 (bf16, FP8), which the packed GEMM can
+/// only read after widening: the few-row tiles widen a few weight rows at a time and win up
+/// to 32 rows with AVX-512 tiles (`benches/roofline.rs`, 128 bf16 experts of 384 x 1024 on 2
+/// cores of an AVX-512 Xeon: 106 against 120 ms at 32 rows each; at 48 rows 208 against
+/// 151), up to 16 with AVX2 ones (on an AMD EPYC, tiles against widening: 16 rows 85-93
+/// against 90-125 ms, 24 rows 118-120 against 101-116, 32 rows 170-172 against 117-118; FP8
+/// 9 rows 56 against 92, 16 rows 76 against 103, 20 rows equal, 32 rows 189 against 131).
+pub(crate) fn few_rows_widened() -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if matches!(TileKernel::detect(), Some(TileKernel::Avx2)) {
+        return 16;
+    }
+    32
+}
 
 /// Output columns per parallel task in [`matmul_few_rows`].
 const COLUMNS_PER_TASK: usize = 32;

@@ -554,11 +554,11 @@ impl QuantLinear {
                 });
                 return out;
             }
-            // Elsewhere FP8 takes the few-row tiles below up to `FP8_TILES_MAX_ROWS` (each
-            // tile's bytes widened once for all its input rows); the rest widens the weights
-            // for the packed GEMM.
+            // Elsewhere FP8 takes the few-row tiles below up to as many rows as bf16 weights
+            // do (each tile's bytes widened once for all its input rows); the rest widens the
+            // weights for the packed GEMM.
             let fp8 = matches!(self.format, QuantFormat::Fp8 { .. });
-            if !fp8 || rows > FP8_TILES_MAX_ROWS {
+            if !fp8 || rows > cpu::few_rows_widened() {
                 cpu::matmul_widening(x, rows, k, n, &mut out, parallel, |first, panel| {
                     for (r, row) in panel.chunks_exact_mut(k).enumerate() {
                         self.dequantize_row(first + r, row);
@@ -654,13 +654,6 @@ fn scale_by_blocks(x: &[f32], k: usize, block_cols: usize, row_scales: &[f32], s
         }
     }
 }
-
-/// The most input rows an FP8 product takes through the few-row tiles ([`cpu::dot_tiles`])
-/// where the broadcast tiles do not run (without AVX-512): up to here they beat widening the
-/// weights to f32 for the packed GEMM (128 grouped experts [3 x 384 x 1024] on an AMD EPYC
-/// with AVX2, ms, widened against the tiles: 9 rows 92 against 56, 16 rows 103 against 76,
-/// 20 rows 108 against 104, 24 rows about equal, 32 rows 131 against 189).
-const FP8_TILES_MAX_ROWS: usize = 16;
 
 /// Packed words per chunk of the few-row INT4 kernel: one f32 lane each (128 weights).
 const INT4_WORDS: usize = 16;
