@@ -1050,10 +1050,10 @@ impl Int4Decode {
     }
 }
 
-/// [`int4_rows_avx512`] with AVX2, for one to [`INT4_AVX2_MAX_ROWS`] input rows in groups of `R`:
-/// `PASS` packed rows a pass (the last pass repeats the last row where fewer are left), each
-/// pass's words (in L1 after the first group) decoded in registers for every group of input
-/// rows; the last group repeats the last input row where fewer than `R` are left (its
+/// [`int4_rows_avx512`] with AVX2, for one to [`INT4_AVX2_MAX_ROWS`] input rows in groups of
+/// `R`: `PASS` packed rows a pass (the last pass repeats the last row where fewer are left),
+/// each pass's words (in L1 after the first group) decoded in registers for every group of
+/// input rows; the last group repeats the last input row where fewer than `R` are left (its
 /// outputs not written). Each chunk's sixteen words are taken as two halves of eight lanes.
 /// Nibble `i` is masked in place (the top one shifted down) and converted against the input
 /// plane scaled by [`Int4Decode::plane_scale`], into `S` accumulators a row taking the
