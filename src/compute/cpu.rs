@@ -574,11 +574,17 @@ pub(crate) const FEW_ROWS: usize = 8;
 /// against 90-125 ms, 24 rows 118-120 against 101-116, 32 rows 170-172 against 117-118; FP8
 /// 9 rows 56 against 92, 16 rows 76 against 103, 20 rows equal, 32 rows 189 against 131).
 pub(crate) fn few_rows_widened() -> usize {
+    if avx2_tiles() { 16 } else { 32 }
+}
+
+/// Whether the few-row tiles run with AVX2 (not AVX-512) here.
+pub(crate) fn avx2_tiles() -> bool {
     #[cfg(target_arch = "x86_64")]
-    if matches!(TileKernel::detect(), Some(TileKernel::Avx2)) {
-        return 16;
+    {
+        matches!(TileKernel::detect(), Some(TileKernel::Avx2))
     }
-    32
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 /// Output columns per parallel task in [`matmul_few_rows`].

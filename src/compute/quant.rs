@@ -11,7 +11,8 @@
 //! A product with few input rows (decode) is bound by the bytes of weights it reads, so its
 //! kernels decode the stored values in registers as they load them and use each for every
 //! input row: FP8 bytes through the bf16 kernel (the block scales multiply the inputs), INT4
-//! words through [`int4_dot_rows`] (the group scales multiply sixteen words' partial sums).
+//! words through the decode kernels (`int4_rows_avx512` at one row, `int4_rows_avx2` at one
+//! to 32) or else [`int4_dot_rows`] (the group scales multiply sixteen words' partial sums).
 //! With many rows the matrix is widened once to f32 and handed to the packed GEMM, as bf16
 //! weights are.
 
@@ -554,11 +555,11 @@ impl QuantLinear {
                 });
                 return out;
             }
-            // Elsewhere FP8 takes the few-row tiles below up to as many rows as bf16 weights
-            // do (each tile's bytes widened once for all its input rows); the rest widens the
-            // weights for the packed GEMM.
+            // With AVX2 tiles FP8 takes the few-row tiles below up to as many rows as bf16
+            // weights do (each tile's bytes widened once for all its input rows); the rest
+            // widens the weights for the packed GEMM.
             let fp8 = matches!(self.format, QuantFormat::Fp8 { .. });
-            if !fp8 || rows > cpu::few_rows_widened() {
+            if !(fp8 && cpu::avx2_tiles() && rows <= cpu::few_rows_widened()) {
                 cpu::matmul_widening(x, rows, k, n, &mut out, parallel, |first, panel| {
                     for (r, row) in panel.chunks_exact_mut(k).enumerate() {
                         self.dequantize_row(first + r, row);
@@ -980,6 +981,7 @@ pub(crate) fn int4_decode_path() -> &'static str {
 /// grouped experts [3 x 384 x 1024] on an AMD EPYC, ms, widened against the kernel: 9 rows 92
 /// against 41, 16 rows 101 against 60, 24 rows 116 against 92, 32 rows 133 against 123, 64
 /// rows 191 against 265).
+#[cfg(target_arch = "x86_64")]
 const INT4_AVX2_MAX_ROWS: usize = 32;
 
 /// The INT4 decode kernels ([`Int4Rows::dot`]) a CPU may run.
@@ -1128,7 +1130,8 @@ unsafe fn int4_rows_avx2<const BF16: bool, const PASS: usize, const R: usize, co
                 match per_half {
                     8 => _mm256_loadu_ps(at.cast()),
                     4 => _mm256_zextps128_ps256(_mm_loadu_ps(at.cast())),
-                    2 => _mm256_zextps128_ps256(_mm_castpd_ps(_mm_load_sd(at.cast()))),
+                    // Not `_mm_load_sd`, which wants 8-byte alignment.
+                    2 => _mm256_zextps128_ps256(_mm_castsi128_ps(_mm_loadl_epi64(at.cast()))),
                     _ => _mm256_zextps128_ps256(_mm_load_ss(at.cast())),
                 }
             }
@@ -1596,10 +1599,12 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn every_int4_decode_kernel_equals_the_widened_product() {
-        // 37 weight rows: passes of two and of four with one row left over; one to nine, 16
-        // and 32 input rows: one group of one to four, then groups of three or four (the
-        // last repeating a row for 5 and 7); k = 100 and 300: a partial last chunk (under and
-        // over half a chunk), 1024: whole chunks; groups of 8 to 256 weights (1 to 32 words
+        // 37 weight rows: passes of two, three and four with rows left over; one to nine, 13,
+        // 16 and 32 input rows: one group of one to four, then groups of three or four (the
+        // last repeating a row for 5, 7 and 13); k = 100 and 300: a partial last chunk (under
+        // and over half a chunk), 160: one whole chunk and a partial one, an odd count of
+        // groups of 32 (a row's scales start at any multiple of four bytes), 1024: whole
+        // chunks; groups of 8 to 256 weights (1 to 32 words
         // to a scale: a half's scales loaded as eight, four, two or one), and of 384 (not a
         // power of two: AVX-512 only); scales held in bf16 (0.125 and its multiples) and in
         // f32 (0.05); every nibble value, the top nibble's too (AVX2 reads it shifted, not in
@@ -1607,7 +1612,7 @@ mod tests {
         let kernels = Int4Decode::all();
         println!("INT4 decode kernels on this CPU: {kernels:?}");
         let n = 37;
-        for k in [100usize, 300, 1024] {
+        for k in [100usize, 160, 300, 1024] {
             let x: Vec<f32> = (0..(INT4_AVX2_MAX_ROWS + 1) * k)
                 .map(|i| ((i * 5 % 11) as f32 - 5.0) / 3.0 + (i / k) as f32 * 0.25)
                 .collect();
@@ -1623,7 +1628,7 @@ mod tests {
                     let decodes = kernels.first().is_some_and(|k| k.takes(1, group));
                     assert_eq!(matrix.int4_decodes(1), decodes);
                     for &kernel in &kernels {
-                        let some_rows = (1..=9).chain([16, INT4_AVX2_MAX_ROWS]);
+                        let some_rows = (1..=9).chain([13, 16, INT4_AVX2_MAX_ROWS]);
                         for m in some_rows.filter(|&m| kernel.takes(m, group)) {
                             let x = &x[..m * k];
                             let expected = naive(x, m, k, &by_hand(&matrix), n);
@@ -1761,7 +1766,7 @@ mod tests {
             let w = by_hand(&matrix);
             assert_eq!(matrix.widen(), w);
             // 9 to 64 rows: the broadcast tiles on AVX-512 (one to four registers of 16);
-            // without them, FP8's few-row tiles to 16 rows and the AVX2 INT4 kernel to 32;
+            // with AVX2 tiles, FP8's few-row tiles to 16 rows and the AVX2 INT4 kernel to 32;
             // 65: dequantized panels and the packed GEMM.
             for m in [1, 2, 3, 8, 9, 16, 32, 40, 64, 65] {
                 let x: Vec<f32> = (0..m * k)
