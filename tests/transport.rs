@@ -573,9 +573,11 @@ fn ucx_reports_the_kinds_of_memory_it_moves() {
     assert_eq!(transport.takes_cuda_memory(), types.cuda());
 }
 
-/// Requests of one MoE layer's size and beyond, each way: over UCX they go as several
-/// active messages (the writer's chunks), each large enough for rendezvous, which must reach
-/// the reader whole and in order; the rows come back bit for bit.
+/// Requests of one MoE layer's size and beyond, each way, and of a few rows: over UCX a
+/// frame's rows go apart from its header as one message (bf16 ones converted by UCX as it
+/// moves them over shared memory), by rendezvous or, for a few rows, eagerly; frames past
+/// one message go as several of the writer's chunks, which must reach the reader whole and in
+/// order. The rows come back bit for bit.
 fn layer_sized_requests_round_trip_exactly(kind: Kind) {
     let Some(rig) = Rig::try_new(kind) else {
         return;
@@ -584,10 +586,14 @@ fn layer_sized_requests_round_trip_exactly(kind: Kind) {
     let server = rig.server(&stats, double_plus_expert());
     let client = rig.client(server.local_addr(), &stats);
     let width = 7168u32;
-    // 3.5 MiB of bf16; 8.4 MiB of f32 (more than one UCX write); 3 groups of odd sizes.
+    // 3.5 MiB of bf16; 8.4 MiB of f32 (more than one UCX write); 3 groups of odd sizes;
+    // 7 MiB of f32 (one message); rows of 42 and 56 KiB (eager); 14 KiB (with the header).
     for (dtype, groups) in [
         (Dtype::Bf16, vec![(5, 256)]),
         (Dtype::F32, vec![(1, 100), (700, 93), (895, 107)]),
+        (Dtype::F32, vec![(3, 128), (4, 128)]),
+        (Dtype::Bf16, vec![(6, 1), (7, 2)]),
+        (Dtype::F32, vec![(8, 2)]),
         (Dtype::Bf16, vec![(2, 1)]),
     ] {
         let total: u32 = groups.iter().map(|g| g.1).sum();

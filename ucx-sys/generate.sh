@@ -19,7 +19,7 @@ functions=(
     ucp_request_check_status ucp_request_free
     ucp_request_cancel ucs_status_string ucp_worker_get_address ucp_worker_release_address
     ucp_ep_print_info ucp_worker_set_am_recv_handler ucp_am_send_nbx ucp_am_recv_data_nbx
-    ucp_am_data_release
+    ucp_am_data_release ucp_dt_create_generic ucp_dt_destroy
 )
 allow=()
 for f in "${functions[@]}"; do allow+=(--allowlist-function "$f"); done
@@ -29,7 +29,7 @@ for f in "${functions[@]}"; do allow+=(--allowlist-function "$f"); done
         --dynamic-loading UcpLib --dynamic-link-require-all \
         "${allow[@]}" \
         --allowlist-var 'UCP_API_(MAJOR|MINOR)' \
-        --allowlist-type 'ucs_status_t|ucp_params_field|ucp_feature|ucp_worker_params_field|ucs_thread_mode_t|ucp_listener_params_field|ucp_listener_attr_field|ucp_conn_request_attr_field|ucp_ep_params_field|ucp_ep_params_flags_field|ucp_err_handling_mode_t|ucp_ep_close_flags_t|ucp_op_attr_t|ucp_context_attr_field|ucs_memory_type|ucp_am_handler_param_field|ucp_am_cb_flags|ucp_am_recv_attr_t|ucp_send_am_flags' \
+        --allowlist-type 'ucs_status_t|ucp_params_field|ucp_feature|ucp_worker_params_field|ucs_thread_mode_t|ucp_listener_params_field|ucp_listener_attr_field|ucp_conn_request_attr_field|ucp_ep_params_field|ucp_ep_params_flags_field|ucp_err_handling_mode_t|ucp_ep_close_flags_t|ucp_op_attr_t|ucp_context_attr_field|ucs_memory_type|ucp_am_handler_param_field|ucp_am_cb_flags|ucp_am_recv_attr_t|ucp_send_am_flags|ucp_generic_dt_ops_t' \
         --blocklist-type '_?_?(FILE|IO_.*|off_t|off64_t)' \
         --raw-line 'pub type FILE = ::std::os::raw::c_void;' \
         --default-enum-style consts --no-prepend-enum-name \

@@ -36,8 +36,10 @@ use thiserror::Error;
 pub const HANDSHAKE_MAGIC: [u8; 4] = *b"MOEH";
 /// The handshake version this build speaks. 3: a UCX link carries its bytes as active
 /// messages (2 used UCX's stream API, which a 3 cannot read), so the two refuse each other
-/// here, with a clear error, instead of linking and never hearing each other.
-pub const HANDSHAKE_VERSION: u8 = 3;
+/// here, with a clear error, instead of linking and never hearing each other. 4: a UCX link
+/// may carry a frame's rows as a message of their own (a 16-byte header), which a 3 takes
+/// for a broken peer.
+pub const HANDSHAKE_VERSION: u8 = 4;
 /// Longest node id accepted.
 pub const MAX_NODE_ID: usize = 255;
 /// Size of a MAC.
@@ -401,10 +403,10 @@ mod tests {
         let id = parse_id(bytes[PREAMBLE_LEN + HELLO_FIXED_LEN..].to_vec()).expect("id");
         assert_eq!(id, "node-1");
         let mut wrong = preamble;
-        wrong[4] = 2;
+        wrong[4] = 3;
         assert_eq!(
             check_preamble(&wrong, message::CLIENT_HELLO),
-            Err(HandshakeError::BadVersion { theirs: 2, ours: 3 })
+            Err(HandshakeError::BadVersion { theirs: 3, ours: 4 })
         );
         fixed[24..26].copy_from_slice(&1000u16.to_le_bytes());
         assert!(parse_hello_fixed(&fixed).is_err());

@@ -28,7 +28,9 @@ use super::wire::{
     self, Dtype, ExpertReply, ExpertRequest, FrameBody, FrameHeader, FrameKind, HEADER_LEN,
     RemoteError, RowsFrame, WireError, WireLimits,
 };
-use super::{FrameRead, FrameWrite, PeerListener, PeerStream, Transport};
+use super::{
+    DecodedRows, FrameRead, FrameWrite, PeerListener, PeerStream, ROWS_APART_MIN, Transport,
+};
 
 /// Who this node is to its peers, and the secret that proves it belongs to the cluster.
 #[derive(Clone)]
@@ -464,9 +466,9 @@ const CHUNK_BYTES: usize = 256 << 10;
 /// Reads one frame: the header, validated, then the payload. Rows are converted straight
 /// from the stream's buffer (a UCX message, or a socket's read buffer) into the values, as
 /// each part arrives, so a large frame is never held twice nor copied before it is
-/// converted. `Ok(None)` is a clean end of stream between frames. Public for the wire fuzz
-/// target.
-pub async fn read_frame<S: AsyncBufRead + Unpin>(
+/// converted, or come decoded by the transport ([`DecodedRows`]). `Ok(None)` is a clean end
+/// of stream between frames. Public for the wire fuzz target.
+pub async fn read_frame<S: AsyncBufRead + DecodedRows + Unpin>(
     stream: &mut S,
     limits: &WireLimits,
     stats: &PeerStats,
@@ -502,6 +504,24 @@ pub async fn read_frame<S: AsyncBufRead + Unpin>(
         read_payload(stream, &mut group_bytes, &header, stats).await?;
         match wire::decode_groups(&header, &group_bytes) {
             Ok((groups, values)) => {
+                if values > 0 {
+                    let decoded = std::future::poll_fn(|context| {
+                        Pin::new(&mut *stream).poll_decoded_rows(context, values)
+                    })
+                    .await;
+                    match decoded {
+                        Ok(Some(rows)) => {
+                            stats.add_received(HEADER_LEN + header.payload_len as usize);
+                            return Ok(Some((header, wire::rows_body(&header, groups, rows))));
+                        }
+                        Ok(None) => {}
+                        Err(error) if error.kind() == std::io::ErrorKind::InvalidData => {
+                            stats.reject_frame(&WireError::Malformed(error.to_string()));
+                            return Err(format!("bad frame: {error}"));
+                        }
+                        Err(error) => return Err(format!("read failed: {error}")),
+                    }
+                }
                 // Filled as the bytes arrive, never zeroed first.
                 let mut rows = Vec::with_capacity(values);
                 let size = header.dtype.size();
@@ -752,6 +772,30 @@ impl PeerClient {
             mpsc::error::TrySendError::Closed(()) => PeerError::Closed,
         })?;
         let shared = &self.shared;
+        // Large rows go as they are where the link's transport takes them (UCX), from this
+        // thread when the link is up and idle.
+        let frame = if frame.rows_len() > ROWS_APART_MIN {
+            let mut link = lock(&shared.link);
+            let idle = link.queued == 0;
+            match link.stream.as_mut() {
+                Some(stream) if idle => {
+                    // Held while the frame goes, so its reply finds it.
+                    let mut pending = lock(&shared.pending);
+                    let len = frame.len();
+                    match stream.send_rows(frame) {
+                        Ok(()) => {
+                            pending.insert(request_id, Pending { expect, done });
+                            shared.stats.add_sent(len);
+                            return Ok(());
+                        }
+                        Err(frame) => frame,
+                    }
+                }
+                _ => frame,
+            }
+        } else {
+            frame
+        };
         // Small frames, and bf16 ones whole, are encoded here, on the caller's thread (it has
         // the time; the runtime's workers carry every connection); large f32 ones as the
         // driver writes them (their conversion is a plain copy).
@@ -1454,6 +1498,28 @@ fn write_now(slot: &mut WriterSlot, bytes: &[u8]) -> Option<usize> {
 
 impl ReplyLink {
     fn send(&self, frame: OutFrame) {
+        // Large rows go as they are where the link's transport takes them (UCX), when
+        // nothing is queued ahead.
+        let frame = match frame {
+            OutFrame::Rows(rows) if rows.rows_len() > ROWS_APART_MIN => {
+                let mut state = lock(&self.state);
+                let idle = state.queued == 0;
+                match state.stream.as_mut() {
+                    Some(stream) if idle => {
+                        let len = rows.len();
+                        match stream.send_rows(rows) {
+                            Ok(()) => {
+                                self.stats.add_sent(len);
+                                return;
+                            }
+                            Err(rows) => OutFrame::Rows(rows),
+                        }
+                    }
+                    _ => OutFrame::Rows(rows),
+                }
+            }
+            other => other,
+        };
         let frame = match frame {
             // bf16 is converted here, on the handler's thread, rather than on a runtime
             // worker by the writer task (f32 conversion is a plain copy either way).

@@ -218,7 +218,12 @@ pub struct RowsFrame {
 impl RowsFrame {
     /// Bytes of the whole frame.
     pub fn len(&self) -> usize {
-        self.prefix.len() + self.rows.len() * self.dtype.size()
+        self.prefix.len() + self.rows_len()
+    }
+
+    /// Bytes of the rows on the wire.
+    pub fn rows_len(&self) -> usize {
+        self.rows.len() * self.dtype.size()
     }
 
     /// Whether the frame is empty (never, for a built frame: the header is always there).
@@ -457,7 +462,7 @@ fn as_uninit<T>(values: &mut [T]) -> &mut [MaybeUninit<T>] {
     unsafe { std::slice::from_raw_parts_mut(values.as_mut_ptr().cast(), values.len()) }
 }
 
-fn encode_into(values: &[f32], dtype: Dtype, out: &mut [MaybeUninit<u8>]) {
+pub(crate) fn encode_into(values: &[f32], dtype: Dtype, out: &mut [MaybeUninit<u8>]) {
     match dtype {
         Dtype::F32 => {
             for (slot, value) in out.chunks_exact_mut(4).zip(values) {
@@ -478,7 +483,7 @@ fn encode_into(values: &[f32], dtype: Dtype, out: &mut [MaybeUninit<u8>]) {
     }
 }
 
-fn decode_into(bytes: &[u8], dtype: Dtype, out: &mut [MaybeUninit<f32>]) {
+pub(crate) fn decode_into(bytes: &[u8], dtype: Dtype, out: &mut [MaybeUninit<f32>]) {
     match dtype {
         Dtype::F32 => {
             for (value, chunk) in out.iter_mut().zip(bytes.chunks_exact(4)) {
@@ -544,7 +549,7 @@ fn decode_bf16_bytes(bytes: &[u8], out: &mut [MaybeUninit<f32>]) {
 
 /// `half::bf16::from_f32(value).to_bits()`, written without branches: round to nearest
 /// even, NaNs kept quiet.
-fn f32_to_bf16_bits(value: f32) -> u16 {
+pub(crate) fn f32_to_bf16_bits(value: f32) -> u16 {
     let bits = value.to_bits();
     let is_nan = (bits & 0x7fff_ffff) > 0x7f80_0000;
     let round_up = (bits & 0x8000) != 0 && (bits & 0x1_7fff) != 0;
@@ -554,7 +559,7 @@ fn f32_to_bf16_bits(value: f32) -> u16 {
 }
 
 /// `half::bf16::from_bits(bits).to_f32()`, written without branches.
-fn bf16_bits_to_f32(bits: u16) -> f32 {
+pub(crate) fn bf16_bits_to_f32(bits: u16) -> f32 {
     let bits = u32::from(bits);
     let is_nan = (bits & 0x7fff) > 0x7f80;
     let bits = if is_nan { bits | 0x40 } else { bits };

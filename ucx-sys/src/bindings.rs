@@ -318,6 +318,44 @@ pub const UCP_AM_HANDLER_PARAM_FIELD_ARG: ucp_am_handler_param_field = 8;
 pub type ucp_am_handler_param_field = ::std::os::raw::c_uint;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
+pub struct ucp_generic_dt_ops {
+    pub start_pack: ::std::option::Option<
+        unsafe extern "C" fn(
+            context: *mut ::std::os::raw::c_void,
+            buffer: *const ::std::os::raw::c_void,
+            count: usize,
+        ) -> *mut ::std::os::raw::c_void,
+    >,
+    pub start_unpack: ::std::option::Option<
+        unsafe extern "C" fn(
+            context: *mut ::std::os::raw::c_void,
+            buffer: *mut ::std::os::raw::c_void,
+            count: usize,
+        ) -> *mut ::std::os::raw::c_void,
+    >,
+    pub packed_size:
+        ::std::option::Option<unsafe extern "C" fn(state: *mut ::std::os::raw::c_void) -> usize>,
+    pub pack: ::std::option::Option<
+        unsafe extern "C" fn(
+            state: *mut ::std::os::raw::c_void,
+            offset: usize,
+            dest: *mut ::std::os::raw::c_void,
+            max_length: usize,
+        ) -> usize,
+    >,
+    pub unpack: ::std::option::Option<
+        unsafe extern "C" fn(
+            state: *mut ::std::os::raw::c_void,
+            offset: usize,
+            src: *const ::std::os::raw::c_void,
+            length: usize,
+        ) -> ucs_status_t,
+    >,
+    pub finish: ::std::option::Option<unsafe extern "C" fn(state: *mut ::std::os::raw::c_void)>,
+}
+pub type ucp_generic_dt_ops_t = ucp_generic_dt_ops;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
 pub struct ucp_params {
     pub field_mask: u64,
     pub features: u64,
@@ -532,6 +570,12 @@ pub struct UcpLib {
     pub ucp_request_cancel:
         unsafe extern "C" fn(worker: ucp_worker_h, request: *mut ::std::os::raw::c_void),
     pub ucp_request_free: unsafe extern "C" fn(request: *mut ::std::os::raw::c_void),
+    pub ucp_dt_create_generic: unsafe extern "C" fn(
+        ops: *const ucp_generic_dt_ops_t,
+        context: *mut ::std::os::raw::c_void,
+        datatype_p: *mut ucp_datatype_t,
+    ) -> ucs_status_t,
+    pub ucp_dt_destroy: unsafe extern "C" fn(datatype: ucp_datatype_t),
 }
 impl UcpLib {
     pub unsafe fn new<P>(path: P) -> Result<Self, ::libloading::Error>
@@ -583,6 +627,8 @@ impl UcpLib {
             .map(|sym| *sym)?;
         let ucp_request_cancel = __library.get(b"ucp_request_cancel\0").map(|sym| *sym)?;
         let ucp_request_free = __library.get(b"ucp_request_free\0").map(|sym| *sym)?;
+        let ucp_dt_create_generic = __library.get(b"ucp_dt_create_generic\0").map(|sym| *sym)?;
+        let ucp_dt_destroy = __library.get(b"ucp_dt_destroy\0").map(|sym| *sym)?;
         Ok(UcpLib {
             __library,
             ucs_status_string,
@@ -615,6 +661,8 @@ impl UcpLib {
             ucp_request_check_status,
             ucp_request_cancel,
             ucp_request_free,
+            ucp_dt_create_generic,
+            ucp_dt_destroy,
         })
     }
     pub unsafe fn ucs_status_string(&self, status: ucs_status_t) -> *const ::std::os::raw::c_char {
@@ -813,5 +861,16 @@ impl UcpLib {
     }
     pub unsafe fn ucp_request_free(&self, request: *mut ::std::os::raw::c_void) {
         (self.ucp_request_free)(request)
+    }
+    pub unsafe fn ucp_dt_create_generic(
+        &self,
+        ops: *const ucp_generic_dt_ops_t,
+        context: *mut ::std::os::raw::c_void,
+        datatype_p: *mut ucp_datatype_t,
+    ) -> ucs_status_t {
+        (self.ucp_dt_create_generic)(ops, context, datatype_p)
+    }
+    pub unsafe fn ucp_dt_destroy(&self, datatype: ucp_datatype_t) {
+        (self.ucp_dt_destroy)(datatype)
     }
 }

@@ -23,6 +23,7 @@
 //! - One UCX worker per link (see [`worker`] for why), called by the link's tasks on the
 //!   runtime's threads; a driver task per link waits on the worker's event fd when idle.
 
+mod rows;
 mod stream;
 mod worker;
 
@@ -36,6 +37,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use futures::FutureExt;
 use futures::future::BoxFuture;
 
+pub use rows::packs_rows;
 pub use stream::UcxStream;
 pub use worker::MemoryTypes;
 use worker::{Context, EpShared, Worker, WorkerHandle};
@@ -233,7 +235,8 @@ impl Transport for UcxTransport {
 struct UcxLink {
     worker: Option<Arc<WorkerHandle>>,
     address: Vec<u8>,
-    ep: Option<(u64, Arc<EpShared>)>,
+    /// The endpoint, its shared state, and whether it packs rows.
+    ep: Option<(u64, Arc<EpShared>, bool)>,
     links: Arc<AtomicU64>,
     transports: Arc<Mutex<Vec<String>>>,
 }
@@ -276,7 +279,7 @@ impl LinkUpgrade for UcxLink {
                 }
             }
             drop(used);
-            self.ep = Some((connected.ep, shared));
+            self.ep = Some((connected.ep, shared, connected.packs_rows));
             Ok(())
         }
         .boxed()
@@ -286,9 +289,9 @@ impl LinkUpgrade for UcxLink {
         let worker = self.worker.take();
         let ep = self.ep.take();
         match (worker, ep) {
-            (Some(worker), Some((ep, shared))) => {
+            (Some(worker), Some((ep, shared, packs_rows))) => {
                 self.links.fetch_add(1, Ordering::Relaxed);
-                Box::new(UcxStream::new(worker, ep, shared, control))
+                Box::new(UcxStream::new(worker, ep, shared, packs_rows, control))
             }
             // connect() was not called or failed: the caller keeps the link on `control`
             // in that case, so this is not reached; stay on TCP regardless.

@@ -9,6 +9,13 @@
 //! shows it in place ([`AsyncBufRead`]): the peer protocol converts rows straight out of it.
 //! A read that finds nothing progresses the worker before it waits.
 //!
+//! A frame with many rows goes as two messages ([`FrameWrite::send_rows`]): its header and
+//! groups as bytes, then its rows as they are in memory, f32; on the wire in the frame's
+//! dtype, bf16 ones converted by UCX fragment by fragment where the link copies anyway
+//! (shared memory, [`super::rows`]). The peer's worker decodes them as they arrive and its
+//! reader hands them over whole ([`DecodedRows`]). The bytes on the wire are those of the
+//! frame as one message would carry them.
+//!
 //! The stream splits into its two halves ([`PeerStream::into_halves`]) without a lock
 //! between them: each takes the endpoint's shared state on its own, and the endpoint closes
 //! when both are gone.
@@ -26,9 +33,10 @@ use std::task::{Context, Poll};
 use tokio::io::{AsyncBufRead, AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 
 use super::worker::{
-    EpShared, Failure, MESSAGE_MAX, RECV_BUFFERED_MAX, SEND_PENDING_MAX, WorkerHandle,
+    EpShared, Failure, MESSAGE_MAX, Payload, RECV_BUFFERED_MAX, SEND_PENDING_MAX, WorkerHandle,
 };
-use crate::transport::{FrameRead, FrameWrite, PeerStream};
+use crate::transport::wire::{Dtype, RowsFrame};
+use crate::transport::{DecodedRows, FrameRead, FrameWrite, PeerStream, ROWS_APART_MIN};
 
 /// Bytes one write hands over at most (a bigger buffer is taken in several writes): one
 /// UCX message, which the peer refuses beyond this.
@@ -78,6 +86,8 @@ pub struct UcxReader {
 /// The write half.
 pub struct UcxWriter {
     link: Arc<Link>,
+    /// Whether bf16 rows go through the rows datatype on this link ([`super::rows`]).
+    packs_rows: bool,
 }
 
 impl UcxStream {
@@ -86,6 +96,7 @@ impl UcxStream {
         worker: Arc<WorkerHandle>,
         ep: u64,
         shared: Arc<EpShared>,
+        packs_rows: bool,
         control: Box<dyn PeerStream>,
     ) -> Self {
         let watcher = tokio::spawn(watch_control(
@@ -106,7 +117,7 @@ impl UcxStream {
                 link: link.clone(),
                 current: None,
             },
-            writer: UcxWriter { link },
+            writer: UcxWriter { link, packs_rows },
         }
     }
 }
@@ -149,15 +160,24 @@ async fn watch_control(
 }
 
 impl UcxReader {
-    /// Makes the next received message current, when the current one is read: `Ready(Ok)`
-    /// with one current or at the end of the stream (none), `Pending` until one arrives.
-    fn poll_next_message(&mut self, context: &mut Context<'_>) -> Poll<io::Result<()>> {
-        if self
-            .current
+    /// Whether the current message has bytes left to read.
+    fn reading(&self) -> bool {
+        self.current
             .as_ref()
             .is_some_and(|(buffer, start)| *start < buffer.len())
-        {
-            return Poll::Ready(Ok(()));
+    }
+
+    /// Makes the next received message current, when the current one is read: `Ready(Ok)`
+    /// with one current or at the end of the stream (none), `Pending` until one arrives.
+    /// With `rows`, a message of decoded rows is taken instead (`Ready(Ok(Some))`) when it
+    /// is the next one; without, one is an error (the peer sent rows where bytes belong).
+    fn poll_next_message(
+        &mut self,
+        context: &mut Context<'_>,
+        rows: bool,
+    ) -> Poll<io::Result<Option<Vec<f32>>>> {
+        if self.reading() {
+            return Poll::Ready(Ok(None));
         }
         let link = &self.link;
         let mut state = link.shared.lock();
@@ -173,9 +193,15 @@ impl UcxReader {
             state = link.shared.lock();
         }
         let was_full = state.received.len() >= RECV_BUFFERED_MAX;
+        if state.received.rows_next() && !rows {
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "the peer sent rows where the peer protocol expects a frame's bytes",
+            )));
+        }
         let Some(message) = state.received.pop_front() else {
             return match &state.failure {
-                Some(failure) if failure.closed_by_peer => Poll::Ready(Ok(())),
+                Some(failure) if failure.closed_by_peer => Poll::Ready(Ok(None)),
                 Some(failure) => Poll::Ready(Err(io::Error::new(
                     io::ErrorKind::ConnectionReset,
                     failure.message.clone(),
@@ -186,21 +212,48 @@ impl UcxReader {
                 }
             };
         };
-        self.current = Some((message, 0));
         let resume = was_full && state.recv_paused && state.received.len() < RECV_BUFFERED_MAX;
         drop(state);
         if resume && let Ok(worker) = link.worker() {
             worker.resume_recv();
         }
-        Poll::Ready(Ok(()))
+        Poll::Ready(Ok(match message {
+            Payload::Bytes(bytes) => {
+                self.current = Some((bytes, 0));
+                None
+            }
+            Payload::Rows(values) => Some(values),
+        }))
+    }
+}
+
+impl DecodedRows for UcxReader {
+    fn poll_decoded_rows(
+        self: Pin<&mut Self>,
+        context: &mut Context<'_>,
+        values: usize,
+    ) -> Poll<io::Result<Option<Vec<f32>>>> {
+        let this = self.get_mut();
+        match this.poll_next_message(context, true) {
+            Poll::Ready(Ok(Some(rows))) if rows.len() != values => {
+                Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!(
+                        "the peer sent {} values of rows for a frame of {values}",
+                        rows.len()
+                    ),
+                )))
+            }
+            other => other,
+        }
     }
 }
 
 impl AsyncBufRead for UcxReader {
     fn poll_fill_buf(self: Pin<&mut Self>, context: &mut Context<'_>) -> Poll<io::Result<&[u8]>> {
         let this = self.get_mut();
-        match this.poll_next_message(context) {
-            Poll::Ready(Ok(())) => Poll::Ready(Ok(match &this.current {
+        match this.poll_next_message(context, false) {
+            Poll::Ready(Ok(_)) => Poll::Ready(Ok(match &this.current {
                 Some((buffer, start)) => &buffer[*start..],
                 None => &[],
             })),
@@ -260,6 +313,33 @@ impl FrameWrite for UcxWriter {
             state.send_pending += frame.len();
         }
         worker.send(self.link.ep, frame);
+        Ok(())
+    }
+
+    /// Takes frames whose rows are more than [`ROWS_APART_MIN`] bytes on the wire and at
+    /// most one message: f32 rows on every link (they move as they are), bf16 ones where
+    /// the link packs rows ([`super::rows`]); under the same room rule as `send_owned`.
+    fn send_rows(&mut self, frame: RowsFrame) -> Result<(), RowsFrame> {
+        let rows_len = frame.rows_len();
+        let takes = cfg!(target_endian = "little")
+            && rows_len > ROWS_APART_MIN
+            && rows_len <= MESSAGE_MAX
+            && frame.prefix.len() <= WRITE_CHUNK
+            && (frame.dtype == Dtype::F32 || self.packs_rows);
+        if !takes {
+            return Err(frame);
+        }
+        let Ok(worker) = self.link.worker() else {
+            return Err(frame);
+        };
+        {
+            let mut state = self.link.shared.lock();
+            if state.failure.is_some() || state.send_pending >= SEND_PENDING_MAX {
+                return Err(frame);
+            }
+            state.send_pending += frame.len();
+        }
+        worker.send_rows(self.link.ep, frame);
         Ok(())
     }
 }

@@ -16,6 +16,10 @@
 //! the endpoint's failure). No thread of our own and no hand-off between threads stand
 //! between a task and UCX.
 //!
+//! Each message carries an AM header: its sequence number on the link (8 bytes), and for a
+//! frame's rows sent apart from its header the code of their wire dtype (8 more): those are
+//! received into f32 rows, decoded as they arrive ([`Payload::Rows`]).
+//!
 //! UCX callbacks only record what happened (a thread-local event list); each call into UCX
 //! under the mutex handles the events before it lets go, so no callback re-enters the
 //! worker's state and no event outlives the lock it was recorded under.
@@ -34,6 +38,8 @@ use tokio::sync::Notify;
 use ucx_sys as sys;
 
 use super::Library;
+use super::rows::Bf16Rows;
+use crate::transport::wire::{self, Dtype, RowsFrame};
 
 /// The active-message id the link's bytes travel under (one handler per worker).
 const AM_BYTES: u32 = 1;
@@ -117,12 +123,52 @@ fn take_best_fit(buffers: &mut Vec<Vec<u8>>, capacity: usize) -> Option<Vec<u8>>
     Some(buffers.swap_remove(i))
 }
 
+/// One received message as the reader takes it.
+#[derive(Debug, PartialEq)]
+pub enum Payload {
+    /// Bytes of the link's stream, exactly as received.
+    Bytes(Vec<u8>),
+    /// The rows of the frame whose header and groups came just before as bytes, already
+    /// decoded to f32 by UCX as it received them (see [`super::rows`]).
+    Rows(Vec<f32>),
+}
+
+impl Payload {
+    /// Bytes the payload holds in memory.
+    fn len(&self) -> usize {
+        match self {
+            Payload::Bytes(bytes) => bytes.len(),
+            Payload::Rows(rows) => std::mem::size_of_val(rows.as_slice()),
+        }
+    }
+}
+
+/// The AM header of a message: its sequence number on the link, then, for a rows message,
+/// the wire dtype of its rows ([`rows_code`]).
+const BYTES_HEADER: usize = 8;
+const ROWS_HEADER: usize = 16;
+
+/// A rows message's code for its wire dtype (bf16 rows are converted as UCX moves them;
+/// f32 rows move as they are, straight between the two sides' row vectors).
+fn rows_code(dtype: Dtype) -> u64 {
+    match dtype {
+        Dtype::F32 => 1,
+        Dtype::Bf16 => 2,
+    }
+}
+
+fn rows_dtype(code: u64) -> Option<Dtype> {
+    [Dtype::F32, Dtype::Bf16]
+        .into_iter()
+        .find(|&dtype| rows_code(dtype) == code)
+}
+
 /// Messages received and not yet taken by the reader, as UCX delivered them, so a large
 /// message reaches the reader without another copy.
 #[derive(Default)]
 pub struct Received {
-    /// Each buffer holds exactly what was received.
-    messages: VecDeque<Vec<u8>>,
+    /// Each payload holds exactly what was received.
+    messages: VecDeque<Payload>,
     unread: usize,
     /// Buffers the reader emptied, for the worker's next receives.
     spare: Vec<Vec<u8>>,
@@ -138,17 +184,22 @@ impl Received {
         self.unread == 0
     }
 
-    fn push(&mut self, buffer: Vec<u8>) {
-        self.unread += buffer.len();
-        self.messages.push_back(buffer);
+    fn push(&mut self, payload: Payload) {
+        self.unread += payload.len();
+        self.messages.push_back(payload);
     }
 
-    /// The oldest received message, whole: the reader reads it in place, then gives the
+    /// The oldest received message, whole: the reader reads bytes in place, then gives the
     /// buffer back ([`Received::recycle`]).
-    pub fn pop_front(&mut self) -> Option<Vec<u8>> {
-        let buffer = self.messages.pop_front()?;
-        self.unread -= buffer.len();
-        Some(buffer)
+    pub fn pop_front(&mut self) -> Option<Payload> {
+        let payload = self.messages.pop_front()?;
+        self.unread -= payload.len();
+        Some(payload)
+    }
+
+    /// Whether the oldest received message is decoded rows.
+    pub fn rows_next(&self) -> bool {
+        matches!(self.messages.front(), Some(Payload::Rows(_)))
     }
 
     /// A buffer the reader is done with, kept for the next receives if worth it.
@@ -196,6 +247,8 @@ pub struct Context {
     handle: sys::ucp_context_h,
     /// What kinds of memory the context moves (`ucp_context_query`).
     pub memory_types: MemoryTypes,
+    /// The datatype bf16 rows move as (see [`super::rows`]).
+    bf16_rows: Bf16Rows,
 }
 
 // SAFETY: the context is created with UCP_PARAM_FIELD_MT_WORKERS_SHARED, which makes it safe
@@ -261,10 +314,19 @@ impl Context {
             unsafe { ucp.ucp_cleanup(handle) };
             return Err(status_error(&library, "querying the UCX context", status));
         }
+        let bf16_rows = match Bf16Rows::new(library.clone()) {
+            Ok(datatype) => datatype,
+            Err(error) => {
+                // SAFETY: the context is not used after this.
+                unsafe { ucp.ucp_cleanup(handle) };
+                return Err(error);
+            }
+        };
         Ok(Arc::new(Context {
             library,
             handle,
             memory_types: MemoryTypes::from_mask(attributes.memory_types),
+            bf16_rows,
         }))
     }
 }
@@ -433,7 +495,20 @@ impl WorkerHandle {
 
     /// Sends `data` as the link's next message.
     pub fn send(&self, ep: u64, data: Vec<u8>) {
-        self.lock().send(ep, data);
+        self.lock().send(ep, Outgoing::Bytes(data));
+    }
+
+    /// Sends a frame as two messages, in order: its header and groups as bytes, then its
+    /// rows as a rows message, which the peer's worker decodes as it receives it.
+    pub fn send_rows(&self, ep: u64, frame: RowsFrame) {
+        let RowsFrame {
+            prefix,
+            rows,
+            dtype,
+        } = frame;
+        let mut worker = self.lock();
+        worker.send(ep, Outgoing::Bytes(prefix));
+        worker.send(ep, Outgoing::Rows(rows, dtype));
     }
 
     /// The reader caught up: fetch the rendezvous messages that were held back.
@@ -576,6 +651,8 @@ async fn drive(handle: Weak<WorkerHandle>, events: AsyncFd<OwnedFd>, kick: Arc<N
 pub struct Connected {
     pub ep: u64,
     pub transports: Vec<String>,
+    /// Whether the link sends bf16 rows through the rows datatype ([`super::rows`]).
+    pub packs_rows: bool,
 }
 
 /// The transports of the `lane[i]:` lines of `ucp_ep_print_info`'s text (`  2:sysv/memory.0
@@ -615,26 +692,29 @@ enum Event {
         request: *mut c_void,
         status: sys::ucs_status_t,
     },
-    /// A whole message, copied out in the callback (UCX keeps its bytes only through it).
+    /// A whole message, copied (or decoded) out in the callback (UCX keeps its bytes only
+    /// through it).
     Message {
         seq: u64,
-        bytes: Vec<u8>,
+        payload: Payload,
     },
     /// A whole message whose bytes UCX keeps until `ucp_am_data_release`.
     MessageKept {
         seq: u64,
         data: *mut c_void,
         length: usize,
+        rows: Option<Dtype>,
     },
     /// A rendezvous message announced: `ucp_am_recv_data_nbx` fetches its bytes.
     Announced {
         seq: u64,
         desc: *mut c_void,
         length: usize,
+        rows: Option<Dtype>,
     },
-    /// A message without our header (UCX dropped its bytes): the peer is broken.
+    /// A message that breaks the link's protocol (UCX dropped its bytes): the peer is broken.
     Garbled {
-        header_length: usize,
+        why: String,
     },
     FetchDone {
         op: *mut FetchOp,
@@ -655,27 +735,69 @@ fn record(event: Event) {
     EVENTS.with(|events| events.borrow_mut().push(event));
 }
 
-/// A send in flight: its bytes live here until UCX is done with them.
+/// A send in flight: its bytes (or rows) live here until UCX is done with them.
 struct SendOp {
     ep: u64,
-    data: Vec<u8>,
-    /// The message's header: its sequence number on the link, little-endian.
-    header: [u8; 8],
+    data: Outgoing,
+    /// The message's header: its sequence number on the link, then for rows their dtype's
+    /// code, little-endian.
+    header: [u8; ROWS_HEADER],
 }
 
-/// A rendezvous fetch in flight: UCX writes into `buffer`'s capacity (its length is 0 until
-/// the fetch completes).
+/// What a message sends.
+enum Outgoing {
+    Bytes(Vec<u8>),
+    /// Rows, sent in `Dtype` (bf16: converted by UCX as it packs them).
+    Rows(Vec<f32>, Dtype),
+}
+
+impl Outgoing {
+    /// The message's length on the wire.
+    fn wire_len(&self) -> usize {
+        match self {
+            Outgoing::Bytes(bytes) => bytes.len(),
+            Outgoing::Rows(rows, dtype) => rows.len() * dtype.size(),
+        }
+    }
+}
+
+/// A rendezvous fetch in flight: UCX writes into the buffer's capacity (its length is 0
+/// until the fetch completes).
 struct FetchOp {
-    buffer: Vec<u8>,
+    buffer: Payload,
+    /// For rows: the values the fetch writes.
+    values: usize,
+}
+
+impl FetchOp {
+    /// The payload of a fetch that completed successfully, `length` bytes received.
+    fn fetched(self, length: usize) -> Payload {
+        match self.buffer {
+            Payload::Bytes(mut bytes) => {
+                // SAFETY: the fetch wrote `length` bytes (at most the capacity it was given)
+                // at the start of the allocation.
+                unsafe { bytes.set_len(length.min(bytes.capacity())) };
+                Payload::Bytes(bytes)
+            }
+            Payload::Rows(mut rows) => {
+                // SAFETY: a completed fetch wrote the whole message: every one of the
+                // `values` values (through the rows datatype, which writes each value once
+                // both its bytes are in, or as f32 bytes), within the capacity made for them.
+                unsafe { rows.set_len(self.values) };
+                Payload::Rows(rows)
+            }
+        }
+    }
 }
 
 /// A message the worker received, in arrival order, not yet handed to the endpoint's reader.
 enum Incoming {
-    Ready(Vec<u8>),
+    Ready(Payload),
     /// A rendezvous message not fetched yet (it waits while the reader is behind).
     Announced {
         desc: *mut c_void,
         length: usize,
+        rows: Option<Dtype>,
     },
     /// The front message, being fetched.
     Fetching,
@@ -719,7 +841,7 @@ pub struct Worker {
     broken: Option<String>,
 }
 
-fn status_error(library: &Library, what: &str, status: sys::ucs_status_t) -> io::Error {
+pub(super) fn status_error(library: &Library, what: &str, status: sys::ucs_status_t) -> io::Error {
     let kind = match status {
         sys::UCS_ERR_UNREACHABLE => io::ErrorKind::ConnectionRefused,
         sys::UCS_ERR_CONNECTION_RESET => io::ErrorKind::ConnectionReset,
@@ -760,13 +882,35 @@ extern "C" fn on_message(
     length: usize,
     param: *const sys::ucp_am_recv_param_t,
 ) -> sys::ucs_status_t {
-    if header_length != 8 {
+    let garbled = |why: String| {
         // UCS_OK drops the bytes (and a rendezvous descriptor) at once.
-        record(Event::Garbled { header_length });
-        return sys::UCS_OK;
+        record(Event::Garbled { why });
+        sys::UCS_OK
+    };
+    if header_length != BYTES_HEADER && header_length != ROWS_HEADER {
+        return garbled(format!(
+            "the peer sent a message with a {header_length}-byte header \
+             ({BYTES_HEADER} or {ROWS_HEADER} expected)"
+        ));
     }
-    // SAFETY: header points at header_length (8) bytes valid through this call.
-    let seq = u64::from_le_bytes(unsafe { std::ptr::read_unaligned(header.cast::<[u8; 8]>()) });
+    // SAFETY: header points at header_length (8 or 16) bytes valid through this call.
+    let header = unsafe { std::slice::from_raw_parts(header.cast::<u8>(), header_length) };
+    let word =
+        |i: usize| u64::from_le_bytes(header[8 * i..8 * i + 8].try_into().unwrap_or_default());
+    let seq = word(0);
+    let rows = if header_length == ROWS_HEADER {
+        match rows_dtype(word(1)) {
+            Some(dtype) if length.is_multiple_of(dtype.size()) => Some(dtype),
+            _ => {
+                return garbled(format!(
+                    "the peer sent a rows message of {length} bytes with code {}",
+                    word(1)
+                ));
+            }
+        }
+    } else {
+        None
+    };
     // SAFETY: UCX passes a live parameter block for the callback's duration.
     let attributes = unsafe { (*param).recv_attr };
     if attributes & u64::from(sys::UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 {
@@ -774,21 +918,46 @@ extern "C" fn on_message(
             seq,
             desc: data,
             length,
+            rows,
         });
         return sys::UCS_INPROGRESS;
     }
     if length > 0 && attributes & u64::from(sys::UCP_AM_RECV_ATTR_FLAG_DATA) != 0 {
-        record(Event::MessageKept { seq, data, length });
+        record(Event::MessageKept {
+            seq,
+            data,
+            length,
+            rows,
+        });
         return sys::UCS_INPROGRESS;
     }
-    let bytes = if length == 0 {
-        Vec::new()
+    let bytes: &[u8] = if length == 0 {
+        &[]
     } else {
         // SAFETY: without the DATA flag, data points at length bytes valid through this call.
-        unsafe { std::slice::from_raw_parts(data.cast::<u8>(), length) }.to_vec()
+        unsafe { std::slice::from_raw_parts(data.cast::<u8>(), length) }
     };
-    record(Event::Message { seq, bytes });
+    record(Event::Message {
+        seq,
+        payload: payload_of(bytes, rows, None),
+    });
     sys::UCS_OK
+}
+
+/// A received message's payload, out of UCX's bytes (into `buffer`, when bytes, if given).
+fn payload_of(bytes: &[u8], rows: Option<Dtype>, buffer: Option<Vec<u8>>) -> Payload {
+    match rows {
+        Some(dtype) => {
+            let mut values = Vec::new();
+            wire::decode_values_append(bytes, dtype, &mut values);
+            Payload::Rows(values)
+        }
+        None => {
+            let mut buffer = buffer.unwrap_or_default();
+            buffer.extend_from_slice(bytes);
+            Payload::Bytes(buffer)
+        }
+    }
 }
 
 extern "C" fn on_fetched(
@@ -974,7 +1143,11 @@ impl Worker {
         }
         let transports = self.lane_transports(handle);
         self.add_endpoint(id, handle, shared);
-        Ok(Connected { ep: id, transports })
+        Ok(Connected {
+            ep: id,
+            packs_rows: super::rows::packs_rows(&transports),
+            transports,
+        })
     }
 
     /// The transports (`tl/device`, e.g. `sysv/memory`, `tcp/lo`, `rc_mlx5/mlx5_0:1`) the
@@ -1013,39 +1186,59 @@ impl Worker {
 
     /// Sends `data` as the link's next message; whether UCX is still sending it (it needs
     /// progress to finish).
-    fn send(&mut self, ep: u64, data: Vec<u8>) -> bool {
+    fn send(&mut self, ep: u64, data: Outgoing) -> bool {
         let Some(endpoint) = self.endpoints.get(&ep) else {
             return false;
         };
-        let len = data.len();
-        let header = self.next_send_seq.to_le_bytes();
+        let wire_len = data.wire_len();
+        let mut header = [0u8; ROWS_HEADER];
+        header[..8].copy_from_slice(&self.next_send_seq.to_le_bytes());
         self.next_send_seq += 1;
-        let op = Box::into_raw(Box::new(SendOp { ep, data, header }));
-        // SAFETY: zeroed plain data, fields selected by op_attr_mask.
+        // SAFETY: zeroed plain data, fields selected by op_attr_mask (a zero datatype is
+        // UCX's contiguous bytes).
         let mut param: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
         param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_CALLBACK
             | sys::UCP_OP_ATTR_FIELD_USER_DATA
             | sys::UCP_OP_ATTR_FIELD_FLAGS;
+        let (header_len, count) = match &data {
+            Outgoing::Bytes(bytes) => (BYTES_HEADER, bytes.len()),
+            Outgoing::Rows(rows, dtype) => {
+                header[8..].copy_from_slice(&rows_code(*dtype).to_le_bytes());
+                match dtype {
+                    Dtype::F32 => (ROWS_HEADER, wire_len),
+                    Dtype::Bf16 => {
+                        param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_DATATYPE;
+                        param.datatype = self.context.bf16_rows.handle();
+                        (ROWS_HEADER, rows.len())
+                    }
+                }
+            }
+        };
         param.cb.send = Some(on_send);
-        param.user_data = op.cast();
-        param.flags = if len <= EAGER_MAX {
+        param.flags = if wire_len <= EAGER_MAX {
             sys::UCP_AM_SEND_FLAG_EAGER
         } else {
             sys::UCP_AM_SEND_FLAG_RNDV
         };
-        // SAFETY: the endpoint is live; the bytes and the header live in `op`, which is
-        // freed only once UCX is done with them (at once when the call completes
-        // immediately, else in the completion event).
+        let op = Box::into_raw(Box::new(SendOp { ep, data, header }));
+        param.user_data = op.cast();
+        // SAFETY: the endpoint is live; the bytes (or rows: `count` f32 values, or their
+        // bytes for f32 on the wire, which is little-endian as the host is) and the header
+        // live in `op`, which is freed only once UCX is done with them (at once when the
+        // call completes immediately, else in the completion event).
         let request = unsafe {
-            let buffer = (*op).data.as_ptr().cast();
+            let buffer = match &(*op).data {
+                Outgoing::Bytes(bytes) => bytes.as_ptr().cast(),
+                Outgoing::Rows(rows, _) => rows.as_ptr().cast(),
+            };
             let header = (*op).header.as_ptr().cast();
             self.library.ucp.ucp_am_send_nbx(
                 endpoint.handle,
                 AM_BYTES,
                 header,
-                8,
+                header_len,
                 buffer,
-                len,
+                count,
                 &param,
             )
         };
@@ -1064,6 +1257,7 @@ impl Worker {
     /// back to the writer for reuse.
     fn sent(&mut self, op: SendOp, status: sys::ucs_status_t) {
         let SendOp { ep, data, .. } = op;
+        let wire_len = data.wire_len();
         let Some(endpoint) = self.endpoints.get(&ep) else {
             return;
         };
@@ -1073,8 +1267,11 @@ impl Worker {
         }
         let waker = {
             let mut state = endpoint.shared.lock();
-            state.send_pending = state.send_pending.saturating_sub(data.len());
-            if data.capacity() <= SPARE_SEND_BYTES && state.spare_send.len() < SPARE_SEND {
+            state.send_pending = state.send_pending.saturating_sub(wire_len);
+            if let Outgoing::Bytes(data) = data
+                && data.capacity() <= SPARE_SEND_BYTES
+                && state.spare_send.len() < SPARE_SEND
+            {
                 state.spare_send.push(data);
             }
             state.write_waker.take()
@@ -1138,16 +1335,16 @@ impl Worker {
         loop {
             match self.incoming.front() {
                 Some(Some(Incoming::Ready(_))) => {
-                    if let Some(Some(Incoming::Ready(bytes))) = self.incoming.pop_front() {
+                    if let Some(Some(Incoming::Ready(payload))) = self.incoming.pop_front() {
                         self.front_seq += 1;
-                        if !bytes.is_empty() {
-                            shared.lock().received.push(bytes);
+                        if !matches!(&payload, Payload::Bytes(bytes) if bytes.is_empty()) {
+                            shared.lock().received.push(payload);
                             delivered = true;
                         }
                     }
                 }
-                Some(Some(Incoming::Announced { desc, length })) => {
-                    let (desc, length) = (*desc, *length);
+                Some(Some(Incoming::Announced { desc, length, rows })) => {
+                    let (desc, length, rows) = (*desc, *length, *rows);
                     let behind = {
                         let mut state = shared.lock();
                         state.recv_paused = state.received.len() >= RECV_BUFFERED_MAX;
@@ -1156,8 +1353,8 @@ impl Worker {
                     if behind {
                         break;
                     }
-                    match self.fetch(desc, length) {
-                        Ok(Some(bytes)) => self.incoming[0] = Some(Incoming::Ready(bytes)),
+                    match self.fetch(desc, length, rows) {
+                        Ok(Some(payload)) => self.incoming[0] = Some(Incoming::Ready(payload)),
                         Ok(None) => {
                             self.incoming[0] = Some(Incoming::Fetching);
                             break;
@@ -1178,25 +1375,50 @@ impl Worker {
         }
     }
 
-    /// Starts fetching a rendezvous message into a buffer of its size: the bytes when it
-    /// completed at once, `None` while it is in flight (its event follows).
-    fn fetch(&mut self, desc: *mut c_void, length: usize) -> io::Result<Option<Vec<u8>>> {
-        let buffer = self.buffer_for(length);
-        let op = Box::into_raw(Box::new(FetchOp { buffer }));
-        // SAFETY: zeroed plain data, fields selected by op_attr_mask.
+    /// Starts fetching a rendezvous message into a buffer of its size (rows: into their
+    /// values, decoded as they arrive): the payload when it completed at once, `None` while
+    /// it is in flight (its event follows).
+    fn fetch(
+        &mut self,
+        desc: *mut c_void,
+        length: usize,
+        rows: Option<Dtype>,
+    ) -> io::Result<Option<Payload>> {
+        // SAFETY: zeroed plain data, fields selected by op_attr_mask (a zero datatype is
+        // UCX's contiguous bytes).
         let mut param: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
         param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA;
+        let (buffer, values, count) = match rows {
+            None => (Payload::Bytes(self.buffer_for(length)), 0, length),
+            Some(dtype) => {
+                let values = length / dtype.size();
+                let count = match dtype {
+                    Dtype::F32 => length,
+                    Dtype::Bf16 => {
+                        param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_DATATYPE;
+                        param.datatype = self.context.bf16_rows.handle();
+                        values
+                    }
+                };
+                (Payload::Rows(Vec::with_capacity(values)), values, count)
+            }
+        };
         param.cb.recv_am = Some(on_fetched);
+        let op = Box::into_raw(Box::new(FetchOp { buffer, values }));
         param.user_data = op.cast();
         // SAFETY: desc is a rendezvous descriptor UCX announced on this worker and kept for
-        // us (the callback returned UCS_INPROGRESS), used once; UCX writes `length` bytes
-        // into op's buffer, whose capacity is at least that, and op is freed only once UCX
-        // is done with it (as for sends).
+        // us (the callback returned UCS_INPROGRESS), used once; UCX writes the message's
+        // `length` bytes (or, for bf16 rows, `values` values through the rows datatype) into
+        // op's buffer, whose capacity is at least that, and op is freed only once UCX is
+        // done with it (as for sends).
         let request = unsafe {
-            let buffer = (*op).buffer.as_mut_ptr().cast();
+            let buffer = match &mut (*op).buffer {
+                Payload::Bytes(bytes) => bytes.as_mut_ptr().cast(),
+                Payload::Rows(rows) => rows.as_mut_ptr().cast(),
+            };
             self.library
                 .ucp
-                .ucp_am_recv_data_nbx(self.worker, desc, buffer, length, &param)
+                .ucp_am_recv_data_nbx(self.worker, desc, buffer, count, &param)
         };
         let status = sys::ptr_status(request);
         if status == sys::UCS_INPROGRESS {
@@ -1204,17 +1426,16 @@ impl Worker {
             return Ok(None);
         }
         // SAFETY: completed (or failed) at once: UCX holds no reference to op.
-        let FetchOp { mut buffer } = *unsafe { Box::from_raw(op) };
+        let op = *unsafe { Box::from_raw(op) };
         if status != sys::UCS_OK {
+            self.recycle_payload(op.buffer);
             return Err(status_error(
                 &self.library,
                 "UCX rendezvous receive",
                 status,
             ));
         }
-        // SAFETY: the fetch wrote all `length` bytes at the start of the allocation.
-        unsafe { buffer.set_len(length) };
-        Ok(Some(buffer))
+        Ok(Some(op.fetched(length)))
     }
 
     /// An empty buffer of at least `capacity` bytes: a kept one if there is one.
@@ -1232,6 +1453,12 @@ impl Worker {
         let mut buffer = kept.unwrap_or_else(|| Vec::with_capacity(capacity));
         buffer.clear();
         buffer
+    }
+
+    fn recycle_payload(&mut self, payload: Payload) {
+        if let Payload::Bytes(buffer) = payload {
+            self.recycle(buffer);
+        }
     }
 
     fn recycle(&mut self, buffer: Vec<u8>) {
@@ -1255,7 +1482,7 @@ impl Worker {
             Incoming::Announced { desc, .. } => unsafe {
                 self.library.ucp.ucp_am_data_release(self.worker, desc)
             },
-            Incoming::Ready(buffer) => self.recycle(buffer),
+            Incoming::Ready(payload) => self.recycle_payload(payload),
             Incoming::Fetching => {}
         }
     }
@@ -1284,15 +1511,18 @@ impl Worker {
                 unsafe { ucp.ucp_request_free(request) };
                 self.sent(*op, status);
             }
-            Event::Message { seq, bytes } => self.file(seq, Incoming::Ready(bytes)),
-            Event::MessageKept { seq, data, length } => {
+            Event::Message { seq, payload } => self.file(seq, Incoming::Ready(payload)),
+            Event::MessageKept {
+                seq,
+                data,
+                length,
+                rows,
+            } => {
                 let buffer = (length <= MESSAGE_MAX).then(|| {
-                    let mut buffer = self.buffer_for(length);
+                    let buffer = rows.is_none().then(|| self.buffer_for(length));
                     // SAFETY: UCX keeps `length` bytes at data until released, just below.
-                    buffer.extend_from_slice(unsafe {
-                        std::slice::from_raw_parts(data.cast::<u8>(), length)
-                    });
-                    buffer
+                    let bytes = unsafe { std::slice::from_raw_parts(data.cast::<u8>(), length) };
+                    payload_of(bytes, rows, buffer)
                 });
                 // SAFETY: data was kept for us (the callback returned UCS_INPROGRESS) and is
                 // released once, after its last use.
@@ -1304,18 +1534,21 @@ impl Worker {
                     )),
                 }
             }
-            Event::Announced { seq, desc, length } => {
+            Event::Announced {
+                seq,
+                desc,
+                length,
+                rows,
+            } => {
                 if length > MESSAGE_MAX {
-                    self.release(Incoming::Announced { desc, length });
+                    self.release(Incoming::Announced { desc, length, rows });
                     return self.broken_peer(format!(
                         "the peer announced a {length}-byte message (at most {MESSAGE_MAX})"
                     ));
                 }
-                self.file(seq, Incoming::Announced { desc, length });
+                self.file(seq, Incoming::Announced { desc, length, rows });
             }
-            Event::Garbled { header_length } => self.broken_peer(format!(
-                "the peer sent a message with a {header_length}-byte header (8 expected)"
-            )),
+            Event::Garbled { why } => self.broken_peer(why),
             Event::FetchDone {
                 op,
                 request,
@@ -1323,24 +1556,21 @@ impl Worker {
                 length,
             } => {
                 // SAFETY: as for sends: UCX is done with op, handed over in fetch().
-                let FetchOp { mut buffer } = *unsafe { Box::from_raw(op) };
+                let op = *unsafe { Box::from_raw(op) };
                 self.fetches_in_flight = self.fetches_in_flight.saturating_sub(1);
                 // SAFETY: a completed request, released once.
                 unsafe { ucp.ucp_request_free(request) };
                 if !matches!(self.incoming.front(), Some(Some(Incoming::Fetching))) {
                     // Dropped meanwhile (the endpoint ended).
-                    return self.recycle(buffer);
+                    return self.recycle_payload(op.buffer);
                 }
                 if status != sys::UCS_OK {
                     self.incoming[0] = None;
-                    self.recycle(buffer);
+                    self.recycle_payload(op.buffer);
                     let error = status_error(&self.library, "UCX rendezvous receive", status);
                     return self.fail_link(error.to_string());
                 }
-                // SAFETY: the fetch wrote `length` bytes (at most the capacity it was
-                // given) at the start of the allocation.
-                unsafe { buffer.set_len(length.min(buffer.capacity())) };
-                self.incoming[0] = Some(Incoming::Ready(buffer));
+                self.incoming[0] = Some(Incoming::Ready(op.fetched(length)));
                 self.deliver();
             }
             Event::CloseDone { request } => {
@@ -1490,22 +1720,32 @@ mod tests {
         assert!(parse_lane_transports("lane[0]:\nlane[x").is_empty());
     }
 
-    /// Received messages come out whole and in order, the unread count follows them, and the
-    /// emptied large buffers come back for the next receives.
+    /// Received messages come out whole and in order, the unread count follows them (rows
+    /// counted as the f32 bytes they hold), and the emptied large buffers come back for the
+    /// next receives.
     #[test]
     fn received_messages_come_out_whole_in_order_and_their_buffers_come_back() {
         let mut received = Received::default();
         const BIG: usize = 1 << 20;
         let big: Vec<u8> = (0..BIG).map(|i| (i % 251) as u8).collect();
+        let rows: Vec<f32> = (0..100).map(|i| i as f32 * 0.5).collect();
         let small: Vec<u8> = (0..10).map(|i| 200 + i).collect();
-        received.push(big.clone());
-        received.push(small.clone());
-        assert_eq!(received.len(), BIG + 10);
-        let first = received.pop_front().expect("the first message");
+        received.push(Payload::Bytes(big.clone()));
+        received.push(Payload::Rows(rows.clone()));
+        received.push(Payload::Bytes(small.clone()));
+        assert_eq!(received.len(), BIG + 400 + 10);
+        assert!(!received.rows_next());
+        let Some(Payload::Bytes(first)) = received.pop_front() else {
+            panic!("the first message is bytes");
+        };
         assert_eq!(first, big);
-        assert_eq!(received.len(), 10);
+        assert_eq!(received.len(), 410);
         received.recycle(first);
-        let second = received.pop_front().expect("the second message");
+        assert!(received.rows_next());
+        assert_eq!(received.pop_front(), Some(Payload::Rows(rows)));
+        let Some(Payload::Bytes(second)) = received.pop_front() else {
+            panic!("the third message is bytes");
+        };
         assert_eq!(second, small);
         assert!(received.is_empty() && received.pop_front().is_none());
         received.recycle(second);
