@@ -51,13 +51,15 @@ impl<T: AsyncBufRead + DecodedRows + Send + Unpin + 'static> FrameRead for T {}
 /// A read half whose transport may hand over a frame's rows already decoded (UCX decodes
 /// them as it receives them, see [`FrameWrite::send_rows`]).
 pub trait DecodedRows {
-    /// Once a frame's header and groups are read: its `values` rows as the transport
-    /// decoded them (`Ready(Ok(Some))`), or `Ready(Ok(None))` when they follow as bytes in
-    /// the stream (always, over a socket). `Err` when the peer sent rows of another length.
+    /// Once a frame's header and groups are read: its `values` rows, in `dtype` on the
+    /// wire, as the transport decoded them (`Ready(Ok(Some))`), or `Ready(Ok(None))` when
+    /// they follow as bytes in the stream (always, over a socket). An `InvalidData` error
+    /// when the peer sent rows of another length or dtype.
     fn poll_decoded_rows(
         self: Pin<&mut Self>,
         _context: &mut Context<'_>,
         _values: usize,
+        _dtype: Dtype,
     ) -> Poll<std::io::Result<Option<Vec<f32>>>> {
         Poll::Ready(Ok(None))
     }
@@ -70,8 +72,9 @@ impl<T: DecodedRows + Unpin + ?Sized> DecodedRows for Box<T> {
         self: Pin<&mut Self>,
         context: &mut Context<'_>,
         values: usize,
+        dtype: Dtype,
     ) -> Poll<std::io::Result<Option<Vec<f32>>>> {
-        Pin::new(&mut **self.get_mut()).poll_decoded_rows(context, values)
+        Pin::new(&mut **self.get_mut()).poll_decoded_rows(context, values, dtype)
     }
 }
 

@@ -506,7 +506,7 @@ pub async fn read_frame<S: AsyncBufRead + DecodedRows + Unpin>(
             Ok((groups, values)) => {
                 if values > 0 {
                     let decoded = std::future::poll_fn(|context| {
-                        Pin::new(&mut *stream).poll_decoded_rows(context, values)
+                        Pin::new(&mut *stream).poll_decoded_rows(context, values, header.dtype)
                     })
                     .await;
                     match decoded {

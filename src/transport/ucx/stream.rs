@@ -6,7 +6,8 @@
 //! in flight. A whole encoded frame is sent from its own buffer instead, without that copy
 //! ([`FrameWrite::send_owned`]). The worker hands each received message to the reader whole
 //! and in order (a rendezvous one once fetched into a buffer of its size), and the reader
-//! shows it in place ([`AsyncBufRead`]): the peer protocol converts rows straight out of it.
+//! shows its bytes in place ([`AsyncBufRead`]): the peer protocol converts the rows of a
+//! frame sent as one message straight out of it.
 //! A read that finds nothing progresses the worker before it waits.
 //!
 //! A frame with many rows goes as two messages ([`FrameWrite::send_rows`]): its header and
@@ -159,6 +160,9 @@ async fn watch_control(
     }
 }
 
+/// A message of rows, decoded, and their wire dtype.
+type DecodedRowsMessage = (Vec<f32>, Dtype);
+
 impl UcxReader {
     /// Whether the current message has bytes left to read.
     fn reading(&self) -> bool {
@@ -175,7 +179,7 @@ impl UcxReader {
         &mut self,
         context: &mut Context<'_>,
         rows: bool,
-    ) -> Poll<io::Result<Option<Vec<f32>>>> {
+    ) -> Poll<io::Result<Option<DecodedRowsMessage>>> {
         if self.reading() {
             return Poll::Ready(Ok(None));
         }
@@ -222,7 +226,7 @@ impl UcxReader {
                 self.current = Some((bytes, 0));
                 None
             }
-            Payload::Rows(values) => Some(values),
+            Payload::Rows(values, dtype) => Some((values, dtype)),
         }))
     }
 }
@@ -232,19 +236,23 @@ impl DecodedRows for UcxReader {
         self: Pin<&mut Self>,
         context: &mut Context<'_>,
         values: usize,
+        dtype: Dtype,
     ) -> Poll<io::Result<Option<Vec<f32>>>> {
         let this = self.get_mut();
         match this.poll_next_message(context, true) {
-            Poll::Ready(Ok(Some(rows))) if rows.len() != values => {
+            Poll::Ready(Ok(Some((rows, sent)))) if rows.len() != values || sent != dtype => {
                 Poll::Ready(Err(io::Error::new(
                     io::ErrorKind::InvalidData,
                     format!(
-                        "the peer sent {} values of rows for a frame of {values}",
+                        "the peer sent {} values of {sent:?} rows for a frame of {values} \
+                         {dtype:?} values",
                         rows.len()
                     ),
                 )))
             }
-            other => other,
+            Poll::Ready(Ok(rows)) => Poll::Ready(Ok(rows.map(|(rows, _)| rows))),
+            Poll::Ready(Err(error)) => Poll::Ready(Err(error)),
+            Poll::Pending => Poll::Pending,
         }
     }
 }

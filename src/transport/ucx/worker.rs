@@ -38,13 +38,14 @@ use tokio::sync::Notify;
 use ucx_sys as sys;
 
 use super::Library;
-use super::rows::Bf16Rows;
+use super::rows::{Bf16Rows, UnpackTarget};
 use crate::transport::wire::{self, Dtype, RowsFrame};
 
 /// The active-message id the link's bytes travel under (one handler per worker).
 const AM_BYTES: u32 = 1;
 /// The longest message a link sends (a bigger write goes as several): a peer announcing a
-/// longer one is broken, and fails the link rather than have us allocate what it says.
+/// longer one is broken, and fails the link rather than have us allocate what it says (at
+/// most twice this, for bf16 rows decoded to f32).
 pub const MESSAGE_MAX: usize = 8 << 20;
 /// How many messages past the last one filed a message may arrive (UCX may complete a
 /// message split over several lanes after a later one); beyond this the peer is broken.
@@ -56,8 +57,8 @@ const OUT_OF_ORDER_MAX: u64 = 1024;
 /// reader keeps up (eager ones it takes as they come: the peer protocol bounds how many
 /// requests a link has outstanding).
 const EAGER_MAX: usize = 64 << 10;
-/// Bytes received and not yet read by the endpoint's reader before no more rendezvous
-/// messages are fetched (UCX then holds them at the sender, which waits).
+/// Bytes received (in memory: rows as f32) and not yet read by the endpoint's reader before
+/// no more rendezvous messages are fetched (UCX then holds them at the sender, which waits).
 pub const RECV_BUFFERED_MAX: usize = 32 << 20;
 /// Bytes handed to UCX and not yet sent before writers wait.
 pub const SEND_PENDING_MAX: usize = 32 << 20;
@@ -129,8 +130,8 @@ pub enum Payload {
     /// Bytes of the link's stream, exactly as received.
     Bytes(Vec<u8>),
     /// The rows of the frame whose header and groups came just before as bytes, already
-    /// decoded to f32 by UCX as it received them (see [`super::rows`]).
-    Rows(Vec<f32>),
+    /// decoded to f32 as they were received (see [`super::rows`]), and their wire dtype.
+    Rows(Vec<f32>, Dtype),
 }
 
 impl Payload {
@@ -138,7 +139,7 @@ impl Payload {
     fn len(&self) -> usize {
         match self {
             Payload::Bytes(bytes) => bytes.len(),
-            Payload::Rows(rows) => std::mem::size_of_val(rows.as_slice()),
+            Payload::Rows(rows, _) => std::mem::size_of_val(rows.as_slice()),
         }
     }
 }
@@ -167,7 +168,7 @@ fn rows_dtype(code: u64) -> Option<Dtype> {
 /// message reaches the reader without another copy.
 #[derive(Default)]
 pub struct Received {
-    /// Each payload holds exactly what was received.
+    /// Each payload holds what one message carried (bytes as received, rows decoded).
     messages: VecDeque<Payload>,
     unread: usize,
     /// Buffers the reader emptied, for the worker's next receives.
@@ -175,7 +176,7 @@ pub struct Received {
 }
 
 impl Received {
-    /// Unread bytes.
+    /// Unread bytes, in memory (rows count as their f32 bytes).
     pub fn len(&self) -> usize {
         self.unread
     }
@@ -199,7 +200,7 @@ impl Received {
 
     /// Whether the oldest received message is decoded rows.
     pub fn rows_next(&self) -> bool {
-        matches!(self.messages.front(), Some(Payload::Rows(_)))
+        matches!(self.messages.front(), Some(Payload::Rows(..)))
     }
 
     /// A buffer the reader is done with, kept for the next receives if worth it.
@@ -247,8 +248,8 @@ pub struct Context {
     handle: sys::ucp_context_h,
     /// What kinds of memory the context moves (`ucp_context_query`).
     pub memory_types: MemoryTypes,
-    /// The datatype bf16 rows move as (see [`super::rows`]).
-    bf16_rows: Bf16Rows,
+    /// The datatype bf16 rows move as (see [`super::rows`]); destroyed before the context.
+    bf16_rows: std::mem::ManuallyDrop<Bf16Rows>,
 }
 
 // SAFETY: the context is created with UCP_PARAM_FIELD_MT_WORKERS_SHARED, which makes it safe
@@ -326,7 +327,7 @@ impl Context {
             library,
             handle,
             memory_types: MemoryTypes::from_mask(attributes.memory_types),
-            bf16_rows,
+            bf16_rows: std::mem::ManuallyDrop::new(bf16_rows),
         }))
     }
 }
@@ -411,6 +412,8 @@ fn allow_shared_memory(library: &Library, config: *mut sys::ucp_config_t) -> io:
 
 impl Drop for Context {
     fn drop(&mut self) {
+        // SAFETY: dropped once, here, and not used after: no worker is left to use it.
+        unsafe { std::mem::ManuallyDrop::drop(&mut self.bf16_rows) };
         // SAFETY: every worker made on the context holds an Arc to it, so none is left.
         unsafe { self.library.ucp.ucp_cleanup(self.handle) };
     }
@@ -767,24 +770,34 @@ struct FetchOp {
     buffer: Payload,
     /// For rows: the values the fetch writes.
     values: usize,
+    /// For bf16 rows: what UCX unpacks into (the rows' capacity), counting values written.
+    target: Option<Box<UnpackTarget>>,
 }
 
 impl FetchOp {
-    /// The payload of a fetch that completed successfully, `length` bytes received.
-    fn fetched(self, length: usize) -> Payload {
+    /// The payload of a fetch that completed successfully, `length` bytes received; `None`
+    /// for rows the fetch did not write whole.
+    fn fetched(self, length: usize) -> Option<Payload> {
         match self.buffer {
             Payload::Bytes(mut bytes) => {
                 // SAFETY: the fetch wrote `length` bytes (at most the capacity it was given)
                 // at the start of the allocation.
                 unsafe { bytes.set_len(length.min(bytes.capacity())) };
-                Payload::Bytes(bytes)
+                Some(Payload::Bytes(bytes))
             }
-            Payload::Rows(mut rows) => {
-                // SAFETY: a completed fetch wrote the whole message: every one of the
-                // `values` values (through the rows datatype, which writes each value once
-                // both its bytes are in, or as f32 bytes), within the capacity made for them.
+            Payload::Rows(mut rows, dtype) => {
+                let whole = match &self.target {
+                    Some(target) => target.written == self.values,
+                    None => length == self.values * dtype.size(),
+                };
+                if !whole {
+                    return None;
+                }
+                // SAFETY: every one of the `values` values was written, within the capacity
+                // made for them: counted by the rows datatype (which writes a value once both
+                // its bytes are in), or received whole as f32 bytes.
                 unsafe { rows.set_len(self.values) };
-                Payload::Rows(rows)
+                Some(Payload::Rows(rows, dtype))
             }
         }
     }
@@ -900,7 +913,14 @@ extern "C" fn on_message(
     let seq = word(0);
     let rows = if header_length == ROWS_HEADER {
         match rows_dtype(word(1)) {
-            Some(dtype) if length.is_multiple_of(dtype.size()) => Some(dtype),
+            // Rows as f32 bytes are only fetched as they are on a little-endian host.
+            Some(dtype)
+                if length > 0
+                    && length.is_multiple_of(dtype.size())
+                    && (dtype == Dtype::Bf16 || cfg!(target_endian = "little")) =>
+            {
+                Some(dtype)
+            }
             _ => {
                 return garbled(format!(
                     "the peer sent a rows message of {length} bytes with code {}",
@@ -950,7 +970,7 @@ fn payload_of(bytes: &[u8], rows: Option<Dtype>, buffer: Option<Vec<u8>>) -> Pay
         Some(dtype) => {
             let mut values = Vec::new();
             wire::decode_values_append(bytes, dtype, &mut values);
-            Payload::Rows(values)
+            Payload::Rows(values, dtype)
         }
         None => {
             let mut buffer = buffer.unwrap_or_default();
@@ -1388,33 +1408,47 @@ impl Worker {
         // UCX's contiguous bytes).
         let mut param: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
         param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA;
-        let (buffer, values, count) = match rows {
-            None => (Payload::Bytes(self.buffer_for(length)), 0, length),
+        let mut op = FetchOp {
+            buffer: Payload::Bytes(Vec::new()),
+            values: 0,
+            target: None,
+        };
+        let count = match rows {
+            None => {
+                op.buffer = Payload::Bytes(self.buffer_for(length));
+                length
+            }
             Some(dtype) => {
-                let values = length / dtype.size();
+                op.values = length / dtype.size();
+                let mut rows = Vec::with_capacity(op.values);
+                param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+                param.memory_type = sys::UCS_MEMORY_TYPE_HOST;
                 let count = match dtype {
                     Dtype::F32 => length,
                     Dtype::Bf16 => {
                         param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_DATATYPE;
                         param.datatype = self.context.bf16_rows.handle();
-                        values
+                        op.target = Some(UnpackTarget::new(&mut rows, op.values));
+                        op.values
                     }
                 };
-                (Payload::Rows(Vec::with_capacity(values)), values, count)
+                op.buffer = Payload::Rows(rows, dtype);
+                count
             }
         };
         param.cb.recv_am = Some(on_fetched);
-        let op = Box::into_raw(Box::new(FetchOp { buffer, values }));
+        let op = Box::into_raw(Box::new(op));
         param.user_data = op.cast();
         // SAFETY: desc is a rendezvous descriptor UCX announced on this worker and kept for
         // us (the callback returned UCS_INPROGRESS), used once; UCX writes the message's
-        // `length` bytes (or, for bf16 rows, `values` values through the rows datatype) into
-        // op's buffer, whose capacity is at least that, and op is freed only once UCX is
-        // done with it (as for sends).
+        // `length` bytes into op's buffer, whose capacity is at least that (for bf16 rows:
+        // `values` values through the rows datatype, into the target over the rows'
+        // capacity), and op is freed only once UCX is done with it (as for sends).
         let request = unsafe {
-            let buffer = match &mut (*op).buffer {
-                Payload::Bytes(bytes) => bytes.as_mut_ptr().cast(),
-                Payload::Rows(rows) => rows.as_mut_ptr().cast(),
+            let buffer = match (&mut (*op).buffer, &mut (*op).target) {
+                (_, Some(target)) => (&raw mut **target).cast(),
+                (Payload::Bytes(bytes), None) => bytes.as_mut_ptr().cast(),
+                (Payload::Rows(rows, _), None) => rows.as_mut_ptr().cast(),
             };
             self.library
                 .ucp
@@ -1435,7 +1469,12 @@ impl Worker {
                 status,
             ));
         }
-        Ok(Some(op.fetched(length)))
+        match op.fetched(length) {
+            Some(payload) => Ok(Some(payload)),
+            None => Err(io::Error::other(
+                "UCX rendezvous receive completed without every row",
+            )),
+        }
     }
 
     /// An empty buffer of at least `capacity` bytes: a kept one if there is one.
@@ -1570,7 +1609,15 @@ impl Worker {
                     let error = status_error(&self.library, "UCX rendezvous receive", status);
                     return self.fail_link(error.to_string());
                 }
-                self.incoming[0] = Some(Incoming::Ready(op.fetched(length)));
+                match op.fetched(length) {
+                    Some(payload) => self.incoming[0] = Some(Incoming::Ready(payload)),
+                    None => {
+                        self.incoming[0] = None;
+                        return self.fail_link(
+                            "UCX rendezvous receive completed without every row".into(),
+                        );
+                    }
+                }
                 self.deliver();
             }
             Event::CloseDone { request } => {
@@ -1731,7 +1778,7 @@ mod tests {
         let rows: Vec<f32> = (0..100).map(|i| i as f32 * 0.5).collect();
         let small: Vec<u8> = (0..10).map(|i| 200 + i).collect();
         received.push(Payload::Bytes(big.clone()));
-        received.push(Payload::Rows(rows.clone()));
+        received.push(Payload::Rows(rows.clone(), Dtype::Bf16));
         received.push(Payload::Bytes(small.clone()));
         assert_eq!(received.len(), BIG + 400 + 10);
         assert!(!received.rows_next());
@@ -1742,7 +1789,7 @@ mod tests {
         assert_eq!(received.len(), 410);
         received.recycle(first);
         assert!(received.rows_next());
-        assert_eq!(received.pop_front(), Some(Payload::Rows(rows)));
+        assert_eq!(received.pop_front(), Some(Payload::Rows(rows, Dtype::Bf16)));
         let Some(Payload::Bytes(second)) = received.pop_front() else {
             panic!("the third message is bytes");
         };
