@@ -27,7 +27,8 @@
 //! Without libucp or ucx_perftest it says SKIP for what it cannot run. The same binary is
 //! the server and client processes (`MOE_BENCH_UCX_ROLE`). `MOE_BENCH_UCX_THREADS` sets their
 //! runtimes' worker threads (default 2); `MOE_BENCH_UCX_LAYER_ROUNDS` the layer round trips
-//! timed (default 30).
+//! timed (default 30); `MOE_BENCH_UCX_DTYPE=f32` sends the rows in f32 instead of bf16 (the
+//! sizes of the perftest runs follow; f32's "conversions" are copies).
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
@@ -119,12 +120,21 @@ fn serve() {
     while std::io::stdin().read_line(&mut line).is_ok_and(|n| n > 0) {}
 }
 
+/// The rows' wire dtype: bf16 (the figure), or f32 with `MOE_BENCH_UCX_DTYPE=f32`
+/// (what a CPU node asks of its peers).
+fn dtype() -> Dtype {
+    match std::env::var("MOE_BENCH_UCX_DTYPE").as_deref() {
+        Ok("f32") => Dtype::F32,
+        _ => Dtype::Bf16,
+    }
+}
+
 fn request(tokens: u32) -> ExpertRequest {
     ExpertRequest {
         layer: 1,
         placement_version: 1,
         width: WIDTH,
-        dtype: Dtype::Bf16,
+        dtype: dtype(),
         groups: vec![(3, tokens)],
         rows: (0..tokens * WIDTH)
             .map(|i| (i % 977) as f32 * 0.01)
@@ -174,7 +184,7 @@ fn client() {
         Arc::new(PeerStats::default()),
     );
     let layer = request(LAYER_TOKENS);
-    let bytes = 2.0 * (layer.rows.len() * Dtype::Bf16.size()) as f64;
+    let bytes = 2.0 * (layer.rows.len() * dtype().size()) as f64;
     for _ in 0..3 {
         round_trip(&client, layer.clone());
     }
@@ -339,18 +349,18 @@ fn perftest(
 fn conversions_us() -> f64 {
     const CHUNK_VALUES: usize = 128 << 10;
     let rows = request(LAYER_TOKENS).rows;
-    let mut bytes = vec![0u8; rows.len() * Dtype::Bf16.size()];
+    let mut bytes = vec![0u8; rows.len() * dtype().size()];
     let mut back = vec![0.0f32; rows.len()];
     let times = (0..LAYER_ROUNDS)
         .map(|_| {
             let start = Instant::now();
             for _ in 0..2 {
-                wire::encode_values(&rows, Dtype::Bf16, &mut bytes);
+                wire::encode_values(&rows, dtype(), &mut bytes);
                 for (back, bytes) in back
                     .chunks_mut(CHUNK_VALUES)
-                    .zip(bytes.chunks(CHUNK_VALUES * Dtype::Bf16.size()))
+                    .zip(bytes.chunks(CHUNK_VALUES * dtype().size()))
                 {
-                    wire::decode_values(bytes, Dtype::Bf16, back);
+                    wire::decode_values(bytes, dtype(), back);
                 }
                 std::hint::black_box(&back);
             }
@@ -371,15 +381,17 @@ fn compare() {
         .stderr(Stdio::null())
         .status()
         .is_ok();
-    let layer_bytes = (LAYER_TOKENS * WIDTH) as usize * 2;
+    let layer_bytes = (LAYER_TOKENS * WIDTH) as usize * dtype().size();
+    let name = format!("{:?}", dtype()).to_lowercase();
+    let token_bytes = WIDTH as usize * dtype().size();
     println!(
-        "one layer: {LAYER_TOKENS} tokens x {WIDTH} bf16 ({:.2} MiB each way); 1 token: {} KiB",
+        "one layer: {LAYER_TOKENS} tokens x {WIDTH} {name} ({:.2} MiB each way); 1 token: {} KiB",
         layer_bytes as f64 / (1 << 20) as f64,
-        WIDTH * 2 / 1024
+        token_bytes / 1024
     );
     let conversions = conversions_us();
     println!(
-        "row conversions alone (f32 -> bf16 -> f32 both ways, warm buffers, this process): {conversions:.1} us"
+        "row conversions alone (f32 -> {name} -> f32 both ways, warm buffers, this process): {conversions:.1} us"
     );
     let mut port = 13_400;
     for (label, kind, tls) in [
@@ -393,10 +405,11 @@ fn compare() {
             ours.layer_us, ours.layer_gbps, ours.token_us, ours.token_p99_us
         );
         // The round trip less the conversions: what moving the bytes took, where the
-        // conversions come before and after the transfer (not where UCX converts the rows as
-        // it moves them: there they overlap it).
+        // conversions come before and after the transfer (not where the rows move as they
+        // are, f32 over UCX, or UCX converts them as it moves them: there they overlap it).
         let transports: Vec<String> = ours.transports.split(',').map(str::to_string).collect();
-        let converted_in_flight = tls.is_some() && packs_rows(&transports);
+        let converted_in_flight =
+            tls.is_some() && (dtype() == Dtype::F32 || packs_rows(&transports));
         let moving_us = ours.layer_us - conversions;
         let moving_gbps = (moving_us > 0.0 && !converted_in_flight)
             .then(|| 2.0 * layer_bytes as f64 / moving_us / 1e3);
@@ -406,7 +419,7 @@ fn compare() {
                 ""
             ),
             None if converted_in_flight => println!(
-                "{:18} rows converted by UCX as it moves them (they overlap the transfer)",
+                "{:18} rows moved as they are or converted by UCX as it moves them (nothing to take out)",
                 ""
             ),
             None => println!("{:18} less the conversions: nothing left (noise)", ""),
@@ -426,14 +439,7 @@ fn compare() {
             port += 1;
             let bw = perftest(tls, "ucp_am_bw", layer_bytes, 200, port, peer_failure);
             port += 1;
-            let lat = perftest(
-                tls,
-                "ucp_am_lat",
-                (WIDTH * 2) as usize,
-                2000,
-                port,
-                peer_failure,
-            );
+            let lat = perftest(tls, "ucp_am_lat", token_bytes, 2000, port, peer_failure);
             port += 1;
             let layer_lat = perftest(tls, "ucp_am_lat", layer_bytes, 100, port, peer_failure);
             match (bw, lat, layer_lat) {
