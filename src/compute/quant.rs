@@ -965,14 +965,14 @@ unsafe fn int4_rows_avx512<const BF16: bool>(
 /// Which INT4 decode kernel takes how many input rows on this CPU, as `moe-node devices`
 /// names it (the rest of the INT4 products: [`int4_dot_rows`], the AMX tiles, or widening).
 #[cfg(target_arch = "x86_64")]
-pub(crate) fn int4_decode_path() -> &'static str {
+pub(crate) fn int4_decode_path() -> String {
     match Int4Decode::detect() {
-        Some(Int4Decode::Avx512) => "AVX-512 at one row, four packed rows a pass",
-        Some(Int4Decode::Avx2) => {
-            "AVX2 at one to 32 rows (groups of a power of two weights), three packed rows a \
-             pass for one, two for more"
-        }
-        None => "none (the portable kernel)",
+        Some(Int4Decode::Avx512) => "AVX-512 at one row, four packed rows a pass".into(),
+        Some(Int4Decode::Avx2) => format!(
+            "AVX2 at one to {INT4_AVX2_MAX_ROWS} rows (groups of a power of two weights), three \
+             packed rows a pass for one, two for more"
+        ),
+        None => "none (the portable kernel)".into(),
     }
 }
 
