@@ -299,6 +299,19 @@ impl UcxWriter {
     fn broken(failure: &Failure) -> io::Error {
         io::Error::new(io::ErrorKind::BrokenPipe, failure.message.clone())
     }
+
+    /// The worker, with `len` more bytes counted in flight, when the link is up and fewer
+    /// than [`SEND_PENDING_MAX`] are; `None` otherwise (a write finds out why, or waits for
+    /// room).
+    fn room_for(&self, len: usize) -> Option<&WorkerHandle> {
+        let worker = self.link.worker().ok()?;
+        let mut state = self.link.shared.lock();
+        if state.failure.is_some() || state.send_pending >= SEND_PENDING_MAX {
+            return None;
+        }
+        state.send_pending += len;
+        Some(worker)
+    }
 }
 
 impl FrameWrite for UcxWriter {
@@ -309,19 +322,13 @@ impl FrameWrite for UcxWriter {
         if frame.is_empty() || frame.len() > WRITE_CHUNK {
             return Err(frame);
         }
-        let Ok(worker) = self.link.worker() else {
-            return Err(frame);
-        };
-        {
-            let mut state = self.link.shared.lock();
-            if state.failure.is_some() || state.send_pending >= SEND_PENDING_MAX {
-                // A write finds out why, or waits for room.
-                return Err(frame);
+        match self.room_for(frame.len()) {
+            Some(worker) => {
+                worker.send(self.link.ep, frame);
+                Ok(())
             }
-            state.send_pending += frame.len();
+            None => Err(frame),
         }
-        worker.send(self.link.ep, frame);
-        Ok(())
     }
 
     /// Takes frames whose rows are more than [`ROWS_APART_MIN`] bytes on the wire and at
@@ -337,18 +344,13 @@ impl FrameWrite for UcxWriter {
         if !takes {
             return Err(frame);
         }
-        let Ok(worker) = self.link.worker() else {
-            return Err(frame);
-        };
-        {
-            let mut state = self.link.shared.lock();
-            if state.failure.is_some() || state.send_pending >= SEND_PENDING_MAX {
-                return Err(frame);
+        match self.room_for(frame.len()) {
+            Some(worker) => {
+                worker.send_rows(self.link.ep, frame);
+                Ok(())
             }
-            state.send_pending += frame.len();
+            None => Err(frame),
         }
-        worker.send_rows(self.link.ep, frame);
-        Ok(())
     }
 }
 
