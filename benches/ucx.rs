@@ -7,7 +7,8 @@
 //! 1. one MoE layer's dispatch+combine for 256 tokens × 7168 bf16 (3.5 MiB each way): a
 //!    request through `PeerClient` to a server process that hands the rows back; median
 //!    round trip over 30, and payload GB/s (both directions counted);
-//! 2. the same for 1 token: median and p99 round trip over 2000;
+//! 2. the same for 1 token (`MOE_BENCH_UCX_TOKENS`: that many): median and p99 round trip
+//!    over 2000;
 //! 3. `ucx_perftest` (Debian `ucx-utils`) on the same `UCX_TLS`: `ucp_am_bw` with 3.5 MiB
 //!    messages and `ucp_am_lat` with 14 KiB (the links' bytes are active messages), each
 //!    with endpoints that report peer failure (`-e`, as ours do) and without (`-e` costs
@@ -129,6 +130,16 @@ fn dtype() -> Dtype {
     }
 }
 
+/// The rows of the small round trip: 1 token, or `MOE_BENCH_UCX_TOKENS` (a decode step's
+/// share of a node: a few to a few dozen rows).
+fn small_tokens() -> u32 {
+    std::env::var("MOE_BENCH_UCX_TOKENS")
+        .ok()
+        .and_then(|t| t.parse().ok())
+        .filter(|&t| t > 0)
+        .unwrap_or(1)
+}
+
 fn request(tokens: u32) -> ExpertRequest {
     ExpertRequest {
         layer: 1,
@@ -197,7 +208,7 @@ fn client() {
         .collect();
     let layer_us = sorted_micros(times)[rounds / 2];
     println!("LAYER {layer_us:.1} {:.3}", bytes / layer_us / 1e3);
-    let token = request(1);
+    let token = request(small_tokens());
     for _ in 0..100 {
         round_trip(&client, token.clone());
     }
@@ -383,9 +394,11 @@ fn compare() {
         .is_ok();
     let layer_bytes = (LAYER_TOKENS * WIDTH) as usize * dtype().size();
     let name = format!("{:?}", dtype()).to_lowercase();
-    let token_bytes = WIDTH as usize * dtype().size();
+    let small = small_tokens();
+    let token_bytes = small as usize * WIDTH as usize * dtype().size();
     println!(
-        "one layer: {LAYER_TOKENS} tokens x {WIDTH} {name} ({:.2} MiB each way); 1 token: {} KiB",
+        "one layer: {LAYER_TOKENS} tokens x {WIDTH} {name} ({:.2} MiB each way); {small} token(s): \
+         {} KiB",
         layer_bytes as f64 / (1 << 20) as f64,
         token_bytes / 1024
     );
@@ -401,7 +414,7 @@ fn compare() {
     ] {
         let ours = measure(kind, tls);
         println!(
-            "{label:18} layer {:8.1} us  {:6.2} GB/s | 1 token {:7.1} us (p99 {:7.1})",
+            "{label:18} layer {:8.1} us  {:6.2} GB/s | {small} token(s) {:7.1} us (p99 {:7.1})",
             ours.layer_us, ours.layer_gbps, ours.token_us, ours.token_p99_us
         );
         // The round trip less the conversions: what moving the bytes took, where the
