@@ -19,7 +19,6 @@ pub mod ucx;
 pub mod wire;
 
 use std::net::SocketAddr;
-
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
