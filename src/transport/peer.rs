@@ -503,21 +503,17 @@ pub async fn read_frame<S: AsyncBufRead + DecodedRows + Unpin>(
         let mut group_bytes = vec![0u8; header.group_count as usize * 8];
         read_payload(stream, &mut group_bytes, &header, stats).await?;
         match wire::decode_groups(&header, &group_bytes) {
-            Ok((groups, values)) => {
+            Ok((groups, values)) => 'rows: {
                 if values > 0 {
                     let decoded = std::future::poll_fn(|context| {
                         Pin::new(&mut *stream).poll_decoded_rows(context, values, header.dtype)
                     })
                     .await;
                     match decoded {
-                        Ok(Some(rows)) => {
-                            stats.add_received(HEADER_LEN + header.payload_len as usize);
-                            return Ok(Some((header, wire::rows_body(&header, groups, rows))));
-                        }
+                        Ok(Some(rows)) => break 'rows Ok(wire::rows_body(&header, groups, rows)),
                         Ok(None) => {}
                         Err(error) if error.kind() == std::io::ErrorKind::InvalidData => {
-                            stats.reject_frame(&WireError::Malformed(error.to_string()));
-                            return Err(format!("bad frame: {error}"));
+                            break 'rows Err(WireError::Malformed(error.to_string()));
                         }
                         Err(error) => return Err(format!("read failed: {error}")),
                     }
