@@ -676,6 +676,12 @@ fn a_client_that_goes_away_stops_its_generation() {
     let mut first = [0u8; 64];
     resp.read_exact(&mut first).unwrap();
     assert!(first.starts_with(b"data: "));
+    // The gauges are set once a step, so the first token may reach the client before the
+    // step that admitted its request has set them.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while server.metric("moe_node_requests_running") == 0.0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
     assert_eq!(server.metric("moe_node_requests_running"), 1.0);
     drop(resp);
     let deadline = Instant::now() + Duration::from_secs(20);
