@@ -9,6 +9,8 @@ use serde::{Deserialize, Serialize};
 use super::ModelError;
 use super::template_worker::IsolatedRenderer;
 
+mod namespaces;
+
 pub struct ChatTemplate {
     env: Environment<'static>,
     source: String,
@@ -175,7 +177,11 @@ impl ChatTemplate {
         env.remove_global("debug");
         env.set_fuel(Some(RENDER_FUEL));
         env.set_recursion_limit(MAX_RECURSION);
-        env.add_template_owned(TEMPLATE_NAME, source.clone())
+        // A namespace that holds itself prints without end: every value stored in one is
+        // checked first (see `namespaces`).
+        env.add_filter(namespaces::FILTER, namespaces::namespace_value);
+        let checked = namespaces::guard(&source, TEMPLATE_NAME)?;
+        env.add_template_owned(TEMPLATE_NAME, checked)
             .map_err(|e| format!("chat template does not parse: {e}"))?;
         Ok(ChatTemplate {
             env,
@@ -605,8 +611,8 @@ mod tests {
             let levels = LEVELS as usize;
             format!("{}{inner}{}", "[".repeat(levels), "]".repeat(levels))
         };
-        // About 45 instructions per iteration.
-        let iterations = RENDER_FUEL / 48;
+        // About 50 instructions per iteration (the check of the value stored included).
+        let iterations = RENDER_FUEL / 51;
         // A list nested as deep as the fuel allows, then `sink` applied to it.
         let nested_then = |sink: &str| {
             format!(
@@ -628,7 +634,7 @@ mod tests {
         }
         // The depth reached: close to one level per instruction.
         let depth = iterations * LEVELS;
-        assert!(depth > RENDER_FUEL * 8 / 10, "{depth}");
+        assert!(depth > RENDER_FUEL * 3 / 4, "{depth}");
         // tojson refuses such a value, as Python's json.dumps does past its recursion limit,
         // rather than recursing once per level through serde_json and its writer.
         for sink in [
@@ -642,6 +648,116 @@ mod tests {
         // Within the limit it writes the value.
         let shallow = format!("{{{{ {}|tojson }}}}", wrap("1"));
         assert_eq!(render_one(&shallow).unwrap(), wrap("1"));
+    }
+
+    /// Found by the chat_template fuzz target: a namespace stored inside itself printed
+    /// without end and overflowed the render thread's stack, whatever its size.
+    #[test]
+    fn a_namespace_cannot_be_stored_inside_itself() {
+        let setup = "{% set ns = namespace(n=0) %}{% set other = namespace() %}";
+        for (store, target) in [
+            ("{% set ns.me = ns %}", "ns.me"),
+            ("{% set ns.me = [1, [ns]] %}", "ns.me"),
+            ("{% set ns.me = {'k': {'j': ns}} %}", "ns.me"),
+            ("{% set ns.me = {ns: 1} %}", "ns.me"),
+            ("{% set ns.me = [ns]|reverse %}", "ns.me"),
+            ("{% set alias = ns %}{% set ns.me = alias %}", "ns.me"),
+            ("{% set other.x = [ns] %}{% set ns.me = other %}", "ns.me"),
+            (
+                "{% set other.x = ns %}{% set ns.y = 1 %}{% set ns.me = [other] %}",
+                "ns.me",
+            ),
+            (
+                "{% set inner = namespace(x=ns) %}{% set ns.me = inner %}",
+                "ns.me",
+            ),
+            (
+                "{% for i in [1] %}{% if true %}{% set ns.me = ns %}{% endif %}{% endfor %}",
+                "ns.me",
+            ),
+            (
+                "{% macro m(n) %}{% set n.me = n %}{% endmacro %}{{ m(ns) }}",
+                "n.me",
+            ),
+            ("{%- set ns.me = [ns] -%}", "ns.me"),
+        ] {
+            let source = format!("{setup}{store}{{{{ ns }}}}");
+            let err = render_one(&source).unwrap_err();
+            assert!(
+                err.contains(&format!("stores a namespace inside itself (`{target}`)")),
+                "{store}: {err}"
+            );
+        }
+        // Namespaces inside other namespaces, without a cycle, are fine.
+        let source =
+            format!("{setup}{{% set ns.o = other %}}{{% set other.v = 2 %}}{{{{ ns.o.v }}}}");
+        assert_eq!(render_one(&source).unwrap(), "2");
+    }
+
+    /// Every kind of value a template stores in a namespace is stored as it was, checked.
+    #[test]
+    fn values_stored_in_namespaces_are_the_values_written() {
+        for (value, expected) in [
+            ("1", "1"),
+            ("1 + 2 * 3", "7"),
+            ("'a' ~ 'b'", "ab"),
+            ("'%}' ~ \"{{\"", "%}{{"),
+            ("ns.v + [messages[0].content]", "[1, \"hi\"]"),
+            ("messages[0]['content'].upper()", "HI"),
+            ("messages[0].content|upper", "HI"),
+            ("(1, 2)", "[1, 2]"),
+            ("[1, 2][1:]", "[2]"),
+            ("{'a': 1}", "{\"a\": 1}"),
+            ("1 if ns.v else 2", "1"),
+            ("not ns.v", "False"),
+            ("-3", "-3"),
+            ("(4)", "4"),
+            ("ns.v is defined and 1 < 2", "True"),
+            ("range(3)|list", "[0, 1, 2]"),
+            ("namespace(a=1).a", "1"),
+        ] {
+            let source = format!(
+                "{{% set ns = namespace(v=[1]) %}}{{%- set ns.x = {value} -%}} {{{{ ns.x }}}}"
+            );
+            assert_eq!(render_one(&source).unwrap(), expected, "{value}");
+        }
+        // Block sets store the text they capture.
+        let source = "{% set ns = namespace() %}{% set ns.x %}a{{ 1 }}{% endset %}{{ ns.x }}";
+        assert_eq!(render_one(source).unwrap(), "a1");
+    }
+
+    #[test]
+    fn attributes_are_assigned_only_by_set() {
+        for source in [
+            "{% set ns = namespace() %}{% for ns.x in [1] %}{% endfor %}",
+            "{% set ns = namespace() %}{% set a, ns.x = 1, 2 %}",
+            "{% set ns = namespace() %}{% with ns.x = 1 %}{% endwith %}",
+            "{% set ns = namespace() %}{% set ns.x | upper %}a{% endset %}",
+            "{% set ns = namespace(a=namespace()) %}{% set ns.a.b = 1 %}",
+        ] {
+            let err = render_one(source).unwrap_err();
+            assert!(
+                err.contains("does not parse") || err.contains("may assign to an attribute only"),
+                "{source}: {err}"
+            );
+        }
+    }
+
+    /// Appending item by item to a list in a namespace walks the list each time: a few
+    /// thousand items are fine, a hundred thousand run out of the walk's budget quickly.
+    #[test]
+    fn building_a_huge_list_in_a_namespace_stops_at_the_walk_budget() {
+        let appending = |n: usize| {
+            format!(
+                "{{% set ns = namespace(l=[]) %}}{{% for i in range({n}) %}}\
+                 {{% set ns.l = ns.l + [i] %}}{{% endfor %}}{{{{ ns.l|length }}}}"
+            )
+        };
+        assert_eq!(render_one(&appending(2000)).unwrap(), "2000");
+        let started = std::time::Instant::now();
+        let err = render_one(&appending(100_000)).unwrap_err();
+        assert!(err.contains("beyond the 4000000 items"), "{err}");
+        assert!(started.elapsed() < std::time::Duration::from_secs(20));
     }
 
     #[test]
