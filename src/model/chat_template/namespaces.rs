@@ -1,19 +1,22 @@
-//! Namespaces that cannot hold themselves.
+//! Namespaces hold plain values, so no value can contain itself.
 //!
 //! A namespace is the one value a template can change after making it, and so the one way a
-//! template can make a value that contains itself: `{% set ns.me = ns %}`, or the same
-//! through a list, a map or another namespace. minijinja prints, hashes, compares and
-//! serialises a value by recursing into it; a value that contains itself recurses until the
-//! stack overflows, which aborts the process. Neither the fuel nor any stack size bounds
-//! that recursion.
+//! template could make a value that contains itself: `{% set ns.me = ns %}`, or the same
+//! through a list, a map, another namespace or a live view of one (`ns.values()`,
+//! `ns|items`). minijinja prints, hashes, compares and serialises a value by recursing into
+//! it; a value that contains itself recurses until the stack overflows, which aborts the
+//! process. Neither the fuel nor any stack size bounds that recursion.
 //!
-//! So before a template is compiled, every `{% set name.attr = value %}` is rewritten to
-//! `{% set name.attr = (value)|__namespace_value(name, 'name.attr') %}`. The filter walks
-//! the value as printing it would (lists, maps, namespaces and iterables, item by item) and
-//! fails the render if the walk reaches `name`. The other places Jinja's grammar lets a
-//! template assign to an attribute (`for` targets, tuples, `with`, a filtered
-//! `{% set name.attr | f %}` block) are refused when the template loads: Jinja2 accepts
-//! attribute targets in `set` alone, and no published template uses them elsewhere.
+//! So what a namespace holds is copied in as plain data: strings, numbers, lists and maps
+//! (namespaces, views and other iterables become the lists and maps of what they hold at
+//! that moment; loops, cyclers, macros and other objects are refused). Nothing a namespace
+//! holds can then reach a namespace, and lists and maps cannot change, so no value reaches
+//! itself. Before a template is compiled, every `{% set name.attr = value %}` is rewritten
+//! to `{% set name.attr = (value)|__namespace_value('name.attr') %}`, and `namespace(...)`
+//! copies its initial values the same way. A filtered block set with an attribute target
+//! (`{% set ns.x | f %}...{% endset %}`, which Jinja2 accepts) is refused when the template
+//! loads, as is any other attribute target (minijinja's grammar has none today). Published
+//! templates store flags, indices, strings and messages: they render as before.
 //!
 //! The rewrite adds characters inside lines (no new lines), so errors still name the line.
 
@@ -21,6 +24,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use indexmap::IndexMap;
 use minijinja::machinery::{Token, WhitespaceConfig, ast, parse, tokenize};
 use minijinja::syntax::SyntaxConfig;
 use minijinja::value::{Object, ValueKind};
@@ -29,102 +33,130 @@ use minijinja::{Error, ErrorKind, State, Value};
 /// The filter every `{% set name.attr = value %}` passes its value through.
 pub const FILTER: &str = "__namespace_value";
 
-/// Values (items, keys and values, counted each time they are walked) that the checks of
-/// one render may walk in all. A template walks the value it stores each time it stores
-/// it: appending item by item to a list kept in a namespace walks the list again each
-/// time, so this allows a list of about 2800 items built that way (published templates
-/// store flags, indices and strings) and bounds the time a hostile template spends here to
-/// a fraction of a second.
-pub const WALK_BUDGET: u64 = 4_000_000;
+/// Values (items, keys and values, each time they are met) that the copies of one render
+/// may visit in all. Lists and maps already copied are not copied again, but a list grown
+/// item by item in a namespace (`{% set ns.l = ns.l + [x] %}`) is visited whole at each
+/// store: this allows about 2800 items built that way (or as many messages), and bounds
+/// what a hostile template spends here to a fraction of a second and a hundred MB.
+pub const COPY_BUDGET: u64 = 4_000_000;
 
-/// What this render's checks have walked (a temp object of the render's state, shared
-/// with the macros it calls).
+/// Deepest a value stored in a namespace may nest lists and maps not stored before (as
+/// Python's recursion limit).
+pub const MAX_DEPTH: usize = 1000;
+
+/// What this render's copies have done (a temp object of the render's state, shared with
+/// the macros it calls).
 #[derive(Debug, Default)]
-struct Walks {
-    /// Values walked, in all.
-    walked: AtomicU64,
-    /// Lists walked whole that hold no namespace, however deep (nothing in them can change),
-    /// by address, each kept alive here so that its address is not reused: a template that
-    /// nests a list one more level each time walks the new level only.
-    immutable: Mutex<HashMap<usize, Value>>,
+struct Copies {
+    /// Values visited, in all.
+    visited: AtomicU64,
+    /// The plain lists and maps made or found so far, by address, each kept alive here so
+    /// that its address is not reused: a list nested one level more at each store copies
+    /// the new level only.
+    plain: Mutex<HashMap<usize, Value>>,
 }
 
-impl Object for Walks {}
+impl Object for Copies {}
 
-/// The list `value` is, if it is one, and its address.
-fn list(value: &Value) -> Option<(&Vec<Value>, usize)> {
-    let items = value.downcast_object_ref::<Vec<Value>>()?;
-    Some((items, std::ptr::from_ref(items) as usize))
-}
+/// minijinja's maps (`ValueMap` with its `preserve_order` feature).
+type Map = IndexMap<Value, Value>;
 
-/// The filter: `value` as it is, unless storing it in `namespace` would make the namespace
-/// contain itself.
-pub fn namespace_value(
-    state: &State,
-    value: Value,
-    namespace: Value,
-    target: &str,
-) -> Result<Value, Error> {
-    // Not a namespace: the assignment itself fails, with minijinja's own error.
-    if namespace.as_object().is_none() {
-        return Ok(value);
+/// The address of the list or map `value` is, if it is one of minijinja's own.
+fn plain_address(value: &Value) -> Option<usize> {
+    if let Some(list) = value.downcast_object_ref::<Vec<Value>>() {
+        return Some(std::ptr::from_ref(list) as usize);
     }
-    let walks = state.get_or_set_temp_object("moe-node.namespace-walks", Walks::default);
-    let mut immutable = walks.immutable.lock().unwrap_or_else(|e| e.into_inner());
-    let left = WALK_BUDGET.saturating_sub(walks.walked.load(Ordering::Relaxed));
-    let mut count = 0u64;
-    // Whether every object met is a list (so the value can never change).
-    let mut only_lists = true;
-    let mut pending = vec![value.clone()];
-    while let Some(item) = pending.pop() {
-        count += 1;
-        if count > left {
-            walks.walked.store(WALK_BUDGET, Ordering::Relaxed);
-            return Err(Error::new(
-                ErrorKind::InvalidOperation,
-                format!(
-                    "the chat template stores values in namespaces beyond the {WALK_BUDGET} \
-                     items a render may check (at `{target}`)"
-                ),
-            ));
+    let map = value.downcast_object_ref::<Map>()?;
+    Some(std::ptr::from_ref(map) as usize)
+}
+
+/// The filter: `value` as plain data.
+pub fn namespace_value(state: &State, value: Value, target: &str) -> Result<Value, Error> {
+    copy_plain(state, value, &format!("`{target}`"))
+}
+
+/// The `namespace(...)` function: minijinja's, with its initial values copied as plain data.
+pub fn namespace(state: &State, defaults: Option<Value>) -> Result<Value, Error> {
+    let defaults = defaults
+        .map(|d| copy_plain(state, d, "`namespace(...)`"))
+        .transpose()?;
+    minijinja::functions::namespace(defaults)
+}
+
+fn copy_plain(state: &State, value: Value, target: &str) -> Result<Value, Error> {
+    let copies = state.get_or_set_temp_object("moe-node.namespace-copies", Copies::default);
+    let mut plain = copies.plain.lock().unwrap_or_else(|e| e.into_inner());
+    let mut copier = Copier {
+        left: COPY_BUDGET.saturating_sub(copies.visited.load(Ordering::Relaxed)),
+        visited: 0,
+        plain: &mut plain,
+        target,
+    };
+    let copied = copier.copy(value, 0);
+    copies.visited.fetch_add(copier.visited, Ordering::Relaxed);
+    copied
+}
+
+struct Copier<'a> {
+    left: u64,
+    visited: u64,
+    plain: &'a mut HashMap<usize, Value>,
+    /// What is stored, for errors.
+    target: &'a str,
+}
+
+impl Copier<'_> {
+    fn copy(&mut self, value: Value, depth: usize) -> Result<Value, Error> {
+        self.visited += 1;
+        if self.visited > self.left {
+            return Err(self.error(format!(
+                "copies more than the {COPY_BUDGET} values a render may store in namespaces"
+            )));
         }
-        // Strings, numbers, none: nothing inside.
-        if item.as_object().is_none() {
-            continue;
+        // Strings, numbers, none: values, not objects.
+        if value.as_object().is_none() {
+            return Ok(value);
         }
-        if let Some((items, address)) = list(&item) {
-            if !immutable.contains_key(&address) {
-                pending.extend(items.iter().cloned());
-            }
-            continue;
+        if plain_address(&value).is_some_and(|address| self.plain.contains_key(&address)) {
+            return Ok(value);
         }
-        only_lists = false;
-        if minijinja::tests::is_sameas(&item, &namespace) {
-            return Err(Error::new(
-                ErrorKind::InvalidOperation,
-                format!(
-                    "the chat template stores a namespace inside itself (`{target}`): \
-                     printing or comparing it would never end"
-                ),
-            ));
+        if depth >= MAX_DEPTH {
+            return Err(self.error(format!("nests lists and maps over {MAX_DEPTH} levels deep")));
         }
-        match item.kind() {
+        let copied = match value.kind() {
             ValueKind::Map => {
-                for key in item.try_iter()? {
-                    pending.push(item.get_item(&key)?);
-                    pending.push(key);
+                let mut map = Map::new();
+                for key in value.try_iter()? {
+                    let item = value.get_item(&key)?;
+                    map.insert(self.copy(key, depth + 1)?, self.copy(item, depth + 1)?);
                 }
+                Value::from_object(map)
             }
-            ValueKind::Seq | ValueKind::Iterable => pending.extend(item.try_iter()?),
-            // Macros, loops and other objects print as a name, not as what they hold.
-            _ => {}
+            ValueKind::Seq | ValueKind::Iterable => {
+                let mut list = Vec::new();
+                for item in value.try_iter()? {
+                    list.push(self.copy(item, depth + 1)?);
+                }
+                Value::from_object(list)
+            }
+            kind => {
+                return Err(self.error(format!(
+                    "is a {kind}: a namespace holds strings, numbers, lists and maps"
+                )));
+            }
+        };
+        if let Some(address) = plain_address(&copied) {
+            self.plain.insert(address, copied.clone());
         }
+        Ok(copied)
     }
-    walks.walked.fetch_add(count, Ordering::Relaxed);
-    if only_lists && let Some((_, address)) = list(&value) {
-        immutable.insert(address, value.clone());
+
+    fn error(&self, what: String) -> Error {
+        Error::new(
+            ErrorKind::InvalidOperation,
+            format!("the value stored in {} {what}", self.target),
+        )
     }
-    Ok(value)
 }
 
 /// `source` with every `{% set name.attr = value %}` checked by [`FILTER`]; an error for
@@ -147,9 +179,9 @@ pub fn guard(source: &str, name: &str) -> Result<String, String> {
         .map_err(|e| format!("chat template does not parse: {e}"))?;
     let mut values = Vec::with_capacity(stores.len());
     for store in &stores {
-        let mut after = tokens
-            .iter()
-            .skip_while(|(_, span)| (span.start_offset as usize) < store.target_end);
+        let first =
+            tokens.partition_point(|(_, span)| (span.start_offset as usize) < store.target_end);
+        let mut after = tokens[first..].iter();
         let assign = after.find(|(token, _)| matches!(token, Token::Assign));
         let end = after.find(|(token, _)| matches!(token, Token::BlockEnd));
         let (Some((_, assign)), Some((_, end))) = (assign, end) else {
@@ -157,21 +189,24 @@ pub fn guard(source: &str, name: &str) -> Result<String, String> {
         };
         values.push((assign.end_offset as usize, end.start_offset as usize, store));
     }
-    // Wrapped from the last to the first, so that offsets stay valid.
+    // One pass from the first value to the last.
     values.sort_by_key(|&(start, _, _)| start);
-    let mut guarded = source.to_string();
-    for &(start, end, store) in values.iter().rev() {
-        if start > end || !guarded.is_char_boundary(start) || !guarded.is_char_boundary(end) {
+    let mut guarded = String::with_capacity(source.len() + values.len() * 64);
+    let mut copied = 0;
+    for &(start, end, store) in &values {
+        let (Some(before), Some(value)) = (source.get(copied..start), source.get(start..end))
+        else {
             return Err(cannot_guard(&store.target));
-        }
-        guarded.insert_str(
-            end,
-            &format!(")|{FILTER}({}, '{}')", store.namespace, store.target),
-        );
-        guarded.insert(start, '(');
+        };
+        guarded.push_str(before);
+        guarded.push('(');
+        guarded.push_str(value);
+        guarded.push_str(&format!(")|{FILTER}('{}')", store.target));
+        copied = end;
     }
+    guarded.push_str(&source[copied..]);
     // The rewritten template must parse, with the filter outermost in every such value:
-    // then it checks the whole value, whatever the spans covered.
+    // then it copies the whole value, whatever the spans covered.
     let rewritten = parse(&guarded)?;
     let mut checked = Vec::new();
     visit(&rewritten, &mut checked)?;
@@ -194,11 +229,10 @@ fn cannot_guard(target: &str) -> String {
 
 /// One `{% set namespace.attr = value %}`.
 struct Store {
-    namespace: String,
     target: String,
     /// Where the target (`namespace.attr`) ends in the source.
     target_end: usize,
-    /// Whether the value is already `(...)|__namespace_value(namespace, ...)`.
+    /// Whether the value is already `...|__namespace_value(...)`.
     guarded: bool,
 }
 
@@ -216,10 +250,9 @@ fn visit(stmt: &ast::Stmt<'_>, stores: &mut Vec<Store>) -> Result<(), String> {
                     ));
                 };
                 stores.push(Store {
-                    namespace: namespace.id.to_string(),
                     target: format!("{}.{}", namespace.id, attr.name),
                     target_end: set.target.span().end_offset as usize,
-                    guarded: is_guarded(&set.expr, namespace.id),
+                    guarded: matches!(&set.expr, ast::Expr::Filter(f) if f.name == FILTER && f.expr.is_some()),
                 });
                 Ok(())
             }
@@ -284,17 +317,4 @@ fn assigns_attribute(target: &ast::Expr<'_>) -> bool {
         ast::Expr::List(list) => list.items.iter().any(assigns_attribute),
         _ => false,
     }
-}
-
-/// Whether `value` is `...|__namespace_value(namespace, ...)`.
-fn is_guarded(value: &ast::Expr<'_>, namespace: &str) -> bool {
-    let ast::Expr::Filter(filter) = value else {
-        return false;
-    };
-    filter.name == FILTER
-        && filter.expr.is_some()
-        && matches!(
-            filter.args.first(),
-            Some(ast::CallArg::Pos(ast::Expr::Var(var))) if var.id == namespace
-        )
 }
