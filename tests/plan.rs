@@ -348,3 +348,79 @@ fn bad_input_exits_78_with_a_clear_message() {
     assert_eq!(out.status.code(), Some(78));
     assert!(String::from_utf8_lossy(&out.stderr).contains("config.json"));
 }
+
+/// The device that holds the dense part holds the KV caches too: what `batching.kv_cache_mib`
+/// sets (counted in the fit), or, as `serve` sizes it at start-up, 90% of what the weights
+/// and work area leave, halved; in whole blocks of 16 positions of 140,544 bytes (K3's MLA
+/// cache: 61 layers × (512 latent + 64 rotary) × 4 bytes).
+#[test]
+fn the_kv_cache_holds_what_the_dense_device_leaves_or_what_the_config_sets() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = k3_fp8(dir.path());
+    let shape = |memory_gib: &str, config: Option<&Path>| {
+        let memory = format!("--device-memory-gib={memory_gib}");
+        let mut args = vec![
+            "--model",
+            model.to_str().unwrap(),
+            "--nodes",
+            "8",
+            "--devices-per-node",
+            "8",
+            "--replication",
+            "1",
+            "--redundant-slots",
+            "0",
+            &memory,
+        ]
+        .into_iter()
+        .map(String::from)
+        .collect::<Vec<_>>();
+        if let Some(config) = config {
+            args.extend(["--config".into(), config.to_str().unwrap().into()]);
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        plan_json(&args).0
+    };
+    let position = 61 * (512 + 64) * 4u64;
+    let block = 16 * position;
+    let report = shape("141", None);
+    assert_eq!(report["model"]["sizes"]["kv_bytes_per_position"], position);
+    let dense = &report["devices"][0];
+    let experts_only = &report["devices"][1];
+    assert_eq!(experts_only["kv_cache_bytes"], Value::Null);
+    let held = ["expert_bytes", "dense_bytes", "work_bytes"]
+        .iter()
+        .map(|k| dense[k].as_u64().unwrap())
+        .sum::<u64>();
+    let kv = ((141u64 << 30) - held) / 10 * 9 / 2;
+    assert_eq!(dense["kv_cache_bytes"], kv, "{dense}");
+    assert_eq!(dense["kv_positions"], kv / block * 16);
+    assert!(kv / block * 16 > 100_000, "{dense}");
+    assert_eq!(report["verdict"]["ok"], true, "{}", report["verdict"]);
+
+    // 1 GiB set in the config: 477 blocks, fewer positions than one 8192-token prompt.
+    let config = dir.path().join("node.toml");
+    std::fs::write(&config, "[batching]\nkv_cache_mib = 1024\n").unwrap();
+    let report = shape("141", Some(&config));
+    let dense = &report["devices"][0];
+    assert_eq!(dense["kv_cache_bytes"], 1u64 << 30);
+    assert_eq!(dense["kv_positions"], 477 * 16);
+    let problems = report["verdict"]["problems"].to_string();
+    assert!(
+        problems.contains(
+            "holds 7632 positions, fewer than one prompt of batching.max_prompt_tokens (8192)"
+        ),
+        "{problems}"
+    );
+    // The budget set is counted in the device's fit: without room for it, it does not fit.
+    let gib = (1u64 << 30) as f64;
+    let tight = format!("{}", (held as f64 + 0.5 * gib) / 0.9 / gib);
+    let report = shape(&tight, Some(&config));
+    assert_eq!(report["devices"][0]["fits"], false);
+    assert_eq!(report["devices"][1]["fits"], true);
+    let problems = report["verdict"]["problems"].to_string();
+    assert!(
+        problems.contains("1.0 GiB of KV cache (batching.kv_cache_mib) do not fit"),
+        "{problems}"
+    );
+}

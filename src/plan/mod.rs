@@ -35,8 +35,14 @@ pub struct PlanInput<'a> {
     pub memory_fraction: f64,
     /// Grouped rows of one step at most (tokens per step × top-k): sizes the work area.
     pub max_rows: usize,
-    /// The dense part lives on each node's device 0 (else in host memory).
+    /// The dense part lives on each node's device 0 (else in host memory), and with it the
+    /// KV caches.
     pub dense_on_device: bool,
+    /// `batching.kv_cache_mib` in bytes; `None` (0 in the config): sized at start-up from
+    /// the memory left where the caches live.
+    pub kv_cache_bytes: Option<u64>,
+    /// `batching.max_prompt_tokens`: the KV cache must hold at least one such prompt.
+    pub max_prompt_tokens: usize,
     pub on_unavailable: OnUnavailable,
     pub max_imbalance: f64,
 }
@@ -113,8 +119,18 @@ pub struct DeviceReport {
     /// What the device's experts need besides their weights on a GPU (see
     /// [`sizes::gpu_work_bytes`]).
     pub work_bytes: u64,
+    /// On a device holding the dense part: its KV cache budget, `batching.kv_cache_mib` or
+    /// as `serve` sizes it at start-up (90% of the memory left, halved: caches on a GPU grow
+    /// by doubling); `null` elsewhere, or when neither that nor the memory is known.
+    pub kv_cache_bytes: Option<u64>,
+    /// Positions that budget holds (all sequences together, whole blocks of
+    /// [`KV_BLOCK_TOKENS`]): the longest context the node serves.
+    pub kv_positions: Option<u64>,
     pub fits: bool,
 }
+
+/// Positions per KV cache block, as the node allocates them.
+pub const KV_BLOCK_TOKENS: u64 = 16;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct LayerReport {
@@ -321,6 +337,8 @@ fn assemble(input: &PlanInput, sizes: &ModelSizes, work: u64, layers: &[LayerPla
                 0
             },
             work_bytes: work,
+            kv_cache_bytes: None,
+            kv_positions: None,
             fits: true,
         })
         .collect();
@@ -374,14 +392,44 @@ fn assemble(input: &PlanInput, sizes: &ModelSizes, work: u64, layers: &[LayerPla
         );
         placement.insert(plan.layer.to_string(), plan.replicated.devices_of.clone());
     }
+    for d in device_reports.iter_mut().filter(|d| d.dense_bytes > 0) {
+        let held = d.expert_bytes + d.dense_bytes + d.work_bytes;
+        d.kv_cache_bytes = input.kv_cache_bytes.or_else(|| {
+            // As serve sizes it from the GPU's free memory after loading.
+            let free = input.device_memory_bytes?.saturating_sub(held);
+            Some(free / 10 * 9 / 2)
+        });
+        let block_bytes = sizes.kv_bytes_per_position * KV_BLOCK_TOKENS;
+        d.kv_positions = d
+            .kv_cache_bytes
+            .map(|bytes| bytes / block_bytes.max(1) * KV_BLOCK_TOKENS);
+        if let Some(positions) = d.kv_positions
+            && positions < input.max_prompt_tokens as u64
+        {
+            problems.push(format!(
+                "node {} device {}: the KV cache ({:.2} GiB) holds {positions} positions, \
+                 fewer than one prompt of batching.max_prompt_tokens ({})",
+                d.node,
+                d.device,
+                gib(d.kv_cache_bytes.unwrap_or(0)),
+                input.max_prompt_tokens
+            ));
+        }
+    }
     if let Some(memory) = input.device_memory_bytes {
         let usable = usable(memory, input.memory_fraction);
         for d in device_reports.iter_mut() {
-            d.fits = d.expert_bytes + d.dense_bytes + d.work_bytes <= usable;
+            // A KV budget set in the config is memory the node takes besides the rest.
+            let kv = input.kv_cache_bytes.and(d.kv_cache_bytes).unwrap_or(0);
+            d.fits = d.expert_bytes + d.dense_bytes + d.work_bytes + kv <= usable;
             if !d.fits {
+                let kv = match kv {
+                    0 => String::new(),
+                    kv => format!(", {:.1} GiB of KV cache (batching.kv_cache_mib)", gib(kv)),
+                };
                 problems.push(format!(
-                    "node {} device {}: {:.1} GiB of weights and {:.1} GiB of work area do not \
-                     fit in {:.1} GiB ({:.0}% of {:.1} GiB, devices.gpu_memory_fraction)",
+                    "node {} device {}: {:.1} GiB of weights and {:.1} GiB of work area{kv} do \
+                     not fit in {:.1} GiB ({:.0}% of {:.1} GiB, devices.gpu_memory_fraction)",
                     d.node,
                     d.device,
                     gib(d.expert_bytes + d.dense_bytes),

@@ -24,11 +24,12 @@ impl PlanReport {
         )?;
         writeln!(
             out,
-            "sizes: one expert {:.2} MiB, all experts of a layer {:.2} GiB, dense part {:.2} GiB ({} bytes per parameter)",
+            "sizes: one expert {:.2} MiB, all experts of a layer {:.2} GiB, dense part {:.2} GiB ({} bytes per parameter), KV cache {:.1} KiB per position",
             m.sizes.expert_bytes as f64 / (1u64 << 20) as f64,
             gib(m.sizes.expert_bytes * m.experts as u64),
             gib(m.sizes.dense_bytes),
-            m.sizes.dtype_bytes
+            m.sizes.dtype_bytes,
+            m.sizes.kv_bytes_per_position as f64 / 1024.0
         )?;
         writeln!(
             out,
@@ -62,7 +63,7 @@ impl PlanReport {
         )?;
         writeln!(
             out,
-            "  {:>4} {:>6} {:>9} {:>10} {:>11} {:>10} {:>9} {:>5}",
+            "  {:>4} {:>6} {:>9} {:>10} {:>11} {:>10} {:>9} {:>7} {:>12} {:>5}",
             "node",
             "device",
             "experts",
@@ -70,6 +71,8 @@ impl PlanReport {
             "expert GiB",
             "dense GiB",
             "work GiB",
+            "KV GiB",
+            "KV positions",
             "fits"
         )?;
         for d in &self.devices {
@@ -80,9 +83,10 @@ impl PlanReport {
             } else {
                 format!("{min}-{max}")
             };
+            let or_dash = |x: Option<String>| x.unwrap_or_else(|| "-".into());
             writeln!(
                 out,
-                "  {:>4} {:>6} {:>9} {:>10} {:>11.2} {:>10.2} {:>9.2} {:>5}",
+                "  {:>4} {:>6} {:>9} {:>10} {:>11.2} {:>10.2} {:>9.2} {:>7} {:>12} {:>5}",
                 d.node,
                 d.device,
                 held,
@@ -90,6 +94,8 @@ impl PlanReport {
                 gib(d.expert_bytes),
                 gib(d.dense_bytes),
                 gib(d.work_bytes),
+                or_dash(d.kv_cache_bytes.map(|b| format!("{:.2}", gib(b)))),
+                or_dash(d.kv_positions.map(|p| p.to_string())),
                 if d.fits { "yes" } else { "NO" }
             )?;
         }

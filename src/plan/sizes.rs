@@ -5,6 +5,7 @@ use serde::Serialize;
 
 use crate::compute::cuda::experts::ExpertShape;
 use crate::compute::cuda::storage::ExpertStorage;
+use crate::engine::kv_cache::KvCache;
 use crate::model::ModelConfig;
 use crate::model::config::{AttentionConfig, Family};
 use crate::model::quant::Quantization;
@@ -20,6 +21,9 @@ pub struct ModelSizes {
     /// Everything every node loads besides routed experts: embeddings, attention, norms,
     /// gates, shared experts, dense MLPs, the output head.
     pub dense_bytes: u64,
+    /// KV cache of one position of one sequence over all layers, as the node keeps it (f32;
+    /// MLA keeps the latent and the rotary key only): [`KvCache::bytes_per_position`].
+    pub kv_bytes_per_position: u64,
 }
 
 /// Bytes per parameter for a config's `torch_dtype` (bf16 when it names none).
@@ -95,6 +99,7 @@ impl ModelSizes {
             dtype_bytes: bytes,
             expert_bytes,
             dense_bytes: dense * bytes,
+            kv_bytes_per_position: KvCache::bytes_per_position(model) as u64,
         }
     }
 }
