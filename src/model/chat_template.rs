@@ -765,9 +765,9 @@ mod tests {
         }
     }
 
-    /// A list grown item by item in a namespace is copied whole at each store (its items,
-    /// maps included, only once): a few thousand items are fine; a hundred thousand, or one
-    /// huge lazy list, run out of the copy budget quickly.
+    /// A list grown item by item in a namespace is visited whole at each store (its items,
+    /// maps included, are copied once): a few thousand items are fine; a hundred thousand,
+    /// or one huge lazy list, run out of the copy budget quickly.
     #[test]
     fn what_namespaces_copy_stops_at_the_budget() {
         let appending = |n: usize, item: &str| {
@@ -777,6 +777,12 @@ mod tests {
             )
         };
         assert_eq!(render_one(&appending(2000, "i")).unwrap(), "2000");
+        // A plain list or map is kept as it is: stored again it costs nothing, and its
+        // copies are one.
+        let again = "{% set ns = namespace() %}{% set big = range(1000)|list %}\
+                     {% for i in range(5000) %}{% set ns.m = big %}{% endfor %}\
+                     {% set ns.x = [{}] * 1000000 %}{{ ns.m|length }} {{ ns.x|length }}";
+        assert_eq!(render_one(again).unwrap(), "1000 1000000");
         assert_eq!(
             render_one(&appending(2000, "{'role': 'user', 'i': i}")).unwrap(),
             "2000"

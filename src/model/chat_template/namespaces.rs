@@ -20,25 +20,31 @@
 //!
 //! The rewrite adds characters inside lines (no new lines), so errors still name the line.
 
-use std::collections::HashMap;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, TryLockError};
 
 use indexmap::IndexMap;
 use minijinja::machinery::{Token, WhitespaceConfig, ast, parse, tokenize};
 use minijinja::syntax::SyntaxConfig;
 use minijinja::value::{Object, ValueKind};
 use minijinja::{Error, ErrorKind, State, Value};
+use rustc_hash::FxHashMap;
 
 /// The filter every `{% set name.attr = value %}` passes its value through.
 pub const FILTER: &str = "__namespace_value";
 
 /// Values (items, keys and values, each time they are met) that the copies of one render
-/// may visit in all. Lists and maps already copied are not copied again, but a list grown
-/// item by item in a namespace (`{% set ns.l = ns.l + [x] %}`) is visited whole at each
-/// store: this allows about 2800 items built that way (or as many messages), and bounds
-/// what a hostile template spends here to a fraction of a second and a hundred MB.
+/// may visit in all, each new list or map counting as [`NEW_CONTAINER_COST`] more. Lists
+/// and maps found plain are not copied at all, and once copied or found they are not
+/// visited again; but a list grown item by item in a namespace (`{% set ns.l = ns.l + [x]
+/// %}`) is visited whole at each store: this allows about 2800 items built that way, and
+/// bounds what a hostile template spends here to a fraction of a second and about 150 MB
+/// (at most 250k new containers, and 4M list slots).
 pub const COPY_BUDGET: u64 = 4_000_000;
+
+/// What one new list or map counts against [`COPY_BUDGET`]: its allocation and its entry
+/// among the plain values remembered.
+pub const NEW_CONTAINER_COST: u64 = 16;
 
 /// Deepest a value stored in a namespace may nest lists and maps not stored before (as
 /// Python's recursion limit).
@@ -52,8 +58,8 @@ struct Copies {
     visited: AtomicU64,
     /// The plain lists and maps made or found so far, by address, each kept alive here so
     /// that its address is not reused: a list nested one level more at each store copies
-    /// the new level only.
-    plain: Mutex<HashMap<usize, Value>>,
+    /// the new level only, and a list stored again is not visited again.
+    plain: Mutex<FxHashMap<usize, Value>>,
 }
 
 impl Object for Copies {}
@@ -85,14 +91,25 @@ pub fn namespace(state: &State, defaults: Option<Value>) -> Result<Value, Error>
 
 fn copy_plain(state: &State, value: Value, target: &str) -> Result<Value, Error> {
     let copies = state.get_or_set_temp_object("moe-node.namespace-copies", Copies::default);
-    let mut plain = copies.plain.lock().unwrap_or_else(|e| e.into_inner());
+    // Held while copying: nothing a copy calls renders template code (minijinja's lazy
+    // values are its own iterators), and should that change, this fails rather than waits.
+    let mut plain = match copies.plain.try_lock() {
+        Ok(plain) => plain,
+        Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+        Err(TryLockError::WouldBlock) => {
+            return Err(Error::new(
+                ErrorKind::InvalidOperation,
+                "a value stored in a namespace stores another while it is copied",
+            ));
+        }
+    };
     let mut copier = Copier {
         left: COPY_BUDGET.saturating_sub(copies.visited.load(Ordering::Relaxed)),
         visited: 0,
         plain: &mut plain,
         target,
     };
-    let copied = copier.copy(value, 0);
+    let copied = copier.copy(value, 0).map(|(copied, _)| copied);
     copies.visited.fetch_add(copier.visited, Ordering::Relaxed);
     copied
 }
@@ -100,44 +117,49 @@ fn copy_plain(state: &State, value: Value, target: &str) -> Result<Value, Error>
 struct Copier<'a> {
     left: u64,
     visited: u64,
-    plain: &'a mut HashMap<usize, Value>,
+    plain: &'a mut FxHashMap<usize, Value>,
     /// What is stored, for errors.
     target: &'a str,
 }
 
 impl Copier<'_> {
-    fn copy(&mut self, value: Value, depth: usize) -> Result<Value, Error> {
-        self.visited += 1;
-        if self.visited > self.left {
-            return Err(self.error(format!(
-                "copies more than the {COPY_BUDGET} values a render may store in namespaces"
-            )));
-        }
+    /// `value` as plain data, and whether that is `value` itself (a list or map holding
+    /// plain data only, or a string, a number, ...).
+    fn copy(&mut self, value: Value, depth: usize) -> Result<(Value, bool), Error> {
+        self.charge(1)?;
         // Strings, numbers, none: values, not objects.
         if value.as_object().is_none() {
-            return Ok(value);
+            return Ok((value, true));
         }
-        if plain_address(&value).is_some_and(|address| self.plain.contains_key(&address)) {
-            return Ok(value);
+        let address = plain_address(&value);
+        if address.is_some_and(|address| self.plain.contains_key(&address)) {
+            return Ok((value, true));
         }
         if depth >= MAX_DEPTH {
             return Err(self.error(format!("nests lists and maps over {MAX_DEPTH} levels deep")));
         }
+        // Only minijinja's own lists and maps may be kept as they are.
+        let mut same = address.is_some();
         let copied = match value.kind() {
             ValueKind::Map => {
                 let mut map = Map::new();
                 for key in value.try_iter()? {
                     let item = value.get_item(&key)?;
-                    map.insert(self.copy(key, depth + 1)?, self.copy(item, depth + 1)?);
+                    let (key, key_same) = self.copy(key, depth + 1)?;
+                    let (item, item_same) = self.copy(item, depth + 1)?;
+                    same &= key_same && item_same;
+                    map.insert(key, item);
                 }
-                Value::from_object(map)
+                (!same).then(|| Value::from_object(map))
             }
             ValueKind::Seq | ValueKind::Iterable => {
                 let mut list = Vec::new();
                 for item in value.try_iter()? {
-                    list.push(self.copy(item, depth + 1)?);
+                    let (item, item_same) = self.copy(item, depth + 1)?;
+                    same &= item_same;
+                    list.push(item);
                 }
-                Value::from_object(list)
+                (!same).then(|| Value::from_object(list))
             }
             kind => {
                 return Err(self.error(format!(
@@ -145,10 +167,24 @@ impl Copier<'_> {
                 )));
             }
         };
-        if let Some(address) = plain_address(&copied) {
-            self.plain.insert(address, copied.clone());
+        if copied.is_some() {
+            self.charge(NEW_CONTAINER_COST)?;
         }
-        Ok(copied)
+        let plain = copied.unwrap_or(value);
+        if let Some(address) = plain_address(&plain) {
+            self.plain.insert(address, plain.clone());
+        }
+        Ok((plain, same))
+    }
+
+    fn charge(&mut self, visits: u64) -> Result<(), Error> {
+        self.visited += visits;
+        if self.visited > self.left {
+            return Err(self.error(format!(
+                "copies more than the {COPY_BUDGET} values a render may store in namespaces"
+            )));
+        }
+        Ok(())
     }
 
     fn error(&self, what: String) -> Error {
