@@ -66,6 +66,21 @@ fn skewed_profile(dir: &Path, skew: f64) -> PathBuf {
     path
 }
 
+/// `plan` arguments for `model` over 8 nodes of 8 devices, `replication` copies of each
+/// expert.
+fn eight_nodes_of_eight<'a>(model: &'a str, replication: &'a str) -> Vec<&'a str> {
+    vec![
+        "--model",
+        model,
+        "--nodes",
+        "8",
+        "--devices-per-node",
+        "8",
+        "--replication",
+        replication,
+    ]
+}
+
 fn plan_json(args: &[&str]) -> (Value, Output) {
     let mut all = vec!["plan", "--json"];
     all.extend_from_slice(args);
@@ -115,16 +130,7 @@ fn k3_over_8_workers_and_64_cards_places_as_serve_would_and_counts_failures() {
     // Over 64 cards (8 nodes of 8), replication 2: 28 copies per card per layer, the two
     // copies of an expert on distinct nodes, so no node failure leaves an expert without
     // one.
-    let (report, out) = plan_json(&[
-        "--model",
-        model,
-        "--nodes",
-        "8",
-        "--devices-per-node",
-        "8",
-        "--replication",
-        "2",
-    ]);
+    let (report, out) = plan_json(&eight_nodes_of_eight(model, "2"));
     assert!(out.status.success());
     for d in report["devices"].as_array().unwrap() {
         assert!(d["experts"].as_object().unwrap().values().all(|n| n == 28));
@@ -259,19 +265,9 @@ fn a_device_fits_only_with_room_for_its_work_area_within_the_usable_share() {
     let dir = tempfile::tempdir().unwrap();
     let model = k3_fp8(dir.path());
     let model = model.to_str().unwrap();
-    let shape = [
-        "--model",
-        model,
-        "--nodes",
-        "8",
-        "--devices-per-node",
-        "8",
-        "--replication",
-        "1",
-    ];
     let device = |memory_gib: f64| {
         let memory = format!("--device-memory-gib={memory_gib}");
-        let mut args = shape.to_vec();
+        let mut args = eight_nodes_of_eight(model, "1");
         args.push(&memory);
         let (report, _) = plan_json(&args);
         // Device 1 of node 0: experts only (the dense part is on device 0).
@@ -359,26 +355,11 @@ fn the_kv_cache_holds_what_the_dense_device_leaves_or_what_the_config_sets() {
     let model = k3_fp8(dir.path());
     let shape = |memory_gib: &str, config: Option<&Path>| {
         let memory = format!("--device-memory-gib={memory_gib}");
-        let mut args = vec![
-            "--model",
-            model.to_str().unwrap(),
-            "--nodes",
-            "8",
-            "--devices-per-node",
-            "8",
-            "--replication",
-            "1",
-            "--redundant-slots",
-            "0",
-            &memory,
-        ]
-        .into_iter()
-        .map(String::from)
-        .collect::<Vec<_>>();
+        let mut args = eight_nodes_of_eight(model.to_str().unwrap(), "1");
+        args.extend(["--redundant-slots", "0", &memory]);
         if let Some(config) = config {
-            args.extend(["--config".into(), config.to_str().unwrap().into()]);
+            args.extend(["--config", config.to_str().unwrap()]);
         }
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
         plan_json(&args).0
     };
     let position = 61 * (512 + 64) * 4u64;
