@@ -8,10 +8,10 @@
 //! process. Neither the fuel nor any stack size bounds that recursion.
 //!
 //! So what a namespace holds is copied in as plain data: strings, numbers, lists and maps
-//! (namespaces, views and other iterables become the lists and maps of what they hold at
-//! that moment; loops, cyclers, macros and other objects are refused). Nothing a namespace
-//! holds can then reach a namespace, and lists and maps cannot change, so no value reaches
-//! itself. Before a template is compiled, every `{% set name.attr = value %}` is rewritten
+//! (namespaces, views, loops, macros and other iterables or maps become the lists and maps
+//! of what they hold at that moment; cyclers, joiners and other objects that are neither
+//! are refused). Nothing a namespace holds can then reach a namespace, and lists and maps
+//! cannot change, so no value reaches itself. Before a template is compiled, every `{% set name.attr = value %}` is rewritten
 //! to `{% set name.attr = (value)|__namespace_value('name.attr') %}`, and `namespace(...)`
 //! copies its initial values the same way. A filtered block set with an attribute target
 //! (`{% set ns.x | f %}...{% endset %}`, which Jinja2 accepts) is refused when the template
@@ -195,8 +195,8 @@ impl Copier<'_> {
     }
 }
 
-/// `source` with every `{% set name.attr = value %}` checked by [`FILTER`]; an error for
-/// a template that does not parse or assigns to an attribute anywhere else.
+/// `source` with every `{% set name.attr = value %}` storing its value through [`FILTER`];
+/// an error for a template that does not parse or assigns to an attribute anywhere else.
 pub fn guard(source: &str, name: &str) -> Result<String, String> {
     let parse = |source| {
         parse(source, name, syntax(), WhitespaceConfig::default())
@@ -260,7 +260,7 @@ fn syntax() -> SyntaxConfig {
 }
 
 fn cannot_guard(target: &str) -> String {
-    format!("chat template: cannot check the value stored in `{target}`")
+    format!("chat template: cannot copy the value stored in `{target}` as plain data")
 }
 
 /// One `{% set namespace.attr = value %}`.
