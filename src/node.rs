@@ -348,9 +348,6 @@ impl Node {
     }
 }
 
-/// Positions of one sequence per KV cache block (the unit a paged cache allocates).
-const KV_BLOCK_TOKENS: usize = 16;
-
 /// The KV cache budget: `mib` when set, else sized from the memory left after loading where
 /// the caches live (see `batching.kv_cache_mib`); `None` where that memory cannot be read.
 fn kv_budget(mib: usize, model: &ModelConfig, engine: &Engine) -> Option<KvBudget> {
@@ -359,7 +356,7 @@ fn kv_budget(mib: usize, model: &ModelConfig, engine: &Engine) -> Option<KvBudge
     } else {
         match engine.cache_gpu_free_memory() {
             Some(Ok(free)) => (
-                free / 10 * 9 / 2,
+                KvBudget::gpu_share(free as u64) as usize,
                 "90% of the GPU's free memory, halved (caches grow by doubling)",
             ),
             Some(Err(error)) => {
@@ -378,16 +375,12 @@ fn kv_budget(mib: usize, model: &ModelConfig, engine: &Engine) -> Option<KvBudge
             },
         }
     };
-    let block_bytes = KvCache::bytes_per_position(model) * KV_BLOCK_TOKENS;
-    let budget = KvBudget {
-        block_tokens: KV_BLOCK_TOKENS,
-        blocks: (bytes / block_bytes.max(1)).max(1),
-    };
+    let budget = KvBudget::of_bytes(bytes, KvCache::bytes_per_position(model));
     tracing::info!(
         mib = bytes >> 20,
         from,
         blocks = budget.blocks,
-        block_tokens = KV_BLOCK_TOKENS,
+        block_tokens = budget.block_tokens,
         positions = budget.max_positions(),
         "KV cache budget"
     );

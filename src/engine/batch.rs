@@ -42,6 +42,25 @@ pub struct KvBudget {
 }
 
 impl KvBudget {
+    /// Positions of one sequence per block as the node counts them.
+    pub const BLOCK_TOKENS: usize = 16;
+
+    /// What `bytes` hold of caches taking `bytes_per_position` each: whole blocks of
+    /// [`Self::BLOCK_TOKENS`] positions, at least one.
+    pub fn of_bytes(bytes: usize, bytes_per_position: usize) -> Self {
+        let block_bytes = bytes_per_position * Self::BLOCK_TOKENS;
+        KvBudget {
+            block_tokens: Self::BLOCK_TOKENS,
+            blocks: (bytes / block_bytes.max(1)).max(1),
+        }
+    }
+
+    /// The bytes taken for caches on a GPU with `free` bytes left after loading: 90% of
+    /// them, halved (caches on a GPU grow by doubling).
+    pub fn gpu_share(free: u64) -> u64 {
+        free / 10 * 9 / 2
+    }
+
     /// Blocks holding `positions` positions of one sequence.
     pub fn blocks_for(&self, positions: usize) -> usize {
         positions.div_ceil(self.block_tokens.max(1))

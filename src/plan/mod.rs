@@ -14,6 +14,7 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use crate::actors::dispatch::OnUnavailable;
+use crate::engine::batch::KvBudget;
 use crate::model::ModelConfig;
 use crate::placement::replicate::{self, LayerReplicas, LayerSlots, ReplicateError};
 use crate::placement::{
@@ -124,13 +125,10 @@ pub struct DeviceReport {
     /// by doubling); `null` elsewhere, or when neither that nor the memory is known.
     pub kv_cache_bytes: Option<u64>,
     /// Positions that budget holds (all sequences together, whole blocks of
-    /// [`KV_BLOCK_TOKENS`]): the longest context the node serves.
+    /// [`KvBudget::BLOCK_TOKENS`]): the longest context the node serves.
     pub kv_positions: Option<u64>,
     pub fits: bool,
 }
-
-/// Positions per KV cache block, as the node allocates them.
-pub const KV_BLOCK_TOKENS: u64 = 16;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct LayerReport {
@@ -397,12 +395,12 @@ fn assemble(input: &PlanInput, sizes: &ModelSizes, work: u64, layers: &[LayerPla
         d.kv_cache_bytes = input.kv_cache_bytes.or_else(|| {
             // As serve sizes it from the GPU's free memory after loading.
             let free = input.device_memory_bytes?.saturating_sub(held);
-            Some(free / 10 * 9 / 2)
+            Some(KvBudget::gpu_share(free))
         });
-        let block_bytes = sizes.kv_bytes_per_position * KV_BLOCK_TOKENS;
-        d.kv_positions = d
-            .kv_cache_bytes
-            .map(|bytes| bytes / block_bytes.max(1) * KV_BLOCK_TOKENS);
+        d.kv_positions = d.kv_cache_bytes.map(|bytes| {
+            KvBudget::of_bytes(bytes as usize, sizes.kv_bytes_per_position as usize).max_positions()
+                as u64
+        });
         if let Some(positions) = d.kv_positions
             && positions < input.max_prompt_tokens as u64
         {
