@@ -16,11 +16,15 @@ use serve::{Server, assert_envelope, demo_model};
 /// Renders the user's message, unless it asks for a hostile path: `bomb` keeps 90 MB
 /// strings until memory runs out (a few instructions, far within the fuel); `slow` builds
 /// and counts a 90 MB string a thousand times, one at a time (work the fuel does not count,
-/// in little memory, so that the deadline and not the memory limit stops it).
-const TEMPLATE: &str = "{% set ns = namespace(l=[]) %}\
-    {% if messages[0].content == 'bomb' %}{% for i in range(100) %}\
-    {% set ns.l = ns.l + ['x' * (90000000 + i)] %}{% endfor %}{{ ns.l|length }}{% elif messages[0].content == 'slow' %}\
-    {% for i in range(1000) %}{{ ('x' * (90000000 + i))|length }}{% endfor %}{% else %}{{ messages[0].content }}{% endif %}";
+/// in little memory, so that the deadline and not the memory limit stops it). The strings
+/// are joined from 10 MB ones: a render refuses to repeat one past its output limit (16 MiB)
+/// in one step, but memory grown a step at a time is the worker's to stop.
+const TEMPLATE: &str = "{% set ns = namespace(l=[]) %}{% set content = messages[0].content %}\
+    {% if content in ['bomb', 'slow'] %}{% set x = 'x' * 10000000 %}\
+    {% set big = x ~ x ~ x ~ x ~ x ~ x ~ x ~ x ~ x %}{% endif %}\
+    {% if content == 'bomb' %}{% for i in range(100) %}\
+    {% set ns.l = ns.l + [big ~ i] %}{% endfor %}{{ ns.l|length }}{% elif content == 'slow' %}\
+    {% for i in range(1000) %}{{ (big ~ i)|length }}{% endfor %}{% else %}{{ content }}{% endif %}";
 
 fn renderer(deadline: Duration) -> IsolatedRenderer {
     IsolatedRenderer::new(PathBuf::from(serve::BIN), TEMPLATE, "<s>", "</s>")

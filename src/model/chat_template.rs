@@ -10,6 +10,7 @@ use super::ModelError;
 use super::template_worker::IsolatedRenderer;
 
 mod namespaces;
+mod sizes;
 
 pub struct ChatTemplate {
     env: Environment<'static>,
@@ -160,7 +161,8 @@ impl ChatTemplate {
     pub fn new(source: String, bos_token: String, eos_token: String) -> Result<Self, String> {
         let mut env = Environment::new();
         minijinja_contrib::add_to_environment(&mut env);
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        // Python's methods, with `str.format`'s widths checked (see `sizes`).
+        env.set_unknown_method_callback(sizes::unknown_method);
         env.add_function(
             "raise_exception",
             |message: String| -> Result<String, Error> {
@@ -181,7 +183,16 @@ impl ChatTemplate {
         // would print without end): see `namespaces`.
         env.add_filter(namespaces::FILTER, namespaces::namespace_value);
         env.add_function("namespace", namespaces::namespace);
-        let checked = namespaces::guard(&source, TEMPLATE_NAME)?;
+        // Operations whose size an argument sets are checked before they allocate it.
+        env.add_filter(sizes::TIMES, sizes::times);
+        env.add_filter("batch", sizes::batch);
+        env.add_filter("slice", sizes::slice);
+        env.add_filter("indent", sizes::indent);
+        env.add_filter("format", sizes::format);
+        env.add_filter("replace", sizes::replace);
+        env.add_filter("join", sizes::join);
+        let checked = sizes::guard(&source, TEMPLATE_NAME)?;
+        let checked = namespaces::guard(&checked, TEMPLATE_NAME)?;
         env.add_template_owned(TEMPLATE_NAME, checked)
             .map_err(|e| format!("chat template does not parse: {e}"))?;
         Ok(ChatTemplate {
@@ -767,7 +778,8 @@ mod tests {
 
     /// A list grown item by item in a namespace is visited whole at each store (its items,
     /// maps included, are copied once): a few thousand items are fine; a hundred thousand,
-    /// or one huge lazy list, run out of the copy budget quickly.
+    /// or a lazy list of a million stored again and again, run out of the copy budget
+    /// quickly.
     #[test]
     fn what_namespaces_copy_stops_at_the_budget() {
         let appending = |n: usize, item: &str| {
@@ -790,7 +802,9 @@ mod tests {
         let started = std::time::Instant::now();
         for source in [
             appending(100_000, "i"),
-            "{% set ns = namespace() %}{% set ns.x = [0] * 1000000000000 %}".to_string(),
+            "{% set ns = namespace() %}{% for i in range(5) %}{% set ns.x = [0] * 1000 * 1000 %}\
+             {% endfor %}"
+                .to_string(),
         ] {
             let err = render_one(&source).unwrap_err();
             assert!(err.contains("more than the 4000000 values"), "{err}");
@@ -803,6 +817,143 @@ mod tests {
         for source in ["{{ messages|pprint }}", "{{ debug() }}"] {
             let err = render_one(source).unwrap_err();
             assert!(err.contains("unknown"), "{source}: {err}");
+        }
+    }
+    /// Every product renders as minijinja's own `*` gives it (the rewrite to `__times` keeps
+    /// precedence and nesting), errors included.
+    #[test]
+    fn products_are_what_minijinja_multiplies() {
+        let mut plain = minijinja::Environment::new();
+        minijinja_contrib::add_to_environment(&mut plain);
+        for source in [
+            "{{ 3 * 4 }}",
+            "{{ 2.5 * 2 }}",
+            "{{ 'ab' * 3 }}",
+            "{{ 3 * 'ab' }}",
+            "{{ [1, 2] * 2 }}",
+            "{{ ([1] * 2 * 3)|list }}",
+            "{{ (1 + 2) * 3 }}",
+            "{{ 1 + 2 * 3 - 4 }}",
+            "{{ 2 * 3 * 4 }}",
+            "{{ -2 * 3 }}",
+            "{{ 2 ** 3 * 2 }} {{ 2 * 3 ** 2 }} {{ 7 // 2 * 3 }} {{ 7 * 3 % 4 }}",
+            "{{ ((2)) * ((3)) }} {{ (2 * 3) * (4 * 5) }}",
+            "{{ [2 * 3, {'a': 4 * 5}] }}",
+            "{{ [1, 2, 3][1 * 1] }} {{ ([1, 2] * 2)[::-1] }}",
+            "{{ 2 * 3 if 1 * 1 else 4 * 5 }}",
+            "{{ '%s'|format(2 * 3) }} {{ 2 * 3 is even }} {{ 2 * 3 == 6 }}",
+            "{{ messages|length * 2 }} {{ messages[0].content * 2 }}",
+            "{% set a = 2 * 3 %}{{ a }}",
+            "{% for i in range(3) if i * 2 > 1 %}{{ i * 2 }}{% endfor %}",
+            "{% if 2 * 2 == 4 %}y{% endif %}",
+            "{% macro m(x=2 * 3) %}{{ x * 2 }}{% endmacro %}{{ m() }} {{ m(1 * 5) }}",
+            "{% with a = 3 * 3 %}{{ a }}{% endwith %}",
+            "{% filter upper %}{{ 'a' * 2 }}{% endfilter %}",
+            "{{ range(*[2 * 2])|list }}",
+            "{{ x * 2 }}",
+            "{{ 'a' * 'b' }}",
+            "{{ 10 ** 30 * 10 ** 30 }}",
+            "{{ 2 *\n 3 }}",
+            "{{ '*' * 2 }}{# a * b #}",
+            "{% raw %}{{ 2 * 3 }}{% endraw %}",
+        ] {
+            let expected = plain.render_str(
+                source,
+                minijinja::context! { messages => vec![ChatMessage::new("user", "hi")] },
+            );
+            let ours = render_one(source);
+            match expected {
+                Ok(expected) => assert_eq!(ours.as_deref(), Ok(expected.as_str()), "{source}"),
+                Err(e) => assert!(ours.is_err(), "{source}: {ours:?}, minijinja: {e}"),
+            }
+        }
+    }
+
+    /// What one operation would allocate whole is checked first: each of these once
+    /// aborted the process (a failed allocation of terabytes) or ran for minutes.
+    #[test]
+    fn sizes_an_argument_sets_are_refused_before_they_are_allocated() {
+        for (source, expected) in [
+            ("{{ ([0] * 10**12)|list }}", "holds more than 1048576 items"),
+            ("{{ ([0] * 10**12)[::-1] }}", "holds more than"),
+            ("{{ (10**12 * [0])|sort }}", "holds more than"),
+            ("{{ ([1, 2] * 10**12)|join }}", "holds more than"),
+            ("{{ ([0] * 10**6 * 10**6)|unique|list }}", "holds more than"),
+            ("{% set a = [0] * 1000 %}{{ a * 10**4 }}", "holds more than"),
+            (
+                "{{ ('a' * 10**8)|list|length }}",
+                "longer than the 16777216 bytes",
+            ),
+            (
+                "{{ [1, 2]|batch(10**12)|list }}",
+                "batch(1000000000000) makes more than",
+            ),
+            ("{{ [1]|batch(10**12, 'x')|list }}", "makes more than"),
+            (
+                "{{ [1]|slice(10**12)|list }}",
+                "slice(1000000000000) makes more than",
+            ),
+            (
+                "{{ 'a'|indent(10**12) }}",
+                "indent(1000000000000) of 1 lines",
+            ),
+            (
+                "{{ 'a\nb'|indent(width=10**12, first=true) }}",
+                "of 2 lines",
+            ),
+            (
+                "{{ '%999999999999d'|format(1) }}",
+                "a field of 999999999999 characters",
+            ),
+            ("{{ '%-999999999999s'|format(1) }}", "a field of"),
+            ("{{ '%.999999999999f'|format(1.5) }}", "a field of"),
+            ("{{ '{:>999999999999}'.format(1) }}", "a field of"),
+            (
+                "{{ '{0:.99999999999999999999f}'.format(1.5) }}",
+                "a field of",
+            ),
+            (
+                "{{ ('ab' * 10**6)|replace('', 'b' * 99)|length }}",
+                "replace makes 2000001",
+            ),
+            (
+                "{{ ('a,' * 10**6)|replace(',', 'x' * 10**3) }}",
+                "replacements of 1000 bytes",
+            ),
+            (
+                "{{ (range(10**5)|list)|join('x' * 10**3) }}",
+                "joining 100000 items",
+            ),
+        ] {
+            let err = render_one(source).unwrap_err();
+            assert!(err.contains(expected), "{source}: {err}");
+        }
+        // Sizes a template could use still work.
+        for (source, expected) in [
+            ("{{ ([0] * 1000 * 1000)|list|length }}", "1000000"),
+            ("{{ ('ab' * 1000)|length }}", "2000"),
+            ("{{ [1, 2, 3]|batch(2)|list }}", "[[1, 2], [3]]"),
+            ("{{ [1, 2, 3]|slice(2)|list }}", "[[1, 2], [3]]"),
+            ("{{ 'a\nb'|indent(2) }}", "a\n  b"),
+            ("{{ 'a\nb'|indent(width=1, first=true) }}", " a\n b"),
+            (
+                "{{ '%5d|%-3s|%.2f'|format(42, 'x', 1.5) }}",
+                "   42|x  |1.50",
+            ),
+            (
+                "{{ '{:>4}{}'.format(7, 'year 99999999999') }}",
+                "   7year 99999999999",
+            ),
+            (
+                "{{ 'a\nb'|replace('\n', '<br>') }} {{ 'abc'|replace('', '-') }}",
+                "a<br>b -a-b-c-",
+            ),
+            (
+                "{{ [1, 2, 3]|join(', ') }} {{ 'abc'|join('.') }}",
+                "1, 2, 3 a.b.c",
+            ),
+        ] {
+            assert_eq!(render_one(source).unwrap(), expected, "{source}");
         }
     }
 }
