@@ -27,6 +27,7 @@ use crate::engine::{Engine, generate::PREFILL_CHUNK};
 use crate::metrics::{DeviceState, NodeMetrics};
 use crate::model::{Checkpoint, DenseWeights, ModelConfig, ModelError, ModelSource};
 use crate::placement::{ExpertLoad, Placement, PlacementError};
+use crate::plan::sizes::ModelSizes;
 
 #[derive(Debug, thiserror::Error)]
 pub enum NodeError {
@@ -234,14 +235,34 @@ impl Node {
         crate::progress::stage("dense weights (attention, norms, shared experts)");
         let weights = DenseWeights::load(&checkpoint, &model)?;
         let mut engine = Engine::new((*model).clone(), weights, experts.clone());
-        if let Some(gpu) = dense_gpu {
+        if let Some(gpu) = &dense_gpu {
             engine.place_dense_on_gpu(
-                &gpu,
+                gpu,
                 config.devices.gpu_memory_fraction,
                 kernel_cache.as_deref(),
             )?;
         }
-        let kv = kv_budget(config.batching.kv_cache_mib, &model, &engine);
+        // The spare slots are empty until a rebalance fills them with copies of hot experts:
+        // where they share memory with the caches (the dense GPU, or the host with CPU
+        // slots), that memory is not the caches' to take.
+        let spare_slot_bytes = {
+            let sharing = match dense_gpu {
+                Some(_) => 1,
+                None => targets
+                    .iter()
+                    .filter(|t| matches!(t, DeviceTarget::Cpu))
+                    .count(),
+            };
+            let moe_layers = model.moe_layers.iter().filter(|&&moe| moe).count();
+            (config.placement.redundant_slots_per_device * moe_layers * sharing) as u64
+                * ModelSizes::of(&model).expert_bytes
+        };
+        let kv = kv_budget(
+            config.batching.kv_cache_mib,
+            spare_slot_bytes as usize,
+            &model,
+            &engine,
+        );
         let limits = BatchLimits {
             max_sequences: config.batching.max_sequences,
             max_tokens_per_step: config.batching.max_tokens_per_step,
@@ -349,14 +370,20 @@ impl Node {
 }
 
 /// The KV cache budget: `mib` when set, else sized from the memory left after loading where
-/// the caches live (see `batching.kv_cache_mib`); `None` where that memory cannot be read.
-fn kv_budget(mib: usize, model: &ModelConfig, engine: &Engine) -> Option<KvBudget> {
+/// the caches live, less `spare_slot_bytes` held back there for the spare expert slots (see
+/// `batching.kv_cache_mib`); `None` where that memory cannot be read.
+fn kv_budget(
+    mib: usize,
+    spare_slot_bytes: usize,
+    model: &ModelConfig,
+    engine: &Engine,
+) -> Option<KvBudget> {
     let (bytes, from) = if mib > 0 {
         (mib << 20, "batching.kv_cache_mib")
     } else {
         match engine.cache_gpu_free_memory() {
             Some(Ok(free)) => (
-                KvBudget::gpu_share(free as u64) as usize,
+                KvBudget::gpu_share(free.saturating_sub(spare_slot_bytes) as u64) as usize,
                 "90% of the GPU's free memory, halved (caches grow by doubling)",
             ),
             Some(Err(error)) => {
@@ -364,7 +391,10 @@ fn kv_budget(mib: usize, model: &ModelConfig, engine: &Engine) -> Option<KvBudge
                 return None;
             }
             None => match host_memory_available() {
-                Some(available) => (available / 2, "half of the host's available memory"),
+                Some(available) => (
+                    available.saturating_sub(spare_slot_bytes) / 2,
+                    "half of the host's available memory",
+                ),
                 None => {
                     tracing::warn!(
                         "/proc/meminfo unreadable: the KV cache is not bounded; set \
@@ -379,6 +409,7 @@ fn kv_budget(mib: usize, model: &ModelConfig, engine: &Engine) -> Option<KvBudge
     tracing::info!(
         mib = bytes >> 20,
         from,
+        spare_slot_bytes,
         blocks = budget.blocks,
         block_tokens = budget.block_tokens,
         positions = budget.max_positions(),

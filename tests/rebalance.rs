@@ -209,6 +209,17 @@ fn a_node_under_skewed_load_rebalances_live_without_failing_or_changing_a_reques
         &["--model", model.to_str().unwrap()],
     );
     server.wait_ready();
+    // The KV cache budget leaves the host memory the spare slots will take once a rebalance
+    // fills them: 24 slots on each of 4 CPU slots in every MoE layer.
+    let config = moe_node::model::ModelConfig::load(&model).unwrap();
+    let moe_layers = config.moe_layers.iter().filter(|&&moe| moe).count() as u64;
+    let expert_bytes = moe_node::plan::sizes::ModelSizes::of(&config).expert_bytes;
+    let spare = 24 * 4 * moe_layers * expert_bytes;
+    assert!(
+        server.log_contains(&format!("spare_slot_bytes={spare}")),
+        "{:?}",
+        server.process.log_lines()
+    );
     let prompts = [
         "The quick brown fox",
         "Hello there",

@@ -270,7 +270,9 @@ pub struct BatchingConfig {
     pub default_max_tokens: usize,
     /// KV cache memory the running sequences may hold, in MiB; 0: sized after loading, from
     /// half of the host's available memory (caches on the host) or 90% of the GPU's free
-    /// memory, halved because caches there grow by doubling (caches on a GPU). Sequences
+    /// memory, halved because caches there grow by doubling (caches on a GPU), less what
+    /// the spare expert slots in that memory will hold (`placement.redundant_slots_per_device`).
+    /// Sequences
     /// wait while it is full, and the latest are preempted (recomputed later) rather than
     /// failed; the node serves a context no longer than it holds.
     pub kv_cache_mib: usize,
