@@ -1736,6 +1736,89 @@ impl Drop for Worker {
 mod tests {
     use super::*;
 
+    /// What arrives eagerly, handed to the receive callback as UCX does (no library
+    /// needed): the event it records.
+    fn arrive(header: &[u8], data: &[u8]) -> Event {
+        discard_events();
+        // SAFETY: zeroed plain data; no attribute bits: an eager message whose bytes are
+        // valid through the call.
+        let param: sys::ucp_am_recv_param_t = unsafe { std::mem::zeroed() };
+        let status = on_message(
+            std::ptr::null_mut(),
+            header.as_ptr().cast(),
+            header.len(),
+            data.as_ptr().cast_mut().cast(),
+            data.len(),
+            &param,
+        );
+        assert_eq!(status, sys::UCS_OK);
+        let mut events = EVENTS.with(|events| std::mem::take(&mut *events.borrow_mut()));
+        assert_eq!(events.len(), 1);
+        events.remove(0)
+    }
+
+    fn header(seq: u64, rows: Option<u64>) -> Vec<u8> {
+        let mut header = seq.to_le_bytes().to_vec();
+        if let Some(code) = rows {
+            header.extend_from_slice(&code.to_le_bytes());
+        }
+        header
+    }
+
+    /// A message is read by its header: 8 bytes for a frame's bytes, 16 for rows (and their
+    /// dtype's code). A header of another length, rows of a code no dtype has, or rows whose
+    /// bytes are not whole values break the link's protocol: the peer is taken as broken
+    /// (the link fails, as after a reset) and nothing of the message is read.
+    #[test]
+    fn a_message_is_read_by_its_header_and_a_garbled_one_is_reported_broken() {
+        let values = [1.5f32, -2.0, 0.25];
+        let f32_bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let bf16_bytes: Vec<u8> = values
+            .iter()
+            .flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes())
+            .collect();
+        match arrive(&header(7, None), b"frame") {
+            Event::Message {
+                seq: 7,
+                payload: Payload::Bytes(bytes),
+            } => assert_eq!(bytes, b"frame"),
+            _ => panic!("bytes not received as bytes"),
+        }
+        for (dtype, bytes) in [(Dtype::F32, &f32_bytes), (Dtype::Bf16, &bf16_bytes)] {
+            match arrive(&header(8, Some(rows_code(dtype))), bytes) {
+                Event::Message {
+                    seq: 8,
+                    payload: Payload::Rows(rows, sent),
+                } => assert_eq!((rows.as_slice(), sent), (&values[..], dtype)),
+                _ => panic!("{dtype:?} rows not received as rows"),
+            }
+        }
+        let garbled = |header: &[u8], data: &[u8]| match arrive(header, data) {
+            Event::Garbled { why } => why,
+            _ => panic!("a garbled message was taken: {header:?}"),
+        };
+        let why = garbled(&[0; 12], b"frame");
+        assert!(why.contains("a 12-byte header (8 or 16 expected)"), "{why}");
+        assert!(garbled(&[], b"frame").contains("a 0-byte header"));
+        let why = garbled(&header(9, Some(3)), &f32_bytes);
+        assert!(
+            why.contains("a rows message of 12 bytes with code 3"),
+            "{why}"
+        );
+        let why = garbled(&header(9, Some(rows_code(Dtype::F32))), &f32_bytes[..10]);
+        assert!(
+            why.contains("a rows message of 10 bytes with code 1"),
+            "{why}"
+        );
+        let why = garbled(&header(9, Some(rows_code(Dtype::Bf16))), &bf16_bytes[..5]);
+        assert!(
+            why.contains("a rows message of 5 bytes with code 2"),
+            "{why}"
+        );
+        let why = garbled(&header(9, Some(rows_code(Dtype::F32))), &[]);
+        assert!(why.contains("a rows message of 0 bytes"), "{why}");
+    }
+
     #[test]
     fn memory_types_are_read_from_ucx_bits() {
         let host = MemoryTypes::from_mask(1 << sys::UCS_MEMORY_TYPE_HOST);
