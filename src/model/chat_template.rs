@@ -623,7 +623,7 @@ mod tests {
             let levels = LEVELS as usize;
             format!("{}{inner}{}", "[".repeat(levels), "]".repeat(levels))
         };
-        // About 50 instructions per iteration (the check of the value stored included).
+        // About 50 instructions per iteration (the copy of the value stored included).
         let iterations = RENDER_FUEL / 51;
         // A list nested as deep as the fuel allows, then `sink` applied to it.
         let nested_then = |sink: &str| {
