@@ -157,8 +157,22 @@ impl ChatTemplate {
     }
 
     /// A template from its source and the special tokens it may print, with the limits
-    /// every render runs under (see [`RENDER_FUEL`]).
+    /// every render runs under (see [`RENDER_FUEL`]). Parsed and compiled on a thread with
+    /// [`RENDER_STACK_BYTES`] of stack: both recurse once per operator of a chain
+    /// (`1 + 1 + ...`), which a hostile template can make as long as it likes.
     pub fn new(source: String, bos_token: String, eos_token: String) -> Result<Self, String> {
+        std::thread::scope(|scope| {
+            std::thread::Builder::new()
+                .name("chat-template-load".into())
+                .stack_size(RENDER_STACK_BYTES)
+                .spawn_scoped(scope, || Self::compile(source, bos_token, eos_token))
+                .map_err(|e| format!("cannot start a thread to load the chat template: {e}"))?
+                .join()
+                .map_err(|_| "loading the chat template panicked".to_string())?
+        })
+    }
+
+    fn compile(source: String, bos_token: String, eos_token: String) -> Result<Self, String> {
         let mut env = Environment::new();
         minijinja_contrib::add_to_environment(&mut env);
         // Python's methods, with `str.format`'s widths checked (see `sizes`).
@@ -191,6 +205,7 @@ impl ChatTemplate {
         env.add_filter("format", sizes::format);
         env.add_filter("replace", sizes::replace);
         env.add_filter("join", sizes::join);
+        env.add_filter("chain", sizes::chain);
         let checked = sizes::guard(&source, TEMPLATE_NAME)?;
         let checked = namespaces::guard(&checked, TEMPLATE_NAME)?;
         env.add_template_owned(TEMPLATE_NAME, checked)
@@ -320,6 +335,15 @@ pub fn encode_chat(
 /// keyword arguments, keys in the order the value has them.
 fn tojson(value: minijinja::Value, kwargs: minijinja::value::Kwargs) -> Result<String, Error> {
     let indent: Option<usize> = kwargs.get("indent")?;
+    // Each level writes `indent` spaces times its depth at once.
+    if let Some(indent) = indent
+        && indent > MAX_TOJSON_INDENT
+    {
+        return Err(Error::new(
+            ErrorKind::InvalidOperation,
+            format!("tojson: an indent of {indent} spaces (at most {MAX_TOJSON_INDENT})"),
+        ));
+    }
     let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
     let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
     // Accepted and not applied: templates pass Python's defaults.
@@ -357,6 +381,10 @@ fn tojson(value: minijinja::Value, kwargs: minijinja::value::Kwargs) -> Result<S
     }
     Ok(out)
 }
+
+/// The widest indent `tojson` writes a level with (Python's json.dumps takes any; published
+/// templates pass 2 or 4).
+const MAX_TOJSON_INDENT: usize = 1024;
 
 /// The deepest nesting of lists and maps that `tojson` writes.
 const MAX_TOJSON_DEPTH: usize = 512;
@@ -869,8 +897,9 @@ mod tests {
         }
     }
 
-    /// What one operation would allocate whole is checked first: each of these once
-    /// aborted the process (a failed allocation of terabytes) or ran for minutes.
+    /// What one operation would allocate at once, or grow to in one instruction, is checked
+    /// first: each of these aborted the process (a failed allocation of terabytes), ran for
+    /// minutes or took the machine's memory.
     #[test]
     fn sizes_an_argument_sets_are_refused_before_they_are_allocated() {
         for (source, expected) in [
@@ -880,6 +909,10 @@ mod tests {
             ("{{ ([1, 2] * 10**12)|join }}", "holds more than"),
             ("{{ ([0] * 10**6 * 10**6)|unique|list }}", "holds more than"),
             ("{% set a = [0] * 1000 %}{{ a * 10**4 }}", "holds more than"),
+            (
+                "{% set x = [0] * 1000000 %}{{ x|chain(*([x] * 1000000))|list|length }}",
+                "chain of lists holding 1000001000000 items",
+            ),
             (
                 "{{ ('a' * 10**8)|list|length }}",
                 "longer than the 16777216 bytes",
@@ -902,15 +935,32 @@ mod tests {
                 "of 2 lines",
             ),
             (
-                "{{ '%999999999999d'|format(1) }}",
-                "a field of 999999999999 characters",
+                "{{ [1]|tojson(indent=10**12) }}",
+                "an indent of 1000000000000 spaces",
             ),
-            ("{{ '%-999999999999s'|format(1) }}", "a field of"),
-            ("{{ '%.999999999999f'|format(1.5) }}", "a field of"),
-            ("{{ '{:>999999999999}'.format(1) }}", "a field of"),
             (
-                "{{ '{0:.99999999999999999999f}'.format(1.5) }}",
-                "a field of",
+                "{{ '%999999999999d'|format(1) }}",
+                "a width or precision of 999999999999",
+            ),
+            (
+                "{{ '%-999999999999s'|format(1) }}",
+                "precision of 999999999999",
+            ),
+            (
+                "{{ '%.999999999999f'|format(1.5) }}",
+                "precision of 999999999999",
+            ),
+            (
+                "{{ '%(a)999999999999d'|format({'a': 1}) }}",
+                "precision of 999999999999",
+            ),
+            (
+                "{{ '{:>999999999999}'.format(1) }}",
+                "precision of 999999999999",
+            ),
+            (
+                "{{ '{0[}]:>999999999999}'.format({'}': 1}) }}",
+                "precision of 999999999999",
             ),
             (
                 "{{ ('ab' * 10**6)|replace('', 'b' * 99)|length }}",
@@ -921,8 +971,24 @@ mod tests {
                 "replacements of 1000 bytes",
             ),
             (
+                "{% set s = 'x' * 16000000 %}{{ s.replace('x', s) }}",
+                "replace makes 16000000",
+            ),
+            (
                 "{{ (range(10**5)|list)|join('x' * 10**3) }}",
-                "joining 100000 items",
+                "join of more than 16777216",
+            ),
+            (
+                "{{ ([('x' * 16000000)] * 1000)|join }}",
+                "join of more than 16777216",
+            ),
+            (
+                "{{ ('x' * 16000000).join([0] * 1000000) }}",
+                "join of more than 16777216",
+            ),
+            (
+                "{{ 'a'.count('', 1) }}",
+                "str.count('') with a start or end",
             ),
         ] {
             let err = render_one(source).unwrap_err();
@@ -934,26 +1000,54 @@ mod tests {
             ("{{ ('ab' * 1000)|length }}", "2000"),
             ("{{ [1, 2, 3]|batch(2)|list }}", "[[1, 2], [3]]"),
             ("{{ [1, 2, 3]|slice(2)|list }}", "[[1, 2], [3]]"),
+            ("{{ [1]|chain([2], [3])|list }}", "[1, 2, 3]"),
             ("{{ 'a\nb'|indent(2) }}", "a\n  b"),
             ("{{ 'a\nb'|indent(width=1, first=true) }}", " a\n b"),
+            ("{{ [1]|tojson(indent=2) }}", "[\n  1\n]"),
             (
                 "{{ '%5d|%-3s|%.2f'|format(42, 'x', 1.5) }}",
                 "   42|x  |1.50",
             ),
+            ("{{ '%(a)3d'|format({'a': 1}) }}", "  1"),
+            ("{{ '%% 99999999999'|format() }}", "% 99999999999"),
             (
                 "{{ '{:>4}{}'.format(7, 'year 99999999999') }}",
                 "   7year 99999999999",
             ),
+            ("{{ '{{:99999999999}}'.format() }}", "{:99999999999}"),
             (
                 "{{ 'a\nb'|replace('\n', '<br>') }} {{ 'abc'|replace('', '-') }}",
                 "a<br>b -a-b-c-",
             ),
             (
+                "{{ 'a-b'.replace('-', '+') }} {{ ', '.join(['a', 'b']) }}",
+                "a+b a, b",
+            ),
+            (
                 "{{ [1, 2, 3]|join(', ') }} {{ 'abc'|join('.') }}",
                 "1, 2, 3 a.b.c",
             ),
+            ("{{ 'abc'.count('') }} {{ 'abcb'.count('b') }}", "4 2"),
         ] {
             assert_eq!(render_one(source).unwrap(), expected, "{source}");
         }
+    }
+
+    /// An error raised by a product names the template's line, as minijinja's own `*` does;
+    /// and a long chain of products still loads (each adds one level of parentheses).
+    #[test]
+    fn products_keep_their_line_and_long_chains_load() {
+        let err =
+            render_one("{% for m in messages %}\n{{ m.content * 'x' }}{% endfor %}").unwrap_err();
+        assert!(err.contains("chat:2"), "{err}");
+        let chain = vec!["1"; 41].join(" * ");
+        assert_eq!(render_one(&format!("{{{{ {chain} }}}}")).unwrap(), "1");
+        // Chains far longer than any template's load as minijinja's own or fail to parse,
+        // on the loading thread's stack (they once overflowed the caller's).
+        let sum = vec!["1"; 100_000].join(" + ");
+        assert_eq!(render_one(&format!("{{{{ {sum} }}}}")).unwrap(), "100000");
+        let product = vec!["1"; 100_000].join(" * ");
+        let err = render_one(&format!("{{{{ {product} }}}}")).unwrap_err();
+        assert!(err.contains("does not parse"), "{err}");
     }
 }

@@ -1,24 +1,26 @@
 //! Sizes one operation of a render may ask for.
 //!
 //! A few of minijinja's operations make a value whose size an argument sets, and allocate
-//! it whole at once: a list repeated (`[0] * 10**12` is lazy, but every filter or slice that
-//! collects it reserves room for all its items first), `batch` and `slice` (a list of
-//! `count` slots), `indent` (`width` spaces a line), `replace` and `join` (the new text or
-//! the separator as many times as it occurs or there are items), and the widths and precisions of
-//! `format` and `str.format` (`"%999999999999d"`). An allocation that large fails, and a
-//! failed allocation aborts the process; one a little smaller takes the machine's memory.
-//! Nothing of the fuel bounds them, since each is one instruction.
+//! it at once: a list repeated (`[0] * 10**12` is lazy, but every filter or slice that
+//! collects it reserves room for all its items first) or chained, `batch` and `slice` (a
+//! list of `count` slots), `indent` (`width` spaces a line), the widths and precisions of
+//! `format` and `str.format` (`"%999999999999d"`), and `tojson`'s indent. An allocation that
+//! large fails, and a failed allocation aborts the process. Others grow their result a
+//! piece at a time to a size their arguments set: `replace` and `join` (filters and string
+//! methods). Nothing of the fuel bounds any of them, since each is one instruction.
 //!
 //! So these are checked before they run, against sizes no chat template comes near: a list
 //! of [`MAX_ITEMS`] items, text of [`MAX_OUTPUT_BYTES`] (what a whole render may print).
 //! Multiplication is rewritten before the template is compiled: every `a * b` becomes
-//! `((a)|__times(b))`, which checks the size of a repeated list or string, then multiplies
+//! `(a)|__times(b)`, which checks the size of a repeated list or string, then multiplies
 //! as minijinja does. The rewrite adds characters inside lines (no new lines), so errors
 //! still name the line.
 //!
-//! What stays unchecked is memory grown a step at a time (a string doubled in a loop): a
-//! render in the node runs in a worker process with a memory limit and a deadline (see
-//! `template_worker`), which ends it with a clear error whatever it does.
+//! What stays unchecked is memory or time grown over many steps or through nesting (a
+//! string doubled in a loop, a list concatenated to itself, a list of a million lists of a
+//! million items, printed): a render in the node runs in a worker process with a memory
+//! limit and a deadline (see `template_worker`), which ends it with a clear error whatever
+//! it does.
 
 use std::sync::LazyLock;
 
@@ -73,7 +75,14 @@ pub fn times(a: Value, b: Value) -> Result<Value, Error> {
             }
         }
     }
-    PRODUCT.eval(context! { a => a, b => b })
+    // Made anew without the location of the helper expression, so that the template's
+    // render names the template's line.
+    PRODUCT.eval(context! { a => a, b => b }).map_err(|e| {
+        let detail = e
+            .detail()
+            .map_or_else(|| e.kind().to_string(), str::to_owned);
+        Error::new(e.kind(), detail)
+    })
 }
 
 fn check_count(filter: &str, count: usize) -> Result<(), Error> {
@@ -130,14 +139,23 @@ pub fn indent(
     minijinja::filters::indent(value, width, first, blank, kwargs)
 }
 
-/// minijinja's `replace`, when its result fits in [`MAX_OUTPUT_BYTES`].
-pub fn replace(
-    state: &State,
-    value: StringInput<'_>,
-    from: StringInput<'_>,
-    to: StringInput<'_>,
-) -> Result<Value, Error> {
-    let (text, old, new) = (value.as_str(), from.as_str(), to.as_str());
+/// minijinja's `chain`, when the lists chained hold at most [`MAX_ITEMS`] items in all.
+pub fn chain(state: &State, value: Value, others: Rest<Value>) -> Result<Value, Error> {
+    let items = std::iter::once(&value)
+        .chain(others.iter())
+        .map(|v| v.len().unwrap_or(0))
+        .fold(0usize, usize::saturating_add);
+    if items > MAX_ITEMS {
+        return Err(too_large(format!(
+            "chain of lists holding {items} items in all: more than {MAX_ITEMS}"
+        )));
+    }
+    minijinja::filters::chain(state, value, others)
+}
+
+/// Refuses replacing `old` by `new` in `text` when the result would be longer than
+/// [`MAX_OUTPUT_BYTES`] (as the `replace` filter and `str.replace` do it).
+fn check_replace(text: &str, old: &str, new: &str) -> Result<(), Error> {
     if new.len() > old.len() {
         let found = if old.is_empty() {
             text.chars().count() + 1
@@ -154,19 +172,48 @@ pub fn replace(
             )));
         }
     }
+    Ok(())
+}
+
+/// minijinja's `replace`, when its result fits in [`MAX_OUTPUT_BYTES`].
+pub fn replace(
+    state: &State,
+    value: StringInput<'_>,
+    from: StringInput<'_>,
+    to: StringInput<'_>,
+) -> Result<Value, Error> {
+    check_replace(value.as_str(), from.as_str(), to.as_str())?;
     minijinja::filters::replace(state, value, from, to)
 }
 
-/// minijinja's `join`, when the separators alone fit in [`MAX_OUTPUT_BYTES`].
-pub fn join(state: &State, value: &Value, joiner: Option<StringInput<'_>>) -> Result<Value, Error> {
-    let separator = joiner.as_ref().map_or(0, |joiner| joiner.as_str().len());
-    let items = value.len().unwrap_or(0);
-    if items.saturating_sub(1).saturating_mul(separator) > MAX_OUTPUT_BYTES {
-        return Err(too_large(format!(
-            "joining {items} items with {separator} bytes between them is longer than the \
-             {MAX_OUTPUT_BYTES} bytes a render may print"
-        )));
+/// Refuses joining `items` with `separator` between them when the strings among them and
+/// the separators come to more than [`MAX_OUTPUT_BYTES`], or they are more than
+/// [`MAX_ITEMS`] (as the `join` filter and `str.join` do it).
+fn check_join(items: &Value, separator: usize) -> Result<(), Error> {
+    let Ok(iter) = items.try_iter() else {
+        return Ok(());
+    };
+    let mut bytes = 0usize;
+    for (i, item) in iter.enumerate() {
+        if i >= MAX_ITEMS {
+            return Err(too_large(format!("join of more than {MAX_ITEMS} items")));
+        }
+        let between = if i > 0 { separator } else { 0 };
+        bytes = bytes
+            .saturating_add(item.as_str().map_or(0, str::len))
+            .saturating_add(between);
+        if bytes > MAX_OUTPUT_BYTES {
+            return Err(too_large(format!(
+                "join of more than {MAX_OUTPUT_BYTES} bytes, the most a render may print"
+            )));
+        }
     }
+    Ok(())
+}
+
+/// minijinja's `join`, when what it joins fits in [`MAX_OUTPUT_BYTES`].
+pub fn join(state: &State, value: &Value, joiner: Option<StringInput<'_>>) -> Result<Value, Error> {
+    check_join(value, joiner.as_ref().map_or(0, |j| j.as_str().len()))?;
     minijinja::filters::join(state, value, joiner)
 }
 
@@ -174,41 +221,63 @@ pub fn join(state: &State, value: &Value, joiner: Option<StringInput<'_>>) -> Re
 /// exceeds [`MAX_OUTPUT_BYTES`].
 pub fn format(state: &State, format_str: &Value, args: Rest<Value>) -> Result<Value, Error> {
     if let Some(text) = format_str.as_str() {
-        check_widths(text, printf_specs(text))?;
+        check_widths(text, &printf_specs(text))?;
     }
     minijinja::filters::format(state, format_str, args)
 }
 
 /// The methods Python strings, lists and maps have (minijinja-contrib's `pycompat`), with
-/// `str.format` checked as [`format`] is.
+/// `str.format`, `str.replace` and `str.join` checked as the filters are, and
+/// `str.count('')` answered here (pycompat's never ends).
 pub fn unknown_method(
     state: &State,
     value: &Value,
     method: &str,
     args: &[Value],
 ) -> Result<Value, Error> {
-    if method == "format"
-        && let Some(text) = value.as_str()
-    {
-        check_widths(text, str_format_specs(text))?;
+    if let Some(text) = value.as_str() {
+        let arg = |i: usize| args.get(i).and_then(Value::as_str);
+        match method {
+            "format" => check_widths(text, &str_format_specs(text))?,
+            "replace" => {
+                if let (Some(old), Some(new)) = (arg(0), arg(1)) {
+                    check_replace(text, old, new)?;
+                }
+            }
+            "join" => {
+                if let Some(items) = args.first() {
+                    check_join(items, text.len())?;
+                }
+            }
+            "count" if arg(0) == Some("") => {
+                if args.len() > 1 {
+                    return Err(Error::new(
+                        ErrorKind::InvalidOperation,
+                        "str.count('') with a start or end is not supported",
+                    ));
+                }
+                // As Python: the empty string occurs before each character and at the end.
+                return Ok(Value::from(text.chars().count() + 1));
+            }
+            _ => {}
+        }
     }
     minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args)
 }
 
-/// Refuses a format string with a number in a spec (a width or precision) above
+/// Refuses a format string with a width or precision (a number in a spec) above
 /// [`MAX_OUTPUT_BYTES`].
-fn check_widths<'a>(text: &str, specs: impl Iterator<Item = &'a str>) -> Result<(), Error> {
+fn check_widths(text: &str, specs: &[&str]) -> Result<(), Error> {
     for spec in specs {
-        let widest = spec
-            .split(|c: char| !c.is_ascii_digit())
-            .filter(|digits| !digits.is_empty())
-            .map(|digits| digits.parse::<usize>().unwrap_or(usize::MAX))
-            .max();
-        if let Some(widest) = widest
-            && widest > MAX_OUTPUT_BYTES
-        {
+        for digits in spec.split(|c: char| !c.is_ascii_digit()) {
+            if digits.is_empty() {
+                continue;
+            }
+            if digits.parse::<usize>().is_ok_and(|n| n <= MAX_OUTPUT_BYTES) {
+                continue;
+            }
             return Err(too_large(format!(
-                "the format string {:?} asks for a field of {widest} characters, more than \
+                "the format string {:?} asks for a width or precision of {digits}, more than \
                  the {MAX_OUTPUT_BYTES} bytes a render may print",
                 text.chars().take(80).collect::<String>()
             )));
@@ -217,27 +286,71 @@ fn check_widths<'a>(text: &str, specs: impl Iterator<Item = &'a str>) -> Result<
     Ok(())
 }
 
-/// What follows each `%` of a printf-style format string up to its conversion letter
-/// (the mapping key, flags, width and precision).
-fn printf_specs(text: &str) -> impl Iterator<Item = &str> {
-    text.split('%').skip(1).map(|rest| {
+/// The spec of each conversion of a printf-style format string: its flags, width and
+/// precision, from after `%` and its mapping key (`%(name)`) to its conversion letter;
+/// `%%` is a percent sign.
+fn printf_specs(text: &str) -> Vec<&str> {
+    let mut specs = Vec::new();
+    let mut rest = text;
+    while let Some(at) = rest.find('%') {
+        rest = &rest[at + 1..];
+        if let Some(after) = rest.strip_prefix('%') {
+            rest = after;
+            continue;
+        }
+        if rest.starts_with('(') {
+            // The key runs to its closing parenthesis (minijinja takes no nesting).
+            rest = rest.find(')').map_or("", |end| &rest[end + 1..]);
+        }
         let end = rest
             .find(|c: char| c.is_ascii_alphabetic() || c == '%')
             .unwrap_or(rest.len());
-        &rest[..end]
-    })
+        specs.push(&rest[..end]);
+        rest = &rest[end..];
+    }
+    specs
 }
 
-/// The format spec (after `:`) of each replacement field of a `str.format` string.
-fn str_format_specs(text: &str) -> impl Iterator<Item = &str> {
-    text.split('{').skip(1).filter_map(|rest| {
-        let field = &rest[..rest.find('}').unwrap_or(rest.len())];
-        field.split_once(':').map(|(_, spec)| spec)
-    })
+/// The format spec of each replacement field of a `str.format` string: what follows its
+/// field name's `:` (a name may hold `}` or `:` inside `[...]`) up to the closing `}`;
+/// `{{` and `}}` are braces.
+fn str_format_specs(text: &str) -> Vec<&str> {
+    let mut specs = Vec::new();
+    let mut rest = text;
+    while let Some(at) = rest.find('{') {
+        rest = &rest[at + 1..];
+        if let Some(after) = rest.strip_prefix('{') {
+            rest = after;
+            continue;
+        }
+        // The field name, with its `[...]` indexes whole.
+        let mut name_end = rest.len();
+        let mut in_index = false;
+        for (i, c) in rest.char_indices() {
+            match c {
+                '[' if !in_index => in_index = true,
+                ']' if in_index => in_index = false,
+                ':' | '}' if !in_index => {
+                    name_end = i;
+                    break;
+                }
+                _ => {}
+            }
+        }
+        rest = &rest[name_end..];
+        if let Some(spec) = rest.strip_prefix(':') {
+            let end = spec.find('}').unwrap_or(spec.len());
+            specs.push(&spec[..end]);
+            rest = &spec[end..];
+        }
+    }
+    specs
 }
 
-/// `source` with every `a * b` rewritten to `((a)|__times(b))`; an error for a template
-/// that does not parse.
+/// `source` with every `a * b` rewritten to `(a)|__times(b)`; an error for a template that
+/// does not parse. No parentheses are needed around the whole: what follows a product in
+/// the source is an operator that binds less tightly than a filter (a filter, test,
+/// attribute, index or call after `b` belongs to `b`).
 pub fn guard(source: &str, name: &str) -> Result<String, String> {
     let parse = |source| {
         parse(source, name, syntax(), WhitespaceConfig::default())
@@ -245,7 +358,13 @@ pub fn guard(source: &str, name: &str) -> Result<String, String> {
     };
     let template = parse(source)?;
     let mut products = Vec::new();
+    let mut written = 0;
     visit_stmt(&template, &mut |expr| {
+        if let ast::Expr::Filter(filter) = expr
+            && filter.name == TIMES
+        {
+            written += 1;
+        }
         if let ast::Expr::BinOp(op) = expr
             && matches!(op.op, ast::BinOpKind::Mul)
         {
@@ -295,7 +414,7 @@ pub fn guard(source: &str, name: &str) -> Result<String, String> {
         ast::Expr::Filter(filter) if filter.name == TIMES => filters += 1,
         _ => {}
     });
-    if left != 0 || next != products.len() || filters < products.len() {
+    if left != 0 || next != products.len() || filters != written + products.len() {
         return Err(cannot());
     }
     Ok(rewritten)
@@ -332,13 +451,13 @@ fn emit(
             return None;
         }
         out.push_str(source.get(copied..product.start)?);
-        out.push_str("((");
+        out.push('(');
         emit(source, products, next, product.start, operator_start, out)?;
         out.push_str(")|");
         out.push_str(TIMES);
         out.push('(');
         emit(source, products, next, operator_end, product.end, out)?;
-        out.push_str("))");
+        out.push(')');
         copied = product.end;
     }
     out.push_str(source.get(copied..to)?);
