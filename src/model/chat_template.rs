@@ -3,6 +3,8 @@
 
 use std::path::{Path, PathBuf};
 
+use minijinja::machinery::{Span, Token, WhitespaceConfig, ast, parse, tokenize};
+use minijinja::syntax::SyntaxConfig;
 use minijinja::{Environment, Error, ErrorKind, context};
 use serde::{Deserialize, Serialize};
 
@@ -72,6 +74,27 @@ impl From<Vec<ChatMessage>> for ChatInput {
 }
 
 const TEMPLATE_NAME: &str = "chat";
+
+/// `source` parsed as the environment parses it, for the rewrites made before it is
+/// compiled (`sizes`, `namespaces`).
+fn parse_source<'s>(source: &'s str, name: &'s str) -> Result<ast::Stmt<'s>, String> {
+    parse(source, name, syntax(), WhitespaceConfig::default())
+        .map_err(|e| format!("chat template does not parse: {e}"))
+}
+
+/// `source`'s tokens and their spans, as the environment reads them.
+fn source_tokens(source: &str) -> Result<Vec<(Token<'_>, Span)>, String> {
+    tokenize(source, false, syntax(), WhitespaceConfig::default())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("chat template does not parse: {e}"))
+}
+
+/// The syntax the node's environment uses: minijinja's default (a unit struct unless its
+/// `custom_syntax` feature is on).
+#[allow(clippy::default_constructed_unit_structs)]
+fn syntax() -> SyntaxConfig {
+    SyntaxConfig::default()
+}
 
 /// Instructions one render may run. A published template spends tens per message (a prompt
 /// of `max_prompt_tokens` holds a few thousand messages at most); this bounds a hostile one

@@ -24,8 +24,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, TryLockError};
 
 use indexmap::IndexMap;
-use minijinja::machinery::{Token, WhitespaceConfig, ast, parse, tokenize};
-use minijinja::syntax::SyntaxConfig;
+use minijinja::machinery::{Token, ast};
 use minijinja::value::{Object, ValueKind};
 use minijinja::{Error, ErrorKind, State, Value};
 use rustc_hash::FxHashMap;
@@ -198,10 +197,7 @@ impl Copier<'_> {
 /// `source` with every `{% set name.attr = value %}` storing its value through [`FILTER`];
 /// an error for a template that does not parse or assigns to an attribute anywhere else.
 pub fn guard(source: &str, name: &str) -> Result<String, String> {
-    let parse = |source| {
-        parse(source, name, syntax(), WhitespaceConfig::default())
-            .map_err(|e| format!("chat template does not parse: {e}"))
-    };
+    let parse = |source| super::parse_source(source, name);
     let template = parse(source)?;
     let mut stores = Vec::new();
     visit(&template, &mut stores)?;
@@ -210,9 +206,7 @@ pub fn guard(source: &str, name: &str) -> Result<String, String> {
     }
     // Each value runs from the `=` after its target to the end of the statement (the
     // syntax tree's spans of some expressions, filters for one, start inside them).
-    let tokens = tokenize(source, false, syntax(), WhitespaceConfig::default())
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("chat template does not parse: {e}"))?;
+    let tokens = super::source_tokens(source)?;
     let mut values = Vec::with_capacity(stores.len());
     for store in &stores {
         let first =
@@ -250,13 +244,6 @@ pub fn guard(source: &str, name: &str) -> Result<String, String> {
         return Err(cannot_guard(&stores[0].target));
     }
     Ok(guarded)
-}
-
-/// The syntax the node's environment uses: minijinja's default (a unit struct unless its
-/// `custom_syntax` feature is on).
-#[allow(clippy::default_constructed_unit_structs)]
-fn syntax() -> SyntaxConfig {
-    SyntaxConfig::default()
 }
 
 fn cannot_guard(target: &str) -> String {

@@ -24,8 +24,7 @@
 
 use std::sync::LazyLock;
 
-use minijinja::machinery::{Token, WhitespaceConfig, ast, parse, tokenize};
-use minijinja::syntax::SyntaxConfig;
+use minijinja::machinery::{Token, ast};
 use minijinja::value::{Kwargs, Rest, StringInput, ValueKind};
 use minijinja::{Environment, Error, ErrorKind, Expression, State, Value, context};
 
@@ -352,10 +351,7 @@ fn str_format_specs(text: &str) -> Vec<&str> {
 /// the source is an operator that binds less tightly than a filter (a filter, test,
 /// attribute, index or call after `b` belongs to `b`).
 pub fn guard(source: &str, name: &str) -> Result<String, String> {
-    let parse = |source| {
-        parse(source, name, syntax(), WhitespaceConfig::default())
-            .map_err(|e| format!("chat template does not parse: {e}"))
-    };
+    let parse = |source| super::parse_source(source, name);
     let template = parse(source)?;
     let mut products = Vec::new();
     let mut written = 0;
@@ -381,9 +377,7 @@ pub fn guard(source: &str, name: &str) -> Result<String, String> {
     }
     let cannot = || "chat template: cannot check the sizes of its products".to_string();
     // The operator of each: the first `*` after its left operand.
-    let tokens = tokenize(source, false, syntax(), WhitespaceConfig::default())
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("chat template does not parse: {e}"))?;
+    let tokens = super::source_tokens(source)?;
     for product in &mut products {
         let first =
             tokens.partition_point(|(_, span)| (span.start_offset as usize) < product.left_end);
@@ -462,13 +456,6 @@ fn emit(
     }
     out.push_str(source.get(copied..to)?);
     Some(())
-}
-
-/// The syntax the node's environment uses: minijinja's default (a unit struct unless its
-/// `custom_syntax` feature is on).
-#[allow(clippy::default_constructed_unit_structs)]
-fn syntax() -> SyntaxConfig {
-    SyntaxConfig::default()
 }
 
 /// Calls `f` on every expression of `stmt`, outer ones before those they hold.
