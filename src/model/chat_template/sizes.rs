@@ -30,8 +30,8 @@ use minijinja::{Environment, Error, ErrorKind, Expression, State, Value, context
 
 use super::MAX_OUTPUT_BYTES;
 
-/// The most items a list made by repeating one may hold, and the most slots `batch` and
-/// `slice` may make (a list of them takes 24 MiB).
+/// The most items a list made by repeating or chaining lists may hold, that `join` joins,
+/// and the most slots `batch` and `slice` may make (a list of them takes 24 MiB).
 pub const MAX_ITEMS: usize = 1 << 20;
 
 /// The filter every `a * b` is rewritten to.
