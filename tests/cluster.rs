@@ -1,6 +1,6 @@
 //! A real cluster: three `moe-node serve` processes on loopback, gossiping over UDP and
 //! sending expert work to each other over TCP, or over UCX (`peer.transport = "ucx"`: those
-//! variants print SKIP where libucp does not load, and fail then with
+//! variants print SKIPPED where libucp does not load, and fail then with
 //! `MOE_TEST_REQUIRE_UCX=1`), driven over HTTP as a user would. Each test
 //! asserts what a client sees (tokens, statuses) and what an operator sees (/admin/cluster,
 //! /metrics) while nodes are killed, paused, restarted, or sent garbage.
@@ -16,6 +16,7 @@ use reqwest::StatusCode;
 use reqwest::blocking::{Client, Response};
 use serde_json::{Value, json};
 
+mod common;
 mod serve;
 mod sockets;
 use serve::{BIN, Process};
@@ -68,7 +69,7 @@ impl Transport {
         }
     }
 
-    /// Whether the test can run: UCX variants need libucp (SKIP without it, unless
+    /// Whether the test can run: UCX variants need libucp (SKIPPED without it, unless
     /// `MOE_TEST_REQUIRE_UCX=1`).
     fn available(self) -> bool {
         if self == Transport::Tcp {
@@ -81,7 +82,7 @@ impl Transport {
                     std::env::var("MOE_TEST_REQUIRE_UCX").as_deref() != Ok("1"),
                     "MOE_TEST_REQUIRE_UCX=1 but UCX does not load: {why}"
                 );
-                eprintln!("SKIP: the UCX variant needs libucp: {why}");
+                common::skipped(&format!("the UCX variant needs libucp: {why}"));
                 false
             }
         }
@@ -645,9 +646,9 @@ fn three_nodes_serve_one_model_and_survive_kill_pause_restart_and_garbage(transp
     if node3_busy {
         assert!(resent > 0.0, "work in flight to node3 was re-sent");
     } else {
-        eprintln!(
-            "SKIPPED check: node3 was sent no rows in the 2 s it was stopped before the kill \
-             (routed around as slow), so nothing was in flight to re-send"
+        common::skipped(
+            "the re-send check: node3 was sent no rows in the 2 s it was stopped before the \
+             kill (routed around as slow), so nothing was in flight to re-send",
         );
     }
     for node in &nodes[..2] {

@@ -1,5 +1,5 @@
 //! The peer data plane end to end: each test is written once and runs over TCP on 127.0.0.1,
-//! over UCX on 127.0.0.1 (when libucp loads: otherwise the UCX variants print SKIP, or fail
+//! over UCX on 127.0.0.1 (when libucp loads: otherwise the UCX variants print SKIPPED, or fail
 //! with `MOE_TEST_REQUIRE_UCX=1`) and over the in-memory network; the link-fault tests (partition, blackhole, cut) run on
 //! the in-memory network only. Callers are plain std threads, the runtime lives on its own
 //! worker threads, as in the node.
@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use moe_node::transport::handshake::HandshakeError;
 use moe_node::transport::peer::{PeerConfig, client_handshake};
 
+mod common;
 mod sockets;
 use moe_node::transport::wire::{self, HEADER_LEN};
 use moe_node::transport::{
@@ -28,7 +29,7 @@ enum Kind {
     Memory,
 }
 
-/// A UCX transport with its own worker, or `None` (after saying SKIP) without libucp.
+/// A UCX transport with its own worker, or `None` (after saying SKIPPED) without libucp.
 fn ucx_transport() -> Option<UcxTransport> {
     match moe_node::transport::ucx::Library::load(None, true) {
         Ok(library) => {
@@ -49,7 +50,7 @@ fn ucx_transport() -> Option<UcxTransport> {
                 std::env::var("MOE_TEST_REQUIRE_UCX").as_deref() != Ok("1"),
                 "MOE_TEST_REQUIRE_UCX=1 but UCX does not load: {why}"
             );
-            eprintln!("SKIP: UCX variant: {why}");
+            common::skipped(&format!("UCX variant: {why}"));
             None
         }
     }
@@ -480,7 +481,7 @@ fn ucx_links_on_one_host_use_shared_memory() {
         named(&["all", "sm", "shm", "mm", "sysv", "posix"])
     };
     if !shared_memory {
-        eprintln!("SKIP: UCX_TLS={tls} leaves out shared memory");
+        common::skipped(&format!("UCX_TLS={tls} leaves out shared memory"));
         return;
     }
     let Some(rig) = Rig::try_new(Kind::Ucx) else {

@@ -1012,7 +1012,7 @@ mod tests {
         #[cfg(target_arch = "x86_64")]
         {
             if !std::arch::is_x86_feature_detected!("avx512bw") {
-                println!("skipped: this CPU has no AVX-512 BW");
+                crate::compute::skipped("this CPU has no AVX-512 BW");
                 return;
             }
             // Partial row blocks (5, 21 rows), values of every magnitude and sign, ties.
@@ -1038,7 +1038,7 @@ mod tests {
     #[test]
     fn amx_products_match_the_naive_product_at_every_edge() {
         if !enabled() {
-            println!("skipped: AMX tiles are not used here ({:?})", status());
+            crate::compute::skipped(&format!("AMX tiles are not used here ({:?})", status()));
             return;
         }
         // Row blocks whole, partial and odd in number (5, 17, 33, 40, 200 rows: 200 is more
@@ -1082,7 +1082,7 @@ mod tests {
     #[test]
     fn shapes_the_tiles_do_not_cover_are_left_to_other_kernels() {
         if !enabled() {
-            println!("skipped: AMX tiles are not used here ({:?})", status());
+            crate::compute::skipped(&format!("AMX tiles are not used here ({:?})", status()));
             return;
         }
         assert!(

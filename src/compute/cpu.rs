@@ -1091,7 +1091,9 @@ impl DecodeKernel {
             }
         }
         if kernels.is_empty() {
-            println!("skipped: this CPU has no explicit decode kernel (x86-64 AVX2 or AVX-512)");
+            crate::compute::skipped(
+                "this CPU has no explicit decode kernel (x86-64 AVX2 or AVX-512)",
+            );
         }
         kernels
     }
@@ -1944,7 +1946,7 @@ pub(crate) mod tests {
                 kernels.push(TileKernel::Avx2);
             }
             if kernels.is_empty() {
-                eprintln!("skipped: this CPU has neither AVX-512 nor AVX2 with FMA");
+                crate::compute::skipped("this CPU has neither AVX-512 nor AVX2 with FMA");
             }
             for kernel in kernels {
                 let c = kernel.columns();

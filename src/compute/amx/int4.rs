@@ -651,10 +651,10 @@ mod tests {
     #[test]
     fn tile_products_equal_the_f64_product_of_the_dequantized_matrix() {
         if !int8_enabled() {
-            println!(
-                "skipped: AMX-INT8 tiles are not used here ({:?})",
+            crate::compute::skipped(&format!(
+                "AMX-INT8 tiles are not used here ({:?})",
                 super::super::status()
-            );
+            ));
             return;
         }
         // Whole and partial chunks (k = 64, 160, 1024), whole and partial neuron blocks, groups
@@ -705,10 +705,10 @@ mod tests {
     #[test]
     fn vector_packing_equals_the_portable_packing() {
         if !int8_enabled() {
-            println!(
-                "skipped: AMX-INT8 tiles are not used here ({:?})",
+            crate::compute::skipped(&format!(
+                "AMX-INT8 tiles are not used here ({:?})",
                 super::super::status()
-            );
+            ));
             return;
         }
         for (rows, k) in [(2, 32), (2, 160), (3, 1024)] {
