@@ -229,7 +229,9 @@ impl ChatTemplate {
         env.add_filter("replace", sizes::replace);
         env.add_filter("join", sizes::join);
         env.add_filter("chain", sizes::chain);
-        let checked = sizes::guard(&source, TEMPLATE_NAME)?;
+        env.add_filter(sizes::SLICE, sizes::slice_step);
+        let checked = sizes::guard_slices(&source, TEMPLATE_NAME)?;
+        let checked = sizes::guard(&checked, TEMPLATE_NAME)?;
         let checked = namespaces::guard(&checked, TEMPLATE_NAME)?;
         env.add_template_owned(TEMPLATE_NAME, checked)
             .map_err(|e| format!("chat template does not parse: {e}"))?;
@@ -920,6 +922,46 @@ mod tests {
         }
     }
 
+    /// Slices with a step render as minijinja slices them (the rewrite to `__slice` keeps
+    /// every part), and a backwards slice whose stop lies past its start is empty, as in
+    /// Python (minijinja 2.24.0's own wraps a subtraction there: a panic with overflow checks).
+    #[test]
+    fn slices_with_a_step_are_what_minijinja_slices() {
+        let mut plain = minijinja::Environment::new();
+        minijinja_contrib::add_to_environment(&mut plain);
+        for source in [
+            "{{ 'abcdef'[::2] }} {{ 'abcdef'[::-1] }} {{ 'abcdef'[1:5:2] }} {{ 'abcdef'[4:1:-1] }}",
+            "{{ [1, 2, 3, 4][3:0:-1] }} {{ [1, 2, 3][-1:-3:-1] }} {{ [1, 2, 3][1:3] }}",
+            "{{ 'abcdef'[::-1][::2] }} {{ 'abcd'[1:][::-1] }} {{ [[1, 2], [3]][0][::-1] }}",
+            "{{ 'abc'[(1):(3):(1)] }} {{ 'abc'[:: -1 ] }} {{ 'a:b]'[::1] }}",
+            "{{ messages[0].content[::-1] }} {{ ('abc'|upper)[::-1] }} {{ -[1, 2][::-1]|length }}",
+            "{{ 'abcdef'[{'a': 1}|length : 5 : 2] }} {{ 'abcdef'[[1][0]:[5][0]:[2][0]] }}",
+            "{% set s = 'abc'[::-1] %}{{ s }} {% for c in 'abc'[::-1] %}{{ c }}{% endfor %}",
+            "{{ 'abc'[::0] }}",
+            "{{ 'abc'[::'x'] }}",
+            "{{ 5[::-1] }}",
+        ] {
+            let expected = plain.render_str(
+                source,
+                minijinja::context! { messages => vec![ChatMessage::new("user", "hi")] },
+            );
+            let ours = render_one(source);
+            match expected {
+                Ok(expected) => assert_eq!(ours.as_deref(), Ok(expected.as_str()), "{source}"),
+                Err(e) => assert!(ours.is_err(), "{source}: {ours:?}, minijinja: {e}"),
+            }
+        }
+        for (source, expected) in [
+            (
+                "{{ 'ab'[:9:-2] }}|{{ [1, 2][:5:-1] }}|{{ 'abc'[0:2:-1] }}",
+                "|[]|",
+            ),
+            ("{{ messages[-0].content[:55555:5 - 5553]|tojson }}", "\"\""),
+        ] {
+            assert_eq!(render_one(source).unwrap(), expected, "{source}");
+        }
+    }
+
     /// What one operation would allocate at once, or grow to in one instruction, is checked
     /// first: each of these aborted the process (a failed allocation of terabytes), ran for
     /// minutes or took the machine's memory.
@@ -1013,6 +1055,17 @@ mod tests {
                 "{{ 'a'.count('', 1) }}",
                 "str.count('') with a start or end",
             ),
+            // minijinja 2.24.0 panics on a key of other characters than ASCII.
+            (
+                "{{ '%(é)s'|format({'é': 1}) }}",
+                "a key with characters other than ASCII",
+            ),
+            ("{{ '%(aé'|format({'a': 1}) }}", "other than ASCII (\"aé\")"),
+            (
+                "{{ '{0[é]}'.format({'é': 1}) }}",
+                "other than ASCII (\"é\")",
+            ),
+            ("{{ '{0[aé'.format({'a': 1}) }}", "other than ASCII"),
         ] {
             let err = render_one(source).unwrap_err();
             assert!(err.contains(expected), "{source}: {err}");
@@ -1032,6 +1085,10 @@ mod tests {
                 "   42|x  |1.50",
             ),
             ("{{ '%(a)3d'|format({'a': 1}) }}", "  1"),
+            (
+                "{{ '%(a)sé'|format({'a': 1}) }} {{ '{0[a]}é'.format({'a': 1}) }}",
+                "1é 1é",
+            ),
             ("{{ '%% 99999999999'|format() }}", "% 99999999999"),
             (
                 "{{ '{:>4}{}'.format(7, 'year 99999999999') }}",

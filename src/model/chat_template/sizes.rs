@@ -16,6 +16,12 @@
 //! as minijinja does. The rewrite adds characters inside lines (no new lines), so errors
 //! still name the line.
 //!
+//! Two panics of minijinja 2.24.0 are kept from being reached the same way: a format
+//! string's key (`%(key)s`, `{0[key]}`) of other characters than ASCII is refused, and every
+//! slice with a step becomes `(x)|__slice(a, b, c)`, which gives a backwards slice whose stop
+//! lies past its start its empty result itself (minijinja sizes it with a subtraction that
+//! wraps: harmless in a release build, a panic with the fuzz targets' overflow checks).
+//!
 //! What stays unchecked is memory or time grown over many steps or through nesting (a
 //! string doubled in a loop, a list concatenated to itself, a list of a million lists of a
 //! million items, printed): a render in the node runs in a worker process with a memory
@@ -37,6 +43,9 @@ pub const MAX_ITEMS: usize = 1 << 20;
 /// The filter every `a * b` is rewritten to.
 pub const TIMES: &str = "__times";
 
+/// The filter every slice with a step (`x[a:b:c]`) is rewritten to.
+pub const SLICE: &str = "__slice";
+
 /// minijinja's own multiplication, on a plain environment of its own (its operators are
 /// not public API).
 static PRODUCT: LazyLock<Expression<'static, 'static>> = LazyLock::new(|| {
@@ -44,6 +53,61 @@ static PRODUCT: LazyLock<Expression<'static, 'static>> = LazyLock::new(|| {
     env.compile_expression("a * b")
         .expect("a constant expression compiles")
 });
+
+/// minijinja's own slicing, as [`PRODUCT`] is its multiplication.
+static SLICED: LazyLock<Expression<'static, 'static>> = LazyLock::new(|| {
+    let env: &'static Environment<'static> = Box::leak(Box::new(Environment::new()));
+    env.compile_expression("x[a:b:c]")
+        .expect("a constant expression compiles")
+});
+
+/// `e` made anew without the location of a helper expression, so that the template's
+/// render names the template's line.
+fn relocated(e: Error) -> Error {
+    let detail = e
+        .detail()
+        .map_or_else(|| e.kind().to_string(), str::to_owned);
+    Error::new(e.kind(), detail)
+}
+
+/// `value[start:stop:step]`, as minijinja slices, but for a backwards slice whose stop lies
+/// past its start (`"ab"[:9:-2]`), which is empty, as in Python: minijinja 2.24.0 sizes
+/// that range with a subtraction that wraps (harmlessly in a release build, a panic with
+/// overflow checks, as the fuzz targets run).
+pub fn slice_step(value: Value, start: Value, stop: Value, step: Value) -> Result<Value, Error> {
+    let index = |v: &Value| i64::try_from(v.clone()).ok();
+    let len = match value.as_str() {
+        Some(text) => Some(text.chars().count()),
+        None if matches!(value.kind(), ValueKind::Seq) => value.len(),
+        None => None,
+    };
+    if let (Some(end), Some(step)) = (len, index(&step))
+        && step < 0
+    {
+        let end = end as i64;
+        let first = match (!start.is_none()).then(|| index(&start)).flatten() {
+            None => (end - 1).max(0),
+            Some(s) if s >= end => (end - 1).max(0),
+            Some(s) if s >= 0 => s,
+            Some(s) => (end + s).max(0),
+        };
+        let last = match (!stop.is_none()).then(|| index(&stop)).flatten() {
+            None => 0,
+            Some(s) if s < 0 => (end + s).max(0),
+            Some(s) => s,
+        };
+        if last != 0 && last > first {
+            return Ok(if value.as_str().is_some() {
+                Value::from("")
+            } else {
+                Value::from(Vec::<Value>::new())
+            });
+        }
+    }
+    SLICED
+        .eval(context! { x => value, a => start, b => stop, c => step })
+        .map_err(relocated)
+}
 
 fn too_large(what: String) -> Error {
     Error::new(ErrorKind::InvalidOperation, what)
@@ -74,14 +138,7 @@ pub fn times(a: Value, b: Value) -> Result<Value, Error> {
             }
         }
     }
-    // Made anew without the location of the helper expression, so that the template's
-    // render names the template's line.
-    PRODUCT.eval(context! { a => a, b => b }).map_err(|e| {
-        let detail = e
-            .detail()
-            .map_or_else(|| e.kind().to_string(), str::to_owned);
-        Error::new(e.kind(), detail)
-    })
+    PRODUCT.eval(context! { a => a, b => b }).map_err(relocated)
 }
 
 fn check_count(filter: &str, count: usize) -> Result<(), Error> {
@@ -220,7 +277,7 @@ pub fn join(state: &State, value: &Value, joiner: Option<StringInput<'_>>) -> Re
 /// exceeds [`MAX_OUTPUT_BYTES`].
 pub fn format(state: &State, format_str: &Value, args: Rest<Value>) -> Result<Value, Error> {
     if let Some(text) = format_str.as_str() {
-        check_widths(text, &printf_specs(text))?;
+        check_fields(text, printf_fields(text))?;
     }
     minijinja::filters::format(state, format_str, args)
 }
@@ -237,7 +294,7 @@ pub fn unknown_method(
     if let Some(text) = value.as_str() {
         let arg = |i: usize| args.get(i).and_then(Value::as_str);
         match method {
-            "format" => check_widths(text, &str_format_specs(text))?,
+            "format" => check_fields(text, str_format_fields(text))?,
             "replace" => {
                 if let (Some(old), Some(new)) = (arg(0), arg(1)) {
                     check_replace(text, old, new)?;
@@ -264,10 +321,30 @@ pub fn unknown_method(
     minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args)
 }
 
+/// What a format string's fields hold that is checked: each field's spec (its flags, width
+/// and precision) and its keys (a printf `%(key)`, a `str.format` `[index]`).
+#[derive(Default)]
+struct Fields<'s> {
+    specs: Vec<&'s str>,
+    keys: Vec<&'s str>,
+}
+
 /// Refuses a format string with a width or precision (a number in a spec) above
-/// [`MAX_OUTPUT_BYTES`].
-fn check_widths(text: &str, specs: &[&str]) -> Result<(), Error> {
-    for spec in specs {
+/// [`MAX_OUTPUT_BYTES`], or with a key holding other characters than ASCII: minijinja
+/// 2.24.0 reads a key a byte at a time and panics on a character of more than one byte.
+fn check_fields(text: &str, fields: Fields<'_>) -> Result<(), Error> {
+    let quoted = || format!("{:?}", text.chars().take(80).collect::<String>());
+    if let Some(key) = fields.keys.iter().find(|key| !key.is_ascii()) {
+        return Err(Error::new(
+            ErrorKind::InvalidOperation,
+            format!(
+                "the format string {} has a key with characters other than ASCII ({key:?}), \
+                 which the formatter cannot read",
+                quoted()
+            ),
+        ));
+    }
+    for spec in &fields.specs {
         for digits in spec.split(|c: char| !c.is_ascii_digit()) {
             if digits.is_empty() {
                 continue;
@@ -276,20 +353,20 @@ fn check_widths(text: &str, specs: &[&str]) -> Result<(), Error> {
                 continue;
             }
             return Err(too_large(format!(
-                "the format string {:?} asks for a width or precision of {digits}, more than \
+                "the format string {} asks for a width or precision of {digits}, more than \
                  the {MAX_OUTPUT_BYTES} bytes a render may print",
-                text.chars().take(80).collect::<String>()
+                quoted()
             )));
         }
     }
     Ok(())
 }
 
-/// The spec of each conversion of a printf-style format string: its flags, width and
-/// precision, from after `%` and its mapping key (`%(name)`) to its conversion letter;
-/// `%%` is a percent sign.
-fn printf_specs(text: &str) -> Vec<&str> {
-    let mut specs = Vec::new();
+/// The fields of a printf-style format string: each conversion's mapping key (`%(key)`,
+/// to its closing parenthesis or the end) and its spec, from after the key to its
+/// conversion letter; `%%` is a percent sign.
+fn printf_fields(text: &str) -> Fields<'_> {
+    let mut fields = Fields::default();
     let mut rest = text;
     while let Some(at) = rest.find('%') {
         rest = &rest[at + 1..];
@@ -297,24 +374,26 @@ fn printf_specs(text: &str) -> Vec<&str> {
             rest = after;
             continue;
         }
-        if rest.starts_with('(') {
+        if let Some(key) = rest.strip_prefix('(') {
             // The key runs to its closing parenthesis (minijinja takes no nesting).
-            rest = rest.find(')').map_or("", |end| &rest[end + 1..]);
+            let end = key.find(')').unwrap_or(key.len());
+            fields.keys.push(&key[..end]);
+            rest = key.get(end + 1..).unwrap_or("");
         }
         let end = rest
             .find(|c: char| c.is_ascii_alphabetic() || c == '%')
             .unwrap_or(rest.len());
-        specs.push(&rest[..end]);
+        fields.specs.push(&rest[..end]);
         rest = &rest[end..];
     }
-    specs
+    fields
 }
 
-/// The format spec of each replacement field of a `str.format` string: what follows its
-/// field name's `:` (a name may hold `}` or `:` inside `[...]`) up to the closing `}`;
-/// `{{` and `}}` are braces.
-fn str_format_specs(text: &str) -> Vec<&str> {
-    let mut specs = Vec::new();
+/// The fields of a `str.format` string: the `[index]` keys of each field name (an index
+/// runs to its `]`, or the end, and may hold `}` or `:`) and the spec after the name's `:`
+/// up to the closing `}`; `{{` and `}}` are braces.
+fn str_format_fields(text: &str) -> Fields<'_> {
+    let mut fields = Fields::default();
     let mut rest = text;
     while let Some(at) = rest.find('{') {
         rest = &rest[at + 1..];
@@ -324,26 +403,32 @@ fn str_format_specs(text: &str) -> Vec<&str> {
         }
         // The field name, with its `[...]` indexes whole.
         let mut name_end = rest.len();
-        let mut in_index = false;
+        let mut index_start = None;
         for (i, c) in rest.char_indices() {
-            match c {
-                '[' if !in_index => in_index = true,
-                ']' if in_index => in_index = false,
-                ':' | '}' if !in_index => {
+            match (c, index_start) {
+                ('[', None) => index_start = Some(i + 1),
+                (']', Some(start)) => {
+                    fields.keys.push(&rest[start..i]);
+                    index_start = None;
+                }
+                (':' | '}', None) => {
                     name_end = i;
                     break;
                 }
                 _ => {}
             }
         }
+        if let Some(start) = index_start {
+            fields.keys.push(&rest[start..]);
+        }
         rest = &rest[name_end..];
         if let Some(spec) = rest.strip_prefix(':') {
             let end = spec.find('}').unwrap_or(spec.len());
-            specs.push(&spec[..end]);
+            fields.specs.push(&spec[..end]);
             rest = &spec[end..];
         }
     }
-    specs
+    fields
 }
 
 /// `source` with every `a * b` rewritten to `(a)|__times(b)`; an error for a template that
@@ -412,6 +497,122 @@ pub fn guard(source: &str, name: &str) -> Result<String, String> {
         return Err(cannot());
     }
     Ok(rewritten)
+}
+
+/// `source` with every slice that has a step, `x[a:b:c]`, rewritten to
+/// `(x)|__slice(a, b, c)` (a part left out is `none`), but those inside another such slice,
+/// which stay as they are; an error for a template that does not parse. The parts are
+/// read from the tokens: what lies between the brackets and the colons at their depth.
+pub fn guard_slices(source: &str, name: &str) -> Result<String, String> {
+    let parse = |source| super::parse_source(source, name);
+    let template = parse(source)?;
+    let stepped =
+        |expr: &ast::Expr<'_>| matches!(expr, ast::Expr::Slice(slice) if slice.step.is_some());
+    let mut slices = Vec::new();
+    let mut written = 0;
+    visit_stmt(&template, &mut |expr| match expr {
+        ast::Expr::Slice(slice) if slice.step.is_some() => slices.push((
+            (slice.span().start_offset as usize).min(chain_start(&slice.expr)),
+            slice.expr.span().end_offset as usize,
+            slice.span().end_offset as usize,
+        )),
+        ast::Expr::Filter(filter) if filter.name == SLICE => written += 1,
+        _ => {}
+    });
+    if slices.is_empty() {
+        return Ok(source.to_string());
+    }
+    let cannot = || "chat template: cannot check the slices it takes".to_string();
+    let tokens = super::source_tokens(source)?;
+    slices.sort_by_key(|&(start, _, end)| (start, std::cmp::Reverse(end)));
+    let mut rewritten = String::with_capacity(source.len() + slices.len() * 32);
+    let (mut copied, mut count) = (0, 0);
+    for (start, value_end, end) in slices {
+        if start < copied {
+            continue; // inside a slice already rewritten: copied as it is
+        }
+        // The opening bracket after the sliced value, then its parts at depth 0.
+        let first = tokens.partition_point(|(_, span)| (span.start_offset as usize) < value_end);
+        let mut depth = 0usize;
+        let mut bounds = Vec::new();
+        let mut open = None;
+        for (token, span) in &tokens[first..] {
+            let (at, after) = (span.start_offset as usize, span.end_offset as usize);
+            match token {
+                // What closes around the value (`(x)[...]`) comes before its bracket.
+                _ if open.is_none() && !matches!(token, Token::BracketOpen) => {}
+                Token::BracketOpen if open.is_none() => {
+                    open = Some(after);
+                    bounds.push(after);
+                }
+                Token::BracketOpen | Token::ParenOpen | Token::BraceOpen => depth += 1,
+                Token::BracketClose if depth == 0 && open.is_some() => {
+                    bounds.push(at);
+                    break;
+                }
+                Token::BracketClose | Token::ParenClose | Token::BraceClose => {
+                    depth = depth.checked_sub(1).ok_or_else(cannot)?
+                }
+                Token::Colon if depth == 0 && open.is_some() => {
+                    bounds.push(at);
+                    bounds.push(after);
+                }
+                _ => {}
+            }
+        }
+        // [a, :, b, :, c]: six bounds, the last the closing bracket where the node ends.
+        let (Some(open), 6) = (open, bounds.len()) else {
+            return Err(cannot());
+        };
+        let part = |i: usize| {
+            let text = source
+                .get(bounds[2 * i]..bounds[2 * i + 1])
+                .unwrap_or("")
+                .trim();
+            if text.is_empty() { "none" } else { text }
+        };
+        let (Some(before), Some(value)) = (source.get(copied..start), source.get(start..open - 1))
+        else {
+            return Err(cannot());
+        };
+        if source.get(bounds[5]..end) != Some("]") {
+            return Err(cannot());
+        }
+        rewritten.push_str(before);
+        rewritten.push('(');
+        rewritten.push_str(value);
+        rewritten.push_str(&format!(")|{SLICE}({}, {}, {})", part(0), part(1), part(2)));
+        copied = end;
+        count += 1;
+    }
+    rewritten.push_str(source.get(copied..).ok_or_else(cannot)?);
+    // The rewritten template must parse, with the filter in place of each slice rewritten.
+    let checked = parse(&rewritten)?;
+    let (mut left, mut filters, mut before) = (0, 0, 0);
+    visit_stmt(&template, &mut |expr| before += usize::from(stepped(expr)));
+    visit_stmt(&checked, &mut |expr| match expr {
+        ast::Expr::Filter(filter) if filter.name == SLICE => filters += 1,
+        expr if stepped(expr) => left += 1,
+        _ => {}
+    });
+    if filters != written + count || left + count != before {
+        return Err(cannot());
+    }
+    Ok(rewritten)
+}
+
+/// Where the value a postfix chain (`x.a[0](1)[::-1]`) applies to starts: the span of a
+/// postfix node after the first starts at the previous one's bracket, not at the value.
+fn chain_start(expr: &ast::Expr<'_>) -> usize {
+    let inner = match expr {
+        ast::Expr::Slice(slice) => Some(&slice.expr),
+        ast::Expr::GetItem(item) => Some(&item.expr),
+        ast::Expr::GetAttr(attr) => Some(&attr.expr),
+        ast::Expr::Call(call) => Some(&call.expr),
+        _ => None,
+    };
+    let own = expr.span().start_offset as usize;
+    inner.map_or(own, |inner| own.min(chain_start(inner)))
 }
 
 /// One `a * b` of the source: where it starts, where its left operand and its operator
