@@ -872,12 +872,32 @@ mod tests {
             assert!(err.contains("unknown"), "{source}: {err}");
         }
     }
+    /// minijinja with its contrib filters, and none of the node's changes.
+    fn plain_minijinja() -> minijinja::Environment<'static> {
+        let mut plain = minijinja::Environment::new();
+        minijinja_contrib::add_to_environment(&mut plain);
+        plain
+    }
+
+    /// `source` renders (with one user message) as plain minijinja renders it, or fails
+    /// where that fails.
+    fn renders_as_plain_minijinja(plain: &minijinja::Environment<'_>, source: &str) {
+        let expected = plain.render_str(
+            source,
+            minijinja::context! { messages => vec![ChatMessage::new("user", "hi")] },
+        );
+        let ours = render_one(source);
+        match expected {
+            Ok(expected) => assert_eq!(ours.as_deref(), Ok(expected.as_str()), "{source}"),
+            Err(e) => assert!(ours.is_err(), "{source}: {ours:?}, minijinja: {e}"),
+        }
+    }
+
     /// Every product renders as minijinja's own `*` gives it (the rewrite to `__times` keeps
     /// precedence and nesting), errors included.
     #[test]
     fn products_are_what_minijinja_multiplies() {
-        let mut plain = minijinja::Environment::new();
-        minijinja_contrib::add_to_environment(&mut plain);
+        let plain = plain_minijinja();
         for source in [
             "{{ 3 * 4 }}",
             "{{ 2.5 * 2 }}",
@@ -910,15 +930,7 @@ mod tests {
             "{{ '*' * 2 }}{# a * b #}",
             "{% raw %}{{ 2 * 3 }}{% endraw %}",
         ] {
-            let expected = plain.render_str(
-                source,
-                minijinja::context! { messages => vec![ChatMessage::new("user", "hi")] },
-            );
-            let ours = render_one(source);
-            match expected {
-                Ok(expected) => assert_eq!(ours.as_deref(), Ok(expected.as_str()), "{source}"),
-                Err(e) => assert!(ours.is_err(), "{source}: {ours:?}, minijinja: {e}"),
-            }
+            renders_as_plain_minijinja(&plain, source);
         }
     }
 
@@ -927,8 +939,7 @@ mod tests {
     /// Python (minijinja 2.24.0's own wraps a subtraction there: a panic with overflow checks).
     #[test]
     fn slices_with_a_step_are_what_minijinja_slices() {
-        let mut plain = minijinja::Environment::new();
-        minijinja_contrib::add_to_environment(&mut plain);
+        let plain = plain_minijinja();
         for source in [
             "{{ 'abcdef'[::2] }} {{ 'abcdef'[::-1] }} {{ 'abcdef'[1:5:2] }} {{ 'abcdef'[4:1:-1] }}",
             "{{ [1, 2, 3, 4][3:0:-1] }} {{ [1, 2, 3][-1:-3:-1] }} {{ [1, 2, 3][1:3] }}",
@@ -941,15 +952,7 @@ mod tests {
             "{{ 'abc'[::'x'] }}",
             "{{ 5[::-1] }}",
         ] {
-            let expected = plain.render_str(
-                source,
-                minijinja::context! { messages => vec![ChatMessage::new("user", "hi")] },
-            );
-            let ours = render_one(source);
-            match expected {
-                Ok(expected) => assert_eq!(ours.as_deref(), Ok(expected.as_str()), "{source}"),
-                Err(e) => assert!(ours.is_err(), "{source}: {ours:?}, minijinja: {e}"),
-            }
+            renders_as_plain_minijinja(&plain, source);
         }
         for (source, expected) in [
             (
