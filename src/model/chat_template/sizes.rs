@@ -525,6 +525,7 @@ pub fn guard_slices(source: &str, name: &str) -> Result<String, String> {
     let cannot = || "chat template: cannot check the slices it takes".to_string();
     let tokens = super::source_tokens(source)?;
     slices.sort_by_key(|&(start, _, end)| (start, std::cmp::Reverse(end)));
+    let found = slices.len();
     let mut rewritten = String::with_capacity(source.len() + slices.len() * 32);
     let (mut copied, mut count) = (0, 0);
     for (start, value_end, end) in slices {
@@ -588,14 +589,13 @@ pub fn guard_slices(source: &str, name: &str) -> Result<String, String> {
     rewritten.push_str(source.get(copied..).ok_or_else(cannot)?);
     // The rewritten template must parse, with the filter in place of each slice rewritten.
     let checked = parse(&rewritten)?;
-    let (mut left, mut filters, mut before) = (0, 0, 0);
-    visit_stmt(&template, &mut |expr| before += usize::from(stepped(expr)));
+    let (mut left, mut filters) = (0, 0);
     visit_stmt(&checked, &mut |expr| match expr {
         ast::Expr::Filter(filter) if filter.name == SLICE => filters += 1,
         expr if stepped(expr) => left += 1,
         _ => {}
     });
-    if filters != written + count || left + count != before {
+    if filters != written + count || left + count != found {
         return Err(cannot());
     }
     Ok(rewritten)
