@@ -15,8 +15,9 @@ mod common;
 use std::sync::Arc;
 
 use moe_node::engine::Engine;
+use moe_node::experts::{ExpertError, ExpertExecutor};
 use moe_node::model::{Checkpoint, DenseWeights, ModelConfig};
-use moe_node::moe::{DispatchPlan, ExpertError, ExpertExecutor};
+use moe_node::moe::DispatchPlan;
 
 /// Routed experts that cost nothing: every expert output is zero.
 struct NoExperts(usize);

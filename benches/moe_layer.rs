@@ -23,9 +23,11 @@ use std::time::{Duration, Instant};
 
 use common::quantize::{quantize, to_bf16, to_fp8, to_int4};
 use moe_node::compute::cpu::{Linear, SwiGlu, dot};
+use moe_node::engine::moe_layer::moe_forward;
+use moe_node::experts::LocalExperts;
 use moe_node::model::config::{GatingConfig, MoeConfig};
 use moe_node::model::weights::{ExpertWeights, MoeWeights, StoredLinear};
-use moe_node::moe::{DispatchPlan, LocalExperts, moe_forward, route};
+use moe_node::moe::{DispatchPlan, route};
 use rayon::prelude::*;
 
 const HIDDEN: usize = 1024;

@@ -26,8 +26,8 @@ use common::quantize::{quantize, to_bf16, to_fp8, to_int4};
 use moe_node::compute::amx;
 use moe_node::compute::cpu::{Linear, SwiGlu, matmul_transposed};
 use moe_node::compute::cuda::experts::random_bf16;
+use moe_node::experts::run_expert_groups;
 use moe_node::model::ExpertWeights;
-use moe_node::moe::run_expert_groups;
 use rayon::prelude::*;
 
 fn median(mut v: Vec<f64>) -> f64 {

@@ -4,13 +4,13 @@
 //! checkpoints, `compute` holds the numeric kernels, `moe` the gating and dispatch of tokens
 //! to experts, and `engine` the forward pass and generation loop.
 
-pub mod actors;
 pub mod api;
 pub mod cluster;
 pub mod compute;
 pub mod config;
 pub mod control_plane;
 pub mod engine;
+pub mod experts;
 pub mod logging;
 pub mod metrics;
 pub mod model;
@@ -19,5 +19,6 @@ pub mod node;
 pub mod placement;
 pub mod plan;
 pub mod progress;
+pub mod rollout;
 pub mod server;
 pub mod transport;

@@ -9,12 +9,12 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use clap::{CommandFactory, Parser, Subcommand};
-use moe_node::actors::device::{DeviceChoice, choose_devices};
-use moe_node::compute::cuda::load::LoadError;
 use moe_node::compute::cuda::{self, CudaError};
 use moe_node::config::{ConfigError, ConfigSources, ENV_PREFIX, LogFormat, NodeConfig};
 use moe_node::engine::gpu::engine_on_gpu;
 use moe_node::engine::{Engine, EngineError, GenerateRequest, SamplingParams, generate};
+use moe_node::experts::device::{DeviceChoice, choose_devices};
+use moe_node::experts::gpu::LoadError;
 use moe_node::logging::ClientMistakes;
 use moe_node::model::demo::{DemoSpec, write_demo_model};
 use moe_node::model::template_worker;
@@ -407,7 +407,7 @@ fn run_devices(path: Option<PathBuf>) -> anyhow::Result<()> {
             println!("experts run on {slots} CPU slots");
             return Ok(());
         }
-        Err(NodeError::Cuda(e)) => return Err(e).context("devices.backend = \"cuda\""),
+        Err(LoadError::Cuda(e)) => return Err(e).context("devices.backend = \"cuda\""),
         Err(e) => return Err(e.into()),
     };
     for lib in &runtime.libraries {

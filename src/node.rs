@@ -2,32 +2,35 @@
 //! (devices, placement, dispatcher, router; in a cluster also the peer server and
 //! membership), and hands out typed handles to them.
 
+pub mod cluster_metrics;
+pub mod joined;
 mod rebalance;
+pub mod router;
 
 pub use rebalance::{RebalanceMetrics, RebalanceReport};
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use crate::actors::device::{
-    DeviceHandle, DeviceTarget, GpuOptions, Shutdown, device_targets, start_device,
-};
-use crate::actors::dispatch::{DispatchTiming, Dispatcher, Target};
-use crate::actors::router::{RouterActor, RouterHandle};
-use crate::cluster::board::PlacementBoard;
-use crate::cluster::bootstrap::Start;
-use crate::cluster::joined::{ClusterError, Joined, OfferedDevices, ServeParts, join};
-use crate::cluster::metrics::ClusterCollector;
-use crate::compute::cuda::{self, CudaError};
+use crate::compute::cuda::CudaError;
 use crate::config::NodeConfig;
 use crate::config::live::LiveSettings;
 use crate::engine::batch::{BatchLimits, KvBudget};
 use crate::engine::kv_cache::KvCache;
 use crate::engine::{Engine, generate::PREFILL_CHUNK};
+use crate::experts::device::{
+    DeviceHandle, DeviceTarget, GpuOptions, Shutdown, device_targets, start_device,
+};
+use crate::experts::dispatch::{DispatchTiming, Dispatcher, Target};
 use crate::metrics::{DeviceState, NodeMetrics};
 use crate::model::{Checkpoint, DenseWeights, ModelConfig, ModelError, ModelSource};
+use crate::node::cluster_metrics::ClusterCollector;
+use crate::node::joined::{ClusterError, Joined, OfferedDevices, ServeParts, join};
+use crate::node::router::{RouterActor, RouterHandle};
 use crate::placement::{ExpertLoad, Placement, PlacementError};
 use crate::plan::sizes::ModelSizes;
+use crate::rollout::board::PlacementBoard;
+use crate::rollout::bootstrap::Start;
 
 #[derive(Debug, thiserror::Error)]
 pub enum NodeError {
@@ -50,11 +53,11 @@ pub enum NodeError {
     NotLeader(String),
 }
 
-impl From<cuda::load::LoadError> for NodeError {
-    fn from(e: cuda::load::LoadError) -> Self {
+impl From<crate::experts::gpu::LoadError> for NodeError {
+    fn from(e: crate::experts::gpu::LoadError) -> Self {
         match e {
-            cuda::load::LoadError::Model(e) => NodeError::Model(e),
-            cuda::load::LoadError::Cuda(e) => NodeError::Cuda(e),
+            crate::experts::gpu::LoadError::Model(e) => NodeError::Model(e),
+            crate::experts::gpu::LoadError::Cuda(e) => NodeError::Cuda(e),
         }
     }
 }

@@ -12,7 +12,6 @@ use std::time::{Duration, Instant};
 use actix_web::{App, HttpServer, web};
 use futures::future::{Either, select};
 
-use crate::actors::router::{RouterState, Submit};
 use crate::api::Phase;
 use crate::api::tool_calls::ToolCallFormat;
 use crate::api::{AppState, ServedModel};
@@ -25,6 +24,7 @@ use crate::metrics::NodeMetrics;
 use crate::model::chat_template::ChatTemplate;
 use crate::model::demo::{DemoSpec, write_demo_model};
 use crate::model::{ModelError, Tokenizer};
+use crate::node::router::{RouterState, Submit};
 use crate::node::{Node, NodeError};
 
 #[derive(Debug, thiserror::Error)]
@@ -119,7 +119,7 @@ async fn run(config: NodeConfig, reload: ConfigReader) -> Result<(), ServeError>
     actix_web::rt::spawn(reload_on_hangup(state.clone(), reload, hangups));
     if state.config.control_plane.enabled() {
         let reporting = state.clone();
-        crate::cluster::control_plane::start(
+        crate::control_plane::client::start(
             state.config.control_plane.clone(),
             control_plane_name(&state.config),
             state.live.clone(),

@@ -66,9 +66,9 @@ fn a_step_whose_experts_are_unreachable_fails_and_leaves_the_caches_as_they_were
     use std::sync::Arc;
 
     use moe_node::engine::EngineError;
+    use moe_node::experts::{ExpertError, LocalExperts};
     use moe_node::model::weights::load_all_experts;
     use moe_node::model::{Checkpoint, DenseWeights, ModelConfig};
-    use moe_node::moe::{ExpertError, LocalExperts};
 
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/deepseek_v3");
     let config = ModelConfig::load(&dir).unwrap();

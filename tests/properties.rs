@@ -7,13 +7,12 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use moe_node::engine::SamplingParams;
 use moe_node::engine::batch::{BatchLimits, Batcher, Sequence, SequenceEvent};
 use moe_node::engine::kv_cache::KvCache;
+use moe_node::experts::{Reach, ReplicaHealth, assign_groups};
 use moe_node::model::ModelConfig;
 use moe_node::model::config::GatingConfig;
 use moe_node::moe::dispatch::DispatchPlan;
 use moe_node::moe::gating::{Routing, route};
-use moe_node::placement::{
-    NodeSlots, Placement, PlacementSpec, Reach, Replica, ReplicaHealth, assign_groups,
-};
+use moe_node::placement::{NodeSlots, Placement, PlacementSpec, Replica};
 use proptest::prelude::*;
 
 fn config() -> ProptestConfig {

@@ -11,8 +11,9 @@ use moe_node::compute::cuda;
 use moe_node::engine::{
     Engine, GenerateRequest, Generation, SamplingParams, SequenceStep, generate,
 };
+use moe_node::experts::{ExpertError, ExpertExecutor};
 use moe_node::model::ModelSource;
-use moe_node::moe::{DispatchPlan, ExpertError, ExpertExecutor};
+use moe_node::moe::DispatchPlan;
 
 /// Largest absolute logit difference accepted on the CPU. Both sides compute in f32 from the
 /// same weights; only summation order differs (absorbed MLA, blocked GEMM). Measured: at most

@@ -32,9 +32,9 @@ pub fn demo_model(bin: &str) -> PathBuf {
 pub fn dispatched_engine(model: &Path) -> (actix::SystemRunner, Engine) {
     use std::sync::Arc;
 
-    use moe_node::actors::device::{DeviceTarget, start_device};
-    use moe_node::actors::dispatch::{DispatchTiming, Dispatcher};
     use moe_node::config::DevicesConfig;
+    use moe_node::experts::device::{DeviceTarget, start_device};
+    use moe_node::experts::dispatch::{DispatchTiming, Dispatcher};
     use moe_node::model::{Checkpoint, DenseWeights, ModelConfig};
     use moe_node::placement::Placement;
     use moe_node::placement::load::ExpertLoad;

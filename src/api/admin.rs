@@ -287,10 +287,10 @@ pub async fn cluster(state: web::Data<AppState>) -> Result<HttpResponse, ApiErro
         .into_iter()
         .map(|(target, health)| {
             let node = match target {
-                crate::actors::dispatch::Target::Node(n) => {
+                crate::experts::dispatch::Target::Node(n) => {
                     placement.nodes().get(n as usize).map(|n| n.node.clone())
                 }
-                crate::actors::dispatch::Target::Device(_) => None,
+                crate::experts::dispatch::Target::Device(_) => None,
             };
             json!({
                 "target": format!("{target:?}"),

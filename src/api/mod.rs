@@ -69,7 +69,7 @@ pub struct AppState {
     /// The placement this node serves under and the next one while the cluster changes
     /// placement, known before the node is ready (other nodes that start with it read it
     /// from `/cluster/placement/{version}` to load their share).
-    pub placements: Arc<crate::cluster::board::PlacementBoard>,
+    pub placements: Arc<crate::rollout::board::PlacementBoard>,
 }
 
 /// Counts one generation response as in flight until it is dropped (sent, failed, or its
@@ -241,7 +241,7 @@ async fn ready(state: web::Data<AppState>) -> HttpResponse {
             // Tokens are routed around the missing experts: served, degraded.
             Some((count, _))
                 if state.config.cluster.on_expert_unavailable
-                    == crate::actors::dispatch::OnUnavailable::Reroute =>
+                    == crate::config::OnUnavailable::Reroute =>
             {
                 HttpResponse::Ok().json(json!({"status": "degraded", "experts_unavailable": count}))
             }
@@ -277,8 +277,8 @@ fn unavailable_experts(node: &Node) -> Option<(usize, (usize, u32))> {
         .targets()
         .into_iter()
         .filter_map(|(target, health)| match target {
-            crate::actors::dispatch::Target::Node(n)
-                if health.reach == crate::placement::Reach::Down =>
+            crate::experts::dispatch::Target::Node(n)
+                if health.reach == crate::experts::Reach::Down =>
             {
                 Some(n)
             }

@@ -12,7 +12,6 @@ use super::response::{Response, sse_stream, whole_response};
 use super::structured;
 use super::tool_calls::ToolCallFormat;
 use super::{ApiError, AppState, ServedModel, parse_json, read_body};
-use crate::actors::router::{Submit, SubmitError};
 use crate::config::{BatchingConfig, NodeConfig};
 use crate::engine::SamplingParams;
 use crate::engine::batch::SequenceEvent;
@@ -20,6 +19,7 @@ use crate::engine::grammar::{Constraint, Grammars};
 use crate::engine::logprobs::MAX_TOP_LOGPROBS;
 use crate::model::chat_template::{ChatInput, ChatMessage, ChatTemplate, encode_chat};
 use crate::model::{ModelConfig, Tokenizer};
+use crate::node::router::{Submit, SubmitError};
 
 /// A prompt as `/v1/completions` accepts it: text, or token ids; a one-element batch of
 /// either is accepted too.

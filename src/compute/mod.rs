@@ -1,9 +1,13 @@
-//! Numeric building blocks of the forward pass. `cpu` always exists; a GPU backend will sit
-//! beside it behind the same operations.
+//! Numeric building blocks of the forward pass: CPU kernels, the GPU's (CUDA), and the
+//! blocks they run. Nothing here knows about checkpoints or model families: `crate::model`
+//! builds these blocks from a checkpoint, `crate::engine` runs them as a forward pass.
 
 pub mod amx;
 pub mod cpu;
 pub mod cuda;
+pub mod expert;
+pub mod fill;
+pub mod gate;
 pub mod layout;
 pub mod quant;
 

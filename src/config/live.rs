@@ -81,7 +81,7 @@ impl LiveSettings {
         if local.iter().any(|k| constant_time_eq(k, offered)) {
             return true;
         }
-        let hashed = crate::control_plane::wire::sha256_hex(offered);
+        let hashed = super::credentials::sha256_hex(offered);
         remote.iter().any(|h| constant_time_eq(h, &hashed))
     }
 
@@ -194,7 +194,7 @@ mod tests {
         let mut config = NodeConfig::default();
         let live = LiveSettings::new(&config);
         assert!(live.authorize(None), "no keys: no authentication");
-        live.set_control_plane_api_keys(vec![crate::control_plane::wire::sha256_hex("remote")]);
+        live.set_control_plane_api_keys(vec![crate::config::credentials::sha256_hex("remote")]);
         assert!(!live.authorize(None));
         assert!(live.authorize(Some("remote")));
         config.server.api_keys = vec!["local".into()];

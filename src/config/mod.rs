@@ -7,6 +7,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
+pub mod credentials;
 pub mod live;
 
 use config::{Config, Environment, File, FileFormat};
@@ -77,7 +78,7 @@ impl ControlPlaneSection {
     /// The client certificate chain and key as one PEM buffer (what reqwest's rustls
     /// `Identity::from_pem` takes), both read and checked now; `None` without mTLS.
     pub fn tls_identity(&self) -> Result<Option<Vec<u8>>, String> {
-        use crate::control_plane::tls::{read_certificates, read_private_key};
+        use credentials::{read_certificates, read_private_key};
         match (self.client_certificate.as_str(), self.client_key.as_str()) {
             ("", "") => Ok(None),
             ("", _) => {
@@ -128,7 +129,7 @@ impl ControlPlaneSection {
             problems.extend(self.tls_identity().err());
             if !self.ca.is_empty()
                 && let Err(problem) =
-                    crate::control_plane::tls::read_roots("control_plane.ca", Path::new(&self.ca))
+                    credentials::read_roots("control_plane.ca", Path::new(&self.ca))
             {
                 problems.push(problem);
             }
@@ -290,6 +291,21 @@ pub struct MetricsConfig {
     pub per_expert: bool,
 }
 
+/// What to do when a group's expert has no live replica.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum OnUnavailable {
+    /// Fail the step's sequences at once (503 naming the experts).
+    #[default]
+    Fail,
+    /// Wait for a replica to come back (a restart, a healed partition), up to
+    /// `cluster.unavailable_wait_ms`, then fail.
+    Wait,
+    /// Route tokens to the next-best experts by gate score that have a live replica: the
+    /// request is served, degraded (counted in `moe_node_dispatch_rerouted_total`).
+    Reroute,
+}
+
 /// Several nodes serving one model together: gossip membership, experts placed over the
 /// devices of every node, expert work sent between nodes over the peer port.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -329,7 +345,7 @@ pub struct ClusterConfig {
     /// When an expert has no live replica: "fail" the affected requests at once (503
     /// naming the experts), "wait" up to `unavailable_wait_ms` for one to return, or
     /// "reroute" tokens to the next-best experts by gate score (served, degraded).
-    pub on_expert_unavailable: crate::actors::dispatch::OnUnavailable,
+    pub on_expert_unavailable: OnUnavailable,
     pub unavailable_wait_ms: u64,
     /// How long start-up waits for `expect_nodes` members or a placement to join.
     pub join_timeout_seconds: u64,
@@ -354,7 +370,7 @@ impl Default for ClusterConfig {
             suspicion_timeout_ms: 2000,
             hedge_after_ms: 250,
             request_timeout_ms: 10_000,
-            on_expert_unavailable: crate::actors::dispatch::OnUnavailable::Fail,
+            on_expert_unavailable: OnUnavailable::Fail,
             unavailable_wait_ms: 10_000,
             join_timeout_seconds: 300,
             rereplicate_after_ms: 10_000,

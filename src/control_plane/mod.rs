@@ -5,6 +5,7 @@
 //! on a status page. Nodes it has not heard from lately are shown as stale, never as dead:
 //! gossip owns liveness, and a node goes on serving without the control plane.
 
+pub mod client;
 pub mod server;
 pub mod store;
 pub mod tls;

@@ -1,59 +1,18 @@
-//! TLS for control-plane peering (rustls with its aws-lc-rs provider): the PEM files both
-//! sides read, the control plane's server config, and the verifier that logs the client
+//! TLS for control-plane peering (rustls with its aws-lc-rs provider): the control plane's
+//! server config (from the PEM files `crate::config::credentials` reads), and the verifier that logs the client
 //! certificates it refuses. Every problem names the configuration key and the file.
 
 use std::path::Path;
 use std::sync::Arc;
 
+use crate::config::credentials::{read_certificates, read_private_key, read_roots};
 use rustls::DistinguishedName;
 use rustls::client::danger::HandshakeSignatureValid;
 use rustls::crypto::CryptoProvider;
-use rustls::pki_types::pem::{self, PemObject};
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, UnixTime};
+use rustls::pki_types::{CertificateDer, UnixTime};
 use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
 use rustls::server::{ServerConfig, WebPkiClientVerifier};
-use rustls::{DigitallySignedStruct, RootCertStore, SignatureScheme};
-
-fn pem_problem(key: &str, path: &Path, what: &str, e: pem::Error) -> String {
-    match e {
-        pem::Error::Io(e) => format!("{key}: cannot read {}: {e}", path.display()),
-        pem::Error::NoItemsFound => {
-            format!("{key}: {} holds no PEM {what}", path.display())
-        }
-        e => format!("{key}: {} is not valid PEM: {e}", path.display()),
-    }
-}
-
-/// The certificates (PEM, one or more) in `path`, for config key `key`.
-pub fn read_certificates(key: &str, path: &Path) -> Result<Vec<CertificateDer<'static>>, String> {
-    let what = "certificate (-----BEGIN CERTIFICATE-----)";
-    let certificates = CertificateDer::pem_file_iter(path)
-        .and_then(|iter| iter.collect::<Result<Vec<_>, _>>())
-        .map_err(|e| pem_problem(key, path, what, e))?;
-    if certificates.is_empty() {
-        return Err(pem_problem(key, path, what, pem::Error::NoItemsFound));
-    }
-    Ok(certificates)
-}
-
-/// The private key (PEM: PKCS#8, PKCS#1 or SEC1) in `path`, for config key `key`.
-pub fn read_private_key(key: &str, path: &Path) -> Result<PrivateKeyDer<'static>, String> {
-    PrivateKeyDer::from_pem_file(path)
-        .map_err(|e| pem_problem(key, path, "private key (-----BEGIN PRIVATE KEY-----)", e))
-}
-
-/// The trust anchors in the CA file `path`, for config key `key`.
-pub fn read_roots(key: &str, path: &Path) -> Result<RootCertStore, String> {
-    let mut roots = RootCertStore::empty();
-    let (added, _ignored) = roots.add_parsable_certificates(read_certificates(key, path)?);
-    if added == 0 {
-        return Err(format!(
-            "{key}: no certificate in {} can be a trust anchor",
-            path.display()
-        ));
-    }
-    Ok(roots)
-}
+use rustls::{DigitallySignedStruct, SignatureScheme};
 
 pub fn provider() -> Arc<CryptoProvider> {
     Arc::new(rustls::crypto::aws_lc_rs::default_provider())

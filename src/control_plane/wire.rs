@@ -6,7 +6,9 @@
 
 use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
+use sha2::Sha256;
+
+pub use crate::config::credentials::{hex, is_sha256_hex, sha256_hex};
 
 /// The node's random nonce, per request.
 pub const NONCE_HEADER: &str = "x-moe-node-nonce";
@@ -76,20 +78,6 @@ pub struct DesiredUpdate {
 #[serde(default)]
 pub struct Answer {
     pub desired: DesiredState,
-}
-
-/// SHA-256 of `text`, as lowercase hex.
-pub fn sha256_hex(text: &str) -> String {
-    hex(&Sha256::digest(text.as_bytes()))
-}
-
-pub fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// Whether `text` looks like a SHA-256 in hex.
-pub fn is_sha256_hex(text: &str) -> bool {
-    text.len() == 64 && text.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
 /// The proof the control plane sends: keyed by the token's hash (`token_sha256`, hex).

@@ -2,7 +2,7 @@
 //! step computes only the new token. It lives where the engine runs attention: in host
 //! memory, or on the GPU that runs the dense part of the model.
 
-use crate::compute::cuda::model::DeviceCache;
+use crate::engine::gpu::model::DeviceCache;
 use crate::model::config::{AttentionConfig, ModelConfig};
 
 /// One layer's cache: two position-major arrays whose meaning depends on the attention kind.

@@ -1,6 +1,6 @@
 //! The forward pass: embeddings, attention with a KV cache, the MoE layer glue, sampling and
 //! the generation loop. The routed experts are reached only through
-//! [`crate::moe::ExpertExecutor`], so the same engine runs with experts in this process, on
+//! [`crate::experts::ExpertExecutor`], so the same engine runs with experts in this process, on
 //! device actors or on other nodes.
 
 pub mod attention;
@@ -10,6 +10,7 @@ pub mod gpu;
 pub mod grammar;
 pub mod kv_cache;
 pub mod logprobs;
+pub mod moe_layer;
 pub mod prefix;
 pub mod rope;
 pub mod sampling;
@@ -25,12 +26,13 @@ use rope::{Rope, yarn_mscale};
 pub use sampling::{Sampler, SamplingParams};
 
 use crate::compute::cpu::{add_in_place, rms_norm};
-use crate::compute::cuda::model::{DeviceCache, GpuModel};
+use crate::engine::gpu::model::{DeviceCache, GpuModel};
 use crate::compute::cuda::{CudaError, GpuInfo};
+use crate::experts::{ExpertError, ExpertExecutor, LocalExperts};
 use crate::model::config::{AttentionConfig, RopeScaling};
 use crate::model::weights::{FeedForward, load_all_experts};
 use crate::model::{Checkpoint, DenseWeights, ModelConfig, ModelError, ModelSource};
-use crate::moe::{ExpertError, ExpertExecutor, LocalExperts, moe_forward, moe_routed};
+use moe_layer::{moe_forward, moe_routed};
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {

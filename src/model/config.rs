@@ -77,20 +77,7 @@ pub enum AttentionConfig {
     },
 }
 
-/// How the router turns gate logits into top-k experts and weights.
-#[derive(Debug, Clone, PartialEq)]
-pub enum GatingConfig {
-    /// Softmax over all experts, top-k, optionally renormalised to sum 1.
-    Softmax { renormalize: bool },
-    /// Sigmoid scores, choice biased by `e_score_correction_bias`, top-k within the best
-    /// `topk_group` of `n_group` groups, weights optionally normalised, then scaled.
-    SigmoidGrouped {
-        n_group: usize,
-        topk_group: usize,
-        normalize: bool,
-        routed_scaling_factor: f32,
-    },
-}
+pub use crate::compute::gate::GatingConfig;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct MoeConfig {

@@ -19,7 +19,7 @@
 //! member (each counts the tokens its own router routed), lays the hot copies over the
 //! base layout (each expert's first `replication` copies, on distinct nodes) and offers the
 //! result on its placement board as version + 1. From there it travels like any change
-//! (`cluster/follow.rs`): every node fetches it, loads its new copies from its own
+//! (`rollout/follow.rs`): every node fetches it, loads its new copies from its own
 //! checkpoint, switches at a step boundary once every live member has loaded, and drops
 //! what it no longer holds once every live member serves it. A node that is not the leader
 //! refuses and names the leader.
@@ -35,17 +35,17 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use serde::Serialize;
 
 use super::{Node, NodeError};
-use crate::actors::device::{ReleaseExperts, TakeExperts, load_experts};
-use crate::cluster::bootstrap::fetch_profile;
-use crate::cluster::follow::{NotNow, may_propose};
-use crate::cluster::joined::Joined;
 use crate::cluster::{MemberState, MemberView};
+use crate::experts::device::{ReleaseExperts, TakeExperts, load_experts};
 use crate::metrics::NodeMetrics;
 use crate::model::ExpertWeights;
+use crate::node::joined::Joined;
 use crate::placement::Placement;
 use crate::placement::profile::fingerprint_hex;
 use crate::placement::replicate::imbalance;
 use crate::plan::sizes::ModelSizes;
+use crate::rollout::bootstrap::fetch_profile;
+use crate::rollout::follow::{NotNow, may_propose};
 
 /// What one rebalance did.
 #[derive(Debug, Clone, Serialize)]

@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use crate::actors::dispatch::OnUnavailable;
+use crate::config::OnUnavailable;
 use crate::engine::batch::KvBudget;
 use crate::model::ModelConfig;
 use crate::placement::replicate::{self, LayerReplicas, LayerSlots, ReplicateError};

@@ -3,7 +3,7 @@
 use std::fmt::Write;
 
 use super::{PlanReport, gib};
-use crate::actors::dispatch::OnUnavailable;
+use crate::config::OnUnavailable;
 
 impl PlanReport {
     /// A readable report for a deployment review.

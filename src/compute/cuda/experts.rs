@@ -21,8 +21,8 @@ use rayon::prelude::*;
 use super::moe::MoeKernels;
 use super::storage::{ExpertStorage, MatrixForm};
 use super::{CudaError, GpuInfo};
-use crate::model::ExpertWeights;
-use crate::model::dummy::DummyFill;
+use crate::compute::expert::ExpertWeights;
+use crate::compute::fill::DummyFill;
 
 /// Bytes cuBLAS may use for its own work on top of the sized buffers.
 const BLAS_RESERVE: usize = 64 << 20;

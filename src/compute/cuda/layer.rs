@@ -13,7 +13,7 @@ use super::blas::{self, Gemm, Output};
 use super::experts::{Buffer, ExpertShape};
 use super::moe::check_gating;
 use super::{CudaError, GpuExperts, GpuInfo};
-use crate::model::config::GatingConfig;
+use crate::compute::gate::GatingConfig;
 
 /// The routing half of a layer: router weights and gating rule.
 #[derive(Debug, Clone)]

@@ -2,7 +2,8 @@
 //! on machines with and without a GPU. [`runtime`] finds the driver, NVRTC and cuBLAS and
 //! lists the GPUs; [`kernels`] compiles `kernels/*.cu` with NVRTC (cached by source hash and
 //! architecture); [`experts`] holds experts in GPU memory as stored ([`storage`]) and runs token groups
-//! through them with grouped GEMMs.
+//! through them with grouped GEMMs. What runs a model on a GPU is above this folder: the
+//! dense part in `crate::engine::gpu`, the experts in `crate::experts::gpu`.
 
 pub mod blas;
 pub mod dense;
@@ -10,8 +11,6 @@ pub mod experts;
 pub mod kernels;
 pub mod layer;
 pub mod libs;
-pub mod load;
-pub mod model;
 pub mod moe;
 pub mod storage;
 

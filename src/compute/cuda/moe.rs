@@ -9,8 +9,8 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKe
 use super::kernels::{self, MOE, elementwise};
 use super::storage::MatrixForm;
 use super::{CudaError, GpuInfo};
-use crate::model::config::GatingConfig;
-use crate::model::dummy::DummyFill;
+use crate::compute::fill::DummyFill;
+use crate::compute::gate::GatingConfig;
 
 /// The kernels of `kernels/moe.cu`, loaded into one device's context.
 pub struct MoeKernels {

@@ -13,8 +13,8 @@
 use half::bf16;
 
 use crate::compute::cpu::WeightElement;
+use crate::compute::expert::ExpertWeights;
 use crate::compute::quant::{GroupScales, QuantFormat, QuantLinear};
-use crate::model::ExpertWeights;
 
 /// Every part of a slot starts at a multiple of this many bytes (cuBLAS's fast paths want 16;
 /// 256 keeps every matrix on its own cache lines).

@@ -3,7 +3,7 @@
 //! with bf16 weights, bf16 inputs to the products and f32 everywhere else (the residual
 //! stream, norms, rotary, softmax). The host sends the step's embedding rows and rotary
 //! tables and gets the logits back. Routed experts stay behind the engine's
-//! [`crate::moe::ExpertExecutor`] (device actors, other nodes): at each MoE layer the
+//! [`crate::experts::ExpertExecutor`] (device actors, other nodes): at each MoE layer the
 //! normalised rows go to the host, the host routes them (the CPU's gate, so routing equals
 //! the CPU backend's for the same rows), and the combined expert output comes back.
 
@@ -12,10 +12,10 @@ use std::sync::Arc;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaStream, result, sys};
 
-use super::blas::{self, Gemm, Output};
-use super::dense::DenseKernels;
-use super::moe::MoeKernels;
-use super::{CudaError, GpuInfo};
+use crate::compute::cuda::blas::{self, Gemm, Output};
+use crate::compute::cuda::dense::DenseKernels;
+use crate::compute::cuda::moe::MoeKernels;
+use crate::compute::cuda::{CudaError, GpuInfo};
 use crate::compute::layout::{RopeAngles, Segment};
 use crate::model::config::ModelConfig;
 use crate::model::weights::DenseWeights;

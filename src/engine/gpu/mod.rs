@@ -1,16 +1,18 @@
 //! An engine whose routed experts (and optionally dense part) run on one GPU of this
 //! process: `moe-node generate --backend cuda` and the reference tests on every backend.
-//! (A serving node reaches its GPUs through device actors instead.)
+//! (A serving node reaches its GPUs through device actors instead.) [`model`] is the dense
+//! part of the forward pass on a GPU.
+
+pub mod model;
 
 use std::path::{Path, PathBuf};
-
-use crate::model::ModelSource;
 use std::sync::Arc;
 
 use super::Engine;
 use super::generate::PREFILL_CHUNK;
-use crate::compute::cuda::load::{GpuLocalExperts, GpuOptions, LoadError};
 use crate::compute::cuda::{self, CudaError};
+use crate::experts::gpu::{GpuLocalExperts, GpuOptions, LoadError};
+use crate::model::ModelSource;
 
 /// An engine for the model in `dir` with its routed experts on GPU `ordinal`, and its dense
 /// part too when `dense` is set (else that runs on the CPU). `lib_dir` as

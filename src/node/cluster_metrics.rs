@@ -10,8 +10,8 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 
-use super::{MemberState, Membership, MembershipStats};
-use crate::actors::dispatch::{Dispatcher, Target};
+use crate::cluster::{MemberState, Membership, MembershipStats};
+use crate::experts::dispatch::{Dispatcher, Target};
 use crate::transport::peer::PeerStats;
 
 pub struct ClusterCollector {

@@ -24,10 +24,10 @@ use std::time::{Duration, Instant};
 
 use super::board::PlacementBoard;
 use super::bootstrap::fetch_table;
-use super::peers::{PeerNodes, best_member};
-use super::{MemberState, MemberView, Membership};
-use crate::actors::device::{ReleaseExperts, TakeExperts, load_experts};
-use crate::actors::dispatch::Dispatcher;
+use crate::cluster::{MemberState, MemberView, Membership};
+use crate::experts::device::{ReleaseExperts, TakeExperts, load_experts};
+use crate::experts::dispatch::Dispatcher;
+use crate::experts::remote::{PeerNodes, best_member};
 use crate::model::{Checkpoint, ModelConfig};
 use crate::placement::{NodeSlots, Placement};
 

@@ -15,15 +15,15 @@ use actix::prelude::*;
 
 use super::dispatch::{Answer, GroupOutputs, TargetError};
 use crate::compute::cuda::experts::RunOutcome;
-pub use crate::compute::cuda::load::GpuOptions;
-use crate::compute::cuda::load::load_experts as load_gpu;
 use crate::compute::cuda::{self, CudaError, CudaRuntime};
 use crate::compute::cuda::{GpuExperts, GpuInfo};
 use crate::config::{Backend, DevicesConfig};
+pub use crate::experts::gpu::GpuOptions;
+
+use super::gpu::{LoadError, load_experts as load_gpu};
+use crate::experts::run_expert_groups;
 use crate::model::weights::load_expert;
 use crate::model::{Checkpoint, ExpertWeights, ModelConfig, ModelError};
-use crate::moe::run_expert_groups;
-use crate::node::NodeError;
 
 /// What a device actor computes on.
 #[derive(Debug, Clone)]
@@ -320,7 +320,7 @@ pub fn start_device(
     checkpoint: Arc<Checkpoint>,
     config: Arc<ModelConfig>,
     experts: Vec<(usize, u32)>,
-) -> Result<DeviceHandle, NodeError> {
+) -> Result<DeviceHandle, LoadError> {
     let (ready_tx, ready_rx) = mpsc::channel();
     let arbiter = Arbiter::new();
     let hidden_size = config.hidden_size;
@@ -345,11 +345,10 @@ pub fn start_device(
                     let _ = cpu_tx.send(held.clone());
                     Held::Cpu(held)
                 })
-                .map_err(NodeError::from),
+                .map_err(LoadError::from),
             DeviceTarget::Gpu(gpu, options) => {
                 load_gpu(gpu, options, &checkpoint, &config, &experts)
                     .map(|g| Held::Gpu(Box::new(g)))
-                    .map_err(NodeError::from)
             }
         };
         let (experts, ready) = match loaded {
@@ -427,7 +426,7 @@ pub enum DeviceChoice {
 
 /// Decides from the config and what this machine has. With `backend = "cuda"`, no usable
 /// GPU is an error.
-pub fn choose_devices(devices: &DevicesConfig) -> Result<DeviceChoice, NodeError> {
+pub fn choose_devices(devices: &DevicesConfig) -> Result<DeviceChoice, LoadError> {
     let slots = devices.cpu_slots;
     if devices.backend == Backend::Cpu {
         return Ok(DeviceChoice::Cpu {
@@ -437,7 +436,7 @@ pub fn choose_devices(devices: &DevicesConfig) -> Result<DeviceChoice, NodeError
     }
     match cuda::runtime(devices.cuda_lib_path()) {
         Ok(runtime) => Ok(DeviceChoice::Gpus(runtime)),
-        Err(e) if devices.backend == Backend::Cuda => Err(NodeError::Cuda(e)),
+        Err(e) if devices.backend == Backend::Cuda => Err(LoadError::Cuda(e)),
         Err(e) => Ok(DeviceChoice::Cpu {
             slots,
             no_gpu: Some(e),
@@ -449,7 +448,7 @@ pub fn choose_devices(devices: &DevicesConfig) -> Result<DeviceChoice, NodeError
 pub fn device_targets(
     devices: &DevicesConfig,
     gpu: GpuOptions,
-) -> Result<Vec<DeviceTarget>, NodeError> {
+) -> Result<Vec<DeviceTarget>, LoadError> {
     match choose_devices(devices)? {
         DeviceChoice::Gpus(runtime) => {
             cuda::log_runtime(runtime);

@@ -4,8 +4,8 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaStream, DeviceRepr, result};
 
-use super::super::CudaError;
-use super::super::experts::Buffer;
+use crate::compute::cuda::CudaError;
+use crate::compute::cuda::experts::Buffer;
 use crate::model::config::{AttentionConfig, ModelConfig};
 
 /// Where a layer's cached positions lie for one sequence: two arrays (keys and values for

@@ -8,14 +8,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use super::bootstrap::{BootstrapError, Start, await_placement, fetch_table};
-use super::follow::{FollowParts, follow};
-use super::peers::{PeerNodes, serve_remote_work};
-use super::{MemberMeta, Membership, MembershipConfig, MembershipError};
-use crate::actors::dispatch::Dispatcher;
+use crate::cluster::{MemberMeta, Membership, MembershipConfig, MembershipError};
 use crate::config::live::LiveSettings;
 use crate::config::{ClusterConfig, PeerSection};
+use crate::experts::dispatch::Dispatcher;
+use crate::experts::remote::{PeerNodes, serve_remote_work};
 use crate::placement::PlacementSpec;
+use crate::rollout::bootstrap::{BootstrapError, Start, await_placement, fetch_table};
+use crate::rollout::follow::{FollowParts, follow};
 use crate::transport::peer::{PeerAuth, PeerServer, PeerStats};
 use crate::transport::select;
 
@@ -212,7 +212,7 @@ pub fn join(
 impl Joined {
     /// Takes expert work from other nodes from now on, tells the cluster which placement
     /// this node serves, feeds gossip's verdicts on the nodes to the dispatcher, and
-    /// follows the cluster's placement changes (see [`super::follow`]).
+    /// follows the cluster's placement changes (see [`crate::rollout::follow`]).
     pub fn serve(&self, node: ServeParts) {
         let ServeParts {
             dispatcher,
@@ -272,5 +272,5 @@ pub struct ServeParts {
     pub dispatcher: Arc<Dispatcher>,
     pub checkpoint: Arc<crate::model::Checkpoint>,
     pub model: Arc<crate::model::ModelConfig>,
-    pub board: Arc<super::board::PlacementBoard>,
+    pub board: Arc<crate::rollout::board::PlacementBoard>,
 }

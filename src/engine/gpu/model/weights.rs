@@ -6,9 +6,9 @@ use std::sync::Arc;
 use cudarc::driver::CudaStream;
 use half::bf16;
 
-use super::super::CudaError;
-use super::super::experts::Buffer;
 use crate::compute::cpu::SwiGlu;
+use crate::compute::cuda::CudaError;
+use crate::compute::cuda::experts::Buffer;
 use crate::model::weights::{
     AttentionWeights, DenseWeights, FeedForward, QueryProjection, RmsNorm, StoredLinear,
 };

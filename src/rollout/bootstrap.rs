@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::{MemberState, MemberView, Membership};
+use crate::cluster::{MemberState, MemberView, Membership};
 use crate::placement::{NodeSlots, PlacementSpec, PlacementTable};
 
 /// What a starting node does next, decided from what gossip shows.

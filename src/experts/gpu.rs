@@ -5,12 +5,13 @@
 use std::path::PathBuf;
 use std::sync::Mutex;
 
-use super::experts::{ExpertShape, RunOutcome};
-use super::storage::ExpertStorage;
-use super::{CudaError, GpuExperts, GpuInfo};
+use crate::compute::cuda::experts::{ExpertShape, RunOutcome};
+use crate::compute::cuda::storage::ExpertStorage;
+use crate::compute::cuda::{CudaError, GpuExperts, GpuInfo};
+use crate::experts::{ExpertError, ExpertExecutor};
 use crate::model::weights::{dummy_expert, load_expert};
 use crate::model::{Checkpoint, ExpertWeights, ModelConfig, ModelError};
-use crate::moe::{DispatchPlan, ExpertError, ExpertExecutor};
+use crate::moe::DispatchPlan;
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {

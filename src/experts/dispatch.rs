@@ -16,11 +16,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, mpsc};
 use std::time::{Duration, Instant};
 
+use super::choice::assign_groups_among;
 use super::device::{DeviceHandle, RunExperts};
+use super::health::{Penalties, ReplicaHealth, TargetHealth, hedge_after};
+use super::{ExpertError, ExpertExecutor, run_expert_groups};
+use crate::config::OnUnavailable;
 use crate::model::ExpertWeights;
-use crate::moe::{DispatchPlan, ExpertError, ExpertExecutor, run_expert_groups};
-use crate::placement::health::{Penalties, TargetHealth, hedge_after};
-use crate::placement::{ExpertLoad, Placement, Replica, ReplicaHealth, assign_groups_among};
+use crate::moe::DispatchPlan;
+use crate::placement::{ExpertLoad, Placement, Replica};
 
 /// Work for one of this node's CPU slots is run from the dispatching thread (the router's),
 /// on the whole pool, when it holds at most this many rows: decode-sized work. A slot's
@@ -107,21 +110,6 @@ pub trait RemoteNodes: Send + Sync {
     fn link_up(&self, _node: u16) -> bool {
         true
     }
-}
-
-/// What to do when a group's expert has no live replica.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum OnUnavailable {
-    /// Fail the step's sequences at once (503 naming the experts).
-    #[default]
-    Fail,
-    /// Wait for a replica to come back (a restart, a healed partition), up to
-    /// `DispatchTiming::wait_for`, then fail.
-    Wait,
-    /// Route tokens to the next-best experts by gate score that have a live replica: the
-    /// request is served, degraded (counted in `moe_node_dispatch_rerouted_total`).
-    Reroute,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -395,7 +383,7 @@ impl Dispatcher {
     }
 
     /// Feeds gossip's verdict on a node into its health.
-    pub fn set_node_reach(&self, node: u16, reach: crate::placement::Reach) {
+    pub fn set_node_reach(&self, node: u16, reach: crate::experts::Reach) {
         self.health()
             .entry(Target::Node(node))
             .or_default()
@@ -479,8 +467,8 @@ impl Dispatcher {
     ) -> bool {
         let reach = health
             .get(&target)
-            .map_or(crate::placement::Reach::Up, |h| h.view(now).reach);
-        reach != crate::placement::Reach::Down
+            .map_or(crate::experts::Reach::Up, |h| h.view(now).reach);
+        reach != crate::experts::Reach::Down
             && match target {
                 Target::Device(d) => alive_devices.get(d as usize).copied().unwrap_or(false),
                 Target::Node(_) => self.remote.is_some(),
@@ -605,7 +593,7 @@ impl Dispatcher {
                                 Target::Node(_) => local_only || self.remote.is_none(),
                             };
                             if unusable {
-                                view.reach = crate::placement::Reach::Down;
+                                view.reach = crate::experts::Reach::Down;
                             }
                             view.local = matches!(target, Target::Device(_));
                             view

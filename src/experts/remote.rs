@@ -8,10 +8,10 @@ use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 use tokio::runtime::Handle;
 
-use super::{MemberState, MemberView, Membership};
-use crate::actors::dispatch::{Answer, Dispatcher, RemoteNodes, RemoteWork, TargetError};
-use crate::moe::ExpertError;
-use crate::placement::Reach;
+use crate::cluster::{MemberState, MemberView, Membership};
+use crate::experts::ExpertError;
+use crate::experts::Reach;
+use crate::experts::dispatch::{Answer, Dispatcher, RemoteNodes, RemoteWork, TargetError};
 use crate::transport::peer::{Handler, PeerAuth, PeerClient, PeerError, PeerStats};
 use crate::transport::{Dtype, ExpertReply, ExpertRequest, RemoteError, Transport};
 

@@ -2,12 +2,12 @@
 //! `[latent | rotary key]` per position; queries are absorbed into the latent space and the
 //! attended latents expanded per head with strided-batched products).
 
-use super::super::CudaError;
-use super::super::blas::{self, Batch, Gemm, Output};
-use super::super::dense::AttentionShape;
 use super::cache::Scratch;
 use super::weights::{Attention, Query};
 use super::{GpuModel, Step, StepResult};
+use crate::compute::cuda::CudaError;
+use crate::compute::cuda::blas::{self, Batch, Gemm, Output};
+use crate::compute::cuda::dense::AttentionShape;
 use crate::model::config::AttentionConfig;
 
 impl GpuModel {

@@ -1,0 +1,80 @@
+//! One routed expert's weights as the kernels take them: a SwiGLU block in one of the
+//! stored forms. The model builds them from a checkpoint (`crate::model::weights`); the CPU
+//! device slots run them, and the GPU uploads them.
+
+use half::bf16;
+
+use super::cpu::{Linear, SwiGlu, WeightElement};
+use super::quant::{QuantLinear, QuantSwiGlu};
+
+/// One expert's FFN, a SwiGLU block of `moe_intermediate_size`, held in the checkpoint's
+/// precision when that is bf16 (exact, and half the bytes each token reads) or quantized
+/// (FP8 or INT4 as stored, dequantized as the kernel reads it), else in f32.
+#[derive(Debug, Clone)]
+pub enum ExpertWeights {
+    F32(SwiGlu<f32>),
+    Bf16(SwiGlu<bf16>),
+    Quantized(QuantSwiGlu),
+}
+
+impl ExpertWeights {
+    pub fn forward_with(&self, x: &[f32], rows: usize, parallel: bool) -> Vec<f32> {
+        match self {
+            ExpertWeights::F32(block) => block.forward_with(x, rows, parallel),
+            ExpertWeights::Bf16(block) => block.forward_with(x, rows, parallel),
+            ExpertWeights::Quantized(block) => block.forward_with(x, rows, parallel),
+        }
+    }
+
+    /// The block with f32 weights (a copy, or a clone where it is f32 already): for a
+    /// backend that keeps its own precision.
+    pub fn widened(&self) -> SwiGlu {
+        fn widen<W: WeightElement>(l: &Linear<W>) -> Linear {
+            Linear {
+                weight: W::widen(&l.weight).into_owned(),
+                bias: l.bias.clone(),
+                out_features: l.out_features,
+                in_features: l.in_features,
+            }
+        }
+        fn dequantize(l: &QuantLinear) -> Linear {
+            Linear::without_bias(l.widen(), l.out_features, l.in_features)
+        }
+        match self {
+            ExpertWeights::F32(block) => block.clone(),
+            ExpertWeights::Bf16(b) => SwiGlu {
+                gate: widen(&b.gate),
+                up: widen(&b.up),
+                down: widen(&b.down),
+            },
+            ExpertWeights::Quantized(b) => SwiGlu {
+                gate: dequantize(&b.gate),
+                up: dequantize(&b.up),
+                down: dequantize(&b.down),
+            },
+        }
+    }
+
+    /// How many weights the block has (whatever their form).
+    pub fn parameters(&self) -> usize {
+        let (gate, down) = match self {
+            ExpertWeights::F32(b) => (b.gate.weight.len(), b.down.weight.len()),
+            ExpertWeights::Bf16(b) => (b.gate.weight.len(), b.down.weight.len()),
+            ExpertWeights::Quantized(b) => (
+                b.gate.out_features * b.gate.in_features,
+                b.down.out_features * b.down.in_features,
+            ),
+        };
+        // gate and up have the same shape.
+        2 * gate + down
+    }
+
+    /// Bytes of weights one pass reads.
+    pub fn weight_bytes(&self) -> usize {
+        match self {
+            ExpertWeights::F32(block) => block.weight_bytes(),
+            ExpertWeights::Bf16(block) => block.weight_bytes(),
+            ExpertWeights::Quantized(block) => block.weight_bytes(),
+        }
+    }
+}

@@ -1,0 +1,69 @@
+//! One MoE block of the forward pass: gate, route, group rows per expert, hand the groups to
+//! the expert data plane, combine with the gate weights, add the shared expert.
+
+use crate::compute::cpu::add_in_place;
+use crate::experts::{ExpertError, ExpertExecutor};
+use crate::model::config::MoeConfig;
+use crate::model::weights::MoeWeights;
+use crate::moe::{DispatchPlan, route, route_avoiding};
+
+/// One MoE block over `rows` normalised hidden rows: gate, route, group rows per expert, run
+/// them through `experts`, combine with the gate weights and add the shared expert.
+pub fn moe_forward(
+    cfg: &MoeConfig,
+    weights: &MoeWeights,
+    experts: &dyn ExpertExecutor,
+    layer: usize,
+    normed: &[f32],
+    rows: usize,
+) -> Result<Vec<f32>, ExpertError> {
+    let mut out = moe_routed(cfg, weights, experts, layer, normed, rows)?;
+    if let Some(shared) = &weights.shared_expert {
+        add_in_place(&mut out, &shared.forward_with(normed, rows, true));
+    }
+    Ok(out)
+}
+
+/// The routed part of [`moe_forward`]: the gate's weighted sum of the chosen experts'
+/// outputs, without the shared expert (which a GPU engine computes on its GPU).
+pub fn moe_routed(
+    cfg: &MoeConfig,
+    weights: &MoeWeights,
+    experts: &dyn ExpertExecutor,
+    layer: usize,
+    normed: &[f32],
+    rows: usize,
+) -> Result<Vec<f32>, ExpertError> {
+    let width = normed.len() / rows.max(1);
+    let logits = weights.router.forward(normed, rows);
+    let bias = weights.correction_bias.as_deref();
+    let routing = route(&cfg.gating, &logits, cfg.num_experts, cfg.top_k, bias);
+    let avoid = experts.avoid(layer);
+    let routing = match avoid.as_deref() {
+        Some(avoid)
+            if avoid.len() == cfg.num_experts
+                && routing.experts.iter().any(|&e| avoid[e as usize]) =>
+        {
+            let rerouted = routing
+                .experts
+                .iter()
+                .filter(|&&e| avoid[e as usize])
+                .count();
+            experts.rerouted(layer, rerouted);
+            route_avoiding(
+                &cfg.gating,
+                &logits,
+                cfg.num_experts,
+                cfg.top_k,
+                bias,
+                Some(avoid),
+            )
+        }
+        _ => routing,
+    };
+    let plan = DispatchPlan::new(&routing, cfg.num_experts);
+    let expert_out = experts.run(layer, &plan, &plan.gather(normed, width))?;
+    let mut out = vec![0.0; rows * width];
+    plan.combine(&expert_out, width, &mut out);
+    Ok(out)
+}

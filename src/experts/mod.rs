@@ -1,0 +1,66 @@
+//! The expert data plane: everything between "these rows need these experts" and "here are
+//! their outputs", on this node's devices or on other nodes.
+//!
+//! - The seam: [`ExpertExecutor`], which the engine calls once per MoE layer per step, and
+//!   [`ExpertError`], why it could not.
+//! - [`local`]: every expert in this process's memory ([`LocalExperts`], `moe-node generate`
+//!   and the reference tests), and [`gpu`]: the same on one GPU.
+//! - [`dispatch`]: the serving node's executor ([`Dispatcher`]): it chooses a replica per
+//!   group ([`choice`]), fed with what it measured of each target ([`health`]), sends the
+//!   groups, and re-sends those whose target fails or is late ([`attempts`], the pure state
+//!   machine, driven by a thin loop).
+//! - [`device`]: the device actors that own the experts placed on one GPU or CPU slot.
+//! - [`remote`]: the other nodes as the dispatcher reaches them, and the handler that runs
+//!   their work here.
+
+pub mod choice;
+pub mod device;
+pub mod dispatch;
+pub mod gpu;
+pub mod health;
+pub mod local;
+pub mod remote;
+
+pub use choice::{assign_groups, assign_groups_among};
+pub use dispatch::{Answer, Dispatcher, GroupOutputs, Target, TargetError};
+pub use health::{Reach, ReplicaHealth};
+pub use local::{LocalExperts, run_expert_groups};
+
+use crate::moe::DispatchPlan;
+
+/// Why expert work could not be done.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ExpertError {
+    #[error("expert {expert} of layer {layer} is not held by this executor")]
+    NotHeld { layer: usize, expert: u32 },
+    #[error("expert executor unavailable: {0}")]
+    Unavailable(String),
+    /// The device failed while computing and took itself out of service; its groups can go
+    /// to replicas.
+    #[error("device failed: {0}")]
+    DeviceFailed(String),
+}
+
+/// Runs grouped token rows through the experts of one layer. The engine calls this once per
+/// MoE layer per step; an implementation may compute locally, hand groups to device actors,
+/// or send them to other nodes.
+pub trait ExpertExecutor: Send + Sync {
+    /// `grouped_input` holds `plan.len()` rows of `hidden_size`, grouped as `plan` says.
+    /// Returns the expert outputs in the same order (not yet weighted).
+    fn run(
+        &self,
+        layer: usize,
+        plan: &DispatchPlan,
+        grouped_input: &[f32],
+    ) -> Result<Vec<f32>, ExpertError>;
+
+    /// Experts of `layer` that tokens should be routed around (no live replica), when the
+    /// executor reroutes instead of failing; `None` when it does not.
+    fn avoid(&self, _layer: usize) -> Option<Vec<bool>> {
+        None
+    }
+
+    /// Told how many token-to-expert choices of `layer` went to another expert because of
+    /// [`ExpertExecutor::avoid`].
+    fn rerouted(&self, _layer: usize, _choices: usize) {}
+}

@@ -1,0 +1,8 @@
+//! Placement versions over time: how a starting node gets the placement it serves under
+//! ([`bootstrap`]), the placements a node hands out ([`board`]), and how a cluster moves
+//! from one version to the next while it serves, copy then switch ([`follow`]). The
+//! placements themselves are computed by the pure algorithms of `crate::placement`.
+
+pub mod board;
+pub mod bootstrap;
+pub mod follow;
