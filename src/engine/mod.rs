@@ -26,8 +26,8 @@ use rope::{Rope, yarn_mscale};
 pub use sampling::{Sampler, SamplingParams};
 
 use crate::compute::cpu::{add_in_place, rms_norm};
-use crate::engine::gpu::model::{DeviceCache, GpuModel};
 use crate::compute::cuda::{CudaError, GpuInfo};
+use crate::engine::gpu::model::{DeviceCache, GpuModel};
 use crate::experts::{ExpertError, ExpertExecutor, LocalExperts};
 use crate::model::config::{AttentionConfig, RopeScaling};
 use crate::model::weights::{FeedForward, load_all_experts};
@@ -335,9 +335,7 @@ impl Engine {
                 normed,
                 rows,
             )?),
-            FeedForward::Dense(_) => Err(EngineError::Expert(ExpertError::Unavailable(format!(
-                "layer {layer} has no experts"
-            )))),
+            FeedForward::Dense(_) => Err(EngineError::Expert(ExpertError::DenseLayer { layer })),
         };
         let model = gpu.lock().unwrap_or_else(|e| e.into_inner());
         let logits = model.forward(

@@ -16,9 +16,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, mpsc};
 use std::time::{Duration, Instant};
 
+use super::attempts::{Answered, Attempts, NoReplica, Overdue, Policy};
 use super::choice::assign_groups_among;
 use super::device::{DeviceHandle, RunExperts};
-use super::health::{Penalties, ReplicaHealth, TargetHealth, hedge_after};
+use super::health::{Penalties, Reach, ReplicaHealth, TargetHealth, hedge_after};
 use super::{ExpertError, ExpertExecutor, run_expert_groups};
 use crate::config::OnUnavailable;
 use crate::model::ExpertWeights;
@@ -242,18 +243,6 @@ impl Drop for CallFinished<'_> {
     fn drop(&mut self) {
         self.0.fetch_add(1, Ordering::SeqCst);
     }
-}
-
-/// One send in flight.
-struct Attempt {
-    target: Target,
-    groups: Vec<usize>,
-    rows: usize,
-    sent: Instant,
-    hedged: bool,
-    /// Sent to a node whose link was not up yet: its answer time includes the link's set-up.
-    cold: bool,
-    finished: bool,
 }
 
 impl Dispatcher {
@@ -497,31 +486,35 @@ impl Dispatcher {
         self.load.tick();
         self.calls_started.fetch_add(1, Ordering::SeqCst);
         let _finished = CallFinished(&self.calls_finished);
-        let mut attempts: Vec<Attempt> = Vec::new();
-        let result =
-            self.run_attempts(layer, experts, group_rows, input, local_only, &mut attempts);
+        let policy = Policy {
+            // Work from another node is never held: its sender has other replicas.
+            may_wait: !local_only && self.timing.on_unavailable == OnUnavailable::Wait,
+            wait_for: self.timing.wait_for,
+            give_up: self.timing.give_up,
+        };
+        let mut attempts = Attempts::new(experts, group_rows, policy);
+        let result = self.drive(layer, experts, group_rows, input, local_only, &mut attempts);
         // Sends still unanswered (a hedged send whose other replica answered first, sends
         // in flight when the step failed) will be answered to nobody: their rows no longer
         // count as the target's load, or every hedge would leave rows on a slow or paused
         // node for good and it would lose the load comparison from then on.
         let mut health = self.health();
-        for attempt in attempts.iter().filter(|a| !a.finished) {
-            health
-                .entry(attempt.target)
-                .or_default()
-                .answered(attempt.rows, None);
+        for (target, rows) in attempts.unanswered() {
+            health.entry(target).or_default().answered(rows, None);
         }
         result
     }
 
-    fn run_attempts(
+    /// Carries out `attempts` until every group is answered: chooses a target for each
+    /// pending group, makes the sends, and feeds the answers and the time back.
+    fn drive(
         &self,
         layer: usize,
         experts: &[u32],
         group_rows: &[usize],
         input: &[f32],
         local_only: bool,
-        attempts: &mut Vec<Attempt>,
+        attempts: &mut Attempts<Vec<f32>>,
     ) -> Result<Vec<Vec<f32>>, ExpertError> {
         let width = self.hidden_size;
         let placement = self.placement();
@@ -539,132 +532,37 @@ impl Dispatcher {
                 placement.replicas(layer, expert)
             }
         };
-        let mut starts = Vec::with_capacity(group_rows.len());
-        let mut at = 0usize;
-        for &rows in group_rows {
-            starts.push(at);
-            at += rows;
-        }
-        if at * width != input.len() || experts.len() != group_rows.len() {
-            return Err(ExpertError::Unavailable(format!(
-                "malformed expert work: {} groups, {at} rows, {} values",
-                experts.len(),
-                input.len()
-            )));
-        }
-        let group_input = GroupInput {
-            input,
-            starts: &starts,
-            rows: group_rows,
-            width,
-        };
-
+        let group_input = GroupInput::new(input, experts, group_rows, width)?;
         let (done_tx, done_rx) = mpsc::channel::<(usize, GroupOutputs)>();
-        let mut outputs: Vec<Option<Vec<f32>>> = vec![None; experts.len()];
-        let mut remaining = experts.len();
-        // In-flight sends per group, and the targets that already failed it.
-        let mut covering = vec![0u32; experts.len()];
-        let mut failed_on: Vec<Vec<Target>> = vec![Vec::new(); experts.len()];
-        let mut pending: Vec<usize> = (0..experts.len()).collect();
-        let mut waiting_since: Option<Instant> = None;
         // Small work for this node's CPU slots, run on this thread once the rest is sent.
         let mut inline: Vec<(u16, Vec<usize>, Answer)> = Vec::new();
 
-        while remaining > 0 {
-            if !pending.is_empty() {
+        while !attempts.is_done() {
+            if !attempts.pending().is_empty() {
                 let now = Instant::now();
-                let alive_devices = self.devices_alive();
-                let chosen = {
-                    let health = self.health();
-                    assign_groups_among(
-                        replicas_of,
-                        &pending.iter().map(|&g| experts[g]).collect::<Vec<_>>(),
-                        |i| group_rows[pending[i]],
-                        |r| {
-                            let target = self.target_of(r, local_node);
-                            let mut view = health
-                                .get(&target)
-                                .map(|h| h.view(now))
-                                .unwrap_or_else(|| TargetHealth::default().view(now));
-                            let unusable = match target {
-                                Target::Device(d) => {
-                                    !alive_devices.get(d as usize).copied().unwrap_or(false)
-                                }
-                                Target::Node(_) => local_only || self.remote.is_none(),
-                            };
-                            if unusable {
-                                view.reach = crate::experts::Reach::Down;
-                            }
-                            view.local = matches!(target, Target::Device(_));
-                            view
-                        },
-                        |i, r| failed_on[pending[i]].contains(&self.target_of(r, local_node)),
-                    )
-                };
-                let mut per_target: FxHashMap<Target, Vec<usize>> = FxHashMap::default();
-                let mut unplaced = Vec::new();
-                for (&g, choice) in pending.iter().zip(&chosen) {
-                    match choice {
-                        Some(r) => per_target
-                            .entry(self.target_of(*r, local_node))
-                            .or_default()
-                            .push(g),
-                        // Still answered by an earlier send: keep waiting for it.
-                        None if covering[g] > 0 => {}
-                        None => unplaced.push(g),
-                    }
-                }
-                pending.clear();
-                if !unplaced.is_empty() {
-                    let since = *waiting_since.get_or_insert(now);
-                    // Work from another node is never held: its sender has other replicas.
-                    let may_wait = !local_only
-                        && self.timing.on_unavailable == OnUnavailable::Wait
-                        && now.duration_since(since) < self.timing.wait_for;
-                    if !may_wait {
-                        let mut missing: Vec<u32> = unplaced.iter().map(|&g| experts[g]).collect();
-                        missing.sort_unstable();
-                        missing.dedup();
-                        return Err(ExpertError::Unavailable(format!(
-                            "no live replica holds expert{} {} of layer {layer}",
-                            if missing.len() > 1 { "s" } else { "" },
-                            missing
-                                .iter()
-                                .map(u32::to_string)
-                                .collect::<Vec<_>>()
-                                .join(", ")
-                        )));
-                    }
-                    // Waiting for a replica to return: failures are forgotten so that a
-                    // restarted target is tried again.
-                    for &g in &unplaced {
-                        failed_on[g].clear();
-                    }
-                    pending.extend(unplaced);
-                }
-                for (target, groups) in per_target {
-                    let id = attempts.len();
-                    let rows: usize = groups.iter().map(|&g| group_rows[g]).sum();
-                    let tx = done_tx.clone();
-                    let answer = Answer::new(move |out| {
-                        // The receiver is gone only once the step no longer needs this.
-                        let _ = tx.send((id, out));
-                    });
-                    for &g in &groups {
-                        covering[g] += 1;
-                    }
+                let choices = self.choose(
+                    attempts,
+                    experts,
+                    group_rows,
+                    replicas_of,
+                    local_node,
+                    local_only,
+                    now,
+                );
+                let sends = attempts
+                    .place(&choices, now)
+                    .map_err(|NoReplica(experts)| ExpertError::NoLiveReplica { layer, experts })?;
+                for (target, groups) in sends {
                     let cold = match (target, &self.remote) {
                         (Target::Node(n), Some(remote)) => !remote.link_up(n),
                         _ => false,
                     };
-                    attempts.push(Attempt {
-                        target,
-                        groups: groups.clone(),
-                        rows,
-                        sent: now,
-                        hedged: false,
-                        cold,
-                        finished: false,
+                    let id = attempts.started(target, groups.clone(), cold, now);
+                    let rows = attempts.send(id).rows;
+                    let tx = done_tx.clone();
+                    let answer = Answer::new(move |out| {
+                        // The receiver is gone only once the step no longer needs this.
+                        let _ = tx.send((id, out));
                     });
                     self.health().entry(target).or_default().sent(rows);
                     let sent = match target {
@@ -682,7 +580,6 @@ impl Dispatcher {
                             placement.version(),
                             &groups,
                             experts,
-                            group_rows,
                             &group_input,
                             answer,
                         ),
@@ -693,165 +590,173 @@ impl Dispatcher {
                     }
                 }
                 self.run_inline(layer, &mut inline, experts, &group_input);
-                if !pending.is_empty() {
+                if !attempts.pending().is_empty() {
                     // Nothing to send to yet: look again shortly.
                     std::thread::sleep(Duration::from_millis(20));
                     continue;
                 }
             }
 
-            let wait = self.next_wait(attempts);
+            let wait = attempts.next_wait(Instant::now(), |t| self.hedge_deadline(t));
             let event = done_rx.recv_timeout(wait);
             let now = Instant::now();
             match event {
                 Ok((id, result)) => {
-                    let attempt = &mut attempts[id];
-                    if attempt.finished {
-                        continue;
-                    }
-                    attempt.finished = true;
-                    let took = now.duration_since(attempt.sent);
-                    let target = attempt.target;
-                    for &g in &attempt.groups {
-                        covering[g] = covering[g].saturating_sub(1);
-                    }
-                    match result {
-                        Ok(outs) if outs.len() == attempt.groups.len() => {
-                            // A hedged send's answer time is an outlier (a pause, a node still
-                            // loading): its missed deadline already counts against the target.
-                            // A cold send's includes setting up the link (a fresh UCX link takes
-                            // tens of ms): taken as the node's latency, it made a just restarted
-                            // node look far slower than its peers, so it got no work (and so no
-                            // new measurement) until the sample went stale.
-                            let sample = (!attempt.hedged && !attempt.cold).then_some(took);
-                            self.health()
-                                .entry(target)
-                                .or_default()
-                                .answered(attempt.rows, sample);
-                            if let Some(observe) = &self.latency_observer {
-                                observe(target, took);
-                            }
-                            for (&g, out) in attempt.groups.iter().zip(outs) {
-                                if outputs[g].is_some() {
-                                    self.counters.late_answers.fetch_add(1, Ordering::Relaxed);
-                                    continue;
-                                }
-                                if let Target::Device(d) = target {
-                                    if local_only {
-                                        self.load.record_run(layer, d as usize, group_rows[g]);
-                                    } else {
-                                        self.load.record(
-                                            layer,
-                                            experts[g],
-                                            d as usize,
-                                            group_rows[g],
-                                        );
-                                    }
-                                } else {
-                                    self.load
-                                        .record_activation(layer, experts[g], group_rows[g]);
-                                }
-                                outputs[g] = Some(out);
-                                remaining -= 1;
-                            }
-                        }
-                        other => {
-                            let error = match other {
-                                Ok(outs) => TargetError::Failed(format!(
-                                    "{} outputs for {} groups",
-                                    outs.len(),
-                                    attempt.groups.len()
-                                )),
-                                Err(e) => e,
-                            };
-                            self.target_failed(target, &error, attempt.rows, now);
-                            for &g in &attempt.groups {
-                                if outputs[g].is_none() {
-                                    failed_on[g].push(target);
-                                    if covering[g] == 0 {
-                                        pending.push(g);
-                                        self.counters.failovers.fetch_add(1, Ordering::Relaxed);
-                                    }
-                                }
-                            }
-                        }
-                    }
+                    let answered = attempts.answered(id, result, now);
+                    self.take_answer(layer, experts, group_rows, local_only, answered, now);
                 }
                 Err(mpsc::RecvTimeoutError::Timeout) => {
-                    // Only work sent to other nodes has deadlines: a local device answers in
-                    // its mailbox's order however long a big step takes, and if its actor
-                    // stops the send answers `Gone` by itself.
-                    for attempt in attempts
-                        .iter_mut()
-                        .filter(|a| !a.finished && matches!(a.target, Target::Node(_)))
-                    {
-                        let waited = now.duration_since(attempt.sent);
-                        let target = attempt.target;
-                        if waited >= self.timing.give_up {
-                            attempt.finished = true;
-                            let error = TargetError::Gone(format!(
-                                "no answer in {:.1} s",
-                                waited.as_secs_f32()
-                            ));
-                            self.target_failed(target, &error, attempt.rows, now);
-                            for &g in &attempt.groups {
-                                covering[g] = covering[g].saturating_sub(1);
-                                if outputs[g].is_none() {
-                                    failed_on[g].push(target);
-                                    if covering[g] == 0 {
-                                        pending.push(g);
-                                        self.counters.failovers.fetch_add(1, Ordering::Relaxed);
-                                    }
-                                }
-                            }
-                        } else if !attempt.hedged && waited >= self.hedge_deadline(target) {
-                            attempt.hedged = true;
-                            self.health()
-                                .entry(target)
-                                .or_default()
-                                .missed_deadline(now, self.timing.penalties);
-                            tracing::debug!(
-                                ?target,
-                                layer,
-                                waited_ms = waited.as_millis() as u64,
-                                "hedging a late send"
-                            );
-                            for &g in &attempt.groups {
-                                if outputs[g].is_none() && !failed_on[g].contains(&target) {
-                                    // The slow target stays a candidate only if nothing else is.
-                                    failed_on[g].push(target);
-                                    pending.push(g);
-                                    self.counters.hedges.fetch_add(1, Ordering::Relaxed);
-                                }
-                            }
-                        }
+                    for overdue in attempts.tick(now, |t| self.hedge_deadline(t)) {
+                        self.take_overdue(layer, overdue, now);
                     }
                 }
                 Err(mpsc::RecvTimeoutError::Disconnected) => {
-                    return Err(ExpertError::Unavailable("dispatch lost its answers".into()));
+                    return Err(ExpertError::AnswersLost);
                 }
             }
         }
-        Ok(outputs.into_iter().map(Option::unwrap_or_default).collect())
+        Ok(attempts.take_outputs())
     }
 
-    /// How long to wait for the next answer before looking at deadlines again.
-    fn next_wait(&self, attempts: &[Attempt]) -> Duration {
-        let now = Instant::now();
-        attempts
-            .iter()
-            .filter(|a| !a.finished && matches!(a.target, Target::Node(_)))
-            .map(|a| {
-                let due = if a.hedged {
-                    self.timing.give_up
-                } else {
-                    self.hedge_deadline(a.target)
+    /// A target for each of `attempts`' pending groups (see [`assign_groups_among`]):
+    /// devices that are gone, and other nodes when this work may not leave the node, are
+    /// down; targets that failed a group are not chosen for it again.
+    #[allow(clippy::too_many_arguments)]
+    fn choose<'a>(
+        &self,
+        attempts: &Attempts<Vec<f32>>,
+        experts: &[u32],
+        group_rows: &[usize],
+        replicas_of: impl Fn(u32) -> &'a [Replica],
+        local_node: u16,
+        local_only: bool,
+        now: Instant,
+    ) -> Vec<Option<Target>> {
+        let pending = attempts.pending();
+        let alive_devices = self.devices_alive();
+        let health = self.health();
+        assign_groups_among(
+            replicas_of,
+            &pending.iter().map(|&g| experts[g]).collect::<Vec<_>>(),
+            |i| group_rows[pending[i]],
+            |r| {
+                let target = self.target_of(r, local_node);
+                let mut view = health
+                    .get(&target)
+                    .map(|h| h.view(now))
+                    .unwrap_or_else(|| TargetHealth::default().view(now));
+                let unusable = match target {
+                    Target::Device(d) => !alive_devices.get(d as usize).copied().unwrap_or(false),
+                    Target::Node(_) => local_only || self.remote.is_none(),
                 };
-                (a.sent + due).saturating_duration_since(now)
-            })
-            .min()
-            .unwrap_or(Duration::from_millis(500))
-            .max(Duration::from_micros(100))
+                if unusable {
+                    view.reach = Reach::Down;
+                }
+                view.local = matches!(target, Target::Device(_));
+                view
+            },
+            |i, r| attempts.excluded(pending[i], self.target_of(r, local_node)),
+        )
+        .into_iter()
+        .map(|chosen| chosen.map(|r| self.target_of(r, local_node)))
+        .collect()
+    }
+
+    /// Applies what an answer changed: the target's health and latency, the load, the
+    /// counters.
+    fn take_answer(
+        &self,
+        layer: usize,
+        experts: &[u32],
+        group_rows: &[usize],
+        local_only: bool,
+        answered: Answered,
+        now: Instant,
+    ) {
+        match answered {
+            Answered::Stale => {}
+            Answered::Delivered {
+                target,
+                rows,
+                took,
+                sample,
+                new_groups,
+                late,
+            } => {
+                self.health()
+                    .entry(target)
+                    .or_default()
+                    .answered(rows, sample);
+                if let Some(observe) = &self.latency_observer {
+                    observe(target, took);
+                }
+                self.counters
+                    .late_answers
+                    .fetch_add(late as u64, Ordering::Relaxed);
+                for g in new_groups {
+                    match target {
+                        Target::Device(d) if local_only => {
+                            self.load.record_run(layer, d as usize, group_rows[g])
+                        }
+                        Target::Device(d) => {
+                            self.load
+                                .record(layer, experts[g], d as usize, group_rows[g])
+                        }
+                        Target::Node(_) => {
+                            self.load
+                                .record_activation(layer, experts[g], group_rows[g])
+                        }
+                    }
+                }
+            }
+            Answered::Failed {
+                target,
+                rows,
+                error,
+                failovers,
+            } => {
+                self.target_failed(target, &error, rows, now);
+                self.counters
+                    .failovers
+                    .fetch_add(failovers as u64, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Applies what a missed deadline changed.
+    fn take_overdue(&self, layer: usize, overdue: Overdue, now: Instant) {
+        match overdue {
+            Overdue::GaveUp {
+                target,
+                rows,
+                error,
+                failovers,
+            } => {
+                self.target_failed(target, &error, rows, now);
+                self.counters
+                    .failovers
+                    .fetch_add(failovers as u64, Ordering::Relaxed);
+            }
+            Overdue::Hedged {
+                target,
+                waited,
+                hedges,
+            } => {
+                self.health()
+                    .entry(target)
+                    .or_default()
+                    .missed_deadline(now, self.timing.penalties);
+                tracing::debug!(
+                    ?target,
+                    layer,
+                    waited_ms = waited.as_millis() as u64,
+                    "hedging a late send"
+                );
+                self.counters
+                    .hedges
+                    .fetch_add(hedges as u64, Ordering::Relaxed);
+            }
+        }
     }
 
     fn hedge_deadline(&self, target: Target) -> Duration {
@@ -973,7 +878,6 @@ impl Dispatcher {
         placement_version: u64,
         groups: &[usize],
         experts: &[u32],
-        group_rows: &[usize],
         group_input: &GroupInput<'_>,
         answer: Answer,
     ) -> Result<(), TargetError> {
@@ -981,6 +885,7 @@ impl Dispatcher {
             .remote
             .as_ref()
             .ok_or_else(|| TargetError::Gone("no peers".into()))?;
+        let group_rows = group_input.rows;
         let total: usize = groups.iter().map(|&g| group_rows[g]).sum();
         let mut rows = Vec::with_capacity(total * self.hidden_size);
         for &g in groups {
@@ -1002,12 +907,41 @@ impl Dispatcher {
 /// The rows of each group of one dispatch.
 struct GroupInput<'a> {
     input: &'a [f32],
-    starts: &'a [usize],
+    starts: Vec<usize>,
     rows: &'a [usize],
     width: usize,
 }
 
-impl GroupInput<'_> {
+impl<'a> GroupInput<'a> {
+    /// `input` as `rows[g]` rows of `width` per group, or an error when it does not hold
+    /// that many values or `experts` names another number of groups.
+    fn new(
+        input: &'a [f32],
+        experts: &[u32],
+        rows: &'a [usize],
+        width: usize,
+    ) -> Result<Self, ExpertError> {
+        let mut starts = Vec::with_capacity(rows.len());
+        let mut at = 0usize;
+        for &r in rows {
+            starts.push(at);
+            at += r;
+        }
+        if at * width != input.len() || experts.len() != rows.len() {
+            return Err(ExpertError::Malformed {
+                groups: experts.len(),
+                rows: at,
+                values: input.len(),
+            });
+        }
+        Ok(GroupInput {
+            input,
+            starts,
+            rows,
+            width,
+        })
+    }
+
     fn get(&self, g: usize) -> &[f32] {
         &self.input[self.starts[g] * self.width..(self.starts[g] + self.rows[g]) * self.width]
     }

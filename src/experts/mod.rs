@@ -13,6 +13,7 @@
 //! - [`remote`]: the other nodes as the dispatcher reaches them, and the handler that runs
 //!   their work here.
 
+mod attempts;
 pub mod choice;
 pub mod device;
 pub mod dispatch;
@@ -28,13 +29,35 @@ pub use local::{LocalExperts, run_expert_groups};
 
 use crate::moe::DispatchPlan;
 
-/// Why expert work could not be done.
+/// Why expert work could not be done. Carried as it is up to where a request's outcome is
+/// decided (the engine's error, then the HTTP status).
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum ExpertError {
     #[error("expert {expert} of layer {layer} is not held by this executor")]
     NotHeld { layer: usize, expert: u32 },
-    #[error("expert executor unavailable: {0}")]
-    Unavailable(String),
+    /// Every replica of these experts (sorted, each once) is down or failed the work.
+    #[error(
+        "expert executor unavailable: no live replica holds expert{} {} of layer {layer}",
+        if experts.len() > 1 { "s" } else { "" },
+        experts.iter().map(u32::to_string).collect::<Vec<_>>().join(", ")
+    )]
+    NoLiveReplica { layer: usize, experts: Vec<u32> },
+    /// The rows handed over do not match their groups.
+    #[error(
+        "expert executor unavailable: malformed expert work: {groups} groups, {rows} rows, {values} values"
+    )]
+    Malformed {
+        groups: usize,
+        rows: usize,
+        values: usize,
+    },
+    /// Asked for the experts of a layer that has none.
+    #[error("expert executor unavailable: layer {layer} has no experts")]
+    DenseLayer { layer: usize },
+    /// Every send's answer was lost (the dispatch's channel closed): a bug, not a failure
+    /// of a target.
+    #[error("expert executor unavailable: dispatch lost its answers")]
+    AnswersLost,
     /// The device failed while computing and took itself out of service; its groups can go
     /// to replicas.
     #[error("device failed: {0}")]
