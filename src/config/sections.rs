@@ -1,0 +1,601 @@
+//! The sections of the node's configuration as plain data: every key with its type, its
+//! default and a line on what it does (`etc/moe-node.toml` documents the same keys, and a
+//! test holds the two equal).
+
+use std::net::SocketAddr;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NodeConfig {
+    pub server: ServerConfig,
+    pub model: ModelSection,
+    pub devices: DevicesConfig,
+    pub batching: BatchingConfig,
+    pub metrics: MetricsConfig,
+    pub logging: LoggingConfig,
+    pub cluster: ClusterConfig,
+    pub peer: PeerSection,
+    pub placement: PlacementConfig,
+    pub control_plane: ControlPlaneSection,
+}
+
+/// Peering with a control plane (`moe-node control-plane`): outbound only.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ControlPlaneSection {
+    /// The control plane's URL, e.g. http://10.0.0.9:9090. Empty: no control plane.
+    pub url: String,
+    /// Bearer token this node presents (its SHA-256 is in the control plane's config).
+    pub token: String,
+    /// The cluster this node reports under.
+    pub cluster: String,
+    /// This node's name at the control plane. Empty: `cluster.node_id`, else the host name.
+    pub node_name: String,
+    /// Seconds between heartbeats while the control plane answers.
+    pub heartbeat_seconds: u64,
+    /// https:// only: the CA (PEM) that signed the control plane's certificate; it is then
+    /// the only one trusted. Empty: the system's trusted CAs.
+    pub ca: String,
+    /// https:// only, for mTLS: this node's client certificate (PEM chain).
+    pub client_certificate: String,
+    /// The private key (PEM) of `client_certificate`.
+    pub client_key: String,
+}
+
+impl Default for ControlPlaneSection {
+    fn default() -> Self {
+        ControlPlaneSection {
+            url: String::new(),
+            token: String::new(),
+            cluster: "default".into(),
+            node_name: String::new(),
+            heartbeat_seconds: 10,
+            ca: String::new(),
+            client_certificate: String::new(),
+            client_key: String::new(),
+        }
+    }
+}
+
+impl ControlPlaneSection {
+    pub fn enabled(&self) -> bool {
+        !self.url.is_empty()
+    }
+
+    /// The client certificate chain and key as one PEM buffer (what reqwest's rustls
+    /// `Identity::from_pem` takes), both read and checked now; `None` without mTLS.
+    pub fn tls_identity(&self) -> Result<Option<Vec<u8>>, String> {
+        use super::credentials::{read_certificates, read_private_key};
+        match (self.client_certificate.as_str(), self.client_key.as_str()) {
+            ("", "") => Ok(None),
+            ("", _) => {
+                Err("control_plane.client_certificate: give the certificate of client_key".into())
+            }
+            (_, "") => Err("control_plane.client_key: give the key of client_certificate".into()),
+            (certificate, key) => {
+                let (certificate, key) = (Path::new(certificate), Path::new(key));
+                read_certificates("control_plane.client_certificate", certificate)?;
+                read_private_key("control_plane.client_key", key)?;
+                let read = |k: &str, path: &Path| {
+                    std::fs::read(path)
+                        .map_err(|e| format!("{k}: cannot read {}: {e}", path.display()))
+                };
+                let mut pem = read("control_plane.client_certificate", certificate)?;
+                pem.push(b'\n');
+                pem.extend(read("control_plane.client_key", key)?);
+                Ok(Some(pem))
+            }
+        }
+    }
+
+    pub(super) fn problems(&self) -> Vec<String> {
+        let mut problems = Vec::new();
+        if !self.enabled() {
+            return problems;
+        }
+        let https = self.url.starts_with("https://") && self.url.len() > "https://".len();
+        if !https && (!self.url.starts_with("http://") || self.url.len() <= "http://".len()) {
+            problems.push(format!(
+                "control_plane.url: `{}` is not a URL like https://cp.example.com:9090 or \
+                 http://10.0.0.9:9090",
+                self.url
+            ));
+        }
+        let tls_files = [
+            ("control_plane.ca", &self.ca),
+            ("control_plane.client_certificate", &self.client_certificate),
+            ("control_plane.client_key", &self.client_key),
+        ];
+        if !https {
+            for (key, value) in tls_files {
+                if !value.is_empty() {
+                    problems.push(format!("{key}: only used with an https:// url"));
+                }
+            }
+        } else {
+            problems.extend(self.tls_identity().err());
+            if !self.ca.is_empty()
+                && let Err(problem) =
+                    super::credentials::read_roots("control_plane.ca", Path::new(&self.ca))
+            {
+                problems.push(problem);
+            }
+        }
+        if self.token.len() < 16 {
+            problems.push("control_plane.token: at least 16 characters".into());
+        }
+        if self.cluster.is_empty() || self.cluster.len() > 128 {
+            problems.push("control_plane.cluster: 1 to 128 characters".into());
+        }
+        if self.node_name.len() > 128 {
+            problems.push("control_plane.node_name: at most 128 characters".into());
+        }
+        if !(1..=3600).contains(&self.heartbeat_seconds) {
+            problems.push("control_plane.heartbeat_seconds: between 1 and 3600".into());
+        }
+        problems
+    }
+}
+
+/// Hot-expert copies: spare expert slots per device, filled from the activation profile.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PlacementConfig {
+    /// Extra experts each device may hold per MoE layer, for copies of hot experts (memory
+    /// permitting). 0: every expert has exactly its `replication` copies.
+    pub redundant_slots_per_device: usize,
+    /// Rebalance (recompute the hot-expert copies from the recent window) this often; 0:
+    /// only on `POST /admin/rebalance`.
+    pub rebalance_interval_seconds: u64,
+    /// How far back the recent activation window (profiles, rebalancing) looks.
+    pub window_seconds: u64,
+}
+
+impl Default for PlacementConfig {
+    fn default() -> Self {
+        PlacementConfig {
+            redundant_slots_per_device: 0,
+            rebalance_interval_seconds: 0,
+            window_seconds: 60,
+        }
+    }
+}
+
+impl PlacementConfig {
+    /// One bucket of the recent window's ring.
+    pub fn window_bucket(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(
+            self.window_seconds.saturating_mul(1000)
+                / crate::placement::load::WINDOW_BUCKETS as u64,
+        )
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    /// Address the HTTP API listens on; port 0 picks a free port.
+    pub listen: String,
+    /// Bearer keys accepted on `/v1`, `/admin` and `/tokenize`; empty means no authentication.
+    pub api_keys: Vec<String>,
+    /// Largest request body accepted, in bytes (413 beyond it).
+    pub max_request_bytes: usize,
+    /// On SIGTERM, how long in-flight requests may run before the node exits anyway.
+    pub drain_seconds: u64,
+    /// A request body not all received this long after its headers gets 408.
+    pub body_read_timeout_seconds: u64,
+    /// Allow the admin actions (`POST /admin/devices/{id}/stop` and `.../start`). Off by
+    /// default: with it on, set `api_keys` too, or any client that reaches the port can
+    /// take devices out of service.
+    pub admin_actions: bool,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelSection {
+    /// Model directory (config.json, safetensors, tokenizer.json). Empty: the built-in demo
+    /// model, written into `cache_dir` on first start.
+    pub path: String,
+    /// Where the demo model is kept. Empty: `$XDG_CACHE_HOME/moe-node`, else
+    /// `~/.cache/moe-node`.
+    pub cache_dir: String,
+    /// Name clients use in the `model` field. Empty: the model directory's name.
+    pub served_name: String,
+    /// `safetensors`: the weights beside config.json; `dummy`: random bf16 weights made from
+    /// config.json alone, to measure a published shape without its weights (the answers are
+    /// noise). Dummy needs `path`.
+    pub load_format: crate::model::LoadFormat,
+    /// Serve only the first this many decoder layers (0: all): with `dummy`, a few layers of
+    /// a published shape on one machine.
+    pub num_layers: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DevicesConfig {
+    /// Where experts run: on every GPU when CUDA is usable, else on CPU slots (`auto`);
+    /// only on GPUs, refusing to start without (`cuda`); only on CPU slots (`cpu`).
+    pub backend: Backend,
+    /// Device slots to run experts on when the node has no GPU.
+    pub cpu_slots: usize,
+    /// Copies of each expert, each on a different device.
+    pub replication: usize,
+    /// Share of each GPU's free memory the experts and their work buffers may take.
+    pub gpu_memory_fraction: f64,
+    /// When experts run on GPUs, the dense part of the model (attention and its KV caches,
+    /// norms, dense MLPs, shared experts, lm head) runs on GPU 0 too; `false` keeps it on
+    /// the CPU.
+    pub dense_on_gpu: bool,
+    /// Extra directory searched for NVRTC and cuBLAS (after the loader's path, before
+    /// `$CUDA_HOME/lib64` and `/usr/local/cuda*/lib64`). Empty: none.
+    pub cuda_lib_dir: String,
+    /// Products of many rows with bf16 weights on the CPU's AMX tiles where the CPU and Linux
+    /// allow (exact to f32, as the other kernels); `false` keeps them on AVX-512/AVX2.
+    pub cpu_amx: bool,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    #[default]
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BatchingConfig {
+    /// Sequences stepped together at most.
+    pub max_sequences: usize,
+    /// Tokens (prompt chunks plus one per decoding sequence) in one step at most.
+    pub max_tokens_per_step: usize,
+    /// Requests waiting for a place in the batch at most; more are refused with 429.
+    pub max_waiting: usize,
+    /// Longest prompt accepted, in tokens (413 beyond it).
+    pub max_prompt_tokens: usize,
+    /// `max_tokens` of a request that does not set it.
+    pub default_max_tokens: usize,
+    /// KV cache memory the running sequences may hold, in MiB; 0: sized after loading, from
+    /// half of the host's available memory (caches on the host) or 90% of the GPU's free
+    /// memory, halved because caches there grow by doubling (caches on a GPU), less what
+    /// the spare expert slots in that memory will hold (`placement.redundant_slots_per_device`).
+    /// Sequences
+    /// wait while it is full, and the latest are preempted (recomputed later) rather than
+    /// failed; the node serves a context no longer than it holds.
+    pub kv_cache_mib: usize,
+    /// Prompt prefixes whose KV caches are kept for reuse (whole blocks of 16 positions): a
+    /// prompt starting with one prefills only the rest. The copies count against the KV
+    /// budget and go first when it is short. 0: none kept.
+    pub prefix_cache_entries: usize,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsConfig {
+    /// Export one series per (layer, expert) on /metrics. Off by default: a large model has
+    /// tens of thousands of them; /admin/experts serves the same table as JSON.
+    pub per_expert: bool,
+}
+
+/// What to do when a group's expert has no live replica.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum OnUnavailable {
+    /// Fail the step's sequences at once (503 naming the experts).
+    #[default]
+    Fail,
+    /// Wait for a replica to come back (a restart, a healed partition), up to
+    /// `cluster.unavailable_wait_ms`, then fail.
+    Wait,
+    /// Route tokens to the next-best experts by gate score that have a live replica: the
+    /// request is served, degraded (counted in `moe_node_dispatch_rerouted_total`).
+    Reroute,
+}
+
+/// Several nodes serving one model together: gossip membership, experts placed over the
+/// devices of every node, expert work sent between nodes over the peer port.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClusterConfig {
+    /// This node's name in the cluster, unique. Empty: the node serves alone.
+    pub node_id: String,
+    /// Shared secrets. The first encrypts gossip and proves this node to peers; every one
+    /// is accepted from others (gossip and peer connections), so a new secret can be
+    /// rolled out first and the old one removed later.
+    pub secrets: Vec<String>,
+    /// UDP address gossip listens on.
+    pub gossip_listen: String,
+    /// TCP address expert work from other nodes arrives on; every link starts here with the
+    /// authenticated handshake, and moves to UCX after it when both nodes offer UCX (see
+    /// [`PeerSection`]).
+    pub peer_listen: String,
+    /// Host other nodes reach this one at. Empty: the host of the listen addresses (which
+    /// must then not be 0.0.0.0).
+    pub advertise_host: String,
+    /// Gossip addresses of nodes to join through.
+    pub seeds: Vec<String>,
+    /// At first start of a cluster, experts are placed once this many nodes are alive;
+    /// a node joining a running cluster takes the placement it serves.
+    pub expect_nodes: usize,
+    /// Copies of every expert, on distinct nodes.
+    pub replication: usize,
+    /// Gossip: how often each node probes another.
+    pub probe_period_ms: u64,
+    /// Gossip: how long a member stays suspect before it is declared dead.
+    pub suspicion_timeout_ms: u64,
+    /// Expert work unanswered this long is also sent to another replica (hedged), or
+    /// after four times the target's measured latency if that is longer.
+    pub hedge_after_ms: u64,
+    /// Expert work unanswered this long counts as failed.
+    pub request_timeout_ms: u64,
+    /// When an expert has no live replica: "fail" the affected requests at once (503
+    /// naming the experts), "wait" up to `unavailable_wait_ms` for one to return, or
+    /// "reroute" tokens to the next-best experts by gate score (served, degraded).
+    pub on_expert_unavailable: OnUnavailable,
+    pub unavailable_wait_ms: u64,
+    /// How long start-up waits for `expect_nodes` members or a placement to join.
+    pub join_timeout_seconds: u64,
+    /// How long a node holding experts may be gone before its copies are made again on
+    /// the others (a new placement version). Longer than a restart by systemd, so a node
+    /// that crashes and comes back reloads its own share instead of copies moving twice.
+    pub rereplicate_after_ms: u64,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        ClusterConfig {
+            node_id: String::new(),
+            secrets: Vec::new(),
+            gossip_listen: "127.0.0.1:7946".into(),
+            peer_listen: "127.0.0.1:7947".into(),
+            advertise_host: String::new(),
+            seeds: Vec::new(),
+            expect_nodes: 1,
+            replication: 2,
+            probe_period_ms: 1000,
+            suspicion_timeout_ms: 2000,
+            hedge_after_ms: 250,
+            request_timeout_ms: 10_000,
+            on_expert_unavailable: OnUnavailable::Fail,
+            unavailable_wait_ms: 10_000,
+            join_timeout_seconds: 300,
+            rereplicate_after_ms: 10_000,
+        }
+    }
+}
+
+impl ClusterConfig {
+    pub fn enabled(&self) -> bool {
+        !self.node_id.is_empty()
+    }
+
+    pub(super) fn problems(&self) -> Vec<String> {
+        let mut problems = Vec::new();
+        if !self.enabled() {
+            return problems;
+        }
+        if self.node_id.len() > 64
+            || self
+                .node_id
+                .chars()
+                .any(|c| c.is_control() || c.is_whitespace())
+        {
+            problems.push("cluster.node_id: at most 64 characters, no spaces".into());
+        }
+        if self.secrets.is_empty() {
+            problems.push("cluster.secrets: a cluster needs a shared secret".into());
+        }
+        if self.secrets.iter().any(|k| k.len() < 16) {
+            problems.push("cluster.secrets: each secret needs at least 16 characters".into());
+        }
+        let mut addrs = Vec::new();
+        for (key, value) in [
+            ("cluster.gossip_listen", &self.gossip_listen),
+            ("cluster.peer_listen", &self.peer_listen),
+        ] {
+            match value.parse::<SocketAddr>() {
+                Ok(addr) => {
+                    if addr.ip().is_unspecified() && self.advertise_host.is_empty() {
+                        problems.push(format!(
+                            "{key}: `{value}` listens everywhere; set cluster.advertise_host to the address other nodes reach this one at"
+                        ));
+                    }
+                    addrs.push((key, addr));
+                }
+                Err(_) => problems.push(format!(
+                    "{key}: `{value}` is not an address like 127.0.0.1:7946"
+                )),
+            }
+        }
+        if let [(_, gossip), (_, peer)] = addrs[..]
+            && gossip.port() != 0
+            && gossip == peer
+        {
+            problems.push("cluster.gossip_listen and cluster.peer_listen: must differ".into());
+        }
+        if !self.advertise_host.is_empty()
+            && self.advertise_host.parse::<std::net::IpAddr>().is_err()
+        {
+            problems.push(format!(
+                "cluster.advertise_host: `{}` is not an IP address",
+                self.advertise_host
+            ));
+        }
+        for seed in &self.seeds {
+            if seed.parse::<SocketAddr>().is_err() {
+                problems.push(format!(
+                    "cluster.seeds: `{seed}` is not an address like 10.0.0.2:7946"
+                ));
+            }
+        }
+        if self.expect_nodes == 0 {
+            problems.push("cluster.expect_nodes: must be at least 1".into());
+        }
+        if self.replication == 0 {
+            problems.push("cluster.replication: must be at least 1".into());
+        } else if self.replication > self.expect_nodes {
+            problems.push(format!(
+                "cluster.replication ({}) needs as many nodes, but cluster.expect_nodes is {}",
+                self.replication, self.expect_nodes
+            ));
+        }
+        for (key, value, min) in [
+            ("cluster.probe_period_ms", self.probe_period_ms, 10),
+            (
+                "cluster.suspicion_timeout_ms",
+                self.suspicion_timeout_ms,
+                10,
+            ),
+            ("cluster.hedge_after_ms", self.hedge_after_ms, 1),
+            ("cluster.request_timeout_ms", self.request_timeout_ms, 10),
+            ("cluster.join_timeout_seconds", self.join_timeout_seconds, 1),
+            ("cluster.rereplicate_after_ms", self.rereplicate_after_ms, 0),
+        ] {
+            if value < min {
+                problems.push(format!("{key}: must be at least {min}"));
+            }
+            if value > 86_400_000 {
+                problems.push(format!("{key}: {value} is more than a day"));
+            }
+        }
+        if self.request_timeout_ms <= self.hedge_after_ms {
+            problems.push(
+                "cluster.request_timeout_ms: must be longer than cluster.hedge_after_ms".into(),
+            );
+        }
+        if self.unavailable_wait_ms > 3_600_000 {
+            problems.push("cluster.unavailable_wait_ms: at most an hour".into());
+        }
+        problems
+    }
+}
+
+/// How expert work travels between the nodes of a cluster.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PeerSection {
+    /// `auto` (the default): UCX when libucp loads, else TCP (the log says which and why);
+    /// `ucx`: UCX or refuse to start; `tcp`: TCP only. Either way a link starts as TCP on the peer port and moves to UCX after the
+    /// handshake only when both nodes offer it, so nodes with different settings still talk
+    /// (over TCP).
+    pub transport: PeerTransport,
+    /// Directory searched first for libucp.so.0 (e.g. the `lib` folder of PyPI's
+    /// `libucx-cu13`, a UCX built with CUDA). Empty: none.
+    pub ucx_lib_dir: String,
+    /// After `ucx_lib_dir`, also search the dynamic loader's paths (the system's UCX);
+    /// `false` uses only the UCX in `ucx_lib_dir`.
+    pub ucx_system_search: bool,
+}
+
+impl Default for PeerSection {
+    fn default() -> Self {
+        PeerSection {
+            transport: PeerTransport::default(),
+            ucx_lib_dir: String::new(),
+            ucx_system_search: true,
+        }
+    }
+}
+
+impl PeerSection {
+    /// `ucx_lib_dir`, when set.
+    pub fn ucx_lib_path(&self) -> Option<&Path> {
+        (!self.ucx_lib_dir.is_empty()).then(|| Path::new(&self.ucx_lib_dir))
+    }
+
+    pub(super) fn problems(&self) -> Vec<String> {
+        let mut problems = Vec::new();
+        if self.transport != PeerTransport::Tcp
+            && self.ucx_lib_dir.is_empty()
+            && !self.ucx_system_search
+        {
+            problems.push(
+                "peer.ucx_system_search: false with no peer.ucx_lib_dir leaves nowhere to \
+                 look for UCX; set peer.ucx_lib_dir, or peer.transport = \"tcp\""
+                    .into(),
+            );
+        }
+        problems
+    }
+}
+
+/// The transport of the peer links (see [`PeerSection::transport`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PeerTransport {
+    #[default]
+    Auto,
+    Ucx,
+    Tcp,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[default]
+    Text,
+    /// One JSON object per line, for log collectors.
+    Json,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LoggingConfig {
+    pub format: LogFormat,
+    /// Which events are written, in `RUST_LOG`'s syntax (e.g. "info" or
+    /// "info,moe_node::cluster=debug"). Empty: `RUST_LOG`, else "info".
+    pub filter: String,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            listen: "127.0.0.1:8080".into(),
+            api_keys: Vec::new(),
+            max_request_bytes: 1 << 20,
+            drain_seconds: 30,
+            body_read_timeout_seconds: 30,
+            admin_actions: false,
+        }
+    }
+}
+
+impl DevicesConfig {
+    /// `cuda_lib_dir`, when set.
+    pub fn cuda_lib_path(&self) -> Option<&Path> {
+        (!self.cuda_lib_dir.is_empty()).then(|| Path::new(&self.cuda_lib_dir))
+    }
+}
+
+impl Default for DevicesConfig {
+    fn default() -> Self {
+        DevicesConfig {
+            backend: Backend::Auto,
+            cpu_slots: 2,
+            replication: 1,
+            gpu_memory_fraction: 0.9,
+            dense_on_gpu: true,
+            cuda_lib_dir: String::new(),
+            cpu_amx: true,
+        }
+    }
+}
+
+impl Default for BatchingConfig {
+    fn default() -> Self {
+        BatchingConfig {
+            max_sequences: 64,
+            max_tokens_per_step: 512,
+            max_waiting: 256,
+            max_prompt_tokens: 8192,
+            default_max_tokens: 256,
+            kv_cache_mib: 0,
+            prefix_cache_entries: 16,
+        }
+    }
+}
