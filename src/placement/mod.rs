@@ -5,6 +5,7 @@
 pub mod health;
 mod hot;
 mod improve;
+mod layout;
 pub mod load;
 pub mod profile;
 pub mod replicate;
