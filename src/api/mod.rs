@@ -6,6 +6,7 @@ pub mod admin;
 pub mod cluster;
 pub mod detokenize;
 pub mod error;
+mod generation;
 pub mod openai;
 mod response;
 pub mod stop;

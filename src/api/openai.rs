@@ -1,25 +1,23 @@
 //! OpenAI-compatible endpoints: `/v1/completions`, `/v1/chat/completions` (with server-sent
-//! events when `stream` is set), `/v1/models`, and `/tokenize`.
+//! events when `stream` is set), `/v1/models`, and `/tokenize`. Here a body is parsed and
+//! validated into an admitted generation ([`super::generation`], with `structured.rs` for
+//! grammars and tools), handed to the router, and its events given to `response.rs`.
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use actix_web::{HttpResponse, web};
 use serde::Deserialize;
 use serde_json::{Value, json};
-use tokio::sync::{mpsc, watch};
 
+use super::generation::{self, Echo, Endpoint};
+pub use super::generation::{Admitted, RequestContext};
 use super::response::{Response, sse_stream, whole_response};
 use super::structured;
-use super::tool_calls::ToolCallFormat;
 use super::{ApiError, AppState, ServedModel, parse_json, read_body};
-use crate::config::{BatchingConfig, NodeConfig};
 use crate::engine::SamplingParams;
-use crate::engine::batch::SequenceEvent;
-use crate::engine::grammar::{Constraint, Grammars};
+use crate::engine::grammar::Grammars;
 use crate::engine::logprobs::MAX_TOP_LOGPROBS;
-use crate::model::chat_template::{ChatInput, ChatMessage, ChatTemplate, encode_chat};
-use crate::model::{ModelConfig, Tokenizer};
-use crate::node::router::{Submit, SubmitError};
+use crate::model::chat_template::{ChatInput, ChatMessage, encode_chat};
 
 /// A prompt as `/v1/completions` accepts it: text, or token ids; a one-element batch of
 /// either is accepted too.
@@ -247,83 +245,6 @@ fn message_text(index: usize, content: Option<Value>) -> Result<String, ApiError
 struct TokenizeRequest {
     prompt: Option<String>,
     messages: Option<Vec<IncomingMessage>>,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub(super) enum Endpoint {
-    Completions,
-    Chat,
-}
-
-/// What validating a request needs: the served model and the node's batching limits.
-/// Built per request from the app state; the `http_bodies` fuzz target builds one around the
-/// demo model.
-pub struct RequestContext<'a> {
-    /// The name clients use in the `model` field.
-    pub name: &'a str,
-    pub model: &'a ModelConfig,
-    pub tokenizer: Option<&'a Tokenizer>,
-    pub chat_template: Option<&'a ChatTemplate>,
-    pub limits: &'a BatchingConfig,
-    /// Structured output; `None` without a tokenizer.
-    pub grammars: Option<&'a Grammars>,
-    /// How the model writes tool calls; `None` if its chat template writes none.
-    pub tool_format: Option<ToolCallFormat>,
-}
-
-impl ServedModel {
-    /// The context requests to this model are validated in.
-    pub fn request_context<'a>(&'a self, config: &'a NodeConfig) -> RequestContext<'a> {
-        RequestContext {
-            name: &self.name,
-            model: &self.node.model,
-            tokenizer: self.tokenizer.as_ref(),
-            chat_template: self.chat_template.as_ref(),
-            limits: &config.batching,
-            grammars: self.grammars.as_ref(),
-            tool_format: self.tool_format,
-        }
-    }
-}
-
-/// A validated request, ready for the router.
-#[derive(Debug)]
-pub struct Admitted {
-    pub(super) endpoint: Endpoint,
-    pub(super) model: String,
-    /// Handed to the router on submission.
-    pub(super) prompt: Vec<u32>,
-    pub(super) prompt_tokens: usize,
-    pub(super) max_tokens: usize,
-    pub(super) sampling: SamplingParams,
-    pub(super) stop_at_eos: bool,
-    pub(super) stream: bool,
-    pub(super) include_usage: bool,
-    pub(super) return_token_ids: bool,
-    pub(super) stop: Vec<String>,
-    /// Choices (`n`).
-    pub(super) choices: usize,
-    /// Alternatives per generated token's log probabilities, when asked for.
-    pub(super) logprobs: Option<usize>,
-    /// The prompt returned before the completion (`echo`).
-    pub(super) echo: Option<Echo>,
-    /// The grammar the output must match, and the token that ends it.
-    pub(super) constraint: Option<(Constraint, u32)>,
-    /// The format tool calls are parsed out of the output in.
-    pub(super) tool_calls: Option<ToolCallFormat>,
-    /// `parallel_tool_calls: false`: a choice returns its first call only.
-    pub(super) single_tool_call: bool,
-    /// The tokens that end the generation (their text is never part of the output).
-    pub(super) end_tokens: Vec<u32>,
-}
-
-/// What `echo` returns of the prompt.
-#[derive(Debug, Default)]
-pub(super) struct Echo {
-    pub(super) ids: Vec<u32>,
-    pub(super) text: String,
-    /// Alternatives per prompt token's log probabilities, when asked for.
-    pub(super) logprobs: Option<usize>,
 }
 
 pub async fn completions(
@@ -840,6 +761,8 @@ fn unix_now() -> u64 {
         .unwrap_or_default()
 }
 
+/// Submits an admitted request to the router and answers with its events, whole or as
+/// server-sent events.
 async fn generate(
     state: web::Data<AppState>,
     served: &ServedModel,
@@ -847,24 +770,7 @@ async fn generate(
 ) -> Result<HttpResponse, ApiError> {
     let in_flight = state.track();
     let prompt_tokens = request.prompt_tokens;
-    let mut events = served
-        .node
-        .router
-        .submit(Submit {
-            prompt: std::mem::take(&mut request.prompt),
-            max_tokens: request.max_tokens,
-            sampling: request.sampling.clone(),
-            stop_at_eos: request.stop_at_eos,
-            choices: request.choices,
-            logprobs: request.logprobs,
-            prompt_logprobs: request.echo.as_ref().and_then(|echo| echo.logprobs),
-            constraint: request.constraint.take(),
-        })
-        .await
-        .map_err(|e| match e {
-            SubmitError::QueueFull(full) => ApiError::overloaded(full.to_string()),
-            SubmitError::Stopped => ApiError::unavailable(e.to_string()),
-        })?;
+    let mut events = generation::submit(served, &mut request).await?;
     let id = format!(
         "{}-{:016x}",
         match request.endpoint {
@@ -883,19 +789,7 @@ async fn generate(
     );
     let stream = request.stream;
     let mut response = Response::new(id, unix_now(), request, state.cut_watch(), in_flight);
-    // The status waits for the first event, streamed or not, so that a request that fails
-    // before its first token (no live replica, the router gone) gets its error status.
-    let first = match next_event(&mut events, &mut response.cut).await {
-        Some(Some(SequenceEvent::Failed(reason))) => {
-            tracing::info!(request = %response.id, reason = %reason, "request failed");
-            return Err(ApiError::unavailable(format!(
-                "generation failed: {reason}"
-            )));
-        }
-        Some(None) => return Err(ApiError::unavailable("the router stopped")),
-        None => return Err(cut_error()),
-        Some(Some(event)) => event,
-    };
+    let first = generation::first_event(&response.id, &mut events, &mut response.cut).await?;
     if stream {
         let stream = sse_stream(response, events, first, state);
         return Ok(HttpResponse::Ok()
@@ -904,31 +798,4 @@ async fn generate(
             .streaming(stream));
     }
     whole_response(response, events, first, state).await
-}
-
-/// Resolves when the drain time is up (never, if the node's state is gone).
-async fn drain_cut(cut: &mut watch::Receiver<bool>) {
-    if cut.wait_for(|&cut| cut).await.is_err() {
-        futures::future::pending::<()>().await;
-    }
-}
-
-/// The error a response still running at the end of the drain time ends with.
-pub(super) fn cut_error() -> ApiError {
-    ApiError::unavailable(
-        "the node is shutting down and its drain time (server.drain_seconds) is up; \
-         the generation was ended: retry on another node",
-    )
-    .with_code("shutting_down")
-}
-
-/// The next event of a generation, or `None` once the drain time is up.
-pub(super) async fn next_event(
-    events: &mut mpsc::Receiver<SequenceEvent>,
-    cut: &mut watch::Receiver<bool>,
-) -> Option<Option<SequenceEvent>> {
-    tokio::select! {
-        event = events.recv() => Some(event),
-        _ = drain_cut(cut) => None,
-    }
 }

@@ -11,7 +11,7 @@ use serde_json::{Value, json};
 use tokio::sync::{mpsc, watch};
 
 use super::detokenize::ChoiceText;
-use super::openai::{Admitted, Endpoint, cut_error, next_event};
+use super::generation::{Admitted, Endpoint, cut_error, next_event};
 use super::stop::StopStrings;
 use super::tool_calls::{Piece, ToolCall, ToolCallStream};
 use super::{ApiError, AppState, ServedModel};

@@ -7,7 +7,7 @@
 use serde_json::{Value, json};
 
 use super::ApiError;
-use super::openai::RequestContext;
+use super::generation::RequestContext;
 use super::tool_calls::ToolCallFormat;
 use crate::engine::grammar::{Constraint, Grammars};
 

@@ -14,7 +14,7 @@
 //! load: the sorted device loads then decrease, so the search ends, and its result is never
 //! worse than where it started. Pinned copies (the layout serving now) never move.
 
-use super::replicate::Layout;
+use super::layout::Layout;
 
 /// Rounds at most; each makes strict progress, this only bounds the time spent.
 const MAX_ROUNDS: usize = 20_000;

@@ -4,6 +4,7 @@
 
 mod hot;
 mod improve;
+mod layout;
 pub mod load;
 pub mod profile;
 pub mod replicate;

@@ -21,89 +21,9 @@
 
 use std::collections::BinaryHeap;
 
-/// The devices one layer's experts may be placed on.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LayerSlots {
-    /// The node each device belongs to.
-    pub node_of: Vec<u16>,
-    /// How many experts of this layer each device may hold: its share plus its spare slots,
-    /// as its memory permits.
-    pub capacity: Vec<usize>,
-}
-
-impl LayerSlots {
-    /// `devices_per_node` devices on each of `nodes` nodes, each holding `capacity`,
-    /// numbered node by node (device index = node × devices_per_node + device).
-    pub fn uniform(nodes: usize, devices_per_node: usize, capacity: usize) -> Self {
-        LayerSlots {
-            node_of: (0..nodes * devices_per_node)
-                .map(|d| (d / devices_per_node.max(1)) as u16)
-                .collect(),
-            capacity: vec![capacity; nodes * devices_per_node],
-        }
-    }
-
-    pub fn num_devices(&self) -> usize {
-        self.node_of.len()
-    }
-
-    /// Nodes with at least one device that may hold an expert.
-    fn usable_nodes(&self) -> usize {
-        let mut nodes: Vec<u16> = self
-            .node_of
-            .iter()
-            .zip(&self.capacity)
-            .filter(|(_, c)| **c > 0)
-            .map(|(n, _)| *n)
-            .collect();
-        nodes.sort_unstable();
-        nodes.dedup();
-        nodes.len()
-    }
-}
-
-/// Where each expert's copies are: `devices_of[expert]` lists device indices of the
-/// [`LayerSlots`] it was chosen for.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LayerReplicas {
-    pub devices_of: Vec<Vec<usize>>,
-}
-
-impl LayerReplicas {
-    /// The load each device carries: each expert's load split evenly over its copies.
-    pub fn device_loads(&self, loads: &[f64], num_devices: usize) -> Vec<f64> {
-        let mut per_device = vec![0.0; num_devices];
-        for (expert, devices) in self.devices_of.iter().enumerate() {
-            let share = loads.get(expert).copied().unwrap_or(0.0) / devices.len().max(1) as f64;
-            for &d in devices {
-                if let Some(load) = per_device.get_mut(d) {
-                    *load += share;
-                }
-            }
-        }
-        per_device
-    }
-
-    /// Most loaded device over the mean device load (1 is perfect balance; 0 when idle).
-    pub fn imbalance(&self, loads: &[f64], num_devices: usize) -> f64 {
-        imbalance(&self.device_loads(loads, num_devices))
-    }
-
-    /// Copies in all.
-    pub fn copies(&self) -> usize {
-        self.devices_of.iter().map(Vec::len).sum()
-    }
-}
-
-/// Most loaded over mean (1 is perfect balance; 0 when nothing is loaded).
-pub fn imbalance(device_loads: &[f64]) -> f64 {
-    let total: f64 = device_loads.iter().sum();
-    if device_loads.is_empty() || total <= 0.0 {
-        return 0.0;
-    }
-    let max = device_loads.iter().copied().fold(0.0, f64::max);
-    max / (total / device_loads.len() as f64)
-}
+use super::improve::improve;
+use super::layout::Layout;
+pub use super::layout::{LayerReplicas, LayerSlots, imbalance};
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ReplicateError {
@@ -270,7 +190,7 @@ pub fn balance(
     let start = eplb(loads, slots, min_copies)?;
     let mut layout = Layout::from_replicas(loads, slots, spread, &start, false);
     layout.min_copies = min_copies.max(1);
-    super::improve::improve(&mut layout);
+    improve(&mut layout);
     Ok(layout.into_replicas())
 }
 
@@ -292,129 +212,12 @@ pub fn add_replicas(
     let spread = check(loads, slots, min_copies)?;
     let mut layout = Layout::from_replicas(loads, slots, spread, serving, true);
     layout.min_copies = min_copies.max(1);
-    super::improve::improve(&mut layout);
+    improve(&mut layout);
     Ok(layout.into_replicas())
 }
 
-/// A layout being built or improved: copies per expert and per device, device loads, and
-/// which copies may not move.
-pub(super) struct Layout<'a> {
-    pub loads: &'a [f64],
-    pub slots: &'a LayerSlots,
-    /// An expert's first `min(copies, spread)` copies go to distinct nodes.
-    pub spread: usize,
-    /// Copies an expert keeps at least (search never removes below this).
-    pub min_copies: usize,
-    pub devices_of: Vec<Vec<usize>>,
-    pub held: Vec<Vec<usize>>,
-    /// `pinned[expert]`: devices whose copy of the expert must stay (the serving layout).
-    pub pinned: Vec<Vec<usize>>,
-    pub device_load: Vec<f64>,
-}
-
-impl<'a> Layout<'a> {
-    fn empty(loads: &'a [f64], slots: &'a LayerSlots, spread: usize) -> Self {
-        Layout {
-            loads,
-            slots,
-            spread,
-            min_copies: 1,
-            devices_of: vec![Vec::new(); loads.len()],
-            held: vec![Vec::new(); slots.num_devices()],
-            pinned: vec![Vec::new(); loads.len()],
-            device_load: vec![0.0; slots.num_devices()],
-        }
-    }
-
-    fn from_replicas(
-        loads: &'a [f64],
-        slots: &'a LayerSlots,
-        spread: usize,
-        replicas: &LayerReplicas,
-        pin: bool,
-    ) -> Self {
-        let mut layout = Layout::empty(loads, slots, spread);
-        for (expert, devices) in replicas.devices_of.iter().enumerate() {
-            for &d in devices {
-                if d < slots.num_devices() && !layout.devices_of[expert].contains(&d) {
-                    layout.devices_of[expert].push(d);
-                    layout.held[d].push(expert);
-                }
-            }
-            if pin {
-                layout.pinned[expert] = layout.devices_of[expert].clone();
-            }
-        }
-        layout.recompute_loads();
-        layout
-    }
-
-    pub fn into_replicas(self) -> LayerReplicas {
-        LayerReplicas {
-            devices_of: self.devices_of,
-        }
-    }
-
-    pub fn recompute_loads(&mut self) {
-        self.device_load = vec![0.0; self.slots.num_devices()];
-        for expert in 0..self.devices_of.len() {
-            let share = self.share(expert);
-            for &d in &self.devices_of[expert] {
-                self.device_load[d] += share;
-            }
-        }
-    }
-
-    /// Load one copy of `expert` carries now.
-    pub fn share(&self, expert: usize) -> f64 {
-        self.loads[expert] / self.devices_of[expert].len().max(1) as f64
-    }
-
-    pub fn has_room(&self, device: usize) -> bool {
-        self.held[device].len() < self.slots.capacity[device]
-    }
-
-    /// Whether `devices` (one expert's copies) keep its first copies on distinct nodes.
-    pub fn spread_ok(&self, devices: &[usize]) -> bool {
-        self.spread <= 1 || self.spread_ok_iter(devices.iter().copied())
-    }
-
-    /// [`Layout::spread_ok`] over an iterator (copies are few: quadratic, no allocation).
-    fn spread_ok_iter(&self, devices: impl Iterator<Item = usize> + Clone) -> bool {
-        let node = |d: usize| self.slots.node_of[d];
-        let mut count = 0;
-        let mut distinct = 0;
-        for (i, d) in devices.clone().enumerate() {
-            count += 1;
-            if !devices.clone().take(i).any(|e| node(e) == node(d)) {
-                distinct += 1;
-            }
-        }
-        distinct >= count.min(self.spread)
-    }
-
-    /// Whether `device` may take a copy of `expert` in addition to the ones it has (less
-    /// the copy on `leaving`, if it moves away).
-    pub fn may_take(&self, expert: usize, device: usize, leaving: Option<usize>) -> bool {
-        let current = &self.devices_of[expert];
-        if leaving != Some(device) && current.contains(&device) {
-            return false;
-        }
-        if self.spread <= 1 {
-            return true;
-        }
-        let after = current
-            .iter()
-            .copied()
-            .filter(move |&d| Some(d) != leaving)
-            .chain(std::iter::once(device));
-        self.spread_ok_iter(after)
-    }
-
-    pub fn is_pinned(&self, expert: usize, device: usize) -> bool {
-        self.pinned[expert].contains(&device)
-    }
-
+/// EPLB's packing step, on the layout it builds.
+impl Layout<'_> {
     /// Puts one more copy of `expert` on the least loaded device that may take it; when
     /// every device with room holds it, first moves another expert's copy out of the way.
     fn place(&mut self, expert: usize) -> Result<(), ReplicateError> {
@@ -454,49 +257,6 @@ impl<'a> Layout<'a> {
         let (_, target, other, free) = best.ok_or(ReplicateError::NoRoom { expert })?;
         self.move_copy(other, target, free);
         Ok(target)
-    }
-
-    /// Adds a copy of `expert` on `device` (the expert's other copies carry less).
-    pub fn add_copy(&mut self, expert: usize, device: usize) {
-        let before = self.share(expert);
-        for &d in &self.devices_of[expert] {
-            self.device_load[d] -= before;
-        }
-        self.devices_of[expert].push(device);
-        self.held[device].push(expert);
-        let after = self.share(expert);
-        for &d in &self.devices_of[expert] {
-            self.device_load[d] += after;
-        }
-    }
-
-    /// Removes the copy of `expert` on `device` (its other copies carry more).
-    pub fn remove_copy(&mut self, expert: usize, device: usize) {
-        let before = self.share(expert);
-        for &d in &self.devices_of[expert] {
-            self.device_load[d] -= before;
-        }
-        self.devices_of[expert].retain(|&d| d != device);
-        self.held[device].retain(|&e| e != expert);
-        let after = self.share(expert);
-        for &d in &self.devices_of[expert] {
-            self.device_load[d] += after;
-        }
-        self.device_load[device] = self.device_load[device].max(0.0);
-    }
-
-    /// Moves the copy of `expert` on `from` to `to`.
-    pub fn move_copy(&mut self, expert: usize, from: usize, to: usize) {
-        let share = self.share(expert);
-        for d in self.devices_of[expert].iter_mut() {
-            if *d == from {
-                *d = to;
-            }
-        }
-        self.held[from].retain(|&e| e != expert);
-        self.held[to].push(expert);
-        self.device_load[from] -= share;
-        self.device_load[to] += share;
     }
 }
 

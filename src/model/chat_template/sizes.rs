@@ -34,7 +34,7 @@ use minijinja::machinery::{Token, ast};
 use minijinja::value::{Kwargs, Rest, StringInput, ValueKind};
 use minijinja::{Environment, Error, ErrorKind, Expression, State, Value, context};
 
-use super::MAX_OUTPUT_BYTES;
+use super::limits::MAX_OUTPUT_BYTES;
 
 /// The most items a list made by repeating or chaining lists may hold, that `join` joins,
 /// and the most slots `batch` and `slice` may make (a list of them takes 24 MiB).
