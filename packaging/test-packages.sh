@@ -34,6 +34,8 @@ unit=/lib/systemd/system/moe-node.service
 zcat /usr/share/man/man1/moe-node.1.gz | grep -q '^\.TH moe-node' || fail "no manual page"
 grep -q moe-node /usr/share/bash-completion/completions/moe-node || fail "no bash completion"
 [ -f /usr/share/doc/moe-node/examples/local-cluster/node1.toml ] || fail "no example configs"
+[ -f /usr/share/doc/moe-node/README.md ] || fail "no README"
+[ -f /usr/share/doc/moe-node/docs/configuration.md ] || fail "no docs/ pages"
 
 echo "--- systemd-analyze verify"
 systemd-analyze verify "$unit"
@@ -91,7 +93,8 @@ listed="$(rpm -qlp "$rpm_file")"
 for path in /usr/bin/moe-node /etc/moe-node/moe-node.toml \
     /etc/moe-node/credentials/api_keys /etc/moe-node/credentials/control_plane_token \
     /usr/lib/systemd/system/moe-node.service \
-    /usr/lib/sysusers.d/moe-node.conf /usr/share/man/man1/moe-node.1.gz; do
+    /usr/lib/sysusers.d/moe-node.conf /usr/share/man/man1/moe-node.1.gz \
+    /usr/share/doc/moe-node/README.md /usr/share/doc/moe-node/docs/configuration.md; do
     grep -qx "$path" <<<"$listed" || fail "$path missing from the rpm"
 done
 rpm -qp --configfiles "$rpm_file" | grep -qx /etc/moe-node/moe-node.toml ||
