@@ -743,6 +743,58 @@ fn sigterm_drains_in_flight_requests_then_exits_zero() {
     server.wait_for_log("drained");
 }
 
+/// A router whose step panics (here on purpose: the test failpoint `MOE_TEST_PANIC_SEED`
+/// makes sampling for a request of that seed panic) leaves a node that can serve nothing:
+/// the request fails (503), and the process exits with status 70 (`EXIT_ROUTER_GONE`) for
+/// systemd to restart it, within the watchdog's polling, saying why.
+#[test]
+fn a_router_that_panics_in_a_step_makes_the_node_exit_with_status_70() {
+    let mut server = Server::start_with_env(
+        "",
+        &["--model", demo_model().to_str().unwrap()],
+        &[("MOE_TEST_PANIC_SEED", std::ffi::OsStr::new("4242"))],
+    );
+    server.wait_ready();
+    // Another seed steps as ever: only the chosen request panics.
+    let fine = server.post_ok(
+        "/v1/completions",
+        &json!({"prompt": [1, 2, 3], "max_tokens": 4, "seed": 1, "ignore_eos": true}),
+    );
+    assert_eq!(fine["choices"][0]["finish_reason"], "length", "{fine}");
+    assert!(server.process.child.try_wait().unwrap().is_none());
+
+    let asked = Instant::now();
+    let doomed = server
+        .client
+        .post(format!("{}/v1/completions", server.base))
+        .json(&json!({"prompt": [1, 2, 3], "max_tokens": 4, "seed": 4242}))
+        .send();
+    // Its client hears why, unless the exit beats the answer out (the watchdog looks every
+    // 200 ms); it never hears success.
+    match doomed {
+        Ok(resp) => {
+            assert_envelope(resp, StatusCode::SERVICE_UNAVAILABLE, "the router stopped");
+        }
+        Err(e) => eprintln!("the panicked request: {e}"),
+    }
+    let deadline = asked + Duration::from_secs(30);
+    let exit = loop {
+        if let Some(exit) = server.process.child.try_wait().unwrap() {
+            break exit;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "still running 30 s after its router panicked: {:?}",
+            server.process.log_lines()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    eprintln!("exited {:?} after the panicking request", asked.elapsed());
+    // 70 (sysexits' EX_SOFTWARE, `EXIT_ROUTER_GONE`): not 0, so that systemd restarts it.
+    assert_eq!(exit.code(), Some(70), "{:?}", server.process.log_lines());
+    server.wait_for_log("the router stopped");
+}
+
 /// `systemctl reload` (SIGHUP): the node reads its config file again. A new API key is
 /// accepted and the old one refused at once, without a restart; a changed key that cannot
 /// change live is named as needing a restart; a file that is not valid is refused with a

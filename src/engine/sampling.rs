@@ -162,6 +162,16 @@ impl SamplingParams {
     }
 }
 
+/// A test's failpoint: with this variable set to a seed, sampling for a request of that
+/// seed panics, which is how `tests/server.rs` ends a router's step with a panic to see the
+/// node exit with status 70. Read once; unset (as in service), it changes nothing.
+const PANIC_SEED_VAR: &str = "MOE_TEST_PANIC_SEED";
+
+fn panics_on_purpose(seed: u64) -> bool {
+    static SEED: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+    *SEED.get_or_init(|| std::env::var(PANIC_SEED_VAR).ok()?.parse().ok()) == Some(seed)
+}
+
 /// One sequence's sampler: its parameters, its random stream, and what the penalties need
 /// of its history (kept up to date one token at a time, never rescanned).
 pub struct Sampler {
@@ -239,6 +249,12 @@ impl Sampler {
     /// Picks the next token and counts it in the history. `logits` are the model's; they
     /// are changed in place by the bias, mask and penalties.
     pub fn sample(&mut self, logits: &mut [f32]) -> u32 {
+        if panics_on_purpose(self.params.seed) {
+            panic!(
+                "{PANIC_SEED_VAR}: sampling with seed {} panics on purpose",
+                self.params.seed
+            );
+        }
         self.process(logits);
         if let Some(constraint) = &mut self.constraint {
             constraint.apply(logits, &self.end_tokens);
