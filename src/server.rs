@@ -538,7 +538,7 @@ fn warm_up(node: &Node) -> Result<(), ServeError> {
         match events.blocking_recv() {
             Some(SequenceEvent::Token { .. } | SequenceEvent::PromptLogprobs(_)) => {}
             Some(SequenceEvent::Finished { .. }) => return Ok(()),
-            Some(SequenceEvent::Failed(e)) => return Err(ServeError::WarmUp(e)),
+            Some(SequenceEvent::Failed(e)) => return Err(ServeError::WarmUp(e.to_string())),
             None => return Err(ServeError::WarmUp("the router stopped".into())),
         }
     }

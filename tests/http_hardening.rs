@@ -87,13 +87,16 @@ fn admin_actions_are_guarded_and_a_stopped_device_can_return() {
     let resp = server.get("/ready");
     let ready = assert_envelope(resp, StatusCode::SERVICE_UNAVAILABLE, "no live replica");
     assert_eq!(ready["status"], "experts unavailable");
-    // Streamed or not, a request that fails before its first token gets 503.
+    // Streamed or not, a request that fails before its first token gets 503, and its code
+    // tells a missing expert from the node's other failures.
     let resp = server.post("/v1/completions", &body);
-    assert_envelope(resp, StatusCode::SERVICE_UNAVAILABLE, "no live replica");
+    let failed = assert_envelope(resp, StatusCode::SERVICE_UNAVAILABLE, "no live replica");
+    assert_eq!(failed["error"]["code"], "expert_unavailable", "{failed}");
     let mut streamed = body.clone();
     streamed["stream"] = true.into();
     let resp = server.post("/v1/completions", &streamed);
-    assert_envelope(resp, StatusCode::SERVICE_UNAVAILABLE, "no live replica");
+    let failed = assert_envelope(resp, StatusCode::SERVICE_UNAVAILABLE, "no live replica");
+    assert_eq!(failed["error"]["code"], "expert_unavailable", "{failed}");
     assert!(
         !server.log_contains("its experts are served by replicas"),
         "the log must not claim replicas that do not exist"

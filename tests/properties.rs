@@ -497,7 +497,7 @@ proptest! {
                     batcher.plan_step(|c: &KvCache| c.host_copy().ok_or(moe_node::engine::EngineError::ForeignCache));
                     let error = moe_node::engine::EngineError::EmptyPrompt;
                     let mut failed = Vec::new();
-                    batcher.fail_step(&error, |&mut id, event| {
+                    batcher.fail_step(std::sync::Arc::new(error), |&mut id, event| {
                         ledger.event(id, &event);
                         failed.push(id);
                     });

@@ -5,6 +5,9 @@ use actix_web::http::StatusCode;
 use actix_web::{HttpResponse, ResponseError};
 use serde_json::json;
 
+use crate::engine::EngineError;
+use crate::experts::ExpertError;
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct ApiError {
     pub status: StatusCode,
@@ -119,6 +122,32 @@ impl ApiError {
             "service_unavailable",
             message,
         )
+    }
+
+    /// A generation that failed after it was admitted. Every such failure is the node's,
+    /// not the request's, and may pass (503); a step that found no live replica of an
+    /// expert says so in `code`, so that a client can tell it from the rest.
+    pub fn generation_failed(error: &EngineError) -> Self {
+        let failed = Self::unavailable(format!("generation failed: {error}"));
+        match error {
+            EngineError::Expert(ExpertError::NoLiveReplica { .. }) => {
+                failed.with_code("expert_unavailable")
+            }
+            EngineError::Expert(
+                ExpertError::NotHeld { .. }
+                | ExpertError::Malformed { .. }
+                | ExpertError::DenseLayer { .. }
+                | ExpertError::AnswersLost
+                | ExpertError::DeviceFailed(_),
+            )
+            | EngineError::Model(_)
+            | EngineError::TokenOutOfRange { .. }
+            | EngineError::ContextTooLong { .. }
+            | EngineError::EmptyPrompt
+            | EngineError::InvalidSampling(_)
+            | EngineError::Gpu(_)
+            | EngineError::ForeignCache => failed,
+        }
     }
 
     pub fn internal(message: impl Into<String>) -> Self {

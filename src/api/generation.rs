@@ -129,11 +129,9 @@ pub(super) async fn first_event(
     cut: &mut watch::Receiver<bool>,
 ) -> Result<SequenceEvent, ApiError> {
     match next_event(events, cut).await {
-        Some(Some(SequenceEvent::Failed(reason))) => {
-            tracing::info!(request = %id, reason = %reason, "request failed");
-            Err(ApiError::unavailable(format!(
-                "generation failed: {reason}"
-            )))
+        Some(Some(SequenceEvent::Failed(error))) => {
+            tracing::info!(request = %id, reason = %error, "request failed");
+            Err(ApiError::generation_failed(&error))
         }
         Some(None) => Err(ApiError::unavailable("the router stopped")),
         None => Err(cut_error()),

@@ -162,11 +162,9 @@ impl Response {
                     self.end_choice(tokenizer, index, reason);
                 }
             }
-            SequenceEvent::Failed(reason) => {
-                tracing::info!(request = %self.id, reason = %reason, "request failed");
-                return Err(ApiError::unavailable(format!(
-                    "generation failed: {reason}"
-                )));
+            SequenceEvent::Failed(error) => {
+                tracing::info!(request = %self.id, reason = %error, "request failed");
+                return Err(ApiError::generation_failed(&error));
             }
         }
         let done = self.choices.iter().all(|c| c.finish_reason.is_some());

@@ -4,6 +4,7 @@
 //! The router actor feeds this state and runs the steps it plans.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use super::generate::FinishReason;
 use super::grammar::Constraint;
@@ -92,8 +93,34 @@ pub enum SequenceEvent {
         prompt_tokens: usize,
         completion_tokens: usize,
     },
-    /// The step failed (e.g. no live device held a needed expert); the sequence is dropped.
-    Failed(String),
+    /// The step failed (e.g. no live replica held a needed expert); the sequence is dropped.
+    /// The error is carried as it is to where the response's status is chosen.
+    Failed(StepFailure),
+}
+
+/// Why a step failed, shared by every sequence it ended, carried as the engine's error to
+/// where a response's status is chosen. Two are equal when they say the same.
+#[derive(Debug, Clone)]
+pub struct StepFailure(pub Arc<EngineError>);
+
+impl std::ops::Deref for StepFailure {
+    type Target = EngineError;
+
+    fn deref(&self) -> &EngineError {
+        &self.0
+    }
+}
+
+impl std::fmt::Display for StepFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl PartialEq for StepFailure {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0) || self.0.to_string() == other.0.to_string()
+    }
 }
 
 /// The waiting queue is at its bound.
@@ -599,7 +626,7 @@ impl<S> Batcher<S> {
                     match fork_cache(&s.cache) {
                         Ok(cache) => copies.push(s.fork(choice, cache)),
                         Err(e) => {
-                            emit(&mut s.sink, SequenceEvent::Failed(e.to_string()));
+                            emit(&mut s.sink, SequenceEvent::Failed(StepFailure(Arc::new(e))));
                             break;
                         }
                     }
@@ -629,12 +656,19 @@ impl<S> Batcher<S> {
 
     /// The planned step failed: every sequence in it is told why and leaves (their caches
     /// were left as before the step).
-    pub fn fail_step(&mut self, error: &EngineError, mut emit: impl FnMut(&mut S, SequenceEvent)) {
+    pub fn fail_step(
+        &mut self,
+        error: Arc<EngineError>,
+        mut emit: impl FnMut(&mut S, SequenceEvent),
+    ) {
         let mut failed: Vec<usize> = self.planned.drain(..).map(|(i, _)| i).collect();
         failed.sort_unstable();
         for i in failed.into_iter().rev() {
             let mut s = self.running.swap_remove(i);
-            emit(&mut s.sink, SequenceEvent::Failed(error.to_string()));
+            emit(
+                &mut s.sink,
+                SequenceEvent::Failed(StepFailure(error.clone())),
+            );
         }
     }
 }

@@ -308,7 +308,7 @@ impl Handler<Step> for RouterActor {
                 }
                 Err(e) => {
                     tracing::error!(error = %e, "step failed; its sequences were ended");
-                    self.batcher.fail_step(&e, |sink, event| {
+                    self.batcher.fail_step(Arc::new(e), |sink, event| {
                         let _ = sink.events.try_send(event);
                     });
                 }
