@@ -21,7 +21,7 @@ use crate::engine::{Engine, generate::PREFILL_CHUNK};
 use crate::experts::device::{
     DeviceHandle, DeviceTarget, GpuOptions, Shutdown, device_targets, start_device,
 };
-use crate::experts::dispatch::{DispatchTiming, Dispatcher, Target};
+use crate::experts::{DispatchTiming, Dispatcher, Target};
 use crate::metrics::{DeviceState, NodeMetrics};
 use crate::model::{Checkpoint, DenseWeights, ModelConfig, ModelError, ModelSource};
 use crate::node::cluster_metrics::ClusterCollector;

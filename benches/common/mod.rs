@@ -34,7 +34,7 @@ pub fn dispatched_engine(model: &Path) -> (actix::SystemRunner, Engine) {
 
     use moe_node::config::DevicesConfig;
     use moe_node::experts::device::{DeviceTarget, start_device};
-    use moe_node::experts::dispatch::{DispatchTiming, Dispatcher};
+    use moe_node::experts::{DispatchTiming, Dispatcher};
     use moe_node::model::{Checkpoint, DenseWeights, ModelConfig};
     use moe_node::placement::Placement;
     use moe_node::placement::load::ExpertLoad;

@@ -287,10 +287,10 @@ pub async fn cluster(state: web::Data<AppState>) -> Result<HttpResponse, ApiErro
         .into_iter()
         .map(|(target, health)| {
             let node = match target {
-                crate::experts::dispatch::Target::Node(n) => {
+                crate::experts::Target::Node(n) => {
                     placement.nodes().get(n as usize).map(|n| n.node.clone())
                 }
-                crate::experts::dispatch::Target::Device(_) => None,
+                crate::experts::Target::Device(_) => None,
             };
             json!({
                 "target": format!("{target:?}"),

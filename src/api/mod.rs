@@ -278,9 +278,7 @@ fn unavailable_experts(node: &Node) -> Option<(usize, (usize, u32))> {
         .targets()
         .into_iter()
         .filter_map(|(target, health)| match target {
-            crate::experts::dispatch::Target::Node(n)
-                if health.reach == crate::experts::Reach::Down =>
-            {
+            crate::experts::Target::Node(n) if health.reach == crate::experts::Reach::Down => {
                 Some(n)
             }
             _ => None,

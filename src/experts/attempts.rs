@@ -20,7 +20,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use super::dispatch::{Target, TargetError};
+use super::target::{Target, TargetError};
 
 /// What the dispatch may do about a group that has no target left.
 #[derive(Debug, Clone, Copy)]

@@ -13,7 +13,7 @@ use std::sync::{Arc, PoisonError, RwLock, mpsc};
 
 use actix::prelude::*;
 
-use super::dispatch::{Answer, GroupOutputs, TargetError};
+use super::target::{Answer, GroupOutputs, TargetError};
 use crate::compute::cuda::experts::RunOutcome;
 use crate::compute::cuda::{self, CudaError, CudaRuntime};
 use crate::compute::cuda::{GpuExperts, GpuInfo};

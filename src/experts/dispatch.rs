@@ -20,6 +20,8 @@ use super::attempts::{Answered, Attempts, NoReplica, Overdue, Policy};
 use super::choice::assign_groups_among;
 use super::device::{DeviceHandle, RunExperts};
 use super::health::{Penalties, Reach, ReplicaHealth, TargetHealth, hedge_after};
+use super::holdings::{HELD_HERE, Holdings};
+use super::target::{Answer, GroupOutputs, RemoteNodes, RemoteWork, Target, TargetError};
 use super::{ExpertError, ExpertExecutor, run_expert_groups};
 use crate::config::OnUnavailable;
 use crate::model::ExpertWeights;
@@ -35,83 +37,6 @@ use crate::placement::{ExpertLoad, Placement, Replica};
 /// ms against 13.1-13.4 ms this way (the engine without actors: 13.2-14.0), at batch 8
 /// 51-53 against 47-48 ms. Larger work (prefill) goes to the slots' threads.
 const INLINE_MAX_ROWS: usize = 64;
-
-/// Where a group of rows is sent: a device actor of this node, or another node (which runs
-/// it on a device of its own that holds the expert).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Target {
-    Device(u16),
-    Node(u16),
-}
-
-/// Why a target did not answer a send; decides what happens to its groups.
-#[derive(Debug, Clone, thiserror::Error)]
-pub enum TargetError {
-    /// The target is gone (device actor stopped, link reset, member dead): its groups go
-    /// to other replicas, and it gets no more work until it is seen again.
-    #[error("{0}")]
-    Gone(String),
-    /// The target failed this work (a device error, a remote error): other replicas take it.
-    #[error("{0}")]
-    Failed(String),
-    /// The target does not hold an expert the placement says it holds.
-    #[error("expert {expert} of layer {layer} is not held there")]
-    NotHeld { layer: usize, expert: u32 },
-    /// The target's queue is full: try another replica.
-    #[error("overloaded")]
-    Overloaded,
-}
-
-/// Output rows per group, or why not.
-pub type GroupOutputs = Result<Vec<Vec<f32>>, TargetError>;
-
-/// Carries one answer back to the dispatcher, exactly once: dropped unanswered (a stopped
-/// actor's mailbox, a lost connection), it answers `Gone` itself, so no send is ever lost.
-pub struct Answer(Option<Box<dyn FnOnce(GroupOutputs) + Send>>);
-
-impl Answer {
-    pub fn new(f: impl FnOnce(GroupOutputs) + Send + 'static) -> Self {
-        Answer(Some(Box::new(f)))
-    }
-
-    pub fn send(mut self, outputs: GroupOutputs) {
-        if let Some(f) = self.0.take() {
-            f(outputs);
-        }
-    }
-}
-
-impl Drop for Answer {
-    fn drop(&mut self) {
-        if let Some(f) = self.0.take() {
-            f(Err(TargetError::Gone("dropped without an answer".into())));
-        }
-    }
-}
-
-/// Groups of rows for the experts of one layer, to run on another node.
-pub struct RemoteWork {
-    pub layer: usize,
-    pub placement_version: u64,
-    /// `(expert, rows)` per group.
-    pub groups: Vec<(u32, u32)>,
-    /// Every group's rows, concatenated.
-    pub rows: Vec<f32>,
-}
-
-/// Other nodes, as the dispatcher reaches them (the peer clients of a cluster).
-pub trait RemoteNodes: Send + Sync {
-    /// Sends `work` to placement node `node`; `answer` is called with the outputs per group.
-    /// An error means nothing was sent.
-    fn send(&self, node: u16, work: RemoteWork, answer: Answer) -> Result<(), TargetError>;
-
-    /// Whether work sent to `node` now goes out on a link that is already set up. Work that
-    /// must wait for a link (the first send to a node, or one after a reconnect) is answered
-    /// after the connect and handshake, which measures the link's set-up, not the node.
-    fn link_up(&self, _node: u16) -> bool {
-        true
-    }
-}
 
 #[derive(Debug, Clone, Copy)]
 pub struct DispatchTiming {
@@ -165,51 +90,6 @@ pub struct DispatchCounters {
     /// Token-to-expert choices routed to another expert, the chosen one having no live
     /// replica (`on_expert_unavailable = "reroute"`).
     pub rerouted: AtomicU64,
-}
-
-/// What this node's devices hold now, which during a change of placement is more than
-/// the placement it routes by says: work from other nodes runs on whatever device holds
-/// its expert, whichever placement version the sender routed by.
-struct Holdings {
-    /// `[layer][expert]` → local devices, as replicas of the node [`HELD_HERE`].
-    replicas: Vec<Vec<Vec<Replica>>>,
-    by_device: Vec<HashSet<(usize, u32)>>,
-}
-
-/// The node index [`Holdings`] give this node's devices.
-const HELD_HERE: u16 = u16::MAX;
-
-impl Holdings {
-    fn new(by_device: Vec<HashSet<(usize, u32)>>, layers: usize, experts: usize) -> Self {
-        let mut replicas = vec![vec![Vec::new(); experts]; layers];
-        for (device, held) in by_device.iter().enumerate() {
-            for &(layer, expert) in held {
-                if let Some(copies) = replicas
-                    .get_mut(layer)
-                    .and_then(|l: &mut Vec<Vec<Replica>>| l.get_mut(expert as usize))
-                {
-                    copies.push(Replica {
-                        node: HELD_HERE,
-                        device: device as u16,
-                    });
-                }
-            }
-        }
-        for copies in replicas.iter_mut().flatten() {
-            copies.sort_unstable();
-        }
-        Holdings {
-            replicas,
-            by_device,
-        }
-    }
-
-    fn replicas(&self, layer: usize, expert: u32) -> &[Replica] {
-        self.replicas
-            .get(layer)
-            .and_then(|l| l.get(expert as usize))
-            .map_or(&[], Vec::as_slice)
-    }
 }
 
 pub struct Dispatcher {

@@ -9,6 +9,8 @@
 //!   group ([`choice`]), fed with what it measured of each target ([`health`]), sends the
 //!   groups, and re-sends those whose target fails or is late ([`attempts`], the pure state
 //!   machine, driven by a thin loop).
+//! - [`Target`], [`Answer`] and [`RemoteNodes`]: where a group is sent, how its answer comes
+//!   back (exactly once), and the seam to other nodes.
 //! - [`device`]: the device actors that own the experts placed on one GPU or CPU slot.
 //! - [`remote`]: the other nodes as the dispatcher reaches them, and the handler that runs
 //!   their work here.
@@ -19,13 +21,16 @@ pub mod device;
 pub mod dispatch;
 pub mod gpu;
 pub mod health;
+mod holdings;
 pub mod local;
 pub mod remote;
+mod target;
 
 pub use choice::{assign_groups, assign_groups_among};
-pub use dispatch::{Answer, Dispatcher, GroupOutputs, Target, TargetError};
+pub use dispatch::{DispatchTiming, Dispatcher};
 pub use health::{Reach, ReplicaHealth};
 pub use local::{LocalExperts, run_expert_groups};
+pub use target::{Answer, GroupOutputs, RemoteNodes, RemoteWork, Target, TargetError};
 
 use crate::moe::DispatchPlan;
 

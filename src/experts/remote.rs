@@ -11,7 +11,7 @@ use tokio::runtime::Handle;
 use crate::cluster::{MemberState, MemberView, Membership};
 use crate::experts::ExpertError;
 use crate::experts::Reach;
-use crate::experts::dispatch::{Answer, Dispatcher, RemoteNodes, RemoteWork, TargetError};
+use crate::experts::{Answer, Dispatcher, RemoteNodes, RemoteWork, TargetError};
 use crate::transport::peer::{Handler, PeerAuth, PeerClient, PeerError, PeerStats};
 use crate::transport::{Dtype, ExpertReply, ExpertRequest, RemoteError, Transport};
 

@@ -11,7 +11,7 @@ use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 
 use crate::cluster::{MemberState, Membership, MembershipStats};
-use crate::experts::dispatch::{Dispatcher, Target};
+use crate::experts::{Dispatcher, Target};
 use crate::transport::peer::PeerStats;
 
 pub struct ClusterCollector {

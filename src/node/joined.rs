@@ -11,7 +11,7 @@ use std::time::Duration;
 use crate::cluster::{MemberMeta, Membership, MembershipConfig, MembershipError};
 use crate::config::live::LiveSettings;
 use crate::config::{ClusterConfig, PeerSection};
-use crate::experts::dispatch::Dispatcher;
+use crate::experts::Dispatcher;
 use crate::experts::remote::{PeerNodes, serve_remote_work};
 use crate::placement::PlacementSpec;
 use crate::rollout::bootstrap::{BootstrapError, Start, await_placement, fetch_table};
