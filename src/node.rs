@@ -130,42 +130,8 @@ impl Node {
         };
         // Opened once: the devices and the router read their tensors from the same map.
         let checkpoint = Arc::new(source.checkpoint(&model)?);
-        let (cluster, placement) = if config.cluster.enabled() {
-            crate::progress::stage(format!(
-                "joining the cluster (expecting {} nodes)",
-                config.cluster.expect_nodes
-            ));
-            let (joined, start) = join(
-                &config.cluster,
-                &config.peer,
-                checkpoint.fingerprint(),
-                OfferedDevices {
-                    count: num_devices,
-                    gpus: !targets.is_empty()
-                        && targets.iter().all(|t| matches!(t, DeviceTarget::Gpu(..))),
-                },
-                model.hidden_size,
-                api,
-                live.clone(),
-            )?;
-            let placement = match start {
-                Start::Create(spec) => {
-                    Placement::balanced(&model.moe_layers, model.moe.num_experts, spec)?
-                }
-                Start::Take(table) => {
-                    Placement::from_table(table, &model.moe_layers, model.moe.num_experts)?
-                }
-            };
-            (Some(joined), placement)
-        } else {
-            let placement = Placement::single_node(
-                &model.moe_layers,
-                model.moe.num_experts,
-                num_devices,
-                config.devices.replication,
-            )?;
-            (None, placement)
-        };
+        let (cluster, placement) =
+            first_placement(config, &model, &checkpoint, &targets, api, live)?;
         let placement = Arc::new(placement);
         board.set_current(placement.clone());
         // A node the placement does not name (it joined later) holds no experts; it still
@@ -194,47 +160,17 @@ impl Node {
             config.placement.window_bucket(),
         ));
         metrics.register_expert_load(load.clone(), config.metrics.per_expert);
-        let timing = DispatchTiming::from_config(&config.cluster);
-        let mut dispatcher = Dispatcher::new(
+        let experts = Arc::new(dispatcher(
+            config,
+            &model,
             devices.clone(),
-            placement.clone(),
+            &placement,
             local_node,
-            load.clone(),
-            model.hidden_size,
-            timing,
-        );
-        if let Some(joined) = &cluster {
-            dispatcher = dispatcher.with_remote(joined.peers.clone());
-            let observed = metrics.clone();
-            let names = placement.nodes().to_vec();
-            dispatcher = dispatcher.observe_latency(move |target, took| {
-                if let Target::Node(n) = target
-                    && let Some(slots) = names.get(n as usize)
-                {
-                    observed.observe_peer_latency(&slots.node, took);
-                }
-            });
-        }
-        let experts = Arc::new(dispatcher);
-        metrics.register_devices({
-            let experts = experts.clone();
-            Box::new(move || {
-                let alive = experts.devices_alive();
-                // The handles as they are now: a device started again has a new one.
-                experts
-                    .devices()
-                    .iter()
-                    .map(|d| DeviceState {
-                        id: d.id,
-                        kind: d.kind(),
-                        name: d.name.clone(),
-                        up: alive[d.id],
-                        experts: d.experts_held(),
-                        weight_bytes: d.weight_bytes(),
-                    })
-                    .collect()
-            })
-        });
+            &load,
+            cluster.as_ref(),
+            &metrics,
+        ));
+        register_device_states(&metrics, &experts);
         crate::progress::stage("dense weights (attention, norms, shared experts)");
         let weights = DenseWeights::load(&checkpoint, &model)?;
         let mut engine = Engine::new((*model).clone(), weights, experts.clone());
@@ -245,50 +181,7 @@ impl Node {
                 kernel_cache.as_deref(),
             )?;
         }
-        // The spare slots are empty until a rebalance fills them with copies of hot experts:
-        // where they share memory with the caches (the dense GPU, or the host with CPU
-        // slots), that memory is not the caches' to take.
-        let spare_slot_bytes = {
-            let sharing = match dense_gpu {
-                Some(_) => 1,
-                None => targets
-                    .iter()
-                    .filter(|t| matches!(t, DeviceTarget::Cpu))
-                    .count(),
-            };
-            let moe_layers = model.moe_layers.iter().filter(|&&moe| moe).count();
-            (config.placement.redundant_slots_per_device * moe_layers * sharing) as u64
-                * ModelSizes::of(&model).expert_bytes
-        };
-        let kv = kv_budget(
-            config.batching.kv_cache_mib,
-            spare_slot_bytes as usize,
-            &model,
-            &engine,
-        );
-        let limits = BatchLimits {
-            max_sequences: config.batching.max_sequences,
-            max_tokens_per_step: config.batching.max_tokens_per_step,
-            max_waiting: config.batching.max_waiting,
-            prefill_chunk: PREFILL_CHUNK,
-            kv,
-            prefix_cache_entries: config.batching.prefix_cache_entries,
-        };
-        // The node serves no longer a context than the KV budget holds for one sequence.
-        let model = match kv {
-            Some(kv) if kv.max_positions() < model.max_position_embeddings => {
-                tracing::warn!(
-                    model_context = model.max_position_embeddings,
-                    served_context = kv.max_positions(),
-                    "the KV cache budget holds less than the model's context: prompts and \
-                     max_tokens are limited to what it holds (batching.kv_cache_mib)"
-                );
-                let mut served = (*model).clone();
-                served.max_position_embeddings = kv.max_positions();
-                Arc::new(served)
-            }
-            _ => model,
-        };
+        let (limits, model) = batch_limits(config, model, &engine, &targets, dense_gpu.is_some());
         if let Some(joined) = &cluster {
             joined.serve(ServeParts {
                 dispatcher: experts.clone(),
@@ -370,6 +263,173 @@ impl Node {
         self.experts.replace_device(handle);
         Ok(())
     }
+}
+
+/// This node's part in a cluster (joined before any expert is loaded, since the cluster's
+/// placement decides which) and the placement it starts under; alone, the single-node
+/// placement over its devices.
+fn first_placement(
+    config: &NodeConfig,
+    model: &ModelConfig,
+    checkpoint: &Checkpoint,
+    targets: &[DeviceTarget],
+    api: SocketAddr,
+    live: &Arc<LiveSettings>,
+) -> Result<(Option<Joined>, Placement), NodeError> {
+    let num_devices = targets.len();
+    if config.cluster.enabled() {
+        crate::progress::stage(format!(
+            "joining the cluster (expecting {} nodes)",
+            config.cluster.expect_nodes
+        ));
+        let (joined, start) = join(
+            &config.cluster,
+            &config.peer,
+            checkpoint.fingerprint(),
+            OfferedDevices {
+                count: num_devices,
+                gpus: !targets.is_empty()
+                    && targets.iter().all(|t| matches!(t, DeviceTarget::Gpu(..))),
+            },
+            model.hidden_size,
+            api,
+            live.clone(),
+        )?;
+        let placement = match start {
+            Start::Create(spec) => {
+                Placement::balanced(&model.moe_layers, model.moe.num_experts, spec)?
+            }
+            Start::Take(table) => {
+                Placement::from_table(table, &model.moe_layers, model.moe.num_experts)?
+            }
+        };
+        Ok((Some(joined), placement))
+    } else {
+        let placement = Placement::single_node(
+            &model.moe_layers,
+            model.moe.num_experts,
+            num_devices,
+            config.devices.replication,
+        )?;
+        Ok((None, placement))
+    }
+}
+
+/// The node's expert executor over its devices, reaching the cluster's other nodes when it
+/// is in one (their answer times feed the per-peer latency metrics).
+#[allow(clippy::too_many_arguments)]
+fn dispatcher(
+    config: &NodeConfig,
+    model: &ModelConfig,
+    devices: Vec<DeviceHandle>,
+    placement: &Arc<Placement>,
+    local_node: u16,
+    load: &Arc<ExpertLoad>,
+    cluster: Option<&Joined>,
+    metrics: &Arc<NodeMetrics>,
+) -> Dispatcher {
+    let timing = DispatchTiming::from_config(&config.cluster);
+    let mut dispatcher = Dispatcher::new(
+        devices,
+        placement.clone(),
+        local_node,
+        load.clone(),
+        model.hidden_size,
+        timing,
+    );
+    if let Some(joined) = cluster {
+        dispatcher = dispatcher.with_remote(joined.peers.clone());
+        let observed = metrics.clone();
+        let names = placement.nodes().to_vec();
+        dispatcher = dispatcher.observe_latency(move |target, took| {
+            if let Target::Node(n) = target
+                && let Some(slots) = names.get(n as usize)
+            {
+                observed.observe_peer_latency(&slots.node, took);
+            }
+        });
+    }
+    dispatcher
+}
+
+/// Each device's state on `/metrics`, read from the dispatcher at scrape time.
+fn register_device_states(metrics: &NodeMetrics, experts: &Arc<Dispatcher>) {
+    metrics.register_devices({
+        let experts = experts.clone();
+        Box::new(move || {
+            let alive = experts.devices_alive();
+            // The handles as they are now: a device started again has a new one.
+            experts
+                .devices()
+                .iter()
+                .map(|d| DeviceState {
+                    id: d.id,
+                    kind: d.kind(),
+                    name: d.name.clone(),
+                    up: alive[d.id],
+                    experts: d.experts_held(),
+                    weight_bytes: d.weight_bytes(),
+                })
+                .collect()
+        })
+    });
+}
+
+/// The batching limits, with the KV cache budget what the memory left holds, and the model
+/// as served: no longer a context than that budget holds for one sequence.
+fn batch_limits(
+    config: &NodeConfig,
+    model: Arc<ModelConfig>,
+    engine: &Engine,
+    targets: &[DeviceTarget],
+    dense_on_gpu: bool,
+) -> (BatchLimits, Arc<ModelConfig>) {
+    // The spare slots are empty until a rebalance fills them with copies of hot experts:
+    // where they share memory with the caches (the dense GPU, or the host with CPU
+    // slots), that memory is not the caches' to take.
+    let spare_slot_bytes = {
+        let sharing = if dense_on_gpu {
+            1
+        } else {
+            targets
+                .iter()
+                .filter(|t| matches!(t, DeviceTarget::Cpu))
+                .count()
+        };
+        let moe_layers = model.moe_layers.iter().filter(|&&moe| moe).count();
+        (config.placement.redundant_slots_per_device * moe_layers * sharing) as u64
+            * ModelSizes::of(&model).expert_bytes
+    };
+    let kv = kv_budget(
+        config.batching.kv_cache_mib,
+        spare_slot_bytes as usize,
+        &model,
+        engine,
+    );
+    let limits = BatchLimits {
+        max_sequences: config.batching.max_sequences,
+        max_tokens_per_step: config.batching.max_tokens_per_step,
+        max_waiting: config.batching.max_waiting,
+        prefill_chunk: PREFILL_CHUNK,
+        kv,
+        prefix_cache_entries: config.batching.prefix_cache_entries,
+    };
+    // The node serves no longer a context than the KV budget holds for one sequence.
+    let model = match kv {
+        Some(kv) if kv.max_positions() < model.max_position_embeddings => {
+            tracing::warn!(
+                model_context = model.max_position_embeddings,
+                served_context = kv.max_positions(),
+                "the KV cache budget holds less than the model's context: prompts and \
+                 max_tokens are limited to what it holds (batching.kv_cache_mib)"
+            );
+            let mut served = (*model).clone();
+            served.max_position_embeddings = kv.max_positions();
+            Arc::new(served)
+        }
+        _ => model,
+    };
+    (limits, model)
 }
 
 /// The KV cache budget: `mib` when set, else sized from the memory left after loading where
