@@ -1,24 +1,52 @@
-//! moe-node: a serving appliance for large Mixture-of-Experts language models.
-//!
-//! The crate is laid out by architecture (see DESIGN.md): `model` reads published
-//! checkpoints, `compute` holds the numeric kernels, `moe` the gating and dispatch of tokens
-//! to experts, and `engine` the forward pass and generation loop.
+//! moe-node: a serving appliance for large Mixture-of-Experts language models, one binary
+//! per node. This file is the crate's table of contents, top floor first: each module
+//! imports only the modules below it (`tests/architecture.rs` holds the floors, and
+//! `docs/architecture.md` walks one request through them). Modules that nothing outside
+//! the crate needs are private.
 
-pub mod api;
-pub mod cluster;
-pub mod compute;
-pub mod config;
-pub mod control_plane;
-pub mod engine;
-pub mod experts;
-pub mod logging;
-pub mod metrics;
-pub mod model;
-pub mod moe;
-pub mod node;
-pub mod placement;
-pub mod plan;
-pub mod progress;
-pub mod rollout;
+/// `moe-node serve`: binds the HTTP API, runs the node, drains on SIGTERM.
 pub mod server;
+
+/// The HTTP API: OpenAI-compatible endpoints, health, metrics, admin.
+pub mod api;
+
+/// The composition root: one node's device actors, dispatcher, router and cluster part.
+pub mod node;
+
+/// The node's Prometheus registry.
+mod metrics;
+/// The readiness report (`moe-node plan`).
+pub mod plan;
+/// Placement versions over time: bootstrap, the placement board, copy-then-switch.
+mod rollout;
+
+/// The forward pass, its caches, batching and sampling.
+pub mod engine;
+
+/// The expert data plane: the executor seam, the dispatcher, device actors, other nodes.
+pub mod experts;
+
+/// Gossip membership.
+pub mod cluster;
+/// The control plane, and a node's client of it.
+pub mod control_plane;
+/// The gate and the dispatch plan of a MoE layer.
+pub mod moe;
+/// Peer links: the wire format, TCP, UCX, an in-memory twin.
 pub mod transport;
+
+/// The node's configuration as plain data, validated whole.
+pub mod config;
+
+/// Checkpoints: configs, tensors, quantized formats, tokenizer, chat templates.
+pub mod model;
+
+/// Numeric kernels (CPU and CUDA) and the blocks they run.
+pub mod compute;
+/// Pure placement algorithms: which device holds which expert.
+pub mod placement;
+
+/// Log output and its filter.
+pub mod logging;
+/// Start-up progress, for the log and systemd.
+mod progress;

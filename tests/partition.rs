@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use moe_node::cluster::MemberState;
 use moe_node::config::OnUnavailable;
 use moe_node::engine::moe_layer::moe_routed;
-use moe_node::experts::health::Penalties;
+use moe_node::experts::Penalties;
 use moe_node::experts::remote::{PeerDirectory, PeerEntry, PeerNodes};
 use moe_node::experts::{DispatchTiming, Dispatcher, Target};
 use moe_node::experts::{ExpertExecutor, run_expert_groups};

@@ -16,19 +16,19 @@
 //!   their work here.
 
 mod attempts;
-pub mod choice;
+mod choice;
 pub mod device;
-pub mod dispatch;
+mod dispatch;
 pub mod gpu;
-pub mod health;
+mod health;
 mod holdings;
-pub mod local;
+mod local;
 pub mod remote;
 mod target;
 
 pub use choice::{assign_groups, assign_groups_among};
 pub use dispatch::{DispatchTiming, Dispatcher};
-pub use health::{Reach, ReplicaHealth};
+pub use health::{Penalties, Reach, ReplicaHealth};
 pub use local::{LocalExperts, run_expert_groups};
 pub use target::{Answer, GroupOutputs, RemoteNodes, RemoteWork, Target, TargetError};
 
