@@ -228,7 +228,7 @@ fn load(state: &AppState, api: std::net::SocketAddr) -> Result<(), ServeError> {
     });
     let tool_format = chat_template
         .as_ref()
-        .and_then(|t| ToolCallFormat::detect(t.source()));
+        .and_then(|t| ToolCallFormat::for_model(t.source(), node.model.family));
     state.set_ready(ServedModel {
         name: name.clone(),
         node,

@@ -7,21 +7,8 @@
 
 use serde_json::Value;
 
-/// How a model writes tool calls.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ToolCallFormat {
-    /// Qwen3 (and Qwen2.5, Hermes): `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`.
-    Hermes,
-    /// DeepSeek-V3 and V3.1: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\nARGS\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`
-    /// (V3.1 writes `NAME<｜tool▁sep｜>ARGS` without the fence).
-    DeepseekV3,
-    /// Kimi K2: `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>ARGS<|tool_call_end|>...<|tool_calls_section_end|>`.
-    KimiK2,
-    /// Mistral and Mixtral: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`, or in
-    /// newer tokenizers `[TOOL_CALLS]NAME[ARGS]{...}`.
-    Mistral,
-}
+use crate::model::Family;
+pub use crate::model::family::ToolCallFormat;
 
 const HERMES_BEGIN: &str = "<tool_call>";
 const HERMES_END: &str = "</tool_call>";
@@ -51,6 +38,18 @@ impl ToolCallFormat {
         .into_iter()
         .find(|(marker, _)| chat_template.contains(marker))
         .map(|(_, format)| format)
+    }
+
+    /// The format a model of `family` writes tool calls in, from the markers its chat
+    /// template renders: the family's own formats are looked for first, then every other
+    /// (a fine-tuned checkpoint may have taken another family's template).
+    pub fn for_model(chat_template: &str, family: Family) -> Option<Self> {
+        family
+            .tool_call_formats()
+            .iter()
+            .copied()
+            .find(|format| chat_template.contains(format.begin()))
+            .or_else(|| Self::detect(chat_template))
     }
 
     /// The text that starts the model's tool calls.
@@ -699,6 +698,25 @@ mod tests {
         for (template, format) in cases {
             assert_eq!(ToolCallFormat::detect(template), format, "{template}");
         }
+    }
+
+    #[test]
+    fn a_familys_own_format_is_looked_for_first() {
+        let both = "[TOOL_CALLS] or <tool_call>";
+        assert_eq!(ToolCallFormat::detect(both), Some(ToolCallFormat::Mistral));
+        assert_eq!(
+            ToolCallFormat::for_model(both, Family::Qwen3Moe),
+            Some(ToolCallFormat::Hermes)
+        );
+        // A template without the family's markers falls back to the others.
+        assert_eq!(
+            ToolCallFormat::for_model("<tool_call>", Family::DeepseekV3),
+            Some(ToolCallFormat::Hermes)
+        );
+        assert_eq!(
+            ToolCallFormat::for_model("{{ messages }}", Family::Mixtral),
+            None
+        );
     }
 
     /// Text made of pieces of every format's markers, JSON and noise, cut anywhere: the

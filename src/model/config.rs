@@ -2,7 +2,8 @@
 //!
 //! Published configs carry many keys we do not need (training knobs, quantisation notes), so
 //! unknown keys are ignored here; missing or inconsistent keys that the forward pass depends
-//! on are reported, all at once.
+//! on are reported, all at once. The keys every family reads alike are read here; each
+//! family reads its own in `super::family`.
 
 use std::path::Path;
 
@@ -10,18 +11,10 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::ModelError;
+use super::family::{self, Common, FamilyParts};
 use super::quant::Quantization;
 
-/// Which forward-pass code a checkpoint runs through.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Family {
-    /// `qwen3_moe`: GQA with per-head q/k norm, softmax gating.
-    Qwen3Moe,
-    /// `mixtral`: GQA, softmax gating with renormalised top-k weights.
-    Mixtral,
-    /// `deepseek_v3` and `kimi_k2`: MLA, sigmoid group-limited gating, shared experts.
-    DeepseekV3,
-}
+pub use super::family::Family;
 
 /// Rotary embedding parameters, from `rope_theta`/`rope_scaling` or `rope_parameters`.
 #[derive(Debug, Clone, PartialEq)]
@@ -115,68 +108,61 @@ pub struct ModelConfig {
     pub quantization: Quantization,
 }
 
-/// The keys we read. Everything is optional here so that every missing key is reported at
-/// once by [`ModelConfig::from_raw`] rather than one by one by serde.
+/// The keys every family reads, under the same name and meaning. Everything is optional here
+/// so that every missing key is reported at once by [`ModelConfig::from_raw`] rather than one
+/// by one by serde.
 #[derive(Debug, Default, Deserialize)]
-struct RawConfig {
-    model_type: Option<String>,
-    vocab_size: Option<usize>,
-    hidden_size: Option<usize>,
-    intermediate_size: Option<usize>,
-    num_hidden_layers: Option<usize>,
-    num_attention_heads: Option<usize>,
-    num_key_value_heads: Option<usize>,
-    head_dim: Option<usize>,
-    hidden_act: Option<String>,
-    rms_norm_eps: Option<f64>,
-    max_position_embeddings: Option<usize>,
-    tie_word_embeddings: Option<bool>,
-    attention_bias: Option<bool>,
-    sliding_window: Option<usize>,
-    use_sliding_window: Option<bool>,
-    rope_theta: Option<f64>,
-    rope_scaling: Option<Value>,
-    rope_parameters: Option<Value>,
-    eos_token_id: Option<Value>,
-    torch_dtype: Option<String>,
-    dtype: Option<String>,
-    quantization_config: Option<Value>,
-    // MoE, under the names each family uses.
-    num_experts: Option<usize>,
-    num_local_experts: Option<usize>,
-    n_routed_experts: Option<usize>,
-    num_experts_per_tok: Option<usize>,
-    moe_intermediate_size: Option<usize>,
-    norm_topk_prob: Option<bool>,
-    decoder_sparse_step: Option<usize>,
-    mlp_only_layers: Option<Vec<usize>>,
-    // DeepSeek-V3 / Kimi K2.
-    n_shared_experts: Option<usize>,
-    first_k_dense_replace: Option<usize>,
-    n_group: Option<usize>,
-    topk_group: Option<usize>,
-    routed_scaling_factor: Option<f64>,
-    scoring_func: Option<String>,
-    topk_method: Option<String>,
-    q_lora_rank: Option<usize>,
-    kv_lora_rank: Option<usize>,
-    qk_nope_head_dim: Option<usize>,
-    qk_rope_head_dim: Option<usize>,
-    v_head_dim: Option<usize>,
-    rope_interleave: Option<bool>,
+pub(super) struct CommonKeys {
+    pub model_type: Option<String>,
+    pub vocab_size: Option<usize>,
+    pub hidden_size: Option<usize>,
+    pub intermediate_size: Option<usize>,
+    pub num_hidden_layers: Option<usize>,
+    pub num_attention_heads: Option<usize>,
+    pub num_key_value_heads: Option<usize>,
+    pub head_dim: Option<usize>,
+    pub hidden_act: Option<String>,
+    pub rms_norm_eps: Option<f64>,
+    pub max_position_embeddings: Option<usize>,
+    pub tie_word_embeddings: Option<bool>,
+    pub attention_bias: Option<bool>,
+    pub rope_theta: Option<f64>,
+    pub rope_scaling: Option<Value>,
+    pub rope_parameters: Option<Value>,
+    pub eos_token_id: Option<Value>,
+    pub torch_dtype: Option<String>,
+    pub dtype: Option<String>,
+    pub quantization_config: Option<Value>,
+    pub num_experts_per_tok: Option<usize>,
+    pub moe_intermediate_size: Option<usize>,
+    pub norm_topk_prob: Option<bool>,
 }
 
 /// Upper bound on `num_hidden_layers` accepted from a config.
-const MAX_LAYERS: usize = 1024;
+pub const MAX_LAYERS: usize = 1024;
 /// Upper bound on `max_position_embeddings`: 32 M tokens, above any published context.
 pub const MAX_CONTEXT: usize = 1 << 25;
 
+/// The common size keys with the largest value accepted (each family adds its own).
+const COMMON_SIZE_LIMITS: [(&str, usize); 10] = [
+    ("vocab_size", 1 << 22),
+    ("hidden_size", 1 << 16),
+    ("intermediate_size", 1 << 18),
+    ("num_hidden_layers", MAX_LAYERS),
+    ("num_attention_heads", 1 << 10),
+    ("num_key_value_heads", 1 << 10),
+    ("head_dim", 1 << 12),
+    ("max_position_embeddings", MAX_CONTEXT),
+    ("num_experts_per_tok", 1 << 10),
+    ("moe_intermediate_size", 1 << 18),
+];
+
 /// Collects every problem with a config before failing.
-struct Problems(Vec<String>);
+pub(super) struct Problems(pub Vec<String>);
 
 impl Problems {
     /// A size the model cannot do without: present and greater than zero.
-    fn require(&mut self, value: Option<usize>, key: &str) -> usize {
+    pub fn require(&mut self, value: Option<usize>, key: &str) -> usize {
         match value {
             Some(0) => {
                 self.0.push(format!("`{key}` must be greater than 0"));
@@ -190,7 +176,7 @@ impl Problems {
         }
     }
 
-    fn check(&mut self, ok: bool, message: impl FnOnce() -> String) {
+    pub fn check(&mut self, ok: bool, message: impl FnOnce() -> String) {
         if !ok {
             self.0.push(message());
         }
@@ -212,75 +198,39 @@ impl ModelConfig {
     pub fn parse(text: &str) -> Result<Self, Vec<String>> {
         let value: Value =
             serde_json::from_str(text).map_err(|e| vec![format!("cannot read it: {e}")])?;
-        let (value, outer_type) = text_model_config(value)?;
-        let raw: RawConfig =
-            serde_json::from_value(value).map_err(|e| vec![format!("cannot read it: {e}")])?;
-        let mut config = Self::from_raw(raw)?;
+        let (value, outer_type) = family::text_model_config(value)?;
+        let raw =
+            CommonKeys::deserialize(&value).map_err(|e| vec![format!("cannot read it: {e}")])?;
+        let mut config = Self::from_raw(&value, raw)?;
         if let Some(outer) = outer_type {
             config.model_type = outer;
         }
         Ok(config)
     }
 
-    fn from_raw(raw: RawConfig) -> Result<Self, Vec<String>> {
+    /// Validates the config: the common keys here, the family's own in its file.
+    fn from_raw(config: &Value, raw: CommonKeys) -> Result<Self, Vec<String>> {
+        let model_type = raw.model_type.clone().unwrap_or_default();
+        let family = Family::of_model_type(&model_type);
         // Sizes are multiplied together (tables, tensors, caches) before any tensor is read:
         // values no published model comes near are refused before any arithmetic on them.
-        let too_large: Vec<String> = [
-            ("vocab_size", raw.vocab_size, 1 << 22),
-            ("hidden_size", raw.hidden_size, 1 << 16),
-            ("intermediate_size", raw.intermediate_size, 1 << 18),
-            ("num_hidden_layers", raw.num_hidden_layers, MAX_LAYERS),
-            ("num_attention_heads", raw.num_attention_heads, 1 << 10),
-            ("num_key_value_heads", raw.num_key_value_heads, 1 << 10),
-            ("head_dim", raw.head_dim, 1 << 12),
-            (
-                "max_position_embeddings",
-                raw.max_position_embeddings,
-                MAX_CONTEXT,
-            ),
-            ("sliding_window", raw.sliding_window, MAX_CONTEXT),
-            ("num_experts", raw.num_experts, 1 << 16),
-            ("num_local_experts", raw.num_local_experts, 1 << 16),
-            ("n_routed_experts", raw.n_routed_experts, 1 << 16),
-            ("num_experts_per_tok", raw.num_experts_per_tok, 1 << 10),
-            ("moe_intermediate_size", raw.moe_intermediate_size, 1 << 18),
-            ("decoder_sparse_step", raw.decoder_sparse_step, MAX_LAYERS),
-            ("n_shared_experts", raw.n_shared_experts, 1 << 6),
-            (
-                "first_k_dense_replace",
-                raw.first_k_dense_replace,
-                MAX_LAYERS,
-            ),
-            ("n_group", raw.n_group, 1 << 16),
-            ("topk_group", raw.topk_group, 1 << 16),
-            ("q_lora_rank", raw.q_lora_rank, 1 << 16),
-            ("kv_lora_rank", raw.kv_lora_rank, 1 << 16),
-            ("qk_nope_head_dim", raw.qk_nope_head_dim, 1 << 12),
-            ("qk_rope_head_dim", raw.qk_rope_head_dim, 1 << 12),
-            ("v_head_dim", raw.v_head_dim, 1 << 12),
-        ]
-        .into_iter()
-        .filter_map(|(key, value, max)| match value {
-            Some(v) if v > max => Some(format!("`{key}` ({v}) exceeds {max}")),
-            _ => None,
-        })
-        .collect();
+        let family_limits = family.map_or(&[][..], Family::size_limits);
+        let too_large = too_large(config, COMMON_SIZE_LIMITS.iter().chain(family_limits));
         if !too_large.is_empty() {
             return Err(too_large);
         }
-        let mut p = Problems(Vec::new());
-        let model_type = raw.model_type.clone().unwrap_or_default();
-        let family = match model_type.as_str() {
-            "qwen3_moe" => Family::Qwen3Moe,
-            "mixtral" => Family::Mixtral,
-            "deepseek_v3" | "kimi_k2" => Family::DeepseekV3,
-            "" => return Err(vec!["missing key `model_type`".into()]),
-            other => {
-                return Err(vec![format!(
-                    "unsupported model_type `{other}`: moe-node runs qwen3_moe, mixtral, deepseek_v3 and kimi_k2"
-                )]);
-            }
+        let Some(family) = family else {
+            return Err(vec![if model_type.is_empty() {
+                "missing key `model_type`".into()
+            } else {
+                format!(
+                    "unsupported model_type `{model_type}`: moe-node runs {}",
+                    Family::supported_model_types()
+                )
+            }]);
         };
+        let defaults = family.defaults();
+        let mut p = Problems(Vec::new());
 
         let quantization = match raw.quantization_config.as_ref() {
             None => Quantization::None,
@@ -299,241 +249,48 @@ impl ModelConfig {
         });
         let num_layers = num_layers.min(MAX_LAYERS);
         let num_heads = p.require(raw.num_attention_heads, "num_attention_heads");
-        let max_position_embeddings = raw.max_position_embeddings.unwrap_or(match family {
-            Family::Qwen3Moe => 32768,
-            Family::Mixtral => 131072,
-            Family::DeepseekV3 => 4096,
-        });
+        let max_position_embeddings = raw
+            .max_position_embeddings
+            .unwrap_or(defaults.max_position_embeddings);
         p.check(max_position_embeddings >= 2, || {
             format!(
                 "`max_position_embeddings` ({max_position_embeddings}) must be at least 2: a \
                  prompt token and one generated"
             )
         });
-        let rms_norm_eps = raw.rms_norm_eps.unwrap_or(match family {
-            Family::Mixtral => 1e-5,
-            _ => 1e-6,
-        }) as f32;
+        let rms_norm_eps = raw.rms_norm_eps.unwrap_or(defaults.rms_norm_eps) as f32;
         if let Some(act) = &raw.hidden_act {
             p.check(act == "silu", || {
                 format!("unsupported hidden_act `{act}`: only silu (SwiGLU) is supported")
             });
         }
 
-        let (attention, rope_head_dim) = match family {
-            Family::Qwen3Moe | Family::Mixtral => {
-                let num_kv_heads = raw.num_key_value_heads.unwrap_or(num_heads);
-                let head_dim = raw
-                    .head_dim
-                    .unwrap_or(hidden_size.checked_div(num_heads).unwrap_or(0));
-                p.check(num_kv_heads > 0 && num_heads.is_multiple_of(num_kv_heads.max(1)), || {
-                    format!(
-                        "num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})"
-                    )
-                });
-                p.check(head_dim > 0 && head_dim.is_multiple_of(2), || {
-                    format!("head_dim ({head_dim}) must be even and greater than 0")
-                });
-                let sliding_window = match family {
-                    Family::Qwen3Moe if raw.use_sliding_window == Some(true) => {
-                        Some(raw.sliding_window.unwrap_or(4096))
-                    }
-                    Family::Mixtral => raw.sliding_window,
-                    _ => None,
-                };
-                let attention = AttentionConfig::Gqa {
-                    num_kv_heads,
-                    head_dim,
-                    qk_norm: family == Family::Qwen3Moe,
-                    bias: family == Family::Qwen3Moe && raw.attention_bias == Some(true),
-                    sliding_window,
-                };
-                (attention, head_dim)
-            }
-            Family::DeepseekV3 => {
-                let kv_lora_rank = raw.kv_lora_rank.unwrap_or(512);
-                let qk_nope_head_dim = raw.qk_nope_head_dim.unwrap_or(128);
-                let qk_rope_head_dim = raw.qk_rope_head_dim.unwrap_or(64);
-                let v_head_dim = raw.v_head_dim.unwrap_or(128);
-                for (value, key) in [
-                    (kv_lora_rank, "kv_lora_rank"),
-                    (qk_nope_head_dim, "qk_nope_head_dim"),
-                    (v_head_dim, "v_head_dim"),
-                    (raw.q_lora_rank.unwrap_or(1), "q_lora_rank"),
-                ] {
-                    p.check(value > 0, || format!("`{key}` must be greater than 0"));
-                }
-                p.check(
-                    qk_rope_head_dim.is_multiple_of(2) && qk_rope_head_dim > 0,
-                    || {
-                        format!(
-                            "qk_rope_head_dim ({qk_rope_head_dim}) must be even and greater than 0"
-                        )
-                    },
-                );
-                if let Some(kv_heads) = raw.num_key_value_heads {
-                    p.check(kv_heads == num_heads, || {
-                        format!("MLA needs num_key_value_heads ({kv_heads}) equal to num_attention_heads ({num_heads})")
-                    });
-                }
-                let attention = AttentionConfig::Mla {
-                    q_lora_rank: raw.q_lora_rank,
-                    kv_lora_rank,
-                    qk_nope_head_dim,
-                    qk_rope_head_dim,
-                    v_head_dim,
-                    interleave: raw.rope_interleave.unwrap_or(true),
-                    bias: raw.attention_bias == Some(true),
-                };
-                (attention, qk_rope_head_dim)
-            }
+        let common = Common {
+            keys: &raw,
+            hidden_size,
+            num_heads,
+            num_layers,
         };
-
-        let rope = match parse_rope(&raw, family, rope_head_dim, max_position_embeddings) {
+        let FamilyParts {
+            attention,
+            rope_dim,
+            moe,
+            moe_layers,
+            intermediate_size,
+        } = family.read(config, &common, &mut p)?;
+        let rope = match parse_rope(&raw, defaults.rope_theta, rope_dim, max_position_embeddings) {
             Ok(rope) => rope,
             Err(message) => {
                 p.0.push(message);
                 RopeConfig {
                     theta: 10000.0,
-                    dim: rope_head_dim,
+                    dim: rope_dim,
                     scaling: RopeScaling::None,
                 }
             }
         };
-
-        let (moe, moe_layers, intermediate_size) = match family {
-            Family::Qwen3Moe => {
-                // Published Qwen3 configs say num_experts; transformers 5 writes num_local_experts.
-                let num_experts =
-                    p.require(raw.num_experts.or(raw.num_local_experts), "num_experts");
-                let step = raw.decoder_sparse_step.unwrap_or(1);
-                p.check(step > 0, || {
-                    "`decoder_sparse_step` must be at least 1".into()
-                });
-                let mlp_only = raw.mlp_only_layers.clone().unwrap_or_default();
-                let layers = (0..num_layers)
-                    .map(|l| {
-                        !mlp_only.contains(&l) && num_experts > 0 && (l + 1) % step.max(1) == 0
-                    })
-                    .collect();
-                let moe = MoeConfig {
-                    num_experts,
-                    top_k: raw.num_experts_per_tok.unwrap_or(8),
-                    expert_intermediate_size: p
-                        .require(raw.moe_intermediate_size, "moe_intermediate_size"),
-                    shared_intermediate_size: 0,
-                    gating: GatingConfig::Softmax {
-                        renormalize: raw.norm_topk_prob.unwrap_or(false),
-                    },
-                };
-                (moe, layers, raw.intermediate_size.unwrap_or(0))
-            }
-            Family::Mixtral => {
-                let intermediate = p.require(raw.intermediate_size, "intermediate_size");
-                let moe = MoeConfig {
-                    num_experts: raw.num_local_experts.or(raw.num_experts).unwrap_or(8),
-                    top_k: raw.num_experts_per_tok.unwrap_or(2),
-                    expert_intermediate_size: intermediate,
-                    shared_intermediate_size: 0,
-                    gating: GatingConfig::Softmax { renormalize: true },
-                };
-                (moe, vec![true; num_layers], intermediate)
-            }
-            Family::DeepseekV3 => {
-                let num_experts = p.require(raw.n_routed_experts, "n_routed_experts");
-                let expert_intermediate =
-                    p.require(raw.moe_intermediate_size, "moe_intermediate_size");
-                let first_dense = raw.first_k_dense_replace.unwrap_or(3);
-                let n_group = raw.n_group.unwrap_or(8);
-                let topk_group = raw.topk_group.unwrap_or(4);
-                if let Some(f) = &raw.scoring_func {
-                    p.check(f == "sigmoid", || {
-                        format!("unsupported scoring_func `{f}`: deepseek_v3 gating is sigmoid")
-                    });
-                }
-                if let Some(m) = &raw.topk_method {
-                    p.check(m == "noaux_tc", || {
-                        format!("unsupported topk_method `{m}`: only noaux_tc is supported")
-                    });
-                }
-                p.check(n_group > 0 && num_experts.is_multiple_of(n_group.max(1)), || {
-                    format!(
-                        "n_routed_experts ({num_experts}) must be a multiple of n_group ({n_group})"
-                    )
-                });
-                p.check(topk_group >= 1 && topk_group <= n_group, || {
-                    format!("topk_group ({topk_group}) must be between 1 and n_group ({n_group})")
-                });
-                if n_group > 0 && num_experts.is_multiple_of(n_group.max(1)) {
-                    p.check(num_experts / n_group >= 2, || {
-                        "each expert group needs at least 2 experts (group score is the sum of the top 2)"
-                            .into()
-                    });
-                }
-                let moe = MoeConfig {
-                    num_experts,
-                    top_k: raw.num_experts_per_tok.unwrap_or(8),
-                    expert_intermediate_size: expert_intermediate,
-                    shared_intermediate_size: expert_intermediate
-                        * raw.n_shared_experts.unwrap_or(1),
-                    gating: GatingConfig::SigmoidGrouped {
-                        n_group,
-                        topk_group,
-                        normalize: raw.norm_topk_prob.unwrap_or(true),
-                        routed_scaling_factor: raw.routed_scaling_factor.unwrap_or(2.5) as f32,
-                    },
-                };
-                let layers = (0..num_layers).map(|l| l >= first_dense).collect();
-                let intermediate = raw.intermediate_size.unwrap_or(18432);
-                (moe, layers, intermediate)
-            }
-        };
-        p.check(
-            moe.num_experts > 0 || !moe_layers.iter().any(|&is_moe| is_moe),
-            || "the number of experts (`num_experts`, `num_local_experts` or `n_routed_experts`) must be greater than 0".into(),
-        );
-        p.check(
-            moe.num_experts == 0 || (1..=moe.num_experts).contains(&moe.top_k),
-            || {
-                format!(
-                    "num_experts_per_tok ({}) must be between 1 and the number of experts ({})",
-                    moe.top_k, moe.num_experts
-                )
-            },
-        );
-        if let GatingConfig::SigmoidGrouped {
-            n_group,
-            topk_group,
-            ..
-        } = moe.gating
-            && n_group > 0
-        {
-            p.check(moe.top_k <= topk_group * (moe.num_experts / n_group), || {
-                format!(
-                    "num_experts_per_tok ({}) exceeds the experts in the {topk_group} chosen groups",
-                    moe.top_k
-                )
-            });
-        }
-        let has_dense = moe_layers.iter().any(|is_moe| !is_moe);
-        p.check(!has_dense || intermediate_size > 0, || {
-            "`intermediate_size` is needed: the model has dense MLP layers".into()
-        });
-
-        let eos_token_ids = match &raw.eos_token_id {
-            None | Some(Value::Null) => Vec::new(),
-            Some(Value::Number(n)) => n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
-            Some(Value::Array(items)) => items
-                .iter()
-                .filter_map(|v| v.as_u64().map(|v| v as u32))
-                .collect(),
-            Some(other) => {
-                p.0.push(format!(
-                    "`eos_token_id` must be a number or a list, not {other}"
-                ));
-                Vec::new()
-            }
-        };
+        check_experts(&moe, &moe_layers, intermediate_size, &mut p);
+        let eos_token_ids = eos_token_ids(raw.eos_token_id.as_ref(), &mut p);
 
         if !p.0.is_empty() {
             return Err(p.0);
@@ -560,6 +317,74 @@ impl ModelConfig {
     }
 }
 
+/// A message for each size key above its limit.
+fn too_large<'a>(
+    config: &Value,
+    limits: impl Iterator<Item = &'a (&'a str, usize)>,
+) -> Vec<String> {
+    limits
+        .filter_map(
+            |&(key, max)| match config.get(key).and_then(Value::as_u64) {
+                Some(v) if v > max as u64 => Some(format!("`{key}` ({v}) exceeds {max}")),
+                _ => None,
+            },
+        )
+        .collect()
+}
+
+/// What every family's experts must satisfy, whatever keys they came from.
+fn check_experts(moe: &MoeConfig, moe_layers: &[bool], intermediate_size: usize, p: &mut Problems) {
+    p.check(
+        moe.num_experts > 0 || !moe_layers.iter().any(|&is_moe| is_moe),
+        || "the number of experts (`num_experts`, `num_local_experts` or `n_routed_experts`) must be greater than 0".into(),
+    );
+    p.check(
+        moe.num_experts == 0 || (1..=moe.num_experts).contains(&moe.top_k),
+        || {
+            format!(
+                "num_experts_per_tok ({}) must be between 1 and the number of experts ({})",
+                moe.top_k, moe.num_experts
+            )
+        },
+    );
+    if let GatingConfig::SigmoidGrouped {
+        n_group,
+        topk_group,
+        ..
+    } = moe.gating
+        && n_group > 0
+    {
+        p.check(moe.top_k <= topk_group * (moe.num_experts / n_group), || {
+            format!(
+                "num_experts_per_tok ({}) exceeds the experts in the {topk_group} chosen groups",
+                moe.top_k
+            )
+        });
+    }
+    let has_dense = moe_layers.iter().any(|is_moe| !is_moe);
+    p.check(!has_dense || intermediate_size > 0, || {
+        "`intermediate_size` is needed: the model has dense MLP layers".into()
+    });
+}
+
+/// `eos_token_id`: one id or a list of them.
+fn eos_token_ids(value: Option<&Value>, p: &mut Problems) -> Vec<u32> {
+    match value {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Number(n)) => n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
+        Some(Value::Array(items)) => items
+            .iter()
+            .filter_map(|v| v.as_u64().map(|v| v as u32))
+            .collect(),
+        Some(other) => {
+            p.0.push(format!(
+                "`eos_token_id` must be a number or a list, not {other}"
+            ));
+            Vec::new()
+        }
+    }
+}
+
 impl ModelConfig {
     /// The first `layers` decoder layers only (`--num-layers`).
     pub fn with_layers(mut self, layers: usize) -> Result<Self, String> {
@@ -575,55 +400,11 @@ impl ModelConfig {
     }
 }
 
-/// Keys a multimodal wrapper keeps at its top level that belong to the text model too.
-const WRAPPER_KEYS_FOR_TEXT: [&str; 5] = [
-    "quantization_config",
-    "eos_token_id",
-    "tie_word_embeddings",
-    "torch_dtype",
-    "dtype",
-];
-
-/// The text model's config. Kimi K2.5 and later (`model_type = "kimi_k25"`,
-/// `KimiK25ForConditionalGeneration`) nest it under `text_config` beside a vision tower's, with
-/// `quantization_config` at the top level; moe-node serves the text model. Returns the config
-/// to read and, for a wrapper, its `model_type` (for display).
-fn text_model_config(value: Value) -> Result<(Value, Option<String>), Vec<String>> {
-    let Value::Object(mut outer) = value else {
-        return Err(vec!["cannot read it: not a JSON object".into()]);
-    };
-    if outer.get("model_type").and_then(Value::as_str) != Some("kimi_k25") {
-        return Ok((Value::Object(outer), None));
-    }
-    let Some(Value::Object(mut text)) = outer.remove("text_config") else {
-        return Err(vec![
-            "model_type `kimi_k25` needs `text_config`, the text model's config".into(),
-        ]);
-    };
-    match text.get("model_type").and_then(Value::as_str) {
-        Some("kimi_k2" | "deepseek_v3") => {}
-        other => {
-            return Err(vec![format!(
-                "kimi_k25: text_config.model_type is {other:?}; moe-node serves kimi_k2 or \
-                 deepseek_v3 text models"
-            )]);
-        }
-    }
-    for key in WRAPPER_KEYS_FOR_TEXT {
-        if !text.contains_key(key)
-            && let Some(v) = outer.remove(key)
-        {
-            text.insert(key.to_string(), v);
-        }
-    }
-    Ok((Value::Object(text), Some("kimi_k25".into())))
-}
-
 /// Reads rope settings from either style: `rope_theta` + `rope_scaling` at the top level
 /// (published checkpoints) or one `rope_parameters` object (newer transformers).
 fn parse_rope(
-    raw: &RawConfig,
-    family: Family,
+    raw: &CommonKeys,
+    default_theta: f64,
     dim: usize,
     max_position_embeddings: usize,
 ) -> Result<RopeConfig, String> {
@@ -634,11 +415,6 @@ fn parse_rope(
         _ => return Err("`rope_parameters`/`rope_scaling` must be an object".into()),
     };
     let number = |key: &str| params.and_then(|p| p.get(key)).and_then(Value::as_f64);
-    let default_theta = if family == Family::Mixtral {
-        1_000_000.0
-    } else {
-        10_000.0
-    };
     let theta = number("rope_theta")
         .or(raw.rope_theta)
         .unwrap_or(default_theta);

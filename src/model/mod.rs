@@ -5,6 +5,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod demo;
 pub mod dummy;
+pub mod family;
 pub mod quant;
 pub mod template_worker;
 pub mod tokenizer;
@@ -15,7 +16,8 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 pub use checkpoint::Checkpoint;
-pub use config::{Family, ModelConfig};
+pub use config::ModelConfig;
+pub use family::Family;
 pub use tokenizer::Tokenizer;
 pub use weights::{DenseWeights, ExpertWeights};
 

@@ -6,8 +6,9 @@ use std::borrow::Cow;
 use half::bf16;
 use safetensors::tensor::Dtype;
 
-use super::config::{AttentionConfig, Family, ModelConfig};
+use super::config::{AttentionConfig, ModelConfig};
 use super::dummy::DummyFill;
+use super::family::ExpertNames;
 use super::quant::Quantization;
 use super::{Checkpoint, ModelError};
 use crate::compute::cpu::{Linear, SwiGlu, WeightElement, add_in_place};
@@ -299,7 +300,7 @@ fn load_layer(ckpt: &Checkpoint, cfg: &ModelConfig, l: usize) -> Result<LayerWei
             }
         }
     };
-    let mlp = mlp_prefix(cfg.family, l);
+    let mlp = cfg.family.mlp_prefix(l);
     let feed_forward = if cfg.moe_layers[l] {
         let shared_expert = (cfg.moe.shared_intermediate_size > 0)
             .then(|| {
@@ -314,7 +315,7 @@ fn load_layer(ckpt: &Checkpoint, cfg: &ModelConfig, l: usize) -> Result<LayerWei
             })
             .transpose()?;
         let bias_name = format!("{mlp}.gate.e_score_correction_bias");
-        let correction_bias = if cfg.family == Family::DeepseekV3 && ckpt.contains(&bias_name) {
+        let correction_bias = if cfg.family.gate_correction_bias() && ckpt.contains(&bias_name) {
             Some(ckpt.read_f32(&bias_name, &[cfg.moe.num_experts])?)
         } else {
             None
@@ -349,7 +350,7 @@ pub fn load_expert(
     layer: usize,
     expert: usize,
 ) -> Result<ExpertWeights, ModelError> {
-    let (prefix, names) = routed_expert(cfg, layer, expert);
+    let (prefix, names) = cfg.family.routed_expert(layer, expert);
     let (h, i) = (cfg.hidden_size, cfg.moe.expert_intermediate_size);
     expert_block(ckpt, &cfg.quantization, &prefix, names, h, i)
 }
@@ -363,7 +364,7 @@ pub fn dummy_expert(
     layer: usize,
     expert: usize,
 ) -> Option<[DummyFill; 3]> {
-    let (prefix, names) = routed_expert(cfg, layer, expert);
+    let (prefix, names) = cfg.family.routed_expert(layer, expert);
     let (h, i) = (cfg.hidden_size, cfg.moe.expert_intermediate_size);
     let fill =
         |name: &str, shape: [usize; 2]| ckpt.dummy_fill(&format!("{prefix}.{name}.weight"), &shape);
@@ -372,17 +373,6 @@ pub fn dummy_expert(
         fill(names.up, [i, h])?,
         fill(names.down, [h, i])?,
     ])
-}
-
-/// The tensor-name prefix and projection names of routed expert `expert` of `layer`.
-fn routed_expert(cfg: &ModelConfig, layer: usize, expert: usize) -> (String, ExpertNames) {
-    let names = if cfg.family == Family::Mixtral {
-        ExpertNames::MIXTRAL
-    } else {
-        ExpertNames::PROJ
-    };
-    let prefix = format!("{}.experts.{expert}", mlp_prefix(cfg.family, layer));
-    (prefix, names)
 }
 
 /// The SwiGLU block under `prefix` in its stored form: quantized as stored, bf16 kept bf16,
@@ -447,33 +437,6 @@ pub fn load_all_experts(
                 .collect()
         })
         .collect()
-}
-
-fn mlp_prefix(family: Family, layer: usize) -> String {
-    match family {
-        Family::Mixtral => format!("model.layers.{layer}.block_sparse_moe"),
-        _ => format!("model.layers.{layer}.mlp"),
-    }
-}
-
-/// Tensor names of the three projections of a SwiGLU block.
-struct ExpertNames {
-    gate: &'static str,
-    up: &'static str,
-    down: &'static str,
-}
-
-impl ExpertNames {
-    const PROJ: ExpertNames = ExpertNames {
-        gate: "gate_proj",
-        up: "up_proj",
-        down: "down_proj",
-    };
-    const MIXTRAL: ExpertNames = ExpertNames {
-        gate: "w1",
-        up: "w3",
-        down: "w2",
-    };
 }
 
 fn swiglu(

@@ -7,7 +7,7 @@ use crate::compute::cuda::experts::ExpertShape;
 use crate::compute::cuda::storage::ExpertStorage;
 use crate::engine::kv_cache::KvCache;
 use crate::model::ModelConfig;
-use crate::model::config::{AttentionConfig, Family};
+use crate::model::config::AttentionConfig;
 use crate::model::quant::Quantization;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -162,11 +162,9 @@ fn quantized_expert_bytes(model: &ModelConfig) -> Option<u64> {
         }
         Quantization::PackedInt4 { group_size, ignore } => {
             let layer = model.moe_layers.iter().position(|&m| m)?;
-            let mlp = match model.family {
-                Family::Mixtral => "block_sparse_moe",
-                _ => "mlp",
-            };
-            let module = format!("model.layers.{layer}.{mlp}.experts.0.gate_proj");
+            // The loader's rule: an expert named in `ignore` is stored unquantized.
+            let (expert, names) = model.family.routed_expert(layer, 0);
+            let module = format!("{expert}.{}", names.gate);
             let multimodal = format!("language_model.{module}");
             if ignore.contains(&module) || ignore.contains(&multimodal) {
                 return None;

@@ -1,0 +1,295 @@
+//! The model families moe-node serves, one file each: which `model_type`s a family answers
+//! to, the `config.json` keys it reads beyond the common ones, the names its tensors are
+//! published under, its gate and attention variants and its tool-call format.
+//!
+//! A family used to be spread over the config reader, the weight loader, the planner and the
+//! API, with checks written as `==` and `_ =>` that the compiler could not follow; now the
+//! rest of the engine asks [`Family`], whose every answer comes from the family's own
+//! [`FamilySpec`], so a new family is one file here and one arm in [`Family::spec`] (see
+//! `docs/adding-a-model.md`).
+
+mod deepseek_v3;
+mod mixtral;
+mod qwen3_moe;
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use super::config::{AttentionConfig, CommonKeys, MoeConfig, Problems};
+
+/// Which forward-pass code a checkpoint runs through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    /// `qwen3_moe`: GQA with per-head q/k norm, softmax gating.
+    Qwen3Moe,
+    /// `mixtral`: GQA, softmax gating with renormalised top-k weights.
+    Mixtral,
+    /// `deepseek_v3` and `kimi_k2` (and the `kimi_k25` wrapper): MLA, sigmoid group-limited
+    /// gating, shared experts.
+    DeepseekV3,
+}
+
+/// What a family answers. Each family's file implements it on a unit struct; nothing has a
+/// default, so a new family answers every question.
+pub(super) trait FamilySpec: Sync {
+    /// The `model_type`s of its published configs, as written there.
+    fn model_types(&self) -> &'static [&'static str];
+    /// Outer `model_type`s of multimodal wrappers whose `text_config` is this family's
+    /// (the vision tower is not served).
+    fn wrapper_types(&self) -> &'static [&'static str];
+    /// Values for keys its published configs may leave out.
+    fn defaults(&self) -> Defaults;
+    /// Its own size keys with the largest value accepted: they are multiplied into tables
+    /// and tensor shapes, so values no published model comes near are refused first.
+    fn size_limits(&self) -> &'static [(&'static str, usize)];
+    /// Its part of `config.json`: attention, experts and which layers have them. Every
+    /// problem goes to `p`; `Err` only where its keys cannot be read at all.
+    fn read(
+        &self,
+        config: &Value,
+        common: &Common,
+        p: &mut Problems,
+    ) -> Result<FamilyParts, Vec<String>>;
+    /// Tensor-name prefix of layer `layer`'s MLP (dense, or the gate and the experts).
+    fn mlp_prefix(&self, layer: usize) -> String;
+    /// Names of a routed expert's three projections.
+    fn expert_names(&self) -> ExpertNames;
+    /// Whether its gate has a per-expert `gate.e_score_correction_bias` (read when present).
+    fn gate_correction_bias(&self) -> bool;
+    /// The tool-call formats its published chat templates write, most specific first.
+    fn tool_call_formats(&self) -> &'static [ToolCallFormat];
+}
+
+impl Family {
+    /// Every family, in the order errors list them.
+    pub const ALL: [Family; 3] = [Family::Qwen3Moe, Family::Mixtral, Family::DeepseekV3];
+
+    fn spec(self) -> &'static dyn FamilySpec {
+        match self {
+            Family::Qwen3Moe => &qwen3_moe::Qwen3Moe,
+            Family::Mixtral => &mixtral::Mixtral,
+            Family::DeepseekV3 => &deepseek_v3::DeepseekV3,
+        }
+    }
+
+    /// The family whose configs carry `model_type`.
+    pub fn of_model_type(model_type: &str) -> Option<Family> {
+        Family::ALL
+            .into_iter()
+            .find(|family| family.model_types().contains(&model_type))
+    }
+
+    /// The `model_type`s it answers to.
+    pub fn model_types(self) -> &'static [&'static str] {
+        self.spec().model_types()
+    }
+
+    /// Every supported `model_type`, for messages: "a, b and c".
+    pub fn supported_model_types() -> String {
+        let all: Vec<&str> = Family::ALL
+            .into_iter()
+            .flat_map(|family| family.model_types().iter().copied())
+            .collect();
+        match all.split_last() {
+            Some((last, [])) => last.to_string(),
+            Some((last, rest)) => format!("{} and {last}", rest.join(", ")),
+            None => String::new(),
+        }
+    }
+
+    pub(super) fn defaults(self) -> Defaults {
+        self.spec().defaults()
+    }
+
+    pub(super) fn size_limits(self) -> &'static [(&'static str, usize)] {
+        self.spec().size_limits()
+    }
+
+    pub(super) fn read(
+        self,
+        config: &Value,
+        common: &Common,
+        p: &mut Problems,
+    ) -> Result<FamilyParts, Vec<String>> {
+        self.spec().read(config, common, p)
+    }
+
+    /// Tensor-name prefix of layer `layer`'s MLP: the dense MLP, or the MoE block's gate,
+    /// shared experts and routed experts.
+    pub fn mlp_prefix(self, layer: usize) -> String {
+        self.spec().mlp_prefix(layer)
+    }
+
+    /// The tensor-name prefix and projection names of routed expert `expert` of `layer`.
+    pub fn routed_expert(self, layer: usize, expert: usize) -> (String, ExpertNames) {
+        let spec = self.spec();
+        let prefix = format!("{}.experts.{expert}", spec.mlp_prefix(layer));
+        (prefix, spec.expert_names())
+    }
+
+    /// Whether the gate may carry `e_score_correction_bias`, which biases the choice.
+    pub fn gate_correction_bias(self) -> bool {
+        self.spec().gate_correction_bias()
+    }
+
+    /// The tool-call formats its chat templates write, most specific first.
+    pub fn tool_call_formats(self) -> &'static [ToolCallFormat] {
+        self.spec().tool_call_formats()
+    }
+}
+
+/// Values a family's configs may leave out.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Defaults {
+    pub max_position_embeddings: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+}
+
+/// What every family reads alike, handed to the family's own part.
+pub(super) struct Common<'a> {
+    pub keys: &'a CommonKeys,
+    pub hidden_size: usize,
+    pub num_heads: usize,
+    pub num_layers: usize,
+}
+
+/// A family's part of the config.
+pub(super) struct FamilyParts {
+    pub attention: AttentionConfig,
+    /// Rotated dimensions per head.
+    pub rope_dim: usize,
+    pub moe: MoeConfig,
+    /// Per layer: true where the MLP is a mixture of experts.
+    pub moe_layers: Vec<bool>,
+    /// Intermediate size of the dense MLP layers.
+    pub intermediate_size: usize,
+}
+
+/// Reads a family's own keys from the config (unknown keys are ignored).
+fn keys<'de, T: Deserialize<'de>>(config: &'de Value) -> Result<T, Vec<String>> {
+    T::deserialize(config).map_err(|e| vec![format!("cannot read it: {e}")])
+}
+
+/// Grouped-query attention as the GQA families configure it.
+struct Gqa {
+    qk_norm: bool,
+    bias: bool,
+    sliding_window: Option<usize>,
+}
+
+/// Reads and checks GQA's head counts: the attention and its rotary width (all of a head).
+fn gqa(common: &Common, p: &mut Problems, variant: Gqa) -> (AttentionConfig, usize) {
+    let num_heads = common.num_heads;
+    let num_kv_heads = common.keys.num_key_value_heads.unwrap_or(num_heads);
+    let head_dim = common
+        .keys
+        .head_dim
+        .unwrap_or(common.hidden_size.checked_div(num_heads).unwrap_or(0));
+    p.check(
+        num_kv_heads > 0 && num_heads.is_multiple_of(num_kv_heads.max(1)),
+        || {
+            format!(
+                "num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})"
+            )
+        },
+    );
+    p.check(head_dim > 0 && head_dim.is_multiple_of(2), || {
+        format!("head_dim ({head_dim}) must be even and greater than 0")
+    });
+    let attention = AttentionConfig::Gqa {
+        num_kv_heads,
+        head_dim,
+        qk_norm: variant.qk_norm,
+        bias: variant.bias,
+        sliding_window: variant.sliding_window,
+    };
+    (attention, head_dim)
+}
+
+/// Tensor names of the three projections of a SwiGLU block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExpertNames {
+    pub gate: &'static str,
+    pub up: &'static str,
+    pub down: &'static str,
+}
+
+impl ExpertNames {
+    /// `gate_proj`, `up_proj`, `down_proj`: dense MLPs and shared experts of every family,
+    /// routed experts of most.
+    pub const PROJ: ExpertNames = ExpertNames {
+        gate: "gate_proj",
+        up: "up_proj",
+        down: "down_proj",
+    };
+}
+
+/// How a model writes tool calls (parsed by `crate::api::tool_calls`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolCallFormat {
+    /// Qwen3 (and Qwen2.5, Hermes): `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`.
+    Hermes,
+    /// DeepSeek-V3 and V3.1: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\nARGS\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`
+    /// (V3.1 writes `NAME<｜tool▁sep｜>ARGS` without the fence).
+    DeepseekV3,
+    /// Kimi K2: `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>ARGS<|tool_call_end|>...<|tool_calls_section_end|>`.
+    KimiK2,
+    /// Mistral and Mixtral: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`, or in
+    /// newer tokenizers `[TOOL_CALLS]NAME[ARGS]{...}`.
+    Mistral,
+}
+
+/// Keys a multimodal wrapper keeps at its top level that belong to the text model too.
+const WRAPPER_KEYS_FOR_TEXT: [&str; 5] = [
+    "quantization_config",
+    "eos_token_id",
+    "tie_word_embeddings",
+    "torch_dtype",
+    "dtype",
+];
+
+/// The text model's config. A multimodal wrapper (Kimi K2.5: `model_type = "kimi_k25"`,
+/// `KimiK25ForConditionalGeneration`) nests it under `text_config` beside a vision tower's,
+/// with `quantization_config` at the top level; moe-node serves the text model. Returns the
+/// config to read and, for a wrapper, its `model_type` (for display).
+pub(super) fn text_model_config(value: Value) -> Result<(Value, Option<String>), Vec<String>> {
+    let Value::Object(mut outer) = value else {
+        return Err(vec!["cannot read it: not a JSON object".into()]);
+    };
+    let outer_type = outer.get("model_type").and_then(Value::as_str);
+    let Some((family, wrapper)) = Family::ALL.into_iter().find_map(|family| {
+        let wrapper = family
+            .spec()
+            .wrapper_types()
+            .iter()
+            .find(|&&w| Some(w) == outer_type)?;
+        Some((family, *wrapper))
+    }) else {
+        return Ok((Value::Object(outer), None));
+    };
+    let Some(Value::Object(mut text)) = outer.remove("text_config") else {
+        return Err(vec![format!(
+            "model_type `{wrapper}` needs `text_config`, the text model's config"
+        )]);
+    };
+    let text_type = text.get("model_type").and_then(Value::as_str);
+    if !text_type.is_some_and(|t| family.model_types().contains(&t)) {
+        return Err(vec![format!(
+            "{wrapper}: text_config.model_type is {text_type:?}; moe-node serves {} text models",
+            family.model_types().join(" or ")
+        )]);
+    }
+    for key in WRAPPER_KEYS_FOR_TEXT {
+        if !text.contains_key(key)
+            && let Some(v) = outer.remove(key)
+        {
+            text.insert(key.to_string(), v);
+        }
+    }
+    Ok((Value::Object(text), Some(wrapper.into())))
+}
+
+#[cfg(test)]
+mod tests;
