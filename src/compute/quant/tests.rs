@@ -56,23 +56,76 @@ fn e4m3_bytes_decode_to_their_values() {
     }
 }
 
+/// An e4m3fn byte's value from the format's definition (OCP 8-bit floating point, E4M3FN),
+/// field by field and apart from every decoder under test: a sign bit, four exponent bits
+/// biased by 7, three mantissa bits; exponent 0 holds the subnormals (`m/8 * 2^-6`); there
+/// are no infinities, and S.1111.111 is NaN (`None`).
+pub(crate) fn e4m3_by_definition(byte: u8) -> Option<f32> {
+    let sign = if byte & 0x80 == 0 { 1.0 } else { -1.0 };
+    let exponent = i32::from((byte >> 3) & 0xf);
+    let mantissa = f64::from(byte & 0x7);
+    if exponent == 15 && mantissa == 7.0 {
+        return None;
+    }
+    let magnitude = if exponent == 0 {
+        mantissa / 8.0 * 2f64.powi(-6)
+    } else {
+        (1.0 + mantissa / 8.0) * 2f64.powi(exponent - 7)
+    };
+    // Every e4m3 value is exact in f32 (and the sign of zero survives the product).
+    Some((sign * magnitude) as f32)
+}
+
+/// What the decoders give an e4m3fn byte: its value, or for the NaN bytes the ±480 that
+/// [`e4m3_to_f32`] documents (their fields read as if they were a number; no quantizer
+/// writes them).
+pub(crate) fn e4m3_expected(byte: u8) -> f32 {
+    e4m3_by_definition(byte).unwrap_or(if byte & 0x80 == 0 { 480.0 } else { -480.0 })
+}
+
 #[test]
 fn every_e4m3_byte_widens_to_its_value_on_every_path() {
-    // Every byte (subnormals, both zeros, and the NaN patterns, which both paths read as
-    // ±480), three times over so that the vector path also has a partial last chunk.
+    // The definition's landmarks, so that the reference itself is held to the spec's table.
+    assert_eq!(e4m3_by_definition(0x7e), Some(448.0), "largest normal");
+    assert_eq!(
+        e4m3_by_definition(0x01),
+        Some(2f32.powi(-9)),
+        "smallest subnormal"
+    );
+    assert!(e4m3_by_definition(0x7f).is_none() && e4m3_by_definition(0xff).is_none());
+    assert_eq!(
+        e4m3_by_definition(0x80).map(f32::to_bits),
+        Some((-0.0f32).to_bits())
+    );
+    // Every byte (subnormals, both zeros, and the NaN patterns), three times over so that the
+    // vector path also has a partial last chunk.
     let bytes: Vec<u8> = (0..=255u8).cycle().take(3 * 256 + 7).collect();
+    let expected: Vec<u32> = bytes.iter().map(|b| e4m3_expected(*b).to_bits()).collect();
+    let check = |path: &str, out: &[f32]| {
+        for ((b, o), e) in bytes.iter().zip(out).zip(&expected) {
+            assert_eq!(o.to_bits(), *e, "{path}: byte {b:#04x} gave {o}");
+        }
+    };
+    // The scalar decoding (each weight the row kernels read, and the portable widening).
+    let scalar: Vec<f32> = bytes.iter().map(|b| e4m3_to_f32(*b)).collect();
+    check("e4m3_to_f32", &scalar);
+    // The widening as the products call it (AVX-512 where the CPU has it).
     let mut out = vec![f32::NAN; bytes.len()];
     widen_e4m3(&bytes, &mut out);
-    for (b, o) in bytes.iter().zip(&out) {
-        assert_eq!(o.to_bits(), e4m3_to_f32(*b).to_bits(), "byte {b:#04x}");
+    check("widen_e4m3", &out);
+    // The AVX-512 kernel itself, where the CPU has it.
+    #[cfg(target_arch = "x86_64")]
+    if decode_kernel_available() {
+        let mut out = vec![f32::NAN; bytes.len()];
+        // SAFETY: the CPU has AVX-512 F, BW and VL; the slices are one length.
+        unsafe { widen_e4m3_avx512(&bytes, &mut out) };
+        check("widen_e4m3_avx512", &out);
+        println!("e4m3 checked on the scalar and the AVX-512 (f16 conversion) paths");
+        return;
     }
-    println!(
-        "e4m3 widened {}",
-        if decode_kernel_available() {
-            "with AVX-512 (f16 conversion)"
-        } else {
-            "by the portable decoding only (the CPU has no AVX-512 F/BW/VL)"
-        }
+    crate::compute::skipped(
+        "e4m3: no AVX-512 F/BW/VL here, so only the scalar path was checked against the \
+         definition",
     );
 }
 
