@@ -24,7 +24,8 @@
 //! gives, per neuron, a sum per group and digit in the sixteen columns of C, which one vector
 //! weighs by the four groups' scales.
 
-use super::{TILE, TileSession};
+use super::pack::TILE;
+use super::session::TileSession;
 
 /// Input rows the kernel takes at most (the decode steps of a few sequences).
 pub(crate) const MAX_ROWS: usize = 8;
@@ -49,7 +50,7 @@ const TILE_BYTES: usize = TILE * 64;
 /// Whether the CPU has AMX-INT8 besides the AMX-BF16 that [`super::enabled`] checks, and
 /// the AVX-512 (BW, VNNI) that the packing and the sums use.
 pub(crate) fn int8_enabled() -> bool {
-    if !super::enabled() {
+    if !super::status::enabled() {
         return false;
     }
     #[cfg(target_arch = "x86_64")]
@@ -321,7 +322,7 @@ const PAIR: usize = 2 * TILE;
 pub(crate) fn int4_product(
     digits: &Int4Digits,
     packed: &[u32],
-    scales: &crate::compute::quant::GroupScales,
+    scales: &crate::compute::quant::format::GroupScales,
     group: usize,
     n: usize,
     out: &mut [f32],
@@ -337,7 +338,7 @@ pub(crate) fn int4_product(
     let per_row = k.div_ceil(group);
     assert_eq!(scales.len(), n * per_row, "scale count");
     assert_eq!(out.len(), rows * n, "output size");
-    let out_at = crate::compute::cpu::SharedOut::new(out);
+    let out_at = crate::compute::cpu::parallel::SharedOut::new(out);
     let pairs = n.div_ceil(PAIR);
     let run = |first_pair: usize, count: usize| {
         let session = TileSession::start();
@@ -360,7 +361,7 @@ pub(crate) fn int4_product(
             }
         }
     };
-    if parallel && rows * n * k >= crate::compute::cpu::PARALLEL_MIN_FLOPS {
+    if parallel && rows * n * k >= crate::compute::cpu::parallel::PARALLEL_MIN_FLOPS {
         let per_task = pairs.div_ceil(4 * rayon::current_num_threads());
         (0..pairs.div_ceil(per_task))
             .into_par_iter()
@@ -407,7 +408,7 @@ impl Pass {
     /// one per 32 of `k`.
     fn scales_of(
         &mut self,
-        scales: &crate::compute::quant::GroupScales,
+        scales: &crate::compute::quant::format::GroupScales,
         group: usize,
         per_row: usize,
         first: usize,
