@@ -23,7 +23,12 @@
 //! - One UCX worker per link (see [`worker`] for why), called by the link's tasks on the
 //!   runtime's threads; a driver task per link waits on the worker's event fd when idle.
 
+mod context;
+mod endpoint;
+mod events;
+mod handle;
 mod rows;
+mod status;
 mod stream;
 mod worker;
 
@@ -37,10 +42,13 @@ use std::sync::{Arc, Mutex, PoisonError};
 use futures::FutureExt;
 use futures::future::BoxFuture;
 
+use context::Context;
+pub use context::MemoryTypes;
+use endpoint::EpShared;
+use handle::WorkerHandle;
 pub use rows::packs_rows;
 pub use stream::UcxStream;
-pub use worker::MemoryTypes;
-use worker::{Context, EpShared, Worker, WorkerHandle};
+use worker::Worker;
 
 use super::{LinkUpgrade, PeerListener, PeerStream, TcpTransport, Transport};
 
