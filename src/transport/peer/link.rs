@@ -103,17 +103,23 @@ pub(super) async fn negotiate_link(
         None
     });
     let ours = match &upgrade {
-        Some(upgrade) => LinkOffer::Ucx(upgrade.address().to_vec()),
+        Some(upgrade) => LinkOffer::Path {
+            kind: upgrade.kind(),
+            address: upgrade.address().to_vec(),
+        },
         None => LinkOffer::Stay,
     };
     let theirs = exchange_offers(&mut stream, &ours).await?;
     let (mut upgrade, address) = match (upgrade, theirs) {
-        (Some(upgrade), LinkOffer::Ucx(address)) => (upgrade, address),
-        (Some(upgrade), LinkOffer::Stay) => {
+        (Some(upgrade), LinkOffer::Path { kind, address }) if kind == upgrade.kind() => {
+            (upgrade, address)
+        }
+        // The peer offers nothing, or a path of another kind.
+        (Some(upgrade), _) => {
             tracing::info!(
                 %peer,
                 "peer link stays on TCP: the peer offers no {} (its peer.transport is \"tcp\", or UCX does not load there)",
-                upgrade.name()
+                upgrade.kind().name()
             );
             return Ok((stream, "tcp"));
         }
@@ -127,14 +133,14 @@ pub(super) async fn negotiate_link(
     let theirs_ready = handshake::parse_link_ready(ready)?;
     match made {
         Ok(()) if theirs_ready => {
-            let name = upgrade.name();
+            let name = upgrade.kind().name();
             Ok((upgrade.into_stream(stream), name))
         }
         Ok(()) => {
             tracing::warn!(
                 %peer,
                 "peer link stays on TCP: the peer could not reach this node's {} address (see its log)",
-                upgrade.name()
+                upgrade.kind().name()
             );
             Ok((stream, "tcp"))
         }
@@ -143,7 +149,7 @@ pub(super) async fn negotiate_link(
                 %peer,
                 %error,
                 "peer link stays on TCP: cannot reach the peer's {} address",
-                upgrade.name()
+                upgrade.kind().name()
             );
             Ok((stream, "tcp"))
         }

@@ -50,7 +50,7 @@ pub use rows::packs_rows;
 pub use stream::UcxStream;
 use worker::Worker;
 
-use super::{LinkUpgrade, PeerListener, PeerStream, TcpTransport, Transport};
+use super::{LinkKind, LinkUpgrade, PeerListener, PeerStream, TcpTransport, Transport};
 
 /// A loaded libucp (1.13 or newer).
 pub struct Library {
@@ -263,8 +263,8 @@ impl LinkUpgrade for UcxLink {
         &self.address
     }
 
-    fn name(&self) -> &'static str {
-        "ucx"
+    fn kind(&self) -> LinkKind {
+        LinkKind::Ucx
     }
 
     fn connect(&mut self, address: &[u8]) -> BoxFuture<'_, io::Result<()>> {
