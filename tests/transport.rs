@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
+use moe_node::config::{PeerSection, PeerTransport};
 use moe_node::transport::handshake::HandshakeError;
 use moe_node::transport::peer::{PeerConfig, client_handshake};
 
@@ -542,9 +543,11 @@ fn an_idle_ucx_link_spends_no_cpu() {
 /// The UCX context says what memory it moves (`ucp_context_query`): host memory always, and
 /// CUDA memory only where the loaded UCX has its CUDA module (`ucx/libuct_cuda.so*` beside
 /// libucp; Debian's libucx0 has none, PyPI's libucx-cu13 has it). A UCX that cannot move CUDA
-/// memory must never be handed a device pointer, which `takes_cuda_memory` guards.
+/// memory must never be handed a device pointer: the node's transport selection
+/// (`transport::select::choose`, what `serve` logs) then says GPU rows travel through pinned
+/// host memory. With Debian's UCX, as CI has, that is what a user must see.
 #[test]
-fn ucx_reports_the_kinds_of_memory_it_moves() {
+fn a_ucx_without_cuda_moves_gpu_rows_through_host_memory() {
     let Some(transport) = ucx_transport() else {
         return;
     };
@@ -563,15 +566,39 @@ fn ucx_reports_the_kinds_of_memory_it_moves() {
                 .any(|e| e.file_name().to_string_lossy().starts_with("libuct_cuda"))
         })
         .unwrap_or(false);
-    if !has_cuda_module {
-        assert!(
-            !types.cuda() && !transport.takes_cuda_memory(),
-            "UCX claims CUDA memory without a CUDA module in {}: {:?}",
-            modules.display(),
-            types.names()
+    let peer = PeerSection {
+        transport: PeerTransport::Ucx,
+        ..PeerSection::default()
+    };
+    let chosen = moe_node::transport::select::choose(&peer).expect("UCX is chosen");
+    assert_eq!(chosen.name, "ucx", "{}", chosen.why);
+    let host_staged = "no GPU memory: GPU rows travel through pinned host memory";
+    if has_cuda_module {
+        // A UCX with CUDA (and a driver to load) may move GPU memory: the selection says so
+        // exactly when UCX lists CUDA memory.
+        let lists_cuda = types.names().contains(&"cuda");
+        assert_eq!(
+            chosen.why.contains(host_staged),
+            !lists_cuda,
+            "UCX lists {:?}, the selection says: {}",
+            types.names(),
+            chosen.why
         );
+        return;
     }
-    assert_eq!(transport.takes_cuda_memory(), types.cuda());
+    assert_eq!(
+        (types.names(), transport.takes_cuda_memory()),
+        (vec!["host"], false),
+        "UCX claims more than host memory without a CUDA module in {}",
+        modules.display()
+    );
+    assert!(
+        chosen.why.contains(
+            "memory types host (no GPU memory: GPU rows travel through pinned host memory)"
+        ),
+        "a UCX without CUDA must send GPU rows through host memory, the selection says: {}",
+        chosen.why
+    );
 }
 
 /// Requests of one MoE layer's size and beyond, each way, and of a few rows: over UCX a

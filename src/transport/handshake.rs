@@ -7,7 +7,8 @@
 //! client -> server  ClientProof  "MOEH" version 3 status u8 mac[32]
 //! server -> client  Verdict      "MOEH" version 4 status u8
 //! both, once Ok      LinkOffer    "MOEH" version 5 kind u8 len u32 address[len]
-//! both, after UCX    LinkReady    "MOEH" version 6 ready u8 (1: made, 0: failed)
+//!                                (kind 0: stay, len 0; else a LinkKind's code, 1 UCX)
+//! both, after a path LinkReady    "MOEH" version 6 ready u8 (1: made, 0: failed)
 //! ```
 //!
 //! The server MAC is HMAC-SHA256(secret, "moe-node peer server" || transcript), the client
@@ -22,15 +23,18 @@
 //! proof verified.
 //!
 //! Once authenticated, each side says what else could carry the link ([`LinkOffer`]): nothing
-//! (the frames stay on this stream) or a UCX worker address. Only when both offer UCX does
-//! each create its UCX endpoint toward the other's address and say whether that worked
-//! (`LinkReady`); when both did, the frames travel over UCX and this stream stays open only
-//! to tell each side when the other is gone. No UCX listener is ever exposed: nothing
-//! reaches UCX before the peer has proved it holds the cluster secret.
+//! (the frames stay on this stream) or a path of some [`LinkKind`] (today UCX, at a worker
+//! address) and its address, which the handshake carries without reading. Only when both
+//! offer the same kind does each create its end toward the other's address and say whether
+//! that worked (`LinkReady`); when both did, the frames travel over that path and this
+//! stream stays open only to tell each side when the other is gone. No UCX listener is ever
+//! exposed: nothing reaches UCX before the peer has proved it holds the cluster secret.
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 use thiserror::Error;
+
+pub use super::LinkKind;
 
 /// First bytes of every handshake message.
 pub const HANDSHAKE_MAGIC: [u8; 4] = *b"MOEH";
@@ -58,8 +62,8 @@ const TYPE_LINK_READY: u8 = 6;
 pub const MAX_LINK_ADDRESS: usize = 64 * 1024;
 /// Fixed part of a link offer after its preamble: kind, address length.
 pub const LINK_OFFER_FIXED_LEN: usize = 5;
+/// The kind byte of an offer of nothing more (every other kind is a [`LinkKind`]'s code).
 const OFFER_STAY: u8 = 0;
-const OFFER_UCX: u8 = 1;
 
 /// Fixed part of a hello: magic, version, type.
 pub const PREAMBLE_LEN: usize = 6;
@@ -195,8 +199,9 @@ pub fn encode_verdict(status: Status) -> Vec<u8> {
 pub enum LinkOffer {
     /// Nothing but the handshake's own stream.
     Stay,
-    /// UCX, reaching this side's worker at this address (`ucp_worker_get_address`).
-    Ucx(Vec<u8>),
+    /// A path of this kind, reaching this side at this address (what the path's transport
+    /// gives, e.g. `ucp_worker_get_address`).
+    Path { kind: LinkKind, address: Vec<u8> },
 }
 
 /// Encodes a link offer.
@@ -205,7 +210,7 @@ pub fn encode_link_offer(offer: &LinkOffer) -> Vec<u8> {
     preamble(&mut out, TYPE_LINK_OFFER);
     let (kind, address): (u8, &[u8]) = match offer {
         LinkOffer::Stay => (OFFER_STAY, &[]),
-        LinkOffer::Ucx(address) => (OFFER_UCX, address),
+        LinkOffer::Path { kind, address } => (kind.code(), address),
     };
     out.push(kind);
     out.extend_from_slice(&(address.len() as u32).to_le_bytes());
@@ -213,26 +218,26 @@ pub fn encode_link_offer(offer: &LinkOffer) -> Vec<u8> {
     out
 }
 
-/// Parses a link offer's kind and address length: the kind, and how many address bytes follow.
+/// Parses a link offer's kind and address length: the path's kind (`None`: stay), and how
+/// many address bytes follow. A kind this build does not know is refused.
 pub fn parse_link_offer_fixed(
     bytes: &[u8; LINK_OFFER_FIXED_LEN],
-) -> Result<(u8, usize), HandshakeError> {
+) -> Result<(Option<LinkKind>, usize), HandshakeError> {
     let len = u32::from_le_bytes([bytes[1], bytes[2], bytes[3], bytes[4]]) as usize;
-    match bytes[0] {
-        OFFER_STAY if len == 0 => Ok((OFFER_STAY, 0)),
-        OFFER_UCX if (1..=MAX_LINK_ADDRESS).contains(&len) => Ok((OFFER_UCX, len)),
-        kind => Err(HandshakeError::Protocol(format!(
+    match (bytes[0], LinkKind::from_code(bytes[0])) {
+        (OFFER_STAY, _) if len == 0 => Ok((None, 0)),
+        (_, Some(kind)) if (1..=MAX_LINK_ADDRESS).contains(&len) => Ok((Some(kind), len)),
+        (kind, _) => Err(HandshakeError::Protocol(format!(
             "link offer of kind {kind} with a {len}-byte address"
         ))),
     }
 }
 
 /// The offer from a kind [`parse_link_offer_fixed`] accepted and its address bytes.
-pub fn link_offer(kind: u8, address: Vec<u8>) -> LinkOffer {
-    if kind == OFFER_UCX {
-        LinkOffer::Ucx(address)
-    } else {
-        LinkOffer::Stay
+pub fn link_offer(kind: Option<LinkKind>, address: Vec<u8>) -> LinkOffer {
+    match kind {
+        Some(kind) => LinkOffer::Path { kind, address },
+        None => LinkOffer::Stay,
     }
 }
 
@@ -414,7 +419,11 @@ mod tests {
 
     #[test]
     fn link_offers_parse_back_and_bad_ones_are_refused() {
-        for offer in [LinkOffer::Stay, LinkOffer::Ucx(vec![7; 300])] {
+        let ucx = LinkOffer::Path {
+            kind: LinkKind::Ucx,
+            address: vec![7; 300],
+        };
+        for offer in [LinkOffer::Stay, ucx] {
             let bytes = encode_link_offer(&offer);
             let mut preamble = [0u8; PREAMBLE_LEN];
             preamble.copy_from_slice(&bytes[..PREAMBLE_LEN]);
@@ -426,9 +435,27 @@ mod tests {
             assert_eq!(len, address.len());
             assert_eq!(link_offer(kind, address), offer);
         }
+        // The bytes the fuzz corpora and every deployed node speak: kind 1 is UCX.
+        let ucx = LinkOffer::Path {
+            kind: LinkKind::Ucx,
+            address: vec![7, 8],
+        };
+        assert_eq!(
+            encode_link_offer(&ucx),
+            [
+                b"MOEH".as_slice(),
+                &[HANDSHAKE_VERSION, 5, 1, 2, 0, 0, 0, 7, 8]
+            ]
+            .concat()
+        );
+        assert_eq!(
+            encode_link_offer(&LinkOffer::Stay),
+            [b"MOEH".as_slice(), &[HANDSHAKE_VERSION, 5, 0, 0, 0, 0, 0]].concat()
+        );
         let too_long = (MAX_LINK_ADDRESS as u32 + 1).to_le_bytes();
         for fixed in [
             [1, 0, 0, 0, 0],
+            [2, 1, 0, 0, 0],
             [1, too_long[0], too_long[1], too_long[2], too_long[3]],
             [0, 1, 0, 0, 0],
             [9, 0, 0, 0, 0],

@@ -9,6 +9,16 @@
 //! - [`memory`]: [`MemoryTransport`], an in-memory network whose links tests can cut,
 //!   partition, delay and blackhole.
 //! - [`peer`]: [`PeerClient`] and [`PeerServer`], the protocol over any transport.
+//!
+//! Adding a transport: implement [`Transport`] (`connect` and `bind` give byte streams, on
+//! which the peer handshake authenticates both sides) and [`PeerStream`] for its stream
+//! (`into_halves`: [`FrameRead`] and [`FrameWrite`] have defaults that suit any byte stream;
+//! override them where the transport can spare a copy). A transport whose fast path needs
+//! the peer authenticated first (as UCX's does) keeps `connect`/`bind` on TCP and offers the
+//! path from [`Transport::upgrade`]: a [`LinkUpgrade`] of a new [`LinkKind`], whose code and
+//! address the handshake carries as they are. Then say when to choose it in [`select`], and
+//! add it to `on_every_transport!` in `tests/transport.rs`, which runs the whole peer
+//! protocol suite over each transport.
 
 pub mod handshake;
 pub mod memory;
@@ -150,12 +160,48 @@ pub trait Transport: Send + Sync + 'static {
     }
 }
 
+/// The paths a link can move to after its handshake, each with the byte that names it in a
+/// link offer ([`handshake::LinkOffer`]). The handshake carries a path's kind and address
+/// without knowing what they mean; a link moves only when both sides offer the same kind.
+///
+/// A transport with a new path adds its kind here, with a code no other kind has (0 is
+/// taken: "stay on the handshake's stream"), and returns it from [`LinkUpgrade::kind`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LinkKind {
+    /// UCX, reached at a worker's address (`ucp_worker_get_address`).
+    Ucx,
+}
+
+impl LinkKind {
+    /// Every kind, for reading a code back.
+    const ALL: [LinkKind; 1] = [LinkKind::Ucx];
+
+    /// The kind's byte in a link offer (never 0).
+    pub fn code(self) -> u8 {
+        match self {
+            LinkKind::Ucx => 1,
+        }
+    }
+
+    /// The kind a link offer's byte names, if this build knows it.
+    pub fn from_code(code: u8) -> Option<LinkKind> {
+        LinkKind::ALL.into_iter().find(|kind| kind.code() == code)
+    }
+
+    /// The path's name, for logs ("ucx").
+    pub fn name(self) -> &'static str {
+        match self {
+            LinkKind::Ucx => "ucx",
+        }
+    }
+}
+
 /// One side's offer of another path for one link, made before the peer answered.
 pub trait LinkUpgrade: Send {
+    /// Which path this is: the peer must offer the same kind for the link to move.
+    fn kind(&self) -> LinkKind;
     /// What the peer needs to reach this side (a UCX worker address).
     fn address(&self) -> &[u8];
-    /// Which path this is, for logs ("ucx").
-    fn name(&self) -> &'static str;
     /// Creates this side's end toward the peer's `address`.
     fn connect(&mut self, address: &[u8]) -> BoxFuture<'_, std::io::Result<()>>;
     /// The link's stream, once both sides' ends are made. `control` is the handshake's

@@ -23,7 +23,12 @@
 //! - One UCX worker per link (see [`worker`] for why), called by the link's tasks on the
 //!   runtime's threads; a driver task per link waits on the worker's event fd when idle.
 
+mod context;
+mod endpoint;
+mod events;
+mod handle;
 mod rows;
+mod status;
 mod stream;
 mod worker;
 
@@ -37,12 +42,15 @@ use std::sync::{Arc, Mutex, PoisonError};
 use futures::FutureExt;
 use futures::future::BoxFuture;
 
+use context::Context;
+pub use context::MemoryTypes;
+use endpoint::EpShared;
+use handle::WorkerHandle;
 pub use rows::packs_rows;
 pub use stream::UcxStream;
-pub use worker::MemoryTypes;
-use worker::{Context, EpShared, Worker, WorkerHandle};
+use worker::Worker;
 
-use super::{LinkUpgrade, PeerListener, PeerStream, TcpTransport, Transport};
+use super::{LinkKind, LinkUpgrade, PeerListener, PeerStream, TcpTransport, Transport};
 
 /// A loaded libucp (1.13 or newer).
 pub struct Library {
@@ -255,8 +263,8 @@ impl LinkUpgrade for UcxLink {
         &self.address
     }
 
-    fn name(&self) -> &'static str {
-        "ucx"
+    fn kind(&self) -> LinkKind {
+        LinkKind::Ucx
     }
 
     fn connect(&mut self, address: &[u8]) -> BoxFuture<'_, io::Result<()>> {

@@ -30,6 +30,7 @@ use std::sync::Arc;
 use ucx_sys as sys;
 
 use super::Library;
+use super::status::status_error;
 use crate::transport::wire::{self, Dtype};
 
 /// The lane transports (`ucp_ep_print_info`'s names) that move a rendezvous message by
@@ -78,7 +79,7 @@ impl Bf16Rows {
                 .ucp_dt_create_generic(&OPS, std::ptr::null_mut(), &mut handle)
         };
         if status != sys::UCS_OK {
-            return Err(super::worker::status_error(
+            return Err(status_error(
                 &library,
                 "creating the bf16 rows datatype",
                 status,

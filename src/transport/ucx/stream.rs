@@ -33,9 +33,9 @@ use std::task::{Context, Poll};
 
 use tokio::io::{AsyncBufRead, AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 
-use super::worker::{
-    EpShared, Failure, MESSAGE_MAX, Payload, RECV_BUFFERED_MAX, SEND_PENDING_MAX, WorkerHandle,
-};
+use super::endpoint::{EpShared, Failure, Payload};
+use super::handle::WorkerHandle;
+use super::worker::{MESSAGE_MAX, RECV_BUFFERED_MAX, SEND_PENDING_MAX};
 use crate::transport::wire::{Dtype, RowsFrame};
 use crate::transport::{DecodedRows, FrameRead, FrameWrite, PeerStream, ROWS_APART_MIN};
 

@@ -1,0 +1,258 @@
+//! How a connection becomes a link: both sides prove they hold the cluster secret (the
+//! messages of [`crate::transport::handshake`], driven here over the stream), then agree on
+//! what carries the link's frames: the stream itself, or the faster path a transport offers
+//! ([`crate::transport::LinkUpgrade`]) when both sides offer it and both reach it.
+
+use std::net::SocketAddr;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use super::PeerAuth;
+use crate::transport::handshake::{self, HandshakeError, Hello, LinkOffer, MAC_LEN, Status};
+use crate::transport::{PeerStream, Transport};
+
+fn io_error(error: std::io::Error) -> HandshakeError {
+    if error.kind() == std::io::ErrorKind::UnexpectedEof {
+        HandshakeError::Truncated
+    } else {
+        HandshakeError::Io(error.to_string())
+    }
+}
+
+async fn read_array<const N: usize, S: AsyncRead + Unpin>(
+    stream: &mut S,
+) -> Result<[u8; N], HandshakeError> {
+    let mut bytes = [0u8; N];
+    stream.read_exact(&mut bytes).await.map_err(io_error)?;
+    Ok(bytes)
+}
+
+async fn read_hello<S: AsyncRead + Unpin>(stream: &mut S) -> Result<Hello, HandshakeError> {
+    let fixed = read_array::<{ handshake::HELLO_FIXED_LEN }, _>(stream).await?;
+    let (model_fingerprint, nonce, id_len) = handshake::parse_hello_fixed(&fixed)?;
+    let mut id = vec![0u8; id_len];
+    stream.read_exact(&mut id).await.map_err(io_error)?;
+    Ok(Hello {
+        node_id: handshake::parse_id(id)?,
+        model_fingerprint,
+        nonce,
+    })
+}
+
+async fn write<S: AsyncWrite + Unpin>(stream: &mut S, bytes: &[u8]) -> Result<(), HandshakeError> {
+    stream.write_all(bytes).await.map_err(io_error)?;
+    stream.flush().await.map_err(io_error)
+}
+
+fn our_hello(auth: &PeerAuth) -> Hello {
+    Hello {
+        node_id: auth.node_id.clone(),
+        model_fingerprint: auth.model_fingerprint,
+        nonce: rand::random(),
+    }
+}
+
+/// The client half of the handshake, offering no other path (the frames stay on `stream`);
+/// returns the server's node id. Public so that tests and tools can speak raw frames to a
+/// server.
+pub async fn client_handshake<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    auth: &PeerAuth,
+) -> Result<String, HandshakeError> {
+    let server_id = client_authenticate(stream, auth).await?;
+    exchange_offers(stream, &LinkOffer::Stay).await?;
+    Ok(server_id)
+}
+
+/// The server half of the handshake, offering no other path; returns the client's node id.
+/// Public for the handshake fuzz target.
+pub async fn server_handshake<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    auth: &PeerAuth,
+) -> Result<String, HandshakeError> {
+    let client_id = server_authenticate(stream, auth).await?;
+    exchange_offers(stream, &LinkOffer::Stay).await?;
+    Ok(client_id)
+}
+
+/// Sends our link offer and reads the peer's.
+async fn exchange_offers<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    ours: &LinkOffer,
+) -> Result<LinkOffer, HandshakeError> {
+    write(stream, &handshake::encode_link_offer(ours)).await?;
+    let preamble = read_array::<{ handshake::PREAMBLE_LEN }, _>(stream).await?;
+    handshake::check_preamble(&preamble, handshake::message::LINK_OFFER)?;
+    let fixed = read_array::<{ handshake::LINK_OFFER_FIXED_LEN }, _>(stream).await?;
+    let (kind, len) = handshake::parse_link_offer_fixed(&fixed)?;
+    let mut address = vec![0u8; len];
+    stream.read_exact(&mut address).await.map_err(io_error)?;
+    Ok(handshake::link_offer(kind, address))
+}
+
+/// After both sides authenticated: each offers what else could carry the link, and the link
+/// moves there when both offer it and both make their end; otherwise it stays on `stream`.
+/// Returns the link's stream and the name of its path ("tcp" when it stays).
+pub(super) async fn negotiate_link(
+    mut stream: Box<dyn PeerStream>,
+    transport: &dyn Transport,
+    peer: SocketAddr,
+) -> Result<(Box<dyn PeerStream>, &'static str), HandshakeError> {
+    let upgrade = transport.upgrade().await.unwrap_or_else(|error| {
+        tracing::warn!(%peer, %error, "cannot offer this peer link UCX: it stays on TCP");
+        None
+    });
+    let ours = match &upgrade {
+        Some(upgrade) => LinkOffer::Path {
+            kind: upgrade.kind(),
+            address: upgrade.address().to_vec(),
+        },
+        None => LinkOffer::Stay,
+    };
+    let theirs = exchange_offers(&mut stream, &ours).await?;
+    let (mut upgrade, address) = match (upgrade, theirs) {
+        (Some(upgrade), LinkOffer::Path { kind, address }) if kind == upgrade.kind() => {
+            (upgrade, address)
+        }
+        // The peer offers nothing, or a path of another kind.
+        (Some(upgrade), _) => {
+            tracing::info!(
+                %peer,
+                "peer link stays on TCP: the peer offers no {} (its peer.transport is \"tcp\", or UCX does not load there)",
+                upgrade.kind().name()
+            );
+            return Ok((stream, "tcp"));
+        }
+        (None, _) => return Ok((stream, "tcp")),
+    };
+    let made = upgrade.connect(&address).await;
+    write(&mut stream, &handshake::encode_link_ready(made.is_ok())).await?;
+    let preamble = read_array::<{ handshake::PREAMBLE_LEN }, _>(&mut stream).await?;
+    handshake::check_preamble(&preamble, handshake::message::LINK_READY)?;
+    let [ready] = read_array::<1, _>(&mut stream).await?;
+    let theirs_ready = handshake::parse_link_ready(ready)?;
+    match made {
+        Ok(()) if theirs_ready => {
+            let name = upgrade.kind().name();
+            Ok((upgrade.into_stream(stream), name))
+        }
+        Ok(()) => {
+            tracing::warn!(
+                %peer,
+                "peer link stays on TCP: the peer could not reach this node's {} address (see its log)",
+                upgrade.kind().name()
+            );
+            Ok((stream, "tcp"))
+        }
+        Err(error) => {
+            tracing::warn!(
+                %peer,
+                %error,
+                "peer link stays on TCP: cannot reach the peer's {} address",
+                upgrade.kind().name()
+            );
+            Ok((stream, "tcp"))
+        }
+    }
+}
+
+pub(super) async fn client_authenticate<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    auth: &PeerAuth,
+) -> Result<String, HandshakeError> {
+    let ours = our_hello(auth);
+    write(stream, &handshake::encode_client_hello(&ours)).await?;
+    let preamble = read_array::<{ handshake::PREAMBLE_LEN }, _>(stream).await?;
+    handshake::check_preamble(&preamble, handshake::message::SERVER_HELLO)?;
+    let [status] = read_array::<1, _>(stream).await?;
+    let status = handshake::parse_status(status)?;
+    let theirs = read_hello(stream).await?;
+    let mac = read_array::<MAC_LEN, _>(stream).await?;
+    if status == Status::WrongModel || theirs.model_fingerprint != auth.model_fingerprint {
+        return Err(HandshakeError::WrongModel {
+            ours: auth.model_fingerprint,
+            theirs: theirs.model_fingerprint,
+        });
+    }
+    if status != Status::Ok {
+        return Err(HandshakeError::Protocol(
+            "server hello with an unexpected status".into(),
+        ));
+    }
+    // The server proved itself with one of our secrets: we answer with the same one.
+    let Some(shared) = auth
+        .secrets()
+        .find(|secret| handshake::verify_server_mac(secret, &ours, &theirs, &mac))
+    else {
+        // Tell the server why we hang up, so both sides report the same cause.
+        let _ = write(
+            stream,
+            &handshake::encode_client_proof(Status::AuthFailed, &[0; MAC_LEN]),
+        )
+        .await;
+        return Err(HandshakeError::WrongSecret);
+    };
+    let proof = handshake::client_mac(shared, &ours, &theirs);
+    write(stream, &handshake::encode_client_proof(Status::Ok, &proof)).await?;
+    let preamble = read_array::<{ handshake::PREAMBLE_LEN }, _>(stream).await?;
+    handshake::check_preamble(&preamble, handshake::message::VERDICT)?;
+    let [verdict] = read_array::<1, _>(stream).await?;
+    match handshake::parse_status(verdict)? {
+        Status::Ok => Ok(theirs.node_id),
+        Status::AuthFailed => Err(HandshakeError::RefusedByPeer),
+        Status::WrongModel => Err(HandshakeError::Protocol(
+            "verdict with an unexpected status".into(),
+        )),
+    }
+}
+
+pub(super) async fn server_authenticate<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    auth: &PeerAuth,
+) -> Result<String, HandshakeError> {
+    let preamble = read_array::<{ handshake::PREAMBLE_LEN }, _>(stream).await?;
+    handshake::check_preamble(&preamble, handshake::message::CLIENT_HELLO)?;
+    let theirs = read_hello(stream).await?;
+    let ours = our_hello(auth);
+    if theirs.model_fingerprint != auth.model_fingerprint {
+        let refusal = handshake::ServerHello {
+            status: Status::WrongModel,
+            hello: ours,
+            mac: [0; MAC_LEN],
+        };
+        let _ = write(stream, &handshake::encode_server_hello(&refusal)).await;
+        return Err(HandshakeError::WrongModel {
+            ours: auth.model_fingerprint,
+            theirs: theirs.model_fingerprint,
+        });
+    }
+    let mac = handshake::server_mac(&auth.secret, &theirs, &ours);
+    let answer = handshake::ServerHello {
+        status: Status::Ok,
+        hello: ours.clone(),
+        mac,
+    };
+    write(stream, &handshake::encode_server_hello(&answer)).await?;
+    let preamble = read_array::<{ handshake::PREAMBLE_LEN }, _>(stream).await?;
+    handshake::check_preamble(&preamble, handshake::message::CLIENT_PROOF)?;
+    let [status] = read_array::<1, _>(stream).await?;
+    let proof = read_array::<MAC_LEN, _>(stream).await?;
+    match handshake::parse_status(status)? {
+        Status::Ok => {}
+        Status::AuthFailed => return Err(HandshakeError::RefusedByPeer),
+        Status::WrongModel => {
+            return Err(HandshakeError::Protocol(
+                "client proof with an unexpected status".into(),
+            ));
+        }
+    }
+    if !auth
+        .secrets()
+        .any(|secret| handshake::verify_client_mac(secret, &theirs, &ours, &proof))
+    {
+        let _ = write(stream, &handshake::encode_verdict(Status::AuthFailed)).await;
+        return Err(HandshakeError::WrongSecret);
+    }
+    write(stream, &handshake::encode_verdict(Status::Ok)).await?;
+    Ok(theirs.node_id)
+}
