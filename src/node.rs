@@ -2,8 +2,8 @@
 //! (devices, placement, dispatcher, router; in a cluster also the peer server and
 //! membership), and hands out typed handles to them.
 
-pub mod cluster_metrics;
-pub mod joined;
+mod cluster_metrics;
+mod joined;
 mod rebalance;
 pub mod router;
 

@@ -2,14 +2,14 @@
 //! Prometheus metrics and admin endpoints. Handlers validate and translate; generation
 //! happens in the router actor.
 
-pub mod admin;
-pub mod cluster;
-pub mod detokenize;
-pub mod error;
+mod admin;
+mod cluster;
+mod detokenize;
+mod error;
 mod generation;
 pub mod openai;
 mod response;
-pub mod stop;
+mod stop;
 mod structured;
 pub mod tool_calls;
 

@@ -16,7 +16,7 @@ pub mod keyring;
 pub mod membership;
 pub mod screen;
 pub mod sim;
-pub mod table;
+mod table;
 
 #[cfg(test)]
 mod loopback_tests;

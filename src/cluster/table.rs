@@ -217,6 +217,7 @@ impl MemberTable {
     }
 
     /// The member at `gossip`, if known (never the local node).
+    #[cfg(test)]
     pub fn get(&self, gossip: SocketAddr) -> Option<&MemberView> {
         self.others.get(&gossip)
     }

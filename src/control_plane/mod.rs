@@ -7,8 +7,8 @@
 
 pub mod client;
 pub mod server;
-pub mod store;
-pub mod tls;
+mod store;
+mod tls;
 pub mod wire;
 
 use std::path::{Path, PathBuf};

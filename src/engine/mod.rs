@@ -3,7 +3,7 @@
 //! [`crate::experts::ExpertExecutor`], so the same engine runs with experts in this process, on
 //! device actors or on other nodes.
 
-pub mod attention;
+mod attention;
 pub mod batch;
 pub mod generate;
 pub mod gpu;
@@ -11,9 +11,9 @@ pub mod grammar;
 pub mod kv_cache;
 pub mod logprobs;
 pub mod moe_layer;
-pub mod prefix;
+mod prefix;
 pub mod rope;
-pub mod sampling;
+mod sampling;
 mod step_pool;
 
 use std::path::Path;

@@ -1,14 +1,14 @@
 //! Checkpoints as published: `config.json`, safetensors weights, `tokenizer.json`.
 
 pub mod chat_template;
-pub mod checkpoint;
+mod checkpoint;
 pub mod config;
 pub mod demo;
 pub mod dummy;
 pub mod family;
 pub mod quant;
 pub mod template_worker;
-pub mod tokenizer;
+mod tokenizer;
 pub mod weights;
 
 use std::path::{Path, PathBuf};

@@ -21,10 +21,10 @@
 //! protocol suite over each transport.
 
 pub mod handshake;
-pub mod memory;
+mod memory;
 pub mod peer;
 pub mod select;
-pub mod tcp;
+mod tcp;
 pub mod ucx;
 pub mod wire;
 

@@ -10,7 +10,7 @@ pub mod dense;
 pub mod experts;
 pub mod kernels;
 pub mod layer;
-pub mod libs;
+mod libs;
 pub mod moe;
 pub mod storage;
 
