@@ -203,7 +203,7 @@ fn greedy(server: &Server, prompt: &str) -> Value {
         .clone()
 }
 
-/// `got` within `range`, the band README.md's figure for `what` is held to.
+/// `got` within `range`, the band the measured figure for `what` is held to.
 #[track_caller]
 fn assert_within(what: &str, got: f64, range: std::ops::RangeInclusive<f64>, report: &Value) {
     assert!(
@@ -269,7 +269,7 @@ fn a_node_under_skewed_load_rebalances_live_without_failing_or_changing_a_reques
         imbalance_after < imbalance_before,
         "recent imbalance {imbalance_before:.3} before, {imbalance_after:.3} after: {report}"
     );
-    // The figures README.md quotes, within bands: the window holds whatever requests the
+    // The figures six runs measured, within bands: the window holds whatever requests the
     // clients got through in its seconds (1130 to 1479 in six runs), so they are not exact.
     // Measured in six runs (2026-12-06, 2 shared cores): recent imbalance 1.481-1.490 before,
     // 1.065-1.174 after, 35-41 copies loaded; the plan itself predicts 1.0000 on its window.
@@ -475,7 +475,7 @@ fn a_cluster_under_skewed_load_rebalances_live_through_its_placement_versions() 
         imbalance_after < imbalance_before,
         "recent imbalance {imbalance_before:.3} before, {imbalance_after:.3} after: {report}"
     );
-    // The figures README.md quotes, within bands (not exact: the windows hold whatever the
+    // The figures six runs measured, within bands (not exact: the windows hold whatever the
     // clients got through, 1016 to 1350 requests in six runs). Measured in six runs
     // (2026-12-06, 2 shared cores): worst recent imbalance 1.406-1.419 before, 1.087-1.176
     // after, 37-43 copies loaded, 21-24 experts on both nodes, 1.0000 predicted by the plan.
@@ -518,11 +518,11 @@ fn a_cluster_under_skewed_load_rebalances_live_through_its_placement_versions() 
     eprintln!("second cluster rebalance: {again}");
 }
 
-/// The replication table README.md quotes under "Load balance" (from
+/// The replication table docs/load-balance-and-plan.md quotes (from
 /// `benches/results/rebalance.txt`): the profiles are seeded and the algorithms
 /// deterministic, so each figure must come out as printed, to its three decimals.
 #[test]
-fn replication_on_64_devices_gives_the_figures_the_readme_quotes() {
+fn replication_on_64_devices_gives_the_figures_the_docs_quote() {
     // (skew, spare slots per device): mean imbalance over the 61 layers with no copies,
     // EPLB, moe-node, moe-node live.
     let quoted = [
@@ -552,7 +552,7 @@ fn replication_on_64_devices_gives_the_figures_the_readme_quotes() {
             // Printed to three decimals: within half of the last one.
             assert!(
                 (got - want).abs() <= 0.0005 + 1e-12,
-                "skew {skew}, {spare} spare: {name} {got:.4}, the README says {want}"
+                "skew {skew}, {spare} spare: {name} {got:.4}, docs/load-balance-and-plan.md says {want}"
             );
         }
         assert_eq!(
@@ -564,7 +564,7 @@ fn replication_on_64_devices_gives_the_figures_the_readme_quotes() {
             // "worst layer 1.18 at skew 1.0 with one slot"
             assert!(
                 (row.live.worst - 1.18).abs() <= 0.005,
-                "worst live layer {:.4}, the README says 1.18",
+                "worst live layer {:.4}, docs/load-balance-and-plan.md says 1.18",
                 row.live.worst
             );
         }
