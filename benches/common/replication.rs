@@ -1,7 +1,8 @@
 //! The replication benchmark's workload and rows: a Kimi K3-sized layout (896 experts × 61
 //! MoE layers over 64 devices, 8 nodes × 8, replication 1) under seeded Zipf profiles.
 //! `benches/rebalance.rs` prints every row; `tests/rebalance.rs` holds the rows
-//! docs/load-balance-and-plan.md quotes to their figures (the profiles are seeded and the algorithms deterministic).
+//! docs/load-balance-and-plan.md quotes to their figures (the profiles are seeded and the
+//! algorithms deterministic).
 
 use std::time::{Duration, Instant};
 
