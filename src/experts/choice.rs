@@ -80,22 +80,7 @@ pub fn assign_groups_among<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::placement::{NodeSlots, PlacementSpec};
-
-    fn spec(nodes: &[usize], replication: usize) -> PlacementSpec {
-        PlacementSpec {
-            version: 1,
-            replication,
-            nodes: nodes
-                .iter()
-                .enumerate()
-                .map(|(i, &devices)| NodeSlots {
-                    node: format!("n{i}"),
-                    devices,
-                })
-                .collect(),
-        }
-    }
+    use crate::placement::numbered_spec as spec;
 
     fn up(latency_micros: f64) -> ReplicaHealth {
         ReplicaHealth {

@@ -292,24 +292,29 @@ impl Placement {
     }
 }
 
+/// Version 1 of a placement over nodes `n0`, `n1`, ... with `devices[i]` devices each (for
+/// the tests of this folder and of the replica choice).
+#[cfg(test)]
+pub(crate) fn numbered_spec(devices: &[usize], replication: usize) -> PlacementSpec {
+    PlacementSpec {
+        version: 1,
+        replication,
+        nodes: devices
+            .iter()
+            .enumerate()
+            .map(|(i, &devices)| NodeSlots {
+                node: format!("n{i}"),
+                devices,
+            })
+            .collect(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn spec(nodes: &[usize], replication: usize) -> PlacementSpec {
-        PlacementSpec {
-            version: 1,
-            replication,
-            nodes: nodes
-                .iter()
-                .enumerate()
-                .map(|(i, &devices)| NodeSlots {
-                    node: format!("n{i}"),
-                    devices,
-                })
-                .collect(),
-        }
-    }
+    use crate::placement::numbered_spec as spec;
 
     fn check_balanced(p: &Placement, layers: usize, experts: usize) {
         let devices: usize = p.nodes().iter().map(|n| n.devices).sum();
