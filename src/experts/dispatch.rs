@@ -595,10 +595,7 @@ impl Dispatcher {
                 error,
                 failovers,
             } => {
-                self.target_failed(target, &error, rows, now);
-                self.counters
-                    .failovers
-                    .fetch_add(failovers as u64, Ordering::Relaxed);
+                self.target_failed(target, &error, rows, failovers, now);
             }
         }
     }
@@ -612,10 +609,7 @@ impl Dispatcher {
                 error,
                 failovers,
             } => {
-                self.target_failed(target, &error, rows, now);
-                self.counters
-                    .failovers
-                    .fetch_add(failovers as u64, Ordering::Relaxed);
+                self.target_failed(target, &error, rows, failovers, now);
             }
             Overdue::Hedged {
                 target,
@@ -648,7 +642,19 @@ impl Dispatcher {
         hedge_after(latency, self.timing.hedge_floor)
     }
 
-    fn target_failed(&self, target: Target, error: &TargetError, rows: usize, now: Instant) {
+    /// `target` failed a send of `rows` rows (an error, or no answer in time): its health
+    /// says so, and the `failovers` groups placed again are counted.
+    fn target_failed(
+        &self,
+        target: Target,
+        error: &TargetError,
+        rows: usize,
+        failovers: usize,
+        now: Instant,
+    ) {
+        self.counters
+            .failovers
+            .fetch_add(failovers as u64, Ordering::Relaxed);
         let mut health = self.health();
         let h = health.entry(target).or_default();
         h.answered(rows, None);
