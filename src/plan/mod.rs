@@ -316,13 +316,61 @@ fn usable(memory: u64, fraction: f64) -> u64 {
 }
 
 /// The report from the layers' plans; `work` is each device's work area (see
-/// [`sizes::gpu_work_bytes`]).
+/// [`sizes::gpu_work_bytes`]). Problems are listed in the order the steps find them:
+/// layer imbalance, KV caches, memory, node failures.
 fn assemble(input: &PlanInput, sizes: &ModelSizes, work: u64, layers: &[LayerPlan]) -> PlanReport {
     let model = input.model;
     let per_node = input.devices_per_node;
-    let devices = input.nodes * per_node;
     let mut problems = Vec::new();
-    let mut device_reports: Vec<DeviceReport> = (0..devices)
+    let mut device_reports = empty_device_reports(input, sizes, work);
+    let (placement, layer_reports) =
+        report_layers(input, sizes, layers, &mut device_reports, &mut problems);
+    size_kv_caches(input, sizes, &mut device_reports, &mut problems);
+    check_memory(input, &mut device_reports, &mut problems);
+    let profiled = layers.iter().any(|l| l.profiled);
+    let failures = node_failures(input, layers, profiled);
+    if input.replication >= 2 && input.nodes > 1 {
+        for f in failures.iter().filter(|f| f.unavailable_experts > 0) {
+            problems.push(format!(
+                "node {} failing leaves {} experts without a copy",
+                f.node, f.unavailable_experts
+            ));
+        }
+    }
+    PlanReport {
+        model: ModelSummary {
+            model_type: model.model_type.clone(),
+            layers: model.num_layers,
+            moe_layers: layers.len(),
+            experts: model.moe.num_experts,
+            top_k: model.moe.top_k,
+            sizes: *sizes,
+            profiled,
+        },
+        cluster: ClusterShape {
+            nodes: input.nodes,
+            devices_per_node: per_node,
+            replication: input.replication,
+            redundant_slots: input.redundant_slots,
+            device_memory_bytes: input.device_memory_bytes,
+            memory_fraction: input.memory_fraction,
+        },
+        devices: device_reports,
+        placement,
+        layers: layer_reports,
+        failures,
+        verdict: Verdict {
+            ok: problems.is_empty(),
+            problems,
+        },
+    }
+}
+
+/// Each device's report before the layers are counted: its dense part and work area.
+fn empty_device_reports(input: &PlanInput, sizes: &ModelSizes, work: u64) -> Vec<DeviceReport> {
+    let per_node = input.devices_per_node;
+    let devices = input.nodes * per_node;
+    (0..devices)
         .map(|d| DeviceReport {
             node: d / per_node,
             device: d % per_node,
@@ -339,7 +387,22 @@ fn assemble(input: &PlanInput, sizes: &ModelSizes, work: u64, layers: &[LayerPla
             kv_positions: None,
             fits: true,
         })
-        .collect();
+        .collect()
+}
+
+/// Each layer's copies of each expert by global device index, as [`PlanReport::placement`].
+type CopiesByLayer = BTreeMap<String, Vec<Vec<usize>>>;
+
+/// Counts each layer's copies into the device reports and reports the layer: the placement
+/// map and the layer reports, by layer index.
+fn report_layers(
+    input: &PlanInput,
+    sizes: &ModelSizes,
+    layers: &[LayerPlan],
+    device_reports: &mut [DeviceReport],
+    problems: &mut Vec<String>,
+) -> (CopiesByLayer, BTreeMap<String, LayerReport>) {
+    let devices = input.nodes * input.devices_per_node;
     let mut placement = BTreeMap::new();
     let mut layer_reports = BTreeMap::new();
     for plan in layers {
@@ -390,6 +453,17 @@ fn assemble(input: &PlanInput, sizes: &ModelSizes, work: u64, layers: &[LayerPla
         );
         placement.insert(plan.layer.to_string(), plan.replicated.devices_of.clone());
     }
+    (placement, layer_reports)
+}
+
+/// The KV cache budget and positions of each device holding the dense part, and a problem
+/// where it holds less than one prompt.
+fn size_kv_caches(
+    input: &PlanInput,
+    sizes: &ModelSizes,
+    device_reports: &mut [DeviceReport],
+    problems: &mut Vec<String>,
+) {
     for d in device_reports.iter_mut().filter(|d| d.dense_bytes > 0) {
         let held = d.expert_bytes + d.dense_bytes + d.work_bytes;
         d.kv_cache_bytes = input.kv_cache_bytes.or_else(|| {
@@ -414,6 +488,15 @@ fn assemble(input: &PlanInput, sizes: &ModelSizes, work: u64, layers: &[LayerPla
             ));
         }
     }
+}
+
+/// Whether each device's weights, work area and configured KV cache fit in the memory a
+/// node may use, where the device memory is known; a problem for each that does not.
+fn check_memory(
+    input: &PlanInput,
+    device_reports: &mut [DeviceReport],
+    problems: &mut Vec<String>,
+) {
     if let Some(memory) = input.device_memory_bytes {
         let usable = usable(memory, input.memory_fraction);
         for d in device_reports.iter_mut() {
@@ -439,13 +522,17 @@ fn assemble(input: &PlanInput, sizes: &ModelSizes, work: u64, layers: &[LayerPla
             }
         }
     }
-    let profiled = layers.iter().any(|l| l.profiled);
+}
+
+/// What each node's failure costs; the token shares only when some layer is `profiled`.
+fn node_failures(input: &PlanInput, layers: &[LayerPlan], profiled: bool) -> Vec<FailureReport> {
+    let per_node = input.devices_per_node;
     let total_load: f64 = layers
         .iter()
         .filter(|l| l.profiled)
         .flat_map(|l| &l.loads)
         .sum();
-    let failures: Vec<FailureReport> = (0..input.nodes)
+    (0..input.nodes)
         .map(|node| {
             let on_node = |d: &usize| d / per_node == node;
             let (mut losing, mut unavailable, mut affected, mut moved) = (0, 0, 0.0, 0.0);
@@ -486,42 +573,7 @@ fn assemble(input: &PlanInput, sizes: &ModelSizes, work: u64, layers: &[LayerPla
                 token_share_moved: share(moved),
             }
         })
-        .collect();
-    if input.replication >= 2 && input.nodes > 1 {
-        for f in failures.iter().filter(|f| f.unavailable_experts > 0) {
-            problems.push(format!(
-                "node {} failing leaves {} experts without a copy",
-                f.node, f.unavailable_experts
-            ));
-        }
-    }
-    PlanReport {
-        model: ModelSummary {
-            model_type: model.model_type.clone(),
-            layers: model.num_layers,
-            moe_layers: layers.len(),
-            experts: model.moe.num_experts,
-            top_k: model.moe.top_k,
-            sizes: *sizes,
-            profiled,
-        },
-        cluster: ClusterShape {
-            nodes: input.nodes,
-            devices_per_node: per_node,
-            replication: input.replication,
-            redundant_slots: input.redundant_slots,
-            device_memory_bytes: input.device_memory_bytes,
-            memory_fraction: input.memory_fraction,
-        },
-        devices: device_reports,
-        placement,
-        layers: layer_reports,
-        failures,
-        verdict: Verdict {
-            ok: problems.is_empty(),
-            problems,
-        },
-    }
+        .collect()
 }
 
 fn gib(bytes: u64) -> f64 {

@@ -15,6 +15,15 @@ impl PlanReport {
     }
 
     fn write_text(&self, out: &mut String) -> std::fmt::Result {
+        self.write_summary(out)?;
+        self.write_devices(out)?;
+        self.write_failures(out)?;
+        self.write_layers(out)?;
+        self.write_verdict(out)
+    }
+
+    /// The model, its sizes, the cluster shape and whether a profile was given.
+    fn write_summary(&self, out: &mut String) -> std::fmt::Result {
         let m = &self.model;
         let c = &self.cluster;
         writeln!(
@@ -56,7 +65,11 @@ impl PlanReport {
                 "none (every expert counted as equally loaded; give --profile for imbalance and hot experts)"
             }
         )?;
+        Ok(())
+    }
 
+    /// A row per device: what it holds and whether it fits.
+    fn write_devices(&self, out: &mut String) -> std::fmt::Result {
         writeln!(
             out,
             "\nDevices (experts held per MoE layer, min-max over layers)"
@@ -99,7 +112,11 @@ impl PlanReport {
                 if d.fits { "yes" } else { "NO" }
             )?;
         }
+        Ok(())
+    }
 
+    /// A row per node: what its failure costs and what happens then.
+    fn write_failures(&self, out: &mut String) -> std::fmt::Result {
         writeln!(out, "\nNode failures ((layer, expert) pairs)")?;
         writeln!(
             out,
@@ -132,7 +149,11 @@ impl PlanReport {
                 share(f.token_share_moved),
             )?;
         }
+        Ok(())
+    }
 
+    /// A row per MoE layer: its imbalance under each layout and its hot experts.
+    fn write_layers(&self, out: &mut String) -> std::fmt::Result {
         writeln!(
             out,
             "\nLayers (imbalance = most loaded device / mean; a copied expert's load split over its copies;\n\
@@ -175,6 +196,11 @@ impl PlanReport {
         fn ratio(r: Option<f64>) -> String {
             r.map_or("-".into(), |r| format!("{r:.3}"))
         }
+        Ok(())
+    }
+
+    /// Ready, or the problems found.
+    fn write_verdict(&self, out: &mut String) -> std::fmt::Result {
         if self.verdict.ok {
             writeln!(out, "\nverdict: ready")?;
         } else {
