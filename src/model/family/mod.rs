@@ -5,8 +5,9 @@
 //! A family used to be spread over the config reader, the weight loader, the planner and the
 //! API, with checks written as `==` and `_ =>` that the compiler could not follow; now the
 //! rest of the engine asks [`Family`], whose every answer comes from the family's own
-//! [`FamilySpec`], so a new family is one file here and one arm in [`Family::spec`] (see
-//! `docs/adding-a-model.md`).
+//! [`FamilySpec`], so a new family is one file here, its variant of [`Family`] listed in
+//! [`Family::ALL`] (model_type lookup and error messages go through it) and its arm in
+//! [`Family::spec`] (see `docs/adding-a-model.md`).
 
 mod deepseek_v3;
 mod glm4_moe;
