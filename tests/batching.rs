@@ -25,7 +25,7 @@ const BATCHED_LOGIT_TOLERANCE: f32 = 1e-5;
 
 #[test]
 fn batched_steps_equal_single_steps() {
-    for name in ["qwen3_moe", "mixtral", "deepseek_v3"] {
+    for name in ["qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe"] {
         let engine = Engine::load(
             &Path::new(env!("CARGO_MANIFEST_DIR"))
                 .join("tests/fixtures")
@@ -140,11 +140,11 @@ fn a_step_whose_experts_are_unreachable_fails_and_leaves_the_caches_as_they_were
 
 /// A prompt attended in one step (its queries in blocks against the cache: the prefill path)
 /// gives the logits it gives fed one token at a time (each query alone: the decode path), and
-/// so does a chunk of it after a cached start; over GQA (with and without a sliding window)
-/// and MLA, and past one block's rows.
+/// so does a chunk of it after a cached start; over GQA (with and without a sliding window,
+/// rotating whole heads or part of each as GLM does) and MLA, and past one block's rows.
 #[test]
 fn a_prompt_attended_in_blocks_equals_it_fed_token_by_token() {
-    for name in ["qwen3_moe", "mixtral_sliding", "deepseek_v3"] {
+    for name in ["qwen3_moe", "mixtral_sliding", "deepseek_v3", "glm4_moe"] {
         let engine = Engine::load(
             &Path::new(env!("CARGO_MANIFEST_DIR"))
                 .join("tests/fixtures")

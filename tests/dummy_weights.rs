@@ -56,9 +56,10 @@ fn generate_tokens(model: &Path, max_tokens: usize, extra: &[&str]) -> Output {
 #[test]
 fn dummy_weights_need_only_the_config_and_give_the_same_tokens_every_run() {
     let dir = tempfile::tempdir().unwrap();
-    // Kimi K2's layout (MLA, sigmoid routing with a correction bias, a shared expert) and
-    // Qwen3-MoE's (GQA with q/k norms, softmax routing, a dense layer among MoE ones).
-    for name in ["kimi_k2", "qwen3_moe"] {
+    // Kimi K2's layout (MLA, sigmoid routing with a correction bias, a shared expert),
+    // Qwen3-MoE's (GQA with q/k norms, softmax routing, a dense layer among MoE ones) and
+    // GLM-4.5's (GQA with partial rotary and q/k norms, Kimi's gate).
+    for name in ["kimi_k2", "qwen3_moe", "glm4_moe"] {
         let model = config_only(dir.path(), name);
         let without = generate(&model, &[]);
         assert!(!without.status.success(), "{name}: no weights, no model");

@@ -534,6 +534,11 @@ fn mixtral_sliding_window_matches_transformers() {
     check("mixtral_sliding");
 }
 
+#[test]
+fn glm4_moe_matches_transformers() {
+    check("glm4_moe");
+}
+
 // Quantized checkpoints (tests/fixtures/make_quant_fixtures.py): transformers ran on the
 // dequantized weights, so the tolerance is the f32 one.
 

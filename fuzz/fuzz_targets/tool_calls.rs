@@ -7,11 +7,12 @@
 use libfuzzer_sys::fuzz_target;
 use moe_node::api::tool_calls::{Parsed, Piece, ToolCallFormat, ToolCallStream};
 
-const FORMATS: [ToolCallFormat; 4] = [
+const FORMATS: [ToolCallFormat; 5] = [
     ToolCallFormat::Hermes,
     ToolCallFormat::DeepseekV3,
     ToolCallFormat::KimiK2,
     ToolCallFormat::Mistral,
+    ToolCallFormat::Glm,
 ];
 
 fuzz_target!(|data: &[u8]| {

@@ -55,7 +55,7 @@ pub(super) fn tool_use(
     let format = served.tool_format.ok_or_else(|| {
         ApiError::bad_request(
             "this model's chat template writes no tool calls in a format moe-node reads \
-             (Kimi K2, DeepSeek-V3, Qwen3 / Hermes, Mistral)",
+             (Kimi K2, DeepSeek-V3, Qwen3 / Hermes, Mistral, GLM)",
         )
         .with_param("tools")
     })?;
@@ -296,6 +296,7 @@ fn call_grammar(
                 marker("<|tool_call_argument_begin|>"),
                 schema(f.parameters.clone()),
             ),
+            ToolCallFormat::Glm => glm_arguments(f, schema, marker),
         })
         .collect();
     let call = alternatives.join(" | ");
@@ -327,8 +328,68 @@ fn call_grammar(
             marker("<|tool_call_end|>"),
             marker("<|tool_calls_section_end|>"),
         ),
+        ToolCallFormat::Glm => format!(
+            "{} call {} {}",
+            marker("<tool_call>"),
+            literal("\n"),
+            marker("</tool_call>")
+        ),
     };
     format!("start: {start}\ncall: {call}\n")
+}
+
+/// A GLM call of `f`: its name, then each parameter of its schema in order as
+/// `\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>`, the required ones always and
+/// the others optionally; the tags as `marker` writes them (special tokens in GLM's
+/// tokenizer). A string value is text without `<` (or one of its `enum`), any other JSON of
+/// its schema.
+fn glm_arguments(
+    f: &Function,
+    schema: impl Fn(Value) -> String,
+    marker: impl Fn(&str) -> String,
+) -> String {
+    let required: Vec<&str> = f
+        .parameters
+        .get("required")
+        .and_then(Value::as_array)
+        .map(|r| r.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    let mut parts = vec![literal(&f.name)];
+    if let Some(properties) = f.parameters.get("properties").and_then(Value::as_object) {
+        for (key, property) in properties {
+            let strings: Option<Vec<&str>> = property
+                .get("enum")
+                .and_then(Value::as_array)
+                .and_then(|values| values.iter().map(Value::as_str).collect());
+            let value = match (property.get("type").and_then(Value::as_str), strings) {
+                // Strings are written without quotes.
+                (_, Some(strings)) if !strings.is_empty() => {
+                    let options: Vec<String> = strings.into_iter().map(literal).collect();
+                    format!("({})", options.join(" | "))
+                }
+                (Some("string"), _) => "/[^<]+/".to_string(),
+                _ => format!("({})", schema(property.clone())),
+            };
+            // Every piece its own: no piece may be a prefix of another where both can come
+            // next (the grammar's lexer reads the longest).
+            let argument = format!(
+                "{} {} {} {} {} {} {value} {}",
+                literal("\n"),
+                marker("<arg_key>"),
+                literal(key),
+                marker("</arg_key>"),
+                literal("\n"),
+                marker("<arg_value>"),
+                marker("</arg_value>")
+            );
+            parts.push(if required.contains(&key.as_str()) {
+                argument
+            } else {
+                format!("({argument})?")
+            });
+        }
+    }
+    parts.join(" ")
 }
 
 /// `text` as a Lark string literal.
@@ -378,4 +439,69 @@ pub(super) fn message_tool_calls(index: usize, calls: Value) -> Result<Vec<Value
             Ok(rendered)
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::grammar::{GrammarMetrics, Grammars};
+
+    /// Whether `grammar` takes `text`, one byte a token.
+    fn accepts(grammar: String, text: &str) -> bool {
+        let end = 256;
+        let mut tokens: Vec<(Vec<u8>, bool)> = (0..=255u8).map(|b| (vec![b], false)).collect();
+        tokens.push((b"end".to_vec(), true));
+        let grammars = Grammars::new(tokens, end, GrammarMetrics::default()).unwrap();
+        let mut constraint = grammars.lark(grammar).unwrap();
+        for (at, &byte) in text.as_bytes().iter().enumerate() {
+            let mut logits = vec![0.0f32; 257];
+            constraint.apply(&mut logits, &[end]);
+            if logits[byte as usize] == f32::NEG_INFINITY {
+                eprintln!("refused at byte {at} of {text:?}");
+                return false;
+            }
+            constraint.advance(byte as u32);
+        }
+        let mut logits = vec![0.0f32; 257];
+        constraint.apply(&mut logits, &[end]);
+        logits[end as usize] == 0.0
+    }
+
+    #[test]
+    fn a_forced_glm_call_is_one_the_parser_reads_back() {
+        let f = Function {
+            name: "get_weather".into(),
+            parameters: json!({
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 9},
+                    "unit": {"type": "string", "enum": ["c", "f"]},
+                },
+                "required": ["city", "days"],
+            }),
+        };
+        let schema = |value: Value| format!("%json {value}");
+        let grammar = format!(
+            "start: {} call {} {}\ncall: {}\n",
+            literal("<tool_call>"),
+            literal("\n"),
+            literal("</tool_call>"),
+            glm_arguments(&f, schema, literal)
+        );
+        let call = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n\
+                    <arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>";
+        assert!(accepts(grammar.clone(), call), "{grammar}");
+        let parsed = ToolCallFormat::Glm.parse(call);
+        assert_eq!(parsed.calls[0].arguments, r#"{"city":"Paris","days":3}"#);
+        let with_unit = call.replace(
+            "\n</tool_call>",
+            "\n<arg_key>unit</arg_key>\n<arg_value>f</arg_value>\n</tool_call>",
+        );
+        assert!(accepts(grammar.clone(), &with_unit), "{grammar}");
+        // A required argument left out, or a value outside its schema, is not a call.
+        let no_days = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>";
+        assert!(!accepts(grammar.clone(), no_days));
+        assert!(!accepts(grammar, &call.replace(">3<", ">12<")));
+    }
 }

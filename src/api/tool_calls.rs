@@ -24,6 +24,10 @@ const KIMI_CALL_END: &str = "<|tool_call_end|>";
 const KIMI_ARGUMENT_BEGIN: &str = "<|tool_call_argument_begin|>";
 const MISTRAL_BEGIN: &str = "[TOOL_CALLS]";
 const MISTRAL_ARGS: &str = "[ARGS]";
+const GLM_ARG_KEY: &str = "<arg_key>";
+const GLM_ARG_KEY_END: &str = "</arg_key>";
+const GLM_ARG_VALUE: &str = "<arg_value>";
+const GLM_ARG_VALUE_END: &str = "</arg_value>";
 
 impl ToolCallFormat {
     /// The format a model's chat template writes tool calls in, from the markers it
@@ -33,6 +37,8 @@ impl ToolCallFormat {
             (KIMI_SECTION_BEGIN, ToolCallFormat::KimiK2),
             (DEEPSEEK_SECTION_BEGIN, ToolCallFormat::DeepseekV3),
             (MISTRAL_BEGIN, ToolCallFormat::Mistral),
+            // GLM's calls open as Hermes' do: its argument tags tell them apart.
+            (GLM_ARG_KEY, ToolCallFormat::Glm),
             (HERMES_BEGIN, ToolCallFormat::Hermes),
         ]
         .into_iter()
@@ -59,6 +65,7 @@ impl ToolCallFormat {
             ToolCallFormat::DeepseekV3 => DEEPSEEK_SECTION_BEGIN,
             ToolCallFormat::KimiK2 => KIMI_SECTION_BEGIN,
             ToolCallFormat::Mistral => MISTRAL_BEGIN,
+            ToolCallFormat::Glm => HERMES_BEGIN,
         }
     }
 
@@ -164,7 +171,7 @@ impl ToolCallStream {
                         out.extend(calls.into_iter().map(Piece::Call));
                         if matches!(
                             self.format,
-                            ToolCallFormat::Hermes | ToolCallFormat::Mistral
+                            ToolCallFormat::Hermes | ToolCallFormat::Mistral | ToolCallFormat::Glm
                         ) {
                             // Their section is one call (or one list); the next starts
                             // with its own marker.
@@ -263,6 +270,7 @@ impl ToolCallStream {
                 kimi_call,
             ),
             ToolCallFormat::Mistral => mistral_calls(s),
+            ToolCallFormat::Glm => glm_call(s),
         }
     }
 }
@@ -308,6 +316,47 @@ fn hermes_call(s: &str) -> Next {
         Some(call) => Next::Calls(vec![call], end + HERMES_END.len()),
         None => Next::Malformed,
     }
+}
+
+/// `<tool_call>` was read; `NAME`, then `<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>`
+/// per argument (whitespace between them), then `</tool_call>`.
+fn glm_call(s: &str) -> Next {
+    let Some(end) = s.find(HERMES_END) else {
+        return if s.len() > MAX_CALL_BYTES {
+            Next::Malformed
+        } else {
+            Next::More
+        };
+    };
+    match glm_arguments(&s[..end]) {
+        Some(call) => Next::Calls(vec![call], end + HERMES_END.len()),
+        None => Next::Malformed,
+    }
+}
+
+/// A GLM call's name and arguments. Its template writes a string value as it is and any
+/// other with `tojson`; without the tool's schema at hand, a value that reads as JSON is
+/// taken as JSON (a string argument "42" comes back as the number 42).
+fn glm_arguments(body: &str) -> Option<ToolCall> {
+    let (name, mut rest) = body.split_at(body.find(GLM_ARG_KEY).unwrap_or(body.len()));
+    let mut arguments = serde_json::Map::new();
+    loop {
+        rest = rest.trim_start();
+        if rest.is_empty() {
+            break;
+        }
+        let (key, after) = rest
+            .strip_prefix(GLM_ARG_KEY)?
+            .split_once(GLM_ARG_KEY_END)?;
+        let (value, after) = after
+            .trim_start()
+            .strip_prefix(GLM_ARG_VALUE)?
+            .split_once(GLM_ARG_VALUE_END)?;
+        let value = serde_json::from_str(value).unwrap_or_else(|_| Value::String(value.into()));
+        arguments.insert(key.trim().to_string(), value);
+        rest = after;
+    }
+    call_of(None, name.trim(), &Value::Object(arguments).to_string())
 }
 
 /// Largest call text waited for; past it the text is not a call.
@@ -525,6 +574,36 @@ mod tests {
     }
 
     #[test]
+    fn glm_calls_with_and_without_newlines() {
+        // GLM-4.5 and 4.6 write newlines between the tags, 4.7 none.
+        let text = "Looking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n\
+                    <arg_value>New York</arg_value>\n<arg_key>days</arg_key>\n\
+                    <arg_value>3</arg_value>\n<arg_key>hourly</arg_key>\n\
+                    <arg_value>{\"from\": 6}</arg_value>\n</tool_call>\
+                    <tool_call>get_time<arg_key>zone</arg_key><arg_value>CET</arg_value></tool_call>\
+                    <tool_call>ping</tool_call>";
+        let parsed = parse_both_ways(ToolCallFormat::Glm, text);
+        assert_eq!(parsed.content, "Looking.\n");
+        assert_eq!(
+            parsed.calls,
+            vec![
+                call(
+                    "get_weather",
+                    r#"{"city":"New York","days":3,"hourly":{"from":6}}"#
+                ),
+                call("get_time", r#"{"zone":"CET"}"#),
+                call("ping", "{}"),
+            ]
+        );
+        let template = "{{ '<tool_call>' + tc.name }}<arg_key>{{ k }}</arg_key>";
+        assert_eq!(ToolCallFormat::detect(template), Some(ToolCallFormat::Glm));
+        assert_eq!(
+            ToolCallFormat::for_model(template, Family::Glm4Moe),
+            Some(ToolCallFormat::Glm)
+        );
+    }
+
+    #[test]
     fn deepseek_v3_and_v3_1_calls() {
         let v3 = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n\
                   ```json\n{\"city\": \"Paris\"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>\
@@ -618,6 +697,11 @@ mod tests {
                 "<｜tool▁calls▁begin｜>no call here<｜tool▁calls▁end｜>",
             ),
             (ToolCallFormat::Mistral, "[TOOL_CALLS] oops, not a call"),
+            (
+                ToolCallFormat::Glm,
+                "<tool_call>f<arg_key>a</arg_key>no value tag</tool_call>",
+            ),
+            (ToolCallFormat::Glm, "<tool_call>not a name!</tool_call>"),
             (
                 ToolCallFormat::Mistral,
                 "[TOOL_CALLS][{\"name\": \"f\"}, 3]",
@@ -766,6 +850,7 @@ mod tests {
                 ToolCallFormat::DeepseekV3,
                 ToolCallFormat::KimiK2,
                 ToolCallFormat::Mistral,
+                ToolCallFormat::Glm,
             ] {
                 let parsed = parse_both_ways(format, &text);
                 if parsed.calls.is_empty() {

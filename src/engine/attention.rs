@@ -63,8 +63,10 @@ pub fn attention(
             if let Some(norm) = k_norm {
                 rms_norm_in_place(&mut keys, &norm.weight, norm.eps);
             }
-            rotate_heads(input, &mut queries, head_dim, 0, head_dim);
-            rotate_heads(input, &mut keys, head_dim, 0, head_dim);
+            // The first `rope.dim()` values of each head (all of it but under partial rotary).
+            let rope_dim = input.rope.dim();
+            rotate_heads(input, &mut queries, head_dim, 0, rope_dim);
+            rotate_heads(input, &mut keys, head_dim, 0, rope_dim);
             let kv_width = num_kv_heads * head_dim;
             append_to_caches(input.segments, caches, layer, &keys, &values);
             let group = input.num_heads / num_kv_heads;

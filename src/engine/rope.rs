@@ -78,6 +78,12 @@ impl Rope {
         }
     }
 
+    /// Rotated values per head: all of a GQA head, or its first part where the family
+    /// rotates only part of it (GLM-4.5's `partial_rotary_factor`).
+    pub fn dim(&self) -> usize {
+        2 * self.inv_freq.len()
+    }
+
     /// Whether pairs are DeepSeek's interleaved ones.
     pub fn interleaved(&self) -> bool {
         self.interleaved

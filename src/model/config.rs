@@ -48,11 +48,12 @@ pub enum RopeScaling {
 /// How the attention block is built.
 #[derive(Debug, Clone, PartialEq)]
 pub enum AttentionConfig {
-    /// Grouped-query attention (Qwen3-MoE, Mixtral).
+    /// Grouped-query attention (Qwen3-MoE, Mixtral, GLM-4.5). Rope turns the first
+    /// [`RopeConfig::dim`] values of each head: all of it but in GLM (`partial_rotary_factor`).
     Gqa {
         num_kv_heads: usize,
         head_dim: usize,
-        /// Qwen3's RMSNorm over each q and k head before rope.
+        /// Qwen3's and GLM's RMSNorm over each q and k head before rope.
         qk_norm: bool,
         bias: bool,
         sliding_window: Option<usize>,

@@ -81,6 +81,13 @@ impl ModelSizes {
             }
         };
         let experts = model.moe.num_experts as u64;
+        // The router, and its per-expert correction bias where the family's gate has one.
+        let gate = experts * h
+            + if model.family.gate_correction_bias() {
+                experts
+            } else {
+                0
+            };
         let mut dense = model.vocab_size as u64 * h + h;
         if !model.tie_word_embeddings {
             dense += model.vocab_size as u64 * h;
@@ -88,7 +95,7 @@ impl ModelSizes {
         for &is_moe in &model.moe_layers {
             dense += 2 * h + attention;
             dense += if is_moe {
-                experts * h + experts + swiglu(model.moe.shared_intermediate_size)
+                gate + swiglu(model.moe.shared_intermediate_size)
             } else {
                 swiglu(model.intermediate_size)
             };
@@ -186,6 +193,34 @@ fn quantized_expert_bytes(model: &ModelConfig) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The reference fixtures' tensors, counted from their config.json alone, add up to their
+    /// safetensors files: every family's attention (GLM's biases and q/k norms), gates and
+    /// shared experts included.
+    #[test]
+    fn every_familys_fixture_sizes_to_its_safetensors_file() {
+        for name in [
+            "qwen3_moe",
+            "qwen3_moe_bf16",
+            "mixtral_sliding",
+            "deepseek_v3",
+            "kimi_k2",
+            "glm4_moe",
+        ] {
+            let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/fixtures")
+                .join(name);
+            let model = ModelConfig::load(&dir).unwrap();
+            let sizes = ModelSizes::of(&model);
+            let moe_layers = model.moe_layers.iter().filter(|&&m| m).count() as u64;
+            let tensors =
+                sizes.dense_bytes + moe_layers * model.moe.num_experts as u64 * sizes.expert_bytes;
+            let file = std::fs::read(dir.join("model.safetensors")).unwrap();
+            // The file is an 8-byte header length, the JSON header, then the tensors.
+            let header = u64::from_le_bytes(file[..8].try_into().unwrap());
+            assert_eq!(file.len() as u64 - 8 - header, tensors, "{name}");
+        }
+    }
 
     #[test]
     fn the_demo_models_sizes_match_its_safetensors_file() {

@@ -7,22 +7,17 @@
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::{Common, Defaults, ExpertNames, FamilyParts, FamilySpec, ToolCallFormat, keys};
-use crate::model::config::{AttentionConfig, GatingConfig, MAX_LAYERS, MoeConfig, Problems};
+use super::{
+    Common, Defaults, ExpertNames, FamilyParts, FamilySpec, GroupedDefaults, GroupedKeys,
+    ToolCallFormat, grouped_sigmoid_experts, keys,
+};
+use crate::model::config::{AttentionConfig, MAX_LAYERS, Problems};
 
 pub(super) struct DeepseekV3;
 
-/// Its own keys.
+/// Its own keys (the gate's are [`GroupedKeys`]).
 #[derive(Deserialize)]
 struct Keys {
-    n_routed_experts: Option<usize>,
-    n_shared_experts: Option<usize>,
-    first_k_dense_replace: Option<usize>,
-    n_group: Option<usize>,
-    topk_group: Option<usize>,
-    routed_scaling_factor: Option<f64>,
-    scoring_func: Option<String>,
-    topk_method: Option<String>,
     q_lora_rank: Option<usize>,
     kv_lora_rank: Option<usize>,
     qk_nope_head_dim: Option<usize>,
@@ -70,8 +65,20 @@ impl FamilySpec for DeepseekV3 {
         p: &mut Problems,
     ) -> Result<FamilyParts, Vec<String>> {
         let own: Keys = keys(config)?;
+        let gate: GroupedKeys = keys(config)?;
         let (attention, rope_dim) = mla(&own, common, p);
-        let (moe, moe_layers) = experts(&own, common, p);
+        let (moe, moe_layers) = grouped_sigmoid_experts(
+            "deepseek_v3",
+            &gate,
+            GroupedDefaults {
+                first_k_dense_replace: 3,
+                n_group: 8,
+                topk_group: 4,
+                routed_scaling_factor: 2.5,
+            },
+            common,
+            p,
+        );
         Ok(FamilyParts {
             attention,
             rope_dim,
@@ -134,50 +141,4 @@ fn mla(own: &Keys, common: &Common, p: &mut Problems) -> (AttentionConfig, usize
         bias: common.keys.attention_bias == Some(true),
     };
     (attention, qk_rope_head_dim)
-}
-
-/// Routed and shared experts, the group-limited sigmoid gate, and which layers are MoE.
-fn experts(own: &Keys, common: &Common, p: &mut Problems) -> (MoeConfig, Vec<bool>) {
-    let num_experts = p.require(own.n_routed_experts, "n_routed_experts");
-    let expert_intermediate = p.require(common.keys.moe_intermediate_size, "moe_intermediate_size");
-    let first_dense = own.first_k_dense_replace.unwrap_or(3);
-    let n_group = own.n_group.unwrap_or(8);
-    let topk_group = own.topk_group.unwrap_or(4);
-    if let Some(f) = &own.scoring_func {
-        p.check(f == "sigmoid", || {
-            format!("unsupported scoring_func `{f}`: deepseek_v3 gating is sigmoid")
-        });
-    }
-    if let Some(m) = &own.topk_method {
-        p.check(m == "noaux_tc", || {
-            format!("unsupported topk_method `{m}`: only noaux_tc is supported")
-        });
-    }
-    p.check(
-        n_group > 0 && num_experts.is_multiple_of(n_group.max(1)),
-        || format!("n_routed_experts ({num_experts}) must be a multiple of n_group ({n_group})"),
-    );
-    p.check(topk_group >= 1 && topk_group <= n_group, || {
-        format!("topk_group ({topk_group}) must be between 1 and n_group ({n_group})")
-    });
-    if n_group > 0 && num_experts.is_multiple_of(n_group.max(1)) {
-        p.check(num_experts / n_group >= 2, || {
-            "each expert group needs at least 2 experts (group score is the sum of the top 2)"
-                .into()
-        });
-    }
-    let moe = MoeConfig {
-        num_experts,
-        top_k: common.keys.num_experts_per_tok.unwrap_or(8),
-        expert_intermediate_size: expert_intermediate,
-        shared_intermediate_size: expert_intermediate * own.n_shared_experts.unwrap_or(1),
-        gating: GatingConfig::SigmoidGrouped {
-            n_group,
-            topk_group,
-            normalize: common.keys.norm_topk_prob.unwrap_or(true),
-            routed_scaling_factor: own.routed_scaling_factor.unwrap_or(2.5) as f32,
-        },
-    };
-    let moe_layers = (0..common.num_layers).map(|l| l >= first_dense).collect();
-    (moe, moe_layers)
 }

@@ -5,17 +5,19 @@
 //! A family used to be spread over the config reader, the weight loader, the planner and the
 //! API, with checks written as `==` and `_ =>` that the compiler could not follow; now the
 //! rest of the engine asks [`Family`], whose every answer comes from the family's own
-//! [`FamilySpec`], so a new family is one file here and one arm in [`Family::spec`] (see
-//! `docs/adding-a-model.md`).
+//! [`FamilySpec`], so a new family is one file here, its variant of [`Family`] listed in
+//! [`Family::ALL`] (model_type lookup and error messages go through it) and its arm in
+//! [`Family::spec`] (see `docs/adding-a-model.md`).
 
 mod deepseek_v3;
+mod glm4_moe;
 mod mixtral;
 mod qwen3_moe;
 
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::config::{AttentionConfig, CommonKeys, MoeConfig, Problems};
+use super::config::{AttentionConfig, CommonKeys, GatingConfig, MoeConfig, Problems};
 
 /// Which forward-pass code a checkpoint runs through.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,6 +29,9 @@ pub enum Family {
     /// `deepseek_v3` and `kimi_k2` (and the `kimi_k25` wrapper): MLA, sigmoid group-limited
     /// gating, shared experts.
     DeepseekV3,
+    /// `glm4_moe` (GLM-4.5 to 4.7): GQA with q/k/v biases, partial rotary and q/k norm;
+    /// DeepSeek-V3's gate and shared experts.
+    Glm4Moe,
 }
 
 /// What a family answers. Each family's file implements it on a unit struct; nothing has a
@@ -62,13 +67,19 @@ pub(super) trait FamilySpec: Sync {
 
 impl Family {
     /// Every family, in the order errors list them.
-    pub const ALL: [Family; 3] = [Family::Qwen3Moe, Family::Mixtral, Family::DeepseekV3];
+    pub const ALL: [Family; 4] = [
+        Family::Qwen3Moe,
+        Family::Mixtral,
+        Family::DeepseekV3,
+        Family::Glm4Moe,
+    ];
 
     fn spec(self) -> &'static dyn FamilySpec {
         match self {
             Family::Qwen3Moe => &qwen3_moe::Qwen3Moe,
             Family::Mixtral => &mixtral::Mixtral,
             Family::DeepseekV3 => &deepseek_v3::DeepseekV3,
+            Family::Glm4Moe => &glm4_moe::Glm4Moe,
         }
     }
 
@@ -207,6 +218,86 @@ fn gqa(common: &Common, p: &mut Problems, variant: Gqa) -> (AttentionConfig, usi
     (attention, head_dim)
 }
 
+/// The keys of the group-limited sigmoid gate with shared experts (DeepSeek-V3, GLM-4.5).
+#[derive(Deserialize)]
+struct GroupedKeys {
+    n_routed_experts: Option<usize>,
+    n_shared_experts: Option<usize>,
+    first_k_dense_replace: Option<usize>,
+    n_group: Option<usize>,
+    topk_group: Option<usize>,
+    routed_scaling_factor: Option<f64>,
+    scoring_func: Option<String>,
+    topk_method: Option<String>,
+}
+
+/// Where a family's configs leave the grouped gate's keys out.
+struct GroupedDefaults {
+    first_k_dense_replace: usize,
+    n_group: usize,
+    topk_group: usize,
+    routed_scaling_factor: f64,
+}
+
+/// Routed and shared experts under the group-limited sigmoid gate (transformers'
+/// `DeepseekV3TopkRouter`, `Glm4MoeTopkRouter`), and which layers are MoE: all from
+/// `first_k_dense_replace` on.
+fn grouped_sigmoid_experts(
+    family: &str,
+    own: &GroupedKeys,
+    defaults: GroupedDefaults,
+    common: &Common,
+    p: &mut Problems,
+) -> (MoeConfig, Vec<bool>) {
+    let num_experts = p.require(own.n_routed_experts, "n_routed_experts");
+    let expert_intermediate = p.require(common.keys.moe_intermediate_size, "moe_intermediate_size");
+    let first_dense = own
+        .first_k_dense_replace
+        .unwrap_or(defaults.first_k_dense_replace);
+    let n_group = own.n_group.unwrap_or(defaults.n_group);
+    let topk_group = own.topk_group.unwrap_or(defaults.topk_group);
+    if let Some(f) = &own.scoring_func {
+        p.check(f == "sigmoid", || {
+            format!("unsupported scoring_func `{f}`: {family} gating is sigmoid")
+        });
+    }
+    if let Some(m) = &own.topk_method {
+        p.check(m == "noaux_tc", || {
+            format!("unsupported topk_method `{m}`: only noaux_tc is supported")
+        });
+    }
+    p.check(
+        n_group > 0 && num_experts.is_multiple_of(n_group.max(1)),
+        || format!("n_routed_experts ({num_experts}) must be a multiple of n_group ({n_group})"),
+    );
+    p.check(topk_group >= 1 && topk_group <= n_group, || {
+        format!("topk_group ({topk_group}) must be between 1 and n_group ({n_group})")
+    });
+    if n_group > 0 && num_experts.is_multiple_of(n_group.max(1)) {
+        p.check(num_experts / n_group >= 2, || {
+            "each expert group needs at least 2 experts (group score is the sum of the top 2)"
+                .into()
+        });
+    }
+    let moe = MoeConfig {
+        num_experts,
+        top_k: common.keys.num_experts_per_tok.unwrap_or(8),
+        expert_intermediate_size: expert_intermediate,
+        shared_intermediate_size: expert_intermediate * own.n_shared_experts.unwrap_or(1),
+        gating: GatingConfig::SigmoidGrouped {
+            n_group,
+            topk_group,
+            normalize: common.keys.norm_topk_prob.unwrap_or(true),
+            routed_scaling_factor: own
+                .routed_scaling_factor
+                .unwrap_or(defaults.routed_scaling_factor)
+                as f32,
+        },
+    };
+    let moe_layers = (0..common.num_layers).map(|l| l >= first_dense).collect();
+    (moe, moe_layers)
+}
+
 /// Tensor names of the three projections of a SwiGLU block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ExpertNames {
@@ -239,6 +330,9 @@ pub enum ToolCallFormat {
     /// Mistral and Mixtral: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`, or in
     /// newer tokenizers `[TOOL_CALLS]NAME[ARGS]{...}`.
     Mistral,
+    /// GLM-4.5 to 4.7: `<tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>\n</tool_call>`
+    /// (4.7 without the newlines), a string value as it is, any other as JSON.
+    Glm,
 }
 
 /// Keys a multimodal wrapper keeps at its top level that belong to the text model too.

@@ -10,7 +10,7 @@ fn every_model_type_finds_its_family_and_errors_name_them_all() {
     }
     assert_eq!(
         Family::supported_model_types(),
-        "qwen3_moe, mixtral, deepseek_v3 and kimi_k2"
+        "qwen3_moe, mixtral, deepseek_v3, kimi_k2 and glm4_moe"
     );
     let err = ModelConfig::parse(r#"{"model_type": "llama"}"#).unwrap_err();
     for family in Family::ALL {
@@ -46,4 +46,70 @@ fn every_family_names_a_tool_call_format() {
     for family in Family::ALL {
         assert!(!family.tool_call_formats().is_empty(), "{family:?}");
     }
+}
+
+/// GLM-4.5's config.json in its published form (zai-org/GLM-4.5; the sizes as NVIDIA's Megatron
+/// Bridge page on GLM 4.5 lists them).
+const GLM_4_5: &str = r#"{
+    "architectures": ["Glm4MoeForCausalLM"], "attention_bias": true, "attention_dropout": 0.0,
+    "pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338], "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 5120, "partial_rotary_factor": 0.5,
+    "initializer_range": 0.02, "intermediate_size": 12288, "max_position_embeddings": 131072,
+    "model_type": "glm4_moe", "moe_intermediate_size": 1536, "norm_topk_prob": true,
+    "num_attention_heads": 96, "n_group": 1, "topk_group": 1, "n_routed_experts": 160,
+    "n_shared_experts": 1, "routed_scaling_factor": 2.5, "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3, "num_hidden_layers": 92, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05, "rope_scaling": null, "rope_theta": 1000000,
+    "num_nextn_predict_layers": 1, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+    "transformers_version": "4.54.0", "use_cache": true, "use_qk_norm": true,
+    "vocab_size": 151552
+}"#;
+
+#[test]
+fn reads_glm_4_5_as_published() {
+    use crate::model::config::{AttentionConfig, GatingConfig};
+    let c = ModelConfig::parse(GLM_4_5).unwrap();
+    assert_eq!(c.family, Family::Glm4Moe);
+    assert_eq!(
+        c.attention,
+        AttentionConfig::Gqa {
+            num_kv_heads: 8,
+            head_dim: 128,
+            qk_norm: true,
+            bias: true,
+            sliding_window: None,
+        }
+    );
+    assert_eq!(c.rope.dim, 64);
+    assert_eq!(c.rope.theta, 1e6);
+    assert_eq!(c.moe_layers.iter().filter(|&&m| m).count(), 89);
+    assert!(!c.moe_layers[2] && c.moe_layers[3]);
+    assert_eq!(c.moe.shared_intermediate_size, 1536);
+    assert_eq!(
+        c.moe.gating,
+        GatingConfig::SigmoidGrouped {
+            n_group: 1,
+            topk_group: 1,
+            normalize: true,
+            routed_scaling_factor: 2.5,
+        }
+    );
+    assert_eq!(c.eos_token_ids, vec![151329, 151336, 151338]);
+    // transformers 5 writes the factor under rope_parameters; the Air model has no q/k norm.
+    let mut v: serde_json::Value = serde_json::from_str(GLM_4_5).unwrap();
+    v["rope_parameters"] = serde_json::json!({"rope_type": "default", "rope_theta": 1e6,
+                                               "partial_rotary_factor": 0.25});
+    v["use_qk_norm"] = false.into();
+    let c = ModelConfig::parse(&v.to_string()).unwrap();
+    assert_eq!(c.rope.dim, 32);
+    assert!(matches!(
+        c.attention,
+        AttentionConfig::Gqa { qk_norm: false, .. }
+    ));
+    v["rope_parameters"]["partial_rotary_factor"] = 1.5.into();
+    let err = ModelConfig::parse(&v.to_string()).unwrap_err();
+    assert!(
+        err.iter().any(|m| m.contains("partial_rotary_factor")),
+        "{err:?}"
+    );
 }
