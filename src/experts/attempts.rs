@@ -37,7 +37,7 @@ pub struct Policy {
 #[derive(Debug, Clone)]
 pub struct Send {
     pub target: Target,
-    /// The groups it carries, in the order its outputs come back.
+    /// The groups it carries, in the order its outputs come back (taken once it has ended).
     pub groups: Vec<usize>,
     pub rows: usize,
     pub sent: Instant,
@@ -228,7 +228,8 @@ impl<O> Attempts<O> {
         send.finished = true;
         let took = now.duration_since(send.sent);
         let (target, rows) = (send.target, send.rows);
-        let groups = send.groups.clone();
+        // An ended send's groups are read no more.
+        let groups = std::mem::take(&mut send.groups);
         let sample = (!send.hedged && !send.cold).then_some(took);
         for &g in &groups {
             self.covering[g] = self.covering[g].saturating_sub(1);
@@ -311,7 +312,6 @@ impl<O> Attempts<O> {
                     self.covering[g] = self.covering[g].saturating_sub(1);
                 }
                 let failovers = self.fail_over(target, &groups);
-                self.sends[id].groups = groups;
                 overdue.push(Overdue::GaveUp {
                     target,
                     rows,
