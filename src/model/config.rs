@@ -15,73 +15,14 @@ use super::family::{self, Common, FamilyParts};
 use super::quant::Quantization;
 
 pub use super::family::Family;
+pub use parts::{
+    AttentionConfig, GatingConfig, MAX_CONTEXT, MAX_LAYERS, MoeConfig, RopeConfig, RopeScaling,
+};
+use parts::{CommonKeys, Problems};
 
-/// Rotary embedding parameters, from `rope_theta`/`rope_scaling` or `rope_parameters`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct RopeConfig {
-    pub theta: f64,
-    /// Number of rotated dimensions per head.
-    pub dim: usize,
-    pub scaling: RopeScaling,
-}
-
-#[derive(Debug, Clone, PartialEq)]
-pub enum RopeScaling {
-    None,
-    /// Position interpolation by a constant factor.
-    Linear {
-        factor: f64,
-    },
-    /// YaRN as transformers' `_compute_yarn_parameters` defines it.
-    Yarn {
-        factor: f64,
-        original_max_position_embeddings: usize,
-        beta_fast: f64,
-        beta_slow: f64,
-        mscale: Option<f64>,
-        mscale_all_dim: Option<f64>,
-        attention_factor: Option<f64>,
-        truncate: bool,
-    },
-}
-
-/// How the attention block is built.
-#[derive(Debug, Clone, PartialEq)]
-pub enum AttentionConfig {
-    /// Grouped-query attention (Qwen3-MoE, Mixtral, GLM-4.5). Rope turns the first
-    /// [`RopeConfig::dim`] values of each head: all of it but in GLM (`partial_rotary_factor`).
-    Gqa {
-        num_kv_heads: usize,
-        head_dim: usize,
-        /// Qwen3's and GLM's RMSNorm over each q and k head before rope.
-        qk_norm: bool,
-        bias: bool,
-        sliding_window: Option<usize>,
-    },
-    /// Multi-head latent attention (DeepSeek-V3, Kimi K2).
-    Mla {
-        q_lora_rank: Option<usize>,
-        kv_lora_rank: usize,
-        qk_nope_head_dim: usize,
-        qk_rope_head_dim: usize,
-        v_head_dim: usize,
-        /// Rope applied to interleaved pairs (DeepSeek's weight layout).
-        interleave: bool,
-        bias: bool,
-    },
-}
-
-pub use crate::compute::gate::GatingConfig;
-
-#[derive(Debug, Clone, PartialEq)]
-pub struct MoeConfig {
-    pub num_experts: usize,
-    pub top_k: usize,
-    pub expert_intermediate_size: usize,
-    /// Intermediate size of the always-on shared expert MLP, 0 when there is none.
-    pub shared_intermediate_size: usize,
-    pub gating: GatingConfig,
-}
+/// The plain parts of a config, which the families build; this file reads what every family
+/// shares and asks the family for the rest.
+pub(super) mod parts;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
@@ -109,41 +50,6 @@ pub struct ModelConfig {
     pub quantization: Quantization,
 }
 
-/// The keys every family reads, under the same name and meaning. Everything is optional here
-/// so that every missing key is reported at once by [`ModelConfig::from_raw`] rather than one
-/// by one by serde.
-#[derive(Debug, Default, Deserialize)]
-pub(super) struct CommonKeys {
-    pub model_type: Option<String>,
-    pub vocab_size: Option<usize>,
-    pub hidden_size: Option<usize>,
-    pub intermediate_size: Option<usize>,
-    pub num_hidden_layers: Option<usize>,
-    pub num_attention_heads: Option<usize>,
-    pub num_key_value_heads: Option<usize>,
-    pub head_dim: Option<usize>,
-    pub hidden_act: Option<String>,
-    pub rms_norm_eps: Option<f64>,
-    pub max_position_embeddings: Option<usize>,
-    pub tie_word_embeddings: Option<bool>,
-    pub attention_bias: Option<bool>,
-    pub rope_theta: Option<f64>,
-    pub rope_scaling: Option<Value>,
-    pub rope_parameters: Option<Value>,
-    pub eos_token_id: Option<Value>,
-    pub torch_dtype: Option<String>,
-    pub dtype: Option<String>,
-    pub quantization_config: Option<Value>,
-    pub num_experts_per_tok: Option<usize>,
-    pub moe_intermediate_size: Option<usize>,
-    pub norm_topk_prob: Option<bool>,
-}
-
-/// Upper bound on `num_hidden_layers` accepted from a config.
-pub const MAX_LAYERS: usize = 1024;
-/// Upper bound on `max_position_embeddings`: 32 M tokens, above any published context.
-pub const MAX_CONTEXT: usize = 1 << 25;
-
 /// The common size keys with the largest value accepted (each family adds its own).
 const COMMON_SIZE_LIMITS: [(&str, usize); 10] = [
     ("vocab_size", 1 << 22),
@@ -157,32 +63,6 @@ const COMMON_SIZE_LIMITS: [(&str, usize); 10] = [
     ("num_experts_per_tok", 1 << 10),
     ("moe_intermediate_size", 1 << 18),
 ];
-
-/// Collects every problem with a config before failing.
-pub(super) struct Problems(pub Vec<String>);
-
-impl Problems {
-    /// A size the model cannot do without: present and greater than zero.
-    pub fn require(&mut self, value: Option<usize>, key: &str) -> usize {
-        match value {
-            Some(0) => {
-                self.0.push(format!("`{key}` must be greater than 0"));
-                0
-            }
-            Some(v) => v,
-            None => {
-                self.0.push(format!("missing key `{key}`"));
-                0
-            }
-        }
-    }
-
-    pub fn check(&mut self, ok: bool, message: impl FnOnce() -> String) {
-        if !ok {
-            self.0.push(message());
-        }
-    }
-}
 
 impl ModelConfig {
     /// Reads and validates `config.json` in `dir`.

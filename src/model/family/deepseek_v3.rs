@@ -11,7 +11,7 @@ use super::{
     Common, Defaults, ExpertNames, FamilyParts, FamilySpec, GroupedDefaults, GroupedKeys,
     ToolCallFormat, grouped_sigmoid_experts, keys,
 };
-use crate::model::config::{AttentionConfig, MAX_LAYERS, Problems};
+use crate::model::config::parts::{AttentionConfig, MAX_LAYERS, Problems};
 
 pub(super) struct DeepseekV3;
 

@@ -13,7 +13,7 @@ use super::{
     Common, Defaults, ExpertNames, FamilyParts, FamilySpec, Gqa, GroupedDefaults, GroupedKeys,
     ToolCallFormat, gqa, grouped_sigmoid_experts, keys,
 };
-use crate::model::config::{MAX_LAYERS, Problems};
+use crate::model::config::parts::{MAX_LAYERS, Problems};
 
 pub(super) struct Glm4Moe;
 

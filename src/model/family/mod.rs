@@ -17,7 +17,7 @@ mod qwen3_moe;
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::config::{AttentionConfig, CommonKeys, GatingConfig, MoeConfig, Problems};
+use super::config::parts::{AttentionConfig, CommonKeys, GatingConfig, MoeConfig, Problems};
 
 /// Which forward-pass code a checkpoint runs through.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -8,7 +8,7 @@ use serde_json::Value;
 use super::{
     Common, Defaults, ExpertNames, FamilyParts, FamilySpec, Gqa, ToolCallFormat, gqa, keys,
 };
-use crate::model::config::{GatingConfig, MAX_CONTEXT, MAX_LAYERS, MoeConfig, Problems};
+use crate::model::config::parts::{GatingConfig, MAX_CONTEXT, MAX_LAYERS, MoeConfig, Problems};
 
 pub(super) struct Qwen3Moe;
 
