@@ -12,7 +12,7 @@ use crate::compute::cpu::{
     rms_norm_in_place, softmax_in_place, weighted_rows,
 };
 use crate::model::config::AttentionConfig;
-use crate::model::weights::{AttentionWeights, QueryProjection};
+use crate::model::weights::{AttentionWeights, QueryProjection, RmsNorm};
 
 pub use crate::compute::layout::Segment;
 
@@ -37,279 +37,325 @@ pub fn attention(
     rows: usize,
     caches: &mut [&mut KvCache],
 ) -> Vec<f32> {
-    match (weights, input.config) {
-        (
-            AttentionWeights::Gqa {
-                q,
-                k,
-                v,
-                o,
-                q_norm,
-                k_norm,
-            },
-            &AttentionConfig::Gqa {
-                num_kv_heads,
-                head_dim,
-                sliding_window,
-                ..
-            },
-        ) => {
-            let mut queries = q.forward(x, rows);
-            let mut keys = k.forward(x, rows);
-            let values = v.forward(x, rows);
-            if let Some(norm) = q_norm {
-                rms_norm_in_place(&mut queries, &norm.weight, norm.eps);
-            }
-            if let Some(norm) = k_norm {
-                rms_norm_in_place(&mut keys, &norm.weight, norm.eps);
-            }
-            // The first `rope.dim()` values of each head (all of it but under partial rotary).
-            let rope_dim = input.rope.dim();
-            rotate_heads(input, &mut queries, head_dim, 0, rope_dim);
-            rotate_heads(input, &mut keys, head_dim, 0, rope_dim);
-            let kv_width = num_kv_heads * head_dim;
-            append_to_caches(input.segments, caches, layer, &keys, &values);
-            let group = input.num_heads / num_kv_heads;
-            let mut out = vec![0.0; rows * input.num_heads * head_dim];
-            let caches: Vec<&KvCache> = caches.iter().map(|c| &**c).collect();
-            let window_start =
-                |position: usize| sliding_window.map_or(0, |w| (position + 1).saturating_sub(w));
-            // Segments of several rows (prefill): blocks of queries against the cached keys
-            // and values as products, the `group` heads that share a key head together.
-            let blocked = blocked_segments(input);
-            let tasks = block_tasks(input, &blocked, group, num_kv_heads);
-            let done: Vec<Vec<f32>> = tasks
-                .par_iter()
-                .map(|task| {
-                    let LayerCache {
-                        first: keys,
-                        second: values,
-                        ..
-                    } = &caches[task.segment].layers[layer];
-                    let seg = &input.segments[task.segment];
-                    let position = |row: usize| seg.start_position + (row - seg.rows.start);
-                    let first = window_start(position(task.rows.start));
-                    let count = position(task.rows.end - 1) + 1 - first;
-                    let width = group * head_dim;
-                    let kv_offset = task.kv_head * head_dim;
-                    let mut block = Vec::with_capacity(task.rows.len() * width);
-                    for row in task.rows.clone() {
-                        let at = (row * input.num_heads + task.kv_head * group) * head_dim;
-                        block.extend_from_slice(&queries[at..][..width]);
-                    }
-                    let n_queries = task.rows.len() * group;
-                    let mut scores = vec![0.0; n_queries * count];
-                    matmul_transposed_strided(
-                        (&block, head_dim),
-                        n_queries,
-                        head_dim,
-                        (&keys[first * kv_width + kv_offset..], kv_width),
-                        count,
-                        &mut scores,
-                        false,
-                    );
-                    softmax_rows(&mut scores, count, input.softmax_scale, |query| {
-                        let position = position(task.rows.start + query / group);
-                        window_start(position) - first..position + 1 - first
-                    });
-                    matmul_strided(
-                        &scores,
-                        n_queries,
-                        count,
-                        (&values[first * kv_width + kv_offset..], kv_width),
-                        head_dim,
-                        &mut block,
-                        false,
-                    );
-                    block
-                })
-                .collect();
-            for (task, block) in tasks.iter().zip(&done) {
-                let width = group * head_dim;
-                for (row, block) in task.rows.clone().zip(block.chunks_exact(width)) {
-                    let at = (row * input.num_heads + task.kv_head * group) * head_dim;
-                    out[at..][..width].copy_from_slice(block);
-                }
-            }
-            par_rows_heads(
-                input,
-                &blocked,
-                &mut out,
-                head_dim,
-                |segment, row, head, out| {
-                    let LayerCache {
-                        first: keys,
-                        second: values,
-                        ..
-                    } = &caches[segment].layers[layer];
-                    let seg = &input.segments[segment];
-                    let position = seg.start_position + (row - seg.rows.start);
-                    let first = window_start(position);
-                    let kv_offset = (head / group) * head_dim;
-                    let query = &queries[(row * input.num_heads + head) * head_dim..][..head_dim];
-                    let mut scores = vec![0.0; position + 1 - first];
-                    dot_strided(
-                        query,
-                        &keys[first * kv_width + kv_offset..],
-                        kv_width,
-                        &mut scores,
-                    );
-                    attend(
-                        scores,
-                        &values[first * kv_width + kv_offset..],
-                        kv_width,
-                        input.softmax_scale,
-                        out,
-                    );
-                },
-            );
-            o.forward(&out, rows)
-        }
-        (
-            AttentionWeights::Mla {
-                q,
-                kv_down,
-                kv_norm,
-                kv_up,
-                o,
-            },
-            &AttentionConfig::Mla {
-                kv_lora_rank,
-                qk_nope_head_dim: nope,
-                qk_rope_head_dim: rope_dim,
-                v_head_dim,
-                ..
-            },
-        ) => {
-            let heads = input.num_heads;
-            let q_width = nope + rope_dim;
-            let mut queries = match q {
-                QueryProjection::Direct(proj) => proj.forward(x, rows),
-                QueryProjection::LowRank { down, norm, up } => {
-                    let mut low = down.forward(x, rows);
-                    rms_norm_in_place(&mut low, &norm.weight, norm.eps);
-                    up.forward(&low, rows)
-                }
-            };
-            rotate_heads(input, &mut queries, q_width, nope, rope_dim);
-            let compressed = kv_down.forward(x, rows);
-            let compressed_width = kv_lora_rank + rope_dim;
-            let mut latents = Vec::with_capacity(rows * kv_lora_rank);
-            let mut rope_keys = Vec::with_capacity(rows * rope_dim);
-            for (row, c) in compressed.chunks_exact(compressed_width).enumerate() {
-                let start = latents.len();
-                latents.extend_from_slice(&c[..kv_lora_rank]);
-                rms_norm_in_place(&mut latents[start..], &kv_norm.weight, kv_norm.eps);
-                let start = rope_keys.len();
-                rope_keys.extend_from_slice(&c[kv_lora_rank..]);
-                input
-                    .rope
-                    .apply(&mut rope_keys[start..], &input.angles[row]);
-            }
-            append_to_caches(input.segments, caches, layer, &latents, &rope_keys);
-            // Absorb kv_b's key half into the queries: q_nope · (W_uk c) = (q_nope W_uk) · c.
-            let up_rows_per_head = nope + v_head_dim;
-            let absorbed =
-                absorb_queries(&queries, rows, heads, q_width, nope, kv_up, kv_lora_rank);
-            let caches: Vec<&KvCache> = caches.iter().map(|c| &**c).collect();
-            let mut latent_out = vec![0.0; rows * heads * kv_lora_rank];
-            // Segments of several rows (prefill): blocks of queries, every head at once (they
-            // share the latents), against the cached latents and rotary keys as products.
-            let blocked = blocked_segments(input);
-            let tasks = block_tasks(input, &blocked, heads, 1);
-            let done: Vec<Vec<f32>> = tasks
-                .par_iter()
-                .map(|task| {
-                    let LayerCache {
-                        first: latents,
-                        second: rope_keys,
-                        ..
-                    } = &caches[task.segment].layers[layer];
-                    let seg = &input.segments[task.segment];
-                    let position = |row: usize| seg.start_position + (row - seg.rows.start);
-                    let count = position(task.rows.end - 1) + 1;
-                    let n_queries = task.rows.len() * heads;
-                    let first_query = task.rows.start * heads;
-                    let mut scores = vec![0.0; n_queries * count];
-                    matmul_transposed_strided(
-                        (&absorbed[first_query * kv_lora_rank..], kv_lora_rank),
-                        n_queries,
-                        kv_lora_rank,
-                        (latents, kv_lora_rank),
-                        count,
-                        &mut scores,
-                        false,
-                    );
-                    matmul_transposed_strided(
-                        (&queries[first_query * q_width + nope..], q_width),
-                        n_queries,
-                        rope_dim,
-                        (rope_keys, rope_dim),
-                        count,
-                        &mut scores,
-                        true,
-                    );
-                    softmax_rows(&mut scores, count, input.softmax_scale, |query| {
-                        0..position(task.rows.start + query / heads) + 1
-                    });
-                    let mut block = vec![0.0; n_queries * kv_lora_rank];
-                    matmul_strided(
-                        &scores,
-                        n_queries,
-                        count,
-                        (latents, kv_lora_rank),
-                        kv_lora_rank,
-                        &mut block,
-                        false,
-                    );
-                    block
-                })
-                .collect();
-            for (task, block) in tasks.iter().zip(&done) {
-                let width = heads * kv_lora_rank;
-                latent_out[task.rows.start * width..task.rows.end * width].copy_from_slice(block);
-            }
-            par_rows_heads(
-                input,
-                &blocked,
-                &mut latent_out,
-                kv_lora_rank,
-                |segment, row, head, out| {
-                    let LayerCache {
-                        first: latents,
-                        second: rope_keys,
-                        ..
-                    } = &caches[segment].layers[layer];
-                    let seg = &input.segments[segment];
-                    let position = seg.start_position + (row - seg.rows.start);
-                    let q_latent = &absorbed[(row * heads + head) * kv_lora_rank..][..kv_lora_rank];
-                    let q_rope = &queries[(row * heads + head) * q_width + nope..][..rope_dim];
-                    let mut scores = vec![0.0; position + 1];
-                    let mut rope_scores = vec![0.0; position + 1];
-                    dot_strided(q_latent, latents, kv_lora_rank, &mut scores);
-                    dot_strided(q_rope, rope_keys, rope_dim, &mut rope_scores);
-                    for (s, r) in scores.iter_mut().zip(&rope_scores) {
-                        *s += r;
-                    }
-                    attend(scores, latents, kv_lora_rank, input.softmax_scale, out);
-                },
-            );
-            // Expand the attended latents through kv_b's value half, head by head.
-            let heads_in = HeadLayout {
-                rows,
-                heads,
-                stride: kv_lora_rank,
-                width: kv_lora_rank,
-            };
-            let out = per_head_product(&latent_out, heads_in, v_head_dim, |head, x, y| {
-                let w_value = &kv_up.weight[(head * up_rows_per_head + nope) * kv_lora_rank..]
-                    [..v_head_dim * kv_lora_rank];
-                matmul_transposed(x, rows, kv_lora_rank, w_value, v_head_dim, y, true);
-            });
-            o.forward(&out, rows)
-        }
-        _ => unreachable!("attention weights are loaded from the same config"),
+    match input.config {
+        AttentionConfig::Gqa { .. } => gqa(weights, input, layer, x, rows, caches),
+        AttentionConfig::Mla { .. } => mla(weights, input, layer, x, rows, caches),
     }
+}
+
+/// Grouped-query attention: `group` query heads share each key and value head; prefill
+/// segments attend in blocks (products), the other rows head by head.
+fn gqa(
+    weights: &AttentionWeights,
+    input: &AttentionInput,
+    layer: usize,
+    x: &[f32],
+    rows: usize,
+    caches: &mut [&mut KvCache],
+) -> Vec<f32> {
+    let (
+        AttentionWeights::Gqa {
+            q,
+            k,
+            v,
+            o,
+            q_norm,
+            k_norm,
+        },
+        &AttentionConfig::Gqa {
+            num_kv_heads,
+            head_dim,
+            sliding_window,
+            ..
+        },
+    ) = (weights, input.config)
+    else {
+        unreachable!("attention weights are loaded from the same config")
+    };
+    let mut queries = q.forward(x, rows);
+    let mut keys = k.forward(x, rows);
+    let values = v.forward(x, rows);
+    if let Some(norm) = q_norm {
+        rms_norm_in_place(&mut queries, &norm.weight, norm.eps);
+    }
+    if let Some(norm) = k_norm {
+        rms_norm_in_place(&mut keys, &norm.weight, norm.eps);
+    }
+    // The first `rope.dim()` values of each head (all of it but under partial rotary).
+    let rope_dim = input.rope.dim();
+    rotate_heads(input, &mut queries, head_dim, 0, rope_dim);
+    rotate_heads(input, &mut keys, head_dim, 0, rope_dim);
+    let kv_width = num_kv_heads * head_dim;
+    append_to_caches(input.segments, caches, layer, &keys, &values);
+    let group = input.num_heads / num_kv_heads;
+    let mut out = vec![0.0; rows * input.num_heads * head_dim];
+    let caches: Vec<&KvCache> = caches.iter().map(|c| &**c).collect();
+    let window_start =
+        |position: usize| sliding_window.map_or(0, |w| (position + 1).saturating_sub(w));
+    // Segments of several rows (prefill): blocks of queries against the cached keys
+    // and values as products, the `group` heads that share a key head together.
+    let blocked = blocked_segments(input);
+    let tasks = block_tasks(input, &blocked, group, num_kv_heads);
+    let done: Vec<Vec<f32>> = tasks
+        .par_iter()
+        .map(|task| {
+            let LayerCache {
+                first: keys,
+                second: values,
+                ..
+            } = &caches[task.segment].layers[layer];
+            let seg = &input.segments[task.segment];
+            let position = |row: usize| seg.start_position + (row - seg.rows.start);
+            let first = window_start(position(task.rows.start));
+            let count = position(task.rows.end - 1) + 1 - first;
+            let width = group * head_dim;
+            let kv_offset = task.kv_head * head_dim;
+            let mut block = Vec::with_capacity(task.rows.len() * width);
+            for row in task.rows.clone() {
+                let at = (row * input.num_heads + task.kv_head * group) * head_dim;
+                block.extend_from_slice(&queries[at..][..width]);
+            }
+            let n_queries = task.rows.len() * group;
+            let mut scores = vec![0.0; n_queries * count];
+            matmul_transposed_strided(
+                (&block, head_dim),
+                n_queries,
+                head_dim,
+                (&keys[first * kv_width + kv_offset..], kv_width),
+                count,
+                &mut scores,
+                false,
+            );
+            softmax_rows(&mut scores, count, input.softmax_scale, |query| {
+                let position = position(task.rows.start + query / group);
+                window_start(position) - first..position + 1 - first
+            });
+            matmul_strided(
+                &scores,
+                n_queries,
+                count,
+                (&values[first * kv_width + kv_offset..], kv_width),
+                head_dim,
+                &mut block,
+                false,
+            );
+            block
+        })
+        .collect();
+    for (task, block) in tasks.iter().zip(&done) {
+        let width = group * head_dim;
+        for (row, block) in task.rows.clone().zip(block.chunks_exact(width)) {
+            let at = (row * input.num_heads + task.kv_head * group) * head_dim;
+            out[at..][..width].copy_from_slice(block);
+        }
+    }
+    par_rows_heads(
+        input,
+        &blocked,
+        &mut out,
+        head_dim,
+        |segment, row, head, out| {
+            let LayerCache {
+                first: keys,
+                second: values,
+                ..
+            } = &caches[segment].layers[layer];
+            let seg = &input.segments[segment];
+            let position = seg.start_position + (row - seg.rows.start);
+            let first = window_start(position);
+            let kv_offset = (head / group) * head_dim;
+            let query = &queries[(row * input.num_heads + head) * head_dim..][..head_dim];
+            let mut scores = vec![0.0; position + 1 - first];
+            dot_strided(
+                query,
+                &keys[first * kv_width + kv_offset..],
+                kv_width,
+                &mut scores,
+            );
+            attend(
+                scores,
+                &values[first * kv_width + kv_offset..],
+                kv_width,
+                input.softmax_scale,
+                out,
+            );
+        },
+    );
+    o.forward(&out, rows)
+}
+
+/// Multi-head latent attention: the queries absorb the keys' up-projection and attend to the
+/// cached latents and rotary keys; the attended latents expand through the values' half.
+fn mla(
+    weights: &AttentionWeights,
+    input: &AttentionInput,
+    layer: usize,
+    x: &[f32],
+    rows: usize,
+    caches: &mut [&mut KvCache],
+) -> Vec<f32> {
+    let (
+        AttentionWeights::Mla {
+            q,
+            kv_down,
+            kv_norm,
+            kv_up,
+            o,
+        },
+        &AttentionConfig::Mla {
+            kv_lora_rank,
+            qk_nope_head_dim: nope,
+            qk_rope_head_dim: rope_dim,
+            v_head_dim,
+            ..
+        },
+    ) = (weights, input.config)
+    else {
+        unreachable!("attention weights are loaded from the same config")
+    };
+    let heads = input.num_heads;
+    let q_width = nope + rope_dim;
+    let mut queries = match q {
+        QueryProjection::Direct(proj) => proj.forward(x, rows),
+        QueryProjection::LowRank { down, norm, up } => {
+            let mut low = down.forward(x, rows);
+            rms_norm_in_place(&mut low, &norm.weight, norm.eps);
+            up.forward(&low, rows)
+        }
+    };
+    rotate_heads(input, &mut queries, q_width, nope, rope_dim);
+    let (latents, rope_keys) = split_compressed(
+        input,
+        &kv_down.forward(x, rows),
+        kv_lora_rank,
+        rope_dim,
+        kv_norm,
+    );
+    append_to_caches(input.segments, caches, layer, &latents, &rope_keys);
+    // Absorb kv_b's key half into the queries: q_nope · (W_uk c) = (q_nope W_uk) · c.
+    let up_rows_per_head = nope + v_head_dim;
+    let absorbed = absorb_queries(&queries, rows, heads, q_width, nope, kv_up, kv_lora_rank);
+    let caches: Vec<&KvCache> = caches.iter().map(|c| &**c).collect();
+    let mut latent_out = vec![0.0; rows * heads * kv_lora_rank];
+    // Segments of several rows (prefill): blocks of queries, every head at once (they
+    // share the latents), against the cached latents and rotary keys as products.
+    let blocked = blocked_segments(input);
+    let tasks = block_tasks(input, &blocked, heads, 1);
+    let done: Vec<Vec<f32>> = tasks
+        .par_iter()
+        .map(|task| {
+            let LayerCache {
+                first: latents,
+                second: rope_keys,
+                ..
+            } = &caches[task.segment].layers[layer];
+            let seg = &input.segments[task.segment];
+            let position = |row: usize| seg.start_position + (row - seg.rows.start);
+            let count = position(task.rows.end - 1) + 1;
+            let n_queries = task.rows.len() * heads;
+            let first_query = task.rows.start * heads;
+            let mut scores = vec![0.0; n_queries * count];
+            matmul_transposed_strided(
+                (&absorbed[first_query * kv_lora_rank..], kv_lora_rank),
+                n_queries,
+                kv_lora_rank,
+                (latents, kv_lora_rank),
+                count,
+                &mut scores,
+                false,
+            );
+            matmul_transposed_strided(
+                (&queries[first_query * q_width + nope..], q_width),
+                n_queries,
+                rope_dim,
+                (rope_keys, rope_dim),
+                count,
+                &mut scores,
+                true,
+            );
+            softmax_rows(&mut scores, count, input.softmax_scale, |query| {
+                0..position(task.rows.start + query / heads) + 1
+            });
+            let mut block = vec![0.0; n_queries * kv_lora_rank];
+            matmul_strided(
+                &scores,
+                n_queries,
+                count,
+                (latents, kv_lora_rank),
+                kv_lora_rank,
+                &mut block,
+                false,
+            );
+            block
+        })
+        .collect();
+    for (task, block) in tasks.iter().zip(&done) {
+        let width = heads * kv_lora_rank;
+        latent_out[task.rows.start * width..task.rows.end * width].copy_from_slice(block);
+    }
+    par_rows_heads(
+        input,
+        &blocked,
+        &mut latent_out,
+        kv_lora_rank,
+        |segment, row, head, out| {
+            let LayerCache {
+                first: latents,
+                second: rope_keys,
+                ..
+            } = &caches[segment].layers[layer];
+            let seg = &input.segments[segment];
+            let position = seg.start_position + (row - seg.rows.start);
+            let q_latent = &absorbed[(row * heads + head) * kv_lora_rank..][..kv_lora_rank];
+            let q_rope = &queries[(row * heads + head) * q_width + nope..][..rope_dim];
+            let mut scores = vec![0.0; position + 1];
+            let mut rope_scores = vec![0.0; position + 1];
+            dot_strided(q_latent, latents, kv_lora_rank, &mut scores);
+            dot_strided(q_rope, rope_keys, rope_dim, &mut rope_scores);
+            for (s, r) in scores.iter_mut().zip(&rope_scores) {
+                *s += r;
+            }
+            attend(scores, latents, kv_lora_rank, input.softmax_scale, out);
+        },
+    );
+    // Expand the attended latents through kv_b's value half, head by head.
+    let heads_in = HeadLayout {
+        rows,
+        heads,
+        stride: kv_lora_rank,
+        width: kv_lora_rank,
+    };
+    let out = per_head_product(&latent_out, heads_in, v_head_dim, |head, x, y| {
+        let w_value = &kv_up.weight[(head * up_rows_per_head + nope) * kv_lora_rank..]
+            [..v_head_dim * kv_lora_rank];
+        matmul_transposed(x, rows, kv_lora_rank, w_value, v_head_dim, y, true);
+    });
+    o.forward(&out, rows)
+}
+
+/// The normed latents and the rotated shared keys of each row, from the rows' joint down
+/// projection (`kv_a_proj_with_mqa`: the latent, then the rotary key).
+fn split_compressed(
+    input: &AttentionInput,
+    compressed: &[f32],
+    kv_lora_rank: usize,
+    rope_dim: usize,
+    kv_norm: &RmsNorm,
+) -> (Vec<f32>, Vec<f32>) {
+    let rows = compressed.len() / (kv_lora_rank + rope_dim);
+    let mut latents = Vec::with_capacity(rows * kv_lora_rank);
+    let mut rope_keys = Vec::with_capacity(rows * rope_dim);
+    for (row, c) in compressed.chunks_exact(kv_lora_rank + rope_dim).enumerate() {
+        let start = latents.len();
+        latents.extend_from_slice(&c[..kv_lora_rank]);
+        rms_norm_in_place(&mut latents[start..], &kv_norm.weight, kv_norm.eps);
+        let start = rope_keys.len();
+        rope_keys.extend_from_slice(&c[kv_lora_rank..]);
+        input
+            .rope
+            .apply(&mut rope_keys[start..], &input.angles[row]);
+    }
+    (latents, rope_keys)
 }
 
 /// Appends each segment's rows of the step's two cached arrays (keys and values, or latents
