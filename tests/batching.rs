@@ -17,11 +17,13 @@ fn max_difference(a: &[f32], b: &[f32]) -> f32 {
 
 /// Largest logit difference accepted between a sequence stepped in a batch and alone on the
 /// CPU. Not bit-exact: the kernel and row tiles a product takes depend on how many rows it
-/// has (`FEW_ROWS`, `TILE_ROWS` in `compute/cpu.rs`), so sums round
+/// has (`FEW_ROWS`, `TILE_ROWS` in `compute/cpu/`), so sums round
 /// differently with the company a row keeps. Measured (2026-12-06, Intel Xeon with
 /// AVX-512 and AMX): at most 7.5e-6 (mixtral; qwen3_moe 4.1e-6, deepseek_v3 5.0e-6) on
-/// logits of magnitude ~5, with every greedy token the same.
-const BATCHED_LOGIT_TOLERANCE: f32 = 1e-5;
+/// logits of magnitude ~5, with every greedy token the same. The bound leaves room for the
+/// other kernels of a CPU without AVX-512 or AMX (AVX2 only: not measured), still ten
+/// thousand times under the GPU's.
+const BATCHED_LOGIT_TOLERANCE: f32 = 5e-5;
 
 #[test]
 fn batched_steps_equal_single_steps() {

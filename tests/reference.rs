@@ -42,8 +42,9 @@ const BF16_DENSE_LOGIT_TOLERANCE: f32 = 0.4;
 /// may differ. Not bit-exact (the kernel and row tiles a product takes depend on its rows, so sums
 /// round differently with the batch): 32 sequences over 17 steps measured at most 1.2e-6
 /// (2026-12-06, Intel Xeon with AVX-512 and AMX), every one of the 544 (sequence, step)
-/// pairs off by some bits, none routed or decoded differently.
-const CPU_BATCHED_LOGIT_TOLERANCE: f32 = 2e-6;
+/// pairs off by some bits, none routed or decoded differently. The bound leaves room for
+/// the other kernels of a CPU without AVX-512 or AMX (AVX2 only: not measured).
+const CPU_BATCHED_LOGIT_TOLERANCE: f32 = 1e-5;
 
 /// Decode and prefill on one backend differ only in how rows are batched into products.
 const CACHE_LOGIT_TOLERANCE: f32 = 0.05;
