@@ -1,14 +1,15 @@
 //! The kernels on a GPU against the CPU implementation they follow: the MoE layer (gating,
 //! permutation, grouped expert FFN, combine) and the dense kernels (RMSNorm, rotary,
-//! attention). Runs where CUDA is usable (`tests/gpu/run.sh` runs it on the GPU machine);
-//! elsewhere each test says it was skipped.
+//! attention). On a GPU under `tests/gpu/run.sh`; everywhere else on GPUs emulated on the
+//! CPU (`compute::cuda::emulated`), which run the same kernels through the same Rust
+//! launchers and cudarc calls.
 
 use half::bf16;
 use moe_node::compute::cpu::{Linear, SwiGlu};
+use moe_node::compute::cuda::GpuInfo;
 use moe_node::compute::cuda::experts::{ExpertShape, random_bf16 as values};
 use moe_node::compute::cuda::layer::{Gate, GpuMoeLayer};
 use moe_node::compute::cuda::storage::ExpertStorage;
-use moe_node::compute::cuda::{self, GpuInfo};
 use moe_node::experts::gpu::{GpuOptions, load_experts};
 use moe_node::model::config::GatingConfig;
 use moe_node::model::weights::load_expert;
@@ -16,24 +17,15 @@ use moe_node::model::{ExpertWeights, LoadFormat, ModelSource};
 use moe_node::moe::{DispatchPlan, route};
 
 mod common;
-use common::{AttentionCase, RopeCase, assert_close, skipped};
+use common::{AttentionCase, RopeCase, assert_close};
 #[path = "../benches/common/quantize.rs"]
 #[allow(dead_code)]
 mod quantize;
 
-/// GPU 0, or `None` (with a line saying why) where CUDA is not usable. `tests/gpu/run.sh`
-/// sets `MOE_TEST_REQUIRE_GPU=1`, which makes that a failure.
+/// GPU 0: a real one under `tests/gpu/run.sh`, else emulated on the CPU (see
+/// `common::gpus`); `None` (with a line saying why) where neither can be had.
 fn gpu_or_skip() -> Option<GpuInfo> {
-    match cuda::runtime(None) {
-        Ok(rt) => Some(rt.gpus[0].clone()),
-        Err(e) if std::env::var_os("MOE_TEST_REQUIRE_GPU").is_some() => {
-            panic!("MOE_TEST_REQUIRE_GPU is set: {e}")
-        }
-        Err(e) => {
-            skipped(&format!("GPU kernels not checked: {e}"));
-            None
-        }
-    }
+    common::gpus("GPU kernels").map(|runtime| runtime.gpus[0].clone())
 }
 
 fn widen(v: &[bf16]) -> Vec<f32> {

@@ -1,5 +1,5 @@
 //! The logic of the CUDA kernels (kernels/moe.cu, kernels/dense.cu), checked on the CPU against the Rust code
-//! they follow: the kernel source is compiled with g++ against tests/emulated/cuda_on_cpu.h,
+//! they follow: the kernel source is compiled with g++ against kernels/emulated/cuda_on_cpu.h,
 //! which runs each CUDA thread as an OS thread with real barriers and warp shuffles. This
 //! does not test the GPU (tests/gpu_kernels.rs does, where there is one); it tests the kernels'
 //! arithmetic, ordering, tie-breaking and indexing on every machine with g++.
@@ -44,14 +44,16 @@ fn harness() -> Option<&'static Path> {
         let dense = shim(&format!("#line 1 \"dense.cu\"\n{}", DENSE.source));
         std::fs::write(dir.join("kernels.inc"), moe).map_err(|e| e.to_string())?;
         std::fs::write(dir.join("dense.inc"), dense).map_err(|e| e.to_string())?;
-        let emulated = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/emulated");
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let emulated = root.join("tests/emulated");
+        let header = root.join("kernels/emulated");
         let exe = dir.join("harness");
         let out = Command::new("g++")
             .args(["-std=c++20", "-O1", "-pthread", "-w"])
             .arg("-I")
             .arg(&dir)
             .arg("-I")
-            .arg(&emulated)
+            .arg(&header)
             .arg(emulated.join("harness.cpp"))
             .arg("-o")
             .arg(&exe)

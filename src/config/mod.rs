@@ -288,6 +288,18 @@ impl NodeConfig {
                 self.devices.replication, self.devices.cpu_slots
             ));
         }
+        if !(1..=16).contains(&self.devices.emulated_gpus) {
+            problems.push(format!(
+                "devices.emulated_gpus: {} is not in 1..=16",
+                self.devices.emulated_gpus
+            ));
+        }
+        if !(64..=1 << 20).contains(&self.devices.emulated_gpu_mib) {
+            problems.push(format!(
+                "devices.emulated_gpu_mib: {} is not in 64..=1048576",
+                self.devices.emulated_gpu_mib
+            ));
+        }
         let fraction = self.devices.gpu_memory_fraction;
         if fraction.is_nan() || fraction <= 0.0 || fraction > 1.0 {
             problems.push(format!(

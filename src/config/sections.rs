@@ -217,8 +217,14 @@ pub struct ModelSection {
 #[serde(deny_unknown_fields, default)]
 pub struct DevicesConfig {
     /// Where experts run: on every GPU when CUDA is usable, else on CPU slots (`auto`);
-    /// only on GPUs, refusing to start without (`cuda`); only on CPU slots (`cpu`).
+    /// only on GPUs, refusing to start without (`cuda`); only on CPU slots (`cpu`); on GPUs
+    /// emulated on the CPU (`cuda-emulated`: the GPU code path, kernels included, run
+    /// slowly where there is no GPU, to check or trace it; needs g++).
     pub backend: Backend,
+    /// With `backend = "cuda-emulated"`: how many GPUs to emulate, and the memory of each
+    /// in MiB (what `plan`'s fit and the KV cache budget see).
+    pub emulated_gpus: usize,
+    pub emulated_gpu_mib: usize,
     /// Device slots to run experts on when the node has no GPU.
     pub cpu_slots: usize,
     /// Copies of each expert, each on a different device.
@@ -244,6 +250,8 @@ pub enum Backend {
     Auto,
     Cpu,
     Cuda,
+    #[serde(rename = "cuda-emulated")]
+    CudaEmulated,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -570,6 +578,14 @@ impl DevicesConfig {
     pub fn cuda_lib_path(&self) -> Option<&Path> {
         (!self.cuda_lib_dir.is_empty()).then(|| Path::new(&self.cuda_lib_dir))
     }
+
+    /// The emulated GPUs `backend = "cuda-emulated"` asks for.
+    pub fn emulated(&self) -> crate::compute::cuda::EmulatedGpus {
+        crate::compute::cuda::EmulatedGpus {
+            count: self.emulated_gpus,
+            bytes: self.emulated_gpu_mib << 20,
+        }
+    }
 }
 
 impl Default for DevicesConfig {
@@ -582,6 +598,8 @@ impl Default for DevicesConfig {
             dense_on_gpu: true,
             cuda_lib_dir: String::new(),
             cpu_amx: true,
+            emulated_gpus: 1,
+            emulated_gpu_mib: 4096,
         }
     }
 }

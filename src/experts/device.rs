@@ -434,9 +434,15 @@ pub fn choose_devices(devices: &DevicesConfig) -> Result<DeviceChoice, LoadError
             no_gpu: None,
         });
     }
-    match cuda::runtime(devices.cuda_lib_path()) {
+    let found = match devices.backend {
+        Backend::CudaEmulated => cuda::emulated_runtime(devices.emulated()),
+        _ => cuda::runtime(devices.cuda_lib_path()),
+    };
+    match found {
         Ok(runtime) => Ok(DeviceChoice::Gpus(runtime)),
-        Err(e) if devices.backend == Backend::Cuda => Err(LoadError::Cuda(e)),
+        Err(e) if matches!(devices.backend, Backend::Cuda | Backend::CudaEmulated) => {
+            Err(LoadError::Cuda(e))
+        }
         Err(e) => Ok(DeviceChoice::Cpu {
             slots,
             no_gpu: Some(e),

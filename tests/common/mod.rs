@@ -3,6 +3,7 @@
 
 use moe_node::compute::cpu::softmax_in_place;
 use moe_node::compute::cuda::dense::AttentionShape;
+use moe_node::compute::cuda::{self, CudaRuntime, EmulatedGpus};
 use moe_node::engine::rope::Rope;
 use moe_node::model::config::{RopeConfig, RopeScaling};
 
@@ -12,6 +13,34 @@ use moe_node::model::config::{RopeConfig, RopeScaling};
 pub fn skipped(why: &str) {
     use std::io::Write;
     let _ = writeln!(std::io::stderr(), "SKIPPED: {why}");
+}
+
+/// The GPUs the emulated GPU tests get: two, so that the paths between GPUs run too.
+pub const TEST_GPUS: EmulatedGpus = EmulatedGpus {
+    count: 2,
+    bytes: 4 << 30,
+};
+
+/// The GPUs the GPU tests run on: the real ones where `MOE_TEST_REQUIRE_GPU` is set
+/// (`tests/gpu/run.sh` on a GPU machine), else [`TEST_GPUS`] emulated on the CPU, which
+/// needs g++. Without g++ the test says it skipped `what`, unless `MOE_TEST_REQUIRE_GXX` is
+/// set (CI sets it): then that is a failure.
+pub fn gpus(what: &str) -> Option<&'static CudaRuntime> {
+    if std::env::var_os("MOE_TEST_REQUIRE_GPU").is_some() {
+        return Some(
+            cuda::runtime(None).unwrap_or_else(|e| panic!("MOE_TEST_REQUIRE_GPU is set: {e}")),
+        );
+    }
+    match cuda::emulated_runtime(TEST_GPUS) {
+        Ok(runtime) => Some(runtime),
+        Err(e) if std::env::var_os("MOE_TEST_REQUIRE_GXX").is_some() => {
+            panic!("MOE_TEST_REQUIRE_GXX is set, but GPUs could not be emulated: {e}")
+        }
+        Err(e) => {
+            skipped(&format!("{what} not checked: {e}"));
+            None
+        }
+    }
 }
 
 /// Reproducible values in [-1, 1), with some exact repeats (ties for top-k).

@@ -79,8 +79,45 @@ pub fn search_dirs(extra: Option<&Path>) -> Vec<PathBuf> {
     dirs
 }
 
-/// Libraries opened so far. Never dropped: cudarc's handles refer to the same objects.
-static OPENED: Mutex<Vec<Library>> = Mutex::new(Vec::new());
+/// Libraries opened so far, with the file each came from. Never dropped: cudarc's handles
+/// refer to the same objects.
+static OPENED: Mutex<Vec<(PathBuf, Library)>> = Mutex::new(Vec::new());
+
+fn keep(path: PathBuf, library: Library) {
+    OPENED
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push((path, library));
+}
+
+/// Opens `lib` from the file `path` and keeps it loaded: the emulated device's libraries,
+/// whose sonames are the names cudarc asks the loader for.
+pub fn open_path(lib: CudaLibrary, path: &Path) -> Result<Loaded, String> {
+    // SAFETY: loading the library runs its initialisers, which have no preconditions.
+    let library = unsafe { Library::new(path) }
+        .map_err(|e| format!("{}: {}: {e}", lib.what, path.display()))?;
+    keep(path.to_path_buf(), library);
+    Ok(Loaded {
+        what: lib.what,
+        path: path.to_path_buf(),
+    })
+}
+
+/// The function `symbol` of the opened library whose file is named `file`.
+///
+/// `F` must be the function's true type (an `unsafe extern "C" fn`).
+pub fn symbol<F: Copy>(file: &str, symbol: &str) -> Result<F, String> {
+    let opened = OPENED.lock().unwrap_or_else(|e| e.into_inner());
+    let (_, library) = opened
+        .iter()
+        .find(|(path, _)| path.file_name().is_some_and(|n| n == file))
+        .ok_or_else(|| format!("{file} is not loaded"))?;
+    // SAFETY: the caller names the symbol's true type; the library stays loaded for the
+    // life of the process, so the pointer stays valid.
+    unsafe { library.get::<F>(symbol.as_bytes()) }
+        .map(|f| *f)
+        .map_err(|e| format!("{file}: {symbol}: {e}"))
+}
 
 /// Opens `lib` by name through the loader, else from each of `dirs`, and keeps it loaded.
 pub fn open(lib: CudaLibrary, dirs: &[PathBuf]) -> Result<Loaded, String> {
@@ -94,10 +131,7 @@ pub fn open(lib: CudaLibrary, dirs: &[PathBuf]) -> Result<Loaded, String> {
         match unsafe { Library::new(&candidate) } {
             Ok(library) => {
                 let path = loaded_from(&library, lib.symbol).unwrap_or(candidate);
-                OPENED
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .push(library);
+                keep(path.clone(), library);
                 return Ok(Loaded {
                     what: lib.what,
                     path,

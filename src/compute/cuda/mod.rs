@@ -7,6 +7,7 @@
 
 pub mod blas;
 pub mod dense;
+pub mod emulated;
 pub mod experts;
 pub mod kernels;
 pub mod layer;
@@ -19,6 +20,7 @@ use std::sync::OnceLock;
 
 use cudarc::driver::{DriverError, result, sys};
 
+pub use emulated::EmulatedGpus;
 pub use experts::GpuExperts;
 pub use libs::Loaded;
 
@@ -46,6 +48,8 @@ pub struct CudaRuntime {
     pub libraries: Vec<Loaded>,
     pub driver_version: i32,
     pub nvrtc_version: (i32, i32),
+    /// Set when the GPUs are emulated on the CPU ([`emulated`]).
+    pub emulated: Option<EmulatedGpus>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -118,7 +122,8 @@ impl From<cudarc::cublas::result::CublasError> for CudaError {
 static RUNTIME: OnceLock<Result<CudaRuntime, String>> = OnceLock::new();
 
 /// The process's CUDA runtime, found on first use; `lib_dir` (the config's
-/// `devices.cuda_lib_dir`) is searched for the toolkit's libraries then.
+/// `devices.cuda_lib_dir`) is searched for the toolkit's libraries then. Where emulated GPUs
+/// were loaded first ([`emulated_runtime`]), those.
 pub fn runtime(lib_dir: Option<&Path>) -> Result<&'static CudaRuntime, CudaError> {
     RUNTIME
         .get_or_init(|| detect(lib_dir))
@@ -126,11 +131,48 @@ pub fn runtime(lib_dir: Option<&Path>) -> Result<&'static CudaRuntime, CudaError
         .map_err(|reason| CudaError::Unavailable(reason.clone()))
 }
 
+/// The process's CUDA runtime on `gpus` emulated GPUs, built and loaded on first use. A
+/// process that found the real driver first cannot emulate GPUs, nor one that emulates
+/// others: one CUDA driver per process.
+pub fn emulated_runtime(gpus: EmulatedGpus) -> Result<&'static CudaRuntime, CudaError> {
+    let runtime = RUNTIME
+        .get_or_init(|| detect_emulated(gpus))
+        .as_ref()
+        .map_err(|reason| CudaError::Unavailable(reason.clone()))?;
+    match runtime.emulated {
+        Some(loaded) if loaded == gpus => Ok(runtime),
+        Some(loaded) => Err(CudaError::Unavailable(format!(
+            "this process already emulates {} GPUs of {} MiB",
+            loaded.count,
+            loaded.bytes >> 20
+        ))),
+        None => Err(CudaError::Unavailable(
+            "this process already uses the real CUDA driver; GPUs cannot also be emulated".into(),
+        )),
+    }
+}
+
 fn detect(lib_dir: Option<&Path>) -> Result<CudaRuntime, String> {
     // The driver ships with the GPU driver, never with the toolkit (whose lib64/stubs holds a
     // stub that only links): only the loader's path is searched for it.
     let driver = libs::open(libs::DRIVER, &[])?;
     result::init().map_err(|e| format!("the CUDA driver did not start: {e}"))?;
+    let dirs = libs::search_dirs(lib_dir);
+    let mut libraries = vec![driver];
+    for lib in [libs::NVRTC, libs::CUBLAS_LT, libs::CUBLAS] {
+        libraries.push(libs::open(lib, &dirs)?);
+    }
+    describe(libraries, None)
+}
+
+fn detect_emulated(gpus: EmulatedGpus) -> Result<CudaRuntime, String> {
+    let libraries = emulated::install(gpus)?;
+    result::init().map_err(|e| format!("the emulated CUDA driver did not start: {e}"))?;
+    describe(libraries, Some(gpus))
+}
+
+/// The GPUs and versions the loaded driver reports.
+fn describe(libraries: Vec<Loaded>, emulated: Option<EmulatedGpus>) -> Result<CudaRuntime, String> {
     let count = result::device::get_count().map_err(|e| format!("counting GPUs: {e}"))?;
     if count == 0 {
         return Err("the CUDA driver reports no GPU".into());
@@ -140,11 +182,6 @@ fn detect(lib_dir: Option<&Path>) -> Result<CudaRuntime, String> {
     unsafe { sys::cuDriverGetVersion(&mut driver_version) }
         .result()
         .map_err(|e| format!("driver version: {e}"))?;
-    let dirs = libs::search_dirs(lib_dir);
-    let mut libraries = vec![driver];
-    for lib in [libs::NVRTC, libs::CUBLAS_LT, libs::CUBLAS] {
-        libraries.push(libs::open(lib, &dirs)?);
-    }
     let nvrtc_version = kernels::nvrtc_version().map_err(|e| format!("NVRTC: {e:?}"))?;
     let gpus = (0..count as usize)
         .map(gpu_info)
@@ -155,6 +192,7 @@ fn detect(lib_dir: Option<&Path>) -> Result<CudaRuntime, String> {
         libraries,
         driver_version,
         nvrtc_version,
+        emulated,
     })
 }
 
