@@ -2,7 +2,7 @@
 // (kernels/emulated/driver.cpp) compiles each kernel file against this header, and
 // tests/kernels_on_cpu.rs runs single kernels through tests/emulated/harness.cpp.
 //
-// Every thread of a block is a fiber (its own stack, switched with ucontext); the threads of
+// Every thread of a block is a fiber (its own stack); the threads of
 // a block run on one OS thread, each until it waits at a barrier, and blocks are shared out
 // to one OS thread per core. __syncthreads waits for every thread of the block that has not
 // returned, a warp shuffle for every such thread of its warp (exchanging through a buffer),
@@ -48,6 +48,68 @@ static thread_local std::vector<unsigned char> smem_;
 #define __forceinline__ inline
 #define __shared__ static thread_local
 
+// Switching between fibers. On x86-64, six callee-saved registers and the stack pointer
+// (glibc's swapcontext also saves the signal mask, a system call per switch, which made the
+// emulation several times slower); elsewhere, ucontext.
+#if defined(__x86_64__)
+extern "C" void moe_emu_switch(void** save_sp, void* load_sp);
+asm(R"(
+    .text
+    .globl moe_emu_switch
+    .hidden moe_emu_switch
+    .type moe_emu_switch, @function
+moe_emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size moe_emu_switch, .-moe_emu_switch
+)");
+
+struct FiberContext {
+    void* sp = nullptr;
+
+    // A context that starts `entry` on the stack [stack, stack + size).
+    void start(char* stack, size_t size, void (*entry)()) {
+        uintptr_t top = (reinterpret_cast<uintptr_t>(stack) + size) & ~uintptr_t(15);
+        void** frame = reinterpret_cast<void**>(top - 64);
+        for (int i = 0; i < 6; ++i) frame[i] = nullptr;  // r15 .. rbp
+        frame[6] = reinterpret_cast<void*>(entry);        // where `ret` goes
+        frame[7] = nullptr;                               // entry never returns
+        sp = frame;
+    }
+
+    static void swap(FiberContext& from, FiberContext& to) { moe_emu_switch(&from.sp, to.sp); }
+};
+#else
+struct FiberContext {
+    ucontext_t context;
+
+    void start(char* stack, size_t size, void (*entry)()) {
+        getcontext(&context);
+        context.uc_stack.ss_sp = stack;
+        context.uc_stack.ss_size = size;
+        context.uc_link = nullptr;
+        makecontext(&context, entry, 0);
+    }
+
+    static void swap(FiberContext& from, FiberContext& to) {
+        swapcontext(&from.context, &to.context);
+    }
+};
+#endif
+
 // The threads of the block an OS thread is running, as fibers.
 class Block {
   public:
@@ -60,11 +122,7 @@ class Block {
         for (unsigned t = 0; t < threads; ++t) {
             Fiber& f = fibers_[t];
             if (!f.stack) f.stack.reset(new char[STACK]);
-            getcontext(&f.context);
-            f.context.uc_stack.ss_sp = f.stack.get();
-            f.context.uc_stack.ss_size = STACK;
-            f.context.uc_link = &scheduler_;
-            makecontext(&f.context, (void (*)())entry, 0);
+            f.context.start(f.stack.get(), STACK, entry);
             f.state = RUNNABLE;
         }
         for (;;) {
@@ -73,7 +131,7 @@ class Block {
                 if (fibers_[t].state != RUNNABLE) continue;
                 threadIdx.x = t;
                 current_ = t;
-                swapcontext(&scheduler_, &fibers_[t].context);
+                FiberContext::swap(scheduler_, fibers_[t].context);
                 ran = true;
             }
             unsigned live = 0, at_block = 0;
@@ -84,7 +142,9 @@ class Block {
             if (live == 0) return;
             bool released = false;
             if (at_block == live) {
-                for (unsigned t = 0; t < threads; ++t) fibers_[t].state = RUNNABLE;
+                for (unsigned t = 0; t < threads; ++t) {
+                    if (fibers_[t].state == AT_BLOCK) fibers_[t].state = RUNNABLE;
+                }
                 released = true;
             }
             for (unsigned w = 0; w * 32 < threads; ++w) {
@@ -112,25 +172,26 @@ class Block {
 
     // The running thread waits for the others (`state` says which).
     void wait(State state) {
-        Fiber& f = fibers_[current_];
-        f.state = state;
-        swapcontext(&f.context, &scheduler_);
-        threadIdx.x = current_;
+        unsigned t = current_;
+        fibers_[t].state = state;
+        FiberContext::swap(fibers_[t].context, scheduler_);
+        threadIdx.x = t;
     }
 
   private:
     static constexpr size_t STACK = 64 * 1024;
 
     struct Fiber {
-        ucontext_t context;
+        FiberContext context;
         std::unique_ptr<char[]> stack;
         State state = DONE;
     };
 
+    // Where each fiber starts: runs the kernel, then hands back to the scheduler for good.
     static void entry();
 
     std::vector<Fiber> fibers_;
-    ucontext_t scheduler_;
+    FiberContext scheduler_;
     unsigned current_ = 0;
     const std::function<void()>* kernel_ = nullptr;
 };
@@ -139,8 +200,10 @@ static thread_local Block block_;
 
 inline void Block::entry() {
     (*block_.kernel_)();
-    block_.fibers_[block_.current_].state = DONE;
-    // uc_link returns to the scheduler.
+    unsigned t = block_.current_;
+    block_.fibers_[t].state = DONE;
+    FiberContext::swap(block_.fibers_[t].context, block_.scheduler_);
+    abort();  // a finished fiber is never resumed
 }
 
 #define __syncthreads() block_.wait(Block::AT_BLOCK)
