@@ -250,6 +250,12 @@ struct Bf16Rows {
     }
 };
 
+// A quantized weight's value as the device computes with it: rounded once to bf16, in the
+// GEMV as in the widening for the grouped GEMM, so that a step's arithmetic does not depend
+// on which of the two its rows per expert choose (the emulated GPU found logits moving by
+// 0.06 with the batch when only the widening rounded).
+__device__ __forceinline__ float as_bf16(float v) { return bf16_to_f32(f32_to_bf16(v)); }
+
 // The value of an e4m3fn byte, as src/compute/quant.rs's e4m3_to_f32 reads it: exponent and
 // mantissa moved to an f32's positions give the value times 2^-120.
 __device__ __forceinline__ float e4m3_to_f32(unsigned byte) {
@@ -277,7 +283,7 @@ struct Fp8Rows {
             float s = scales[col / block_cols];
             for (int j = 0; j < 8; ++j) {
                 float scale = one_block ? s : scales[(col + j) / block_cols];
-                out[j] = e4m3_to_f32((words[j / 4] >> (8 * (j % 4))) & 0xffu) * scale;
+                out[j] = as_bf16(e4m3_to_f32((words[j / 4] >> (8 * (j % 4))) & 0xffu) * scale);
             }
         }
     };
@@ -313,7 +319,7 @@ struct Int4Rows {
             float s = scale(col / group);
             for (int j = 0; j < 8; ++j) {
                 float value = (float)((int)((word >> (4 * j)) & 0xfu) - 8);
-                out[j] = value * (one_group ? s : scale((col + j) / group));
+                out[j] = as_bf16(value * (one_group ? s : scale((col + j) / group)));
             }
         }
     };
@@ -396,7 +402,7 @@ extern "C" __global__ void grouped_gemv_int4(const unsigned char* const* a, long
 
 // Quantized `a` matrices widened to bf16 for the grouped GEMM (steps with more rows per
 // expert than the GEMV takes): group g's [m, k] matrix into out + g * out_stride, each
-// weight rounded once from its f32 value (the host's widening, bit for bit). Grid: (any,
+// weight rounded once from its f32 value (the host's widening, bit for bit; `chunk` rounds). Grid: (any,
 // groups); a grid-stride loop over the matrix's chunks of eight.
 template <class Weights>
 __device__ __forceinline__ void widen(const Weights& weights, bf16* out, size_t out_stride,

@@ -200,6 +200,10 @@ struct GenerateArgs {
     /// With --gpu, keep the dense part (attention, norms, lm head) on the CPU.
     #[arg(long, requires = "gpu")]
     dense_on_cpu: bool,
+    /// With --gpu, run on this many GPUs emulated on the CPU (4 GiB each): the GPU code
+    /// path, kernels included, slowly, where there is no GPU (needs g++).
+    #[arg(long, value_name = "N", requires = "gpu")]
+    emulated_gpus: Option<usize>,
     /// How the weights are read: `dummy` makes random bf16 weights from config.json alone.
     #[arg(long, value_enum, default_value_t = LoadFormat::Safetensors)]
     load_format: LoadFormat,
@@ -525,6 +529,12 @@ fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {
     let engine = match args.gpu {
         None => Engine::load_source(&source)?,
         Some(ordinal) => {
+            if let Some(count) = args.emulated_gpus {
+                moe_node::compute::cuda::emulated_runtime(moe_node::compute::cuda::EmulatedGpus {
+                    count,
+                    bytes: 4 << 30,
+                })?;
+            }
             let engine = engine_on_gpu(&source, ordinal, !args.dense_on_cpu, None, None)?;
             if let Ok(runtime) = moe_node::compute::cuda::runtime(None) {
                 moe_node::compute::cuda::log_runtime(runtime);

@@ -719,7 +719,11 @@ fn quantized_slots_widen_and_multiply_as_the_host_dequantizes() {
                     .map(|&v| bf16::from_f32(v).to_f32())
                     .collect();
                 input += &format!("{}\n{}\n{}\n", join(slot), rows[g], join(&x));
-                let w = &dequantized[g];
+                // The device computes with each weight rounded to bf16, as it widens them.
+                let w: Vec<f32> = dequantized[g]
+                    .iter()
+                    .map(|&v| bf16::from_f32(v).to_f32())
+                    .collect();
                 expected.push(
                     (0..rows[g] * m)
                         .map(|n| {

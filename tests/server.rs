@@ -9,6 +9,7 @@ use reqwest::StatusCode;
 use reqwest::blocking::Client;
 use serde_json::{Value, json};
 
+mod common;
 mod serve;
 use serve::{BIN, Server, assert_envelope, demo_model, ids, read_sse, streamed_ids};
 
@@ -84,6 +85,56 @@ fn demo_model_is_written_on_first_start_and_ready_follows_load() {
     assert_eq!(models["data"][0]["id"], "demo-model");
     let version = server.get("/version").json::<Value>().unwrap();
     assert_eq!(version["version"], env!("CARGO_PKG_VERSION"));
+}
+
+/// The node serving on GPUs emulated on the CPU (`devices.backend = "cuda-emulated"`): its
+/// experts and dense part run through the GPU code path (device actors, kernels, cuBLAS,
+/// the GPU KV cache), and its greedy answers are the CPU backend's.
+#[test]
+fn a_node_on_emulated_gpus_answers_as_the_cpu_does() {
+    if common::gpus("serving on emulated GPUs").is_none() {
+        return;
+    }
+    let server = Server::start("[devices]\nbackend = \"cuda-emulated\"\nemulated_gpus = 2\n");
+    server.wait_ready();
+    let devices: Value = server.get("/admin/devices").json().unwrap();
+    let kinds: Vec<&str> = devices["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["kind"].as_str().unwrap())
+        .collect();
+    assert_eq!(kinds, ["gpu", "gpu"], "{devices}");
+    let prompt = [256u32, 72, 101, 108, 108, 111];
+    let prompt_ids: Vec<String> = prompt.iter().map(u32::to_string).collect();
+    let out = Command::new(BIN)
+        .args(["generate", "--model", demo_model().to_str().unwrap()])
+        .args(["--prompt-ids", &prompt_ids.join(",")])
+        .args(["--max-tokens", "8", "--stop-at-eos", "--json"])
+        .stderr(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let on_cpu = ids(&serde_json::from_slice::<Value>(&out.stdout).unwrap()["token_ids"]);
+    let body = server.post_ok(
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": true}),
+    );
+    assert_eq!(ids(&body["choices"][0]["token_ids"]), on_cpu);
+    // Two at once: batched on the GPU, each still the CPU's answer.
+    let body =
+        json!({"prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": true});
+    let bodies = [body.clone(), body];
+    let answers: Vec<Value> = std::thread::scope(|s| {
+        let handles: Vec<_> = bodies
+            .iter()
+            .map(|b| s.spawn(|| server.post_ok("/v1/completions", b)))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for answer in answers {
+        assert_eq!(ids(&answer["choices"][0]["token_ids"]), on_cpu);
+    }
 }
 
 #[test]
