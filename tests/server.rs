@@ -89,9 +89,12 @@ fn demo_model_is_written_on_first_start_and_ready_follows_load() {
 
 /// The node serving on GPUs emulated on the CPU (`devices.backend = "cuda-emulated"`): its
 /// experts and dense part run through the GPU code path (device actors, kernels, cuBLAS,
-/// the GPU KV cache), and its greedy answers are the CPU backend's.
+/// the GPU KV cache), alone and batched, and its greedy answers are the GPU engine's
+/// (`generate --gpu 0`), which tests/reference.rs holds to the CPU backend. (Not the CPU's
+/// own ids: with the dense part in bf16 a near-tied greedy choice may flip, as it does here
+/// at the sixth token, by 0.002 of a logit; with the dense part on the CPU they are equal.)
 #[test]
-fn a_node_on_emulated_gpus_answers_as_the_cpu_does() {
+fn a_node_on_emulated_gpus_answers_as_the_gpu_engine_does() {
     if common::gpus("serving on emulated GPUs").is_none() {
         return;
     }
@@ -109,18 +112,19 @@ fn a_node_on_emulated_gpus_answers_as_the_cpu_does() {
     let prompt_ids: Vec<String> = prompt.iter().map(u32::to_string).collect();
     let out = Command::new(BIN)
         .args(["generate", "--model", demo_model().to_str().unwrap()])
+        .args(["--gpu", "0", "--emulated-gpus", "1"])
         .args(["--prompt-ids", &prompt_ids.join(",")])
         .args(["--max-tokens", "8", "--stop-at-eos", "--json"])
         .stderr(Stdio::null())
         .output()
         .unwrap();
     assert!(out.status.success());
-    let on_cpu = ids(&serde_json::from_slice::<Value>(&out.stdout).unwrap()["token_ids"]);
+    let on_gpu = ids(&serde_json::from_slice::<Value>(&out.stdout).unwrap()["token_ids"]);
     let body = server.post_ok(
         "/v1/completions",
         &json!({"prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": true}),
     );
-    assert_eq!(ids(&body["choices"][0]["token_ids"]), on_cpu);
+    assert_eq!(ids(&body["choices"][0]["token_ids"]), on_gpu);
     // Two at once: batched on the GPU, each still the CPU's answer.
     let body =
         json!({"prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": true});
@@ -133,7 +137,7 @@ fn a_node_on_emulated_gpus_answers_as_the_cpu_does() {
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
     for answer in answers {
-        assert_eq!(ids(&answer["choices"][0]["token_ids"]), on_cpu);
+        assert_eq!(ids(&answer["choices"][0]["token_ids"]), on_gpu);
     }
 }
 
