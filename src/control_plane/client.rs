@@ -243,13 +243,13 @@ fn exchange(
 
 /// Applies the live parts of a new desired state and says what it does not apply.
 fn apply(live: &LiveSettings, desired: &DesiredState, report: &Report) {
-    live.set_control_plane_api_keys(desired.api_key_sha256.clone());
+    live.set_control_plane_api_keys(desired.api_keys.clone());
     if let Some(seconds) = desired.rebalance_interval_seconds {
         live.set_rebalance_interval_seconds(seconds);
     }
     tracing::info!(
         version = desired.version,
-        api_keys = desired.api_key_sha256.len(),
+        api_keys = desired.api_keys.len(),
         rebalance_interval_seconds = ?desired.rebalance_interval_seconds,
         "desired state from the control plane applied"
     );
