@@ -451,6 +451,7 @@ fn listen_for_hangups() -> Hangups {}
 fn apply_reload(state: &AppState, in_force: &NodeConfig, new: &NodeConfig) {
     let changes = Changes::between(&state.config, in_force, new);
     state.live.apply(new);
+    apply_cluster_secrets(state, new);
     if let Err(error) = crate::logging::set_filter(&new.logging.filter) {
         tracing::warn!(%error, "logging.filter not applied");
     }
@@ -469,6 +470,28 @@ fn apply_reload(state: &AppState, in_force: &NodeConfig, new: &NodeConfig) {
         api_keys = state.live.api_key_count(),
         "configuration reloaded"
     );
+}
+
+/// Hands the reloaded cluster secrets to gossip, which seals with the first and opens with
+/// these only from its next datagram: a secret removed from the configuration is refused at
+/// once.
+fn apply_cluster_secrets(state: &AppState, new: &NodeConfig) {
+    if !state.config.cluster.enabled() {
+        return;
+    }
+    let Some(joined) = state
+        .served()
+        .and_then(|served| served.node.cluster.as_ref())
+    else {
+        tracing::warn!(
+            "cluster.secrets: the node is still starting, gossip keeps the secrets it started \
+             with; reload again once it is ready"
+        );
+        return;
+    };
+    if let Err(error) = joined.membership.set_keys(&new.cluster.secrets) {
+        tracing::error!(%error, "cluster.secrets not applied to gossip");
+    }
 }
 
 /// Exit status when the router is gone (sysexits' EX_SOFTWARE): systemd restarts the node.

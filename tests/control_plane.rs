@@ -10,7 +10,7 @@ use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use moe_node::control_plane::wire::sha256_hex;
+use moe_node::control_plane::wire::{SaltedKey, sha256_hex};
 use reqwest::StatusCode;
 use reqwest::blocking::Client;
 use serde_json::{Value, json};
@@ -22,6 +22,8 @@ mod common;
 
 const NODE_TOKEN: &str = "node-token-0123456789";
 const ADMIN_TOKEN: &str = "admin-token-0123456789";
+/// An API key set at the control plane (16 characters at least).
+const CP_KEY: &str = "cp-key-0123456789abcdef";
 
 /// A `moe-node control-plane` process; killed when dropped.
 struct ControlPlane {
@@ -35,21 +37,42 @@ impl ControlPlane {
         Self::start_with(dir, listen, "")
     }
 
-    /// As [`ControlPlane::start`], with `extra` lines in its config (TLS).
+    /// As [`ControlPlane::start`], with `extra` lines in its config (TLS, limits). With
+    /// mTLS, `NODE_TOKEN` is good for any node (the certificate names it); without,
+    /// `NODE_TOKEN` is for the nodes of cluster c1, and `tokens` adds more
+    /// `[[node_tokens]]` (token, cluster, node).
     fn start_with(dir: &Path, listen: &str, extra: &str) -> ControlPlane {
+        Self::start_with_tokens(dir, listen, extra, &[])
+    }
+
+    fn start_with_tokens(
+        dir: &Path,
+        listen: &str,
+        extra: &str,
+        tokens: &[(&str, &str, &str)],
+    ) -> ControlPlane {
         let config = dir.join("control-plane.toml");
-        std::fs::write(
-            &config,
-            format!(
-                "listen = \"{listen}\"\ndatabase = \"{}\"\nnode_token_sha256 = [\"{}\"]\n\
-                 admin_token_sha256 = [\"{}\"]\nstale_after_seconds = 2\nhistory_per_node = 5\n\
-                 {extra}",
-                dir.join("state.db").display(),
-                sha256_hex(NODE_TOKEN),
-                sha256_hex(ADMIN_TOKEN),
-            ),
-        )
-        .unwrap();
+        let mut text = format!(
+            "listen = \"{listen}\"\ndatabase = \"{}\"\n\
+             admin_token_sha256 = [\"{}\"]\nstale_after_seconds = 2\nhistory_per_node = 5\n\
+             {extra}\n",
+            dir.join("state.db").display(),
+            sha256_hex(ADMIN_TOKEN),
+        );
+        if extra.contains("tls_client_ca") {
+            text.push_str(&format!(
+                "node_token_sha256 = [\"{}\"]\n",
+                sha256_hex(NODE_TOKEN)
+            ));
+        } else {
+            for (token, cluster, node) in [(NODE_TOKEN, "c1", "")].iter().chain(tokens) {
+                text.push_str(&format!(
+                    "[[node_tokens]]\nsha256 = \"{}\"\ncluster = \"{cluster}\"\nnode = \"{node}\"\n",
+                    sha256_hex(token)
+                ));
+            }
+        }
+        std::fs::write(&config, text).unwrap();
         let process = Process::start(&[
             OsStr::new("control-plane"),
             OsStr::new("--config"),
@@ -143,24 +166,30 @@ fn a_key_set_at_the_control_plane_reaches_a_running_node_which_keeps_serving_wit
     let server = node(&cp.base, NODE_TOKEN, "n1");
     cp.wait_for_log("node registered");
     server.wait_for_log("registered with the control plane");
-    assert_eq!(models(&server, "cp-key"), StatusCode::UNAUTHORIZED);
+    assert_eq!(models(&server, CP_KEY), StatusCode::UNAUTHORIZED);
 
     // A new key, set at the control plane, is accepted by the running node.
     let (status, desired) = cp.admin(
         &client,
         reqwest::Method::PUT,
         "/api/v1/clusters/c1/desired",
-        Some(json!({"api_keys": ["cp-key"], "rebalance_interval_seconds": 0})),
+        Some(json!({"api_keys": [CP_KEY], "rebalance_interval_seconds": 0})),
     );
     assert_eq!(status, StatusCode::OK, "{desired}");
     assert_eq!(desired["version"], 1);
-    assert_eq!(desired["api_key_sha256"], json!([sha256_hex("cp-key")]));
+    let stored = desired["api_keys"].clone();
+    let salt = stored[0]["salt"].as_str().unwrap();
+    assert_eq!(
+        stored[0]["sha256"],
+        sha256_hex(&format!("{salt}{CP_KEY}")),
+        "stored salted: {desired}"
+    );
     assert!(
-        !desired.to_string().contains("\"cp-key\""),
-        "stored hashed only: {desired}"
+        !desired.to_string().contains(CP_KEY) && !desired.to_string().contains(&sha256_hex(CP_KEY)),
+        "stored salted only: {desired}"
     );
     wait_until("the node accepts the new key", || {
-        models(&server, "cp-key") == StatusCode::OK
+        models(&server, CP_KEY) == StatusCode::OK
     });
     assert_eq!(models(&server, "local-key"), StatusCode::OK);
     assert_eq!(models(&server, "other-key"), StatusCode::UNAUTHORIZED);
@@ -176,14 +205,14 @@ fn a_key_set_at_the_control_plane_reaches_a_running_node_which_keeps_serving_wit
     let page = client.get(&cp.base).send().unwrap().text().unwrap();
     assert!(page.contains("<td>n1</td><td>reporting</td>"), "{page}");
     assert!(
-        !page.contains(&sha256_hex("cp-key")),
+        !page.contains(stored[0]["sha256"].as_str().unwrap()),
         "no key hashes on the page"
     );
 
     // Killed, the control plane is missed, but the node serves on what it last knew.
     drop(cp);
     server.wait_for_log("serving on the last known state");
-    assert_eq!(models(&server, "cp-key"), StatusCode::OK);
+    assert_eq!(models(&server, CP_KEY), StatusCode::OK);
     // (The test client's own key is the configured local-key.)
     let completion = server.post_ok(
         "/v1/completions",
@@ -202,7 +231,7 @@ fn a_key_set_at_the_control_plane_reaches_a_running_node_which_keeps_serving_wit
     );
     assert_eq!(status, StatusCode::OK);
     assert_eq!(desired["version"], 1);
-    assert_eq!(desired["api_key_sha256"], json!([sha256_hex("cp-key")]));
+    assert_eq!(desired["api_keys"], stored);
     assert_eq!(node_status(&cp, &client, "n1")["node"], "n1");
     server.wait_for_log("the control plane answers again");
     let (_, history) = cp.admin(
@@ -256,9 +285,8 @@ fn impostor() -> String {
                     }
                 }
             }
-            let body =
-                json!({"desired": {"version": 7, "api_key_sha256": [sha256_hex("evil-key")]}})
-                    .to_string();
+            let evil = SaltedKey::new("evil-key-0123456789");
+            let body = json!({"desired": {"version": 7, "api_keys": [evil]}}).to_string();
             let _ = write!(
                 stream,
                 "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
@@ -300,7 +328,10 @@ fn wrong_credentials_are_refused_both_ways() {
     let fake = impostor();
     let fooled = node(&fake, NODE_TOKEN, "n2");
     fooled.wait_for_log("does not prove it knows this node's token");
-    assert_eq!(models(&fooled, "evil-key"), StatusCode::UNAUTHORIZED);
+    assert_eq!(
+        models(&fooled, "evil-key-0123456789"),
+        StatusCode::UNAUTHORIZED
+    );
     assert_eq!(models(&fooled, "local-key"), StatusCode::OK);
 }
 
@@ -339,9 +370,16 @@ impl Certificates {
         };
         let leaf = |issuer: &Issuer<KeyPair>, names: &[&str], usage| {
             let key = KeyPair::generate().unwrap();
+            let (uris, hosts): (Vec<&str>, Vec<&str>) =
+                names.iter().partition(|n| n.starts_with("moe-node://"));
             let mut params =
-                CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
+                CertificateParams::new(hosts.iter().map(|n| n.to_string()).collect::<Vec<_>>())
                     .unwrap();
+            for uri in uris {
+                params
+                    .subject_alt_names
+                    .push(rcgen::SanType::URI(uri.try_into().unwrap()));
+            }
             params.extended_key_usages = vec![usage];
             let certificate = params.signed_by(&key, issuer).unwrap();
             (certificate.pem(), key.serialize_pem())
@@ -353,10 +391,17 @@ impl Certificates {
             &["127.0.0.1", "localhost"],
             ExtendedKeyUsagePurpose::ServerAuth,
         );
-        let (client_pem, client_key) =
-            leaf(&ca_issuer, &["n1"], ExtendedKeyUsagePurpose::ClientAuth);
-        let (rogue_client_pem, rogue_client_key) =
-            leaf(&rogue_issuer, &["n1"], ExtendedKeyUsagePurpose::ClientAuth);
+        // A node's certificate names it and its cluster: moe-node://CLUSTER/NODE.
+        let (client_pem, client_key) = leaf(
+            &ca_issuer,
+            &["n1", "moe-node://c1/n1"],
+            ExtendedKeyUsagePurpose::ClientAuth,
+        );
+        let (rogue_client_pem, rogue_client_key) = leaf(
+            &rogue_issuer,
+            &["moe-node://c1/n1"],
+            ExtendedKeyUsagePurpose::ClientAuth,
+        );
         Certificates {
             ca: write("ca.pem", ca_pem),
             server_certificate: write("server.pem", server_pem),
@@ -472,10 +517,44 @@ fn peering_over_https_with_mtls_works_and_the_wrong_certificates_are_refused_on_
     // Over HTTPS the control plane shows the good node only; an admin needs no client
     // certificate (the bearer token is its credential there).
     let ca = reqwest::Certificate::from_pem(&std::fs::read(&certs.ca).unwrap()).unwrap();
-    let client = Client::builder().tls_certs_only([ca]).build().unwrap();
+    let client = Client::builder()
+        .tls_certs_only([ca.clone()])
+        .build()
+        .unwrap();
     wait_until("the good node reports", || {
         node_status(&cp, &client, "n1")["status"] == "reporting"
     });
+    // With n1's certificate (and the token), a heartbeat as another node, or as a node of
+    // another cluster, is refused: the certificate names moe-node://c1/n1 only.
+    let mut pem = std::fs::read(&certs.client_certificate).unwrap();
+    pem.extend(std::fs::read(&certs.client_key).unwrap());
+    let as_n1 = Client::builder()
+        .tls_certs_only([ca])
+        .identity(reqwest::Identity::from_pem(&pem).unwrap())
+        .build()
+        .unwrap();
+    for (cluster, node) in [("c1", "n2"), ("prod", "ghost")] {
+        let response = as_n1
+            .post(format!("{url}/api/v1/heartbeat"))
+            .bearer_auth(NODE_TOKEN)
+            .json(&json!({"cluster": cluster, "node": node}))
+            .send()
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::FORBIDDEN, "{cluster}/{node}");
+        let body: Value = response.json().unwrap();
+        let expected = format!(
+            "its client certificate names [moe-node://c1/n1], not moe-node://{cluster}/{node}"
+        );
+        assert!(
+            body["error"].as_str().unwrap().contains(&expected),
+            "{body}"
+        );
+    }
+    let (_, all) = cp.admin(&client, reqwest::Method::GET, "/api/v1/clusters", None);
+    assert!(
+        !all.to_string().contains("ghost") && node_status(&cp, &client, "n2").is_null(),
+        "{all}"
+    );
     for refused in ["anonymous", "stranger", "doubter"] {
         assert!(
             node_status(&cp, &client, refused).is_null(),
@@ -646,6 +725,175 @@ fn a_cluster_keeps_its_gossip_membership_without_the_control_plane_and_peers_use
         nodes[0].process.log_lines()
     );
     assert!(nodes.iter().all(alive));
+}
+
+/// A registration or heartbeat sent straight to the control plane with `token`.
+fn post_report(base: &str, token: &str, report: &Value) -> (StatusCode, Value) {
+    let response = Client::new()
+        .post(format!("{base}/api/v1/heartbeat"))
+        .bearer_auth(token)
+        .json(report)
+        .send()
+        .unwrap();
+    let status = response.status();
+    (status, response.json().unwrap_or(Value::Null))
+}
+
+#[test]
+fn a_node_reports_only_as_itself_within_bounds_and_token_guesses_are_refused() {
+    const N1_TOKEN: &str = "token-of-node-n1-only-0123";
+    const B_TOKEN: &str = "token-of-cluster-b-0123456";
+    let dir = tempfile::tempdir().unwrap();
+    let client = Client::new();
+    let cp = ControlPlane::start_with_tokens(
+        dir.path(),
+        "127.0.0.1:0",
+        "max_nodes_per_cluster = 16\ntoken_failures_per_minute = 10",
+        &[(N1_TOKEN, "c1", "n1"), (B_TOKEN, "b", "")],
+    );
+    let report = |cluster: &str, node: &str| json!({"cluster": cluster, "node": node});
+    let error = |body: &Value| body["error"].as_str().unwrap_or_default().to_string();
+
+    // A node's own token: as itself only.
+    assert_eq!(
+        post_report(&cp.base, N1_TOKEN, &report("c1", "n1")).0,
+        StatusCode::OK
+    );
+    let (status, body) = post_report(&cp.base, N1_TOKEN, &report("c1", "n2"));
+    assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
+    assert!(
+        error(&body).contains("its token is for c1/n1, not for c1/n2"),
+        "{body}"
+    );
+    // A cluster's token: any node of that cluster, no node of another.
+    let (status, body) = post_report(&cp.base, B_TOKEN, &report("c1", "n1"));
+    assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
+    assert!(
+        error(&body).contains("any node of cluster b, not for c1/n1"),
+        "{body}"
+    );
+    assert_eq!(
+        post_report(&cp.base, B_TOKEN, &report("b", "b1")).0,
+        StatusCode::OK
+    );
+
+    // Each cluster's nodes get their own cluster's desired state, never another's.
+    let key_of = |cluster: &str| format!("api-key-of-cluster-{cluster}-0123");
+    for cluster in ["c1", "b"] {
+        let (status, body) = cp.admin(
+            &client,
+            reqwest::Method::PUT,
+            &format!("/api/v1/clusters/{cluster}/desired"),
+            Some(json!({"api_keys": [key_of(cluster)]})),
+        );
+        assert_eq!(status, StatusCode::OK, "{body}");
+    }
+    for (token, cluster, node) in [(N1_TOKEN, "c1", "n1"), (B_TOKEN, "b", "b1")] {
+        let (status, answer) = post_report(&cp.base, token, &report(cluster, node));
+        assert_eq!(status, StatusCode::OK, "{answer}");
+        let keys: Vec<SaltedKey> =
+            serde_json::from_value(answer["desired"]["api_keys"].clone()).unwrap();
+        assert_eq!(keys.len(), 1, "{answer}");
+        assert!(keys[0].matches(&key_of(cluster)), "{answer}");
+        let other = if cluster == "b" { "c1" } else { "b" };
+        assert!(
+            !keys[0].matches(&key_of(other)),
+            "{cluster} got {other}'s key"
+        );
+    }
+
+    // A 900 KB field, a 100 KB one, and a name with a newline: refused, never stored.
+    let huge = json!({"cluster": "c1", "node": "n1", "phase": "x".repeat(900_000)});
+    let (status, body) = post_report(&cp.base, N1_TOKEN, &huge);
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    let large = json!({"cluster": "c1", "node": "n1", "phase": "x".repeat(100_000)});
+    let (status, body) = post_report(&cp.base, N1_TOKEN, &large);
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert!(error(&body).contains("phase: at most 256 bytes"), "{body}");
+    let forged = report("c1", "n9\nWARN forged log line");
+    let (status, body) = post_report(&cp.base, NODE_TOKEN, &forged);
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert!(error(&body).contains("node: only letters"), "{body}");
+    let (_, all) = cp.admin(&client, reqwest::Method::GET, "/api/v1/clusters", None);
+    assert!(!all.to_string().contains("xxxxxxxx") && !all.to_string().contains("forged"));
+    assert!(
+        !cp.process
+            .log_lines()
+            .iter()
+            .any(|line| line.starts_with("WARN forged")),
+        "a forged log line"
+    );
+
+    // 200 fake nodes with cluster c1's token: kept up to max_nodes_per_cluster (16).
+    let started = Instant::now();
+    let mut kept = 0;
+    for i in 0..200 {
+        let (status, body) = post_report(&cp.base, NODE_TOKEN, &report("c1", &format!("fake{i}")));
+        match status {
+            StatusCode::OK => kept += 1,
+            StatusCode::FORBIDDEN => {
+                assert!(error(&body).contains("max_nodes_per_cluster"), "{body}")
+            }
+            other => panic!("fake{i}: {other} {body}"),
+        }
+    }
+    let (_, all) = cp.admin(&client, reqwest::Method::GET, "/api/v1/clusters", None);
+    let c1 = all["clusters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "c1")
+        .unwrap();
+    assert_eq!(c1["nodes"].as_array().unwrap().len(), 16, "{c1}");
+    assert_eq!(kept, 15, "n1 was there first");
+    eprintln!(
+        "200 fake nodes in {:.1} s: {kept} kept, {} refused",
+        started.elapsed().as_secs_f64(),
+        200 - kept
+    );
+    // A known node reports on.
+    assert_eq!(
+        post_report(&cp.base, N1_TOKEN, &report("c1", "n1")).0,
+        StatusCode::OK
+    );
+
+    // Token guesses: 10 wrong tokens from this address are answered 401, then 429 for
+    // anything that needs a token, the right ones included, until it earns another try.
+    let mut statuses = Vec::new();
+    for i in 0..25 {
+        let guess = format!("guess-{i}");
+        statuses.push(post_report(&cp.base, &guess, &report("c1", "n1")).0);
+    }
+    let unauthorized = statuses
+        .iter()
+        .filter(|s| **s == StatusCode::UNAUTHORIZED)
+        .count();
+    let limited = statuses
+        .iter()
+        .filter(|s| **s == StatusCode::TOO_MANY_REQUESTS)
+        .count();
+    assert_eq!((unauthorized, limited), (10, 15), "{statuses:?}");
+    let response = Client::new()
+        .post(format!("{}/api/v1/heartbeat", cp.base))
+        .bearer_auth(N1_TOKEN)
+        .json(&report("c1", "n1"))
+        .send()
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+    let retry: u64 = response.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..=6).contains(&retry), "retry after {retry} s");
+    let (status, _) = cp.admin(&client, reqwest::Method::GET, "/api/v1/clusters", None);
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "admins too");
+    // One try earned back (one every 6 s at 10 a minute): the right token passes again.
+    std::thread::sleep(Duration::from_secs(retry));
+    assert_eq!(
+        post_report(&cp.base, N1_TOKEN, &report("c1", "n1")).0,
+        StatusCode::OK
+    );
 }
 
 /// Chromium on PATH (Debian's `chromium`), or `None`; with `MOE_TEST_REQUIRE_CHROMIUM` set

@@ -122,8 +122,8 @@ fn identity(port: u16, node: &str) -> NodeIdentity {
     identity
 }
 
-/// Datagrams `mode, len (u16 LE), bytes` (mode 1: the target seals them): what another
-/// member sends the target's receiver (127.0.0.1:7946) while they meet.
+/// Datagrams `mode, len (u16 LE), bytes` (mode 1: the target stamps and seals them): what
+/// another member sends the target's receiver (127.0.0.1:7946) while they meet.
 fn gossip_seeds() -> Vec<(String, Vec<u8>)> {
     let config = foca_config(Duration::from_secs(1), Duration::from_secs(2));
     let mut receiver = Foca::new(

@@ -1,8 +1,9 @@
-//! Gossip datagrams: the keyring, the model screen and foca's decoder, as the membership
-//! thread runs them on every datagram it receives. Half the inputs are taken as ciphertext
-//! (what an attacker without the secret can send); the other half are sealed with the
-//! cluster secret first (what a member holding the secret could send), so the fuzzer reaches
-//! the screen and foca.
+//! Gossip datagrams: the keyring, the replay guard, the model screen and foca's decoder, as
+//! the membership thread runs them on every datagram it receives. Some inputs are taken as
+//! ciphertext (what an attacker without the secret can send); the others are sealed with the
+//! cluster secret first (what a member holding the secret could send), either stamped by the
+//! target (so the fuzzer reaches the screen and foca) or carrying their own stamp (so it
+//! reaches the replay guard with any stamp).
 #![no_main]
 
 use std::net::SocketAddr;
@@ -13,6 +14,7 @@ use libfuzzer_sys::fuzz_target;
 use moe_node::cluster::identity::FocaRng;
 use moe_node::cluster::keyring::Keyring;
 use moe_node::cluster::membership::open_datagram;
+use moe_node::cluster::replay::{ReplayGuard, Stamper};
 use moe_node::cluster::screen::Screened;
 use moe_node::cluster::{NodeIdentity, foca_config};
 use rand::SeedableRng;
@@ -24,6 +26,8 @@ type NodeFoca = Foca<NodeIdentity, PostcardCodec, FocaRng<StdRng>, NoCustomBroad
 
 struct Receiver {
     keyring: Keyring,
+    guard: ReplayGuard,
+    stamper: Stamper,
     foca: NodeFoca,
     runtime: AccumulatingRuntime<NodeIdentity>,
     rng: StdRng,
@@ -38,6 +42,8 @@ fn receiver() -> Receiver {
     identity.generation = 1;
     Receiver {
         keyring: Keyring::new(&["fuzz-secret"]).expect("keyring"),
+        guard: ReplayGuard::new(16),
+        stamper: Stamper::with_epoch(1),
         foca: Foca::new(
             identity,
             foca_config(Duration::from_secs(1), Duration::from_secs(2)),
@@ -50,7 +56,9 @@ fn receiver() -> Receiver {
 }
 
 // The input is a sequence of datagrams, each `mode, len (u16 LE), bytes`: a fresh node
-// receives them in order (a conversation reaches states one packet does not).
+// receives them in order (a conversation reaches states one packet does not). Mode (low two
+// bits) 0: the bytes as they are; 1: stamped and sealed; 2: sealed (the bytes carry a stamp);
+// 3: sealed with one fixed stamp (from its second time on, a replay).
 fuzz_target!(|data: &[u8]| {
     let mut receiver = receiver();
     let mut rest = data;
@@ -58,16 +66,21 @@ fuzz_target!(|data: &[u8]| {
         let len = usize::from(u16::from_le_bytes([*low, *high])).min(tail.len());
         let (payload, next) = tail.split_at(len);
         rest = next;
-        let datagram = if mode & 1 == 0 {
-            payload.to_vec()
-        } else {
-            match receiver.keyring.seal(payload, &mut receiver.rng) {
+        let plain = match mode & 3 {
+            0 => None,
+            1 => Some(receiver.stamper.stamp(payload)),
+            2 => Some(payload.to_vec()),
+            _ => Some([&[0u8; 8][..], &1u64.to_be_bytes(), payload].concat()),
+        };
+        let datagram = match plain {
+            None => payload.to_vec(),
+            Some(plain) => match receiver.keyring.seal(&plain, &mut receiver.rng) {
                 Some(sealed) => sealed,
                 None => continue,
-            }
+            },
         };
         if let Ok(Screened::Accept { packet, .. }) =
-            open_datagram(&receiver.keyring, MODEL, &datagram)
+            open_datagram(&receiver.keyring, &mut receiver.guard, MODEL, &datagram)
         {
             // Errors are expected (bad packets are refused); panics are not.
             let _ = receiver.foca.handle_data(&packet, &mut receiver.runtime);

@@ -6,7 +6,10 @@
 //!
 //! Datagram layout: `nonce (12 random bytes) || ciphertext || tag (16 bytes)`. The first
 //! secret seals; every secret is tried on open, so a secret is rotated by adding the new
-//! one second, rolling the cluster, moving it first, rolling again, then dropping the old.
+//! one second, reloading every node, moving it first, reloading again, then dropping the
+//! old (a reload hands the membership thread a new keyring: a dropped secret is refused
+//! from its next datagram). The plaintext starts with the sender's stamp
+//! ([`super::replay`]).
 
 use aes_gcm::aead::{Aead, KeyInit};
 use aes_gcm::{Aes256Gcm, Key, Nonce};

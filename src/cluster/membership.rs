@@ -2,15 +2,16 @@
 //!
 //! The thread owns the socket, foca, and a min-heap of foca's timers; it waits on the socket
 //! until the next timer is due (at most [`POLL_INTERVAL`], to pick up commands), so heavy
-//! compute elsewhere never delays a probe. Every datagram is sealed by the [`Keyring`];
-//! decrypted ones are screened (wrong model fingerprint: refused) before foca reads them.
+//! compute elsewhere never delays a probe. Every datagram is stamped (sender start and
+//! counter, [`super::replay`]) and sealed by the [`Keyring`]; decrypted ones are refused
+//! when replayed and screened (wrong model fingerprint: refused) before foca reads them.
 //! After every event the [`MemberTable`] is synced from foca's state and, when it changed,
 //! the `changes()` counter bumps.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::io;
-use std::net::{SocketAddr, UdpSocket};
+use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::num::{NonZeroU8, NonZeroUsize};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
@@ -24,6 +25,8 @@ use rand::rngs::StdRng;
 
 use super::identity::{FocaRng, MAX_NODE_ID_BYTES, MemberMeta, NodeIdentity};
 use super::keyring::{Keyring, OVERHEAD};
+use super::replay::{ReplayGuard, STAMP_LEN, Stamp, Stamper};
+use super::schedule::{SeedSchedule, SilenceWatch, WARN_PERIOD};
 use super::screen::{Refusal, Screened, WarnLimiter, screen};
 use super::table::{MemberState, MemberTable, MemberView, TransitionTally};
 
@@ -41,10 +44,6 @@ pub const MAX_DATAGRAM: usize = 1400;
 pub const DOWN_RETENTION: Duration = Duration::from_secs(15 * 60);
 /// The longest the thread sleeps before looking at its commands.
 pub const POLL_INTERVAL: Duration = Duration::from_millis(50);
-/// Bad traffic from one source is logged at most once per this period.
-const WARN_PERIOD: Duration = Duration::from_secs(60);
-/// How long a node may stay alone before it says its seeds do not answer.
-const ALONE_WARNING_AFTER_PERIODS: u32 = 5;
 /// How long a node that knows active members may hear nothing from any of them before it
 /// announces to them again (members probe each other every period, so silence this long
 /// means packets were lost and foca may have stopped speaking; see [`SilenceWatch`]).
@@ -56,6 +55,9 @@ pub struct MembershipConfig {
     /// UDP address to bind (port 0 picks one). When its IP is unspecified (0.0.0.0), the
     /// address advertised to others is the data-plane (`meta.peer`) IP with this port.
     pub bind: SocketAddr,
+    /// The host others reach this node at (`cluster.advertise_host`), advertised with the
+    /// bound port whatever IP is bound (NAT, a relay). `None`: as `bind` says.
+    pub advertise_host: Option<IpAddr>,
     /// Members to announce to on start (and again while this node knows no other member).
     pub seeds: Vec<SocketAddr>,
     /// Cluster secrets: the first seals every datagram, all are tried when opening.
@@ -73,6 +75,7 @@ impl MembershipConfig {
     pub fn new(bind: SocketAddr, keys: Vec<String>, meta: MemberMeta) -> MembershipConfig {
         MembershipConfig {
             bind,
+            advertise_host: None,
             seeds: Vec::new(),
             keys,
             probe_period: DEFAULT_PROBE_PERIOD,
@@ -100,7 +103,8 @@ impl MembershipConfig {
 /// - `periodic_announce` every 30 periods (to 1 member) and to down members every 65
 ///   periods (to 2): the full roster is learned even if an update was lost, and partitions
 ///   heal.
-/// - `remove_down_after` = [`DOWN_RETENTION`]; packets at most [`MAX_DATAGRAM`] sealed.
+/// - `remove_down_after` = [`DOWN_RETENTION`]; packets at most [`MAX_DATAGRAM`] stamped
+///   and sealed.
 pub fn foca_config(probe_period: Duration, suspicion_timeout: Duration) -> foca::Config {
     let probe_period = probe_period.max(Duration::from_millis(10));
     let mut config = foca::Config::simple();
@@ -110,7 +114,8 @@ pub fn foca_config(probe_period: Duration, suspicion_timeout: Duration) -> foca:
     config.max_transmissions = NonZeroU8::MIN.saturating_add(9);
     config.suspect_to_down_after = suspicion_timeout.max(Duration::from_millis(10));
     config.remove_down_after = Some(DOWN_RETENTION);
-    config.max_packet_size = NonZeroUsize::MIN.saturating_add(MAX_DATAGRAM - OVERHEAD - 1);
+    config.max_packet_size =
+        NonZeroUsize::MIN.saturating_add(MAX_DATAGRAM - OVERHEAD - STAMP_LEN - 1);
     config.notify_down_members = true;
     config.periodic_announce = Some(foca::PeriodicParams {
         frequency: probe_period * 30,
@@ -184,11 +189,49 @@ pub struct TransitionCounters {
     pub dead: AtomicU64,
 }
 
+/// Datagrams dropped before foca read them, by reason.
+#[derive(Debug, Default)]
+pub struct GossipRejections {
+    /// Larger than [`MAX_DATAGRAM`].
+    pub oversized: AtomicU64,
+    /// No cluster secret in force opens them (a wrong or removed secret, garbage).
+    pub unauthenticated: AtomicU64,
+    /// Opened, but not a stamped foca packet we can read.
+    pub malformed: AtomicU64,
+    /// Opened, but its sender's stamp was taken before (a replay) or is of an older run.
+    pub replay: AtomicU64,
+}
+
+impl GossipRejections {
+    /// Every datagram dropped, whatever the reason.
+    pub fn total(&self) -> u64 {
+        [
+            &self.oversized,
+            &self.unauthenticated,
+            &self.malformed,
+            &self.replay,
+        ]
+        .iter()
+        .map(|counter| counter.load(Ordering::Relaxed))
+        .sum()
+    }
+
+    fn count(&self, why: Rejection) {
+        let counter = match why {
+            Rejection::Oversized => &self.oversized,
+            Rejection::Unauthenticated => &self.unauthenticated,
+            Rejection::Malformed => &self.malformed,
+            Rejection::Replay => &self.replay,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
 /// Membership counters, for metrics.
 #[derive(Debug, Default)]
 pub struct MembershipStats {
-    /// Datagrams dropped: no secret opens them, or they do not decode, or are oversized.
-    pub packets_rejected: AtomicU64,
+    /// Datagrams dropped before foca read them, by reason.
+    pub packets_rejected: GossipRejections,
     /// Datagrams (or gossiped members) refused because they serve another model.
     pub members_refused: AtomicU64,
     /// Transitions seen.
@@ -210,6 +253,8 @@ enum Command {
     /// Gossip new placement versions, served and loaded (identity renewal with the new
     /// metadata).
     SetVersions { serving: u64, loaded: u64 },
+    /// Seal with the first of these secrets and open with any of them from now on.
+    SetKeys(Keyring),
     /// Tell the cluster we leave, then stop.
     Leave,
     /// Stop without telling anyone (as a crash would look).
@@ -287,7 +332,7 @@ impl Membership {
             source,
         })?;
         let local_addr = socket.local_addr().map_err(MembershipError::Start)?;
-        let gossip = advertised(local_addr, config.meta.peer).ok_or(
+        let gossip = advertised(local_addr, config.meta.peer, config.advertise_host).ok_or(
             MembershipError::NoAdvertiseAddress {
                 bind: config.bind,
                 peer: config.meta.peer,
@@ -326,6 +371,8 @@ impl Membership {
             seed_schedule: SeedSchedule::new(config.probe_period, now),
             silence: SilenceWatch::new(config.probe_period * SILENT_PERIODS, now),
             nonce_rng: StdRng::from_os_rng(),
+            stamper: Stamper::starting_now(),
+            replays: ReplayGuard::default(),
             rejected_log: WarnLimiter::new(WARN_PERIOD, 1024),
             refused_log: WarnLimiter::new(WARN_PERIOD, 1024),
             model: config.meta.model,
@@ -379,6 +426,14 @@ impl Membership {
         });
     }
 
+    /// Replaces the cluster secrets (a reload): from the next datagram on, the first seals
+    /// and only these open, so a secret removed here is refused at once.
+    pub fn set_keys(&self, keys: &[String]) -> Result<(), MembershipError> {
+        let keyring = Keyring::new(keys).ok_or(MembershipError::NoKey)?;
+        let _ = lock(&self.shared.commands).send(Command::SetKeys(keyring));
+        Ok(())
+    }
+
     /// Membership counters.
     pub fn stats(&self) -> Arc<MembershipStats> {
         Arc::clone(&self.shared.stats)
@@ -397,10 +452,16 @@ impl Membership {
     }
 }
 
-/// The address others reach us at: the bound one, or the data-plane IP when bound to an
-/// unspecified IP.
-fn advertised(local: SocketAddr, peer: SocketAddr) -> Option<SocketAddr> {
-    if !local.ip().is_unspecified() {
+/// The address others reach us at: the advertised host with the bound port when one is
+/// set, else the bound address, or the data-plane IP when bound to an unspecified IP.
+fn advertised(
+    local: SocketAddr,
+    peer: SocketAddr,
+    advertise_host: Option<IpAddr>,
+) -> Option<SocketAddr> {
+    if let Some(host) = advertise_host {
+        Some(SocketAddr::new(host, local.port()))
+    } else if !local.ip().is_unspecified() {
         Some(local)
     } else if !peer.ip().is_unspecified() {
         Some(SocketAddr::new(peer.ip(), local.port()))
@@ -409,121 +470,62 @@ fn advertised(local: SocketAddr, peer: SocketAddr) -> Option<SocketAddr> {
     }
 }
 
-/// When to announce to the seeds: while alone, every probe period at first, backing off to
-/// every 8 periods; and when to say that nobody answers.
-#[derive(Debug)]
-pub struct SeedSchedule {
-    base: Duration,
-    interval: Duration,
-    next: Instant,
-    alone_since: Instant,
-    warned_at: Option<Instant>,
+/// Why a datagram was dropped before foca read it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rejection {
+    /// Larger than [`MAX_DATAGRAM`].
+    Oversized,
+    /// No secret in force opens it.
+    Unauthenticated,
+    /// Opened, but not a stamped foca packet.
+    Malformed,
+    /// Its sender's stamp was taken before, or is of an older run.
+    Replay,
 }
 
-/// What the seed schedule asks for now.
-#[derive(Debug, Default, PartialEq, Eq)]
-pub struct SeedActions {
-    /// Announce to every seed.
-    pub announce: bool,
-    /// Warn that this node is alone (seeds silent or not sharing our secret).
-    pub warn_alone: bool,
-}
-
-impl SeedSchedule {
-    /// Announce at once, then every `probe_period` while alone.
-    pub fn new(probe_period: Duration, now: Instant) -> SeedSchedule {
-        SeedSchedule {
-            base: probe_period,
-            interval: probe_period,
-            next: now,
-            alone_since: now,
-            warned_at: None,
+impl Rejection {
+    /// The `reason` label of `moe_node_gossip_packets_rejected_total`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Rejection::Oversized => "oversized",
+            Rejection::Unauthenticated => "unauthenticated",
+            Rejection::Malformed => "malformed",
+            Rejection::Replay => "replay",
         }
     }
 
-    /// What to do now, given whether this node knows any other active member.
-    pub fn poll(&mut self, alone: bool, now: Instant) -> SeedActions {
-        if !alone {
-            self.interval = self.base;
-            self.next = now + self.base;
-            self.alone_since = now;
-            self.warned_at = None;
-            return SeedActions::default();
+    fn why(self) -> &'static str {
+        match self {
+            Rejection::Oversized => "oversized",
+            Rejection::Unauthenticated => "no cluster secret opens it (wrong or removed secret?)",
+            Rejection::Malformed => "undecodable",
+            Rejection::Replay => "replayed (its stamp was seen before, or is of an older run)",
         }
-        let mut actions = SeedActions::default();
-        if now >= self.next {
-            actions.announce = true;
-            self.next = now + self.interval;
-            self.interval = (self.interval * 2).min(self.base * 8);
-        }
-        let alone_for = now.saturating_duration_since(self.alone_since);
-        let warn_due = match self.warned_at {
-            None => alone_for >= self.base * ALONE_WARNING_AFTER_PERIODS,
-            Some(at) => now.saturating_duration_since(at) >= WARN_PERIOD,
-        };
-        if warn_due {
-            self.warned_at = Some(now);
-            actions.warn_alone = true;
-        }
-        actions
-    }
-}
-
-/// When a node that knows active members but hears from none of them announces to them
-/// again. Foca sends nothing of its own accord while disconnected, and it disconnects
-/// itself on every identity change (each new placement version): if the datagrams that
-/// would reconnect it are lost, two members that each believe the other active can stay
-/// silent for good. An announce is accepted whatever identity its receiver has now.
-#[derive(Debug)]
-pub struct SilenceWatch {
-    limit: Duration,
-    heard_at: Instant,
-    next: Instant,
-}
-
-impl SilenceWatch {
-    pub fn new(limit: Duration, now: Instant) -> SilenceWatch {
-        SilenceWatch {
-            limit,
-            heard_at: now,
-            next: now + limit,
-        }
-    }
-
-    /// A datagram from a member was accepted.
-    pub fn heard(&mut self, now: Instant) {
-        self.heard_at = now;
-    }
-
-    /// Whether to announce to the known members now: they are there, nothing has been heard
-    /// for the limit, and the last such announce is a limit ago.
-    pub fn poll(&mut self, knows_members: bool, now: Instant) -> bool {
-        if !knows_members || now.saturating_duration_since(self.heard_at) < self.limit {
-            return false;
-        }
-        if now < self.next {
-            return false;
-        }
-        self.next = now + self.limit;
-        true
     }
 }
 
 /// What every received datagram goes through before foca reads it: the size limit, the
-/// keyring (no secret opens it: refused), and the model screen. `Err` says why it was
-/// dropped. Public so that the gossip fuzz target drives the same path.
+/// keyring (no secret opens it: refused), the sender's stamp (a replay: refused, see
+/// [`super::replay`]), and the model screen. A stamp is recorded in `guard` only when the
+/// datagram is accepted. Public so that the gossip fuzz target drives the same path.
 pub fn open_datagram(
     keyring: &Keyring,
+    guard: &mut ReplayGuard,
     our_model: u64,
     datagram: &[u8],
-) -> Result<Screened, &'static str> {
+) -> Result<Screened, Rejection> {
     if datagram.len() > MAX_DATAGRAM {
-        return Err("oversized");
+        return Err(Rejection::Oversized);
     }
-    let plain = keyring
-        .open(datagram)
-        .ok_or("no cluster secret opens it (wrong secret?)")?;
-    Ok(screen(&plain, our_model))
+    let plain = keyring.open(datagram).ok_or(Rejection::Unauthenticated)?;
+    let (stamp, packet): (Stamp, &[u8]) = Stamp::split(&plain).ok_or(Rejection::Malformed)?;
+    let screened = screen(packet, our_model);
+    if let Screened::Accept { sender, .. } = &screened
+        && !guard.check(*sender, stamp)
+    {
+        return Err(Rejection::Replay);
+    }
+    Ok(screened)
 }
 
 type NodeFoca = Foca<NodeIdentity, PostcardCodec, FocaRng<StdRng>, NoCustomBroadcast>;
@@ -545,6 +547,8 @@ struct Driver {
     seed_schedule: SeedSchedule,
     silence: SilenceWatch,
     nonce_rng: StdRng,
+    stamper: Stamper,
+    replays: ReplayGuard,
     rejected_log: WarnLimiter<SocketAddr>,
     refused_log: WarnLimiter<SocketAddr>,
     model: u64,
@@ -562,6 +566,10 @@ impl Driver {
         loop {
             match self.commands.try_recv() {
                 Ok(Command::SetVersions { serving, loaded }) => self.set_versions(serving, loaded),
+                Ok(Command::SetKeys(keyring)) => {
+                    self.keyring = keyring;
+                    tracing::info!("gossip takes the reloaded cluster secrets");
+                }
                 Ok(Command::Leave) => {
                     if let Err(error) = self.foca.leave_cluster(&mut self.runtime) {
                         tracing::warn!(%error, "leaving the cluster failed");
@@ -611,9 +619,9 @@ impl Driver {
     }
 
     fn receive(&mut self, datagram: &[u8], from: SocketAddr, now: Instant) {
-        match open_datagram(&self.keyring, self.model, datagram) {
+        match open_datagram(&self.keyring, &mut self.replays, self.model, datagram) {
             Err(why) => self.reject(from, now, why),
-            Ok(Screened::Malformed) => self.reject(from, now, "undecodable"),
+            Ok(Screened::Malformed) => self.reject(from, now, Rejection::Malformed),
             Ok(Screened::RefuseSender(refusal)) => self.refuse(&refusal, now),
             Ok(Screened::Accept {
                 packet,
@@ -632,19 +640,19 @@ impl Driver {
                         | foca::Error::MalformedPacket
                         | foca::Error::DataTooBig
                         | foca::Error::CustomBroadcast(_),
-                    ) => self.reject(from, now, "malformed"),
+                    ) => self.reject(from, now, Rejection::Malformed),
                     Err(error) => tracing::debug!(%error, %from, "gossip datagram ignored"),
                 }
             }
         }
     }
 
-    fn reject(&mut self, from: SocketAddr, now: Instant, why: &str) {
-        self.stats.packets_rejected.fetch_add(1, Ordering::Relaxed);
+    fn reject(&mut self, from: SocketAddr, now: Instant, why: Rejection) {
+        self.stats.packets_rejected.count(why);
         if self.rejected_log.allow(from, now) {
             tracing::warn!(
                 %from,
-                why,
+                why = why.why(),
                 "dropped a gossip datagram; more from this address are counted \
                  (packets_rejected) and logged at most once a minute"
             );
@@ -743,7 +751,8 @@ impl Driver {
     /// the member table if it changed.
     fn flush(&mut self, now: Instant) {
         while let Some((to, data)) = self.runtime.to_send() {
-            let Some(sealed) = self.keyring.seal(&data, &mut self.nonce_rng) else {
+            let plain = self.stamper.stamp(&data);
+            let Some(sealed) = self.keyring.seal(&plain, &mut self.nonce_rng) else {
                 continue;
             };
             if let Err(error) = self.socket.send_to(&sealed, to.gossip) {
@@ -814,72 +823,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn seeds_are_announced_to_at_once_then_with_backoff_while_alone() {
-        let period = Duration::from_secs(1);
-        let start = Instant::now();
-        let mut schedule = SeedSchedule::new(period, start);
-        assert!(schedule.poll(true, start).announce);
-        assert!(!schedule.poll(true, start + period / 2).announce);
-        assert!(schedule.poll(true, start + period).announce);
-        // Next wait is 2 periods, then 4, then capped at 8.
-        assert!(!schedule.poll(true, start + period * 2).announce);
-        assert!(schedule.poll(true, start + period * 3).announce);
-        let mut at = start + period * 3;
-        let mut gaps = Vec::new();
-        let mut last = at;
-        while gaps.len() < 4 {
-            at += Duration::from_millis(100);
-            if schedule.poll(true, at).announce {
-                gaps.push((at - last).as_millis());
-                last = at;
-            }
-        }
-        assert_eq!(gaps, vec![4000, 8000, 8000, 8000]);
-    }
-
-    #[test]
-    fn silence_from_known_members_is_answered_by_an_announce_once_per_limit() {
-        let limit = Duration::from_secs(8);
-        let start = Instant::now();
-        let mut watch = SilenceWatch::new(limit, start);
-        assert!(!watch.poll(true, start + limit / 2));
-        // Alone: the seed schedule's business, not this one's.
-        assert!(!watch.poll(false, start + limit * 2));
-        assert!(watch.poll(true, start + limit * 2));
-        assert!(!watch.poll(true, start + limit * 2 + limit / 2));
-        assert!(watch.poll(true, start + limit * 3));
-        // Heard from someone: quiet again until a limit of silence.
-        watch.heard(start + limit * 3);
-        assert!(!watch.poll(true, start + limit * 4 - Duration::from_millis(1)));
-        assert!(watch.poll(true, start + limit * 4));
-    }
-
-    #[test]
-    fn being_alone_is_reported_after_five_periods_then_once_a_minute() {
-        let period = Duration::from_millis(100);
-        let start = Instant::now();
-        let mut schedule = SeedSchedule::new(period, start);
-        assert!(!schedule.poll(true, start + period * 4).warn_alone);
-        assert!(schedule.poll(true, start + period * 5).warn_alone);
-        assert!(!schedule.poll(true, start + period * 6).warn_alone);
-        assert!(
-            schedule
-                .poll(true, start + period * 5 + WARN_PERIOD)
-                .warn_alone
-        );
-        // Company resets everything: no announce, no warning.
-        let later = start + WARN_PERIOD * 2;
-        assert_eq!(schedule.poll(false, later), SeedActions::default());
-        assert!(!schedule.poll(true, later + period).warn_alone);
-    }
-
-    #[test]
     fn foca_config_follows_the_periods() {
         let config = foca_config(Duration::from_millis(200), Duration::from_millis(900));
         assert_eq!(config.probe_period, Duration::from_millis(200));
         assert_eq!(config.probe_rtt, Duration::from_millis(100));
         assert_eq!(config.suspect_to_down_after, Duration::from_millis(900));
-        assert_eq!(config.max_packet_size.get() + OVERHEAD, MAX_DATAGRAM);
+        assert_eq!(
+            config.max_packet_size.get() + STAMP_LEN + OVERHEAD,
+            MAX_DATAGRAM
+        );
         assert_eq!(
             config.periodic_gossip.map(|gossip| gossip.frequency),
             Some(Duration::from_millis(40))
@@ -890,9 +842,18 @@ mod tests {
     fn unspecified_binds_advertise_the_data_plane_ip() {
         let any: SocketAddr = "0.0.0.0:7946".parse().expect("addr");
         let peer: SocketAddr = "10.1.2.3:7000".parse().expect("addr");
-        assert_eq!(advertised(any, peer), "10.1.2.3:7946".parse().ok());
+        assert_eq!(advertised(any, peer, None), "10.1.2.3:7946".parse().ok());
         let bound: SocketAddr = "10.9.9.9:7946".parse().expect("addr");
-        assert_eq!(advertised(bound, peer), Some(bound));
-        assert_eq!(advertised(any, "0.0.0.0:7000".parse().expect("addr")), None);
+        assert_eq!(advertised(bound, peer, None), Some(bound));
+        let unspecified_peer = "0.0.0.0:7000".parse().expect("addr");
+        assert_eq!(advertised(any, unspecified_peer, None), None);
+        // An advertised host wins, with the bound port, whatever IP is bound.
+        let host = "192.0.2.7".parse().ok();
+        for local in [any, bound] {
+            assert_eq!(
+                advertised(local, unspecified_peer, host),
+                "192.0.2.7:7946".parse().ok()
+            );
+        }
     }
 }

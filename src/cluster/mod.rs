@@ -5,6 +5,8 @@
 //!
 //! - [`membership`]: the handle and the thread that drives foca over UDP.
 //! - [`keyring`]: AES-256-GCM sealing of every gossip datagram.
+//! - [`replay`]: the stamp inside every sealed datagram, so a replayed one is refused.
+//! - `schedule`: when the thread announces on its own (alone, or members fell silent).
 //! - [`identity`]: a member's identity on the wire ([`MemberMeta`] plus a generation).
 //! - [`table`]: the member table (Alive/Suspect/Dead bookkeeping), plain data.
 //! - [`screen`]: refusal of members serving another model, and log rate limiting.
@@ -14,6 +16,8 @@
 pub mod identity;
 pub mod keyring;
 pub mod membership;
+pub mod replay;
+mod schedule;
 pub mod screen;
 pub mod sim;
 mod table;
@@ -23,7 +27,7 @@ mod loopback_tests;
 
 pub use identity::{MemberMeta, NodeIdentity};
 pub use membership::{
-    DEFAULT_PROBE_PERIOD, DEFAULT_SUSPICION_TIMEOUT, Membership, MembershipConfig, MembershipError,
-    MembershipStats, TransitionCounters, foca_config,
+    DEFAULT_PROBE_PERIOD, DEFAULT_SUSPICION_TIMEOUT, GossipRejections, Membership,
+    MembershipConfig, MembershipError, MembershipStats, Rejection, TransitionCounters, foca_config,
 };
 pub use table::{MemberState, MemberView};

@@ -63,3 +63,55 @@ pub fn hex(bytes: &[u8]) -> String {
 pub fn is_sha256_hex(text: &str) -> bool {
     text.len() == 64 && text.bytes().all(|b| b.is_ascii_hexdigit())
 }
+
+/// An API key as a control plane hands it to nodes: a random salt and the SHA-256 of the
+/// salt's hex followed by the key. The salt keeps two clusters' equal keys apart and makes
+/// tables computed in advance useless; the key's own length (at least
+/// [`SaltedKey::MIN_KEY_LEN`] characters, checked where keys are set) is what stands
+/// against guessing a leaked hash, not the cost of the hash (a slow one would be paid on
+/// every request a node checks).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SaltedKey {
+    /// 16 random bytes, hex.
+    pub salt: String,
+    /// SHA-256 (hex) of `salt` (as written here) followed by the key.
+    pub sha256: String,
+}
+
+impl SaltedKey {
+    /// Shortest API key a control plane takes.
+    pub const MIN_KEY_LEN: usize = 16;
+
+    /// Salts and hashes `key` with a fresh random salt.
+    pub fn new(key: &str) -> SaltedKey {
+        let salt = hex(&rand::random::<[u8; 16]>());
+        let sha256 = salted_sha256(&salt, key);
+        SaltedKey { salt, sha256 }
+    }
+
+    /// Whether `offered` is the key, compared without stopping at the first difference.
+    pub fn matches(&self, offered: &str) -> bool {
+        let hashed = salted_sha256(&self.salt, offered);
+        hashed.len() == self.sha256.len()
+            && hashed
+                .bytes()
+                .zip(self.sha256.bytes())
+                .fold(0u8, |diff, (x, y)| diff | (x ^ y.to_ascii_lowercase()))
+                == 0
+    }
+
+    /// Whether the salt is 32 hex digits and the hash 64.
+    pub fn is_well_formed(&self) -> bool {
+        self.salt.len() == 32
+            && self.salt.bytes().all(|b| b.is_ascii_hexdigit())
+            && is_sha256_hex(&self.sha256)
+    }
+}
+
+fn salted_sha256(salt: &str, key: &str) -> String {
+    let mut hasher = Sha256::new();
+    hasher.update(salt.as_bytes());
+    hasher.update(key.as_bytes());
+    hex(&hasher.finalize())
+}

@@ -7,10 +7,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
 use super::NodeConfig;
+use super::credentials::SaltedKey;
 
 /// The keys a reload applies to the running node; `etc/moe-node.toml` marks each one.
-pub const LIVE_KEYS: [&str; 3] = [
+pub const LIVE_KEYS: [&str; 4] = [
     "server.api_keys",
+    "cluster.secrets",
     "logging.filter",
     "placement.rebalance_interval_seconds",
 ];
@@ -22,8 +24,8 @@ pub const LIVE_KEYS: [&str; 3] = [
 pub struct LiveSettings {
     /// From the configuration (file, environment, credentials).
     local_api_keys: RwLock<Arc<Vec<String>>>,
-    /// SHA-256 (hex) of the keys in the control plane's desired state.
-    control_plane_api_key_sha256: RwLock<Arc<Vec<String>>>,
+    /// The keys in the control plane's desired state, salted and hashed.
+    control_plane_api_keys: RwLock<Arc<Vec<SaltedKey>>>,
     rebalance_interval_seconds: AtomicU64,
 }
 
@@ -54,13 +56,13 @@ impl LiveSettings {
         );
     }
 
-    /// The SHA-256 (hex) of the keys the control plane accepts for this node's cluster,
+    /// The keys (salted hashes) the control plane accepts for this node's cluster,
     /// replacing the ones it sent before; they are accepted besides the configuration's.
-    pub fn set_control_plane_api_keys(&self, key_sha256: Vec<String>) {
+    pub fn set_control_plane_api_keys(&self, keys: Vec<SaltedKey>) {
         *self
-            .control_plane_api_key_sha256
+            .control_plane_api_keys
             .write()
-            .unwrap_or_else(|e| e.into_inner()) = Arc::new(key_sha256);
+            .unwrap_or_else(|e| e.into_inner()) = Arc::new(keys);
     }
 
     /// How many keys are accepted now (configured, and from the control plane).
@@ -81,8 +83,7 @@ impl LiveSettings {
         if local.iter().any(|k| constant_time_eq(k, offered)) {
             return true;
         }
-        let hashed = super::credentials::sha256_hex(offered);
-        remote.iter().any(|h| constant_time_eq(h, &hashed))
+        remote.iter().any(|key| key.matches(offered))
     }
 
     /// The configured keys as they are now (file, environment, credentials; a reload
@@ -99,8 +100,8 @@ impl LiveSettings {
             .clone()
     }
 
-    fn remote_keys(&self) -> Arc<Vec<String>> {
-        self.control_plane_api_key_sha256
+    fn remote_keys(&self) -> Arc<Vec<SaltedKey>> {
+        self.control_plane_api_keys
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
@@ -194,7 +195,7 @@ mod tests {
         let mut config = NodeConfig::default();
         let live = LiveSettings::new(&config);
         assert!(live.authorize(None), "no keys: no authentication");
-        live.set_control_plane_api_keys(vec![crate::config::credentials::sha256_hex("remote")]);
+        live.set_control_plane_api_keys(vec![SaltedKey::new("remote")]);
         assert!(!live.authorize(None));
         assert!(live.authorize(Some("remote")));
         config.server.api_keys = vec!["local".into()];
@@ -204,6 +205,9 @@ mod tests {
         assert!(!live.authorize(Some("other")));
         assert_eq!(live.api_key_count(), 2);
         assert_eq!(live.rebalance_interval_seconds(), 30);
+        // Each key gets its own salt: equal keys do not look alike.
+        assert_ne!(SaltedKey::new("remote"), SaltedKey::new("remote"));
+        assert!(SaltedKey::new("remote").is_well_formed());
         live.set_control_plane_api_keys(Vec::new());
         assert!(!live.authorize(Some("remote")));
         assert!(live.authorize(Some("local")));

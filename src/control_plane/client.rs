@@ -13,6 +13,7 @@ use reqwest::StatusCode;
 
 use crate::config::ControlPlaneSection;
 use crate::config::live::LiveSettings;
+use crate::control_plane::identity;
 use crate::control_plane::wire::{self, Answer, DesiredState, Report};
 
 /// The longest wait between tries while the control plane does not answer.
@@ -148,6 +149,7 @@ fn run(
             return;
         }
     };
+    warn_unless_certificate_names(&config, &node_name);
     let token_sha256 = wire::sha256_hex(&config.token);
     let mut registered = false;
     let mut failures = 0u32;
@@ -190,6 +192,30 @@ fn run(
                 std::thread::sleep(wait);
             }
         }
+    }
+}
+
+/// Says at start when this node's client certificate does not carry the name it reports
+/// under: the control plane would refuse every report.
+fn warn_unless_certificate_names(config: &ControlPlaneSection, node: &str) {
+    if config.client_certificate.is_empty() {
+        return;
+    }
+    let path = std::path::Path::new(&config.client_certificate);
+    let names =
+        crate::config::credentials::read_certificates("control_plane.client_certificate", path)
+            .ok()
+            .and_then(|chain| chain.first().map(|c| identity::certificate_names(c)))
+            .unwrap_or_default();
+    if !names.iter().any(|(c, n)| *c == config.cluster && n == node) {
+        tracing::error!(
+            certificate = %config.client_certificate,
+            "control_plane.client_certificate does not name this node: it needs the subject \
+             alternative name URI {}{}/{node} (a control plane with tls_client_ca refuses reports \
+             under any other name)",
+            identity::URI_PREFIX,
+            config.cluster
+        );
     }
 }
 
@@ -243,13 +269,13 @@ fn exchange(
 
 /// Applies the live parts of a new desired state and says what it does not apply.
 fn apply(live: &LiveSettings, desired: &DesiredState, report: &Report) {
-    live.set_control_plane_api_keys(desired.api_key_sha256.clone());
+    live.set_control_plane_api_keys(desired.api_keys.clone());
     if let Some(seconds) = desired.rebalance_interval_seconds {
         live.set_rebalance_interval_seconds(seconds);
     }
     tracing::info!(
         version = desired.version,
-        api_keys = desired.api_key_sha256.len(),
+        api_keys = desired.api_keys.len(),
         rebalance_interval_seconds = ?desired.rebalance_interval_seconds,
         "desired state from the control plane applied"
     );

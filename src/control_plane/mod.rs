@@ -6,6 +6,8 @@
 //! gossip owns liveness, and a node goes on serving without the control plane.
 
 pub mod client;
+mod guesses;
+pub mod identity;
 pub mod server;
 mod store;
 mod tls;
@@ -24,8 +26,12 @@ pub struct ControlPlaneConfig {
     pub listen: String,
     /// The SQLite database file (created on first start).
     pub database: String,
-    /// SHA-256 (hex) of the bearer tokens nodes present.
+    /// SHA-256 (hex) of bearer tokens any node may present: only with `tls_client_ca`,
+    /// whose certificates then name the node (`moe-node://CLUSTER/NODE`).
     pub node_token_sha256: Vec<String>,
+    /// Tokens scoped to a cluster, or to one node of it: what a node presents where mTLS
+    /// is off (and may with it).
+    pub node_tokens: Vec<identity::NodeToken>,
     /// SHA-256 (hex) of the bearer tokens that may read the cluster state and change the
     /// desired state.
     pub admin_token_sha256: Vec<String>,
@@ -33,6 +39,14 @@ pub struct ControlPlaneConfig {
     pub stale_after_seconds: u64,
     /// Reports kept per node (older ones are dropped).
     pub history_per_node: usize,
+    /// Clusters kept at most (named by a node or a desired state); a new one past it is
+    /// refused.
+    pub max_clusters: usize,
+    /// Nodes kept per cluster at most; a new one past it is refused.
+    pub max_nodes_per_cluster: usize,
+    /// Wrong tokens one source address may present a minute (and in a burst); past it,
+    /// its requests needing a token get 429 until it earns another try.
+    pub token_failures_per_minute: u32,
     /// HTTPS: the service's certificate chain (PEM). Empty: plain HTTP.
     pub tls_certificate: String,
     /// HTTPS: the private key of `tls_certificate` (PEM).
@@ -48,9 +62,13 @@ impl Default for ControlPlaneConfig {
             listen: "127.0.0.1:9090".into(),
             database: "/var/lib/moe-node-control-plane/state.db".into(),
             node_token_sha256: Vec::new(),
+            node_tokens: Vec::new(),
             admin_token_sha256: Vec::new(),
             stale_after_seconds: 60,
             history_per_node: 100,
+            max_clusters: 64,
+            max_nodes_per_cluster: 256,
+            token_failures_per_minute: 10,
             tls_certificate: String::new(),
             tls_key: String::new(),
             tls_client_ca: String::new(),
@@ -77,12 +95,39 @@ impl ControlPlaneConfig {
         if config.database.is_empty() {
             problems.push("database: give a file path".into());
         }
-        if config.node_token_sha256.is_empty() {
+        if config.node_token_sha256.is_empty() && config.node_tokens.is_empty() {
             problems.push(
-                "node_token_sha256: no node could register; add the SHA-256 of a node token \
-                 (printf %s \"$TOKEN\" | sha256sum)"
+                "node_tokens: no node could register; add a [[node_tokens]] with the SHA-256 \
+                 of a node token (printf %s \"$TOKEN\" | sha256sum) and its cluster"
                     .into(),
             );
+        }
+        if !config.node_token_sha256.is_empty() && config.tls_client_ca.is_empty() {
+            problems.push(
+                "node_token_sha256: a token for any node lets its holder report as any node of \
+                 any cluster; without tls_client_ca (whose certificates name the node) give \
+                 tokens per cluster or node in [[node_tokens]]"
+                    .into(),
+            );
+        }
+        for token in &config.node_tokens {
+            if !wire::is_sha256_hex(&token.sha256) {
+                problems.push(format!(
+                    "node_tokens: `{}` is not a SHA-256 in hex (64 hex digits); store the hash, not the token",
+                    token.sha256
+                ));
+            }
+            if let Some(problem) = identity::name_problem(&token.cluster) {
+                problems.push(format!(
+                    "node_tokens: cluster `{}`: {problem}",
+                    token.cluster
+                ));
+            }
+            if !token.node.is_empty()
+                && let Some(problem) = identity::name_problem(&token.node)
+            {
+                problems.push(format!("node_tokens: node `{}`: {problem}", token.node));
+            }
         }
         for (key, hashes) in [
             ("node_token_sha256", &config.node_token_sha256),
@@ -101,6 +146,18 @@ impl ControlPlaneConfig {
         }
         if !(1..=100_000).contains(&config.history_per_node) {
             problems.push("history_per_node: between 1 and 100000".into());
+        }
+        for (key, value) in [
+            ("max_clusters", config.max_clusters),
+            ("max_nodes_per_cluster", config.max_nodes_per_cluster),
+            (
+                "token_failures_per_minute",
+                config.token_failures_per_minute as usize,
+            ),
+        ] {
+            if !(1..=100_000).contains(&value) {
+                problems.push(format!("{key}: between 1 and 100000"));
+            }
         }
         if let Err(problem) = config.tls() {
             problems.push(problem);
@@ -163,6 +220,7 @@ mod tests {
             "listen: `nowhere`",
             "store the hash, not the token",
             "stale_after_seconds",
+            "node_token_sha256: a token for any node lets its holder report as any node",
         ] {
             assert!(text.contains(expected), "{expected:?} missing: {text}");
         }
@@ -193,6 +251,21 @@ mod tests {
             text.contains("tls_client_ca: client certificates need HTTPS"),
             "{text}"
         );
+        std::fs::write(
+            &path,
+            format!(
+                "max_nodes_per_cluster = 0\n[[node_tokens]]\nsha256 = \"{}\"\ncluster = \"a\\nb\"\n",
+                wire::sha256_hex("a node token")
+            ),
+        )
+        .unwrap();
+        let text = ControlPlaneConfig::load(&path).unwrap_err().to_string();
+        for expected in [
+            "max_nodes_per_cluster: between 1 and 100000",
+            "node_tokens: cluster `a\nb`: only letters",
+        ] {
+            assert!(text.contains(expected), "{expected:?} missing: {text}");
+        }
         std::fs::write(&path, "lisen = 1\n").unwrap();
         let text = ControlPlaneConfig::load(&path).unwrap_err().to_string();
         assert!(text.contains("lisen"), "{text}");

@@ -2,15 +2,23 @@
 
 use std::net::TcpListener;
 use std::sync::{Arc, Mutex};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use actix_web::http::header;
 use actix_web::{App, HttpRequest, HttpResponse, HttpServer, web};
 use serde_json::json;
 
 use super::ControlPlaneConfig;
+use super::guesses::GuessLimiter;
+use super::identity::{self, NodeToken};
 use super::store::{NodeRecord, Store, StoreError};
 use super::wire::{self, Answer, DesiredState, DesiredUpdate, Report};
+
+/// Source addresses whose token failures are tracked at most.
+const TRACKED_SOURCES: usize = 4096;
+/// Largest request body: a report is well under 4 KiB, a desired state at most the
+/// overrides' 64 KiB and the keys.
+const MAX_BODY: usize = 128 * 1024;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ControlPlaneError {
@@ -27,14 +35,19 @@ pub enum ControlPlaneError {
     Tls(String),
 }
 
-/// Whether the connection a request came on presented a client certificate (one that
-/// `tls_client_ca` verified: any other ends the handshake).
-#[derive(Clone, Copy)]
-struct ClientCertificate(bool);
+/// The client certificate the connection a request came on presented (one that
+/// `tls_client_ca` verified: any other ends the handshake), and the `moe-node://` names it
+/// carries.
+#[derive(Clone)]
+struct ClientCertificate {
+    presented: bool,
+    names: Vec<(String, String)>,
+}
 
 struct State {
     config: ControlPlaneConfig,
     store: Arc<Mutex<Store>>,
+    guesses: Mutex<GuessLimiter>,
 }
 
 /// Runs the control plane until SIGINT or SIGTERM. Blocks the calling thread.
@@ -48,9 +61,11 @@ pub fn run(config: ControlPlaneConfig) -> Result<(), ControlPlaneError> {
     let tls = config.tls().map_err(ControlPlaneError::Tls)?;
     let scheme = if tls.is_some() { "https" } else { "http" };
     let client_certificates = !config.tls_client_ca.is_empty();
+    let guesses = GuessLimiter::new(config.token_failures_per_minute, TRACKED_SOURCES);
     let state = web::Data::new(State {
         config,
         store: Arc::new(Mutex::new(store)),
+        guesses: Mutex::new(guesses),
     });
     actix_web::rt::System::new().block_on(async move {
         let server = HttpServer::new(move || {
@@ -58,7 +73,7 @@ pub fn run(config: ControlPlaneConfig) -> Result<(), ControlPlaneError> {
                 .app_data(state.clone())
                 .app_data(
                     web::JsonConfig::default()
-                        .limit(1 << 20)
+                        .limit(MAX_BODY)
                         .error_handler(|e, _| {
                             actix_web::error::InternalError::from_response(
                                 "",
@@ -94,8 +109,11 @@ pub fn run(config: ControlPlaneConfig) -> Result<(), ControlPlaneError> {
             if let Some(tls) = connection.downcast_ref::<actix_tls::accept::rustls_0_23::TlsStream<
                 actix_web::rt::net::TcpStream,
             >>() {
-                let presented = tls.get_ref().1.peer_certificates().is_some_and(|c| !c.is_empty());
-                data.insert(ClientCertificate(presented));
+                let first = tls.get_ref().1.peer_certificates().and_then(|c| c.first());
+                data.insert(ClientCertificate {
+                    presented: first.is_some(),
+                    names: first.map(|c| identity::certificate_names(c)).unwrap_or_default(),
+                });
             }
         })
         .shutdown_timeout(1);
@@ -149,6 +167,70 @@ fn refused(req: &HttpRequest, who: &str) -> HttpResponse {
         .json(json!({"error": format!("unknown {who} token")}))
 }
 
+fn bad_request(why: impl std::fmt::Display) -> HttpResponse {
+    HttpResponse::BadRequest().json(json!({ "error": why.to_string() }))
+}
+
+fn forbidden(req: &HttpRequest, why: String) -> HttpResponse {
+    let peer = peer(req);
+    tracing::warn!(%peer, path = req.path(), "refused a node: {why}");
+    HttpResponse::Forbidden().json(json!({ "error": why }))
+}
+
+impl State {
+    fn source(req: &HttpRequest) -> Option<std::net::IpAddr> {
+        req.peer_addr().map(|a| a.ip())
+    }
+
+    /// 429 when the request's source has no token tries left.
+    fn out_of_tries(&self, req: &HttpRequest) -> Option<HttpResponse> {
+        let wait = self
+            .guesses
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .check(Self::source(req), Instant::now())
+            .err()?;
+        // Whole seconds, rounded up: a client that waits this long may try again.
+        let seconds = (wait.as_secs_f64().ceil() as u64).max(1);
+        tracing::debug!(peer = %peer(req), "too many wrong tokens from this address");
+        Some(
+            HttpResponse::TooManyRequests()
+                .insert_header((header::RETRY_AFTER, seconds.to_string()))
+                .json(json!({"error": format!(
+                    "too many wrong tokens from this address: try again in {seconds} s"
+                )})),
+        )
+    }
+
+    /// A wrong token from the request's source: counted, and answered 401.
+    fn wrong_token(&self, req: &HttpRequest, who: &str) -> HttpResponse {
+        self.guesses
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .failed(Self::source(req), Instant::now());
+        refused(req, who)
+    }
+
+    /// The node token a request offers, if one is known: its hash, and its scope when it
+    /// is a `[[node_tokens]]` one.
+    fn node_token(&self, req: &HttpRequest) -> Option<(String, Option<NodeToken>)> {
+        let hash = offered_token_hash(req)?;
+        if let Some(token) = self
+            .config
+            .node_tokens
+            .iter()
+            .find(|t| t.sha256.eq_ignore_ascii_case(&hash))
+        {
+            return Some((hash, Some(token.clone())));
+        }
+        self.config
+            .node_token_sha256
+            .iter()
+            .any(|h| h.eq_ignore_ascii_case(&hash))
+            .then_some((hash, None))
+    }
+}
+
 fn internal(e: impl std::fmt::Display) -> HttpResponse {
     tracing::error!(error = %e, "the control plane's database failed");
     HttpResponse::InternalServerError().json(json!({"error": e.to_string()}))
@@ -175,11 +257,9 @@ async fn report(
     report: Report,
     first: bool,
 ) -> HttpResponse {
-    if !state.config.tls_client_ca.is_empty()
-        && !req
-            .conn_data::<ClientCertificate>()
-            .is_some_and(|presented| presented.0)
-    {
+    let certificate = req.conn_data::<ClientCertificate>().cloned();
+    let mtls = !state.config.tls_client_ca.is_empty();
+    if mtls && !certificate.as_ref().is_some_and(|c| c.presented) {
         let peer = peer(&req);
         tracing::warn!(
             %peer,
@@ -191,32 +271,63 @@ async fn report(
                       set control_plane.client_certificate and control_plane.client_key"
         }));
     }
-    let Some(token) = offered_token_hash(&req).filter(|hash| {
-        state
-            .config
-            .node_token_sha256
-            .iter()
-            .any(|h| h.eq_ignore_ascii_case(hash))
-    }) else {
-        return refused(&req, "node");
-    };
-    if report.cluster.is_empty()
-        || report.node.is_empty()
-        || report.node.len() > 128
-        || report.cluster.len() > 128
-    {
-        return HttpResponse::BadRequest()
-            .json(json!({"error": "cluster and node: 1 to 128 characters each"}));
+    if let Some(response) = state.out_of_tries(&req) {
+        return response;
     }
-    let cluster = report.cluster.clone();
-    let node = report.node.clone();
+    let Some((token, scope)) = state.node_token(&req) else {
+        return state.wrong_token(&req, "node");
+    };
+    if let Some(problem) = identity::report_problem(&report) {
+        tracing::warn!(peer = %peer(&req), "refused a report: {problem}");
+        return bad_request(format!("the report is not valid: {problem}"));
+    }
+    let (cluster, node) = (report.cluster.clone(), report.node.clone());
+    if let Some(scope) = scope.filter(|scope| !scope.allows(&cluster, &node)) {
+        let allowed = if scope.node.is_empty() {
+            format!("any node of cluster {}", scope.cluster)
+        } else {
+            format!("{}/{}", scope.cluster, scope.node)
+        };
+        return forbidden(
+            &req,
+            format!("its token is for {allowed}, not for {cluster}/{node}"),
+        );
+    }
+    if mtls {
+        let names = certificate.map(|c| c.names).unwrap_or_default();
+        if !names.iter().any(|(c, n)| *c == cluster && *n == node) {
+            let carried: Vec<String> = names
+                .iter()
+                .map(|(c, n)| format!("{}{c}/{n}", identity::URI_PREFIX))
+                .collect();
+            return forbidden(
+                &req,
+                format!(
+                    "its client certificate names [{}], not {}{cluster}/{node} (a subject \
+                     alternative name URI)",
+                    carried.join(", "),
+                    identity::URI_PREFIX
+                ),
+            );
+        }
+    }
+    let (max_clusters, max_nodes) = (
+        state.config.max_clusters,
+        state.config.max_nodes_per_cluster,
+    );
     let recorded = with_store(&state, move |store| {
+        if let Some(why) =
+            store.growth_refused(&report.cluster, &report.node, max_clusters, max_nodes)?
+        {
+            return Ok(Err(why));
+        }
         let new = store.record(&report, now_ms())?;
-        Ok((new, store.desired(&report.cluster)?))
+        Ok(Ok((new, store.desired(&report.cluster)?)))
     })
     .await;
     let (new, desired) = match recorded {
-        Ok(done) => done,
+        Ok(Ok(done)) => done,
+        Ok(Err(why)) => return forbidden(&req, format!("{cluster}/{node} is not kept: {why}")),
         Err(response) => return response,
     };
     if new || first {
@@ -253,14 +364,26 @@ async fn heartbeat(
     report(req, state, body.into_inner(), false).await
 }
 
-fn is_admin(req: &HttpRequest, state: &State) -> bool {
-    offered_token_hash(req).is_some_and(|hash| {
+/// `None` for a request with an admin token; else its answer (429 when its source has no
+/// tries left, 401 for a wrong token).
+fn not_admin(req: &HttpRequest, state: &State) -> Option<HttpResponse> {
+    if let Some(response) = state.out_of_tries(req) {
+        return Some(response);
+    }
+    let known = offered_token_hash(req).is_some_and(|hash| {
         state
             .config
             .admin_token_sha256
             .iter()
             .any(|h| h.eq_ignore_ascii_case(&hash))
-    })
+    });
+    (!known).then(|| state.wrong_token(req, "admin"))
+}
+
+/// The 400 that refuses a cluster (or node) name from a path, if it is not a valid one.
+fn bad_name(name: &str) -> Option<HttpResponse> {
+    identity::name_problem(name)
+        .map(|problem| bad_request(format!("`{}`: {problem}", name.escape_debug())))
 }
 
 async fn get_desired(
@@ -268,10 +391,13 @@ async fn get_desired(
     state: web::Data<State>,
     path: web::Path<String>,
 ) -> HttpResponse {
-    if !is_admin(&req, &state) {
-        return refused(&req, "admin");
+    if let Some(response) = not_admin(&req, &state) {
+        return response;
     }
     let cluster = path.into_inner();
+    if let Some(response) = bad_name(&cluster) {
+        return response;
+    }
     match with_store(&state, move |store| store.desired(&cluster)).await {
         Ok(desired) => HttpResponse::Ok().json(desired),
         Err(response) => response,
@@ -284,52 +410,33 @@ async fn put_desired(
     path: web::Path<String>,
     body: web::Json<DesiredUpdate>,
 ) -> HttpResponse {
-    if !is_admin(&req, &state) {
-        return refused(&req, "admin");
+    if let Some(response) = not_admin(&req, &state) {
+        return response;
     }
     let cluster = path.into_inner();
-    let update = body.into_inner();
-    if let Some(bad) = update
-        .api_key_sha256
-        .iter()
-        .find(|h| !wire::is_sha256_hex(h))
-    {
-        return HttpResponse::BadRequest().json(json!({
-            "error": format!("api_key_sha256: `{bad}` is not a SHA-256 in hex")
-        }));
+    if let Some(response) = bad_name(&cluster) {
+        return response;
     }
-    if update.api_keys.iter().any(|k| k.trim().is_empty()) {
-        return HttpResponse::BadRequest()
-            .json(json!({"error": "api_keys: keys must not be empty"}));
-    }
-    // Only the hashes are kept: the plain keys are not needed to check a node's clients.
-    let mut hashes: Vec<String> = update
-        .api_keys
-        .iter()
-        .map(|k| wire::sha256_hex(k))
-        .collect();
-    hashes.extend(update.api_key_sha256.iter().map(|h| h.to_ascii_lowercase()));
-    hashes.sort();
-    hashes.dedup();
-    let desired = DesiredState {
-        version: 0,
-        model_name: update.model_name,
-        model_fingerprint: update.model_fingerprint,
-        replication: update.replication,
-        rebalance_interval_seconds: update.rebalance_interval_seconds,
-        api_key_sha256: hashes,
-        placement_overrides: update.placement_overrides,
+    // Only salted hashes are kept: the plain keys are not needed to check a node's clients.
+    let desired = match body.into_inner().into_desired() {
+        Ok(desired) => desired,
+        Err(why) => return bad_request(why),
     };
-    let name = cluster.clone();
+    let (name, max_clusters) = (cluster.clone(), state.config.max_clusters);
     match with_store(&state, move |store| {
-        store.set_desired(&name, desired, now_ms())
+        if let Some(why) = store.cluster_growth_refused(&name, max_clusters)? {
+            return Ok(Err(why));
+        }
+        Ok(Ok(store.set_desired(&name, desired, now_ms())?))
     })
     .await
     {
-        Ok(stored) => {
-            tracing::info!(%cluster, version = stored.version, api_keys = stored.api_key_sha256.len(), "desired state changed");
+        Ok(Ok(stored)) => {
+            tracing::info!(%cluster, version = stored.version, api_keys = stored.api_keys.len(), "desired state changed");
             HttpResponse::Ok().json(stored)
         }
+        Ok(Err(why)) => HttpResponse::Forbidden()
+            .json(json!({"error": format!("cluster {cluster} is not kept: {why}")})),
         Err(response) => response,
     }
 }
@@ -372,8 +479,8 @@ async fn all_views(state: &State) -> Result<Views, HttpResponse> {
 }
 
 async fn clusters(req: HttpRequest, state: web::Data<State>) -> HttpResponse {
-    if !is_admin(&req, &state) {
-        return refused(&req, "admin");
+    if let Some(response) = not_admin(&req, &state) {
+        return response;
     }
     let views = match all_views(&state).await {
         Ok(views) => views,
@@ -404,10 +511,13 @@ async fn history(
     state: web::Data<State>,
     path: web::Path<(String, String)>,
 ) -> HttpResponse {
-    if !is_admin(&req, &state) {
-        return refused(&req, "admin");
+    if let Some(response) = not_admin(&req, &state) {
+        return response;
     }
     let (cluster, node) = path.into_inner();
+    if let Some(response) = bad_name(&cluster).or_else(|| bad_name(&node)) {
+        return response;
+    }
     match with_store(&state, move |store| store.history(&cluster, &node)).await {
         Ok(reports) => HttpResponse::Ok().json(
             reports
@@ -459,7 +569,7 @@ async fn status_page(state: web::Data<State>) -> HttpResponse {
             escape(&desired.model_fingerprint),
             desired.replication.map(|r| r.to_string()).unwrap_or_else(|| "(node's own)".into()),
             desired.rebalance_interval_seconds.map(|s| format!("{s} s")).unwrap_or_else(|| "(node's own)".into()),
-            desired.api_key_sha256.len(),
+            desired.api_keys.len(),
         ));
         html.push_str(
             "<table><tr><th>node</th><th>status</th><th>last report</th><th>phase</th><th>model</th>\

@@ -173,6 +173,55 @@ impl Store {
         Ok(!known)
     }
 
+    /// Why a report from `node` of `cluster` would make the store grow past its bounds, or
+    /// `None` when it may be recorded (a known node always may).
+    pub fn growth_refused(
+        &self,
+        cluster: &str,
+        node: &str,
+        max_clusters: usize,
+        max_nodes_per_cluster: usize,
+    ) -> Result<Option<String>, StoreError> {
+        let count = |sql: &str, args: &[&str]| -> Result<usize, StoreError> {
+            let n: i64 =
+                self.db
+                    .query_row(sql, rusqlite::params_from_iter(args.iter()), |row| {
+                        row.get(0)
+                    })?;
+            Ok(usize::try_from(n).unwrap_or(usize::MAX))
+        };
+        if count(
+            "SELECT COUNT(*) FROM nodes WHERE cluster = ?1 AND node = ?2",
+            &[cluster, node],
+        )? > 0
+        {
+            return Ok(None);
+        }
+        let nodes = count("SELECT COUNT(*) FROM nodes WHERE cluster = ?1", &[cluster])?;
+        if nodes >= max_nodes_per_cluster {
+            return Ok(Some(format!(
+                "cluster {cluster} has {nodes} nodes, max_nodes_per_cluster"
+            )));
+        }
+        self.cluster_growth_refused(cluster, max_clusters)
+    }
+
+    /// Why naming `cluster` would keep more than `max_clusters`, or `None`.
+    pub fn cluster_growth_refused(
+        &self,
+        cluster: &str,
+        max_clusters: usize,
+    ) -> Result<Option<String>, StoreError> {
+        let clusters = self.clusters()?;
+        if clusters.len() >= max_clusters && !clusters.iter().any(|c| c == cluster) {
+            return Ok(Some(format!(
+                "{} clusters are kept already, max_clusters",
+                clusters.len()
+            )));
+        }
+        Ok(None)
+    }
+
     /// Every cluster named by a desired state or a node.
     pub fn clusters(&self) -> Result<Vec<String>, StoreError> {
         let mut stmt = self
@@ -233,6 +282,10 @@ impl Store {
 mod tests {
     use super::*;
 
+    fn wire_key() -> crate::control_plane::wire::SaltedKey {
+        crate::control_plane::wire::SaltedKey::new("a-long-enough-api-key")
+    }
+
     fn report(node: &str, in_flight: usize) -> Report {
         Report {
             cluster: "c1".into(),
@@ -253,7 +306,7 @@ mod tests {
                 assert!(!store.record(&report("n1", i), 10 + i as i64).unwrap());
             }
             let desired = DesiredState {
-                api_key_sha256: vec!["ab".repeat(32)],
+                api_keys: vec![wire_key()],
                 ..DesiredState::default()
             };
             assert_eq!(
@@ -274,6 +327,23 @@ mod tests {
             vec![9, 8, 7]
         );
         assert_eq!(store.desired("other").unwrap(), DesiredState::default());
+    }
+
+    #[test]
+    fn growth_past_the_bounds_is_refused_but_known_nodes_report_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = Store::open(&dir.path().join("state.db"), 3).unwrap();
+        for node in ["n1", "n2"] {
+            assert_eq!(store.growth_refused("c1", node, 2, 2).unwrap(), None);
+            store.record(&report(node, 0), 1).unwrap();
+        }
+        let full = store.growth_refused("c1", "n3", 2, 2).unwrap();
+        assert!(full.is_some_and(|why| why.contains("max_nodes_per_cluster")));
+        assert_eq!(store.growth_refused("c1", "n1", 2, 2).unwrap(), None);
+        store.set_desired("c2", DesiredState::default(), 1).unwrap();
+        let many = store.growth_refused("c3", "n1", 2, 2).unwrap();
+        assert!(many.is_some_and(|why| why.contains("max_clusters")));
+        assert_eq!(store.growth_refused("c2", "n1", 2, 2).unwrap(), None);
     }
 
     #[test]

@@ -95,11 +95,20 @@ impl Collector for ClusterCollector {
             ],
         )?;
         let g = &self.gossip;
+        let rejected = &g.packets_rejected;
         counter(
             &mut encoder,
             "gossip_packets_rejected",
-            "Gossip packets dropped: failed decryption or decoding",
-            &[(&[], load(&g.packets_rejected))],
+            "Gossip packets dropped before membership read them, by reason",
+            &[
+                (&[("reason", "oversized")], load(&rejected.oversized)),
+                (
+                    &[("reason", "unauthenticated")],
+                    load(&rejected.unauthenticated),
+                ),
+                (&[("reason", "malformed")], load(&rejected.malformed)),
+                (&[("reason", "replay")], load(&rejected.replay)),
+            ],
         )?;
         counter(
             &mut encoder,

@@ -154,6 +154,7 @@ pub fn join(
         .iter()
         .map(|s| parse("seeds", s))
         .collect::<Result<_, _>>()?;
+    membership_config.advertise_host = config.advertise_host.parse::<IpAddr>().ok();
     membership_config.probe_period = Duration::from_millis(config.probe_period_ms);
     membership_config.suspicion_timeout = Duration::from_millis(config.suspicion_timeout_ms);
     let membership = Membership::start(membership_config)?;
