@@ -156,6 +156,17 @@ fn run(engine: &Engine, reference: &Reference) -> Generation {
 }
 
 fn check(name: &str) {
+    check_with(name, None);
+}
+
+/// As [`check`], for a family whose parts the GPU's dense part lacks: where CUDA is present,
+/// the experts on the GPU are held to the CPU as for every family, and placing the whole model
+/// there must be refused with a message naming `lacks`.
+fn check_dense_gpu_refused(name: &str, lacks: &str) {
+    check_with(name, Some(lacks));
+}
+
+fn check_with(name: &str, dense_gpu_lacks: Option<&str>) {
     let dir = fixture(name);
     let reference: Reference =
         serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
@@ -209,6 +220,22 @@ fn check(name: &str) {
                  {gpu_diff})"
             );
             drop(experts_on_gpu);
+            if let Some(lacks) = dense_gpu_lacks {
+                let refused = moe_node::engine::gpu::engine_on_gpu(
+                    &ModelSource::files(&dir),
+                    0,
+                    true,
+                    None,
+                    None,
+                );
+                match refused {
+                    Ok(_) => {
+                        panic!("{name}: the whole model loaded on the GPU, which lacks {lacks}")
+                    }
+                    Err(e) => assert!(e.to_string().contains(lacks), "{name}: {e}"),
+                }
+                return;
+            }
             let mut whole = moe_node::engine::gpu::engine_on_gpu(
                 &ModelSource::files(&dir),
                 0,
@@ -538,6 +565,13 @@ fn mixtral_sliding_window_matches_transformers() {
 #[test]
 fn glm4_moe_matches_transformers() {
     check("glm4_moe");
+}
+
+/// MiniMax-M2: q/k norm over the whole projection, 8 of 16 values rotated, a routing bias
+/// that changes 17 of the prompt's 22 (token, layer) choices; bf16.
+#[test]
+fn minimax_m2_matches_transformers() {
+    check_dense_gpu_refused("minimax_m2", "qk_norm_type: per_layer");
 }
 
 // Quantized checkpoints (tests/fixtures/make_quant_fixtures.py): transformers ran on the

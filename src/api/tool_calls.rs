@@ -28,6 +28,12 @@ const GLM_ARG_KEY: &str = "<arg_key>";
 const GLM_ARG_KEY_END: &str = "</arg_key>";
 const GLM_ARG_VALUE: &str = "<arg_value>";
 const GLM_ARG_VALUE_END: &str = "</arg_value>";
+const MINIMAX_SECTION_BEGIN: &str = "<minimax:tool_call>";
+const MINIMAX_SECTION_END: &str = "</minimax:tool_call>";
+const MINIMAX_INVOKE: &str = "<invoke name=\"";
+const MINIMAX_INVOKE_END: &str = "</invoke>";
+const MINIMAX_PARAMETER: &str = "<parameter name=\"";
+const MINIMAX_PARAMETER_END: &str = "</parameter>";
 
 impl ToolCallFormat {
     /// The format a model's chat template writes tool calls in, from the markers it
@@ -37,6 +43,7 @@ impl ToolCallFormat {
             (KIMI_SECTION_BEGIN, ToolCallFormat::KimiK2),
             (DEEPSEEK_SECTION_BEGIN, ToolCallFormat::DeepseekV3),
             (MISTRAL_BEGIN, ToolCallFormat::Mistral),
+            (MINIMAX_SECTION_BEGIN, ToolCallFormat::MiniMax),
             // GLM's calls open as Hermes' do: its argument tags tell them apart.
             (GLM_ARG_KEY, ToolCallFormat::Glm),
             (HERMES_BEGIN, ToolCallFormat::Hermes),
@@ -66,6 +73,7 @@ impl ToolCallFormat {
             ToolCallFormat::KimiK2 => KIMI_SECTION_BEGIN,
             ToolCallFormat::Mistral => MISTRAL_BEGIN,
             ToolCallFormat::Glm => HERMES_BEGIN,
+            ToolCallFormat::MiniMax => MINIMAX_SECTION_BEGIN,
         }
     }
 
@@ -271,6 +279,13 @@ impl ToolCallStream {
             ),
             ToolCallFormat::Mistral => mistral_calls(s),
             ToolCallFormat::Glm => glm_call(s),
+            ToolCallFormat::MiniMax => marked_call(
+                s,
+                MINIMAX_INVOKE,
+                MINIMAX_INVOKE_END,
+                MINIMAX_SECTION_END,
+                minimax_call,
+            ),
         }
     }
 }
@@ -357,6 +372,26 @@ fn glm_arguments(body: &str) -> Option<ToolCall> {
         rest = after;
     }
     call_of(None, name.trim(), &Value::Object(arguments).to_string())
+}
+
+/// `NAME">` then `<parameter name="KEY">VALUE</parameter>` per argument (whitespace between
+/// them), the body of MiniMax-M2's `<invoke name="NAME">...</invoke>`. Its template writes a
+/// string value as it is and any other as JSON: read as GLM's are.
+fn minimax_call(body: &str) -> Option<ToolCall> {
+    let (name, mut rest) = body.split_once("\">")?;
+    let mut arguments = serde_json::Map::new();
+    loop {
+        rest = rest.trim_start();
+        if rest.is_empty() {
+            break;
+        }
+        let (key, after) = rest.strip_prefix(MINIMAX_PARAMETER)?.split_once("\">")?;
+        let (value, after) = after.split_once(MINIMAX_PARAMETER_END)?;
+        let value = serde_json::from_str(value).unwrap_or_else(|_| Value::String(value.into()));
+        arguments.insert(key.to_string(), value);
+        rest = after;
+    }
+    call_of(None, name, &Value::Object(arguments).to_string())
 }
 
 /// Largest call text waited for; past it the text is not a call.
@@ -601,6 +636,38 @@ mod tests {
             ToolCallFormat::for_model(template, Family::Glm4Moe),
             Some(ToolCallFormat::Glm)
         );
+    }
+
+    #[test]
+    fn minimax_calls_several_in_one_block() {
+        let text = "Checking.\n<minimax:tool_call>\n<invoke name=\"get_weather\">\n\
+                    <parameter name=\"city\">New York</parameter>\n\
+                    <parameter name=\"days\">3</parameter>\n</invoke>\n\
+                    <invoke name=\"get_time\">\n<parameter name=\"zone\">CET</parameter>\n\
+                    </invoke>\n</minimax:tool_call>";
+        let parsed = parse_both_ways(ToolCallFormat::MiniMax, text);
+        assert_eq!(parsed.content, "Checking.\n");
+        assert_eq!(
+            parsed.calls,
+            vec![
+                call("get_weather", r#"{"city":"New York","days":3}"#),
+                call("get_time", r#"{"zone":"CET"}"#),
+            ]
+        );
+        let template = "{{- '<minimax:tool_call>\\n' }}<invoke name=\"{{ tc.name }}\">";
+        assert_eq!(
+            ToolCallFormat::detect(template),
+            Some(ToolCallFormat::MiniMax)
+        );
+        assert_eq!(
+            ToolCallFormat::for_model(template, Family::MiniMaxM2),
+            Some(ToolCallFormat::MiniMax)
+        );
+        // A parameter without its end tag is not a call: the text comes back.
+        let broken = "<minimax:tool_call><invoke name=\"f\"><parameter name=\"a\">1</invoke></minimax:tool_call>";
+        let parsed = parse_both_ways(ToolCallFormat::MiniMax, broken);
+        assert!(parsed.calls.is_empty(), "{parsed:?}");
+        assert_eq!(parsed.content, broken);
     }
 
     #[test]
@@ -851,6 +918,7 @@ mod tests {
                 ToolCallFormat::KimiK2,
                 ToolCallFormat::Mistral,
                 ToolCallFormat::Glm,
+                ToolCallFormat::MiniMax,
             ] {
                 let parsed = parse_both_ways(format, &text);
                 if parsed.calls.is_empty() {

@@ -16,7 +16,8 @@ use super::quant::Quantization;
 
 pub use super::family::Family;
 pub use parts::{
-    AttentionConfig, GatingConfig, MAX_CONTEXT, MAX_LAYERS, MoeConfig, RopeConfig, RopeScaling,
+    AttentionConfig, GatingConfig, MAX_CONTEXT, MAX_LAYERS, MoeConfig, QkNorm, RopeConfig,
+    RopeScaling,
 };
 use parts::{CommonKeys, Problems};
 

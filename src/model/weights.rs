@@ -234,6 +234,7 @@ fn load_layer(ckpt: &Checkpoint, cfg: &ModelConfig, l: usize) -> Result<LayerWei
             ..
         } => {
             let a = format!("{p}.self_attn");
+            let norm_widths = qk_norm.widths(heads, num_kv_heads, head_dim);
             AttentionWeights::Gqa {
                 q: linear(ckpt, quant, &format!("{a}.q_proj"), heads * head_dim, h)?,
                 k: linear(
@@ -251,11 +252,11 @@ fn load_layer(ckpt: &Checkpoint, cfg: &ModelConfig, l: usize) -> Result<LayerWei
                     h,
                 )?,
                 o: linear(ckpt, quant, &format!("{a}.o_proj"), h, heads * head_dim)?,
-                q_norm: qk_norm
-                    .then(|| norm(ckpt, &format!("{a}.q_norm"), head_dim, eps))
+                q_norm: norm_widths
+                    .map(|(q, _)| norm(ckpt, &format!("{a}.q_norm"), q, eps))
                     .transpose()?,
-                k_norm: qk_norm
-                    .then(|| norm(ckpt, &format!("{a}.k_norm"), head_dim, eps))
+                k_norm: norm_widths
+                    .map(|(_, k)| norm(ckpt, &format!("{a}.k_norm"), k, eps))
                     .transpose()?,
             }
         }
@@ -314,11 +315,11 @@ fn load_layer(ckpt: &Checkpoint, cfg: &ModelConfig, l: usize) -> Result<LayerWei
                 )
             })
             .transpose()?;
-        let bias_name = format!("{mlp}.gate.e_score_correction_bias");
-        let correction_bias = if cfg.family.gate_correction_bias() && ckpt.contains(&bias_name) {
-            Some(ckpt.read_f32(&bias_name, &[cfg.moe.num_experts])?)
-        } else {
-            None
+        let correction_bias = match cfg.family.correction_bias_name(l) {
+            Some(name) if ckpt.contains(&name) => {
+                Some(ckpt.read_f32(&name, &[cfg.moe.num_experts])?)
+            }
+            _ => None,
         };
         FeedForward::Moe(MoeWeights {
             router: linear(ckpt, quant, &format!("{mlp}.gate"), cfg.moe.num_experts, h)?,

@@ -50,8 +50,8 @@ impl ModelSizes {
             } => {
                 let (kv, hd) = (num_kv_heads as u64, head_dim as u64);
                 let mut params = h * heads * hd + 2 * h * kv * hd + heads * hd * h;
-                if qk_norm {
-                    params += 2 * hd;
+                if let Some((q, k)) = qk_norm.widths(model.num_heads, num_kv_heads, head_dim) {
+                    params += (q + k) as u64;
                 }
                 if bias {
                     params += heads * hd + 2 * kv * hd;
@@ -206,6 +206,7 @@ mod tests {
             "deepseek_v3",
             "kimi_k2",
             "glm4_moe",
+            "minimax_m2",
         ] {
             let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
                 .join("tests/fixtures")

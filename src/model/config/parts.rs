@@ -42,8 +42,8 @@ pub enum AttentionConfig {
     Gqa {
         num_kv_heads: usize,
         head_dim: usize,
-        /// Qwen3's and GLM's RMSNorm over each q and k head before rope.
-        qk_norm: bool,
+        /// An RMSNorm of the queries and keys before rope, and over what.
+        qk_norm: QkNorm,
         bias: bool,
         sliding_window: Option<usize>,
     },
@@ -58,6 +58,29 @@ pub enum AttentionConfig {
         interleave: bool,
         bias: bool,
     },
+}
+
+/// Where GQA's queries and keys are RMS-normed before rope.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QkNorm {
+    None,
+    /// Over each head, one `head_dim` weight shared by the heads (Qwen3, GLM-4.5).
+    PerHead,
+    /// Over each row's whole projection, one weight per value (MiniMax-M2's
+    /// `qk_norm_type: per_layer`): `q_norm` of `heads * head_dim`, `k_norm` of
+    /// `kv_heads * head_dim`.
+    PerLayer,
+}
+
+impl QkNorm {
+    /// The widths of the q and k norms' weights.
+    pub fn widths(self, heads: usize, kv_heads: usize, head_dim: usize) -> Option<(usize, usize)> {
+        match self {
+            QkNorm::None => None,
+            QkNorm::PerHead => Some((head_dim, head_dim)),
+            QkNorm::PerLayer => Some((heads * head_dim, kv_heads * head_dim)),
+        }
+    }
 }
 
 pub use crate::compute::gate::GatingConfig;

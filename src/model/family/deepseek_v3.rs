@@ -96,8 +96,8 @@ impl FamilySpec for DeepseekV3 {
         ExpertNames::PROJ
     }
 
-    fn gate_correction_bias(&self) -> bool {
-        true
+    fn correction_bias(&self) -> Option<&'static str> {
+        Some("gate.e_score_correction_bias")
     }
 
     fn tool_call_formats(&self) -> &'static [ToolCallFormat] {

@@ -8,7 +8,7 @@ use serde_json::Value;
 use super::{
     Common, Defaults, ExpertNames, FamilyParts, FamilySpec, Gqa, ToolCallFormat, gqa, keys,
 };
-use crate::model::config::parts::{GatingConfig, MAX_CONTEXT, MoeConfig, Problems};
+use crate::model::config::parts::{GatingConfig, MAX_CONTEXT, MoeConfig, Problems, QkNorm};
 
 pub(super) struct Mixtral;
 
@@ -57,7 +57,7 @@ impl FamilySpec for Mixtral {
             common,
             p,
             Gqa {
-                qk_norm: false,
+                qk_norm: QkNorm::None,
                 bias: false,
                 sliding_window: own.sliding_window,
             },
@@ -91,8 +91,8 @@ impl FamilySpec for Mixtral {
         }
     }
 
-    fn gate_correction_bias(&self) -> bool {
-        false
+    fn correction_bias(&self) -> Option<&'static str> {
+        None
     }
 
     fn tool_call_formats(&self) -> &'static [ToolCallFormat] {

@@ -11,13 +11,16 @@
 
 mod deepseek_v3;
 mod glm4_moe;
+mod minimax_m2;
 mod mixtral;
 mod qwen3_moe;
 
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::config::parts::{AttentionConfig, CommonKeys, GatingConfig, MoeConfig, Problems};
+use super::config::parts::{
+    AttentionConfig, CommonKeys, GatingConfig, MoeConfig, Problems, QkNorm,
+};
 
 /// Which forward-pass code a checkpoint runs through.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,6 +35,9 @@ pub enum Family {
     /// `glm4_moe` (GLM-4.5 to 4.7): GQA with q/k/v biases, partial rotary and q/k norm;
     /// DeepSeek-V3's gate and shared experts.
     Glm4Moe,
+    /// `minimax_m2` (MiniMax-M2 to M2.7): GQA with q/k norm over the whole projection and
+    /// partial rotary; a sigmoid gate with a routing bias and no groups.
+    MiniMaxM2,
 }
 
 /// What a family answers. Each family's file implements it on a unit struct; nothing has a
@@ -59,19 +65,21 @@ pub(super) trait FamilySpec: Sync {
     fn mlp_prefix(&self, layer: usize) -> String;
     /// Names of a routed expert's three projections.
     fn expert_names(&self) -> ExpertNames;
-    /// Whether its gate has a per-expert `gate.e_score_correction_bias` (read when present).
-    fn gate_correction_bias(&self) -> bool;
+    /// Where its gate's per-expert routing bias (`e_score_correction_bias`) lies under
+    /// [`FamilySpec::mlp_prefix`], if its gate has one (read when present).
+    fn correction_bias(&self) -> Option<&'static str>;
     /// The tool-call formats its published chat templates write, most specific first.
     fn tool_call_formats(&self) -> &'static [ToolCallFormat];
 }
 
 impl Family {
     /// Every family, in the order errors list them.
-    pub const ALL: [Family; 4] = [
+    pub const ALL: [Family; 5] = [
         Family::Qwen3Moe,
         Family::Mixtral,
         Family::DeepseekV3,
         Family::Glm4Moe,
+        Family::MiniMaxM2,
     ];
 
     fn spec(self) -> &'static dyn FamilySpec {
@@ -80,6 +88,7 @@ impl Family {
             Family::Mixtral => &mixtral::Mixtral,
             Family::DeepseekV3 => &deepseek_v3::DeepseekV3,
             Family::Glm4Moe => &glm4_moe::Glm4Moe,
+            Family::MiniMaxM2 => &minimax_m2::MiniMaxM2,
         }
     }
 
@@ -140,7 +149,14 @@ impl Family {
 
     /// Whether the gate may carry `e_score_correction_bias`, which biases the choice.
     pub fn gate_correction_bias(self) -> bool {
-        self.spec().gate_correction_bias()
+        self.spec().correction_bias().is_some()
+    }
+
+    /// The tensor name of layer `layer`'s routing bias, where the family's gate has one.
+    pub fn correction_bias_name(self, layer: usize) -> Option<String> {
+        let spec = self.spec();
+        let name = spec.correction_bias()?;
+        Some(format!("{}.{name}", spec.mlp_prefix(layer)))
     }
 
     /// The tool-call formats its chat templates write, most specific first.
@@ -184,7 +200,7 @@ fn keys<'de, T: Deserialize<'de>>(config: &'de Value) -> Result<T, Vec<String>> 
 
 /// Grouped-query attention as the GQA families configure it.
 struct Gqa {
-    qk_norm: bool,
+    qk_norm: QkNorm,
     bias: bool,
     sliding_window: Option<usize>,
 }
@@ -333,6 +349,9 @@ pub enum ToolCallFormat {
     /// GLM-4.5 to 4.7: `<tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>\n</tool_call>`
     /// (4.7 without the newlines), a string value as it is, any other as JSON.
     Glm,
+    /// MiniMax-M2: `<minimax:tool_call>\n<invoke name="NAME">\n<parameter name="KEY">VALUE</parameter>\n</invoke>\n</minimax:tool_call>`,
+    /// several `<invoke>`s in one block, a value read as GLM's are.
+    MiniMax,
 }
 
 /// Keys a multimodal wrapper keeps at its top level that belong to the text model too.

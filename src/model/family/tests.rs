@@ -10,7 +10,7 @@ fn every_model_type_finds_its_family_and_errors_name_them_all() {
     }
     assert_eq!(
         Family::supported_model_types(),
-        "qwen3_moe, mixtral, deepseek_v3, kimi_k2 and glm4_moe"
+        "qwen3_moe, mixtral, deepseek_v3, kimi_k2, glm4_moe and minimax_m2"
     );
     let err = ModelConfig::parse(r#"{"model_type": "llama"}"#).unwrap_err();
     for family in Family::ALL {
@@ -75,7 +75,7 @@ fn reads_glm_4_5_as_published() {
         AttentionConfig::Gqa {
             num_kv_heads: 8,
             head_dim: 128,
-            qk_norm: true,
+            qk_norm: QkNorm::PerHead,
             bias: true,
             sliding_window: None,
         }
@@ -104,7 +104,10 @@ fn reads_glm_4_5_as_published() {
     assert_eq!(c.rope.dim, 32);
     assert!(matches!(
         c.attention,
-        AttentionConfig::Gqa { qk_norm: false, .. }
+        AttentionConfig::Gqa {
+            qk_norm: QkNorm::None,
+            ..
+        }
     ));
     v["rope_parameters"]["partial_rotary_factor"] = 1.5.into();
     let err = ModelConfig::parse(&v.to_string()).unwrap_err();
@@ -112,4 +115,88 @@ fn reads_glm_4_5_as_published() {
         err.iter().any(|m| m.contains("partial_rotary_factor")),
         "{err:?}"
     );
+}
+
+/// MiniMax-M2's config.json as published (MiniMaxAI/MiniMax-M2), FP8 blocks with the format
+/// written as torch names it.
+const MINIMAX_M2: &str = r#"{
+    "architectures": ["MiniMaxM2ForCausalLM"], "attention_dropout": 0.0, "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 3072, "initializer_range": 0.02,
+    "intermediate_size": 1536, "max_position_embeddings": 196608, "model_type": "minimax_m2",
+    "mtp_transformer_layers": 1, "num_attention_heads": 48, "num_experts_per_tok": 8,
+    "num_hidden_layers": 62, "num_key_value_heads": 8, "num_local_experts": 256,
+    "num_mtp_modules": 3, "output_router_logits": false, "qk_norm_type": "per_layer",
+    "rms_norm_eps": 1e-06, "rope_theta": 5000000, "rotary_dim": 64,
+    "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0, "scoring_func": "sigmoid",
+    "shared_intermediate_size": 0, "tie_word_embeddings": false, "use_mtp": true,
+    "use_qk_norm": true, "use_routing_bias": true, "vocab_size": 200064,
+    "torch_dtype": "bfloat16", "transformers_version": "4.46.1",
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "float8_e4m3fn",
+        "quant_method": "fp8", "weight_block_size": [128, 128],
+        "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]}
+}"#;
+
+#[test]
+fn reads_minimax_m2_as_published() {
+    use crate::model::config::{AttentionConfig, GatingConfig};
+    use crate::model::quant::Quantization;
+    let c = ModelConfig::parse(MINIMAX_M2).unwrap();
+    assert_eq!(c.family, Family::MiniMaxM2);
+    assert_eq!(
+        c.attention,
+        AttentionConfig::Gqa {
+            num_kv_heads: 8,
+            head_dim: 128,
+            qk_norm: QkNorm::PerLayer,
+            bias: false,
+            sliding_window: None,
+        }
+    );
+    assert_eq!(c.rope.dim, 64);
+    assert_eq!(c.rope.theta, 5e6);
+    assert!(c.moe_layers.iter().all(|&m| m));
+    assert_eq!((c.moe.num_experts, c.moe.top_k), (256, 8));
+    assert_eq!(c.moe.expert_intermediate_size, 1536);
+    assert_eq!(c.moe.shared_intermediate_size, 0);
+    assert_eq!(
+        c.moe.gating,
+        GatingConfig::SigmoidGrouped {
+            n_group: 1,
+            topk_group: 1,
+            normalize: true,
+            routed_scaling_factor: 1.0,
+        }
+    );
+    assert_eq!(c.quantization, Quantization::Fp8 { block: [128, 128] });
+    assert_eq!(
+        Family::MiniMaxM2.correction_bias_name(3).as_deref(),
+        Some("model.layers.3.block_sparse_moe.e_score_correction_bias")
+    );
+    let (prefix, names) = Family::MiniMaxM2.routed_expert(3, 7);
+    assert_eq!(prefix, "model.layers.3.block_sparse_moe.experts.7");
+    assert_eq!((names.gate, names.up, names.down), ("w1", "w3", "w2"));
+}
+
+#[test]
+fn minimax_m2_names_a_bad_qk_norm_type_rotary_dim_or_shared_expert() {
+    let with = |key: &str, value: serde_json::Value| {
+        let mut v: serde_json::Value = serde_json::from_str(MINIMAX_M2).unwrap();
+        v[key] = value;
+        ModelConfig::parse(&v.to_string()).unwrap_err()
+    };
+    for (key, value) in [
+        ("qk_norm_type", serde_json::json!("per_token")),
+        ("rotary_dim", serde_json::json!(130)),
+        ("rotary_dim", serde_json::json!(0)),
+        ("shared_intermediate_size", serde_json::json!(512)),
+        ("scoring_func", serde_json::json!("softmax")),
+    ] {
+        let err = with(key, value.clone());
+        assert!(
+            err.iter().any(|m| m.contains(key)),
+            "{key} = {value}: {err:?}"
+        );
+    }
+    let err = with("qk_norm_type", serde_json::json!("per_token"));
+    assert!(err.iter().any(|m| m.contains("`per_token`")), "{err:?}");
 }
