@@ -261,6 +261,7 @@ fn main() {
             normalize: true,
             routed_scaling_factor: 2.827,
         },
+        weight_input: false,
     };
     let router = rng.linear(EXPERTS, HIDDEN, 0.05);
     let correction_bias: Vec<f32> = (0..EXPERTS).map(|_| rng.next(0.01)).collect();

@@ -33,6 +33,7 @@ fn batched_steps_equal_single_steps() {
         "deepseek_v3",
         "glm4_moe",
         "minimax_m2",
+        "llama4",
     ] {
         let engine = Engine::load(
             &Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -158,6 +159,7 @@ fn a_prompt_attended_in_blocks_equals_it_fed_token_by_token() {
         "deepseek_v3",
         "glm4_moe",
         "minimax_m2",
+        "llama4",
     ] {
         let engine = Engine::load(
             &Path::new(env!("CARGO_MANIFEST_DIR"))

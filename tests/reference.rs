@@ -574,6 +574,14 @@ fn minimax_m2_matches_transformers() {
     check_dense_gpu_refused("minimax_m2", "qk_norm_type: per_layer");
 }
 
+/// Llama 4: chunks of 4 positions and a NoPE layer with temperature tuning (both reached by
+/// the 11-token prompt), q/k norm without weights, top-1 routing on the expert's input, a
+/// shared expert, fused experts, llama3 rope scaling.
+#[test]
+fn llama4_matches_transformers() {
+    check_dense_gpu_refused("llama4", "attention that differs by layer");
+}
+
 // Quantized checkpoints (tests/fixtures/make_quant_fixtures.py): transformers ran on the
 // dequantized weights, so the tolerance is the f32 one.
 

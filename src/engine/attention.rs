@@ -11,7 +11,7 @@ use crate::compute::cpu::{
     Linear, dot_strided, matmul, matmul_strided, matmul_transposed, matmul_transposed_strided,
     rms_norm_in_place, softmax_in_place, weighted_rows,
 };
-use crate::model::config::AttentionConfig;
+use crate::model::config::{AttentionConfig, LayerAttention, Span};
 use crate::model::weights::{AttentionWeights, QueryProjection, RmsNorm};
 
 pub use crate::compute::layout::Segment;
@@ -21,6 +21,8 @@ pub struct AttentionInput<'a> {
     pub config: &'a AttentionConfig,
     pub num_heads: usize,
     pub softmax_scale: f32,
+    /// The epsilon of a norm without weights (the model's RMSNorm epsilon).
+    pub unit_norm_eps: f32,
     pub rope: &'a Rope,
     /// One entry per row of the batch.
     pub angles: &'a [RopeAngles],
@@ -62,16 +64,24 @@ fn gqa(
             q_norm,
             k_norm,
         },
-        &AttentionConfig::Gqa {
+        AttentionConfig::Gqa {
             num_kv_heads,
             head_dim,
             sliding_window,
+            layers,
             ..
         },
     ) = (weights, input.config)
     else {
         unreachable!("attention weights are loaded from the same config")
     };
+    let (num_kv_heads, head_dim) = (*num_kv_heads, *head_dim);
+    let this = layers.get(layer).copied().unwrap_or(LayerAttention {
+        rope: true,
+        span: sliding_window.map_or(Span::Full, Span::Window),
+        unit_qk_norm: false,
+        temperature: None,
+    });
     let mut queries = q.forward(x, rows);
     let mut keys = k.forward(x, rows);
     let values = v.forward(x, rows);
@@ -81,17 +91,35 @@ fn gqa(
     if let Some(norm) = k_norm {
         rms_norm_in_place(&mut keys, &norm.weight, norm.eps);
     }
-    // The first `rope.dim()` values of each head (all of it but under partial rotary).
-    let rope_dim = input.rope.dim();
-    rotate_heads(input, &mut queries, head_dim, 0, rope_dim);
-    rotate_heads(input, &mut keys, head_dim, 0, rope_dim);
+    if this.rope {
+        // The first `rope.dim()` values of each head (all of it but under partial rotary).
+        let rope_dim = input.rope.dim();
+        rotate_heads(input, &mut queries, head_dim, 0, rope_dim);
+        rotate_heads(input, &mut keys, head_dim, 0, rope_dim);
+    }
+    if this.unit_qk_norm {
+        // Over each head, which rope's rotation leaves as it is: before or after, alike.
+        let ones = vec![1.0; head_dim];
+        rms_norm_in_place(&mut queries, &ones, input.unit_norm_eps);
+        rms_norm_in_place(&mut keys, &ones, input.unit_norm_eps);
+    }
+    if let Some(temperature) = this.temperature {
+        let width = input.num_heads * head_dim;
+        for seg in input.segments {
+            for row in seg.rows.clone() {
+                let scale = temperature.scale(seg.start_position + row - seg.rows.start);
+                queries[row * width..][..width]
+                    .iter_mut()
+                    .for_each(|q| *q *= scale);
+            }
+        }
+    }
     let kv_width = num_kv_heads * head_dim;
     append_to_caches(input.segments, caches, layer, &keys, &values);
     let group = input.num_heads / num_kv_heads;
     let mut out = vec![0.0; rows * input.num_heads * head_dim];
     let caches: Vec<&KvCache> = caches.iter().map(|c| &**c).collect();
-    let window_start =
-        |position: usize| sliding_window.map_or(0, |w| (position + 1).saturating_sub(w));
+    let window_start = |position: usize| this.span.start(position);
     // Segments of several rows (prefill): blocks of queries against the cached keys
     // and values as products, the `group` heads that share a key head together.
     let blocked = blocked_segments(input);

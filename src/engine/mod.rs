@@ -116,7 +116,11 @@ impl Engine {
         experts: Arc<dyn ExpertExecutor>,
     ) -> Self {
         let (interleaved, softmax_scale) = match config.attention {
-            AttentionConfig::Gqa { head_dim, .. } => (false, (head_dim as f64).powf(-0.5)),
+            AttentionConfig::Gqa {
+                head_dim,
+                interleave,
+                ..
+            } => (interleave, (head_dim as f64).powf(-0.5)),
             AttentionConfig::Mla {
                 qk_nope_head_dim,
                 qk_rope_head_dim,
@@ -374,6 +378,7 @@ impl Engine {
             config: &cfg.attention,
             num_heads: cfg.num_heads,
             softmax_scale: self.softmax_scale,
+            unit_norm_eps: cfg.rms_norm_eps,
             rope: &self.rope,
             angles,
             segments,
@@ -403,11 +408,21 @@ impl Engine {
 /// A part of the dense forward pass that a family needs and the GPU's dense part
 /// (`gpu::model`) does not implement, which would otherwise load and compute something else.
 fn dense_part_the_gpu_lacks(config: &ModelConfig) -> Option<&'static str> {
-    match config.attention {
+    match &config.attention {
         AttentionConfig::Gqa {
             qk_norm: QkNorm::PerLayer,
             ..
         } => Some("q/k norm over the whole projection (`qk_norm_type: per_layer`)"),
+        AttentionConfig::Gqa { layers, .. } if !layers.is_empty() => Some(
+            "attention that differs by layer (NoPE layers, chunked attention, temperature \
+             tuning, q/k norm without weights)",
+        ),
+        AttentionConfig::Gqa {
+            interleave: true, ..
+        } => Some("GQA rope over interleaved pairs"),
+        _ if config.moe.weight_input => {
+            Some("gate weights on the experts' inputs (`weight_input`)")
+        }
         _ => None,
     }
 }

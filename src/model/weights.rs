@@ -8,7 +8,7 @@ use safetensors::tensor::Dtype;
 
 use super::config::{AttentionConfig, ModelConfig};
 use super::dummy::DummyFill;
-use super::family::ExpertNames;
+use super::family::{ExpertNames, FusedExperts};
 use super::quant::Quantization;
 use super::{Checkpoint, ModelError};
 use crate::compute::cpu::{Linear, SwiGlu, WeightElement, add_in_place};
@@ -308,7 +308,7 @@ fn load_layer(ckpt: &Checkpoint, cfg: &ModelConfig, l: usize) -> Result<LayerWei
                 expert_block(
                     ckpt,
                     quant,
-                    &format!("{mlp}.shared_experts"),
+                    &cfg.family.shared_experts(l),
                     ExpertNames::PROJ,
                     h,
                     cfg.moe.shared_intermediate_size,
@@ -322,7 +322,7 @@ fn load_layer(ckpt: &Checkpoint, cfg: &ModelConfig, l: usize) -> Result<LayerWei
             _ => None,
         };
         FeedForward::Moe(MoeWeights {
-            router: linear(ckpt, quant, &format!("{mlp}.gate"), cfg.moe.num_experts, h)?,
+            router: linear(ckpt, quant, &cfg.family.router(l), cfg.moe.num_experts, h)?,
             correction_bias,
             shared_expert,
         })
@@ -351,9 +351,64 @@ pub fn load_expert(
     layer: usize,
     expert: usize,
 ) -> Result<ExpertWeights, ModelError> {
-    let (prefix, names) = cfg.family.routed_expert(layer, expert);
     let (h, i) = (cfg.hidden_size, cfg.moe.expert_intermediate_size);
+    if let Some((prefix, fused)) = cfg.family.fused_experts(layer) {
+        return fused_expert(ckpt, &prefix, fused, expert, [cfg.moe.num_experts, h, i]);
+    }
+    let (prefix, names) = cfg.family.routed_expert(layer, expert);
     expert_block(ckpt, &cfg.quantization, &prefix, names, h, i)
+}
+
+/// Expert `expert` of a layer's fused experts under `prefix`, as the SwiGLU block the
+/// kernels take (`[out, in]` matrices), bf16 kept bf16. The whole fused tensor is read for
+/// each expert: loading is quadratic in the experts per layer (a cache of the layer's
+/// tensors would make it linear).
+fn fused_expert(
+    ckpt: &Checkpoint,
+    prefix: &str,
+    fused: FusedExperts,
+    expert: usize,
+    [experts, h, i]: [usize; 3],
+) -> Result<ExpertWeights, ModelError> {
+    let gate_up_name = format!("{prefix}.{}", fused.gate_up);
+    let down_name = format!("{prefix}.{}", fused.down);
+    // Column `c` of this expert's `[rows, cols]` block, as a row.
+    fn columns<T: Copy>(all: &[T], expert: usize, rows: usize, cols: usize, c: usize) -> Vec<T> {
+        let block = &all[expert * rows * cols..][..rows * cols];
+        (0..rows).map(|r| block[r * cols + c]).collect()
+    }
+    let split = |c: usize| {
+        if fused.interleaved {
+            (2 * c, 2 * c + 1)
+        } else {
+            (c, i + c)
+        }
+    };
+    macro_rules! block {
+        ($read:ident) => {{
+            let gate_up = ckpt.$read(&gate_up_name, &[experts, h, 2 * i])?;
+            let down = ckpt.$read(&down_name, &[experts, i, h])?;
+            let (mut gate, mut up) = (Vec::with_capacity(i * h), Vec::with_capacity(i * h));
+            for c in 0..i {
+                let (g, u) = split(c);
+                gate.extend(columns(&gate_up, expert, h, 2 * i, g));
+                up.extend(columns(&gate_up, expert, h, 2 * i, u));
+            }
+            let down: Vec<_> = (0..h)
+                .flat_map(|c| columns(&down, expert, i, h, c))
+                .collect();
+            SwiGlu {
+                gate: Linear::without_bias(gate, i, h),
+                up: Linear::without_bias(up, i, h),
+                down: Linear::without_bias(down, h, i),
+            }
+        }};
+    }
+    Ok(if ckpt.dtype(&gate_up_name) == Some(Dtype::BF16) {
+        ExpertWeights::Bf16(block!(read_bf16))
+    } else {
+        ExpertWeights::F32(block!(read_f32))
+    })
 }
 
 /// How a dummy checkpoint makes routed expert `expert` of `layer`: its gate, up and down
@@ -365,6 +420,9 @@ pub fn dummy_expert(
     layer: usize,
     expert: usize,
 ) -> Option<[DummyFill; 3]> {
+    if cfg.family.fused_experts(layer).is_some() {
+        return None;
+    }
     let (prefix, names) = cfg.family.routed_expert(layer, expert);
     let (h, i) = (cfg.hidden_size, cfg.moe.expert_intermediate_size);
     let fill =

@@ -207,6 +207,7 @@ mod tests {
             "kimi_k2",
             "glm4_moe",
             "minimax_m2",
+            "llama4",
         ] {
             let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
                 .join("tests/fixtures")

@@ -21,6 +21,14 @@ pub enum RopeScaling {
     Linear {
         factor: f64,
     },
+    /// Llama 3's (`rope_type: llama3`, Llama 4 too): long wavelengths divided by `factor`,
+    /// short ones kept, a smooth ramp between, as `_compute_llama3_parameters`.
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: usize,
+    },
     /// YaRN as transformers' `_compute_yarn_parameters` defines it.
     Yarn {
         factor: f64,
@@ -46,6 +54,11 @@ pub enum AttentionConfig {
         qk_norm: QkNorm,
         bias: bool,
         sliding_window: Option<usize>,
+        /// Rope turns interleaved pairs (Llama 4's complex form) rather than the two halves.
+        interleave: bool,
+        /// Per layer where layers differ (Llama 4); empty where every layer is alike (rope,
+        /// the norm above, `sliding_window`).
+        layers: Vec<LayerAttention>,
     },
     /// Multi-head latent attention (DeepSeek-V3, Kimi K2).
     Mla {
@@ -58,6 +71,56 @@ pub enum AttentionConfig {
         interleave: bool,
         bias: bool,
     },
+}
+
+/// What one GQA layer does where a family's layers differ.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LayerAttention {
+    /// Rope turns its queries and keys (Llama 4's NoPE layers: not).
+    pub rope: bool,
+    /// Which earlier positions a query sees.
+    pub span: Span,
+    /// An RMSNorm without weight over each q and k head (Llama 4's `use_qk_norm`, on its
+    /// rope layers).
+    pub unit_qk_norm: bool,
+    /// Llama 4's attention temperature tuning (on its NoPE layers): each query times
+    /// `1 + attn_scale * ln(1 + floor((position + 1) / floor_scale))`.
+    pub temperature: Option<Temperature>,
+}
+
+/// Which keys a query at a position sees, besides those after it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Span {
+    Full,
+    /// The last `n` positions, its own included.
+    Window(usize),
+    /// Those in its own chunk of `n` positions (Llama 4's `attention_chunk_size`).
+    Chunk(usize),
+}
+
+impl Span {
+    /// The first position a query at `position` sees (a non-decreasing function of it).
+    pub fn start(self, position: usize) -> usize {
+        match self {
+            Span::Full => 0,
+            Span::Window(n) => (position + 1).saturating_sub(n),
+            Span::Chunk(n) => position - position % n.max(1),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Temperature {
+    pub floor_scale: f32,
+    pub attn_scale: f32,
+}
+
+impl Temperature {
+    /// The factor on the queries at `position`.
+    pub fn scale(self, position: usize) -> f32 {
+        let floor = ((position as f32 + 1.0) / self.floor_scale).floor();
+        floor.ln_1p() * self.attn_scale + 1.0
+    }
 }
 
 /// Where GQA's queries and keys are RMS-normed before rope.
@@ -93,6 +156,8 @@ pub struct MoeConfig {
     /// Intermediate size of the always-on shared expert MLP, 0 when there is none.
     pub shared_intermediate_size: usize,
     pub gating: GatingConfig,
+    /// The gate weight scales each expert's input rather than its output (Llama 4).
+    pub weight_input: bool,
 }
 
 /// The keys every family reads, under the same name and meaning. Everything is optional here

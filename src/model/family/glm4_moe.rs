@@ -106,6 +106,18 @@ impl FamilySpec for Glm4Moe {
         ExpertNames::PROJ
     }
 
+    fn fused_experts(&self) -> Option<super::FusedExperts> {
+        None
+    }
+
+    fn router(&self) -> &'static str {
+        "gate"
+    }
+
+    fn shared_experts(&self) -> &'static str {
+        "shared_experts"
+    }
+
     fn correction_bias(&self) -> Option<&'static str> {
         Some("gate.e_score_correction_bias")
     }

@@ -112,6 +112,7 @@ impl FamilySpec for MiniMaxM2 {
                 normalize: true,
                 routed_scaling_factor: 1.0,
             },
+            weight_input: false,
         };
         Ok(FamilyParts {
             attention,
@@ -132,6 +133,18 @@ impl FamilySpec for MiniMaxM2 {
             up: "w3",
             down: "w2",
         }
+    }
+
+    fn fused_experts(&self) -> Option<super::FusedExperts> {
+        None
+    }
+
+    fn router(&self) -> &'static str {
+        "gate"
+    }
+
+    fn shared_experts(&self) -> &'static str {
+        "shared_experts"
     }
 
     fn correction_bias(&self) -> Option<&'static str> {

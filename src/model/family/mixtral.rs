@@ -69,6 +69,7 @@ impl FamilySpec for Mixtral {
             expert_intermediate_size: intermediate,
             shared_intermediate_size: 0,
             gating: GatingConfig::Softmax { renormalize: true },
+            weight_input: false,
         };
         Ok(FamilyParts {
             attention,
@@ -89,6 +90,18 @@ impl FamilySpec for Mixtral {
             up: "w3",
             down: "w2",
         }
+    }
+
+    fn fused_experts(&self) -> Option<super::FusedExperts> {
+        None
+    }
+
+    fn router(&self) -> &'static str {
+        "gate"
+    }
+
+    fn shared_experts(&self) -> &'static str {
+        "shared_experts"
     }
 
     fn correction_bias(&self) -> Option<&'static str> {

@@ -11,6 +11,7 @@
 
 mod deepseek_v3;
 mod glm4_moe;
+mod llama4;
 mod minimax_m2;
 mod mixtral;
 mod qwen3_moe;
@@ -38,6 +39,10 @@ pub enum Family {
     /// `minimax_m2` (MiniMax-M2 to M2.7): GQA with q/k norm over the whole projection and
     /// partial rotary; a sigmoid gate with a routing bias and no groups.
     MiniMaxM2,
+    /// `llama4_text` and the `llama4` wrapper (Llama 4 Scout, Maverick): GQA whose layers
+    /// differ (chunked with rope, or full without), top-1 sigmoid routing on the expert's
+    /// input, a shared expert, fused experts.
+    Llama4,
 }
 
 /// What a family answers. Each family's file implements it on a unit struct; nothing has a
@@ -65,6 +70,13 @@ pub(super) trait FamilySpec: Sync {
     fn mlp_prefix(&self, layer: usize) -> String;
     /// Names of a routed expert's three projections.
     fn expert_names(&self) -> ExpertNames;
+    /// Where a layer's routed experts are stored as two tensors for all of them under
+    /// `{mlp_prefix}.experts` rather than one per expert and projection.
+    fn fused_experts(&self) -> Option<FusedExperts>;
+    /// The router's name under [`FamilySpec::mlp_prefix`].
+    fn router(&self) -> &'static str;
+    /// The shared experts' name under [`FamilySpec::mlp_prefix`] (where there are any).
+    fn shared_experts(&self) -> &'static str;
     /// Where its gate's per-expert routing bias (`e_score_correction_bias`) lies under
     /// [`FamilySpec::mlp_prefix`], if its gate has one (read when present).
     fn correction_bias(&self) -> Option<&'static str>;
@@ -74,12 +86,13 @@ pub(super) trait FamilySpec: Sync {
 
 impl Family {
     /// Every family, in the order errors list them.
-    pub const ALL: [Family; 5] = [
+    pub const ALL: [Family; 6] = [
         Family::Qwen3Moe,
         Family::Mixtral,
         Family::DeepseekV3,
         Family::Glm4Moe,
         Family::MiniMaxM2,
+        Family::Llama4,
     ];
 
     fn spec(self) -> &'static dyn FamilySpec {
@@ -89,6 +102,7 @@ impl Family {
             Family::DeepseekV3 => &deepseek_v3::DeepseekV3,
             Family::Glm4Moe => &glm4_moe::Glm4Moe,
             Family::MiniMaxM2 => &minimax_m2::MiniMaxM2,
+            Family::Llama4 => &llama4::Llama4,
         }
     }
 
@@ -145,6 +159,26 @@ impl Family {
         let spec = self.spec();
         let prefix = format!("{}.experts.{expert}", spec.mlp_prefix(layer));
         (prefix, spec.expert_names())
+    }
+
+    /// Layer `layer`'s fused experts: the tensor-name prefix and how they are stored, where
+    /// the family stores them fused.
+    pub fn fused_experts(self, layer: usize) -> Option<(String, FusedExperts)> {
+        let spec = self.spec();
+        let fused = spec.fused_experts()?;
+        Some((format!("{}.experts", spec.mlp_prefix(layer)), fused))
+    }
+
+    /// The tensor-name prefix of layer `layer`'s router.
+    pub fn router(self, layer: usize) -> String {
+        let spec = self.spec();
+        format!("{}.{}", spec.mlp_prefix(layer), spec.router())
+    }
+
+    /// The tensor-name prefix of layer `layer`'s shared experts.
+    pub fn shared_experts(self, layer: usize) -> String {
+        let spec = self.spec();
+        format!("{}.{}", spec.mlp_prefix(layer), spec.shared_experts())
     }
 
     /// Whether the gate may carry `e_score_correction_bias`, which biases the choice.
@@ -230,6 +264,8 @@ fn gqa(common: &Common, p: &mut Problems, variant: Gqa) -> (AttentionConfig, usi
         qk_norm: variant.qk_norm,
         bias: variant.bias,
         sliding_window: variant.sliding_window,
+        interleave: false,
+        layers: Vec::new(),
     };
     (attention, head_dim)
 }
@@ -309,6 +345,7 @@ fn grouped_sigmoid_experts(
                 .unwrap_or(defaults.routed_scaling_factor)
                 as f32,
         },
+        weight_input: false,
     };
     let moe_layers = (0..common.num_layers).map(|l| l >= first_dense).collect();
     (moe, moe_layers)
@@ -330,6 +367,17 @@ impl ExpertNames {
         up: "up_proj",
         down: "down_proj",
     };
+}
+
+/// Routed experts stored fused, all of a layer's in two tensors: `{prefix}.{gate_up}` of `[experts, hidden, 2 * intermediate]` (the input dimension first,
+/// as `torch.bmm` takes it) and `{prefix}.{down}` of `[experts, intermediate, hidden]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FusedExperts {
+    pub gate_up: &'static str,
+    pub down: &'static str,
+    /// Gate and up alternate along the last dimension (gpt-oss); else the gate's half comes
+    /// first (Llama 4).
+    pub interleaved: bool,
 }
 
 /// How a model writes tool calls (parsed by `crate::api::tool_calls`).

@@ -90,6 +90,7 @@ impl FamilySpec for Qwen3Moe {
             gating: GatingConfig::Softmax {
                 renormalize: common.keys.norm_topk_prob.unwrap_or(false),
             },
+            weight_input: false,
         };
         Ok(FamilyParts {
             attention,
@@ -106,6 +107,18 @@ impl FamilySpec for Qwen3Moe {
 
     fn expert_names(&self) -> ExpertNames {
         ExpertNames::PROJ
+    }
+
+    fn fused_experts(&self) -> Option<super::FusedExperts> {
+        None
+    }
+
+    fn router(&self) -> &'static str {
+        "gate"
+    }
+
+    fn shared_experts(&self) -> &'static str {
+        "shared_experts"
     }
 
     fn correction_bias(&self) -> Option<&'static str> {

@@ -10,7 +10,7 @@ fn every_model_type_finds_its_family_and_errors_name_them_all() {
     }
     assert_eq!(
         Family::supported_model_types(),
-        "qwen3_moe, mixtral, deepseek_v3, kimi_k2, glm4_moe and minimax_m2"
+        "qwen3_moe, mixtral, deepseek_v3, kimi_k2, glm4_moe, minimax_m2 and llama4_text"
     );
     let err = ModelConfig::parse(r#"{"model_type": "llama"}"#).unwrap_err();
     for family in Family::ALL {
@@ -78,6 +78,8 @@ fn reads_glm_4_5_as_published() {
             qk_norm: QkNorm::PerHead,
             bias: true,
             sliding_window: None,
+            interleave: false,
+            layers: Vec::new(),
         }
     );
     assert_eq!(c.rope.dim, 64);
@@ -150,6 +152,8 @@ fn reads_minimax_m2_as_published() {
             qk_norm: QkNorm::PerLayer,
             bias: false,
             sliding_window: None,
+            interleave: false,
+            layers: Vec::new(),
         }
     );
     assert_eq!(c.rope.dim, 64);
@@ -199,4 +203,88 @@ fn minimax_m2_names_a_bad_qk_norm_type_rotary_dim_or_shared_expert() {
     }
     let err = with("qk_norm_type", serde_json::json!("per_token"));
     assert!(err.iter().any(|m| m.contains("`per_token`")), "{err:?}");
+}
+
+/// Llama 4 Scout's config.json as published (meta-llama/Llama-4-Scout-17B-16E): the text
+/// model under the `llama4` wrapper, beside a vision tower's config.
+const LLAMA_4_SCOUT: &str = r#"{
+    "architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4",
+    "boi_token_index": 200080, "eoi_token_index": 200081, "image_token_index": 200092,
+    "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+    "text_config": {
+        "model_type": "llama4_text", "attention_bias": false, "attention_chunk_size": 8192,
+        "attention_dropout": 0.0, "bos_token_id": 200000, "eos_token_id": [200001, 200007, 200008],
+        "for_llm_compressor": false, "head_dim": 128, "hidden_act": "silu", "hidden_size": 5120,
+        "initializer_range": 0.02, "interleave_moe_layer_step": 1, "intermediate_size": 8192,
+        "intermediate_size_mlp": 16384, "max_position_embeddings": 10485760,
+        "no_rope_layers": [], "num_attention_heads": 40, "num_experts_per_tok": 1,
+        "num_hidden_layers": 48, "num_key_value_heads": 8, "num_local_experts": 16,
+        "output_router_logits": false, "pad_token_id": 200018, "rms_norm_eps": 1e-05,
+        "rope_scaling": {"factor": 16.0, "high_freq_factor": 1.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "rope_theta": 500000.0, "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0,
+        "torch_dtype": "bfloat16", "use_cache": true, "use_qk_norm": true,
+        "attn_temperature_tuning": 4, "floor_scale": 8192, "attn_scale": 0.1,
+        "vocab_size": 202048
+    },
+    "vision_config": {"model_type": "llama4_vision_model", "hidden_size": 1408}
+}"#;
+
+#[test]
+fn reads_llama_4_scout_as_published() {
+    use crate::model::config::{AttentionConfig, LayerAttention, Span};
+    let text = LLAMA_4_SCOUT.replace(r#""high_freq_factor": 1.0"#, r#""high_freq_factor": 4.0"#);
+    let c = ModelConfig::parse(&text).unwrap();
+    assert_eq!(
+        (c.family, c.model_type.as_str()),
+        (Family::Llama4, "llama4")
+    );
+    assert!(c.moe_layers.iter().all(|&m| m));
+    assert_eq!((c.moe.num_experts, c.moe.top_k), (16, 1));
+    assert!(c.moe.weight_input);
+    assert_eq!(c.moe.shared_intermediate_size, 8192);
+    assert_eq!(c.intermediate_size, 16384);
+    let AttentionConfig::Gqa {
+        layers, interleave, ..
+    } = &c.attention
+    else {
+        panic!("{:?}", c.attention)
+    };
+    assert!(interleave);
+    // Every fourth layer has no rope and sees everything.
+    assert_eq!(
+        layers[3],
+        LayerAttention {
+            rope: false,
+            span: Span::Full,
+            unit_qk_norm: false,
+            temperature: layers[3].temperature,
+        }
+    );
+    assert!(layers[3].temperature.is_some());
+    assert_eq!(layers[0].span, Span::Chunk(8192));
+    assert!(layers[0].unit_qk_norm && layers[0].temperature.is_none());
+    assert_eq!(layers.iter().filter(|l| l.rope).count(), 36);
+    // Published with equal low and high frequency factors: the ramp between them is empty.
+    let err = ModelConfig::parse(LLAMA_4_SCOUT).unwrap_err();
+    assert!(
+        err.iter().any(|m| m.contains("high_freq_factor")),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn llama4_names_wrong_length_layer_lists_and_unknown_layer_types() {
+    let mut v: serde_json::Value = serde_json::from_str(LLAMA_4_SCOUT).unwrap();
+    v["text_config"]["rope_scaling"]["high_freq_factor"] = 4.0.into();
+    v["text_config"]["layer_types"] = serde_json::json!(["full_attention", "sliding"]);
+    v["text_config"]["no_rope_layers"] = serde_json::json!([1, 0, 1]);
+    let err = ModelConfig::parse(&v.to_string()).unwrap_err();
+    for needle in [
+        "layer_types has 2 entries for 48 layers",
+        "layer_types: unknown `sliding`",
+        "no_rope_layers has 3 entries for 48 layers",
+    ] {
+        assert!(err.iter().any(|m| m.contains(needle)), "{needle}: {err:?}");
+    }
 }
