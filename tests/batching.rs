@@ -34,6 +34,7 @@ fn batched_steps_equal_single_steps() {
         "glm4_moe",
         "minimax_m2",
         "llama4",
+        "gpt_oss",
     ] {
         let engine = Engine::load(
             &Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -160,6 +161,7 @@ fn a_prompt_attended_in_blocks_equals_it_fed_token_by_token() {
         "glm4_moe",
         "minimax_m2",
         "llama4",
+        "gpt_oss",
     ] {
         let engine = Engine::load(
             &Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -298,6 +298,16 @@ fn call_grammar(
             ),
             ToolCallFormat::Glm => glm_arguments(f, schema, marker),
             ToolCallFormat::MiniMax => minimax_arguments(f, schema),
+            ToolCallFormat::Harmony => {
+                format!(
+                    "{} {} {} {}",
+                    literal(&format!("{} ", f.name)),
+                    marker("<|constrain|>"),
+                    literal("json"),
+                    marker("<|message|>"),
+                ) + " "
+                    + &schema(f.parameters.clone())
+            }
         })
         .collect();
     let call = alternatives.join(" | ");
@@ -335,6 +345,9 @@ fn call_grammar(
             literal("\n"),
             marker("</tool_call>")
         ),
+        ToolCallFormat::Harmony => {
+            format!("{} call {}", literal("to=functions."), marker("<|call|>"))
+        }
         ToolCallFormat::MiniMax => format!(
             "{} {} call {} {} {}",
             marker("<minimax:tool_call>"),

@@ -28,6 +28,9 @@ const GLM_ARG_KEY: &str = "<arg_key>";
 const GLM_ARG_KEY_END: &str = "</arg_key>";
 const GLM_ARG_VALUE: &str = "<arg_value>";
 const GLM_ARG_VALUE_END: &str = "</arg_value>";
+const HARMONY_BEGIN: &str = "to=functions.";
+const HARMONY_MESSAGE: &str = "<|message|>";
+const HARMONY_CALL: &str = "<|call|>";
 const MINIMAX_SECTION_BEGIN: &str = "<minimax:tool_call>";
 const MINIMAX_SECTION_END: &str = "</minimax:tool_call>";
 const MINIMAX_INVOKE: &str = "<invoke name=\"";
@@ -44,6 +47,7 @@ impl ToolCallFormat {
             (DEEPSEEK_SECTION_BEGIN, ToolCallFormat::DeepseekV3),
             (MISTRAL_BEGIN, ToolCallFormat::Mistral),
             (MINIMAX_SECTION_BEGIN, ToolCallFormat::MiniMax),
+            (HARMONY_BEGIN, ToolCallFormat::Harmony),
             // GLM's calls open as Hermes' do: its argument tags tell them apart.
             (GLM_ARG_KEY, ToolCallFormat::Glm),
             (HERMES_BEGIN, ToolCallFormat::Hermes),
@@ -74,6 +78,7 @@ impl ToolCallFormat {
             ToolCallFormat::Mistral => MISTRAL_BEGIN,
             ToolCallFormat::Glm => HERMES_BEGIN,
             ToolCallFormat::MiniMax => MINIMAX_SECTION_BEGIN,
+            ToolCallFormat::Harmony => HARMONY_BEGIN,
         }
     }
 
@@ -179,7 +184,10 @@ impl ToolCallStream {
                         out.extend(calls.into_iter().map(Piece::Call));
                         if matches!(
                             self.format,
-                            ToolCallFormat::Hermes | ToolCallFormat::Mistral | ToolCallFormat::Glm
+                            ToolCallFormat::Hermes
+                                | ToolCallFormat::Mistral
+                                | ToolCallFormat::Glm
+                                | ToolCallFormat::Harmony
                         ) {
                             // Their section is one call (or one list); the next starts
                             // with its own marker.
@@ -279,6 +287,7 @@ impl ToolCallStream {
             ),
             ToolCallFormat::Mistral => mistral_calls(s),
             ToolCallFormat::Glm => glm_call(s),
+            ToolCallFormat::Harmony => harmony_call(s),
             ToolCallFormat::MiniMax => marked_call(
                 s,
                 MINIMAX_INVOKE,
@@ -372,6 +381,26 @@ fn glm_arguments(body: &str) -> Option<ToolCall> {
         rest = after;
     }
     call_of(None, name.trim(), &Value::Object(arguments).to_string())
+}
+
+/// `to=functions.` was read; `NAME`, what harmony writes before the message
+/// (` <|constrain|>json`), `<|message|>`, the JSON arguments, then `<|call|>`.
+fn harmony_call(s: &str) -> Next {
+    let Some(end) = s.find(HARMONY_CALL) else {
+        return if s.len() > MAX_CALL_BYTES {
+            Next::Malformed
+        } else {
+            Next::More
+        };
+    };
+    let Some((head, arguments)) = s[..end].split_once(HARMONY_MESSAGE) else {
+        return Next::Malformed;
+    };
+    let name = head.split(|c: char| c.is_whitespace() || c == '<').next();
+    match name.and_then(|name| call_of(None, name, arguments.trim())) {
+        Some(call) => Next::Calls(vec![call], end + HARMONY_CALL.len()),
+        None => Next::Malformed,
+    }
 }
 
 /// `NAME">` then `<parameter name="KEY">VALUE</parameter>` per argument (whitespace between
@@ -636,6 +665,32 @@ mod tests {
             ToolCallFormat::for_model(template, Family::Glm4Moe),
             Some(ToolCallFormat::Glm)
         );
+    }
+
+    #[test]
+    fn harmony_calls_on_the_commentary_channel() {
+        let text = "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant\
+                    <|channel|>commentary to=functions.get_weather <|constrain|>json\
+                    <|message|>{\"city\": \"Tokyo\"}<|call|>";
+        let parsed = parse_both_ways(ToolCallFormat::Harmony, text);
+        assert_eq!(
+            parsed.calls,
+            vec![call("get_weather", r#"{"city": "Tokyo"}"#)]
+        );
+        assert_eq!(
+            parsed.content,
+            "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant\
+             <|channel|>commentary "
+        );
+        let template = "{{- '<|start|>assistant<|channel|>commentary to=functions.' + name }}";
+        assert_eq!(
+            ToolCallFormat::for_model(template, Family::GptOss),
+            Some(ToolCallFormat::Harmony)
+        );
+        let broken = "<|channel|>commentary to=functions.f <|message|>{oops}<|call|>";
+        let parsed = parse_both_ways(ToolCallFormat::Harmony, broken);
+        assert!(parsed.calls.is_empty(), "{parsed:?}");
+        assert_eq!(parsed.content, broken);
     }
 
     #[test]
@@ -919,6 +974,7 @@ mod tests {
                 ToolCallFormat::Mistral,
                 ToolCallFormat::Glm,
                 ToolCallFormat::MiniMax,
+                ToolCallFormat::Harmony,
             ] {
                 let parsed = parse_both_ways(format, &text);
                 if parsed.calls.is_empty() {

@@ -32,7 +32,7 @@ pub struct AttentionInput<'a> {
 /// Runs attention of layer `layer` for all rows of `x` (already normalised) and returns the
 /// output projection, `[rows, hidden]`. Appends the new keys to each segment's cache.
 pub fn attention(
-    weights: &AttentionWeights,
+    (weights, sinks): (&AttentionWeights, Option<&[f32]>),
     input: &AttentionInput,
     layer: usize,
     x: &[f32],
@@ -40,7 +40,7 @@ pub fn attention(
     caches: &mut [&mut KvCache],
 ) -> Vec<f32> {
     match input.config {
-        AttentionConfig::Gqa { .. } => gqa(weights, input, layer, x, rows, caches),
+        AttentionConfig::Gqa { .. } => gqa((weights, sinks), input, layer, x, rows, caches),
         AttentionConfig::Mla { .. } => mla(weights, input, layer, x, rows, caches),
     }
 }
@@ -48,7 +48,7 @@ pub fn attention(
 /// Grouped-query attention: `group` query heads share each key and value head; prefill
 /// segments attend in blocks (products), the other rows head by head.
 fn gqa(
-    weights: &AttentionWeights,
+    (weights, sinks): (&AttentionWeights, Option<&[f32]>),
     input: &AttentionInput,
     layer: usize,
     x: &[f32],
@@ -154,7 +154,8 @@ fn gqa(
                 &mut scores,
                 false,
             );
-            softmax_rows(&mut scores, count, input.softmax_scale, |query| {
+            let sink = |query: usize| sinks.map(|s| s[task.kv_head * group + query % group]);
+            softmax_rows(&mut scores, count, input.softmax_scale, sink, |query| {
                 let position = position(task.rows.start + query / group);
                 window_start(position) - first..position + 1 - first
             });
@@ -204,7 +205,7 @@ fn gqa(
                 scores,
                 &values[first * kv_width + kv_offset..],
                 kv_width,
-                input.softmax_scale,
+                (input.softmax_scale, sinks.map(|s| s[head])),
                 out,
             );
         },
@@ -301,9 +302,13 @@ fn mla(
                 &mut scores,
                 true,
             );
-            softmax_rows(&mut scores, count, input.softmax_scale, |query| {
-                0..position(task.rows.start + query / heads) + 1
-            });
+            softmax_rows(
+                &mut scores,
+                count,
+                input.softmax_scale,
+                |_| None,
+                |query| 0..position(task.rows.start + query / heads) + 1,
+            );
             let mut block = vec![0.0; n_queries * kv_lora_rank];
             matmul_strided(
                 &scores,
@@ -343,7 +348,13 @@ fn mla(
             for (s, r) in scores.iter_mut().zip(&rope_scores) {
                 *s += r;
             }
-            attend(scores, latents, kv_lora_rank, input.softmax_scale, out);
+            attend(
+                scores,
+                latents,
+                kv_lora_rank,
+                (input.softmax_scale, None),
+                out,
+            );
         },
     );
     // Expand the attended latents through kv_b's value half, head by head.
@@ -580,6 +591,7 @@ fn softmax_rows(
     scores: &mut [f32],
     keys: usize,
     scale: f32,
+    sink: impl Fn(usize) -> Option<f32>,
     visible: impl Fn(usize) -> Range<usize>,
 ) {
     for (query, row) in scores.chunks_exact_mut(keys).enumerate() {
@@ -590,16 +602,40 @@ fn softmax_rows(
         for w in row.iter_mut() {
             *w *= scale;
         }
+        softmax_with_sink(row, sink(query));
+    }
+}
+
+/// A softmax over `row` and, where there is one, a sink logit that takes its share of the
+/// weight and has no value (gpt-oss): the weights then sum to less than 1.
+fn softmax_with_sink(row: &mut [f32], sink: Option<f32>) {
+    let Some(sink) = sink else {
         softmax_in_place(row);
+        return;
+    };
+    let max = row.iter().copied().fold(sink, f32::max);
+    let mut sum = (sink - max).exp();
+    for w in row.iter_mut() {
+        *w = (*w - max).exp();
+        sum += *w;
+    }
+    for w in row.iter_mut() {
+        *w /= sum;
     }
 }
 
 /// Softmax-weighted sum of the values given their raw `scores` (one per value row, `stride`
 /// apart in `values`), written into `out`.
-fn attend(mut weights: Vec<f32>, values: &[f32], stride: usize, scale: f32, out: &mut [f32]) {
+fn attend(
+    mut weights: Vec<f32>,
+    values: &[f32],
+    stride: usize,
+    (scale, sink): (f32, Option<f32>),
+    out: &mut [f32],
+) {
     for w in weights.iter_mut() {
         *w *= scale;
     }
-    softmax_in_place(&mut weights);
+    softmax_with_sink(&mut weights, sink);
     weighted_rows(&weights, values, stride, out);
 }

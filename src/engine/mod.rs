@@ -385,7 +385,14 @@ impl Engine {
         };
         for (l, layer) in self.weights.layers.iter().enumerate() {
             let normed = rms_norm(hidden, &layer.input_norm.weight, layer.input_norm.eps);
-            let attended = attention(&layer.attention, &input, l, &normed, rows, caches);
+            let attended = attention(
+                (&layer.attention, layer.sinks.as_deref()),
+                &input,
+                l,
+                &normed,
+                rows,
+                caches,
+            );
             add_in_place(hidden, &attended);
             let normed = rms_norm(
                 hidden,
@@ -420,6 +427,7 @@ fn dense_part_the_gpu_lacks(config: &ModelConfig) -> Option<&'static str> {
         AttentionConfig::Gqa {
             interleave: true, ..
         } => Some("GQA rope over interleaved pairs"),
+        AttentionConfig::Gqa { sinks: true, .. } => Some("attention sinks (`self_attn.sinks`)"),
         _ if config.moe.weight_input => {
             Some("gate weights on the experts' inputs (`weight_input`)")
         }

@@ -16,8 +16,8 @@ use super::quant::Quantization;
 
 pub use super::family::Family;
 pub use parts::{
-    AttentionConfig, GatingConfig, LayerAttention, MAX_CONTEXT, MAX_LAYERS, MoeConfig, QkNorm,
-    RopeConfig, RopeScaling, Span, Temperature,
+    AttentionConfig, ExpertActivation, GatingConfig, LayerAttention, MAX_CONTEXT, MAX_LAYERS,
+    MoeConfig, QkNorm, RopeConfig, RopeScaling, Span, Temperature,
 };
 use parts::{CommonKeys, Problems};
 

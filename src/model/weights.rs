@@ -6,7 +6,7 @@ use std::borrow::Cow;
 use half::bf16;
 use safetensors::tensor::Dtype;
 
-use super::config::{AttentionConfig, ModelConfig};
+use super::config::{AttentionConfig, ExpertActivation, ModelConfig};
 use super::dummy::DummyFill;
 use super::family::{ExpertNames, FusedExperts};
 use super::quant::Quantization;
@@ -175,6 +175,8 @@ pub enum FeedForward {
 pub struct LayerWeights {
     pub input_norm: RmsNorm,
     pub attention: AttentionWeights,
+    /// gpt-oss's attention sink logit per query head (`self_attn.sinks`).
+    pub sinks: Option<Vec<f32>>,
     pub post_attention_norm: RmsNorm,
     pub feed_forward: FeedForward,
 }
@@ -336,9 +338,16 @@ fn load_layer(ckpt: &Checkpoint, cfg: &ModelConfig, l: usize) -> Result<LayerWei
             cfg.intermediate_size,
         )?)
     };
+    let sinks = match cfg.attention {
+        AttentionConfig::Gqa { sinks: true, .. } => {
+            Some(ckpt.read_f32(&format!("{p}.self_attn.sinks"), &[heads])?)
+        }
+        _ => None,
+    };
     Ok(LayerWeights {
         input_norm: norm(ckpt, &format!("{p}.input_layernorm"), h, eps)?,
         attention,
+        sinks,
         post_attention_norm: norm(ckpt, &format!("{p}.post_attention_layernorm"), h, eps)?,
         feed_forward,
     })
@@ -353,10 +362,40 @@ pub fn load_expert(
 ) -> Result<ExpertWeights, ModelError> {
     let (h, i) = (cfg.hidden_size, cfg.moe.expert_intermediate_size);
     if let Some((prefix, fused)) = cfg.family.fused_experts(layer) {
-        return fused_expert(ckpt, &prefix, fused, expert, [cfg.moe.num_experts, h, i]);
+        let block = fused_expert(ckpt, &prefix, fused, expert, [cfg.moe.num_experts, h, i])?;
+        return Ok(match cfg.moe.activation {
+            ExpertActivation::Silu => block,
+            ExpertActivation::ClampedSwiglu { alpha, limit } => {
+                ExpertWeights::F32(clamped_swiglu(block.widened(), alpha, limit))
+            }
+        });
     }
     let (prefix, names) = cfg.family.routed_expert(layer, expert);
     expert_block(ckpt, &cfg.quantization, &prefix, names, h, i)
+}
+
+/// gpt-oss's expert `down((clamp(u, -l, l) + 1) * g * sigmoid(alpha * g))`, `g = min(gate, l)`,
+/// as the SwiGLU block `down(silu(g') * u')` that computes it: `g' = alpha * g` (so
+/// `silu(g') = alpha * g * sigmoid(alpha * g)`), clamped at `alpha * l`, and
+/// `u' = (u + 1) / alpha`, clamped to `[(1 - l) / alpha, (1 + l) / alpha]`. In f32: the
+/// scaled weights are not bf16 values.
+fn clamped_swiglu(mut block: SwiGlu, alpha: f32, limit: f32) -> SwiGlu {
+    let scale = |l: &mut Linear, by: f32| {
+        l.weight.iter_mut().for_each(|w| *w *= by);
+        if let Some(b) = &mut l.bias {
+            b.iter_mut().for_each(|b| *b *= by);
+        }
+    };
+    scale(&mut block.gate, alpha);
+    block.gate.clamp = Some([f32::NEG_INFINITY, alpha * limit]);
+    let up_bias = block
+        .up
+        .bias
+        .get_or_insert_with(|| vec![0.0; block.up.out_features]);
+    up_bias.iter_mut().for_each(|b| *b += 1.0);
+    scale(&mut block.up, 1.0 / alpha);
+    block.up.clamp = Some([(1.0 - limit) / alpha, (1.0 + limit) / alpha]);
+    block
 }
 
 /// Expert `expert` of a layer's fused experts under `prefix`, as the SwiGLU block the
@@ -397,11 +436,24 @@ fn fused_expert(
             let down: Vec<_> = (0..h)
                 .flat_map(|c| columns(&down, expert, i, h, c))
                 .collect();
-            SwiGlu {
+            let mut block = SwiGlu {
                 gate: Linear::without_bias(gate, i, h),
                 up: Linear::without_bias(up, i, h),
                 down: Linear::without_bias(down, h, i),
+            };
+            if fused.bias {
+                let gate_up = ckpt.read_f32(&format!("{gate_up_name}_bias"), &[experts, 2 * i])?;
+                let gate_up = &gate_up[expert * 2 * i..][..2 * i];
+                let (gate, up): (Vec<f32>, Vec<f32>) = (0..i)
+                    .map(|c| split(c))
+                    .map(|(g, u)| (gate_up[g], gate_up[u]))
+                    .unzip();
+                let down = ckpt.read_f32(&format!("{down_name}_bias"), &[experts, h])?;
+                block.gate.bias = Some(gate);
+                block.up.bias = Some(up);
+                block.down.bias = Some(down[expert * h..][..h].to_vec());
             }
+            block
         }};
     }
     Ok(if ckpt.dtype(&gate_up_name) == Some(Dtype::BF16) {
@@ -551,6 +603,7 @@ fn linear(
             bias,
             out_features: out,
             in_features: inp,
+            clamp: None,
         })
     } else {
         StoredLinear::F32(Linear {
@@ -558,6 +611,7 @@ fn linear(
             bias,
             out_features: out,
             in_features: inp,
+            clamp: None,
         })
     })
 }
@@ -576,6 +630,7 @@ fn linear_f32(
         bias: stored.bias().map(<[f32]>::to_vec),
         out_features: out,
         in_features: inp,
+        clamp: None,
     })
 }
 

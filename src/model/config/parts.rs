@@ -56,9 +56,15 @@ pub enum AttentionConfig {
         sliding_window: Option<usize>,
         /// Rope turns interleaved pairs (Llama 4's complex form) rather than the two halves.
         interleave: bool,
-        /// Per layer where layers differ (Llama 4); empty where every layer is alike (rope,
-        /// the norm above, `sliding_window`).
+        /// Per layer where layers differ (Llama 4, gpt-oss); empty where every layer is alike
+        /// (rope, the norm above, `sliding_window`).
         layers: Vec<LayerAttention>,
+        /// A learned sink per head (gpt-oss `self_attn.sinks`): one more logit in each
+        /// query's softmax, with no value.
+        sinks: bool,
+        /// The output projection has a bias (gpt-oss; read where present whatever this says,
+        /// counted by `plan` where it says so).
+        o_bias: bool,
     },
     /// Multi-head latent attention (DeepSeek-V3, Kimi K2).
     Mla {
@@ -158,6 +164,20 @@ pub struct MoeConfig {
     pub gating: GatingConfig,
     /// The gate weight scales each expert's input rather than its output (Llama 4).
     pub weight_input: bool,
+    pub activation: ExpertActivation,
+}
+
+/// The routed experts' activation.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ExpertActivation {
+    /// `down(silu(gate) * up)`.
+    Silu,
+    /// gpt-oss: `down((clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g))` with
+    /// `g = min(gate, limit)`, every projection with a bias. Loaded as a SwiGLU block whose
+    /// gate is scaled by `alpha`, whose up has 1 added and is divided by `alpha`, each with
+    /// its outputs clamped ([`crate::compute::cpu::Linear::clamp`]): the same function, so
+    /// every executor computes it unchanged.
+    ClampedSwiglu { alpha: f32, limit: f32 },
 }
 
 /// The keys every family reads, under the same name and meaning. Everything is optional here

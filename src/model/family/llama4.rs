@@ -18,8 +18,8 @@ use super::{
     keys,
 };
 use crate::model::config::parts::{
-    AttentionConfig, GatingConfig, LayerAttention, MAX_CONTEXT, MAX_LAYERS, MoeConfig, Problems,
-    QkNorm, Span, Temperature,
+    AttentionConfig, ExpertActivation, GatingConfig, LayerAttention, MAX_CONTEXT, MAX_LAYERS,
+    MoeConfig, Problems, QkNorm, Span, Temperature,
 };
 
 pub(super) struct Llama4;
@@ -103,6 +103,8 @@ impl FamilySpec for Llama4 {
                 sliding_window,
                 interleave: true,
                 layers,
+                sinks: false,
+                o_bias: false,
             },
             mla => mla,
         };
@@ -121,6 +123,7 @@ impl FamilySpec for Llama4 {
                 routed_scaling_factor: 1.0,
             },
             weight_input: true,
+            activation: ExpertActivation::Silu,
         };
         let moe_layers = moe_layers(&own, common.num_layers, p);
         Ok(FamilyParts {
@@ -145,6 +148,7 @@ impl FamilySpec for Llama4 {
             gate_up: "gate_up_proj",
             down: "down_proj",
             interleaved: false,
+            bias: false,
         })
     }
 

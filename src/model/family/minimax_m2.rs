@@ -15,7 +15,7 @@ use serde_json::Value;
 use super::{
     Common, Defaults, ExpertNames, FamilyParts, FamilySpec, Gqa, ToolCallFormat, gqa, keys,
 };
-use crate::model::config::parts::{GatingConfig, MoeConfig, Problems, QkNorm};
+use crate::model::config::parts::{ExpertActivation, GatingConfig, MoeConfig, Problems, QkNorm};
 
 pub(super) struct MiniMaxM2;
 
@@ -113,6 +113,7 @@ impl FamilySpec for MiniMaxM2 {
                 routed_scaling_factor: 1.0,
             },
             weight_input: false,
+            activation: ExpertActivation::Silu,
         };
         Ok(FamilyParts {
             attention,

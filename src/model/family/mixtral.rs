@@ -8,7 +8,9 @@ use serde_json::Value;
 use super::{
     Common, Defaults, ExpertNames, FamilyParts, FamilySpec, Gqa, ToolCallFormat, gqa, keys,
 };
-use crate::model::config::parts::{GatingConfig, MAX_CONTEXT, MoeConfig, Problems, QkNorm};
+use crate::model::config::parts::{
+    ExpertActivation, GatingConfig, MAX_CONTEXT, MoeConfig, Problems, QkNorm,
+};
 
 pub(super) struct Mixtral;
 
@@ -70,6 +72,7 @@ impl FamilySpec for Mixtral {
             shared_intermediate_size: 0,
             gating: GatingConfig::Softmax { renormalize: true },
             weight_input: false,
+            activation: ExpertActivation::Silu,
         };
         Ok(FamilyParts {
             attention,

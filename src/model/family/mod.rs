@@ -11,6 +11,7 @@
 
 mod deepseek_v3;
 mod glm4_moe;
+mod gpt_oss;
 mod llama4;
 mod minimax_m2;
 mod mixtral;
@@ -20,7 +21,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::config::parts::{
-    AttentionConfig, CommonKeys, GatingConfig, MoeConfig, Problems, QkNorm,
+    AttentionConfig, CommonKeys, ExpertActivation, GatingConfig, MoeConfig, Problems, QkNorm,
 };
 
 /// Which forward-pass code a checkpoint runs through.
@@ -43,6 +44,9 @@ pub enum Family {
     /// differ (chunked with rope, or full without), top-1 sigmoid routing on the expert's
     /// input, a shared expert, fused experts.
     Llama4,
+    /// `gpt_oss` (gpt-oss 20b, 120b): GQA with biases, sinks and alternating sliding
+    /// windows; softmax over the top-k router logits; fused experts under a clamped SwiGLU.
+    GptOss,
 }
 
 /// What a family answers. Each family's file implements it on a unit struct; nothing has a
@@ -86,13 +90,14 @@ pub(super) trait FamilySpec: Sync {
 
 impl Family {
     /// Every family, in the order errors list them.
-    pub const ALL: [Family; 6] = [
+    pub const ALL: [Family; 7] = [
         Family::Qwen3Moe,
         Family::Mixtral,
         Family::DeepseekV3,
         Family::Glm4Moe,
         Family::MiniMaxM2,
         Family::Llama4,
+        Family::GptOss,
     ];
 
     fn spec(self) -> &'static dyn FamilySpec {
@@ -103,6 +108,7 @@ impl Family {
             Family::Glm4Moe => &glm4_moe::Glm4Moe,
             Family::MiniMaxM2 => &minimax_m2::MiniMaxM2,
             Family::Llama4 => &llama4::Llama4,
+            Family::GptOss => &gpt_oss::GptOss,
         }
     }
 
@@ -266,6 +272,8 @@ fn gqa(common: &Common, p: &mut Problems, variant: Gqa) -> (AttentionConfig, usi
         sliding_window: variant.sliding_window,
         interleave: false,
         layers: Vec::new(),
+        sinks: false,
+        o_bias: false,
     };
     (attention, head_dim)
 }
@@ -346,6 +354,7 @@ fn grouped_sigmoid_experts(
                 as f32,
         },
         weight_input: false,
+        activation: ExpertActivation::Silu,
     };
     let moe_layers = (0..common.num_layers).map(|l| l >= first_dense).collect();
     (moe, moe_layers)
@@ -378,6 +387,9 @@ pub struct FusedExperts {
     /// Gate and up alternate along the last dimension (gpt-oss); else the gate's half comes
     /// first (Llama 4).
     pub interleaved: bool,
+    /// Biases beside them: `{gate_up}_bias` `[experts, 2 * intermediate]` and `{down}_bias`
+    /// `[experts, hidden]` (gpt-oss).
+    pub bias: bool,
 }
 
 /// How a model writes tool calls (parsed by `crate::api::tool_calls`).
@@ -400,6 +412,9 @@ pub enum ToolCallFormat {
     /// MiniMax-M2: `<minimax:tool_call>\n<invoke name="NAME">\n<parameter name="KEY">VALUE</parameter>\n</invoke>\n</minimax:tool_call>`,
     /// several `<invoke>`s in one block, a value read as GLM's are.
     MiniMax,
+    /// gpt-oss (harmony): a call on the `commentary` channel addressed to a function,
+    /// `...to=functions.NAME <|constrain|>json<|message|>ARGS<|call|>`.
+    Harmony,
 }
 
 /// Keys a multimodal wrapper keeps at its top level that belong to the text model too.

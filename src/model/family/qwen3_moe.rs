@@ -9,7 +9,7 @@ use super::{
     Common, Defaults, ExpertNames, FamilyParts, FamilySpec, Gqa, ToolCallFormat, gqa, keys,
 };
 use crate::model::config::parts::{
-    GatingConfig, MAX_CONTEXT, MAX_LAYERS, MoeConfig, Problems, QkNorm,
+    ExpertActivation, GatingConfig, MAX_CONTEXT, MAX_LAYERS, MoeConfig, Problems, QkNorm,
 };
 
 pub(super) struct Qwen3Moe;
@@ -91,6 +91,7 @@ impl FamilySpec for Qwen3Moe {
                 renormalize: common.keys.norm_topk_prob.unwrap_or(false),
             },
             weight_input: false,
+            activation: ExpertActivation::Silu,
         };
         Ok(FamilyParts {
             attention,

@@ -10,7 +10,7 @@ fn every_model_type_finds_its_family_and_errors_name_them_all() {
     }
     assert_eq!(
         Family::supported_model_types(),
-        "qwen3_moe, mixtral, deepseek_v3, kimi_k2, glm4_moe, minimax_m2 and llama4_text"
+        "qwen3_moe, mixtral, deepseek_v3, kimi_k2, glm4_moe, minimax_m2, llama4_text and gpt_oss"
     );
     let err = ModelConfig::parse(r#"{"model_type": "llama"}"#).unwrap_err();
     for family in Family::ALL {
@@ -80,6 +80,8 @@ fn reads_glm_4_5_as_published() {
             sliding_window: None,
             interleave: false,
             layers: Vec::new(),
+            sinks: false,
+            o_bias: false,
         }
     );
     assert_eq!(c.rope.dim, 64);
@@ -154,6 +156,8 @@ fn reads_minimax_m2_as_published() {
             sliding_window: None,
             interleave: false,
             layers: Vec::new(),
+            sinks: false,
+            o_bias: false,
         }
     );
     assert_eq!(c.rope.dim, 64);
@@ -284,6 +288,77 @@ fn llama4_names_wrong_length_layer_lists_and_unknown_layer_types() {
         "layer_types has 2 entries for 48 layers",
         "layer_types: unknown `sliding`",
         "no_rope_layers has 3 entries for 48 layers",
+    ] {
+        assert!(err.iter().any(|m| m.contains(needle)), "{needle}: {err:?}");
+    }
+}
+
+/// gpt-oss-20b's config.json as published (openai/gpt-oss-20b), its MXFP4 experts' method
+/// left out (the bf16 release's form).
+const GPT_OSS_20B: &str = r#"{
+    "architectures": ["GptOssForCausalLM"], "attention_bias": true, "attention_dropout": 0.0,
+    "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu",
+    "hidden_size": 2880, "initial_context_length": 4096, "initializer_range": 0.02,
+    "intermediate_size": 2880, "layer_types": ["sliding_attention", "full_attention",
+    "sliding_attention", "full_attention", "sliding_attention", "full_attention",
+    "sliding_attention", "full_attention", "sliding_attention", "full_attention",
+    "sliding_attention", "full_attention", "sliding_attention", "full_attention",
+    "sliding_attention", "full_attention", "sliding_attention", "full_attention",
+    "sliding_attention", "full_attention", "sliding_attention", "full_attention",
+    "sliding_attention", "full_attention"], "max_position_embeddings": 131072,
+    "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4,
+    "num_hidden_layers": 24, "num_key_value_heads": 8, "num_local_experts": 32,
+    "output_router_logits": false, "pad_token_id": 199999, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                     "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                     "truncate": false},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128,
+    "swiglu_limit": 7.0, "tie_word_embeddings": false, "transformers_version": "4.55.0.dev0",
+    "use_cache": true, "vocab_size": 201088
+}"#;
+
+#[test]
+fn reads_gpt_oss_as_published() {
+    use crate::model::config::{AttentionConfig, ExpertActivation, GatingConfig, Span};
+    let c = ModelConfig::parse(GPT_OSS_20B).unwrap();
+    assert_eq!(c.family, Family::GptOss);
+    let AttentionConfig::Gqa {
+        layers,
+        sinks,
+        o_bias,
+        bias,
+        ..
+    } = &c.attention
+    else {
+        panic!("{:?}", c.attention)
+    };
+    assert!(*sinks && *o_bias && *bias);
+    assert_eq!(layers[0].span, Span::Window(128));
+    assert_eq!(layers[1].span, Span::Full);
+    assert_eq!((c.moe.num_experts, c.moe.top_k), (32, 4));
+    assert_eq!(c.moe.gating, GatingConfig::Softmax { renormalize: true });
+    assert_eq!(
+        c.moe.activation,
+        ExpertActivation::ClampedSwiglu {
+            alpha: 1.702,
+            limit: 7.0
+        }
+    );
+    let (prefix, fused) = Family::GptOss.fused_experts(3).unwrap();
+    assert_eq!(prefix, "model.layers.3.mlp.experts");
+    assert!(fused.interleaved && fused.bias);
+    assert_eq!(Family::GptOss.router(3), "model.layers.3.mlp.router");
+
+    // The MXFP4 release is refused naming its method; a wrong-length layer_types, an
+    // unknown layer type, naming the key.
+    let mut v: serde_json::Value = serde_json::from_str(GPT_OSS_20B).unwrap();
+    v["quantization_config"] = serde_json::json!({"quant_method": "mxfp4"});
+    v["layer_types"] = serde_json::json!(["sliding_attention", "chunked"]);
+    let err = ModelConfig::parse(&v.to_string()).unwrap_err();
+    for needle in [
+        "`mxfp4`",
+        "layer_types has 2 entries for 24 layers",
+        "layer_types: unknown `chunked`",
     ] {
         assert!(err.iter().any(|m| m.contains(needle)), "{needle}: {err:?}");
     }
