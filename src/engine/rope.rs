@@ -42,7 +42,8 @@ impl Rope {
                         let wavelen = 2.0 * std::f64::consts::PI / inv;
                         if wavelen > low_freq_wavelen {
                             inv / factor
-                        } else if wavelen < high_freq_wavelen {
+                        } else if wavelen < high_freq_wavelen || high_freq_factor == low_freq_factor
+                        {
                             inv
                         } else {
                             let smooth = (original / wavelen - low_freq_factor)

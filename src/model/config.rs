@@ -313,10 +313,11 @@ fn parse_rope(
             let factor = number("factor").ok_or("llama3 rope scaling needs `factor`")?;
             let low = number("low_freq_factor").unwrap_or(1.0);
             let high = number("high_freq_factor").unwrap_or(4.0);
-            if !(factor > 0.0 && low > 0.0 && high > low) {
+            // Scout publishes equal factors: no ramp between the two wavelengths.
+            if !(factor > 0.0 && low > 0.0 && high >= low) {
                 return Err(format!(
                     "llama3 rope scaling: factor ({factor}) and low_freq_factor ({low}) must be \
-                     positive and high_freq_factor ({high}) above low_freq_factor"
+                     positive and high_freq_factor ({high}) at least low_freq_factor"
                 ));
             }
             RopeScaling::Llama3 {

@@ -237,8 +237,7 @@ const LLAMA_4_SCOUT: &str = r#"{
 #[test]
 fn reads_llama_4_scout_as_published() {
     use crate::model::config::{AttentionConfig, LayerAttention, Span};
-    let text = LLAMA_4_SCOUT.replace(r#""high_freq_factor": 1.0"#, r#""high_freq_factor": 4.0"#);
-    let c = ModelConfig::parse(&text).unwrap();
+    let c = ModelConfig::parse(LLAMA_4_SCOUT).unwrap();
     assert_eq!(
         (c.family, c.model_type.as_str()),
         (Family::Llama4, "llama4")
@@ -269,8 +268,9 @@ fn reads_llama_4_scout_as_published() {
     assert_eq!(layers[0].span, Span::Chunk(8192));
     assert!(layers[0].unit_qk_norm && layers[0].temperature.is_none());
     assert_eq!(layers.iter().filter(|l| l.rope).count(), 36);
-    // Published with equal low and high frequency factors: the ramp between them is empty.
-    let err = ModelConfig::parse(LLAMA_4_SCOUT).unwrap_err();
+    // Scout publishes equal low and high frequency factors (no ramp); below is refused.
+    let text = LLAMA_4_SCOUT.replace(r#""high_freq_factor": 1.0"#, r#""high_freq_factor": 0.5"#);
+    let err = ModelConfig::parse(&text).unwrap_err();
     assert!(
         err.iter().any(|m| m.contains("high_freq_factor")),
         "{err:?}"
@@ -280,7 +280,6 @@ fn reads_llama_4_scout_as_published() {
 #[test]
 fn llama4_names_wrong_length_layer_lists_and_unknown_layer_types() {
     let mut v: serde_json::Value = serde_json::from_str(LLAMA_4_SCOUT).unwrap();
-    v["text_config"]["rope_scaling"]["high_freq_factor"] = 4.0.into();
     v["text_config"]["layer_types"] = serde_json::json!(["full_attention", "sliding"]);
     v["text_config"]["no_rope_layers"] = serde_json::json!([1, 0, 1]);
     let err = ModelConfig::parse(&v.to_string()).unwrap_err();
