@@ -25,7 +25,7 @@ use common::quantize::{quantize, to_bf16, to_fp8, to_int4};
 use moe_node::compute::cpu::{Linear, SwiGlu, dot};
 use moe_node::engine::moe_layer::moe_forward;
 use moe_node::experts::LocalExperts;
-use moe_node::model::config::{GatingConfig, MoeConfig};
+use moe_node::model::config::{ExpertActivation, GatingConfig, MoeConfig};
 use moe_node::model::weights::{ExpertWeights, MoeWeights, StoredLinear};
 use moe_node::moe::{DispatchPlan, route};
 use rayon::prelude::*;
@@ -52,6 +52,7 @@ impl XorShift {
             bias: None,
             out_features: out,
             in_features: inp,
+            clamp: None,
         }
     }
 
@@ -261,6 +262,8 @@ fn main() {
             normalize: true,
             routed_scaling_factor: 2.827,
         },
+        weight_input: false,
+        activation: ExpertActivation::Silu,
     };
     let router = rng.linear(EXPERTS, HIDDEN, 0.05);
     let correction_bias: Vec<f32> = (0..EXPERTS).map(|_| rng.next(0.01)).collect();

@@ -27,7 +27,15 @@ const BATCHED_LOGIT_TOLERANCE: f32 = 5e-5;
 
 #[test]
 fn batched_steps_equal_single_steps() {
-    for name in ["qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe"] {
+    for name in [
+        "qwen3_moe",
+        "mixtral",
+        "deepseek_v3",
+        "glm4_moe",
+        "minimax_m2",
+        "llama4",
+        "gpt_oss",
+    ] {
         let engine = Engine::load(
             &Path::new(env!("CARGO_MANIFEST_DIR"))
                 .join("tests/fixtures")
@@ -146,7 +154,15 @@ fn a_step_whose_experts_are_unreachable_fails_and_leaves_the_caches_as_they_were
 /// rotating whole heads or part of each as GLM does) and MLA, and past one block's rows.
 #[test]
 fn a_prompt_attended_in_blocks_equals_it_fed_token_by_token() {
-    for name in ["qwen3_moe", "mixtral_sliding", "deepseek_v3", "glm4_moe"] {
+    for name in [
+        "qwen3_moe",
+        "mixtral_sliding",
+        "deepseek_v3",
+        "glm4_moe",
+        "minimax_m2",
+        "llama4",
+        "gpt_oss",
+    ] {
         let engine = Engine::load(
             &Path::new(env!("CARGO_MANIFEST_DIR"))
                 .join("tests/fixtures")

@@ -158,6 +158,33 @@ fn run(engine: &Engine, reference: &Reference) -> Generation {
 }
 
 fn check(name: &str) {
+    check_with(name, OnGpu::Everything);
+}
+
+/// What of a family the GPU backend runs.
+enum OnGpu<'a> {
+    /// Its experts, then the whole model.
+    Everything,
+    /// Its experts; placing the whole model there is refused naming what it lacks.
+    ExpertsOnly { lacks: &'a str },
+    /// Nothing: loading its experts there is refused naming what the GPU lacks.
+    Refused { lacks: &'a str },
+}
+
+/// As [`check`], for a family whose parts the GPU's dense part lacks: where CUDA is present,
+/// the experts on the GPU are held to the CPU as for every family, and placing the whole model
+/// there must be refused with a message naming `lacks`.
+fn check_dense_gpu_refused(name: &str, lacks: &str) {
+    check_with(name, OnGpu::ExpertsOnly { lacks });
+}
+
+/// As [`check`] on the CPU, for a family whose experts the GPU backend cannot run: loading
+/// them there must be refused with a message naming `lacks`.
+fn check_gpu_refused(name: &str, lacks: &str) {
+    check_with(name, OnGpu::Refused { lacks });
+}
+
+fn check_with(name: &str, gpu_support: OnGpu) {
     let dir = fixture(name);
     let reference: Reference =
         serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
@@ -177,9 +204,19 @@ fn check(name: &str) {
     );
 
     // The GPU backend: on a GPU under `tests/gpu/run.sh`, else on GPUs emulated on the CPU.
-    match common::gpus(&format!("{name}: GPU backend")) {
-        None => {}
-        Some(_) => {
+    if common::gpus(&format!("{name}: GPU backend")).is_none() {
+        return;
+    }
+    if let OnGpu::Refused { lacks } = gpu_support {
+        match moe_node::engine::gpu::engine_on_gpu(&ModelSource::files(&dir), 0, false, None, None)
+        {
+            Ok(_) => panic!("{name}: its experts loaded on the GPU, which lacks {lacks}"),
+            Err(e) => assert!(e.to_string().contains(lacks), "{name}: {e}"),
+        }
+        return;
+    }
+    {
+        {
             let experts_on_gpu = moe_node::engine::gpu::engine_on_gpu(
                 &ModelSource::files(&dir),
                 0,
@@ -201,6 +238,22 @@ fn check(name: &str) {
                  {gpu_diff})"
             );
             drop(experts_on_gpu);
+            if let OnGpu::ExpertsOnly { lacks } = gpu_support {
+                let refused = moe_node::engine::gpu::engine_on_gpu(
+                    &ModelSource::files(&dir),
+                    0,
+                    true,
+                    None,
+                    None,
+                );
+                match refused {
+                    Ok(_) => {
+                        panic!("{name}: the whole model loaded on the GPU, which lacks {lacks}")
+                    }
+                    Err(e) => assert!(e.to_string().contains(lacks), "{name}: {e}"),
+                }
+                return;
+            }
             let mut whole = moe_node::engine::gpu::engine_on_gpu(
                 &ModelSource::files(&dir),
                 0,
@@ -521,6 +574,30 @@ fn mixtral_sliding_window_matches_transformers() {
 #[test]
 fn glm4_moe_matches_transformers() {
     check("glm4_moe");
+}
+
+/// MiniMax-M2: q/k norm over the whole projection, 8 of 16 values rotated, a routing bias
+/// that changes 17 of the prompt's 22 (token, layer) choices; bf16.
+#[test]
+fn minimax_m2_matches_transformers() {
+    check_dense_gpu_refused("minimax_m2", "qk_norm_type: per_layer");
+}
+
+/// Llama 4: chunks of 4 positions and a NoPE layer with temperature tuning (both reached by
+/// the 11-token prompt), q/k norm without weights, top-1 routing on the expert's input, a
+/// shared expert, fused experts, llama3 rope scaling.
+#[test]
+fn llama4_matches_transformers() {
+    check_dense_gpu_refused("llama4", "attention that differs by layer");
+}
+
+/// gpt-oss: a sliding window of 4 on alternate layers, random sinks and biases, YaRN rope,
+/// softmax over the top-k router logits, fused interleaved experts whose clamp changes 1514 of
+/// the prompt's 4224 gate and up values. The GPU's experts compute plain SwiGLU without
+/// biases: loading them there is refused, naming that.
+#[test]
+fn gpt_oss_matches_transformers() {
+    check_gpu_refused("gpt_oss", "biases or clamped SwiGLU");
 }
 
 // Quantized checkpoints (tests/fixtures/make_quant_fixtures.py): transformers ran on the

@@ -7,12 +7,14 @@
 use libfuzzer_sys::fuzz_target;
 use moe_node::api::tool_calls::{Parsed, Piece, ToolCallFormat, ToolCallStream};
 
-const FORMATS: [ToolCallFormat; 5] = [
+const FORMATS: [ToolCallFormat; 7] = [
     ToolCallFormat::Hermes,
     ToolCallFormat::DeepseekV3,
     ToolCallFormat::KimiK2,
     ToolCallFormat::Mistral,
     ToolCallFormat::Glm,
+    ToolCallFormat::MiniMax,
+    ToolCallFormat::Harmony,
 ];
 
 fuzz_target!(|data: &[u8]| {

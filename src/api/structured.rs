@@ -297,6 +297,17 @@ fn call_grammar(
                 schema(f.parameters.clone()),
             ),
             ToolCallFormat::Glm => glm_arguments(f, schema, marker),
+            ToolCallFormat::MiniMax => minimax_arguments(f, schema),
+            ToolCallFormat::Harmony => {
+                format!(
+                    "{} {} {} {}",
+                    literal(&format!("{} ", f.name)),
+                    marker("<|constrain|>"),
+                    literal("json"),
+                    marker("<|message|>"),
+                ) + " "
+                    + &schema(f.parameters.clone())
+            }
         })
         .collect();
     let call = alternatives.join(" | ");
@@ -334,6 +345,17 @@ fn call_grammar(
             literal("\n"),
             marker("</tool_call>")
         ),
+        ToolCallFormat::Harmony => {
+            format!("{} call {}", literal("to=functions."), marker("<|call|>"))
+        }
+        ToolCallFormat::MiniMax => format!(
+            "{} {} call {} {} {}",
+            marker("<minimax:tool_call>"),
+            literal("\n<invoke name=\""),
+            literal("\n</invoke>"),
+            literal("\n"),
+            marker("</minimax:tool_call>")
+        ),
     };
     format!("start: {start}\ncall: {call}\n")
 }
@@ -343,33 +365,43 @@ fn call_grammar(
 /// the others optionally; the tags as `marker` writes them (special tokens in GLM's
 /// tokenizer). A string value is text without `<` (or one of its `enum`), any other JSON of
 /// its schema.
+/// The names `f`'s schema lists as `required`.
+fn required_parameters(f: &Function) -> Vec<&str> {
+    f.parameters
+        .get("required")
+        .and_then(Value::as_array)
+        .map(|r| r.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default()
+}
+
+/// A value as GLM's and MiniMax's templates write it: a string as text without `<` (or one
+/// of its `enum`), any other as JSON of its schema.
+fn glm_value(property: &Value, schema: impl Fn(Value) -> String) -> String {
+    let strings: Option<Vec<&str>> = property
+        .get("enum")
+        .and_then(Value::as_array)
+        .and_then(|values| values.iter().map(Value::as_str).collect());
+    match (property.get("type").and_then(Value::as_str), strings) {
+        // Strings are written without quotes.
+        (_, Some(strings)) if !strings.is_empty() => {
+            let options: Vec<String> = strings.into_iter().map(literal).collect();
+            format!("({})", options.join(" | "))
+        }
+        (Some("string"), _) => "/[^<]+/".to_string(),
+        _ => format!("({})", schema(property.clone())),
+    }
+}
+
 fn glm_arguments(
     f: &Function,
     schema: impl Fn(Value) -> String,
     marker: impl Fn(&str) -> String,
 ) -> String {
-    let required: Vec<&str> = f
-        .parameters
-        .get("required")
-        .and_then(Value::as_array)
-        .map(|r| r.iter().filter_map(Value::as_str).collect())
-        .unwrap_or_default();
+    let required = required_parameters(f);
     let mut parts = vec![literal(&f.name)];
     if let Some(properties) = f.parameters.get("properties").and_then(Value::as_object) {
         for (key, property) in properties {
-            let strings: Option<Vec<&str>> = property
-                .get("enum")
-                .and_then(Value::as_array)
-                .and_then(|values| values.iter().map(Value::as_str).collect());
-            let value = match (property.get("type").and_then(Value::as_str), strings) {
-                // Strings are written without quotes.
-                (_, Some(strings)) if !strings.is_empty() => {
-                    let options: Vec<String> = strings.into_iter().map(literal).collect();
-                    format!("({})", options.join(" | "))
-                }
-                (Some("string"), _) => "/[^<]+/".to_string(),
-                _ => format!("({})", schema(property.clone())),
-            };
+            let value = glm_value(property, &schema);
             // Every piece its own: no piece may be a prefix of another where both can come
             // next (the grammar's lexer reads the longest).
             let argument = format!(
@@ -381,6 +413,30 @@ fn glm_arguments(
                 literal("\n"),
                 marker("<arg_value>"),
                 marker("</arg_value>")
+            );
+            parts.push(if required.contains(&key.as_str()) {
+                argument
+            } else {
+                format!("({argument})?")
+            });
+        }
+    }
+    parts.join(" ")
+}
+
+/// A MiniMax-M2 call of `f` after `<invoke name="`: its name and `">`, then each parameter of
+/// its schema in order as `\n<parameter name="KEY">VALUE</parameter>`, the required ones
+/// always and the others optionally. Values as GLM's ([`glm_value`]).
+fn minimax_arguments(f: &Function, schema: impl Fn(Value) -> String) -> String {
+    let required = required_parameters(f);
+    let mut parts = vec![literal(&format!("{}\">", f.name))];
+    if let Some(properties) = f.parameters.get("properties").and_then(Value::as_object) {
+        for (key, property) in properties {
+            let argument = format!(
+                "{} {} {}",
+                literal(&format!("\n<parameter name=\"{key}\">")),
+                glm_value(property, &schema),
+                literal("</parameter>")
             );
             parts.push(if required.contains(&key.as_str()) {
                 argument
@@ -465,6 +521,36 @@ mod tests {
         let mut logits = vec![0.0f32; 257];
         constraint.apply(&mut logits, &[end]);
         logits[end as usize] == 0.0
+    }
+
+    #[test]
+    fn a_forced_minimax_call_is_one_the_parser_reads_back() {
+        let f = Function {
+            name: "get_weather".into(),
+            parameters: json!({
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 9},
+                },
+                "required": ["city"],
+            }),
+        };
+        let schema = |value: Value| format!("%json {value}");
+        let grammar = format!(
+            "start: {} call {}\ncall: {}\n",
+            literal("<minimax:tool_call>\n<invoke name=\""),
+            literal("\n</invoke>\n</minimax:tool_call>"),
+            minimax_arguments(&f, schema)
+        );
+        let call = "<minimax:tool_call>\n<invoke name=\"get_weather\">\n\
+                    <parameter name=\"city\">Paris</parameter>\n\
+                    <parameter name=\"days\">3</parameter>\n</invoke>\n</minimax:tool_call>";
+        assert!(accepts(grammar.clone(), call), "{grammar}");
+        let parsed = ToolCallFormat::MiniMax.parse(call);
+        assert_eq!(parsed.calls[0].arguments, r#"{"city":"Paris","days":3}"#);
+        let no_city = call.replace("<parameter name=\"city\">Paris</parameter>\n", "");
+        assert!(!accepts(grammar, &no_city));
     }
 
     #[test]

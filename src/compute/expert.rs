@@ -35,6 +35,7 @@ impl ExpertWeights {
                 bias: l.bias.clone(),
                 out_features: l.out_features,
                 in_features: l.in_features,
+                clamp: l.clamp,
             }
         }
         fn dequantize(l: &QuantLinear) -> Linear {

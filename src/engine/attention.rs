@@ -11,7 +11,7 @@ use crate::compute::cpu::{
     Linear, dot_strided, matmul, matmul_strided, matmul_transposed, matmul_transposed_strided,
     rms_norm_in_place, softmax_in_place, weighted_rows,
 };
-use crate::model::config::AttentionConfig;
+use crate::model::config::{AttentionConfig, LayerAttention, Span};
 use crate::model::weights::{AttentionWeights, QueryProjection, RmsNorm};
 
 pub use crate::compute::layout::Segment;
@@ -21,6 +21,8 @@ pub struct AttentionInput<'a> {
     pub config: &'a AttentionConfig,
     pub num_heads: usize,
     pub softmax_scale: f32,
+    /// The epsilon of a norm without weights (the model's RMSNorm epsilon).
+    pub unit_norm_eps: f32,
     pub rope: &'a Rope,
     /// One entry per row of the batch.
     pub angles: &'a [RopeAngles],
@@ -30,7 +32,7 @@ pub struct AttentionInput<'a> {
 /// Runs attention of layer `layer` for all rows of `x` (already normalised) and returns the
 /// output projection, `[rows, hidden]`. Appends the new keys to each segment's cache.
 pub fn attention(
-    weights: &AttentionWeights,
+    (weights, sinks): (&AttentionWeights, Option<&[f32]>),
     input: &AttentionInput,
     layer: usize,
     x: &[f32],
@@ -38,7 +40,7 @@ pub fn attention(
     caches: &mut [&mut KvCache],
 ) -> Vec<f32> {
     match input.config {
-        AttentionConfig::Gqa { .. } => gqa(weights, input, layer, x, rows, caches),
+        AttentionConfig::Gqa { .. } => gqa((weights, sinks), input, layer, x, rows, caches),
         AttentionConfig::Mla { .. } => mla(weights, input, layer, x, rows, caches),
     }
 }
@@ -46,7 +48,7 @@ pub fn attention(
 /// Grouped-query attention: `group` query heads share each key and value head; prefill
 /// segments attend in blocks (products), the other rows head by head.
 fn gqa(
-    weights: &AttentionWeights,
+    (weights, sinks): (&AttentionWeights, Option<&[f32]>),
     input: &AttentionInput,
     layer: usize,
     x: &[f32],
@@ -62,16 +64,24 @@ fn gqa(
             q_norm,
             k_norm,
         },
-        &AttentionConfig::Gqa {
+        AttentionConfig::Gqa {
             num_kv_heads,
             head_dim,
             sliding_window,
+            layers,
             ..
         },
     ) = (weights, input.config)
     else {
         unreachable!("attention weights are loaded from the same config")
     };
+    let (num_kv_heads, head_dim) = (*num_kv_heads, *head_dim);
+    let this = layers.get(layer).copied().unwrap_or(LayerAttention {
+        rope: true,
+        span: sliding_window.map_or(Span::Full, Span::Window),
+        unit_qk_norm: false,
+        temperature: None,
+    });
     let mut queries = q.forward(x, rows);
     let mut keys = k.forward(x, rows);
     let values = v.forward(x, rows);
@@ -81,17 +91,35 @@ fn gqa(
     if let Some(norm) = k_norm {
         rms_norm_in_place(&mut keys, &norm.weight, norm.eps);
     }
-    // The first `rope.dim()` values of each head (all of it but under partial rotary).
-    let rope_dim = input.rope.dim();
-    rotate_heads(input, &mut queries, head_dim, 0, rope_dim);
-    rotate_heads(input, &mut keys, head_dim, 0, rope_dim);
+    if this.rope {
+        // The first `rope.dim()` values of each head (all of it but under partial rotary).
+        let rope_dim = input.rope.dim();
+        rotate_heads(input, &mut queries, head_dim, 0, rope_dim);
+        rotate_heads(input, &mut keys, head_dim, 0, rope_dim);
+    }
+    if this.unit_qk_norm {
+        // Over each head, which rope's rotation leaves as it is: before or after, alike.
+        let ones = vec![1.0; head_dim];
+        rms_norm_in_place(&mut queries, &ones, input.unit_norm_eps);
+        rms_norm_in_place(&mut keys, &ones, input.unit_norm_eps);
+    }
+    if let Some(temperature) = this.temperature {
+        let width = input.num_heads * head_dim;
+        for seg in input.segments {
+            for row in seg.rows.clone() {
+                let scale = temperature.scale(seg.start_position + row - seg.rows.start);
+                queries[row * width..][..width]
+                    .iter_mut()
+                    .for_each(|q| *q *= scale);
+            }
+        }
+    }
     let kv_width = num_kv_heads * head_dim;
     append_to_caches(input.segments, caches, layer, &keys, &values);
     let group = input.num_heads / num_kv_heads;
     let mut out = vec![0.0; rows * input.num_heads * head_dim];
     let caches: Vec<&KvCache> = caches.iter().map(|c| &**c).collect();
-    let window_start =
-        |position: usize| sliding_window.map_or(0, |w| (position + 1).saturating_sub(w));
+    let window_start = |position: usize| this.span.start(position);
     // Segments of several rows (prefill): blocks of queries against the cached keys
     // and values as products, the `group` heads that share a key head together.
     let blocked = blocked_segments(input);
@@ -126,7 +154,8 @@ fn gqa(
                 &mut scores,
                 false,
             );
-            softmax_rows(&mut scores, count, input.softmax_scale, |query| {
+            let sink = |query: usize| sinks.map(|s| s[task.kv_head * group + query % group]);
+            softmax_rows(&mut scores, count, input.softmax_scale, sink, |query| {
                 let position = position(task.rows.start + query / group);
                 window_start(position) - first..position + 1 - first
             });
@@ -176,7 +205,7 @@ fn gqa(
                 scores,
                 &values[first * kv_width + kv_offset..],
                 kv_width,
-                input.softmax_scale,
+                (input.softmax_scale, sinks.map(|s| s[head])),
                 out,
             );
         },
@@ -273,9 +302,13 @@ fn mla(
                 &mut scores,
                 true,
             );
-            softmax_rows(&mut scores, count, input.softmax_scale, |query| {
-                0..position(task.rows.start + query / heads) + 1
-            });
+            softmax_rows(
+                &mut scores,
+                count,
+                input.softmax_scale,
+                |_| None,
+                |query| 0..position(task.rows.start + query / heads) + 1,
+            );
             let mut block = vec![0.0; n_queries * kv_lora_rank];
             matmul_strided(
                 &scores,
@@ -315,7 +348,13 @@ fn mla(
             for (s, r) in scores.iter_mut().zip(&rope_scores) {
                 *s += r;
             }
-            attend(scores, latents, kv_lora_rank, input.softmax_scale, out);
+            attend(
+                scores,
+                latents,
+                kv_lora_rank,
+                (input.softmax_scale, None),
+                out,
+            );
         },
     );
     // Expand the attended latents through kv_b's value half, head by head.
@@ -552,6 +591,7 @@ fn softmax_rows(
     scores: &mut [f32],
     keys: usize,
     scale: f32,
+    sink: impl Fn(usize) -> Option<f32>,
     visible: impl Fn(usize) -> Range<usize>,
 ) {
     for (query, row) in scores.chunks_exact_mut(keys).enumerate() {
@@ -562,16 +602,40 @@ fn softmax_rows(
         for w in row.iter_mut() {
             *w *= scale;
         }
+        softmax_with_sink(row, sink(query));
+    }
+}
+
+/// A softmax over `row` and, where there is one, a sink logit that takes its share of the
+/// weight and has no value (gpt-oss): the weights then sum to less than 1.
+fn softmax_with_sink(row: &mut [f32], sink: Option<f32>) {
+    let Some(sink) = sink else {
         softmax_in_place(row);
+        return;
+    };
+    let max = row.iter().copied().fold(sink, f32::max);
+    let mut sum = (sink - max).exp();
+    for w in row.iter_mut() {
+        *w = (*w - max).exp();
+        sum += *w;
+    }
+    for w in row.iter_mut() {
+        *w /= sum;
     }
 }
 
 /// Softmax-weighted sum of the values given their raw `scores` (one per value row, `stride`
 /// apart in `values`), written into `out`.
-fn attend(mut weights: Vec<f32>, values: &[f32], stride: usize, scale: f32, out: &mut [f32]) {
+fn attend(
+    mut weights: Vec<f32>,
+    values: &[f32],
+    stride: usize,
+    (scale, sink): (f32, Option<f32>),
+    out: &mut [f32],
+) {
     for w in weights.iter_mut() {
         *w *= scale;
     }
-    softmax_in_place(&mut weights);
+    softmax_with_sink(&mut weights, sink);
     weighted_rows(&weights, values, stride, out);
 }

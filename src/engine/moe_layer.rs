@@ -61,8 +61,20 @@ pub fn moe_routed(
         }
         _ => routing,
     };
-    let plan = DispatchPlan::new(&routing, cfg.num_experts);
-    let expert_out = experts.run(layer, &plan, &plan.gather(normed, width))?;
+    let mut plan = DispatchPlan::new(&routing, cfg.num_experts);
+    let mut grouped = plan.gather(normed, width);
+    if cfg.weight_input {
+        // Llama 4 scales each expert's input by the gate weight and sums the outputs as
+        // they come (the expert is not linear: the two differ).
+        for (row, w) in grouped
+            .chunks_exact_mut(width.max(1))
+            .zip(&mut plan.weights)
+        {
+            row.iter_mut().for_each(|x| *x *= *w);
+            *w = 1.0;
+        }
+    }
+    let expert_out = experts.run(layer, &plan, &grouped)?;
     let mut out = vec![0.0; rows * width];
     plan.combine(&expert_out, width, &mut out);
     Ok(out)

@@ -26,6 +26,34 @@ impl Rope {
             RopeScaling::Linear { factor } => {
                 (pos_freqs.iter().map(|p| 1.0 / (p * factor)).collect(), 1.0)
             }
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => {
+                let original = *original_max_position_embeddings as f64;
+                let low_freq_wavelen = original / low_freq_factor;
+                let high_freq_wavelen = original / high_freq_factor;
+                let inv_freq = pos_freqs
+                    .iter()
+                    .map(|p| {
+                        let inv = 1.0 / p;
+                        let wavelen = 2.0 * std::f64::consts::PI / inv;
+                        if wavelen > low_freq_wavelen {
+                            inv / factor
+                        } else if wavelen < high_freq_wavelen || high_freq_factor == low_freq_factor
+                        {
+                            inv
+                        } else {
+                            let smooth = (original / wavelen - low_freq_factor)
+                                / (high_freq_factor - low_freq_factor);
+                            (1.0 - smooth) * inv / factor + smooth * inv
+                        }
+                    })
+                    .collect();
+                (inv_freq, 1.0)
+            }
             RopeScaling::Yarn {
                 factor,
                 original_max_position_embeddings,

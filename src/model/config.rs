@@ -16,7 +16,8 @@ use super::quant::Quantization;
 
 pub use super::family::Family;
 pub use parts::{
-    AttentionConfig, GatingConfig, MAX_CONTEXT, MAX_LAYERS, MoeConfig, RopeConfig, RopeScaling,
+    AttentionConfig, ExpertActivation, GatingConfig, LayerAttention, MAX_CONTEXT, MAX_LAYERS,
+    MoeConfig, QkNorm, RopeConfig, RopeScaling, Span, Temperature,
 };
 use parts::{CommonKeys, Problems};
 
@@ -308,6 +309,25 @@ fn parse_rope(
         "linear" => RopeScaling::Linear {
             factor: number("factor").ok_or("linear rope scaling needs `factor`")?,
         },
+        "llama3" => {
+            let factor = number("factor").ok_or("llama3 rope scaling needs `factor`")?;
+            let low = number("low_freq_factor").unwrap_or(1.0);
+            let high = number("high_freq_factor").unwrap_or(4.0);
+            // Scout publishes equal factors: no ramp between the two wavelengths.
+            if !(factor > 0.0 && low > 0.0 && high >= low) {
+                return Err(format!(
+                    "llama3 rope scaling: factor ({factor}) and low_freq_factor ({low}) must be \
+                     positive and high_freq_factor ({high}) at least low_freq_factor"
+                ));
+            }
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor: low,
+                high_freq_factor: high,
+                original_max_position_embeddings: number("original_max_position_embeddings")
+                    .map_or(8192, |v| v as usize),
+            }
+        }
         "yarn" => {
             let original = number("original_max_position_embeddings")
                 .map(|v| v as usize)
@@ -330,7 +350,7 @@ fn parse_rope(
         }
         other => {
             return Err(format!(
-                "unsupported rope type `{other}`: default, linear and yarn are supported"
+                "unsupported rope type `{other}`: default, linear, llama3 and yarn are supported"
             ));
         }
     };

@@ -92,11 +92,13 @@ impl Quantization {
 
 fn parse_fp8(q: &Value) -> Result<Quantization, Vec<String>> {
     let mut problems = Vec::new();
+    // DeepSeek's configs write the format `e4m3`, MiniMax-M2's with torch's dtype name.
     if let Some(fmt) = q.get("fmt").and_then(Value::as_str)
-        && fmt != "e4m3"
+        && !matches!(fmt, "e4m3" | "float8_e4m3fn")
     {
         problems.push(format!(
-            "quantization_config: fp8 format `{fmt}` is not supported (e4m3 is)"
+            "quantization_config: fp8 format `{fmt}` is not supported (e4m3, also written \
+             float8_e4m3fn, is)"
         ));
     }
     if let Some(scheme) = q.get("activation_scheme").and_then(Value::as_str)
@@ -283,6 +285,17 @@ mod tests {
         assert!(ignore.contains("model.layers.0.mlp.gate_proj"));
         assert!(!ignore.contains("model.layers.3.mlp.experts.7.gate_proj"));
         assert!(!ignore.contains("language_model.lm_head"));
+    }
+
+    #[test]
+    fn minimax_m2_writes_the_fp8_format_as_torch_names_it() {
+        let text = r#"{"activation_scheme": "dynamic", "fmt": "float8_e4m3fn",
+            "quant_method": "fp8", "weight_block_size": [128, 128],
+            "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]}"#;
+        assert_eq!(
+            parse(text).unwrap(),
+            Quantization::Fp8 { block: [128, 128] }
+        );
     }
 
     #[test]

@@ -6,9 +6,9 @@ use std::borrow::Cow;
 use half::bf16;
 use safetensors::tensor::Dtype;
 
-use super::config::{AttentionConfig, ModelConfig};
+use super::config::{AttentionConfig, ExpertActivation, ModelConfig};
 use super::dummy::DummyFill;
-use super::family::ExpertNames;
+use super::family::{ExpertNames, FusedExperts};
 use super::quant::Quantization;
 use super::{Checkpoint, ModelError};
 use crate::compute::cpu::{Linear, SwiGlu, WeightElement, add_in_place};
@@ -175,6 +175,8 @@ pub enum FeedForward {
 pub struct LayerWeights {
     pub input_norm: RmsNorm,
     pub attention: AttentionWeights,
+    /// gpt-oss's attention sink logit per query head (`self_attn.sinks`).
+    pub sinks: Option<Vec<f32>>,
     pub post_attention_norm: RmsNorm,
     pub feed_forward: FeedForward,
 }
@@ -234,6 +236,7 @@ fn load_layer(ckpt: &Checkpoint, cfg: &ModelConfig, l: usize) -> Result<LayerWei
             ..
         } => {
             let a = format!("{p}.self_attn");
+            let norm_widths = qk_norm.widths(heads, num_kv_heads, head_dim);
             AttentionWeights::Gqa {
                 q: linear(ckpt, quant, &format!("{a}.q_proj"), heads * head_dim, h)?,
                 k: linear(
@@ -251,11 +254,11 @@ fn load_layer(ckpt: &Checkpoint, cfg: &ModelConfig, l: usize) -> Result<LayerWei
                     h,
                 )?,
                 o: linear(ckpt, quant, &format!("{a}.o_proj"), h, heads * head_dim)?,
-                q_norm: qk_norm
-                    .then(|| norm(ckpt, &format!("{a}.q_norm"), head_dim, eps))
+                q_norm: norm_widths
+                    .map(|(q, _)| norm(ckpt, &format!("{a}.q_norm"), q, eps))
                     .transpose()?,
-                k_norm: qk_norm
-                    .then(|| norm(ckpt, &format!("{a}.k_norm"), head_dim, eps))
+                k_norm: norm_widths
+                    .map(|(_, k)| norm(ckpt, &format!("{a}.k_norm"), k, eps))
                     .transpose()?,
             }
         }
@@ -307,21 +310,21 @@ fn load_layer(ckpt: &Checkpoint, cfg: &ModelConfig, l: usize) -> Result<LayerWei
                 expert_block(
                     ckpt,
                     quant,
-                    &format!("{mlp}.shared_experts"),
+                    &cfg.family.shared_experts(l),
                     ExpertNames::PROJ,
                     h,
                     cfg.moe.shared_intermediate_size,
                 )
             })
             .transpose()?;
-        let bias_name = format!("{mlp}.gate.e_score_correction_bias");
-        let correction_bias = if cfg.family.gate_correction_bias() && ckpt.contains(&bias_name) {
-            Some(ckpt.read_f32(&bias_name, &[cfg.moe.num_experts])?)
-        } else {
-            None
+        let correction_bias = match cfg.family.correction_bias_name(l) {
+            Some(name) if ckpt.contains(&name) => {
+                Some(ckpt.read_f32(&name, &[cfg.moe.num_experts])?)
+            }
+            _ => None,
         };
         FeedForward::Moe(MoeWeights {
-            router: linear(ckpt, quant, &format!("{mlp}.gate"), cfg.moe.num_experts, h)?,
+            router: linear(ckpt, quant, &cfg.family.router(l), cfg.moe.num_experts, h)?,
             correction_bias,
             shared_expert,
         })
@@ -335,9 +338,16 @@ fn load_layer(ckpt: &Checkpoint, cfg: &ModelConfig, l: usize) -> Result<LayerWei
             cfg.intermediate_size,
         )?)
     };
+    let sinks = match cfg.attention {
+        AttentionConfig::Gqa { sinks: true, .. } => {
+            Some(ckpt.read_f32(&format!("{p}.self_attn.sinks"), &[heads])?)
+        }
+        _ => None,
+    };
     Ok(LayerWeights {
         input_norm: norm(ckpt, &format!("{p}.input_layernorm"), h, eps)?,
         attention,
+        sinks,
         post_attention_norm: norm(ckpt, &format!("{p}.post_attention_layernorm"), h, eps)?,
         feed_forward,
     })
@@ -350,9 +360,107 @@ pub fn load_expert(
     layer: usize,
     expert: usize,
 ) -> Result<ExpertWeights, ModelError> {
-    let (prefix, names) = cfg.family.routed_expert(layer, expert);
     let (h, i) = (cfg.hidden_size, cfg.moe.expert_intermediate_size);
+    if let Some((prefix, fused)) = cfg.family.fused_experts(layer) {
+        let block = fused_expert(ckpt, &prefix, fused, expert, [cfg.moe.num_experts, h, i])?;
+        return Ok(match cfg.moe.activation {
+            ExpertActivation::Silu => block,
+            ExpertActivation::ClampedSwiglu { alpha, limit } => {
+                ExpertWeights::F32(clamped_swiglu(block.widened(), alpha, limit))
+            }
+        });
+    }
+    let (prefix, names) = cfg.family.routed_expert(layer, expert);
     expert_block(ckpt, &cfg.quantization, &prefix, names, h, i)
+}
+
+/// gpt-oss's expert `down((clamp(u, -l, l) + 1) * g * sigmoid(alpha * g))`, `g = min(gate, l)`,
+/// as the SwiGLU block `down(silu(g') * u')` that computes it: `g' = alpha * g` (so
+/// `silu(g') = alpha * g * sigmoid(alpha * g)`), clamped at `alpha * l`, and
+/// `u' = (u + 1) / alpha`, clamped to `[(1 - l) / alpha, (1 + l) / alpha]`. In f32: the
+/// scaled weights are not bf16 values.
+fn clamped_swiglu(mut block: SwiGlu, alpha: f32, limit: f32) -> SwiGlu {
+    let scale = |l: &mut Linear, by: f32| {
+        l.weight.iter_mut().for_each(|w| *w *= by);
+        if let Some(b) = &mut l.bias {
+            b.iter_mut().for_each(|b| *b *= by);
+        }
+    };
+    scale(&mut block.gate, alpha);
+    block.gate.clamp = Some([f32::NEG_INFINITY, alpha * limit]);
+    let up_bias = block
+        .up
+        .bias
+        .get_or_insert_with(|| vec![0.0; block.up.out_features]);
+    up_bias.iter_mut().for_each(|b| *b += 1.0);
+    scale(&mut block.up, 1.0 / alpha);
+    block.up.clamp = Some([(1.0 - limit) / alpha, (1.0 + limit) / alpha]);
+    block
+}
+
+/// Expert `expert` of a layer's fused experts under `prefix`, as the SwiGLU block the
+/// kernels take (`[out, in]` matrices), bf16 kept bf16. The whole fused tensor is read for
+/// each expert: loading is quadratic in the experts per layer (a cache of the layer's
+/// tensors would make it linear).
+fn fused_expert(
+    ckpt: &Checkpoint,
+    prefix: &str,
+    fused: FusedExperts,
+    expert: usize,
+    [experts, h, i]: [usize; 3],
+) -> Result<ExpertWeights, ModelError> {
+    let gate_up_name = format!("{prefix}.{}", fused.gate_up);
+    let down_name = format!("{prefix}.{}", fused.down);
+    // Column `c` of this expert's `[rows, cols]` block, as a row.
+    fn columns<T: Copy>(all: &[T], expert: usize, rows: usize, cols: usize, c: usize) -> Vec<T> {
+        let block = &all[expert * rows * cols..][..rows * cols];
+        (0..rows).map(|r| block[r * cols + c]).collect()
+    }
+    let split = |c: usize| {
+        if fused.interleaved {
+            (2 * c, 2 * c + 1)
+        } else {
+            (c, i + c)
+        }
+    };
+    macro_rules! block {
+        ($read:ident) => {{
+            let gate_up = ckpt.$read(&gate_up_name, &[experts, h, 2 * i])?;
+            let down = ckpt.$read(&down_name, &[experts, i, h])?;
+            let (mut gate, mut up) = (Vec::with_capacity(i * h), Vec::with_capacity(i * h));
+            for c in 0..i {
+                let (g, u) = split(c);
+                gate.extend(columns(&gate_up, expert, h, 2 * i, g));
+                up.extend(columns(&gate_up, expert, h, 2 * i, u));
+            }
+            let down: Vec<_> = (0..h)
+                .flat_map(|c| columns(&down, expert, i, h, c))
+                .collect();
+            let mut block = SwiGlu {
+                gate: Linear::without_bias(gate, i, h),
+                up: Linear::without_bias(up, i, h),
+                down: Linear::without_bias(down, h, i),
+            };
+            if fused.bias {
+                let gate_up = ckpt.read_f32(&format!("{gate_up_name}_bias"), &[experts, 2 * i])?;
+                let gate_up = &gate_up[expert * 2 * i..][..2 * i];
+                let (gate, up): (Vec<f32>, Vec<f32>) = (0..i)
+                    .map(|c| split(c))
+                    .map(|(g, u)| (gate_up[g], gate_up[u]))
+                    .unzip();
+                let down = ckpt.read_f32(&format!("{down_name}_bias"), &[experts, h])?;
+                block.gate.bias = Some(gate);
+                block.up.bias = Some(up);
+                block.down.bias = Some(down[expert * h..][..h].to_vec());
+            }
+            block
+        }};
+    }
+    Ok(if ckpt.dtype(&gate_up_name) == Some(Dtype::BF16) {
+        ExpertWeights::Bf16(block!(read_bf16))
+    } else {
+        ExpertWeights::F32(block!(read_f32))
+    })
 }
 
 /// How a dummy checkpoint makes routed expert `expert` of `layer`: its gate, up and down
@@ -364,6 +472,9 @@ pub fn dummy_expert(
     layer: usize,
     expert: usize,
 ) -> Option<[DummyFill; 3]> {
+    if cfg.family.fused_experts(layer).is_some() {
+        return None;
+    }
     let (prefix, names) = cfg.family.routed_expert(layer, expert);
     let (h, i) = (cfg.hidden_size, cfg.moe.expert_intermediate_size);
     let fill =
@@ -492,6 +603,7 @@ fn linear(
             bias,
             out_features: out,
             in_features: inp,
+            clamp: None,
         })
     } else {
         StoredLinear::F32(Linear {
@@ -499,6 +611,7 @@ fn linear(
             bias,
             out_features: out,
             in_features: inp,
+            clamp: None,
         })
     })
 }
@@ -517,6 +630,7 @@ fn linear_f32(
         bias: stored.bias().map(<[f32]>::to_vec),
         out_features: out,
         in_features: inp,
+        clamp: None,
     })
 }
 

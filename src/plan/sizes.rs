@@ -7,7 +7,7 @@ use crate::compute::cuda::experts::ExpertShape;
 use crate::compute::cuda::storage::ExpertStorage;
 use crate::engine::kv_cache::KvCache;
 use crate::model::ModelConfig;
-use crate::model::config::AttentionConfig;
+use crate::model::config::{AttentionConfig, ExpertActivation};
 use crate::model::quant::Quantization;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -46,15 +46,23 @@ impl ModelSizes {
                 head_dim,
                 qk_norm,
                 bias,
+                sinks,
+                o_bias,
                 ..
             } => {
                 let (kv, hd) = (num_kv_heads as u64, head_dim as u64);
                 let mut params = h * heads * hd + 2 * h * kv * hd + heads * hd * h;
-                if qk_norm {
-                    params += 2 * hd;
+                if let Some((q, k)) = qk_norm.widths(model.num_heads, num_kv_heads, head_dim) {
+                    params += (q + k) as u64;
                 }
                 if bias {
                     params += heads * hd + 2 * kv * hd;
+                }
+                if o_bias {
+                    params += h;
+                }
+                if sinks {
+                    params += heads;
                 }
                 params
             }
@@ -82,8 +90,11 @@ impl ModelSizes {
         };
         let experts = model.moe.num_experts as u64;
         // The router, and its per-expert correction bias where the family's gate has one.
+        // gpt-oss's router and experts carry biases, and its experts are held in f32 (their
+        // clamped activation is folded into scaled weights: `crate::model::weights`).
+        let clamped = matches!(model.moe.activation, ExpertActivation::ClampedSwiglu { .. });
         let gate = experts * h
-            + if model.family.gate_correction_bias() {
+            + if model.family.gate_correction_bias() || clamped {
                 experts
             } else {
                 0
@@ -101,7 +112,14 @@ impl ModelSizes {
             };
         }
         let expert_params = swiglu(model.moe.expert_intermediate_size);
-        let expert_bytes = quantized_expert_bytes(model).unwrap_or(expert_params * bytes);
+        let expert_bytes = match quantized_expert_bytes(model) {
+            Some(quantized) => quantized,
+            None if clamped => {
+                let biases = 2 * model.moe.expert_intermediate_size as u64 + h;
+                (expert_params + biases) * 4
+            }
+            None => expert_params * bytes,
+        };
         ModelSizes {
             dtype_bytes: bytes,
             expert_bytes,
@@ -206,6 +224,9 @@ mod tests {
             "deepseek_v3",
             "kimi_k2",
             "glm4_moe",
+            "minimax_m2",
+            "llama4",
+            "gpt_oss",
         ] {
             let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
                 .join("tests/fixtures")

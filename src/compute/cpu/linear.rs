@@ -17,6 +17,10 @@ pub struct Linear<W: WeightElement = f32> {
     pub bias: Option<Vec<f32>>,
     pub out_features: usize,
     pub in_features: usize,
+    /// Outputs clamped to `[min, max]` after the bias: gpt-oss clamps its experts' gate and
+    /// up projections (`swiglu_limit`), folded into the SwiGLU block this way (see
+    /// `crate::model::weights`).
+    pub clamp: Option<[f32; 2]>,
 }
 
 impl<W: WeightElement> Linear<W> {
@@ -26,6 +30,7 @@ impl<W: WeightElement> Linear<W> {
             bias: None,
             out_features,
             in_features,
+            clamp: None,
         }
     }
 
@@ -83,6 +88,10 @@ impl<W: WeightElement> Linear<W> {
                     *o += b;
                 }
             }
+        }
+        if let Some([min, max]) = self.clamp {
+            // `f32::clamp` keeps NaN, as torch's clamp does.
+            out.iter_mut().for_each(|o| *o = o.clamp(min, max));
         }
         out
     }

@@ -21,6 +21,14 @@ pub enum RopeScaling {
     Linear {
         factor: f64,
     },
+    /// Llama 3's (`rope_type: llama3`, Llama 4 too): long wavelengths divided by `factor`,
+    /// short ones kept, a smooth ramp between, as `_compute_llama3_parameters`.
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: usize,
+    },
     /// YaRN as transformers' `_compute_yarn_parameters` defines it.
     Yarn {
         factor: f64,
@@ -42,10 +50,21 @@ pub enum AttentionConfig {
     Gqa {
         num_kv_heads: usize,
         head_dim: usize,
-        /// Qwen3's and GLM's RMSNorm over each q and k head before rope.
-        qk_norm: bool,
+        /// An RMSNorm of the queries and keys before rope, and over what.
+        qk_norm: QkNorm,
         bias: bool,
         sliding_window: Option<usize>,
+        /// Rope turns interleaved pairs (Llama 4's complex form) rather than the two halves.
+        interleave: bool,
+        /// Per layer where layers differ (Llama 4, gpt-oss); empty where every layer is alike
+        /// (rope, the norm above, `sliding_window`).
+        layers: Vec<LayerAttention>,
+        /// A learned sink per head (gpt-oss `self_attn.sinks`): one more logit in each
+        /// query's softmax, with no value.
+        sinks: bool,
+        /// The output projection has a bias (gpt-oss; read where present whatever this says,
+        /// counted by `plan` where it says so).
+        o_bias: bool,
     },
     /// Multi-head latent attention (DeepSeek-V3, Kimi K2).
     Mla {
@@ -60,6 +79,79 @@ pub enum AttentionConfig {
     },
 }
 
+/// What one GQA layer does where a family's layers differ.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LayerAttention {
+    /// Rope turns its queries and keys (Llama 4's NoPE layers: not).
+    pub rope: bool,
+    /// Which earlier positions a query sees.
+    pub span: Span,
+    /// An RMSNorm without weight over each q and k head (Llama 4's `use_qk_norm`, on its
+    /// rope layers).
+    pub unit_qk_norm: bool,
+    /// Llama 4's attention temperature tuning (on its NoPE layers): each query times
+    /// `1 + attn_scale * ln(1 + floor((position + 1) / floor_scale))`.
+    pub temperature: Option<Temperature>,
+}
+
+/// Which keys a query at a position sees, besides those after it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Span {
+    Full,
+    /// The last `n` positions, its own included.
+    Window(usize),
+    /// Those in its own chunk of `n` positions (Llama 4's `attention_chunk_size`).
+    Chunk(usize),
+}
+
+impl Span {
+    /// The first position a query at `position` sees (a non-decreasing function of it).
+    pub fn start(self, position: usize) -> usize {
+        match self {
+            Span::Full => 0,
+            Span::Window(n) => (position + 1).saturating_sub(n),
+            Span::Chunk(n) => position - position % n.max(1),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Temperature {
+    pub floor_scale: f32,
+    pub attn_scale: f32,
+}
+
+impl Temperature {
+    /// The factor on the queries at `position`.
+    pub fn scale(self, position: usize) -> f32 {
+        let floor = ((position as f32 + 1.0) / self.floor_scale).floor();
+        floor.ln_1p() * self.attn_scale + 1.0
+    }
+}
+
+/// Where GQA's queries and keys are RMS-normed before rope.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QkNorm {
+    None,
+    /// Over each head, one `head_dim` weight shared by the heads (Qwen3, GLM-4.5).
+    PerHead,
+    /// Over each row's whole projection, one weight per value (MiniMax-M2's
+    /// `qk_norm_type: per_layer`): `q_norm` of `heads * head_dim`, `k_norm` of
+    /// `kv_heads * head_dim`.
+    PerLayer,
+}
+
+impl QkNorm {
+    /// The widths of the q and k norms' weights.
+    pub fn widths(self, heads: usize, kv_heads: usize, head_dim: usize) -> Option<(usize, usize)> {
+        match self {
+            QkNorm::None => None,
+            QkNorm::PerHead => Some((head_dim, head_dim)),
+            QkNorm::PerLayer => Some((heads * head_dim, kv_heads * head_dim)),
+        }
+    }
+}
+
 pub use crate::compute::gate::GatingConfig;
 
 #[derive(Debug, Clone, PartialEq)]
@@ -70,6 +162,22 @@ pub struct MoeConfig {
     /// Intermediate size of the always-on shared expert MLP, 0 when there is none.
     pub shared_intermediate_size: usize,
     pub gating: GatingConfig,
+    /// The gate weight scales each expert's input rather than its output (Llama 4).
+    pub weight_input: bool,
+    pub activation: ExpertActivation,
+}
+
+/// The routed experts' activation.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ExpertActivation {
+    /// `down(silu(gate) * up)`.
+    Silu,
+    /// gpt-oss: `down((clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g))` with
+    /// `g = min(gate, limit)`, every projection with a bias. Loaded as a SwiGLU block whose
+    /// gate is scaled by `alpha`, whose up has 1 added and is divided by `alpha`, each with
+    /// its outputs clamped ([`crate::compute::cpu::Linear::clamp`]): the same function, so
+    /// every executor computes it unchanged.
+    ClampedSwiglu { alpha: f32, limit: f32 },
 }
 
 /// The keys every family reads, under the same name and meaning. Everything is optional here

@@ -96,8 +96,20 @@ impl FamilySpec for DeepseekV3 {
         ExpertNames::PROJ
     }
 
-    fn gate_correction_bias(&self) -> bool {
-        true
+    fn fused_experts(&self) -> Option<super::FusedExperts> {
+        None
+    }
+
+    fn router(&self) -> &'static str {
+        "gate"
+    }
+
+    fn shared_experts(&self) -> &'static str {
+        "shared_experts"
+    }
+
+    fn correction_bias(&self) -> Option<&'static str> {
+        Some("gate.e_score_correction_bias")
     }
 
     fn tool_call_formats(&self) -> &'static [ToolCallFormat] {

@@ -13,7 +13,7 @@ use super::{
     Common, Defaults, ExpertNames, FamilyParts, FamilySpec, Gqa, GroupedDefaults, GroupedKeys,
     ToolCallFormat, gqa, grouped_sigmoid_experts, keys,
 };
-use crate::model::config::parts::{MAX_LAYERS, Problems};
+use crate::model::config::parts::{MAX_LAYERS, Problems, QkNorm};
 
 pub(super) struct Glm4Moe;
 
@@ -67,7 +67,11 @@ impl FamilySpec for Glm4Moe {
             common,
             p,
             Gqa {
-                qk_norm: own.use_qk_norm.unwrap_or(false),
+                qk_norm: if own.use_qk_norm == Some(true) {
+                    QkNorm::PerHead
+                } else {
+                    QkNorm::None
+                },
                 bias: common.keys.attention_bias == Some(true),
                 sliding_window: None,
             },
@@ -102,8 +106,20 @@ impl FamilySpec for Glm4Moe {
         ExpertNames::PROJ
     }
 
-    fn gate_correction_bias(&self) -> bool {
-        true
+    fn fused_experts(&self) -> Option<super::FusedExperts> {
+        None
+    }
+
+    fn router(&self) -> &'static str {
+        "gate"
+    }
+
+    fn shared_experts(&self) -> &'static str {
+        "shared_experts"
+    }
+
+    fn correction_bias(&self) -> Option<&'static str> {
+        Some("gate.e_score_correction_bias")
     }
 
     fn tool_call_formats(&self) -> &'static [ToolCallFormat] {

@@ -8,7 +8,9 @@ use serde_json::Value;
 use super::{
     Common, Defaults, ExpertNames, FamilyParts, FamilySpec, Gqa, ToolCallFormat, gqa, keys,
 };
-use crate::model::config::parts::{GatingConfig, MAX_CONTEXT, MoeConfig, Problems};
+use crate::model::config::parts::{
+    ExpertActivation, GatingConfig, MAX_CONTEXT, MoeConfig, Problems, QkNorm,
+};
 
 pub(super) struct Mixtral;
 
@@ -57,7 +59,7 @@ impl FamilySpec for Mixtral {
             common,
             p,
             Gqa {
-                qk_norm: false,
+                qk_norm: QkNorm::None,
                 bias: false,
                 sliding_window: own.sliding_window,
             },
@@ -69,6 +71,8 @@ impl FamilySpec for Mixtral {
             expert_intermediate_size: intermediate,
             shared_intermediate_size: 0,
             gating: GatingConfig::Softmax { renormalize: true },
+            weight_input: false,
+            activation: ExpertActivation::Silu,
         };
         Ok(FamilyParts {
             attention,
@@ -91,8 +95,20 @@ impl FamilySpec for Mixtral {
         }
     }
 
-    fn gate_correction_bias(&self) -> bool {
-        false
+    fn fused_experts(&self) -> Option<super::FusedExperts> {
+        None
+    }
+
+    fn router(&self) -> &'static str {
+        "gate"
+    }
+
+    fn shared_experts(&self) -> &'static str {
+        "shared_experts"
+    }
+
+    fn correction_bias(&self) -> Option<&'static str> {
+        None
     }
 
     fn tool_call_formats(&self) -> &'static [ToolCallFormat] {

@@ -11,13 +11,18 @@
 
 mod deepseek_v3;
 mod glm4_moe;
+mod gpt_oss;
+mod llama4;
+mod minimax_m2;
 mod mixtral;
 mod qwen3_moe;
 
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::config::parts::{AttentionConfig, CommonKeys, GatingConfig, MoeConfig, Problems};
+use super::config::parts::{
+    AttentionConfig, CommonKeys, ExpertActivation, GatingConfig, MoeConfig, Problems, QkNorm,
+};
 
 /// Which forward-pass code a checkpoint runs through.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,6 +37,16 @@ pub enum Family {
     /// `glm4_moe` (GLM-4.5 to 4.7): GQA with q/k/v biases, partial rotary and q/k norm;
     /// DeepSeek-V3's gate and shared experts.
     Glm4Moe,
+    /// `minimax_m2` (MiniMax-M2 to M2.7): GQA with q/k norm over the whole projection and
+    /// partial rotary; a sigmoid gate with a routing bias and no groups.
+    MiniMaxM2,
+    /// `llama4_text` and the `llama4` wrapper (Llama 4 Scout, Maverick): GQA whose layers
+    /// differ (chunked with rope, or full without), top-1 sigmoid routing on the expert's
+    /// input, a shared expert, fused experts.
+    Llama4,
+    /// `gpt_oss` (gpt-oss 20b, 120b): GQA with biases, sinks and alternating sliding
+    /// windows; softmax over the top-k router logits; fused experts under a clamped SwiGLU.
+    GptOss,
 }
 
 /// What a family answers. Each family's file implements it on a unit struct; nothing has a
@@ -59,19 +74,30 @@ pub(super) trait FamilySpec: Sync {
     fn mlp_prefix(&self, layer: usize) -> String;
     /// Names of a routed expert's three projections.
     fn expert_names(&self) -> ExpertNames;
-    /// Whether its gate has a per-expert `gate.e_score_correction_bias` (read when present).
-    fn gate_correction_bias(&self) -> bool;
+    /// Where a layer's routed experts are stored as two tensors for all of them under
+    /// `{mlp_prefix}.experts` rather than one per expert and projection.
+    fn fused_experts(&self) -> Option<FusedExperts>;
+    /// The router's name under [`FamilySpec::mlp_prefix`].
+    fn router(&self) -> &'static str;
+    /// The shared experts' name under [`FamilySpec::mlp_prefix`] (where there are any).
+    fn shared_experts(&self) -> &'static str;
+    /// Where its gate's per-expert routing bias (`e_score_correction_bias`) lies under
+    /// [`FamilySpec::mlp_prefix`], if its gate has one (read when present).
+    fn correction_bias(&self) -> Option<&'static str>;
     /// The tool-call formats its published chat templates write, most specific first.
     fn tool_call_formats(&self) -> &'static [ToolCallFormat];
 }
 
 impl Family {
     /// Every family, in the order errors list them.
-    pub const ALL: [Family; 4] = [
+    pub const ALL: [Family; 7] = [
         Family::Qwen3Moe,
         Family::Mixtral,
         Family::DeepseekV3,
         Family::Glm4Moe,
+        Family::MiniMaxM2,
+        Family::Llama4,
+        Family::GptOss,
     ];
 
     fn spec(self) -> &'static dyn FamilySpec {
@@ -80,6 +106,9 @@ impl Family {
             Family::Mixtral => &mixtral::Mixtral,
             Family::DeepseekV3 => &deepseek_v3::DeepseekV3,
             Family::Glm4Moe => &glm4_moe::Glm4Moe,
+            Family::MiniMaxM2 => &minimax_m2::MiniMaxM2,
+            Family::Llama4 => &llama4::Llama4,
+            Family::GptOss => &gpt_oss::GptOss,
         }
     }
 
@@ -138,9 +167,36 @@ impl Family {
         (prefix, spec.expert_names())
     }
 
+    /// Layer `layer`'s fused experts: the tensor-name prefix and how they are stored, where
+    /// the family stores them fused.
+    pub fn fused_experts(self, layer: usize) -> Option<(String, FusedExperts)> {
+        let spec = self.spec();
+        let fused = spec.fused_experts()?;
+        Some((format!("{}.experts", spec.mlp_prefix(layer)), fused))
+    }
+
+    /// The tensor-name prefix of layer `layer`'s router.
+    pub fn router(self, layer: usize) -> String {
+        let spec = self.spec();
+        format!("{}.{}", spec.mlp_prefix(layer), spec.router())
+    }
+
+    /// The tensor-name prefix of layer `layer`'s shared experts.
+    pub fn shared_experts(self, layer: usize) -> String {
+        let spec = self.spec();
+        format!("{}.{}", spec.mlp_prefix(layer), spec.shared_experts())
+    }
+
     /// Whether the gate may carry `e_score_correction_bias`, which biases the choice.
     pub fn gate_correction_bias(self) -> bool {
-        self.spec().gate_correction_bias()
+        self.spec().correction_bias().is_some()
+    }
+
+    /// The tensor name of layer `layer`'s routing bias, where the family's gate has one.
+    pub fn correction_bias_name(self, layer: usize) -> Option<String> {
+        let spec = self.spec();
+        let name = spec.correction_bias()?;
+        Some(format!("{}.{name}", spec.mlp_prefix(layer)))
     }
 
     /// The tool-call formats its chat templates write, most specific first.
@@ -184,7 +240,7 @@ fn keys<'de, T: Deserialize<'de>>(config: &'de Value) -> Result<T, Vec<String>> 
 
 /// Grouped-query attention as the GQA families configure it.
 struct Gqa {
-    qk_norm: bool,
+    qk_norm: QkNorm,
     bias: bool,
     sliding_window: Option<usize>,
 }
@@ -214,6 +270,10 @@ fn gqa(common: &Common, p: &mut Problems, variant: Gqa) -> (AttentionConfig, usi
         qk_norm: variant.qk_norm,
         bias: variant.bias,
         sliding_window: variant.sliding_window,
+        interleave: false,
+        layers: Vec::new(),
+        sinks: false,
+        o_bias: false,
     };
     (attention, head_dim)
 }
@@ -293,6 +353,8 @@ fn grouped_sigmoid_experts(
                 .unwrap_or(defaults.routed_scaling_factor)
                 as f32,
         },
+        weight_input: false,
+        activation: ExpertActivation::Silu,
     };
     let moe_layers = (0..common.num_layers).map(|l| l >= first_dense).collect();
     (moe, moe_layers)
@@ -316,6 +378,20 @@ impl ExpertNames {
     };
 }
 
+/// Routed experts stored fused, all of a layer's in two tensors: `{prefix}.{gate_up}` of `[experts, hidden, 2 * intermediate]` (the input dimension first,
+/// as `torch.bmm` takes it) and `{prefix}.{down}` of `[experts, intermediate, hidden]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FusedExperts {
+    pub gate_up: &'static str,
+    pub down: &'static str,
+    /// Gate and up alternate along the last dimension (gpt-oss); else the gate's half comes
+    /// first (Llama 4).
+    pub interleaved: bool,
+    /// Biases beside them: `{gate_up}_bias` `[experts, 2 * intermediate]` and `{down}_bias`
+    /// `[experts, hidden]` (gpt-oss).
+    pub bias: bool,
+}
+
 /// How a model writes tool calls (parsed by `crate::api::tool_calls`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -333,6 +409,12 @@ pub enum ToolCallFormat {
     /// GLM-4.5 to 4.7: `<tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>\n</tool_call>`
     /// (4.7 without the newlines), a string value as it is, any other as JSON.
     Glm,
+    /// MiniMax-M2: `<minimax:tool_call>\n<invoke name="NAME">\n<parameter name="KEY">VALUE</parameter>\n</invoke>\n</minimax:tool_call>`,
+    /// several `<invoke>`s in one block, a value read as GLM's are.
+    MiniMax,
+    /// gpt-oss (harmony): a call on the `commentary` channel addressed to a function,
+    /// `...to=functions.NAME <|constrain|>json<|message|>ARGS<|call|>`.
+    Harmony,
 }
 
 /// Keys a multimodal wrapper keeps at its top level that belong to the text model too.

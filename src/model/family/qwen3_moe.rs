@@ -8,7 +8,9 @@ use serde_json::Value;
 use super::{
     Common, Defaults, ExpertNames, FamilyParts, FamilySpec, Gqa, ToolCallFormat, gqa, keys,
 };
-use crate::model::config::parts::{GatingConfig, MAX_CONTEXT, MAX_LAYERS, MoeConfig, Problems};
+use crate::model::config::parts::{
+    ExpertActivation, GatingConfig, MAX_CONTEXT, MAX_LAYERS, MoeConfig, Problems, QkNorm,
+};
 
 pub(super) struct Qwen3Moe;
 
@@ -65,7 +67,7 @@ impl FamilySpec for Qwen3Moe {
             common,
             p,
             Gqa {
-                qk_norm: true,
+                qk_norm: QkNorm::PerHead,
                 bias: common.keys.attention_bias == Some(true),
                 sliding_window,
             },
@@ -88,6 +90,8 @@ impl FamilySpec for Qwen3Moe {
             gating: GatingConfig::Softmax {
                 renormalize: common.keys.norm_topk_prob.unwrap_or(false),
             },
+            weight_input: false,
+            activation: ExpertActivation::Silu,
         };
         Ok(FamilyParts {
             attention,
@@ -106,8 +110,20 @@ impl FamilySpec for Qwen3Moe {
         ExpertNames::PROJ
     }
 
-    fn gate_correction_bias(&self) -> bool {
-        false
+    fn fused_experts(&self) -> Option<super::FusedExperts> {
+        None
+    }
+
+    fn router(&self) -> &'static str {
+        "gate"
+    }
+
+    fn shared_experts(&self) -> &'static str {
+        "shared_experts"
+    }
+
+    fn correction_bias(&self) -> Option<&'static str> {
+        None
     }
 
     fn tool_call_formats(&self) -> &'static [ToolCallFormat] {

@@ -1,0 +1,395 @@
+use super::*;
+
+fn call(name: &str, arguments: &str) -> ToolCall {
+    ToolCall {
+        id: None,
+        name: name.into(),
+        arguments: arguments.into(),
+    }
+}
+
+/// The same text fed one character at a time gives the same content and calls, and
+/// no text piece holds a marker or part of one that became a call.
+fn parse_both_ways(format: ToolCallFormat, text: &str) -> Parsed {
+    let whole = format.parse(text);
+    let mut stream = ToolCallStream::new(format);
+    let mut pieces = Vec::new();
+    for c in text.chars() {
+        pieces.extend(stream.push(c.encode_utf8(&mut [0; 4])));
+    }
+    pieces.extend(stream.finish());
+    let mut streamed = Parsed::default();
+    for piece in pieces {
+        match piece {
+            Piece::Text(t) => streamed.content.push_str(&t),
+            Piece::Call(c) => streamed.calls.push(c),
+        }
+    }
+    assert_eq!(
+        streamed, whole,
+        "streamed and whole parses differ for {text:?}"
+    );
+    whole
+}
+
+#[test]
+fn qwen3_hermes_calls_with_text_before_them() {
+    let text = "I will look both up.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": \
+                {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"get_time\", \
+                \"arguments\": {\"zone\": \"CET\"}}\n</tool_call>";
+    let parsed = parse_both_ways(ToolCallFormat::Hermes, text);
+    assert_eq!(parsed.content, "I will look both up.\n");
+    assert_eq!(
+        parsed.calls,
+        vec![
+            call("get_weather", r#"{"city":"Paris"}"#),
+            call("get_time", r#"{"zone":"CET"}"#)
+        ]
+    );
+}
+
+#[test]
+fn glm_calls_with_and_without_newlines() {
+    // GLM-4.5 and 4.6 write newlines between the tags, 4.7 none.
+    let text = "Looking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n\
+                <arg_value>New York</arg_value>\n<arg_key>days</arg_key>\n\
+                <arg_value>3</arg_value>\n<arg_key>hourly</arg_key>\n\
+                <arg_value>{\"from\": 6}</arg_value>\n</tool_call>\
+                <tool_call>get_time<arg_key>zone</arg_key><arg_value>CET</arg_value></tool_call>\
+                <tool_call>ping</tool_call>";
+    let parsed = parse_both_ways(ToolCallFormat::Glm, text);
+    assert_eq!(parsed.content, "Looking.\n");
+    assert_eq!(
+        parsed.calls,
+        vec![
+            call(
+                "get_weather",
+                r#"{"city":"New York","days":3,"hourly":{"from":6}}"#
+            ),
+            call("get_time", r#"{"zone":"CET"}"#),
+            call("ping", "{}"),
+        ]
+    );
+    let template = "{{ '<tool_call>' + tc.name }}<arg_key>{{ k }}</arg_key>";
+    assert_eq!(ToolCallFormat::detect(template), Some(ToolCallFormat::Glm));
+    assert_eq!(
+        ToolCallFormat::for_model(template, Family::Glm4Moe),
+        Some(ToolCallFormat::Glm)
+    );
+}
+
+#[test]
+fn harmony_calls_on_the_commentary_channel() {
+    let text = "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant\
+                <|channel|>commentary to=functions.get_weather <|constrain|>json\
+                <|message|>{\"city\": \"Tokyo\"}<|call|>";
+    let parsed = parse_both_ways(ToolCallFormat::Harmony, text);
+    assert_eq!(
+        parsed.calls,
+        vec![call("get_weather", r#"{"city": "Tokyo"}"#)]
+    );
+    assert_eq!(
+        parsed.content,
+        "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant\
+         <|channel|>commentary "
+    );
+    let template = "{{- '<|start|>assistant<|channel|>commentary to=functions.' + name }}";
+    assert_eq!(
+        ToolCallFormat::for_model(template, Family::GptOss),
+        Some(ToolCallFormat::Harmony)
+    );
+    let broken = "<|channel|>commentary to=functions.f <|message|>{oops}<|call|>";
+    let parsed = parse_both_ways(ToolCallFormat::Harmony, broken);
+    assert!(parsed.calls.is_empty(), "{parsed:?}");
+    assert_eq!(parsed.content, broken);
+}
+
+#[test]
+fn minimax_calls_several_in_one_block() {
+    let text = "Checking.\n<minimax:tool_call>\n<invoke name=\"get_weather\">\n\
+                <parameter name=\"city\">New York</parameter>\n\
+                <parameter name=\"days\">3</parameter>\n</invoke>\n\
+                <invoke name=\"get_time\">\n<parameter name=\"zone\">CET</parameter>\n\
+                </invoke>\n</minimax:tool_call>";
+    let parsed = parse_both_ways(ToolCallFormat::MiniMax, text);
+    assert_eq!(parsed.content, "Checking.\n");
+    assert_eq!(
+        parsed.calls,
+        vec![
+            call("get_weather", r#"{"city":"New York","days":3}"#),
+            call("get_time", r#"{"zone":"CET"}"#),
+        ]
+    );
+    let template = "{{- '<minimax:tool_call>\\n' }}<invoke name=\"{{ tc.name }}\">";
+    assert_eq!(
+        ToolCallFormat::detect(template),
+        Some(ToolCallFormat::MiniMax)
+    );
+    assert_eq!(
+        ToolCallFormat::for_model(template, Family::MiniMaxM2),
+        Some(ToolCallFormat::MiniMax)
+    );
+    // A parameter without its end tag is not a call: the text comes back.
+    let broken = "<minimax:tool_call><invoke name=\"f\"><parameter name=\"a\">1</invoke></minimax:tool_call>";
+    let parsed = parse_both_ways(ToolCallFormat::MiniMax, broken);
+    assert!(parsed.calls.is_empty(), "{parsed:?}");
+    assert_eq!(parsed.content, broken);
+}
+
+#[test]
+fn deepseek_v3_and_v3_1_calls() {
+    let v3 = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n\
+              ```json\n{\"city\": \"Paris\"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>\
+              function<｜tool▁sep｜>get_time\n```json\n{}\n```<｜tool▁call▁end｜>\
+              <｜tool▁calls▁end｜>";
+    let parsed = parse_both_ways(ToolCallFormat::DeepseekV3, v3);
+    assert_eq!(parsed.content, "");
+    assert_eq!(
+        parsed.calls,
+        vec![
+            call("get_weather", r#"{"city": "Paris"}"#),
+            call("get_time", "{}")
+        ]
+    );
+    let v3_1 = "Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>\
+                {\"city\": \"Paris\"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+    let parsed = parse_both_ways(ToolCallFormat::DeepseekV3, v3_1);
+    assert_eq!(parsed.content, "Checking.");
+    assert_eq!(
+        parsed.calls,
+        vec![call("get_weather", r#"{"city": "Paris"}"#)]
+    );
+}
+
+#[test]
+fn kimi_k2_calls_keep_their_ids() {
+    let text = "Let me check.<|tool_calls_section_begin|><|tool_call_begin|>\
+                functions.get_weather:0<|tool_call_argument_begin|>{\"city\": \"Beijing\"}\
+                <|tool_call_end|><|tool_call_begin|>functions.get_time:1\
+                <|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>";
+    let parsed = parse_both_ways(ToolCallFormat::KimiK2, text);
+    assert_eq!(parsed.content, "Let me check.");
+    let ids: Vec<_> = parsed.calls.iter().map(|c| c.id.clone().unwrap()).collect();
+    assert_eq!(ids, ["functions.get_weather:0", "functions.get_time:1"]);
+    let names: Vec<_> = parsed.calls.iter().map(|c| c.name.as_str()).collect();
+    assert_eq!(names, ["get_weather", "get_time"]);
+    assert_eq!(parsed.calls[0].arguments, r#"{"city": "Beijing"}"#);
+}
+
+#[test]
+fn mistral_list_and_named_calls() {
+    let list = "[TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}, \
+                {\"name\": \"get_time\", \"arguments\": \"{\\\"zone\\\": \\\"CET\\\"}\"}]";
+    let parsed = parse_both_ways(ToolCallFormat::Mistral, list);
+    assert_eq!(parsed.content, "");
+    assert_eq!(
+        parsed.calls,
+        vec![
+            call("get_weather", r#"{"city":"Paris"}"#),
+            call("get_time", r#"{"zone": "CET"}"#)
+        ]
+    );
+    let named = "[TOOL_CALLS]get_weather[ARGS]{\"city\": \"Paris\"}[TOOL_CALLS]get_time[ARGS]{}";
+    let parsed = parse_both_ways(ToolCallFormat::Mistral, named);
+    assert_eq!(
+        parsed.calls,
+        vec![
+            call("get_weather", r#"{"city":"Paris"}"#),
+            call("get_time", "{}")
+        ]
+    );
+}
+
+#[test]
+fn malformed_calls_are_returned_as_text() {
+    let cases = [
+        (
+            ToolCallFormat::Hermes,
+            "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Par",
+        ),
+        (
+            ToolCallFormat::Hermes,
+            "<tool_call>not json</tool_call> and more",
+        ),
+        (
+            ToolCallFormat::Hermes,
+            "<tool_call>{\"arguments\": {}}</tool_call>",
+        ),
+        (
+            ToolCallFormat::Hermes,
+            "<tool_call>{\"name\": \"f\", \"arguments\": [1]}</tool_call>",
+        ),
+        (
+            ToolCallFormat::KimiK2,
+            "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0\
+             <|tool_call_argument_begin|>{oops}<|tool_call_end|><|tool_calls_section_end|>",
+        ),
+        (
+            ToolCallFormat::DeepseekV3,
+            "<｜tool▁calls▁begin｜>no call here<｜tool▁calls▁end｜>",
+        ),
+        (ToolCallFormat::Mistral, "[TOOL_CALLS] oops, not a call"),
+        (
+            ToolCallFormat::Glm,
+            "<tool_call>f<arg_key>a</arg_key>no value tag</tool_call>",
+        ),
+        (ToolCallFormat::Glm, "<tool_call>not a name!</tool_call>"),
+        (
+            ToolCallFormat::Mistral,
+            "[TOOL_CALLS][{\"name\": \"f\"}, 3]",
+        ),
+    ];
+    for (format, text) in cases {
+        let parsed = parse_both_ways(format, text);
+        assert!(parsed.calls.is_empty(), "{format:?} {text:?}: {parsed:?}");
+        assert_eq!(parsed.content, text, "{format:?}");
+    }
+}
+
+#[test]
+fn text_without_calls_passes_through_even_when_it_looks_like_a_marker() {
+    for text in [
+        "plain text",
+        "a < b and <tool",
+        "<tool_cal",
+        "[TOOL",
+        "",
+        "x<",
+    ] {
+        let parsed = parse_both_ways(ToolCallFormat::Hermes, text);
+        assert_eq!(parsed.content, text);
+        assert!(parsed.calls.is_empty());
+    }
+}
+
+#[test]
+fn text_after_calls_is_kept_and_whitespace_between_them_dropped() {
+    let text = "<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>\n\n\
+                <tool_call>{\"name\": \"g\", \"arguments\": {}}</tool_call>\nDone.";
+    let parsed = parse_both_ways(ToolCallFormat::Hermes, text);
+    assert_eq!(parsed.calls.len(), 2);
+    assert_eq!(parsed.content, "\nDone.");
+}
+
+/// Found by the tool_calls fuzz target: a space between text and a second call was
+/// dropped when streamed (taken for whitespace between calls) and kept when whole.
+#[test]
+fn whitespace_before_a_call_after_text_is_kept_however_the_text_is_cut() {
+    let text = "[TOOL_CALLS]f[ARGS]{}said: [TOOL_CALLS]g[ARGS]{} done";
+    let parsed = parse_both_ways(ToolCallFormat::Mistral, text);
+    assert_eq!(parsed.content, "said:  done");
+    assert_eq!(parsed.calls.len(), 2);
+}
+
+/// Found by the tool_calls fuzz target: a Mistral section whose "name" was not one
+/// waited for arguments when whole (an `[ARGS]` far on) but was text when streamed.
+#[test]
+fn a_mistral_section_without_a_name_is_text_however_the_text_is_cut() {
+    let text = "[TOOL_CALLS]!h [TOOL_CALLS]g[ARGS]{} x[ARGS]{\"L}";
+    let parsed = parse_both_ways(ToolCallFormat::Mistral, text);
+    assert_eq!(parsed.calls, vec![call("g", "{}")]);
+}
+
+#[test]
+fn formats_are_detected_from_the_chat_template() {
+    let cases = [
+        (
+            "{{ '<|tool_calls_section_begin|>' }}",
+            Some(ToolCallFormat::KimiK2),
+        ),
+        (
+            "{{'<｜tool▁calls▁begin｜>'}}",
+            Some(ToolCallFormat::DeepseekV3),
+        ),
+        (
+            "[TOOL_CALLS] {{ tool_calls|tojson }}",
+            Some(ToolCallFormat::Mistral),
+        ),
+        (
+            "<tool_call>\n{{ tool_call|tojson }}\n</tool_call>",
+            Some(ToolCallFormat::Hermes),
+        ),
+        ("{{ messages }}", None),
+    ];
+    for (template, format) in cases {
+        assert_eq!(ToolCallFormat::detect(template), format, "{template}");
+    }
+}
+
+#[test]
+fn a_familys_own_format_is_looked_for_first() {
+    let both = "[TOOL_CALLS] or <tool_call>";
+    assert_eq!(ToolCallFormat::detect(both), Some(ToolCallFormat::Mistral));
+    assert_eq!(
+        ToolCallFormat::for_model(both, Family::Qwen3Moe),
+        Some(ToolCallFormat::Hermes)
+    );
+    // A template without the family's markers falls back to the others.
+    assert_eq!(
+        ToolCallFormat::for_model("<tool_call>", Family::DeepseekV3),
+        Some(ToolCallFormat::Hermes)
+    );
+    assert_eq!(
+        ToolCallFormat::for_model("{{ messages }}", Family::Mixtral),
+        None
+    );
+}
+
+/// Text made of pieces of every format's markers, JSON and noise, cut anywhere: the
+/// parser never panics, streamed equals whole, and nothing is lost (content and calls
+/// together account for every call's name).
+#[test]
+fn any_text_parses_without_panicking() {
+    use rand::{Rng, SeedableRng};
+    let atoms = [
+        HERMES_BEGIN,
+        HERMES_END,
+        DEEPSEEK_SECTION_BEGIN,
+        DEEPSEEK_CALL_BEGIN,
+        DEEPSEEK_SEP,
+        DEEPSEEK_CALL_END,
+        DEEPSEEK_SECTION_END,
+        KIMI_SECTION_BEGIN,
+        KIMI_CALL_BEGIN,
+        KIMI_ARGUMENT_BEGIN,
+        KIMI_CALL_END,
+        KIMI_SECTION_END,
+        MISTRAL_BEGIN,
+        MISTRAL_ARGS,
+        "{\"name\": \"f\", \"arguments\": {\"a\": 1}}",
+        "{",
+        "}",
+        "[",
+        "]",
+        "\"",
+        "function",
+        "\n```json\n",
+        "```",
+        "functions.f:0",
+        " ",
+        "é",
+        "<",
+        "|",
+        "｜",
+    ];
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+    for _ in 0..3000 {
+        let text: String = (0..rng.random_range(0..12))
+            .map(|_| atoms[rng.random_range(0..atoms.len())])
+            .collect();
+        for format in [
+            ToolCallFormat::Hermes,
+            ToolCallFormat::DeepseekV3,
+            ToolCallFormat::KimiK2,
+            ToolCallFormat::Mistral,
+            ToolCallFormat::Glm,
+            ToolCallFormat::MiniMax,
+            ToolCallFormat::Harmony,
+        ] {
+            let parsed = parse_both_ways(format, &text);
+            if parsed.calls.is_empty() {
+                assert_eq!(parsed.content, text, "{format:?}");
+            }
+        }
+    }
+}
