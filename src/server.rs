@@ -451,6 +451,14 @@ fn listen_for_hangups() -> Hangups {}
 fn apply_reload(state: &AppState, in_force: &NodeConfig, new: &NodeConfig) {
     let changes = Changes::between(&state.config, in_force, new);
     state.live.apply(new);
+    // The peer handshake proves and accepts only the secrets read now (a secret removed is
+    // refused from the next handshake on).
+    if let Some(joined) = state
+        .served()
+        .and_then(|served| served.node.cluster.as_ref())
+    {
+        joined.set_peer_secrets(&new.cluster.secrets);
+    }
     if let Err(error) = crate::logging::set_filter(&new.logging.filter) {
         tracing::warn!(%error, "logging.filter not applied");
     }

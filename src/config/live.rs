@@ -9,8 +9,9 @@ use std::sync::{Arc, RwLock};
 use super::NodeConfig;
 
 /// The keys a reload applies to the running node; `etc/moe-node.toml` marks each one.
-pub const LIVE_KEYS: [&str; 3] = [
+pub const LIVE_KEYS: [&str; 4] = [
     "server.api_keys",
+    "cluster.secrets",
     "logging.filter",
     "placement.rebalance_interval_seconds",
 ];

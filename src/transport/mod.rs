@@ -37,7 +37,8 @@ use tokio::io::{AsyncBufRead, AsyncRead, AsyncWrite, BufReader, WriteHalf};
 
 pub use memory::{MemoryNetwork, MemoryTransport};
 pub use peer::{
-    Completion, Handler, PeerAuth, PeerClient, PeerConfig, PeerError, PeerServer, PeerStats,
+    Completion, Handler, PeerAuth, PeerClient, PeerConfig, PeerError, PeerSecrets, PeerServer,
+    PeerStats,
 };
 pub use tcp::TcpTransport;
 pub use ucx::UcxTransport;
