@@ -129,6 +129,11 @@ impl<W: AsyncWrite + Unpin> SealedWriter<W> {
         }
     }
 
+    /// The stream written to (what the records went into, for tests and fuzzing).
+    pub fn into_inner(self) -> W {
+        self.inner
+    }
+
     /// Sends what is left of the last record.
     fn poll_drain(&mut self, context: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         while self.sent < self.record.len() {
