@@ -333,18 +333,18 @@ impl<R: AsyncRead + Unpin> OpenedReader<R> {
                         "the peer closed the connection inside a sealed record",
                     );
                 }
-                Poll::Ready(Ok(())) => {
-                    self.filled += read.filled().len();
-                    if self.timer.is_none() {
-                        let deadline = tokio::time::Instant::now() + self.deadline;
-                        self.timer = Some(Box::pin(tokio::time::sleep_until(deadline)));
-                    }
-                }
+                Poll::Ready(Ok(())) => self.filled += read.filled().len(),
                 Poll::Ready(Err(error)) => {
                     self.failed = Some((error.kind(), "read failed"));
                     return Poll::Ready(Err(error));
                 }
                 Poll::Pending => {
+                    // The clock starts when a record is seen waiting half-read (a record
+                    // that arrives whole never starts it).
+                    if self.filled > self.record_start && self.timer.is_none() {
+                        let deadline = tokio::time::Instant::now() + self.deadline;
+                        self.timer = Some(Box::pin(tokio::time::sleep_until(deadline)));
+                    }
                     if let Some(timer) = self.timer.as_mut()
                         && timer.as_mut().poll(context).is_ready()
                     {
@@ -377,12 +377,8 @@ impl<R: AsyncRead + Unpin> OpenedReader<R> {
                 self.plain_start = start + RECORD_HEADER;
                 self.plain_end = self.plain_start + plain_len;
                 self.record_start = start + len;
-                // A record that arrived whole restarts the clock for the next one.
+                // A record that arrived whole stops the clock; the next one starts its own.
                 self.timer = None;
-                if self.filled > self.record_start {
-                    let deadline = tokio::time::Instant::now() + self.deadline;
-                    self.timer = Some(Box::pin(tokio::time::sleep_until(deadline)));
-                }
                 Poll::Ready(Ok(()))
             }
             Err(_) => {
