@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 
 use moe_node::transport::wire;
 use moe_node::transport::{
-    Dtype, ExpertReply, ExpertRequest, Handler, PeerAuth, PeerClient, PeerServer, PeerStats,
-    TcpTransport, Transport,
+    Dtype, ExpertReply, ExpertRequest, Handler, PeerAuth, PeerClient, PeerSecrets, PeerServer,
+    PeerStats, TcpTransport, Transport,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -201,8 +201,7 @@ fn main() {
         .expect("runtime");
     let auth = Arc::new(PeerAuth {
         node_id: "bench".into(),
-        secret: b"bench secret".to_vec(),
-        accepted: Vec::new(),
+        secrets: PeerSecrets::new(vec![b"bench secret".to_vec()]),
         model_fingerprint: 1,
     });
     let stats = Arc::new(PeerStats::default());

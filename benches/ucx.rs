@@ -40,8 +40,8 @@ use std::time::{Duration, Instant};
 use moe_node::transport::ucx::{Library, packs_rows};
 use moe_node::transport::wire;
 use moe_node::transport::{
-    Dtype, ExpertReply, ExpertRequest, Handler, PeerAuth, PeerClient, PeerServer, PeerStats,
-    TcpTransport, Transport, UcxTransport,
+    Dtype, ExpertReply, ExpertRequest, Handler, PeerAuth, PeerClient, PeerSecrets, PeerServer,
+    PeerStats, TcpTransport, Transport, UcxTransport,
 };
 
 const WIDTH: u32 = 7168;
@@ -75,8 +75,7 @@ fn transport(kind: &str) -> (Arc<dyn Transport>, Option<UcxTransport>) {
 fn auth(node: &str) -> Arc<PeerAuth> {
     Arc::new(PeerAuth {
         node_id: node.into(),
-        secret: b"bench secret 0123456789".to_vec(),
-        accepted: Vec::new(),
+        secrets: PeerSecrets::new(vec![b"bench secret 0123456789".to_vec()]),
         model_fingerprint: 1,
     })
 }

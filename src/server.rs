@@ -492,6 +492,9 @@ fn apply_cluster_secrets(state: &AppState, new: &NodeConfig) {
     if let Err(error) = joined.membership.set_keys(&new.cluster.secrets) {
         tracing::error!(%error, "cluster.secrets not applied to gossip");
     }
+    // The peer handshake proves and accepts only the secrets read now (a secret removed is
+    // refused from the next handshake on).
+    joined.set_peer_secrets(&new.cluster.secrets);
 }
 
 /// Exit status when the router is gone (sysexits' EX_SOFTWARE): systemd restarts the node.

@@ -974,3 +974,66 @@ fn transport_ucx_without_ucx_refuses_to_start_and_says_why() {
         "{log}"
     );
 }
+
+/// A secret removed from a node's configuration and reloaded (SIGHUP) is refused by its peer
+/// handshake at once, without a restart; the secret kept is accepted; the refusal is counted.
+#[test]
+fn a_secret_dropped_by_a_reload_is_refused_by_the_peer_handshake_at_once() {
+    use moe_node::transport::handshake::HandshakeError;
+    use moe_node::transport::peer::client_handshake;
+    use moe_node::transport::{PeerAuth, PeerSecrets, TcpTransport, Transport};
+    const OLD: &str = "old-cluster-secret-0123456789";
+    let dir = tempfile::tempdir().unwrap();
+    let config = lone_node_config(dir.path(), "tcp");
+    let with_old = std::fs::read_to_string(&config).unwrap().replace(
+        &format!("secrets = [\"{SECRET}\"]"),
+        &format!("secrets = [\"{SECRET}\", \"{OLD}\"]"),
+    );
+    std::fs::write(&config, &with_old).unwrap();
+    let node = Node::start("lone", config.clone(), model());
+    node.wait_ready();
+    let peer: SocketAddr = node.me()["peer"].as_str().unwrap().parse().unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let handshake = |secret: &str, fingerprint: u64| {
+        let auth = PeerAuth {
+            node_id: "visitor".into(),
+            secrets: PeerSecrets::new(vec![secret.as_bytes().to_vec()]),
+            model_fingerprint: fingerprint,
+        };
+        runtime.block_on(async {
+            let mut stream = TcpTransport::default().connect(peer).await.unwrap();
+            client_handshake(&mut stream, &auth).await.map(|(id, _)| id)
+        })
+    };
+    // The server hello says the node's model fingerprint, before any proof.
+    let fingerprint = match handshake(SECRET, 0) {
+        Err(HandshakeError::WrongModel { theirs, .. }) => theirs,
+        other => panic!("a foreign fingerprint is refused: {other:?}"),
+    };
+    assert_eq!(handshake(OLD, fingerprint), Ok("lone".to_string()));
+
+    std::fs::write(&config, with_old.replace(&format!(", \"{OLD}\""), "")).unwrap();
+    node.signal("-HUP");
+    node.wait_until(Duration::from_secs(10), "reloaded", || {
+        node.process.log_contains("configuration reloaded")
+    });
+    assert!(
+        node.process.log_contains("cluster.secrets"),
+        "the reload names the secrets as applied: {:?}",
+        node.log()
+    );
+    assert_eq!(
+        handshake(OLD, fingerprint),
+        Err(HandshakeError::RefusedByPeer)
+    );
+    assert_eq!(handshake(SECRET, fingerprint), Ok("lone".to_string()));
+    let metrics = node.get("/metrics").text().unwrap();
+    let refused = metrics
+        .lines()
+        .find(|l| l.starts_with("moe_node_peer_frames_rejected_total{reason=\"auth_failed\"}"))
+        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok());
+    assert_eq!(refused, Some(1.0), "{metrics}");
+}

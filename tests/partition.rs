@@ -27,7 +27,7 @@ use moe_node::experts::{ExpertExecutor, run_expert_groups};
 use moe_node::model::weights::{DenseWeights, FeedForward, load_expert};
 use moe_node::model::{Checkpoint, ExpertWeights, ModelConfig};
 use moe_node::placement::{ExpertLoad, NodeSlots, Placement, PlacementSpec};
-use moe_node::transport::peer::{Handler, PeerAuth, PeerServer, PeerStats};
+use moe_node::transport::peer::{Handler, PeerAuth, PeerSecrets, PeerServer, PeerStats};
 use moe_node::transport::{Dtype, ExpertReply, MemoryNetwork, RemoteError};
 
 const ROUTER: &str = "10.0.0.1:7000";
@@ -85,8 +85,7 @@ fn fixture() -> Fixture {
     let network = MemoryNetwork::new();
     let auth = Arc::new(PeerAuth {
         node_id: "test".into(),
-        secret: b"partition-test-secret".to_vec(),
-        accepted: Vec::new(),
+        secrets: PeerSecrets::new(vec![b"partition-test-secret".to_vec()]),
         model_fingerprint: 1,
     });
     let width = config.hidden_size;

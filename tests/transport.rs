@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use moe_node::config::{PeerSection, PeerTransport};
 use moe_node::transport::handshake::HandshakeError;
+use moe_node::transport::peer::seal::SealedWriter;
 use moe_node::transport::peer::{PeerConfig, client_handshake};
 
 mod common;
@@ -19,9 +20,15 @@ mod sockets;
 use moe_node::transport::wire::{self, HEADER_LEN};
 use moe_node::transport::{
     Dtype, ExpertReply, ExpertRequest, Handler, MemoryNetwork, PeerAuth, PeerClient, PeerError,
-    PeerServer, PeerStats, PeerStream, TcpTransport, Transport, UcxTransport,
+    PeerSecrets, PeerServer, PeerStats, PeerStream, TcpTransport, Transport, UcxTransport,
 };
 use tokio::io::AsyncWriteExt;
+
+/// A stream to a peer server as a test writes to it: before the handshake, or after it.
+enum RawStream {
+    Plain(Box<dyn PeerStream>),
+    Sealed(SealedWriter<Box<dyn PeerStream>>),
+}
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Kind {
@@ -210,22 +217,28 @@ impl Rig {
         self.client_with(server, auth("client", b"cluster secret", 7), stats)
     }
 
-    /// A raw, authenticated (or not) stream to the server, for writing bad frames.
-    fn raw(&self, server: SocketAddr, authenticate: bool) -> Box<dyn PeerStream> {
+    /// A raw, authenticated (or not) stream to the server, for writing bad frames: once
+    /// authenticated, what is written goes sealed with the link's keys, as a peer's frames do.
+    fn raw(&self, server: SocketAddr, authenticate: bool) -> RawStream {
         let transport = self.client_transport();
         self.runtime.block_on(async move {
             let mut stream = transport.connect(server).await.expect("raw connect");
-            if authenticate {
-                client_handshake(&mut stream, &auth("raw", b"cluster secret", 7))
-                    .await
-                    .expect("raw handshake");
+            if !authenticate {
+                return RawStream::Plain(stream);
             }
-            stream
+            let (_, keys) = client_handshake(&mut stream, &auth("raw", b"cluster secret", 7))
+                .await
+                .expect("raw handshake");
+            RawStream::Sealed(SealedWriter::new(stream, &keys.client_to_server))
         })
     }
 
-    fn write_raw(&self, mut stream: Box<dyn PeerStream>, bytes: Vec<u8>) {
+    fn write_raw(&self, stream: RawStream, bytes: Vec<u8>) {
         self.runtime.block_on(async move {
+            let mut stream: Box<dyn tokio::io::AsyncWrite + Unpin + Send> = match stream {
+                RawStream::Plain(stream) => Box::new(stream),
+                RawStream::Sealed(stream) => Box::new(stream),
+            };
             let _ = stream.write_all(&bytes).await;
             let _ = stream.shutdown().await;
             // Keep the stream open a little so the server reads what it was sent.
@@ -237,8 +250,7 @@ impl Rig {
 fn auth(node_id: &str, secret: &[u8], model_fingerprint: u64) -> PeerAuth {
     PeerAuth {
         node_id: node_id.into(),
-        secret: secret.to_vec(),
-        accepted: Vec::new(),
+        secrets: PeerSecrets::new(vec![secret.to_vec()]),
         model_fingerprint,
     }
 }
@@ -705,9 +717,10 @@ fn wrong_secret_is_refused_on_both_sides(kind: Kind) {
         make_request(1, Dtype::F32),
         Duration::from_secs(5),
     );
+    // The client proves itself first: the server refuses it before proving anything.
     assert_eq!(
         result,
-        Err(PeerError::Handshake(HandshakeError::WrongSecret))
+        Err(PeerError::Handshake(HandshakeError::RefusedByPeer))
     );
     let counted = |stats: &PeerStats| {
         stats.frames_rejected.auth_failed.load(Ordering::Relaxed) >= 1
@@ -734,7 +747,12 @@ fn wrong_secret_is_refused_on_both_sides(kind: Kind) {
 /// peer holding only that is refused.
 fn secrets_rotate_without_refusing_a_peer(kind: Kind) {
     let with = |id: &str, secret: &[u8], accepted: &[&[u8]]| PeerAuth {
-        accepted: accepted.iter().map(|s| s.to_vec()).collect(),
+        secrets: PeerSecrets::new(
+            std::iter::once(secret)
+                .chain(accepted.iter().copied())
+                .map(<[u8]>::to_vec)
+                .collect(),
+        ),
         ..auth(id, secret, 7)
     };
     let (old, new): (&[u8], &[u8]) = (b"old secret", b"new secret");
@@ -762,7 +780,7 @@ fn secrets_rotate_without_refusing_a_peer(kind: Kind) {
     // The old secret dropped: a peer with only the old one is refused.
     assert_eq!(
         call_with(with("s", new, &[]), with("c", old, &[])).err(),
-        Some(PeerError::Handshake(HandshakeError::WrongSecret))
+        Some(PeerError::Handshake(HandshakeError::RefusedByPeer))
     );
 }
 

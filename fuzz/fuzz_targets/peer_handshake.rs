@@ -14,9 +14,8 @@ fuzz_target!(|data: &[u8]| {
     };
     let auth = PeerAuth {
         node_id: "fuzz-node".into(),
-        secret: b"fuzz-secret".to_vec(),
         // Mid-rotation: an older secret is accepted too.
-        accepted: vec![b"old-secret".to_vec()],
+        secrets: PeerSecrets::new(vec![b"fuzz-secret".to_vec(), b"old-secret".to_vec()]),
         model_fingerprint: 0x5eed,
     };
     let runtime = tokio::runtime::Builder::new_current_thread()

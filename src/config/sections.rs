@@ -397,8 +397,16 @@ impl ClusterConfig {
         if self.secrets.is_empty() {
             problems.push("cluster.secrets: a cluster needs a shared secret".into());
         }
-        if self.secrets.iter().any(|k| k.len() < 16) {
-            problems.push("cluster.secrets: each secret needs at least 16 characters".into());
+        for (index, secret) in self.secrets.iter().enumerate() {
+            if let Some(why) = weak_secret(secret) {
+                problems.push(format!(
+                    "cluster.secrets: secret {} of {} {why}: it needs 128 bits of entropy, 32 hex \
+                     characters or 22 base64 characters (e.g. `openssl rand -hex 16` or \
+                     `openssl rand -base64 16`)",
+                    index + 1,
+                    self.secrets.len()
+                ));
+            }
         }
         let mut addrs = Vec::new();
         for (key, value) in [
@@ -482,6 +490,29 @@ impl ClusterConfig {
     }
 }
 
+/// Why a cluster secret has less than 128 bits of entropy, judged by its length in the
+/// alphabet it is written in: 4 bits a character if it is hex, 6 otherwise (base64's, and a
+/// generous guess for anything else). `None` when it is long enough. The secret itself is
+/// never part of the answer.
+pub(crate) fn weak_secret(secret: &str) -> Option<String> {
+    let chars = secret.chars().count();
+    let (alphabet, needed) = if secret.chars().all(|c| c.is_ascii_hexdigit()) {
+        ("hex", 32)
+    } else {
+        ("characters", 22)
+    };
+    let mut distinct: Vec<char> = secret.chars().collect();
+    distinct.sort_unstable();
+    distinct.dedup();
+    if chars < needed {
+        Some(format!("has {chars} {alphabet}"))
+    } else if distinct.len() < 8 {
+        Some(format!("repeats {} characters only", distinct.len()))
+    } else {
+        None
+    }
+}
+
 /// How expert work travels between the nodes of a cluster.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -497,6 +528,22 @@ pub struct PeerSection {
     /// After `ucx_lib_dir`, also search the dynamic loader's paths (the system's UCX);
     /// `false` uses only the UCX in `ucx_lib_dir`.
     pub ucx_system_search: bool,
+    /// Connections the peer port holds at once, handshakes included; more are closed at
+    /// accept.
+    pub max_connections: usize,
+    /// Authenticated connections from one node at once; more are closed after the handshake.
+    pub max_connections_per_peer: usize,
+    /// Requests one connection runs at once; more are answered "overloaded".
+    pub max_inflight_per_connection: usize,
+    /// Bytes of request rows (f32, as the devices take them) one connection holds at once,
+    /// being received or worked on. Reading from the connection waits while they are spent;
+    /// a frame larger than all of them closes it. Rows are allocated as they arrive, never
+    /// from the length a header declares. With `max_connections`, this bounds what peers
+    /// can make the node hold.
+    pub max_bytes_per_connection: u64,
+    /// Time a frame may take to arrive once its first bytes did; a frame stopped half-way
+    /// longer than this closes its connection.
+    pub frame_timeout_ms: u64,
 }
 
 impl Default for PeerSection {
@@ -505,6 +552,11 @@ impl Default for PeerSection {
             transport: PeerTransport::default(),
             ucx_lib_dir: String::new(),
             ucx_system_search: true,
+            max_connections: 64,
+            max_connections_per_peer: 4,
+            max_inflight_per_connection: 256,
+            max_bytes_per_connection: 512 << 20,
+            frame_timeout_ms: 30_000,
         }
     }
 }
@@ -526,6 +578,37 @@ impl PeerSection {
                  look for UCX; set peer.ucx_lib_dir, or peer.transport = \"tcp\""
                     .into(),
             );
+        }
+        for (key, value, min) in [
+            ("peer.max_connections", self.max_connections as u64, 1),
+            (
+                "peer.max_connections_per_peer",
+                self.max_connections_per_peer as u64,
+                1,
+            ),
+            (
+                "peer.max_inflight_per_connection",
+                self.max_inflight_per_connection as u64,
+                1,
+            ),
+            (
+                "peer.max_bytes_per_connection",
+                self.max_bytes_per_connection,
+                1 << 20,
+            ),
+            ("peer.frame_timeout_ms", self.frame_timeout_ms, 100),
+        ] {
+            if value < min {
+                problems.push(format!("{key}: must be at least {min}"));
+            }
+        }
+        if self.max_connections_per_peer > self.max_connections {
+            problems.push(
+                "peer.max_connections_per_peer: must not be above peer.max_connections".into(),
+            );
+        }
+        if self.frame_timeout_ms > 3_600_000 {
+            problems.push("peer.frame_timeout_ms: at most an hour".into());
         }
         problems
     }

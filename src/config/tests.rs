@@ -201,7 +201,7 @@ fn cluster_problems_are_reported() {
     let text = err.to_string();
     for expected in [
         "cluster.node_id",
-        "cluster.secrets: each secret needs at least 16 characters",
+        "cluster.secrets: secret 1 of 1 has 5 characters: it needs 128 bits of entropy",
         "cluster.gossip_listen: `0.0.0.0:7946` listens everywhere",
         "cluster.peer_listen: `nowhere`",
         "cluster.seeds: `x`",
@@ -216,6 +216,35 @@ fn cluster_problems_are_reported() {
     }
     // Alone (no node_id), the section is not checked.
     assert!(load("[cluster]\nreplication = 5\n", &[]).is_ok());
+}
+
+#[test]
+fn cluster_secrets_need_128_bits() {
+    use super::sections::weak_secret;
+    let hex = "0123456789abcdef0123456789abcdef";
+    assert_eq!(weak_secret(hex), None);
+    assert_eq!(weak_secret(&hex[..31]).as_deref(), Some("has 31 hex"));
+    let base64 = "q3J0bXlzZWNyZXRrZXkx+/";
+    assert_eq!(weak_secret(base64), None);
+    assert_eq!(
+        weak_secret(&base64[..21]).as_deref(),
+        Some("has 21 characters")
+    );
+    assert_eq!(
+        weak_secret(&"ab".repeat(20)).as_deref(),
+        Some("repeats 2 characters only")
+    );
+    let config = |secret: &str| {
+        format!(
+            "[cluster]\nnode_id = \"a\"\nsecrets = [\"{hex}\", \"{secret}\"]\nexpect_nodes = 2\n"
+        )
+    };
+    let err = load(&config("0123456789abcdef"), &[])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("secret 2 of 2 has 16 hex"), "{err}");
+    assert!(!err.contains(hex), "a secret is never printed: {err}");
+    assert!(load(&config(base64), &[]).is_ok());
 }
 
 #[test]

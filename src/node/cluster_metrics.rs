@@ -92,6 +92,9 @@ impl Collector for ClusterCollector {
                 (&[("reason", "malformed")], load(&r.malformed)),
                 (&[("reason", "auth_failed")], load(&r.auth_failed)),
                 (&[("reason", "wrong_model")], load(&r.wrong_model)),
+                (&[("reason", "integrity")], load(&r.integrity)),
+                (&[("reason", "stalled")], load(&r.stalled)),
+                (&[("reason", "over_limit")], load(&r.over_limit)),
             ],
         )?;
         let g = &self.gossip;

@@ -16,7 +16,7 @@ use crate::experts::remote::{PeerNodes, serve_remote_work};
 use crate::placement::PlacementSpec;
 use crate::rollout::bootstrap::{BootstrapError, Start, await_placement, fetch_table};
 use crate::rollout::follow::{FollowParts, follow};
-use crate::transport::peer::{PeerAuth, PeerServer, PeerStats};
+use crate::transport::peer::{PeerAuth, PeerConfig, PeerSecrets, PeerServer, PeerStats};
 use crate::transport::select;
 
 #[derive(Debug, thiserror::Error)]
@@ -44,6 +44,8 @@ pub struct Joined {
     pub peers: Arc<PeerNodes>,
     pub stats: Arc<PeerStats>,
     pub peer_addr: SocketAddr,
+    /// The cluster secrets the peer links prove and accept (a reload replaces them).
+    peer_secrets: PeerSecrets,
     /// Kept for its life: dropping it stops serving other nodes.
     _server: PeerServer,
     dispatcher: Arc<OnceLock<Arc<Dispatcher>>>,
@@ -101,14 +103,10 @@ pub fn join(
         .enable_all()
         .build()
         .map_err(ClusterError::Runtime)?;
-    let secret = config.secrets.first().cloned().unwrap_or_default();
+    let peer_secrets = PeerSecrets::from_config(&config.secrets);
     let auth = Arc::new(PeerAuth {
         node_id: config.node_id.clone(),
-        secret: secret.into_bytes(),
-        accepted: config.secrets[1.min(config.secrets.len())..]
-            .iter()
-            .map(|s| s.clone().into_bytes())
-            .collect(),
+        secrets: peer_secrets.clone(),
         model_fingerprint,
     });
     let stats = Arc::new(PeerStats::default());
@@ -117,13 +115,14 @@ pub fn join(
     let transport = chosen.transport;
     let dispatcher = Arc::new(OnceLock::new());
     let peer_listen = parse("peer_listen", &config.peer_listen)?;
-    let server = PeerServer::start(
+    let server = PeerServer::start_with_config(
         transport.clone(),
         peer_listen,
         auth.clone(),
         stats.clone(),
         serve_remote_work(dispatcher.clone(), width),
         runtime.handle().clone(),
+        PeerConfig::from_section(peer),
     )
     .map_err(|source| ClusterError::PeerBind {
         addr: peer_listen,
@@ -199,6 +198,7 @@ pub fn join(
             peers,
             stats,
             peer_addr,
+            peer_secrets,
             _server: server,
             dispatcher,
             live,
@@ -211,6 +211,14 @@ pub fn join(
 }
 
 impl Joined {
+    /// Replaces the cluster secrets of the peer links (a reload): the next handshake, as
+    /// server or client, proves with the first and accepts only these; a secret removed is
+    /// refused at once. Links already up keep the keys their handshake gave them.
+    pub fn set_peer_secrets(&self, secrets: &[String]) {
+        self.peer_secrets
+            .replace(secrets.iter().map(|s| s.as_bytes().to_vec()).collect());
+    }
+
     /// Takes expert work from other nodes from now on, tells the cluster which placement
     /// this node serves, feeds gossip's verdicts on the nodes to the dispatcher, and
     /// follows the cluster's placement changes (see [`crate::rollout::follow`]).

@@ -1,26 +1,40 @@
-//! The peer handshake messages and proofs: pure, no I/O (peer.rs drives them over a stream).
+//! The peer handshake messages, proofs and link keys: pure, no I/O (peer/link.rs drives them
+//! over a stream).
 //!
 //! ```text
 //! client -> server  ClientHello  "MOEH" version 1 fingerprint u64 nonce[16] id_len u16 id
 //! server -> client  ServerHello  "MOEH" version 2 status u8 fingerprint u64 nonce[16]
-//!                                id_len u16 id mac[32]
-//! client -> server  ClientProof  "MOEH" version 3 status u8 mac[32]
-//! server -> client  Verdict      "MOEH" version 4 status u8
+//!                                id_len u16 id
+//! client -> server  ClientProof  "MOEH" version 3 status u8 count u8 mac[32] × count
+//! server -> client  Verdict      "MOEH" version 4 status u8 mac[32]
 //! both, once Ok      LinkOffer    "MOEH" version 5 kind u8 len u32 address[len]
 //!                                (kind 0: stay, len 0; else a LinkKind's code, 1 UCX)
 //! both, after a path LinkReady    "MOEH" version 6 ready u8 (1: made, 0: failed)
 //! ```
 //!
-//! The server MAC is HMAC-SHA256(secret, "moe-node peer server" || transcript), the client
-//! MAC uses "moe-node peer client"; the transcript is both nonces, both fingerprints and both
-//! node ids (each id length-prefixed). Each side thereby proves it holds the cluster secret
-//! without sending it, and neither proof can be replayed on another connection (fresh nonces).
-//! Only the handshake is keyed: frames after it carry no MAC, so bulk rows are never hashed.
+//! The client proves itself first: its MAC is HMAC-SHA256(secret, "moe-node peer client" ||
+//! transcript), the transcript being both nonces, both fingerprints and both node ids (each
+//! id length-prefixed), one MAC per secret it holds (its own first, at most [`MAX_PROOFS`]),
+//! so that nodes part-way through a rotation of secrets still meet. Only when one verifies
+//! with a secret the server holds does the server prove itself, with HMAC-SHA256(that secret,
+//! "moe-node peer server" || transcript || that client MAC) in its verdict. So
+//! a client without the secret gets nothing computed from the secret and its own nonce (the
+//! server hello is the server's fresh nonce and who it is): it cannot test a guessed secret
+//! offline, only by connecting again. Neither proof can be replayed on another connection
+//! (fresh nonces on both sides).
+//!
+//! Both sides then derive the link's two keys ([`link_keys`]) with HKDF-SHA256 from the
+//! secret the proofs used, salted with both nonces, over the transcript: one key per
+//! direction. Every byte of the link after the handshake travels in records sealed with them
+//! (AES-256-GCM, a per-direction counter as the nonce: see `peer/seal.rs`), so an on-path
+//! relay that alters, replays, reorders, drops or cuts records is found at the next record
+//! and the link is closed. The link offers below are not sealed: altering them can only keep
+//! a link on TCP or fail it, since whatever path the link takes carries sealed records.
 //!
 //! A status byte lets each side refuse with a reason the other can report: the server answers
-//! a foreign model fingerprint with `WrongModel` (and no MAC), the client answers a server
-//! proof that does not verify with `AuthFailed`, the server's verdict says whether the client
-//! proof verified.
+//! a foreign model fingerprint with `WrongModel`, the client answers a server hello it cannot
+//! use with `AuthFailed` (no MAC), the server's verdict says whether the client proof
+//! verified, and the client refuses a server proof that does not verify (`WrongSecret`).
 //!
 //! Once authenticated, each side says what else could carry the link ([`LinkOffer`]): nothing
 //! (the frames stay on this stream) or a path of some [`LinkKind`] (today UCX, at a worker
@@ -42,14 +56,19 @@ pub const HANDSHAKE_MAGIC: [u8; 4] = *b"MOEH";
 /// messages (2 used UCX's stream API, which a 3 cannot read), so the two refuse each other
 /// here, with a clear error, instead of linking and never hearing each other. 4: a UCX link
 /// may carry a frame's rows as a message of their own (a 16-byte header), which a 3 takes
-/// for a broken peer.
-pub const HANDSHAKE_VERSION: u8 = 4;
+/// for a broken peer. 5: the client proves itself first and every byte after the handshake
+/// travels in sealed records, which a 4 would take for bad frames.
+pub const HANDSHAKE_VERSION: u8 = 5;
 /// Longest node id accepted.
 pub const MAX_NODE_ID: usize = 255;
 /// Size of a MAC.
 pub const MAC_LEN: usize = 32;
 /// Size of a nonce.
 pub const NONCE_LEN: usize = 16;
+/// Most client proofs one handshake carries (one per secret the client holds).
+pub const MAX_PROOFS: usize = 8;
+/// Size of each direction's link key (AES-256).
+pub const KEY_LEN: usize = 32;
 
 const TYPE_CLIENT_HELLO: u8 = 1;
 const TYPE_SERVER_HELLO: u8 = 2;
@@ -95,6 +114,8 @@ pub enum HandshakeError {
     Truncated,
     #[error("handshake I/O error: {0}")]
     Io(String),
+    #[error("this node holds no cluster secret (cluster.secrets is empty or was removed)")]
+    NoSecret,
 }
 
 /// Status byte of the server hello, client proof and verdict.
@@ -132,12 +153,11 @@ pub struct Hello {
     pub nonce: [u8; NONCE_LEN],
 }
 
-/// The server's answer to a client hello.
+/// The server's answer to a client hello: nothing in it depends on the secret.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServerHello {
     pub status: Status,
     pub hello: Hello,
-    pub mac: [u8; MAC_LEN],
 }
 
 fn preamble(out: &mut Vec<u8>, kind: u8) {
@@ -173,24 +193,41 @@ pub fn encode_server_hello(reply: &ServerHello) -> Vec<u8> {
     preamble(&mut out, TYPE_SERVER_HELLO);
     out.push(reply.status.code());
     push_hello(&mut out, &reply.hello);
-    out.extend_from_slice(&reply.mac);
     out
 }
 
-/// Encodes the client proof (or its refusal of the server's proof).
-pub fn encode_client_proof(status: Status, mac: &[u8; MAC_LEN]) -> Vec<u8> {
+/// Encodes the client's proofs, one per secret it holds, its own first (at most
+/// [`MAX_PROOFS`]; more are left out).
+pub fn encode_client_proof(status: Status, macs: &[[u8; MAC_LEN]]) -> Vec<u8> {
+    let macs = &macs[..macs.len().min(MAX_PROOFS)];
     let mut out = Vec::new();
     preamble(&mut out, TYPE_CLIENT_PROOF);
     out.push(status.code());
-    out.extend_from_slice(mac);
+    // At most MAX_PROOFS, which fits a byte.
+    out.push(macs.len() as u8);
+    for mac in macs {
+        out.extend_from_slice(mac);
+    }
     out
 }
 
-/// Encodes the server's final verdict.
-pub fn encode_verdict(status: Status) -> Vec<u8> {
+/// Checks the count of proofs a client proof says follow.
+pub fn parse_proof_count(count: u8) -> Result<usize, HandshakeError> {
+    match usize::from(count) {
+        count @ 1..=MAX_PROOFS => Ok(count),
+        count => Err(HandshakeError::Protocol(format!(
+            "{count} client proofs (1 to {MAX_PROOFS} are read)"
+        ))),
+    }
+}
+
+/// Encodes the server's verdict on the client proof and, when it verified, the server's
+/// own proof (zeros otherwise).
+pub fn encode_verdict(status: Status, mac: &[u8; MAC_LEN]) -> Vec<u8> {
     let mut out = Vec::new();
     preamble(&mut out, TYPE_VERDICT);
     out.push(status.code());
+    out.extend_from_slice(mac);
     out
 }
 
@@ -322,32 +359,33 @@ pub fn parse_status(code: u8) -> Result<Status, HandshakeError> {
 
 const SERVER_LABEL: &[u8] = b"moe-node peer server";
 const CLIENT_LABEL: &[u8] = b"moe-node peer client";
+const KEYS_LABEL: &[u8] = b"moe-node peer link keys v5";
+
+/// What both proofs and the link keys cover besides the nonces' roles: both nonces, both
+/// fingerprints, both node ids (length-prefixed).
+fn transcript(client: &Hello, server: &Hello) -> Vec<u8> {
+    let mut out = Vec::with_capacity(2 * NONCE_LEN + 16 + 4 + 2 * MAX_NODE_ID);
+    out.extend_from_slice(&client.nonce);
+    out.extend_from_slice(&server.nonce);
+    out.extend_from_slice(&client.model_fingerprint.to_le_bytes());
+    out.extend_from_slice(&server.model_fingerprint.to_le_bytes());
+    for id in [truncate_id(&client.node_id), truncate_id(&server.node_id)] {
+        out.extend_from_slice(&(id.len() as u16).to_le_bytes());
+        out.extend_from_slice(id);
+    }
+    out
+}
 
 fn keyed(secret: &[u8], label: &[u8], client: &Hello, server: &Hello) -> Hmac<Sha256> {
     // HMAC takes keys of any length, so this never fails; an empty key still gives a MAC.
     let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(secret)
         .unwrap_or_else(|_| <Hmac<Sha256> as Mac>::new_from_slice(&[0]).expect("1-byte key"));
     mac.update(label);
-    mac.update(&client.nonce);
-    mac.update(&server.nonce);
-    mac.update(&client.model_fingerprint.to_le_bytes());
-    mac.update(&server.model_fingerprint.to_le_bytes());
-    for id in [truncate_id(&client.node_id), truncate_id(&server.node_id)] {
-        mac.update(&(id.len() as u16).to_le_bytes());
-        mac.update(id);
-    }
+    mac.update(&transcript(client, server));
     mac
 }
 
-/// The server's proof over the transcript.
-pub fn server_mac(secret: &[u8], client: &Hello, server: &Hello) -> [u8; MAC_LEN] {
-    keyed(secret, SERVER_LABEL, client, server)
-        .finalize()
-        .into_bytes()
-        .into()
-}
-
-/// The client's proof over the transcript.
+/// The client's proof over the transcript (sent first).
 pub fn client_mac(secret: &[u8], client: &Hello, server: &Hello) -> [u8; MAC_LEN] {
     keyed(secret, CLIENT_LABEL, client, server)
         .finalize()
@@ -355,18 +393,84 @@ pub fn client_mac(secret: &[u8], client: &Hello, server: &Hello) -> [u8; MAC_LEN
         .into()
 }
 
-/// Verifies the server's proof in constant time.
-pub fn verify_server_mac(secret: &[u8], client: &Hello, server: &Hello, mac: &[u8]) -> bool {
-    keyed(secret, SERVER_LABEL, client, server)
-        .verify_slice(mac)
-        .is_ok()
-}
-
 /// Verifies the client's proof in constant time.
 pub fn verify_client_mac(secret: &[u8], client: &Hello, server: &Hello, mac: &[u8]) -> bool {
     keyed(secret, CLIENT_LABEL, client, server)
         .verify_slice(mac)
         .is_ok()
+}
+
+fn server_keyed(
+    secret: &[u8],
+    client: &Hello,
+    server: &Hello,
+    client_proof: &[u8],
+) -> Hmac<Sha256> {
+    let mut mac = keyed(secret, SERVER_LABEL, client, server);
+    mac.update(client_proof);
+    mac
+}
+
+/// The server's proof, over the transcript and the client's proof it answers.
+pub fn server_mac(
+    secret: &[u8],
+    client: &Hello,
+    server: &Hello,
+    client_proof: &[u8; MAC_LEN],
+) -> [u8; MAC_LEN] {
+    server_keyed(secret, client, server, client_proof)
+        .finalize()
+        .into_bytes()
+        .into()
+}
+
+/// Verifies the server's proof in constant time.
+pub fn verify_server_mac(
+    secret: &[u8],
+    client: &Hello,
+    server: &Hello,
+    client_proof: &[u8; MAC_LEN],
+    mac: &[u8],
+) -> bool {
+    server_keyed(secret, client, server, client_proof)
+        .verify_slice(mac)
+        .is_ok()
+}
+
+/// The two keys of one link, one per direction (never the same: each seals its own
+/// counter's records).
+#[derive(Clone, PartialEq, Eq)]
+pub struct LinkKeys {
+    pub client_to_server: [u8; KEY_LEN],
+    pub server_to_client: [u8; KEY_LEN],
+}
+
+impl std::fmt::Debug for LinkKeys {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LinkKeys(<redacted>)")
+    }
+}
+
+/// The link keys both sides derive once the proofs verified: HKDF-SHA256 with both nonces as
+/// the salt and the secret the proofs used as the key, over the transcript and a label per
+/// direction.
+pub fn link_keys(secret: &[u8], client: &Hello, server: &Hello) -> LinkKeys {
+    let mut salt = [0u8; 2 * NONCE_LEN];
+    salt[..NONCE_LEN].copy_from_slice(&client.nonce);
+    salt[NONCE_LEN..].copy_from_slice(&server.nonce);
+    let hkdf = hkdf::Hkdf::<Sha256>::new(Some(&salt), secret);
+    let transcript = transcript(client, server);
+    let derive = |direction: &[u8]| {
+        let mut key = [0u8; KEY_LEN];
+        // 32 bytes is far below HKDF-SHA256's limit of 255 × 32, so this never fails.
+        hkdf.expand_multi_info(&[KEYS_LABEL, direction, &transcript], &mut key)
+            .expect("32 bytes of HKDF-SHA256 output");
+        key
+    };
+    LinkKeys {
+        client_to_server: derive(b" client to server "),
+        server_to_client: derive(b" server to client "),
+    }
 }
 
 #[cfg(test)]
@@ -384,14 +488,48 @@ mod tests {
     #[test]
     fn proofs_verify_only_with_the_same_secret_and_transcript() {
         let (client, server) = (hello("a", 1), hello("b", 2));
-        let mac = server_mac(b"secret", &client, &server);
-        assert!(verify_server_mac(b"secret", &client, &server, &mac));
-        assert!(!verify_server_mac(b"other", &client, &server, &mac));
+        let proof = client_mac(b"secret", &client, &server);
+        let mac = server_mac(b"secret", &client, &server, &proof);
+        assert!(verify_server_mac(b"secret", &client, &server, &proof, &mac));
+        assert!(!verify_server_mac(b"other", &client, &server, &proof, &mac));
         assert!(!verify_client_mac(b"secret", &client, &server, &mac));
-        assert!(!verify_server_mac(b"secret", &hello("a", 3), &server, &mac));
-        assert!(!verify_server_mac(b"secret", &client, &server, &mac[..31]));
-        let client_proof = client_mac(b"", &client, &server);
-        assert!(verify_client_mac(b"", &client, &server, &client_proof));
+        assert!(!verify_server_mac(
+            b"secret",
+            &hello("a", 3),
+            &server,
+            &proof,
+            &mac
+        ));
+        assert!(!verify_server_mac(
+            b"secret",
+            &client,
+            &server,
+            &proof,
+            &mac[..31]
+        ));
+        // The server's proof answers one client proof only.
+        assert!(!verify_server_mac(
+            b"secret",
+            &client,
+            &server,
+            &[0; MAC_LEN],
+            &mac
+        ));
+        assert!(verify_client_mac(b"secret", &client, &server, &proof));
+        let empty = client_mac(b"", &client, &server);
+        assert!(verify_client_mac(b"", &client, &server, &empty));
+    }
+
+    #[test]
+    fn link_keys_differ_by_direction_secret_and_nonce() {
+        let (client, server) = (hello("a", 1), hello("b", 2));
+        let keys = link_keys(b"secret", &client, &server);
+        assert_eq!(keys, link_keys(b"secret", &client, &server));
+        assert_ne!(keys.client_to_server, keys.server_to_client);
+        assert_ne!(keys, link_keys(b"other", &client, &server));
+        assert_ne!(keys, link_keys(b"secret", &hello("a", 3), &server));
+        assert_ne!(keys, link_keys(b"secret", &client, &hello("c", 2)));
+        assert_eq!(format!("{keys:?}"), "LinkKeys(<redacted>)");
     }
 
     #[test]
@@ -411,7 +549,7 @@ mod tests {
         wrong[4] = 3;
         assert_eq!(
             check_preamble(&wrong, message::CLIENT_HELLO),
-            Err(HandshakeError::BadVersion { theirs: 3, ours: 4 })
+            Err(HandshakeError::BadVersion { theirs: 3, ours: 5 })
         );
         fixed[24..26].copy_from_slice(&1000u16.to_le_bytes());
         assert!(parse_hello_fixed(&fixed).is_err());

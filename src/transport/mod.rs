@@ -11,9 +11,10 @@
 //! - [`peer`]: [`PeerClient`] and [`PeerServer`], the protocol over any transport.
 //!
 //! Adding a transport: implement [`Transport`] (`connect` and `bind` give byte streams, on
-//! which the peer handshake authenticates both sides) and [`PeerStream`] for its stream
-//! (`into_halves`: [`FrameRead`] and [`FrameWrite`] have defaults that suit any byte stream;
-//! override them where the transport can spare a copy). A transport whose fast path needs
+//! which the peer handshake authenticates both sides) and [`PeerStream`] for its stream. The
+//! peer protocol reads and writes every link as one byte stream of sealed records
+//! (`peer/seal.rs`), so a transport's own halves (`into_halves`, and the copies
+//! [`FrameRead`] and [`FrameWrite`] let it spare) are not used by sealed links. A transport whose fast path needs
 //! the peer authenticated first (as UCX's does) keeps `connect`/`bind` on TCP and offers the
 //! path from [`Transport::upgrade`]: a [`LinkUpgrade`] of a new [`LinkKind`], whose code and
 //! address the handshake carries as they are. Then say when to choose it in [`select`], and
@@ -37,7 +38,8 @@ use tokio::io::{AsyncBufRead, AsyncRead, AsyncWrite, BufReader, WriteHalf};
 
 pub use memory::{MemoryNetwork, MemoryTransport};
 pub use peer::{
-    Completion, Handler, PeerAuth, PeerClient, PeerConfig, PeerError, PeerServer, PeerStats,
+    Completion, Handler, PeerAuth, PeerClient, PeerConfig, PeerError, PeerSecrets, PeerServer,
+    PeerStats,
 };
 pub use tcp::TcpTransport;
 pub use ucx::UcxTransport;

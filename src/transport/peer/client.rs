@@ -14,15 +14,26 @@ use tokio::runtime::Handle;
 use tokio::sync::{Notify, mpsc};
 
 use super::frames::{
-    CHUNK_BYTES, LockedWriter, SentNow, WriterSlot, read_frame, send_now, write_rows_frame,
+    CHUNK_BYTES, LockedWriter, SentNow, WriterSlot, frame_begins, read_body, read_header, send_now,
+    within, write_rows_frame,
 };
 use super::link::{client_authenticate, negotiate_link};
+use super::seal::{Side, sealed_halves};
 use super::{Completion, PeerAuth, PeerConfig, PeerError, PeerStats, lock};
-use crate::transport::handshake::HandshakeError;
+use crate::transport::handshake::{HandshakeError, LinkKeys};
 use crate::transport::wire::{
     self, Dtype, ExpertRequest, FrameBody, FrameKind, RemoteError, RowsFrame, WireError, WireLimits,
 };
 use crate::transport::{FrameRead, PeerStream, ROWS_APART_MIN, Transport};
+
+/// Flushes after a frame: a sealed link's last record goes on flush.
+async fn write_frame<W: tokio::io::AsyncWrite + Unpin>(
+    stream: &mut W,
+    bytes: &[u8],
+) -> std::io::Result<()> {
+    stream.write_all(bytes).await?;
+    stream.flush().await
+}
 
 /// A request on its way to the driver.
 enum Outgoing {
@@ -314,9 +325,9 @@ impl Driver {
                 }
             };
             let error = match connected {
-                Ok(stream) => {
+                Ok((stream, keys)) => {
                     backoff = self.config.backoff_min;
-                    let end = self.run_connection(stream, first).await;
+                    let end = self.run_connection(stream, &keys, first).await;
                     let error = match end {
                         LinkEnd::Lost(reason) => {
                             tracing::debug!(peer = %self.addr, %reason, "peer link lost");
@@ -350,7 +361,7 @@ impl Driver {
         }
     }
 
-    async fn connect(&self) -> Result<Box<dyn PeerStream>, PeerError> {
+    async fn connect(&self) -> Result<(Box<dyn PeerStream>, LinkKeys), PeerError> {
         let mut stream = self
             .transport
             .connect(self.addr)
@@ -358,17 +369,17 @@ impl Driver {
             .map_err(|error| PeerError::Connect(format!("{}: {error}", self.addr)))?;
         let timeout = self.config.handshake_timeout;
         let handshake = async {
-            let server_id = client_authenticate(&mut stream, &self.auth).await?;
+            let (server_id, keys) = client_authenticate(&mut stream, &self.auth).await?;
             let (stream, path) = negotiate_link(stream, &*self.transport, self.addr).await?;
-            Ok((server_id, stream, path))
+            Ok((server_id, keys, stream, path))
         };
         let result = tokio::time::timeout(timeout, handshake)
             .await
             .unwrap_or(Err(HandshakeError::Timeout(timeout)));
         match result {
-            Ok((server_id, stream, path)) => {
+            Ok((server_id, keys, stream, path)) => {
                 tracing::info!(peer = %self.addr, %server_id, path, "peer link up");
-                Ok(stream)
+                Ok((stream, keys))
             }
             Err(error) => {
                 self.stats.handshake_failed(&error);
@@ -403,8 +414,15 @@ impl Driver {
         }
     }
 
-    async fn run_connection(&mut self, stream: Box<dyn PeerStream>, first: Outgoing) -> LinkEnd {
-        let (read_half, write_half) = stream.into_halves();
+    async fn run_connection(
+        &mut self,
+        stream: Box<dyn PeerStream>,
+        keys: &LinkKeys,
+        first: Outgoing,
+    ) -> LinkEnd {
+        let deadline = self.config.frame_timeout;
+        let (read_half, write_half) =
+            sealed_halves(stream, keys, Side::Client, self.stats.clone(), deadline);
         let generation = {
             let mut link = lock(&self.shared.link);
             link.stream = Some(write_half);
@@ -416,6 +434,7 @@ impl Driver {
             self.pending.clone(),
             self.stats.clone(),
             self.config.limits,
+            deadline,
         ));
         let mut next = Some(first);
         let mut scratch = vec![0u8; CHUNK_BYTES];
@@ -449,7 +468,7 @@ impl Driver {
                                 let written = write_rows_frame(&mut stream, rows, &mut scratch);
                                 (written.await, rows.len())
                             }
-                            Err(bytes) => (stream.write_all(bytes).await, bytes.len()),
+                            Err(bytes) => (write_frame(&mut stream, bytes).await, bytes.len()),
                         }
                     };
                     tokio::select! {
@@ -473,7 +492,7 @@ impl Driver {
                         self.shared.dequeued();
                         continue;
                     }
-                    let write = stream.write_all(&bytes[written..]);
+                    let write = write_frame(&mut stream, &bytes[written..]);
                     tokio::select! {
                         written = write => (written, bytes.len()),
                         reason = &mut reader => {
@@ -500,15 +519,30 @@ impl Driver {
     }
 }
 
-/// Reads replies until the connection fails; returns why it ended.
+/// Reads replies until the connection fails; returns why it ended. A reply that has begun
+/// must arrive within `deadline`.
 async fn read_replies(
     mut stream: Box<dyn FrameRead>,
     pending: PendingMap,
     stats: Arc<PeerStats>,
     limits: WireLimits,
+    deadline: Duration,
 ) -> String {
     loop {
-        let (header, body) = match read_frame(&mut stream, &limits, &stats).await {
+        let frame = async {
+            if !frame_begins(&mut stream).await? {
+                return Ok(None);
+            }
+            within(deadline, &stats, async {
+                let Some(header) = read_header(&mut stream, &limits, &stats).await? else {
+                    return Ok(None);
+                };
+                let body = read_body(&mut stream, &header, &stats).await?;
+                Ok(Some((header, body)))
+            })
+            .await
+        };
+        let (header, body) = match frame.await {
             Ok(Some(frame)) => frame,
             Ok(None) => return "the peer closed the connection".into(),
             Err(reason) => return reason,

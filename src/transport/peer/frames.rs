@@ -22,15 +22,58 @@ use crate::transport::{DecodedRows, FrameWrite};
 pub(super) const CHUNK_BYTES: usize = 256 << 10;
 
 /// Reads one frame: the header, validated, then the payload. Rows are converted straight
-/// from the stream's buffer (a UCX message, or a socket's read buffer) into the values, as
-/// each part arrives, so a large frame is never held twice nor copied before it is
-/// converted, or come decoded by the transport ([`DecodedRows`]). `Ok(None)` is a clean end
-/// of stream between frames. Public for the wire fuzz target.
+/// from the stream's buffer (a UCX message, or the opened bytes of a sealed record) into the
+/// values, as each part arrives, so a large frame is never held twice nor copied before it
+/// is converted, or come decoded by the transport ([`DecodedRows`]). `Ok(None)` is a clean
+/// end of stream between frames. Public for the wire fuzz target.
 pub async fn read_frame<S: AsyncBufRead + DecodedRows + Unpin>(
     stream: &mut S,
     limits: &WireLimits,
     stats: &PeerStats,
 ) -> Result<Option<(FrameHeader, FrameBody)>, String> {
+    let Some(header) = read_header(stream, limits, stats).await? else {
+        return Ok(None);
+    };
+    let body = read_body(stream, &header, stats).await?;
+    Ok(Some((header, body)))
+}
+
+/// Waits, for as long as it takes, until the next frame begins (the link may idle between
+/// frames); `false` at a clean end of stream.
+pub(super) async fn frame_begins<S: AsyncBufRead + Unpin>(stream: &mut S) -> Result<bool, String> {
+    match stream.fill_buf().await {
+        Ok(bytes) => Ok(!bytes.is_empty()),
+        Err(error) => Err(format!("read failed: {error}")),
+    }
+}
+
+/// Runs `read` (a frame, or part of one, that has begun) within `deadline`; past it, the
+/// frame stopped half-way: counted, and an error that closes the link.
+pub(super) async fn within<T>(
+    deadline: std::time::Duration,
+    stats: &PeerStats,
+    read: impl std::future::Future<Output = Result<T, String>>,
+) -> Result<T, String> {
+    match tokio::time::timeout(deadline, read).await {
+        Ok(result) => result,
+        Err(_) => {
+            stats
+                .frames_rejected
+                .stalled
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Err(format!(
+                "a frame stopped half-way for longer than {deadline:?}"
+            ))
+        }
+    }
+}
+
+/// Reads and validates a frame's header; `Ok(None)` is a clean end of stream.
+pub(super) async fn read_header<S: AsyncBufRead + Unpin>(
+    stream: &mut S,
+    limits: &WireLimits,
+    stats: &PeerStats,
+) -> Result<Option<FrameHeader>, String> {
     let mut header_bytes = [0u8; HEADER_LEN];
     let mut filled = 0;
     while filled < HEADER_LEN {
@@ -47,17 +90,41 @@ pub async fn read_frame<S: AsyncBufRead + DecodedRows + Unpin>(
             Err(error) => return Err(format!("read failed: {error}")),
         }
     }
-    let header = wire::decode_header(&header_bytes, limits).map_err(|error| {
-        stats.reject_frame(&error);
-        format!("bad frame: {error}")
-    })?;
+    wire::decode_header(&header_bytes, limits)
+        .map(Some)
+        .map_err(|error| {
+            stats.reject_frame(&error);
+            format!("bad frame: {error}")
+        })
+}
+
+/// The bytes of f32 rows a frame with this header carries, as the devices take them (what a
+/// server connection's byte budget counts); 0 for an error frame.
+pub(super) fn rows_bytes(header: &FrameHeader) -> u64 {
+    if header.kind == FrameKind::Error {
+        return 0;
+    }
+    let group_bytes = u64::from(header.group_count) * 8;
+    let row_bytes = u64::from(header.payload_len).saturating_sub(group_bytes);
+    row_bytes / header.dtype.size() as u64 * 4
+}
+
+/// Reads the payload of the frame `header` starts. Rows are allocated as they arrive
+/// (growing fourfold), never from the length the header declares: a header alone costs
+/// nothing.
+pub(super) async fn read_body<S: AsyncBufRead + DecodedRows + Unpin>(
+    stream: &mut S,
+    header: &FrameHeader,
+    stats: &PeerStats,
+) -> Result<FrameBody, String> {
+    let header = *header;
     let body = if header.kind == FrameKind::Error {
         // At most 1 + 4 + MAX_ERROR_MESSAGE bytes (checked with the header).
         let mut payload = vec![0u8; header.payload_len as usize];
         read_payload(stream, &mut payload, &header, stats).await?;
         wire::decode_error(&payload).map(FrameBody::Error)
     } else {
-        // Bounded by payload_len (checked with the header).
+        // Bounded by payload_len (checked with the header), and by what arrives.
         let mut group_bytes = vec![0u8; header.group_count as usize * 8];
         read_payload(stream, &mut group_bytes, &header, stats).await?;
         match wire::decode_groups(&header, &group_bytes) {
@@ -77,7 +144,7 @@ pub async fn read_frame<S: AsyncBufRead + DecodedRows + Unpin>(
                     }
                 }
                 // Filled as the bytes arrive, never zeroed first.
-                let mut rows = Vec::with_capacity(values);
+                let mut rows = Vec::new();
                 let size = header.dtype.size();
                 while rows.len() < values {
                     let available = match stream.fill_buf().await {
@@ -92,6 +159,12 @@ pub async fn read_frame<S: AsyncBufRead + DecodedRows + Unpin>(
                         return Err("connection closed inside a frame payload".into());
                     }
                     let whole = (available.len() / size).min(values - rows.len());
+                    let want = whole.max(1);
+                    if rows.capacity() - rows.len() < want {
+                        // Fourfold growth: at most a third of the rows copied again.
+                        let grow = (3 * rows.len()).max(want).min(values - rows.len());
+                        rows.reserve_exact(grow);
+                    }
                     if whole == 0 {
                         // A value split between two receives: its bytes gathered first.
                         let mut value = [0u8; 4];
@@ -113,7 +186,7 @@ pub async fn read_frame<S: AsyncBufRead + DecodedRows + Unpin>(
         format!("bad frame: {error}")
     })?;
     stats.add_received(HEADER_LEN + header.payload_len as usize);
-    Ok(Some((header, body)))
+    Ok(body)
 }
 
 /// Fills `bytes` from the payload of the frame `header` starts.
@@ -160,7 +233,8 @@ pub(super) async fn write_rows_frame<S: AsyncWrite + Unpin>(
         }
         filled = 0;
         if first >= frame.rows.len() {
-            return Ok(());
+            // A sealed link sends its last record on flush.
+            return stream.flush().await;
         }
     }
 }
@@ -181,15 +255,16 @@ pub(super) struct WriterSlot {
 pub(super) enum SentNow {
     /// Sent whole (this many bytes), or handed over whole to a stream that sends from it.
     All(usize),
-    /// The first `written` bytes went out; the rest wait for room.
+    /// The first `written` bytes were taken (all of them, when only the flush waits); the
+    /// rest, and the flush, wait for room.
     Part { bytes: Vec<u8>, written: usize },
     /// The stream failed, or there is none.
     Failed(Vec<u8>),
 }
 
 /// Sends a whole encoded frame from the calling thread without waiting: handed to a stream
-/// that sends from the buffer itself (UCX), else written as far as the stream takes it now
-/// (see [`write_now`]).
+/// that sends from the buffer itself, else written and flushed as far as the stream takes
+/// it now (see [`write_now`]).
 pub(super) fn send_now(slot: &mut WriterSlot, bytes: Vec<u8>) -> SentNow {
     let Some(stream) = slot.stream.as_mut() else {
         return SentNow::Failed(bytes);
@@ -200,17 +275,18 @@ pub(super) fn send_now(slot: &mut WriterSlot, bytes: Vec<u8>) -> SentNow {
         Err(bytes) => bytes,
     };
     match write_now(slot, &bytes) {
-        Some(written) if written == len => SentNow::All(len),
-        Some(written) => SentNow::Part { bytes, written },
+        Some((written, true)) if written == len => SentNow::All(len),
+        Some((written, _)) => SentNow::Part { bytes, written },
         None => SentNow::Failed(bytes),
     }
 }
 
-/// Writes `bytes` now if the socket takes them, polling with a no-op waker: when it does not,
-/// the caller queues the remainder for the writing task, which polls again with its own
-/// waker before anything waits on it. Returns how many bytes went out; `None` when the
-/// stream failed or there is none.
-fn write_now(slot: &mut WriterSlot, bytes: &[u8]) -> Option<usize> {
+/// Writes `bytes` now if the socket takes them, polling with a no-op waker, then flushes
+/// (a sealed link's last record): when it cannot, the caller queues the remainder for the
+/// writing task, which writes and flushes with its own waker before anything waits on it.
+/// Returns how many bytes were taken and whether the flush went through too; `None` when
+/// the stream failed or there is none.
+fn write_now(slot: &mut WriterSlot, bytes: &[u8]) -> Option<(usize, bool)> {
     let stream = slot.stream.as_mut()?;
     let mut context = Context::from_waker(Waker::noop());
     let mut written = 0;
@@ -218,10 +294,14 @@ fn write_now(slot: &mut WriterSlot, bytes: &[u8]) -> Option<usize> {
         match Pin::new(&mut *stream).poll_write(&mut context, &bytes[written..]) {
             Poll::Ready(Ok(sent)) if sent > 0 => written += sent,
             Poll::Ready(_) => return None,
-            Poll::Pending => break,
+            Poll::Pending => return Some((written, false)),
         }
     }
-    Some(written)
+    match Pin::new(&mut *stream).poll_flush(&mut context) {
+        Poll::Ready(Ok(())) => Some((written, true)),
+        Poll::Ready(Err(_)) => None,
+        Poll::Pending => Some((written, false)),
+    }
 }
 
 /// The write half behind the link's lock, held only while one poll runs.

@@ -8,7 +8,9 @@ use std::net::SocketAddr;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use super::PeerAuth;
-use crate::transport::handshake::{self, HandshakeError, Hello, LinkOffer, MAC_LEN, Status};
+use crate::transport::handshake::{
+    self, HandshakeError, Hello, LinkKeys, LinkOffer, MAC_LEN, Status,
+};
 use crate::transport::{PeerStream, Transport};
 
 fn io_error(error: std::io::Error) -> HandshakeError {
@@ -52,27 +54,28 @@ fn our_hello(auth: &PeerAuth) -> Hello {
     }
 }
 
-/// The client half of the handshake, offering no other path (the frames stay on `stream`);
-/// returns the server's node id. Public so that tests and tools can speak raw frames to a
-/// server.
+/// The client half of the handshake, offering no other path (the frames stay on `stream`,
+/// sealed with the keys returned); returns the server's node id and the link's keys. Public
+/// so that tests and tools can speak frames of their own to a server (see
+/// [`super::seal::sealed_halves`]).
 pub async fn client_handshake<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut S,
     auth: &PeerAuth,
-) -> Result<String, HandshakeError> {
-    let server_id = client_authenticate(stream, auth).await?;
+) -> Result<(String, LinkKeys), HandshakeError> {
+    let (server_id, keys) = client_authenticate(stream, auth).await?;
     exchange_offers(stream, &LinkOffer::Stay).await?;
-    Ok(server_id)
+    Ok((server_id, keys))
 }
 
-/// The server half of the handshake, offering no other path; returns the client's node id.
-/// Public for the handshake fuzz target.
+/// The server half of the handshake, offering no other path; returns the client's node id
+/// and the link's keys. Public for the handshake fuzz target.
 pub async fn server_handshake<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut S,
     auth: &PeerAuth,
-) -> Result<String, HandshakeError> {
-    let client_id = server_authenticate(stream, auth).await?;
+) -> Result<(String, LinkKeys), HandshakeError> {
+    let (client_id, keys) = server_authenticate(stream, auth).await?;
     exchange_offers(stream, &LinkOffer::Stay).await?;
-    Ok(client_id)
+    Ok((client_id, keys))
 }
 
 /// Sends our link offer and reads the peer's.
@@ -156,10 +159,18 @@ pub(super) async fn negotiate_link(
     }
 }
 
+/// The client half of the authentication: proves this node first (one proof per secret it
+/// holds, its own first), then checks the server's proof; returns the server's node id and
+/// the link's keys.
 pub(super) async fn client_authenticate<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut S,
     auth: &PeerAuth,
-) -> Result<String, HandshakeError> {
+) -> Result<(String, LinkKeys), HandshakeError> {
+    let secrets = auth.secrets.current();
+    if secrets.is_empty() {
+        return Err(HandshakeError::NoSecret);
+    }
+    let secrets = &secrets[..secrets.len().min(handshake::MAX_PROOFS)];
     let ours = our_hello(auth);
     write(stream, &handshake::encode_client_hello(&ours)).await?;
     let preamble = read_array::<{ handshake::PREAMBLE_LEN }, _>(stream).await?;
@@ -167,7 +178,6 @@ pub(super) async fn client_authenticate<S: AsyncRead + AsyncWrite + Unpin>(
     let [status] = read_array::<1, _>(stream).await?;
     let status = handshake::parse_status(status)?;
     let theirs = read_hello(stream).await?;
-    let mac = read_array::<MAC_LEN, _>(stream).await?;
     if status == Status::WrongModel || theirs.model_fingerprint != auth.model_fingerprint {
         return Err(HandshakeError::WrongModel {
             ours: auth.model_fingerprint,
@@ -179,64 +189,68 @@ pub(super) async fn client_authenticate<S: AsyncRead + AsyncWrite + Unpin>(
             "server hello with an unexpected status".into(),
         ));
     }
-    // The server proved itself with one of our secrets: we answer with the same one.
-    let Some(shared) = auth
-        .secrets()
-        .find(|secret| handshake::verify_server_mac(secret, &ours, &theirs, &mac))
-    else {
-        // Tell the server why we hang up, so both sides report the same cause.
-        let _ = write(
-            stream,
-            &handshake::encode_client_proof(Status::AuthFailed, &[0; MAC_LEN]),
-        )
-        .await;
-        return Err(HandshakeError::WrongSecret);
-    };
-    let proof = handshake::client_mac(shared, &ours, &theirs);
-    write(stream, &handshake::encode_client_proof(Status::Ok, &proof)).await?;
+    let proofs: Vec<[u8; MAC_LEN]> = secrets
+        .iter()
+        .map(|secret| handshake::client_mac(secret, &ours, &theirs))
+        .collect();
+    write(stream, &handshake::encode_client_proof(Status::Ok, &proofs)).await?;
     let preamble = read_array::<{ handshake::PREAMBLE_LEN }, _>(stream).await?;
     handshake::check_preamble(&preamble, handshake::message::VERDICT)?;
     let [verdict] = read_array::<1, _>(stream).await?;
+    let mac = read_array::<MAC_LEN, _>(stream).await?;
     match handshake::parse_status(verdict)? {
-        Status::Ok => Ok(theirs.node_id),
-        Status::AuthFailed => Err(HandshakeError::RefusedByPeer),
-        Status::WrongModel => Err(HandshakeError::Protocol(
-            "verdict with an unexpected status".into(),
-        )),
+        Status::Ok => {}
+        Status::AuthFailed => return Err(HandshakeError::RefusedByPeer),
+        Status::WrongModel => {
+            return Err(HandshakeError::Protocol(
+                "verdict with an unexpected status".into(),
+            ));
+        }
     }
+    // The server proves itself with the secret of the proof it accepted.
+    let Some(secret) = secrets.iter().zip(&proofs).find_map(|(secret, proof)| {
+        handshake::verify_server_mac(secret, &ours, &theirs, proof, &mac).then_some(secret)
+    }) else {
+        // A server that accepted our proof without holding the secret: nothing more is sent.
+        return Err(HandshakeError::WrongSecret);
+    };
+    Ok((
+        theirs.node_id.clone(),
+        handshake::link_keys(secret, &ours, &theirs),
+    ))
 }
 
+/// The server half of the authentication: reads the client's proofs before anything of its
+/// own depends on the secret, then proves itself with the secret of the first proof that
+/// verifies; returns the client's node id and the link's keys. The secrets are read now, so
+/// a secret removed by a reload is refused from the next handshake on.
 pub(super) async fn server_authenticate<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut S,
     auth: &PeerAuth,
-) -> Result<String, HandshakeError> {
+) -> Result<(String, LinkKeys), HandshakeError> {
     let preamble = read_array::<{ handshake::PREAMBLE_LEN }, _>(stream).await?;
     handshake::check_preamble(&preamble, handshake::message::CLIENT_HELLO)?;
     let theirs = read_hello(stream).await?;
     let ours = our_hello(auth);
-    if theirs.model_fingerprint != auth.model_fingerprint {
-        let refusal = handshake::ServerHello {
-            status: Status::WrongModel,
-            hello: ours,
-            mac: [0; MAC_LEN],
-        };
-        let _ = write(stream, &handshake::encode_server_hello(&refusal)).await;
+    let status = if theirs.model_fingerprint == auth.model_fingerprint {
+        Status::Ok
+    } else {
+        Status::WrongModel
+    };
+    let hello = handshake::ServerHello {
+        status,
+        hello: ours.clone(),
+    };
+    write(stream, &handshake::encode_server_hello(&hello)).await?;
+    if status == Status::WrongModel {
         return Err(HandshakeError::WrongModel {
             ours: auth.model_fingerprint,
             theirs: theirs.model_fingerprint,
         });
     }
-    let mac = handshake::server_mac(&auth.secret, &theirs, &ours);
-    let answer = handshake::ServerHello {
-        status: Status::Ok,
-        hello: ours.clone(),
-        mac,
-    };
-    write(stream, &handshake::encode_server_hello(&answer)).await?;
     let preamble = read_array::<{ handshake::PREAMBLE_LEN }, _>(stream).await?;
     handshake::check_preamble(&preamble, handshake::message::CLIENT_PROOF)?;
-    let [status] = read_array::<1, _>(stream).await?;
-    let proof = read_array::<MAC_LEN, _>(stream).await?;
+    let [status, count] = read_array::<2, _>(stream).await?;
     match handshake::parse_status(status)? {
         Status::Ok => {}
         Status::AuthFailed => return Err(HandshakeError::RefusedByPeer),
@@ -246,13 +260,25 @@ pub(super) async fn server_authenticate<S: AsyncRead + AsyncWrite + Unpin>(
             ));
         }
     }
-    if !auth
-        .secrets()
-        .any(|secret| handshake::verify_client_mac(secret, &theirs, &ours, &proof))
-    {
-        let _ = write(stream, &handshake::encode_verdict(Status::AuthFailed)).await;
-        return Err(HandshakeError::WrongSecret);
+    let count = handshake::parse_proof_count(count)?;
+    let mut proofs = Vec::with_capacity(count);
+    for _ in 0..count {
+        proofs.push(read_array::<MAC_LEN, _>(stream).await?);
     }
-    write(stream, &handshake::encode_verdict(Status::Ok)).await?;
-    Ok(theirs.node_id)
+    let secrets = auth.secrets.current();
+    let accepted = proofs.iter().find_map(|proof| {
+        let secret = secrets
+            .iter()
+            .find(|secret| handshake::verify_client_mac(secret, &theirs, &ours, proof))?;
+        Some((secret, proof))
+    });
+    let Some((secret, proof)) = accepted else {
+        let refusal = handshake::encode_verdict(Status::AuthFailed, &[0; MAC_LEN]);
+        let _ = write(stream, &refusal).await;
+        return Err(HandshakeError::WrongSecret);
+    };
+    let mac = handshake::server_mac(secret, &theirs, &ours, proof);
+    write(stream, &handshake::encode_verdict(Status::Ok, &mac)).await?;
+    let keys = handshake::link_keys(secret, &theirs, &ours);
+    Ok((theirs.node_id, keys))
 }

@@ -20,12 +20,13 @@
 mod client;
 mod frames;
 mod link;
+pub mod seal;
 mod server;
 
 use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
 pub use client::PeerClient;
@@ -35,34 +36,56 @@ pub use server::PeerServer;
 
 use super::handshake::HandshakeError;
 use super::wire::{ExpertReply, ExpertRequest, RemoteError, WireError, WireLimits};
+use crate::config::PeerSection;
 
-/// Who this node is to its peers, and the secret that proves it belongs to the cluster.
+/// Who this node is to its peers, and the secrets that prove it belongs to the cluster.
 #[derive(Clone)]
 pub struct PeerAuth {
     pub node_id: String,
-    /// The secret this node proves itself with as a server.
-    pub secret: Vec<u8>,
-    /// Older (or newer) secrets also accepted from a peer, so that secrets rotate without
-    /// downtime: add the new one everywhere, make it first everywhere, then drop the old.
-    pub accepted: Vec<Vec<u8>>,
+    /// The cluster secrets, shared with the node's reload: the first proves this node, every
+    /// one is accepted from a peer.
+    pub secrets: PeerSecrets,
     /// A hash of the model this node serves; peers serving another model are refused.
     pub model_fingerprint: u64,
-}
-
-impl PeerAuth {
-    /// Every secret accepted, the one this node proves itself with first.
-    fn secrets(&self) -> impl Iterator<Item = &[u8]> {
-        std::iter::once(self.secret.as_slice()).chain(self.accepted.iter().map(Vec::as_slice))
-    }
 }
 
 impl std::fmt::Debug for PeerAuth {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PeerAuth")
             .field("node_id", &self.node_id)
-            .field("secret", &"<redacted>")
+            .field("secrets", &"<redacted>")
             .field("model_fingerprint", &self.model_fingerprint)
             .finish()
+    }
+}
+
+/// The cluster secrets of a node's peer links, as they are now: the first is the one this
+/// node proves itself with, every one is accepted from a peer, so that secrets rotate without
+/// downtime (add the new one everywhere, make it first everywhere, then drop the old). A
+/// clone shares the same secrets; [`PeerSecrets::replace`] (a reload) takes effect at the
+/// next handshake, on the server and every client at once. Links already up keep the keys
+/// their handshake gave them.
+#[derive(Clone, Default)]
+pub struct PeerSecrets(Arc<RwLock<Arc<Vec<Vec<u8>>>>>);
+
+impl PeerSecrets {
+    pub fn new(secrets: Vec<Vec<u8>>) -> Self {
+        PeerSecrets(Arc::new(RwLock::new(Arc::new(secrets))))
+    }
+
+    /// From the configuration's `cluster.secrets`.
+    pub fn from_config(secrets: &[String]) -> Self {
+        PeerSecrets::new(secrets.iter().map(|s| s.as_bytes().to_vec()).collect())
+    }
+
+    /// Replaces every secret (a reload): handshakes from now on prove and accept only these.
+    pub fn replace(&self, secrets: Vec<Vec<u8>>) {
+        *self.0.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(secrets);
+    }
+
+    /// The secrets in force now.
+    pub fn current(&self) -> Arc<Vec<Vec<u8>>> {
+        self.0.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 }
 
@@ -97,6 +120,13 @@ pub struct RejectCounters {
     pub malformed: AtomicU64,
     pub auth_failed: AtomicU64,
     pub wrong_model: AtomicU64,
+    /// A sealed record that did not open: altered, replayed, reordered or dropped on the way.
+    pub integrity: AtomicU64,
+    /// A frame or record that stopped half-way for longer than the frame deadline.
+    pub stalled: AtomicU64,
+    /// A connection over `peer.max_connections` or `peer.max_connections_per_peer`, or a
+    /// frame larger than `peer.max_bytes_per_connection`.
+    pub over_limit: AtomicU64,
 }
 
 /// Traffic and refusal counters of a node's peer links (shared by its clients and server).
@@ -138,13 +168,16 @@ impl PeerStats {
             HandshakeError::BadMagic(_) => &counters.bad_magic,
             HandshakeError::BadVersion { .. } => &counters.bad_version,
             HandshakeError::Protocol(_) | HandshakeError::Truncated => &counters.malformed,
-            HandshakeError::Timeout(_) | HandshakeError::Io(_) => return,
+            HandshakeError::Timeout(_) | HandshakeError::Io(_) | HandshakeError::NoSecret => {
+                return;
+            }
         };
         counter.fetch_add(1, Ordering::Relaxed);
     }
 }
 
-/// Tunables of the peer protocol (the defaults suit a LAN).
+/// Tunables of the peer protocol (the defaults suit a LAN; `[peer]` in the configuration
+/// sets the bounds, see [`PeerConfig::from_section`]).
 #[derive(Debug, Clone)]
 pub struct PeerConfig {
     pub limits: WireLimits,
@@ -158,17 +191,39 @@ pub struct PeerConfig {
     pub backoff_max: Duration,
     /// Requests one server connection runs at once; more are answered `Overloaded`.
     pub max_inflight_per_connection: usize,
+    /// Connections a server holds at once, handshakes included; more are closed at accept.
+    pub max_connections: usize,
+    /// Authenticated connections from one node id at once; more are closed after the
+    /// handshake.
+    pub max_connections_per_peer: usize,
+    /// Bytes of request rows (as the devices take them, f32) one server connection holds at
+    /// once, being read or being worked on: reading stops while they are spent, and a frame
+    /// larger than all of them closes the connection. Rows are allocated as they arrive.
+    pub max_bytes_per_connection: usize,
+    /// Time a frame (or a sealed record) may take to arrive once its first bytes did.
+    pub frame_timeout: Duration,
 }
 
 impl Default for PeerConfig {
     fn default() -> Self {
+        PeerConfig::from_section(&PeerSection::default())
+    }
+}
+
+impl PeerConfig {
+    /// The tunables `[peer]` sets, the rest at their defaults.
+    pub fn from_section(section: &PeerSection) -> Self {
         PeerConfig {
             limits: WireLimits::default(),
             queue_capacity: 1024,
             handshake_timeout: Duration::from_secs(5),
             backoff_min: Duration::from_millis(50),
             backoff_max: Duration::from_secs(2),
-            max_inflight_per_connection: 4096,
+            max_inflight_per_connection: section.max_inflight_per_connection,
+            max_connections: section.max_connections,
+            max_connections_per_peer: section.max_connections_per_peer,
+            max_bytes_per_connection: section.max_bytes_per_connection as usize,
+            frame_timeout: Duration::from_millis(section.frame_timeout_ms),
         }
     }
 }

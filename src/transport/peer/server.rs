@@ -1,7 +1,13 @@
 //! [`PeerServer`]: accepts connections, authenticates them, runs each request through the
 //! handler on a blocking thread, and writes each reply back as soon as it is ready (from the
 //! handler's thread when nothing is queued ahead of it), matched to its request by id.
+//!
+//! What a peer can make the server hold is bounded ([`PeerConfig`]): connections in all and
+//! per node, requests in flight and bytes of rows per connection (reading waits while they
+//! are spent; rows are allocated as they arrive), and the time a frame that has begun may
+//! take to arrive.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -9,12 +15,14 @@ use std::time::{Duration, Instant};
 
 use tokio::io::AsyncWriteExt;
 use tokio::runtime::Handle;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 
 use super::frames::{
-    CHUNK_BYTES, LockedWriter, SentNow, WriterSlot, read_frame, send_now, write_rows_frame,
+    CHUNK_BYTES, LockedWriter, SentNow, WriterSlot, frame_begins, read_body, read_header,
+    rows_bytes, send_now, within, write_rows_frame,
 };
 use super::link::{negotiate_link, server_authenticate};
+use super::seal::{Side, sealed_halves};
 use super::{Handler, PeerAuth, PeerConfig, PeerStats, WarnLimiter, lock};
 use crate::transport::handshake::HandshakeError;
 use crate::transport::wire::{
@@ -30,9 +38,52 @@ struct ServerContext {
     handler: Handler,
     config: PeerConfig,
     warnings: WarnLimiter,
+    /// One permit per connection held, handshakes included (`max_connections`).
+    connections: Arc<Semaphore>,
+    /// Authenticated connections per node id (`max_connections_per_peer`).
+    per_peer: Mutex<HashMap<String, usize>>,
+}
+
+/// A node's place among the connections of one node id; given back on drop.
+struct PeerSlot<'a> {
+    context: &'a ServerContext,
+    node_id: String,
+}
+
+impl Drop for PeerSlot<'_> {
+    fn drop(&mut self) {
+        let mut per_peer = lock(&self.context.per_peer);
+        if let Some(count) = per_peer.get_mut(&self.node_id) {
+            *count -= 1;
+            if *count == 0 {
+                per_peer.remove(&self.node_id);
+            }
+        }
+    }
 }
 
 impl ServerContext {
+    /// Takes a place for one more connection of `node_id`; `None` at the cap.
+    fn peer_slot(&self, node_id: &str) -> Option<PeerSlot<'_>> {
+        let mut per_peer = lock(&self.per_peer);
+        let count = per_peer.entry(node_id.to_string()).or_insert(0);
+        if *count >= self.config.max_connections_per_peer {
+            return None;
+        }
+        *count += 1;
+        Some(PeerSlot {
+            context: self,
+            node_id: node_id.to_string(),
+        })
+    }
+
+    fn over_limit(&self) {
+        self.stats
+            .frames_rejected
+            .over_limit
+            .fetch_add(1, Ordering::Relaxed);
+    }
+
     fn warn(&self, peer: SocketAddr, what: &str, reason: &dyn std::fmt::Display) {
         if self.warnings.allow(peer.ip(), Instant::now()) {
             tracing::warn!(%peer, %reason, "{what} (further warnings about this address are muted for a minute)");
@@ -146,6 +197,8 @@ impl PeerServer {
             auth,
             stats,
             handler,
+            connections: Arc::new(Semaphore::new(config.max_connections.max(1))),
+            per_peer: Mutex::new(HashMap::new()),
             config,
             warnings: WarnLimiter::new(Duration::from_secs(60)),
         });
@@ -176,7 +229,17 @@ async fn accept_loop(
             _ = stopped.changed() => return,
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
-                    tokio::spawn(serve_connection(stream, peer, context.clone(), stopped.clone()));
+                    let Ok(permit) = context.connections.clone().try_acquire_owned() else {
+                        // Closed at once: the cap bounds what unauthenticated peers hold too.
+                        context.over_limit();
+                        context.warn(peer, "peer connection refused", &format_args!(
+                            "{} connections already open (peer.max_connections)",
+                            context.config.max_connections
+                        ));
+                        drop(stream);
+                        continue;
+                    };
+                    tokio::spawn(serve_connection(stream, peer, context.clone(), stopped.clone(), permit));
                 }
                 Err(error) => {
                     tracing::warn!(%error, "peer listener accept failed");
@@ -196,12 +259,13 @@ async fn serve_connection(
     peer: SocketAddr,
     context: Arc<ServerContext>,
     mut stopped: watch::Receiver<()>,
+    _permit: OwnedSemaphorePermit,
 ) {
     let timeout = context.config.handshake_timeout;
     let handshake = async {
-        let client_id = server_authenticate(&mut stream, &context.auth).await?;
+        let (client_id, keys) = server_authenticate(&mut stream, &context.auth).await?;
         let (stream, path) = negotiate_link(stream, &*context.transport, peer).await?;
-        Ok((client_id, stream, path))
+        Ok((client_id, keys, stream, path))
     };
     let handshake = tokio::select! {
         result = tokio::time::timeout(timeout, handshake) => {
@@ -209,7 +273,7 @@ async fn serve_connection(
         }
         _ = stopped.changed() => return,
     };
-    let (client_id, stream, path) = match handshake {
+    let (client_id, keys, stream, path) = match handshake {
         Ok(accepted) => accepted,
         Err(error) => {
             context.stats.handshake_failed(&error);
@@ -217,8 +281,26 @@ async fn serve_connection(
             return;
         }
     };
+    let Some(_slot) = context.peer_slot(&client_id) else {
+        context.over_limit();
+        context.warn(
+            peer,
+            "peer connection refused",
+            &format_args!(
+                "node {client_id} already has {} connections (peer.max_connections_per_peer)",
+                context.config.max_connections_per_peer
+            ),
+        );
+        return;
+    };
     tracing::debug!(%peer, %client_id, path, "peer connection accepted");
-    let (read_half, write_half) = stream.into_halves();
+    let (read_half, write_half) = sealed_halves(
+        stream,
+        &keys,
+        Side::Server,
+        context.stats.clone(),
+        context.config.frame_timeout,
+    );
     let (outbox, queued) = mpsc::unbounded_channel();
     let link = Arc::new(ReplyLink {
         state: Mutex::new(WriterSlot {
@@ -242,28 +324,62 @@ async fn serve_connection(
     }
 }
 
-/// Reads requests and hands each to the handler; `Err` when the peer misbehaved.
+/// Reads requests and hands each to the handler; `Err` when the peer misbehaved. A request
+/// holds its rows' bytes of the connection's budget until its reply is sent: while they are
+/// spent, the next request is not read (its sender waits on the socket).
 async fn serve_requests(
     mut stream: Box<dyn FrameRead>,
     link: &Arc<ReplyLink>,
     context: &Arc<ServerContext>,
 ) -> Result<(), String> {
     let inflight = Arc::new(AtomicUsize::new(0));
+    let config = &context.config;
+    let stats = &context.stats;
+    // Counted in KiB, so that a budget of up to 4 TiB fits the semaphore's u32 permits.
+    let budget_kib =
+        u32::try_from(config.max_bytes_per_connection.div_ceil(1024).max(1)).unwrap_or(u32::MAX);
+    let budget = Arc::new(Semaphore::new(budget_kib as usize));
     loop {
-        let limits = &context.config.limits;
-        let (header, body) = match read_frame(&mut stream, limits, &context.stats).await? {
-            Some(frame) => frame,
+        if !frame_begins(&mut stream).await? {
+            return Ok(());
+        }
+        let header = match within(config.frame_timeout, stats, async {
+            read_header(&mut stream, &config.limits, stats).await
+        })
+        .await?
+        {
+            Some(header) => header,
             None => return Ok(()),
         };
+        let rows = rows_bytes(&header);
+        if rows > config.max_bytes_per_connection as u64 {
+            context.over_limit();
+            return Err(format!(
+                "a frame of {rows} bytes of rows is over peer.max_bytes_per_connection ({})",
+                config.max_bytes_per_connection
+            ));
+        }
+        // Not timed: this is the connection's own backpressure, not the peer stalling.
+        let kib = u32::try_from(rows.div_ceil(1024))
+            .unwrap_or(u32::MAX)
+            .min(budget_kib);
+        let permit = budget
+            .clone()
+            .acquire_many_owned(kib)
+            .await
+            .map_err(|_| "the connection's byte budget is gone".to_string())?;
+        // The deadline restarts once the budget is there: the frame resumes only then.
+        let body = within(config.frame_timeout, stats, async {
+            read_body(&mut stream, &header, stats).await
+        })
+        .await?;
         let FrameBody::Request(request) = body else {
-            context
-                .stats
-                .reject_frame(&WireError::Malformed("reply sent to a server".into()));
+            stats.reject_frame(&WireError::Malformed("reply sent to a server".into()));
             return Err("a client sent a reply or error frame".into());
         };
         let request_id = header.request_id;
         // The counter bounds the frames waiting in the link's unbounded outbox.
-        if inflight.load(Ordering::Acquire) >= context.config.max_inflight_per_connection {
+        if inflight.load(Ordering::Acquire) >= config.max_inflight_per_connection {
             link.send(OutFrame::Bytes(wire::encode_error(
                 request_id,
                 &RemoteError::Overloaded,
@@ -277,6 +393,7 @@ async fn serve_requests(
         tokio::task::spawn_blocking(move || {
             link.send(run_handler(&handler, request_id, request));
             inflight.fetch_sub(1, Ordering::AcqRel);
+            drop(permit);
         });
     }
 }
@@ -383,10 +500,11 @@ async fn write_replies(link: Arc<ReplyLink>, mut queued: mpsc::UnboundedReceiver
     let mut stream = LockedWriter(&link.state);
     while let Some(frame) = queued.recv().await {
         let (written, len) = match &frame {
-            OutFrame::Bytes(bytes) => (stream.write_all(bytes).await, bytes.len()),
-            OutFrame::Partial { bytes, written } => {
-                (stream.write_all(&bytes[*written..]).await, bytes.len())
-            }
+            OutFrame::Bytes(bytes) => (write_flushed(&mut stream, bytes).await, bytes.len()),
+            OutFrame::Partial { bytes, written } => (
+                write_flushed(&mut stream, &bytes[*written..]).await,
+                bytes.len(),
+            ),
             OutFrame::Rows(rows) => (
                 write_rows_frame(&mut stream, rows, &mut scratch).await,
                 rows.len(),
@@ -398,4 +516,10 @@ async fn write_replies(link: Arc<ReplyLink>, mut queued: mpsc::UnboundedReceiver
         }
         link.stats.add_sent(len);
     }
+}
+
+/// Writes a frame and flushes it (a sealed link's last record goes on flush).
+async fn write_flushed(stream: &mut LockedWriter<'_>, bytes: &[u8]) -> std::io::Result<()> {
+    stream.write_all(bytes).await?;
+    stream.flush().await
 }
