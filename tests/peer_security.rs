@@ -423,13 +423,18 @@ fn a_client_without_the_secret_gets_nothing_that_depends_on_its_nonce() {
         seen.push((masked, verdict));
     }
     assert_eq!(seen[0], seen[1]);
-    assert_eq!(
+    // Counted as the server's task ends, which may be just after the client read its verdict.
+    let counted = || {
         rig.server_stats
             .frames_rejected
             .auth_failed
-            .load(Ordering::Relaxed),
-        2
-    );
+            .load(Ordering::Relaxed)
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while counted() < 2 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(counted(), 2);
 }
 
 // ---- Bounded peers ----
