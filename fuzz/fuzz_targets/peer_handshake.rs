@@ -5,7 +5,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use moe_node::transport::peer::{PeerAuth, client_handshake, server_handshake};
+use moe_node::transport::peer::{PeerAuth, PeerSecrets, client_handshake, server_handshake};
 use tokio::io::AsyncWriteExt;
 
 fuzz_target!(|data: &[u8]| {
