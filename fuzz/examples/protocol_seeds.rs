@@ -1,6 +1,7 @@
-//! Writes the seed corpora of `peer_wire`, `peer_handshake` and `gossip` with the library's
-//! own encoders: frames of each kind and dtype, each handshake message as a peer sends it,
-//! and foca packets of a two-member conversation with the fuzz target's receiver.
+//! Writes the seed corpora of `peer_wire`, `peer_records`, `peer_handshake` and `gossip`
+//! with the library's own encoders: frames of each kind and dtype (`peer_records` seals the
+//! same frames, whole, flipped and cut), each handshake message as a peer sends it, and foca
+//! packets of a two-member conversation with the fuzz target's receiver.
 //!
 //! `cargo run --example protocol_seeds` from `fuzz/` (rewrites those corpus directories).
 
@@ -19,6 +20,7 @@ use rand::rngs::StdRng;
 fn main() {
     let corpus = Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus");
     write(&corpus.join("peer_wire"), &wire_seeds());
+    write(&corpus.join("peer_records"), &record_seeds());
     write(&corpus.join("peer_handshake"), &handshake_seeds());
     write(&corpus.join("gossip"), &gossip_seeds());
 }
@@ -82,6 +84,24 @@ fn wire_seeds() -> Vec<(String, Vec<u8>)> {
     seeds
 }
 
+/// The frames of `wire_seeds` behind `peer_records`' setup byte (writes of 1 + bits 0-5
+/// bytes; bit 6: one byte touched; bit 7 with it: the last byte cut, else one flipped).
+fn record_seeds() -> Vec<(String, Vec<u8>)> {
+    let mut seeds = Vec::new();
+    for (name, seed) in wire_seeds() {
+        let frames = &seed[1..];
+        for (setup, how) in [
+            (0x0f, "whole"),
+            (0x3f, "whole-64"),
+            (0x47, "flipped"),
+            (0xc7, "cut"),
+        ] {
+            seeds.push((format!("{name}-{how}"), [&[setup][..], frames].concat()));
+        }
+    }
+    seeds
+}
+
 /// One side byte (even: we are the server), then what the other side sends.
 fn handshake_seeds() -> Vec<(String, Vec<u8>)> {
     let hello = Hello {
@@ -89,11 +109,10 @@ fn handshake_seeds() -> Vec<(String, Vec<u8>)> {
         model_fingerprint: 0x5eed,
         nonce: [7; NONCE_LEN],
     };
-    let proof = handshake::encode_client_proof(Status::Ok, &[3; MAC_LEN]);
+    let proof = handshake::encode_client_proof(Status::Ok, &[[3; MAC_LEN]]);
     let server_hello = handshake::encode_server_hello(&ServerHello {
         status: Status::Ok,
         hello: hello.clone(),
-        mac: [4; MAC_LEN],
     });
     vec![
         (
@@ -105,7 +124,7 @@ fn handshake_seeds() -> Vec<(String, Vec<u8>)> {
             [
                 &[1][..],
                 &server_hello,
-                &handshake::encode_verdict(Status::Ok),
+                &handshake::encode_verdict(Status::Ok, &[4; MAC_LEN]),
             ]
             .concat(),
         ),
