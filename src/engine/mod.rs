@@ -355,6 +355,7 @@ impl Engine {
             segments,
             logit_rows,
             &mut device_caches,
+            Some(self.experts.as_ref()),
             &mut routed,
         )?;
         for (cache, segment) in caches.iter_mut().zip(segments) {

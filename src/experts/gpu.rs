@@ -8,7 +8,7 @@ use std::sync::Mutex;
 use crate::compute::cuda::experts::{ExpertShape, RunOutcome};
 use crate::compute::cuda::storage::ExpertStorage;
 use crate::compute::cuda::{CudaError, GpuExperts, GpuInfo};
-use crate::experts::{ExpertError, ExpertExecutor};
+use crate::experts::{DeviceRows, ExpertError, ExpertExecutor};
 use crate::model::config::ExpertActivation;
 use crate::model::weights::{dummy_expert, load_expert};
 use crate::model::{Checkpoint, ExpertWeights, ModelConfig, ModelError};
@@ -272,5 +272,31 @@ impl ExpertExecutor for GpuLocalExperts {
                 gpu.gpu.ordinal
             ))),
         }
+    }
+
+    fn run_on_device(
+        &self,
+        layer: usize,
+        experts: &[u32],
+        group_rows: &[usize],
+        rows: &DeviceRows<'_>,
+    ) -> Option<Result<(), ExpertError>> {
+        let mut gpu = self.gpu.lock().unwrap_or_else(|e| e.into_inner());
+        let outcome = gpu.run_resident(
+            layer,
+            experts,
+            group_rows,
+            rows.gpu,
+            rows.input,
+            rows.output,
+        );
+        Some(match outcome {
+            Ok(RunOutcome::Done(_)) => Ok(()),
+            Ok(RunOutcome::NotHeld(expert)) => Err(ExpertError::NotHeld { layer, expert }),
+            Err(e) => Err(ExpertError::DeviceFailed(format!(
+                "GPU {}: {e}",
+                gpu.gpu.ordinal
+            ))),
+        })
     }
 }

@@ -69,6 +69,26 @@ pub enum ExpertError {
     DeviceFailed(String),
 }
 
+/// One MoE layer's grouped rows in the memory of GPU `gpu` of this process: `input` holds
+/// them as bf16 `[rows, width]`, and `output` takes the experts' bf16 outputs in the same
+/// layout. Groups held on that GPU or a peer of it never leave device memory; those that
+/// must (a CPU slot, another node) go through `staging`.
+pub struct DeviceRows<'a> {
+    pub gpu: usize,
+    pub input: u64,
+    pub output: u64,
+    pub staging: &'a dyn RowStaging,
+}
+
+/// Moves rows of a [`DeviceRows`] through the host, for groups computed off the GPU: one
+/// copy each way, counted by whoever implements it.
+pub trait RowStaging {
+    /// Input rows `first..first + rows`, widened to f32.
+    fn download(&self, first: usize, rows: usize) -> Result<Vec<f32>, String>;
+    /// Writes `values` (whole rows) as output rows from `first` on, rounded to bf16.
+    fn upload(&self, first: usize, values: &[f32]) -> Result<(), String>;
+}
+
 /// Runs grouped token rows through the experts of one layer. The engine calls this once per
 /// MoE layer per step; an implementation may compute locally, hand groups to device actors,
 /// or send them to other nodes.
@@ -81,6 +101,20 @@ pub trait ExpertExecutor: Send + Sync {
         plan: &DispatchPlan,
         grouped_input: &[f32],
     ) -> Result<Vec<f32>, ExpertError>;
+
+    /// The same over rows already in a GPU's memory, grouped (`group_rows[g]` rows for
+    /// `experts[g]`, consecutive), the outputs written in place. `None`: this executor takes
+    /// rows from the host only; the engine then brings them there and calls
+    /// [`ExpertExecutor::run`].
+    fn run_on_device(
+        &self,
+        _layer: usize,
+        _experts: &[u32],
+        _group_rows: &[usize],
+        _rows: &DeviceRows<'_>,
+    ) -> Option<Result<(), ExpertError>> {
+        None
+    }
 
     /// Experts of `layer` that tokens should be routed around (no live replica), when the
     /// executor reroutes instead of failing; `None` when it does not.

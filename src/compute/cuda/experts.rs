@@ -182,6 +182,8 @@ pub struct GpuExperts {
     host_out: Option<PinnedHostSlice<f32>>,
     /// Set when cuBLAS refuses grouped GEMMs: then one GEMM per expert.
     per_expert_gemm: bool,
+    /// Other GPUs' contexts, for peer copies of rows that stay on the GPUs.
+    peers: HashMap<usize, Arc<CudaContext>>,
     /// Host side of the pointer arrays, page-locked so their upload is truly asynchronous
     /// (a copy from pageable memory waits for the stream). Rewritten only after the
     /// previous call has synchronised.
@@ -283,6 +285,7 @@ impl GpuExperts {
             weights,
             index,
             per_expert_gemm: false,
+            peers: HashMap::new(),
             ptrs,
             rows_host,
             // Quantized experts: the kernel that reads them as stored wherever it can; the
@@ -825,5 +828,6 @@ pub enum RunOutcome {
     NotHeld(u32),
 }
 
+mod resident;
 #[cfg(test)]
 mod tests;

@@ -3,9 +3,10 @@
 //! with bf16 weights, bf16 inputs to the products and f32 everywhere else (the residual
 //! stream, norms, rotary, softmax). The host sends the step's embedding rows and rotary
 //! tables and gets the logits back. Routed experts stay behind the engine's
-//! [`crate::experts::ExpertExecutor`] (device actors, other nodes): at each MoE layer the
-//! normalised rows go to the host, the host routes them (the CPU's gate, so routing equals
-//! the CPU backend's for the same rows), and the combined expert output comes back.
+//! [`crate::experts::ExpertExecutor`] (device actors, other nodes). At each MoE layer the
+//! rows stay on the GPU where the executor takes device rows ([`routed`]); otherwise the
+//! normalised rows go to the host, the host routes them (the CPU's gate), and the combined
+//! expert output comes back.
 
 use std::sync::Arc;
 
@@ -17,14 +18,17 @@ use crate::compute::cuda::dense::DenseKernels;
 use crate::compute::cuda::moe::MoeKernels;
 use crate::compute::cuda::{CudaError, GpuInfo};
 use crate::compute::layout::{RopeAngles, Segment};
+use crate::experts::{ExpertError, ExpertExecutor};
 use crate::model::config::ModelConfig;
 use crate::model::weights::DenseWeights;
 pub use cache::DeviceCache;
 use cache::Scratch;
+use routed::{DeviceGate, RoutedError};
 use weights::{Layer, Matrix, Mlp, Norm, Uploaded, weight_bytes};
 
 mod attention;
 mod cache;
+mod routed;
 mod weights;
 
 /// The dense part of a model, resident on one GPU.
@@ -39,6 +43,11 @@ pub struct GpuModel {
     config: ModelConfig,
     softmax_scale: f32,
     interleaved: bool,
+    /// The GPU's ordinal.
+    gpu: usize,
+    /// Each layer's router where MoE layers route on the GPU (empty where they route on the
+    /// host: see [`routed`]).
+    gates: Vec<Option<DeviceGate>>,
 }
 
 /// Lets the GPU's default memory pool keep what a step frees: each step's work buffers come
@@ -96,7 +105,16 @@ impl GpuModel {
             final_norm,
             lm_head,
         } = weights::upload(&stream, weights)?;
+        let gates = match routed::upload_gates(&stream, config, weights)? {
+            Ok(gates) => gates,
+            Err(why) => {
+                tracing::info!(gpu = gpu.ordinal, %why, "MoE layers route on the host");
+                Vec::new()
+            }
+        };
         let model = GpuModel {
+            gpu: gpu.ordinal,
+            gates,
             final_norm,
             lm_head,
             blas,
@@ -197,14 +215,17 @@ impl GpuModel {
     /// `logit_rows` (each segment's last row, or all of a segment's rows when its logits
     /// are all wanted). `hidden` holds the rows' embeddings; caches are extended (their
     /// lengths are the caller's to advance); `routed(layer, normed, rows)` returns the
-    /// combined routed-expert output of an MoE layer. Returns `[logit_rows, vocab]` logits.
-    pub fn forward<E: From<CudaError>>(
+    /// combined routed-expert output of an MoE layer from host rows, where `executor` (when
+    /// given) does not take the rows on the GPU. Returns `[logit_rows, vocab]` logits.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward<E: From<CudaError> + From<ExpertError>>(
         &self,
         hidden: &[f32],
         angles: &[RopeAngles],
         segments: &[Segment],
         logit_rows: &[usize],
         caches: &mut [&mut DeviceCache],
+        executor: Option<&dyn ExpertExecutor>,
         routed: &mut RoutedExperts<E>,
     ) -> Result<Vec<f32>, E> {
         let stream = &self.stream;
@@ -272,7 +293,20 @@ impl GpuModel {
                 unsafe { self.dense.add_rows(stream, x, out, rows * h)? };
             }
             phases.end(2, stream)?;
-            if layer.moe {
+            let on_device = match (self.gates.get(l), executor) {
+                (Some(Some(gate)), Some(executor)) => self
+                    .routed_on_device(l, gate, executor, &mut scratch, xb, rows)
+                    .map_err(|e| match e {
+                        RoutedError::Cuda(e) => E::from(e),
+                        RoutedError::Expert(e) => E::from(e),
+                    })?,
+                _ => None,
+            };
+            if let Some(out) = on_device {
+                // SAFETY: both `[rows, H]` f32.
+                unsafe { self.dense.add_rows(stream, x, out, rows * h)? };
+                phases.end(3, stream)?;
+            } else if layer.moe {
                 normed_host.resize(rows * h, 0.0);
                 // SAFETY: `normed` holds `[rows, H]` f32; synchronised before it is read.
                 unsafe {

@@ -122,8 +122,11 @@ pub(super) fn weight_bytes(weights: &DenseWeights) -> usize {
             };
             let ff = match &l.feed_forward {
                 FeedForward::Dense(m) => m.parameters() * 2,
+                // The router is uploaded too, for routing on the GPU.
                 FeedForward::Moe(moe) => {
                     moe.shared_expert.as_ref().map_or(0, |e| e.parameters() * 2)
+                        + linear(&moe.router)
+                        + moe.correction_bias.as_ref().map_or(0, |b| b.len() * 4)
                 }
             };
             attention + ff + norm(&l.input_norm) + norm(&l.post_attention_norm)
@@ -134,6 +137,16 @@ pub(super) fn weight_bytes(weights: &DenseWeights) -> usize {
 
 fn to_bf16(values: &[f32]) -> Vec<bf16> {
     values.iter().map(|&v| bf16::from_f32(v)).collect()
+}
+
+/// `l` as a bf16 product on the GPU.
+pub(super) fn matrix_of(stream: &Arc<CudaStream>, l: &StoredLinear) -> Result<Matrix, CudaError> {
+    Ok(Matrix {
+        weight: Buffer::from_host(stream, &to_bf16(&l.widened()))?,
+        bias: l.bias().map(|b| Buffer::from_host(stream, b)).transpose()?,
+        out: l.out_features(),
+        inp: l.in_features(),
+    })
 }
 
 /// Uploads the dense weights (as bf16 where they are products), layer by layer.
@@ -150,8 +163,7 @@ pub(super) fn upload(
                 inp,
             })
         };
-    let matrix =
-        |l: &StoredLinear| upload_matrix(&l.widened(), l.bias(), l.out_features(), l.in_features());
+    let matrix = |l: &StoredLinear| matrix_of(stream, l);
     let norm = |n: &RmsNorm| -> Result<Norm, CudaError> {
         Ok(Norm {
             weight: Buffer::from_host(stream, &n.weight)?,
