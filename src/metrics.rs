@@ -371,6 +371,25 @@ impl prometheus_client::collector::Collector for DeviceCollector {
                 ConstGauge::new(value(d)).encode(family.encode_family(&labels)?)?;
             }
         }
+        // GPUs emulated on the CPU count every copy their driver makes (a real driver
+        // does not): what crossed between host and GPUs is then visible from outside.
+        if let Some(c) = crate::compute::cuda::emulated::counters() {
+            let mut family = encoder.encode_descriptor(
+                "emulated_gpu_copied_bytes",
+                "Bytes the emulated GPUs' driver copied (devices.backend = \"cuda-emulated\"), by direction",
+                None,
+                MetricType::Counter,
+            )?;
+            for (direction, bytes) in [
+                ("host_to_device", c.host_to_device),
+                ("device_to_host", c.device_to_host),
+                ("within_gpu", c.device_to_device),
+                ("between_gpus", c.peer),
+            ] {
+                ConstCounter::new(bytes)
+                    .encode(family.encode_family(&[("direction", direction)])?)?;
+            }
+        }
         Ok(())
     }
 }

@@ -120,11 +120,46 @@ fn a_node_on_emulated_gpus_answers_as_the_gpu_engine_does() {
         .unwrap();
     assert!(out.status.success());
     let on_gpu = ids(&serde_json::from_slice::<Value>(&out.stdout).unwrap()["token_ids"]);
+    let copied_before = emulated_copies(&server);
     let body = server.post_ok(
         "/v1/completions",
         &json!({"prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": true}),
     );
     assert_eq!(ids(&body["choices"][0]["token_ids"]), on_gpu);
+    // The MoE layers' rows stayed on the GPUs: those for experts on GPU 1 went there and
+    // back peer to peer, and between host and GPUs only what each step must move crossed
+    // (embeddings in, logits out, positions, group sizes, the products' pointer arrays).
+    let copied = emulated_copies(&server);
+    let moved = |direction: &str| copied[direction] - copied_before[direction];
+    assert!(
+        moved("between_gpus") > 0,
+        "no row went between the GPUs: {copied:?}"
+    );
+    let spec = moe_node::model::demo::DemoSpec::default();
+    let (h, vocab, experts, k) = (
+        spec.hidden_size,
+        moe_node::model::demo::VOCAB_SIZE,
+        spec.num_experts,
+        spec.top_k,
+    );
+    let moe_layers = spec.num_layers - spec.first_k_dense;
+    let generated = on_gpu.len();
+    let (rows, steps) = (prompt.len() + generated - 1, generated);
+    let needed = rows * (h + vocab) * 4
+        + steps * moe_layers * (experts + 1) * 4
+        + rows * k * moe_layers * 68
+        + steps * (4 << 10);
+    let host = moved("host_to_device") + moved("device_to_host");
+    eprintln!(
+        "{steps} steps, {rows} rows: {host} bytes between host and GPUs (bound {needed}), {} \
+         between the GPUs",
+        moved("between_gpus")
+    );
+    assert!(
+        host as usize <= needed,
+        "{host} bytes between host and GPUs for {steps} steps of {rows} rows in all: more \
+         than the {needed} they need without rows of MoE layers ({copied:?})"
+    );
     // Two at once: batched on the GPU, each still the CPU's answer.
     let body =
         json!({"prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": true});
@@ -139,6 +174,19 @@ fn a_node_on_emulated_gpus_answers_as_the_gpu_engine_does() {
     for answer in answers {
         assert_eq!(ids(&answer["choices"][0]["token_ids"]), on_gpu);
     }
+}
+
+/// The emulated GPUs' copy counters on the server's `/metrics`, by direction.
+fn emulated_copies(server: &Server) -> std::collections::HashMap<String, u64> {
+    let text = server.get("/metrics").text().unwrap();
+    text.lines()
+        .filter_map(|line| {
+            let rest =
+                line.strip_prefix("moe_node_emulated_gpu_copied_bytes_total{direction=\"")?;
+            let (direction, value) = rest.split_once("\"} ")?;
+            Some((direction.to_string(), value.trim().parse().ok()?))
+        })
+        .collect()
 }
 
 #[test]

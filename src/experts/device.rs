@@ -148,6 +148,71 @@ impl Message for TakeExperts {
     type Result = Result<usize, TargetError>;
 }
 
+/// Runs rows that are in GPU memory (the dense part's GPU, this device's or a peer) through
+/// experts this GPU holds, writing the outputs there too ([`GpuExperts::run_resident`]):
+/// group `(expert, first_row, rows)` reads and writes rows `first_row..first_row + rows`
+/// of `input` and `output` (bf16 rows of the model's width). Answers empty outputs.
+pub struct RunResident {
+    pub layer: usize,
+    pub groups: Vec<(u32, usize, usize)>,
+    /// The GPU the rows are on.
+    pub gpu: usize,
+    pub input: u64,
+    pub output: u64,
+    pub answer: Answer,
+    /// Dropped once the device no longer touches the rows.
+    pub ticket: ResidentTicket,
+}
+
+impl Message for RunResident {
+    type Result = ();
+}
+
+/// Resident sends whose device may still touch their rows: the dispatcher waits for none
+/// to be left before the rows' memory goes back (a send's answer may come before that,
+/// or after another replica's).
+#[derive(Debug, Default)]
+pub struct ResidentSends {
+    in_flight: std::sync::Mutex<usize>,
+    done: std::sync::Condvar,
+}
+
+/// One resident send in flight; dropped when its device is done with the rows, or never
+/// got them.
+pub struct ResidentTicket(Arc<ResidentSends>);
+
+impl ResidentSends {
+    pub fn ticket(self: &Arc<Self>) -> ResidentTicket {
+        *self
+            .in_flight
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) += 1;
+        ResidentTicket(self.clone())
+    }
+
+    /// Waits until every ticket is dropped.
+    pub fn wait(&self) {
+        let mut n = self
+            .in_flight
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        while *n > 0 {
+            n = self.done.wait(n).unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+}
+
+impl Drop for ResidentTicket {
+    fn drop(&mut self) {
+        *self
+            .0
+            .in_flight
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) -= 1;
+        self.0.done.notify_all();
+    }
+}
+
 /// Lets go of every expert not in the set (after the cluster switched to a placement that
 /// puts them elsewhere); answers how many it holds now.
 pub struct ReleaseExperts(pub HashSet<(usize, u32)>);
@@ -209,7 +274,71 @@ impl DeviceActor {
     }
 }
 
+impl Handler<RunResident> for DeviceActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: RunResident, ctx: &mut Self::Context) {
+        let RunResident {
+            layer,
+            mut groups,
+            gpu: source,
+            input,
+            output,
+            answer,
+            ticket,
+        } = msg;
+        let outputs = self.run_resident(layer, &mut groups, source, input, output, ctx);
+        drop(ticket);
+        answer.send(outputs);
+    }
+}
+
 impl DeviceActor {
+    fn run_resident(
+        &mut self,
+        layer: usize,
+        groups: &mut [(u32, usize, usize)],
+        source: usize,
+        input: u64,
+        output: u64,
+        ctx: &mut Context<Self>,
+    ) -> GroupOutputs {
+        let Held::Gpu(gpu) = &mut self.experts else {
+            return Err(TargetError::Failed(format!(
+                "device {} is a CPU slot: it takes rows from the host",
+                self.id
+            )));
+        };
+        let row_bytes = (gpu.shape.hidden * 2) as u64;
+        let answered = vec![Vec::new(); groups.len()];
+        groups.sort_by_key(|&(_, first, _)| first);
+        // Runs of consecutive rows, one call each.
+        let mut start = 0;
+        while start < groups.len() {
+            let mut end = start + 1;
+            while end < groups.len() && groups[end].1 == groups[end - 1].1 + groups[end - 1].2 {
+                end += 1;
+            }
+            let run = &groups[start..end];
+            let experts: Vec<u32> = run.iter().map(|g| g.0).collect();
+            let sizes: Vec<usize> = run.iter().map(|g| g.2).collect();
+            let at = run[0].1 as u64 * row_bytes;
+            match gpu.run_resident(layer, &experts, &sizes, source, input + at, output + at) {
+                Ok(RunOutcome::Done(_)) => {}
+                Ok(RunOutcome::NotHeld(expert)) => {
+                    return Err(TargetError::NotHeld { layer, expert });
+                }
+                Err(e) => {
+                    tracing::error!(device = self.id, error = %e, "GPU failed: device taken out of service");
+                    ctx.stop();
+                    return Err(TargetError::Gone(format!("device {}: {e}", self.id)));
+                }
+            }
+            start = end;
+        }
+        Ok(answered)
+    }
+
     fn count(&self) -> usize {
         let (experts, bytes) = match &self.experts {
             Held::Cpu(held) => held.count(),

@@ -18,11 +18,11 @@ use std::time::{Duration, Instant};
 
 use super::attempts::{Answered, Attempts, NoReplica, Overdue, Policy};
 use super::choice::assign_groups_among;
-use super::device::{DeviceHandle, RunExperts};
+use super::device::{DeviceHandle, ResidentSends, RunExperts, RunResident};
 use super::health::{Penalties, Reach, ReplicaHealth, TargetHealth, hedge_after};
 use super::holdings::{HELD_HERE, Holdings};
 use super::target::{Answer, GroupOutputs, RemoteNodes, RemoteWork, Target, TargetError};
-use super::{ExpertError, ExpertExecutor, run_expert_groups};
+use super::{DeviceRows, ExpertError, ExpertExecutor, run_expert_groups};
 use crate::config::OnUnavailable;
 use crate::model::ExpertWeights;
 use crate::moe::DispatchPlan;
@@ -90,6 +90,9 @@ pub struct DispatchCounters {
     /// Token-to-expert choices routed to another expert, the chosen one having no live
     /// replica (`on_expert_unavailable = "reroute"`).
     pub rerouted: AtomicU64,
+    /// Bytes of rows that were on a GPU and went through host memory (both ways) for groups
+    /// computed elsewhere: a CPU slot, or another node.
+    pub staged_bytes: AtomicU64,
 }
 
 pub struct Dispatcher {
@@ -363,6 +366,59 @@ impl Dispatcher {
         input: &[f32],
         local_only: bool,
     ) -> Result<Vec<Vec<f32>>, ExpertError> {
+        let input = GroupInput::new(input, experts, group_rows, self.hidden_size)?;
+        self.run_input(layer, experts, &input, local_only)
+    }
+
+    /// [`Dispatcher::run_groups`] over rows in GPU memory: groups for this node's GPUs stay
+    /// there (peer copies between GPUs), the others go through the host, and every output
+    /// ends up in `rows.output`.
+    fn run_resident(
+        &self,
+        layer: usize,
+        experts: &[u32],
+        group_rows: &[usize],
+        rows: &DeviceRows<'_>,
+    ) -> Result<(), ExpertError> {
+        let input = GroupInput::resident(
+            rows,
+            group_rows,
+            self.hidden_size,
+            &self.counters.staged_bytes,
+        );
+        let outputs = self.run_input(layer, experts, &input, false);
+        // No device may write into the rows' memory once this returns.
+        input.wait_for_devices();
+        let outputs = outputs?;
+        for (g, output) in outputs.iter().enumerate() {
+            // Written in place where a GPU of this node ran the group; from the host else.
+            if !output.is_empty() {
+                rows.staging
+                    .upload(input.starts[g], output)
+                    .map_err(ExpertError::DeviceFailed)?;
+                self.counters
+                    .staged_bytes
+                    .fetch_add((output.len() * 2) as u64, Ordering::Relaxed);
+            }
+        }
+        Ok(())
+    }
+
+    fn run_input(
+        &self,
+        layer: usize,
+        experts: &[u32],
+        input: &GroupInput<'_>,
+        local_only: bool,
+    ) -> Result<Vec<Vec<f32>>, ExpertError> {
+        let group_rows = input.rows;
+        if experts.len() != group_rows.len() {
+            return Err(ExpertError::Malformed {
+                groups: experts.len(),
+                rows: group_rows.iter().sum(),
+                values: 0,
+            });
+        }
         self.load.tick();
         self.calls_started.fetch_add(1, Ordering::SeqCst);
         let _finished = CallFinished(&self.calls_finished);
@@ -373,7 +429,7 @@ impl Dispatcher {
             give_up: self.timing.give_up,
         };
         let mut attempts = Attempts::new(experts, group_rows, policy);
-        let result = self.drive(layer, experts, group_rows, input, local_only, &mut attempts);
+        let result = self.drive(layer, experts, input, local_only, &mut attempts);
         // Sends still unanswered (a hedged send whose other replica answered first, sends
         // in flight when the step failed) will be answered to nobody: their rows no longer
         // count as the target's load, or every hedge would leave rows on a slow or paused
@@ -391,12 +447,11 @@ impl Dispatcher {
         &self,
         layer: usize,
         experts: &[u32],
-        group_rows: &[usize],
-        input: &[f32],
+        group_input: &GroupInput<'_>,
         local_only: bool,
         attempts: &mut Attempts<Vec<f32>>,
     ) -> Result<Vec<Vec<f32>>, ExpertError> {
-        let width = self.hidden_size;
+        let group_rows = group_input.rows;
         let placement = self.placement();
         let holdings = self.holdings();
         // Work from another node runs on whichever local device holds its expert now.
@@ -412,7 +467,6 @@ impl Dispatcher {
                 placement.replicas(layer, expert)
             }
         };
-        let group_input = GroupInput::new(input, experts, group_rows, width)?;
         let (done_tx, done_rx) = mpsc::channel::<(usize, GroupOutputs)>();
         // Small work for this node's CPU slots, run on this thread once the rest is sent.
         let mut inline: Vec<(u16, Vec<usize>, Answer)> = Vec::new();
@@ -452,7 +506,7 @@ impl Dispatcher {
                             Ok(())
                         }
                         Target::Device(d) => {
-                            self.send_local(d, layer, &groups, experts, &group_input, answer)
+                            self.send_local(d, layer, &groups, experts, group_input, answer)
                         }
                         Target::Node(n) => self.send_remote(
                             n,
@@ -460,7 +514,7 @@ impl Dispatcher {
                             placement.version(),
                             &groups,
                             experts,
-                            &group_input,
+                            group_input,
                             answer,
                         ),
                     };
@@ -469,7 +523,7 @@ impl Dispatcher {
                         let _ = done_tx.send((id, Err(e)));
                     }
                 }
-                self.run_inline(layer, &mut inline, experts, &group_input);
+                self.run_inline(layer, &mut inline, experts, group_input);
                 if !attempts.pending().is_empty() {
                     // Nothing to send to yet: look again shortly.
                     std::thread::sleep(Duration::from_millis(20));
@@ -696,20 +750,33 @@ impl Dispatcher {
     ) -> Result<(), TargetError> {
         let handle = self
             .device(device)
-            .ok_or_else(|| TargetError::Gone(format!("no device {device} on this node")))?
-            .addr;
+            .ok_or_else(|| TargetError::Gone(format!("no device {device} on this node")))?;
+        let stopped = || TargetError::Gone(format!("device {device} stopped"));
+        if let (Some(resident), Some(_)) = (&group_input.resident, handle.gpu) {
+            let message = RunResident {
+                layer,
+                groups: groups
+                    .iter()
+                    .map(|&g| (experts[g], group_input.starts[g], group_input.rows[g]))
+                    .collect(),
+                gpu: resident.rows.gpu,
+                input: resident.rows.input,
+                output: resident.rows.output,
+                answer,
+                ticket: resident.sends.ticket(),
+            };
+            // A stopped actor refuses the message; dropping it answers Gone.
+            return handle.addr.try_send(message).map_err(|_| stopped());
+        }
         let message = RunExperts {
             layer,
             groups: groups
                 .iter()
-                .map(|&g| (experts[g], group_input.get(g).to_vec()))
-                .collect(),
+                .map(|&g| Ok((experts[g], group_input.get(g)?.to_vec())))
+                .collect::<Result<_, TargetError>>()?,
             answer,
         };
-        // A stopped actor refuses the message; dropping it answers Gone.
-        handle
-            .try_send(message)
-            .map_err(|_| TargetError::Gone(format!("device {device} stopped")))
+        handle.addr.try_send(message).map_err(|_| stopped())
     }
 
     /// Runs the `(device, groups, answer)` shares from this thread, all of them in one
@@ -725,14 +792,25 @@ impl Dispatcher {
     ) {
         let mut runs: Vec<(Vec<Arc<ExpertWeights>>, Vec<usize>, Answer)> = Vec::new();
         for (device, groups, answer) in shares.drain(..) {
-            let work: Vec<(u32, &[f32])> = groups
+            let handle = self.device(device);
+            // Rows on a GPU stay there when this device is a GPU.
+            let on_gpu = handle.as_ref().is_some_and(|h| h.gpu.is_some());
+            if on_gpu && group_input.resident.is_some() {
+                let _ = self.send_local(device, layer, &groups, experts, group_input, answer);
+                continue;
+            }
+            let work: Result<Vec<(u32, &[f32])>, TargetError> = groups
                 .iter()
-                .map(|&g| (experts[g], group_input.get(g)))
+                .map(|&g| Ok((experts[g], group_input.get(g)?)))
                 .collect();
-            match self
-                .device(device)
-                .and_then(|h| h.weights_here(layer, &work))
-            {
+            let work = match work {
+                Ok(work) => work,
+                Err(e) => {
+                    answer.send(Err(e));
+                    continue;
+                }
+            };
+            match handle.and_then(|h| h.weights_here(layer, &work)) {
                 Some(Ok(weights)) => runs.push((weights, groups, answer)),
                 Some(Err(e)) => answer.send(Err(e)),
                 None => {
@@ -747,7 +825,8 @@ impl Dispatcher {
                 weights
                     .iter()
                     .zip(groups)
-                    .map(|(weights, &g)| (&**weights, group_input.get(g)))
+                    // Staged already, when the work list above was made.
+                    .map(|(weights, &g)| (&**weights, group_input.get(g).unwrap_or(&[])))
             })
             .collect();
         let mut outputs = run_expert_groups(&all, group_input.width, true).into_iter();
@@ -775,7 +854,7 @@ impl Dispatcher {
         let total: usize = groups.iter().map(|&g| group_rows[g]).sum();
         let mut rows = Vec::with_capacity(total * self.hidden_size);
         for &g in groups {
-            rows.extend_from_slice(group_input.get(g));
+            rows.extend_from_slice(group_input.get(g)?);
         }
         let work = RemoteWork {
             layer,
@@ -790,12 +869,25 @@ impl Dispatcher {
     }
 }
 
-/// The rows of each group of one dispatch.
+/// The rows of each group of one dispatch: in host memory, or in GPU memory
+/// ([`DeviceRows`]), brought to the host group by group where a group is computed
+/// elsewhere than on a GPU of this node.
 struct GroupInput<'a> {
-    input: &'a [f32],
+    host: &'a [f32],
+    resident: Option<Resident<'a>>,
+    /// Each group's first row.
     starts: Vec<usize>,
     rows: &'a [usize],
     width: usize,
+}
+
+/// Rows in GPU memory, what of them has been brought to the host, and the resident sends
+/// still in flight.
+struct Resident<'a> {
+    rows: &'a DeviceRows<'a>,
+    staged: Vec<std::sync::OnceLock<Vec<f32>>>,
+    sends: Arc<ResidentSends>,
+    staged_bytes: &'a AtomicU64,
 }
 
 impl<'a> GroupInput<'a> {
@@ -807,30 +899,80 @@ impl<'a> GroupInput<'a> {
         rows: &'a [usize],
         width: usize,
     ) -> Result<Self, ExpertError> {
-        let mut starts = Vec::with_capacity(rows.len());
-        let mut at = 0usize;
-        for &r in rows {
-            starts.push(at);
-            at += r;
-        }
-        if at * width != input.len() || experts.len() != rows.len() {
+        let starts = starts_of(rows);
+        let total: usize = rows.iter().sum();
+        if total * width != input.len() || experts.len() != rows.len() {
             return Err(ExpertError::Malformed {
                 groups: experts.len(),
-                rows: at,
+                rows: total,
                 values: input.len(),
             });
         }
         Ok(GroupInput {
-            input,
+            host: input,
+            resident: None,
             starts,
             rows,
             width,
         })
     }
 
-    fn get(&self, g: usize) -> &[f32] {
-        &self.input[self.starts[g] * self.width..(self.starts[g] + self.rows[g]) * self.width]
+    fn resident(
+        rows_on_gpu: &'a DeviceRows<'a>,
+        rows: &'a [usize],
+        width: usize,
+        staged_bytes: &'a AtomicU64,
+    ) -> Self {
+        GroupInput {
+            host: &[],
+            resident: Some(Resident {
+                rows: rows_on_gpu,
+                staged: rows.iter().map(|_| std::sync::OnceLock::new()).collect(),
+                sends: Arc::default(),
+                staged_bytes,
+            }),
+            starts: starts_of(rows),
+            rows,
+            width,
+        }
     }
+
+    /// Group `g`'s rows in host memory (copied from the GPU the first time).
+    fn get(&self, g: usize) -> Result<&[f32], TargetError> {
+        let Some(resident) = &self.resident else {
+            let at = self.starts[g] * self.width;
+            return Ok(&self.host[at..at + self.rows[g] * self.width]);
+        };
+        if let Some(rows) = resident.staged[g].get() {
+            return Ok(rows);
+        }
+        let rows = resident
+            .rows
+            .staging
+            .download(self.starts[g], self.rows[g])
+            .map_err(TargetError::Failed)?;
+        resident
+            .staged_bytes
+            .fetch_add((rows.len() * 2) as u64, Ordering::Relaxed);
+        Ok(resident.staged[g].get_or_init(|| rows))
+    }
+
+    /// Waits until no device touches the GPU rows any more.
+    fn wait_for_devices(&self) {
+        if let Some(resident) = &self.resident {
+            resident.sends.wait();
+        }
+    }
+}
+
+fn starts_of(rows: &[usize]) -> Vec<usize> {
+    rows.iter()
+        .scan(0, |at, &r| {
+            let start = *at;
+            *at += r;
+            Some(start)
+        })
+        .collect()
 }
 
 impl ExpertExecutor for Dispatcher {
@@ -879,5 +1021,15 @@ impl ExpertExecutor for Dispatcher {
             .collect();
         let outputs = self.run_groups(layer, &plan.experts, &group_rows, grouped_input, false)?;
         Ok(outputs.concat())
+    }
+
+    fn run_on_device(
+        &self,
+        layer: usize,
+        experts: &[u32],
+        group_rows: &[usize],
+        rows: &DeviceRows<'_>,
+    ) -> Option<Result<(), ExpertError>> {
+        Some(self.run_resident(layer, experts, group_rows, rows))
     }
 }

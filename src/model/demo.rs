@@ -38,7 +38,7 @@ pub struct DemoSpec {
 
 /// Byte-level vocabulary: ids 0..=255 are bytes, then the chat special tokens.
 const SPECIAL_TOKENS: [&str; 3] = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"];
-const VOCAB_SIZE: usize = 256 + SPECIAL_TOKENS.len();
+pub const VOCAB_SIZE: usize = 256 + SPECIAL_TOKENS.len();
 const IM_END: u32 = 257;
 
 impl Default for DemoSpec {

@@ -209,6 +209,12 @@ impl Collector for ClusterCollector {
         )?;
         counter(
             &mut encoder,
+            "dispatch_staged_bytes",
+            "Bytes of rows that were on a GPU and went through host memory for groups computed on a CPU slot or another node (both ways)",
+            &[(&[], load(&c.staged_bytes))],
+        )?;
+        counter(
+            &mut encoder,
             "dispatch_rerouted",
             "Token-to-expert choices routed to the next-best expert because the chosen one had no live replica (on_expert_unavailable = \"reroute\": degraded output)",
             &[(&[], load(&c.rerouted))],
