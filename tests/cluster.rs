@@ -1037,3 +1037,74 @@ fn a_secret_dropped_by_a_reload_is_refused_by_the_peer_handshake_at_once() {
         .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok());
     assert_eq!(refused, Some(1.0), "{metrics}");
 }
+
+/// A node whose dense part is on (emulated) GPUs, in a cluster with a CPU node holding half
+/// of the experts: its MoE layers keep the rows of its own experts on its GPUs, and bring to
+/// the host only the groups for the other node (counted), whose answers go back to the GPU.
+/// Its greedy answers are those of one process with the whole model on one GPU.
+#[test]
+fn a_gpu_node_sends_only_the_other_nodes_rows_through_the_host() {
+    if common::gpus("a GPU node in a cluster").is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let ports = [free_udp_port(), free_udp_port()];
+    let config = |i: usize, devices: &str| {
+        let text = format!(
+            "[devices]\n{devices}\n\
+             [cluster]\nnode_id = \"node{}\"\nsecrets = [\"{SECRET}\"]\n\
+             gossip_listen = \"127.0.0.1:{}\"\npeer_listen = \"127.0.0.1:0\"\n\
+             seeds = [\"127.0.0.1:{}\"]\nexpect_nodes = 2\nreplication = 1\n\
+             probe_period_ms = 200\nsuspicion_timeout_ms = 2000\njoin_timeout_seconds = 30\n\
+             [peer]\ntransport = \"tcp\"\n",
+            i + 1,
+            ports[i],
+            ports[1 - i]
+        );
+        let path = dir.path().join(format!("node{}.toml", i + 1));
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let on_gpus = config(0, "backend = \"cuda-emulated\"\nemulated_gpus = 2");
+    let on_cpu = config(1, "backend = \"cpu\"\ncpu_slots = 1");
+    let gpu_node = Node::start("node1", on_gpus, model());
+    let cpu_node = Node::start("node2", on_cpu, model());
+    gpu_node.wait_ready();
+    cpu_node.wait_ready();
+    let held = gpu_node.metric_sum("moe_node_device_experts");
+    assert!(held > 0.0, "{:?}", gpu_node.log());
+    assert!(cpu_node.metric_sum("moe_node_device_experts") > 0.0);
+
+    let prompt = prompt(3);
+    let ids: Vec<String> = prompt.iter().map(u32::to_string).collect();
+    let out = Command::new(BIN)
+        .args(["generate", "--model"])
+        .arg(model())
+        .args(["--gpu", "0", "--emulated-gpus", "1"])
+        .args(["--prompt-ids", &ids.join(",")])
+        .args(["--max-tokens", "6", "--json"])
+        .stderr(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let alone: Vec<u64> = serde_json::from_slice::<Value>(&out.stdout).unwrap()["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect();
+    let staged_before = gpu_node.metric_sum("moe_node_dispatch_staged_bytes_total");
+    let sent_before = gpu_node.metric_sum("moe_node_dispatch_rows_sent_total");
+    let answer = completion(&gpu_node, &prompt, alone.len());
+    let staged = gpu_node.metric_sum("moe_node_dispatch_staged_bytes_total") - staged_before;
+    let sent = gpu_node.metric_sum("moe_node_dispatch_rows_sent_total") - sent_before;
+    eprintln!("rows sent to node2: {sent}, bytes staged through the host: {staged}");
+    assert!(sent > 0.0, "no rows went to the CPU node");
+    // Each row sent went down from the GPU and its output came back up, as bf16.
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(model().join("config.json")).unwrap())
+            .unwrap();
+    let width = config["hidden_size"].as_f64().unwrap();
+    assert_eq!(staged, sent * width * 2.0 * 2.0, "staged bytes against rows sent");
+    assert_eq!(answer, alone, "greedy answer against one GPU alone");
+}
