@@ -1105,6 +1105,10 @@ fn a_gpu_node_sends_only_the_other_nodes_rows_through_the_host() {
         serde_json::from_str(&std::fs::read_to_string(model().join("config.json")).unwrap())
             .unwrap();
     let width = config["hidden_size"].as_f64().unwrap();
-    assert_eq!(staged, sent * width * 2.0 * 2.0, "staged bytes against rows sent");
+    assert_eq!(
+        staged,
+        sent * width * 2.0 * 2.0,
+        "staged bytes against rows sent"
+    );
     assert_eq!(answer, alone, "greedy answer against one GPU alone");
 }

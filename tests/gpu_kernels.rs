@@ -413,3 +413,89 @@ fn attention_matches_the_cpu_on_the_gpu() {
         assert_close(&d.download(&out), &c.expected(), 1e-5, "attention");
     }
 }
+
+/// A GPU takes experts while serving, as a new placement's copies: the taken ones run as
+/// the CPU computes them, released slots take the next experts without new memory, and a
+/// share with an expert of another shape, or more than the memory allowed, is refused whole.
+#[test]
+fn a_gpu_takes_and_releases_experts_while_serving() {
+    use moe_node::compute::cuda::GpuExperts;
+    use moe_node::compute::cuda::experts::RunOutcome;
+    let Some(gpu) = gpu_or_skip() else { return };
+    let (h, i) = (64, 32);
+    let experts: Vec<ExpertWeights> = (0..6u64)
+        .map(|e| random_expert(Form::Bf16, h, i, 500 + 3 * e))
+        .collect();
+    let shape = ExpertShape {
+        hidden: h,
+        intermediate: i,
+        num_experts: 6,
+        max_rows: 16,
+        host_io: true,
+        storage: ExpertStorage::Bf16,
+    };
+    let mut held = GpuExperts::new(&gpu, shape, &[(0, 0), (0, 1)], 0.5, None).unwrap();
+    held.upload(0, 0, &experts[0]).unwrap();
+    held.upload(0, 1, &experts[1]).unwrap();
+    let rows = widen(&values(3 * h, 41, 1.0));
+    let check = |held: &mut GpuExperts, expert: u32| match held.run(0, &[(expert, &rows)]).unwrap()
+    {
+        RunOutcome::Done(out) => {
+            let expected = experts[expert as usize].forward_with(&rows, 3, false);
+            assert_close(&out[0], &expected, 0.03, &format!("expert {expert} taken"));
+        }
+        RunOutcome::NotHeld(e) => panic!("expert {e} not held"),
+    };
+    let slots_at_load = held.slot_bytes_allocated();
+    let share = |ids: &[u32]| -> Vec<((usize, u32), &ExpertWeights)> {
+        ids.iter()
+            .map(|&e| ((0, e), &experts[e as usize]))
+            .collect()
+    };
+    assert_eq!(held.take(&share(&[2, 3]), 0.5).unwrap(), 4);
+    check(&mut held, 2);
+    check(&mut held, 3);
+    check(&mut held, 0);
+    assert_eq!(held.slot_bytes_allocated(), slots_at_load * 2);
+    // Two let go of; two others take their slots.
+    assert_eq!(held.release(|&(_, e)| e != 0 && e != 2), 2);
+    assert!(matches!(
+        held.run(0, &[(2, &rows)]).unwrap(),
+        RunOutcome::NotHeld(2)
+    ));
+    assert_eq!(held.take(&share(&[4, 5]), 0.5).unwrap(), 4);
+    assert_eq!(
+        held.slot_bytes_allocated(),
+        slots_at_load * 2,
+        "released slots reused"
+    );
+    check(&mut held, 4);
+    check(&mut held, 5);
+    check(&mut held, 1);
+    // A share with one expert of another shape: refused whole, before anything is written.
+    // (An FP8 expert on this bf16 GPU is widened, as at load.)
+    let wrong = random_expert(Form::Bf16, h, 2 * i, 900);
+    let fp8 = random_expert(Form::Fp8([16, 16]), h, i, 901);
+    let refused = held
+        .take(&[((0, 2), &fp8), ((0, 0), &wrong)], 0.5)
+        .unwrap_err()
+        .to_string();
+    assert!(refused.contains("expert 0 of layer 0"), "{refused}");
+    assert_eq!(held.experts_held(), 4);
+    assert!(matches!(
+        held.run(0, &[(2, &rows)]).unwrap(),
+        RunOutcome::NotHeld(2)
+    ));
+    // More than the memory allowed: refused, naming the GPU's budget.
+    let many: Vec<ExpertWeights> = (0..4u64)
+        .map(|e| random_expert(Form::Bf16, h, i, 700 + e))
+        .collect();
+    let share: Vec<((usize, u32), &ExpertWeights)> = many
+        .iter()
+        .enumerate()
+        .map(|(e, w)| ((1, e as u32), w))
+        .collect();
+    let refused = held.take(&share, 1e-12).unwrap_err().to_string();
+    assert!(refused.contains("MiB"), "{refused}");
+    assert_eq!(held.experts_held(), 4);
+}

@@ -38,6 +38,8 @@ pub struct DeviceActor {
     id: usize,
     experts: Held,
     holding: Arc<Holding>,
+    /// Of a GPU's free memory, what new experts may take (`devices.gpu_memory_fraction`).
+    memory_fraction: f64,
 }
 
 /// What a device holds, as its handle reads it (the admin API, metrics).
@@ -360,13 +362,16 @@ impl Handler<TakeExperts> for DeviceActor {
                     .into_iter()
                     .map(|(key, weights)| (key, Arc::new(weights))),
             ),
-            // A GPU's experts live in one buffer sized at load: a new share needs a restart
-            // of the node (the cluster meanwhile serves these experts from other replicas).
-            Held::Gpu(_) => {
-                return Err(TargetError::Failed(format!(
-                    "device {} is a GPU: it takes a new share of experts only at restart",
-                    self.id
-                )));
+            // Written between two runs (this actor's thread does both): the copy, before
+            // the cluster switches to the placement that routes to it.
+            Held::Gpu(gpu) => {
+                let share: Vec<((usize, u32), &ExpertWeights)> =
+                    msg.0.iter().map(|(key, weights)| (*key, weights)).collect();
+                let taken = gpu.take(&share, self.memory_fraction);
+                if let Err(e) = taken {
+                    self.count();
+                    return Err(TargetError::Failed(format!("device {}: {e}", self.id)));
+                }
             }
         }
         Ok(self.count())
@@ -377,8 +382,11 @@ impl Handler<ReleaseExperts> for DeviceActor {
     type Result = usize;
 
     fn handle(&mut self, msg: ReleaseExperts, _: &mut Self::Context) -> usize {
-        if let Held::Cpu(held) = &self.experts {
-            held.write().retain(|key, _| msg.0.contains(key));
+        match &mut self.experts {
+            Held::Cpu(held) => held.write().retain(|key, _| msg.0.contains(key)),
+            Held::Gpu(gpu) => {
+                gpu.release(|key| msg.0.contains(key));
+            }
         }
         self.count()
     }
@@ -495,10 +503,15 @@ pub fn start_device(
         };
         // The receiver waits below; it is gone only if the caller gave up.
         let _ = ready_tx.send(ready);
+        let memory_fraction = match &target {
+            DeviceTarget::Gpu(_, options) => options.memory_fraction,
+            DeviceTarget::Cpu => 1.0,
+        };
         let actor = DeviceActor {
             id,
             experts,
             holding: actor_holding,
+            memory_fraction,
         };
         actor.count();
         actor

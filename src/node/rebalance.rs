@@ -272,18 +272,6 @@ impl Node {
             NotNow::NotLeader { .. } => NodeError::NotLeader(e.to_string()),
             NotNow::Unsettled(_) => NodeError::Rebalance(e.to_string()),
         })?;
-        // A GPU device takes no experts after load (`TakeExperts` refuses): were copies
-        // placed there, the switch would route to a device without them.
-        if let Some(m) = members
-            .iter()
-            .find(|m| m.state != MemberState::Dead && m.meta.rows_bf16)
-        {
-            return Err(NodeError::Rebalance(format!(
-                "node `{}` serves experts on GPUs, which do not take new copies while \
-                 serving yet",
-                m.meta.node
-            )));
-        }
         let (loads, nodes_profiled) = self.cluster_loads(joined, &members);
         let next = self.next_placement(&current, &loads)?;
         let before = predicted_imbalance(&current, &loads);

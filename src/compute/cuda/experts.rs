@@ -149,9 +149,13 @@ pub struct GpuExperts {
     pub blas: CudaBlas,
     pub kernels: MoeKernels,
     pub shape: ExpertShape,
-    weights: Buffer,
-    /// (layer, expert) → index of the expert in `weights`.
-    index: HashMap<(usize, u32), usize>,
+    /// The experts placed at load, one slot each, and the buffers of those taken since
+    /// ([`GpuExperts::take`]).
+    weights: Vec<Buffer>,
+    /// (layer, expert) → address of its slot.
+    index: HashMap<(usize, u32), u64>,
+    /// Slots let go of ([`GpuExperts::release`]), for the next experts taken.
+    free_slots: Vec<u64>,
     /// Grouped input rows `[max_rows, hidden]`, bf16.
     pub x: u64,
     /// Gate and up outputs `[max_rows, 2·I]`, bf16.
@@ -233,7 +237,11 @@ impl GpuExperts {
                 stream.cu_stream(),
             )?
         };
-        let index = experts.iter().enumerate().map(|(i, &k)| (k, i)).collect();
+        let index = experts
+            .iter()
+            .enumerate()
+            .map(|(i, &k)| (k, weights.ptr + (i * shape.slot_bytes()) as u64))
+            .collect();
         let (h, i, rows) = (shape.hidden, shape.intermediate, shape.max_rows);
         let f32_rows = if shape.host_io { rows * h * 4 } else { 0 };
         let work: Vec<Buffer> = [
@@ -282,8 +290,9 @@ impl GpuExperts {
             blas,
             kernels,
             shape,
-            weights,
+            weights: vec![weights],
             index,
+            free_slots: Vec::new(),
             per_expert_gemm: false,
             peers: HashMap::new(),
             ptrs,
@@ -314,8 +323,7 @@ impl GpuExperts {
 
     /// Address of expert `(layer, expert)`'s slot (its gate|up matrix first).
     fn expert_ptr(&self, layer: usize, expert: u32) -> Option<u64> {
-        let slot = *self.index.get(&(layer, expert))?;
-        Some(self.weights.ptr + (slot * self.shape.slot_bytes()) as u64)
+        self.index.get(&(layer, expert)).copied()
     }
 
     /// Writes one expert's weights in the device's form ([`ExpertStorage::pack`]): bf16
@@ -402,15 +410,14 @@ impl GpuExperts {
         // SAFETY: every copy lands inside the weight buffer (one slot per held expert);
         // `slot` outlives the upload (synchronised below). The other slots are copied on the
         // GPU from the first.
+        let mut slots = self.index.values().copied();
+        let Some(first) = slots.next() else {
+            return Ok(());
+        };
         unsafe {
-            result::memcpy_htod_async(self.weights.ptr, slot, cu)?;
-            for n in 1..self.index.len() {
-                result::memcpy_dtod_async(
-                    self.weights.ptr + (n * bytes) as u64,
-                    self.weights.ptr,
-                    bytes,
-                    cu,
-                )?;
+            result::memcpy_htod_async(first, slot, cu)?;
+            for ptr in slots {
+                result::memcpy_dtod_async(ptr, first, bytes, cu)?;
             }
         }
         self.stream.synchronize()?;
@@ -829,5 +836,6 @@ pub enum RunOutcome {
 }
 
 mod resident;
+mod slots;
 #[cfg(test)]
 mod tests;
