@@ -574,3 +574,51 @@ fn replication_on_64_devices_gives_the_figures_the_docs_quote() {
         }
     }
 }
+
+/// A node whose experts are on (emulated) GPUs rebalances live too: its GPUs take the hot
+/// experts' copies while serving (into spare slots' memory), the switch routes to them, and
+/// greedy answers stay what they were.
+#[test]
+fn a_node_on_gpus_takes_hot_copies_while_serving_and_answers_alike() {
+    if moe_node::compute::cuda::emulated_runtime(moe_node::compute::cuda::EmulatedGpus {
+        count: 2,
+        bytes: 4 << 30,
+    })
+    .is_err()
+    {
+        assert!(
+            std::env::var_os("MOE_TEST_REQUIRE_GXX").is_none(),
+            "MOE_TEST_REQUIRE_GXX is set, but GPUs could not be emulated"
+        );
+        eprintln!("SKIPPED: a live rebalance on GPUs needs g++ to emulate them");
+        return;
+    }
+    let model = skewed_model("1");
+    let server = Server::start_with(
+        "[server]\nadmin_actions = true\n\
+         [devices]\nbackend = \"cuda-emulated\"\nemulated_gpus = 2\n\
+         [placement]\nredundant_slots_per_device = 16\nwindow_seconds = 30\n",
+        &["--model", model.to_str().unwrap()],
+    );
+    server.wait_ready();
+    let prompts = ["The quick brown fox", "Hello there", "MoE load balance"];
+    let before: Vec<Value> = prompts.iter().map(|p| greedy(&server, p)).collect();
+    let held = || -> f64 {
+        let text = server.get("/metrics").text().unwrap();
+        text.lines()
+            .filter(|l| l.starts_with("moe_node_device_experts{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    let held_before = held();
+    let report = server.post_ok("/admin/rebalance", &json!({}));
+    assert!(report["copies_loaded"].as_u64().unwrap() > 0, "{report}");
+    assert_eq!(report["version"], 2, "{report}");
+    let held_after = held();
+    assert!(
+        held_after > held_before,
+        "the GPUs hold {held_after} experts after the rebalance, {held_before} before: {report}"
+    );
+    let after: Vec<Value> = prompts.iter().map(|p| greedy(&server, p)).collect();
+    assert_eq!(before, after, "{report}");
+}
