@@ -976,7 +976,8 @@ fn transport_ucx_without_ucx_refuses_to_start_and_says_why() {
 }
 
 /// A secret removed from a node's configuration and reloaded (SIGHUP) is refused by its peer
-/// handshake at once, without a restart; the secret kept is accepted; the refusal is counted.
+/// handshake at once, without a restart, and the links made with it close; the secret kept
+/// is accepted and its links stay up; the refusal is counted.
 #[test]
 fn a_secret_dropped_by_a_reload_is_refused_by_the_peer_handshake_at_once() {
     use moe_node::transport::handshake::HandshakeError;
@@ -1014,6 +1015,20 @@ fn a_secret_dropped_by_a_reload_is_refused_by_the_peer_handshake_at_once() {
         other => panic!("a foreign fingerprint is refused: {other:?}"),
     };
     assert_eq!(handshake(OLD, fingerprint), Ok("lone".to_string()));
+    // Links up before the reload, one made with each secret.
+    let link = |secret: &str| {
+        let auth = PeerAuth {
+            node_id: "visitor".into(),
+            secrets: PeerSecrets::new(vec![secret.as_bytes().to_vec()]),
+            model_fingerprint: fingerprint,
+        };
+        runtime.block_on(async {
+            let mut stream = TcpTransport::default().connect(peer).await.unwrap();
+            client_handshake(&mut stream, &auth).await.unwrap();
+            stream
+        })
+    };
+    let (mut with_old_secret, mut with_kept_secret) = (link(OLD), link(SECRET));
 
     std::fs::write(&config, with_old.replace(&format!(", \"{OLD}\""), "")).unwrap();
     node.signal("-HUP");
@@ -1030,6 +1045,22 @@ fn a_secret_dropped_by_a_reload_is_refused_by_the_peer_handshake_at_once() {
         Err(HandshakeError::RefusedByPeer)
     );
     assert_eq!(handshake(SECRET, fingerprint), Ok("lone".to_string()));
+    // The link made with the removed secret is closed by the node; the other stays up.
+    let read = |stream: &mut Box<dyn moe_node::transport::PeerStream>, within: u64| {
+        use tokio::io::AsyncReadExt;
+        let mut byte = [0u8; 1];
+        runtime.block_on(async {
+            tokio::time::timeout(Duration::from_secs(within), stream.read(&mut byte)).await
+        })
+    };
+    match read(&mut with_old_secret, 10) {
+        Ok(Ok(0)) | Ok(Err(_)) => {}
+        other => panic!("the link made with the removed secret is still up: {other:?}"),
+    }
+    assert!(
+        read(&mut with_kept_secret, 1).is_err(),
+        "the link made with the kept secret was closed"
+    );
     let metrics = node.get("/metrics").text().unwrap();
     let refused = metrics
         .lines()

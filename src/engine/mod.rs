@@ -29,7 +29,7 @@ use crate::compute::cpu::{add_in_place, rms_norm};
 use crate::compute::cuda::{CudaError, GpuInfo};
 use crate::engine::gpu::model::{DeviceCache, GpuModel};
 use crate::experts::{ExpertError, ExpertExecutor, LocalExperts};
-use crate::model::config::{AttentionConfig, QkNorm, RopeScaling};
+use crate::model::config::{AttentionConfig, RopeScaling};
 use crate::model::weights::{FeedForward, load_all_experts};
 use crate::model::{Checkpoint, DenseWeights, ModelConfig, ModelError, ModelSource};
 use moe_layer::{moe_forward, moe_routed};
@@ -161,13 +161,6 @@ impl Engine {
         memory_fraction: f64,
         kernel_cache: Option<&Path>,
     ) -> Result<(), CudaError> {
-        if let Some(part) = dense_part_the_gpu_lacks(&self.config) {
-            return Err(CudaError::Unsupported(format!(
-                "{}: the GPU's dense part has no {part}; serve it with the dense part on the \
-                 CPU (experts may still go to the GPU)",
-                self.config.model_type
-            )));
-        }
         let model = GpuModel::load(
             gpu,
             &self.config,
@@ -413,29 +406,6 @@ impl Engine {
 }
 
 /// `[rows, vocab]` logits cut into each sequence's `rows_per_sequence` rows.
-/// A part of the dense forward pass that a family needs and the GPU's dense part
-/// (`gpu::model`) does not implement, which would otherwise load and compute something else.
-fn dense_part_the_gpu_lacks(config: &ModelConfig) -> Option<&'static str> {
-    match &config.attention {
-        AttentionConfig::Gqa {
-            qk_norm: QkNorm::PerLayer,
-            ..
-        } => Some("q/k norm over the whole projection (`qk_norm_type: per_layer`)"),
-        AttentionConfig::Gqa { layers, .. } if !layers.is_empty() => Some(
-            "attention that differs by layer (NoPE layers, chunked attention, temperature \
-             tuning, q/k norm without weights)",
-        ),
-        AttentionConfig::Gqa {
-            interleave: true, ..
-        } => Some("GQA rope over interleaved pairs"),
-        AttentionConfig::Gqa { sinks: true, .. } => Some("attention sinks (`self_attn.sinks`)"),
-        _ if config.moe.weight_input => {
-            Some("gate weights on the experts' inputs (`weight_input`)")
-        }
-        _ => None,
-    }
-}
-
 fn split_logits(logits: Vec<f32>, rows_per_sequence: &[usize], vocab: usize) -> Vec<Vec<f32>> {
     let mut rest = logits.as_slice();
     rows_per_sequence

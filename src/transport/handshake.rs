@@ -443,6 +443,18 @@ pub fn verify_server_mac(
 pub struct LinkKeys {
     pub client_to_server: [u8; KEY_LEN],
     pub server_to_client: [u8; KEY_LEN],
+    /// Which secret the link was made with ([`secret_digest`]): it closes once a reload
+    /// removes that secret.
+    pub secret: [u8; 32],
+}
+
+/// A digest that names a secret without holding it (SHA-256 of a label and the secret).
+pub fn secret_digest(secret: &[u8]) -> [u8; 32] {
+    use sha2::Digest;
+    let mut hash = Sha256::new();
+    hash.update(b"moe-node secret id ");
+    hash.update(secret);
+    hash.finalize().into()
 }
 
 impl std::fmt::Debug for LinkKeys {
@@ -470,6 +482,7 @@ pub fn link_keys(secret: &[u8], client: &Hello, server: &Hello) -> LinkKeys {
     LinkKeys {
         client_to_server: derive(b" client to server "),
         server_to_client: derive(b" server to client "),
+        secret: secret_digest(secret),
     }
 }
 

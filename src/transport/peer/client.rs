@@ -19,7 +19,7 @@ use super::frames::{
 };
 use super::link::{client_authenticate, negotiate_link};
 use super::seal::{Side, sealed_halves};
-use super::{Completion, PeerAuth, PeerConfig, PeerError, PeerStats, lock};
+use super::{Completion, PeerAuth, PeerConfig, PeerError, PeerStats, lock, secret_removed};
 use crate::transport::handshake::{HandshakeError, LinkKeys};
 use crate::transport::wire::{
     self, Dtype, ExpertRequest, FrameBody, FrameKind, RemoteError, RowsFrame, WireError, WireLimits,
@@ -439,12 +439,18 @@ impl Driver {
         let mut next = Some(first);
         let mut scratch = vec![0u8; CHUNK_BYTES];
         let shared = self.shared.clone();
+        let removed = secret_removed(self.auth.secrets.clone(), keys.secret);
+        tokio::pin!(removed);
         let end = loop {
             let outgoing = match next.take() {
                 Some(outgoing) => outgoing,
                 None => tokio::select! {
                     reason = &mut reader => {
                         break LinkEnd::Lost(reason.unwrap_or_else(|error| format!("reader stopped: {error}")));
+                    }
+                    () = &mut removed => {
+                        tracing::info!(peer = %self.addr, "peer link closed: the secret it was made with was removed by a reload");
+                        break LinkEnd::Lost("the secret it was made with was removed by a reload".into());
                     }
                     () = self.shared.close.notified() => break LinkEnd::ClosedByCaller,
                     item = self.queue.recv() => match item {

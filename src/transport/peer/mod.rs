@@ -63,14 +63,29 @@ impl std::fmt::Debug for PeerAuth {
 /// node proves itself with, every one is accepted from a peer, so that secrets rotate without
 /// downtime (add the new one everywhere, make it first everywhere, then drop the old). A
 /// clone shares the same secrets; [`PeerSecrets::replace`] (a reload) takes effect at the
-/// next handshake, on the server and every client at once. Links already up keep the keys
-/// their handshake gave them.
-#[derive(Clone, Default)]
-pub struct PeerSecrets(Arc<RwLock<Arc<Vec<Vec<u8>>>>>);
+/// next handshake, on the server and every client at once, and links already up that were
+/// made with a secret no longer held close ([`secret_removed`]).
+#[derive(Clone)]
+pub struct PeerSecrets(Arc<SecretsInner>);
+
+struct SecretsInner {
+    secrets: RwLock<Arc<Vec<Vec<u8>>>>,
+    /// Bumped by each replacement, for the links to look again.
+    generation: tokio::sync::watch::Sender<u64>,
+}
+
+impl Default for PeerSecrets {
+    fn default() -> Self {
+        PeerSecrets::new(Vec::new())
+    }
+}
 
 impl PeerSecrets {
     pub fn new(secrets: Vec<Vec<u8>>) -> Self {
-        PeerSecrets(Arc::new(RwLock::new(Arc::new(secrets))))
+        PeerSecrets(Arc::new(SecretsInner {
+            secrets: RwLock::new(Arc::new(secrets)),
+            generation: tokio::sync::watch::Sender::new(0),
+        }))
     }
 
     /// From the configuration's `cluster.secrets`.
@@ -78,14 +93,41 @@ impl PeerSecrets {
         PeerSecrets::new(secrets.iter().map(|s| s.as_bytes().to_vec()).collect())
     }
 
-    /// Replaces every secret (a reload): handshakes from now on prove and accept only these.
+    /// Replaces every secret (a reload): handshakes from now on prove and accept only these,
+    /// and links made with another close.
     pub fn replace(&self, secrets: Vec<Vec<u8>>) {
-        *self.0.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(secrets);
+        *self.0.secrets.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(secrets);
+        self.0.generation.send_modify(|g| *g += 1);
     }
 
     /// The secrets in force now.
     pub fn current(&self) -> Arc<Vec<Vec<u8>>> {
-        self.0.read().unwrap_or_else(|e| e.into_inner()).clone()
+        self.0
+            .secrets
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Whether a secret whose digest ([`crate::transport::handshake::secret_digest`]) is
+    /// `digest` is in force.
+    fn holds(&self, digest: &[u8; 32]) -> bool {
+        self.current()
+            .iter()
+            .any(|s| crate::transport::handshake::secret_digest(s) == *digest)
+    }
+}
+
+/// Resolves once the secret a link was made with (its digest, [`LinkKeys::secret`]) is no
+/// longer in force: the link then closes, as a handshake with it would be refused.
+///
+/// [`LinkKeys::secret`]: crate::transport::handshake::LinkKeys::secret
+pub(super) async fn secret_removed(secrets: PeerSecrets, digest: [u8; 32]) {
+    let mut changes = secrets.0.generation.subscribe();
+    while secrets.holds(&digest) {
+        if changes.changed().await.is_err() {
+            std::future::pending::<()>().await;
+        }
     }
 }
 

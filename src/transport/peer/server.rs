@@ -23,7 +23,7 @@ use super::frames::{
 };
 use super::link::{negotiate_link, server_authenticate};
 use super::seal::{Side, sealed_halves};
-use super::{Handler, PeerAuth, PeerConfig, PeerStats, WarnLimiter, lock};
+use super::{Handler, PeerAuth, PeerConfig, PeerStats, WarnLimiter, lock, secret_removed};
 use crate::transport::handshake::HandshakeError;
 use crate::transport::wire::{
     self, Dtype, ExpertRequest, FrameBody, RemoteError, RowsFrame, WireError,
@@ -315,6 +315,9 @@ async fn serve_connection(
     let ended = tokio::select! {
         ended = serve_requests(read_half, &link, &context) => ended,
         _ = stopped.changed() => Ok(()),
+        () = secret_removed(context.auth.secrets.clone(), keys.secret) => {
+            Err("closed: the secret it was made with was removed by a reload".to_string())
+        }
     };
     writer.abort();
     // Handlers still running hold the link: they must not keep the connection open.

@@ -19,7 +19,7 @@ use crate::compute::cuda::moe::MoeKernels;
 use crate::compute::cuda::{CudaError, GpuInfo};
 use crate::compute::layout::{RopeAngles, Segment};
 use crate::experts::{ExpertError, ExpertExecutor};
-use crate::model::config::ModelConfig;
+use crate::model::config::{AttentionConfig, ModelConfig, QkNorm};
 use crate::model::weights::DenseWeights;
 pub use cache::DeviceCache;
 use cache::Scratch;
@@ -81,6 +81,13 @@ impl GpuModel {
         memory_fraction: f64,
         cache_dir: Option<&std::path::Path>,
     ) -> Result<GpuModel, CudaError> {
+        if let Some(part) = dense_part_the_gpu_lacks(config) {
+            return Err(CudaError::Unsupported(format!(
+                "{}: the GPU's dense part has no {part}; serve it with the dense part on the \
+                 CPU (experts may still go to the GPU)",
+                config.model_type
+            )));
+        }
         let ctx = CudaContext::new(gpu.ordinal)?;
         // SAFETY: one stream, used by one thread at a time (the engine holds a lock).
         unsafe { ctx.disable_event_tracking() };
@@ -357,6 +364,29 @@ impl GpuModel {
         phases.end(4, stream)?;
         phases.log(rows, seqs);
         Ok(out)
+    }
+}
+
+/// A part of the dense forward pass that a family needs and the GPU's dense part
+/// (`gpu::model`) does not implement, which would otherwise load and compute something else.
+fn dense_part_the_gpu_lacks(config: &ModelConfig) -> Option<&'static str> {
+    match &config.attention {
+        AttentionConfig::Gqa {
+            qk_norm: QkNorm::PerLayer,
+            ..
+        } => Some("q/k norm over the whole projection (`qk_norm_type: per_layer`)"),
+        AttentionConfig::Gqa { layers, .. } if !layers.is_empty() => Some(
+            "attention that differs by layer (NoPE layers, chunked attention, temperature \
+             tuning, q/k norm without weights)",
+        ),
+        AttentionConfig::Gqa {
+            interleave: true, ..
+        } => Some("GQA rope over interleaved pairs"),
+        AttentionConfig::Gqa { sinks: true, .. } => Some("attention sinks (`self_attn.sinks`)"),
+        _ if config.moe.weight_input => {
+            Some("gate weights on the experts' inputs (`weight_input`)")
+        }
+        _ => None,
     }
 }
 

@@ -8,8 +8,9 @@
 //! The gate takes bf16 rows and weights with f32 sums, as every other product of the dense
 //! part on the GPU does; the CPU backend's gate multiplies in f32, so tokens within that
 //! rounding of a tie between experts may choose differently (the reference tests bound
-//! such flips). Routing around experts with no live replica, and families whose gate
-//! weight scales the experts' inputs (Llama 4), route on the host.
+//! such flips). Routing around experts with no live replica routes on the host (the
+//! gating kernel takes no mask). A gate whose weight scales the experts' inputs (Llama 4)
+//! has no kernel either; such models' dense part is refused on the GPU before this.
 
 use cudarc::driver::{CudaStream, result};
 use half::bf16;
