@@ -12,7 +12,7 @@ use crate::cluster::{MemberState, MemberView, Membership};
 use crate::experts::ExpertError;
 use crate::experts::Reach;
 use crate::experts::{Answer, Dispatcher, RemoteNodes, RemoteWork, TargetError};
-use crate::transport::peer::{Handler, PeerAuth, PeerClient, PeerError, PeerStats};
+use crate::transport::peer::{Handler, PeerAuth, PeerClient, PeerConfig, PeerError, PeerStats};
 use crate::transport::{Dtype, ExpertReply, ExpertRequest, RemoteError, Transport};
 
 /// Where a node is reached, what gossip says of it, and how rows travel to it.
@@ -56,6 +56,8 @@ pub struct PeerNodes {
     /// Per node id: the client and the dtype rows travel in to it.
     clients: Mutex<HashMap<String, (Arc<PeerClient>, Dtype)>>,
     width: usize,
+    /// The clients' tunables (`[peer]`: queue, timeouts, backoff, wire limits).
+    config: PeerConfig,
 }
 
 impl PeerNodes {
@@ -77,7 +79,14 @@ impl PeerNodes {
             placement_nodes: RwLock::new(placement_nodes),
             clients: Mutex::new(HashMap::new()),
             width,
+            config: PeerConfig::default(),
         }
+    }
+
+    /// The clients made from now on take `config` (the node's `[peer]` section).
+    pub fn with_config(mut self, config: PeerConfig) -> Self {
+        self.config = config;
+        self
     }
 
     fn node_id(&self, node: u16) -> Option<String> {
@@ -112,12 +121,13 @@ impl PeerNodes {
         if entry.state == MemberState::Dead {
             return None;
         }
-        let client = Arc::new(PeerClient::new(
+        let client = Arc::new(PeerClient::with_config(
             self.transport.clone(),
             self.runtime.clone(),
             entry.addr,
             self.auth.clone(),
             self.stats.clone(),
+            self.config.clone(),
         ));
         clients.insert(id.to_string(), (client.clone(), entry.rows));
         Some((client, entry.rows))

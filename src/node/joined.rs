@@ -182,15 +182,18 @@ pub fn join(
         Start::Create(spec) => spec,
         Start::Take(table) => &table.spec,
     };
-    let peers = Arc::new(PeerNodes::new(
-        transport,
-        runtime.handle().clone(),
-        auth,
-        stats.clone(),
-        Arc::new(membership.clone()),
-        spec.nodes.iter().map(|n| n.node.clone()).collect(),
-        width,
-    ));
+    let peers = Arc::new(
+        PeerNodes::new(
+            transport,
+            runtime.handle().clone(),
+            auth,
+            stats.clone(),
+            Arc::new(membership.clone()),
+            spec.nodes.iter().map(|n| n.node.clone()).collect(),
+            width,
+        )
+        .with_config(PeerConfig::from_section(peer)),
+    );
     Ok((
         Joined {
             node_id: config.node_id.clone(),
