@@ -137,6 +137,10 @@ struct PlanArgs {
     /// Largest imbalance (most loaded device / mean) the verdict accepts.
     #[arg(long, default_value_t = 2.0)]
     max_imbalance: f64,
+    /// Ready even where one node failing leaves experts without a copy (the risk is still
+    /// reported); also `cluster.accept_unavailable_on_failure` in the configuration.
+    #[arg(long)]
+    accept_unavailable_on_failure: bool,
     /// Print one JSON object instead of the readable report.
     #[arg(long)]
     json: bool,

@@ -55,6 +55,8 @@ pub fn run(args: &PlanArgs) -> anyhow::Result<bool> {
         max_prompt_tokens: config.batching.max_prompt_tokens,
         on_unavailable: config.cluster.on_expert_unavailable,
         max_imbalance: args.max_imbalance,
+        accept_unavailable_on_failure: args.accept_unavailable_on_failure
+            || config.cluster.accept_unavailable_on_failure,
     })
     .with_context(|| format!("planning {}", args.model.display()))?;
     if args.json {

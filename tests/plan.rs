@@ -108,7 +108,19 @@ fn k3_over_8_workers_and_64_cards_places_as_serve_would_and_counts_failures() {
         "--replication",
         "1",
     ]);
-    assert!(out.status.success());
+    // Replication 1: any worker failing leaves experts without a copy, so the verdict is
+    // "not ready" until the operator accepts that.
+    assert_eq!(out.status.code(), Some(1), "{}", report["verdict"]);
+    assert_eq!(report["verdict"]["ok"], false);
+    let problems = report["verdict"]["problems"].as_array().unwrap();
+    assert_eq!(problems.len(), 8, "one per worker: {problems:?}");
+    let first = problems[0].as_str().unwrap();
+    assert!(
+        first.contains("node 0 failing leaves 6720 (layer, expert) pairs without a copy")
+            && first.contains("layer 1 expert 0")
+            && first.contains("requests needing them fail (503)"),
+        "{first}"
+    );
     let devices = report["devices"].as_array().unwrap();
     assert_eq!(devices.len(), 8);
     for d in devices {
@@ -122,10 +134,32 @@ fn k3_over_8_workers_and_64_cards_places_as_serve_would_and_counts_failures() {
     for f in report["failures"].as_array().unwrap() {
         assert_eq!(f["experts_losing_a_replica"], 112 * 60);
         assert_eq!(f["unavailable_experts"], 112 * 60);
+        assert_eq!(f["unavailable"].as_array().unwrap().len(), 112 * 60);
         assert_eq!(f["token_share_affected"], Value::Null, "no profile given");
     }
-    // Replication 1 is a choice the verdict does not hold against the plan.
-    assert_eq!(report["verdict"]["ok"], true, "{}", report["verdict"]);
+    // Accepted: ready, the risk still said, in the JSON and the text.
+    let accepting = [
+        "--model",
+        model,
+        "--nodes",
+        "8",
+        "--devices-per-node",
+        "1",
+        "--replication",
+        "1",
+        "--accept-unavailable-on-failure",
+    ];
+    let (report, out) = plan_json(&accepting);
+    assert!(out.status.success(), "{}", report["verdict"]);
+    assert_eq!(report["verdict"]["ok"], true);
+    assert_eq!(report["verdict"]["accepted"].as_array().unwrap().len(), 8);
+    let mut text_args = vec!["plan"];
+    text_args.extend_from_slice(&accepting);
+    let out = moe_node(&text_args);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("accepted risks"), "{text}");
+    assert!(text.contains("node 7 failing leaves 6720"), "{text}");
 
     // Over 64 cards (8 nodes of 8), replication 2: 28 copies per card per layer, the two
     // copies of an expert on distinct nodes, so no node failure leaves an expert without
@@ -176,6 +210,7 @@ fn a_skewed_profile_shows_hot_experts_and_spare_slots_cut_the_imbalance() {
             profile.display().to_string(),
             "--redundant-slots".into(),
             slots.into(),
+            "--accept-unavailable-on-failure".into(),
         ]
     };
     let run = |slots| {
@@ -356,7 +391,13 @@ fn the_kv_cache_holds_what_the_dense_device_leaves_or_what_the_config_sets() {
     let shape = |memory_gib: &str, config: Option<&Path>| {
         let memory = format!("--device-memory-gib={memory_gib}");
         let mut args = eight_nodes_of_eight(model.to_str().unwrap(), "1");
-        args.extend(["--redundant-slots", "0", &memory]);
+        // Replication 1 is this test's shape: the risk is accepted, the KV cache checked.
+        args.extend([
+            "--redundant-slots",
+            "0",
+            &memory,
+            "--accept-unavailable-on-failure",
+        ]);
         if let Some(config) = config {
             args.extend(["--config", config.to_str().unwrap()]);
         }

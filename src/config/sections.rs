@@ -345,6 +345,10 @@ pub struct ClusterConfig {
     /// "reroute" tokens to the next-best experts by gate score (served, degraded).
     pub on_expert_unavailable: OnUnavailable,
     pub unavailable_wait_ms: u64,
+    /// `moe-node plan` calls a placement ready even where one node failing leaves experts
+    /// without a copy (replication 1, or too few nodes for it): the operator accepts the
+    /// risk the report still names.
+    pub accept_unavailable_on_failure: bool,
     /// How long start-up waits for `expect_nodes` members or a placement to join.
     pub join_timeout_seconds: u64,
     /// How long a node holding experts may be gone before its copies are made again on
@@ -370,6 +374,7 @@ impl Default for ClusterConfig {
             request_timeout_ms: 10_000,
             on_expert_unavailable: OnUnavailable::Fail,
             unavailable_wait_ms: 10_000,
+            accept_unavailable_on_failure: false,
             join_timeout_seconds: 300,
             rereplicate_after_ms: 10_000,
         }

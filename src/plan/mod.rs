@@ -46,6 +46,10 @@ pub struct PlanInput<'a> {
     pub max_prompt_tokens: usize,
     pub on_unavailable: OnUnavailable,
     pub max_imbalance: f64,
+    /// The operator accepts that some single node failure leaves experts without a copy
+    /// (`--accept-unavailable-on-failure`, `cluster.accept_unavailable_on_failure`): the
+    /// verdict then lists it as an accepted risk instead of a problem.
+    pub accept_unavailable_on_failure: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -159,6 +163,8 @@ pub struct FailureReport {
     pub experts_losing_a_replica: usize,
     /// (layer, expert) pairs with every copy on the node.
     pub unavailable_experts: usize,
+    /// Those pairs, `[layer, expert]`, in order.
+    pub unavailable: Vec<[usize; 2]>,
     pub on_expert_unavailable: OnUnavailable,
     /// Share of routed token rows (over all profiled layers) that need an unavailable
     /// expert; `null` without a profile.
@@ -171,6 +177,9 @@ pub struct FailureReport {
 pub struct Verdict {
     pub ok: bool,
     pub problems: Vec<String>,
+    /// Risks the operator accepted (experts a node failure leaves without a copy, with
+    /// `accept_unavailable_on_failure`): not problems, still said.
+    pub accepted: Vec<String>,
 }
 
 /// One MoE layer's layouts.
@@ -329,12 +338,18 @@ fn assemble(input: &PlanInput, sizes: &ModelSizes, work: u64, layers: &[LayerPla
     check_memory(input, &mut device_reports, &mut problems);
     let profiled = layers.iter().any(|l| l.profiled);
     let failures = node_failures(input, layers, profiled);
-    if input.replication >= 2 && input.nodes > 1 {
+    let mut accepted = Vec::new();
+    if input.nodes > 1 {
         for f in failures.iter().filter(|f| f.unavailable_experts > 0) {
-            problems.push(format!(
-                "node {} failing leaves {} experts without a copy",
-                f.node, f.unavailable_experts
-            ));
+            let risk = failure_risk(f);
+            if input.accept_unavailable_on_failure {
+                accepted.push(risk);
+            } else {
+                problems.push(format!(
+                    "{risk} (accept it with --accept-unavailable-on-failure or \
+                     cluster.accept_unavailable_on_failure = true, or add copies: replication)"
+                ));
+            }
         }
     }
     PlanReport {
@@ -362,6 +377,7 @@ fn assemble(input: &PlanInput, sizes: &ModelSizes, work: u64, layers: &[LayerPla
         verdict: Verdict {
             ok: problems.is_empty(),
             problems,
+            accepted,
         },
     }
 }
@@ -535,7 +551,8 @@ fn node_failures(input: &PlanInput, layers: &[LayerPlan], profiled: bool) -> Vec
     (0..input.nodes)
         .map(|node| {
             let on_node = |d: &usize| d / per_node == node;
-            let (mut losing, mut unavailable, mut affected, mut moved) = (0, 0, 0.0, 0.0);
+            let (mut losing, mut affected, mut moved) = (0, 0.0, 0.0);
+            let mut unavailable = Vec::new();
             for plan in layers {
                 for (expert, copies) in plan.replicated.devices_of.iter().enumerate() {
                     let here = copies.iter().filter(|d| on_node(d)).count();
@@ -550,7 +567,7 @@ fn node_failures(input: &PlanInput, layers: &[LayerPlan], profiled: bool) -> Vec
                     };
                     moved += load * here as f64 / copies.len() as f64;
                     if here == copies.len() {
-                        unavailable += 1;
+                        unavailable.push([plan.layer, expert]);
                         affected += load;
                     }
                 }
@@ -567,13 +584,47 @@ fn node_failures(input: &PlanInput, layers: &[LayerPlan], profiled: bool) -> Vec
             FailureReport {
                 node,
                 experts_losing_a_replica: losing,
-                unavailable_experts: unavailable,
+                unavailable_experts: unavailable.len(),
+                unavailable,
                 on_expert_unavailable: input.on_unavailable,
                 token_share_affected: share(affected),
                 token_share_moved: share(moved),
             }
         })
         .collect()
+}
+
+/// What `f`'s node failing does to the experts it alone holds: how many, which (the first
+/// few), what share of routed tokens under the profile, and what requests then get.
+fn failure_risk(f: &FailureReport) -> String {
+    let shown: Vec<String> = f
+        .unavailable
+        .iter()
+        .take(4)
+        .map(|[layer, expert]| format!("layer {layer} expert {expert}"))
+        .collect();
+    let more = f.unavailable.len().saturating_sub(shown.len());
+    let more = if more > 0 {
+        format!(" and {more} more")
+    } else {
+        String::new()
+    };
+    let share = f.token_share_affected.map_or_else(
+        || "no profile: share of tokens unknown".to_string(),
+        |s| format!("{:.2}% of routed tokens under the profile", 100.0 * s),
+    );
+    let then = match f.on_expert_unavailable {
+        OnUnavailable::Fail => "requests needing them fail (503)",
+        OnUnavailable::Wait => "requests needing them wait for new copies, then fail",
+        OnUnavailable::Reroute => "their tokens go to the next-best experts (degraded output)",
+    };
+    format!(
+        "node {} failing leaves {} (layer, expert) pairs without a copy ({}{more}; {share}): \
+         {then}",
+        f.node,
+        f.unavailable_experts,
+        shown.join(", ")
+    )
 }
 
 fn gib(bytes: u64) -> f64 {

@@ -201,6 +201,15 @@ impl PlanReport {
 
     /// Ready, or the problems found.
     fn write_verdict(&self, out: &mut String) -> std::fmt::Result {
+        if !self.verdict.accepted.is_empty() {
+            writeln!(
+                out,
+                "\naccepted risks (accept_unavailable_on_failure = true):"
+            )?;
+            for risk in &self.verdict.accepted {
+                writeln!(out, "  - {risk}")?;
+            }
+        }
         if self.verdict.ok {
             writeln!(out, "\nverdict: ready")?;
         } else {
