@@ -117,6 +117,9 @@ fn an_moe_layer_keeps_its_rows_on_the_gpu() {
         let (logits, host_path_bytes) = host_bytes(|| step(&on_host, &mut host_caches, &next));
         host_logits = logits;
         let (Some(device_bytes), Some(host_path_bytes)) = (device_bytes, host_path_bytes) else {
+            if s == 0 {
+                common::skipped("copies not counted: a real GPU's driver does not count them");
+            }
             continue;
         };
         // What a decode step must move: each row's embedding in and logits out, its rotary

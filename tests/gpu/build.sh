@@ -23,7 +23,7 @@ for line in sys.stdin:
 }
 
 cargo build --release --bin moe-node --message-format=json | executables > "$out/.list"
-cargo test --release --no-run --test gpu_kernels --test reference --test server \
+cargo test --release --no-run --test gpu_kernels --test gpu_served --test reference --test server \
     --message-format=json | executables >> "$out/.list"
 cargo bench --no-run --bench moe_layer_gpu --bench load --message-format=json \
     | executables >> "$out/.list"

@@ -10,6 +10,7 @@
 #      generate --gpu 0 on a fixture, with the whole model on the GPU and with only the
 #      experts there;
 #   2. tests/gpu_kernels.rs: the MoE layer and the dense kernels on the GPU against the CPU;
+#      tests/gpu_served.rs: MoE rows kept on the GPU against routing on the host;
 #   3. tests/reference.rs: every fixture on the CPU (against transformers) and on the GPU
 #      against the CPU: experts on the GPU (same greedy tokens, logits within the bf16
 #      tolerance), then the whole model (logits after the prompt within the bf16 tolerance
@@ -58,6 +59,7 @@ step generate-gpu 120 env RUST_LOG=info "$bin/moe-node" generate --model tests/f
 step generate-gpu-experts 120 env RUST_LOG=info "$bin/moe-node" generate \
     --model tests/fixtures/kimi_k2 --prompt-ids 1,2,3,4 --max-tokens 8 --gpu 0 --dense-on-cpu --json
 step gpu-kernel-tests 180 "$bin/gpu_kernels" --test-threads=1 --nocapture
+step gpu-served-tests 120 "$bin/gpu_served" --nocapture
 step reference-tests 180 "$bin/reference" --test-threads=1 --nocapture
 step server-tests 240 "$bin/server" --test-threads=2
 TAIL=40 step bench 300 env MOE_GPU_BENCH_FORMATS=bf16 MOE_GPU_BENCH_OUT="$out/moe_layer_gpu.jsonl" \
