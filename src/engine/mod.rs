@@ -9,6 +9,7 @@ pub mod generate;
 pub mod gpu;
 pub mod grammar;
 pub mod kv_cache;
+mod linear_attention;
 pub mod logprobs;
 pub mod moe_layer;
 mod prefix;
@@ -385,14 +386,25 @@ impl Engine {
         };
         for (l, layer) in self.weights.layers.iter().enumerate() {
             let normed = rms_norm(hidden, &layer.input_norm.weight, layer.input_norm.eps);
-            let attended = attention(
-                (&layer.attention, layer.sinks.as_deref()),
-                &input,
-                l,
-                &normed,
-                rows,
-                caches,
-            );
+            let attended = match (&layer.linear_attention, &cfg.linear_attention) {
+                (Some(weights), Some(linear)) => linear_attention::linear_attention(
+                    weights,
+                    linear,
+                    (l, cfg.rms_norm_eps),
+                    &normed,
+                    rows,
+                    segments,
+                    caches,
+                ),
+                _ => attention(
+                    (&layer.attention, layer.sinks.as_deref()),
+                    &input,
+                    l,
+                    &normed,
+                    rows,
+                    caches,
+                ),
+            };
             add_in_place(hidden, &attended);
             let normed = rms_norm(
                 hidden,
@@ -415,6 +427,12 @@ impl Engine {
 /// A part of the dense forward pass that a family needs and the GPU's dense part
 /// (`gpu::model`) does not implement, which would otherwise load and compute something else.
 fn dense_part_the_gpu_lacks(config: &ModelConfig) -> Option<&'static str> {
+    if config.linear_attention.is_some() {
+        return Some(
+            "linear attention (gated DeltaNet layers and their recurrent state, \
+             `layer_types: linear_attention`)",
+        );
+    }
     match &config.attention {
         AttentionConfig::Gqa {
             qk_norm: QkNorm::PerLayer,
@@ -428,6 +446,13 @@ fn dense_part_the_gpu_lacks(config: &ModelConfig) -> Option<&'static str> {
             interleave: true, ..
         } => Some("GQA rope over interleaved pairs"),
         AttentionConfig::Gqa { sinks: true, .. } => Some("attention sinks (`self_attn.sinks`)"),
+        AttentionConfig::Gqa {
+            output_gate: true, ..
+        } => Some("gated attention output (`attn_output_gate`)"),
+        _ if config.centered_norms => Some("RMSNorm weights centred on zero (`1 + w`)"),
+        _ if config.moe.shared_expert_gate => {
+            Some("a gate on the shared expert (`shared_expert_gate`)")
+        }
         _ if config.moe.weight_input => {
             Some("gate weights on the experts' inputs (`weight_input`)")
         }
