@@ -153,18 +153,22 @@ impl PrefixStore {
             return;
         }
         let tokens = &prompt[..positions];
-        if let Some(i) = self
-            .entries
-            .iter()
-            .position(|e| e.tokens.len() >= positions && e.tokens[..positions] == *tokens)
-        {
+        // A kept cache with states serves only prompts that start with all of it: a longer
+        // one does not cover this one, nor this one a shorter one.
+        let whole = cache.has_state();
+        if let Some(i) = self.entries.iter().position(|e| {
+            (e.tokens.len() == positions || (!whole && e.tokens.len() > positions))
+                && e.tokens[..positions] == *tokens
+        }) {
             let entry = self.entries.remove(i);
             self.entries.push(entry);
             return;
         }
-        // A shorter kept prefix of this one is superseded.
-        self.entries
-            .retain(|e| !(e.tokens.len() < positions && tokens[..e.tokens.len()] == e.tokens));
+        if !whole {
+            // A shorter kept prefix of this one is superseded.
+            self.entries
+                .retain(|e| !(e.tokens.len() < positions && tokens[..e.tokens.len()] == e.tokens));
+        }
         let Ok(mut kept) = copy(cache) else {
             return;
         };
