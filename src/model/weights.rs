@@ -236,7 +236,7 @@ impl DenseWeights {
                 load_layer(ckpt, cfg, l)
             })
             .collect::<Result<_, _>>()?;
-        if cfg.linear_attention.is_some() && ckpt.contains(MTP_PROBE) {
+        if cfg.linear_attention.is_some() && !ckpt.is_dummy() && ckpt.contains(MTP_PROBE) {
             tracing::info!(
                 "the checkpoint's multi-token-prediction layers (`mtp.*`) are not served"
             );
