@@ -263,6 +263,7 @@ fn main() {
             routed_scaling_factor: 2.827,
         },
         weight_input: false,
+        shared_expert_gate: false,
         activation: ExpertActivation::Silu,
     };
     let router = rng.linear(EXPERTS, HIDDEN, 0.05);
@@ -325,6 +326,7 @@ fn main() {
             },
             correction_bias: Some(correction_bias.clone()),
             shared_expert: Some(shared_expert),
+            shared_expert_gate: None,
         };
         let held: usize = layer.iter().map(ExpertWeights::weight_bytes).sum();
         // Resident memory the layer's experts added (Linux; 0 elsewhere).

@@ -468,7 +468,9 @@ fn kv_budget(
             },
         }
     };
-    let budget = KvBudget::of_bytes(bytes, KvCache::bytes_per_position(model));
+    let per_position = KvCache::bytes_per_position(model);
+    let budget = KvBudget::of_bytes(bytes, per_position)
+        .with_state(KvCache::state_bytes(model), per_position);
     tracing::info!(
         mib = bytes >> 20,
         from,

@@ -600,6 +600,23 @@ fn gpt_oss_matches_transformers() {
     check_gpu_refused("gpt_oss", "biases or clamped SwiGLU");
 }
 
+/// Qwen3-Next: gated DeltaNet layers (two value heads per key head, a 4-wide convolution)
+/// between full-attention layers with a gated output, q/k norm and a quarter of each head
+/// rotated; a gated shared expert, a dense layer, zero-centred norms. The GPU's dense part
+/// has no linear attention: placing the whole model there is refused naming it.
+#[test]
+fn qwen3_next_matches_transformers() {
+    check_dense_gpu_refused("qwen3_next", "linear attention");
+}
+
+/// Qwen3.5-MoE as published: the multimodal wrapper (text model under
+/// `model.language_model.`, a vision tower left unloaded), the linear layers' projections
+/// stored apart, every layer MoE; bf16.
+#[test]
+fn qwen3_5_moe_matches_transformers() {
+    check_dense_gpu_refused("qwen3_5_moe", "linear attention");
+}
+
 // Quantized checkpoints (tests/fixtures/make_quant_fixtures.py): transformers ran on the
 // dequantized weights, so the tolerance is the f32 one.
 

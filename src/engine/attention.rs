@@ -69,6 +69,7 @@ fn gqa(
             head_dim,
             sliding_window,
             layers,
+            output_gate,
             ..
         },
     ) = (weights, input.config)
@@ -83,6 +84,7 @@ fn gqa(
         temperature: None,
     });
     let mut queries = q.forward(x, rows);
+    let gate = output_gate.then(|| split_query_gate(&mut queries, rows, input.num_heads, head_dim));
     let mut keys = k.forward(x, rows);
     let values = v.forward(x, rows);
     if let Some(norm) = q_norm {
@@ -210,7 +212,31 @@ fn gqa(
             );
         },
     );
+    if let Some(gate) = gate {
+        for (o, g) in out.iter_mut().zip(&gate) {
+            *o /= 1.0 + (-g).exp();
+        }
+    }
     o.forward(&out, rows)
+}
+
+/// Splits a gated projection's `[rows, heads, 2 * head_dim]` (each head's query, then its
+/// gate) into the queries, left in `queries` as `[rows, heads, head_dim]`, and the gates,
+/// returned in the same shape.
+fn split_query_gate(
+    queries: &mut Vec<f32>,
+    rows: usize,
+    heads: usize,
+    head_dim: usize,
+) -> Vec<f32> {
+    let mut gate = Vec::with_capacity(rows * heads * head_dim);
+    let mut kept = Vec::with_capacity(rows * heads * head_dim);
+    for both in queries.chunks_exact(2 * head_dim) {
+        kept.extend_from_slice(&both[..head_dim]);
+        gate.extend_from_slice(&both[head_dim..]);
+    }
+    *queries = kept;
+    gate
 }
 
 /// Multi-head latent attention: the queries absorb the keys' up-projection and attend to the

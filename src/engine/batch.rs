@@ -40,6 +40,9 @@ pub struct BatchLimits {
 pub struct KvBudget {
     pub block_tokens: usize,
     pub blocks: usize,
+    /// Blocks every running sequence holds whatever its length: the states of a hybrid
+    /// model's linear-attention layers ([`KvBudget::with_state`]); 0 for other models.
+    pub state_blocks: usize,
 }
 
 impl KvBudget {
@@ -53,7 +56,17 @@ impl KvBudget {
         KvBudget {
             block_tokens: Self::BLOCK_TOKENS,
             blocks: (bytes / block_bytes.max(1)).max(1),
+            state_blocks: 0,
         }
+    }
+
+    /// This budget where each sequence also holds `state_bytes` however long it is (a hybrid
+    /// model's linear-attention states), counted in whole blocks of positions of
+    /// `bytes_per_position`: a sequence is admitted only where its state fits too.
+    pub fn with_state(mut self, state_bytes: usize, bytes_per_position: usize) -> Self {
+        let block_bytes = (bytes_per_position * self.block_tokens).max(1);
+        self.state_blocks = state_bytes.div_ceil(block_bytes);
+        self
     }
 
     /// The bytes taken for caches on a GPU with `free` bytes left after loading: 90% of
@@ -62,14 +75,14 @@ impl KvBudget {
         free / 10 * 9 / 2
     }
 
-    /// Blocks holding `positions` positions of one sequence.
+    /// Blocks holding `positions` positions of one sequence, and its state.
     pub fn blocks_for(&self, positions: usize) -> usize {
-        positions.div_ceil(self.block_tokens.max(1))
+        positions.div_ceil(self.block_tokens.max(1)) + self.state_blocks
     }
 
-    /// Positions one sequence can hold with the whole budget.
+    /// Positions one sequence can hold with the whole budget (beside its state).
     pub fn max_positions(&self) -> usize {
-        self.blocks * self.block_tokens
+        self.blocks.saturating_sub(self.state_blocks) * self.block_tokens
     }
 }
 
@@ -365,7 +378,8 @@ impl<S> Batcher<S> {
             prefixes: PrefixStore::new(
                 limits.kv.map_or(16, |kv| kv.block_tokens),
                 limits.prefix_cache_entries,
-            ),
+            )
+            .with_state_blocks(limits.kv.map_or(0, |kv| kv.state_blocks)),
         }
     }
 

@@ -7,7 +7,9 @@ use crate::model::config::{AttentionConfig, ModelConfig};
 
 /// One layer's cache: two position-major arrays whose meaning depends on the attention kind.
 /// GQA keeps keys and values (`kv_heads * head_dim` each per position); MLA keeps only the
-/// normalised latent (`kv_lora_rank`) and the shared rotary key (`qk_rope_head_dim`).
+/// normalised latent (`kv_lora_rank`) and the shared rotary key (`qk_rope_head_dim`). A
+/// linear-attention layer keeps no position: its arrays stay empty and it holds a
+/// [`LinearState`] instead.
 #[derive(Debug, Clone)]
 pub struct LayerCache {
     /// Keys (GQA) or latents (MLA).
@@ -16,6 +18,24 @@ pub struct LayerCache {
     pub second: Vec<f32>,
     first_width: usize,
     second_width: usize,
+    /// A linear-attention layer's state (Qwen3-Next's gated DeltaNet).
+    pub(crate) linear: Option<LinearState>,
+}
+
+/// What a linear-attention layer keeps of a sequence: the summary of every position so far,
+/// a fixed size whatever their number. It cannot be cut back to fewer positions (a prefix
+/// is reused only where it ends exactly: see `super::prefix`), and a preempted sequence
+/// recomputes it from its tokens.
+#[derive(Debug, Clone, Default)]
+pub struct LinearState {
+    /// `[value_heads, key_head_dim, value_head_dim]`; empty (all zeros) before the first step.
+    pub recurrent: Vec<f32>,
+    /// `[kernel - 1, conv_dim]`: the convolution's last inputs, oldest first; empty (zeros)
+    /// before the first step.
+    pub conv: Vec<f32>,
+    /// The state after the step in flight (recurrent, conv), which becomes the state when
+    /// the whole step succeeds.
+    pub next: Option<(Vec<f32>, Vec<f32>)>,
 }
 
 /// The cache of one sequence across all layers.
@@ -58,9 +78,20 @@ impl KvCache {
             second: Vec::new(),
             first_width,
             second_width,
+            linear: None,
         };
+        let mut layers = vec![layer; cfg.num_layers];
+        if let Some(linear) = &cfg.linear_attention {
+            for (l, cache) in layers.iter_mut().enumerate() {
+                if linear.is_linear(l) {
+                    cache.first_width = 0;
+                    cache.second_width = 0;
+                    cache.linear = Some(LinearState::default());
+                }
+            }
+        }
         KvCache {
-            layers: vec![layer; cfg.num_layers],
+            layers,
             device: None,
             len: 0,
         }
@@ -103,9 +134,16 @@ impl KvCache {
         self.len == 0
     }
 
-    /// Counts `tokens` appended positions as cached.
+    /// Counts `tokens` appended positions as cached; linear layers' states move on to what
+    /// the step computed.
     pub(crate) fn advance(&mut self, tokens: usize) {
         self.len += tokens;
+        for state in self.layers.iter_mut().filter_map(|l| l.linear.as_mut()) {
+            if let Some((recurrent, conv)) = state.next.take() {
+                state.recurrent = recurrent;
+                state.conv = conv;
+            }
+        }
     }
 
     /// Drops whatever a step appended beyond the cached positions (a step that failed
@@ -115,11 +153,31 @@ impl KvCache {
         for layer in &mut self.layers {
             layer.first.truncate(self.len * layer.first_width);
             layer.second.truncate(self.len * layer.second_width);
+            if let Some(state) = &mut layer.linear {
+                state.next = None;
+            }
         }
     }
 
-    /// Keeps only the first `len` cached positions.
+    /// Whether some layer keeps a state that sums up every position (linear attention).
+    pub fn has_state(&self) -> bool {
+        self.layers.iter().any(|l| l.linear.is_some())
+    }
+
+    /// Whether [`KvCache::truncate`] can keep `len` positions exactly: any number where
+    /// every layer keeps positions, only all of them where a layer keeps a state.
+    pub fn can_truncate_to(&self, len: usize) -> bool {
+        len >= self.len || !self.has_state()
+    }
+
+    /// Keeps only the first `len` cached positions. A cache with a linear layer's state
+    /// cannot go back to fewer positions: it forgets everything instead (the sequence then
+    /// recomputes), so that it never holds a state of other positions than it counts.
     pub(crate) fn truncate(&mut self, len: usize) {
+        if !self.can_truncate_to(len) {
+            self.release();
+            return;
+        }
         self.len = self.len.min(len);
         self.rollback();
     }
@@ -131,14 +189,25 @@ impl KvCache {
         for layer in &mut self.layers {
             layer.first = Vec::new();
             layer.second = Vec::new();
+            if let Some(state) = &mut layer.linear {
+                *state = LinearState::default();
+            }
         }
         if let Some(device) = &mut self.device {
             device.release();
         }
     }
 
-    /// Bytes one cached position takes in each of `layers` layers (f32 on the host and on
-    /// a GPU alike).
+    /// Bytes one sequence's linear-attention states take, however long it is (f32): the
+    /// fixed part of its cache, 0 for a model without linear layers.
+    pub fn state_bytes(cfg: &ModelConfig) -> usize {
+        cfg.linear_attention
+            .as_ref()
+            .map_or(0, |linear| linear.count() * linear.state_floats() * 4)
+    }
+
+    /// Bytes one cached position takes in each of the layers that keep positions (f32 on
+    /// the host and on a GPU alike).
     pub fn bytes_per_position(cfg: &ModelConfig) -> usize {
         let widths = match cfg.attention {
             AttentionConfig::Gqa {
@@ -152,7 +221,8 @@ impl KvCache {
                 ..
             } => kv_lora_rank + qk_rope_head_dim,
         };
-        cfg.num_layers * widths * 4
+        let linear = cfg.linear_attention.as_ref().map_or(0, |l| l.count());
+        cfg.num_layers.saturating_sub(linear) * widths * 4
     }
 
     /// Bytes held, for memory accounting (GPU memory for a cache on a GPU).
@@ -163,7 +233,13 @@ impl KvCache {
         let floats: usize = self
             .layers
             .iter()
-            .map(|l| l.first.len() + l.second.len())
+            .map(|l| {
+                let state = l
+                    .linear
+                    .as_ref()
+                    .map_or(0, |s| s.recurrent.len() + s.conv.len());
+                l.first.len() + l.second.len() + state
+            })
             .sum();
         floats * 4
     }

@@ -9,6 +9,7 @@ pub mod generate;
 pub mod gpu;
 pub mod grammar;
 pub mod kv_cache;
+mod linear_attention;
 pub mod logprobs;
 pub mod moe_layer;
 mod prefix;
@@ -379,14 +380,25 @@ impl Engine {
         };
         for (l, layer) in self.weights.layers.iter().enumerate() {
             let normed = rms_norm(hidden, &layer.input_norm.weight, layer.input_norm.eps);
-            let attended = attention(
-                (&layer.attention, layer.sinks.as_deref()),
-                &input,
-                l,
-                &normed,
-                rows,
-                caches,
-            );
+            let attended = match (&layer.linear_attention, &cfg.linear_attention) {
+                (Some(weights), Some(linear)) => linear_attention::linear_attention(
+                    weights,
+                    linear,
+                    (l, cfg.rms_norm_eps),
+                    &normed,
+                    rows,
+                    segments,
+                    caches,
+                ),
+                _ => attention(
+                    (&layer.attention, layer.sinks.as_deref()),
+                    &input,
+                    l,
+                    &normed,
+                    rows,
+                    caches,
+                ),
+            };
             add_in_place(hidden, &attended);
             let normed = rms_norm(
                 hidden,

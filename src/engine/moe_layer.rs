@@ -19,7 +19,20 @@ pub fn moe_forward(
 ) -> Result<Vec<f32>, ExpertError> {
     let mut out = moe_routed(cfg, weights, experts, layer, normed, rows)?;
     if let Some(shared) = &weights.shared_expert {
-        add_in_place(&mut out, &shared.forward_with(normed, rows, true));
+        let mut shared_out = shared.forward_with(normed, rows, true);
+        if let Some(gate) = &weights.shared_expert_gate {
+            // Qwen3-Next: each row's shared output times the sigmoid of its one-value gate.
+            let width = gate.len().max(1);
+            for (row, x) in shared_out
+                .chunks_exact_mut(width)
+                .zip(normed.chunks_exact(width))
+            {
+                let logit: f32 = x.iter().zip(gate).map(|(x, g)| x * g).sum();
+                let scale = 1.0 / (1.0 + (-logit).exp());
+                row.iter_mut().for_each(|v| *v *= scale);
+            }
+        }
+        add_in_place(&mut out, &shared_out);
     }
     Ok(out)
 }

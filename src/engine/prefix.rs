@@ -5,6 +5,15 @@
 //! not shared pages (the caches are contiguous), so reuse saves compute and time to first
 //! token, not memory; the kept copies count against the KV budget and are dropped, oldest
 //! first, before any running sequence is preempted.
+//!
+//! A hybrid model's cache (Qwen3-Next) also holds linear layers' states, each the summary of
+//! every position so far: it cannot be cut back to a shorter prefix. Such a cache is kept
+//! whole (every position the prompt's prefill left, not whole blocks) and reused only by a
+//! prompt that starts with all of it: the exact end of a cached prefix, where the state is
+//! the one the new prompt needs. A preempted sequence recomputing, a conversation's next turn
+//! and a repeated system prompt followed by more all start that way; two prompts that share
+//! only part of a kept prefix reuse nothing (snapshots of the states at block boundaries, as
+//! vLLM and SGLang keep, would serve them, at a state's size per snapshot).
 
 use super::EngineError;
 use super::kv_cache::KvCache;
@@ -19,6 +28,8 @@ struct Entry {
 pub struct PrefixStore {
     block_tokens: usize,
     max_entries: usize,
+    /// Blocks a kept cache's linear states count for (see `KvBudget::state_blocks`).
+    state_blocks: usize,
     /// Least recently used first.
     entries: Vec<Entry>,
     hits: u64,
@@ -30,10 +41,17 @@ impl PrefixStore {
         PrefixStore {
             block_tokens: block_tokens.max(1),
             max_entries,
+            state_blocks: 0,
             entries: Vec::new(),
             hits: 0,
             hit_tokens: 0,
         }
+    }
+
+    /// This store where a cache's linear states count for `blocks` blocks.
+    pub fn with_state_blocks(mut self, blocks: usize) -> Self {
+        self.state_blocks = blocks;
+        self
     }
 
     /// Prompts that started from a kept prefix, and the prompt tokens they did not prefill.
@@ -45,7 +63,10 @@ impl PrefixStore {
     pub fn blocks(&self) -> usize {
         self.entries
             .iter()
-            .map(|e| e.tokens.len() / self.block_tokens)
+            .map(|e| match e.cache.has_state() {
+                true => e.tokens.len().div_ceil(self.block_tokens) + self.state_blocks,
+                false => e.tokens.len() / self.block_tokens,
+            })
             .sum()
     }
 
@@ -68,6 +89,15 @@ impl PrefixStore {
             .take_while(|(a, b)| a == b)
             .count();
         let limit = prompt.len().saturating_sub(1);
+        if entry.cache.has_state() {
+            // All of it or nothing: its states sum up exactly its positions.
+            let whole = entry.tokens.len();
+            return if common == whole && whole <= limit {
+                whole
+            } else {
+                0
+            };
+        }
         common.min(limit) / self.block_tokens * self.block_tokens
     }
 
@@ -89,6 +119,9 @@ impl PrefixStore {
         }
         let mut cache = copy(&self.entries[best].cache).ok()?;
         cache.truncate(positions);
+        if cache.len() != positions {
+            return None;
+        }
         let entry = self.entries.remove(best);
         self.entries.push(entry);
         self.hits += 1;
@@ -107,27 +140,42 @@ impl PrefixStore {
         if self.max_entries == 0 {
             return;
         }
-        let positions = cache.len().min(prompt.len()) / self.block_tokens * self.block_tokens;
+        let positions = if cache.has_state() {
+            // Kept whole (see the module comment), if it holds nothing beyond the prompt.
+            if cache.len() > prompt.len() {
+                return;
+            }
+            cache.len()
+        } else {
+            cache.len().min(prompt.len()) / self.block_tokens * self.block_tokens
+        };
         if positions == 0 {
             return;
         }
         let tokens = &prompt[..positions];
-        if let Some(i) = self
-            .entries
-            .iter()
-            .position(|e| e.tokens.len() >= positions && e.tokens[..positions] == *tokens)
-        {
+        // A kept cache with states serves only prompts that start with all of it: a longer
+        // one does not cover this one, nor this one a shorter one.
+        let whole = cache.has_state();
+        if let Some(i) = self.entries.iter().position(|e| {
+            (e.tokens.len() == positions || (!whole && e.tokens.len() > positions))
+                && e.tokens[..positions] == *tokens
+        }) {
             let entry = self.entries.remove(i);
             self.entries.push(entry);
             return;
         }
-        // A shorter kept prefix of this one is superseded.
-        self.entries
-            .retain(|e| !(e.tokens.len() < positions && tokens[..e.tokens.len()] == e.tokens));
+        if !whole {
+            // A shorter kept prefix of this one is superseded.
+            self.entries
+                .retain(|e| !(e.tokens.len() < positions && tokens[..e.tokens.len()] == e.tokens));
+        }
         let Ok(mut kept) = copy(cache) else {
             return;
         };
         kept.truncate(positions);
+        if kept.len() != positions {
+            return;
+        }
         self.entries.push(Entry {
             tokens: tokens.to_vec(),
             cache: kept,
@@ -181,6 +229,60 @@ mod tests {
         assert!(store.reuse(&[5, 6, 7, 8, 9], &mut copy).is_none());
         assert!(store.reuse(&[0, 1, 2, 9, 9, 9], &mut copy).is_none());
         assert_eq!(store.hits(), (2, 12));
+    }
+
+    /// A cache of the hybrid fixture holding `len` positions and a state.
+    fn hybrid_cache_of(len: usize) -> KvCache {
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3_next");
+        let mut cache = KvCache::new(&ModelConfig::load(&dir).unwrap());
+        for layer in &mut cache.layers {
+            let (a, b) = (layer.first_width(), layer.second_width());
+            layer.first = vec![0.5; len * a];
+            layer.second = vec![0.5; len * b];
+            if let Some(state) = &mut layer.linear {
+                state.recurrent = vec![len as f32; 4];
+            }
+        }
+        cache.advance(len);
+        cache
+    }
+
+    #[test]
+    fn a_hybrid_cache_is_kept_whole_and_reused_only_where_it_ends_exactly() {
+        let mut store = PrefixStore::new(4, 2).with_state_blocks(3);
+        let prompt: Vec<u32> = (0..11).collect();
+        store.keep(&prompt, &hybrid_cache_of(11), &mut copy);
+        assert_eq!(
+            store.blocks(),
+            3 + 3,
+            "11 positions in 3 blocks, and the state"
+        );
+        // All 11 and more: reused whole, state and all.
+        let mut longer = prompt.clone();
+        longer.extend([50, 51]);
+        let (cache, positions) = store.reuse(&longer, &mut copy).unwrap();
+        assert_eq!((positions, cache.len()), (11, 11));
+        let state = cache.layers[0].linear.as_ref().unwrap();
+        assert_eq!(state.recurrent, vec![11.0; 4]);
+        // Sharing 10 of its 11 (or all of it with nothing left to compute): nothing.
+        let mut other: Vec<u32> = (0..10).collect();
+        other.extend([99, 98]);
+        assert!(store.reuse(&other, &mut copy).is_none());
+        assert!(store.reuse(&prompt, &mut copy).is_none());
+        // A cache cut short forgets everything rather than keep a state of other positions.
+        let mut cache = hybrid_cache_of(8);
+        assert!(!cache.can_truncate_to(4));
+        cache.truncate(4);
+        assert_eq!(cache.len(), 0);
+        assert!(
+            cache.layers[0]
+                .linear
+                .as_ref()
+                .unwrap()
+                .recurrent
+                .is_empty()
+        );
     }
 
     #[test]

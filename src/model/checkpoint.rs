@@ -42,6 +42,10 @@ pub struct Checkpoint {
 /// Where a multimodal checkpoint keeps its text model.
 const TEXT_MODEL_PREFIX: &str = "language_model.";
 
+/// Where Qwen3.5's multimodal checkpoints keep the text model's `model.` tensors (`lm_head`
+/// stays at the top level).
+const NESTED_TEXT_MODEL: &str = "model.language_model.";
+
 impl Checkpoint {
     /// The model directory the checkpoint was opened from.
     pub fn dir(&self) -> &Path {
@@ -162,20 +166,36 @@ impl Checkpoint {
     /// A checkpoint whose text model lies under `language_model.` (and no `model.` tensors
     /// beside it) is read through that prefix; everything else in it (the vision tower and its
     /// projector) is left unloaded, and the log says so.
+    /// Qwen3.5's, whose text model's `model.` tensors lie under `model.language_model.`, is
+    /// read through that instead.
     fn with_text_model_prefix(mut self) -> Self {
         let probe = "model.embed_tokens.weight";
-        if self.locations.contains_key(probe)
-            || !self
-                .locations
-                .contains_key(&format!("{TEXT_MODEL_PREFIX}{probe}"))
-        {
+        if self.locations.contains_key(probe) {
             return self;
         }
-        self.prefix = TEXT_MODEL_PREFIX;
+        if self
+            .locations
+            .contains_key(&format!("{TEXT_MODEL_PREFIX}{probe}"))
+        {
+            self.prefix = TEXT_MODEL_PREFIX;
+        } else if self
+            .locations
+            .contains_key("model.language_model.embed_tokens.weight")
+        {
+            self.prefix = NESTED_TEXT_MODEL;
+        } else {
+            return self;
+        }
+        let text = |name: &str| match self.prefix {
+            NESTED_TEXT_MODEL => {
+                name.starts_with(NESTED_TEXT_MODEL) || name.starts_with("lm_head.")
+            }
+            prefix => name.starts_with(prefix),
+        };
         let mut left: Vec<&str> = self
             .locations
             .keys()
-            .filter(|name| !name.starts_with(TEXT_MODEL_PREFIX))
+            .filter(|name| !text(name))
             .map(|name| name.split('.').next().unwrap_or(name))
             .collect();
         let tensors = left.len();
@@ -183,8 +203,8 @@ impl Checkpoint {
         left.dedup();
         tracing::info!(
             dir = %self.dir.display(),
-            "serving the text model under `{TEXT_MODEL_PREFIX}`; {tensors} other tensors \
-             ({}) are left unloaded",
+            "serving the text model under `{}`; {tensors} other tensors ({}) are left unloaded",
+            self.prefix,
             left.join(", ")
         );
         self
@@ -192,7 +212,11 @@ impl Checkpoint {
 
     /// The name tensor `name` is stored under (the text-model prefix added).
     pub fn stored_name(&self, name: &str) -> String {
-        format!("{}{name}", self.prefix)
+        match (self.prefix, name.strip_prefix("model.")) {
+            (NESTED_TEXT_MODEL, Some(rest)) => format!("{NESTED_TEXT_MODEL}{rest}"),
+            (NESTED_TEXT_MODEL, None) => name.to_string(),
+            (prefix, _) => format!("{prefix}{name}"),
+        }
     }
 
     fn location(&self, name: &str) -> Option<usize> {

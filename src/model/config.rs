@@ -16,8 +16,8 @@ use super::quant::Quantization;
 
 pub use super::family::Family;
 pub use parts::{
-    AttentionConfig, ExpertActivation, GatingConfig, LayerAttention, MAX_CONTEXT, MAX_LAYERS,
-    MoeConfig, QkNorm, RopeConfig, RopeScaling, Span, Temperature,
+    AttentionConfig, ExpertActivation, GatingConfig, LayerAttention, LinearAttention, MAX_CONTEXT,
+    MAX_LAYERS, MoeConfig, QkNorm, RopeConfig, RopeScaling, Span, Temperature,
 };
 use parts::{CommonKeys, Problems};
 
@@ -40,6 +40,12 @@ pub struct ModelConfig {
     /// Intermediate size of the dense MLP layers.
     pub intermediate_size: usize,
     pub attention: AttentionConfig,
+    /// The linear-attention layers of a hybrid model (Qwen3-Next, Qwen3.5); `None` where
+    /// every layer runs `attention`.
+    pub linear_attention: Option<LinearAttention>,
+    /// RMSNorm weights stored as offsets from 1 (`x * (1 + w)`: Qwen3-Next's zero-centred
+    /// norms), made whole at load. The gated norm of its linear attention is not one of them.
+    pub centered_norms: bool,
     pub rope: RopeConfig,
     pub moe: MoeConfig,
     /// Per layer: true where the MLP is a mixture of experts, false for a dense MLP.
@@ -159,6 +165,8 @@ impl ModelConfig {
             moe,
             moe_layers,
             intermediate_size,
+            linear_attention,
+            centered_norms,
         } = family.read(config, &common, &mut p)?;
         let rope = match parse_rope(&raw, defaults.rope_theta, rope_dim, max_position_embeddings) {
             Ok(rope) => rope,
@@ -189,6 +197,8 @@ impl ModelConfig {
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
             intermediate_size,
             attention,
+            linear_attention,
+            centered_norms,
             rope,
             moe,
             moe_layers,
@@ -278,6 +288,9 @@ impl ModelConfig {
         }
         self.num_layers = layers;
         self.moe_layers.truncate(layers);
+        if let Some(linear) = &mut self.linear_attention {
+            linear.layers.truncate(layers);
+        }
         Ok(self)
     }
 }

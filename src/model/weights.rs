@@ -15,6 +15,10 @@ use crate::compute::cpu::{Linear, SwiGlu, WeightElement, add_in_place};
 use crate::compute::quant::{QuantLinear, QuantSwiGlu};
 
 pub use crate::compute::expert::ExpertWeights;
+pub use linear_attention::LinearAttentionWeights;
+
+/// The gated DeltaNet layers' weights and how each family stores them.
+mod linear_attention;
 
 /// A dense projection held as the checkpoint stores it, as the experts are: bf16 kept bf16
 /// (every product widens it exactly as it reads, so outputs are those of f32 weights, and a
@@ -153,6 +157,23 @@ pub enum AttentionWeights {
     },
 }
 
+impl AttentionWeights {
+    /// What a linear-attention layer holds in place of attention: GQA projections of no
+    /// size. Nothing runs them (the engine runs the layer's `linear_attention`), and the GPU's
+    /// dense part refuses hybrid models before it would read them.
+    pub fn absent() -> Self {
+        let none = || StoredLinear::F32(Linear::without_bias(Vec::new(), 0, 0));
+        AttentionWeights::Gqa {
+            q: none(),
+            k: none(),
+            v: none(),
+            o: none(),
+            q_norm: None,
+            k_norm: None,
+        }
+    }
+}
+
 /// The gate of an MoE layer and its always-on parts. The routed experts are held apart (see
 /// [`crate::experts::ExpertExecutor`]) so that they can live on other devices or nodes.
 #[derive(Debug, Clone)]
@@ -162,6 +183,9 @@ pub struct MoeWeights {
     pub correction_bias: Option<Vec<f32>>,
     /// Held in its stored form, as the routed experts are.
     pub shared_expert: Option<ExpertWeights>,
+    /// `[hidden]`, in f32: the shared expert's output is scaled by the sigmoid of this row's
+    /// dot product with the input (`shared_expert_gate`: Qwen3-Next, Qwen3.5).
+    pub shared_expert_gate: Option<Vec<f32>>,
 }
 
 #[derive(Debug, Clone)]
@@ -174,7 +198,11 @@ pub enum FeedForward {
 #[derive(Debug, Clone)]
 pub struct LayerWeights {
     pub input_norm: RmsNorm,
+    /// On a linear-attention layer (`linear_attention` is set) a placeholder without
+    /// projections ([`AttentionWeights::absent`]); the layer's token mixer is that instead.
     pub attention: AttentionWeights,
+    /// The gated DeltaNet of a hybrid model's linear-attention layer.
+    pub linear_attention: Option<LinearAttentionWeights>,
     /// gpt-oss's attention sink logit per query head (`self_attn.sinks`).
     pub sinks: Option<Vec<f32>>,
     pub post_attention_norm: RmsNorm,
@@ -208,10 +236,15 @@ impl DenseWeights {
                 load_layer(ckpt, cfg, l)
             })
             .collect::<Result<_, _>>()?;
+        if cfg.linear_attention.is_some() && !ckpt.is_dummy() && ckpt.contains(MTP_PROBE) {
+            tracing::info!(
+                "the checkpoint's multi-token-prediction layers (`mtp.*`) are not served"
+            );
+        }
         Ok(DenseWeights {
             embed_tokens,
             layers,
-            final_norm: norm(ckpt, "model.norm", h, cfg.rms_norm_eps)?,
+            final_norm: model_norm(ckpt, cfg, "model.norm", h)?,
             lm_head,
         })
     }
@@ -222,23 +255,31 @@ impl DenseWeights {
     }
 }
 
-fn load_layer(ckpt: &Checkpoint, cfg: &ModelConfig, l: usize) -> Result<LayerWeights, ModelError> {
+/// Layer `l`'s attention projections and norms.
+fn attention(
+    ckpt: &Checkpoint,
+    cfg: &ModelConfig,
+    l: usize,
+) -> Result<AttentionWeights, ModelError> {
     let h = cfg.hidden_size;
     let quant = &cfg.quantization;
     let eps = cfg.rms_norm_eps;
     let p = format!("model.layers.{l}");
     let heads = cfg.num_heads;
-    let attention = match cfg.attention {
+    Ok(match cfg.attention {
         AttentionConfig::Gqa {
             num_kv_heads,
             head_dim,
             qk_norm,
+            output_gate,
             ..
         } => {
             let a = format!("{p}.self_attn");
             let norm_widths = qk_norm.widths(heads, num_kv_heads, head_dim);
+            // With an output gate each head's query is followed by its gate.
+            let q_width = heads * head_dim * if output_gate { 2 } else { 1 };
             AttentionWeights::Gqa {
-                q: linear(ckpt, quant, &format!("{a}.q_proj"), heads * head_dim, h)?,
+                q: linear(ckpt, quant, &format!("{a}.q_proj"), q_width, h)?,
                 k: linear(
                     ckpt,
                     quant,
@@ -255,10 +296,10 @@ fn load_layer(ckpt: &Checkpoint, cfg: &ModelConfig, l: usize) -> Result<LayerWei
                 )?,
                 o: linear(ckpt, quant, &format!("{a}.o_proj"), h, heads * head_dim)?,
                 q_norm: norm_widths
-                    .map(|(q, _)| norm(ckpt, &format!("{a}.q_norm"), q, eps))
+                    .map(|(q, _)| model_norm(ckpt, cfg, &format!("{a}.q_norm"), q))
                     .transpose()?,
                 k_norm: norm_widths
-                    .map(|(_, k)| norm(ckpt, &format!("{a}.k_norm"), k, eps))
+                    .map(|(_, k)| model_norm(ckpt, cfg, &format!("{a}.k_norm"), k))
                     .transpose()?,
             }
         }
@@ -302,6 +343,24 @@ fn load_layer(ckpt: &Checkpoint, cfg: &ModelConfig, l: usize) -> Result<LayerWei
                 o: linear(ckpt, quant, &format!("{a}.o_proj"), h, heads * v_head_dim)?,
             }
         }
+    })
+}
+
+/// A tensor every Qwen3-Next and Qwen3.5 checkpoint with its multi-token-prediction layers
+/// holds.
+const MTP_PROBE: &str = "mtp.fc.weight";
+
+fn load_layer(ckpt: &Checkpoint, cfg: &ModelConfig, l: usize) -> Result<LayerWeights, ModelError> {
+    let h = cfg.hidden_size;
+    let quant = &cfg.quantization;
+    let p = format!("model.layers.{l}");
+    let heads = cfg.num_heads;
+    let (attention, linear_attention) = match &cfg.linear_attention {
+        Some(linear) if linear.is_linear(l) => (
+            AttentionWeights::absent(),
+            Some(linear_attention::load(ckpt, cfg, linear, l)?),
+        ),
+        _ => (attention(ckpt, cfg, l)?, None),
     };
     let mlp = cfg.family.mlp_prefix(l);
     let feed_forward = if cfg.moe_layers[l] {
@@ -323,10 +382,18 @@ fn load_layer(ckpt: &Checkpoint, cfg: &ModelConfig, l: usize) -> Result<LayerWei
             }
             _ => None,
         };
+        // Beside the shared expert, as Qwen2-MoE named it: `mlp.shared_expert_gate`.
+        let shared_expert_gate = (cfg.moe.shared_expert_gate && shared_expert.is_some())
+            .then(|| {
+                let name = format!("{}_gate", cfg.family.shared_experts(l));
+                linear_f32(ckpt, quant, &name, 1, h).map(|gate| gate.weight)
+            })
+            .transpose()?;
         FeedForward::Moe(MoeWeights {
             router: linear(ckpt, quant, &cfg.family.router(l), cfg.moe.num_experts, h)?,
             correction_bias,
             shared_expert,
+            shared_expert_gate,
         })
     } else {
         FeedForward::Dense(expert_block(
@@ -345,10 +412,11 @@ fn load_layer(ckpt: &Checkpoint, cfg: &ModelConfig, l: usize) -> Result<LayerWei
         _ => None,
     };
     Ok(LayerWeights {
-        input_norm: norm(ckpt, &format!("{p}.input_layernorm"), h, eps)?,
+        input_norm: model_norm(ckpt, cfg, &format!("{p}.input_layernorm"), h)?,
         attention,
+        linear_attention,
         sinks,
-        post_attention_norm: norm(ckpt, &format!("{p}.post_attention_layernorm"), h, eps)?,
+        post_attention_norm: model_norm(ckpt, cfg, &format!("{p}.post_attention_layernorm"), h)?,
         feed_forward,
     })
 }
@@ -710,4 +778,19 @@ fn norm(ckpt: &Checkpoint, prefix: &str, width: usize, eps: f32) -> Result<RmsNo
         weight: ckpt.read_f32(&format!("{prefix}.weight"), &[width])?,
         eps,
     })
+}
+
+/// One of the model's RMSNorms (the layers', the final one, q/k norms) with the model's
+/// epsilon, its weight made whole where the family stores it as an offset from 1.
+fn model_norm(
+    ckpt: &Checkpoint,
+    cfg: &ModelConfig,
+    prefix: &str,
+    width: usize,
+) -> Result<RmsNorm, ModelError> {
+    let mut norm = norm(ckpt, prefix, width, cfg.rms_norm_eps)?;
+    if cfg.centered_norms {
+        norm.weight.iter_mut().for_each(|w| *w += 1.0);
+    }
+    Ok(norm)
 }

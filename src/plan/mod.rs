@@ -488,8 +488,10 @@ fn size_kv_caches(
             Some(KvBudget::gpu_share(free))
         });
         d.kv_positions = d.kv_cache_bytes.map(|bytes| {
-            KvBudget::of_bytes(bytes as usize, sizes.kv_bytes_per_position as usize).max_positions()
-                as u64
+            let per_position = sizes.kv_bytes_per_position as usize;
+            KvBudget::of_bytes(bytes as usize, per_position)
+                .with_state(sizes.state_bytes_per_sequence as usize, per_position)
+                .max_positions() as u64
         });
         if let Some(positions) = d.kv_positions
             && positions < input.max_prompt_tokens as u64

@@ -40,6 +40,13 @@ impl PlanReport {
             m.sizes.dtype_bytes,
             m.sizes.kv_bytes_per_position as f64 / 1024.0
         )?;
+        if m.sizes.state_bytes_per_sequence > 0 {
+            writeln!(
+                out,
+                "linear-attention state: {:.1} MiB per sequence, whatever its length",
+                m.sizes.state_bytes_per_sequence as f64 / (1u64 << 20) as f64
+            )?;
+        }
         writeln!(
             out,
             "cluster: {} node(s) x {} device(s), replication {}, {} spare slot(s) per device{}",

@@ -24,6 +24,9 @@ pub struct ModelSizes {
     /// KV cache of one position of one sequence over all layers, as the node keeps it (f32;
     /// MLA keeps the latent and the rotary key only): [`KvCache::bytes_per_position`].
     pub kv_bytes_per_position: u64,
+    /// What one sequence keeps however long it is: a hybrid model's linear-attention states
+    /// (f32), [`KvCache::state_bytes`]; 0 for other models.
+    pub state_bytes_per_sequence: u64,
 }
 
 /// Bytes per parameter for a config's `torch_dtype` (bf16 when it names none).
@@ -64,6 +67,12 @@ impl ModelSizes {
                 if sinks {
                     params += heads;
                 }
+                if let AttentionConfig::Gqa {
+                    output_gate: true, ..
+                } = model.attention
+                {
+                    params += h * heads * hd;
+                }
                 params
             }
             AttentionConfig::Mla {
@@ -103,8 +112,26 @@ impl ModelSizes {
         if !model.tie_word_embeddings {
             dense += model.vocab_size as u64 * h;
         }
-        for &is_moe in &model.moe_layers {
-            dense += 2 * h + attention;
+        // A gated DeltaNet: its projections (q, k, v, the output gate, beta and the decay
+        // input), the convolution, dt_bias, A_log, the gated norm and the output projection.
+        let linear_attention = model.linear_attention.as_ref().map_or(0, |la| {
+            let (conv, value) = (la.conv_dim() as u64, la.value_dim() as u64);
+            let heads = la.num_value_heads as u64;
+            h * (conv + value + 2 * heads)
+                + conv * la.conv_kernel as u64
+                + 2 * heads
+                + la.value_head_dim as u64
+                + value * h
+        });
+        for (l, &is_moe) in model.moe_layers.iter().enumerate() {
+            let linear = model
+                .linear_attention
+                .as_ref()
+                .is_some_and(|la| la.is_linear(l));
+            dense += 2 * h + if linear { linear_attention } else { attention };
+            if is_moe && model.moe.shared_expert_gate {
+                dense += h;
+            }
             dense += if is_moe {
                 gate + swiglu(model.moe.shared_intermediate_size)
             } else {
@@ -125,6 +152,7 @@ impl ModelSizes {
             expert_bytes,
             dense_bytes: dense * bytes,
             kv_bytes_per_position: KvCache::bytes_per_position(model) as u64,
+            state_bytes_per_sequence: KvCache::state_bytes(model) as u64,
         }
     }
 }

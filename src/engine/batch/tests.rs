@@ -242,6 +242,7 @@ fn kv_batcher(blocks: usize) -> (Batcher<u32>, KvBudget) {
     let kv = KvBudget {
         block_tokens: 4,
         blocks,
+        state_blocks: 0,
     };
     let limits = BatchLimits {
         kv: Some(kv),
@@ -339,4 +340,38 @@ fn limits_for_three() -> BatchLimits {
         max_sequences: 3,
         ..limits()
     }
+}
+
+#[test]
+fn a_fixed_state_per_sequence_counts_against_the_budget_as_whole_blocks() {
+    // 10 blocks of 16 positions of 100 bytes; a state of 3000 bytes is 2 blocks.
+    let kv = KvBudget::of_bytes(16_000, 100).with_state(3000, 100);
+    assert_eq!((kv.blocks, kv.state_blocks), (10, 2));
+    assert_eq!(kv.blocks_for(0), 2);
+    assert_eq!(kv.blocks_for(17), 4);
+    assert_eq!(kv.max_positions(), 8 * 16);
+    // Two sequences of 4 blocks each fill 8 of 10: a third (3 blocks at least) waits.
+    let kv = KvBudget {
+        block_tokens: 4,
+        blocks: 10,
+        state_blocks: 2,
+    };
+    let limits = BatchLimits {
+        kv: Some(kv),
+        max_sequences: 3,
+        max_waiting: 3,
+        ..limits()
+    };
+    let cfg = config();
+    let mut b = Batcher::new(limits, vec![]);
+    for id in 0..3 {
+        b.submit(sequence(&cfg, 7, 4, id)).unwrap();
+    }
+    let _ = b.plan_step(host_fork);
+    assert_eq!(
+        b.running(),
+        2,
+        "each holds 2 blocks of positions and 2 of state"
+    );
+    assert_eq!(b.waiting(), 1);
 }

@@ -65,6 +65,10 @@ pub enum AttentionConfig {
         /// The output projection has a bias (gpt-oss; read where present whatever this says,
         /// counted by `plan` where it says so).
         o_bias: bool,
+        /// Each head's output is scaled by the sigmoid of a gate projected with the queries
+        /// (Qwen3-Next, Qwen3.5): `q_proj` is twice as wide, each head's query followed by
+        /// its gate.
+        output_gate: bool,
     },
     /// Multi-head latent attention (DeepSeek-V3, Kimi K2).
     Mla {
@@ -77,6 +81,60 @@ pub enum AttentionConfig {
         interleave: bool,
         bias: bool,
     },
+}
+
+/// Gated DeltaNet (Qwen3-Next, Qwen3.5), the linear attention of a hybrid model's
+/// `linear_attention` layers: each value head keeps a `key_head_dim x value_head_dim` state
+/// that decays and takes a delta-rule update per token, after a causal depthwise convolution
+/// of `conv_kernel` positions over the projected q, k and v. What a sequence keeps of it is a
+/// fixed size, not one entry per position ([`LinearAttention::state_floats`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LinearAttention {
+    pub num_key_heads: usize,
+    pub num_value_heads: usize,
+    pub key_head_dim: usize,
+    pub value_head_dim: usize,
+    pub conv_kernel: usize,
+    /// Per layer: true where the layer is linear attention (the others run the model's
+    /// [`AttentionConfig`]).
+    pub layers: Vec<bool>,
+    /// Qwen3-Next stores the projections fused and grouped per key head (`in_proj_qkvz`,
+    /// `in_proj_ba`); Qwen3.5 apart (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`).
+    pub fused_projections: bool,
+}
+
+impl LinearAttention {
+    /// Width of the queries (and of the keys): every key head's.
+    pub fn key_dim(&self) -> usize {
+        self.num_key_heads * self.key_head_dim
+    }
+
+    /// Width of the values (and of the output gate).
+    pub fn value_dim(&self) -> usize {
+        self.num_value_heads * self.value_head_dim
+    }
+
+    /// Channels of the convolution: queries, keys and values.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.key_dim() + self.value_dim()
+    }
+
+    /// Floats one sequence keeps per linear layer: the recurrent state of every value head
+    /// and the convolution's window of the last `conv_kernel - 1` inputs.
+    pub fn state_floats(&self) -> usize {
+        self.num_value_heads * self.key_head_dim * self.value_head_dim
+            + self.conv_dim() * self.conv_kernel.saturating_sub(1)
+    }
+
+    /// Layers that are linear attention.
+    pub fn count(&self) -> usize {
+        self.layers.iter().filter(|&&linear| linear).count()
+    }
+
+    /// Whether layer `layer` is linear attention.
+    pub fn is_linear(&self, layer: usize) -> bool {
+        self.layers.get(layer).copied().unwrap_or(false)
+    }
 }
 
 /// What one GQA layer does where a family's layers differ.
@@ -164,6 +222,9 @@ pub struct MoeConfig {
     pub gating: GatingConfig,
     /// The gate weight scales each expert's input rather than its output (Llama 4).
     pub weight_input: bool,
+    /// The shared expert's output is scaled by the sigmoid of its own one-row gate
+    /// (`shared_expert_gate`: Qwen3-Next, Qwen3.5).
+    pub shared_expert_gate: bool,
     pub activation: ExpertActivation,
 }
 

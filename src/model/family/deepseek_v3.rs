@@ -85,6 +85,8 @@ impl FamilySpec for DeepseekV3 {
             moe,
             moe_layers,
             intermediate_size: common.keys.intermediate_size.unwrap_or(18432),
+            linear_attention: None,
+            centered_norms: false,
         })
     }
 

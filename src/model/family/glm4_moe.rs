@@ -95,6 +95,8 @@ impl FamilySpec for Glm4Moe {
             moe,
             moe_layers,
             intermediate_size: common.keys.intermediate_size.unwrap_or(10944),
+            linear_attention: None,
+            centered_norms: false,
         })
     }
 

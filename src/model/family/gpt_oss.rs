@@ -90,6 +90,7 @@ impl FamilySpec for GptOss {
                 layers,
                 sinks: true,
                 o_bias: bias,
+                output_gate: false,
             },
             mla => mla,
         };
@@ -109,6 +110,7 @@ impl FamilySpec for GptOss {
             shared_intermediate_size: 0,
             gating: GatingConfig::Softmax { renormalize: true },
             weight_input: false,
+            shared_expert_gate: false,
             activation: ExpertActivation::ClampedSwiglu {
                 alpha: alpha as f32,
                 limit: limit as f32,
@@ -120,6 +122,8 @@ impl FamilySpec for GptOss {
             moe,
             moe_layers: vec![true; common.num_layers],
             intermediate_size: intermediate,
+            linear_attention: None,
+            centered_norms: false,
         })
     }
 

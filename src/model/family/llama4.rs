@@ -105,6 +105,7 @@ impl FamilySpec for Llama4 {
                 layers,
                 sinks: false,
                 o_bias: false,
+                output_gate: false,
             },
             mla => mla,
         };
@@ -123,6 +124,7 @@ impl FamilySpec for Llama4 {
                 routed_scaling_factor: 1.0,
             },
             weight_input: true,
+            shared_expert_gate: false,
             activation: ExpertActivation::Silu,
         };
         let moe_layers = moe_layers(&own, common.num_layers, p);
@@ -132,6 +134,8 @@ impl FamilySpec for Llama4 {
             moe,
             moe_layers,
             intermediate_size: own.intermediate_size_mlp.unwrap_or(16384),
+            linear_attention: None,
+            centered_norms: false,
         })
     }
 

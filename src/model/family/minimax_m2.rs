@@ -113,6 +113,7 @@ impl FamilySpec for MiniMaxM2 {
                 routed_scaling_factor: 1.0,
             },
             weight_input: false,
+            shared_expert_gate: false,
             activation: ExpertActivation::Silu,
         };
         Ok(FamilyParts {
@@ -121,6 +122,8 @@ impl FamilySpec for MiniMaxM2 {
             moe,
             moe_layers: vec![true; common.num_layers],
             intermediate_size: intermediate,
+            linear_attention: None,
+            centered_norms: false,
         })
     }
 

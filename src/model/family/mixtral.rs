@@ -72,6 +72,7 @@ impl FamilySpec for Mixtral {
             shared_intermediate_size: 0,
             gating: GatingConfig::Softmax { renormalize: true },
             weight_input: false,
+            shared_expert_gate: false,
             activation: ExpertActivation::Silu,
         };
         Ok(FamilyParts {
@@ -80,6 +81,8 @@ impl FamilySpec for Mixtral {
             moe,
             moe_layers: vec![true; common.num_layers],
             intermediate_size: intermediate,
+            linear_attention: None,
+            centered_norms: false,
         })
     }
 

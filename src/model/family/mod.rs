@@ -16,12 +16,14 @@ mod llama4;
 mod minimax_m2;
 mod mixtral;
 mod qwen3_moe;
+mod qwen3_next;
 
 use serde::Deserialize;
 use serde_json::Value;
 
 use super::config::parts::{
-    AttentionConfig, CommonKeys, ExpertActivation, GatingConfig, MoeConfig, Problems, QkNorm,
+    AttentionConfig, CommonKeys, ExpertActivation, GatingConfig, LinearAttention, MoeConfig,
+    Problems, QkNorm,
 };
 
 /// Which forward-pass code a checkpoint runs through.
@@ -47,6 +49,9 @@ pub enum Family {
     /// `gpt_oss` (gpt-oss 20b, 120b): GQA with biases, sinks and alternating sliding
     /// windows; softmax over the top-k router logits; fused experts under a clamped SwiGLU.
     GptOss,
+    /// `qwen3_next` and `qwen3_5_moe_text` (and the `qwen3_5_moe` wrapper): hybrid layers of
+    /// gated DeltaNet and gated GQA, softmax gating with a gated shared expert.
+    Qwen3Next,
 }
 
 /// What a family answers. Each family's file implements it on a unit struct; nothing has a
@@ -90,7 +95,7 @@ pub(super) trait FamilySpec: Sync {
 
 impl Family {
     /// Every family, in the order errors list them.
-    pub const ALL: [Family; 7] = [
+    pub const ALL: [Family; 8] = [
         Family::Qwen3Moe,
         Family::Mixtral,
         Family::DeepseekV3,
@@ -98,6 +103,7 @@ impl Family {
         Family::MiniMaxM2,
         Family::Llama4,
         Family::GptOss,
+        Family::Qwen3Next,
     ];
 
     fn spec(self) -> &'static dyn FamilySpec {
@@ -109,6 +115,7 @@ impl Family {
             Family::MiniMaxM2 => &minimax_m2::MiniMaxM2,
             Family::Llama4 => &llama4::Llama4,
             Family::GptOss => &gpt_oss::GptOss,
+            Family::Qwen3Next => &qwen3_next::Qwen3Next,
         }
     }
 
@@ -231,6 +238,10 @@ pub(super) struct FamilyParts {
     pub moe_layers: Vec<bool>,
     /// Intermediate size of the dense MLP layers.
     pub intermediate_size: usize,
+    /// The linear-attention layers of a hybrid model (Qwen3-Next, Qwen3.5).
+    pub linear_attention: Option<LinearAttention>,
+    /// Its RMSNorm weights are stored as offsets from 1 (`x * (1 + w)`).
+    pub centered_norms: bool,
 }
 
 /// Reads a family's own keys from the config (unknown keys are ignored).
@@ -274,6 +285,7 @@ fn gqa(common: &Common, p: &mut Problems, variant: Gqa) -> (AttentionConfig, usi
         layers: Vec::new(),
         sinks: false,
         o_bias: false,
+        output_gate: false,
     };
     (attention, head_dim)
 }
@@ -354,6 +366,7 @@ fn grouped_sigmoid_experts(
                 as f32,
         },
         weight_input: false,
+        shared_expert_gate: false,
         activation: ExpertActivation::Silu,
     };
     let moe_layers = (0..common.num_layers).map(|l| l >= first_dense).collect();

@@ -91,6 +91,7 @@ impl FamilySpec for Qwen3Moe {
                 renormalize: common.keys.norm_topk_prob.unwrap_or(false),
             },
             weight_input: false,
+            shared_expert_gate: false,
             activation: ExpertActivation::Silu,
         };
         Ok(FamilyParts {
@@ -99,6 +100,8 @@ impl FamilySpec for Qwen3Moe {
             moe,
             moe_layers,
             intermediate_size: common.keys.intermediate_size.unwrap_or(0),
+            linear_attention: None,
+            centered_norms: false,
         })
     }
 

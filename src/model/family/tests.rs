@@ -10,7 +10,8 @@ fn every_model_type_finds_its_family_and_errors_name_them_all() {
     }
     assert_eq!(
         Family::supported_model_types(),
-        "qwen3_moe, mixtral, deepseek_v3, kimi_k2, glm4_moe, minimax_m2, llama4_text and gpt_oss"
+        "qwen3_moe, mixtral, deepseek_v3, kimi_k2, glm4_moe, minimax_m2, llama4_text, gpt_oss, \
+         qwen3_next and qwen3_5_moe_text"
     );
     let err = ModelConfig::parse(r#"{"model_type": "llama"}"#).unwrap_err();
     for family in Family::ALL {
@@ -82,6 +83,7 @@ fn reads_glm_4_5_as_published() {
             layers: Vec::new(),
             sinks: false,
             o_bias: false,
+            output_gate: false,
         }
     );
     assert_eq!(c.rope.dim, 64);
@@ -158,6 +160,7 @@ fn reads_minimax_m2_as_published() {
             layers: Vec::new(),
             sinks: false,
             o_bias: false,
+            output_gate: false,
         }
     );
     assert_eq!(c.rope.dim, 64);
@@ -361,4 +364,105 @@ fn reads_gpt_oss_as_published() {
     ] {
         assert!(err.iter().any(|m| m.contains(needle)), "{needle}: {err:?}");
     }
+}
+
+/// Qwen3-Next-80B-A3B-Instruct's config.json as published (Qwen/Qwen3-Next-80B-A3B-Instruct).
+const QWEN3_NEXT_80B: &str = r#"{
+    "architectures": ["Qwen3NextForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645,
+    "full_attention_interval": 4, "head_dim": 256, "hidden_act": "silu", "hidden_size": 2048,
+    "initializer_range": 0.02, "intermediate_size": 5120, "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "linear_value_head_dim": 128, "max_position_embeddings": 262144, "mlp_only_layers": [],
+    "model_type": "qwen3_next", "moe_intermediate_size": 512, "norm_topk_prob": true,
+    "num_attention_heads": 16, "num_experts": 512, "num_experts_per_tok": 10,
+    "num_hidden_layers": 48, "num_key_value_heads": 2, "output_router_logits": false,
+    "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-06, "rope_scaling": null,
+    "rope_theta": 10000000, "router_aux_loss_coef": 0.001,
+    "shared_expert_intermediate_size": 512, "tie_word_embeddings": false,
+    "torch_dtype": "bfloat16", "transformers_version": "4.57.0.dev0", "use_cache": true,
+    "use_sliding_window": false, "vocab_size": 151936
+}"#;
+
+#[test]
+fn reads_qwen3_next_as_published() {
+    use crate::model::config::{AttentionConfig, GatingConfig};
+    let c = ModelConfig::parse(QWEN3_NEXT_80B).unwrap();
+    assert_eq!(c.family, Family::Qwen3Next);
+    assert!(matches!(
+        c.attention,
+        AttentionConfig::Gqa {
+            num_kv_heads: 2,
+            head_dim: 256,
+            qk_norm: QkNorm::PerHead,
+            output_gate: true,
+            ..
+        }
+    ));
+    assert_eq!(c.rope.dim, 64, "a quarter of 256");
+    assert_eq!(c.rope.theta, 1e7);
+    let linear = c.linear_attention.as_ref().unwrap();
+    assert_eq!(linear.count(), 36, "three of every four layers");
+    assert!(linear.is_linear(0) && !linear.is_linear(3));
+    assert!(linear.fused_projections);
+    assert!(c.centered_norms);
+    assert!(c.moe_layers.iter().all(|&m| m));
+    assert_eq!(c.moe.shared_intermediate_size, 512);
+    assert!(c.moe.shared_expert_gate);
+    assert_eq!(c.moe.gating, GatingConfig::Softmax { renormalize: true });
+    // 32 heads of 128 x 128, and a window of 3 of the 8192 convolved channels, per layer.
+    assert_eq!(linear.state_floats(), 32 * 128 * 128 + 3 * 8192);
+}
+
+#[test]
+fn reads_the_qwen3_5_moe_wrapper_and_its_text_config() {
+    let mut text: serde_json::Value = serde_json::from_str(QWEN3_NEXT_80B).unwrap();
+    text["model_type"] = "qwen3_5_moe_text".into();
+    text["rope_parameters"] = serde_json::json!({"rope_type": "default", "rope_theta": 1e7,
+        "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10], "mrope_interleaved": true});
+    text["mlp_only_layers"] = serde_json::json!([0]);
+    text["norm_topk_prob"] = false.into();
+    let wrapper = serde_json::json!({
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+        "text_config": text, "vision_config": {"model_type": "qwen3_5_moe", "depth": 27},
+    });
+    let c = ModelConfig::parse(&wrapper.to_string()).unwrap();
+    assert_eq!(c.model_type, "qwen3_5_moe");
+    assert_eq!(c.family, Family::Qwen3Next);
+    assert!(!c.linear_attention.as_ref().unwrap().fused_projections);
+    // Every Qwen3.5 layer is MoE and its router always renormalises.
+    assert!(c.moe_layers.iter().all(|&m| m));
+    assert_eq!(
+        c.moe.gating,
+        crate::model::config::GatingConfig::Softmax { renormalize: true }
+    );
+}
+
+#[test]
+fn qwen3_next_names_bad_layer_types_and_heads_that_do_not_divide() {
+    let mut v: serde_json::Value = serde_json::from_str(QWEN3_NEXT_80B).unwrap();
+    v["layer_types"] = serde_json::json!(["linear_attention", "full_attention"]);
+    v["linear_num_value_heads"] = 24.into();
+    v["linear_num_key_heads"] = 16.into();
+    v["partial_rotary_factor"] = 0.0.into();
+    let err = ModelConfig::parse(&v.to_string()).unwrap_err();
+    for needle in [
+        "layer_types has 2 entries for 48 layers",
+        "linear_num_value_heads (24) must be a multiple of linear_num_key_heads (16)",
+        "partial_rotary_factor",
+    ] {
+        assert!(err.iter().any(|m| m.contains(needle)), "{needle}: {err:?}");
+    }
+    v["layer_types"] = serde_json::json!(vec!["sliding_attention"; 48]);
+    v["linear_num_key_heads"] = 0.into();
+    let err = ModelConfig::parse(&v.to_string()).unwrap_err();
+    assert!(
+        err.iter()
+            .any(|m| m.contains("unknown `sliding_attention`")),
+        "{err:?}"
+    );
+    assert!(
+        err.iter().any(|m| m.contains("linear_num_key_heads")),
+        "{err:?}"
+    );
 }

@@ -370,6 +370,12 @@ impl GpuModel {
 /// A part of the dense forward pass that a family needs and the GPU's dense part
 /// (`gpu::model`) does not implement, which would otherwise load and compute something else.
 fn dense_part_the_gpu_lacks(config: &ModelConfig) -> Option<&'static str> {
+    if config.linear_attention.is_some() {
+        return Some(
+            "linear attention (gated DeltaNet layers and their recurrent state, \
+             `layer_types: linear_attention`)",
+        );
+    }
     match &config.attention {
         AttentionConfig::Gqa {
             qk_norm: QkNorm::PerLayer,
@@ -383,6 +389,13 @@ fn dense_part_the_gpu_lacks(config: &ModelConfig) -> Option<&'static str> {
             interleave: true, ..
         } => Some("GQA rope over interleaved pairs"),
         AttentionConfig::Gqa { sinks: true, .. } => Some("attention sinks (`self_attn.sinks`)"),
+        AttentionConfig::Gqa {
+            output_gate: true, ..
+        } => Some("gated attention output (`attn_output_gate`)"),
+        _ if config.centered_norms => Some("RMSNorm weights centred on zero (`1 + w`)"),
+        _ if config.moe.shared_expert_gate => {
+            Some("a gate on the shared expert (`shared_expert_gate`)")
+        }
         _ if config.moe.weight_input => {
             Some("gate weights on the experts' inputs (`weight_input`)")
         }
