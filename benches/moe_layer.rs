@@ -198,7 +198,8 @@ fn run_ours(
             .collect();
         let time = time_runs(budget, |i| {
             let x = &inputs[i % inputs.len()];
-            let out = moe_forward(cfg, weights, experts, 0, x, t).expect("all experts are local");
+            let out = moe_forward(cfg, weights, experts, 0, x, t, &mut [])
+                .expect("all experts are local");
             std::hint::black_box(out);
         });
         let distinct: usize = inputs

@@ -562,7 +562,11 @@ fn warm_up(node: &Node) -> Result<(), ServeError> {
         .map_err(|e| ServeError::WarmUp(e.to_string()))?;
     loop {
         match events.blocking_recv() {
-            Some(SequenceEvent::Token { .. } | SequenceEvent::PromptLogprobs(_)) => {}
+            Some(
+                SequenceEvent::Token { .. }
+                | SequenceEvent::PromptLogprobs(_)
+                | SequenceEvent::Degraded { .. },
+            ) => {}
             Some(SequenceEvent::Finished { .. }) => return Ok(()),
             Some(SequenceEvent::Failed(e)) => return Err(ServeError::WarmUp(e.to_string())),
             None => return Err(ServeError::WarmUp("the router stopped".into())),

@@ -128,6 +128,11 @@ fn admin_actions_are_guarded_and_a_stopped_device_can_return() {
          [cluster]\non_expert_unavailable = \"reroute\"\n",
     );
     rerouting.wait_ready();
+    let body = json!({"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0});
+    let resp = rerouting.post("/v1/completions", &body);
+    assert!(resp.headers().get(DEGRADED).is_none());
+    let whole: Value = resp.json().unwrap();
+    assert_eq!(whole.get("degraded"), None, "{whole}");
     rerouting.post_ok("/admin/devices/0/stop", &json!({}));
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
@@ -139,7 +144,27 @@ fn admin_actions_are_guarded_and_a_stopped_device_can_return() {
         assert!(Instant::now() < deadline, "never reported degraded");
         std::thread::sleep(Duration::from_millis(20));
     }
+    // Its answers say so, whole and streamed: in a header (degraded from the prompt on)
+    // and in the body, every chunk of a stream included.
+    let resp = rerouting.post("/v1/completions", &body);
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(resp.headers()[DEGRADED], "rerouted-experts");
+    let whole: Value = resp.json().unwrap();
+    assert_eq!(whole["degraded"], true, "{whole}");
+    assert_eq!(whole["choices"][0]["finish_reason"], "length", "{whole}");
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let resp = rerouting.post("/v1/completions", &streamed);
+    assert_eq!(resp.headers()[DEGRADED], "rerouted-experts");
+    let (events, done) = read_sse(resp);
+    assert!(done);
+    assert!(events.len() >= 4, "{events:?}");
+    for event in &events {
+        assert_eq!(event["degraded"], true, "{event}");
+    }
 }
+
+const DEGRADED: &str = "x-moe-node-degraded";
 
 /// At the end of `server.drain_seconds` a stream still running gets an error event and
 /// `[DONE]`, and the process exits at once.

@@ -358,7 +358,7 @@ fn with_reroute_tokens_go_to_the_next_best_experts_that_have_a_reachable_replica
     let normed: Vec<f32> = (0..rows * width)
         .map(|i| ((i * 104_729) % 2000) as f32 / 1000.0 - 1.0)
         .collect();
-    let layer = |d: &Dispatcher| moe_routed(&f.config.moe, moe, d, f.layer, &normed, rows);
+    let layer = |d: &Dispatcher| moe_routed(&f.config.moe, moe, d, f.layer, &normed, rows, &mut []);
     let whole = layer(&router).unwrap();
     assert_eq!(
         router.avoid(f.layer),

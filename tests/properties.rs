@@ -410,7 +410,9 @@ impl Ledger {
                     *completion_tokens
                 );
             }
-            SequenceEvent::Failed(_) | SequenceEvent::PromptLogprobs(_) => {}
+            SequenceEvent::Failed(_)
+            | SequenceEvent::PromptLogprobs(_)
+            | SequenceEvent::Degraded { .. } => {}
         }
     }
 }

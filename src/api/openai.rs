@@ -790,12 +790,27 @@ async fn generate(
     let stream = request.stream;
     let mut response = Response::new(id, unix_now(), request, state.cut_watch(), in_flight);
     let first = generation::first_event(&response.id, &mut events, &mut response.cut).await?;
-    if stream {
+    // Degraded from its prefill on: said in a header too (a generation degraded later says
+    // so in its body, the headers being sent by then).
+    let degraded = matches!(first, crate::engine::batch::SequenceEvent::Degraded { .. });
+    let mut answer = if stream {
         let stream = sse_stream(response, events, first, state);
-        return Ok(HttpResponse::Ok()
+        HttpResponse::Ok()
             .content_type("text/event-stream")
             .insert_header(("Cache-Control", "no-cache"))
-            .streaming(stream));
+            .streaming(stream)
+    } else {
+        whole_response(response, events, first, state).await?
+    };
+    if degraded {
+        answer.headers_mut().insert(
+            actix_web::http::header::HeaderName::from_static(DEGRADED_HEADER),
+            actix_web::http::header::HeaderValue::from_static("rerouted-experts"),
+        );
     }
-    whole_response(response, events, first, state).await
+    Ok(answer)
 }
+
+/// Said on a response some of whose tokens were routed around experts with no live replica
+/// (`cluster.on_expert_unavailable = "reroute"`), as its body's `"degraded": true` says.
+pub const DEGRADED_HEADER: &str = "x-moe-node-degraded";

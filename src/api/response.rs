@@ -35,6 +35,9 @@ pub(super) struct Response {
     pub(super) started: Instant,
     /// Turns true when the drain time is up.
     pub(super) cut: watch::Receiver<bool>,
+    /// Some tokens were routed around experts with no live replica: every envelope from
+    /// then on says `"degraded": true`.
+    degraded: bool,
     pub(super) _in_flight: super::InFlight,
 }
 
@@ -89,6 +92,7 @@ impl Response {
             out: VecDeque::new(),
             started: Instant::now(),
             cut,
+            degraded: false,
             _in_flight: in_flight,
         }
     }
@@ -165,6 +169,12 @@ impl Response {
             SequenceEvent::Failed(error) => {
                 tracing::info!(request = %self.id, reason = %error, "request failed");
                 return Err(ApiError::generation_failed(&error));
+            }
+            SequenceEvent::Degraded { choice } => {
+                if !self.degraded {
+                    tracing::warn!(request = %self.id, choice, "answer degraded: tokens routed around experts with no live replica");
+                }
+                self.degraded = true;
             }
         }
         let done = self.choices.iter().all(|c| c.finish_reason.is_some());
@@ -340,13 +350,18 @@ impl Response {
     }
 
     fn envelope(&self, chunk: bool, choices: Value) -> Value {
-        json!({
+        let mut envelope = json!({
             "id": self.id,
             "object": self.object(chunk),
             "created": self.created,
             "model": self.request.model,
             "choices": choices,
-        })
+        });
+        if self.degraded {
+            // Every chunk from the first degraded token on, and the whole response.
+            envelope["degraded"] = json!(true);
+        }
+        envelope
     }
 
     fn usage(&self) -> Value {

@@ -109,6 +109,10 @@ pub enum SequenceEvent {
     /// The step failed (e.g. no live replica held a needed expert); the sequence is dropped.
     /// The error is carried as it is to where the response's status is chosen.
     Failed(StepFailure),
+    /// From here on this choice is degraded: a step routed some of its tokens around an
+    /// expert with no live replica (`on_expert_unavailable = "reroute"`). Said once, before
+    /// the first token it affects.
+    Degraded { choice: usize },
 }
 
 /// Why a step failed, shared by every sequence it ended, carried as the engine's error to
@@ -173,6 +177,10 @@ pub struct Sequence<S> {
     prompt_logprobs: Option<usize>,
     /// The prompt's log probabilities computed so far (prefill may take several steps).
     prompt_logprobs_so_far: Vec<TokenLogprobs>,
+    /// A step routed some of its rows around an expert with no live replica; and whether
+    /// that was said ([`SequenceEvent::Degraded`]).
+    degraded: bool,
+    degraded_said: bool,
     pub sink: S,
 }
 
@@ -203,6 +211,8 @@ impl<S> Sequence<S> {
             logprobs: None,
             prompt_logprobs: None,
             prompt_logprobs_so_far: Vec::new(),
+            degraded: false,
+            degraded_said: false,
             sink,
         }
     }
@@ -267,6 +277,8 @@ impl<S> Sequence<S> {
             logprobs: self.logprobs,
             prompt_logprobs: None,
             prompt_logprobs_so_far: Vec::new(),
+            degraded: self.degraded,
+            degraded_said: false,
             sink: self.sink.clone(),
         }
     }
@@ -289,6 +301,15 @@ impl<S> Sequence<S> {
         self.pending = token;
         self.generated += 1;
         self.generated_tokens.push(token);
+        if self.degraded && !self.degraded_said {
+            self.degraded_said = true;
+            let degraded = SequenceEvent::Degraded {
+                choice: self.choice,
+            };
+            if !emit(&mut self.sink, degraded) {
+                return false;
+            }
+        }
         let event = SequenceEvent::Token {
             choice: self.choice,
             token,
@@ -594,6 +615,7 @@ impl<S> Batcher<S> {
                 cache,
                 tokens,
                 all_logits,
+                rerouted: false,
             });
         }
         steps
@@ -604,6 +626,17 @@ impl<S> Batcher<S> {
     /// that finish, or whose `emit` returns false (client gone), leave the batch. A prompt
     /// with `n` choices that is now prefilled forks into `n` sequences, each in a copy of its
     /// cache made by `fork_cache`.
+    /// Marks the planned sequences whose rows the step routed around an expert with no live
+    /// replica (`rerouted[i]` for the step's `i`th sequence, as [`SequenceStep::rerouted`]
+    /// says): their answers say they are degraded from then on.
+    pub fn mark_rerouted(&mut self, rerouted: &[bool]) {
+        for (&(i, _), &r) in self.planned.iter().zip(rerouted) {
+            if r {
+                self.running[i].degraded = true;
+            }
+        }
+    }
+
     pub fn complete_step(
         &mut self,
         logits: Vec<Vec<f32>>,

@@ -61,6 +61,9 @@ pub struct SequenceStep<'a> {
     pub tokens: &'a [u32],
     /// Logits for every one of `tokens`, not only the last (a prompt's log probabilities).
     pub all_logits: bool,
+    /// Set by the step when a row of this sequence was routed around an expert with no
+    /// live replica (`on_expert_unavailable = "reroute"`): what follows is degraded.
+    pub rerouted: bool,
 }
 
 impl<'a> SequenceStep<'a> {
@@ -70,6 +73,7 @@ impl<'a> SequenceStep<'a> {
             cache,
             tokens,
             all_logits: false,
+            rerouted: false,
         }
     }
 }
@@ -281,15 +285,48 @@ impl Engine {
             logit_rows.extend(first..segment.rows.end);
             rows_per_sequence.push(segment.rows.end - first);
         }
+        let mut rerouted = vec![false; rows];
         let mut caches: Vec<&mut KvCache> = batch.iter_mut().map(|s| &mut *s.cache).collect();
-        if let Some(gpu) = &self.gpu {
-            let logits =
-                self.forward_on_gpu(gpu, &hidden, &angles, &segments, &logit_rows, &mut caches)?;
-            return Ok(split_logits(logits, &rows_per_sequence, cfg.vocab_size));
+        let logits = match &self.gpu {
+            Some(gpu) => self
+                .forward_on_gpu(
+                    gpu,
+                    &hidden,
+                    &angles,
+                    (&segments, &logit_rows),
+                    &mut caches,
+                    &mut rerouted,
+                )
+                .map(|logits| split_logits(logits, &rows_per_sequence, cfg.vocab_size)),
+            None => self.forward_on_host(
+                hidden,
+                &angles,
+                (&segments, &logit_rows),
+                &mut caches,
+                (&rows_per_sequence, &mut rerouted),
+            ),
+        }?;
+        drop(caches);
+        for (step, segment) in batch.iter_mut().zip(&segments) {
+            step.rerouted = rerouted[segment.rows.clone()].iter().any(|&r| r);
         }
-        match self.run_layers(&mut hidden, &angles, &segments, &mut caches) {
+        Ok(logits)
+    }
+
+    /// [`Engine::forward`]'s layers, final norm and lm head on the host.
+    fn forward_on_host(
+        &self,
+        mut hidden: Vec<f32>,
+        angles: &[rope::RopeAngles],
+        (segments, logit_rows): (&[Segment], &[usize]),
+        caches: &mut [&mut KvCache],
+        (rows_per_sequence, rerouted): (&[usize], &mut [bool]),
+    ) -> Result<Vec<Vec<f32>>, EngineError> {
+        let cfg = &self.config;
+        let h = cfg.hidden_size;
+        match self.run_layers(&mut hidden, angles, segments, caches, rerouted) {
             Ok(()) => {
-                for (cache, segment) in caches.iter_mut().zip(&segments) {
+                for (cache, segment) in caches.iter_mut().zip(segments) {
                     cache.advance(segment.rows.len());
                 }
             }
@@ -303,13 +340,13 @@ impl Engine {
         }
 
         let mut wanted = Vec::with_capacity(logit_rows.len() * h);
-        for &row in &logit_rows {
+        for &row in logit_rows {
             wanted.extend_from_slice(&hidden[row * h..(row + 1) * h]);
         }
         let final_norm = &self.weights.final_norm;
         let normed = rms_norm(&wanted, &final_norm.weight, final_norm.eps);
         let logits = self.weights.lm_head().forward(&normed, logit_rows.len());
-        Ok(split_logits(logits, &rows_per_sequence, cfg.vocab_size))
+        Ok(split_logits(logits, rows_per_sequence, cfg.vocab_size))
     }
 
     /// [`Engine::forward`] with the dense part on the GPU: only the routed experts' rows
@@ -319,9 +356,9 @@ impl Engine {
         gpu: &Mutex<GpuModel>,
         hidden: &[f32],
         angles: &[rope::RopeAngles],
-        segments: &[Segment],
-        logit_rows: &[usize],
+        (segments, logit_rows): (&[Segment], &[usize]),
         caches: &mut [&mut KvCache],
+        rerouted: &mut [bool],
     ) -> Result<Vec<f32>, EngineError> {
         // Every cache is on the GPU (checked by `forward`).
         let mut device_caches: Vec<_> = caches
@@ -339,6 +376,7 @@ impl Engine {
                 layer,
                 normed,
                 rows,
+                rerouted,
             )?),
             FeedForward::Dense(_) => Err(EngineError::Expert(ExpertError::DenseLayer { layer })),
         };
@@ -365,6 +403,7 @@ impl Engine {
         angles: &[rope::RopeAngles],
         segments: &[Segment],
         caches: &mut [&mut KvCache],
+        rerouted: &mut [bool],
     ) -> Result<(), EngineError> {
         let cfg = &self.config;
         let h = cfg.hidden_size;
@@ -407,9 +446,15 @@ impl Engine {
             );
             let ff = match &layer.feed_forward {
                 FeedForward::Dense(mlp) => mlp.forward_with(&normed, rows, true),
-                FeedForward::Moe(moe) => {
-                    moe_forward(&cfg.moe, moe, self.experts.as_ref(), l, &normed, rows)?
-                }
+                FeedForward::Moe(moe) => moe_forward(
+                    &cfg.moe,
+                    moe,
+                    self.experts.as_ref(),
+                    l,
+                    &normed,
+                    rows,
+                    rerouted,
+                )?,
             };
             add_in_place(hidden, &ff);
         }

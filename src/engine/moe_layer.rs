@@ -16,8 +16,9 @@ pub fn moe_forward(
     layer: usize,
     normed: &[f32],
     rows: usize,
+    rerouted: &mut [bool],
 ) -> Result<Vec<f32>, ExpertError> {
-    let mut out = moe_routed(cfg, weights, experts, layer, normed, rows)?;
+    let mut out = moe_routed(cfg, weights, experts, layer, normed, rows, rerouted)?;
     if let Some(shared) = &weights.shared_expert {
         let mut shared_out = shared.forward_with(normed, rows, true);
         if let Some(gate) = &weights.shared_expert_gate {
@@ -38,7 +39,9 @@ pub fn moe_forward(
 }
 
 /// The routed part of [`moe_forward`]: the gate's weighted sum of the chosen experts'
-/// outputs, without the shared expert (which a GPU engine computes on its GPU).
+/// outputs, without the shared expert (which a GPU engine computes on its GPU). Rows
+/// routed around an expert with no live replica are marked in `rerouted` (as far as it
+/// reaches): their output is not what the model computes.
 pub fn moe_routed(
     cfg: &MoeConfig,
     weights: &MoeWeights,
@@ -46,6 +49,7 @@ pub fn moe_routed(
     layer: usize,
     normed: &[f32],
     rows: usize,
+    rerouted: &mut [bool],
 ) -> Result<Vec<f32>, ExpertError> {
     let width = normed.len() / rows.max(1);
     let logits = weights.router.forward(normed, rows);
@@ -57,12 +61,20 @@ pub fn moe_routed(
             if avoid.len() == cfg.num_experts
                 && routing.experts.iter().any(|&e| avoid[e as usize]) =>
         {
-            let rerouted = routing
+            let choices = routing
                 .experts
                 .iter()
                 .filter(|&&e| avoid[e as usize])
                 .count();
-            experts.rerouted(layer, rerouted);
+            experts.rerouted(layer, choices);
+            let k = cfg.top_k.max(1);
+            for (row, chosen) in routing.experts.chunks(k).enumerate() {
+                if chosen.iter().any(|&e| avoid[e as usize])
+                    && let Some(mark) = rerouted.get_mut(row)
+                {
+                    *mark = true;
+                }
+            }
             route_avoiding(
                 &cfg.gating,
                 &logits,

@@ -289,7 +289,9 @@ impl Handler<Step> for RouterActor {
             self.clock.begin(Instant::now());
             let result = self.engine.forward(&mut steps);
             self.clock.end();
+            let rerouted: Vec<bool> = steps.iter().map(|s| s.rerouted).collect();
             drop(steps);
+            self.batcher.mark_rerouted(&rerouted);
             let metrics = &self.metrics;
             match result {
                 Ok(logits) => {
@@ -338,7 +340,9 @@ fn record(metrics: &NodeMetrics, sink: &mut EventSink, event: &SequenceEvent) {
         SequenceEvent::Finished { .. } => metrics
             .request_latency
             .observe((now - sink.admitted).as_secs_f64()),
-        SequenceEvent::Failed(_) | SequenceEvent::PromptLogprobs(_) => {}
+        SequenceEvent::Failed(_)
+        | SequenceEvent::PromptLogprobs(_)
+        | SequenceEvent::Degraded { .. } => {}
     }
 }
 

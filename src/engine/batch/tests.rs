@@ -375,3 +375,46 @@ fn a_fixed_state_per_sequence_counts_against_the_budget_as_whole_blocks() {
     );
     assert_eq!(b.waiting(), 1);
 }
+
+#[test]
+fn a_rerouted_sequence_says_it_is_degraded_once_before_its_next_token() {
+    let cfg = config();
+    let mut b = Batcher::new(limits(), vec![15]);
+    b.submit(sequence(&cfg, 2, 3, 0)).unwrap();
+    b.submit(sequence(&cfg, 2, 3, 1)).unwrap();
+    let mut events = Vec::new();
+    for (step, rerouted) in [[false, true], [false, false], [true, true]]
+        .iter()
+        .enumerate()
+    {
+        assert_eq!(plan(&mut b).len(), 2, "step {step}");
+        b.mark_rerouted(rerouted);
+        b.complete_step(vec![logits_for(3), logits_for(4)], host_fork, |id, e| {
+            events.push((*id, e));
+            true
+        });
+    }
+    let degraded = |id: u32| {
+        events
+            .iter()
+            .position(|(i, e)| *i == id && matches!(e, SequenceEvent::Degraded { choice: 0 }))
+    };
+    // Sequence 1 from its prefill, said once, before its first token; sequence 0 from the
+    // third step, before that step's token.
+    assert_eq!(degraded(1), Some(1), "{events:?}");
+    assert_eq!(
+        events
+            .iter()
+            .filter(|(_, e)| matches!(e, SequenceEvent::Degraded { .. }))
+            .count(),
+        2,
+        "{events:?}"
+    );
+    let at = degraded(0).expect("sequence 0 degraded");
+    assert_eq!(events[at + 1], (0, token(0, 3)));
+    let tokens_before = events[..at]
+        .iter()
+        .filter(|(i, e)| *i == 0 && matches!(e, SequenceEvent::Token { .. }))
+        .count();
+    assert_eq!(tokens_before, 2, "{events:?}");
+}
