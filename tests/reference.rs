@@ -600,6 +600,14 @@ fn gpt_oss_matches_transformers() {
     check_gpu_refused("gpt_oss", "biases or clamped SwiGLU");
 }
 
+/// gpt-oss as released: the experts in MXFP4 (`_blocks` of FP4 e2m1 pairs, `_scales` of E8M0
+/// exponents per 32 inputs), the rest in bf16; transformers dequantizes them to bf16 as
+/// moe-node does (tests/fixtures/make_fixtures.py `to_mxfp4` writes them).
+#[test]
+fn gpt_oss_mxfp4_matches_transformers() {
+    check_gpu_refused("gpt_oss_mxfp4", "biases or clamped SwiGLU");
+}
+
 /// Qwen3-Next: gated DeltaNet layers (two value heads per key head, a 4-wide convolution)
 /// between full-attention layers with a gated output, q/k norm and a quarter of each head
 /// rotated; a gated shared expert, a dense layer, zero-centred norms. The GPU's dense part

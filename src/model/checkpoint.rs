@@ -296,6 +296,21 @@ impl Checkpoint {
         Ok(bytes.to_vec())
     }
 
+    /// Reads a uint8 tensor `name` of shape `shape` as its bytes (MXFP4's blocks and scales).
+    pub fn read_u8(&self, name: &str, shape: &[usize]) -> Result<Vec<u8>, ModelError> {
+        let (path, dtype, bytes) = self.raw(name, shape)?;
+        if dtype != Dtype::U8 {
+            return Err(ModelError::Corrupt {
+                path: path.to_path_buf(),
+                reason: format!(
+                    "tensor `{}` is {dtype:?}, expected U8",
+                    self.stored_name(name)
+                ),
+            });
+        }
+        Ok(bytes.to_vec())
+    }
+
     /// Reads an int32 tensor `name` of shape `shape`, each word as its bits.
     pub fn read_i32_bits(&self, name: &str, shape: &[usize]) -> Result<Vec<u32>, ModelError> {
         let (path, dtype, bytes) = self.raw(name, shape)?;

@@ -6,6 +6,7 @@ pub mod config;
 pub mod demo;
 pub mod dummy;
 pub mod family;
+pub mod mxfp4;
 pub mod quant;
 pub mod template_worker;
 mod tokenizer;

@@ -21,6 +21,11 @@ pub enum Quantization {
         group_size: usize,
         ignore: IgnoreList,
     },
+    /// `quant_method = "mxfp4"` (gpt-oss): fused experts stored as `{name}_blocks` (two FP4
+    /// e2m1 values a byte, 32 a block) with `{name}_scales` (one E8M0 exponent a block);
+    /// everything else unquantized. Widened to bf16 as the experts are read
+    /// ([`crate::model::mxfp4`]), as transformers does where it has no MXFP4 kernel.
+    Mxfp4,
 }
 
 /// compressed-tensors' `ignore`: module names, or `re:` patterns matched at the start of the
@@ -61,9 +66,9 @@ impl IgnoreList {
 }
 
 /// The methods Hugging Face checkpoints name that moe-node does not read, for the error.
-const READ: &str = "moe-node reads quant_method `fp8` (e4m3, block-scaled) and \
+const READ: &str = "moe-node reads quant_method `fp8` (e4m3, block-scaled), \
                     `compressed-tensors` with format `pack-quantized` (4-bit symmetric, \
-                    group strategy)";
+                    group strategy) and `mxfp4` (gpt-oss's experts)";
 
 impl Quantization {
     /// Reads a `quantization_config` object; on failure, every problem found.
@@ -78,6 +83,7 @@ impl Quantization {
         match method {
             "fp8" => parse_fp8(q),
             "compressed-tensors" => parse_compressed_tensors(q),
+            "mxfp4" => Ok(Quantization::Mxfp4),
             other => Err(vec![format!(
                 "quantization_config: quant_method `{other}` is not supported: {READ}; \
                  use such a copy, or a bf16, f16 or f32 one"
@@ -303,7 +309,6 @@ mod tests {
         for (text, named) in [
             (r#"{"quant_method": "awq", "bits": 4}"#, "`awq`"),
             (r#"{"quant_method": "gptq", "bits": 4}"#, "`gptq`"),
-            (r#"{"quant_method": "mxfp4"}"#, "`mxfp4`"),
             (r#"{"quant_method": "bitsandbytes"}"#, "`bitsandbytes`"),
             (
                 r#"{"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}"#,

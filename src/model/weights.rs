@@ -10,7 +10,7 @@ use super::config::{AttentionConfig, ExpertActivation, ModelConfig};
 use super::dummy::DummyFill;
 use super::family::{ExpertNames, FusedExperts};
 use super::quant::Quantization;
-use super::{Checkpoint, ModelError};
+use super::{Checkpoint, ModelError, mxfp4};
 use crate::compute::cpu::{Linear, SwiGlu, WeightElement, add_in_place};
 use crate::compute::quant::{QuantLinear, QuantSwiGlu};
 
@@ -479,18 +479,21 @@ fn fused_expert(
 ) -> Result<ExpertWeights, ModelError> {
     let gate_up_name = format!("{prefix}.{}", fused.gate_up);
     let down_name = format!("{prefix}.{}", fused.down);
+    if ckpt.contains(&format!("{gate_up_name}_blocks")) {
+        return mxfp4_expert(
+            ckpt,
+            [&gate_up_name, &down_name],
+            fused,
+            expert,
+            [experts, h, i],
+        );
+    }
     // Column `c` of this expert's `[rows, cols]` block, as a row.
     fn columns<T: Copy>(all: &[T], expert: usize, rows: usize, cols: usize, c: usize) -> Vec<T> {
         let block = &all[expert * rows * cols..][..rows * cols];
         (0..rows).map(|r| block[r * cols + c]).collect()
     }
-    let split = |c: usize| {
-        if fused.interleaved {
-            (2 * c, 2 * c + 1)
-        } else {
-            (c, i + c)
-        }
-    };
+    let split = |c: usize| fused_split(fused, i, c);
     macro_rules! block {
         ($read:ident) => {{
             let gate_up = ckpt.$read(&gate_up_name, &[experts, h, 2 * i])?;
@@ -509,18 +512,14 @@ fn fused_expert(
                 up: Linear::without_bias(up, i, h),
                 down: Linear::without_bias(down, h, i),
             };
-            if fused.bias {
-                let gate_up = ckpt.read_f32(&format!("{gate_up_name}_bias"), &[experts, 2 * i])?;
-                let gate_up = &gate_up[expert * 2 * i..][..2 * i];
-                let (gate, up): (Vec<f32>, Vec<f32>) = (0..i)
-                    .map(|c| split(c))
-                    .map(|(g, u)| (gate_up[g], gate_up[u]))
-                    .unzip();
-                let down = ckpt.read_f32(&format!("{down_name}_bias"), &[experts, h])?;
-                block.gate.bias = Some(gate);
-                block.up.bias = Some(up);
-                block.down.bias = Some(down[expert * h..][..h].to_vec());
-            }
+            fused_biases(
+                ckpt,
+                [&gate_up_name, &down_name],
+                fused,
+                expert,
+                [experts, h, i],
+                &mut block,
+            )?;
             block
         }};
     }
@@ -529,6 +528,96 @@ fn fused_expert(
     } else {
         ExpertWeights::F32(block!(read_f32))
     })
+}
+
+/// Where gate and up row `c` sit among a fused `[2 * intermediate]` dimension.
+fn fused_split(fused: FusedExperts, i: usize, c: usize) -> (usize, usize) {
+    if fused.interleaved {
+        (2 * c, 2 * c + 1)
+    } else {
+        (c, i + c)
+    }
+}
+
+/// The biases beside fused experts (`{gate_up}_bias`, `{down}_bias`), where the family has
+/// them, set on expert `expert`'s block.
+fn fused_biases<T: WeightElement>(
+    ckpt: &Checkpoint,
+    [gate_up_name, down_name]: [&str; 2],
+    fused: FusedExperts,
+    expert: usize,
+    [experts, h, i]: [usize; 3],
+    block: &mut SwiGlu<T>,
+) -> Result<(), ModelError> {
+    if !fused.bias {
+        return Ok(());
+    }
+    let gate_up = ckpt.read_f32(&format!("{gate_up_name}_bias"), &[experts, 2 * i])?;
+    let gate_up = &gate_up[expert * 2 * i..][..2 * i];
+    let (gate, up): (Vec<f32>, Vec<f32>) = (0..i)
+        .map(|c| fused_split(fused, i, c))
+        .map(|(g, u)| (gate_up[g], gate_up[u]))
+        .unzip();
+    let down = ckpt.read_f32(&format!("{down_name}_bias"), &[experts, h])?;
+    block.gate.bias = Some(gate);
+    block.up.bias = Some(up);
+    block.down.bias = Some(down[expert * h..][..h].to_vec());
+    Ok(())
+}
+
+/// Expert `expert` of fused experts stored in MXFP4 (gpt-oss's release: `{name}_blocks`
+/// and `{name}_scales`, matrices `[out, in]`, gate and up along `out`), widened to bf16.
+fn mxfp4_expert(
+    ckpt: &Checkpoint,
+    [gate_up_name, down_name]: [&str; 2],
+    fused: FusedExperts,
+    expert: usize,
+    [experts, h, i]: [usize; 3],
+) -> Result<ExpertWeights, ModelError> {
+    let matrix = |name: &str, rows: usize, cols: usize| -> Result<Vec<bf16>, ModelError> {
+        let corrupt = |reason: String| ModelError::Corrupt {
+            path: ckpt.dir().to_path_buf(),
+            reason: format!("`{}` (MXFP4): {reason}", ckpt.stored_name(name)),
+        };
+        if !cols.is_multiple_of(mxfp4::BLOCK) {
+            return Err(corrupt(format!(
+                "{cols} inputs is not a whole number of {}-element blocks",
+                mxfp4::BLOCK
+            )));
+        }
+        let groups = cols / mxfp4::BLOCK;
+        let per_block = mxfp4::BLOCK / 2;
+        let blocks = ckpt.read_u8(
+            &format!("{name}_blocks"),
+            &[experts, rows, groups, per_block],
+        )?;
+        let scales = ckpt.read_u8(&format!("{name}_scales"), &[experts, rows, groups])?;
+        let blocks = &blocks[expert * rows * groups * per_block..][..rows * groups * per_block];
+        let scales = &scales[expert * rows * groups..][..rows * groups];
+        mxfp4::dequantize(blocks, scales, rows, cols).map_err(corrupt)
+    };
+    let gate_up = matrix(gate_up_name, 2 * i, h)?;
+    let down = matrix(down_name, h, i)?;
+    let (mut gate, mut up) = (Vec::with_capacity(i * h), Vec::with_capacity(i * h));
+    for c in 0..i {
+        let (g, u) = fused_split(fused, i, c);
+        gate.extend_from_slice(&gate_up[g * h..][..h]);
+        up.extend_from_slice(&gate_up[u * h..][..h]);
+    }
+    let mut block = SwiGlu {
+        gate: Linear::without_bias(gate, i, h),
+        up: Linear::without_bias(up, i, h),
+        down: Linear::without_bias(down, h, i),
+    };
+    fused_biases(
+        ckpt,
+        [gate_up_name, down_name],
+        fused,
+        expert,
+        [experts, h, i],
+        &mut block,
+    )?;
+    Ok(ExpertWeights::Bf16(block))
 }
 
 /// How a dummy checkpoint makes routed expert `expert` of `layer`: its gate, up and down
@@ -729,7 +818,8 @@ fn quantized(
         reason: format!("`{}`: {reason}", ckpt.stored_name(prefix)),
     };
     match q {
-        Quantization::None => Ok(None),
+        // MXFP4 holds only gpt-oss's fused experts (read by `mxfp4_expert`).
+        Quantization::None | Quantization::Mxfp4 => Ok(None),
         Quantization::Fp8 { block } => {
             let weight_name = format!("{prefix}.weight");
             if ckpt.dtype(&weight_name) != Some(Dtype::F8_E4M3) {

@@ -163,7 +163,7 @@ impl ModelSizes {
 /// grouped rows, the per-group pointer arrays and cuBLAS's reserve.
 pub fn gpu_work_bytes(model: &ModelConfig, max_rows: usize) -> u64 {
     let storage = match (&model.quantization, quantized_expert_bytes(model)) {
-        (_, None) | (Quantization::None, _) => ExpertStorage::Bf16,
+        (_, None) | (Quantization::None | Quantization::Mxfp4, _) => ExpertStorage::Bf16,
         (Quantization::Fp8 { block }, Some(_)) => ExpertStorage::Fp8 {
             block_rows: block[0],
             block_cols: block[1],
@@ -203,7 +203,8 @@ fn quantized_expert_bytes(model: &ModelConfig) -> Option<u64> {
     // gate and up are [i, h], down is [h, i].
     let matrices = [(i, h), (i, h), (h, i)];
     match &model.quantization {
-        Quantization::None => None,
+        // MXFP4 experts are widened to bf16 as they are read.
+        Quantization::None | Quantization::Mxfp4 => None,
         Quantization::Fp8 { block } => {
             let [rows, cols] = block.map(|b| b as u64);
             Some(
