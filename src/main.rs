@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 use std::io::IsTerminal;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
@@ -15,6 +15,7 @@ use moe_node::engine::gpu::engine_on_gpu;
 use moe_node::engine::{Engine, EngineError, GenerateRequest, SamplingParams, generate};
 use moe_node::experts::device::{DeviceChoice, choose_devices};
 use moe_node::experts::gpu::LoadError;
+use moe_node::hub::HubError;
 use moe_node::logging::ClientMistakes;
 use moe_node::model::demo::{DemoSpec, write_demo_model};
 use moe_node::model::template_worker;
@@ -147,7 +148,8 @@ struct ServeArgs {
     /// Configuration file (TOML); without one, defaults and MOE_NODE_* variables apply.
     #[arg(long)]
     config: Option<PathBuf>,
-    /// Model directory (overrides model.path).
+    /// Model directory, or a Hugging Face name `org/name[@revision]` found in the Hugging
+    /// Face cache and downloaded into it when missing (overrides model.path).
     #[arg(long)]
     model: Option<PathBuf>,
     /// Address to listen on, e.g. 0.0.0.0:8080 (overrides server.listen).
@@ -164,7 +166,8 @@ struct ServeArgs {
 
 #[derive(clap::Args)]
 struct GenerateArgs {
-    /// Model directory: config.json, safetensors weights, optionally tokenizer.json.
+    /// Model directory: config.json, safetensors weights, optionally tokenizer.json; or a
+    /// Hugging Face name `org/name[@revision]`.
     #[arg(long)]
     model: PathBuf,
     /// Prompt text (needs tokenizer.json).
@@ -268,9 +271,16 @@ fn main() -> ExitCode {
             init_logging(LogFormat::Text);
             run_devices(config)
         }
-        Command::Generate(args) => {
+        Command::Generate(mut args) => {
             init_logging(LogFormat::Text);
-            run_generate(args)
+            let weights = args.load_format != LoadFormat::Dummy;
+            match model_dir(&args.model, weights) {
+                Ok(dir) => {
+                    args.model = dir;
+                    run_generate(args)
+                }
+                Err(e) => Err(e),
+            }
         }
         Command::DemoModel { out, skew } => {
             init_logging(LogFormat::Text);
@@ -314,6 +324,13 @@ fn main() -> ExitCode {
     }
 }
 
+/// `--model` or `model.path`: a directory, or a Hugging Face name found in its cache (and
+/// downloaded into it: the weights too where `weights`).
+fn model_dir(model: &Path, weights: bool) -> anyhow::Result<PathBuf> {
+    let hub = moe_node::hub::HubEnv::from_process();
+    Ok(moe_node::hub::resolve_model(&model.to_string_lossy(), &hub, weights)?.dir)
+}
+
 /// Prints the error and maps it to an exit status.
 fn report(e: anyhow::Error) -> ExitCode {
     // The chain of causes, less those a message already quotes.
@@ -325,6 +342,16 @@ fn report(e: anyhow::Error) -> ExitCode {
         }
     }
     eprintln!("error: {message}");
+    if let Some(hub) = e.chain().find_map(|c| c.downcast_ref::<HubError>()) {
+        // A name, cache or token to fix; a file that came wrong; else the network.
+        return ExitCode::from(match hub {
+            hub if hub.is_configuration() => EXIT_CONFIG,
+            HubError::Checksum { .. } | HubError::Size { .. } | HubError::BadIndex { .. } => {
+                EXIT_DATA
+            }
+            _ => 1,
+        });
+    }
     if e.chain().any(|c| {
         c.downcast_ref::<ConfigError>().is_some()
             || c.downcast_ref::<moe_node::plan::PlanError>().is_some()
@@ -375,7 +402,7 @@ fn run_check(path: PathBuf) -> anyhow::Result<()> {
         overrides: Vec::new(),
     })?;
     if let Some(model) = config.model_path() {
-        ModelConfig::load(&model)?;
+        ModelConfig::load(&model_dir(&model, false)?)?;
     }
     for warning in config.warnings() {
         eprintln!("warning: {warning}");
@@ -508,6 +535,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         }
         // Model problems keep their own exit status.
         Err(ServeError::Node(NodeError::Model(e))) => Err(e.into()),
+        Err(ServeError::Hub(e)) => Err(e.into()),
         Err(e) => Err(e.into()),
     }
 }
