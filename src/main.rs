@@ -109,7 +109,7 @@ enum Command {
 
 #[derive(clap::Args)]
 struct PlanArgs {
-    /// Model directory (config.json is enough).
+    /// Model directory (config.json is enough), or a Hugging Face name `org/name[@revision]`.
     #[arg(long)]
     model: PathBuf,
     /// Node configuration (TOML): replication, spare slots, on_expert_unavailable.
@@ -306,11 +306,18 @@ fn main() -> ExitCode {
             template_worker::serve(std::io::stdin().lock(), std::io::stdout().lock())
                 .map_err(anyhow::Error::msg)
         }
-        Command::Plan(args) => match plan_cli::run(&args) {
-            Ok(true) => Ok(()),
-            Ok(false) => return ExitCode::from(1),
-            Err(e) => Err(e),
-        },
+        Command::Plan(mut args) => {
+            // A model by hub name: its config is all a plan reads.
+            let planned = model_dir(&args.model, false).and_then(|dir| {
+                args.model = dir;
+                plan_cli::run(&args)
+            });
+            match planned {
+                Ok(true) => Ok(()),
+                Ok(false) => return ExitCode::from(1),
+                Err(e) => Err(e),
+            }
+        }
         Command::Profile {
             url,
             out,

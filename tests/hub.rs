@@ -320,5 +320,52 @@ fn serve_takes_a_model_by_name_from_an_empty_cache_then_offline() {
         &serde_json::json!({"model": "test-org/demo", "prompt": "Hi", "max_tokens": 2}),
     );
     assert!(reply["choices"][0]["text"].is_string(), "{reply}");
+    // `generate` and `plan` take the name too.
+    let out = Command::new(serve::BIN)
+        .args([
+            "generate",
+            "--model",
+            "test-org/demo",
+            "--prompt-ids",
+            "1,2",
+        ])
+        .args(["--max-tokens", "2", "--json"])
+        .env("HF_HUB_CACHE", hub_cache)
+        .env("HF_HUB_OFFLINE", "1")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let generated: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        generated["token_ids"].as_array().unwrap().len(),
+        2,
+        "{generated}"
+    );
+    let out = Command::new(serve::BIN)
+        .args(["plan", "--model", "test-org/demo"])
+        .env("HF_HUB_CACHE", hub_cache)
+        .env("HF_HUB_OFFLINE", "1")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(mirror.requests().is_empty(), "{:?}", mirror.requests());
+    // A name offline and not cached: exit 78, naming what to do.
+    let out = Command::new(serve::BIN)
+        .args(["generate", "--model", "test-org/other", "--prompt-ids", "1"])
+        .args(["--max-tokens", "1"])
+        .env("HF_HUB_CACHE", hub_cache)
+        .env("HF_HUB_OFFLINE", "1")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(78));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("HF_HUB_OFFLINE is set"), "{stderr}");
 }
