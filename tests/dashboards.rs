@@ -3,7 +3,8 @@
 //! name is one a live node's `/metrics` serves, with the labels they select and group by;
 //! and, where promtool is installed, `promtool check rules` accepts the alerts and
 //! `promtool check metrics` the node's output. The node is a one-node cluster with
-//! per-expert series on, so that the cluster's metrics are there too.
+//! per-expert series on, so that the cluster's metrics are there too. promtool also runs
+//! the alerts' unit tests: each fires on its series after its `for`, and not before.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::UdpSocket;
@@ -272,8 +273,9 @@ fn the_parser_finds_names_selected_labels_and_groupings() {
     assert_eq!(grouped, ["le", "peer"]);
 }
 
-/// promtool, where installed (Debian's `prometheus` package): the rules load, and the
-/// node's output passes its lint.
+/// promtool, where installed (Debian's `prometheus` package): the rules load, pass their
+/// unit tests (`tests/prometheus/moe-node-alerts.test.yml`), and the node's output passes
+/// its lint.
 #[test]
 fn promtool_accepts_the_alerts_and_the_nodes_metrics() {
     let present = Command::new("promtool")
@@ -292,6 +294,19 @@ fn promtool_accepts_the_alerts_and_the_nodes_metrics() {
     let out = Command::new("promtool")
         .args(["check", "rules"])
         .arg(&rules)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The alerts fire on the series they are for, after their `for`, and not before.
+    let cases = root().join("tests/prometheus/moe-node-alerts.test.yml");
+    let out = Command::new("promtool")
+        .args(["test", "rules"])
+        .arg(&cases)
         .output()
         .unwrap();
     assert!(
