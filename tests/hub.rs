@@ -188,6 +188,37 @@ fn a_cut_download_resumes_where_it_stopped() {
     );
 }
 
+/// Two starts fetching one model into one cache at once (two nodes on a host, or a node
+/// beside vLLM) each get it whole, and each file is downloaded once: a blob is fetched
+/// under `huggingface_hub`'s lock for it.
+#[test]
+fn two_fetches_of_one_model_at_once_download_each_file_once() {
+    let model = published();
+    let mirror = Mirror::start(&[("org/model", model.path())]);
+    let cache = tempfile::tempdir().unwrap();
+    let env = online(cache.path(), &mirror);
+    let found: Vec<PathBuf> = std::thread::scope(|scope| {
+        let starts: Vec<_> = (0..2)
+            .map(|_| scope.spawn(|| resolve_model("org/model", &env, true).unwrap().dir))
+            .collect();
+        starts.into_iter().map(|s| s.join().unwrap()).collect()
+    });
+    for dir in &found {
+        assert_same(dir, model.path(), NEEDED);
+    }
+    let storage: Vec<String> = mirror
+        .downloads()
+        .into_iter()
+        .filter(|r| r.contains("/storage/"))
+        .collect();
+    assert_eq!(storage.len(), 2, "{storage:?}");
+    let locks = cache.path().join(".locks/models--org--model");
+    assert!(
+        locks.is_dir(),
+        "no lock files where huggingface_hub keeps them"
+    );
+}
+
 #[test]
 fn a_file_that_does_not_match_its_checksum_is_refused_and_not_kept() {
     let model = published();

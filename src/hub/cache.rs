@@ -8,7 +8,10 @@
 //!   .no_exist/<commit>/<file>      the hub said the file is not in that commit
 //! ```
 //!
-//! Written the same way here, so that `hf`, vLLM and moe-node share one copy.
+//! Written the same way here, so that `hf`, vLLM and moe-node share one copy; a blob is
+//! downloaded under the lock `huggingface_hub` takes for it
+//! (`.locks/models--org--name/<etag>.lock` beside the model folders, an advisory `flock`),
+//! so two of them fetching one model at once download each file once.
 
 use std::path::{Path, PathBuf};
 
@@ -54,6 +57,22 @@ impl RepoCache {
     /// Where a blob is written while it downloads (kept across a cut, to resume).
     pub fn partial(&self, etag: &str) -> PathBuf {
         self.root.join("blobs").join(format!("{etag}.incomplete"))
+    }
+
+    /// Waits for, and holds until the returned file is dropped, the lock on blob `etag`.
+    pub fn lock(&self, etag: &str) -> Result<std::fs::File, HubError> {
+        let folder = self.root.file_name().unwrap_or_default();
+        let locks = self.root.with_file_name(".locks").join(folder);
+        std::fs::create_dir_all(&locks).map_err(io(&locks))?;
+        let path = locks.join(format!("{etag}.lock"));
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(io(&path))?;
+        file.lock().map_err(io(&path))?;
+        Ok(file)
     }
 
     /// Records that `revision` points at `commit` (nothing to record for a commit).

@@ -326,7 +326,14 @@ impl Files<'_> {
                 }
             },
         };
-        // Content already here under another commit is not downloaded again.
+        // One download of a blob at a time, across processes; whoever waited finds it done.
+        let _lock = meta
+            .etag
+            .as_deref()
+            .map(|etag| self.cache.lock(etag))
+            .transpose()?;
+        // Content already here (under another commit, or just downloaded by someone else)
+        // is not downloaded again.
         if let Some(etag) = &meta.etag
             && self.cache.blob(etag).is_file()
         {
