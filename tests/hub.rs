@@ -83,8 +83,11 @@ const NEEDED: &[&str] = &[
 fn a_model_by_name_is_downloaded_into_the_hugging_face_cache_layout() {
     let model = published();
     let mirror = Mirror::start(&[("org/model", model.path())]);
+    mirror.faults.lock().unwrap().slow = Some(std::time::Duration::from_millis(300));
     let cache = tempfile::tempdir().unwrap();
     let found = resolve_model("org/model", &online(cache.path(), &mirror), true).unwrap();
+    // The two shards came at once.
+    assert_eq!(mirror.most_at_once(), 2);
     let repo = RepoCache::new(cache.path(), "org/model");
     assert_eq!(found.dir, repo.snapshot(COMMIT));
     assert_eq!(found.name, ModelName::parse("org/model"));

@@ -21,6 +21,9 @@ use super::{
     WEIGHTS_INDEX, io, is_commit, shards_of,
 };
 
+/// Shards downloaded at once: one connection rarely fills a link to the hub's storage
+/// (`huggingface_hub`'s snapshot download uses 8).
+const PARALLEL_SHARDS: usize = 4;
 /// Tries of one file's download (each resuming where the last stopped).
 const TRIES: u32 = 5;
 /// The longest the hub may stay silent on a connection, or take to accept one.
@@ -65,9 +68,7 @@ pub(super) fn complete(
     if weights {
         if files.fetch(WEIGHTS_INDEX, None, false)? {
             let index = cache.snapshot(&commit).join(WEIGHTS_INDEX);
-            for shard in shards_of(&index, name)? {
-                files.fetch(&shard, None, true)?;
-            }
+            files.fetch_all(&shards_of(&index, name)?)?;
         } else {
             files.fetch(SINGLE_WEIGHTS, None, true)?;
         }
@@ -343,6 +344,36 @@ impl Files<'_> {
         let etag = self.download(file, &meta)?;
         self.cache.link(self.commit, file, &etag)?;
         Ok(true)
+    }
+
+    /// Makes every one of `shards` present, [`PARALLEL_SHARDS`] at a time; the first
+    /// failure stops the rest from starting.
+    fn fetch_all(&self, shards: &[String]) -> Result<(), HubError> {
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let failed = std::sync::Mutex::new(None);
+        std::thread::scope(|scope| {
+            for _ in 0..PARALLEL_SHARDS.min(shards.len()) {
+                scope.spawn(|| {
+                    loop {
+                        let stop = failed.lock().map_or(true, |f| f.is_some());
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(shard) = shards.get(i).filter(|_| !stop) else {
+                            return;
+                        };
+                        if let Err(e) = self.fetch(shard, None, true) {
+                            if let Ok(mut first) = failed.lock() {
+                                first.get_or_insert(e);
+                            }
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        match failed.into_inner() {
+            Ok(Some(e)) => Err(e),
+            _ => Ok(()),
+        }
     }
 
     /// Downloads `file` into its blob, resuming a partial one; returns the blob's name.

@@ -22,6 +22,8 @@ pub struct Faults {
     pub cut: Option<(String, u64, usize)>,
     /// A file served with its first byte changed (its checksum left as it was).
     pub corrupt: Option<String>,
+    /// A pause before each file's bytes, so that downloads at once overlap.
+    pub slow: Option<std::time::Duration>,
 }
 
 pub struct Mirror {
@@ -29,6 +31,8 @@ pub struct Mirror {
     /// `"HEAD /org/name/resolve/main/config.json"`, `"GET ... range=bytes=10-"`.
     pub requests: Arc<Mutex<Vec<String>>>,
     pub faults: Arc<Mutex<Faults>>,
+    /// Files being sent now, and the most there were at once.
+    pub sending: Arc<Mutex<(usize, usize)>>,
 }
 
 /// Files of one model: name → (bytes, checksum the hub would give).
@@ -56,12 +60,14 @@ impl Mirror {
             base: base.clone(),
             requests: Arc::default(),
             faults: Arc::default(),
+            sending: Arc::default(),
         };
         let shared = Arc::new(Shared {
             repos,
             checksums: Mutex::default(),
             requests: mirror.requests.clone(),
             faults: mirror.faults.clone(),
+            sending: mirror.sending.clone(),
             base,
         });
         std::thread::spawn(move || {
@@ -82,6 +88,11 @@ impl Mirror {
         self.requests.lock().unwrap().clear();
     }
 
+    /// The most files sent at once.
+    pub fn most_at_once(&self) -> usize {
+        self.sending.lock().unwrap().1
+    }
+
     /// The GETs among the requests.
     pub fn downloads(&self) -> Vec<String> {
         self.requests()
@@ -97,6 +108,7 @@ struct Shared {
     checksums: Mutex<HashMap<PathBuf, (String, u64)>>,
     requests: Arc<Mutex<Vec<String>>>,
     faults: Arc<Mutex<Faults>>,
+    sending: Arc<Mutex<(usize, usize)>>,
     base: String,
 }
 
@@ -248,7 +260,7 @@ impl Shared {
         out.write_all(head.as_bytes())?;
         let mut source = std::fs::File::open(path)?;
         source.seek(SeekFrom::Start(from))?;
-        let (cut, corrupt) = {
+        let (cut, corrupt, slow) = {
             let mut faults = self.faults.lock().unwrap();
             let cut = match &mut faults.cut {
                 Some((name, after, times)) if name == file && *times > 0 => {
@@ -257,8 +269,16 @@ impl Shared {
                 }
                 _ => None,
             };
-            (cut, faults.corrupt.as_deref() == Some(file))
+            (cut, faults.corrupt.as_deref() == Some(file), faults.slow)
         };
+        {
+            let mut sending = self.sending.lock().unwrap();
+            sending.0 += 1;
+            sending.1 = sending.1.max(sending.0);
+        }
+        if let Some(pause) = slow {
+            std::thread::sleep(pause);
+        }
         let mut body = Vec::new();
         source
             .take(cut.unwrap_or(u64::MAX))
@@ -266,8 +286,9 @@ impl Shared {
         if corrupt && from == 0 && !body.is_empty() {
             body[0] ^= 0xff;
         }
-        out.write_all(&body)?;
-        out.flush()
+        let sent = out.write_all(&body).and_then(|()| out.flush());
+        self.sending.lock().unwrap().0 -= 1;
         // Dropping the stream closes it: a cut download ends short of Content-Length.
+        sent
     }
 }
