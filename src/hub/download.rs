@@ -471,14 +471,13 @@ impl Files<'_> {
             request = request.header(RANGE, format!("bytes={have}-"));
         }
         let mut check = Check::for_etag(meta.etag.as_deref(), meta.size);
-        let complete = meta.size.is_some_and(|size| have == size);
-        let mut response = match complete {
-            true => None,
-            false => Some(
-                request
-                    .send()
-                    .map_err(|e| Attempt::Cut(std::io::Error::other(e)))?,
-            ),
+        // A partial blob that is whole already (the last try was cut after its last byte)
+        // needs no request.
+        let mut response = if meta.size.is_some_and(|size| have == size) {
+            None
+        } else {
+            let sent = request.send();
+            Some(sent.map_err(|e| Attempt::Cut(std::io::Error::other(e)))?)
         };
         if let Some(r) = &response {
             match r.status() {

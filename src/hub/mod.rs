@@ -312,7 +312,7 @@ pub fn resolve_model(
 pub fn resolve_name(name: &ModelName, env: &HubEnv, weights: bool) -> Result<PathBuf, HubError> {
     let cache = RepoCache::new(&env.cache, &name.repo);
     let cached = cache.commit_of(&name.revision);
-    // A commit named and complete in the cache: nothing the hub says can change it.
+    // A commit named (nothing the hub says can change it), or offline: the cache decides.
     if let Some(commit) = cached.as_deref()
         && (is_commit(&name.revision) || env.offline)
     {
