@@ -1,6 +1,7 @@
 """A named tool call through the `openai` client on the demo model (random weights) finishes
-with a valid call well before max_tokens, whole and streamed, at temperature 0.8 for ten
-seeds: the call's JSON is compact, so a model that would draw whitespace forever cannot.
+with a valid call within the length its schema allows, whole and streamed, at temperature 0.8
+for ten seeds, and so does `tool_choice: "required"` with two tools: the call's JSON is
+compact, so a model that would draw whitespace forever cannot.
 Prints the longest call in tokens. Usage: python3 tool_calls_finish.py http://127.0.0.1:PORT"""
 
 import json
@@ -67,6 +68,24 @@ for seed in range(10):
     check(streamed[0]["name"], streamed[0]["arguments"])
     # A seed draws the same tokens whole and streamed.
     assert streamed[0]["arguments"] == call.function.arguments, (seed, streamed, call)
+
+# `required` with two tools: one call of either, as compact and as sure to close.
+both = tools + [{"type": "function", "function": {
+    "name": "get_time", "description": "The time in a zone",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["zone"],
+                   "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}}}}]
+for seed in range(5):
+    whole = client.chat.completions.create(model=model, messages=messages, tools=both,
+                                           tool_choice="required", max_tokens=MAX_TOKENS,
+                                           temperature=0.8, seed=seed)
+    reply = whole.choices[0]
+    assert reply.finish_reason == "tool_calls", (seed, whole)
+    call = reply.message.tool_calls[0]
+    if call.function.name == "get_time":
+        assert json.loads(call.function.arguments) in ({"zone": "UTC"}, {"zone": "CET"}), call
+    else:
+        check(call.function.name, call.function.arguments)
+    assert whole.usage.completion_tokens <= LONGEST_CALL, (seed, whole.usage)
 
 print(f"tool calls: ok, longest {longest} tokens (at most {LONGEST_CALL}; max_tokens "
       f"{MAX_TOKENS})")
