@@ -36,6 +36,8 @@ grep -q moe-node /usr/share/bash-completion/completions/moe-node || fail "no bas
 [ -f /usr/share/doc/moe-node/examples/local-cluster/node1.toml ] || fail "no example configs"
 [ -f /usr/share/doc/moe-node/README.md ] || fail "no README"
 [ -f /usr/share/doc/moe-node/docs/configuration.md ] || fail "no docs/ pages"
+[ -f /usr/share/moe-node/grafana/moe-node.json ] || fail "no Grafana dashboard"
+[ -f /usr/share/moe-node/prometheus/moe-node-alerts.yml ] || fail "no Prometheus alerts"
 
 echo "--- systemd-analyze verify"
 systemd-analyze verify "$unit"
@@ -94,7 +96,8 @@ for path in /usr/bin/moe-node /etc/moe-node/moe-node.toml \
     /etc/moe-node/credentials/api_keys /etc/moe-node/credentials/control_plane_token \
     /usr/lib/systemd/system/moe-node.service \
     /usr/lib/sysusers.d/moe-node.conf /usr/share/man/man1/moe-node.1.gz \
-    /usr/share/doc/moe-node/README.md /usr/share/doc/moe-node/docs/configuration.md; do
+    /usr/share/doc/moe-node/README.md /usr/share/doc/moe-node/docs/configuration.md \
+    /usr/share/moe-node/grafana/moe-node.json /usr/share/moe-node/prometheus/moe-node-alerts.yml; do
     grep -qx "$path" <<<"$listed" || fail "$path missing from the rpm"
 done
 rpm -qp --configfiles "$rpm_file" | grep -qx /etc/moe-node/moe-node.toml ||

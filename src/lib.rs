@@ -43,6 +43,8 @@ pub mod model;
 
 /// Numeric kernels (CPU and CUDA) and the blocks they run.
 pub mod compute;
+/// Models by Hugging Face name: the hub's cache layout, and downloads into it.
+pub mod hub;
 /// Pure placement algorithms: which device holds which expert.
 pub mod placement;
 

@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 use std::io::IsTerminal;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
@@ -15,6 +15,7 @@ use moe_node::engine::gpu::engine_on_gpu;
 use moe_node::engine::{Engine, EngineError, GenerateRequest, SamplingParams, generate};
 use moe_node::experts::device::{DeviceChoice, choose_devices};
 use moe_node::experts::gpu::LoadError;
+use moe_node::hub::HubError;
 use moe_node::logging::ClientMistakes;
 use moe_node::model::demo::{DemoSpec, write_demo_model};
 use moe_node::model::template_worker;
@@ -108,7 +109,7 @@ enum Command {
 
 #[derive(clap::Args)]
 struct PlanArgs {
-    /// Model directory (config.json is enough).
+    /// Model directory (config.json is enough), or a Hugging Face name `org/name[@revision]`.
     #[arg(long)]
     model: PathBuf,
     /// Node configuration (TOML): replication, spare slots, on_expert_unavailable.
@@ -151,7 +152,8 @@ struct ServeArgs {
     /// Configuration file (TOML); without one, defaults and MOE_NODE_* variables apply.
     #[arg(long)]
     config: Option<PathBuf>,
-    /// Model directory (overrides model.path).
+    /// Model directory, or a Hugging Face name `org/name[@revision]` found in the Hugging
+    /// Face cache and downloaded into it when missing (overrides model.path).
     #[arg(long)]
     model: Option<PathBuf>,
     /// Address to listen on, e.g. 0.0.0.0:8080 (overrides server.listen).
@@ -168,7 +170,8 @@ struct ServeArgs {
 
 #[derive(clap::Args)]
 struct GenerateArgs {
-    /// Model directory: config.json, safetensors weights, optionally tokenizer.json.
+    /// Model directory: config.json, safetensors weights, optionally tokenizer.json; or a
+    /// Hugging Face name `org/name[@revision]`.
     #[arg(long)]
     model: PathBuf,
     /// Prompt text (needs tokenizer.json).
@@ -272,9 +275,16 @@ fn main() -> ExitCode {
             init_logging(LogFormat::Text);
             run_devices(config)
         }
-        Command::Generate(args) => {
+        Command::Generate(mut args) => {
             init_logging(LogFormat::Text);
-            run_generate(args)
+            let weights = args.load_format != LoadFormat::Dummy;
+            match model_dir(&args.model, weights) {
+                Ok(dir) => {
+                    args.model = dir;
+                    run_generate(args)
+                }
+                Err(e) => Err(e),
+            }
         }
         Command::DemoModel { out, skew } => {
             init_logging(LogFormat::Text);
@@ -300,11 +310,18 @@ fn main() -> ExitCode {
             template_worker::serve(std::io::stdin().lock(), std::io::stdout().lock())
                 .map_err(anyhow::Error::msg)
         }
-        Command::Plan(args) => match plan_cli::run(&args) {
-            Ok(true) => Ok(()),
-            Ok(false) => return ExitCode::from(1),
-            Err(e) => Err(e),
-        },
+        Command::Plan(mut args) => {
+            // A model by hub name: its config is all a plan reads.
+            let planned = model_dir(&args.model, false).and_then(|dir| {
+                args.model = dir;
+                plan_cli::run(&args)
+            });
+            match planned {
+                Ok(true) => Ok(()),
+                Ok(false) => return ExitCode::from(1),
+                Err(e) => Err(e),
+            }
+        }
         Command::Profile {
             url,
             out,
@@ -318,6 +335,13 @@ fn main() -> ExitCode {
     }
 }
 
+/// `--model` or `model.path`: a directory, or a Hugging Face name found in its cache (and
+/// downloaded into it: the weights too where `weights`).
+fn model_dir(model: &Path, weights: bool) -> anyhow::Result<PathBuf> {
+    let hub = moe_node::hub::HubEnv::from_process();
+    Ok(moe_node::hub::resolve_model(&model.to_string_lossy(), &hub, weights)?.dir)
+}
+
 /// Prints the error and maps it to an exit status.
 fn report(e: anyhow::Error) -> ExitCode {
     // The chain of causes, less those a message already quotes.
@@ -329,6 +353,16 @@ fn report(e: anyhow::Error) -> ExitCode {
         }
     }
     eprintln!("error: {message}");
+    if let Some(hub) = e.chain().find_map(|c| c.downcast_ref::<HubError>()) {
+        // A name, cache or token to fix; a file that came wrong; else the network.
+        return ExitCode::from(match hub {
+            hub if hub.is_configuration() => EXIT_CONFIG,
+            HubError::Checksum { .. } | HubError::Size { .. } | HubError::BadIndex { .. } => {
+                EXIT_DATA
+            }
+            _ => 1,
+        });
+    }
     if e.chain().any(|c| {
         c.downcast_ref::<ConfigError>().is_some()
             || c.downcast_ref::<moe_node::plan::PlanError>().is_some()
@@ -379,7 +413,7 @@ fn run_check(path: PathBuf) -> anyhow::Result<()> {
         overrides: Vec::new(),
     })?;
     if let Some(model) = config.model_path() {
-        ModelConfig::load(&model)?;
+        ModelConfig::load(&model_dir(&model, false)?)?;
     }
     for warning in config.warnings() {
         eprintln!("warning: {warning}");
@@ -512,6 +546,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         }
         // Model problems keep their own exit status.
         Err(ServeError::Node(NodeError::Model(e))) => Err(e.into()),
+        Err(ServeError::Hub(e)) => Err(e.into()),
         Err(e) => Err(e.into()),
     }
 }

@@ -47,6 +47,8 @@ pub enum ServeError {
     LoaderGone,
     #[error("the HTTP server failed: {0}")]
     Http(std::io::Error),
+    #[error(transparent)]
+    Hub(#[from] crate::hub::HubError),
 }
 
 impl From<ModelError> for ServeError {
@@ -148,9 +150,14 @@ fn load(state: &AppState, api: std::net::SocketAddr) -> Result<(), ServeError> {
     let started = Instant::now();
     let config = &state.config;
     crate::compute::amx::set_aside(!config.devices.cpu_amx);
-    let dir = match config.model_path() {
-        Some(dir) => dir,
-        None => ensure_demo_model(&config.cache_dir())?,
+    let (dir, hub_name) = match config.model_path() {
+        Some(_) => {
+            let weights = config.model.load_format != crate::model::LoadFormat::Dummy;
+            let hub = crate::hub::HubEnv::from_process();
+            let found = crate::hub::resolve_model(&config.model.path, &hub, weights)?;
+            (found.dir, found.name)
+        }
+        None => (ensure_demo_model(&config.cache_dir())?, None),
     };
     let tokenizer = Tokenizer::load_optional(&dir)?;
     let mut chat_template = ChatTemplate::load_optional(&dir)?;
@@ -208,12 +215,15 @@ fn load(state: &AppState, api: std::net::SocketAddr) -> Result<(), ServeError> {
         tracing::info!(error = %e, "warm-up waits for other nodes");
         std::thread::sleep(Duration::from_millis(500));
     }
-    let name = if config.model.served_name.is_empty() {
+    // A model by hub name is served under that name, as vLLM does.
+    let name = if !config.model.served_name.is_empty() {
+        config.model.served_name.clone()
+    } else if let Some(hub_name) = &hub_name {
+        hub_name.repo.clone()
+    } else {
         dir.file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_else(|| "model".into())
-    } else {
-        config.model.served_name.clone()
     };
     let created = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

@@ -24,6 +24,10 @@ const FLOORS: &[&[(&str, &str)]] = &[
             "placement",
             "pure placement algorithms: which device holds which expert",
         ),
+        (
+            "hub",
+            "models by Hugging Face name: the hub's cache layout and downloads",
+        ),
     ],
     &[(
         "model",

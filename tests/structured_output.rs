@@ -137,6 +137,36 @@ fn json_schema_output_parses_and_validates_for_greedy_and_sampled_choices() {
     assert!(server.metric("moe_node_grammar_masks_total") > 0.0);
 }
 
+/// `"strict": true` asks for JSON a program reads: compact, with no whitespace between its
+/// tokens (this schema's values hold none either), so a weak model cannot pad it out.
+#[test]
+fn a_strict_json_schema_gives_compact_json() {
+    let server = server();
+    let format = json!({"type": "json_schema",
+        "json_schema": {"name": "answer", "schema": answer_schema(), "strict": true}});
+    for seed in 0..4 {
+        let body = server.post_ok(
+            "/v1/chat/completions",
+            &json!({"messages": user("Answer in JSON."), "response_format": format,
+                    "max_tokens": 100, "temperature": 1.0, "seed": seed}),
+        );
+        let choice = &body["choices"][0];
+        assert_eq!(choice["finish_reason"], "stop", "{body}");
+        let text = choice["message"]["content"].as_str().unwrap();
+        assert!(!text.contains(char::is_whitespace), "{text:?}");
+        assert_answer(&serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text:?}")));
+    }
+    assert_envelope(
+        server.post(
+            "/v1/chat/completions",
+            &json!({"messages": user("x"), "response_format": {"type": "json_schema",
+                    "json_schema": {"schema": answer_schema(), "strict": "yes"}}}),
+        ),
+        StatusCode::BAD_REQUEST,
+        "strict must be true or false",
+    );
+}
+
 #[test]
 fn json_object_output_is_one_json_object() {
     let server = server();

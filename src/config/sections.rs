@@ -196,13 +196,16 @@ pub struct ServerConfig {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelSection {
-    /// Model directory (config.json, safetensors, tokenizer.json). Empty: the built-in demo
-    /// model, written into `cache_dir` on first start.
+    /// Model directory (config.json, safetensors, tokenizer.json), or a Hugging Face name
+    /// (`org/name[@revision]`, looked up in the Hugging Face cache when no such directory
+    /// exists).
+    /// Empty: the built-in demo model, written into `cache_dir` on first start.
     pub path: String,
     /// Where the demo model is kept. Empty: `$XDG_CACHE_HOME/moe-node`, else
     /// `~/.cache/moe-node`.
     pub cache_dir: String,
-    /// Name clients use in the `model` field. Empty: the model directory's name.
+    /// Name clients use in the `model` field. Empty: the Hugging Face name, else the model
+    /// directory's name.
     pub served_name: String,
     /// `safetensors`: the weights beside config.json; `dummy`: random bf16 weights made from
     /// config.json alone, to measure a published shape without its weights (the answers are
