@@ -499,8 +499,15 @@ impl Dispatcher {
                         let _ = tx.send((id, out));
                     });
                     self.health().entry(target).or_default().sent(rows);
+                    // Rows on a GPU go to this node's GPUs at once: their copies and
+                    // products run on the devices' streams while this thread stages the
+                    // groups for CPU slots and other nodes through the host.
+                    let resident_gpu = |d: u16| {
+                        group_input.resident.is_some()
+                            && self.device(d).is_some_and(|h| h.gpu.is_some())
+                    };
                     let sent = match target {
-                        Target::Device(d) if rows <= INLINE_MAX_ROWS => {
+                        Target::Device(d) if rows <= INLINE_MAX_ROWS && !resident_gpu(d) => {
                             // Run after every other send is out, so they overlap it.
                             inline.push((d, groups, answer));
                             Ok(())

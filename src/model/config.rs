@@ -127,6 +127,13 @@ impl ModelConfig {
                 Quantization::None
             }),
         };
+        // MXFP4 is how gpt-oss stores its fused experts; other families have no such tensors.
+        if quantization == Quantization::Mxfp4 && family != Family::GptOss {
+            p.0.push(format!(
+                "quantization_config: quant_method `mxfp4` is read for gpt-oss's fused experts \
+                 only, not for `{model_type}`"
+            ));
+        }
         let vocab_size = p.require(raw.vocab_size, "vocab_size");
         let hidden_size = p.require(raw.hidden_size, "hidden_size");
         let num_layers = p.require(raw.num_hidden_layers, "num_hidden_layers");
