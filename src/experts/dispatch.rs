@@ -7,7 +7,9 @@
 //! measured latency: a group that misses it is hedged to another replica while the first
 //! send stays outstanding, and the first answer wins. (A local device answers in its
 //! mailbox's order however long a big step takes; it is not hedged.) The choice of replica is the pure
-//! [`assign_groups`]; this file carries it out and keeps the health it is fed.
+//! [`assign_groups`]; this file carries it out and keeps the health it is fed. How a share
+//! reaches its target is in `sends`, and the rows a dispatch reads (host memory, or GPU
+//! memory for a dense part on a GPU) in `input`.
 
 use std::collections::{HashMap, HashSet};
 
@@ -18,15 +20,18 @@ use std::time::{Duration, Instant};
 
 use super::attempts::{Answered, Attempts, NoReplica, Overdue, Policy};
 use super::choice::assign_groups_among;
-use super::device::{DeviceHandle, ResidentSends, RunExperts, RunResident};
+use super::device::DeviceHandle;
 use super::health::{Penalties, Reach, ReplicaHealth, TargetHealth, hedge_after};
 use super::holdings::{HELD_HERE, Holdings};
-use super::target::{Answer, GroupOutputs, RemoteNodes, RemoteWork, Target, TargetError};
-use super::{DeviceRows, ExpertError, ExpertExecutor, run_expert_groups};
+use super::target::{Answer, GroupOutputs, RemoteNodes, Target, TargetError};
+use super::{DeviceRows, ExpertError, ExpertExecutor};
 use crate::config::OnUnavailable;
-use crate::model::ExpertWeights;
 use crate::moe::DispatchPlan;
 use crate::placement::{ExpertLoad, Placement, Replica};
+use input::GroupInput;
+
+mod input;
+mod sends;
 
 /// Work for one of this node's CPU slots is run from the dispatching thread (the router's),
 /// on the whole pool, when it holds at most this many rows: decode-sized work. A slot's
@@ -745,241 +750,6 @@ impl Dispatcher {
             .get(device as usize)
             .cloned()
     }
-
-    fn send_local(
-        &self,
-        device: u16,
-        layer: usize,
-        groups: &[usize],
-        experts: &[u32],
-        group_input: &GroupInput<'_>,
-        answer: Answer,
-    ) -> Result<(), TargetError> {
-        let handle = self
-            .device(device)
-            .ok_or_else(|| TargetError::Gone(format!("no device {device} on this node")))?;
-        let stopped = || TargetError::Gone(format!("device {device} stopped"));
-        if let (Some(resident), Some(_)) = (&group_input.resident, handle.gpu) {
-            let message = RunResident {
-                layer,
-                groups: groups
-                    .iter()
-                    .map(|&g| (experts[g], group_input.starts[g], group_input.rows[g]))
-                    .collect(),
-                gpu: resident.rows.gpu,
-                input: resident.rows.input,
-                output: resident.rows.output,
-                answer,
-                ticket: resident.sends.ticket(),
-            };
-            // A stopped actor refuses the message; dropping it answers Gone.
-            return handle.addr.try_send(message).map_err(|_| stopped());
-        }
-        let message = RunExperts {
-            layer,
-            groups: groups
-                .iter()
-                .map(|&g| Ok((experts[g], group_input.get(g)?.to_vec())))
-                .collect::<Result<_, TargetError>>()?,
-            answer,
-        };
-        handle.addr.try_send(message).map_err(|_| stopped())
-    }
-
-    /// Runs the `(device, groups, answer)` shares from this thread, all of them in one
-    /// parallel region (one fork and join for the layer, however many CPU slots its
-    /// experts are spread over), where they are CPU slots'; the others go to their
-    /// device's actor. Answers each.
-    fn run_inline(
-        &self,
-        layer: usize,
-        shares: &mut Vec<(u16, Vec<usize>, Answer)>,
-        experts: &[u32],
-        group_input: &GroupInput<'_>,
-    ) {
-        let mut runs: Vec<(Vec<Arc<ExpertWeights>>, Vec<usize>, Answer)> = Vec::new();
-        for (device, groups, answer) in shares.drain(..) {
-            let handle = self.device(device);
-            // Rows on a GPU stay there when this device is a GPU.
-            let on_gpu = handle.as_ref().is_some_and(|h| h.gpu.is_some());
-            if on_gpu && group_input.resident.is_some() {
-                let _ = self.send_local(device, layer, &groups, experts, group_input, answer);
-                continue;
-            }
-            let work: Result<Vec<(u32, &[f32])>, TargetError> = groups
-                .iter()
-                .map(|&g| Ok((experts[g], group_input.get(g)?)))
-                .collect();
-            let work = match work {
-                Ok(work) => work,
-                Err(e) => {
-                    answer.send(Err(e));
-                    continue;
-                }
-            };
-            match handle.and_then(|h| h.weights_here(layer, &work)) {
-                Some(Ok(weights)) => runs.push((weights, groups, answer)),
-                Some(Err(e)) => answer.send(Err(e)),
-                None => {
-                    // A refused send answers through `answer`'s drop.
-                    let _ = self.send_local(device, layer, &groups, experts, group_input, answer);
-                }
-            }
-        }
-        let all: Vec<(&ExpertWeights, &[f32])> = runs
-            .iter()
-            .flat_map(|(weights, groups, _)| {
-                weights
-                    .iter()
-                    .zip(groups)
-                    // Staged already, when the work list above was made.
-                    .map(|(weights, &g)| (&**weights, group_input.get(g).unwrap_or(&[])))
-            })
-            .collect();
-        let mut outputs = run_expert_groups(&all, group_input.width, true).into_iter();
-        for (_, groups, answer) in runs {
-            answer.send(Ok(outputs.by_ref().take(groups.len()).collect()));
-        }
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn send_remote(
-        &self,
-        node: u16,
-        layer: usize,
-        placement_version: u64,
-        groups: &[usize],
-        experts: &[u32],
-        group_input: &GroupInput<'_>,
-        answer: Answer,
-    ) -> Result<(), TargetError> {
-        let remote = self
-            .remote
-            .as_ref()
-            .ok_or_else(|| TargetError::Gone("no peers".into()))?;
-        let group_rows = group_input.rows;
-        let total: usize = groups.iter().map(|&g| group_rows[g]).sum();
-        let mut rows = Vec::with_capacity(total * self.hidden_size);
-        for &g in groups {
-            rows.extend_from_slice(group_input.get(g)?);
-        }
-        let work = RemoteWork {
-            layer,
-            placement_version,
-            groups: groups
-                .iter()
-                .map(|&g| (experts[g], group_rows[g] as u32))
-                .collect(),
-            rows,
-        };
-        remote.send(node, work, answer)
-    }
-}
-
-/// The rows of each group of one dispatch: in host memory, or in GPU memory
-/// ([`DeviceRows`]), brought to the host group by group where a group is computed
-/// elsewhere than on a GPU of this node.
-struct GroupInput<'a> {
-    host: &'a [f32],
-    resident: Option<Resident<'a>>,
-    /// Each group's first row.
-    starts: Vec<usize>,
-    rows: &'a [usize],
-    width: usize,
-}
-
-/// Rows in GPU memory, what of them has been brought to the host, and the resident sends
-/// still in flight.
-struct Resident<'a> {
-    rows: &'a DeviceRows<'a>,
-    staged: Vec<std::sync::OnceLock<Vec<f32>>>,
-    sends: Arc<ResidentSends>,
-    staged_bytes: &'a AtomicU64,
-}
-
-impl<'a> GroupInput<'a> {
-    /// `input` as `rows[g]` rows of `width` per group, or an error when it does not hold
-    /// that many values or `experts` names another number of groups.
-    fn new(
-        input: &'a [f32],
-        experts: &[u32],
-        rows: &'a [usize],
-        width: usize,
-    ) -> Result<Self, ExpertError> {
-        let starts = starts_of(rows);
-        let total: usize = rows.iter().sum();
-        if total * width != input.len() || experts.len() != rows.len() {
-            return Err(ExpertError::Malformed {
-                groups: experts.len(),
-                rows: total,
-                values: input.len(),
-            });
-        }
-        Ok(GroupInput {
-            host: input,
-            resident: None,
-            starts,
-            rows,
-            width,
-        })
-    }
-
-    fn resident(
-        rows_on_gpu: &'a DeviceRows<'a>,
-        rows: &'a [usize],
-        width: usize,
-        staged_bytes: &'a AtomicU64,
-    ) -> Self {
-        GroupInput {
-            host: &[],
-            resident: Some(Resident {
-                rows: rows_on_gpu,
-                staged: rows.iter().map(|_| std::sync::OnceLock::new()).collect(),
-                sends: Arc::default(),
-                staged_bytes,
-            }),
-            starts: starts_of(rows),
-            rows,
-            width,
-        }
-    }
-
-    /// Group `g`'s rows in host memory (copied from the GPU the first time).
-    fn get(&self, g: usize) -> Result<&[f32], TargetError> {
-        let Some(resident) = &self.resident else {
-            let at = self.starts[g] * self.width;
-            return Ok(&self.host[at..at + self.rows[g] * self.width]);
-        };
-        if let Some(rows) = resident.staged[g].get() {
-            return Ok(rows);
-        }
-        let rows = resident
-            .rows
-            .staging
-            .download(self.starts[g], self.rows[g])
-            .map_err(TargetError::Failed)?;
-        resident
-            .staged_bytes
-            .fetch_add((rows.len() * 2) as u64, Ordering::Relaxed);
-        Ok(resident.staged[g].get_or_init(|| rows))
-    }
-
-    /// Waits until no device touches the GPU rows any more.
-    fn wait_for_devices(&self) {
-        if let Some(resident) = &self.resident {
-            resident.sends.wait();
-        }
-    }
-}
-
-fn starts_of(rows: &[usize]) -> Vec<usize> {
-    rows.iter()
-        .scan(0, |at, &r| {
-            let start = *at;
-            *at += r;
-            Some(start)
-        })
-        .collect()
 }
 
 impl ExpertExecutor for Dispatcher {
