@@ -434,26 +434,10 @@ impl GpuExperts {
             }
         }
         let mut outputs = Vec::with_capacity(groups.len());
-        let mut start = 0;
-        while start < groups.len() {
-            // As many groups as the work area takes.
-            let mut end = start;
-            let mut rows = 0;
-            while end < groups.len() {
-                let r = groups[end].1.len() / h;
-                if rows + r > self.shape.max_rows && end > start {
-                    break;
-                }
-                if r > self.shape.max_rows {
-                    return Err(CudaError::TooManyRows {
-                        rows: r,
-                        max_rows: self.shape.max_rows,
-                    });
-                }
-                rows += r;
-                end += 1;
-            }
-            let chunk = &groups[start..end];
+        let sizes: Vec<usize> = groups.iter().map(|(_, x)| x.len() / h).collect();
+        for batch in self.work_area_batches(&sizes)? {
+            let rows: usize = sizes[batch.clone()].iter().sum();
+            let chunk = &groups[batch.clone()];
             let no_host_io = || {
                 CudaError::Unsupported(
                     "rows from the host on experts set up without host_io".into(),
@@ -471,8 +455,8 @@ impl GpuExperts {
                     .to_bf16(&self.stream, self.x_f32, rows * h, self.x)?;
             }
             let experts: Vec<u32> = chunk.iter().map(|(e, _)| *e).collect();
-            let sizes: Vec<usize> = chunk.iter().map(|(_, x)| x.len() / h).collect();
-            self.ffn(layer, &experts, &sizes)?;
+            let sizes = &sizes[batch];
+            self.ffn(layer, &experts, sizes)?;
             let host_out = self.host_out.as_mut().ok_or_else(no_host_io)?;
             let out_host = &mut host_out.as_mut_slice()?[..rows * h];
             // SAFETY: the output buffer holds `rows` rows after ffn; synchronised below.
@@ -487,7 +471,7 @@ impl GpuExperts {
             // the new pages) took longer than the GPU's work.
             let mut pieces = Vec::with_capacity(sizes.len());
             let mut rest: &[f32] = out_host;
-            for size in sizes {
+            for &size in sizes {
                 let (piece, tail) = rest.split_at(size * h);
                 pieces.push(piece);
                 rest = tail;
@@ -497,9 +481,30 @@ impl GpuExperts {
             } else {
                 outputs.extend(pieces.into_iter().map(<[f32]>::to_vec));
             }
-            start = end;
         }
         Ok(RunOutcome::Done(outputs))
+    }
+
+    /// Consecutive groups (of `sizes[g]` rows) as the work area takes them: as many as fit
+    /// `max_rows` at a time, a group larger than it an error.
+    fn work_area_batches(&self, sizes: &[usize]) -> Result<Vec<std::ops::Range<usize>>, CudaError> {
+        let max_rows = self.shape.max_rows;
+        if let Some(&rows) = sizes.iter().find(|&&r| r > max_rows) {
+            return Err(CudaError::TooManyRows { rows, max_rows });
+        }
+        let mut batches = Vec::new();
+        let (mut start, mut rows) = (0, 0);
+        for (g, &r) in sizes.iter().enumerate() {
+            if g > start && rows + r > max_rows {
+                batches.push(start..g);
+                (start, rows) = (g, 0);
+            }
+            rows += r;
+        }
+        if start < sizes.len() {
+            batches.push(start..sizes.len());
+        }
+        Ok(batches)
     }
 
     /// The expert FFN over the grouped rows in `x` (group `g`: `sizes[g]` rows for

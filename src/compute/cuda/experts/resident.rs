@@ -34,29 +34,15 @@ impl GpuExperts {
         } else {
             Some(self.peer_context(source)?)
         };
-        let mut start = 0;
         let mut first_row = 0;
-        while start < experts.len() {
-            // As many groups as the work area takes.
-            let (mut end, mut rows) = (start, 0);
-            while end < experts.len() && (end == start || rows + sizes[end] <= self.shape.max_rows)
-            {
-                if sizes[end] > self.shape.max_rows {
-                    return Err(CudaError::TooManyRows {
-                        rows: sizes[end],
-                        max_rows: self.shape.max_rows,
-                    });
-                }
-                rows += sizes[end];
-                end += 1;
-            }
+        for batch in self.work_area_batches(sizes)? {
+            let rows: usize = sizes[batch.clone()].iter().sum();
             let at = (first_row * row_bytes) as u64;
             let bytes = rows * row_bytes;
             self.copy_rows(peer.as_ref(), self.x, input + at, bytes, true)?;
-            self.ffn(layer, &experts[start..end], &sizes[start..end])?;
+            self.ffn(layer, &experts[batch.clone()], &sizes[batch])?;
             self.copy_rows(peer.as_ref(), output + at, self.y, bytes, false)?;
             first_row += rows;
-            start = end;
         }
         self.stream.synchronize()?;
         Ok(RunOutcome::Done(Vec::new()))
