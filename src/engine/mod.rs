@@ -81,7 +81,8 @@ impl<'a> SequenceStep<'a> {
 /// A loaded model ready to run steps.
 pub struct Engine {
     config: ModelConfig,
-    weights: DenseWeights,
+    /// Shared by the node's dense replicas ([`Engine::replica`]): one copy in host memory.
+    weights: Arc<DenseWeights>,
     rope: Rope,
     softmax_scale: f32,
     experts: Arc<dyn ExpertExecutor>,
@@ -151,10 +152,31 @@ impl Engine {
             rope: Rope::new(&config.rope, interleaved),
             softmax_scale: softmax_scale as f32,
             config,
-            weights,
+            weights: Arc::new(weights),
             experts,
             gpu: None,
         }
+    }
+
+    /// Another engine for the same model, sharing this one's host weights and routed
+    /// experts, with its dense part on the host until placed on a GPU of its own
+    /// ([`Engine::place_dense_on_gpu`]): a node's dense replicas, one per GPU, each with its
+    /// own KV caches and sequences.
+    pub fn replica(&self) -> Engine {
+        Engine {
+            config: self.config.clone(),
+            weights: self.weights.clone(),
+            rope: self.rope.clone(),
+            softmax_scale: self.softmax_scale,
+            experts: self.experts.clone(),
+            gpu: None,
+        }
+    }
+
+    /// The GPU holding this engine's dense part and KV caches; `None` on the host.
+    pub fn dense_gpu(&self) -> Option<usize> {
+        let gpu = self.gpu.as_ref()?;
+        Some(gpu.lock().unwrap_or_else(|e| e.into_inner()).gpu())
     }
 
     /// Moves the dense part of the model (attention, norms, dense MLPs, shared experts, lm

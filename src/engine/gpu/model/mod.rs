@@ -202,12 +202,17 @@ impl GpuModel {
         Ok(out)
     }
 
-    /// A copy of the first `positions` positions of `cache`, in new GPU memory.
     /// Free memory on this model's GPU now.
     pub fn free_memory(&self) -> Result<usize, CudaError> {
         Ok(self.stream.context().mem_get_info()?.0)
     }
 
+    /// The GPU's ordinal.
+    pub fn gpu(&self) -> usize {
+        self.gpu
+    }
+
+    /// A copy of the first `positions` positions of `cache`, in new GPU memory.
     pub fn copy_cache(
         &self,
         cache: &DeviceCache,
