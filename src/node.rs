@@ -4,6 +4,7 @@
 
 mod cluster_metrics;
 mod joined;
+mod lanes;
 mod rebalance;
 pub mod router;
 
@@ -12,7 +13,7 @@ pub use rebalance::{RebalanceMetrics, RebalanceReport};
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use crate::compute::cuda::CudaError;
+use crate::compute::cuda::{CudaError, GpuInfo};
 use crate::config::NodeConfig;
 use crate::config::live::LiveSettings;
 use crate::engine::batch::{BatchLimits, KvBudget};
@@ -26,7 +27,7 @@ use crate::metrics::{DeviceState, NodeMetrics};
 use crate::model::{Checkpoint, DenseWeights, ModelConfig, ModelError, ModelSource};
 use crate::node::cluster_metrics::ClusterCollector;
 use crate::node::joined::{ClusterError, Joined, OfferedDevices, ServeParts, join};
-use crate::node::router::{RouterActor, RouterHandle};
+use crate::node::router::RouterHandle;
 use crate::placement::{ExpertLoad, Placement, PlacementError};
 use crate::plan::sizes::ModelSizes;
 use crate::rollout::board::PlacementBoard;
@@ -123,10 +124,18 @@ impl Node {
         let kernel_cache = gpu_options.kernel_cache.clone();
         let targets = device_targets(&config.devices, gpu_options)?;
         let num_devices = targets.len();
-        // The dense part goes to the first GPU when the experts are on GPUs.
-        let dense_gpu = match targets.first() {
-            Some(DeviceTarget::Gpu(info, _)) if config.devices.dense_on_gpu => Some(info.clone()),
-            _ => None,
+        // The dense part goes to the GPUs when the experts are on GPUs: a replica on each of
+        // the first `devices.dense_replicas` (0: all), each serving its own sequences.
+        let dense_gpus: Vec<GpuInfo> = match config.devices.dense_replicas {
+            _ if !config.devices.dense_on_gpu => Vec::new(),
+            replicas => targets
+                .iter()
+                .filter_map(|t| match t {
+                    DeviceTarget::Gpu(info, _) => Some(info.clone()),
+                    DeviceTarget::Cpu => None,
+                })
+                .take(if replicas == 0 { usize::MAX } else { replicas })
+                .collect(),
         };
         // Opened once: the devices and the router read their tensors from the same map.
         let checkpoint = Arc::new(source.checkpoint(&model)?);
@@ -173,15 +182,36 @@ impl Node {
         register_device_states(&metrics, &experts);
         crate::progress::stage("dense weights (attention, norms, shared experts)");
         let weights = DenseWeights::load(&checkpoint, &model)?;
-        let mut engine = Engine::new((*model).clone(), weights, experts.clone());
-        if let Some(gpu) = &dense_gpu {
-            engine.place_dense_on_gpu(
-                gpu,
-                config.devices.gpu_memory_fraction,
-                kernel_cache.as_deref(),
-            )?;
+        let engine = Engine::new((*model).clone(), weights, experts.clone());
+        let engines = if dense_gpus.is_empty() {
+            vec![engine]
+        } else {
+            let mut replicas = Vec::with_capacity(dense_gpus.len());
+            for gpu in &dense_gpus {
+                let mut replica = engine.replica();
+                replica.place_dense_on_gpu(
+                    gpu,
+                    config.devices.gpu_memory_fraction,
+                    kernel_cache.as_deref(),
+                )?;
+                replicas.push(replica);
+            }
+            replicas
+        };
+        // Each lane's KV budget is what its own GPU (or the host) has left; the node serves
+        // no longer a context than the smallest of them holds.
+        let mut lanes = Vec::with_capacity(engines.len());
+        let mut served = model.clone();
+        for engine in engines {
+            let dense_on_gpu = engine.dense_gpu().is_some();
+            let (limits, lane_model) =
+                batch_limits(config, model.clone(), &engine, &targets, dense_on_gpu);
+            if lane_model.max_position_embeddings < served.max_position_embeddings {
+                served = lane_model;
+            }
+            lanes.push((engine, limits));
         }
-        let (limits, model) = batch_limits(config, model, &engine, &targets, dense_gpu.is_some());
+        let model = served;
         if let Some(joined) = &cluster {
             joined.serve(ServeParts {
                 dispatcher: experts.clone(),
@@ -198,8 +228,7 @@ impl Node {
         let rebalance_metrics = RebalanceMetrics::register(&metrics);
         Ok(Node {
             model,
-            router: RouterActor::new(engine, limits, metrics)
-                .start_on_own_thread(stall_limit(&config.cluster)),
+            router: RouterHandle::start(lanes, metrics, stall_limit(&config.cluster)),
             devices,
             experts,
             load,

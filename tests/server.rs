@@ -176,6 +176,70 @@ fn a_node_on_emulated_gpus_answers_as_the_gpu_engine_does() {
     }
 }
 
+/// A node with four emulated GPUs runs a dense replica on each (`devices.dense_replicas = 0`,
+/// the default): sixteen streams at once spread over all four, each GPU with its own KV
+/// budget, too small for its share of the streams at their longest, so the latest arrivals
+/// on each GPU are preempted and recompute; every stream still gets what its prompt gets
+/// alone, and `/metrics` shows each GPU's share.
+#[test]
+fn sixteen_streams_spread_over_four_emulated_gpus_each_as_alone() {
+    if common::gpus("dense replicas on emulated GPUs").is_none() {
+        return;
+    }
+    // 1 MiB per GPU: 51 blocks of 16 positions; four streams of 240 positions need 60.
+    let server = Server::start(
+        "[devices]\nbackend = \"cuda-emulated\"\nemulated_gpus = 4\n\
+         [batching]\nkv_cache_mib = 1\nprefix_cache_entries = 0\n",
+    );
+    server.wait_ready();
+    let request = |i: u32| {
+        let prompt: Vec<u32> = (0..40).map(|k| 1 + (i * 37 + k * 11) % 250).collect();
+        json!({
+            "prompt": prompt,
+            "max_tokens": 200,
+            "temperature": 0,
+            "ignore_eos": true,
+            "stream": true,
+            "return_token_ids": true,
+        })
+    };
+    let prompts: Vec<Value> = (0..4).map(request).collect();
+    let alone = streamed_alone(&server, &prompts);
+    let replica_tokens = |server: &Server| -> Vec<f64> {
+        (0..4)
+            .map(|gpu| {
+                server.metric(&format!(
+                    "moe_node_dense_replica_tokens_total{{replica=\"{gpu}\",gpu=\"{gpu}\"}}"
+                ))
+            })
+            .collect()
+    };
+    let before = replica_tokens(&server);
+    assert_eq!(server.metric("moe_node_preemptions_total"), 0.0);
+    let bodies: Vec<Value> = (0..16).map(|i| prompts[i % 4].clone()).collect();
+    let together = streamed_together(&server, &bodies);
+    for (i, t) in together.iter().enumerate() {
+        assert_eq!(t.len(), 200, "stream {i}");
+        assert_eq!(t, &alone[i % 4], "stream {i}");
+    }
+    let after = replica_tokens(&server);
+    for gpu in 0..4 {
+        // Four streams of 240 positions each, at least.
+        assert!(
+            after[gpu] - before[gpu] >= 4.0 * 240.0,
+            "GPU {gpu} computed {} tokens: {before:?} -> {after:?}",
+            after[gpu] - before[gpu]
+        );
+    }
+    assert!(server.metric("moe_node_preemptions_total") > 0.0);
+    assert_eq!(server.metric("moe_node_kv_cache_blocks"), 4.0 * 51.0);
+    assert_eq!(server.metric("moe_node_kv_cache_blocks_used"), 0.0);
+    assert_eq!(
+        server.metric("moe_node_dense_replica_kv_cache_blocks{replica=\"3\",gpu=\"3\"}"),
+        51.0
+    );
+}
+
 /// The emulated GPUs' copy counters on the server's `/metrics`, by direction.
 fn emulated_copies(server: &Server) -> std::collections::HashMap<String, u64> {
     let text = server.get("/metrics").text().unwrap();

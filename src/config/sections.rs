@@ -235,9 +235,13 @@ pub struct DevicesConfig {
     /// Share of each GPU's free memory the experts and their work buffers may take.
     pub gpu_memory_fraction: f64,
     /// When experts run on GPUs, the dense part of the model (attention and its KV caches,
-    /// norms, dense MLPs, shared experts, lm head) runs on GPU 0 too; `false` keeps it on
+    /// norms, dense MLPs, shared experts, lm head) runs on the GPUs too; `false` keeps it on
     /// the CPU.
     pub dense_on_gpu: bool,
+    /// GPUs holding a replica of the dense part, each with its own KV cache and batch of
+    /// sequences (attention data-parallel, experts shared): the first `dense_replicas`; 0
+    /// (the default): every GPU. 1 is the single-dense-GPU layout of earlier versions.
+    pub dense_replicas: usize,
     /// Extra directory searched for NVRTC and cuBLAS (after the loader's path, before
     /// `$CUDA_HOME/lib64` and `/usr/local/cuda*/lib64`). Empty: none.
     pub cuda_lib_dir: String,
@@ -687,6 +691,7 @@ impl Default for DevicesConfig {
             replication: 1,
             gpu_memory_fraction: 0.9,
             dense_on_gpu: true,
+            dense_replicas: 0,
             cuda_lib_dir: String::new(),
             cpu_amx: true,
             emulated_gpus: 1,

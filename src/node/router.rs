@@ -1,8 +1,8 @@
-//! The router actor: admits requests into the running batch and steps the model. It owns the
-//! engine (embeddings, attention and KV caches, norms, gates, shared experts, lm head,
-//! sampling); routed experts run on the device actors through [`DeviceExperts`]. It lives on
-//! its own thread: a step blocks that thread, and requests that arrive meanwhile join at the
-//! next step boundary.
+//! The router actors: each admits requests into its running batch and steps the model. Each
+//! owns an engine (embeddings, attention and KV caches, norms, gates, shared experts, lm head,
+//! sampling): one per dense replica of the node, a lane ([`super::lanes`]); routed experts run
+//! on the device actors and other nodes, shared by every lane. Each lives on its own thread: a
+//! step blocks that thread, and requests that arrive meanwhile join at the next step boundary.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use tokio::sync::mpsc;
 
+use super::lanes::{LaneState, Lanes, LanesCollector};
 use crate::engine::batch::{BatchLimits, Batcher, QueueFull, Sequence, SequenceEvent};
 use crate::engine::grammar::Constraint;
 use crate::engine::{Engine, SamplingParams};
@@ -29,6 +30,9 @@ pub struct RouterActor {
     engine: Engine,
     batcher: Batcher<EventSink>,
     metrics: Arc<NodeMetrics>,
+    /// Every lane's load; this router is lane `lane`.
+    lanes: Arc<Lanes>,
+    lane: usize,
     step_scheduled: bool,
     clock: Arc<StepClock>,
     /// Preemptions, prefix hits and the tokens they saved, already added to the metrics.
@@ -109,13 +113,19 @@ impl Message for Submit {
     type Result = Result<mpsc::Receiver<SequenceEvent>, QueueFull>;
 }
 
-/// How the HTTP layer and start-up reach the router.
+/// How the HTTP layer and start-up reach the routers, one per lane.
 #[derive(Clone)]
 pub struct RouterHandle {
-    addr: Addr<RouterActor>,
-    clock: Arc<StepClock>,
+    lanes: Vec<LaneHandle>,
+    loads: Arc<Lanes>,
     /// A step running longer than this means the router is stuck.
     stall_limit: Duration,
+}
+
+#[derive(Clone)]
+struct LaneHandle {
+    addr: Addr<RouterActor>,
+    clock: Arc<StepClock>,
 }
 
 /// Whether the router can serve.
@@ -139,31 +149,74 @@ pub enum SubmitError {
 }
 
 impl RouterHandle {
-    /// Queues a generation; its events arrive on the returned receiver.
+    /// Starts one router per lane, each on its own thread: `lanes` gives each lane's engine
+    /// (its dense part on a GPU of its own, or the host) and batching limits (its KV
+    /// budget). A step that runs longer than `stall_limit` counts as a stalled router (see
+    /// [`RouterHandle::state`]). The lanes' series go to `metrics`.
+    pub fn start(
+        lanes: Vec<(Engine, BatchLimits)>,
+        metrics: Arc<NodeMetrics>,
+        stall_limit: Duration,
+    ) -> RouterHandle {
+        let loads = Arc::new(Lanes::new(
+            lanes.iter().map(|(engine, _)| engine.dense_gpu()).collect(),
+        ));
+        metrics.register_collector(Box::new(LanesCollector(loads.clone())));
+        let lanes = lanes
+            .into_iter()
+            .enumerate()
+            .map(|(lane, (engine, limits))| {
+                let router = RouterActor::new(engine, limits, metrics.clone(), loads.clone(), lane);
+                let clock = router.clock.clone();
+                let arbiter = Arbiter::new();
+                LaneHandle {
+                    addr: RouterActor::start_in_arbiter(&arbiter.handle(), move |_| router),
+                    clock,
+                }
+            })
+            .collect();
+        RouterHandle {
+            lanes,
+            loads,
+            stall_limit,
+        }
+    }
+
+    /// Queues a generation on the lane with the most room; its events arrive on the
+    /// returned receiver.
     pub async fn submit(
         &self,
         submit: Submit,
     ) -> Result<mpsc::Receiver<SequenceEvent>, SubmitError> {
-        Ok(self
-            .addr
-            .send(submit)
-            .await
-            .map_err(|_| SubmitError::Stopped)??)
+        let arriving = self.loads.choose();
+        let lane = self.lanes.get(arriving.lane).ok_or(SubmitError::Stopped)?;
+        let queued = lane.addr.send(submit).await;
+        drop(arriving);
+        Ok(queued.map_err(|_| SubmitError::Stopped)??)
     }
 
-    /// Whether the router still runs and steps.
+    /// Whether every lane's router still runs and steps.
     pub fn is_running(&self) -> bool {
         self.state() == RouterState::Running
     }
 
+    /// The worst lane's state: a node with a stopped or stalled lane would fail or hold the
+    /// requests sent there.
     pub fn state(&self) -> RouterState {
-        if !self.addr.connected() {
-            return RouterState::Stopped;
+        let now = Instant::now();
+        let mut state = RouterState::Running;
+        for lane in &self.lanes {
+            if !lane.addr.connected() {
+                return RouterState::Stopped;
+            }
+            if let Some(running) = lane.clock.running_for(now)
+                && running > self.stall_limit
+                && !matches!(state, RouterState::Stalled(worst) if worst >= running)
+            {
+                state = RouterState::Stalled(running);
+            }
         }
-        match self.clock.running_for(Instant::now()) {
-            Some(running) if running > self.stall_limit => RouterState::Stalled(running),
-            _ => RouterState::Running,
-        }
+        state
     }
 }
 
@@ -173,28 +226,24 @@ impl RouterHandle {
 struct Step;
 
 impl RouterActor {
-    pub fn new(engine: Engine, limits: BatchLimits, metrics: Arc<NodeMetrics>) -> Self {
+    fn new(
+        engine: Engine,
+        limits: BatchLimits,
+        metrics: Arc<NodeMetrics>,
+        lanes: Arc<Lanes>,
+        lane: usize,
+    ) -> Self {
         let eos = engine.config().eos_token_ids.clone();
         RouterActor {
             engine,
             batcher: Batcher::new(limits, eos),
             metrics,
+            lanes,
+            lane,
             step_scheduled: false,
             clock: Arc::new(StepClock::new()),
             preemptions_reported: 0,
             prefix_hits_reported: (0, 0),
-        }
-    }
-
-    /// Starts the router on its own thread. A step that runs longer than `stall_limit`
-    /// counts as a stalled router (see [`RouterHandle::state`]).
-    pub fn start_on_own_thread(self, stall_limit: Duration) -> RouterHandle {
-        let arbiter = Arbiter::new();
-        let clock = self.clock.clone();
-        RouterHandle {
-            addr: RouterActor::start_in_arbiter(&arbiter.handle(), move |_| self),
-            clock,
-            stall_limit,
         }
     }
 
@@ -207,20 +256,20 @@ impl RouterActor {
 
     fn update_gauges(&mut self) {
         let metrics = &self.metrics;
-        metrics.requests_running.set(self.batcher.running() as i64);
-        metrics.requests_waiting.set(self.batcher.waiting() as i64);
-        if let Some((used, total)) = self.batcher.kv_blocks() {
-            metrics.kv_cache_blocks_used.set(used as i64);
-            metrics.kv_cache_blocks.set(total as i64);
-        }
+        let (kv_blocks_used, kv_blocks) = self.batcher.kv_blocks().unwrap_or((0, 0));
+        let state = LaneState {
+            running: self.batcher.running(),
+            waiting: self.batcher.waiting(),
+            kv_blocks_used,
+            kv_blocks,
+            prefix_blocks: self.batcher.prefix_blocks(),
+        };
+        self.lanes.publish(self.lane, state, metrics);
         let preemptions = self.batcher.preemptions();
         metrics
             .preemptions
             .inc_by(preemptions - self.preemptions_reported);
         self.preemptions_reported = preemptions;
-        metrics
-            .prefix_cache_blocks
-            .set(self.batcher.prefix_blocks() as i64);
         let (hits, tokens) = self.batcher.prefix_hits();
         let (reported_hits, reported_tokens) = self.prefix_hits_reported;
         metrics.prefix_cache_hits.inc_by(hits - reported_hits);
@@ -286,6 +335,8 @@ impl Handler<Step> for RouterActor {
         let engine = &self.engine;
         let mut steps = self.batcher.plan_step(|cache| engine.fork_cache(cache));
         if !steps.is_empty() {
+            let tokens = steps.iter().map(|s| s.tokens.len()).sum();
+            self.lanes.count_tokens(self.lane, tokens);
             self.clock.begin(Instant::now());
             let result = self.engine.forward(&mut steps);
             self.clock.end();
