@@ -135,6 +135,10 @@ struct PlanArgs {
     /// Memory of each device in GiB: does everything fit?
     #[arg(long)]
     device_memory_gib: Option<f64>,
+    /// Devices per node holding a replica of the dense part and a KV cache, the first ones;
+    /// 0: every device (default: devices.dense_replicas).
+    #[arg(long)]
+    dense_replicas: Option<usize>,
     /// Largest imbalance (most loaded device / mean) the verdict accepts.
     #[arg(long, default_value_t = 2.0)]
     max_imbalance: f64,

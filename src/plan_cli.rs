@@ -50,6 +50,7 @@ pub fn run(args: &PlanArgs) -> anyhow::Result<bool> {
         memory_fraction: config.devices.gpu_memory_fraction,
         max_rows: config.batching.max_tokens_per_step * model.moe.top_k,
         dense_on_device: config.devices.dense_on_gpu,
+        dense_replicas: args.dense_replicas.unwrap_or(config.devices.dense_replicas),
         kv_cache_bytes: (config.batching.kv_cache_mib > 0)
             .then_some((config.batching.kv_cache_mib as u64) << 20),
         max_prompt_tokens: config.batching.max_prompt_tokens,

@@ -303,9 +303,9 @@ fn a_device_fits_only_with_room_for_its_work_area_within_the_usable_share() {
     let device = |memory_gib: f64| {
         let memory = format!("--device-memory-gib={memory_gib}");
         let mut args = eight_nodes_of_eight(model, "1");
-        args.push(&memory);
+        args.extend([memory.as_str(), "--dense-replicas", "1"]);
         let (report, _) = plan_json(&args);
-        // Device 1 of node 0: experts only (the dense part is on device 0).
+        // Device 1 of node 0: experts only (the dense part is on device 0 alone).
         let d = report["devices"][1].clone();
         assert_eq!(
             (d["node"].as_u64(), d["device"].as_u64()),
@@ -383,7 +383,8 @@ fn bad_input_exits_78_with_a_clear_message() {
 /// The device that holds the dense part holds the KV caches too: what `batching.kv_cache_mib`
 /// sets (counted in the fit), or, as `serve` sizes it at start-up, 90% of what the weights
 /// and work area leave, halved; in whole blocks of 16 positions of 140,544 bytes (K3's MLA
-/// cache: 61 layers × (512 latent + 64 rotary) × 4 bytes).
+/// cache: 61 layers × (512 latent + 64 rotary) × 4 bytes). Here with the dense part on
+/// device 0 alone (`--dense-replicas 1`); the next test has a replica on every device.
 #[test]
 fn the_kv_cache_holds_what_the_dense_device_leaves_or_what_the_config_sets() {
     let dir = tempfile::tempdir().unwrap();
@@ -397,6 +398,8 @@ fn the_kv_cache_holds_what_the_dense_device_leaves_or_what_the_config_sets() {
             "0",
             &memory,
             "--accept-unavailable-on-failure",
+            "--dense-replicas",
+            "1",
         ]);
         if let Some(config) = config {
             args.extend(["--config", config.to_str().unwrap()]);
@@ -445,4 +448,48 @@ fn the_kv_cache_holds_what_the_dense_device_leaves_or_what_the_config_sets() {
         problems.contains("1.0 GiB of KV cache (batching.kv_cache_mib) do not fit"),
         "{problems}"
     );
+}
+
+/// Kimi K2 (FP8, 61 layers, 384 experts) on 3 nodes of 8 x 141 GiB with two copies of every
+/// expert: with a dense replica on every GPU (the default, `devices.dense_replicas = 0`) every
+/// GPU holds the dense part and a KV cache of more than 100k positions, and the plan is
+/// ready. With the dense part on GPU 0 alone, GPU 0 carries as many experts as the others
+/// beside it, and GPUs 1-7 hold no KV cache at all.
+#[test]
+fn kimi_k2_on_three_nodes_runs_attention_on_every_gpu_with_room_for_long_contexts() {
+    let model = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/configs/kimi_k2");
+    let shape = |replicas: &str| {
+        plan_json(&[
+            "--model",
+            model,
+            "--nodes",
+            "3",
+            "--devices-per-node",
+            "8",
+            "--replication",
+            "2",
+            "--device-memory-gib",
+            "141",
+            "--dense-replicas",
+            replicas,
+        ])
+        .0
+    };
+    let every = shape("0");
+    assert_eq!(every["verdict"]["ok"], true, "{}", every["verdict"]);
+    let devices = every["devices"].as_array().unwrap();
+    assert_eq!(devices.len(), 24);
+    for d in devices {
+        assert!(d["dense_bytes"].as_u64().unwrap() > 20 << 30, "{d}");
+        let positions = d["kv_positions"].as_u64().unwrap();
+        assert!(positions >= 100_000, "{d}");
+        assert_eq!(d["fits"], true, "{d}");
+    }
+    let first = shape("1");
+    let devices = first["devices"].as_array().unwrap();
+    let with_kv = devices
+        .iter()
+        .filter(|d| d["kv_positions"].is_u64())
+        .count();
+    assert_eq!(with_kv, 3, "one KV cache per node: {first}");
 }

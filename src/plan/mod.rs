@@ -36,9 +36,10 @@ pub struct PlanInput<'a> {
     pub memory_fraction: f64,
     /// Grouped rows of one step at most (tokens per step × top-k): sizes the work area.
     pub max_rows: usize,
-    /// The dense part lives on each node's device 0 (else in host memory), and with it the
-    /// KV caches.
+    /// The dense part lives on the devices (else in host memory), and with it the KV
+    /// caches: a replica on each of every node's first `dense_replicas` devices (0: all).
     pub dense_on_device: bool,
+    pub dense_replicas: usize,
     /// `batching.kv_cache_mib` in bytes; `None` (0 in the config): sized at start-up from
     /// the memory left where the caches live.
     pub kv_cache_bytes: Option<u64>,
@@ -193,6 +194,17 @@ struct LayerPlan {
     balanced_imbalance: Option<f64>,
 }
 
+impl PlanInput<'_> {
+    /// Whether global device `d` holds a replica of the dense part.
+    fn holds_dense(&self, d: usize) -> bool {
+        let replicas = match self.dense_replicas {
+            0 => self.devices_per_node,
+            n => n,
+        };
+        self.dense_on_device && d % self.devices_per_node.max(1) < replicas
+    }
+}
+
 /// Makes the plan.
 pub fn plan(input: &PlanInput) -> Result<PlanReport, PlanError> {
     let model = input.model;
@@ -218,7 +230,7 @@ pub fn plan(input: &PlanInput) -> Result<PlanReport, PlanError> {
     let sizes = ModelSizes::of(model);
     let work = sizes::gpu_work_bytes(model, input.max_rows);
     let node_of: Vec<u16> = (0..devices).map(|d| (d / per_node) as u16).collect();
-    let dense_on = |d: usize| input.dense_on_device && d.is_multiple_of(per_node);
+    let dense_on = |d: usize| input.holds_dense(d);
     // Spare slots per device and layer, as far as memory allows.
     let spare: Vec<usize> = (0..devices)
         .map(|d| {
@@ -393,7 +405,7 @@ fn empty_device_reports(input: &PlanInput, sizes: &ModelSizes, work: u64) -> Vec
             experts: BTreeMap::new(),
             redundant_experts: 0,
             expert_bytes: 0,
-            dense_bytes: if input.dense_on_device && d.is_multiple_of(per_node) {
+            dense_bytes: if input.holds_dense(d) {
                 sizes.dense_bytes
             } else {
                 0
