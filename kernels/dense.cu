@@ -44,22 +44,32 @@ extern "C" __global__ void rope(float* x, int heads, int head_width, int offset,
 
 #define ATTEND_TILE 256
 
+// Positions of one sequence per block of a paged cache (KvBudget::BLOCK_TOKENS).
+#define KV_BLOCK 16
+
+// The pool row holding position `pos` of the sequence whose block table is `table`: block
+// table[pos / KV_BLOCK] holds its positions KV_BLOCK * (pos / KV_BLOCK) onwards.
+__device__ __forceinline__ size_t cached_row(const int* table, int pos) {
+    return (size_t)table[pos / KV_BLOCK] * KV_BLOCK + pos % KV_BLOCK;
+}
+
 // Attention of one query row and head over its sequence's cached keys and values, causal,
 // optionally within a sliding window; softmax computed a tile of positions at a time with a
 // running maximum (no score array as long as the context).
 //
 // Block (row, head) = (blockIdx.x / heads, blockIdx.x % heads). Query: q[row][head][0..dk)
-// (row stride heads * dk). The row's sequence `seq = row_seq[row]` has its keys at
-// keys[seq] + position * kv_stride + kv_head * k_head_stride (dk values) and values at
-// values[seq] + position * kv_stride + kv_head * v_head_stride (dv values), kv_head =
-// head / group. The row is at position row_pos[row] and sees positions up to it (the last
+// (row stride heads * dk). The row's sequence `seq = row_seq[row]` has its block table at
+// blocks + seq * table_stride, and a position's key at key_pool + cached_row * kv_stride +
+// kv_head * k_head_stride (dk values), its value at value_pool + cached_row * kv_stride +
+// kv_head * v_head_stride (dv values), kv_head = head / group. The row is at position row_pos[row] and sees positions up to it (the last
 // `window` of them when window > 0). out[row][head][0..dv).
 //
 // GQA: dk = dv = head_dim, kv_stride = kv_heads * head_dim. MLA in its absorbed form: one
 // kv head whose key is [latent | rotary key] and whose value is the latent (values = keys).
 // Dynamic shared memory: dk + ATTEND_TILE + dv floats.
 extern "C" __global__ void attend(const float* q, int heads, int group, int dk, int dv,
-                                  const float* const* keys, const float* const* values,
+                                  const float* key_pool, const float* value_pool,
+                                  const int* blocks, int table_stride,
                                   int kv_stride, int k_head_stride, int v_head_stride,
                                   const int* row_seq, const int* row_pos, int window,
                                   float scale, float* out) {
@@ -70,8 +80,9 @@ extern "C" __global__ void attend(const float* q, int heads, int group, int dk, 
     int row = blockIdx.x / heads, head = blockIdx.x % heads;
     int seq = row_seq[row], pos = row_pos[row];
     int first = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
-    const float* k = keys[seq] + (size_t)(head / group) * k_head_stride;
-    const float* v = values[seq] + (size_t)(head / group) * v_head_stride;
+    const int* table = blocks + (size_t)seq * table_stride;
+    const float* k = key_pool + (size_t)(head / group) * k_head_stride;
+    const float* v = value_pool + (size_t)(head / group) * v_head_stride;
 
     for (int i = threadIdx.x; i < dk; i += blockDim.x) {
         query[i] = q[((size_t)row * heads + head) * dk + i];
@@ -85,7 +96,7 @@ extern "C" __global__ void attend(const float* q, int heads, int group, int dk, 
     for (int start = first; start <= pos; start += ATTEND_TILE) {
         int len = min(ATTEND_TILE, pos + 1 - start);
         for (int j = threadIdx.x; j < len; j += blockDim.x) {
-            const float* key = k + (size_t)(start + j) * kv_stride;
+            const float* key = k + cached_row(table, start + j) * kv_stride;
             float dot = 0.0f;
             for (int i = 0; i < dk; ++i) {
                 dot += query[i] * key[i];
@@ -106,7 +117,7 @@ extern "C" __global__ void attend(const float* q, int heads, int group, int dk, 
         for (int d = threadIdx.x; d < dv; d += blockDim.x) {
             float sum = 0.0f;
             for (int j = 0; j < len; ++j) {
-                sum += tile[j] * v[(size_t)(start + j) * kv_stride + d];
+                sum += tile[j] * v[cached_row(table, start + j) * kv_stride + d];
             }
             acc[d] = acc[d] * rescale + sum;
         }
@@ -145,13 +156,15 @@ extern "C" __global__ void copy_rows(const float* src, int src_stride, float* ds
     }
 }
 
-// One block per row: appends the step's rows to their sequences' caches. Row r (`width`
-// values of `src`, packed) goes to position row_pos[r] of cache[row_seq[r]], positions
-// `width` apart.
-extern "C" __global__ void store_rows(const float* src, int width, float* const* cache,
-                                      const int* row_seq, const int* row_pos) {
+// One block per row: appends the step's rows to their sequences' paged caches. Row r (`width`
+// values of `src`, packed) goes to position row_pos[r] of sequence row_seq[r]: the pool's
+// row that the sequence's block table maps it to, rows `width` apart.
+extern "C" __global__ void store_rows(const float* src, int width, float* pool,
+                                      const int* blocks, int table_stride, const int* row_seq,
+                                      const int* row_pos) {
     const float* from = src + (size_t)blockIdx.x * width;
-    float* to = cache[row_seq[blockIdx.x]] + (size_t)row_pos[blockIdx.x] * width;
+    const int* table = blocks + (size_t)row_seq[blockIdx.x] * table_stride;
+    float* to = pool + cached_row(table, row_pos[blockIdx.x]) * width;
     for (int c = threadIdx.x; c < width; c += blockDim.x) {
         to[c] = from[c];
     }

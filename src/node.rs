@@ -206,6 +206,9 @@ impl Node {
             let dense_on_gpu = engine.dense_gpu().is_some();
             let (limits, lane_model) =
                 batch_limits(config, model.clone(), &engine, &targets, dense_on_gpu);
+            if let Some(kv) = limits.kv {
+                engine.reserve_kv_cache(kv.blocks)?;
+            }
             if lane_model.max_position_embeddings < served.max_position_embeddings {
                 served = lane_model;
             }
@@ -476,7 +479,7 @@ fn kv_budget(
         match engine.cache_gpu_free_memory() {
             Some(Ok(free)) => (
                 KvBudget::gpu_share(free.saturating_sub(spare_slot_bytes) as u64) as usize,
-                "90% of the GPU's free memory, halved (caches grow by doubling)",
+                "90% of the GPU's free memory, the pool of its cache blocks",
             ),
             Some(Err(error)) => {
                 tracing::warn!(%error, "GPU free memory unknown: the KV cache is not bounded");

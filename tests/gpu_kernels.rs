@@ -379,21 +379,32 @@ fn rope_matches_the_cpu_on_the_gpu() {
 
 #[test]
 fn attention_matches_the_cpu_on_the_gpu() {
+    use moe_node::compute::cuda::dense::{BlockTable, PagedCache};
     for (mla, window) in [(false, 0), (false, 4), (true, 0)] {
         let Some(d) = dense_or_skip() else { return };
         let c = AttentionCase::new(mla, window);
-        let key_slices: Vec<_> = c.keys.iter().map(|k| d.upload(k)).collect();
-        let value_slices: Vec<_> = c.values.iter().map(|v| d.upload(v)).collect();
-        let key_ptrs: Vec<u64> = key_slices.iter().map(|k| k.1).collect();
-        let value_ptrs: Vec<u64> = value_slices.iter().map(|v| v.1).collect();
-        let (_kp, keys) = d.upload(&key_ptrs);
-        let (_vp, values) = d.upload(&value_ptrs);
+        let shape = c.shape;
+        let (keys, values) = (
+            common::paged(&c.keys, shape.kv_stride),
+            common::paged(&c.values, shape.kv_stride),
+        );
+        assert_eq!(keys.table, values.table);
+        let (_kp, key_pool) = d.upload(&keys.pool);
+        let (_vp, value_pool) = d.upload(&values.pool);
+        let (_t, blocks) = d.upload(&keys.table);
+        let cache = PagedCache {
+            keys: key_pool,
+            values: value_pool,
+            table: BlockTable {
+                blocks,
+                stride: keys.table_stride,
+            },
+        };
         let seqs: Vec<i32> = c.rows.iter().map(|r| r.0 as i32).collect();
         let positions: Vec<i32> = c.rows.iter().map(|r| r.1 as i32).collect();
         let (_rs, row_seq) = d.upload(&seqs);
         let (_rp, row_pos) = d.upload(&positions);
         let (_q, q) = d.upload(&c.q);
-        let shape = c.shape;
         let (out, out_ptr) = d.upload(&vec![0f32; c.rows.len() * shape.heads * shape.value_width]);
         // SAFETY: the buffers were uploaded above with the shapes the case states.
         unsafe {
@@ -402,8 +413,7 @@ fn attention_matches_the_cpu_on_the_gpu() {
                 &shape,
                 q,
                 c.rows.len(),
-                keys,
-                values,
+                &cache,
                 row_seq,
                 row_pos,
                 out_ptr,
@@ -498,4 +508,43 @@ fn a_gpu_takes_and_releases_experts_while_serving() {
     let refused = held.take(&share, 1e-12).unwrap_err().to_string();
     assert!(refused.contains("MiB"), "{refused}");
     assert_eq!(held.experts_held(), 4);
+}
+
+/// Caches on a GPU take blocks of 16 positions from its pool: with a pool of two blocks, a
+/// 20-token prompt takes both; a second sequence's step then fails with a clear error (the
+/// batcher's budget keeps a serving node from getting there), and runs once the first
+/// sequence's cache is dropped and its blocks are back.
+#[test]
+fn gpu_kv_caches_take_blocks_of_the_pool_and_a_full_pool_fails_clearly() {
+    use moe_node::engine::SequenceStep;
+    if gpu_or_skip().is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let spec = moe_node::model::demo::DemoSpec::default();
+    moe_node::model::demo::write_demo_model(dir.path(), &spec, |_, _| {}).unwrap();
+    let source = ModelSource::files(dir.path());
+    let engine = moe_node::engine::gpu::engine_on_gpu(&source, 0, true, None, None).unwrap();
+    engine.reserve_kv_cache(2).unwrap();
+    let long: Vec<u32> = (0..20).map(|t| 30 + t).collect();
+    let mut first = engine.new_cache();
+    engine
+        .forward(&mut [SequenceStep::new(&mut first, &long)])
+        .unwrap();
+    let mut second = engine.new_cache();
+    let error = engine
+        .forward(&mut [SequenceStep::new(&mut second, &[256, 7, 8])])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.contains("the GPU's KV cache is full: 1 more blocks needed, 0 of 2 free"),
+        "{error}"
+    );
+    assert_eq!(second.len(), 0, "a failed step extends no cache");
+    drop(first);
+    let logits = engine
+        .forward(&mut [SequenceStep::new(&mut second, &[256, 7, 8])])
+        .unwrap();
+    assert_eq!(logits[0].len(), engine.config().vocab_size);
+    assert_eq!(second.len(), 3);
 }

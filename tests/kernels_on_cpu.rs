@@ -355,32 +355,34 @@ fn rms_norm_of_the_first_columns_of_wider_rows_leaves_the_rest() {
     close(&out[0], &expected, 1e-5, "strided rms_norm");
 }
 
+/// Rows appended to paged caches land in the pool rows their block tables name, and
+/// nowhere else.
 #[test]
-fn store_rows_appends_each_row_at_its_sequences_position() {
+fn store_rows_writes_each_row_where_its_block_table_says() {
+    use moe_node::compute::cuda::dense::KV_BLOCK;
     let Some(exe) = harness() else { return };
     let width = 5;
-    // Two caches with room for 4 and 3 positions; sequence 0 gets a 2-row prefill at
-    // positions 1-2, sequence 1 one decode row at position 2.
-    let caches = [values(4 * width, 45), values(3 * width, 46)];
-    let (row_seq, row_pos) = ([0usize, 0, 1], [1usize, 2, 2]);
+    // Sequence 0 holds blocks [3, 0], sequence 1 block [2]; block 1 is free. Sequence 0
+    // gets a prefill row at position 17 and one at 2, sequence 1 a decode row at 4.
+    let table = [3i32, 0, 2, -1];
+    let pool = values(4 * KV_BLOCK * width, 45);
+    let (row_seq, row_pos) = ([0usize, 1, 0], [17usize, 4, 2]);
     let src = values(3 * width, 47);
-    let mut input = format!("{width} 2\n");
-    for c in &caches {
-        input += &format!("{}\n{}\n", c.len() / width, join(c));
-    }
-    input += &format!(
-        "3\n{}\n{}\n{}\n",
+    let input = format!(
+        "{width} 4 2 2\n{}\n{}\n3\n{}\n{}\n{}\n",
+        join(&pool),
+        join(&table),
         join(&row_seq),
         join(&row_pos),
         join(&src)
     );
     let out = run(exe, "store_rows", &input);
-    let mut expected = caches.clone();
-    for (r, (&s, &p)) in row_seq.iter().zip(&row_pos).enumerate() {
-        expected[s][p * width..(p + 1) * width].copy_from_slice(&src[r * width..(r + 1) * width]);
+    let mut expected = pool.clone();
+    // Pool rows: (0, 17) block 0 row 1; (1, 4) block 2 row 4; (0, 2) block 3 row 2.
+    for (r, pool_row) in [(0usize, 1), (1, 2 * KV_BLOCK + 4), (2, 3 * KV_BLOCK + 2)] {
+        expected[pool_row * width..][..width].copy_from_slice(&src[r * width..][..width]);
     }
-    close(&out[0], &expected[0], 0.0, "cache of sequence 0");
-    close(&out[1], &expected[1], 0.0, "cache of sequence 1");
+    close(&out[0], &expected, 0.0, "the pool");
 }
 
 #[test]
@@ -458,23 +460,24 @@ fn check_attention(mla: bool, window: usize) {
     let Some(exe) = harness() else { return };
     let c = AttentionCase::new(mla, window);
     let shape = &c.shape;
+    let keys = common::paged(&c.keys, shape.kv_stride);
     let mut input = format!(
-        "{} {:e} {} {}\n",
+        "{} {:e} {} {} {} {}\n{}\n",
         join(&shape.kernel_ints()),
         shape.scale,
         mla as i32,
-        c.keys.len()
+        c.keys.len(),
+        keys.blocks,
+        keys.table_stride,
+        join(&keys.pool)
     );
-    for s in 0..c.keys.len() {
+    if !mla {
         input += &format!(
-            "{}\n{}\n",
-            c.keys[s].len() / shape.kv_stride,
-            join(&c.keys[s])
+            "{}\n",
+            join(&common::paged(&c.values, shape.kv_stride).pool)
         );
-        if !mla {
-            input += &format!("{}\n", join(&c.values[s]));
-        }
     }
+    input += &format!("{}\n", join(&keys.table));
     let seqs: Vec<usize> = c.rows.iter().map(|r| r.0).collect();
     let positions: Vec<usize> = c.rows.iter().map(|r| r.1).collect();
     input += &format!(

@@ -276,7 +276,7 @@ pub struct BatchingConfig {
     pub default_max_tokens: usize,
     /// KV cache memory the running sequences may hold, in MiB; 0: sized after loading, from
     /// half of the host's available memory (caches on the host) or 90% of the GPU's free
-    /// memory, halved because caches there grow by doubling (caches on a GPU), less what
+    /// memory, allocated once as a pool of blocks (caches on a GPU, per dense replica), less what
     /// the spare expert slots in that memory will hold (`placement.redundant_slots_per_device`).
     /// Sequences
     /// wait while it is full, and the latest are preempted (recomputed later) rather than

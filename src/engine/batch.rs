@@ -70,9 +70,9 @@ impl KvBudget {
     }
 
     /// The bytes taken for caches on a GPU with `free` bytes left after loading: 90% of
-    /// them, halved (caches on a GPU grow by doubling).
+    /// them, allocated once as the GPU's pool of blocks (caches there are paged).
     pub fn gpu_share(free: u64) -> u64 {
-        free / 10 * 9 / 2
+        free / 10 * 9
     }
 
     /// Blocks holding `positions` positions of one sequence, and its state.

@@ -221,6 +221,18 @@ impl Engine {
         Some(model.free_memory())
     }
 
+    /// Allocates the GPU's pool of KV cache blocks at `blocks` blocks (the batcher's budget)
+    /// where the dense part is on a GPU; nothing on the host, whose caches are not pooled.
+    pub fn reserve_kv_cache(&self, blocks: usize) -> Result<(), CudaError> {
+        match &self.gpu {
+            Some(gpu) => gpu
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .reserve_kv_cache(blocks),
+            None => Ok(()),
+        }
+    }
+
     pub fn new_cache(&self) -> KvCache {
         match &self.gpu {
             Some(_) => KvCache::on_device(DeviceCache::new(&self.config)),

@@ -126,8 +126,8 @@ pub struct DeviceReport {
     /// [`sizes::gpu_work_bytes`]).
     pub work_bytes: u64,
     /// On a device holding the dense part: its KV cache budget, `batching.kv_cache_mib` or
-    /// as `serve` sizes it at start-up (90% of the memory left, halved: caches on a GPU grow
-    /// by doubling); `null` elsewhere, or when neither that nor the memory is known.
+    /// as `serve` sizes it at start-up (90% of the memory left: the GPU's pool of cache
+    /// blocks); `null` elsewhere, or when neither that nor the memory is known.
     pub kv_cache_bytes: Option<u64>,
     /// Positions that budget holds (all sequences together, whole blocks of
     /// [`KvBudget::BLOCK_TOKENS`]): the longest context the node serves.

@@ -137,6 +137,51 @@ impl RopeCase {
 /// positions (a decode row at its end) and a short one (a 3-row prefill chunk). GQA: 4 query
 /// heads over 2 kv heads of 16. MLA (absorbed): 4 heads over one latent of 16 plus a rotary
 /// key of 8; the value is the latent.
+/// Sequences' caches paged as a GPU keeps them (see `kernels/dense.cu`, `cached_row`).
+pub struct Paged {
+    /// `[blocks, KV_BLOCK, stride]` f32; rows no sequence holds are 1e30 (read by mistake,
+    /// they would swamp the result).
+    pub pool: Vec<f32>,
+    /// `[seqs, table_stride]` block ids.
+    pub table: Vec<i32>,
+    pub table_stride: usize,
+    pub blocks: usize,
+}
+
+/// `caches` (each `[positions, stride]` f32) paged into blocks of `KV_BLOCK` positions, the
+/// blocks handed out last to first and the sequences interleaved, so that only reading
+/// through the table finds each position.
+pub fn paged(caches: &[Vec<f32>], stride: usize) -> Paged {
+    use moe_node::compute::cuda::dense::KV_BLOCK;
+    let counts: Vec<usize> = caches
+        .iter()
+        .map(|c| (c.len() / stride).div_ceil(KV_BLOCK))
+        .collect();
+    let blocks: usize = counts.iter().sum();
+    let table_stride = counts.iter().copied().max().unwrap_or(1).max(1);
+    let mut table = vec![0i32; caches.len() * table_stride];
+    let mut pool = vec![1e30f32; blocks * KV_BLOCK * stride];
+    let mut next = blocks;
+    for b in 0..table_stride {
+        for (s, cache) in caches.iter().enumerate() {
+            if b >= counts[s] {
+                continue;
+            }
+            next -= 1;
+            table[s * table_stride + b] = next as i32;
+            let from = &cache[b * KV_BLOCK * stride..];
+            let from = &from[..from.len().min(KV_BLOCK * stride)];
+            pool[next * KV_BLOCK * stride..][..from.len()].copy_from_slice(from);
+        }
+    }
+    Paged {
+        pool,
+        table,
+        table_stride,
+        blocks,
+    }
+}
+
 pub struct AttentionCase {
     pub shape: AttentionShape,
     pub keys: Vec<Vec<f32>>,

@@ -199,26 +199,21 @@ int main(int argc, char** argv) {
         launch(rows, 64, 0, [&] { rms_norm(x.data(), stride, w.data(), width, eps, out.data()); });
         print(out);
     } else if (mode == "store_rows") {
-        // Sequences' caches (positions already there), then rows (sequence, position) of
-        // `width` values appended; prints each cache.
-        int width, seqs, rows;
-        std::cin >> width >> seqs;
-        std::vector<std::vector<float>> caches(seqs);
-        std::vector<float*> ptrs(seqs);
-        for (int s = 0; s < seqs; ++s) {
-            int capacity;
-            std::cin >> capacity;
-            caches[s] = read<float>((size_t)capacity * width);
-            ptrs[s] = caches[s].data();
-        }
+        // A paged cache: its pool of blocks of 16 positions and the sequences' block tables,
+        // then rows (sequence, position) of `width` values appended; prints the pool.
+        int width, blocks, seqs, table_stride, rows;
+        std::cin >> width >> blocks >> seqs >> table_stride;
+        auto pool = read<float>((size_t)blocks * 16 * width);
+        auto table = read<int>((size_t)seqs * table_stride);
         std::cin >> rows;
         auto row_seq = read<int>(rows);
         auto row_pos = read<int>(rows);
         auto src = read<float>((size_t)rows * width);
         launch(rows, 32, 0, [&] {
-            store_rows(src.data(), width, ptrs.data(), row_seq.data(), row_pos.data());
+            store_rows(src.data(), width, pool.data(), table.data(), table_stride,
+                       row_seq.data(), row_pos.data());
         });
-        for (auto& c : caches) print(c);
+        print(pool);
     } else if (mode == "copy_rows") {
         int rows, src_stride, dst_stride, width;
         std::cin >> rows >> src_stride >> dst_stride >> width;
@@ -250,31 +245,25 @@ int main(int argc, char** argv) {
         });
         print(x);
     } else if (mode == "attend") {
-        // Sequences' caches, then rows (sequence, position) with their queries.
+        // A paged cache (key pool, value pool unless values are the keys, block tables),
+        // then rows (sequence, position) with their queries.
         int heads, group, dk, dv, kv_stride, k_head_stride, v_head_stride, window, seqs, rows,
-            values_are_keys;
+            values_are_keys, blocks, table_stride;
         float scale;
         std::cin >> heads >> group >> dk >> dv >> kv_stride >> k_head_stride >> v_head_stride >>
-            window >> scale >> values_are_keys >> seqs;
-        std::vector<std::vector<float>> k_caches(seqs), v_caches(seqs);
-        std::vector<const float*> k_ptrs(seqs), v_ptrs(seqs);
-        for (int s = 0; s < seqs; ++s) {
-            int len;
-            std::cin >> len;
-            k_caches[s] = read<float>((size_t)len * kv_stride);
-            if (!values_are_keys) v_caches[s] = read<float>((size_t)len * kv_stride);
-            k_ptrs[s] = k_caches[s].data();
-            v_ptrs[s] = values_are_keys ? k_caches[s].data() : v_caches[s].data();
-        }
+            window >> scale >> values_are_keys >> seqs >> blocks >> table_stride;
+        auto keys = read<float>((size_t)blocks * 16 * kv_stride);
+        auto values = values_are_keys ? keys : read<float>((size_t)blocks * 16 * kv_stride);
+        auto table = read<int>((size_t)seqs * table_stride);
         std::cin >> rows;
         auto row_seq = read<int>(rows);
         auto row_pos = read<int>(rows);
         auto q = read<float>((size_t)rows * heads * dk);
         std::vector<float> out((size_t)rows * heads * dv);
         launch(rows * heads, 64, (dk + 256 + dv) * sizeof(float), [&] {
-            attend(q.data(), heads, group, dk, dv, k_ptrs.data(), v_ptrs.data(), kv_stride,
-                   k_head_stride, v_head_stride, row_seq.data(), row_pos.data(), window, scale,
-                   out.data());
+            attend(q.data(), heads, group, dk, dv, keys.data(), values.data(), table.data(),
+                   table_stride, kv_stride, k_head_stride, v_head_stride, row_seq.data(),
+                   row_pos.data(), window, scale, out.data());
         });
         print(out);
     } else {

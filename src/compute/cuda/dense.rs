@@ -33,6 +33,26 @@ fn per_row(rows: usize, threads: u32) -> LaunchConfig {
     }
 }
 
+/// Positions of one sequence per block of a paged KV cache: `KV_BLOCK` in dense.cu.
+pub const KV_BLOCK: usize = 16;
+
+/// The step's block tables as the kernels read them: `[seqs, stride]` i32 on the GPU, block
+/// `table[s][b]` of the pool holding positions `KV_BLOCK·b ..` of sequence `s`.
+#[derive(Debug, Clone, Copy)]
+pub struct BlockTable {
+    pub blocks: u64,
+    pub stride: usize,
+}
+
+/// One layer's paged KV cache: its key and value pools (`[blocks, KV_BLOCK, kv_stride]` f32;
+/// the same pool twice for MLA, whose values are inside its keys) and the step's tables.
+#[derive(Debug, Clone, Copy)]
+pub struct PagedCache {
+    pub keys: u64,
+    pub values: u64,
+    pub table: BlockTable,
+}
+
 /// Where a layer's queries, keys and values lie, for [`DenseKernels::attend`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AttentionShape {
@@ -202,13 +222,14 @@ impl DenseKernels {
         Ok(())
     }
 
-    /// Appends `rows` packed rows of `width` f32 to their sequences' caches: row `r` to
-    /// position `row_pos[r]` of the cache at `caches[row_seq[r]]`.
+    /// Appends `rows` packed rows of `width` f32 to their sequences' paged caches: row `r` to
+    /// position `row_pos[r]` of sequence `row_seq[r]`, in the row of `pool` its block table
+    /// maps that position to.
     ///
     /// # Safety
-    /// `src`: `[rows, width]` f32; `caches`: device array of device pointers, each to room
-    /// for every position named in `row_pos` for its rows; `row_seq`, `row_pos`: `[rows]`
-    /// i32.
+    /// `src`: `[rows, width]` f32; `pool`: `[blocks, KV_BLOCK, width]` f32; `table` as
+    /// [`PagedCache`] says, naming a block for every position in `row_pos` for its rows;
+    /// `row_seq`, `row_pos`: `[rows]` i32.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn store_rows(
         &self,
@@ -216,18 +237,22 @@ impl DenseKernels {
         src: u64,
         rows: usize,
         width: usize,
-        caches: u64,
+        pool: u64,
+        table: &BlockTable,
         row_seq: u64,
         row_pos: u64,
     ) -> Result<(), CudaError> {
         let width_i = width as i32;
+        let stride = table.stride as i32;
         // SAFETY: as the caller vouches; arguments match dense.cu.
         unsafe {
             stream
                 .launch_builder(&self.store_rows)
                 .arg(&src)
                 .arg(&width_i)
-                .arg(&caches)
+                .arg(&pool)
+                .arg(&table.blocks)
+                .arg(&stride)
                 .arg(&row_seq)
                 .arg(&row_pos)
                 .launch(per_row(rows, 128))?;
@@ -276,13 +301,12 @@ impl DenseKernels {
         Ok(())
     }
 
-    /// Causal attention of `rows` query rows, each over its own sequence's cache.
+    /// Causal attention of `rows` query rows, each over its own sequence's paged cache.
     ///
     /// # Safety
-    /// `q`: `[rows, heads, key_width]` f32; `keys`, `values`: device arrays of one device
-    /// pointer per sequence, each to that sequence's cached positions laid out as `shape`
-    /// says, covering every row's position; `row_seq`, `row_pos`: `[rows]` i32; `out`: room
-    /// for `[rows, heads, value_width]` f32.
+    /// `q`: `[rows, heads, key_width]` f32; `cache`'s pools hold positions laid out as `shape`
+    /// says, its table naming a block for every position up to each row's; `row_seq`,
+    /// `row_pos`: `[rows]` i32; `out`: room for `[rows, heads, value_width]` f32.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn attend(
         &self,
@@ -290,14 +314,14 @@ impl DenseKernels {
         shape: &AttentionShape,
         q: u64,
         rows: usize,
-        keys: u64,
-        values: u64,
+        cache: &PagedCache,
         row_seq: u64,
         row_pos: u64,
         out: u64,
     ) -> Result<(), CudaError> {
         let ints = shape.kernel_ints();
         let shared = (shape.key_width + ATTEND_TILE + shape.value_width) * 4;
+        let table_stride = cache.table.stride as i32;
         // SAFETY: as the caller vouches; arguments match dense.cu.
         unsafe {
             stream
@@ -307,8 +331,10 @@ impl DenseKernels {
                 .arg(&ints[1])
                 .arg(&ints[2])
                 .arg(&ints[3])
-                .arg(&keys)
-                .arg(&values)
+                .arg(&cache.keys)
+                .arg(&cache.values)
+                .arg(&cache.table.blocks)
+                .arg(&table_stride)
                 .arg(&ints[4])
                 .arg(&ints[5])
                 .arg(&ints[6])

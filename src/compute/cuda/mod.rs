@@ -94,6 +94,15 @@ pub enum CudaError {
     /// A shape the kernels do not take.
     #[error("not supported on the GPU: {0}")]
     Unsupported(String),
+    #[error(
+        "the GPU's KV cache is full: {needed} more blocks needed, {free} of {blocks} free \
+         (batching.kv_cache_mib, or what the GPU had left)"
+    )]
+    KvCacheFull {
+        needed: usize,
+        free: usize,
+        blocks: usize,
+    },
     #[error("{rows} rows for one expert, but the GPU work area takes {max_rows}")]
     TooManyRows { rows: usize, max_rows: usize },
     #[error("GPU {gpu} self-check: {reason}")]

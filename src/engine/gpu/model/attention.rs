@@ -56,19 +56,20 @@ impl GpuModel {
                     self.norm(n, keys, rows * num_kv_heads, head_dim, keys)?;
                 }
                 let out = scratch.f32(rows * heads * head_dim)?;
-                // SAFETY: buffers sized above from the same shapes; the cache pointers of
-                // this layer have room for every row's position (reserved by `forward`).
+                // SAFETY: buffers sized above from the same shapes; the block tables name
+                // a block for every row's position (reserved by `forward`).
                 unsafe {
                     self.rotate(step, queries, heads, head_dim, 0)?;
                     self.rotate(step, keys, num_kv_heads, head_dim, 0)?;
-                    let (key_table, value_table) = (step.pointers(l, 0), step.pointers(l, 1));
+                    let cache = step.cache(l);
                     let d = &self.dense;
                     d.store_rows(
                         stream,
                         keys,
                         rows,
                         kv_width,
-                        key_table,
+                        cache.keys,
+                        &cache.table,
                         step.row_seq,
                         step.row_pos,
                     )?;
@@ -77,7 +78,8 @@ impl GpuModel {
                         values,
                         rows,
                         kv_width,
-                        value_table,
+                        cache.values,
+                        &cache.table,
                         step.row_seq,
                         step.row_pos,
                     )?;
@@ -97,8 +99,7 @@ impl GpuModel {
                         &shape,
                         queries,
                         rows,
-                        key_table,
-                        value_table,
+                        &cache,
                         step.row_seq,
                         step.row_pos,
                         out,
@@ -141,8 +142,8 @@ impl GpuModel {
                 let compressed = scratch.f32(rows * key_width)?;
                 self.linear(kv_down, x, rows, compressed, Output::F32)?;
                 let d = &self.dense;
-                // SAFETY: buffers sized above; the cache pointers of this layer have room for
-                // every row's position (reserved by `forward`).
+                // SAFETY: buffers sized above; the block tables name a block for every row's
+                // position (reserved by `forward`).
                 unsafe {
                     self.rotate(step, queries, heads, q_width, nope)?;
                     d.rms_norm(
@@ -156,12 +157,14 @@ impl GpuModel {
                         compressed,
                     )?;
                     self.rotate(step, compressed, 1, key_width, lora)?;
+                    let cache = step.cache(l);
                     d.store_rows(
                         stream,
                         compressed,
                         rows,
                         key_width,
-                        step.pointers(l, 0),
+                        cache.keys,
+                        &cache.table,
                         step.row_seq,
                         step.row_pos,
                     )?;
@@ -200,7 +203,7 @@ impl GpuModel {
                         rows * heads,
                         rope,
                     )?;
-                    let table = step.pointers(l, 0);
+                    let cache = step.cache(l);
                     let shape = AttentionShape {
                         heads,
                         group: heads,
@@ -217,8 +220,7 @@ impl GpuModel {
                         &shape,
                         query,
                         rows,
-                        table,
-                        table,
+                        &cache,
                         step.row_seq,
                         step.row_pos,
                         latent_out,

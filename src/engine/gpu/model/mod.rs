@@ -8,21 +8,21 @@
 //! normalised rows go to the host, the host routes them (the CPU's gate), and the combined
 //! expert output comes back.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaStream, result, sys};
 
 use crate::compute::cuda::blas::{self, Gemm, Output};
-use crate::compute::cuda::dense::DenseKernels;
+use crate::compute::cuda::dense::{BlockTable, DenseKernels, PagedCache};
 use crate::compute::cuda::moe::MoeKernels;
 use crate::compute::cuda::{CudaError, GpuInfo};
 use crate::compute::layout::{RopeAngles, Segment};
 use crate::experts::{ExpertError, ExpertExecutor};
 use crate::model::config::{AttentionConfig, ModelConfig, QkNorm};
 use crate::model::weights::DenseWeights;
-pub use cache::DeviceCache;
 use cache::Scratch;
+pub use cache::{DeviceCache, KvPool};
 use routed::{DeviceGate, RoutedError};
 use weights::{Layer, Matrix, Mlp, Norm, Uploaded, weight_bytes};
 
@@ -48,7 +48,15 @@ pub struct GpuModel {
     /// Each layer's router where MoE layers route on the GPU (empty where they route on the
     /// host: see [`routed`]).
     gates: Vec<Option<DeviceGate>>,
+    /// The pool every KV cache of this GPU takes its blocks from: sized by
+    /// [`GpuModel::reserve_kv_cache`], or at the first step for
+    /// [`DEFAULT_POOL_SEQUENCES`] whole contexts within what the GPU has free.
+    kv: Mutex<Option<Arc<KvPool>>>,
 }
+
+/// Whole contexts a KV pool not sized by the node holds (`generate`, the tests): the GPU's
+/// free memory bounds it too.
+const DEFAULT_POOL_SEQUENCES: usize = 8;
 
 /// Lets the GPU's default memory pool keep what a step frees: each step's work buffers come
 /// from the pool (stream-ordered) and, with the default threshold of 0, would go back to the
@@ -122,6 +130,7 @@ impl GpuModel {
         let model = GpuModel {
             gpu: gpu.ordinal,
             gates,
+            kv: Mutex::new(None),
             final_norm,
             lm_head,
             blas,
@@ -212,13 +221,61 @@ impl GpuModel {
         self.gpu
     }
 
-    /// A copy of the first `positions` positions of `cache`, in new GPU memory.
+    /// Allocates the pool of KV cache blocks every sequence of this GPU takes its cache from:
+    /// `blocks` blocks of [`KV_BLOCK`](crate::compute::cuda::dense::KV_BLOCK) positions
+    /// (the batcher's budget, so that what it admits fits). Refused once caches hold blocks
+    /// of an earlier pool.
+    pub fn reserve_kv_cache(&self, blocks: usize) -> Result<(), CudaError> {
+        let mut kv = self.kv.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(pool) = kv.as_ref()
+            && pool.free_blocks() < pool.blocks()
+        {
+            return Err(CudaError::Unsupported(
+                "resizing a KV cache pool whose blocks are in use".into(),
+            ));
+        }
+        *kv = None;
+        let pool = KvPool::new(&self.stream, &self.config, blocks.max(1))?;
+        self.stream.synchronize()?;
+        tracing::info!(
+            gpu = self.gpu,
+            blocks,
+            mib = (blocks * KvPool::block_bytes(&self.config)) >> 20,
+            "KV cache pool on the GPU"
+        );
+        *kv = Some(Arc::new(pool));
+        Ok(())
+    }
+
+    /// The KV pool, allocated at its default size on first use.
+    fn kv_pool(&self) -> Result<Arc<KvPool>, CudaError> {
+        let mut kv = self.kv.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(pool) = kv.as_ref() {
+            return Ok(pool.clone());
+        }
+        let block = KvPool::block_bytes(&self.config).max(1);
+        let wanted = DEFAULT_POOL_SEQUENCES
+            * self
+                .config
+                .max_position_embeddings
+                .div_ceil(crate::compute::cuda::dense::KV_BLOCK);
+        let room = self.free_memory()? / 10 * 9 / block;
+        let pool = Arc::new(KvPool::new(
+            &self.stream,
+            &self.config,
+            wanted.min(room).max(1),
+        )?);
+        *kv = Some(pool.clone());
+        Ok(pool)
+    }
+
+    /// A copy of the first `positions` positions of `cache`, in blocks of its own.
     pub fn copy_cache(
         &self,
         cache: &DeviceCache,
         positions: usize,
     ) -> Result<DeviceCache, CudaError> {
-        let copy = cache.copy(&self.stream, positions)?;
+        let copy = cache.copy(&self.stream, &self.kv_pool()?, positions)?;
         self.stream.synchronize()?;
         Ok(copy)
     }
@@ -245,9 +302,9 @@ impl GpuModel {
         let h = cfg.hidden_size;
         let rows = hidden.len() / h;
         let mut phases = Phases::new();
+        let pool = self.kv_pool()?;
         for (cache, segment) in caches.iter_mut().zip(segments) {
-            let end = segment.start_position + segment.rows.len();
-            cache.reserve(stream, end, segment.start_position)?;
+            cache.reserve(&pool, segment.start_position + segment.rows.len())?;
         }
         let mut scratch = Scratch {
             stream,
@@ -265,12 +322,17 @@ impl GpuModel {
                 row_pos.push((segment.start_position + i) as i32);
             }
         }
-        // One pointer per (layer, array, sequence).
-        let seqs = caches.len();
-        let mut table = Vec::with_capacity(self.layers.len() * 2 * seqs);
-        for l in 0..self.layers.len() {
-            for which in 0..2 {
-                table.extend(caches.iter().map(|c| c.ptr(l, which)));
+        // Each sequence's blocks, `[seqs, stride]` (shared by every layer).
+        let stride = caches
+            .iter()
+            .map(|c| c.blocks().len())
+            .max()
+            .unwrap_or(0)
+            .max(1);
+        let mut table = vec![0i32; caches.len() * stride];
+        for (row, cache) in table.chunks_mut(stride).zip(caches.iter()) {
+            for (slot, &block) in row.iter_mut().zip(cache.blocks()) {
+                *slot = block as i32;
             }
         }
         let step = Step {
@@ -280,8 +342,11 @@ impl GpuModel {
             rope_dim,
             row_seq: scratch.upload(&row_seq)?,
             row_pos: scratch.upload(&row_pos)?,
-            table: scratch.upload(&table)?,
-            seqs,
+            table: BlockTable {
+                blocks: scratch.upload(&table)?,
+                stride,
+            },
+            pool,
         };
 
         let normed = scratch.f32(rows * h)?;
@@ -367,7 +432,7 @@ impl GpuModel {
         };
         stream.synchronize().map_err(CudaError::from)?;
         phases.end(4, stream)?;
-        phases.log(rows, seqs);
+        phases.log(rows, caches.len());
         Ok(out)
     }
 }
@@ -473,14 +538,24 @@ struct Step {
     rope_dim: usize,
     row_seq: u64,
     row_pos: u64,
-    /// `[layers, 2, seqs]` cache pointers.
-    table: u64,
-    seqs: usize,
+    /// Each sequence's blocks of `pool`.
+    table: BlockTable,
+    pool: Arc<KvPool>,
 }
 
 impl Step {
     /// The device array of sequences' pointers to array `which` of layer `layer`.
-    fn pointers(&self, layer: usize, which: usize) -> u64 {
-        self.table + (((layer * 2 + which) * self.seqs) * 8) as u64
+    /// Layer `layer`'s paged cache (MLA's values are inside its keys: the same pool).
+    fn cache(&self, layer: usize) -> PagedCache {
+        let keys = self.pool.layer(layer, 0);
+        let values = match self.pool.layer(layer, 1) {
+            0 => keys,
+            values => values,
+        };
+        PagedCache {
+            keys,
+            values,
+            table: self.table,
+        }
     }
 }
