@@ -26,6 +26,13 @@ getent passwd moe-node >/dev/null || fail "no moe-node user"
 expect_mode /etc/moe-node/moe-node.toml root:moe-node 640
 expect_mode /etc/moe-node/credentials/api_keys root:root 600
 expect_mode /etc/moe-node/credentials/control_plane_token root:root 600
+expect_mode /etc/moe-node/credentials/cluster_secrets root:root 600
+# A cluster secret made on install (128 random bits, hex), once: configuring again adds none.
+secret_lines() { grep -c '^[^#[:space:]]' /etc/moe-node/credentials/cluster_secrets || true; }
+grep -Eqx '[0-9a-f]{32}' /etc/moe-node/credentials/cluster_secrets ||
+    fail "no generated secret in /etc/moe-node/credentials/cluster_secrets"
+/var/lib/dpkg/info/moe-node.postinst configure >/dev/null
+[ "$(secret_lines)" = 1 ] || fail "configuring again changed the generated secret"
 unit=/lib/systemd/system/moe-node.service
 [ -f "$unit" ] || unit=/usr/lib/systemd/system/moe-node.service
 [ -f "$unit" ] || fail "no moe-node.service"
@@ -55,6 +62,7 @@ chmod -R a+rX "$credentials"
 as_service=(setpriv --reuid moe-node --regid moe-node --init-groups
     env XDG_CACHE_HOME=/var/cache CREDENTIALS_DIRECTORY="$credentials")
 # shellcheck disable=SC2046 # the unit's command line, split as systemd splits it
+# (`moe-node check`: with the generated cluster secret among the credentials, it must pass.)
 "${as_service[@]}" $(exec_line ExecStartPre)
 base=http://127.0.0.1:8080
 if curl -s -o /dev/null "$base/health"; then fail "something already listens on $base"; fi
@@ -103,4 +111,5 @@ done
 rpm -qp --configfiles "$rpm_file" | grep -qx /etc/moe-node/moe-node.toml ||
     fail "the rpm does not keep /etc/moe-node/moe-node.toml on upgrade"
 rpm -qp --scripts "$rpm_file" | grep -q 'useradd --system' || fail "the rpm does not create its user"
+rpm -qp --scripts "$rpm_file" | grep -q 'cluster_secrets' || fail "the rpm makes no cluster secret"
 echo "package test: ok"
