@@ -248,6 +248,8 @@ fn load(state: &AppState, api: std::net::SocketAddr) -> Result<(), ServeError> {
         tool_format,
         created,
     });
+    // A reload after the join took its secrets and before now found nothing to give them to.
+    apply_cluster_secrets(state);
     crate::progress::report_to_systemd(false);
     let status = format!("serving {name}");
     let _ = sd_notify::notify(&[
@@ -461,7 +463,7 @@ fn listen_for_hangups() -> Hangups {}
 fn apply_reload(state: &AppState, in_force: &NodeConfig, new: &NodeConfig) {
     let changes = Changes::between(&state.config, in_force, new);
     state.live.apply(new);
-    apply_cluster_secrets(state, new);
+    apply_cluster_secrets(state);
     if let Err(error) = crate::logging::set_filter(&new.logging.filter) {
         tracing::warn!(%error, "logging.filter not applied");
     }
@@ -482,10 +484,13 @@ fn apply_reload(state: &AppState, in_force: &NodeConfig, new: &NodeConfig) {
     );
 }
 
-/// Hands the reloaded cluster secrets to gossip, which seals with the first and opens with
-/// these only from its next datagram: a secret removed from the configuration is refused at
-/// once.
-fn apply_cluster_secrets(state: &AppState, new: &NodeConfig) {
+/// Hands the cluster secrets as last read
+/// ([`LiveSettings::cluster_secrets`](crate::config::live::LiveSettings::cluster_secrets)) to gossip, which
+/// seals with the first and opens with these only from its next datagram, and to the peer
+/// handshake: a secret removed from the configuration is refused at once. While the node
+/// loads, the join takes them from there; once it serves, the loader calls this again, so a
+/// reload between the join and then is applied too.
+fn apply_cluster_secrets(state: &AppState) {
     if !state.config.cluster.enabled() {
         return;
     }
@@ -493,18 +498,16 @@ fn apply_cluster_secrets(state: &AppState, new: &NodeConfig) {
         .served()
         .and_then(|served| served.node.cluster.as_ref())
     else {
-        tracing::warn!(
-            "cluster.secrets: the node is still starting, gossip keeps the secrets it started \
-             with; reload again once it is ready"
-        );
+        tracing::info!("cluster.secrets: the node is still loading; it joins with these");
         return;
     };
-    if let Err(error) = joined.membership.set_keys(&new.cluster.secrets) {
+    let secrets = state.live.cluster_secrets();
+    if let Err(error) = joined.membership.set_keys(&secrets) {
         tracing::error!(%error, "cluster.secrets not applied to gossip");
     }
     // The peer handshake proves and accepts only the secrets read now (a secret removed is
     // refused from the next handshake on).
-    joined.set_peer_secrets(&new.cluster.secrets);
+    joined.set_peer_secrets(&secrets);
 }
 
 /// Exit status when the router is gone (sysexits' EX_SOFTWARE): systemd restarts the node.

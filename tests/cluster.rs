@@ -975,6 +975,93 @@ fn transport_ucx_without_ucx_refuses_to_start_and_says_why() {
     );
 }
 
+/// A visitor's peer handshake with the node at `peer`, proving `secret` for a model of
+/// `fingerprint`: the node's id, or why it failed.
+fn peer_handshake(
+    runtime: &tokio::runtime::Runtime,
+    peer: SocketAddr,
+    secret: &str,
+    fingerprint: u64,
+) -> Result<String, moe_node::transport::handshake::HandshakeError> {
+    use moe_node::transport::peer::client_handshake;
+    use moe_node::transport::{PeerAuth, PeerSecrets, TcpTransport, Transport};
+    let auth = PeerAuth {
+        node_id: "visitor".into(),
+        secrets: PeerSecrets::new(vec![secret.as_bytes().to_vec()]),
+        model_fingerprint: fingerprint,
+    };
+    runtime.block_on(async {
+        let mut stream = TcpTransport::default().connect(peer).await.unwrap();
+        client_handshake(&mut stream, &auth).await.map(|(id, _)| id)
+    })
+}
+
+/// The node's model fingerprint, as its server hello says it before any proof.
+fn model_fingerprint(runtime: &tokio::runtime::Runtime, peer: SocketAddr) -> u64 {
+    use moe_node::transport::handshake::HandshakeError;
+    match peer_handshake(runtime, peer, SECRET, 0) {
+        Err(HandshakeError::WrongModel { theirs, .. }) => theirs,
+        other => panic!("a foreign fingerprint is refused: {other:?}"),
+    }
+}
+
+/// A reload (SIGHUP) while the node is still loading, after it joined its cluster with the
+/// secrets it started with, is applied once it serves: the secret it dropped is refused by
+/// its peer handshake, the one kept accepted.
+#[test]
+fn a_secret_dropped_by_a_reload_while_loading_is_refused_once_the_node_serves() {
+    use moe_node::transport::handshake::HandshakeError;
+    const OLD: &str = "old-cluster-secret-0123456789";
+    let spec = ClusterSpec::new(2, Transport::Tcp);
+    let config = |i: usize, secrets: &str| {
+        let path = spec.config(i, &format!("node{}", i + 1), SECRET, spec.gossip_ports[i]);
+        let text = std::fs::read_to_string(&path)
+            .unwrap()
+            .replace("expect_nodes = 3", "expect_nodes = 2")
+            .replace("join_timeout_seconds = 4", "join_timeout_seconds = 60")
+            .replace(&format!("secrets = [\"{SECRET}\"]"), secrets);
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let path = config(0, &format!("secrets = [\"{SECRET}\", \"{OLD}\"]"));
+    let first = Node::start("node1", path.clone(), model());
+    // It has joined (its peer server is up) and waits for the second node.
+    first.wait_until(Duration::from_secs(30), "joined", || {
+        first.process.log_contains("peer transport:")
+    });
+    config(0, &format!("secrets = [\"{SECRET}\"]"));
+    first.signal("-HUP");
+    first.wait_until(Duration::from_secs(10), "reloaded", || {
+        first.process.log_contains("configuration reloaded")
+    });
+    assert_eq!(
+        first.get("/ready").status(),
+        StatusCode::SERVICE_UNAVAILABLE,
+        "the reload came while the node loads"
+    );
+    let second = Node::start(
+        "node2",
+        config(1, &format!("secrets = [\"{SECRET}\"]")),
+        model(),
+    );
+    first.wait_ready();
+    second.wait_ready();
+    let peer: SocketAddr = first.me()["peer"].as_str().unwrap().parse().unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let fingerprint = model_fingerprint(&runtime, peer);
+    assert_eq!(
+        peer_handshake(&runtime, peer, OLD, fingerprint),
+        Err(HandshakeError::RefusedByPeer)
+    );
+    assert_eq!(
+        peer_handshake(&runtime, peer, SECRET, fingerprint),
+        Ok("node1".to_string())
+    );
+}
+
 /// A secret removed from a node's configuration and reloaded (SIGHUP) is refused by its peer
 /// handshake at once, without a restart, and the links made with it close; the secret kept
 /// is accepted and its links stay up; the refusal is counted.
@@ -998,22 +1085,9 @@ fn a_secret_dropped_by_a_reload_is_refused_by_the_peer_handshake_at_once() {
         .enable_all()
         .build()
         .unwrap();
-    let handshake = |secret: &str, fingerprint: u64| {
-        let auth = PeerAuth {
-            node_id: "visitor".into(),
-            secrets: PeerSecrets::new(vec![secret.as_bytes().to_vec()]),
-            model_fingerprint: fingerprint,
-        };
-        runtime.block_on(async {
-            let mut stream = TcpTransport::default().connect(peer).await.unwrap();
-            client_handshake(&mut stream, &auth).await.map(|(id, _)| id)
-        })
-    };
-    // The server hello says the node's model fingerprint, before any proof.
-    let fingerprint = match handshake(SECRET, 0) {
-        Err(HandshakeError::WrongModel { theirs, .. }) => theirs,
-        other => panic!("a foreign fingerprint is refused: {other:?}"),
-    };
+    let handshake =
+        |secret: &str, fingerprint: u64| peer_handshake(&runtime, peer, secret, fingerprint);
+    let fingerprint = model_fingerprint(&runtime, peer);
     assert_eq!(handshake(OLD, fingerprint), Ok("lone".to_string()));
     // Links up before the reload, one made with each secret.
     let link = |secret: &str| {

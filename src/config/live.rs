@@ -27,6 +27,9 @@ pub struct LiveSettings {
     /// The keys in the control plane's desired state, salted and hashed.
     control_plane_api_keys: RwLock<Arc<Vec<SaltedKey>>>,
     rebalance_interval_seconds: AtomicU64,
+    /// `cluster.secrets` as last read: a node joining its cluster takes them from here, so
+    /// that a reload while it loads is not lost.
+    cluster_secrets: RwLock<Arc<Vec<String>>>,
 }
 
 impl LiveSettings {
@@ -54,6 +57,18 @@ impl LiveSettings {
             config.placement.rebalance_interval_seconds,
             Ordering::Release,
         );
+        *self
+            .cluster_secrets
+            .write()
+            .unwrap_or_else(|e| e.into_inner()) = Arc::new(config.cluster.secrets.clone());
+    }
+
+    /// `cluster.secrets` as last read (at start or by the latest reload).
+    pub fn cluster_secrets(&self) -> Arc<Vec<String>> {
+        self.cluster_secrets
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// The keys (salted hashes) the control plane accepts for this node's cluster,

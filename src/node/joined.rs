@@ -103,7 +103,9 @@ pub fn join(
         .enable_all()
         .build()
         .map_err(ClusterError::Runtime)?;
-    let peer_secrets = PeerSecrets::from_config(&config.secrets);
+    // As last read: a reload while the node loads has put its secrets there.
+    let secrets = live.cluster_secrets();
+    let peer_secrets = PeerSecrets::from_config(&secrets);
     let auth = Arc::new(PeerAuth {
         node_id: config.node_id.clone(),
         secrets: peer_secrets.clone(),
@@ -145,7 +147,7 @@ pub fn join(
     };
     let mut membership_config = MembershipConfig::new(
         parse("gossip_listen", &config.gossip_listen)?,
-        config.secrets.clone(),
+        secrets.to_vec(),
         meta,
     );
     membership_config.seeds = config
