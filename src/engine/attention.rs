@@ -7,6 +7,7 @@ use rayon::prelude::*;
 
 use super::kv_cache::{KvCache, LayerCache};
 use super::rope::{Rope, RopeAngles};
+use super::sparse_attention::{self, Sparse};
 use crate::compute::cpu::{
     Linear, dot_strided, matmul, matmul_strided, matmul_transposed, matmul_transposed_strided,
     rms_norm_in_place, softmax_in_place, weighted_rows,
@@ -30,18 +31,20 @@ pub struct AttentionInput<'a> {
 }
 
 /// Runs attention of layer `layer` for all rows of `x` (already normalised) and returns the
-/// output projection, `[rows, hidden]`. Appends the new keys to each segment's cache.
+/// output projection, `[rows, hidden]`. Appends the new keys to each segment's cache. Under
+/// DeepSeek Sparse Attention (MLA only), `sparse` carries the layer's indexer and the
+/// positions each row attends to.
 pub fn attention(
     (weights, sinks): (&AttentionWeights, Option<&[f32]>),
     input: &AttentionInput,
     layer: usize,
     x: &[f32],
     rows: usize,
-    caches: &mut [&mut KvCache],
+    (caches, sparse): (&mut [&mut KvCache], Sparse),
 ) -> Vec<f32> {
     match input.config {
         AttentionConfig::Gqa { .. } => gqa((weights, sinks), input, layer, x, rows, caches),
-        AttentionConfig::Mla { .. } => mla(weights, input, layer, x, rows, caches),
+        AttentionConfig::Mla { .. } => mla(weights, input, layer, x, rows, (caches, sparse)),
     }
 }
 
@@ -241,13 +244,14 @@ fn split_query_gate(
 
 /// Multi-head latent attention: the queries absorb the keys' up-projection and attend to the
 /// cached latents and rotary keys; the attended latents expand through the values' half.
+/// Under DeepSeek Sparse Attention each query attends only to the positions selected.
 fn mla(
     weights: &AttentionWeights,
     input: &AttentionInput,
     layer: usize,
     x: &[f32],
     rows: usize,
-    caches: &mut [&mut KvCache],
+    (caches, sparse): (&mut [&mut KvCache], Sparse),
 ) -> Vec<f32> {
     let (
         AttentionWeights::Mla {
@@ -262,6 +266,7 @@ fn mla(
             qk_nope_head_dim: nope,
             qk_rope_head_dim: rope_dim,
             v_head_dim,
+            ref indexer,
             ..
         },
     ) = (weights, input.config)
@@ -270,14 +275,21 @@ fn mla(
     };
     let heads = input.num_heads;
     let q_width = nope + rope_dim;
-    let mut queries = match q {
-        QueryProjection::Direct(proj) => proj.forward(x, rows),
+    let (mut queries, low) = match q {
+        QueryProjection::Direct(proj) => (proj.forward(x, rows), None),
         QueryProjection::LowRank { down, norm, up } => {
             let mut low = down.forward(x, rows);
             rms_norm_in_place(&mut low, &norm.weight, norm.eps);
-            up.forward(&low, rows)
+            (up.forward(&low, rows), Some(low))
         }
     };
+    if let (Some(config), Some(weights), Some(low)) = (indexer, sparse.indexer, &low) {
+        let chosen =
+            sparse_attention::select((weights, config), input, layer, (x, low), rows, caches);
+        *sparse.selection = Some(chosen);
+    }
+    // Only a model with DeepSeek Sparse Attention has a selection.
+    let selection = sparse.selection.as_ref().filter(|_| indexer.is_some());
     rotate_heads(input, &mut queries, q_width, nope, rope_dim);
     let (latents, rope_keys) = split_compressed(
         input,
@@ -328,6 +340,11 @@ fn mla(
                 &mut scores,
                 true,
             );
+            if let Some(selection) = selection {
+                for (query, row_scores) in scores.chunks_exact_mut(count).enumerate() {
+                    selection.mask(task.rows.start + query / heads, row_scores);
+                }
+            }
             softmax_rows(
                 &mut scores,
                 count,
@@ -373,6 +390,9 @@ fn mla(
             dot_strided(q_rope, rope_keys, rope_dim, &mut rope_scores);
             for (s, r) in scores.iter_mut().zip(&rope_scores) {
                 *s += r;
+            }
+            if let Some(selection) = selection {
+                selection.mask(row, &mut scores);
             }
             attend(
                 scores,
