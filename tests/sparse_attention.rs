@@ -279,3 +279,44 @@ fn served_as_the_router_serves(name: &str) {
         assert_eq!(got, &alone.token_ids, "{name}: sequence {i}");
     }
 }
+
+/// `moe-node plan` on DeepSeek-V3.2's published config.json (tests/fixtures/configs): the
+/// KV cache per position counts the 61 indexers' keys (128 f32 each) beside the MLA's latents
+/// and rotary keys, and the report says how much of it they are.
+#[test]
+fn plan_counts_the_indexer_keys_of_the_published_deepseek_v32() {
+    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/configs/deepseek_v32");
+    let plan = |json: bool| {
+        let mut args = vec!["plan", "--model", model.to_str().unwrap()];
+        args.extend([
+            "--nodes",
+            "2",
+            "--devices-per-node",
+            "8",
+            "--replication",
+            "2",
+        ]);
+        if json {
+            args.push("--json");
+        }
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_moe-node"))
+            .args(&args)
+            .output()
+            .unwrap();
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let report: serde_json::Value = serde_json::from_str(&plan(true)).unwrap();
+    let sizes = &report["model"]["sizes"];
+    let indexer = 61 * 128 * 4;
+    assert_eq!(sizes["indexer_bytes_per_position"], indexer, "{sizes}");
+    assert_eq!(
+        sizes["kv_bytes_per_position"],
+        61 * (512 + 64) * 4 + indexer,
+        "{sizes}"
+    );
+    let text = plan(false);
+    assert!(
+        text.contains("lightning indexer keys (DeepSeek Sparse Attention): 30.5 KiB"),
+        "{text}"
+    );
+}

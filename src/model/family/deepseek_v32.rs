@@ -255,3 +255,6 @@ pub(super) fn mlp_layer_types(
         .map(|l| types.get(l).is_some_and(|t| t == "sparse"))
         .collect())
 }
+
+#[cfg(test)]
+mod tests;
