@@ -9,6 +9,8 @@ use std::path::{Path, PathBuf};
 use moe_node::engine::batch::{BatchLimits, Batcher, KvBudget, Sequence, SequenceEvent};
 use moe_node::engine::{Engine, GenerateRequest, KvCache, SamplingParams, SequenceStep, generate};
 
+mod serve;
+
 const FIXTURES: [&str; 2] = ["deepseek_v32", "glm_moe_dsa"];
 
 fn fixture(name: &str) -> PathBuf {
@@ -319,4 +321,84 @@ fn plan_counts_the_indexer_keys_of_the_published_deepseek_v32() {
         text.contains("lightning indexer keys (DeepSeek Sparse Attention): 30.5 KiB"),
         "{text}"
     );
+}
+
+/// Through the HTTP API: the fixture's prompt streams transformers' greedy continuation; 16
+/// streams at once (half of them sharing a 32-token start) each give what they give alone;
+/// and a prompt starting with whole blocks of one run before starts from its kept cache
+/// (latents and indexer keys) and gives what a fresh process gives.
+#[test]
+fn served_over_http_concurrent_streams_and_a_reused_prefix_give_what_they_give_alone() {
+    use serde_json::{Value, json};
+    use serve::{Server, ids, read_sse, streamed_ids};
+
+    for name in FIXTURES {
+        let dir = fixture(name);
+        let reference: Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+                .unwrap();
+        let server = Server::start_with(
+            "[devices]\nbackend = \"cpu\"\n",
+            &["--model", dir.to_str().unwrap()],
+        );
+        server.wait_ready();
+        let stream = |body: &Value| {
+            let (events, done) = read_sse(server.post("/v1/completions", body));
+            assert!(done, "{name}: the stream did not finish");
+            streamed_ids(&events)
+        };
+        let request = |prompt: &Value, max_tokens: usize| {
+            json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                   "ignore_eos": true, "stream": true, "return_token_ids": true})
+        };
+        let streamed = stream(&request(&reference["prompt_ids"], 12));
+        eprintln!("{name}: streamed {streamed:?}");
+        assert_eq!(
+            streamed,
+            ids(&reference["token_ids"]),
+            "{name}: against transformers"
+        );
+
+        let shared: Vec<u32> = (0..32).map(|k| 1 + (k * 13) % 120).collect();
+        let bodies: Vec<Value> = (0..16u32)
+            .map(|i| {
+                let mut prompt = if i % 2 == 0 {
+                    shared.clone()
+                } else {
+                    vec![5 + i]
+                };
+                prompt.extend((0..3 + i % 5).map(|k| (7 + i * 11 + k * 3) % 127));
+                request(&json!(prompt), 10 + i as usize % 4)
+            })
+            .collect();
+        let alone: Vec<Vec<u64>> = bodies.iter().map(&stream).collect();
+        let hits_before = server.metric("moe_node_prefix_cache_hits_total");
+        let together: Vec<Vec<u64>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = bodies
+                .iter()
+                .map(|body| scope.spawn(move || stream(body)))
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
+            assert_eq!(a, t, "{name}: stream {i} together and alone");
+        }
+        assert!(
+            server.metric("moe_node_prefix_cache_hits_total") > hits_before,
+            "{name}: no stream started from the kept 32-token start"
+        );
+        drop(server);
+        // A fresh process gives the prefix-reusing streams what the first gave them.
+        let fresh = Server::start_with(
+            "[devices]\nbackend = \"cpu\"\n",
+            &["--model", dir.to_str().unwrap()],
+        );
+        fresh.wait_ready();
+        let again = {
+            let (events, done) = read_sse(fresh.post("/v1/completions", &bodies[2]));
+            assert!(done);
+            streamed_ids(&events)
+        };
+        assert_eq!(again, alone[2], "{name}: a fresh process");
+    }
 }
