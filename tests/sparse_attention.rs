@@ -402,3 +402,59 @@ fn served_over_http_concurrent_streams_and_a_reused_prefix_give_what_they_give_a
         assert_eq!(again, alone[2], "{name}: a fresh process");
     }
 }
+
+/// A fixture's files in a temporary directory, its config.json changed by `edit`.
+fn edited_copy(name: &str, edit: impl FnOnce(&mut serde_json::Value)) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(fixture(name)).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), dir.path().join(entry.file_name())).unwrap();
+    }
+    let path = dir.path().join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut config);
+    std::fs::write(&path, config.to_string()).unwrap();
+    dir
+}
+
+/// Bad indexer settings: a clear error naming the key (exit 78 from the command line), a
+/// checkpoint whose indexer does not match its config naming the tensor; never a panic.
+#[test]
+fn bad_indexer_settings_and_tensors_are_named() {
+    use moe_node::model::ModelError;
+
+    let dir = edited_copy("deepseek_v32", |c| c["index_topk"] = 0.into());
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_moe-node"))
+        .args(["generate", "--model", dir.path().to_str().unwrap()])
+        .args(["--prompt-ids", "1,2,3"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(78), "{stderr}");
+    assert!(
+        stderr.contains("`index_topk` must be greater than 0"),
+        "{stderr}"
+    );
+
+    // The checkpoint's indexer keys are 16 wide.
+    let dir = edited_copy("deepseek_v32", |c| c["index_head_dim"] = 32.into());
+    let err = Engine::load(dir.path())
+        .err()
+        .expect("loaded a mis-shaped indexer");
+    assert!(matches!(err, ModelError::TensorShape { .. }), "{err}");
+    assert!(err.to_string().contains("self_attn.indexer.wq_b"), "{err}");
+
+    // GLM-5's second layer shares the first's indexer and has none of its own.
+    let dir = edited_copy("glm_moe_dsa", |c| {
+        c["indexer_types"] = serde_json::json!(["full", "full", "full"])
+    });
+    let err = Engine::load(dir.path())
+        .err()
+        .expect("loaded a missing indexer");
+    assert!(
+        matches!(err, ModelError::MissingTensor { ref name, .. }
+            if name.starts_with("model.layers.1.self_attn.indexer.")),
+        "{err}"
+    );
+}
