@@ -384,15 +384,19 @@ fn mla(
             let position = seg.start_position + (row - seg.rows.start);
             let q_latent = &absorbed[(row * heads + head) * kv_lora_rank..][..kv_lora_rank];
             let q_rope = &queries[(row * heads + head) * q_width + nope..][..rope_dim];
+            if let Some(chosen) = selection.and_then(|s| s.chosen(row)) {
+                // Only the positions the indexer chose are read, scored and summed.
+                let query = (q_latent, q_rope);
+                let cached = (latents.as_slice(), rope_keys.as_slice());
+                sparse_attention::attend_chosen(chosen, query, cached, input.softmax_scale, out);
+                return;
+            }
             let mut scores = vec![0.0; position + 1];
             let mut rope_scores = vec![0.0; position + 1];
             dot_strided(q_latent, latents, kv_lora_rank, &mut scores);
             dot_strided(q_rope, rope_keys, rope_dim, &mut rope_scores);
             for (s, r) in scores.iter_mut().zip(&rope_scores) {
                 *s += r;
-            }
-            if let Some(selection) = selection {
-                selection.mask(row, &mut scores);
             }
             attend(
                 scores,

@@ -23,7 +23,7 @@ use rayon::prelude::*;
 
 use super::attention::AttentionInput;
 use super::kv_cache::KvCache;
-use crate::compute::cpu::dot_strided;
+use crate::compute::cpu::{dot, dot_strided, softmax_in_place};
 use crate::model::config::LightningIndexer;
 use crate::model::weights::{INDEXER_KEY_NORM_EPS as KEY_NORM_EPS, IndexerWeights};
 
@@ -59,6 +59,47 @@ impl Selection {
             } else {
                 *score = f32::NEG_INFINITY;
             }
+        }
+    }
+}
+
+impl Selection {
+    /// The positions row `row` attends to, where it does not attend to all it sees.
+    pub fn chosen(&self, row: usize) -> Option<&[u32]> {
+        self.rows.get(row)?.as_deref()
+    }
+}
+
+/// MLA's attention of one query head over the `chosen` positions only (a decode row): its
+/// absorbed latent query and rotary query against those positions' cached latents and
+/// rotary keys, softmax with `scale`, the chosen latents summed into `out`. The same as the
+/// masked full attention, reading `index_topk` positions instead of every one.
+pub fn attend_chosen(
+    chosen: &[u32],
+    (q_latent, q_rope): (&[f32], &[f32]),
+    (latents, rope_keys): (&[f32], &[f32]),
+    scale: f32,
+    out: &mut [f32],
+) {
+    let (rank, rope_dim) = (q_latent.len(), q_rope.len());
+    let mut weights: Vec<f32> = chosen
+        .iter()
+        .map(|&p| {
+            let p = p as usize;
+            let latent = dot(q_latent, &latents[p * rank..][..rank]);
+            let rotary = match rope_dim {
+                0 => 0.0,
+                _ => dot(q_rope, &rope_keys[p * rope_dim..][..rope_dim]),
+            };
+            (latent + rotary) * scale
+        })
+        .collect();
+    softmax_in_place(&mut weights);
+    out.fill(0.0);
+    for (&p, w) in chosen.iter().zip(&weights) {
+        let latent = &latents[p as usize * rank..][..rank];
+        for (o, v) in out.iter_mut().zip(latent) {
+            *o += w * v;
         }
     }
 }

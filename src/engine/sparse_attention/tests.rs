@@ -169,3 +169,30 @@ fn negative_scores_are_cut_to_zero_before_the_heads_are_summed() {
     let selection = select_tiny(&xs, [0.0, 0.0, -1.0, 1.0]);
     assert_eq!(selection.rows[2], Some(vec![0, 2]));
 }
+
+#[test]
+fn a_decode_row_attends_to_the_chosen_positions_only() {
+    // Latents [1, 0], [0, 1], [1, 1]; position 2 is not chosen. Scores ln 3 and 0: weights
+    // 3/4 and 1/4.
+    let latents = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0];
+    let mut out = [9.0; 2];
+    let query = [3f32.ln(), 0.0];
+    attend_chosen(&[0, 1], (&query, &[]), (&latents, &[]), 1.0, &mut out);
+    assert!(
+        (out[0] - 0.75).abs() < 1e-6 && (out[1] - 0.25).abs() < 1e-6,
+        "{out:?}"
+    );
+    // The rotary part adds to the scores: with it position 1 scores ln 3 too.
+    let rope_keys = [0.0, 1.0, 0.0];
+    attend_chosen(
+        &[0, 1],
+        (&query, &[3f32.ln()]),
+        (&latents, &rope_keys),
+        1.0,
+        &mut out,
+    );
+    assert!(
+        (out[0] - 0.5).abs() < 1e-6 && (out[1] - 0.5).abs() < 1e-6,
+        "{out:?}"
+    );
+}
