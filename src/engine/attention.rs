@@ -7,12 +7,12 @@ use rayon::prelude::*;
 
 use super::kv_cache::{KvCache, LayerCache};
 use super::rope::{Rope, RopeAngles};
-use super::sparse_attention::{self, Sparse};
+use super::sparse_attention::{self, Selection, Sparse};
 use crate::compute::cpu::{
     Linear, dot_strided, matmul, matmul_strided, matmul_transposed, matmul_transposed_strided,
     rms_norm_in_place, softmax_in_place, weighted_rows,
 };
-use crate::model::config::{AttentionConfig, LayerAttention, Span};
+use crate::model::config::{AttentionConfig, LayerAttention, LightningIndexer, Span};
 use crate::model::weights::{AttentionWeights, QueryProjection, RmsNorm};
 
 pub use crate::compute::layout::Segment;
@@ -275,21 +275,12 @@ fn mla(
     };
     let heads = input.num_heads;
     let q_width = nope + rope_dim;
-    let (mut queries, low) = match q {
-        QueryProjection::Direct(proj) => (proj.forward(x, rows), None),
-        QueryProjection::LowRank { down, norm, up } => {
-            let mut low = down.forward(x, rows);
-            rms_norm_in_place(&mut low, &norm.weight, norm.eps);
-            (up.forward(&low, rows), Some(low))
-        }
-    };
-    if let (Some(config), Some(weights), Some(low)) = (indexer, sparse.indexer, &low) {
-        let chosen =
-            sparse_attention::select((weights, config), input, layer, (x, low), rows, caches);
-        *sparse.selection = Some(chosen);
-    }
-    // Only a model with DeepSeek Sparse Attention has a selection.
-    let selection = sparse.selection.as_ref().filter(|_| indexer.is_some());
+    let (mut queries, selection) = mla_queries(
+        (q, indexer.as_ref()),
+        input,
+        (layer, x, rows),
+        (caches, sparse),
+    );
     rotate_heads(input, &mut queries, q_width, nope, rope_dim);
     let (latents, rope_keys) = split_compressed(
         input,
@@ -341,9 +332,7 @@ fn mla(
                 true,
             );
             if let Some(selection) = selection {
-                for (query, row_scores) in scores.chunks_exact_mut(count).enumerate() {
-                    selection.mask(task.rows.start + query / heads, row_scores);
-                }
+                selection.mask_block(&mut scores, count, task.rows.start, heads);
             }
             softmax_rows(
                 &mut scores,
@@ -420,6 +409,37 @@ fn mla(
         matmul_transposed(x, rows, kv_lora_rank, w_value, v_head_dim, y, true);
     });
     o.forward(&out, rows)
+}
+
+/// MLA's queries (`[rows, heads, nope + rope]`, not yet rotated) and, under DeepSeek Sparse
+/// Attention, the positions each row attends to: chosen by this layer's indexer (run here on
+/// the normed low-rank query, its keys appended to the caches) or by the last layer's.
+fn mla_queries<'s>(
+    (q, indexer): (&QueryProjection, Option<&LightningIndexer>),
+    input: &AttentionInput,
+    (layer, x, rows): (usize, &[f32], usize),
+    (caches, sparse): (&mut [&mut KvCache], Sparse<'s>),
+) -> (Vec<f32>, Option<&'s Selection>) {
+    let (queries, low) = match q {
+        QueryProjection::Direct(proj) => (proj.forward(x, rows), None),
+        QueryProjection::LowRank { down, norm, up } => {
+            let mut low = down.forward(x, rows);
+            rms_norm_in_place(&mut low, &norm.weight, norm.eps);
+            (up.forward(&low, rows), Some(low))
+        }
+    };
+    let Sparse {
+        indexer: weights,
+        selection,
+    } = sparse;
+    if let (Some(config), Some(weights), Some(low)) = (indexer, weights, &low) {
+        let chosen =
+            sparse_attention::select((weights, config), input, layer, (x, low), rows, caches);
+        *selection = Some(chosen);
+    }
+    // Only a model with DeepSeek Sparse Attention has a selection.
+    let selection: &'s Option<Selection> = selection;
+    (queries, selection.as_ref().filter(|_| indexer.is_some()))
 }
 
 /// The normed latents and the rotated shared keys of each row, from the rows' joint down

@@ -64,6 +64,14 @@ impl Selection {
 }
 
 impl Selection {
+    /// [`Selection::mask`] over a block of queries: `heads` rows of `keys` scores for each
+    /// row from `first_row` on.
+    pub fn mask_block(&self, scores: &mut [f32], keys: usize, first_row: usize, heads: usize) {
+        for (query, row_scores) in scores.chunks_exact_mut(keys).enumerate() {
+            self.mask(first_row + query / heads, row_scores);
+        }
+    }
+
     /// The positions row `row` attends to, where it does not attend to all it sees.
     pub fn chosen(&self, row: usize) -> Option<&[u32]> {
         self.rows.get(row)?.as_deref()
