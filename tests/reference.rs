@@ -651,3 +651,20 @@ fn kimi_k2_int4_matches_transformers() {
 fn kimi_k25_int4_matches_transformers() {
     check("kimi_k25_int4");
 }
+
+/// DeepSeek-V3.2: DeepSeek-V3's shape with DeepSeek Sparse Attention, an `index_topk` (5)
+/// under the prompt so that the lightning indexer's choice decides what 18 of the 23
+/// positions attend to in each layer (the smallest gap between the last position chosen and
+/// the first left out, as make_fixtures.py reports: 5.2e-3). The GPU's dense part has no
+/// indexer: placing the whole model there is refused naming it.
+#[test]
+fn deepseek_v32_matches_transformers() {
+    check_dense_gpu_refused("deepseek_v32", "lightning indexer");
+}
+
+/// GLM-5: the same indexer with rope over interleaved pairs, its second layer reusing the
+/// first's choice (`indexer_types: shared`), one expert group (smallest gap 7.7e-3).
+#[test]
+fn glm_moe_dsa_matches_transformers() {
+    check_dense_gpu_refused("glm_moe_dsa", "lightning indexer");
+}

@@ -7,11 +7,12 @@ use rayon::prelude::*;
 
 use super::kv_cache::{KvCache, LayerCache};
 use super::rope::{Rope, RopeAngles};
+use super::sparse_attention::{self, Selection, Sparse};
 use crate::compute::cpu::{
     Linear, dot_strided, matmul, matmul_strided, matmul_transposed, matmul_transposed_strided,
     rms_norm_in_place, softmax_in_place, weighted_rows,
 };
-use crate::model::config::{AttentionConfig, LayerAttention, Span};
+use crate::model::config::{AttentionConfig, LayerAttention, LightningIndexer, Span};
 use crate::model::weights::{AttentionWeights, QueryProjection, RmsNorm};
 
 pub use crate::compute::layout::Segment;
@@ -30,18 +31,20 @@ pub struct AttentionInput<'a> {
 }
 
 /// Runs attention of layer `layer` for all rows of `x` (already normalised) and returns the
-/// output projection, `[rows, hidden]`. Appends the new keys to each segment's cache.
+/// output projection, `[rows, hidden]`. Appends the new keys to each segment's cache. Under
+/// DeepSeek Sparse Attention (MLA only), `sparse` carries the layer's indexer and the
+/// positions each row attends to.
 pub fn attention(
     (weights, sinks): (&AttentionWeights, Option<&[f32]>),
     input: &AttentionInput,
     layer: usize,
     x: &[f32],
     rows: usize,
-    caches: &mut [&mut KvCache],
+    (caches, sparse): (&mut [&mut KvCache], Sparse),
 ) -> Vec<f32> {
     match input.config {
         AttentionConfig::Gqa { .. } => gqa((weights, sinks), input, layer, x, rows, caches),
-        AttentionConfig::Mla { .. } => mla(weights, input, layer, x, rows, caches),
+        AttentionConfig::Mla { .. } => mla(weights, input, layer, x, rows, (caches, sparse)),
     }
 }
 
@@ -241,13 +244,14 @@ fn split_query_gate(
 
 /// Multi-head latent attention: the queries absorb the keys' up-projection and attend to the
 /// cached latents and rotary keys; the attended latents expand through the values' half.
+/// Under DeepSeek Sparse Attention each query attends only to the positions selected.
 fn mla(
     weights: &AttentionWeights,
     input: &AttentionInput,
     layer: usize,
     x: &[f32],
     rows: usize,
-    caches: &mut [&mut KvCache],
+    (caches, sparse): (&mut [&mut KvCache], Sparse),
 ) -> Vec<f32> {
     let (
         AttentionWeights::Mla {
@@ -262,6 +266,7 @@ fn mla(
             qk_nope_head_dim: nope,
             qk_rope_head_dim: rope_dim,
             v_head_dim,
+            ref indexer,
             ..
         },
     ) = (weights, input.config)
@@ -270,14 +275,12 @@ fn mla(
     };
     let heads = input.num_heads;
     let q_width = nope + rope_dim;
-    let mut queries = match q {
-        QueryProjection::Direct(proj) => proj.forward(x, rows),
-        QueryProjection::LowRank { down, norm, up } => {
-            let mut low = down.forward(x, rows);
-            rms_norm_in_place(&mut low, &norm.weight, norm.eps);
-            up.forward(&low, rows)
-        }
-    };
+    let (mut queries, selection) = mla_queries(
+        (q, indexer.as_ref()),
+        input,
+        (layer, x, rows),
+        (caches, sparse),
+    );
     rotate_heads(input, &mut queries, q_width, nope, rope_dim);
     let (latents, rope_keys) = split_compressed(
         input,
@@ -328,6 +331,9 @@ fn mla(
                 &mut scores,
                 true,
             );
+            if let Some(selection) = selection {
+                selection.mask_block(&mut scores, count, task.rows.start, heads);
+            }
             softmax_rows(
                 &mut scores,
                 count,
@@ -367,6 +373,13 @@ fn mla(
             let position = seg.start_position + (row - seg.rows.start);
             let q_latent = &absorbed[(row * heads + head) * kv_lora_rank..][..kv_lora_rank];
             let q_rope = &queries[(row * heads + head) * q_width + nope..][..rope_dim];
+            if let Some(chosen) = selection.and_then(|s| s.chosen(row)) {
+                // Only the positions the indexer chose are read, scored and summed.
+                let query = (q_latent, q_rope);
+                let cached = (latents.as_slice(), rope_keys.as_slice());
+                sparse_attention::attend_chosen(chosen, query, cached, input.softmax_scale, out);
+                return;
+            }
             let mut scores = vec![0.0; position + 1];
             let mut rope_scores = vec![0.0; position + 1];
             dot_strided(q_latent, latents, kv_lora_rank, &mut scores);
@@ -396,6 +409,37 @@ fn mla(
         matmul_transposed(x, rows, kv_lora_rank, w_value, v_head_dim, y, true);
     });
     o.forward(&out, rows)
+}
+
+/// MLA's queries (`[rows, heads, nope + rope]`, not yet rotated) and, under DeepSeek Sparse
+/// Attention, the positions each row attends to: chosen by this layer's indexer (run here on
+/// the normed low-rank query, its keys appended to the caches) or by the last layer's.
+fn mla_queries<'s>(
+    (q, indexer): (&QueryProjection, Option<&LightningIndexer>),
+    input: &AttentionInput,
+    (layer, x, rows): (usize, &[f32], usize),
+    (caches, sparse): (&mut [&mut KvCache], Sparse<'s>),
+) -> (Vec<f32>, Option<&'s Selection>) {
+    let (queries, low) = match q {
+        QueryProjection::Direct(proj) => (proj.forward(x, rows), None),
+        QueryProjection::LowRank { down, norm, up } => {
+            let mut low = down.forward(x, rows);
+            rms_norm_in_place(&mut low, &norm.weight, norm.eps);
+            (up.forward(&low, rows), Some(low))
+        }
+    };
+    let Sparse {
+        indexer: weights,
+        selection,
+    } = sparse;
+    if let (Some(config), Some(weights), Some(low)) = (indexer, weights, &low) {
+        let chosen =
+            sparse_attention::select((weights, config), input, layer, (x, low), rows, caches);
+        *selection = Some(chosen);
+    }
+    // Only a model with DeepSeek Sparse Attention has a selection.
+    let selection: &'s Option<Selection> = selection;
+    (queries, selection.as_ref().filter(|_| indexer.is_some()))
 }
 
 /// The normed latents and the rotated shared keys of each row, from the rows' joint down

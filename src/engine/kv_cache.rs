@@ -9,7 +9,8 @@ use crate::model::config::{AttentionConfig, ModelConfig};
 /// GQA keeps keys and values (`kv_heads * head_dim` each per position); MLA keeps only the
 /// normalised latent (`kv_lora_rank`) and the shared rotary key (`qk_rope_head_dim`). A
 /// linear-attention layer keeps no position: its arrays stay empty and it holds a
-/// [`LinearState`] instead.
+/// [`LinearState`] instead. A layer with a lightning indexer of its own (DeepSeek Sparse
+/// Attention) keeps a third array beside the MLA's: the indexer's key per position.
 #[derive(Debug, Clone)]
 pub struct LayerCache {
     /// Keys (GQA) or latents (MLA).
@@ -20,6 +21,10 @@ pub struct LayerCache {
     second_width: usize,
     /// A linear-attention layer's state (Qwen3-Next's gated DeltaNet).
     pub(crate) linear: Option<LinearState>,
+    /// The lightning indexer's keys (`indexer_width` per position); empty on layers without
+    /// an indexer of their own.
+    pub(crate) indexer_keys: Vec<f32>,
+    indexer_width: usize,
 }
 
 /// What a linear-attention layer keeps of a sequence: the summary of every position so far,
@@ -57,6 +62,11 @@ impl LayerCache {
     pub fn second_width(&self) -> usize {
         self.second_width
     }
+
+    /// Values per position in the indexer's keys (0 without an indexer of its own).
+    pub fn indexer_width(&self) -> usize {
+        self.indexer_width
+    }
 }
 
 impl KvCache {
@@ -79,8 +89,21 @@ impl KvCache {
             first_width,
             second_width,
             linear: None,
+            indexer_keys: Vec::new(),
+            indexer_width: 0,
         };
         let mut layers = vec![layer; cfg.num_layers];
+        if let AttentionConfig::Mla {
+            indexer: Some(indexer),
+            ..
+        } = &cfg.attention
+        {
+            for (l, cache) in layers.iter_mut().enumerate() {
+                if indexer.has_own(l) {
+                    cache.indexer_width = indexer.head_dim;
+                }
+            }
+        }
         if let Some(linear) = &cfg.linear_attention {
             for (l, cache) in layers.iter_mut().enumerate() {
                 if linear.is_linear(l) {
@@ -153,6 +176,7 @@ impl KvCache {
         for layer in &mut self.layers {
             layer.first.truncate(self.len * layer.first_width);
             layer.second.truncate(self.len * layer.second_width);
+            layer.indexer_keys.truncate(self.len * layer.indexer_width);
             if let Some(state) = &mut layer.linear {
                 state.next = None;
             }
@@ -189,6 +213,7 @@ impl KvCache {
         for layer in &mut self.layers {
             layer.first = Vec::new();
             layer.second = Vec::new();
+            layer.indexer_keys = Vec::new();
             if let Some(state) = &mut layer.linear {
                 *state = LinearState::default();
             }
@@ -206,8 +231,23 @@ impl KvCache {
             .map_or(0, |linear| linear.count() * linear.state_floats() * 4)
     }
 
+    /// Bytes one cached position takes in the lightning indexers' keys (f32), 0 for a model
+    /// without DeepSeek Sparse Attention: a part of [`KvCache::bytes_per_position`].
+    pub fn indexer_bytes_per_position(cfg: &ModelConfig) -> usize {
+        match &cfg.attention {
+            AttentionConfig::Mla {
+                indexer: Some(indexer),
+                ..
+            } => {
+                let layers = indexer.own.iter().take(cfg.num_layers).filter(|&&o| o);
+                layers.count() * indexer.head_dim * 4
+            }
+            _ => 0,
+        }
+    }
+
     /// Bytes one cached position takes in each of the layers that keep positions (f32 on
-    /// the host and on a GPU alike).
+    /// the host and on a GPU alike), the indexers' keys included.
     pub fn bytes_per_position(cfg: &ModelConfig) -> usize {
         let widths = match cfg.attention {
             AttentionConfig::Gqa {
@@ -222,7 +262,7 @@ impl KvCache {
             } => kv_lora_rank + qk_rope_head_dim,
         };
         let linear = cfg.linear_attention.as_ref().map_or(0, |l| l.count());
-        cfg.num_layers.saturating_sub(linear) * widths * 4
+        cfg.num_layers.saturating_sub(linear) * widths * 4 + Self::indexer_bytes_per_position(cfg)
     }
 
     /// Bytes held, for memory accounting (GPU memory for a cache on a GPU).
@@ -238,7 +278,7 @@ impl KvCache {
                     .linear
                     .as_ref()
                     .map_or(0, |s| s.recurrent.len() + s.conv.len());
-                l.first.len() + l.second.len() + state
+                l.first.len() + l.second.len() + l.indexer_keys.len() + state
             })
             .sum();
         floats * 4

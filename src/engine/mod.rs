@@ -15,6 +15,7 @@ pub mod moe_layer;
 mod prefix;
 pub mod rope;
 mod sampling;
+mod sparse_attention;
 mod step_pool;
 
 use std::path::Path;
@@ -451,8 +452,15 @@ impl Engine {
             angles,
             segments,
         };
+        // DeepSeek Sparse Attention: the positions each row attends to, as the last layer
+        // with an indexer chose them.
+        let mut selection = None;
         for (l, layer) in self.weights.layers.iter().enumerate() {
             let normed = rms_norm(hidden, &layer.input_norm.weight, layer.input_norm.eps);
+            let sparse = sparse_attention::Sparse {
+                indexer: layer.indexer.as_ref(),
+                selection: &mut selection,
+            };
             let attended = match (&layer.linear_attention, &cfg.linear_attention) {
                 (Some(weights), Some(linear)) => linear_attention::linear_attention(
                     weights,
@@ -469,7 +477,7 @@ impl Engine {
                     l,
                     &normed,
                     rows,
-                    caches,
+                    (caches, sparse),
                 ),
             };
             add_in_place(hidden, &attended);

@@ -117,6 +117,15 @@ impl Rope {
         self.interleaved
     }
 
+    /// The same rotation over other pairs: DeepSeek-V3.2's indexer turns halves where its
+    /// MLA turns interleaved pairs.
+    pub fn paired(&self, interleaved: bool) -> Rope {
+        Rope {
+            interleaved,
+            ..self.clone()
+        }
+    }
+
     pub fn angles(&self, position: usize) -> RopeAngles {
         let (cos, sin) = self
             .inv_freq

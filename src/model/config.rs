@@ -16,8 +16,9 @@ use super::quant::Quantization;
 
 pub use super::family::Family;
 pub use parts::{
-    AttentionConfig, ExpertActivation, GatingConfig, LayerAttention, LinearAttention, MAX_CONTEXT,
-    MAX_LAYERS, MoeConfig, QkNorm, RopeConfig, RopeScaling, Span, Temperature,
+    AttentionConfig, ExpertActivation, GatingConfig, LayerAttention, LightningIndexer,
+    LinearAttention, MAX_CONTEXT, MAX_LAYERS, MoeConfig, QkNorm, RopeConfig, RopeScaling, Span,
+    Temperature,
 };
 use parts::{CommonKeys, Problems};
 
@@ -297,6 +298,13 @@ impl ModelConfig {
         self.moe_layers.truncate(layers);
         if let Some(linear) = &mut self.linear_attention {
             linear.layers.truncate(layers);
+        }
+        if let AttentionConfig::Mla {
+            indexer: Some(indexer),
+            ..
+        } = &mut self.attention
+        {
+            indexer.own.truncate(layers);
         }
         Ok(self)
     }

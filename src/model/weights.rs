@@ -15,9 +15,11 @@ use crate::compute::cpu::{Linear, SwiGlu, WeightElement, add_in_place};
 use crate::compute::quant::{QuantLinear, QuantSwiGlu};
 
 pub use crate::compute::expert::ExpertWeights;
+pub use indexer::{IndexerWeights, KEY_NORM_EPS as INDEXER_KEY_NORM_EPS};
 pub use linear_attention::LinearAttentionWeights;
 
 /// The gated DeltaNet layers' weights and how each family stores them.
+mod indexer;
 mod linear_attention;
 
 /// A dense projection held as the checkpoint stores it, as the experts are: bf16 kept bf16
@@ -205,6 +207,8 @@ pub struct LayerWeights {
     pub linear_attention: Option<LinearAttentionWeights>,
     /// gpt-oss's attention sink logit per query head (`self_attn.sinks`).
     pub sinks: Option<Vec<f32>>,
+    /// The lightning indexer of a layer that runs its own (DeepSeek Sparse Attention).
+    pub indexer: Option<IndexerWeights>,
     pub post_attention_norm: RmsNorm,
     pub feed_forward: FeedForward,
 }
@@ -411,11 +415,20 @@ fn load_layer(ckpt: &Checkpoint, cfg: &ModelConfig, l: usize) -> Result<LayerWei
         }
         _ => None,
     };
+    let indexer = match &cfg.attention {
+        AttentionConfig::Mla {
+            indexer: Some(indexer),
+            q_lora_rank: Some(rank),
+            ..
+        } if indexer.has_own(l) => Some(indexer::load(ckpt, cfg, indexer, *rank, l)?),
+        _ => None,
+    };
     Ok(LayerWeights {
         input_norm: model_norm(ckpt, cfg, &format!("{p}.input_layernorm"), h)?,
         attention,
         linear_attention,
         sinks,
+        indexer,
         post_attention_norm: model_norm(ckpt, cfg, &format!("{p}.post_attention_layernorm"), h)?,
         feed_forward,
     })

@@ -40,6 +40,13 @@ impl PlanReport {
             m.sizes.dtype_bytes,
             m.sizes.kv_bytes_per_position as f64 / 1024.0
         )?;
+        if m.sizes.indexer_bytes_per_position > 0 {
+            writeln!(
+                out,
+                "lightning indexer keys (DeepSeek Sparse Attention): {:.1} KiB of each position's KV cache",
+                m.sizes.indexer_bytes_per_position as f64 / 1024.0
+            )?;
+        }
         if m.sizes.state_bytes_per_sequence > 0 {
             writeln!(
                 out,

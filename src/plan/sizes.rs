@@ -24,6 +24,10 @@ pub struct ModelSizes {
     /// KV cache of one position of one sequence over all layers, as the node keeps it (f32;
     /// MLA keeps the latent and the rotary key only): [`KvCache::bytes_per_position`].
     pub kv_bytes_per_position: u64,
+    /// The part of `kv_bytes_per_position` that DeepSeek Sparse Attention's lightning
+    /// indexers keep (their keys, f32): [`KvCache::indexer_bytes_per_position`]; 0 for other
+    /// models.
+    pub indexer_bytes_per_position: u64,
     /// What one sequence keeps however long it is: a hybrid model's linear-attention states
     /// (f32), [`KvCache::state_bytes`]; 0 for other models.
     pub state_bytes_per_sequence: u64,
@@ -123,7 +127,24 @@ impl ModelSizes {
                 + la.value_head_dim as u64
                 + value * h
         });
+        // DeepSeek Sparse Attention's lightning indexer, on the layers that run their own: its
+        // queries from the low-rank query, its key with a LayerNorm, the per-head weights.
+        let indexer = match &model.attention {
+            AttentionConfig::Mla {
+                indexer: Some(indexer),
+                q_lora_rank,
+                ..
+            } => {
+                let (n, d) = (indexer.num_heads as u64, indexer.head_dim as u64);
+                let params = q_lora_rank.unwrap_or(0) as u64 * n * d + h * d + 2 * d + h * n;
+                Some((indexer, params))
+            }
+            _ => None,
+        };
         for (l, &is_moe) in model.moe_layers.iter().enumerate() {
+            dense += indexer
+                .filter(|(indexer, _)| indexer.has_own(l))
+                .map_or(0, |(_, params)| params);
             let linear = model
                 .linear_attention
                 .as_ref()
@@ -152,6 +173,7 @@ impl ModelSizes {
             expert_bytes,
             dense_bytes: dense * bytes,
             kv_bytes_per_position: KvCache::bytes_per_position(model) as u64,
+            indexer_bytes_per_position: KvCache::indexer_bytes_per_position(model) as u64,
             state_bytes_per_sequence: KvCache::state_bytes(model) as u64,
         }
     }

@@ -80,7 +80,41 @@ pub enum AttentionConfig {
         /// Rope applied to interleaved pairs (DeepSeek's weight layout).
         interleave: bool,
         bias: bool,
+        /// DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): each query attends only to the
+        /// positions its layer's lightning indexer picks.
+        indexer: Option<LightningIndexer>,
     },
+}
+
+/// DeepSeek Sparse Attention's lightning indexer (DeepSeek-V3.2, GLM-5), as transformers'
+/// `DeepseekV32Indexer` computes it: `num_heads` small queries (from the MLA's low-rank query)
+/// score every position up to the query's own against one small key per position (`head_dim`
+/// values, layer-normed, rope over its first `qk_rope_head_dim`), `sum_h w_h relu(q_h . k)`
+/// with per-head weights projected from the input, and the MLA attends only to the `topk`
+/// best (every position while there are no more than `topk`). The keys are a second cache
+/// per layer beside the MLA latents: `head_dim` floats per position.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LightningIndexer {
+    pub num_heads: usize,
+    pub head_dim: usize,
+    pub topk: usize,
+    /// Its rope turns interleaved pairs (GLM-5) rather than the two halves (DeepSeek-V3.2).
+    pub rope_interleave: bool,
+    /// Per layer: true where the layer runs an indexer of its own and keeps its keys; false
+    /// where it reuses the choice of the last layer that did (GLM-5's `shared` layers).
+    pub own: Vec<bool>,
+}
+
+impl LightningIndexer {
+    /// Whether layer `layer` runs its own indexer.
+    pub fn has_own(&self, layer: usize) -> bool {
+        self.own.get(layer).copied().unwrap_or(false)
+    }
+
+    /// Layers that run their own indexer, and keep its keys.
+    pub fn count(&self) -> usize {
+        self.own.iter().filter(|&&own| own).count()
+    }
 }
 
 /// Gated DeltaNet (Qwen3-Next, Qwen3.5), the linear attention of a hybrid model's

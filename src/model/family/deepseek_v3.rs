@@ -15,15 +15,15 @@ use crate::model::config::parts::{AttentionConfig, MAX_LAYERS, Problems};
 
 pub(super) struct DeepseekV3;
 
-/// Its own keys (the gate's are [`GroupedKeys`]).
+/// Its own keys (the gate's are [`GroupedKeys`]); DeepSeek-V3.2 and GLM-5 read them too.
 #[derive(Deserialize)]
-struct Keys {
-    q_lora_rank: Option<usize>,
-    kv_lora_rank: Option<usize>,
-    qk_nope_head_dim: Option<usize>,
-    qk_rope_head_dim: Option<usize>,
-    v_head_dim: Option<usize>,
-    rope_interleave: Option<bool>,
+pub(super) struct Keys {
+    pub q_lora_rank: Option<usize>,
+    pub kv_lora_rank: Option<usize>,
+    pub qk_nope_head_dim: Option<usize>,
+    pub qk_rope_head_dim: Option<usize>,
+    pub v_head_dim: Option<usize>,
+    pub rope_interleave: Option<bool>,
 }
 
 impl FamilySpec for DeepseekV3 {
@@ -119,8 +119,8 @@ impl FamilySpec for DeepseekV3 {
     }
 }
 
-/// Multi-head latent attention; its rotary width is `qk_rope_head_dim`.
-fn mla(own: &Keys, common: &Common, p: &mut Problems) -> (AttentionConfig, usize) {
+/// Multi-head latent attention, without an indexer; its rotary width is `qk_rope_head_dim`.
+pub(super) fn mla(own: &Keys, common: &Common, p: &mut Problems) -> (AttentionConfig, usize) {
     let num_heads = common.num_heads;
     let kv_lora_rank = own.kv_lora_rank.unwrap_or(512);
     let qk_nope_head_dim = own.qk_nope_head_dim.unwrap_or(128);
@@ -153,6 +153,7 @@ fn mla(own: &Keys, common: &Common, p: &mut Problems) -> (AttentionConfig, usize
         v_head_dim,
         interleave: own.rope_interleave.unwrap_or(true),
         bias: common.keys.attention_bias == Some(true),
+        indexer: None,
     };
     (attention, qk_rope_head_dim)
 }

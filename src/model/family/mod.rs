@@ -10,7 +10,9 @@
 //! [`Family::spec`] (see `docs/adding-a-model.md`).
 
 mod deepseek_v3;
+mod deepseek_v32;
 mod glm4_moe;
+mod glm_moe_dsa;
 mod gpt_oss;
 mod llama4;
 mod minimax_m2;
@@ -52,6 +54,12 @@ pub enum Family {
     /// `qwen3_next` and `qwen3_5_moe_text` (and the `qwen3_5_moe` wrapper): hybrid layers of
     /// gated DeltaNet and gated GQA, softmax gating with a gated shared expert.
     Qwen3Next,
+    /// `deepseek_v32` (DeepSeek-V3.2): DeepSeek-V3's shape with DeepSeek Sparse Attention (a
+    /// lightning indexer per layer picks the positions MLA attends to).
+    DeepseekV32,
+    /// `glm_moe_dsa` (GLM-5): MLA with DeepSeek Sparse Attention (layers may share an
+    /// indexer), the grouped sigmoid gate, a shared expert.
+    GlmMoeDsa,
 }
 
 /// What a family answers. Each family's file implements it on a unit struct; nothing has a
@@ -95,7 +103,7 @@ pub(super) trait FamilySpec: Sync {
 
 impl Family {
     /// Every family, in the order errors list them.
-    pub const ALL: [Family; 8] = [
+    pub const ALL: [Family; 10] = [
         Family::Qwen3Moe,
         Family::Mixtral,
         Family::DeepseekV3,
@@ -104,6 +112,8 @@ impl Family {
         Family::Llama4,
         Family::GptOss,
         Family::Qwen3Next,
+        Family::DeepseekV32,
+        Family::GlmMoeDsa,
     ];
 
     fn spec(self) -> &'static dyn FamilySpec {
@@ -116,6 +126,8 @@ impl Family {
             Family::Llama4 => &llama4::Llama4,
             Family::GptOss => &gpt_oss::GptOss,
             Family::Qwen3Next => &qwen3_next::Qwen3Next,
+            Family::DeepseekV32 => &deepseek_v32::DeepseekV32,
+            Family::GlmMoeDsa => &glm_moe_dsa::GlmMoeDsa,
         }
     }
 

@@ -462,6 +462,9 @@ fn dense_part_the_gpu_lacks(config: &ModelConfig) -> Option<&'static str> {
         AttentionConfig::Gqa {
             output_gate: true, ..
         } => Some("gated attention output (`attn_output_gate`)"),
+        AttentionConfig::Mla {
+            indexer: Some(_), ..
+        } => Some("the lightning indexer of DeepSeek Sparse Attention (`index_topk`)"),
         _ if config.centered_norms => Some("RMSNorm weights centred on zero (`1 + w`)"),
         _ if config.moe.shared_expert_gate => {
             Some("a gate on the shared expert (`shared_expert_gate`)")
