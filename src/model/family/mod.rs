@@ -10,6 +10,7 @@
 //! [`Family::spec`] (see `docs/adding-a-model.md`).
 
 mod deepseek_v3;
+mod deepseek_v4;
 mod glm4_moe;
 mod gpt_oss;
 mod llama4;
@@ -20,6 +21,9 @@ mod qwen3_next;
 
 use serde::Deserialize;
 use serde_json::Value;
+
+pub(super) use deepseek_v4::deepseek_v4;
+pub use deepseek_v4::{DeepseekV4, V4ExpertDtype, V4LayerKind, V4Shape};
 
 use super::config::parts::{
     AttentionConfig, CommonKeys, ExpertActivation, GatingConfig, LinearAttention, MoeConfig,
@@ -52,6 +56,10 @@ pub enum Family {
     /// `qwen3_next` and `qwen3_5_moe_text` (and the `qwen3_5_moe` wrapper): hybrid layers of
     /// gated DeltaNet and gated GQA, softmax gating with a gated shared expert.
     Qwen3Next,
+    /// `deepseek_v4` (DeepSeek-V4 Pro and Flash): one shared 512-wide key-value head with a
+    /// window and compressed entries, hash-routed first layers, sqrtsoftplus gating,
+    /// hyper-connections ([`DeepseekV4`]).
+    DeepseekV4,
 }
 
 /// What a family answers. Each family's file implements it on a unit struct; nothing has a
@@ -95,7 +103,7 @@ pub(super) trait FamilySpec: Sync {
 
 impl Family {
     /// Every family, in the order errors list them.
-    pub const ALL: [Family; 8] = [
+    pub const ALL: [Family; 9] = [
         Family::Qwen3Moe,
         Family::Mixtral,
         Family::DeepseekV3,
@@ -104,6 +112,7 @@ impl Family {
         Family::Llama4,
         Family::GptOss,
         Family::Qwen3Next,
+        Family::DeepseekV4,
     ];
 
     fn spec(self) -> &'static dyn FamilySpec {
@@ -116,6 +125,7 @@ impl Family {
             Family::Llama4 => &llama4::Llama4,
             Family::GptOss => &gpt_oss::GptOss,
             Family::Qwen3Next => &qwen3_next::Qwen3Next,
+            Family::DeepseekV4 => &deepseek_v4::DeepseekV4Spec,
         }
     }
 

@@ -1,0 +1,46 @@
+use super::*;
+
+fn fixture() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/deepseek_v4")
+}
+
+/// A prompt fed in pieces (windows left unfinished between them, the compressors' overlap
+/// carried across) gives what it gives fed whole, and the cache holds what it says.
+#[test]
+fn a_prompt_in_pieces_equals_it_whole() {
+    let model = DeepseekV4Model::load(&fixture()).unwrap();
+    let prompt = [3u32, 17, 42, 7, 99, 1, 64, 23, 5, 88, 12, 9, 4];
+    let mut whole = model.new_cache();
+    let expected = model.forward(&mut whole, &prompt).unwrap();
+    let mut pieces = model.new_cache();
+    let mut got = Vec::new();
+    for piece in [&prompt[..3], &prompt[3..9], &prompt[9..10], &prompt[10..]] {
+        got = model.forward(&mut pieces, piece).unwrap();
+    }
+    let diff = got
+        .iter()
+        .zip(&expected)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(diff < 1e-4, "pieces differ from whole by {diff}");
+    assert_eq!(pieces.len(), prompt.len());
+    // 13 positions: windows of 5 rows of 32 on each of the 4 layers, 3 CSA entries and
+    // 3 indexer keys on 2 layers, 1 HCA entry, and the unfinished windows.
+    assert_eq!(whole.bytes(), pieces.bytes());
+    assert!(whole.bytes() >= 4 * (4 * 5 * 32 + 2 * 3 * (32 + 16) + 32));
+}
+
+/// Bad input is an error, and the cache is left as it was.
+#[test]
+fn bad_tokens_are_refused_and_leave_the_cache() {
+    let model = DeepseekV4Model::load(&fixture()).unwrap();
+    let mut cache = model.new_cache();
+    model.forward(&mut cache, &[1, 2]).unwrap();
+    let err = model.forward(&mut cache, &[5, 128]).unwrap_err();
+    assert!(err.to_string().contains("token id 128"), "{err}");
+    assert!(matches!(
+        model.forward(&mut cache, &[]),
+        Err(EngineError::EmptyPrompt)
+    ));
+    assert_eq!(cache.len(), 2);
+}

@@ -1,0 +1,129 @@
+//! DeepSeek-V4 against transformers: the tiny checkpoint `tests/fixtures/make_fixtures.py`
+//! made with transformers' own classes, in the published layout (compressed and windowed
+//! attention shorter than the sequence, an indexer keeping fewer entries than there are,
+//! hash-routed layers, 3 hyper-connection streams, random sinks), must give the same greedy
+//! tokens and logits within 1e-3 relative. The serving engine and the GPU backend refuse it,
+//! naming what they lack.
+
+use std::path::{Path, PathBuf};
+
+use moe_node::engine::Engine;
+use moe_node::engine::deepseek_v4::DeepseekV4Model;
+use safetensors::SafeTensors;
+use serde::Deserialize;
+
+#[derive(Deserialize)]
+struct Reference {
+    prompt_ids: Vec<u32>,
+    token_ids: Vec<u32>,
+    last_logits: Vec<f32>,
+}
+
+fn fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/deepseek_v4")
+}
+
+fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+#[test]
+fn deepseek_v4_matches_transformers() {
+    let reference: Reference =
+        serde_json::from_str(&std::fs::read_to_string(fixture().join("reference.json")).unwrap())
+            .unwrap();
+    let model = DeepseekV4Model::load(&fixture()).unwrap();
+    let mut cache = model.new_cache();
+    let logits = model.forward(&mut cache, &reference.prompt_ids).unwrap();
+    let largest = reference
+        .last_logits
+        .iter()
+        .fold(0.0f32, |m, l| m.max(l.abs()));
+    let diff = logits
+        .iter()
+        .zip(&reference.last_logits)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, |m, d| if d.is_nan() || d > m { d } else { m });
+    eprintln!(
+        "deepseek_v4: max logit difference from transformers {diff:e} ({:e} of the largest logit)",
+        diff / largest
+    );
+    assert!(
+        diff <= 1e-3 * largest,
+        "logits differ by {diff} (largest logit {largest})"
+    );
+    // Greedy decoding one token at a time through the cache: past the window, past several
+    // compressed windows, the indexer choosing among more entries than it keeps.
+    let mut tokens = vec![argmax(&logits)];
+    while tokens.len() < reference.token_ids.len() {
+        let last = *tokens.last().unwrap();
+        let logits = model.forward(&mut cache, &[last]).unwrap();
+        tokens.push(argmax(&logits));
+    }
+    assert_eq!(tokens, reference.token_ids);
+}
+
+#[test]
+fn the_serving_engine_refuses_it_naming_what_it_lacks() {
+    let err = Engine::load(&fixture())
+        .err()
+        .expect("Engine loaded DeepSeek-V4");
+    let message = err.to_string();
+    assert!(message.contains("compressed attention"), "{message}");
+    assert!(message.contains("engine::deepseek_v4"), "{message}");
+}
+
+/// A `tid2eid` table naming an expert past the layer's experts is a clear error at load.
+#[test]
+fn a_token_table_past_the_experts_is_refused_at_load() {
+    let dir = tempfile::tempdir().unwrap();
+    for file in ["config.json", "reference.json"] {
+        std::fs::copy(fixture().join(file), dir.path().join(file)).unwrap();
+    }
+    let bytes = std::fs::read(fixture().join("model.safetensors")).unwrap();
+    let tensors = SafeTensors::deserialize(&bytes).unwrap();
+    let mut owned: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = tensors
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            (
+                name,
+                view.dtype(),
+                view.shape().to_vec(),
+                view.data().to_vec(),
+            )
+        })
+        .collect();
+    let table = owned
+        .iter_mut()
+        .find(|(name, ..)| name == "layers.1.ffn.gate.tid2eid")
+        .unwrap();
+    // Token 5's first expert: 8 (of 8).
+    let at = 5 * 2 * 8;
+    table.3[at..at + 8].copy_from_slice(&8i64.to_le_bytes());
+    let views: Vec<(String, safetensors::tensor::TensorView)> = owned
+        .iter()
+        .map(|(name, dtype, shape, data)| {
+            (
+                name.clone(),
+                safetensors::tensor::TensorView::new(*dtype, shape.clone(), data).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &dir.path().join("model.safetensors")).unwrap();
+    let err = DeepseekV4Model::load(dir.path())
+        .err()
+        .expect("a table past the experts loaded");
+    let message = err.to_string();
+    assert!(
+        message.contains("layers.1.ffn.gate.tid2eid")
+            && message.contains("token 5 to expert 8, past the 8 experts"),
+        "{message}"
+    );
+}
