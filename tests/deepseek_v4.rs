@@ -127,3 +127,47 @@ fn a_token_table_past_the_experts_is_refused_at_load() {
         "{message}"
     );
 }
+
+/// `moe-node plan` on DeepSeek-V4-Pro's config alone (experts MXFP4, the dense part FP8 with
+/// ue8m0 scales): two copies of every expert fit on two 8 x H200 nodes, 48 experts per GPU and
+/// layer (95.7 GiB), and either node failing leaves every expert its other copy.
+#[test]
+fn plan_fits_pro_with_two_copies_on_two_h200_nodes() {
+    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/deepseek_v4_pro");
+    let plan = |nodes: &str| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_moe-node"))
+            .args([
+                "plan",
+                "--json",
+                "--model",
+                model.to_str().unwrap(),
+                "--nodes",
+                nodes,
+            ])
+            .args(["--devices-per-node", "8", "--replication", "2"])
+            .args(["--device-memory-gib", "141"])
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        serde_json::from_str::<serde_json::Value>(&stdout)
+            .unwrap_or_else(|e| panic!("{e}: {stdout} {}", String::from_utf8_lossy(&out.stderr)))
+    };
+    let report = plan("2");
+    let sizes = &report["model"]["sizes"];
+    // 3 matrices of 7168 x 3072 e2m1 pairs and one e8m0 byte per 32.
+    assert_eq!(
+        sizes["expert_bytes"],
+        3 * (7168 * 3072 / 2 + 7168 * 3072 / 32)
+    );
+    // 29 CSA layers of (512 + 128) / 4 floats and 32 HCA layers of 512 / 128.
+    assert_eq!(sizes["kv_bytes_per_position"], 4 * (29 * 160 + 32 * 4));
+    assert_eq!(report["verdict"]["ok"], true, "{}", report["verdict"]);
+    for device in report["devices"].as_array().unwrap() {
+        assert_eq!(device["experts"]["0"], 48, "{device}");
+        assert_eq!(device["fits"], true, "{device}");
+    }
+    for failure in report["failures"].as_array().unwrap() {
+        assert_eq!(failure["experts_losing_a_replica"], 61 * 384);
+        assert_eq!(failure["unavailable_experts"], 0);
+    }
+}

@@ -11,6 +11,7 @@ use super::weights::{AttentionWeights, CompressorWeights, IndexerWeights};
 use crate::compute::cpu::{Linear, rms_norm_in_place};
 use crate::engine::rope::{Rope, RopeAngles};
 use crate::model::config::{DeepseekV4, V4LayerKind};
+use crate::model::weights::StoredLinear;
 
 /// What a sequence keeps of one layer.
 #[derive(Debug, Clone, Default)]
@@ -152,7 +153,13 @@ fn select(
 
 /// The grouped low-rank output projection: group `g` of each row's heads through its own
 /// block of `wo_a`, then all through `wo_b`.
-fn output(wo_a: &Linear, wo_b: &Linear, attended: &[f32], rows: usize, groups: usize) -> Vec<f32> {
+fn output(
+    wo_a: &Linear,
+    wo_b: &StoredLinear,
+    attended: &[f32],
+    rows: usize,
+    groups: usize,
+) -> Vec<f32> {
     let (rank, per_group) = (wo_a.out_features / groups, wo_a.in_features);
     let mut mid = vec![0.0; rows * groups * rank];
     for g in 0..groups {

@@ -1,20 +1,35 @@
-//! DeepSeek-V4's dense tensors by their published names (no `model.` prefix), read into f32
-//! blocks (bf16 and f16 widened), shapes checked against the config. The routed experts load
-//! through the family's names (`layers.N.ffn.experts.E.{w1,w3,w2}`) with `swiglu_limit` set on
-//! their gate and up ([`clamp_swiglu`]). FP8 projections (a `.scale` beside the weight) are
-//! refused naming the tensor: they are not read yet.
+//! DeepSeek-V4's tensors by their published names (no `model.` prefix), shapes checked
+//! against the config. Projections are held as stored: FP8 e4m3 with a `.scale` of ue8m0
+//! exponents per 128 x 128 block kept FP8 (the scales widened to f32), bf16 kept bf16, the rest
+//! f32; the grouped output projection's first half and the shared experts widened to f32. The
+//! routed experts (`layers.N.ffn.experts.E.{w1,w3,w2}`) load as bf16 blocks with
+//! `swiglu_limit` set on their gate and up ([`clamp_swiglu`]): MXFP4 (`.weight` two e2m1 values
+//! a byte, low nibble first, `.scale` one e8m0 exponent per 32) and FP8 widen to bf16 exactly.
+
+use half::bf16;
+use safetensors::tensor::Dtype;
 
 use crate::compute::cpu::{Linear, SwiGlu};
 use crate::compute::expert::ExpertWeights;
+use crate::compute::quant::{QuantLinear, e4m3_to_f32};
 use crate::model::config::{DeepseekV4, V4LayerKind};
-use crate::model::weights::load_expert;
-use crate::model::{Checkpoint, ModelConfig, ModelError};
+use crate::model::weights::{StoredLinear, load_expert};
+use crate::model::{Checkpoint, ModelConfig, ModelError, mxfp4};
+
+/// A ue8m0 scale as its definition gives it: the byte is the biased exponent of a power of
+/// two, `2^(e - 127)`; 255 is NaN.
+pub fn ue8m0(byte: u8) -> Option<f32> {
+    (byte != 255).then(|| (f32::from(byte) - 127.0).exp2())
+}
+
+/// FP8 block size of the published checkpoints.
+const FP8_BLOCK: [usize; 2] = [128, 128];
 
 /// A pooling compressor's projections, position bias and norm.
 pub struct CompressorWeights {
     /// `[series * width, hidden]` each.
-    pub wkv: Linear,
-    pub wgate: Linear,
+    pub wkv: StoredLinear,
+    pub wgate: StoredLinear,
     /// `[ratio, series * width]`.
     pub ape: Vec<f32>,
     pub norm: Vec<f32>,
@@ -23,22 +38,22 @@ pub struct CompressorWeights {
 /// A CSA layer's lightning indexer.
 pub struct IndexerWeights {
     /// `[index_heads * index_head_dim, q_lora_rank]`.
-    pub wq_b: Linear,
+    pub wq_b: StoredLinear,
     /// `[index_heads, hidden]`.
-    pub weights_proj: Linear,
+    pub weights_proj: StoredLinear,
     pub compressor: CompressorWeights,
 }
 
 pub struct AttentionWeights {
-    pub wq_a: Linear,
+    pub wq_a: StoredLinear,
     pub q_norm: Vec<f32>,
-    pub wq_b: Linear,
-    pub wkv: Linear,
+    pub wq_b: StoredLinear,
+    pub wkv: StoredLinear,
     pub kv_norm: Vec<f32>,
     /// `[o_groups * o_lora_rank, heads * head_dim / o_groups]`: group `g`'s block is rows
     /// `g * o_lora_rank..`.
     pub wo_a: Linear,
-    pub wo_b: Linear,
+    pub wo_b: StoredLinear,
     pub sinks: Vec<f32>,
     pub compressor: Option<CompressorWeights>,
     pub indexer: Option<IndexerWeights>,
@@ -58,7 +73,7 @@ pub struct LayerWeights {
     pub ffn_hc: MixerWeights,
     pub attention: AttentionWeights,
     /// `[experts, hidden]`.
-    pub gate: Linear,
+    pub gate: StoredLinear,
     /// Score layers: the routing bias (`gate.bias`).
     pub gate_bias: Option<Vec<f32>>,
     /// Hash layers: `[vocab, top_k]` experts per token (`gate.tid2eid`).
@@ -68,7 +83,7 @@ pub struct LayerWeights {
 
 pub struct V4Weights {
     pub embed: Vec<f32>,
-    pub head: Linear,
+    pub head: StoredLinear,
     pub norm: Vec<f32>,
     /// The final collapse of the streams: `hc_head_fn [m, m * hidden]`, base, scale.
     pub head_fn: Vec<f32>,
@@ -77,25 +92,66 @@ pub struct V4Weights {
     pub layers: Vec<LayerWeights>,
 }
 
-/// `name` of `shape` in f32; FP8 (with a `.scale` beside it) refused by name.
 fn tensor(ckpt: &Checkpoint, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
-    if let Some(weight) = name.strip_suffix(".weight")
-        && ckpt.contains(&format!("{weight}.scale"))
-    {
-        return Err(ModelError::Corrupt {
-            path: ckpt.dir().to_path_buf(),
-            reason: format!(
-                "tensor `{name}` is FP8 with ue8m0 scales, which the DeepSeek-V4 CPU forward does \
-                 not read yet; use a bf16 copy"
-            ),
-        });
-    }
     ckpt.read_f32(name, shape)
 }
 
-fn linear(ckpt: &Checkpoint, name: &str, out: usize, inp: usize) -> Result<Linear, ModelError> {
-    let weight = tensor(ckpt, &format!("{name}.weight"), &[out, inp])?;
-    Ok(Linear::without_bias(weight, out, inp))
+fn corrupt(ckpt: &Checkpoint, name: &str, reason: impl std::fmt::Display) -> ModelError {
+    ModelError::Corrupt {
+        path: ckpt.dir().to_path_buf(),
+        reason: format!("`{name}`: {reason}"),
+    }
+}
+
+/// `{name}.scale` of `shape` as f32 factors: ue8m0 bytes decoded, or stored as floats.
+fn scales(ckpt: &Checkpoint, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
+    let scale = format!("{name}.scale");
+    if !matches!(ckpt.dtype(&scale), Some(Dtype::F8_E8M0 | Dtype::U8)) {
+        return tensor(ckpt, &scale, shape);
+    }
+    ckpt.read_bytes(&scale, shape, &[Dtype::F8_E8M0, Dtype::U8])?
+        .into_iter()
+        .map(|b| ue8m0(b).ok_or_else(|| corrupt(ckpt, &scale, "a scale is 255, e8m0's NaN")))
+        .collect()
+}
+
+/// `{name}.weight` `[out, inp]` as stored (see the module comment).
+fn linear(
+    ckpt: &Checkpoint,
+    name: &str,
+    out: usize,
+    inp: usize,
+) -> Result<StoredLinear, ModelError> {
+    let weight = format!("{name}.weight");
+    Ok(match ckpt.dtype(&weight) {
+        Some(Dtype::F8_E4M3) => {
+            let [rows, cols] = FP8_BLOCK;
+            let bytes = ckpt.read_fp8(&weight, &[out, inp])?;
+            let factors = scales(ckpt, name, &[out.div_ceil(rows), inp.div_ceil(cols)])?;
+            let matrix = QuantLinear::fp8(bytes, factors, out, inp, FP8_BLOCK)
+                .map_err(|e| corrupt(ckpt, &weight, e))?;
+            StoredLinear::Quantized { matrix, bias: None }
+        }
+        Some(Dtype::BF16) => StoredLinear::Bf16(Linear::without_bias(
+            ckpt.read_bf16(&weight, &[out, inp])?,
+            out,
+            inp,
+        )),
+        _ => StoredLinear::F32(Linear::without_bias(
+            tensor(ckpt, &weight, &[out, inp])?,
+            out,
+            inp,
+        )),
+    })
+}
+
+/// As [`linear`], widened to f32.
+fn linear_f32(ckpt: &Checkpoint, name: &str, out: usize, inp: usize) -> Result<Linear, ModelError> {
+    let stored = linear(ckpt, name, out, inp)?;
+    Ok(match stored {
+        StoredLinear::F32(l) => l,
+        other => Linear::without_bias(other.widened().into_owned(), out, inp),
+    })
 }
 
 /// `down(silu(min(gate, limit)) * clamp(up, -limit, limit))`: DeepSeek-V4's experts and
@@ -185,7 +241,7 @@ fn attention(
         wq_b: linear(ckpt, &format!("{p}.wq_b"), heads * hd, q)?,
         wkv: linear(ckpt, &format!("{p}.wkv"), hd, h)?,
         kv_norm: tensor(ckpt, &kv_norm, &[hd])?,
-        wo_a: linear(
+        wo_a: linear_f32(
             ckpt,
             &format!("{p}.wo_a"),
             groups * v4.o_lora_rank,
@@ -232,9 +288,9 @@ fn layer(
     let shared_i = cfg.moe.shared_intermediate_size;
     let sp = format!("{p}.ffn.shared_experts");
     let mut shared = SwiGlu {
-        gate: linear(ckpt, &format!("{sp}.w1"), shared_i, h)?,
-        up: linear(ckpt, &format!("{sp}.w3"), shared_i, h)?,
-        down: linear(ckpt, &format!("{sp}.w2"), h, shared_i)?,
+        gate: linear_f32(ckpt, &format!("{sp}.w1"), shared_i, h)?,
+        up: linear_f32(ckpt, &format!("{sp}.w3"), shared_i, h)?,
+        down: linear_f32(ckpt, &format!("{sp}.w2"), h, shared_i)?,
     };
     clamp_swiglu(&mut shared, v4.swiglu_limit);
     Ok(LayerWeights {
@@ -280,28 +336,93 @@ impl V4Weights {
     }
 }
 
-/// Every routed expert, clamped at `swiglu_limit`: `[layer][expert]`.
+/// A routed expert's projection `[out, inp]` in bf16: MXFP4 and FP8 widened (exactly), bf16
+/// as stored, f32 rounded.
+fn expert_matrix(
+    ckpt: &Checkpoint,
+    name: &str,
+    out: usize,
+    inp: usize,
+) -> Result<Vec<bf16>, ModelError> {
+    let weight = format!("{name}.weight");
+    let e8m0 = [Dtype::F8_E8M0, Dtype::U8];
+    match ckpt.dtype(&weight) {
+        Some(dtype @ (Dtype::F4 | Dtype::I8 | Dtype::U8)) => {
+            let packed_shape = if dtype == Dtype::F4 {
+                [out, inp]
+            } else {
+                [out, inp / 2]
+            };
+            let packed = ckpt.read_bytes(&weight, &packed_shape, &[dtype])?;
+            let exponents = ckpt.read_bytes(
+                &format!("{name}.scale"),
+                &[out, inp.div_ceil(mxfp4::BLOCK)],
+                &e8m0,
+            )?;
+            mxfp4::dequantize(&packed, &exponents, out, inp).map_err(|e| corrupt(ckpt, &weight, e))
+        }
+        Some(Dtype::F8_E4M3) => {
+            let [rows, cols] = FP8_BLOCK;
+            let bytes = ckpt.read_fp8(&weight, &[out, inp])?;
+            let factors = scales(ckpt, name, &[out.div_ceil(rows), inp.div_ceil(cols)])?;
+            let blocks_per_row = inp.div_ceil(cols);
+            Ok(bytes
+                .iter()
+                .enumerate()
+                .map(|(i, &b)| {
+                    let (r, c) = (i / inp, i % inp);
+                    let factor = factors[(r / rows) * blocks_per_row + c / cols];
+                    bf16::from_f32(e4m3_to_f32(b) * factor)
+                })
+                .collect())
+        }
+        Some(Dtype::BF16) => ckpt.read_bf16(&weight, &[out, inp]),
+        _ => Ok(tensor(ckpt, &weight, &[out, inp])?
+            .into_iter()
+            .map(bf16::from_f32)
+            .collect()),
+    }
+}
+
+/// Every routed expert, clamped at `swiglu_limit`: `[layer][expert]`. bf16 and f32 go through
+/// the families' loader (f32 kept f32); MXFP4 and FP8 widen to bf16.
 pub fn load_experts(
     ckpt: &Checkpoint,
     cfg: &ModelConfig,
     v4: &DeepseekV4,
 ) -> Result<Vec<Vec<ExpertWeights>>, ModelError> {
+    let (h, i) = (cfg.hidden_size, cfg.moe.expert_intermediate_size);
     (0..cfg.num_layers)
         .map(|l| {
             (0..cfg.moe.num_experts)
                 .map(|e| {
-                    let mut expert = load_expert(ckpt, cfg, l, e)?;
+                    let (prefix, names) = cfg.family.routed_expert(l, e);
+                    let gate = format!("{prefix}.{}", names.gate);
+                    let compressed = matches!(
+                        ckpt.dtype(&format!("{gate}.weight")),
+                        Some(Dtype::F4 | Dtype::I8 | Dtype::U8 | Dtype::F8_E4M3)
+                    );
+                    let mut expert = if compressed {
+                        let up = format!("{prefix}.{}", names.up);
+                        let down = format!("{prefix}.{}", names.down);
+                        ExpertWeights::Bf16(SwiGlu {
+                            gate: Linear::without_bias(expert_matrix(ckpt, &gate, i, h)?, i, h),
+                            up: Linear::without_bias(expert_matrix(ckpt, &up, i, h)?, i, h),
+                            down: Linear::without_bias(expert_matrix(ckpt, &down, h, i)?, h, i),
+                        })
+                    } else {
+                        load_expert(ckpt, cfg, l, e)?
+                    };
                     match &mut expert {
                         ExpertWeights::F32(block) => clamp_swiglu(block, v4.swiglu_limit),
                         ExpertWeights::Bf16(block) => clamp_swiglu(block, v4.swiglu_limit),
                         ExpertWeights::Quantized(_) => {
-                            return Err(ModelError::Corrupt {
-                                path: ckpt.dir().to_path_buf(),
-                                reason: format!(
-                                    "layer {l} expert {e}: quantized DeepSeek-V4 experts are not \
-                                     read yet (their clamped SwiGLU); use a bf16 copy"
-                                ),
-                            });
+                            return Err(corrupt(
+                                ckpt,
+                                &prefix,
+                                "quantized experts under the config's quantization_config are \
+                                 not read for DeepSeek-V4 (their clamped SwiGLU)",
+                            ));
                         }
                     }
                     Ok(expert)
@@ -309,4 +430,25 @@ pub fn load_experts(
                 .collect()
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// ue8m0 against its definition, 2^(e - 127): 127 is 1, 128 is 2, 126 is 1/2, 0 is
+    /// 2^-127 (subnormal in f32, still exact), 254 is 2^127, 255 is NaN.
+    #[test]
+    fn ue8m0_scales_are_their_powers_of_two() {
+        assert_eq!(ue8m0(127), Some(1.0));
+        assert_eq!(ue8m0(128), Some(2.0));
+        assert_eq!(ue8m0(126), Some(0.5));
+        assert_eq!(ue8m0(134), Some(128.0));
+        assert_eq!(ue8m0(0), Some(f32::from_bits(1 << 22)));
+        assert_eq!(ue8m0(254), Some(f32::from_bits(254 << 23)));
+        assert_eq!(ue8m0(255), None);
+        for e in 0..255u8 {
+            assert_eq!(ue8m0(e), Some(2f32.powi(i32::from(e) - 127)), "{e}");
+        }
+    }
 }
