@@ -451,4 +451,57 @@ mod tests {
             assert_eq!(ue8m0(e), Some(2f32.powi(i32::from(e) - 127)), "{e}");
         }
     }
+
+    /// An FP8 projection with ue8m0 block scales is held FP8 and reads as byte times scale;
+    /// an MXFP4 expert matrix widens to its e2m1 values times 2^(e - 127).
+    #[test]
+    fn fp8_with_ue8m0_scales_and_mxfp4_experts_read_to_their_values() {
+        use safetensors::tensor::TensorView;
+        let dir = tempfile::tempdir().unwrap();
+        // [2, 130] bytes of 1.0 (e4m3 0x38) in two 128-wide blocks scaled 2 and 1/2.
+        let fp8 = vec![0x38u8; 2 * 130];
+        let fp8_scale = vec![128u8, 126];
+        // [2, 32] e2m1 pairs: row 0 bytes 0x21 (0.5 then 1.0) scaled 2; row 1 bytes 0x9F
+        // (-6 then -0.5) scaled 1.
+        let fp4: Vec<u8> = [vec![0x21u8; 16], vec![0x9Fu8; 16]].concat();
+        let fp4_scale = vec![128u8, 127];
+        let tensors = [
+            ("a.weight", Dtype::F8_E4M3, vec![2, 130], &fp8),
+            ("a.scale", Dtype::F8_E8M0, vec![1, 2], &fp8_scale),
+            ("e.weight", Dtype::I8, vec![2, 16], &fp4),
+            ("e.scale", Dtype::F8_E8M0, vec![2, 1], &fp4_scale),
+        ];
+        let views: Vec<(&str, TensorView)> = tensors
+            .iter()
+            .map(|(n, d, s, b)| (*n, TensorView::new(*d, s.clone(), b).unwrap()))
+            .collect();
+        safetensors::serialize_to_file(views, None, &dir.path().join("model.safetensors")).unwrap();
+        let ckpt = Checkpoint::open(dir.path()).unwrap();
+        let a = linear(&ckpt, "a", 2, 130).unwrap();
+        assert!(matches!(a, StoredLinear::Quantized { .. }), "kept FP8");
+        let widened = a.widened();
+        assert_eq!(widened[0], 2.0);
+        assert_eq!(widened[127], 2.0);
+        assert_eq!(widened[128], 0.5);
+        assert_eq!(widened[130 + 129], 0.5);
+        let e = expert_matrix(&ckpt, "e", 2, 32).unwrap();
+        let e: Vec<f32> = e.iter().map(|v| v.to_f32()).collect();
+        assert_eq!(&e[..4], &[1.0, 2.0, 1.0, 2.0]);
+        assert_eq!(&e[32..36], &[-6.0, -0.5, -6.0, -0.5]);
+        // A NaN scale (255) is an error naming the tensor, not a NaN weight.
+        let views = vec![
+            (
+                "a.weight",
+                TensorView::new(Dtype::F8_E4M3, vec![2, 130], &fp8).unwrap(),
+            ),
+            (
+                "a.scale",
+                TensorView::new(Dtype::F8_E8M0, vec![1, 2], &[255u8, 127]).unwrap(),
+            ),
+        ];
+        safetensors::serialize_to_file(views, None, &dir.path().join("model.safetensors")).unwrap();
+        let ckpt = Checkpoint::open(dir.path()).unwrap();
+        let err = linear(&ckpt, "a", 2, 130).err().unwrap().to_string();
+        assert!(err.contains("a.scale") && err.contains("NaN"), "{err}");
+    }
 }
