@@ -17,6 +17,26 @@ struct Reference {
     prompt_ids: Vec<u32>,
     token_ids: Vec<u32>,
     last_logits: Vec<f32>,
+    long_prompt_ids: Vec<u32>,
+    /// Logits at a few positions of the uncached pass over `long_prompt_ids`.
+    long_logits: std::collections::BTreeMap<usize, Vec<f32>>,
+}
+
+fn reference() -> Reference {
+    serde_json::from_str(&std::fs::read_to_string(fixture().join("reference.json")).unwrap())
+        .unwrap()
+}
+
+/// The largest difference, relative to the largest reference logit.
+fn relative_difference(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len());
+    let largest = want.iter().fold(0.0f32, |m, l| m.max(l.abs()));
+    let diff = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, |m, d| if d.is_nan() || d > m { d } else { m });
+    diff / largest
 }
 
 fn fixture() -> PathBuf {
@@ -67,6 +87,32 @@ fn deepseek_v4_matches_transformers() {
         tokens.push(argmax(&logits));
     }
     assert_eq!(tokens, reference.token_ids);
+}
+
+/// 64 positions decoded one at a time through the cache (16 CSA entries, 8 HCA ones, the
+/// window passed ten times over) give the logits of transformers' uncached pass, and so does
+/// one prefill of them all.
+#[test]
+fn a_long_decode_through_the_cache_matches_the_uncached_pass() {
+    let reference = reference();
+    let model = DeepseekV4Model::load(&fixture()).unwrap();
+    let mut cache = model.new_cache();
+    let mut worst = 0.0f32;
+    for (position, &token) in reference.long_prompt_ids.iter().enumerate() {
+        let logits = model.forward(&mut cache, &[token]).unwrap();
+        if let Some(want) = reference.long_logits.get(&position) {
+            worst = worst.max(relative_difference(&logits, want));
+        }
+    }
+    let mut whole = model.new_cache();
+    let logits = model
+        .forward(&mut whole, &reference.long_prompt_ids)
+        .unwrap();
+    let prefill = relative_difference(&logits, &reference.long_logits[&63]);
+    eprintln!(
+        "deepseek_v4, 64 positions: decode {worst:e}, prefill {prefill:e} of the largest logit"
+    );
+    assert!(worst <= 1e-3 && prefill <= 1e-3, "{worst} {prefill}");
 }
 
 #[test]

@@ -139,7 +139,9 @@ fn select(
                     (score, t)
                 })
                 .collect();
-            // Highest first, equal scores by position.
+            // Highest first. Equal scores (exactly 0 where every head's ReLU is 0) by position:
+            // torch.topk leaves their order open, and transformers' cached and uncached passes
+            // break them differently.
             scores.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
             scores
                 .into_iter()

@@ -36,7 +36,7 @@ fn the_tiny_fixture_reads_every_part_as_transformers_does() {
     assert_eq!((v4.o_groups, v4.o_lora_rank, v4.sliding_window), (2, 16, 6));
     assert_eq!(
         (v4.index_n_heads, v4.index_head_dim, v4.index_topk),
-        (2, 16, 2)
+        (16, 16, 2)
     );
     assert_eq!(v4.hash_layers, 2);
     assert!(v4.is_hash_layer(1) && !v4.is_hash_layer(2));
