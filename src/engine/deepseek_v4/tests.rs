@@ -44,3 +44,25 @@ fn bad_tokens_are_refused_and_leave_the_cache() {
     ));
     assert_eq!(cache.len(), 2);
 }
+
+/// What `plan` and admission count for a sequence (a fixed part and a part per position) is
+/// never less than what its cache holds.
+#[test]
+fn the_planned_bytes_bound_what_a_cache_holds() {
+    let model = DeepseekV4Model::load(&fixture()).unwrap();
+    let v4 = model.config().deepseek_v4.as_ref().unwrap();
+    let mut cache = model.new_cache();
+    for (n, token) in (0..70u32).enumerate() {
+        model.forward(&mut cache, &[token % 128]).unwrap();
+        let planned = v4.cache_bytes_per_sequence() as f64
+            + (n + 1) as f64 * v4.cache_bytes_per_position() as f64;
+        assert!(
+            cache.bytes() as f64 <= planned,
+            "{n}: {} > {planned}",
+            cache.bytes()
+        );
+    }
+    // Past the windows, the per-position part is what grows: 70 positions hold 17 CSA entries
+    // and indexer keys on 2 layers and 8 HCA entries.
+    assert!(cache.bytes() >= 4 * (2 * 17 * (32 + 16) + 8 * 32));
+}
