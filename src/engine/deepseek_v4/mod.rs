@@ -54,6 +54,12 @@ impl V4Cache {
     }
 }
 
+/// One sequence's rows in a step and the position of its first.
+struct Segment {
+    rows: std::ops::Range<usize>,
+    start: usize,
+}
+
 /// A DeepSeek-V4 checkpoint loaded for the CPU.
 pub struct DeepseekV4Model {
     config: ModelConfig,
@@ -125,80 +131,86 @@ impl DeepseekV4Model {
     /// Runs `tokens` after `cache` and returns the logits after the last one (`[vocab]`). The
     /// cache is extended only when the whole step succeeds.
     pub fn forward(&self, cache: &mut V4Cache, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
+        let mut logits = self.forward_batch(&mut [(cache, tokens)])?;
+        Ok(logits.pop().unwrap_or_default())
+    }
+
+    /// One step for several sequences: attention runs per sequence on its own cache, the
+    /// gate and the routed experts over every row at once. Returns each sequence's logits
+    /// after its last token; the caches are extended only when the whole step succeeds.
+    pub fn forward_batch(
+        &self,
+        batch: &mut [(&mut V4Cache, &[u32])],
+    ) -> Result<Vec<Vec<f32>>, EngineError> {
         let cfg = &self.config;
-        if tokens.is_empty() {
-            return Err(EngineError::EmptyPrompt);
+        for (cache, tokens) in batch.iter() {
+            if tokens.is_empty() {
+                return Err(EngineError::EmptyPrompt);
+            }
+            if let Some(&token) = tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+                return Err(EngineError::TokenOutOfRange {
+                    token,
+                    vocab_size: cfg.vocab_size,
+                });
+            }
+            let needed = cache.len + tokens.len();
+            if needed > cfg.max_position_embeddings {
+                return Err(EngineError::ContextTooLong {
+                    needed,
+                    max: cfg.max_position_embeddings,
+                });
+            }
         }
-        if let Some(&token) = tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
-            return Err(EngineError::TokenOutOfRange {
-                token,
-                vocab_size: cfg.vocab_size,
+        let (h, m) = (cfg.hidden_size, self.v4.hc_mult);
+        let tokens: Vec<u32> = batch.iter().flat_map(|(_, t)| t.iter().copied()).collect();
+        let mut segments = Vec::with_capacity(batch.len());
+        let mut next: Vec<V4Cache> = Vec::with_capacity(batch.len());
+        for (cache, seq_tokens) in batch.iter() {
+            let first = segments.last().map_or(0, |s: &Segment| s.rows.end);
+            segments.push(Segment {
+                rows: first..first + seq_tokens.len(),
+                start: cache.len,
             });
+            next.push((*cache).clone());
         }
-        let needed = cache.len + tokens.len();
-        if needed > cfg.max_position_embeddings {
-            return Err(EngineError::ContextTooLong {
-                needed,
-                max: cfg.max_position_embeddings,
-            });
-        }
-        let (h, m, rows) = (cfg.hidden_size, self.v4.hc_mult, tokens.len());
-        let mut next = cache.clone();
-        let mut streams = Vec::with_capacity(rows * m * h);
-        for &token in tokens {
+        let mut streams = Vec::with_capacity(tokens.len() * m * h);
+        for &token in &tokens {
             let row = &self.weights.embed[token as usize * h..][..h];
             (0..m).for_each(|_| streams.extend_from_slice(row));
         }
         for (l, layer) in self.weights.layers.iter().enumerate() {
-            self.layer(
-                l,
-                layer,
-                &mut streams,
-                tokens,
-                &mut next.layers[l],
-                cache.len,
-            )?;
+            let mut states: Vec<&mut LayerState> =
+                next.iter_mut().map(|c| &mut c.layers[l]).collect();
+            self.layer(l, layer, &mut streams, &tokens, &mut states, &segments)?;
         }
-        let last = &streams[(rows - 1) * m * h..];
         let w = &self.weights;
         let eps = cfg.rms_norm_eps;
-        let collapsed = hc::head(
-            (&w.head_fn, &w.head_base, w.head_scale),
-            last,
-            h,
-            (eps, self.v4.hc_eps),
-        );
-        let normed = rms_norm(&collapsed, &w.norm, eps);
-        next.len = needed;
-        *cache = next;
-        Ok(w.head.forward(&normed, 1))
+        let mut logits = Vec::with_capacity(batch.len());
+        for ((cache, _), (segment, mut grown)) in batch.iter_mut().zip(segments.iter().zip(next)) {
+            let last = &streams[(segment.rows.end - 1) * m * h..][..m * h];
+            let head = (w.head_fn.as_slice(), w.head_base.as_slice(), w.head_scale);
+            let collapsed = hc::head(head, last, h, (eps, self.v4.hc_eps));
+            let normed = rms_norm(&collapsed, &w.norm, eps);
+            logits.push(w.head.forward(&normed, 1));
+            grown.len = segment.start + segment.rows.len();
+            **cache = grown;
+        }
+        Ok(logits)
     }
 
-    /// One decoder layer over the new rows' streams.
+    /// One decoder layer over every new row's streams.
     fn layer(
         &self,
         l: usize,
         layer: &LayerWeights,
         streams: &mut [f32],
         tokens: &[u32],
-        state: &mut LayerState,
-        start: usize,
+        states: &mut [&mut LayerState],
+        segments: &[Segment],
     ) -> Result<(), EngineError> {
         let (h, m, rows) = (self.config.hidden_size, self.v4.hc_mult, tokens.len());
         let eps = self.config.rms_norm_eps;
         let hc = (eps, self.v4.hc_eps, self.v4.hc_sinkhorn_iters);
-        let step = Step {
-            v4: &self.v4,
-            layer: l,
-            heads: self.config.num_heads,
-            eps,
-            rope: match self.v4.layers[l] {
-                V4LayerKind::Sliding => &self.main_rope,
-                _ => &self.compress_rope,
-            },
-            compress_rope: &self.compress_rope,
-            start,
-        };
         // Attention, then the MoE block, each between a collapse and a spread of the streams.
         for block in 0..2 {
             let mixer = if block == 0 {
@@ -215,7 +227,30 @@ impl DeepseekV4Model {
             }
             let output = if block == 0 {
                 let normed = rms_norm(&input, &layer.attn_norm, eps);
-                attention::attention(&layer.attention, state, &normed, rows, &step)
+                let mut output = Vec::with_capacity(rows * h);
+                for (segment, state) in segments.iter().zip(states.iter_mut()) {
+                    let step = Step {
+                        v4: &self.v4,
+                        layer: l,
+                        heads: self.config.num_heads,
+                        eps,
+                        rope: match self.v4.layers[l] {
+                            V4LayerKind::Sliding => &self.main_rope,
+                            _ => &self.compress_rope,
+                        },
+                        compress_rope: &self.compress_rope,
+                        start: segment.start,
+                    };
+                    let x = &normed[segment.rows.start * h..segment.rows.end * h];
+                    output.extend(attention::attention(
+                        &layer.attention,
+                        state,
+                        x,
+                        segment.rows.len(),
+                        &step,
+                    ));
+                }
+                output
             } else {
                 let normed = rms_norm(&input, &layer.ffn_norm, eps);
                 self.moe(l, layer, &normed, tokens)?

@@ -66,3 +66,38 @@ fn the_planned_bytes_bound_what_a_cache_holds() {
     // and indexer keys on 2 layers and 8 HCA entries.
     assert!(cache.bytes() >= 4 * (2 * 17 * (32 + 16) + 8 * 32));
 }
+
+/// Sequences stepped together (their rows through one gate and one expert dispatch) give what
+/// each gives alone, prefill and decode mixed.
+#[test]
+fn a_batch_equals_each_sequence_alone() {
+    let model = DeepseekV4Model::load(&fixture()).unwrap();
+    let (a, b) = ([3u32, 17, 42, 7, 99, 1, 64, 23, 5], [88u32, 12, 9]);
+    let mut alone = Vec::new();
+    for prompt in [&a[..], &b[..]] {
+        let mut cache = model.new_cache();
+        model
+            .forward(&mut cache, &prompt[..prompt.len() - 1])
+            .unwrap();
+        alone.push(
+            model
+                .forward(&mut cache, &prompt[prompt.len() - 1..])
+                .unwrap(),
+        );
+    }
+    let (mut ca, mut cb) = (model.new_cache(), model.new_cache());
+    model.forward(&mut ca, &a[..a.len() - 1]).unwrap();
+    // b prefills while a decodes.
+    let together = model
+        .forward_batch(&mut [(&mut ca, &a[a.len() - 1..]), (&mut cb, &b[..])])
+        .unwrap();
+    for (got, want) in together.iter().zip(&alone) {
+        let diff = got
+            .iter()
+            .zip(want)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0f32, f32::max);
+        assert!(diff < 1e-5, "batched differs by {diff}");
+    }
+    assert_eq!((ca.len(), cb.len()), (a.len(), b.len()));
+}
