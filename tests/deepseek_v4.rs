@@ -5,6 +5,8 @@
 //! tokens and logits within 1e-3 relative. The serving engine and the GPU backend refuse it,
 //! naming what they lack.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
 use moe_node::engine::Engine;
@@ -123,6 +125,23 @@ fn the_serving_engine_refuses_it_naming_what_it_lacks() {
     let message = err.to_string();
     assert!(message.contains("compressed attention"), "{message}");
     assert!(message.contains("engine::deepseek_v4"), "{message}");
+}
+
+/// The GPU backend (a real GPU under `tests/gpu/run.sh`, else GPUs emulated on the CPU)
+/// refuses it at load, its experts alone or the whole model, naming what it lacks: never
+/// experts without the clamp or attention without the compressor.
+#[test]
+fn the_gpu_backend_refuses_it_naming_what_it_lacks() {
+    if common::gpus("deepseek_v4: GPU backend").is_none() {
+        return;
+    }
+    for dense in [false, true] {
+        let source = moe_node::model::ModelSource::files(&fixture());
+        match moe_node::engine::gpu::engine_on_gpu(&source, 0, dense, None, None) {
+            Ok(_) => panic!("deepseek_v4 loaded on the GPU (dense: {dense})"),
+            Err(e) => assert!(e.to_string().contains("compressed attention"), "{e}"),
+        }
+    }
 }
 
 /// A `tid2eid` table naming an expert past the layer's experts is a clear error at load.
