@@ -5,6 +5,7 @@
 
 mod attention;
 pub mod batch;
+pub mod deepseek_v4;
 pub mod generate;
 pub mod gpu;
 pub mod grammar;
@@ -79,6 +80,13 @@ impl<'a> SequenceStep<'a> {
     }
 }
 
+/// Why [`Engine`] refuses DeepSeek-V4: what it (and the GPU backend) lacks, and where the
+/// family runs instead.
+pub const DEEPSEEK_V4_APART: &str = "DeepSeek-V4 (`deepseek_v4`) runs on the CPU through its own \
+    forward pass (`engine::deepseek_v4`); this engine and the GPU backend lack its compressed \
+    attention (compressor, lightning indexer, window and sinks over one shared key-value head), \
+    hash-routed sqrtsoftplus gate and hyper-connections";
+
 /// A loaded model ready to run steps.
 pub struct Engine {
     config: ModelConfig,
@@ -111,6 +119,13 @@ impl Engine {
         experts: impl FnOnce(&Checkpoint, &ModelConfig) -> Result<Arc<dyn ExpertExecutor>, E>,
     ) -> Result<Self, E> {
         let config = source.config()?;
+        if config.deepseek_v4.is_some() {
+            return Err(ModelError::Config {
+                path: source.dir.join("config.json"),
+                problems: vec![DEEPSEEK_V4_APART.into()],
+            }
+            .into());
+        }
         let checkpoint = source.checkpoint(&config)?;
         let experts = experts(&checkpoint, &config)?;
         let weights = DenseWeights::load(&checkpoint, &config)?;

@@ -311,6 +311,27 @@ impl Checkpoint {
         Ok(bytes.to_vec())
     }
 
+    /// Reads tensor `name` of shape `shape` as its bytes when it is one of `dtypes` (packed
+    /// and one-byte formats: MXFP4's e2m1 pairs, e8m0 exponents).
+    pub fn read_bytes(
+        &self,
+        name: &str,
+        shape: &[usize],
+        dtypes: &[Dtype],
+    ) -> Result<Vec<u8>, ModelError> {
+        let (path, dtype, bytes) = self.raw(name, shape)?;
+        if !dtypes.contains(&dtype) {
+            return Err(ModelError::Corrupt {
+                path: path.to_path_buf(),
+                reason: format!(
+                    "tensor `{}` is {dtype:?}, expected {dtypes:?}",
+                    self.stored_name(name)
+                ),
+            });
+        }
+        Ok(bytes.to_vec())
+    }
+
     /// Reads an int32 tensor `name` of shape `shape`, each word as its bits.
     pub fn read_i32_bits(&self, name: &str, shape: &[usize]) -> Result<Vec<u32>, ModelError> {
         let (path, dtype, bytes) = self.raw(name, shape)?;

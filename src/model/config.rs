@@ -15,6 +15,7 @@ use super::family::{self, Common, FamilyParts};
 use super::quant::Quantization;
 
 pub use super::family::Family;
+pub use super::family::{DeepseekV4, V4ExpertDtype, V4LayerKind, V4Shape};
 pub use parts::{
     AttentionConfig, ExpertActivation, GatingConfig, LayerAttention, LightningIndexer,
     LinearAttention, MAX_CONTEXT, MAX_LAYERS, MoeConfig, QkNorm, RopeConfig, RopeScaling, Span,
@@ -56,6 +57,8 @@ pub struct ModelConfig {
     pub dtype: Option<String>,
     /// How linear weights are stored (`quantization_config`).
     pub quantization: Quantization,
+    /// DeepSeek-V4's own parts (compressed attention, hash routing, hyper-connections).
+    pub deepseek_v4: Option<Box<DeepseekV4>>,
 }
 
 /// The common size keys with the largest value accepted (each family adds its own).
@@ -188,6 +191,9 @@ impl ModelConfig {
             }
         };
         check_experts(&moe, &moe_layers, intermediate_size, &mut p);
+        let deepseek_v4 = (family == Family::DeepseekV4)
+            .then(|| family::deepseek_v4(config, &common, &rope).map(Box::new))
+            .flatten();
         let eos_token_ids = eos_token_ids(raw.eos_token_id.as_ref(), &mut p);
 
         if !p.0.is_empty() {
@@ -213,6 +219,7 @@ impl ModelConfig {
             eos_token_ids,
             dtype: raw.dtype.or(raw.torch_dtype),
             quantization,
+            deepseek_v4,
         })
     }
 }
@@ -305,6 +312,10 @@ impl ModelConfig {
         } = &mut self.attention
         {
             indexer.own.truncate(layers);
+        }
+        if let Some(v4) = &mut self.deepseek_v4 {
+            v4.layers.truncate(layers);
+            v4.hash_layers = v4.hash_layers.min(layers);
         }
         Ok(self)
     }

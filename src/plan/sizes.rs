@@ -7,7 +7,7 @@ use crate::compute::cuda::experts::ExpertShape;
 use crate::compute::cuda::storage::ExpertStorage;
 use crate::engine::kv_cache::KvCache;
 use crate::model::ModelConfig;
-use crate::model::config::{AttentionConfig, ExpertActivation};
+use crate::model::config::{AttentionConfig, DeepseekV4, ExpertActivation, V4Shape};
 use crate::model::quant::Quantization;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -43,6 +43,9 @@ pub fn dtype_bytes(dtype: Option<&str>) -> u64 {
 
 impl ModelSizes {
     pub fn of(model: &ModelConfig) -> ModelSizes {
+        if let Some(v4) = &model.deepseek_v4 {
+            return deepseek_v4(model, v4);
+        }
         let bytes = dtype_bytes(model.dtype.as_deref());
         let h = model.hidden_size as u64;
         let heads = model.num_heads as u64;
@@ -176,6 +179,30 @@ impl ModelSizes {
             indexer_bytes_per_position: KvCache::indexer_bytes_per_position(model) as u64,
             state_bytes_per_sequence: KvCache::state_bytes(model) as u64,
         }
+    }
+}
+
+/// DeepSeek-V4 as published (FP8 dense part with ue8m0 scales, MXFP4 or FP8 experts) and its
+/// caches of several kinds (compressed entries and indexer keys per position, windows per
+/// sequence): [`DeepseekV4::dense_bytes`] and the rest.
+fn deepseek_v4(model: &ModelConfig, v4: &DeepseekV4) -> ModelSizes {
+    let shape = V4Shape {
+        vocab: model.vocab_size as u64,
+        hidden: model.hidden_size as u64,
+        heads: model.num_heads as u64,
+        experts: model.moe.num_experts as u64,
+        top_k: model.moe.top_k as u64,
+        expert_intermediate: model.moe.expert_intermediate_size as u64,
+        shared_intermediate: model.moe.shared_intermediate_size as u64,
+    };
+    ModelSizes {
+        dtype_bytes: 1,
+        expert_bytes: v4.expert_bytes(&shape),
+        dense_bytes: v4.dense_bytes(&shape),
+        kv_bytes_per_position: v4.cache_bytes_per_position(),
+        // V4's indexer keys are per compressed entry, counted in the figure above.
+        indexer_bytes_per_position: 0,
+        state_bytes_per_sequence: v4.cache_bytes_per_sequence(),
     }
 }
 

@@ -11,6 +11,7 @@
 
 mod deepseek_v3;
 mod deepseek_v32;
+mod deepseek_v4;
 mod glm4_moe;
 mod glm_moe_dsa;
 mod gpt_oss;
@@ -22,6 +23,9 @@ mod qwen3_next;
 
 use serde::Deserialize;
 use serde_json::Value;
+
+pub(super) use deepseek_v4::deepseek_v4;
+pub use deepseek_v4::{DeepseekV4, V4ExpertDtype, V4LayerKind, V4Shape};
 
 use super::config::parts::{
     AttentionConfig, CommonKeys, ExpertActivation, GatingConfig, LinearAttention, MoeConfig,
@@ -60,6 +64,10 @@ pub enum Family {
     /// `glm_moe_dsa` (GLM-5): MLA with DeepSeek Sparse Attention (layers may share an
     /// indexer), the grouped sigmoid gate, a shared expert.
     GlmMoeDsa,
+    /// `deepseek_v4` (DeepSeek-V4 Pro and Flash): one shared 512-wide key-value head with a
+    /// window and compressed entries, hash-routed first layers, sqrtsoftplus gating,
+    /// hyper-connections ([`DeepseekV4`]).
+    DeepseekV4,
 }
 
 /// What a family answers. Each family's file implements it on a unit struct; nothing has a
@@ -103,7 +111,7 @@ pub(super) trait FamilySpec: Sync {
 
 impl Family {
     /// Every family, in the order errors list them.
-    pub const ALL: [Family; 10] = [
+    pub const ALL: [Family; 11] = [
         Family::Qwen3Moe,
         Family::Mixtral,
         Family::DeepseekV3,
@@ -114,6 +122,7 @@ impl Family {
         Family::Qwen3Next,
         Family::DeepseekV32,
         Family::GlmMoeDsa,
+        Family::DeepseekV4,
     ];
 
     fn spec(self) -> &'static dyn FamilySpec {
@@ -128,6 +137,7 @@ impl Family {
             Family::Qwen3Next => &qwen3_next::Qwen3Next,
             Family::DeepseekV32 => &deepseek_v32::DeepseekV32,
             Family::GlmMoeDsa => &glm_moe_dsa::GlmMoeDsa,
+            Family::DeepseekV4 => &deepseek_v4::DeepseekV4Spec,
         }
     }
 

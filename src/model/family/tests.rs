@@ -11,7 +11,7 @@ fn every_model_type_finds_its_family_and_errors_name_them_all() {
     assert_eq!(
         Family::supported_model_types(),
         "qwen3_moe, mixtral, deepseek_v3, kimi_k2, glm4_moe, minimax_m2, llama4_text, gpt_oss, \
-         qwen3_next, qwen3_5_moe_text, deepseek_v32 and glm_moe_dsa"
+         qwen3_next, qwen3_5_moe_text, deepseek_v32, glm_moe_dsa and deepseek_v4"
     );
     let err = ModelConfig::parse(r#"{"model_type": "llama"}"#).unwrap_err();
     for family in Family::ALL {

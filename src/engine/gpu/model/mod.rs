@@ -440,6 +440,9 @@ impl GpuModel {
 /// A part of the dense forward pass that a family needs and the GPU's dense part
 /// (`gpu::model`) does not implement, which would otherwise load and compute something else.
 fn dense_part_the_gpu_lacks(config: &ModelConfig) -> Option<&'static str> {
+    if config.deepseek_v4.is_some() {
+        return Some(crate::engine::DEEPSEEK_V4_APART);
+    }
     if config.linear_attention.is_some() {
         return Some(
             "linear attention (gated DeltaNet layers and their recurrent state, \
