@@ -53,7 +53,8 @@ __device__ __forceinline__ size_t cached_row(const int* table, int pos) {
     return (size_t)table[pos / KV_BLOCK] * KV_BLOCK + pos % KV_BLOCK;
 }
 
-// Attention of one query row and head over its sequence's cached keys and values, causal,
+// Attention of one query row and head over its sequence's cached keys and values (bf16,
+// widened to f32 as read; the query and every sum are f32), causal,
 // optionally within a sliding window; softmax computed a tile of positions at a time with a
 // running maximum (no score array as long as the context).
 //
@@ -68,7 +69,7 @@ __device__ __forceinline__ size_t cached_row(const int* table, int pos) {
 // kv head whose key is [latent | rotary key] and whose value is the latent (values = keys).
 // Dynamic shared memory: dk + ATTEND_TILE + dv floats.
 extern "C" __global__ void attend(const float* q, int heads, int group, int dk, int dv,
-                                  const float* key_pool, const float* value_pool,
+                                  const bf16* key_pool, const bf16* value_pool,
                                   const int* blocks, int table_stride,
                                   int kv_stride, int k_head_stride, int v_head_stride,
                                   const int* row_seq, const int* row_pos, int window,
@@ -81,8 +82,8 @@ extern "C" __global__ void attend(const float* q, int heads, int group, int dk, 
     int seq = row_seq[row], pos = row_pos[row];
     int first = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
     const int* table = blocks + (size_t)seq * table_stride;
-    const float* k = key_pool + (size_t)(head / group) * k_head_stride;
-    const float* v = value_pool + (size_t)(head / group) * v_head_stride;
+    const bf16* k = key_pool + (size_t)(head / group) * k_head_stride;
+    const bf16* v = value_pool + (size_t)(head / group) * v_head_stride;
 
     for (int i = threadIdx.x; i < dk; i += blockDim.x) {
         query[i] = q[((size_t)row * heads + head) * dk + i];
@@ -96,10 +97,10 @@ extern "C" __global__ void attend(const float* q, int heads, int group, int dk, 
     for (int start = first; start <= pos; start += ATTEND_TILE) {
         int len = min(ATTEND_TILE, pos + 1 - start);
         for (int j = threadIdx.x; j < len; j += blockDim.x) {
-            const float* key = k + cached_row(table, start + j) * kv_stride;
+            const bf16* key = k + cached_row(table, start + j) * kv_stride;
             float dot = 0.0f;
             for (int i = 0; i < dk; ++i) {
-                dot += query[i] * key[i];
+                dot += query[i] * bf16_to_f32(key[i]);
             }
             tile[j] = dot * scale;
         }
@@ -117,7 +118,7 @@ extern "C" __global__ void attend(const float* q, int heads, int group, int dk, 
         for (int d = threadIdx.x; d < dv; d += blockDim.x) {
             float sum = 0.0f;
             for (int j = 0; j < len; ++j) {
-                sum += tile[j] * v[cached_row(table, start + j) * kv_stride + d];
+                sum += tile[j] * bf16_to_f32(v[cached_row(table, start + j) * kv_stride + d]);
             }
             acc[d] = acc[d] * rescale + sum;
         }
@@ -156,16 +157,16 @@ extern "C" __global__ void copy_rows(const float* src, int src_stride, float* ds
     }
 }
 
-// One block per row: appends the step's rows to their sequences' paged caches. Row r (`width`
-// values of `src`, packed) goes to position row_pos[r] of sequence row_seq[r]: the pool's
-// row that the sequence's block table maps it to, rows `width` apart.
-extern "C" __global__ void store_rows(const float* src, int width, float* pool,
+// One block per row: appends the step's rows to their sequences' paged caches, rounded to
+// bf16. Row r (`width` f32 of `src`, packed) goes to position row_pos[r] of sequence
+// row_seq[r]: the pool's row that the sequence's block table maps it to, rows `width` apart.
+extern "C" __global__ void store_rows(const float* src, int width, bf16* pool,
                                       const int* blocks, int table_stride, const int* row_seq,
                                       const int* row_pos) {
     const float* from = src + (size_t)blockIdx.x * width;
     const int* table = blocks + (size_t)row_seq[blockIdx.x] * table_stride;
-    float* to = pool + cached_row(table, row_pos[blockIdx.x]) * width;
+    bf16* to = pool + cached_row(table, row_pos[blockIdx.x]) * width;
     for (int c = threadIdx.x; c < width; c += blockDim.x) {
-        to[c] = from[c];
+        to[c] = f32_to_bf16(from[c]);
     }
 }

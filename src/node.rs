@@ -500,7 +500,10 @@ fn kv_budget(
             },
         }
     };
-    let per_position = KvCache::bytes_per_position(model);
+    let per_position = match engine.dense_gpu() {
+        Some(_) => KvCache::gpu_bytes_per_position(model),
+        None => KvCache::bytes_per_position(model),
+    };
     let budget = KvBudget::of_bytes(bytes, per_position)
         .with_state(KvCache::state_bytes(model), per_position);
     tracing::info!(

@@ -389,8 +389,10 @@ fn attention_matches_the_cpu_on_the_gpu() {
             common::paged(&c.values, shape.kv_stride),
         );
         assert_eq!(keys.table, values.table);
-        let (_kp, key_pool) = d.upload(&keys.pool);
-        let (_vp, value_pool) = d.upload(&values.pool);
+        // The GPU's caches are bf16 (the case's values are bf16-exact).
+        let narrow = |pool: &[f32]| pool.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>();
+        let (_kp, key_pool) = d.upload(&narrow(&keys.pool));
+        let (_vp, value_pool) = d.upload(&narrow(&values.pool));
         let (_t, blocks) = d.upload(&keys.table);
         let cache = PagedCache {
             keys: key_pool,

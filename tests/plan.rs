@@ -382,8 +382,8 @@ fn bad_input_exits_78_with_a_clear_message() {
 
 /// The device that holds the dense part holds the KV caches too: what `batching.kv_cache_mib`
 /// sets (counted in the fit), or, as `serve` sizes it at start-up, 90% of what the weights
-/// and work area leave (the GPU's pool of cache blocks); in whole blocks of 16 positions of 140,544 bytes (K3's MLA
-/// cache: 61 layers × (512 latent + 64 rotary) × 4 bytes). Here with the dense part on
+/// and work area leave (the GPU's pool of cache blocks); in whole blocks of 16 positions of
+/// 70,272 bytes (K3's MLA cache in bf16: 61 layers × (512 latent + 64 rotary) × 2 bytes). Here with the dense part on
 /// device 0 alone (`--dense-replicas 1`); the next test has a replica on every device.
 #[test]
 fn the_kv_cache_holds_what_the_dense_device_leaves_or_what_the_config_sets() {
@@ -407,9 +407,14 @@ fn the_kv_cache_holds_what_the_dense_device_leaves_or_what_the_config_sets() {
         plan_json(&args).0
     };
     let position = 61 * (512 + 64) * 4u64;
-    let block = 16 * position;
+    // On the GPU the cache is bf16.
+    let block = 16 * position / 2;
     let report = shape("141", None);
     assert_eq!(report["model"]["sizes"]["kv_bytes_per_position"], position);
+    assert_eq!(
+        report["model"]["sizes"]["gpu_kv_bytes_per_position"],
+        position / 2
+    );
     let dense = &report["devices"][0];
     let experts_only = &report["devices"][1];
     assert_eq!(experts_only["kv_cache_bytes"], Value::Null);
@@ -423,12 +428,12 @@ fn the_kv_cache_holds_what_the_dense_device_leaves_or_what_the_config_sets() {
     assert!(kv / block * 16 > 100_000, "{dense}");
     assert_eq!(report["verdict"]["ok"], true, "{}", report["verdict"]);
 
-    // 1 GiB set in the config: 477 blocks, fewer positions than one 8192-token prompt.
+    // 512 MiB set in the config: 477 blocks, fewer positions than one 8192-token prompt.
     let config = dir.path().join("node.toml");
-    std::fs::write(&config, "[batching]\nkv_cache_mib = 1024\n").unwrap();
+    std::fs::write(&config, "[batching]\nkv_cache_mib = 512\n").unwrap();
     let report = shape("141", Some(&config));
     let dense = &report["devices"][0];
-    assert_eq!(dense["kv_cache_bytes"], 1u64 << 30);
+    assert_eq!(dense["kv_cache_bytes"], 1u64 << 29);
     assert_eq!(dense["kv_positions"], 477 * 16);
     let problems = report["verdict"]["problems"].to_string();
     assert!(
@@ -439,13 +444,13 @@ fn the_kv_cache_holds_what_the_dense_device_leaves_or_what_the_config_sets() {
     );
     // The budget set is counted in the device's fit: without room for it, it does not fit.
     let gib = (1u64 << 30) as f64;
-    let tight = format!("{}", (held as f64 + 0.5 * gib) / 0.9 / gib);
+    let tight = format!("{}", (held as f64 + 0.25 * gib) / 0.9 / gib);
     let report = shape(&tight, Some(&config));
     assert_eq!(report["devices"][0]["fits"], false);
     assert_eq!(report["devices"][1]["fits"], true);
     let problems = report["verdict"]["problems"].to_string();
     assert!(
-        problems.contains("1.0 GiB of KV cache (batching.kv_cache_mib) do not fit"),
+        problems.contains("0.5 GiB of KV cache (batching.kv_cache_mib) do not fit"),
         "{problems}"
     );
 }

@@ -32,7 +32,12 @@ const BF16_LOGIT_TOLERANCE: f32 = 0.1;
 /// MLA's per-head products, dense MLPs, shared experts, lm head) takes bf16 inputs and
 /// weights. Emulated with transformers (tests/fixtures/bf16_effect.py), that moved the
 /// logits after the prompt by at most 0.351 (kimi_k2_int4; the others 0.03 to 0.163); the
-/// H200 measured 0.290 there (2026-12-04). Over the continuations it also moves
+/// H200 measured 0.290 there (2026-12-04). The GPU's KV cache holds bf16 too: emulated with
+/// the dense part (keys and values, or MLA's latent and rotary key, rounded as cached), the
+/// logits after the prompt move by 0.031 to 0.177 (kimi_k2_int4). Where the prompt's last row
+/// sits at a tie between experts it can take the other one (kimi_k2 with the paged bf16
+/// cache, layer 2: 1.19); that row's logits are then not compared, and the routing flip that
+/// explains them must be found ([`last_row_routing_flips`]). Over the continuations it also moves
 /// routing (tokens near a tie between experts change experts) and flips near-tied greedy
 /// choices (deepseek_v3 step 9, kimi_k2 step 5: top-2 margins of 0.012 and 0.008), so there
 /// the whole-model GPU path is held to itself instead: decoding through its KV cache must
@@ -267,6 +272,39 @@ fn check_with(name: &str, gpu_support: OnGpu) {
     }
 }
 
+/// The MoE layers (by call) whose experts for the last row of `prompt` differ between the
+/// CPU and the whole model on the GPU, each routed through the host's gate (a [`RoutingLog`]
+/// routes on the host): `(call, cpu experts, gpu experts)`.
+fn last_row_routing_flips(name: &str, prompt: &[u32]) -> Vec<(usize, Vec<u32>, Vec<u32>)> {
+    let dir = fixture(name);
+    let mut cpu = Engine::load(&dir).unwrap();
+    let mut gpu =
+        moe_node::engine::gpu::engine_on_gpu(&ModelSource::files(&dir), 0, true, None, None)
+            .unwrap_or_else(|e| panic!("{name}, whole model on GPU 0: {e}"));
+    let (on_cpu, on_gpu) = (RoutingLog::install(&mut cpu), RoutingLog::install(&mut gpu));
+    for engine in [&cpu, &gpu] {
+        let mut cache = engine.new_cache();
+        engine
+            .forward(&mut [SequenceStep::new(&mut cache, prompt)])
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+    }
+    let last = prompt.len() - 1;
+    let sorted = |mut experts: Vec<u32>| {
+        experts.sort_unstable();
+        experts
+    };
+    on_cpu
+        .take()
+        .into_iter()
+        .zip(on_gpu.take())
+        .enumerate()
+        .filter_map(|(call, (c, g))| {
+            let (c, g) = (sorted(c[last].clone()), sorted(g[last].clone()));
+            (c != g).then_some((call, c, g))
+        })
+        .collect()
+}
+
 /// The whole model on the GPU: the logits after the prompt against the CPU's, then the
 /// CPU's continuation fed back one token at a time through the GPU's KV cache against one
 /// GPU prefill of the same tokens.
@@ -286,10 +324,22 @@ fn check_whole_model_on_gpu(
     let after_prompt = step(&mut cache, &reference.prompt_ids);
     let diff = max_difference(&after_prompt, &on_cpu.last_logits);
     eprintln!("{name}, whole model on GPU: max logit difference from the CPU {diff:e}");
-    assert!(
-        diff <= BF16_DENSE_LOGIT_TOLERANCE,
-        "{name}, whole model on GPU: logits after the prompt differ from the CPU's by {diff}"
-    );
+    if diff > BF16_DENSE_LOGIT_TOLERANCE {
+        // Past the bf16 bound only where the prompt's last row changed experts: a token
+        // within rounding of a tie between two experts (the GPU's cache and products are
+        // bf16) takes the other one, and the logits after it move by what that expert
+        // contributes. Anything else is an error.
+        let flips = last_row_routing_flips(name, &reference.prompt_ids);
+        assert!(
+            !flips.is_empty(),
+            "{name}, whole model on GPU: logits after the prompt differ from the CPU's by \
+             {diff}, and the last row's routing is the CPU's in every layer"
+        );
+        eprintln!(
+            "{name}, whole model on GPU: the last prompt row changed experts ({flips:?}): \
+             its logits are not compared"
+        );
+    }
     let continuation = &on_cpu.token_ids[..on_cpu.token_ids.len() - 1];
     let mut decoded = after_prompt;
     for &token in continuation {

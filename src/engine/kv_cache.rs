@@ -246,8 +246,14 @@ impl KvCache {
         }
     }
 
-    /// Bytes one cached position takes in each of the layers that keep positions (f32 on
-    /// the host and on a GPU alike), the indexers' keys included.
+    /// Bytes one cached position takes on a GPU: bf16, in the GPU's pool of blocks
+    /// ([`KvPool`](crate::engine::gpu::model::KvPool)).
+    pub fn gpu_bytes_per_position(cfg: &ModelConfig) -> usize {
+        crate::engine::gpu::model::KvPool::block_bytes(cfg) / crate::compute::cuda::dense::KV_BLOCK
+    }
+
+    /// Bytes one cached position takes in host memory, in each of the layers that keep
+    /// positions (f32), the indexers' keys included.
     pub fn bytes_per_position(cfg: &ModelConfig) -> usize {
         let widths = match cfg.attention {
             AttentionConfig::Gqa {

@@ -500,7 +500,8 @@ fn size_kv_caches(
             Some(KvBudget::gpu_share(free))
         });
         d.kv_positions = d.kv_cache_bytes.map(|bytes| {
-            let per_position = sizes.kv_bytes_per_position as usize;
+            // The dense part and its caches are on this device: a GPU's (bf16) caches.
+            let per_position = sizes.gpu_kv_bytes_per_position as usize;
             KvBudget::of_bytes(bytes as usize, per_position)
                 .with_state(sizes.state_bytes_per_sequence as usize, per_position)
                 .max_positions() as u64

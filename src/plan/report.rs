@@ -33,12 +33,13 @@ impl PlanReport {
         )?;
         writeln!(
             out,
-            "sizes: one expert {:.2} MiB, all experts of a layer {:.2} GiB, dense part {:.2} GiB ({} bytes per parameter), KV cache {:.1} KiB per position",
+            "sizes: one expert {:.2} MiB, all experts of a layer {:.2} GiB, dense part {:.2} GiB ({} bytes per parameter), KV cache {:.1} KiB per position ({:.1} KiB on a GPU)",
             m.sizes.expert_bytes as f64 / (1u64 << 20) as f64,
             gib(m.sizes.expert_bytes * m.experts as u64),
             gib(m.sizes.dense_bytes),
             m.sizes.dtype_bytes,
-            m.sizes.kv_bytes_per_position as f64 / 1024.0
+            m.sizes.kv_bytes_per_position as f64 / 1024.0,
+            m.sizes.gpu_kv_bytes_per_position as f64 / 1024.0
         )?;
         if m.sizes.indexer_bytes_per_position > 0 {
             writeln!(

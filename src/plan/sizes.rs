@@ -21,13 +21,16 @@ pub struct ModelSizes {
     /// Everything every node loads besides routed experts: embeddings, attention, norms,
     /// gates, shared experts, dense MLPs, the output head.
     pub dense_bytes: u64,
-    /// KV cache of one position of one sequence over all layers, as the node keeps it (f32;
-    /// MLA keeps the latent and the rotary key only): [`KvCache::bytes_per_position`].
+    /// KV cache of one position of one sequence over all layers, as the node keeps it in
+    /// host memory (f32; MLA keeps the latent and the rotary key only):
+    /// [`KvCache::bytes_per_position`].
     pub kv_bytes_per_position: u64,
     /// The part of `kv_bytes_per_position` that DeepSeek Sparse Attention's lightning
     /// indexers keep (their keys, f32): [`KvCache::indexer_bytes_per_position`]; 0 for other
     /// models.
     pub indexer_bytes_per_position: u64,
+    /// The same on a GPU (bf16): [`KvCache::gpu_bytes_per_position`].
+    pub gpu_kv_bytes_per_position: u64,
     /// What one sequence keeps however long it is: a hybrid model's linear-attention states
     /// (f32), [`KvCache::state_bytes`]; 0 for other models.
     pub state_bytes_per_sequence: u64,
@@ -177,6 +180,7 @@ impl ModelSizes {
             dense_bytes: dense * bytes,
             kv_bytes_per_position: KvCache::bytes_per_position(model) as u64,
             indexer_bytes_per_position: KvCache::indexer_bytes_per_position(model) as u64,
+            gpu_kv_bytes_per_position: KvCache::gpu_bytes_per_position(model) as u64,
             state_bytes_per_sequence: KvCache::state_bytes(model) as u64,
         }
     }
@@ -200,6 +204,8 @@ fn deepseek_v4(model: &ModelConfig, v4: &DeepseekV4) -> ModelSizes {
         expert_bytes: v4.expert_bytes(&shape),
         dense_bytes: v4.dense_bytes(&shape),
         kv_bytes_per_position: v4.cache_bytes_per_position(),
+        // Not served on a GPU (refused at load): its host figure.
+        gpu_kv_bytes_per_position: v4.cache_bytes_per_position(),
         // V4's indexer keys are per compressed entry, counted in the figure above.
         indexer_bytes_per_position: 0,
         state_bytes_per_sequence: v4.cache_bytes_per_sequence(),

@@ -182,6 +182,14 @@ pub fn paged(caches: &[Vec<f32>], stride: usize) -> Paged {
     }
 }
 
+/// `v` rounded to the nearest bf16: a value a GPU's KV cache (bf16) holds exactly.
+pub fn bf16_exact(v: f32) -> f32 {
+    half::bf16::from_f32(v).to_f32()
+}
+
+/// A case for the attention kernels: cached keys and values (bf16-exact, as the GPU's
+/// caches hold them, so that the f32 reference is the kernels' exact target), queries and
+/// the rows they are at.
 pub struct AttentionCase {
     pub shape: AttentionShape,
     pub keys: Vec<Vec<f32>>,
@@ -222,7 +230,7 @@ impl AttentionCase {
                 for (j, position) in k.chunks_exact_mut(kv_stride).enumerate() {
                     position
                         .iter_mut()
-                        .for_each(|v| *v *= 1.0 + j as f32 / 100.0);
+                        .for_each(|v| *v = bf16_exact(*v * (1.0 + j as f32 / 100.0)));
                 }
                 k
             })
@@ -233,7 +241,12 @@ impl AttentionCase {
             lengths
                 .iter()
                 .enumerate()
-                .map(|(s, &n)| values(n * kv_stride, 70 + s as u64))
+                .map(|(s, &n)| {
+                    values(n * kv_stride, 70 + s as u64)
+                        .into_iter()
+                        .map(bf16_exact)
+                        .collect()
+                })
                 .collect()
         };
         let rows = vec![(0usize, 299usize), (1, 2), (1, 3), (1, 4)];

@@ -29,6 +29,12 @@ static std::vector<bf16> to_bf16_host(const std::vector<float>& v) {
     return out;
 }
 
+static std::vector<float> to_f32_host(const std::vector<bf16>& v) {
+    std::vector<float> out(v.size());
+    for (size_t i = 0; i < v.size(); ++i) out[i] = bf16_to_f32(v[i]);
+    return out;
+}
+
 int main(int argc, char** argv) {
     std::cout.precision(9);
     std::string mode = argc > 1 ? argv[1] : "";
@@ -199,11 +205,12 @@ int main(int argc, char** argv) {
         launch(rows, 64, 0, [&] { rms_norm(x.data(), stride, w.data(), width, eps, out.data()); });
         print(out);
     } else if (mode == "store_rows") {
-        // A paged cache: its pool of blocks of 16 positions and the sequences' block tables,
-        // then rows (sequence, position) of `width` values appended; prints the pool.
+        // A paged cache: its pool of blocks of 16 positions (bf16) and the sequences' block
+        // tables, then rows (sequence, position) of `width` values appended; prints the pool
+        // widened to f32.
         int width, blocks, seqs, table_stride, rows;
         std::cin >> width >> blocks >> seqs >> table_stride;
-        auto pool = read<float>((size_t)blocks * 16 * width);
+        auto pool = to_bf16_host(read<float>((size_t)blocks * 16 * width));
         auto table = read<int>((size_t)seqs * table_stride);
         std::cin >> rows;
         auto row_seq = read<int>(rows);
@@ -213,7 +220,7 @@ int main(int argc, char** argv) {
             store_rows(src.data(), width, pool.data(), table.data(), table_stride,
                        row_seq.data(), row_pos.data());
         });
-        print(pool);
+        print(to_f32_host(pool));
     } else if (mode == "copy_rows") {
         int rows, src_stride, dst_stride, width;
         std::cin >> rows >> src_stride >> dst_stride >> width;
@@ -252,8 +259,9 @@ int main(int argc, char** argv) {
         float scale;
         std::cin >> heads >> group >> dk >> dv >> kv_stride >> k_head_stride >> v_head_stride >>
             window >> scale >> values_are_keys >> seqs >> blocks >> table_stride;
-        auto keys = read<float>((size_t)blocks * 16 * kv_stride);
-        auto values = values_are_keys ? keys : read<float>((size_t)blocks * 16 * kv_stride);
+        auto keys = to_bf16_host(read<float>((size_t)blocks * 16 * kv_stride));
+        auto values =
+            values_are_keys ? keys : to_bf16_host(read<float>((size_t)blocks * 16 * kv_stride));
         auto table = read<int>((size_t)seqs * table_stride);
         std::cin >> rows;
         auto row_seq = read<int>(rows);

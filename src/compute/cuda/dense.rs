@@ -44,7 +44,7 @@ pub struct BlockTable {
     pub stride: usize,
 }
 
-/// One layer's paged KV cache: its key and value pools (`[blocks, KV_BLOCK, kv_stride]` f32;
+/// One layer's paged KV cache: its key and value pools (`[blocks, KV_BLOCK, kv_stride]` bf16;
 /// the same pool twice for MLA, whose values are inside its keys) and the step's tables.
 #[derive(Debug, Clone, Copy)]
 pub struct PagedCache {
@@ -222,12 +222,12 @@ impl DenseKernels {
         Ok(())
     }
 
-    /// Appends `rows` packed rows of `width` f32 to their sequences' paged caches: row `r` to
-    /// position `row_pos[r]` of sequence `row_seq[r]`, in the row of `pool` its block table
-    /// maps that position to.
+    /// Appends `rows` packed rows of `width` f32 to their sequences' paged caches, rounded to
+    /// bf16: row `r` to position `row_pos[r]` of sequence `row_seq[r]`, in the row of `pool`
+    /// its block table maps that position to.
     ///
     /// # Safety
-    /// `src`: `[rows, width]` f32; `pool`: `[blocks, KV_BLOCK, width]` f32; `table` as
+    /// `src`: `[rows, width]` f32; `pool`: `[blocks, KV_BLOCK, width]` bf16; `table` as
     /// [`PagedCache`] says, naming a block for every position in `row_pos` for its rows;
     /// `row_seq`, `row_pos`: `[rows]` i32.
     #[allow(clippy::too_many_arguments)]

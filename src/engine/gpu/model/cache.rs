@@ -1,5 +1,5 @@
-//! KV caches in GPU memory, paged: one pool per GPU holds every sequence's cached positions in
-//! blocks of [`KV_BLOCK`] positions, and a sequence's cache is the list of its blocks (its block
+//! KV caches in GPU memory, paged and in bf16: one pool per GPU holds every sequence's cached
+//! positions in blocks of [`KV_BLOCK`] positions, and a sequence's cache is the list of its blocks (its block
 //! table). The pool is allocated once, at the size of the KV budget the batcher admits by
 //! ([`GpuModel::reserve_kv_cache`](super::GpuModel::reserve_kv_cache)), so what the batcher
 //! counts is what the GPU holds: no cache grows by copying, none is over-allocated, and the
@@ -17,8 +17,9 @@ use crate::model::config::{AttentionConfig, ModelConfig};
 
 /// Every sequence's cached positions on one GPU: per array (keys and values for GQA; MLA
 /// keeps one, `[latent | rotary key]` per position, and its values are the keys) one
-/// allocation of `[layers, blocks, KV_BLOCK, width]` f32, handed out a block (the same block
-/// in every layer) at a time.
+/// allocation of `[layers, blocks, KV_BLOCK, width]` bf16, handed out a block (the same block
+/// in every layer) at a time. bf16 as the serving systems keep it: half of f32, and the
+/// attention's sums stay f32.
 pub struct KvPool {
     arrays: [Option<Buffer>; 2],
     widths: [usize; 2],
@@ -38,7 +39,10 @@ impl std::fmt::Debug for KvPool {
     }
 }
 
-/// The f32 widths of a position's two cached arrays (0: the array is not kept).
+/// Bytes of one cached value.
+const VALUE_BYTES: usize = 2;
+
+/// The widths (values) of a position's two cached arrays (0: the array is not kept).
 fn cache_widths(config: &ModelConfig) -> [usize; 2] {
     match config.attention {
         AttentionConfig::Gqa {
@@ -66,7 +70,10 @@ impl KvPool {
         let mut arrays = [None, None];
         for (array, &width) in arrays.iter_mut().zip(&widths) {
             if width > 0 {
-                *array = Some(Buffer::new(stream, layers * blocks * KV_BLOCK * width * 4)?);
+                *array = Some(Buffer::new(
+                    stream,
+                    layers * blocks * KV_BLOCK * width * VALUE_BYTES,
+                )?);
             }
         }
         Ok(KvPool {
@@ -81,7 +88,7 @@ impl KvPool {
     /// Bytes one block takes over every layer and array.
     pub fn block_bytes(config: &ModelConfig) -> usize {
         let [a, b] = cache_widths(config);
-        config.num_layers * KV_BLOCK * (a + b) * 4
+        config.num_layers * KV_BLOCK * (a + b) * VALUE_BYTES
     }
 
     pub fn blocks(&self) -> usize {
@@ -93,11 +100,11 @@ impl KvPool {
         self.free_list().len()
     }
 
-    /// Layer `layer`'s pool of array `which` (`[blocks, KV_BLOCK, width]` f32); 0 where the
+    /// Layer `layer`'s pool of array `which` (`[blocks, KV_BLOCK, width]` bf16); 0 where the
     /// array is not kept.
     pub(super) fn layer(&self, layer: usize, which: usize) -> u64 {
         self.arrays[which].as_ref().map_or(0, |b| {
-            b.ptr + (layer * self.blocks * KV_BLOCK * self.widths[which] * 4) as u64
+            b.ptr + (layer * self.blocks * KV_BLOCK * self.widths[which] * VALUE_BYTES) as u64
         })
     }
 
@@ -167,7 +174,11 @@ impl DeviceCache {
     /// Bytes of GPU memory held.
     pub fn bytes(&self) -> usize {
         self.pool.as_ref().map_or(0, |pool| {
-            self.blocks.len() * pool.layers * KV_BLOCK * (pool.widths[0] + pool.widths[1]) * 4
+            self.blocks.len()
+                * pool.layers
+                * KV_BLOCK
+                * (pool.widths[0] + pool.widths[1])
+                * VALUE_BYTES
         })
     }
 
@@ -223,7 +234,7 @@ impl DeviceCache {
                 if width == 0 {
                     continue;
                 }
-                let block_bytes = KV_BLOCK * width * 4;
+                let block_bytes = KV_BLOCK * width * VALUE_BYTES;
                 for (&from, &to) in self.blocks[..used].iter().zip(&copy.blocks) {
                     // SAFETY: both blocks lie inside the layer's pool (indices below
                     // `pool.blocks`), `block_bytes` each.
