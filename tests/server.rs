@@ -241,6 +241,52 @@ fn streams_spread_over_four_emulated_gpus_each_as_alone() {
     );
 }
 
+/// With a dense replica per GPU, each keeps its own prompt prefixes: a request whose prompt
+/// starts with a prefix one replica keeps goes there, though another is idle, and reuses it.
+#[test]
+fn a_prompt_goes_to_the_gpu_keeping_its_prefix() {
+    if common::gpus("prefix affinity over emulated GPUs").is_none() {
+        return;
+    }
+    let server = Server::start("[devices]\nbackend = \"cuda-emulated\"\nemulated_gpus = 2\n");
+    server.wait_ready();
+    let shared: Vec<u32> = (0..48).map(|k| 1 + (k * 7) % 250).collect();
+    let body = |prompt: &[u32], max_tokens: usize| {
+        json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+               "ignore_eos": true, "stream": true})
+    };
+    let tokens = |gpu: u32| {
+        server.metric(&format!(
+            "moe_node_dense_replica_tokens_total{{replica=\"{gpu}\",gpu=\"{gpu}\"}}"
+        ))
+    };
+    // Both GPUs idle: GPU 0 serves the prompt and keeps its prefix.
+    let (_, done) = read_sse(server.post("/v1/completions", &body(&shared, 2)));
+    assert!(done);
+    assert_eq!(server.metric("moe_node_prefix_cache_hits_total"), 0.0);
+    // A long request keeps GPU 0 busier than GPU 1 ...
+    let other: Vec<u32> = (0..8).map(|k| 200 + k).collect();
+    std::thread::scope(|scope| {
+        let long = scope.spawn(|| read_sse(server.post("/v1/completions", &body(&other, 400))));
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while server.metric("moe_node_dense_replica_running_sequences{replica=\"0\",gpu=\"0\"}")
+            < 1.0
+        {
+            assert!(Instant::now() < deadline, "the long request never ran");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // ... and a prompt starting with the kept prefix still goes to GPU 0 and reuses it.
+        let before = (tokens(0), tokens(1));
+        let mut follow_up = shared.clone();
+        follow_up.extend([9, 8, 7]);
+        let (_, done) = read_sse(server.post("/v1/completions", &body(&follow_up, 2)));
+        assert!(done);
+        assert_eq!(server.metric("moe_node_prefix_cache_hits_total"), 1.0);
+        assert_eq!(tokens(1), before.1, "GPU 1 computed nothing");
+        assert!(long.join().unwrap().1);
+    });
+}
+
 /// The emulated GPUs' copy counters on the server's `/metrics`, by direction.
 fn emulated_copies(server: &Server) -> std::collections::HashMap<String, u64> {
     let text = server.get("/metrics").text().unwrap();

@@ -425,6 +425,11 @@ impl<S> Batcher<S> {
         self.prefixes.blocks()
     }
 
+    /// The keys of the kept prefixes' first blocks ([`super::prefix::leading_block_key`]).
+    pub fn prefix_keys(&self) -> Vec<u64> {
+        self.prefixes.leading_block_keys()
+    }
+
     fn blocks_held(&self, kv: &KvBudget) -> usize {
         self.running
             .iter()

@@ -13,7 +13,7 @@ pub mod kv_cache;
 mod linear_attention;
 pub mod logprobs;
 pub mod moe_layer;
-mod prefix;
+pub mod prefix;
 pub mod rope;
 mod sampling;
 mod sparse_attention;

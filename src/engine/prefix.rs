@@ -2,8 +2,8 @@
 //! (whole blocks of it) is kept, and a later prompt that starts with the same blocks of
 //! tokens (a shared system prompt, a conversation's earlier turns, a sequence preempted and
 //! recomputing) starts from a copy of it and prefills only the rest. The caches are copies,
-//! not shared pages (the caches are contiguous), so reuse saves compute and time to first
-//! token, not memory; the kept copies count against the KV budget and are dropped, oldest
+//! not shared blocks (a GPU's paged cache copies the blocks too), so reuse saves compute and
+//! time to first token, not memory; the kept copies count against the KV budget and are dropped, oldest
 //! first, before any running sequence is preempted.
 //!
 //! A hybrid model's cache (Qwen3-Next) also holds linear layers' states, each the summary of
@@ -17,6 +17,16 @@
 
 use super::EngineError;
 use super::kv_cache::KvCache;
+
+/// A key for the first block of `tokens` (`block_tokens` of them); `None` when shorter. Two
+/// prompts with the same key very likely start alike; the store checks the tokens.
+pub fn leading_block_key(tokens: &[u32], block_tokens: usize) -> Option<u64> {
+    use std::hash::{Hash, Hasher};
+    let block = tokens.get(..block_tokens.max(1))?;
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    block.hash(&mut hasher);
+    Some(hasher.finish())
+}
 
 struct Entry {
     /// The prefix, a whole number of blocks.
@@ -68,6 +78,16 @@ impl PrefixStore {
                 false => e.tokens.len() / self.block_tokens,
             })
             .sum()
+    }
+
+    /// [`leading_block_key`] of each kept prefix at least a block long: what a router with
+    /// several stores (one per dense replica) sends a prompt by, to the store that can
+    /// reuse its start.
+    pub fn leading_block_keys(&self) -> Vec<u64> {
+        self.entries
+            .iter()
+            .filter_map(|e| leading_block_key(&e.tokens, self.block_tokens))
+            .collect()
     }
 
     /// Drops the least recently used prefix; false when none is kept.

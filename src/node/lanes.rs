@@ -1,13 +1,14 @@
 //! A node's dense replicas as the router sees them: one lane per replica (each GPU holding the
 //! dense part, or the host), each with its own router actor, batch, KV budget and caches.
 //! Attention is data-parallel across the lanes; every lane's MoE layers reach the same
-//! experts. A new request goes to the lane with the most room ([`Lanes::choose`]); it stays
-//! there (its KV cache lives on that lane's GPU) until it finishes. Each lane publishes its
+//! experts. A new request goes to the lane with the most room, or to one that keeps a prefix
+//! it starts with if that one is not much busier ([`Lanes::choose`]); it stays there (its KV
+//! cache lives on that lane's GPU) until it finishes. Each lane publishes its
 //! load here after every step, for that choice and for `/metrics` (per lane, and the node's
 //! totals).
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock};
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
@@ -15,6 +16,8 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 
+use crate::engine::batch::KvBudget;
+use crate::engine::prefix::leading_block_key;
 use crate::metrics::NodeMetrics;
 
 /// One lane's load, as its router last published it.
@@ -30,6 +33,9 @@ pub struct LaneLoad {
     arriving: AtomicUsize,
     /// Tokens the lane's steps computed (prompt and generated).
     tokens: AtomicU64,
+    /// The keys of the first blocks of the prompt prefixes the lane keeps
+    /// ([`leading_block_key`]).
+    prefixes: RwLock<Vec<u64>>,
 }
 
 /// What a lane publishes after a step or an arrival.
@@ -41,6 +47,11 @@ pub struct LaneState {
     pub kv_blocks: usize,
     pub prefix_blocks: usize,
 }
+
+/// Sequences more than the least busy lane's that a lane keeping a request's prefix may have
+/// and still get it: reusing the prefix saves its prefill, and in a continuous batch a few
+/// more sequences beside it cost less than that.
+pub const PREFIX_AFFINITY: usize = 4;
 
 /// The node's lanes: their loads and where each one's dense part is.
 #[derive(Debug)]
@@ -87,6 +98,13 @@ impl Lanes {
         metrics.prefix_cache_blocks.set(total.prefix_blocks as i64);
     }
 
+    /// The keys of the prefixes lane `lane` keeps now.
+    pub fn publish_prefixes(&self, lane: usize, keys: Vec<u64>) {
+        if let Some(load) = self.loads.get(lane) {
+            *load.prefixes.write().unwrap_or_else(|e| e.into_inner()) = keys;
+        }
+    }
+
     /// Counts `tokens` computed by lane `lane`'s step.
     pub fn count_tokens(&self, lane: usize, tokens: usize) {
         if let Some(load) = self.loads.get(lane) {
@@ -117,13 +135,21 @@ impl Lanes {
             })
     }
 
-    /// The lane a new request goes to: the one with the fewest sequences (running, waiting
-    /// and on their way), then the most free KV blocks, then the lowest index. Marks the
-    /// request on its way there until [`Arriving`] is dropped (once the lane has queued it).
-    pub fn choose(&self) -> Arriving<'_> {
+    /// The lane a request for `prompt` goes to: the one with the fewest sequences (running,
+    /// waiting and on their way), then the most free KV blocks, then the lowest index;
+    /// unless a lane keeps a prefix `prompt` starts with (by its first block) and has at most
+    /// [`PREFIX_AFFINITY`] sequences more, which then gets it. Marks the request on its way
+    /// there until [`Arriving`] is dropped (once the lane has queued it).
+    pub fn choose(&self, prompt: &[u32]) -> Arriving<'_> {
+        let key = leading_block_key(prompt, KvBudget::BLOCK_TOKENS);
         let lane = choose_lane((0..self.len()).map(|l| {
-            let arriving = self.loads[l].arriving.load(Ordering::Relaxed);
-            (self.state(l), arriving)
+            let load = &self.loads[l];
+            let arriving = load.arriving.load(Ordering::Relaxed);
+            let keeps = key.is_some_and(|key| {
+                let kept = load.prefixes.read().unwrap_or_else(|e| e.into_inner());
+                kept.contains(&key)
+            });
+            (self.state(l), arriving, keeps)
         }));
         self.loads[lane].arriving.fetch_add(1, Ordering::Relaxed);
         Arriving { lanes: self, lane }
@@ -144,21 +170,31 @@ impl Drop for Arriving<'_> {
     }
 }
 
-/// [`Lanes::choose`]'s rule over each lane's state and requests on their way to it.
-fn choose_lane(lanes: impl Iterator<Item = (LaneState, usize)>) -> usize {
-    lanes
-        .enumerate()
-        .min_by_key(|&(lane, (s, arriving))| {
-            let free = s
-                .kv_blocks
-                .saturating_sub(s.kv_blocks_used + s.prefix_blocks);
-            (
-                s.running + s.waiting + arriving,
-                std::cmp::Reverse(free),
-                lane,
-            )
-        })
-        .map_or(0, |(lane, _)| lane)
+/// [`Lanes::choose`]'s rule over each lane's state, requests on their way to it, and whether
+/// it keeps the request's prefix.
+fn choose_lane(lanes: impl Iterator<Item = (LaneState, usize, bool)>) -> usize {
+    let lanes: Vec<_> = lanes.collect();
+    let sequences = |lane: usize| {
+        let (s, arriving, _) = lanes[lane];
+        s.running + s.waiting + arriving
+    };
+    let order = |lane: usize| {
+        let (s, ..) = lanes[lane];
+        let free = s
+            .kv_blocks
+            .saturating_sub(s.kv_blocks_used + s.prefix_blocks);
+        (sequences(lane), std::cmp::Reverse(free), lane)
+    };
+    let Some(least_busy) = (0..lanes.len()).min_by_key(|&l| order(l)) else {
+        return 0;
+    };
+    let keeping = (0..lanes.len())
+        .filter(|&l| lanes[l].2)
+        .min_by_key(|&l| order(l));
+    match keeping {
+        Some(lane) if sequences(lane) <= sequences(least_busy) + PREFIX_AFFINITY => lane,
+        _ => least_busy,
+    }
 }
 
 /// The lanes' series in `/metrics`, read at each scrape.
@@ -181,7 +217,7 @@ impl Lanes {
         let gauges: [(&str, &str, Read); 4] = [
             (
                 "dense_replica_running_sequences",
-                "Sequences in a dense replica's running batch (attention on its GPU)",
+                "Sequences in a dense replica's running batch (their attention on its GPU, or the host)",
                 |s| s.running,
             ),
             (
@@ -239,36 +275,47 @@ mod tests {
     #[test]
     fn a_request_goes_to_the_lane_with_the_fewest_sequences_then_the_most_free_kv() {
         let lanes = [lane(3, 10, 100), lane(2, 90, 100), lane(2, 20, 100)];
-        assert_eq!(choose_lane(lanes.iter().map(|&s| (s, 0))), 2);
+        assert_eq!(choose_lane(lanes.iter().map(|&s| (s, 0, false))), 2);
         // Requests on their way count as sequences.
+        let arriving = [0, 0, 2];
         assert_eq!(
-            choose_lane(
-                lanes
-                    .iter()
-                    .map(|&s| (s, 0))
-                    .zip([0, 0, 2])
-                    .map(|((s, _), a)| (s, a))
-            ),
+            choose_lane(lanes.iter().zip(arriving).map(|(&s, a)| (s, a, false))),
             1
         );
         // All equal: the lowest index.
         assert_eq!(
-            choose_lane([lane(1, 5, 10); 3].into_iter().map(|s| (s, 0))),
+            choose_lane([lane(1, 5, 10); 3].into_iter().map(|s| (s, 0, false))),
             0
         );
     }
 
     #[test]
+    fn a_lane_keeping_the_prompts_prefix_gets_it_unless_much_busier() {
+        let keeps = |busy: usize| [(lane(0, 0, 100), 0, false), (lane(busy, 0, 100), 0, true)];
+        assert_eq!(choose_lane(keeps(PREFIX_AFFINITY).into_iter()), 1);
+        assert_eq!(choose_lane(keeps(PREFIX_AFFINITY + 1).into_iter()), 0);
+    }
+
+    #[test]
     fn choosing_spreads_simultaneous_requests_over_the_lanes() {
         let lanes = Lanes::new(vec![Some(0), Some(1), Some(2), Some(3)]);
-        let on_their_way: Vec<Arriving> = (0..8).map(|_| lanes.choose()).collect();
+        let on_their_way: Vec<Arriving> = (0..8).map(|_| lanes.choose(&[1, 2, 3])).collect();
         let mut per_lane = [0; 4];
         for a in &on_their_way {
             per_lane[a.lane] += 1;
         }
         assert_eq!(per_lane, [2, 2, 2, 2]);
         drop(on_their_way);
-        assert_eq!(lanes.choose().lane, 0, "arrivals are forgotten once queued");
+        assert_eq!(
+            lanes.choose(&[]).lane,
+            0,
+            "arrivals are forgotten once queued"
+        );
+        // Lane 2 keeps a prefix this prompt starts with (a whole first block).
+        let prompt: Vec<u32> = (0..40).collect();
+        lanes.publish_prefixes(2, vec![leading_block_key(&prompt[..16], 16).unwrap()]);
+        assert_eq!(lanes.choose(&prompt).lane, 2);
+        assert_eq!(lanes.choose(&prompt[..15]).lane, 0, "shorter than a block");
     }
 
     #[test]

@@ -188,7 +188,7 @@ impl RouterHandle {
         &self,
         submit: Submit,
     ) -> Result<mpsc::Receiver<SequenceEvent>, SubmitError> {
-        let arriving = self.loads.choose();
+        let arriving = self.loads.choose(&submit.prompt);
         let lane = self.lanes.get(arriving.lane).ok_or(SubmitError::Stopped)?;
         let queued = lane.addr.send(submit).await;
         drop(arriving);
@@ -265,6 +265,8 @@ impl RouterActor {
             prefix_blocks: self.batcher.prefix_blocks(),
         };
         self.lanes.publish(self.lane, state, metrics);
+        self.lanes
+            .publish_prefixes(self.lane, self.batcher.prefix_keys());
         let preemptions = self.batcher.preemptions();
         metrics
             .preemptions
