@@ -442,7 +442,7 @@ pub fn load_expert(
     expert: usize,
 ) -> Result<ExpertWeights, ModelError> {
     let (h, i) = (cfg.hidden_size, cfg.moe.expert_intermediate_size);
-    if let Some((prefix, fused)) = cfg.family.fused_experts(layer) {
+    if let Some((prefix, fused)) = fused_layout(ckpt, cfg, layer) {
         let block = fused_expert(ckpt, &prefix, fused, expert, [cfg.moe.num_experts, h, i])?;
         return Ok(match cfg.moe.activation {
             ExpertActivation::Silu => block,
@@ -479,10 +479,22 @@ fn clamped_swiglu(mut block: SwiGlu, alpha: f32, limit: f32) -> SwiGlu {
     block
 }
 
+/// Layer `layer`'s fused experts where this checkpoint stores them fused: always for a family
+/// that stores them only so, else where `{gate_up}` is present (a dummy checkpoint makes them
+/// apart, as it does every family's that may be).
+fn fused_layout(
+    ckpt: &Checkpoint,
+    cfg: &ModelConfig,
+    layer: usize,
+) -> Option<(String, FusedExperts)> {
+    let (prefix, fused) = cfg.family.fused_experts(layer)?;
+    let stored = !ckpt.is_dummy() && ckpt.contains(&format!("{prefix}.{}", fused.gate_up));
+    (!fused.or_apart || stored).then_some((prefix, fused))
+}
+
 /// Expert `expert` of a layer's fused experts under `prefix`, as the SwiGLU block the
-/// kernels take (`[out, in]` matrices), bf16 kept bf16. The whole fused tensor is read for
-/// each expert: loading is quadratic in the experts per layer (a cache of the layer's
-/// tensors would make it linear).
+/// kernels take (`[out, in]` matrices), bf16 kept bf16. Only this expert's block of each
+/// fused tensor is decoded: a node reads just the experts it holds.
 fn fused_expert(
     ckpt: &Checkpoint,
     prefix: &str,
@@ -501,24 +513,33 @@ fn fused_expert(
             [experts, h, i],
         );
     }
-    // Column `c` of this expert's `[rows, cols]` block, as a row.
-    fn columns<T: Copy>(all: &[T], expert: usize, rows: usize, cols: usize, c: usize) -> Vec<T> {
-        let block = &all[expert * rows * cols..][..rows * cols];
-        (0..rows).map(|r| block[r * cols + c]).collect()
+    // Output row `r` of one expert's matrix of `outs` by `ins`, stored `[out, in]` or
+    // `[in, out]`.
+    fn row<T: Copy>(m: &[T], out_first: bool, [outs, ins]: [usize; 2], r: usize) -> Vec<T> {
+        if out_first {
+            m[r * ins..][..ins].to_vec()
+        } else {
+            (0..ins).map(|c| m[c * outs + r]).collect()
+        }
     }
-    let split = |c: usize| fused_split(fused, i, c);
+    let out_first = fused.outputs_first;
+    let shapes = if fused.outputs_first {
+        [[experts, 2 * i, h], [experts, h, i]]
+    } else {
+        [[experts, h, 2 * i], [experts, i, h]]
+    };
     macro_rules! block {
         ($read:ident) => {{
-            let gate_up = ckpt.$read(&gate_up_name, &[experts, h, 2 * i])?;
-            let down = ckpt.$read(&down_name, &[experts, i, h])?;
+            let gate_up = ckpt.$read(&gate_up_name, &shapes[0], expert)?;
+            let down = ckpt.$read(&down_name, &shapes[1], expert)?;
             let (mut gate, mut up) = (Vec::with_capacity(i * h), Vec::with_capacity(i * h));
             for c in 0..i {
-                let (g, u) = split(c);
-                gate.extend(columns(&gate_up, expert, h, 2 * i, g));
-                up.extend(columns(&gate_up, expert, h, 2 * i, u));
+                let (g, u) = fused_split(fused, i, c);
+                gate.extend(row(&gate_up, out_first, [2 * i, h], g));
+                up.extend(row(&gate_up, out_first, [2 * i, h], u));
             }
             let down: Vec<_> = (0..h)
-                .flat_map(|c| columns(&down, expert, i, h, c))
+                .flat_map(|r| row(&down, out_first, [h, i], r))
                 .collect();
             let mut block = SwiGlu {
                 gate: Linear::without_bias(gate, i, h),
@@ -537,9 +558,9 @@ fn fused_expert(
         }};
     }
     Ok(if ckpt.dtype(&gate_up_name) == Some(Dtype::BF16) {
-        ExpertWeights::Bf16(block!(read_bf16))
+        ExpertWeights::Bf16(block!(read_bf16_at))
     } else {
-        ExpertWeights::F32(block!(read_f32))
+        ExpertWeights::F32(block!(read_f32_at))
     })
 }
 
@@ -642,7 +663,7 @@ pub fn dummy_expert(
     layer: usize,
     expert: usize,
 ) -> Option<[DummyFill; 3]> {
-    if cfg.family.fused_experts(layer).is_some() {
+    if fused_layout(ckpt, cfg, layer).is_some() {
         return None;
     }
     let (prefix, names) = cfg.family.routed_expert(layer, expert);
