@@ -438,6 +438,27 @@ impl Checkpoint {
             .collect())
     }
 
+    /// Reads block `index` along the first dimension of uint8 tensor `name` (whole shape
+    /// `shape`) as its bytes.
+    pub fn read_u8_at(
+        &self,
+        name: &str,
+        shape: &[usize],
+        index: usize,
+    ) -> Result<Vec<u8>, ModelError> {
+        let (path, dtype, bytes) = self.raw_at(name, shape, index)?;
+        if dtype != Dtype::U8 {
+            return Err(ModelError::Corrupt {
+                path: path.to_path_buf(),
+                reason: format!(
+                    "tensor `{}` is {dtype:?}, expected U8",
+                    self.stored_name(name)
+                ),
+            });
+        }
+        Ok(bytes.into_owned())
+    }
+
     /// The bytes of block `index` along the first dimension of tensor `name`, after checking
     /// the whole tensor's shape. A stored tensor is mapped, so the rest is never touched (a
     /// dummy one is made whole, so that each block keeps its own values).
