@@ -128,6 +128,40 @@ fn mis_shaped_tensor_names_tensor_file_and_shapes() {
     );
 }
 
+/// Qwen3.5-MoE's fused experts stored the other way round (`[experts, hidden, 2 *
+/// moe_intermediate]`, the input first): named with both shapes, not read transposed.
+#[test]
+fn fused_experts_of_the_wrong_shape_are_named() {
+    let dir = copy_fixture("qwen3_5_moe_fused");
+    let fused = "model.language_model.layers.1.mlp.experts.gate_up_proj";
+    let path = dir.path().join("model.safetensors");
+    let bytes = fs::read(&path).unwrap();
+    let tensors = SafeTensors::deserialize(&bytes).unwrap();
+    let views: Vec<(String, TensorView)> = tensors
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            if name != fused {
+                return (name, view);
+            }
+            let [e, out, inp] = view.shape() else {
+                panic!("{name}: {:?}", view.shape())
+            };
+            let turned = TensorView::new(view.dtype(), vec![*e, *inp, *out], view.data()).unwrap();
+            (name, turned)
+        })
+        .collect();
+    fs::write(&path, safetensors::serialize(views, None).unwrap()).unwrap();
+    let err = load_error(dir.path());
+    let message = err.to_string();
+    assert!(matches!(err, ModelError::TensorShape { .. }), "{message}");
+    assert!(message.contains(fused), "{message}");
+    assert!(
+        message.contains("[8, 48, 64]") && message.contains("[8, 64, 48]"),
+        "{message}"
+    );
+}
+
 #[test]
 fn truncated_safetensors_is_corrupt() {
     let dir = copy_fixture("qwen3_moe");

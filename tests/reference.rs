@@ -675,6 +675,14 @@ fn qwen3_5_moe_matches_transformers() {
     check_dense_gpu_refused("qwen3_5_moe", "linear attention");
 }
 
+/// Qwen3.5-MoE in the layout of Qwen's releases: each layer's routed experts fused
+/// (`experts.gate_up_proj` `[experts, 2 * moe_intermediate, hidden]`, gate first, and
+/// `experts.down_proj`), each expert read from its block alone.
+#[test]
+fn qwen3_5_moe_fused_matches_transformers() {
+    check_dense_gpu_refused("qwen3_5_moe_fused", "linear attention");
+}
+
 // Quantized checkpoints (tests/fixtures/make_quant_fixtures.py): transformers ran on the
 // dequantized weights, so the tolerance is the f32 one.
 

@@ -399,6 +399,103 @@ impl Checkpoint {
             .collect())
     }
 
+    /// Reads block `index` along the first dimension of tensor `name` (whole shape `shape`)
+    /// as f32, decoding only that block: one expert of a layer's fused experts.
+    pub fn read_f32_at(
+        &self,
+        name: &str,
+        shape: &[usize],
+        index: usize,
+    ) -> Result<Vec<f32>, ModelError> {
+        let (path, dtype, bytes) = self.raw_at(name, shape, index)?;
+        decode_f32(&bytes, dtype).map_err(|reason| ModelError::Corrupt {
+            path: path.to_path_buf(),
+            reason: format!("tensor `{}`: {reason}", self.stored_name(name)),
+        })
+    }
+
+    /// Reads block `index` along the first dimension of bf16 tensor `name` (whole shape
+    /// `shape`) as it is stored.
+    pub fn read_bf16_at(
+        &self,
+        name: &str,
+        shape: &[usize],
+        index: usize,
+    ) -> Result<Vec<bf16>, ModelError> {
+        let (path, dtype, bytes) = self.raw_at(name, shape, index)?;
+        if dtype != Dtype::BF16 {
+            return Err(ModelError::Corrupt {
+                path: path.to_path_buf(),
+                reason: format!(
+                    "tensor `{}` is {dtype:?}, expected BF16",
+                    self.stored_name(name)
+                ),
+            });
+        }
+        Ok(bytes
+            .chunks_exact(2)
+            .map(|b| bf16::from_le_bytes([b[0], b[1]]))
+            .collect())
+    }
+
+    /// Reads block `index` along the first dimension of uint8 tensor `name` (whole shape
+    /// `shape`) as its bytes.
+    pub fn read_u8_at(
+        &self,
+        name: &str,
+        shape: &[usize],
+        index: usize,
+    ) -> Result<Vec<u8>, ModelError> {
+        let (path, dtype, bytes) = self.raw_at(name, shape, index)?;
+        if dtype != Dtype::U8 {
+            return Err(ModelError::Corrupt {
+                path: path.to_path_buf(),
+                reason: format!(
+                    "tensor `{}` is {dtype:?}, expected U8",
+                    self.stored_name(name)
+                ),
+            });
+        }
+        Ok(bytes.into_owned())
+    }
+
+    /// The bytes of block `index` along the first dimension of tensor `name`, after checking
+    /// the whole tensor's shape. A stored tensor is mapped, so the rest is never touched (a
+    /// dummy one is made whole, so that each block keeps its own values).
+    fn raw_at(
+        &self,
+        name: &str,
+        shape: &[usize],
+        index: usize,
+    ) -> Result<(&Path, Dtype, Cow<'_, [u8]>), ModelError> {
+        let (&first, _) = shape.split_first().ok_or_else(|| ModelError::Corrupt {
+            path: self.dir.clone(),
+            reason: format!(
+                "tensor `{}` read in blocks has no dimensions",
+                self.stored_name(name)
+            ),
+        })?;
+        if index >= first {
+            return Err(ModelError::Corrupt {
+                path: self.dir.clone(),
+                reason: format!(
+                    "block {index} of tensor `{}` asked for; it has {first}",
+                    self.stored_name(name)
+                ),
+            });
+        }
+        let (path, dtype, bytes) = self.raw(name, shape)?;
+        let block = bytes.len() / first;
+        Ok(match bytes {
+            Cow::Borrowed(all) => (path, dtype, Cow::Borrowed(&all[index * block..][..block])),
+            Cow::Owned(all) => (
+                path,
+                dtype,
+                Cow::Owned(all[index * block..][..block].to_vec()),
+            ),
+        })
+    }
+
     /// The file, dtype and bytes of tensor `name`, after checking its shape.
     fn raw(
         &self,
@@ -503,5 +600,25 @@ mod tests {
         let h = f16::from_f32(0.25).to_le_bytes();
         assert_eq!(decode_f32(&h, Dtype::F16).unwrap(), vec![0.25]);
         assert!(decode_f32(&[0; 8], Dtype::I64).is_err());
+    }
+
+    /// One block along the first dimension is read alone; a block past the end, a wrong
+    /// whole shape or a wrong dtype is an error.
+    #[test]
+    fn reads_one_block_of_a_stacked_tensor() {
+        let dir = tempfile::tempdir().unwrap();
+        let values: Vec<u8> = (0..12).flat_map(|v| (v as f32).to_le_bytes()).collect();
+        let view = safetensors::tensor::TensorView::new(Dtype::F32, vec![3, 2, 2], &values);
+        let bytes = safetensors::serialize([("stack", view.unwrap())], None).unwrap();
+        std::fs::write(dir.path().join(SINGLE_FILE), bytes).unwrap();
+        let ckpt = Checkpoint::open(dir.path()).unwrap();
+        let block = ckpt.read_f32_at("stack", &[3, 2, 2], 1).unwrap();
+        assert_eq!(block, vec![4.0, 5.0, 6.0, 7.0]);
+        let past = ckpt.read_f32_at("stack", &[3, 2, 2], 3).unwrap_err();
+        assert!(past.to_string().contains("block 3"), "{past}");
+        let shape = ckpt.read_f32_at("stack", &[3, 4], 0).unwrap_err();
+        assert!(matches!(shape, ModelError::TensorShape { .. }), "{shape}");
+        let dtype = ckpt.read_bf16_at("stack", &[3, 2, 2], 0).unwrap_err();
+        assert!(dtype.to_string().contains("expected BF16"), "{dtype}");
     }
 }

@@ -8,17 +8,20 @@ use safetensors::tensor::Dtype;
 
 use super::config::{AttentionConfig, ExpertActivation, ModelConfig};
 use super::dummy::DummyFill;
-use super::family::{ExpertNames, FusedExperts};
+use super::family::ExpertNames;
 use super::quant::Quantization;
-use super::{Checkpoint, ModelError, mxfp4};
+use super::{Checkpoint, ModelError};
 use crate::compute::cpu::{Linear, SwiGlu, WeightElement, add_in_place};
 use crate::compute::quant::{QuantLinear, QuantSwiGlu};
 
 pub use crate::compute::expert::ExpertWeights;
+use fused::{fused_expert, fused_layout};
 pub use indexer::{IndexerWeights, KEY_NORM_EPS as INDEXER_KEY_NORM_EPS};
 pub use linear_attention::LinearAttentionWeights;
 
 /// The gated DeltaNet layers' weights and how each family stores them.
+/// Routed experts stored fused, a layer's in two tensors.
+mod fused;
 mod indexer;
 mod linear_attention;
 
@@ -442,7 +445,7 @@ pub fn load_expert(
     expert: usize,
 ) -> Result<ExpertWeights, ModelError> {
     let (h, i) = (cfg.hidden_size, cfg.moe.expert_intermediate_size);
-    if let Some((prefix, fused)) = cfg.family.fused_experts(layer) {
+    if let Some((prefix, fused)) = fused_layout(ckpt, cfg, layer) {
         let block = fused_expert(ckpt, &prefix, fused, expert, [cfg.moe.num_experts, h, i])?;
         return Ok(match cfg.moe.activation {
             ExpertActivation::Silu => block,
@@ -479,160 +482,6 @@ fn clamped_swiglu(mut block: SwiGlu, alpha: f32, limit: f32) -> SwiGlu {
     block
 }
 
-/// Expert `expert` of a layer's fused experts under `prefix`, as the SwiGLU block the
-/// kernels take (`[out, in]` matrices), bf16 kept bf16. The whole fused tensor is read for
-/// each expert: loading is quadratic in the experts per layer (a cache of the layer's
-/// tensors would make it linear).
-fn fused_expert(
-    ckpt: &Checkpoint,
-    prefix: &str,
-    fused: FusedExperts,
-    expert: usize,
-    [experts, h, i]: [usize; 3],
-) -> Result<ExpertWeights, ModelError> {
-    let gate_up_name = format!("{prefix}.{}", fused.gate_up);
-    let down_name = format!("{prefix}.{}", fused.down);
-    if ckpt.contains(&format!("{gate_up_name}_blocks")) {
-        return mxfp4_expert(
-            ckpt,
-            [&gate_up_name, &down_name],
-            fused,
-            expert,
-            [experts, h, i],
-        );
-    }
-    // Column `c` of this expert's `[rows, cols]` block, as a row.
-    fn columns<T: Copy>(all: &[T], expert: usize, rows: usize, cols: usize, c: usize) -> Vec<T> {
-        let block = &all[expert * rows * cols..][..rows * cols];
-        (0..rows).map(|r| block[r * cols + c]).collect()
-    }
-    let split = |c: usize| fused_split(fused, i, c);
-    macro_rules! block {
-        ($read:ident) => {{
-            let gate_up = ckpt.$read(&gate_up_name, &[experts, h, 2 * i])?;
-            let down = ckpt.$read(&down_name, &[experts, i, h])?;
-            let (mut gate, mut up) = (Vec::with_capacity(i * h), Vec::with_capacity(i * h));
-            for c in 0..i {
-                let (g, u) = split(c);
-                gate.extend(columns(&gate_up, expert, h, 2 * i, g));
-                up.extend(columns(&gate_up, expert, h, 2 * i, u));
-            }
-            let down: Vec<_> = (0..h)
-                .flat_map(|c| columns(&down, expert, i, h, c))
-                .collect();
-            let mut block = SwiGlu {
-                gate: Linear::without_bias(gate, i, h),
-                up: Linear::without_bias(up, i, h),
-                down: Linear::without_bias(down, h, i),
-            };
-            fused_biases(
-                ckpt,
-                [&gate_up_name, &down_name],
-                fused,
-                expert,
-                [experts, h, i],
-                &mut block,
-            )?;
-            block
-        }};
-    }
-    Ok(if ckpt.dtype(&gate_up_name) == Some(Dtype::BF16) {
-        ExpertWeights::Bf16(block!(read_bf16))
-    } else {
-        ExpertWeights::F32(block!(read_f32))
-    })
-}
-
-/// Where gate and up row `c` sit among a fused `[2 * intermediate]` dimension.
-fn fused_split(fused: FusedExperts, i: usize, c: usize) -> (usize, usize) {
-    if fused.interleaved {
-        (2 * c, 2 * c + 1)
-    } else {
-        (c, i + c)
-    }
-}
-
-/// The biases beside fused experts (`{gate_up}_bias`, `{down}_bias`), where the family has
-/// them, set on expert `expert`'s block.
-fn fused_biases<T: WeightElement>(
-    ckpt: &Checkpoint,
-    [gate_up_name, down_name]: [&str; 2],
-    fused: FusedExperts,
-    expert: usize,
-    [experts, h, i]: [usize; 3],
-    block: &mut SwiGlu<T>,
-) -> Result<(), ModelError> {
-    if !fused.bias {
-        return Ok(());
-    }
-    let gate_up = ckpt.read_f32(&format!("{gate_up_name}_bias"), &[experts, 2 * i])?;
-    let gate_up = &gate_up[expert * 2 * i..][..2 * i];
-    let (gate, up): (Vec<f32>, Vec<f32>) = (0..i)
-        .map(|c| fused_split(fused, i, c))
-        .map(|(g, u)| (gate_up[g], gate_up[u]))
-        .unzip();
-    let down = ckpt.read_f32(&format!("{down_name}_bias"), &[experts, h])?;
-    block.gate.bias = Some(gate);
-    block.up.bias = Some(up);
-    block.down.bias = Some(down[expert * h..][..h].to_vec());
-    Ok(())
-}
-
-/// Expert `expert` of fused experts stored in MXFP4 (gpt-oss's release: `{name}_blocks`
-/// and `{name}_scales`, matrices `[out, in]`, gate and up along `out`), widened to bf16.
-fn mxfp4_expert(
-    ckpt: &Checkpoint,
-    [gate_up_name, down_name]: [&str; 2],
-    fused: FusedExperts,
-    expert: usize,
-    [experts, h, i]: [usize; 3],
-) -> Result<ExpertWeights, ModelError> {
-    let matrix = |name: &str, rows: usize, cols: usize| -> Result<Vec<bf16>, ModelError> {
-        let corrupt = |reason: String| ModelError::Corrupt {
-            path: ckpt.dir().to_path_buf(),
-            reason: format!("`{}` (MXFP4): {reason}", ckpt.stored_name(name)),
-        };
-        if !cols.is_multiple_of(mxfp4::BLOCK) {
-            return Err(corrupt(format!(
-                "{cols} inputs is not a whole number of {}-element blocks",
-                mxfp4::BLOCK
-            )));
-        }
-        let groups = cols / mxfp4::BLOCK;
-        let per_block = mxfp4::BLOCK / 2;
-        let blocks = ckpt.read_u8(
-            &format!("{name}_blocks"),
-            &[experts, rows, groups, per_block],
-        )?;
-        let scales = ckpt.read_u8(&format!("{name}_scales"), &[experts, rows, groups])?;
-        let blocks = &blocks[expert * rows * groups * per_block..][..rows * groups * per_block];
-        let scales = &scales[expert * rows * groups..][..rows * groups];
-        mxfp4::dequantize(blocks, scales, rows, cols).map_err(corrupt)
-    };
-    let gate_up = matrix(gate_up_name, 2 * i, h)?;
-    let down = matrix(down_name, h, i)?;
-    let (mut gate, mut up) = (Vec::with_capacity(i * h), Vec::with_capacity(i * h));
-    for c in 0..i {
-        let (g, u) = fused_split(fused, i, c);
-        gate.extend_from_slice(&gate_up[g * h..][..h]);
-        up.extend_from_slice(&gate_up[u * h..][..h]);
-    }
-    let mut block = SwiGlu {
-        gate: Linear::without_bias(gate, i, h),
-        up: Linear::without_bias(up, i, h),
-        down: Linear::without_bias(down, h, i),
-    };
-    fused_biases(
-        ckpt,
-        [gate_up_name, down_name],
-        fused,
-        expert,
-        [experts, h, i],
-        &mut block,
-    )?;
-    Ok(ExpertWeights::Bf16(block))
-}
-
 /// How a dummy checkpoint makes routed expert `expert` of `layer`: its gate, up and down
 /// weights, in that order (`None` when the checkpoint is not dummy). A GPU makes them on the
 /// device from this rather than uploading what [`load_expert`] would make on the host.
@@ -642,7 +491,7 @@ pub fn dummy_expert(
     layer: usize,
     expert: usize,
 ) -> Option<[DummyFill; 3]> {
-    if cfg.family.fused_experts(layer).is_some() {
+    if fused_layout(ckpt, cfg, layer).is_some() {
         return None;
     }
     let (prefix, names) = cfg.family.routed_expert(layer, expert);

@@ -142,6 +142,8 @@ impl FamilySpec for GptOss {
             down: "down_proj",
             interleaved: true,
             bias: true,
+            outputs_first: false,
+            or_apart: false,
         })
     }
 

@@ -153,6 +153,8 @@ impl FamilySpec for Llama4 {
             down: "down_proj",
             interleaved: false,
             bias: false,
+            outputs_first: false,
+            or_apart: false,
         })
     }
 

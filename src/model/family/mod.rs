@@ -414,7 +414,8 @@ impl ExpertNames {
 }
 
 /// Routed experts stored fused, all of a layer's in two tensors: `{prefix}.{gate_up}` of `[experts, hidden, 2 * intermediate]` (the input dimension first,
-/// as `torch.bmm` takes it) and `{prefix}.{down}` of `[experts, intermediate, hidden]`.
+/// as `torch.bmm` takes it) and `{prefix}.{down}` of `[experts, intermediate, hidden]`, or
+/// each expert's matrices `[out, in]` where [`FusedExperts::outputs_first`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FusedExperts {
     pub gate_up: &'static str,
@@ -425,6 +426,14 @@ pub struct FusedExperts {
     /// Biases beside them: `{gate_up}_bias` `[experts, 2 * intermediate]` and `{down}_bias`
     /// `[experts, hidden]` (gpt-oss).
     pub bias: bool,
+    /// Each expert's matrices `[out, in]`, as `nn.functional.linear` takes them: `{gate_up}`
+    /// `[experts, 2 * intermediate, hidden]`, `{down}` `[experts, hidden, intermediate]`
+    /// (Qwen3.5-MoE).
+    pub outputs_first: bool,
+    /// A checkpoint may store the experts apart instead, under the per-expert names
+    /// ([`Family::routed_expert`]): transformers' `save_pretrained` writes Qwen3.5-MoE so while
+    /// Qwen's releases hold them fused. Whether `{gate_up}` is present decides.
+    pub or_apart: bool,
 }
 
 /// How a model writes tool calls (parsed by `crate::api::tool_calls`).

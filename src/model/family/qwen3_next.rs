@@ -10,6 +10,9 @@
 //! (`shared_expert_gate`). Qwen3-Next's MoE layers follow `decoder_sparse_step` and
 //! `mlp_only_layers`; every Qwen3.5 layer is MoE. Qwen3-Next stores the linear layers'
 //! projections fused and grouped per key head (`in_proj_qkvz`, `in_proj_ba`), Qwen3.5 apart.
+//! Qwen3.5's releases store the routed experts fused (`experts.gate_up_proj`
+//! `[experts, 2 * moe_intermediate, hidden]`, gate first, and `experts.down_proj`), while
+//! transformers' `save_pretrained` writes them apart: both are read.
 //! The multi-token-prediction layers both publish (`mtp.*`) are not read.
 
 use serde::Deserialize;
@@ -169,7 +172,16 @@ impl FamilySpec for Qwen3Next {
     }
 
     fn fused_experts(&self) -> Option<super::FusedExperts> {
-        None
+        // Qwen3.5-MoE's releases (gate first); Qwen3-Next's, and what transformers saves, keep
+        // each expert apart.
+        Some(super::FusedExperts {
+            gate_up: "gate_up_proj",
+            down: "down_proj",
+            interleaved: false,
+            bias: false,
+            outputs_first: true,
+            or_apart: true,
+        })
     }
 
     fn router(&self) -> &'static str {
