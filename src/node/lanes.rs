@@ -59,6 +59,9 @@ pub struct Lanes {
     loads: Vec<LaneLoad>,
     /// The GPU of each lane's dense part; `None`: the host.
     gpus: Vec<Option<usize>>,
+    /// Held while a lane is chosen and the request marked on its way: two requests arriving
+    /// together see each other.
+    choosing: std::sync::Mutex<()>,
 }
 
 impl Lanes {
@@ -68,6 +71,7 @@ impl Lanes {
         Lanes {
             loads: gpus.iter().map(|_| LaneLoad::default()).collect(),
             gpus,
+            choosing: std::sync::Mutex::new(()),
         }
     }
 
@@ -142,6 +146,7 @@ impl Lanes {
     /// there until [`Arriving`] is dropped (once the lane has queued it).
     pub fn choose(&self, prompt: &[u32]) -> Arriving<'_> {
         let key = leading_block_key(prompt, KvBudget::BLOCK_TOKENS);
+        let _one_at_a_time = self.choosing.lock().unwrap_or_else(|e| e.into_inner());
         let lane = choose_lane((0..self.len()).map(|l| {
             let load = &self.loads[l];
             let arriving = load.arriving.load(Ordering::Relaxed);
