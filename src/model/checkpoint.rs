@@ -299,15 +299,7 @@ impl Checkpoint {
     /// Reads a uint8 tensor `name` of shape `shape` as its bytes (MXFP4's blocks and scales).
     pub fn read_u8(&self, name: &str, shape: &[usize]) -> Result<Vec<u8>, ModelError> {
         let (path, dtype, bytes) = self.raw(name, shape)?;
-        if dtype != Dtype::U8 {
-            return Err(ModelError::Corrupt {
-                path: path.to_path_buf(),
-                reason: format!(
-                    "tensor `{}` is {dtype:?}, expected U8",
-                    self.stored_name(name)
-                ),
-            });
-        }
+        self.expect_dtype(name, path, dtype, Dtype::U8)?;
         Ok(bytes.to_vec())
     }
 
@@ -375,28 +367,14 @@ impl Checkpoint {
     /// Reads tensor `name`, checks that its shape is `shape`, and converts it to f32.
     pub fn read_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
         let (path, dtype, bytes) = self.raw(name, shape)?;
-        decode_f32(&bytes, dtype).map_err(|reason| ModelError::Corrupt {
-            path: path.to_path_buf(),
-            reason: format!("tensor `{}`: {reason}", self.stored_name(name)),
-        })
+        self.widened(name, path, dtype, &bytes)
     }
 
     /// Reads a bf16 tensor `name` of shape `shape` as it is stored, without widening it.
     pub fn read_bf16(&self, name: &str, shape: &[usize]) -> Result<Vec<bf16>, ModelError> {
         let (path, dtype, bytes) = self.raw(name, shape)?;
-        if dtype != Dtype::BF16 {
-            return Err(ModelError::Corrupt {
-                path: path.to_path_buf(),
-                reason: format!(
-                    "tensor `{}` is {dtype:?}, expected BF16",
-                    self.stored_name(name)
-                ),
-            });
-        }
-        Ok(bytes
-            .chunks_exact(2)
-            .map(|b| bf16::from_le_bytes([b[0], b[1]]))
-            .collect())
+        self.expect_dtype(name, path, dtype, Dtype::BF16)?;
+        Ok(bf16_values(&bytes))
     }
 
     /// Reads block `index` along the first dimension of tensor `name` (whole shape `shape`)
@@ -408,10 +386,7 @@ impl Checkpoint {
         index: usize,
     ) -> Result<Vec<f32>, ModelError> {
         let (path, dtype, bytes) = self.raw_at(name, shape, index)?;
-        decode_f32(&bytes, dtype).map_err(|reason| ModelError::Corrupt {
-            path: path.to_path_buf(),
-            reason: format!("tensor `{}`: {reason}", self.stored_name(name)),
-        })
+        self.widened(name, path, dtype, &bytes)
     }
 
     /// Reads block `index` along the first dimension of bf16 tensor `name` (whole shape
@@ -423,19 +398,8 @@ impl Checkpoint {
         index: usize,
     ) -> Result<Vec<bf16>, ModelError> {
         let (path, dtype, bytes) = self.raw_at(name, shape, index)?;
-        if dtype != Dtype::BF16 {
-            return Err(ModelError::Corrupt {
-                path: path.to_path_buf(),
-                reason: format!(
-                    "tensor `{}` is {dtype:?}, expected BF16",
-                    self.stored_name(name)
-                ),
-            });
-        }
-        Ok(bytes
-            .chunks_exact(2)
-            .map(|b| bf16::from_le_bytes([b[0], b[1]]))
-            .collect())
+        self.expect_dtype(name, path, dtype, Dtype::BF16)?;
+        Ok(bf16_values(&bytes))
     }
 
     /// Reads block `index` along the first dimension of uint8 tensor `name` (whole shape
@@ -447,16 +411,42 @@ impl Checkpoint {
         index: usize,
     ) -> Result<Vec<u8>, ModelError> {
         let (path, dtype, bytes) = self.raw_at(name, shape, index)?;
-        if dtype != Dtype::U8 {
-            return Err(ModelError::Corrupt {
-                path: path.to_path_buf(),
-                reason: format!(
-                    "tensor `{}` is {dtype:?}, expected U8",
-                    self.stored_name(name)
-                ),
-            });
-        }
+        self.expect_dtype(name, path, dtype, Dtype::U8)?;
         Ok(bytes.into_owned())
+    }
+
+    /// A clear error naming tensor `name` where its `dtype` is not `expected`.
+    fn expect_dtype(
+        &self,
+        name: &str,
+        path: &Path,
+        dtype: Dtype,
+        expected: Dtype,
+    ) -> Result<(), ModelError> {
+        if dtype == expected {
+            return Ok(());
+        }
+        Err(ModelError::Corrupt {
+            path: path.to_path_buf(),
+            reason: format!(
+                "tensor `{}` is {dtype:?}, expected {expected:?}",
+                self.stored_name(name)
+            ),
+        })
+    }
+
+    /// Tensor `name`'s `bytes` of `dtype` widened to f32.
+    fn widened(
+        &self,
+        name: &str,
+        path: &Path,
+        dtype: Dtype,
+        bytes: &[u8],
+    ) -> Result<Vec<f32>, ModelError> {
+        decode_f32(bytes, dtype).map_err(|reason| ModelError::Corrupt {
+            path: path.to_path_buf(),
+            reason: format!("tensor `{}`: {reason}", self.stored_name(name)),
+        })
     }
 
     /// The bytes of block `index` along the first dimension of tensor `name`, after checking
@@ -560,6 +550,14 @@ impl Shard {
 }
 
 /// Converts little-endian tensor bytes of `dtype` into f32.
+/// Little-endian bf16 values as stored.
+fn bf16_values(bytes: &[u8]) -> Vec<bf16> {
+    bytes
+        .chunks_exact(2)
+        .map(|b| bf16::from_le_bytes([b[0], b[1]]))
+        .collect()
+}
+
 fn decode_f32(bytes: &[u8], dtype: Dtype) -> Result<Vec<f32>, String> {
     let words = |width: usize| bytes.chunks_exact(width);
     Ok(match dtype {
