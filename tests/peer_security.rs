@@ -1,6 +1,7 @@
 //! The peer link against an attacker on the network and a peer that misbehaves, over real
 //! TCP sockets on loopback: a relay between a client and a server that alters, replays,
-//! reorders and cuts the sealed records after the handshake (knowing their layout); a client
+//! reorders and cuts the sealed records after the handshake (knowing their layout), or
+//! changes a link offer inside it; a client
 //! without the secret, which must get nothing computed from the secret and its nonce; peers
 //! that declare huge frames, hold frames half-way and open many connections, against the
 //! server's caps; and a secret dropped while the server runs.
@@ -153,30 +154,46 @@ enum Tamper {
     Reorder,
     /// Sends half of the first record, then closes both connections.
     Truncate,
+    /// Replaces the link offer (stay on TCP) with an offer of a UCX path at an address of
+    /// the relay's choosing.
+    OfferUcx,
 }
 
 /// The bytes of the handshake in each direction, read as the layout says (the relay knows the
 /// protocol, not the secret).
-fn forward_handshake(from: &mut TcpStream, to: &mut TcpStream, client_side: bool) -> bool {
-    let mut copy = |len: usize| -> Option<Vec<u8>> {
+fn forward_handshake(
+    from: &mut TcpStream,
+    to: &mut TcpStream,
+    client_side: bool,
+    tamper: Tamper,
+) -> bool {
+    // Copies `len` bytes; `offer` marks the link offer, which `Tamper::OfferUcx` replaces.
+    let mut copy = |len: usize, offer: bool| -> Option<Vec<u8>> {
         let mut bytes = vec![0u8; len];
         from.read_exact(&mut bytes).ok()?;
+        if offer && tamper == Tamper::OfferUcx {
+            bytes[PREAMBLE_LEN] = 1;
+            bytes[PREAMBLE_LEN + 1..].copy_from_slice(&4u32.to_le_bytes());
+            bytes.extend_from_slice(&[127, 0, 0, 1]);
+        }
         to.write_all(&bytes).ok()?;
         Some(bytes)
     };
     let done = (|| {
         if client_side {
-            let hello = copy(PREAMBLE_LEN + HELLO_FIXED_LEN)?;
-            copy(u16::from_le_bytes([hello[30], hello[31]]) as usize)?;
-            let proof = copy(PREAMBLE_LEN + 2)?;
-            copy(proof[7] as usize * MAC_LEN)?;
+            let hello = copy(PREAMBLE_LEN + HELLO_FIXED_LEN, false)?;
+            copy(u16::from_le_bytes([hello[30], hello[31]]) as usize, false)?;
+            let proof = copy(PREAMBLE_LEN + 2, false)?;
+            copy(proof[7] as usize * MAC_LEN, false)?;
         } else {
-            let hello = copy(PREAMBLE_LEN + 1 + HELLO_FIXED_LEN)?;
-            copy(u16::from_le_bytes([hello[31], hello[32]]) as usize)?;
-            copy(PREAMBLE_LEN + 1 + MAC_LEN)?;
+            let hello = copy(PREAMBLE_LEN + 1 + HELLO_FIXED_LEN, false)?;
+            copy(u16::from_le_bytes([hello[31], hello[32]]) as usize, false)?;
+            copy(PREAMBLE_LEN + 1 + MAC_LEN, false)?;
         }
-        // The link offer: stay on TCP.
-        copy(PREAMBLE_LEN + 5)
+        // The link offer (stay on TCP: kind 0, no address), then the confirmation of the
+        // negotiation.
+        copy(PREAMBLE_LEN + 5, true)?;
+        copy(PREAMBLE_LEN + MAC_LEN, false)
     })();
     done.is_some()
 }
@@ -193,7 +210,7 @@ fn read_record(from: &mut TcpStream) -> Option<Vec<u8>> {
 /// Copies one direction, tampering with its records after the handshake; returns when either
 /// side closes.
 fn pump(mut from: TcpStream, mut to: TcpStream, client_side: bool, tamper: Tamper) {
-    if forward_handshake(&mut from, &mut to, client_side) {
+    if forward_handshake(&mut from, &mut to, client_side, tamper) {
         let mut held: Option<Vec<u8>> = None;
         let mut index = 0;
         while let Some(mut record) = read_record(&mut from) {
@@ -363,6 +380,53 @@ fn a_relay_that_alters_or_replays_requests_is_refused_by_the_server() {
         let again = request(2, 6);
         let reply = call(&client, again.clone()).expect("a fresh link answers");
         assert_eq!(reply.rows, right_answer(&again), "{tamper:?}");
+    }
+}
+
+/// A relay that changes a link offer during the handshake (to steer the link onto a path,
+/// or off one) is found by both sides' confirmation before any frame travels: the link is
+/// refused and counted as `integrity` on both sides, and a link the relay leaves alone
+/// answers exactly.
+#[test]
+fn a_relay_that_changes_a_link_offer_is_refused_before_any_frame() {
+    let rig = Rig::new(
+        PeerConfig::default(),
+        PeerSecrets::new(vec![SECRET.to_vec()]),
+    );
+    for (to_client, to_server) in [
+        (Tamper::OfferUcx, Tamper::Pass),
+        (Tamper::Pass, Tamper::OfferUcx),
+    ] {
+        let server_before = rig
+            .server_stats
+            .frames_rejected
+            .integrity
+            .load(Ordering::Relaxed);
+        let (addr, _) = relay(rig.server.local_addr(), to_client, to_server);
+        let stats = Arc::new(PeerStats::default());
+        let client = rig.client(addr, auth("client", &[SECRET]), &stats);
+        match call(&client, request(2, 7)) {
+            Err(PeerError::Handshake(HandshakeError::NegotiationAltered)) => {}
+            other => panic!("{to_client:?}/{to_server:?}: must be refused, got {other:?}"),
+        }
+        assert_eq!(stats.frames_rejected.integrity.load(Ordering::Relaxed), 1);
+        wait_for(
+            "the server to refuse the changed offer",
+            Duration::from_secs(5),
+            || {
+                rig.server_stats
+                    .frames_rejected
+                    .integrity
+                    .load(Ordering::Relaxed)
+                    == server_before + 1
+            },
+        );
+        assert!(!client.is_linked());
+        // Past the client's backoff after a failed handshake.
+        std::thread::sleep(Duration::from_millis(300));
+        let again = request(2, 8);
+        let reply = call(&client, again.clone()).expect("an untouched link answers");
+        assert_eq!(reply.rows, right_answer(&again));
     }
 }
 

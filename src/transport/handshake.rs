@@ -10,6 +10,7 @@
 //! both, once Ok      LinkOffer    "MOEH" version 5 kind u8 len u32 address[len]
 //!                                (kind 0: stay, len 0; else a LinkKind's code, 1 UCX)
 //! both, after a path LinkReady    "MOEH" version 6 ready u8 (1: made, 0: failed)
+//! both, last        LinkConfirm  "MOEH" version 7 mac[32]
 //! ```
 //!
 //! The client proves itself first: its MAC is HMAC-SHA256(secret, "moe-node peer client" ||
@@ -28,8 +29,12 @@
 //! direction. Every byte of the link after the handshake travels in records sealed with them
 //! (AES-256-GCM, a per-direction counter as the nonce: see `peer/seal.rs`), so an on-path
 //! relay that alters, replays, reorders, drops or cuts records is found at the next record
-//! and the link is closed. The link offers below are not sealed: altering them can only keep
-//! a link on TCP or fail it, since whatever path the link takes carries sealed records.
+//! and the link is closed. The link offers and ready bytes below travel before the link has
+//! a path, so they are not sealed; instead each side ends the handshake with a MAC over all
+//! of them as both sent them ([`negotiation_mac`], keyed from the same secret and transcript),
+//! and the link is refused when the peer's MAC does not match what this side saw. An on-path
+//! relay that strips, adds or changes an offer (to keep a link off UCX, or to learn whether a
+//! changed address is used) is found before any frame travels, and counted as `integrity`.
 //!
 //! A status byte lets each side refuse with a reason the other can report: the server answers
 //! a foreign model fingerprint with `WrongModel`, the client answers a server hello it cannot
@@ -57,8 +62,9 @@ pub const HANDSHAKE_MAGIC: [u8; 4] = *b"MOEH";
 /// here, with a clear error, instead of linking and never hearing each other. 4: a UCX link
 /// may carry a frame's rows as a message of their own (a 16-byte header), which a 3 takes
 /// for a broken peer. 5: the client proves itself first and every byte after the handshake
-/// travels in sealed records, which a 4 would take for bad frames.
-pub const HANDSHAKE_VERSION: u8 = 5;
+/// travels in sealed records, which a 4 would take for bad frames. 6: both sides confirm the
+/// link negotiation with a MAC (`LinkConfirm`), which a 5 does not send.
+pub const HANDSHAKE_VERSION: u8 = 6;
 /// Longest node id accepted.
 pub const MAX_NODE_ID: usize = 255;
 /// Size of a MAC.
@@ -76,6 +82,7 @@ const TYPE_CLIENT_PROOF: u8 = 3;
 const TYPE_VERDICT: u8 = 4;
 const TYPE_LINK_OFFER: u8 = 5;
 const TYPE_LINK_READY: u8 = 6;
+const TYPE_LINK_CONFIRM: u8 = 7;
 
 /// Longest address a link offer may carry (a UCX worker address is a few hundred bytes).
 pub const MAX_LINK_ADDRESS: usize = 64 * 1024;
@@ -116,6 +123,10 @@ pub enum HandshakeError {
     Io(String),
     #[error("this node holds no cluster secret (cluster.secrets is empty or was removed)")]
     NoSecret,
+    #[error(
+        "the link offers were altered on the way (the peer's confirmation does not match what this node saw)"
+    )]
+    NegotiationAltered,
 }
 
 /// Status byte of the server hello, client proof and verdict.
@@ -325,6 +336,7 @@ pub mod message {
     pub const VERDICT: u8 = super::TYPE_VERDICT;
     pub const LINK_OFFER: u8 = super::TYPE_LINK_OFFER;
     pub const LINK_READY: u8 = super::TYPE_LINK_READY;
+    pub const LINK_CONFIRM: u8 = super::TYPE_LINK_CONFIRM;
 }
 
 /// Size of the fixed hello fields after the preamble (fingerprint, nonce, id length).
@@ -443,6 +455,8 @@ pub fn verify_server_mac(
 pub struct LinkKeys {
     pub client_to_server: [u8; KEY_LEN],
     pub server_to_client: [u8; KEY_LEN],
+    /// Keys the MACs that confirm the link negotiation ([`negotiation_mac`]).
+    pub confirm: [u8; KEY_LEN],
     /// Which secret the link was made with ([`secret_digest`]): it closes once a reload
     /// removes that secret.
     pub secret: [u8; 32],
@@ -482,8 +496,98 @@ pub fn link_keys(secret: &[u8], client: &Hello, server: &Hello) -> LinkKeys {
     LinkKeys {
         client_to_server: derive(b" client to server "),
         server_to_client: derive(b" server to client "),
+        confirm: derive(b" negotiation confirm "),
         secret: secret_digest(secret),
     }
+}
+
+/// Which end of a link a side is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    Client,
+    Server,
+}
+
+/// The link negotiation as one side saw it: each side's offer and, when both offered a path,
+/// each side's ready byte. Both sides record the same bytes unless something on the way
+/// changed them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Negotiation {
+    pub client_offer: Vec<u8>,
+    pub server_offer: Vec<u8>,
+    /// `(client, server)` ready bytes, when the sides went that far.
+    pub ready: Option<(bool, bool)>,
+}
+
+impl Negotiation {
+    /// Records the two offers, ours and theirs, by side.
+    pub fn offers(side: Side, ours: &LinkOffer, theirs: &LinkOffer) -> Self {
+        let (ours, theirs) = (encode_link_offer(ours), encode_link_offer(theirs));
+        let (client_offer, server_offer) = match side {
+            Side::Client => (ours, theirs),
+            Side::Server => (theirs, ours),
+        };
+        Negotiation {
+            client_offer,
+            server_offer,
+            ready: None,
+        }
+    }
+
+    /// Records the two ready bytes, ours and theirs, by side.
+    pub fn readies(&mut self, side: Side, ours: bool, theirs: bool) {
+        self.ready = Some(match side {
+            Side::Client => (ours, theirs),
+            Side::Server => (theirs, ours),
+        });
+    }
+}
+
+fn negotiation_keyed(keys: &LinkKeys, sender: Side, negotiation: &Negotiation) -> Hmac<Sha256> {
+    // A 32-byte key: HMAC takes it as it is.
+    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(&keys.confirm).expect("32-byte key");
+    mac.update(match sender {
+        Side::Client => b"moe-node link confirm client",
+        Side::Server => b"moe-node link confirm server",
+    });
+    for offer in [&negotiation.client_offer, &negotiation.server_offer] {
+        mac.update(&(offer.len() as u32).to_le_bytes());
+        mac.update(offer);
+    }
+    mac.update(&match negotiation.ready {
+        None => [0, 0, 0],
+        Some((client, server)) => [1, u8::from(client), u8::from(server)],
+    });
+    mac
+}
+
+/// The MAC `sender` sends to confirm the negotiation it saw (a label per side, so neither
+/// side's MAC can be reflected back as the other's).
+pub fn negotiation_mac(keys: &LinkKeys, sender: Side, negotiation: &Negotiation) -> [u8; MAC_LEN] {
+    negotiation_keyed(keys, sender, negotiation)
+        .finalize()
+        .into_bytes()
+        .into()
+}
+
+/// Verifies, in constant time, the peer's confirmation of the negotiation this side saw.
+pub fn verify_negotiation_mac(
+    keys: &LinkKeys,
+    sender: Side,
+    negotiation: &Negotiation,
+    mac: &[u8],
+) -> bool {
+    negotiation_keyed(keys, sender, negotiation)
+        .verify_slice(mac)
+        .is_ok()
+}
+
+/// Encodes a link confirmation.
+pub fn encode_link_confirm(mac: &[u8; MAC_LEN]) -> Vec<u8> {
+    let mut out = Vec::new();
+    preamble(&mut out, TYPE_LINK_CONFIRM);
+    out.extend_from_slice(mac);
+    out
 }
 
 #[cfg(test)]
@@ -546,6 +650,46 @@ mod tests {
     }
 
     #[test]
+    fn a_negotiation_confirms_only_as_both_sides_saw_it() {
+        let keys = link_keys(b"secret", &hello("a", 1), &hello("b", 2));
+        let ucx = LinkOffer::Path {
+            kind: LinkKind::Ucx,
+            address: vec![7; 40],
+        };
+        let mut client = Negotiation::offers(Side::Client, &ucx, &LinkOffer::Stay);
+        let server = Negotiation::offers(Side::Server, &LinkOffer::Stay, &ucx);
+        assert_eq!(client, server);
+        let mac = negotiation_mac(&keys, Side::Client, &client);
+        assert!(verify_negotiation_mac(&keys, Side::Client, &server, &mac));
+        // Reflected back as the other side's, it does not verify.
+        assert!(!verify_negotiation_mac(&keys, Side::Server, &server, &mac));
+        // Another link's keys, a changed address byte, a stripped offer, a ready byte.
+        let other = link_keys(b"secret", &hello("a", 3), &hello("b", 2));
+        assert!(!verify_negotiation_mac(&other, Side::Client, &server, &mac));
+        let mut changed = server.clone();
+        changed.client_offer[PREAMBLE_LEN + LINK_OFFER_FIXED_LEN] ^= 1;
+        assert!(!verify_negotiation_mac(&keys, Side::Client, &changed, &mac));
+        let stripped = Negotiation::offers(Side::Server, &LinkOffer::Stay, &LinkOffer::Stay);
+        assert!(!verify_negotiation_mac(
+            &keys,
+            Side::Client,
+            &stripped,
+            &mac
+        ));
+        client.readies(Side::Client, true, false);
+        let mut server = server;
+        server.readies(Side::Server, true, true);
+        let mac = negotiation_mac(&keys, Side::Client, &client);
+        assert!(!verify_negotiation_mac(&keys, Side::Client, &server, &mac));
+        server.ready = Some((true, false));
+        assert!(verify_negotiation_mac(&keys, Side::Client, &server, &mac));
+        assert_eq!(
+            encode_link_confirm(&mac)[..PREAMBLE_LEN],
+            [b'M', b'O', b'E', b'H', HANDSHAKE_VERSION, 7]
+        );
+    }
+
+    #[test]
     fn messages_parse_back() {
         let bytes = encode_client_hello(&hello("node-1", 9));
         let mut preamble = [0u8; PREAMBLE_LEN];
@@ -562,7 +706,10 @@ mod tests {
         wrong[4] = 3;
         assert_eq!(
             check_preamble(&wrong, message::CLIENT_HELLO),
-            Err(HandshakeError::BadVersion { theirs: 3, ours: 5 })
+            Err(HandshakeError::BadVersion {
+                theirs: 3,
+                ours: HANDSHAKE_VERSION
+            })
         );
         fixed[24..26].copy_from_slice(&1000u16.to_le_bytes());
         assert!(parse_hello_fixed(&fixed).is_err());

@@ -370,7 +370,8 @@ impl Driver {
         let timeout = self.config.handshake_timeout;
         let handshake = async {
             let (server_id, keys) = client_authenticate(&mut stream, &self.auth).await?;
-            let (stream, path) = negotiate_link(stream, &*self.transport, self.addr).await?;
+            let (stream, path) =
+                negotiate_link(stream, &*self.transport, self.addr, &keys, Side::Client).await?;
             Ok((server_id, keys, stream, path))
         };
         let result = tokio::time::timeout(timeout, handshake)

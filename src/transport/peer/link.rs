@@ -9,7 +9,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use super::PeerAuth;
 use crate::transport::handshake::{
-    self, HandshakeError, Hello, LinkKeys, LinkOffer, MAC_LEN, Status,
+    self, HandshakeError, Hello, LinkKeys, LinkOffer, MAC_LEN, Negotiation, Side, Status,
 };
 use crate::transport::{PeerStream, Transport};
 
@@ -63,7 +63,7 @@ pub async fn client_handshake<S: AsyncRead + AsyncWrite + Unpin>(
     auth: &PeerAuth,
 ) -> Result<(String, LinkKeys), HandshakeError> {
     let (server_id, keys) = client_authenticate(stream, auth).await?;
-    exchange_offers(stream, &LinkOffer::Stay).await?;
+    stay(stream, &keys, Side::Client).await?;
     Ok((server_id, keys))
 }
 
@@ -74,8 +74,19 @@ pub async fn server_handshake<S: AsyncRead + AsyncWrite + Unpin>(
     auth: &PeerAuth,
 ) -> Result<(String, LinkKeys), HandshakeError> {
     let (client_id, keys) = server_authenticate(stream, auth).await?;
-    exchange_offers(stream, &LinkOffer::Stay).await?;
+    stay(stream, &keys, Side::Server).await?;
     Ok((client_id, keys))
+}
+
+/// Offers no other path, reads the peer's offer and confirms the two.
+async fn stay<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    keys: &LinkKeys,
+    side: Side,
+) -> Result<(), HandshakeError> {
+    let theirs = exchange_offers(stream, &LinkOffer::Stay).await?;
+    let negotiation = Negotiation::offers(side, &LinkOffer::Stay, &theirs);
+    confirm(stream, keys, side, &negotiation).await
 }
 
 /// Sends our link offer and reads the peer's.
@@ -93,13 +104,40 @@ async fn exchange_offers<S: AsyncRead + AsyncWrite + Unpin>(
     Ok(handshake::link_offer(kind, address))
 }
 
+/// Sends our MAC over the negotiation as we saw it and checks the peer's: the last message
+/// of the handshake, on the stream it began on, before any frame travels.
+async fn confirm<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    keys: &LinkKeys,
+    side: Side,
+    negotiation: &Negotiation,
+) -> Result<(), HandshakeError> {
+    let ours = handshake::negotiation_mac(keys, side, negotiation);
+    write(stream, &handshake::encode_link_confirm(&ours)).await?;
+    let preamble = read_array::<{ handshake::PREAMBLE_LEN }, _>(stream).await?;
+    handshake::check_preamble(&preamble, handshake::message::LINK_CONFIRM)?;
+    let theirs = read_array::<MAC_LEN, _>(stream).await?;
+    let peer = match side {
+        Side::Client => Side::Server,
+        Side::Server => Side::Client,
+    };
+    if handshake::verify_negotiation_mac(keys, peer, negotiation, &theirs) {
+        Ok(())
+    } else {
+        Err(HandshakeError::NegotiationAltered)
+    }
+}
+
 /// After both sides authenticated: each offers what else could carry the link, and the link
 /// moves there when both offer it and both make their end; otherwise it stays on `stream`.
-/// Returns the link's stream and the name of its path ("tcp" when it stays).
+/// Both sides then confirm what they saw ([`confirm`]). Returns the link's stream and the
+/// name of its path ("tcp" when it stays).
 pub(super) async fn negotiate_link(
     mut stream: Box<dyn PeerStream>,
     transport: &dyn Transport,
     peer: SocketAddr,
+    keys: &LinkKeys,
+    side: Side,
 ) -> Result<(Box<dyn PeerStream>, &'static str), HandshakeError> {
     let upgrade = transport.upgrade().await.unwrap_or_else(|error| {
         tracing::warn!(%peer, %error, "cannot offer this peer link UCX: it stays on TCP");
@@ -113,6 +151,7 @@ pub(super) async fn negotiate_link(
         None => LinkOffer::Stay,
     };
     let theirs = exchange_offers(&mut stream, &ours).await?;
+    let mut negotiation = Negotiation::offers(side, &ours, &theirs);
     let (mut upgrade, address) = match (upgrade, theirs) {
         (Some(upgrade), LinkOffer::Path { kind, address }) if kind == upgrade.kind() => {
             (upgrade, address)
@@ -124,9 +163,13 @@ pub(super) async fn negotiate_link(
                 "peer link stays on TCP: the peer offers no {} (its peer.transport is \"tcp\", or UCX does not load there)",
                 upgrade.kind().name()
             );
+            confirm(&mut stream, keys, side, &negotiation).await?;
             return Ok((stream, "tcp"));
         }
-        (None, _) => return Ok((stream, "tcp")),
+        (None, _) => {
+            confirm(&mut stream, keys, side, &negotiation).await?;
+            return Ok((stream, "tcp"));
+        }
     };
     let made = upgrade.connect(&address).await;
     write(&mut stream, &handshake::encode_link_ready(made.is_ok())).await?;
@@ -134,6 +177,8 @@ pub(super) async fn negotiate_link(
     handshake::check_preamble(&preamble, handshake::message::LINK_READY)?;
     let [ready] = read_array::<1, _>(&mut stream).await?;
     let theirs_ready = handshake::parse_link_ready(ready)?;
+    negotiation.readies(side, made.is_ok(), theirs_ready);
+    confirm(&mut stream, keys, side, &negotiation).await?;
     match made {
         Ok(()) if theirs_ready => {
             let name = upgrade.kind().name();

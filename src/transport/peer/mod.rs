@@ -210,6 +210,7 @@ impl PeerStats {
             HandshakeError::BadMagic(_) => &counters.bad_magic,
             HandshakeError::BadVersion { .. } => &counters.bad_version,
             HandshakeError::Protocol(_) | HandshakeError::Truncated => &counters.malformed,
+            HandshakeError::NegotiationAltered => &counters.integrity,
             HandshakeError::Timeout(_) | HandshakeError::Io(_) | HandshakeError::NoSecret => {
                 return;
             }

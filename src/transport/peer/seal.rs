@@ -52,11 +52,7 @@ pub const TAG_LEN: usize = 16;
 const READ_CAPACITY: usize = 2 * (RECORD_HEADER + RECORD_MAX + TAG_LEN);
 
 /// Which end of a link this is: it seals with one key and opens with the other.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Side {
-    Client,
-    Server,
-}
+pub use crate::transport::handshake::Side;
 
 /// One direction's key and record counter.
 struct Direction {

@@ -264,7 +264,8 @@ async fn serve_connection(
     let timeout = context.config.handshake_timeout;
     let handshake = async {
         let (client_id, keys) = server_authenticate(&mut stream, &context.auth).await?;
-        let (stream, path) = negotiate_link(stream, &*context.transport, peer).await?;
+        let (stream, path) =
+            negotiate_link(stream, &*context.transport, peer, &keys, Side::Server).await?;
         Ok((client_id, keys, stream, path))
     };
     let handshake = tokio::select! {
