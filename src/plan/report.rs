@@ -49,9 +49,11 @@ impl PlanReport {
             )?;
         }
         if m.sizes.state_bytes_per_sequence > 0 {
+            // A hybrid model's linear-attention states, or DeepSeek-V4's sliding windows and
+            // unfinished compressed blocks.
             writeln!(
                 out,
-                "linear-attention state: {:.1} MiB per sequence, whatever its length",
+                "per-sequence cache: {:.1} MiB per sequence, whatever its length",
                 m.sizes.state_bytes_per_sequence as f64 / (1u64 << 20) as f64
             )?;
         }

@@ -92,8 +92,12 @@ pub fn weighted_rows(weights: &[f32], values: &[f32], stride: usize, out: &mut [
     }
 }
 
-/// Dot product of two equal-length slices.
+/// Dot product of two equal-length slices (0 for empty ones).
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    if a.is_empty() {
+        // The row kernel steps through rows of `a.len()` values: none to step through.
+        return 0.0;
+    }
     let mut out = [0.0];
     dot_rows(a, a.len(), b, &mut out);
     out[0]

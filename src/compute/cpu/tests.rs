@@ -289,3 +289,11 @@ fn rms_norm_and_softmax_hand_checked() {
     softmax_in_place(&mut s);
     assert!(close(&s, &[1.0 / 3.0, 2.0 / 3.0]));
 }
+
+#[test]
+fn a_dot_product_of_empty_slices_is_zero_and_others_are_the_sum() {
+    assert_eq!(dot(&[], &[]), 0.0);
+    let (a, b): (Vec<f32>, Vec<f32>) = (0..37).map(|i| (i as f32, 0.5 - i as f32)).unzip();
+    let expected: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
+    assert!((dot(&a, &b) - expected).abs() <= 1e-3 * expected.abs());
+}
