@@ -4,8 +4,8 @@
 //! starts when a token is drawn, and the step's logits need it).
 //!
 //! Vocabularies: the demo model's (259 byte-level tokens), and a synthetic one of 151,646
-//! tokens (Qwen3's size): the 256 bytes, then words, word pieces and JSON punctuation from
-//! this repository's text, then random lowercase strings. Grammars: the `response_format`
+//! tokens (Qwen3's size): the 256 bytes, then JSON punctuation, then words and word pieces
+//! of a fixed text ([`CORPUS`]), then random lowercase strings. Grammars: the `response_format`
 //! schema of tests/structured_output.rs, and `{"type": "object"}` (free JSON). Each walk
 //! draws uniformly among the allowed tokens until the grammar ends (at most 300 tokens).
 //!
@@ -18,6 +18,13 @@ use moe_node::engine::grammar::{GrammarMetrics, Grammars};
 use rand_chacha::ChaCha8Rng;
 use rand_chacha::rand_core::{RngCore, SeedableRng};
 use serde_json::json;
+
+/// The words the synthetic vocabulary is built from: each distinct word (cut to 12 bytes)
+/// of README.md, src/api/openai.rs and src/engine/batch.rs as they were at commit ea4110f,
+/// in the order they first appeared, which builds the same vocabulary as those texts did.
+/// Fixed, so that the repository's text changing does not change the vocabulary, and a run
+/// stays comparable with results/grammar.txt.
+const CORPUS: &str = include_str!("grammar_corpus.txt");
 
 const WALKS: usize = 20;
 const MAX_TOKENS: usize = 300;
@@ -46,13 +53,7 @@ fn synthetic_vocabulary(size: usize) -> Vec<(Vec<u8>, bool)> {
     ] {
         add(piece.as_bytes().to_vec(), &mut tokens);
     }
-    let text = [
-        include_str!("../README.md"),
-        include_str!("../src/api/openai.rs"),
-        include_str!("../src/engine/batch.rs"),
-    ]
-    .concat();
-    for word in text.split(|c: char| !c.is_alphanumeric() && c != '_') {
+    for word in CORPUS.split(|c: char| !c.is_alphanumeric() && c != '_') {
         if word.is_empty() {
             continue;
         }

@@ -5,10 +5,7 @@
 mod cluster_metrics;
 mod joined;
 mod lanes;
-mod rebalance;
 pub mod router;
-
-pub use rebalance::{RebalanceMetrics, RebalanceReport};
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -32,6 +29,7 @@ use crate::placement::{ExpertLoad, Placement, PlacementError};
 use crate::plan::sizes::ModelSizes;
 use crate::rollout::board::PlacementBoard;
 use crate::rollout::bootstrap::Start;
+use crate::rollout::rebalance::{RebalanceMetrics, RebalanceParts, Rebalancer, SeriesRegistry};
 
 #[derive(Debug, thiserror::Error)]
 pub enum NodeError {
@@ -47,11 +45,6 @@ pub enum NodeError {
     Cluster(#[from] ClusterError),
     #[error("device {0} is in service; stop it first")]
     DeviceRunning(usize),
-    #[error("rebalance: {0}")]
-    Rebalance(String),
-    /// Another node proposes the cluster's placement changes.
-    #[error("rebalance: {0}")]
-    NotLeader(String),
 }
 
 impl From<crate::experts::gpu::LoadError> for NodeError {
@@ -86,17 +79,8 @@ pub struct Node {
     targets: Vec<DeviceTarget>,
     /// Held while a device is started again, so that two starts do not race.
     restarting: std::sync::Mutex<()>,
-    /// The placement served and the next one, as other nodes fetch them; a rebalance in a
-    /// cluster offers its placement here.
-    board: Arc<PlacementBoard>,
-    /// This node's API keys as they are now (a reload changes them): other nodes' APIs take
-    /// them (reading their load to rebalance).
-    live: Arc<LiveSettings>,
-    /// Spare expert slots per device and layer (`placement.redundant_slots_per_device`).
-    spare_slots: usize,
-    /// Held while rebalancing: one at a time.
-    rebalancing: std::sync::Mutex<()>,
-    rebalance_metrics: RebalanceMetrics,
+    /// Live rebalancing over this node's dispatcher, load window and placement board.
+    rebalancer: Rebalancer,
 }
 
 impl Node {
@@ -228,7 +212,20 @@ impl Node {
                 experts.clone(),
             )));
         }
-        let rebalance_metrics = RebalanceMetrics::register(&metrics);
+        let rebalancer = Rebalancer::new(
+            RebalanceParts {
+                model: model.clone(),
+                checkpoint: checkpoint.clone(),
+                dispatcher: experts.clone(),
+                load: load.clone(),
+                board: board.clone(),
+                live: live.clone(),
+                spare_slots: config.placement.redundant_slots_per_device,
+                expert_bytes: ModelSizes::of(&model).expert_bytes,
+                cluster: cluster.as_ref().map(Joined::rebalance_part),
+            },
+            RebalanceMetrics::register(&*metrics),
+        );
         Ok(Node {
             model,
             router: RouterHandle::start(lanes, metrics, stall_limit(&config.cluster)),
@@ -239,12 +236,13 @@ impl Node {
             checkpoint,
             targets,
             restarting: std::sync::Mutex::new(()),
-            board: board.clone(),
-            live: live.clone(),
-            spare_slots: config.placement.redundant_slots_per_device,
-            rebalancing: std::sync::Mutex::new(()),
-            rebalance_metrics,
+            rebalancer,
         })
+    }
+
+    /// This node's live rebalancing (`POST /admin/rebalance`, the periodic rebalancer).
+    pub fn rebalancer(&self) -> &Rebalancer {
+        &self.rebalancer
     }
 
     /// The model's fingerprint ([`Checkpoint::fingerprint`]).
@@ -294,6 +292,12 @@ impl Node {
         )?;
         self.experts.replace_device(handle);
         Ok(())
+    }
+}
+
+impl SeriesRegistry for NodeMetrics {
+    fn add_series(&self, name: &str, help: &str, metric: impl prometheus_client::registry::Metric) {
+        self.register(name, help, metric);
     }
 }
 

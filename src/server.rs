@@ -26,6 +26,7 @@ use crate::model::demo::{DemoSpec, write_demo_model};
 use crate::model::{ModelError, Tokenizer};
 use crate::node::router::{RouterState, Submit};
 use crate::node::{Node, NodeError};
+use crate::rollout::rebalance::rebalance_periodically;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -113,7 +114,9 @@ async fn run(config: NodeConfig, reload: ConfigReader) -> Result<(), ServeError>
             let serving = loaded.is_ok();
             let _ = loaded_tx.send(loaded);
             if serving {
-                rebalance_periodically(&loader_state);
+                rebalance_periodically(&loader_state.live, || {
+                    loader_state.served().map(|served| served.node.rebalancer())
+                });
             }
         })
         .map_err(ServeError::Http)?;
@@ -317,38 +320,6 @@ fn notify_while_loading(loading: Arc<AtomicBool>) -> std::io::Result<()> {
             crate::progress::report_to_systemd(false);
         })
         .map(|_| ())
-}
-
-/// With `placement.rebalance_interval_seconds`, recomputes the hot-expert copies that
-/// often, on the loader's thread (it has nothing else to do once the model is served).
-/// The interval is read as it is now (a reload may change it; 0 pauses).
-fn rebalance_periodically(state: &AppState) {
-    if state.config.placement.redundant_slots_per_device == 0 {
-        return;
-    }
-    let mut last = Instant::now();
-    loop {
-        std::thread::sleep(Duration::from_secs(1));
-        let interval = state.live.rebalance_interval_seconds();
-        if interval == 0 || last.elapsed() < Duration::from_secs(interval) {
-            continue;
-        }
-        let Some(served) = state.served() else {
-            return;
-        };
-        match served.node.rebalance() {
-            Ok(_) => {}
-            // In a cluster only the leader rebalances; the others follow its placement.
-            Err(e @ crate::node::NodeError::NotLeader(_)) => {
-                tracing::debug!(error = %e, "periodic rebalance left to the leader")
-            }
-            Err(e) => tracing::warn!(
-                error = %e,
-                "periodic rebalance failed; the placement stays as it was"
-            ),
-        }
-        last = Instant::now();
-    }
 }
 
 /// This node's name at the control plane: `control_plane.node_name`, else

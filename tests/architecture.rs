@@ -59,12 +59,12 @@ const FLOORS: &[&[(&str, &str)]] = &[
         ("plan", "the readiness report (`moe-node plan`)"),
         (
             "rollout",
-            "placement versions over time: bootstrap, board, follow",
+            "placement versions over time: bootstrap, board, follow, rebalance",
         ),
     ],
     &[(
         "node",
-        "the composition root: one node's actors, cluster part and rebalancing",
+        "the composition root: one node's actors and cluster part",
     )],
     &[("api", "the HTTP API")],
     &[(

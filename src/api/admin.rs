@@ -7,6 +7,7 @@ use serde_json::json;
 use super::{ApiError, AppState, ServedModel, read_body};
 use crate::placement::Profile;
 use crate::placement::profile::fingerprint_hex;
+use crate::rollout::rebalance::RebalanceError;
 
 /// `GET /admin/experts`: per MoE layer and expert, activations so far and the devices
 /// holding its replicas. With `?format=profile`, the activation profile instead (what
@@ -230,15 +231,16 @@ pub async fn rebalance(
     // Loading experts blocks: not on the HTTP runtime's threads.
     let done = web::block(move || {
         actix_web::rt::System::set_current(system);
-        app.served().map(|served| served.node.rebalance())
+        app.served()
+            .map(|served| served.node.rebalancer().rebalance())
     })
     .await
     .map_err(|_| ApiError::internal("the rebalance was interrupted"))?;
     match done {
         Some(Ok(report)) => Ok(HttpResponse::Ok().json(report)),
-        Some(Err(
-            e @ (crate::node::NodeError::Rebalance(_) | crate::node::NodeError::NotLeader(_)),
-        )) => Err(ApiError::conflict(e.to_string())),
+        Some(Err(e @ (RebalanceError::Refused(_) | RebalanceError::NotLeader(_)))) => {
+            Err(ApiError::conflict(e.to_string()))
+        }
         Some(Err(e)) => {
             tracing::error!(error = %e, "rebalance failed");
             Err(ApiError::internal(format!("the rebalance failed: {e}")))

@@ -16,6 +16,7 @@ use crate::experts::remote::{PeerNodes, serve_remote_work};
 use crate::placement::PlacementSpec;
 use crate::rollout::bootstrap::{BootstrapError, Start, await_placement, fetch_table};
 use crate::rollout::follow::{FollowParts, follow};
+use crate::rollout::rebalance::ClusterPart;
 use crate::transport::peer::{PeerAuth, PeerConfig, PeerSecrets, PeerServer, PeerStats};
 use crate::transport::select;
 
@@ -216,6 +217,14 @@ pub fn join(
 }
 
 impl Joined {
+    /// What a rebalance across the cluster reads of it: this node's id and the membership.
+    pub fn rebalance_part(&self) -> ClusterPart {
+        ClusterPart {
+            node_id: self.node_id.clone(),
+            membership: self.membership.clone(),
+        }
+    }
+
     /// Replaces the cluster secrets of the peer links (a reload): the next handshake, as
     /// server or client, proves with the first and accepts only these; a secret removed is
     /// refused at once. Links already up keep the keys their handshake gave them.

@@ -3,12 +3,37 @@
 //! attended latents expanded per head with strided-batched products).
 
 use super::cache::Scratch;
-use super::weights::{Attention, Query};
+use super::weights::{Attention, Matrix, Norm, Query};
 use super::{GpuModel, Step, StepResult};
 use crate::compute::cuda::CudaError;
 use crate::compute::cuda::blas::{self, Batch, Gemm, Output};
 use crate::compute::cuda::dense::AttentionShape;
+use crate::compute::cuda::experts::Buffer;
 use crate::model::config::AttentionConfig;
+
+/// One GQA layer's projections and shape, as [`GpuModel::attention`] matched them.
+struct GqaLayer<'a> {
+    q: &'a Matrix,
+    k: &'a Matrix,
+    v: &'a Matrix,
+    o: &'a Matrix,
+    q_norm: &'a Option<Norm>,
+    k_norm: &'a Option<Norm>,
+    kv_heads: usize,
+    head_dim: usize,
+    window: Option<usize>,
+}
+
+/// One MLA layer's projections and shape, as [`GpuModel::attention`] matched them.
+struct MlaLayer<'a> {
+    q: &'a Query,
+    kv_down: &'a Matrix,
+    kv_norm: &'a Norm,
+    /// `kv_b_proj`, used per head (see [`MlaShape`]).
+    kv_up: &'a Buffer,
+    o: &'a Matrix,
+    shape: MlaShape,
+}
 
 impl GpuModel {
     /// Attention of layer `l` over bf16 normalised rows `x`; returns f32 `[rows, H]` and
@@ -21,10 +46,6 @@ impl GpuModel {
         scratch: &mut Scratch,
         x: u64,
     ) -> Result<u64, CudaError> {
-        let stream = &self.stream;
-        let rows = step.rows;
-        let heads = self.config.num_heads;
-        let h = self.config.hidden_size;
         match (attention, &self.config.attention) {
             (
                 Attention::Gqa {
@@ -42,73 +63,18 @@ impl GpuModel {
                     ..
                 },
             ) => {
-                let kv_width = num_kv_heads * head_dim;
-                let queries = scratch.f32(rows * heads * head_dim)?;
-                let keys = scratch.f32(rows * kv_width)?;
-                let values = scratch.f32(rows * kv_width)?;
-                self.linear(q, x, rows, queries, Output::F32)?;
-                self.linear(k, x, rows, keys, Output::F32)?;
-                self.linear(v, x, rows, values, Output::F32)?;
-                if let Some(n) = q_norm {
-                    self.norm(n, queries, rows * heads, head_dim, queries)?;
-                }
-                if let Some(n) = k_norm {
-                    self.norm(n, keys, rows * num_kv_heads, head_dim, keys)?;
-                }
-                let out = scratch.f32(rows * heads * head_dim)?;
-                // SAFETY: buffers sized above from the same shapes; the block tables name
-                // a block for every row's position (reserved by `forward`).
-                unsafe {
-                    self.rotate(step, queries, heads, head_dim, 0)?;
-                    self.rotate(step, keys, num_kv_heads, head_dim, 0)?;
-                    let cache = step.cache(l);
-                    let d = &self.dense;
-                    d.store_rows(
-                        stream,
-                        keys,
-                        rows,
-                        kv_width,
-                        cache.keys,
-                        &cache.table,
-                        step.row_seq,
-                        step.row_pos,
-                    )?;
-                    d.store_rows(
-                        stream,
-                        values,
-                        rows,
-                        kv_width,
-                        cache.values,
-                        &cache.table,
-                        step.row_seq,
-                        step.row_pos,
-                    )?;
-                    let shape = AttentionShape {
-                        heads,
-                        group: heads / num_kv_heads,
-                        key_width: head_dim,
-                        value_width: head_dim,
-                        kv_stride: kv_width,
-                        key_head_stride: head_dim,
-                        value_head_stride: head_dim,
-                        window: sliding_window,
-                        scale: self.softmax_scale,
-                    };
-                    d.attend(
-                        stream,
-                        &shape,
-                        queries,
-                        rows,
-                        &cache,
-                        step.row_seq,
-                        step.row_pos,
-                        out,
-                    )?;
-                }
-                let ob = self.bf16_of(scratch, out, rows * heads * head_dim)?;
-                let y = scratch.f32(rows * h)?;
-                self.linear(o, ob, rows, y, Output::F32)?;
-                Ok(y)
+                let layer = GqaLayer {
+                    q,
+                    k,
+                    v,
+                    o,
+                    q_norm,
+                    k_norm,
+                    kv_heads: num_kv_heads,
+                    head_dim,
+                    window: sliding_window,
+                };
+                self.gqa_attention(l, &layer, step, scratch, x)
             }
             (
                 Attention::Mla {
@@ -126,131 +92,293 @@ impl GpuModel {
                     ..
                 },
             ) => {
-                let q_width = nope + rope;
-                let queries = scratch.f32(rows * heads * q_width)?;
-                match q {
-                    Query::Direct(p) => self.linear(p, x, rows, queries, Output::F32)?,
-                    Query::LowRank { down, norm, up } => {
-                        let low = scratch.f32(rows * down.out)?;
-                        self.linear(down, x, rows, low, Output::F32)?;
-                        self.norm(norm, low, rows, down.out, low)?;
-                        let lb = self.bf16_of(scratch, low, rows * down.out)?;
-                        self.linear(up, lb, rows, queries, Output::F32)?;
-                    }
-                }
-                let key_width = lora + rope;
-                let compressed = scratch.f32(rows * key_width)?;
-                self.linear(kv_down, x, rows, compressed, Output::F32)?;
-                let d = &self.dense;
-                // SAFETY: buffers sized above; the block tables name a block for every row's
-                // position (reserved by `forward`).
-                unsafe {
-                    self.rotate(step, queries, heads, q_width, nope)?;
-                    d.rms_norm(
-                        stream,
-                        compressed,
-                        rows,
-                        key_width,
-                        lora,
-                        kv_norm.weight.ptr,
-                        kv_norm.eps,
-                        compressed,
-                    )?;
-                    self.rotate(step, compressed, 1, key_width, lora)?;
-                    let cache = step.cache(l);
-                    d.store_rows(
-                        stream,
-                        compressed,
-                        rows,
-                        key_width,
-                        cache.keys,
-                        &cache.table,
-                        step.row_seq,
-                        step.row_pos,
-                    )?;
-                }
-                // The attention query per head: [q_nope · W_uk (lora) | q_rope (rope)].
-                let qb = self.bf16_of(scratch, queries, rows * heads * q_width)?;
-                let query = scratch.f32(rows * heads * key_width)?;
-                let mla = MlaShape {
-                    heads,
-                    nope,
-                    rope,
-                    lora,
-                    v: v_head_dim,
-                };
-                let (absorb, per_head) = mla.absorb(rows);
-                let latent_out = scratch.f32(rows * heads * lora)?;
-                // SAFETY: per head, A = rows [h·up_rows, h·up_rows + nope) of kv_up
-                // ([nope, lora] row-major = lora × nope column-major), B = the head's nope
-                // values of each row, C = the first lora values of the head's query.
-                unsafe {
-                    blas::gemm_batched(
-                        &self.blas,
-                        absorb,
-                        per_head,
-                        kv_up.ptr,
-                        qb,
-                        query,
-                        Output::F32,
-                    )?;
-                    d.copy_rows(
-                        stream,
-                        queries + (nope * 4) as u64,
-                        q_width,
-                        query + (lora * 4) as u64,
-                        key_width,
-                        rows * heads,
+                let layer = MlaLayer {
+                    q,
+                    kv_down,
+                    kv_norm,
+                    kv_up,
+                    o,
+                    shape: MlaShape {
+                        heads: self.config.num_heads,
+                        nope,
                         rope,
-                    )?;
-                    let cache = step.cache(l);
-                    let shape = AttentionShape {
-                        heads,
-                        group: heads,
-                        key_width,
-                        value_width: lora,
-                        kv_stride: key_width,
-                        key_head_stride: 0,
-                        value_head_stride: 0,
-                        window: None,
-                        scale: self.softmax_scale,
-                    };
-                    d.attend(
-                        stream,
-                        &shape,
-                        query,
-                        rows,
-                        &cache,
-                        step.row_seq,
-                        step.row_pos,
-                        latent_out,
-                    )?;
-                }
-                // Expand the attended latents through kv_b's value half, head by head.
-                let lb = self.bf16_of(scratch, latent_out, rows * heads * lora)?;
-                let values = scratch.bf16(rows * heads * v_head_dim)?;
-                let (expand, per_head) = mla.expand(rows);
-                // SAFETY: per head, A = rows [h·up_rows + nope, (h+1)·up_rows) of kv_up
-                // ([v, lora] row-major, transposed), B = the head's latent, C = its values.
-                unsafe {
-                    blas::gemm_batched(
-                        &self.blas,
-                        expand,
-                        per_head,
-                        kv_up.ptr + (mla.value_offset() * 2) as u64,
-                        lb,
-                        values,
-                        Output::Bf16,
-                    )?;
-                }
-                let y = scratch.f32(rows * h)?;
-                self.linear(o, values, rows, y, Output::F32)?;
-                Ok(y)
+                        lora,
+                        v: v_head_dim,
+                    },
+                };
+                self.mla_attention(l, &layer, step, scratch, x)
             }
             _ => Err(CudaError::Unsupported(
                 "attention weights of another kind than the config".into(),
             )),
         }
+    }
+
+    /// GQA: projections (and their norms), rotary embedding, the rows' keys and values
+    /// stored in the cache, attention over it, the output projection.
+    fn gqa_attention(
+        &self,
+        l: usize,
+        layer: &GqaLayer,
+        step: &Step,
+        scratch: &mut Scratch,
+        x: u64,
+    ) -> Result<u64, CudaError> {
+        let stream = &self.stream;
+        let rows = step.rows;
+        let heads = self.config.num_heads;
+        let (kv_heads, head_dim) = (layer.kv_heads, layer.head_dim);
+        let kv_width = kv_heads * head_dim;
+        let queries = scratch.f32(rows * heads * head_dim)?;
+        let keys = scratch.f32(rows * kv_width)?;
+        let values = scratch.f32(rows * kv_width)?;
+        self.linear(layer.q, x, rows, queries, Output::F32)?;
+        self.linear(layer.k, x, rows, keys, Output::F32)?;
+        self.linear(layer.v, x, rows, values, Output::F32)?;
+        if let Some(n) = layer.q_norm {
+            self.norm(n, queries, rows * heads, head_dim, queries)?;
+        }
+        if let Some(n) = layer.k_norm {
+            self.norm(n, keys, rows * kv_heads, head_dim, keys)?;
+        }
+        let out = scratch.f32(rows * heads * head_dim)?;
+        // SAFETY: buffers sized above from the same shapes; the block tables name
+        // a block for every row's position (reserved by `forward`).
+        unsafe {
+            self.rotate(step, queries, heads, head_dim, 0)?;
+            self.rotate(step, keys, kv_heads, head_dim, 0)?;
+            let cache = step.cache(l);
+            let d = &self.dense;
+            for (rows_in, to) in [(keys, cache.keys), (values, cache.values)] {
+                d.store_rows(
+                    stream,
+                    rows_in,
+                    rows,
+                    kv_width,
+                    to,
+                    &cache.table,
+                    step.row_seq,
+                    step.row_pos,
+                )?;
+            }
+            let shape = AttentionShape {
+                heads,
+                group: heads / kv_heads,
+                key_width: head_dim,
+                value_width: head_dim,
+                kv_stride: kv_width,
+                key_head_stride: head_dim,
+                value_head_stride: head_dim,
+                window: layer.window,
+                scale: self.softmax_scale,
+            };
+            d.attend(
+                stream,
+                &shape,
+                queries,
+                rows,
+                &cache,
+                step.row_seq,
+                step.row_pos,
+                out,
+            )?;
+        }
+        let ob = self.bf16_of(scratch, out, rows * heads * head_dim)?;
+        let y = scratch.f32(rows * self.config.hidden_size)?;
+        self.linear(layer.o, ob, rows, y, Output::F32)?;
+        Ok(y)
+    }
+
+    /// MLA in its absorbed form: the queries and the rows' compressed keys (stored in the
+    /// cache), attention in the latent space, the attended latents expanded per head, the
+    /// output projection.
+    fn mla_attention(
+        &self,
+        l: usize,
+        layer: &MlaLayer,
+        step: &Step,
+        scratch: &mut Scratch,
+        x: u64,
+    ) -> Result<u64, CudaError> {
+        let rows = step.rows;
+        let queries = self.mla_queries(layer, rows, scratch, x)?;
+        self.mla_store_keys(l, layer, step, scratch, x, queries)?;
+        let latent_out = self.mla_attend(l, layer, step, scratch, queries)?;
+        // Expand the attended latents through kv_b's value half, head by head.
+        let MlaShape { heads, lora, v, .. } = layer.shape;
+        let lb = self.bf16_of(scratch, latent_out, rows * heads * lora)?;
+        let values = scratch.bf16(rows * heads * v)?;
+        let (expand, per_head) = layer.shape.expand(rows);
+        // SAFETY: per head, A = rows [h·up_rows + nope, (h+1)·up_rows) of kv_up
+        // ([v, lora] row-major, transposed), B = the head's latent, C = its values.
+        unsafe {
+            blas::gemm_batched(
+                &self.blas,
+                expand,
+                per_head,
+                layer.kv_up.ptr + (layer.shape.value_offset() * 2) as u64,
+                lb,
+                values,
+                Output::Bf16,
+            )?;
+        }
+        let y = scratch.f32(rows * self.config.hidden_size)?;
+        self.linear(layer.o, values, rows, y, Output::F32)?;
+        Ok(y)
+    }
+
+    /// MLA's queries, f32 `[rows, heads, nope + rope]`, not yet rotated: one projection, or
+    /// down, norm and up.
+    fn mla_queries(
+        &self,
+        layer: &MlaLayer,
+        rows: usize,
+        scratch: &mut Scratch,
+        x: u64,
+    ) -> Result<u64, CudaError> {
+        let MlaShape {
+            heads, nope, rope, ..
+        } = layer.shape;
+        let queries = scratch.f32(rows * heads * (nope + rope))?;
+        match layer.q {
+            Query::Direct(p) => self.linear(p, x, rows, queries, Output::F32)?,
+            Query::LowRank { down, norm, up } => {
+                let low = scratch.f32(rows * down.out)?;
+                self.linear(down, x, rows, low, Output::F32)?;
+                self.norm(norm, low, rows, down.out, low)?;
+                let lb = self.bf16_of(scratch, low, rows * down.out)?;
+                self.linear(up, lb, rows, queries, Output::F32)?;
+            }
+        }
+        Ok(queries)
+    }
+
+    /// Rotates the MLA `queries` and stores the rows' compressed keys `[latent | rotary
+    /// key]` (normalised latent, rotated key) in layer `l`'s cache.
+    fn mla_store_keys(
+        &self,
+        l: usize,
+        layer: &MlaLayer,
+        step: &Step,
+        scratch: &mut Scratch,
+        x: u64,
+        queries: u64,
+    ) -> StepResult {
+        let stream = &self.stream;
+        let rows = step.rows;
+        let MlaShape {
+            heads,
+            nope,
+            rope,
+            lora,
+            ..
+        } = layer.shape;
+        let key_width = lora + rope;
+        let compressed = scratch.f32(rows * key_width)?;
+        self.linear(layer.kv_down, x, rows, compressed, Output::F32)?;
+        let d = &self.dense;
+        // SAFETY: buffers sized above; the block tables name a block for every row's
+        // position (reserved by `forward`).
+        unsafe {
+            self.rotate(step, queries, heads, nope + rope, nope)?;
+            d.rms_norm(
+                stream,
+                compressed,
+                rows,
+                key_width,
+                lora,
+                layer.kv_norm.weight.ptr,
+                layer.kv_norm.eps,
+                compressed,
+            )?;
+            self.rotate(step, compressed, 1, key_width, lora)?;
+            let cache = step.cache(l);
+            d.store_rows(
+                stream,
+                compressed,
+                rows,
+                key_width,
+                cache.keys,
+                &cache.table,
+                step.row_seq,
+                step.row_pos,
+            )
+        }
+    }
+
+    /// MLA attention in the latent space: each head's query absorbed into it (`[q_nope ·
+    /// W_uk (lora) | q_rope (rope)]`), attended over layer `l`'s cache; returns the attended
+    /// latents, f32 `[rows, heads, lora]`.
+    fn mla_attend(
+        &self,
+        l: usize,
+        layer: &MlaLayer,
+        step: &Step,
+        scratch: &mut Scratch,
+        queries: u64,
+    ) -> Result<u64, CudaError> {
+        let stream = &self.stream;
+        let d = &self.dense;
+        let rows = step.rows;
+        let mla = layer.shape;
+        let MlaShape {
+            heads,
+            nope,
+            rope,
+            lora,
+            ..
+        } = mla;
+        let (q_width, key_width) = (nope + rope, lora + rope);
+        let qb = self.bf16_of(scratch, queries, rows * heads * q_width)?;
+        let query = scratch.f32(rows * heads * key_width)?;
+        let (absorb, per_head) = mla.absorb(rows);
+        let latent_out = scratch.f32(rows * heads * lora)?;
+        // SAFETY: per head, A = rows [h·up_rows, h·up_rows + nope) of kv_up
+        // ([nope, lora] row-major = lora × nope column-major), B = the head's nope
+        // values of each row, C = the first lora values of the head's query.
+        unsafe {
+            blas::gemm_batched(
+                &self.blas,
+                absorb,
+                per_head,
+                layer.kv_up.ptr,
+                qb,
+                query,
+                Output::F32,
+            )?;
+            d.copy_rows(
+                stream,
+                queries + (nope * 4) as u64,
+                q_width,
+                query + (lora * 4) as u64,
+                key_width,
+                rows * heads,
+                rope,
+            )?;
+            let cache = step.cache(l);
+            let shape = AttentionShape {
+                heads,
+                group: heads,
+                key_width,
+                value_width: lora,
+                kv_stride: key_width,
+                key_head_stride: 0,
+                value_head_stride: 0,
+                window: None,
+                scale: self.softmax_scale,
+            };
+            d.attend(
+                stream,
+                &shape,
+                query,
+                rows,
+                &cache,
+                step.row_seq,
+                step.row_pos,
+                latent_out,
+            )?;
+        }
+        Ok(latent_out)
     }
 
     /// Rotary embedding of `rope_dim` values at `offset` of every head.

@@ -23,29 +23,89 @@
 //! checkpoint, switches at a step boundary once every live member has loaded, and drops
 //! what it no longer holds once every live member serves it. A node that is not the leader
 //! refuses and names the leader.
+//!
+//! The node provides what a rebalance drives ([`RebalanceParts`]: its dispatcher, which keeps
+//! the devices and what each holds, its load window, checkpoint and placement board) and
+//! holds the [`Rebalancer`]; `POST /admin/rebalance` and [`rebalance_periodically`] call it.
 
 use std::collections::HashSet;
-use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Metric;
 use serde::Serialize;
 
-use super::{Node, NodeError};
-use crate::cluster::{MemberState, MemberView};
+use crate::cluster::{MemberState, MemberView, Membership};
+use crate::config::live::LiveSettings;
+use crate::experts::Dispatcher;
 use crate::experts::device::{ReleaseExperts, TakeExperts, load_experts};
-use crate::metrics::NodeMetrics;
-use crate::model::ExpertWeights;
-use crate::node::joined::Joined;
-use crate::placement::Placement;
+use crate::model::{Checkpoint, ExpertWeights, ModelConfig, ModelError};
 use crate::placement::profile::fingerprint_hex;
 use crate::placement::replicate::imbalance;
-use crate::plan::sizes::ModelSizes;
+use crate::placement::{ExpertLoad, Placement, PlacementError};
+use crate::rollout::board::PlacementBoard;
 use crate::rollout::bootstrap::fetch_profile;
 use crate::rollout::follow::{NotNow, may_propose};
+
+/// Why a rebalance did not happen.
+#[derive(Debug, thiserror::Error)]
+pub enum RebalanceError {
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Placement(#[from] PlacementError),
+    /// Refused or failed as a rebalance (no spare slots, a device stopped, the cluster not
+    /// settled, not every member switched in time).
+    #[error("rebalance: {0}")]
+    Refused(String),
+    /// Another node proposes the cluster's placement changes.
+    #[error("rebalance: {0}")]
+    NotLeader(String),
+}
+
+/// The parts of a node that a rebalance drives: its devices and what each holds (both kept
+/// by the dispatcher, which also switches placements), its recent load, the checkpoint new
+/// copies are read from, and its placement board. The node provides them
+/// (`crate::node`), the rebalance never reaches the node itself.
+pub struct RebalanceParts {
+    /// The model as served.
+    pub model: Arc<ModelConfig>,
+    /// What new copies are read from.
+    pub checkpoint: Arc<Checkpoint>,
+    /// The node's devices, what each holds, and the placement it routes by.
+    pub dispatcher: Arc<Dispatcher>,
+    /// The recent activation window this node's router counted.
+    pub load: Arc<ExpertLoad>,
+    /// The placement served and the next one, as other nodes fetch them; a rebalance in a
+    /// cluster offers its placement here.
+    pub board: Arc<PlacementBoard>,
+    /// This node's API keys as they are now (a reload changes them): other nodes' APIs take
+    /// them (reading their load).
+    pub live: Arc<LiveSettings>,
+    /// Spare expert slots per device and layer (`placement.redundant_slots_per_device`).
+    pub spare_slots: usize,
+    /// Bytes of one expert's weights, as the model's sizes give them.
+    pub expert_bytes: u64,
+    /// This node's part in a cluster; `None` when it serves alone.
+    pub cluster: Option<ClusterPart>,
+}
+
+/// What a rebalance across a cluster reads of it.
+pub struct ClusterPart {
+    /// This node's id in the cluster.
+    pub node_id: String,
+    pub membership: Membership,
+}
+
+/// Where the rebalance series are registered (the node's Prometheus registry).
+pub trait SeriesRegistry {
+    /// Adds one series another part of the node updates.
+    fn add_series(&self, name: &str, help: &str, metric: impl Metric);
+}
 
 /// What one rebalance did.
 #[derive(Debug, Clone, Serialize)]
@@ -80,7 +140,7 @@ pub struct RebalanceMetrics {
 }
 
 impl RebalanceMetrics {
-    pub fn register(metrics: &NodeMetrics) -> Self {
+    pub fn register(metrics: &impl SeriesRegistry) -> Self {
         let m = RebalanceMetrics {
             rebalances: Counter::default(),
             bytes_loaded: Counter::default(),
@@ -89,27 +149,27 @@ impl RebalanceMetrics {
             imbalance_before: Gauge::default(),
             imbalance_after: Gauge::default(),
         };
-        metrics.register(
+        metrics.add_series(
             "rebalances",
             "Live rebalances done (hot-expert copies recomputed and switched to)",
             m.rebalances.clone(),
         );
-        metrics.register(
+        metrics.add_series(
             "rebalance_loaded_bytes",
             "Bytes of expert weights loaded for hot-expert copies",
             m.bytes_loaded.clone(),
         );
-        metrics.register(
+        metrics.add_series(
             "rebalance_duration_seconds",
             "From the start of a rebalance to the release of the copies dropped",
             m.duration.clone(),
         );
-        metrics.register(
+        metrics.add_series(
             "rebalance_imbalance_before",
             "Worst layer's recent imbalance under the placement before the last rebalance",
             m.imbalance_before.clone(),
         );
-        metrics.register(
+        metrics.add_series(
             "rebalance_imbalance_after",
             "The same load laid over the placement the last rebalance switched to",
             m.imbalance_after.clone(),
@@ -129,28 +189,50 @@ const KEEP_TOLERANCE: f64 = 0.05;
 /// placement before it answers that the change goes on without it.
 const CLUSTER_SWITCH_LIMIT: Duration = Duration::from_secs(120);
 
-impl Node {
+/// A node's live rebalancing: one at a time, over the parts the node provides.
+pub struct Rebalancer {
+    parts: RebalanceParts,
+    /// Held while rebalancing: one at a time.
+    one_at_a_time: Mutex<()>,
+    metrics: RebalanceMetrics,
+}
+
+impl Rebalancer {
+    pub fn new(parts: RebalanceParts, metrics: RebalanceMetrics) -> Self {
+        Rebalancer {
+            parts,
+            one_at_a_time: Mutex::new(()),
+            metrics,
+        }
+    }
+
+    /// Spare expert slots per device and layer: with none, a rebalance has nowhere to put a
+    /// copy.
+    pub fn spare_slots(&self) -> usize {
+        self.parts.spare_slots
+    }
+
     /// Recomputes the hot-expert copies from the recent window and switches to them (see
     /// the module doc). One at a time; blocks while loading. In a cluster only the leader
-    /// rebalances ([`NodeError::NotLeader`] elsewhere), through the cluster's placement
+    /// rebalances ([`RebalanceError::NotLeader`] elsewhere), through the cluster's placement
     /// versions, and blocks until every live member serves the new one.
-    pub fn rebalance(&self) -> Result<RebalanceReport, NodeError> {
-        let _one_at_a_time = self.rebalancing.lock().unwrap_or_else(|e| e.into_inner());
-        if self.spare_slots == 0 {
-            return Err(NodeError::Rebalance(
+    pub fn rebalance(&self) -> Result<RebalanceReport, RebalanceError> {
+        let _one_at_a_time = self.one_at_a_time.lock().unwrap_or_else(|e| e.into_inner());
+        if self.parts.spare_slots == 0 {
+            return Err(RebalanceError::Refused(
                 "no spare slots: set placement.redundant_slots_per_device".into(),
             ));
         }
-        if let Some(joined) = &self.cluster {
-            return self.rebalance_cluster(joined);
+        if let Some(cluster) = &self.parts.cluster {
+            return self.rebalance_cluster(cluster);
         }
         let started = Instant::now();
-        let current = self.experts.placement();
-        let model = &self.model;
+        let current = self.parts.dispatcher.placement();
+        let model = &self.parts.model;
         let mut loads = vec![None; model.num_layers];
         let mut before = 0.0f64;
         for layer in (0..model.num_layers).filter(|&l| model.moe_layers[l]) {
-            let (recent, _) = self.load.recent(layer);
+            let (recent, _) = self.parts.load.recent(layer);
             before = before.max(recent.imbalance());
             loads[layer] = Some(recent.activations.iter().map(|&a| a as f64).collect());
         }
@@ -160,8 +242,8 @@ impl Node {
         // Copy.
         let mut copies_loaded = 0;
         let mut bytes_loaded = 0u64;
-        for device in self.experts.devices() {
-            let mut held = self.experts.held_by(device.id);
+        for device in self.parts.dispatcher.devices() {
+            let mut held = self.parts.dispatcher.held_by(device.id);
             let missing: Vec<(usize, u32)> = next
                 .experts_on(0, device.id as u16)
                 .into_iter()
@@ -170,42 +252,45 @@ impl Node {
             if missing.is_empty() {
                 continue;
             }
-            let weights = load_experts(&self.checkpoint, model, &missing)?;
+            let weights = load_experts(&self.parts.checkpoint, model, &missing)?;
             let bytes: usize = weights.values().map(ExpertWeights::weight_bytes).sum();
             futures::executor::block_on(device.addr.send(TakeExperts(weights)))
                 .map_err(|_| {
-                    NodeError::Rebalance(format!("device {} stopped while loading", device.id))
+                    RebalanceError::Refused(format!("device {} stopped while loading", device.id))
                 })?
-                .map_err(|e| NodeError::Rebalance(e.to_string()))?;
+                .map_err(|e| RebalanceError::Refused(e.to_string()))?;
             held.extend(missing.iter().copied());
-            self.experts.set_held_by(device.id, held);
+            self.parts.dispatcher.set_held_by(device.id, held);
             copies_loaded += missing.len();
             bytes_loaded += bytes as u64;
         }
 
         // Switch.
         let next = Arc::new(next);
-        self.board.set_current(next.clone());
-        let pause = self.experts.set_placement(next.clone(), 0);
+        self.parts.board.set_current(next.clone());
+        let pause = self.parts.dispatcher.set_placement(next.clone(), 0);
         // Every call that read the old placement began before this read (it reads the
         // placement after counting itself); the router makes one call at a time.
-        let calls_before = self.experts.calls_started();
+        let calls_before = self.parts.dispatcher.calls_started();
         let drained = Instant::now();
-        while self.experts.calls_finished() < calls_before && drained.elapsed() < DRAIN_LIMIT {
+        while self.parts.dispatcher.calls_finished() < calls_before
+            && drained.elapsed() < DRAIN_LIMIT
+        {
             std::thread::sleep(Duration::from_millis(1));
         }
 
         // Release.
         let mut copies_released = 0;
-        for device in self.experts.devices() {
+        for device in self.parts.dispatcher.devices() {
             let keep: HashSet<(usize, u32)> =
                 next.experts_on(0, device.id as u16).into_iter().collect();
-            let held = self.experts.held_by(device.id);
+            let held = self.parts.dispatcher.held_by(device.id);
             if held.is_subset(&keep) {
                 continue;
             }
             copies_released += held.difference(&keep).count();
-            self.experts
+            self.parts
+                .dispatcher
                 .set_held_by(device.id, held.intersection(&keep).copied().collect());
             let _ = futures::executor::block_on(device.addr.send(ReleaseExperts(keep)));
         }
@@ -229,19 +314,19 @@ impl Node {
         &self,
         current: &Placement,
         loads: &[Option<Vec<f64>>],
-    ) -> Result<Placement, NodeError> {
+    ) -> Result<Placement, RebalanceError> {
         let mut next = current.without_hot_copies().with_hot_copies(
             loads,
-            self.spare_slots,
+            self.parts.spare_slots,
             current.version() + 1,
         )?;
-        next.keep_layers_of(current, loads, self.spare_slots, KEEP_TOLERANCE);
+        next.keep_layers_of(current, loads, self.parts.spare_slots, KEEP_TOLERANCE);
         Ok(next)
     }
 
     /// Counts a rebalance done and logs it.
     fn rebalanced(&self, report: RebalanceReport) -> RebalanceReport {
-        let m = &self.rebalance_metrics;
+        let m = &self.metrics;
         m.rebalances.inc();
         m.bytes_loaded.inc_by(report.bytes_loaded);
         m.duration.observe(report.seconds);
@@ -264,23 +349,24 @@ impl Node {
 
     /// The leader's rebalance of the cluster's placement (see the module doc). Blocks until
     /// every live member serves the new version, or [`CLUSTER_SWITCH_LIMIT`].
-    fn rebalance_cluster(&self, joined: &Joined) -> Result<RebalanceReport, NodeError> {
+    fn rebalance_cluster(&self, cluster: &ClusterPart) -> Result<RebalanceReport, RebalanceError> {
         let started = Instant::now();
-        let current = self.experts.placement();
-        let members = joined.membership.members();
-        may_propose(&joined.node_id, &members, current.version()).map_err(|e| match e {
-            NotNow::NotLeader { .. } => NodeError::NotLeader(e.to_string()),
-            NotNow::Unsettled(_) => NodeError::Rebalance(e.to_string()),
+        let current = self.parts.dispatcher.placement();
+        let members = cluster.membership.members();
+        may_propose(&cluster.node_id, &members, current.version()).map_err(|e| match e {
+            NotNow::NotLeader { .. } => RebalanceError::NotLeader(e.to_string()),
+            NotNow::Unsettled(_) => RebalanceError::Refused(e.to_string()),
         })?;
-        let (loads, nodes_profiled) = self.cluster_loads(joined, &members);
+        let (loads, nodes_profiled) = self.cluster_loads(cluster, &members);
         let next = self.next_placement(&current, &loads)?;
         let before = predicted_imbalance(&current, &loads);
         let after = predicted_imbalance(&next, &loads);
         let (copies_loaded, copies_released) = copies_changed(&current, &next);
         let version = next.version();
-        self.board
+        self.parts
+            .board
             .offer_next(Arc::new(next))
-            .map_err(NodeError::Rebalance)?;
+            .map_err(RebalanceError::Refused)?;
         tracing::info!(
             version,
             copies_loaded,
@@ -297,11 +383,11 @@ impl Node {
                     || m.meta.placement_version >= version
             })
         };
-        while self.experts.placement().version() < version
-            || !served_everywhere(&joined.membership.members())
+        while self.parts.dispatcher.placement().version() < version
+            || !served_everywhere(&cluster.membership.members())
         {
             if started.elapsed() > CLUSTER_SWITCH_LIMIT {
-                return Err(NodeError::Rebalance(format!(
+                return Err(RebalanceError::Refused(format!(
                     "placement version {version} was proposed, but not every live member \
                      serves it after {} s; the change goes on as members load it (see GET \
                      /admin/cluster)",
@@ -310,7 +396,7 @@ impl Node {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        let bytes_loaded = copies_loaded as u64 * ModelSizes::of(&self.model).expert_bytes;
+        let bytes_loaded = copies_loaded as u64 * self.parts.expert_bytes;
         Ok(self.rebalanced(RebalanceReport {
             version,
             copies_loaded,
@@ -319,7 +405,7 @@ impl Node {
             imbalance_before: before,
             imbalance_after: after,
             seconds: started.elapsed().as_secs_f64(),
-            switch_pause_seconds: self.experts.last_switch_pause().as_secs_f64(),
+            switch_pause_seconds: self.parts.dispatcher.last_switch_pause().as_secs_f64(),
             nodes_profiled,
         }))
     }
@@ -329,35 +415,36 @@ impl Node {
     /// not answer is left out, with a warning: the copies follow the others' load.
     fn cluster_loads(
         &self,
-        joined: &Joined,
+        cluster: &ClusterPart,
         members: &[MemberView],
     ) -> (Vec<Option<Vec<f64>>>, usize) {
-        let model = &self.model;
+        let model = &self.parts.model;
         let mut loads: Vec<Option<Vec<f64>>> = vec![None; model.num_layers];
         for layer in (0..model.num_layers).filter(|&l| model.moe_layers[l]) {
-            let (recent, _) = self.load.recent(layer);
+            let (recent, _) = self.parts.load.recent(layer);
             loads[layer] = Some(recent.activations.iter().map(|&a| a as f64).collect());
         }
         let mut profiled = 1;
-        let fingerprint = fingerprint_hex(self.model_fingerprint());
+        let fingerprint = fingerprint_hex(self.parts.checkpoint.fingerprint());
         let mut asked: Vec<&str> = Vec::new();
         for m in members.iter().filter(|m| {
             !m.is_self
                 && m.state == MemberState::Alive
                 && m.meta.placement_version > 0
-                && m.meta.node != joined.node_id
+                && m.meta.node != cluster.node_id
         }) {
             if asked.contains(&m.meta.node.as_str()) {
                 continue;
             }
             asked.push(&m.meta.node);
-            let theirs = fetch_profile(m.meta.api, &self.live.local_api_keys()).and_then(|p| {
-                if p.fingerprint.as_deref().is_some_and(|f| f != fingerprint) {
-                    return Err(format!("measured on another model ({:?})", p.fingerprint));
-                }
-                p.loads_for(&model.moe_layers, model.moe.num_experts)
-                    .map_err(|e| e.to_string())
-            });
+            let theirs =
+                fetch_profile(m.meta.api, &self.parts.live.local_api_keys()).and_then(|p| {
+                    if p.fingerprint.as_deref().is_some_and(|f| f != fingerprint) {
+                        return Err(format!("measured on another model ({:?})", p.fingerprint));
+                    }
+                    p.loads_for(&model.moe_layers, model.moe.num_experts)
+                        .map_err(|e| e.to_string())
+                });
             match theirs {
                 Ok(theirs) => {
                     for (mine, theirs) in loads.iter_mut().zip(theirs) {
@@ -377,6 +464,43 @@ impl Node {
             }
         }
         (loads, profiled)
+    }
+}
+
+/// With `placement.rebalance_interval_seconds`, recomputes the hot-expert copies that
+/// often, on the calling thread (the loader's: it has nothing else to do once the model is
+/// served). The interval is read from `live` as it is now (a reload may change it; 0
+/// pauses). `served` gives the node's rebalancer while the model is served; the loop ends
+/// when it gives none, and at once when the node has no spare slots.
+pub fn rebalance_periodically<'a>(
+    live: &LiveSettings,
+    served: impl Fn() -> Option<&'a Rebalancer>,
+) {
+    if served().is_none_or(|rebalancer| rebalancer.spare_slots() == 0) {
+        return;
+    }
+    let mut last = Instant::now();
+    loop {
+        std::thread::sleep(Duration::from_secs(1));
+        let interval = live.rebalance_interval_seconds();
+        if interval == 0 || last.elapsed() < Duration::from_secs(interval) {
+            continue;
+        }
+        let Some(rebalancer) = served() else {
+            return;
+        };
+        match rebalancer.rebalance() {
+            Ok(_) => {}
+            // In a cluster only the leader rebalances; the others follow its placement.
+            Err(e @ RebalanceError::NotLeader(_)) => {
+                tracing::debug!(error = %e, "periodic rebalance left to the leader")
+            }
+            Err(e) => tracing::warn!(
+                error = %e,
+                "periodic rebalance failed; the placement stays as it was"
+            ),
+        }
+        last = Instant::now();
     }
 }
 
