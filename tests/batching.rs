@@ -25,6 +25,13 @@ fn max_difference(a: &[f32], b: &[f32]) -> f32 {
 /// thousand times under the GPU's.
 const BATCHED_LOGIT_TOLERANCE: f32 = 5e-5;
 
+/// The same for the hybrid models (`qwen3_next`, `qwen3_5_moe`): their gated delta rule
+/// carries each step's rounding forward in its recurrent state, so the company a row keeps
+/// shows more. Measured (2026-12-06, AMD EPYC with AVX-512 and AVX512_BF16, no AMX): at most
+/// 5.6e-5 (qwen3_5_moe; qwen3_next 3.7e-5), where the attention-only models stay within
+/// 7.4e-6 on the same machine; every greedy token the same.
+const HYBRID_BATCHED_LOGIT_TOLERANCE: f32 = 2e-4;
+
 #[test]
 fn batched_steps_equal_single_steps() {
     for name in [
@@ -79,9 +86,13 @@ fn batched_steps_equal_single_steps() {
         for (i, (a, b)) in alone.iter().zip(&together).enumerate() {
             let diff = max_difference(a, b);
             eprintln!("{name}: sequence {i} batched vs alone: largest logit difference {diff:e}");
+            let tolerance = match name {
+                "qwen3_next" | "qwen3_5_moe" => HYBRID_BATCHED_LOGIT_TOLERANCE,
+                _ => BATCHED_LOGIT_TOLERANCE,
+            };
             assert!(
-                diff <= BATCHED_LOGIT_TOLERANCE,
-                "{name}: sequence {i}'s logits batched differ from alone by {diff}"
+                diff <= tolerance,
+                "{name}: sequence {i}'s logits batched differ from alone by {diff} (bound {tolerance})"
             );
             // The greedy token after the prompt and after the decode step.
             for (step, (x, y)) in a.chunks(vocab).zip(b.chunks(vocab)).enumerate() {

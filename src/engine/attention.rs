@@ -59,14 +59,7 @@ fn gqa(
     caches: &mut [&mut KvCache],
 ) -> Vec<f32> {
     let (
-        AttentionWeights::Gqa {
-            q,
-            k,
-            v,
-            o,
-            q_norm,
-            k_norm,
-        },
+        AttentionWeights::Gqa { o, .. },
         AttentionConfig::Gqa {
             num_kv_heads,
             head_dim,
@@ -86,6 +79,90 @@ fn gqa(
         unit_qk_norm: false,
         temperature: None,
     });
+    let (queries, gate, keys, values) =
+        gqa_project(weights, input, (x, rows), (head_dim, *output_gate), &this);
+    let kv_width = num_kv_heads * head_dim;
+    append_to_caches(input.segments, caches, layer, &keys, &values);
+    let group = input.num_heads / num_kv_heads;
+    let mut out = vec![0.0; rows * input.num_heads * head_dim];
+    let caches: Vec<&KvCache> = caches.iter().map(|c| &**c).collect();
+    let window_start = |position: usize| this.span.start(position);
+    // Segments of several rows (prefill) attend in blocks; the other rows below.
+    let blocked = blocked_segments(input);
+    let shape = GqaShape {
+        head_dim,
+        num_kv_heads,
+        group,
+    };
+    gqa_blocks(
+        input,
+        (&caches, layer),
+        &queries,
+        shape,
+        (this.span, sinks),
+        &blocked,
+        &mut out,
+    );
+    par_rows_heads(
+        input,
+        &blocked,
+        &mut out,
+        head_dim,
+        |segment, row, head, out| {
+            let LayerCache {
+                first: keys,
+                second: values,
+                ..
+            } = &caches[segment].layers[layer];
+            let seg = &input.segments[segment];
+            let position = seg.start_position + (row - seg.rows.start);
+            let first = window_start(position);
+            let kv_offset = (head / group) * head_dim;
+            let query = &queries[(row * input.num_heads + head) * head_dim..][..head_dim];
+            let mut scores = vec![0.0; position + 1 - first];
+            dot_strided(
+                query,
+                &keys[first * kv_width + kv_offset..],
+                kv_width,
+                &mut scores,
+            );
+            attend(
+                scores,
+                &values[first * kv_width + kv_offset..],
+                kv_width,
+                (input.softmax_scale, sinks.map(|s| s[head])),
+                out,
+            );
+        },
+    );
+    if let Some(gate) = gate {
+        for (o, g) in out.iter_mut().zip(&gate) {
+            *o /= 1.0 + (-g).exp();
+        }
+    }
+    o.forward(&out, rows)
+}
+
+/// GQA's projections of `x`: the queries (normed, rotated and scaled as the layer says), the
+/// output gate where the model has one, the keys and the values.
+fn gqa_project(
+    weights: &AttentionWeights,
+    input: &AttentionInput,
+    (x, rows): (&[f32], usize),
+    (head_dim, output_gate): (usize, bool),
+    this: &LayerAttention,
+) -> (Vec<f32>, Option<Vec<f32>>, Vec<f32>, Vec<f32>) {
+    let AttentionWeights::Gqa {
+        q,
+        k,
+        v,
+        q_norm,
+        k_norm,
+        ..
+    } = weights
+    else {
+        unreachable!("attention weights are loaded from the same config")
+    };
     let mut queries = q.forward(x, rows);
     let gate = output_gate.then(|| split_query_gate(&mut queries, rows, input.num_heads, head_dim));
     let mut keys = k.forward(x, rows);
@@ -119,16 +196,37 @@ fn gqa(
             }
         }
     }
+    (queries, gate, keys, values)
+}
+
+/// The shape of a GQA layer's heads: `group` query heads share each key and value head.
+#[derive(Clone, Copy)]
+struct GqaShape {
+    head_dim: usize,
+    num_kv_heads: usize,
+    group: usize,
+}
+
+/// GQA for the segments of several rows (prefill): blocks of queries against the cached keys
+/// and values as products, the `group` heads that share a key head together, written into
+/// `out` (`[rows, heads, head_dim]`).
+fn gqa_blocks(
+    input: &AttentionInput,
+    (caches, layer): (&[&KvCache], usize),
+    queries: &[f32],
+    shape: GqaShape,
+    (span, sinks): (Span, Option<&[f32]>),
+    blocked: &[bool],
+    out: &mut [f32],
+) {
+    let GqaShape {
+        head_dim,
+        num_kv_heads,
+        group,
+    } = shape;
     let kv_width = num_kv_heads * head_dim;
-    append_to_caches(input.segments, caches, layer, &keys, &values);
-    let group = input.num_heads / num_kv_heads;
-    let mut out = vec![0.0; rows * input.num_heads * head_dim];
-    let caches: Vec<&KvCache> = caches.iter().map(|c| &**c).collect();
-    let window_start = |position: usize| this.span.start(position);
-    // Segments of several rows (prefill): blocks of queries against the cached keys
-    // and values as products, the `group` heads that share a key head together.
-    let blocked = blocked_segments(input);
-    let tasks = block_tasks(input, &blocked, group, num_kv_heads);
+    let window_start = |position: usize| span.start(position);
+    let tasks = block_tasks(input, blocked, group, num_kv_heads);
     let done: Vec<Vec<f32>> = tasks
         .par_iter()
         .map(|task| {
@@ -183,44 +281,6 @@ fn gqa(
             out[at..][..width].copy_from_slice(block);
         }
     }
-    par_rows_heads(
-        input,
-        &blocked,
-        &mut out,
-        head_dim,
-        |segment, row, head, out| {
-            let LayerCache {
-                first: keys,
-                second: values,
-                ..
-            } = &caches[segment].layers[layer];
-            let seg = &input.segments[segment];
-            let position = seg.start_position + (row - seg.rows.start);
-            let first = window_start(position);
-            let kv_offset = (head / group) * head_dim;
-            let query = &queries[(row * input.num_heads + head) * head_dim..][..head_dim];
-            let mut scores = vec![0.0; position + 1 - first];
-            dot_strided(
-                query,
-                &keys[first * kv_width + kv_offset..],
-                kv_width,
-                &mut scores,
-            );
-            attend(
-                scores,
-                &values[first * kv_width + kv_offset..],
-                kv_width,
-                (input.softmax_scale, sinks.map(|s| s[head])),
-                out,
-            );
-        },
-    );
-    if let Some(gate) = gate {
-        for (o, g) in out.iter_mut().zip(&gate) {
-            *o /= 1.0 + (-g).exp();
-        }
-    }
-    o.forward(&out, rows)
 }
 
 /// Splits a gated projection's `[rows, heads, 2 * head_dim]` (each head's query, then its
@@ -295,10 +355,105 @@ fn mla(
     let absorbed = absorb_queries(&queries, rows, heads, q_width, nope, kv_up, kv_lora_rank);
     let caches: Vec<&KvCache> = caches.iter().map(|c| &**c).collect();
     let mut latent_out = vec![0.0; rows * heads * kv_lora_rank];
-    // Segments of several rows (prefill): blocks of queries, every head at once (they
-    // share the latents), against the cached latents and rotary keys as products.
+    // Segments of several rows (prefill) attend in blocks; the other rows below.
     let blocked = blocked_segments(input);
-    let tasks = block_tasks(input, &blocked, heads, 1);
+    let shape = MlaShape {
+        heads,
+        kv_lora_rank,
+        nope,
+        rope_dim,
+    };
+    mla_blocks(
+        input,
+        (&caches, layer),
+        (&queries, &absorbed),
+        shape,
+        selection,
+        &blocked,
+        &mut latent_out,
+    );
+    par_rows_heads(
+        input,
+        &blocked,
+        &mut latent_out,
+        kv_lora_rank,
+        |segment, row, head, out| {
+            let LayerCache {
+                first: latents,
+                second: rope_keys,
+                ..
+            } = &caches[segment].layers[layer];
+            let seg = &input.segments[segment];
+            let position = seg.start_position + (row - seg.rows.start);
+            let q_latent = &absorbed[(row * heads + head) * kv_lora_rank..][..kv_lora_rank];
+            let q_rope = &queries[(row * heads + head) * q_width + nope..][..rope_dim];
+            if let Some(chosen) = selection.and_then(|s| s.chosen(row)) {
+                // Only the positions the indexer chose are read, scored and summed.
+                let query = (q_latent, q_rope);
+                let cached = (latents.as_slice(), rope_keys.as_slice());
+                sparse_attention::attend_chosen(chosen, query, cached, input.softmax_scale, out);
+                return;
+            }
+            let mut scores = vec![0.0; position + 1];
+            let mut rope_scores = vec![0.0; position + 1];
+            dot_strided(q_latent, latents, kv_lora_rank, &mut scores);
+            dot_strided(q_rope, rope_keys, rope_dim, &mut rope_scores);
+            for (s, r) in scores.iter_mut().zip(&rope_scores) {
+                *s += r;
+            }
+            attend(
+                scores,
+                latents,
+                kv_lora_rank,
+                (input.softmax_scale, None),
+                out,
+            );
+        },
+    );
+    // Expand the attended latents through kv_b's value half, head by head.
+    let heads_in = HeadLayout {
+        rows,
+        heads,
+        stride: kv_lora_rank,
+        width: kv_lora_rank,
+    };
+    let out = per_head_product(&latent_out, heads_in, v_head_dim, |head, x, y| {
+        let w_value = &kv_up.weight[(head * up_rows_per_head + nope) * kv_lora_rank..]
+            [..v_head_dim * kv_lora_rank];
+        matmul_transposed(x, rows, kv_lora_rank, w_value, v_head_dim, y, true);
+    });
+    o.forward(&out, rows)
+}
+
+/// The shape of an MLA layer's heads: latents of `kv_lora_rank`, queries of `nope + rope_dim`.
+#[derive(Clone, Copy)]
+struct MlaShape {
+    heads: usize,
+    kv_lora_rank: usize,
+    nope: usize,
+    rope_dim: usize,
+}
+
+/// MLA for the segments of several rows (prefill): blocks of queries, every head at once
+/// (they share the latents), against the cached latents and rotary keys as products, written
+/// into `out` (`[rows, heads, kv_lora_rank]`, attended latents).
+fn mla_blocks(
+    input: &AttentionInput,
+    (caches, layer): (&[&KvCache], usize),
+    (queries, absorbed): (&[f32], &[f32]),
+    shape: MlaShape,
+    selection: Option<&Selection>,
+    blocked: &[bool],
+    out: &mut [f32],
+) {
+    let MlaShape {
+        heads,
+        kv_lora_rank,
+        nope,
+        rope_dim,
+    } = shape;
+    let q_width = nope + rope_dim;
+    let tasks = block_tasks(input, blocked, heads, 1);
     let done: Vec<Vec<f32>> = tasks
         .par_iter()
         .map(|task| {
@@ -356,59 +511,8 @@ fn mla(
         .collect();
     for (task, block) in tasks.iter().zip(&done) {
         let width = heads * kv_lora_rank;
-        latent_out[task.rows.start * width..task.rows.end * width].copy_from_slice(block);
+        out[task.rows.start * width..task.rows.end * width].copy_from_slice(block);
     }
-    par_rows_heads(
-        input,
-        &blocked,
-        &mut latent_out,
-        kv_lora_rank,
-        |segment, row, head, out| {
-            let LayerCache {
-                first: latents,
-                second: rope_keys,
-                ..
-            } = &caches[segment].layers[layer];
-            let seg = &input.segments[segment];
-            let position = seg.start_position + (row - seg.rows.start);
-            let q_latent = &absorbed[(row * heads + head) * kv_lora_rank..][..kv_lora_rank];
-            let q_rope = &queries[(row * heads + head) * q_width + nope..][..rope_dim];
-            if let Some(chosen) = selection.and_then(|s| s.chosen(row)) {
-                // Only the positions the indexer chose are read, scored and summed.
-                let query = (q_latent, q_rope);
-                let cached = (latents.as_slice(), rope_keys.as_slice());
-                sparse_attention::attend_chosen(chosen, query, cached, input.softmax_scale, out);
-                return;
-            }
-            let mut scores = vec![0.0; position + 1];
-            let mut rope_scores = vec![0.0; position + 1];
-            dot_strided(q_latent, latents, kv_lora_rank, &mut scores);
-            dot_strided(q_rope, rope_keys, rope_dim, &mut rope_scores);
-            for (s, r) in scores.iter_mut().zip(&rope_scores) {
-                *s += r;
-            }
-            attend(
-                scores,
-                latents,
-                kv_lora_rank,
-                (input.softmax_scale, None),
-                out,
-            );
-        },
-    );
-    // Expand the attended latents through kv_b's value half, head by head.
-    let heads_in = HeadLayout {
-        rows,
-        heads,
-        stride: kv_lora_rank,
-        width: kv_lora_rank,
-    };
-    let out = per_head_product(&latent_out, heads_in, v_head_dim, |head, x, y| {
-        let w_value = &kv_up.weight[(head * up_rows_per_head + nope) * kv_lora_rank..]
-            [..v_head_dim * kv_lora_rank];
-        matmul_transposed(x, rows, kv_lora_rank, w_value, v_head_dim, y, true);
-    });
-    o.forward(&out, rows)
 }
 
 /// MLA's queries (`[rows, heads, nope + rope]`, not yet rotated) and, under DeepSeek Sparse

@@ -66,23 +66,32 @@ fn gauge(
 
 impl Collector for ClusterCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        self.encode_links(&mut encoder)?;
+        self.encode_placement(&mut encoder)?;
+        self.encode_dispatch(&mut encoder)
+    }
+}
+
+impl ClusterCollector {
+    /// The peer links', gossip's and membership's series.
+    fn encode_links(&self, encoder: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
         let p = &self.peers;
         counter(
-            &mut encoder,
+            encoder,
             "peer_bytes_sent",
             "Bytes of expert work and replies sent to other nodes",
             &[(&[], load(&p.bytes_sent))],
         )?;
         counter(
-            &mut encoder,
+            encoder,
             "peer_bytes_received",
             "Bytes of expert work and replies received from other nodes",
             &[(&[], load(&p.bytes_received))],
         )?;
         let r = &p.frames_rejected;
         counter(
-            &mut encoder,
+            encoder,
             "peer_frames_rejected",
             "Frames and handshakes refused on the peer port, by reason",
             &[
@@ -100,7 +109,7 @@ impl Collector for ClusterCollector {
         let g = &self.gossip;
         let rejected = &g.packets_rejected;
         counter(
-            &mut encoder,
+            encoder,
             "gossip_packets_rejected",
             "Gossip packets dropped before membership read them, by reason",
             &[
@@ -114,14 +123,14 @@ impl Collector for ClusterCollector {
             ],
         )?;
         counter(
-            &mut encoder,
+            encoder,
             "gossip_members_refused",
             "Gossip from members serving another model, refused",
             &[(&[], load(&g.members_refused))],
         )?;
         let t = &g.transitions;
         counter(
-            &mut encoder,
+            encoder,
             "membership_transitions",
             "Members entering each state",
             &[
@@ -133,7 +142,7 @@ impl Collector for ClusterCollector {
         let members = self.membership.members();
         let count = |s: MemberState| members.iter().filter(|m| m.state == s).count() as i64;
         gauge(
-            &mut encoder,
+            encoder,
             "cluster_members",
             "Members this node knows, by state (itself included)",
             &[
@@ -142,9 +151,14 @@ impl Collector for ClusterCollector {
                 (&[("state", "dead")], count(MemberState::Dead)),
             ],
         )?;
+        Ok(())
+    }
+
+    /// The placement's version, each node's copies, and the rows sent to each node.
+    fn encode_placement(&self, encoder: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let placement = self.dispatcher.placement();
         gauge(
-            &mut encoder,
+            encoder,
             "placement_version",
             "Version of the placement this node serves under",
             &[(&[], placement.version() as i64)],
@@ -162,7 +176,7 @@ impl Collector for ClusterCollector {
         let series: Vec<(&[(&str, &str)], i64)> =
             series.iter().map(|(l, v)| (&l[..], *v)).collect();
         gauge(
-            &mut encoder,
+            encoder,
             "node_experts",
             "Expert copies (layer, expert) each node holds in the placement",
             &series,
@@ -183,38 +197,44 @@ impl Collector for ClusterCollector {
         let series: Vec<(&[(&str, &str)], u64)> =
             series.iter().map(|(l, v)| (&l[..], *v)).collect();
         counter(
-            &mut encoder,
+            encoder,
             "dispatch_rows_sent",
             "Rows of expert work sent to each other node (hedges and failovers included)",
             &series,
         )?;
+        Ok(())
+    }
+
+    /// The dispatcher's failovers, hedges, late answers, staged bytes and reroutes.
+    fn encode_dispatch(&self, encoder: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
         let c = &self.dispatcher.counters;
         counter(
-            &mut encoder,
+            encoder,
             "dispatch_failovers",
             "Expert groups re-sent to another replica after their target failed",
             &[(&[], load(&c.failovers))],
         )?;
         counter(
-            &mut encoder,
+            encoder,
             "dispatch_hedges",
             "Expert groups also sent to another replica after their target missed its deadline",
             &[(&[], load(&c.hedges))],
         )?;
         counter(
-            &mut encoder,
+            encoder,
             "dispatch_late_answers",
             "Answers discarded because another replica answered first",
             &[(&[], load(&c.late_answers))],
         )?;
         counter(
-            &mut encoder,
+            encoder,
             "dispatch_staged_bytes",
             "Bytes of rows that were on a GPU and went through host memory for groups computed on a CPU slot or another node (both ways)",
             &[(&[], load(&c.staged_bytes))],
         )?;
         counter(
-            &mut encoder,
+            encoder,
             "dispatch_rerouted",
             "Token-to-expert choices routed to the next-best expert because the chosen one had no live replica (on_expert_unavailable = \"reroute\": degraded output)",
             &[(&[], load(&c.rerouted))],
