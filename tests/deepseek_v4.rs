@@ -410,8 +410,10 @@ fn batched_preempted_and_from_a_kept_prefix_each_gives_what_it_gives_alone() {
 }
 
 /// Through the HTTP API: the fixture's prompt streams transformers' greedy continuation; 16
-/// streams at once (half of them starting with a kept 32-token prompt) each give what they
-/// give alone; and a fresh process gives a prefix-reusing stream what the first gave it.
+/// streams at once (half of them starting with a kept 37-token prompt) each give what they
+/// give alone; and a fresh process, which has kept nothing, gives a prefix-reusing stream what
+/// the first gave it. 37 is no whole number of the node's 16-token blocks: the kept cache is
+/// the whole prompt's, as the windows cannot be cut back to 32.
 #[test]
 fn served_over_http_concurrent_streams_and_a_reused_prefix_give_what_they_give_alone() {
     use serde_json::{Value, json};
@@ -447,7 +449,7 @@ fn served_over_http_concurrent_streams_and_a_reused_prefix_give_what_they_give_a
     );
 
     // Kept whole once prefilled: what the prompts that start with it reuse.
-    let shared: Vec<u32> = (0..32).map(|k| 1 + (k * 13) % 120).collect();
+    let shared: Vec<u32> = (0..37).map(|k| 1 + (k * 13) % 120).collect();
     stream(&server, &request(&json!(shared), 1));
     let bodies: Vec<Value> = (0..16u32)
         .map(|i| {
@@ -475,7 +477,7 @@ fn served_over_http_concurrent_streams_and_a_reused_prefix_give_what_they_give_a
     }
     assert!(
         server.metric("moe_node_prefix_cache_hits_total") > hits_before,
-        "no stream started from the kept 32-token prompt"
+        "no stream started from the kept 37-token prompt"
     );
     drop(server);
     let fresh = start();
