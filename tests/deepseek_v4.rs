@@ -149,8 +149,7 @@ fn the_gpu_backend_refuses_it_naming_what_it_lacks() {
     let mut engine = Engine::load(&fixture()).unwrap();
     let err = engine
         .place_dense_on_gpu(&runtime.gpus[0], 0.9, None)
-        .err()
-        .expect("DeepSeek-V4's dense part placed on a GPU");
+        .expect_err("DeepSeek-V4's dense part placed on a GPU");
     assert!(err.to_string().contains("compressed attention"), "{err}");
     assert_eq!(engine.dense_gpu(), None);
 }
