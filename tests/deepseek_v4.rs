@@ -247,14 +247,16 @@ fn plan_fits_pro_with_two_copies_on_two_h200_nodes() {
     }
 }
 
-/// A batcher over `engine` with `limits`: runs every step it plans (as the router does) and
-/// collects each sequence's tokens by its id.
-fn run_batch(engine: &Engine, batcher: &mut Batcher<usize>, tokens: &mut [Vec<u32>]) {
+/// Runs every step `batcher` plans over `engine` (as the router does) and collects each
+/// sequence's tokens by its id; returns the most sequences one step held.
+fn run_batch(engine: &Engine, batcher: &mut Batcher<usize>, tokens: &mut [Vec<u32>]) -> usize {
+    let mut widest = 0;
     for _ in 0..1000 {
         let mut steps = batcher.plan_step(|c| engine.fork_cache(c));
         if steps.is_empty() {
-            return;
+            return widest;
         }
+        widest = widest.max(steps.len());
         let logits = engine.forward(&mut steps).unwrap();
         drop(steps);
         batcher.complete_step(
@@ -340,11 +342,12 @@ fn a_failed_step_leaves_the_states_as_they_were() {
     );
 }
 
-/// 16 sequences at once under a KV budget too small for all (counted with every sequence's
-/// windows and unfinished windows, and its compressed entries per position), so the latest
-/// are preempted and recompute, prompts prefilled in chunks of 4, half of them starting from
-/// a kept prefix (the whole of it: the windows cannot be cut back). Each gets the greedy
-/// tokens it gets alone, past the window and several compressed windows.
+/// 16 sequences stepped at once with no KV budget; then the same under a budget too small for
+/// all (counted with every sequence's windows and unfinished windows, and its compressed
+/// entries per position), so the latest are preempted and recompute. Prompts are prefilled in
+/// chunks of 4, half of them starting from a kept prefix (the whole of it: the windows cannot
+/// be cut back). Each gets the greedy tokens it gets alone, past the window and several
+/// compressed windows.
 #[test]
 fn batched_preempted_and_from_a_kept_prefix_each_gives_what_it_gives_alone() {
     let engine = Engine::load(&fixture()).unwrap();
@@ -362,9 +365,6 @@ fn batched_preempted_and_from_a_kept_prefix_each_gives_what_it_gives_alone() {
     // The windows (6 keys of 32 on 4 layers) and the compressors' buffers dwarf the 28 floats
     // a position adds: a sequence holds 29 blocks of 4 positions before its first.
     assert_eq!(budget(0).state_blocks, 29);
-    // Four sequences' prompts fit (29 blocks and 3 or 4 more each), not what they then grow
-    // to (6 blocks more each over 24 tokens).
-    let mut batcher: Batcher<usize> = Batcher::new(limits(Some(budget(140))), Vec::new());
     let shared: Vec<u32> = (0..9).map(|k| 3 + k * 7 % 120).collect();
     let prompt = |i: usize| -> Vec<u32> {
         let mut p = shared.clone();
@@ -377,34 +377,47 @@ fn batched_preempted_and_from_a_kept_prefix_each_gives_what_it_gives_alone() {
         p
     };
     let max_tokens = 24;
-    let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); 17];
-    batcher
-        .submit(greedy(&engine, shared.clone(), max_tokens, 16))
-        .unwrap();
-    run_batch(&engine, &mut batcher, &mut tokens);
-    for i in 0..16 {
+    let alone: Vec<Vec<u32>> = (0..17)
+        .map(|i| {
+            let prompt = if i == 16 { shared.clone() } else { prompt(i) };
+            let request = GenerateRequest {
+                prompt,
+                max_tokens,
+                sampling: SamplingParams::default(),
+                stop_at_eos: false,
+            };
+            generate(&engine, &request).unwrap().token_ids
+        })
+        .collect();
+    // Four sequences' prompts fit in 140 blocks (29 and 3 or 4 more each), not what they then
+    // grow to (6 blocks more each over 24 tokens).
+    for kv in [None, Some(budget(140))] {
+        let mut batcher: Batcher<usize> = Batcher::new(limits(kv), Vec::new());
+        let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); 17];
         batcher
-            .submit(greedy(&engine, prompt(i), max_tokens, i))
+            .submit(greedy(&engine, shared.clone(), max_tokens, 16))
             .unwrap();
-    }
-    run_batch(&engine, &mut batcher, &mut tokens);
-    let (hits, hit_tokens) = batcher.prefix_hits();
-    eprintln!(
-        "deepseek_v4: {} preemptions, {hits} prefix hits ({hit_tokens} tokens)",
-        batcher.preemptions()
-    );
-    assert!(batcher.preemptions() > 0, "the budget preempted none");
-    assert!(hits > 0, "no prompt started from a kept prefix");
-    for (i, got) in tokens.iter().enumerate() {
-        let prompt = if i == 16 { shared.clone() } else { prompt(i) };
-        let request = GenerateRequest {
-            prompt,
-            max_tokens,
-            sampling: SamplingParams::default(),
-            stop_at_eos: false,
-        };
-        let alone = generate(&engine, &request).unwrap();
-        assert_eq!(got, &alone.token_ids, "sequence {i}");
+        run_batch(&engine, &mut batcher, &mut tokens);
+        for i in 0..16 {
+            batcher
+                .submit(greedy(&engine, prompt(i), max_tokens, i))
+                .unwrap();
+        }
+        let widest = run_batch(&engine, &mut batcher, &mut tokens);
+        let (hits, hit_tokens) = batcher.prefix_hits();
+        eprintln!(
+            "deepseek_v4, budget {kv:?}: {widest} sequences in a step at most, {} preemptions, \
+             {hits} prefix hits ({hit_tokens} tokens)",
+            batcher.preemptions()
+        );
+        match kv {
+            None => assert_eq!(widest, 16, "not every sequence stepped together"),
+            Some(_) => assert!(batcher.preemptions() > 0, "the budget preempted none"),
+        }
+        assert!(hits > 0, "no prompt started from a kept prefix");
+        for (i, (got, want)) in tokens.iter().zip(&alone).enumerate() {
+            assert_eq!(got, want, "sequence {i}, budget {kv:?}");
+        }
     }
 }
 
