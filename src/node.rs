@@ -21,7 +21,7 @@ use crate::experts::device::{
 };
 use crate::experts::{DispatchTiming, Dispatcher, Target};
 use crate::metrics::{DeviceState, NodeMetrics};
-use crate::model::{Checkpoint, DenseWeights, ModelConfig, ModelError, ModelSource};
+use crate::model::{Checkpoint, ModelConfig, ModelError, ModelSource};
 use crate::node::cluster_metrics::ClusterCollector;
 use crate::node::joined::{ClusterError, Joined, OfferedDevices, ServeParts, join};
 use crate::node::router::RouterHandle;
@@ -107,6 +107,11 @@ impl Node {
         };
         let kernel_cache = gpu_options.kernel_cache.clone();
         let targets = device_targets(&config.devices, gpu_options)?;
+        if targets.iter().any(|t| matches!(t, DeviceTarget::Gpu(..)))
+            && let Some(refused) = crate::engine::gpu::deepseek_v4_refused(&model)
+        {
+            return Err(refused.into());
+        }
         let num_devices = targets.len();
         // The dense part goes to the GPUs when the experts are on GPUs: a replica on each of
         // the first `devices.dense_replicas` (0: all), each serving its own sequences.
@@ -165,8 +170,7 @@ impl Node {
         ));
         register_device_states(&metrics, &experts);
         crate::progress::stage("dense weights (attention, norms, shared experts)");
-        let weights = DenseWeights::load(&checkpoint, &model)?;
-        let engine = Engine::new((*model).clone(), weights, experts.clone());
+        let engine = Engine::from_checkpoint((*model).clone(), &checkpoint, experts.clone())?;
         let engines = if dense_gpus.is_empty() {
             vec![engine]
         } else {

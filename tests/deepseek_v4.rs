@@ -2,15 +2,18 @@
 //! made with transformers' own classes, in the published layout (compressed and windowed
 //! attention shorter than the sequence, an indexer keeping fewer entries than there are,
 //! hash-routed layers, 3 hyper-connection streams, random sinks), must give the same greedy
-//! tokens and logits within 1e-3 relative. The serving engine and the GPU backend refuse it,
-//! naming what they lack.
+//! tokens and logits within 1e-3 relative, through the engine the router serves with: its
+//! cache of several kinds (windows, compressed entries, indexer keys, unfinished windows per
+//! layer) batched, rolled back, preempted and reused as the router does, and over HTTP. The
+//! GPU backend refuses it, naming what it lacks.
 
 mod common;
+mod serve;
 
 use std::path::{Path, PathBuf};
 
-use moe_node::engine::Engine;
-use moe_node::engine::deepseek_v4::DeepseekV4Model;
+use moe_node::engine::batch::{BatchLimits, Batcher, KvBudget, Sequence, SequenceEvent};
+use moe_node::engine::{Engine, GenerateRequest, KvCache, SamplingParams, SequenceStep, generate};
 use safetensors::SafeTensors;
 use serde::Deserialize;
 
@@ -45,6 +48,14 @@ fn fixture() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/deepseek_v4")
 }
 
+/// The logits after the last of `tokens`, fed after `cache`.
+fn forward(engine: &Engine, cache: &mut KvCache, tokens: &[u32]) -> Vec<f32> {
+    let mut logits = engine
+        .forward(&mut [SequenceStep::new(cache, tokens)])
+        .unwrap();
+    logits.pop().unwrap()
+}
+
 fn argmax(logits: &[f32]) -> u32 {
     let mut best = 0;
     for (i, &l) in logits.iter().enumerate() {
@@ -60,9 +71,9 @@ fn deepseek_v4_matches_transformers() {
     let reference: Reference =
         serde_json::from_str(&std::fs::read_to_string(fixture().join("reference.json")).unwrap())
             .unwrap();
-    let model = DeepseekV4Model::load(&fixture()).unwrap();
-    let mut cache = model.new_cache();
-    let logits = model.forward(&mut cache, &reference.prompt_ids).unwrap();
+    let engine = Engine::load(&fixture()).unwrap();
+    let mut cache = engine.new_cache();
+    let logits = forward(&engine, &mut cache, &reference.prompt_ids);
     let largest = reference
         .last_logits
         .iter()
@@ -85,7 +96,7 @@ fn deepseek_v4_matches_transformers() {
     let mut tokens = vec![argmax(&logits)];
     while tokens.len() < reference.token_ids.len() {
         let last = *tokens.last().unwrap();
-        let logits = model.forward(&mut cache, &[last]).unwrap();
+        let logits = forward(&engine, &mut cache, &[last]);
         tokens.push(argmax(&logits));
     }
     assert_eq!(tokens, reference.token_ids);
@@ -97,19 +108,17 @@ fn deepseek_v4_matches_transformers() {
 #[test]
 fn a_long_decode_through_the_cache_matches_the_uncached_pass() {
     let reference = reference();
-    let model = DeepseekV4Model::load(&fixture()).unwrap();
-    let mut cache = model.new_cache();
+    let engine = Engine::load(&fixture()).unwrap();
+    let mut cache = engine.new_cache();
     let mut worst = 0.0f32;
     for (position, &token) in reference.long_prompt_ids.iter().enumerate() {
-        let logits = model.forward(&mut cache, &[token]).unwrap();
+        let logits = forward(&engine, &mut cache, &[token]);
         if let Some(want) = reference.long_logits.get(&position) {
             worst = worst.max(relative_difference(&logits, want));
         }
     }
-    let mut whole = model.new_cache();
-    let logits = model
-        .forward(&mut whole, &reference.long_prompt_ids)
-        .unwrap();
+    let mut whole = engine.new_cache();
+    let logits = forward(&engine, &mut whole, &reference.long_prompt_ids);
     let prefill = relative_difference(&logits, &reference.long_logits[&63]);
     eprintln!(
         "deepseek_v4, 64 positions: decode {worst:e}, prefill {prefill:e} of the largest logit"
@@ -117,31 +126,32 @@ fn a_long_decode_through_the_cache_matches_the_uncached_pass() {
     assert!(worst <= 1e-3 && prefill <= 1e-3, "{worst} {prefill}");
 }
 
-#[test]
-fn the_serving_engine_refuses_it_naming_what_it_lacks() {
-    let err = Engine::load(&fixture())
-        .err()
-        .expect("Engine loaded DeepSeek-V4");
-    let message = err.to_string();
-    assert!(message.contains("compressed attention"), "{message}");
-    assert!(message.contains("engine::deepseek_v4"), "{message}");
-}
-
 /// The GPU backend (a real GPU under `tests/gpu/run.sh`, else GPUs emulated on the CPU)
 /// refuses it at load, its experts alone or the whole model, naming what it lacks: never
-/// experts without the clamp or attention without the compressor.
+/// experts without the clamp or attention without the compressor; and a host engine's dense
+/// part is not placed on one either.
 #[test]
 fn the_gpu_backend_refuses_it_naming_what_it_lacks() {
-    if common::gpus("deepseek_v4: GPU backend").is_none() {
+    let Some(runtime) = common::gpus("deepseek_v4: GPU backend") else {
         return;
-    }
+    };
     for dense in [false, true] {
         let source = moe_node::model::ModelSource::files(&fixture());
         match moe_node::engine::gpu::engine_on_gpu(&source, 0, dense, None, None) {
             Ok(_) => panic!("deepseek_v4 loaded on the GPU (dense: {dense})"),
-            Err(e) => assert!(e.to_string().contains("compressed attention"), "{e}"),
+            Err(e) => {
+                let message = e.to_string();
+                assert!(message.contains("compressed attention"), "{message}");
+                assert!(message.contains("swiglu_limit"), "{message}");
+            }
         }
     }
+    let mut engine = Engine::load(&fixture()).unwrap();
+    let err = engine
+        .place_dense_on_gpu(&runtime.gpus[0], 0.9, None)
+        .expect_err("DeepSeek-V4's dense part placed on a GPU");
+    assert!(err.to_string().contains("compressed attention"), "{err}");
+    assert_eq!(engine.dense_gpu(), None);
 }
 
 /// A `tid2eid` table naming an expert past the layer's experts is a clear error at load.
@@ -182,7 +192,7 @@ fn a_token_table_past_the_experts_is_refused_at_load() {
         })
         .collect();
     safetensors::serialize_to_file(views, None, &dir.path().join("model.safetensors")).unwrap();
-    let err = DeepseekV4Model::load(dir.path())
+    let err = Engine::load(dir.path())
         .err()
         .expect("a table past the experts loaded");
     let message = err.to_string();
@@ -234,5 +244,289 @@ fn plan_fits_pro_with_two_copies_on_two_h200_nodes() {
     for failure in report["failures"].as_array().unwrap() {
         assert_eq!(failure["experts_losing_a_replica"], 61 * 384);
         assert_eq!(failure["unavailable_experts"], 0);
+    }
+}
+
+/// Runs every step `batcher` plans over `engine` (as the router does) and collects each
+/// sequence's tokens by its id; returns the most sequences one step held.
+fn run_batch(engine: &Engine, batcher: &mut Batcher<usize>, tokens: &mut [Vec<u32>]) -> usize {
+    let mut widest = 0;
+    for _ in 0..1000 {
+        let mut steps = batcher.plan_step(|c| engine.fork_cache(c));
+        if steps.is_empty() {
+            return widest;
+        }
+        widest = widest.max(steps.len());
+        let logits = engine.forward(&mut steps).unwrap();
+        drop(steps);
+        batcher.complete_step(
+            logits,
+            |c| engine.fork_cache(c),
+            |id, event| {
+                if let SequenceEvent::Token { token, .. } = event {
+                    tokens[*id].push(token);
+                }
+                true
+            },
+        );
+    }
+    panic!("the batch did not finish");
+}
+
+fn limits(kv: Option<KvBudget>) -> BatchLimits {
+    BatchLimits {
+        max_sequences: 16,
+        max_tokens_per_step: 32,
+        max_waiting: 32,
+        prefill_chunk: 4,
+        kv,
+        prefix_cache_entries: 8,
+    }
+}
+
+fn greedy(engine: &Engine, prompt: Vec<u32>, max_tokens: usize, id: usize) -> Sequence<usize> {
+    let sampling = SamplingParams::default();
+    Sequence::new(prompt, max_tokens, sampling, false, engine.new_cache(), id)
+}
+
+/// The fixture's prompt through the batcher (prefilled in chunks of 4, then decoded a token a
+/// step) gives transformers' greedy tokens.
+#[test]
+fn the_batcher_decodes_transformers_greedy_tokens() {
+    let reference = reference();
+    let engine = Engine::load(&fixture()).unwrap();
+    let mut batcher = Batcher::new(limits(None), Vec::new());
+    let max_tokens = reference.token_ids.len();
+    batcher
+        .submit(greedy(&engine, reference.prompt_ids.clone(), max_tokens, 0))
+        .unwrap();
+    let mut tokens = vec![Vec::new()];
+    run_batch(&engine, &mut batcher, &mut tokens);
+    assert_eq!(tokens[0], reference.token_ids);
+}
+
+/// A step that fails at its last layer (an expert unreachable) leaves every layer's state as
+/// it was, and the sequence carries on as if it had never been tried.
+#[test]
+fn a_failed_step_leaves_the_states_as_they_were() {
+    use std::sync::Arc;
+
+    use moe_node::experts::LocalExperts;
+    use moe_node::model::weights::load_all_experts;
+    use moe_node::model::{Checkpoint, ModelConfig};
+
+    let dir = fixture();
+    let config = ModelConfig::load(&dir).unwrap();
+    let checkpoint = Checkpoint::open(&dir).unwrap();
+    let mut experts = load_all_experts(&checkpoint, &config).unwrap();
+    let local = LocalExperts::new(experts.clone(), config.hidden_size);
+    let complete = Engine::from_checkpoint(config.clone(), &checkpoint, Arc::new(local)).unwrap();
+    experts.last_mut().unwrap().clear();
+    let local = LocalExperts::new(experts, config.hidden_size);
+    let partial = Engine::from_checkpoint(config, &checkpoint, Arc::new(local)).unwrap();
+    // 14 positions: the window (6) passed, CSA and HCA windows part-filled at the failure.
+    let prompt: Vec<u32> = (0..14).map(|i| (i * 5 + 3) % 128).collect();
+    let mut cache = complete.new_cache();
+    forward(&complete, &mut cache, &prompt[..9]);
+    let bytes = cache.bytes();
+    let mut step = [SequenceStep::new(&mut cache, &prompt[9..])];
+    assert!(partial.forward(&mut step).is_err());
+    assert_eq!((cache.len(), cache.bytes()), (9, bytes));
+    let resumed = forward(&complete, &mut cache, &prompt[9..]);
+    let mut fresh = complete.new_cache();
+    let expected = forward(&complete, &mut fresh, &prompt);
+    let diff = relative_difference(&resumed, &expected);
+    assert!(
+        diff < 1e-5,
+        "resumed logits differ by {diff} of the largest"
+    );
+}
+
+/// 16 sequences stepped at once with no KV budget; then the same under a budget too small for
+/// all (counted with every sequence's windows and unfinished windows, and its compressed
+/// entries per position), so the latest are preempted and recompute. Prompts are prefilled in
+/// chunks of 4, half of them starting from a kept prefix (the whole of it: the windows cannot
+/// be cut back). Each gets the greedy tokens it gets alone, past the window and several
+/// compressed windows.
+#[test]
+fn batched_preempted_and_from_a_kept_prefix_each_gives_what_it_gives_alone() {
+    let engine = Engine::load(&fixture()).unwrap();
+    let cfg = engine.config().clone();
+    let per_position = KvCache::bytes_per_position(&cfg);
+    let state = KvCache::state_bytes(&cfg);
+    let budget = |blocks| {
+        KvBudget {
+            block_tokens: 4,
+            blocks,
+            state_blocks: 0,
+        }
+        .with_state(state, per_position)
+    };
+    // The windows (6 keys of 32 on 4 layers) and the compressors' buffers dwarf the 28 floats
+    // a position adds: a sequence holds 29 blocks of 4 positions before its first.
+    assert_eq!(budget(0).state_blocks, 29);
+    let shared: Vec<u32> = (0..9).map(|k| 3 + k * 7 % 120).collect();
+    let prompt = |i: usize| -> Vec<u32> {
+        let mut p = shared.clone();
+        if i % 2 == 1 {
+            p.extend((0..3 + i % 4).map(|k| (11 + i * 5 + k * 13) as u32 % 127));
+        } else {
+            p[0] = 40 + i as u32;
+            p.extend((0..i % 5).map(|k| (7 + i * 3 + k) as u32 % 127));
+        }
+        p
+    };
+    let max_tokens = 24;
+    let alone: Vec<Vec<u32>> = (0..17)
+        .map(|i| {
+            let prompt = if i == 16 { shared.clone() } else { prompt(i) };
+            let request = GenerateRequest {
+                prompt,
+                max_tokens,
+                sampling: SamplingParams::default(),
+                stop_at_eos: false,
+            };
+            generate(&engine, &request).unwrap().token_ids
+        })
+        .collect();
+    // Four sequences' prompts fit in 140 blocks (29 and 3 or 4 more each), not what they then
+    // grow to (6 blocks more each over 24 tokens).
+    for kv in [None, Some(budget(140))] {
+        let mut batcher: Batcher<usize> = Batcher::new(limits(kv), Vec::new());
+        let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); 17];
+        batcher
+            .submit(greedy(&engine, shared.clone(), max_tokens, 16))
+            .unwrap();
+        run_batch(&engine, &mut batcher, &mut tokens);
+        for i in 0..16 {
+            batcher
+                .submit(greedy(&engine, prompt(i), max_tokens, i))
+                .unwrap();
+        }
+        let widest = run_batch(&engine, &mut batcher, &mut tokens);
+        let (hits, hit_tokens) = batcher.prefix_hits();
+        eprintln!(
+            "deepseek_v4, budget {kv:?}: {widest} sequences in a step at most, {} preemptions, \
+             {hits} prefix hits ({hit_tokens} tokens)",
+            batcher.preemptions()
+        );
+        match kv {
+            None => assert_eq!(widest, 16, "not every sequence stepped together"),
+            Some(_) => assert!(batcher.preemptions() > 0, "the budget preempted none"),
+        }
+        assert!(hits > 0, "no prompt started from a kept prefix");
+        for (i, (got, want)) in tokens.iter().zip(&alone).enumerate() {
+            assert_eq!(got, want, "sequence {i}, budget {kv:?}");
+        }
+    }
+}
+
+/// Through the HTTP API: the fixture's prompt streams transformers' greedy continuation; 16
+/// streams at once (half of them starting with a kept 37-token prompt) each give what they
+/// give alone; and a fresh process, which has kept nothing, gives a prefix-reusing stream what
+/// the first gave it. 37 is no whole number of the node's 16-token blocks: the kept cache is
+/// the whole prompt's, as the windows cannot be cut back to 32.
+#[test]
+fn served_over_http_concurrent_streams_and_a_reused_prefix_give_what_they_give_alone() {
+    use serde_json::{Value, json};
+    use serve::{Server, ids, read_sse, streamed_ids};
+
+    let dir = fixture();
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+            .unwrap();
+    let start = || {
+        let server = Server::start_with(
+            "[devices]\nbackend = \"cpu\"\n",
+            &["--model", dir.to_str().unwrap()],
+        );
+        server.wait_ready();
+        server
+    };
+    let server = start();
+    let stream = |server: &Server, body: &Value| {
+        let (events, done) = read_sse(server.post("/v1/completions", body));
+        assert!(done, "the stream did not finish");
+        streamed_ids(&events)
+    };
+    let request = |prompt: &Value, max_tokens: usize| {
+        json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+               "ignore_eos": true, "stream": true, "return_token_ids": true})
+    };
+    let streamed = stream(&server, &request(&reference["prompt_ids"], 12));
+    assert_eq!(
+        streamed,
+        ids(&reference["token_ids"]),
+        "against transformers"
+    );
+
+    // Kept whole once prefilled: what the prompts that start with it reuse.
+    let shared: Vec<u32> = (0..37).map(|k| 1 + (k * 13) % 120).collect();
+    stream(&server, &request(&json!(shared), 1));
+    let bodies: Vec<Value> = (0..16u32)
+        .map(|i| {
+            let mut prompt = if i % 2 == 0 {
+                shared.clone()
+            } else {
+                vec![5 + i]
+            };
+            prompt.extend((0..3 + i % 5).map(|k| (7 + i * 11 + k * 3) % 127));
+            request(&json!(prompt), 10 + i as usize % 4)
+        })
+        .collect();
+    let alone: Vec<Vec<u64>> = bodies.iter().map(|b| stream(&server, b)).collect();
+    let hits_before = server.metric("moe_node_prefix_cache_hits_total");
+    let together: Vec<Vec<u64>> = std::thread::scope(|scope| {
+        let server = &server;
+        let handles: Vec<_> = bodies
+            .iter()
+            .map(|body| scope.spawn(move || stream(server, body)))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
+        assert_eq!(a, t, "stream {i} together and alone");
+    }
+    assert!(
+        server.metric("moe_node_prefix_cache_hits_total") > hits_before,
+        "no stream started from the kept 37-token prompt"
+    );
+    drop(server);
+    let fresh = start();
+    assert_eq!(stream(&fresh, &bodies[2]), alone[2], "a fresh process");
+}
+
+/// `moe-node plan` on each DeepSeek-V4 fixture (the tiny checkpoint, Flash's and Pro's
+/// published configs) reports the caches as the engine counts them.
+#[test]
+fn plan_reports_the_caches_of_every_v4_fixture() {
+    for name in ["deepseek_v4", "deepseek_v4_flash", "deepseek_v4_pro"] {
+        let model = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures")
+            .join(name);
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_moe-node"))
+            .args(["plan", "--json", "--model", model.to_str().unwrap()])
+            .args(["--nodes", "2", "--devices-per-node", "8"])
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let report: serde_json::Value = serde_json::from_str(&stdout).unwrap_or_else(|e| {
+            panic!(
+                "{name}: {e}: {stdout} {}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        });
+        let config = moe_node::model::ModelConfig::load(&model).unwrap();
+        let sizes = &report["model"]["sizes"];
+        assert_eq!(
+            sizes["kv_bytes_per_position"],
+            KvCache::bytes_per_position(&config) as u64,
+            "{name}: {sizes}"
+        );
+        assert_eq!(
+            sizes["state_bytes_per_sequence"],
+            KvCache::state_bytes(&config) as u64,
+            "{name}: {sizes}"
+        );
     }
 }

@@ -2,6 +2,7 @@
 //! step computes only the new token. It lives where the engine runs attention: in host
 //! memory, or on the GPU that runs the dense part of the model.
 
+use crate::engine::deepseek_v4::V4LayerState;
 use crate::engine::gpu::model::DeviceCache;
 use crate::model::config::{AttentionConfig, ModelConfig};
 
@@ -10,7 +11,8 @@ use crate::model::config::{AttentionConfig, ModelConfig};
 /// normalised latent (`kv_lora_rank`) and the shared rotary key (`qk_rope_head_dim`). A
 /// linear-attention layer keeps no position: its arrays stay empty and it holds a
 /// [`LinearState`] instead. A layer with a lightning indexer of its own (DeepSeek Sparse
-/// Attention) keeps a third array beside the MLA's: the indexer's key per position.
+/// Attention) keeps a third array beside the MLA's: the indexer's key per position. A
+/// DeepSeek-V4 layer keeps no array either: it holds a [`CompressedState`].
 #[derive(Debug, Clone)]
 pub struct LayerCache {
     /// Keys (GQA) or latents (MLA).
@@ -25,6 +27,8 @@ pub struct LayerCache {
     /// an indexer of their own.
     pub(crate) indexer_keys: Vec<f32>,
     indexer_width: usize,
+    /// A DeepSeek-V4 layer's state.
+    pub(crate) compressed: Option<CompressedState>,
 }
 
 /// What a linear-attention layer keeps of a sequence: the summary of every position so far,
@@ -41,6 +45,20 @@ pub struct LinearState {
     /// The state after the step in flight (recurrent, conv), which becomes the state when
     /// the whole step succeeds.
     pub next: Option<(Vec<f32>, Vec<f32>)>,
+}
+
+/// What a DeepSeek-V4 layer keeps of a sequence (`super::deepseek_v4`): the window of its last
+/// keys, the compressor's entries and the indexer's keys (one each every `ratio` positions),
+/// and the compressors' unfinished windows. Its entries grow with the positions, but the
+/// window forgets the oldest keys and the unfinished windows are those of the last positions:
+/// like a [`LinearState`] it cannot be cut back to fewer positions, so a prefix is reused only
+/// where it ends exactly and a preempted sequence recomputes it.
+#[derive(Debug, Clone, Default)]
+pub struct CompressedState {
+    pub(crate) state: V4LayerState,
+    /// The state after the step in flight, which becomes the state when the whole step
+    /// succeeds.
+    pub(crate) next: Option<V4LayerState>,
 }
 
 /// The cache of one sequence across all layers.
@@ -91,6 +109,7 @@ impl KvCache {
             linear: None,
             indexer_keys: Vec::new(),
             indexer_width: 0,
+            compressed: None,
         };
         let mut layers = vec![layer; cfg.num_layers];
         if let AttentionConfig::Mla {
@@ -111,6 +130,13 @@ impl KvCache {
                     cache.second_width = 0;
                     cache.linear = Some(LinearState::default());
                 }
+            }
+        }
+        if cfg.deepseek_v4.is_some() {
+            for cache in &mut layers {
+                cache.first_width = 0;
+                cache.second_width = 0;
+                cache.compressed = Some(CompressedState::default());
             }
         }
         KvCache {
@@ -157,14 +183,19 @@ impl KvCache {
         self.len == 0
     }
 
-    /// Counts `tokens` appended positions as cached; linear layers' states move on to what
-    /// the step computed.
+    /// Counts `tokens` appended positions as cached; linear and DeepSeek-V4 layers' states
+    /// move on to what the step computed.
     pub(crate) fn advance(&mut self, tokens: usize) {
         self.len += tokens;
         for state in self.layers.iter_mut().filter_map(|l| l.linear.as_mut()) {
             if let Some((recurrent, conv)) = state.next.take() {
                 state.recurrent = recurrent;
                 state.conv = conv;
+            }
+        }
+        for compressed in self.layers.iter_mut().filter_map(|l| l.compressed.as_mut()) {
+            if let Some(next) = compressed.next.take() {
+                compressed.state = next;
             }
         }
     }
@@ -180,12 +211,18 @@ impl KvCache {
             if let Some(state) = &mut layer.linear {
                 state.next = None;
             }
+            if let Some(compressed) = &mut layer.compressed {
+                compressed.next = None;
+            }
         }
     }
 
-    /// Whether some layer keeps a state that sums up every position (linear attention).
+    /// Whether some layer keeps a state that cannot be cut back to fewer positions (linear
+    /// attention, DeepSeek-V4's windows).
     pub fn has_state(&self) -> bool {
-        self.layers.iter().any(|l| l.linear.is_some())
+        self.layers
+            .iter()
+            .any(|l| l.linear.is_some() || l.compressed.is_some())
     }
 
     /// Whether [`KvCache::truncate`] can keep `len` positions exactly: any number where
@@ -217,15 +254,22 @@ impl KvCache {
             if let Some(state) = &mut layer.linear {
                 *state = LinearState::default();
             }
+            if let Some(compressed) = &mut layer.compressed {
+                *compressed = CompressedState::default();
+            }
         }
         if let Some(device) = &mut self.device {
             device.release();
         }
     }
 
-    /// Bytes one sequence's linear-attention states take, however long it is (f32): the
-    /// fixed part of its cache, 0 for a model without linear layers.
+    /// Bytes one sequence's linear-attention states (or DeepSeek-V4's windows and unfinished
+    /// windows) take, however long it is (f32): the fixed part of its cache, 0 for a model
+    /// without such layers.
     pub fn state_bytes(cfg: &ModelConfig) -> usize {
+        if let Some(v4) = &cfg.deepseek_v4 {
+            return v4.cache_bytes_per_sequence() as usize;
+        }
         cfg.linear_attention
             .as_ref()
             .map_or(0, |linear| linear.count() * linear.state_floats() * 4)
@@ -253,8 +297,12 @@ impl KvCache {
     }
 
     /// Bytes one cached position takes in host memory, in each of the layers that keep
-    /// positions (f32), the indexers' keys included.
+    /// positions (f32), the indexers' keys included. DeepSeek-V4's: its compressed entries
+    /// and indexer keys, one every `ratio` positions, averaged (rounded up).
     pub fn bytes_per_position(cfg: &ModelConfig) -> usize {
+        if let Some(v4) = &cfg.deepseek_v4 {
+            return v4.cache_bytes_per_position() as usize;
+        }
         let widths = match cfg.attention {
             AttentionConfig::Gqa {
                 num_kv_heads,
@@ -283,7 +331,8 @@ impl KvCache {
                 let state = l
                     .linear
                     .as_ref()
-                    .map_or(0, |s| s.recurrent.len() + s.conv.len());
+                    .map_or(0, |s| s.recurrent.len() + s.conv.len())
+                    + l.compressed.as_ref().map_or(0, |c| c.state.floats());
                 l.first.len() + l.second.len() + l.indexer_keys.len() + state
             })
             .sum();

@@ -80,23 +80,39 @@ impl<'a> SequenceStep<'a> {
     }
 }
 
-/// Why [`Engine`] refuses DeepSeek-V4: what it (and the GPU backend) lacks, and where the
-/// family runs instead.
-pub const DEEPSEEK_V4_APART: &str = "DeepSeek-V4 (`deepseek_v4`) runs on the CPU through its own \
-    forward pass (`engine::deepseek_v4`); this engine and the GPU backend lack its compressed \
+/// What the GPU backend lacks of DeepSeek-V4, which runs on the CPU only (its dense part in
+/// [`deepseek_v4`], its experts on CPU slots).
+pub const DEEPSEEK_V4_APART: &str = "DeepSeek-V4 (`deepseek_v4`) parts: its compressed \
     attention (compressor, lightning indexer, window and sinks over one shared key-value head), \
-    hash-routed sqrtsoftplus gate and hyper-connections";
+    hash-routed sqrtsoftplus gate and hyper-connections, and its experts' clamped SwiGLU \
+    (`swiglu_limit`); it runs on the CPU only (devices.backend = \"cpu\")";
 
 /// A loaded model ready to run steps.
 pub struct Engine {
     config: ModelConfig,
     /// Shared by the node's dense replicas ([`Engine::replica`]): one copy in host memory.
-    weights: Arc<DenseWeights>,
-    rope: Rope,
-    softmax_scale: f32,
+    dense: Dense,
     experts: Arc<dyn ExpertExecutor>,
     /// The dense part on a GPU, when placed there; one step at a time on its stream.
     gpu: Option<Mutex<GpuModel>>,
+}
+
+/// The dense part of a model in host memory.
+#[derive(Clone)]
+enum Dense {
+    /// Every family's layers but DeepSeek-V4's ([`Engine::run_layers`]).
+    Layers(Layers),
+    /// DeepSeek-V4's own ([`deepseek_v4`]).
+    DeepseekV4(Arc<deepseek_v4::V4Dense>),
+}
+
+/// The layers every family but DeepSeek-V4 shares: attention of several kinds (GQA, MLA, with
+/// an indexer, linear), a dense MLP or an MoE block.
+#[derive(Clone)]
+struct Layers {
+    weights: Arc<DenseWeights>,
+    rope: Rope,
+    softmax_scale: f32,
 }
 
 impl Engine {
@@ -119,16 +135,28 @@ impl Engine {
         experts: impl FnOnce(&Checkpoint, &ModelConfig) -> Result<Arc<dyn ExpertExecutor>, E>,
     ) -> Result<Self, E> {
         let config = source.config()?;
-        if config.deepseek_v4.is_some() {
-            return Err(ModelError::Config {
-                path: source.dir.join("config.json"),
-                problems: vec![DEEPSEEK_V4_APART.into()],
-            }
-            .into());
-        }
         let checkpoint = source.checkpoint(&config)?;
         let experts = experts(&checkpoint, &config)?;
-        let weights = DenseWeights::load(&checkpoint, &config)?;
+        Ok(Self::from_checkpoint(config, &checkpoint, experts)?)
+    }
+
+    /// An engine with the dense part read from `checkpoint` (whichever family's) and the
+    /// routed experts wherever `experts` runs them.
+    pub fn from_checkpoint(
+        config: ModelConfig,
+        checkpoint: &Checkpoint,
+        experts: Arc<dyn ExpertExecutor>,
+    ) -> Result<Self, ModelError> {
+        if config.deepseek_v4.is_some() {
+            let dense = deepseek_v4::V4Dense::load(checkpoint, &config)?;
+            return Ok(Engine {
+                config,
+                dense: Dense::DeepseekV4(Arc::new(dense)),
+                experts,
+                gpu: None,
+            });
+        }
+        let weights = DenseWeights::load(checkpoint, &config)?;
         Ok(Self::new(config, weights, experts))
     }
 
@@ -165,10 +193,12 @@ impl Engine {
             }
         };
         Engine {
-            rope: Rope::new(&config.rope, interleaved),
-            softmax_scale: softmax_scale as f32,
+            dense: Dense::Layers(Layers {
+                rope: Rope::new(&config.rope, interleaved),
+                softmax_scale: softmax_scale as f32,
+                weights: Arc::new(weights),
+            }),
             config,
-            weights: Arc::new(weights),
             experts,
             gpu: None,
         }
@@ -181,9 +211,7 @@ impl Engine {
     pub fn replica(&self) -> Engine {
         Engine {
             config: self.config.clone(),
-            weights: self.weights.clone(),
-            rope: self.rope.clone(),
-            softmax_scale: self.softmax_scale,
+            dense: self.dense.clone(),
             experts: self.experts.clone(),
             gpu: None,
         }
@@ -204,12 +232,19 @@ impl Engine {
         memory_fraction: f64,
         kernel_cache: Option<&Path>,
     ) -> Result<(), CudaError> {
+        let layers = match &self.dense {
+            Dense::Layers(layers) => layers,
+            Dense::DeepseekV4(_) => {
+                let refused = crate::engine::gpu::deepseek_v4_refused(&self.config);
+                return Err(refused.unwrap_or_else(|| CudaError::Unsupported("DeepSeek-V4".into())));
+            }
+        };
         let model = GpuModel::load(
             gpu,
             &self.config,
-            &self.weights,
-            self.softmax_scale,
-            self.rope.interleaved(),
+            &layers.weights,
+            layers.softmax_scale,
+            layers.rope.interleaved(),
             memory_fraction,
             kernel_cache,
         )?;
@@ -313,14 +348,18 @@ impl Engine {
             });
             rows += step.tokens.len();
         }
+        let layers = match &self.dense {
+            Dense::Layers(layers) => layers,
+            Dense::DeepseekV4(v4) => return v4.forward(cfg, self.experts.as_ref(), batch),
+        };
 
         let mut hidden = Vec::with_capacity(rows * h);
         let mut angles = Vec::with_capacity(rows);
         for (step, segment) in batch.iter().zip(&segments) {
             for (i, &token) in step.tokens.iter().enumerate() {
                 let t = token as usize;
-                self.weights.embed_tokens.extend_with_row(t, &mut hidden);
-                angles.push(self.rope.angles(segment.start_position + i));
+                layers.weights.embed_tokens.extend_with_row(t, &mut hidden);
+                angles.push(layers.rope.angles(segment.start_position + i));
             }
         }
         // The rows whose logits are returned, and how many belong to each sequence.
@@ -340,17 +379,16 @@ impl Engine {
         let logits = match &self.gpu {
             Some(gpu) => self
                 .forward_on_gpu(
-                    gpu,
-                    &hidden,
-                    &angles,
+                    (gpu, &layers.weights),
+                    (&hidden, &angles),
                     (&segments, &logit_rows),
                     &mut caches,
                     &mut rerouted,
                 )
                 .map(|logits| split_logits(logits, &rows_per_sequence, cfg.vocab_size)),
             None => self.forward_on_host(
-                hidden,
-                &angles,
+                layers,
+                (hidden, &angles),
                 (&segments, &logit_rows),
                 &mut caches,
                 (&rows_per_sequence, &mut rerouted),
@@ -366,15 +404,15 @@ impl Engine {
     /// [`Engine::forward`]'s layers, final norm and lm head on the host.
     fn forward_on_host(
         &self,
-        mut hidden: Vec<f32>,
-        angles: &[rope::RopeAngles],
+        layers: &Layers,
+        (mut hidden, angles): (Vec<f32>, &[rope::RopeAngles]),
         (segments, logit_rows): (&[Segment], &[usize]),
         caches: &mut [&mut KvCache],
         (rows_per_sequence, rerouted): (&[usize], &mut [bool]),
     ) -> Result<Vec<Vec<f32>>, EngineError> {
         let cfg = &self.config;
         let h = cfg.hidden_size;
-        match self.run_layers(&mut hidden, angles, segments, caches, rerouted) {
+        match self.run_layers(layers, (&mut hidden, angles), segments, caches, rerouted) {
             Ok(()) => {
                 for (cache, segment) in caches.iter_mut().zip(segments) {
                     cache.advance(segment.rows.len());
@@ -393,9 +431,9 @@ impl Engine {
         for &row in logit_rows {
             wanted.extend_from_slice(&hidden[row * h..(row + 1) * h]);
         }
-        let final_norm = &self.weights.final_norm;
+        let final_norm = &layers.weights.final_norm;
         let normed = rms_norm(&wanted, &final_norm.weight, final_norm.eps);
-        let logits = self.weights.lm_head().forward(&normed, logit_rows.len());
+        let logits = layers.weights.lm_head().forward(&normed, logit_rows.len());
         Ok(split_logits(logits, rows_per_sequence, cfg.vocab_size))
     }
 
@@ -403,9 +441,8 @@ impl Engine {
     /// pass through the host.
     fn forward_on_gpu(
         &self,
-        gpu: &Mutex<GpuModel>,
-        hidden: &[f32],
-        angles: &[rope::RopeAngles],
+        (gpu, weights): (&Mutex<GpuModel>, &DenseWeights),
+        (hidden, angles): (&[f32], &[rope::RopeAngles]),
         (segments, logit_rows): (&[Segment], &[usize]),
         caches: &mut [&mut KvCache],
         rerouted: &mut [bool],
@@ -415,8 +452,7 @@ impl Engine {
             .iter_mut()
             .filter_map(|c| c.device.as_mut())
             .collect();
-        let mut routed = |layer: usize, normed: &[f32], rows: usize| match &self.weights.layers
-            [layer]
+        let mut routed = |layer: usize, normed: &[f32], rows: usize| match &weights.layers[layer]
             .feed_forward
         {
             FeedForward::Moe(moe) => Ok(moe_routed(
@@ -449,8 +485,8 @@ impl Engine {
     /// Every decoder layer over the step's rows, appending to the caches.
     fn run_layers(
         &self,
-        hidden: &mut [f32],
-        angles: &[rope::RopeAngles],
+        layers: &Layers,
+        (hidden, angles): (&mut [f32], &[rope::RopeAngles]),
         segments: &[Segment],
         caches: &mut [&mut KvCache],
         rerouted: &mut [bool],
@@ -461,16 +497,16 @@ impl Engine {
         let input = AttentionInput {
             config: &cfg.attention,
             num_heads: cfg.num_heads,
-            softmax_scale: self.softmax_scale,
+            softmax_scale: layers.softmax_scale,
             unit_norm_eps: cfg.rms_norm_eps,
-            rope: &self.rope,
+            rope: &layers.rope,
             angles,
             segments,
         };
         // DeepSeek Sparse Attention: the positions each row attends to, as the last layer
         // with an indexer chose them.
         let mut selection = None;
-        for (l, layer) in self.weights.layers.iter().enumerate() {
+        for (l, layer) in layers.weights.layers.iter().enumerate() {
             let normed = rms_norm(hidden, &layer.input_norm.weight, layer.input_norm.eps);
             let sparse = sparse_attention::Sparse {
                 indexer: layer.indexer.as_ref(),

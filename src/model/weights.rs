@@ -21,6 +21,7 @@ pub use linear_attention::LinearAttentionWeights;
 
 /// The gated DeltaNet layers' weights and how each family stores them.
 /// Routed experts stored fused, a layer's in two tensors.
+pub(crate) mod deepseek_v4;
 mod fused;
 mod indexer;
 mod linear_attention;
@@ -437,7 +438,8 @@ fn load_layer(ckpt: &Checkpoint, cfg: &ModelConfig, l: usize) -> Result<LayerWei
     })
 }
 
-/// Loads routed expert `expert` of layer `layer`.
+/// Loads routed expert `expert` of layer `layer` (DeepSeek-V4's clamped and widened: see
+/// [`deepseek_v4::load_expert`]).
 pub fn load_expert(
     ckpt: &Checkpoint,
     cfg: &ModelConfig,
@@ -455,7 +457,11 @@ pub fn load_expert(
         });
     }
     let (prefix, names) = cfg.family.routed_expert(layer, expert);
-    expert_block(ckpt, &cfg.quantization, &prefix, names, h, i)
+    let families = || expert_block(ckpt, &cfg.quantization, &prefix, names, h, i);
+    match &cfg.deepseek_v4 {
+        Some(v4) => deepseek_v4::load_expert(ckpt, cfg, v4, (layer, expert), families),
+        None => families(),
+    }
 }
 
 /// gpt-oss's expert `down((clamp(u, -l, l) + 1) * g * sigmoid(alpha * g))`, `g = min(gate, l)`,

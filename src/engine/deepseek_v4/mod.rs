@@ -1,14 +1,18 @@
-//! DeepSeek-V4's forward pass on the CPU (`deepseek_v4`; the config is
-//! `crate::model::config::DeepseekV4`). It differs from every other family's at each step, so
-//! it runs apart from [`crate::engine::Engine`]'s layers: `hc_mult` residual streams mixed
-//! around each block ([`hc`]); attention over one shared key-value head with a window and
-//! compressed entries ([`attention`], [`compressor`]); every layer MoE with its own gate
-//! ([`gate`]), the routed experts reached through the same [`ExpertExecutor`] as every family's.
+//! DeepSeek-V4's dense part on the CPU (`deepseek_v4`; the config is
+//! `crate::model::config::DeepseekV4`), run by [`crate::engine::Engine`] in place of the
+//! layers every other family shares: it differs from them at each step. `hc_mult` residual
+//! streams mixed around each block ([`hc`]); attention over one shared key-value head with a
+//! window and compressed entries ([`attention`], [`compressor`]); every layer MoE with its own
+//! gate ([`gate`]), the routed experts reached through the engine's [`ExpertExecutor`] as
+//! every family's are.
 //!
-//! What a sequence keeps ([`V4Cache`]) is its own, the way a linear-attention state is: per
-//! layer the window of keys, the compressed entries and the indexer's keys, and the
-//! compressors' unfinished windows; `crate::model::config::DeepseekV4` sizes it for admission
-//! and `plan` ([`V4Cache::bytes`] is what one actually holds).
+//! What a sequence keeps is a [`KvCache`] whose layers each hold a
+//! [`CompressedState`](crate::engine::kv_cache::CompressedState) (the window of keys, the
+//! compressed entries and the indexer's keys, the compressors' unfinished windows) and no
+//! per-position arrays. A step computes each layer's next state beside the current one; the
+//! cache moves on to them only when the whole step succeeds (`KvCache::advance`), and a failed
+//! step drops them (`KvCache::rollback`), as a linear-attention state does. `DeepseekV4` sizes
+//! it for admission and `plan` (`KvCache::bytes` is what one actually holds).
 
 mod attention;
 mod compressor;
@@ -16,43 +20,19 @@ mod gate;
 mod hc;
 mod weights;
 
-use std::path::Path;
-use std::sync::Arc;
-
 use crate::compute::cpu::{add_in_place, rms_norm};
-use crate::engine::EngineError;
+use crate::engine::kv_cache::{CompressedState, KvCache};
 use crate::engine::rope::Rope;
-use crate::experts::{ExpertExecutor, LocalExperts};
+use crate::engine::{EngineError, SequenceStep};
+use crate::experts::ExpertExecutor;
 use crate::model::config::{DeepseekV4, V4LayerKind};
-use crate::model::{Checkpoint, ModelConfig, ModelError, ModelSource};
+use crate::model::{Checkpoint, ModelConfig, ModelError};
 use crate::moe::DispatchPlan;
-use attention::{LayerState, Step};
+use attention::Step;
 use weights::{LayerWeights, V4Weights};
 
+pub(crate) use attention::LayerState as V4LayerState;
 pub use gate::{score as gate_score, softplus};
-
-/// What one sequence keeps: its length and each layer's state.
-#[derive(Debug, Clone)]
-pub struct V4Cache {
-    len: usize,
-    layers: Vec<LayerState>,
-}
-
-impl V4Cache {
-    /// Positions seen.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Bytes held (f32): windows, compressed entries, indexer keys, unfinished windows.
-    pub fn bytes(&self) -> usize {
-        4 * self.layers.iter().map(LayerState::floats).sum::<usize>()
-    }
-}
 
 /// One sequence's rows in a step and the position of its first.
 struct Segment {
@@ -60,118 +40,87 @@ struct Segment {
     start: usize,
 }
 
-/// A DeepSeek-V4 checkpoint loaded for the CPU.
-pub struct DeepseekV4Model {
-    config: ModelConfig,
+/// DeepSeek-V4's dense part (everything but the routed experts) loaded for the CPU.
+pub struct V4Dense {
     v4: DeepseekV4,
     weights: V4Weights,
     main_rope: Rope,
     compress_rope: Rope,
-    experts: Arc<dyn ExpertExecutor>,
 }
 
-impl DeepseekV4Model {
-    /// Loads a model directory with every expert in this process.
-    pub fn load(dir: &Path) -> Result<Self, ModelError> {
-        let source = ModelSource::files(dir);
-        let config = source.config()?;
-        let checkpoint = source.checkpoint(&config)?;
-        let v4 = match &config.deepseek_v4 {
-            Some(v4) => (**v4).clone(),
-            None => {
-                return Err(ModelError::Config {
-                    path: dir.join("config.json"),
-                    problems: vec![format!(
-                        "model_type `{}` is not DeepSeek-V4",
-                        config.model_type
-                    )],
-                });
-            }
+impl V4Dense {
+    /// The dense part from `checkpoint`; an error for a config of another family.
+    pub fn load(checkpoint: &Checkpoint, config: &ModelConfig) -> Result<Self, ModelError> {
+        let Some(v4) = config.deepseek_v4.as_deref() else {
+            return Err(ModelError::Config {
+                path: checkpoint.dir().join("config.json"),
+                problems: vec![format!(
+                    "model_type `{}` is not DeepSeek-V4",
+                    config.model_type
+                )],
+            });
         };
-        let experts = weights::load_experts(&checkpoint, &config, &v4)?;
-        let experts = Arc::new(LocalExperts::new(experts, config.hidden_size));
-        Self::with_experts(config, v4, &checkpoint, experts)
-    }
-
-    /// The dense part from `checkpoint`, the routed experts wherever `experts` runs them.
-    pub fn with_experts(
-        config: ModelConfig,
-        v4: DeepseekV4,
-        checkpoint: &Checkpoint,
-        experts: Arc<dyn ExpertExecutor>,
-    ) -> Result<Self, ModelError> {
-        let weights = V4Weights::load(checkpoint, &config, &v4)?;
+        let weights = V4Weights::load(checkpoint, config, v4)?;
         if v4.mtp_layers > 0 || checkpoint.contains("mtp.0.norm.weight") {
             tracing::info!(
                 "DeepSeek-V4: the multi-token-prediction layers (mtp.*) are not read; \
                  decoding predicts one token per step"
             );
         }
-        Ok(DeepseekV4Model {
+        Ok(V4Dense {
             main_rope: Rope::new(&v4.main_rope, true),
             compress_rope: Rope::new(&v4.compress_rope, true),
-            config,
-            v4,
+            v4: v4.clone(),
             weights,
-            experts,
         })
     }
 
-    pub fn config(&self) -> &ModelConfig {
-        &self.config
-    }
-
-    pub fn new_cache(&self) -> V4Cache {
-        V4Cache {
-            len: 0,
-            layers: vec![LayerState::default(); self.config.num_layers],
-        }
-    }
-
-    /// Runs `tokens` after `cache` and returns the logits after the last one (`[vocab]`). The
-    /// cache is extended only when the whole step succeeds.
-    pub fn forward(&self, cache: &mut V4Cache, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
-        let mut logits = self.forward_batch(&mut [(cache, tokens)])?;
-        Ok(logits.pop().unwrap_or_default())
-    }
-
-    /// One step for several sequences: attention runs per sequence on its own cache, the
-    /// gate and the routed experts over every row at once. Returns each sequence's logits
-    /// after its last token; the caches are extended only when the whole step succeeds.
-    pub fn forward_batch(
+    /// One step for several sequences (checked by the engine: tokens in the vocabulary,
+    /// within the context, caches on the host): attention runs per sequence on its own cache,
+    /// the gate and the routed experts over every row at once. Returns each sequence's logits
+    /// after its last token, or after every one where it asks for all; the caches move on
+    /// only when the whole step succeeds.
+    pub(crate) fn forward(
         &self,
-        batch: &mut [(&mut V4Cache, &[u32])],
+        cfg: &ModelConfig,
+        experts: &dyn ExpertExecutor,
+        batch: &mut [SequenceStep],
     ) -> Result<Vec<Vec<f32>>, EngineError> {
-        let cfg = &self.config;
-        for (cache, tokens) in batch.iter() {
-            if tokens.is_empty() {
-                return Err(EngineError::EmptyPrompt);
-            }
-            if let Some(&token) = tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
-                return Err(EngineError::TokenOutOfRange {
-                    token,
-                    vocab_size: cfg.vocab_size,
-                });
-            }
-            let needed = cache.len + tokens.len();
-            if needed > cfg.max_position_embeddings {
-                return Err(EngineError::ContextTooLong {
-                    needed,
-                    max: cfg.max_position_embeddings,
-                });
+        let layers = self.weights.layers.len();
+        if batch.iter().any(|s| !holds_v4_states(&*s.cache, layers)) {
+            return Err(EngineError::ForeignCache);
+        }
+        let result = self.run(cfg, experts, batch);
+        for step in batch.iter_mut() {
+            match &result {
+                Ok(_) => step.cache.advance(step.tokens.len()),
+                // A failed step (an expert unreachable) leaves every sequence as it was.
+                Err(_) => step.cache.rollback(),
             }
         }
+        result
+    }
+
+    /// [`V4Dense::forward`] less the caches' commit: each layer's next states are left beside
+    /// the current ones.
+    fn run(
+        &self,
+        cfg: &ModelConfig,
+        experts: &dyn ExpertExecutor,
+        batch: &mut [SequenceStep],
+    ) -> Result<Vec<Vec<f32>>, EngineError> {
         let (h, m) = (cfg.hidden_size, self.v4.hc_mult);
-        let tokens: Vec<u32> = batch.iter().flat_map(|(_, t)| t.iter().copied()).collect();
+        let tokens: Vec<u32> = batch
+            .iter()
+            .flat_map(|s| s.tokens.iter().copied())
+            .collect();
         let mut segments = Vec::with_capacity(batch.len());
-        let mut next: Vec<V4Cache> = Vec::with_capacity(batch.len());
-        for (cache, seq_tokens) in batch.iter() {
+        for step in batch.iter() {
             let first = segments.last().map_or(0, |s: &Segment| s.rows.end);
             segments.push(Segment {
-                rows: first..first + seq_tokens.len(),
-                start: cache.len,
+                rows: first..first + step.tokens.len(),
+                start: step.cache.len(),
             });
-            next.push((*cache).clone());
         }
         let mut streams = Vec::with_capacity(tokens.len() * m * h);
         for &token in &tokens {
@@ -179,37 +128,66 @@ impl DeepseekV4Model {
             (0..m).for_each(|_| streams.extend_from_slice(row));
         }
         for (l, layer) in self.weights.layers.iter().enumerate() {
-            let mut states: Vec<&mut LayerState> =
-                next.iter_mut().map(|c| &mut c.layers[l]).collect();
-            self.layer(l, layer, &mut streams, &tokens, &mut states, &segments)?;
+            let mut states: Vec<V4LayerState> = batch
+                .iter()
+                .map(|s| {
+                    compressed(&*s.cache, l).map_or_else(Default::default, |c| c.state.clone())
+                })
+                .collect();
+            let parts = LayerParts {
+                cfg,
+                experts,
+                tokens: &tokens,
+                segments: &segments,
+            };
+            self.layer(l, layer, &mut streams, &mut states, &parts)?;
+            for (step, state) in batch.iter_mut().zip(states) {
+                if let Some(c) = step
+                    .cache
+                    .layers
+                    .get_mut(l)
+                    .and_then(|c| c.compressed.as_mut())
+                {
+                    c.next = Some(state);
+                }
+            }
         }
         let w = &self.weights;
         let eps = cfg.rms_norm_eps;
-        let mut logits = Vec::with_capacity(batch.len());
-        for ((cache, _), (segment, mut grown)) in batch.iter_mut().zip(segments.iter().zip(next)) {
-            let last = &streams[(segment.rows.end - 1) * m * h..][..m * h];
-            let head = (w.head_fn.as_slice(), w.head_base.as_slice(), w.head_scale);
-            let collapsed = hc::head(head, last, h, (eps, self.v4.hc_eps));
-            let normed = rms_norm(&collapsed, &w.norm, eps);
-            logits.push(w.head.forward(&normed, 1));
-            grown.len = segment.start + segment.rows.len();
-            **cache = grown;
-        }
+        let head = (w.head_fn.as_slice(), w.head_base.as_slice(), w.head_scale);
+        let logits = batch
+            .iter()
+            .zip(&segments)
+            .map(|(step, segment)| {
+                let first = match step.all_logits {
+                    true => segment.rows.start,
+                    false => segment.rows.end - 1,
+                };
+                let mut normed = Vec::with_capacity((segment.rows.end - first) * h);
+                for r in first..segment.rows.end {
+                    let row = &streams[r * m * h..][..m * h];
+                    let collapsed = hc::head(head, row, h, (eps, self.v4.hc_eps));
+                    normed.extend(rms_norm(&collapsed, &w.norm, eps));
+                }
+                w.head.forward(&normed, segment.rows.end - first)
+            })
+            .collect();
         Ok(logits)
     }
 
-    /// One decoder layer over every new row's streams.
+    /// One decoder layer over every new row's streams, each sequence's attention on its
+    /// `states` (the layer's next states, cloned from the current ones).
     fn layer(
         &self,
         l: usize,
         layer: &LayerWeights,
         streams: &mut [f32],
-        tokens: &[u32],
-        states: &mut [&mut LayerState],
-        segments: &[Segment],
+        states: &mut [V4LayerState],
+        parts: &LayerParts,
     ) -> Result<(), EngineError> {
-        let (h, m, rows) = (self.config.hidden_size, self.v4.hc_mult, tokens.len());
-        let eps = self.config.rms_norm_eps;
+        let cfg = parts.cfg;
+        let (h, m, rows) = (cfg.hidden_size, self.v4.hc_mult, parts.tokens.len());
+        let eps = cfg.rms_norm_eps;
         let hc = (eps, self.v4.hc_eps, self.v4.hc_sinkhorn_iters);
         // Attention, then the MoE block, each between a collapse and a spread of the streams.
         for block in 0..2 {
@@ -228,11 +206,11 @@ impl DeepseekV4Model {
             let output = if block == 0 {
                 let normed = rms_norm(&input, &layer.attn_norm, eps);
                 let mut output = Vec::with_capacity(rows * h);
-                for (segment, state) in segments.iter().zip(states.iter_mut()) {
+                for (segment, state) in parts.segments.iter().zip(states.iter_mut()) {
                     let step = Step {
                         v4: &self.v4,
                         layer: l,
-                        heads: self.config.num_heads,
+                        heads: cfg.num_heads,
                         eps,
                         rope: match self.v4.layers[l] {
                             V4LayerKind::Sliding => &self.main_rope,
@@ -253,7 +231,7 @@ impl DeepseekV4Model {
                 output
             } else {
                 let normed = rms_norm(&input, &layer.ffn_norm, eps);
-                self.moe(l, layer, &normed, tokens)?
+                self.moe(l, layer, &normed, parts)?
             };
             for (r, mix) in mixes.iter().enumerate() {
                 hc::spread(
@@ -268,19 +246,23 @@ impl DeepseekV4Model {
     }
 
     /// The MoE block: the gate (scores or the token table), the routed experts through the
-    /// executor, the shared expert.
+    /// executor, the shared expert. No row is routed around an expert without a live replica
+    /// (`on_expert_unavailable = "reroute"`): the executor's error fails the step.
     fn moe(
         &self,
         l: usize,
         layer: &LayerWeights,
         normed: &[f32],
-        tokens: &[u32],
+        parts: &LayerParts,
     ) -> Result<Vec<f32>, EngineError> {
-        let (h, rows) = (self.config.hidden_size, tokens.len());
-        let moe = &self.config.moe;
+        let (h, rows) = (parts.cfg.hidden_size, parts.tokens.len());
+        let moe = &parts.cfg.moe;
         let logits = layer.gate.forward(normed, rows);
         let choice = match &layer.tid2eid {
-            Some(table) => gate::Choice::Hash { table, tokens },
+            Some(table) => gate::Choice::Hash {
+                table,
+                tokens: parts.tokens,
+            },
             None => gate::Choice::Scores {
                 bias: layer.gate_bias.as_deref(),
             },
@@ -295,12 +277,31 @@ impl DeepseekV4Model {
         );
         let plan = DispatchPlan::new(&routing, moe.num_experts);
         let grouped = plan.gather(normed, h);
-        let expert_out = self.experts.run(l, &plan, &grouped)?;
+        let expert_out = parts.experts.run(l, &plan, &grouped)?;
         let mut out = vec![0.0; rows * h];
         plan.combine(&expert_out, h, &mut out);
         add_in_place(&mut out, &layer.shared.forward_with(normed, rows, true));
         Ok(out)
     }
+}
+
+/// What every layer of a step reads besides its weights and states.
+struct LayerParts<'a> {
+    cfg: &'a ModelConfig,
+    experts: &'a dyn ExpertExecutor,
+    /// Every new row's token, sequence after sequence.
+    tokens: &'a [u32],
+    segments: &'a [Segment],
+}
+
+/// Layer `l`'s DeepSeek-V4 state in `cache`, if it keeps one.
+fn compressed(cache: &KvCache, l: usize) -> Option<&CompressedState> {
+    cache.layers.get(l)?.compressed.as_ref()
+}
+
+/// Whether `cache` was made for a DeepSeek-V4 model of `layers` layers (on the host).
+fn holds_v4_states(cache: &KvCache, layers: usize) -> bool {
+    cache.layers.len() == layers && cache.layers.iter().all(|l| l.compressed.is_some())
 }
 
 #[cfg(test)]

@@ -1,29 +1,18 @@
 //! DeepSeek-V4's tensors by their published names (no `model.` prefix), shapes checked
 //! against the config. Projections are held as stored: FP8 e4m3 with a `.scale` of ue8m0
 //! exponents per 128 x 128 block kept FP8 (the scales widened to f32), bf16 kept bf16, the rest
-//! f32; the grouped output projection's first half and the shared experts widened to f32. The
-//! routed experts (`layers.N.ffn.experts.E.{w1,w3,w2}`) load as bf16 blocks with
-//! `swiglu_limit` set on their gate and up ([`clamp_swiglu`]): MXFP4 (`.weight` two e2m1 values
-//! a byte, low nibble first, `.scale` one e8m0 exponent per 32) and FP8 widen to bf16 exactly.
+//! f32; the grouped output projection's first half and the shared experts widened to f32 (the
+//! shared experts clamped at `swiglu_limit`). The routed experts load with every family's
+//! (`crate::model::weights::load_expert`, which reads V4's MXFP4 and FP8 and clamps them).
 
-use half::bf16;
 use safetensors::tensor::Dtype;
 
 use crate::compute::cpu::{Linear, SwiGlu};
-use crate::compute::expert::ExpertWeights;
-use crate::compute::quant::{QuantLinear, e4m3_to_f32};
+use crate::compute::quant::QuantLinear;
 use crate::model::config::{DeepseekV4, V4LayerKind};
-use crate::model::weights::{StoredLinear, load_expert};
-use crate::model::{Checkpoint, ModelConfig, ModelError, mxfp4};
-
-/// A ue8m0 scale as its definition gives it: the byte is the biased exponent of a power of
-/// two, `2^(e - 127)`; 255 is NaN.
-pub fn ue8m0(byte: u8) -> Option<f32> {
-    (byte != 255).then(|| (f32::from(byte) - 127.0).exp2())
-}
-
-/// FP8 block size of the published checkpoints.
-const FP8_BLOCK: [usize; 2] = [128, 128];
+use crate::model::weights::StoredLinear;
+use crate::model::weights::deepseek_v4::{FP8_BLOCK, clamp_swiglu, corrupt, scales};
+use crate::model::{Checkpoint, ModelConfig, ModelError};
 
 /// A pooling compressor's projections, position bias and norm.
 pub struct CompressorWeights {
@@ -96,25 +85,6 @@ fn tensor(ckpt: &Checkpoint, name: &str, shape: &[usize]) -> Result<Vec<f32>, Mo
     ckpt.read_f32(name, shape)
 }
 
-fn corrupt(ckpt: &Checkpoint, name: &str, reason: impl std::fmt::Display) -> ModelError {
-    ModelError::Corrupt {
-        path: ckpt.dir().to_path_buf(),
-        reason: format!("`{name}`: {reason}"),
-    }
-}
-
-/// `{name}.scale` of `shape` as f32 factors: ue8m0 bytes decoded, or stored as floats.
-fn scales(ckpt: &Checkpoint, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
-    let scale = format!("{name}.scale");
-    if !matches!(ckpt.dtype(&scale), Some(Dtype::F8_E8M0 | Dtype::U8)) {
-        return tensor(ckpt, &scale, shape);
-    }
-    ckpt.read_bytes(&scale, shape, &[Dtype::F8_E8M0, Dtype::U8])?
-        .into_iter()
-        .map(|b| ue8m0(b).ok_or_else(|| corrupt(ckpt, &scale, "a scale is 255, e8m0's NaN")))
-        .collect()
-}
-
 /// `{name}.weight` `[out, inp]` as stored (see the module comment).
 fn linear(
     ckpt: &Checkpoint,
@@ -152,13 +122,6 @@ fn linear_f32(ckpt: &Checkpoint, name: &str, out: usize, inp: usize) -> Result<L
         StoredLinear::F32(l) => l,
         other => Linear::without_bias(other.widened().into_owned(), out, inp),
     })
-}
-
-/// `down(silu(min(gate, limit)) * clamp(up, -limit, limit))`: DeepSeek-V4's experts and
-/// shared experts.
-pub fn clamp_swiglu<W: crate::compute::cpu::WeightElement>(block: &mut SwiGlu<W>, limit: f32) {
-    block.gate.clamp = Some([f32::NEG_INFINITY, limit]);
-    block.up.clamp = Some([-limit, limit]);
 }
 
 fn compressor(
@@ -336,105 +299,10 @@ impl V4Weights {
     }
 }
 
-/// A routed expert's projection `[out, inp]` in bf16: MXFP4 and FP8 widened (exactly), bf16
-/// as stored, f32 rounded.
-fn expert_matrix(
-    ckpt: &Checkpoint,
-    name: &str,
-    out: usize,
-    inp: usize,
-) -> Result<Vec<bf16>, ModelError> {
-    let weight = format!("{name}.weight");
-    let e8m0 = [Dtype::F8_E8M0, Dtype::U8];
-    match ckpt.dtype(&weight) {
-        Some(dtype @ (Dtype::F4 | Dtype::I8 | Dtype::U8)) => {
-            let packed_shape = if dtype == Dtype::F4 {
-                [out, inp]
-            } else {
-                [out, inp / 2]
-            };
-            let packed = ckpt.read_bytes(&weight, &packed_shape, &[dtype])?;
-            let exponents = ckpt.read_bytes(
-                &format!("{name}.scale"),
-                &[out, inp.div_ceil(mxfp4::BLOCK)],
-                &e8m0,
-            )?;
-            mxfp4::dequantize(&packed, &exponents, out, inp).map_err(|e| corrupt(ckpt, &weight, e))
-        }
-        Some(Dtype::F8_E4M3) => {
-            let [rows, cols] = FP8_BLOCK;
-            let bytes = ckpt.read_fp8(&weight, &[out, inp])?;
-            let factors = scales(ckpt, name, &[out.div_ceil(rows), inp.div_ceil(cols)])?;
-            let blocks_per_row = inp.div_ceil(cols);
-            Ok(bytes
-                .iter()
-                .enumerate()
-                .map(|(i, &b)| {
-                    let (r, c) = (i / inp, i % inp);
-                    let factor = factors[(r / rows) * blocks_per_row + c / cols];
-                    bf16::from_f32(e4m3_to_f32(b) * factor)
-                })
-                .collect())
-        }
-        Some(Dtype::BF16) => ckpt.read_bf16(&weight, &[out, inp]),
-        _ => Ok(tensor(ckpt, &weight, &[out, inp])?
-            .into_iter()
-            .map(bf16::from_f32)
-            .collect()),
-    }
-}
-
-/// Every routed expert, clamped at `swiglu_limit`: `[layer][expert]`. bf16 and f32 go through
-/// the families' loader (f32 kept f32); MXFP4 and FP8 widen to bf16.
-pub fn load_experts(
-    ckpt: &Checkpoint,
-    cfg: &ModelConfig,
-    v4: &DeepseekV4,
-) -> Result<Vec<Vec<ExpertWeights>>, ModelError> {
-    let (h, i) = (cfg.hidden_size, cfg.moe.expert_intermediate_size);
-    (0..cfg.num_layers)
-        .map(|l| {
-            (0..cfg.moe.num_experts)
-                .map(|e| {
-                    let (prefix, names) = cfg.family.routed_expert(l, e);
-                    let gate = format!("{prefix}.{}", names.gate);
-                    let compressed = matches!(
-                        ckpt.dtype(&format!("{gate}.weight")),
-                        Some(Dtype::F4 | Dtype::I8 | Dtype::U8 | Dtype::F8_E4M3)
-                    );
-                    let mut expert = if compressed {
-                        let up = format!("{prefix}.{}", names.up);
-                        let down = format!("{prefix}.{}", names.down);
-                        ExpertWeights::Bf16(SwiGlu {
-                            gate: Linear::without_bias(expert_matrix(ckpt, &gate, i, h)?, i, h),
-                            up: Linear::without_bias(expert_matrix(ckpt, &up, i, h)?, i, h),
-                            down: Linear::without_bias(expert_matrix(ckpt, &down, h, i)?, h, i),
-                        })
-                    } else {
-                        load_expert(ckpt, cfg, l, e)?
-                    };
-                    match &mut expert {
-                        ExpertWeights::F32(block) => clamp_swiglu(block, v4.swiglu_limit),
-                        ExpertWeights::Bf16(block) => clamp_swiglu(block, v4.swiglu_limit),
-                        ExpertWeights::Quantized(_) => {
-                            return Err(corrupt(
-                                ckpt,
-                                &prefix,
-                                "quantized experts under the config's quantization_config are \
-                                 not read for DeepSeek-V4 (their clamped SwiGLU)",
-                            ));
-                        }
-                    }
-                    Ok(expert)
-                })
-                .collect()
-        })
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::weights::deepseek_v4::{expert_matrix, ue8m0};
 
     /// ue8m0 against its definition, 2^(e - 127): 127 is 1, 128 is 2, 126 is 1/2, 0 is
     /// 2^-127 (subnormal in f32, still exact), 254 is 2^127, 255 is NaN.

@@ -89,6 +89,9 @@ impl GpuModel {
         memory_fraction: f64,
         cache_dir: Option<&std::path::Path>,
     ) -> Result<GpuModel, CudaError> {
+        if let Some(refused) = super::deepseek_v4_refused(config) {
+            return Err(refused);
+        }
         if let Some(part) = dense_part_the_gpu_lacks(config) {
             return Err(CudaError::Unsupported(format!(
                 "{}: the GPU's dense part has no {part}; serve it with the dense part on the \
@@ -440,9 +443,6 @@ impl GpuModel {
 /// A part of the dense forward pass that a family needs and the GPU's dense part
 /// (`gpu::model`) does not implement, which would otherwise load and compute something else.
 fn dense_part_the_gpu_lacks(config: &ModelConfig) -> Option<&'static str> {
-    if config.deepseek_v4.is_some() {
-        return Some(crate::engine::DEEPSEEK_V4_APART);
-    }
     if config.linear_attention.is_some() {
         return Some(
             "linear attention (gated DeltaNet layers and their recurrent state, \
