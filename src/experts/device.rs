@@ -13,7 +13,7 @@ use std::sync::{Arc, PoisonError, RwLock, mpsc};
 
 use actix::prelude::*;
 
-use super::target::{Answer, GroupOutputs, TargetError};
+use super::target::{Answer, FailCause, GoneCause, GroupOutputs, TargetError};
 use crate::compute::cuda::experts::RunOutcome;
 use crate::compute::cuda::{self, CudaError, CudaRuntime};
 use crate::compute::cuda::{GpuExperts, GpuInfo};
@@ -268,7 +268,10 @@ impl DeviceActor {
                         // router fails over to replicas, as when the device disappears.
                         tracing::error!(device = self.id, error = %e, "GPU failed: device taken out of service");
                         ctx.stop();
-                        Err(TargetError::Gone(format!("device {}: {e}", self.id)))
+                        Err(TargetError::Gone(GoneCause::DeviceFailed {
+                            device: self.id,
+                            error: Arc::new(e),
+                        }))
                     }
                 }
             }
@@ -306,10 +309,7 @@ impl DeviceActor {
         ctx: &mut Context<Self>,
     ) -> GroupOutputs {
         let Held::Gpu(gpu) = &mut self.experts else {
-            return Err(TargetError::Failed(format!(
-                "device {} is a CPU slot: it takes rows from the host",
-                self.id
-            )));
+            return Err(TargetError::Failed(FailCause::NotAGpu { device: self.id }));
         };
         let row_bytes = (gpu.shape.hidden * 2) as u64;
         let answered = vec![Vec::new(); groups.len()];
@@ -333,7 +333,10 @@ impl DeviceActor {
                 Err(e) => {
                     tracing::error!(device = self.id, error = %e, "GPU failed: device taken out of service");
                     ctx.stop();
-                    return Err(TargetError::Gone(format!("device {}: {e}", self.id)));
+                    return Err(TargetError::Gone(GoneCause::DeviceFailed {
+                        device: self.id,
+                        error: Arc::new(e),
+                    }));
                 }
             }
             start = end;
@@ -370,7 +373,10 @@ impl Handler<TakeExperts> for DeviceActor {
                 let taken = gpu.take(&share, self.memory_fraction);
                 if let Err(e) = taken {
                     self.count();
-                    return Err(TargetError::Failed(format!("device {}: {e}", self.id)));
+                    return Err(TargetError::Failed(FailCause::Device {
+                        device: self.id,
+                        error: Arc::new(e),
+                    }));
                 }
             }
         }
@@ -440,10 +446,9 @@ impl DeviceHandle {
     ) -> Option<Result<SharedWeights, TargetError>> {
         let experts = self.cpu.as_ref()?;
         if !self.addr.connected() {
-            return Some(Err(TargetError::Gone(format!(
-                "device {} stopped",
-                self.id
-            ))));
+            return Some(Err(TargetError::Gone(GoneCause::DeviceStopped {
+                device: self.id as u16,
+            })));
         }
         Some(experts.weights_for(layer, groups))
     }

@@ -400,7 +400,7 @@ impl Dispatcher {
             if !output.is_empty() {
                 rows.staging
                     .upload(input.starts[g], output)
-                    .map_err(ExpertError::DeviceFailed)?;
+                    .map_err(ExpertError::Staging)?;
                 self.counters
                     .staged_bytes
                     .fetch_add((output.len() * 2) as u64, Ordering::Relaxed);

@@ -11,8 +11,10 @@ use tokio::runtime::Handle;
 use crate::cluster::{MemberState, MemberView, Membership};
 use crate::experts::ExpertError;
 use crate::experts::Reach;
-use crate::experts::{Answer, Dispatcher, RemoteNodes, RemoteWork, TargetError};
-use crate::transport::peer::{Handler, PeerAuth, PeerClient, PeerConfig, PeerError, PeerStats};
+use crate::experts::{
+    Answer, Dispatcher, FailCause, GoneCause, RemoteNodes, RemoteWork, TargetError,
+};
+use crate::transport::peer::{Handler, PeerAuth, PeerClient, PeerConfig, PeerStats};
 use crate::transport::{Dtype, ExpertReply, ExpertRequest, RemoteError, Transport};
 
 /// Where a node is reached, what gossip says of it, and how rows travel to it.
@@ -180,24 +182,6 @@ pub fn best_member<'a>(members: &'a [MemberView], id: &str) -> Option<&'a Member
         .max_by_key(|m| (rank(m.state), m.generation))
 }
 
-fn target_error(error: PeerError) -> TargetError {
-    match error {
-        PeerError::Remote(RemoteError::NotHeld { layer, expert }) => TargetError::NotHeld {
-            layer: layer as usize,
-            expert,
-        },
-        PeerError::Remote(RemoteError::Overloaded) | PeerError::Overloaded => {
-            TargetError::Overloaded
-        }
-        PeerError::Remote(e) => TargetError::Failed(e.to_string()),
-        PeerError::BadRequest(e) => TargetError::Failed(e.to_string()),
-        e @ (PeerError::Connect(_)
-        | PeerError::Handshake(_)
-        | PeerError::LinkDown(_)
-        | PeerError::Closed) => TargetError::Gone(e.to_string()),
-    }
-}
-
 /// Splits a reply's rows into its groups, checking they are the groups asked for.
 fn split_reply(
     reply: ExpertReply,
@@ -206,9 +190,7 @@ fn split_reply(
 ) -> Result<Vec<Vec<f32>>, TargetError> {
     let rows: usize = asked.iter().map(|&(_, r)| r as usize).sum();
     if reply.groups != asked || reply.rows.len() != rows * width {
-        return Err(TargetError::Failed(
-            "the reply does not answer the groups sent".into(),
-        ));
+        return Err(TargetError::Failed(FailCause::WrongReply));
     }
     let mut out = Vec::with_capacity(asked.len());
     let mut at = 0;
@@ -224,10 +206,10 @@ impl RemoteNodes for PeerNodes {
     fn send(&self, node: u16, work: RemoteWork, answer: Answer) -> Result<(), TargetError> {
         let id = self
             .node_id(node)
-            .ok_or_else(|| TargetError::Gone(format!("no node {node} in the placement")))?;
+            .ok_or(TargetError::Gone(GoneCause::NoNode { node }))?;
         let (client, dtype) = self
             .client(&id)
-            .ok_or_else(|| TargetError::Gone(format!("node `{id}` is not a live member")))?;
+            .ok_or_else(|| TargetError::Gone(GoneCause::MemberDead { node: id.clone() }))?;
         let asked = work.groups.clone();
         let width = self.width;
         let request = ExpertRequest {
@@ -254,7 +236,7 @@ impl RemoteNodes for PeerNodes {
                 if let Some(answer) = answer {
                     answer.send(
                         result
-                            .map_err(target_error)
+                            .map_err(TargetError::from_peer)
                             .and_then(|reply| split_reply(reply, &asked, width)),
                     );
                 }
@@ -263,7 +245,7 @@ impl RemoteNodes for PeerNodes {
         if let Err(e) = sent {
             let answer = slot.lock().unwrap_or_else(|e| e.into_inner()).take();
             if let Some(answer) = answer {
-                answer.send(Err(target_error(e)));
+                answer.send(Err(TargetError::from_peer(e)));
             }
         }
         Ok(())

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::super::device::ResidentSends;
-use super::super::target::TargetError;
+use super::super::target::{FailCause, TargetError};
 use super::super::{DeviceRows, ExpertError};
 
 /// The rows of each group of one dispatch: in host memory, or in GPU memory
@@ -90,7 +90,7 @@ impl<'a> GroupInput<'a> {
             .rows
             .staging
             .download(self.starts[g], self.rows[g])
-            .map_err(TargetError::Failed)?;
+            .map_err(|e| TargetError::Failed(FailCause::Staging(e)))?;
         resident
             .staged_bytes
             .fetch_add((rows.len() * 2) as u64, Ordering::Relaxed);

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use super::super::device::{RunExperts, RunResident};
 use super::super::run_expert_groups;
-use super::super::target::{Answer, RemoteWork, TargetError};
+use super::super::target::{Answer, GoneCause, RemoteWork, TargetError};
 use super::{Dispatcher, GroupInput};
 use crate::model::ExpertWeights;
 
@@ -22,8 +22,8 @@ impl Dispatcher {
     ) -> Result<(), TargetError> {
         let handle = self
             .device(device)
-            .ok_or_else(|| TargetError::Gone(format!("no device {device} on this node")))?;
-        let stopped = || TargetError::Gone(format!("device {device} stopped"));
+            .ok_or(TargetError::Gone(GoneCause::NoDevice { device }))?;
+        let stopped = || TargetError::Gone(GoneCause::DeviceStopped { device });
         if let (Some(resident), Some(_)) = (&group_input.resident, handle.gpu) {
             let message = RunResident {
                 layer,
@@ -121,7 +121,7 @@ impl Dispatcher {
         let remote = self
             .remote
             .as_ref()
-            .ok_or_else(|| TargetError::Gone("no peers".into()))?;
+            .ok_or(TargetError::Gone(GoneCause::NoPeers))?;
         let group_rows = group_input.rows;
         let total: usize = groups.iter().map(|&g| group_rows[g]).sum();
         let mut rows = Vec::with_capacity(total * self.hidden_size);
