@@ -6,6 +6,7 @@
 //! costs more than the work.
 
 use std::collections::{HashMap, HashSet};
+use std::ops::Range;
 
 use rustc_hash::FxHashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -13,7 +14,7 @@ use std::sync::{Arc, PoisonError, RwLock, mpsc};
 
 use actix::prelude::*;
 
-use super::target::{Answer, FailCause, GoneCause, GroupOutputs, TargetError};
+use super::target::{Answer, FailCause, GoneCause, GroupOutputs, GroupRows, TargetError};
 use crate::compute::cuda::experts::RunOutcome;
 use crate::compute::cuda::{self, CudaError, CudaRuntime};
 use crate::compute::cuda::{GpuExperts, GpuInfo};
@@ -108,7 +109,11 @@ impl CpuExperts {
             .zip(groups)
             .map(|(weights, &(_, input))| (&**weights, input))
             .collect();
-        Ok(run_expert_groups(&held, self.hidden_size, false))
+        Ok(GroupRows::own_each(run_expert_groups(
+            &held,
+            self.hidden_size,
+            false,
+        )))
     }
 
     fn write(
@@ -130,8 +135,11 @@ impl CpuExperts {
 /// Runs token rows through experts this device holds; answers with one output per group.
 pub struct RunExperts {
     pub layer: usize,
-    /// `(expert, rows × hidden_size input)` per group.
-    pub groups: Vec<(u32, Vec<f32>)>,
+    /// The groups' input rows, in one buffer that the sender may share with other sends
+    /// (the rows of a request from another node, as they were decoded).
+    pub rows: Arc<Vec<f32>>,
+    /// `(expert, its rows' values in `rows`)` per group.
+    pub groups: Vec<(u32, Range<usize>)>,
     /// Where the outputs go; dropped unanswered (the actor stopped first), it answers that
     /// the device is gone.
     pub answer: Answer,
@@ -255,13 +263,16 @@ impl DeviceActor {
             layer: msg.layer,
             expert,
         };
-        let groups: Vec<(u32, &[f32])> =
-            msg.groups.iter().map(|(e, x)| (*e, x.as_slice())).collect();
+        let groups: Vec<(u32, &[f32])> = msg
+            .groups
+            .iter()
+            .map(|(e, range)| (*e, &msg.rows[range.clone()]))
+            .collect();
         match &mut self.experts {
             Held::Cpu(experts) => experts.run(msg.layer, &groups),
             Held::Gpu(gpu) => {
                 match gpu.run(msg.layer, &groups) {
-                    Ok(RunOutcome::Done(outputs)) => Ok(outputs),
+                    Ok(RunOutcome::Done(outputs)) => Ok(GroupRows::own_each(outputs)),
                     Ok(RunOutcome::NotHeld(expert)) => Err(not_held(expert)),
                     Err(e) => {
                         // A CUDA error leaves the context unusable: out of service, so the
@@ -312,7 +323,7 @@ impl DeviceActor {
             return Err(TargetError::Failed(FailCause::NotAGpu { device: self.id }));
         };
         let row_bytes = (gpu.shape.hidden * 2) as u64;
-        let answered = vec![Vec::new(); groups.len()];
+        let answered = vec![GroupRows::default(); groups.len()];
         groups.sort_by_key(|&(_, first, _)| first);
         // Runs of consecutive rows, one call each.
         let mut start = 0;

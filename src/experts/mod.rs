@@ -31,7 +31,8 @@ pub use dispatch::{DispatchTiming, Dispatcher};
 pub use health::{Penalties, Reach, ReplicaHealth};
 pub use local::{LocalExperts, run_expert_groups};
 pub use target::{
-    Answer, FailCause, GoneCause, GroupOutputs, RemoteNodes, RemoteWork, Target, TargetError,
+    Answer, FailCause, GoneCause, GroupOutputs, GroupRows, RemoteNodes, RemoteWork, Target,
+    TargetError,
 };
 
 use std::sync::Arc;

@@ -2,6 +2,7 @@
 //! (a device of this node, another node), what a failed send means, the one-shot answer,
 //! and the seam to other nodes ([`RemoteNodes`], implemented by `super::remote`).
 
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -127,7 +128,48 @@ impl TargetError {
 }
 
 /// Output rows per group, or why not.
-pub type GroupOutputs = Result<Vec<Vec<f32>>, TargetError>;
+pub type GroupOutputs = Result<Vec<GroupRows>, TargetError>;
+
+/// One group's output rows: a buffer of its own (what a device computed), or its range of
+/// a buffer that holds the outputs of several groups (a reply from another node, as it was
+/// decoded), so that a reply is not split into copies.
+#[derive(Debug, Clone)]
+pub enum GroupRows {
+    Own(Vec<f32>),
+    Shared(Arc<Vec<f32>>, Range<usize>),
+}
+
+impl Default for GroupRows {
+    fn default() -> Self {
+        GroupRows::Own(Vec::new())
+    }
+}
+
+impl std::ops::Deref for GroupRows {
+    type Target = [f32];
+
+    fn deref(&self) -> &[f32] {
+        match self {
+            GroupRows::Own(rows) => rows,
+            GroupRows::Shared(rows, range) => &rows[range.clone()],
+        }
+    }
+}
+
+impl GroupRows {
+    /// The rows as a vector of their own (a copy only for a shared range).
+    pub fn into_vec(self) -> Vec<f32> {
+        match self {
+            GroupRows::Own(rows) => rows,
+            GroupRows::Shared(rows, range) => rows[range].to_vec(),
+        }
+    }
+
+    /// One group per output a device computed.
+    pub fn own_each(outputs: Vec<Vec<f32>>) -> Vec<GroupRows> {
+        outputs.into_iter().map(GroupRows::Own).collect()
+    }
+}
 
 /// Carries one answer back to the dispatcher, exactly once: dropped unanswered (a stopped
 /// actor's mailbox, a lost connection), it answers `Gone` itself, so no send is ever lost.
@@ -153,21 +195,22 @@ impl Drop for Answer {
     }
 }
 
-/// Groups of rows for the experts of one layer, to run on another node.
-pub struct RemoteWork {
+/// Groups of rows for the experts of one layer, to run on another node. The rows are
+/// borrowed where the dispatch holds them: the wire encoding reads them from there.
+pub struct RemoteWork<'a> {
     pub layer: usize,
     pub placement_version: u64,
     /// `(expert, rows)` per group.
     pub groups: Vec<(u32, u32)>,
-    /// Every group's rows, concatenated.
-    pub rows: Vec<f32>,
+    /// Each group's rows, in group order.
+    pub rows: Vec<&'a [f32]>,
 }
 
 /// Other nodes, as the dispatcher reaches them (the peer clients of a cluster).
 pub trait RemoteNodes: Send + Sync {
     /// Sends `work` to placement node `node`; `answer` is called with the outputs per group.
     /// An error means nothing was sent.
-    fn send(&self, node: u16, work: RemoteWork, answer: Answer) -> Result<(), TargetError>;
+    fn send(&self, node: u16, work: RemoteWork<'_>, answer: Answer) -> Result<(), TargetError>;
 
     /// Whether work sent to `node` now goes out on a link that is already set up. Work that
     /// must wait for a link (the first send to a node, or one after a reconnect) is answered
@@ -273,5 +316,15 @@ mod tests {
             rx.recv().unwrap(),
             Err(TargetError::Gone(GoneCause::DroppedUnanswered))
         ));
+    }
+
+    #[test]
+    fn group_rows_read_their_range_of_a_shared_reply() {
+        let reply = Arc::new(vec![0.0, 1.0, 2.0, 3.0]);
+        let second = GroupRows::Shared(reply.clone(), 1..3);
+        assert_eq!(&*second, &[1.0, 2.0]);
+        assert_eq!(second.into_vec(), vec![1.0, 2.0]);
+        assert_eq!(&*GroupRows::Own(vec![5.0]), &[5.0]);
+        assert!(GroupRows::default().is_empty());
     }
 }
