@@ -362,7 +362,9 @@ impl Dispatcher {
 
     /// Runs groups of rows (`experts[g]` over `group_rows[g]` rows of `input`, in order)
     /// and returns each group's outputs. With `local_only`, only this node's devices are
-    /// used (work that came from another node is not sent on).
+    /// used (work that came from another node is not sent on). Each group's outputs in a
+    /// vector of its own (a reply's groups copied out of it): the executor's own paths use
+    /// [`GroupRows`] instead.
     pub fn run_groups(
         &self,
         layer: usize,
