@@ -138,7 +138,8 @@ impl ApiError {
                 | ExpertError::Malformed { .. }
                 | ExpertError::DenseLayer { .. }
                 | ExpertError::AnswersLost
-                | ExpertError::DeviceFailed(_),
+                | ExpertError::DeviceFailed { .. }
+                | ExpertError::Staging(_),
             )
             | EngineError::Model(_)
             | EngineError::TokenOutOfRange { .. }

@@ -20,7 +20,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use super::target::{Target, TargetError};
+use super::target::{FailCause, GoneCause, Target, TargetError};
 
 /// What the dispatch may do about a group that has no target left.
 #[derive(Debug, Clone, Copy)]
@@ -256,11 +256,10 @@ impl<O> Attempts<O> {
                     late,
                 };
             }
-            Ok(outputs) => TargetError::Failed(format!(
-                "{} outputs for {} groups",
-                outputs.len(),
-                groups.len()
-            )),
+            Ok(outputs) => TargetError::Failed(FailCause::WrongOutputCount {
+                outputs: outputs.len(),
+                groups: groups.len(),
+            }),
             Err(e) => e,
         };
         let failovers = self.fail_over(target, &groups);
@@ -315,7 +314,7 @@ impl<O> Attempts<O> {
                 overdue.push(Overdue::GaveUp {
                     target,
                     rows,
-                    error: TargetError::Gone(format!("no answer in {:.1} s", waited.as_secs_f32())),
+                    error: TargetError::Gone(GoneCause::NoAnswer { waited }),
                     failovers,
                 });
             } else if !send.hedged && waited >= hedge_deadline(target) {

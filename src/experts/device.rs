@@ -6,6 +6,7 @@
 //! costs more than the work.
 
 use std::collections::{HashMap, HashSet};
+use std::ops::Range;
 
 use rustc_hash::FxHashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -13,7 +14,7 @@ use std::sync::{Arc, PoisonError, RwLock, mpsc};
 
 use actix::prelude::*;
 
-use super::target::{Answer, GroupOutputs, TargetError};
+use super::target::{Answer, FailCause, GoneCause, GroupOutputs, GroupRows, TargetError};
 use crate::compute::cuda::experts::RunOutcome;
 use crate::compute::cuda::{self, CudaError, CudaRuntime};
 use crate::compute::cuda::{GpuExperts, GpuInfo};
@@ -108,7 +109,11 @@ impl CpuExperts {
             .zip(groups)
             .map(|(weights, &(_, input))| (&**weights, input))
             .collect();
-        Ok(run_expert_groups(&held, self.hidden_size, false))
+        Ok(GroupRows::own_each(run_expert_groups(
+            &held,
+            self.hidden_size,
+            false,
+        )))
     }
 
     fn write(
@@ -130,8 +135,11 @@ impl CpuExperts {
 /// Runs token rows through experts this device holds; answers with one output per group.
 pub struct RunExperts {
     pub layer: usize,
-    /// `(expert, rows × hidden_size input)` per group.
-    pub groups: Vec<(u32, Vec<f32>)>,
+    /// The groups' input rows, in one buffer that the sender may share with other sends
+    /// (the rows of a request from another node, as they were decoded).
+    pub rows: Arc<Vec<f32>>,
+    /// `(expert, its rows' values in `rows`)` per group.
+    pub groups: Vec<(u32, Range<usize>)>,
     /// Where the outputs go; dropped unanswered (the actor stopped first), it answers that
     /// the device is gone.
     pub answer: Answer,
@@ -255,20 +263,26 @@ impl DeviceActor {
             layer: msg.layer,
             expert,
         };
-        let groups: Vec<(u32, &[f32])> =
-            msg.groups.iter().map(|(e, x)| (*e, x.as_slice())).collect();
+        let groups: Vec<(u32, &[f32])> = msg
+            .groups
+            .iter()
+            .map(|(e, range)| (*e, &msg.rows[range.clone()]))
+            .collect();
         match &mut self.experts {
             Held::Cpu(experts) => experts.run(msg.layer, &groups),
             Held::Gpu(gpu) => {
                 match gpu.run(msg.layer, &groups) {
-                    Ok(RunOutcome::Done(outputs)) => Ok(outputs),
+                    Ok(RunOutcome::Done(outputs)) => Ok(GroupRows::own_each(outputs)),
                     Ok(RunOutcome::NotHeld(expert)) => Err(not_held(expert)),
                     Err(e) => {
                         // A CUDA error leaves the context unusable: out of service, so the
                         // router fails over to replicas, as when the device disappears.
                         tracing::error!(device = self.id, error = %e, "GPU failed: device taken out of service");
                         ctx.stop();
-                        Err(TargetError::Gone(format!("device {}: {e}", self.id)))
+                        Err(TargetError::Gone(GoneCause::DeviceFailed {
+                            device: self.id,
+                            error: Arc::new(e),
+                        }))
                     }
                 }
             }
@@ -306,13 +320,10 @@ impl DeviceActor {
         ctx: &mut Context<Self>,
     ) -> GroupOutputs {
         let Held::Gpu(gpu) = &mut self.experts else {
-            return Err(TargetError::Failed(format!(
-                "device {} is a CPU slot: it takes rows from the host",
-                self.id
-            )));
+            return Err(TargetError::Failed(FailCause::NotAGpu { device: self.id }));
         };
         let row_bytes = (gpu.shape.hidden * 2) as u64;
-        let answered = vec![Vec::new(); groups.len()];
+        let answered = vec![GroupRows::default(); groups.len()];
         groups.sort_by_key(|&(_, first, _)| first);
         // Runs of consecutive rows, one call each.
         let mut start = 0;
@@ -333,7 +344,10 @@ impl DeviceActor {
                 Err(e) => {
                     tracing::error!(device = self.id, error = %e, "GPU failed: device taken out of service");
                     ctx.stop();
-                    return Err(TargetError::Gone(format!("device {}: {e}", self.id)));
+                    return Err(TargetError::Gone(GoneCause::DeviceFailed {
+                        device: self.id,
+                        error: Arc::new(e),
+                    }));
                 }
             }
             start = end;
@@ -370,7 +384,10 @@ impl Handler<TakeExperts> for DeviceActor {
                 let taken = gpu.take(&share, self.memory_fraction);
                 if let Err(e) = taken {
                     self.count();
-                    return Err(TargetError::Failed(format!("device {}: {e}", self.id)));
+                    return Err(TargetError::Failed(FailCause::Device {
+                        device: self.id,
+                        error: Arc::new(e),
+                    }));
                 }
             }
         }
@@ -440,10 +457,9 @@ impl DeviceHandle {
     ) -> Option<Result<SharedWeights, TargetError>> {
         let experts = self.cpu.as_ref()?;
         if !self.addr.connected() {
-            return Some(Err(TargetError::Gone(format!(
-                "device {} stopped",
-                self.id
-            ))));
+            return Some(Err(TargetError::Gone(GoneCause::DeviceStopped {
+                device: self.id as u16,
+            })));
         }
         Some(experts.weights_for(layer, groups))
     }

@@ -23,7 +23,7 @@ use super::choice::assign_groups_among;
 use super::device::DeviceHandle;
 use super::health::{Penalties, Reach, ReplicaHealth, TargetHealth, hedge_after};
 use super::holdings::{HELD_HERE, Holdings};
-use super::target::{Answer, GroupOutputs, RemoteNodes, Target, TargetError};
+use super::target::{Answer, GroupOutputs, GroupRows, RemoteNodes, Target, TargetError};
 use super::{DeviceRows, ExpertError, ExpertExecutor};
 use crate::config::OnUnavailable;
 use crate::moe::DispatchPlan;
@@ -362,7 +362,9 @@ impl Dispatcher {
 
     /// Runs groups of rows (`experts[g]` over `group_rows[g]` rows of `input`, in order)
     /// and returns each group's outputs. With `local_only`, only this node's devices are
-    /// used (work that came from another node is not sent on).
+    /// used (work that came from another node is not sent on). Each group's outputs in a
+    /// vector of its own (a reply's groups copied out of it): the executor's own paths use
+    /// [`GroupRows`] instead.
     pub fn run_groups(
         &self,
         layer: usize,
@@ -372,6 +374,22 @@ impl Dispatcher {
         local_only: bool,
     ) -> Result<Vec<Vec<f32>>, ExpertError> {
         let input = GroupInput::new(input, experts, group_rows, self.hidden_size)?;
+        let outputs = self.run_input(layer, experts, &input, local_only)?;
+        Ok(outputs.into_iter().map(GroupRows::into_vec).collect())
+    }
+
+    /// [`Dispatcher::run_groups`] over rows this call may share with the device actors
+    /// (another node's request, as decoded): they read their groups there, uncopied. The
+    /// outputs come as they were answered (see [`GroupRows`]).
+    pub fn run_shared(
+        &self,
+        layer: usize,
+        experts: &[u32],
+        group_rows: &[usize],
+        input: &Arc<Vec<f32>>,
+        local_only: bool,
+    ) -> Result<Vec<GroupRows>, ExpertError> {
+        let input = GroupInput::shared(input, experts, group_rows, self.hidden_size)?;
         self.run_input(layer, experts, &input, local_only)
     }
 
@@ -400,7 +418,7 @@ impl Dispatcher {
             if !output.is_empty() {
                 rows.staging
                     .upload(input.starts[g], output)
-                    .map_err(ExpertError::DeviceFailed)?;
+                    .map_err(ExpertError::Staging)?;
                 self.counters
                     .staged_bytes
                     .fetch_add((output.len() * 2) as u64, Ordering::Relaxed);
@@ -415,7 +433,7 @@ impl Dispatcher {
         experts: &[u32],
         input: &GroupInput<'_>,
         local_only: bool,
-    ) -> Result<Vec<Vec<f32>>, ExpertError> {
+    ) -> Result<Vec<GroupRows>, ExpertError> {
         let group_rows = input.rows;
         if experts.len() != group_rows.len() {
             return Err(ExpertError::Malformed {
@@ -454,8 +472,8 @@ impl Dispatcher {
         experts: &[u32],
         group_input: &GroupInput<'_>,
         local_only: bool,
-        attempts: &mut Attempts<Vec<f32>>,
-    ) -> Result<Vec<Vec<f32>>, ExpertError> {
+        attempts: &mut Attempts<GroupRows>,
+    ) -> Result<Vec<GroupRows>, ExpertError> {
         let group_rows = group_input.rows;
         let placement = self.placement();
         let holdings = self.holdings();
@@ -570,7 +588,7 @@ impl Dispatcher {
     #[allow(clippy::too_many_arguments)]
     fn choose<'a>(
         &self,
-        attempts: &Attempts<Vec<f32>>,
+        attempts: &Attempts<GroupRows>,
         experts: &[u32],
         group_rows: &[usize],
         replicas_of: impl Fn(u32) -> &'a [Replica],
@@ -796,8 +814,15 @@ impl ExpertExecutor for Dispatcher {
         let group_rows: Vec<usize> = (0..plan.experts.len())
             .map(|g| plan.group(g).len())
             .collect();
-        let outputs = self.run_groups(layer, &plan.experts, &group_rows, grouped_input, false)?;
-        Ok(outputs.concat())
+        let input = GroupInput::new(grouped_input, &plan.experts, &group_rows, self.hidden_size)?;
+        let outputs = self.run_input(layer, &plan.experts, &input, false)?;
+        // Each group's rows copied once, into place: a reply from another node is read
+        // where it was decoded.
+        let mut all = Vec::with_capacity(grouped_input.len());
+        for output in &outputs {
+            all.extend_from_slice(output);
+        }
+        Ok(all)
     }
 
     fn run_on_device(

@@ -3,7 +3,7 @@
 //! the engine itself is built in `engine::gpu`).
 
 use std::path::PathBuf;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use crate::compute::cuda::experts::{ExpertShape, RunOutcome};
 use crate::compute::cuda::storage::ExpertStorage;
@@ -267,10 +267,10 @@ impl ExpertExecutor for GpuLocalExperts {
         match gpu.run(layer, &groups) {
             Ok(RunOutcome::Done(outputs)) => Ok(outputs.concat()),
             Ok(RunOutcome::NotHeld(expert)) => Err(ExpertError::NotHeld { layer, expert }),
-            Err(e) => Err(ExpertError::DeviceFailed(format!(
-                "GPU {}: {e}",
-                gpu.gpu.ordinal
-            ))),
+            Err(e) => Err(ExpertError::DeviceFailed {
+                gpu: gpu.gpu.ordinal,
+                error: Arc::new(e),
+            }),
         }
     }
 
@@ -293,10 +293,10 @@ impl ExpertExecutor for GpuLocalExperts {
         Some(match outcome {
             Ok(RunOutcome::Done(_)) => Ok(()),
             Ok(RunOutcome::NotHeld(expert)) => Err(ExpertError::NotHeld { layer, expert }),
-            Err(e) => Err(ExpertError::DeviceFailed(format!(
-                "GPU {}: {e}",
-                gpu.gpu.ordinal
-            ))),
+            Err(e) => Err(ExpertError::DeviceFailed {
+                gpu: gpu.gpu.ordinal,
+                error: Arc::new(e),
+            }),
         })
     }
 }

@@ -30,8 +30,14 @@ pub use choice::{assign_groups, assign_groups_among};
 pub use dispatch::{DispatchTiming, Dispatcher};
 pub use health::{Penalties, Reach, ReplicaHealth};
 pub use local::{LocalExperts, run_expert_groups};
-pub use target::{Answer, GroupOutputs, RemoteNodes, RemoteWork, Target, TargetError};
+pub use target::{
+    Answer, FailCause, GoneCause, GroupOutputs, GroupRows, RemoteNodes, RemoteWork, Target,
+    TargetError,
+};
 
+use std::sync::Arc;
+
+use crate::compute::cuda::CudaError;
 use crate::moe::DispatchPlan;
 
 /// Why expert work could not be done. Carried as it is up to where a request's outcome is
@@ -63,10 +69,22 @@ pub enum ExpertError {
     /// of a target.
     #[error("expert executor unavailable: dispatch lost its answers")]
     AnswersLost,
-    /// The device failed while computing and took itself out of service; its groups can go
+    /// The GPU failed while computing and took itself out of service; its groups can go
     /// to replicas.
+    #[error("device failed: GPU {gpu}: {error}")]
+    DeviceFailed { gpu: usize, error: Arc<CudaError> },
+    /// Rows computed off the GPU could not be brought back into its memory.
     #[error("device failed: {0}")]
-    DeviceFailed(String),
+    Staging(StagingError),
+}
+
+/// Why rows could not move between a GPU's memory and the host ([`RowStaging`]).
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum StagingError {
+    #[error("rows from the GPU: {0}")]
+    Download(Arc<CudaError>),
+    #[error("rows to the GPU: {0}")]
+    Upload(Arc<CudaError>),
 }
 
 /// One MoE layer's grouped rows in the memory of GPU `gpu` of this process: `input` holds
@@ -84,9 +102,9 @@ pub struct DeviceRows<'a> {
 /// copy each way, counted by whoever implements it.
 pub trait RowStaging {
     /// Input rows `first..first + rows`, widened to f32.
-    fn download(&self, first: usize, rows: usize) -> Result<Vec<f32>, String>;
+    fn download(&self, first: usize, rows: usize) -> Result<Vec<f32>, StagingError>;
     /// Writes `values` (whole rows) as output rows from `first` on, rounded to bf16.
-    fn upload(&self, first: usize, values: &[f32]) -> Result<(), String>;
+    fn upload(&self, first: usize, values: &[f32]) -> Result<(), StagingError>;
 }
 
 /// Runs grouped token rows through the experts of one layer. The engine calls this once per

@@ -11,8 +11,11 @@ use tokio::runtime::Handle;
 use crate::cluster::{MemberState, MemberView, Membership};
 use crate::experts::ExpertError;
 use crate::experts::Reach;
-use crate::experts::{Answer, Dispatcher, RemoteNodes, RemoteWork, TargetError};
-use crate::transport::peer::{Handler, PeerAuth, PeerClient, PeerConfig, PeerError, PeerStats};
+use crate::experts::{
+    Answer, Dispatcher, FailCause, GoneCause, GroupRows, RemoteNodes, RemoteWork, TargetError,
+};
+use crate::transport::peer::{Handler, PeerAuth, PeerClient, PeerConfig, PeerStats};
+use crate::transport::wire::RequestHead;
 use crate::transport::{Dtype, ExpertReply, ExpertRequest, RemoteError, Transport};
 
 /// Where a node is reached, what gossip says of it, and how rows travel to it.
@@ -180,57 +183,39 @@ pub fn best_member<'a>(members: &'a [MemberView], id: &str) -> Option<&'a Member
         .max_by_key(|m| (rank(m.state), m.generation))
 }
 
-fn target_error(error: PeerError) -> TargetError {
-    match error {
-        PeerError::Remote(RemoteError::NotHeld { layer, expert }) => TargetError::NotHeld {
-            layer: layer as usize,
-            expert,
-        },
-        PeerError::Remote(RemoteError::Overloaded) | PeerError::Overloaded => {
-            TargetError::Overloaded
-        }
-        PeerError::Remote(e) => TargetError::Failed(e.to_string()),
-        PeerError::BadRequest(e) => TargetError::Failed(e.to_string()),
-        e @ (PeerError::Connect(_)
-        | PeerError::Handshake(_)
-        | PeerError::LinkDown(_)
-        | PeerError::Closed) => TargetError::Gone(e.to_string()),
-    }
-}
-
-/// Splits a reply's rows into its groups, checking they are the groups asked for.
+/// A reply's rows as its groups' ranges of the one buffer they were decoded into, checking
+/// they are the groups asked for.
 fn split_reply(
     reply: ExpertReply,
     asked: &[(u32, u32)],
     width: usize,
-) -> Result<Vec<Vec<f32>>, TargetError> {
+) -> Result<Vec<GroupRows>, TargetError> {
     let rows: usize = asked.iter().map(|&(_, r)| r as usize).sum();
     if reply.groups != asked || reply.rows.len() != rows * width {
-        return Err(TargetError::Failed(
-            "the reply does not answer the groups sent".into(),
-        ));
+        return Err(TargetError::Failed(FailCause::WrongReply));
     }
+    let rows = Arc::new(reply.rows);
     let mut out = Vec::with_capacity(asked.len());
     let mut at = 0;
     for &(_, r) in asked {
         let len = r as usize * width;
-        out.push(reply.rows[at..at + len].to_vec());
+        out.push(GroupRows::Shared(rows.clone(), at..at + len));
         at += len;
     }
     Ok(out)
 }
 
 impl RemoteNodes for PeerNodes {
-    fn send(&self, node: u16, work: RemoteWork, answer: Answer) -> Result<(), TargetError> {
+    fn send(&self, node: u16, work: RemoteWork<'_>, answer: Answer) -> Result<(), TargetError> {
         let id = self
             .node_id(node)
-            .ok_or_else(|| TargetError::Gone(format!("no node {node} in the placement")))?;
+            .ok_or(TargetError::Gone(GoneCause::NoNode { node }))?;
         let (client, dtype) = self
             .client(&id)
-            .ok_or_else(|| TargetError::Gone(format!("node `{id}` is not a live member")))?;
+            .ok_or_else(|| TargetError::Gone(GoneCause::MemberDead { node: id.clone() }))?;
         let asked = work.groups.clone();
         let width = self.width;
-        let request = ExpertRequest {
+        let request = RequestHead {
             layer: work.layer as u32,
             placement_version: work.placement_version,
             width: width as u32,
@@ -238,14 +223,15 @@ impl RemoteNodes for PeerNodes {
             // rounds rows to bf16 itself, so bf16 on the wire changes nothing but the bytes.
             dtype,
             groups: work.groups,
-            rows: work.rows,
         };
         // On a refused send the client drops its completion uncalled: the answer is kept
         // here so that the real error, not "dropped", is what the dispatcher hears.
         let slot = Arc::new(Mutex::new(Some(answer)));
         let completion_slot = slot.clone();
-        let sent = client.send(
+        // The frame is encoded from the groups' rows where the dispatch holds them.
+        let sent = client.send_parts(
             request,
+            &work.rows,
             Box::new(move |result| {
                 let answer = completion_slot
                     .lock()
@@ -254,7 +240,7 @@ impl RemoteNodes for PeerNodes {
                 if let Some(answer) = answer {
                     answer.send(
                         result
-                            .map_err(target_error)
+                            .map_err(TargetError::from_peer)
                             .and_then(|reply| split_reply(reply, &asked, width)),
                     );
                 }
@@ -263,7 +249,7 @@ impl RemoteNodes for PeerNodes {
         if let Err(e) = sent {
             let answer = slot.lock().unwrap_or_else(|e| e.into_inner()).take();
             if let Some(answer) = answer {
-                answer.send(Err(target_error(e)));
+                answer.send(Err(TargetError::from_peer(e)));
             }
         }
         Ok(())
@@ -315,10 +301,12 @@ pub fn serve_remote_work(dispatcher: Arc<OnceLock<Arc<Dispatcher>>>, width: usiz
         let experts: Vec<u32> = request.groups.iter().map(|&(e, _)| e).collect();
         let rows: Vec<usize> = request.groups.iter().map(|&(_, r)| r as usize).collect();
         let layer = request.layer as usize;
-        match dispatcher.run_groups(layer, &experts, &rows, &request.rows, true) {
+        // The rows as decoded, shared with the device actors that run the groups.
+        let input = Arc::new(request.rows);
+        match dispatcher.run_shared(layer, &experts, &rows, &input, true) {
             Ok(outputs) => Ok(ExpertReply {
                 groups: request.groups,
-                rows: outputs.concat(),
+                rows: concat(&outputs, input.len()),
             }),
             Err(ExpertError::NotHeld { layer, expert }) => Err(RemoteError::NotHeld {
                 layer: layer as u32,
@@ -327,6 +315,15 @@ pub fn serve_remote_work(dispatcher: Arc<OnceLock<Arc<Dispatcher>>>, width: usiz
             Err(e) => Err(RemoteError::DeviceFailed(e.to_string())),
         }
     })
+}
+
+/// The groups' outputs in one buffer of `len` values.
+fn concat(outputs: &[GroupRows], len: usize) -> Vec<f32> {
+    let mut all = Vec::with_capacity(len);
+    for output in outputs {
+        all.extend_from_slice(output);
+    }
+    all
 }
 
 #[cfg(test)]
@@ -341,7 +338,18 @@ mod tests {
             rows: (0..6).map(|v| v as f32).collect(),
         };
         let groups = split_reply(reply, &asked, 2).unwrap();
-        assert_eq!(groups, vec![vec![0.0, 1.0], vec![2.0, 3.0, 4.0, 5.0]]);
+        let slices: Vec<&[f32]> = groups.iter().map(|g| &**g).collect();
+        assert_eq!(slices, vec![&[0.0, 1.0][..], &[2.0, 3.0, 4.0, 5.0][..]]);
+        // One buffer for the reply, each group a range of it.
+        let buffers: Vec<*const f32> = groups
+            .iter()
+            .map(|g| match g {
+                GroupRows::Shared(rows, _) => rows.as_ptr(),
+                GroupRows::Own(_) => std::ptr::null(),
+            })
+            .collect();
+        assert_eq!(buffers[0], buffers[1]);
+        assert!(!buffers[0].is_null());
         let wrong = ExpertReply {
             groups: vec![(3, 1)],
             rows: vec![0.0; 2],

@@ -59,7 +59,11 @@ fn a_failed_target_is_excluded_and_its_groups_are_placed_again() {
     let mut a: Attempts<u32> = Attempts::new(&[3, 4], &[1, 1], policy(false));
     a.place(&all_to(&a, Target::Node(1)), t0).unwrap();
     let id = a.started(Target::Node(1), vec![0, 1], false, t0);
-    match a.answered(id, Err(TargetError::Gone("reset".into())), t0 + MS) {
+    match a.answered(
+        id,
+        Err(TargetError::Gone(GoneCause::DroppedUnanswered)),
+        t0 + MS,
+    ) {
         Answered::Failed { failovers, .. } => assert_eq!(failovers, 2),
         other => panic!("{other:?}"),
     }
@@ -170,7 +174,7 @@ fn under_the_wait_policy_a_group_waits_then_fails() {
     let mut a: Attempts<u32> = Attempts::new(&[4], &[1], policy(true));
     a.place(&all_to(&a, Target::Node(1)), t0).unwrap();
     let id = a.started(Target::Node(1), vec![0], false, t0);
-    a.answered(id, Err(TargetError::Failed("boom".into())), t0);
+    a.answered(id, Err(TargetError::Failed(FailCause::WrongReply)), t0);
     assert!(a.excluded(0, Target::Node(1)));
     // No target now: it waits, and the failed target may be tried again.
     assert_eq!(a.place(&[None], t0 + MS), Ok(vec![]));

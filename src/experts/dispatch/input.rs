@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::super::device::ResidentSends;
-use super::super::target::TargetError;
+use super::super::target::{FailCause, TargetError};
 use super::super::{DeviceRows, ExpertError};
 
 /// The rows of each group of one dispatch: in host memory, or in GPU memory
@@ -14,6 +14,9 @@ use super::super::{DeviceRows, ExpertError};
 /// elsewhere than on a GPU of this node.
 pub(super) struct GroupInput<'a> {
     host: &'a [f32],
+    /// The buffer `host` is, where the caller shares it: device actors then take ranges of
+    /// it instead of copies of their groups.
+    pub(super) shared: Option<Arc<Vec<f32>>>,
     pub(super) resident: Option<Resident<'a>>,
     /// Each group's first row.
     pub(super) starts: Vec<usize>,
@@ -50,6 +53,7 @@ impl<'a> GroupInput<'a> {
         }
         Ok(GroupInput {
             host: input,
+            shared: None,
             resident: None,
             starts,
             rows,
@@ -65,6 +69,7 @@ impl<'a> GroupInput<'a> {
     ) -> Self {
         GroupInput {
             host: &[],
+            shared: None,
             resident: Some(Resident {
                 rows: rows_on_gpu,
                 staged: rows.iter().map(|_| std::sync::OnceLock::new()).collect(),
@@ -77,11 +82,28 @@ impl<'a> GroupInput<'a> {
         }
     }
 
+    /// [`GroupInput::new`] over a buffer the device actors may share.
+    pub(super) fn shared(
+        input: &'a Arc<Vec<f32>>,
+        experts: &[u32],
+        rows: &'a [usize],
+        width: usize,
+    ) -> Result<Self, ExpertError> {
+        let mut group_input = GroupInput::new(input, experts, rows, width)?;
+        group_input.shared = Some(input.clone());
+        Ok(group_input)
+    }
+
+    /// Where group `g`'s values are in the host rows (and so in `shared`).
+    pub(super) fn range(&self, g: usize) -> std::ops::Range<usize> {
+        let at = self.starts[g] * self.width;
+        at..at + self.rows[g] * self.width
+    }
+
     /// Group `g`'s rows in host memory (copied from the GPU the first time).
     pub(super) fn get(&self, g: usize) -> Result<&[f32], TargetError> {
         let Some(resident) = &self.resident else {
-            let at = self.starts[g] * self.width;
-            return Ok(&self.host[at..at + self.rows[g] * self.width]);
+            return Ok(&self.host[self.range(g)]);
         };
         if let Some(rows) = resident.staged[g].get() {
             return Ok(rows);
@@ -90,7 +112,7 @@ impl<'a> GroupInput<'a> {
             .rows
             .staging
             .download(self.starts[g], self.rows[g])
-            .map_err(TargetError::Failed)?;
+            .map_err(|e| TargetError::Failed(FailCause::Staging(e)))?;
         resident
             .staged_bytes
             .fetch_add((rows.len() * 2) as u64, Ordering::Relaxed);

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use super::super::device::{RunExperts, RunResident};
 use super::super::run_expert_groups;
-use super::super::target::{Answer, RemoteWork, TargetError};
+use super::super::target::{Answer, GoneCause, GroupRows, RemoteWork, TargetError};
 use super::{Dispatcher, GroupInput};
 use crate::model::ExpertWeights;
 
@@ -22,8 +22,8 @@ impl Dispatcher {
     ) -> Result<(), TargetError> {
         let handle = self
             .device(device)
-            .ok_or_else(|| TargetError::Gone(format!("no device {device} on this node")))?;
-        let stopped = || TargetError::Gone(format!("device {device} stopped"));
+            .ok_or(TargetError::Gone(GoneCause::NoDevice { device }))?;
+        let stopped = || TargetError::Gone(GoneCause::DeviceStopped { device });
         if let (Some(resident), Some(_)) = (&group_input.resident, handle.gpu) {
             let message = RunResident {
                 layer,
@@ -40,12 +40,30 @@ impl Dispatcher {
             // A stopped actor refuses the message; dropping it answers Gone.
             return handle.addr.try_send(message).map_err(|_| stopped());
         }
+        let (rows, ranges) = match &group_input.shared {
+            // Rows from another node: the actor reads its groups where they were decoded.
+            Some(shared) => (
+                shared.clone(),
+                groups.iter().map(|&g| group_input.range(g)).collect(),
+            ),
+            // The engine's rows are borrowed for this call only: the send's groups are
+            // copied into one buffer.
+            None => {
+                let total: usize = groups.iter().map(|&g| group_input.rows[g]).sum();
+                let mut rows = Vec::with_capacity(total * group_input.width);
+                let mut ranges = Vec::with_capacity(groups.len());
+                for &g in groups {
+                    let at = rows.len();
+                    rows.extend_from_slice(group_input.get(g)?);
+                    ranges.push(at..rows.len());
+                }
+                (Arc::new(rows), ranges)
+            }
+        };
         let message = RunExperts {
             layer,
-            groups: groups
-                .iter()
-                .map(|&g| Ok((experts[g], group_input.get(g)?.to_vec())))
-                .collect::<Result<_, TargetError>>()?,
+            rows,
+            groups: groups.iter().map(|&g| experts[g]).zip(ranges).collect(),
             answer,
         };
         handle.addr.try_send(message).map_err(|_| stopped())
@@ -103,7 +121,9 @@ impl Dispatcher {
             .collect();
         let mut outputs = run_expert_groups(&all, group_input.width, true).into_iter();
         for (_, groups, answer) in runs {
-            answer.send(Ok(outputs.by_ref().take(groups.len()).collect()));
+            answer.send(Ok(GroupRows::own_each(
+                outputs.by_ref().take(groups.len()).collect(),
+            )));
         }
     }
 
@@ -121,13 +141,13 @@ impl Dispatcher {
         let remote = self
             .remote
             .as_ref()
-            .ok_or_else(|| TargetError::Gone("no peers".into()))?;
+            .ok_or(TargetError::Gone(GoneCause::NoPeers))?;
         let group_rows = group_input.rows;
-        let total: usize = groups.iter().map(|&g| group_rows[g]).sum();
-        let mut rows = Vec::with_capacity(total * self.hidden_size);
-        for &g in groups {
-            rows.extend_from_slice(group_input.get(g)?);
-        }
+        // Borrowed: the peer client encodes the frame from the groups where they are.
+        let rows = groups
+            .iter()
+            .map(|&g| group_input.get(g))
+            .collect::<Result<Vec<&[f32]>, TargetError>>()?;
         let work = RemoteWork {
             layer,
             placement_version,

@@ -22,7 +22,8 @@ use super::seal::{Side, sealed_halves};
 use super::{Completion, PeerAuth, PeerConfig, PeerError, PeerStats, lock, secret_removed};
 use crate::transport::handshake::{HandshakeError, LinkKeys};
 use crate::transport::wire::{
-    self, Dtype, ExpertRequest, FrameBody, FrameKind, RemoteError, RowsFrame, WireError, WireLimits,
+    self, Dtype, ExpertRequest, FrameBody, FrameKind, RemoteError, RequestHead, RowsFrame,
+    WireError, WireLimits,
 };
 use crate::transport::{FrameRead, PeerStream, ROWS_APART_MIN, Transport};
 
@@ -185,13 +186,79 @@ impl PeerClient {
             groups: request.groups.clone(),
         };
         let frame = wire::request_frame(request_id, request).map_err(PeerError::BadRequest)?;
-        // The peer would drop the whole connection over a frame past the limits (both nodes
-        // are expected to run the same limits), so refuse it here, alone.
-        wire::decode_header(&frame.prefix, &self.limits).map_err(PeerError::BadRequest)?;
-        let permit = self.queue.try_reserve().map_err(|error| match error {
+        self.check_limits(&frame.prefix)?;
+        let permit = self.reserve()?;
+        self.send_frame(permit, request_id, expect, frame, done)
+    }
+
+    /// [`PeerClient::send`] of a request whose rows are given per group, where the caller
+    /// holds them: the frame is encoded from them, which is their one copy on this side
+    /// (a large f32 frame, which the connection task converts as it writes it, is gathered
+    /// into one buffer instead). Frames encoded here are not offered to a transport that
+    /// takes rows apart ([`crate::transport::FrameWrite::send_rows`]); the sealed link
+    /// every peer connection is takes none.
+    pub fn send_parts(
+        &self,
+        head: RequestHead,
+        parts: &[&[f32]],
+        done: Completion,
+    ) -> Result<(), PeerError> {
+        let request_id = self.shared.next_request_id.fetch_add(1, Ordering::Relaxed);
+        let values: usize = parts.iter().map(|part| part.len()).sum();
+        let prefix =
+            wire::request_head_prefix(request_id, &head, values).map_err(PeerError::BadRequest)?;
+        self.check_limits(&prefix)?;
+        let permit = self.reserve()?;
+        let dtype = head.dtype;
+        let expect = Expect {
+            width: head.width,
+            groups: head.groups,
+        };
+        if dtype == Dtype::F32 && prefix.len() + values * dtype.size() > CHUNK_BYTES {
+            let mut rows = Vec::with_capacity(values);
+            for part in parts {
+                rows.extend_from_slice(part);
+            }
+            let frame = RowsFrame {
+                prefix,
+                rows,
+                dtype,
+            };
+            return self.send_frame(permit, request_id, expect, frame, done);
+        }
+        let mut bytes = prefix;
+        bytes.reserve_exact(values * dtype.size());
+        for part in parts {
+            wire::encode_values_append(part, dtype, &mut bytes);
+        }
+        self.send_queued(permit, request_id, expect, Err(bytes), done);
+        Ok(())
+    }
+
+    /// The peer would drop the whole connection over a frame past the limits (both nodes
+    /// are expected to run the same limits), so a request's is refused here, alone.
+    fn check_limits(&self, prefix: &[u8]) -> Result<(), PeerError> {
+        wire::decode_header(prefix, &self.limits)
+            .map(drop)
+            .map_err(PeerError::BadRequest)
+    }
+
+    /// A place in the queue toward the driver; a full queue is `Overloaded`.
+    fn reserve(&self) -> Result<mpsc::Permit<'_, Outgoing>, PeerError> {
+        self.queue.try_reserve().map_err(|error| match error {
             mpsc::error::TrySendError::Full(()) => PeerError::Overloaded,
             mpsc::error::TrySendError::Closed(()) => PeerError::Closed,
-        })?;
+        })
+    }
+
+    fn send_frame(
+        &self,
+        permit: mpsc::Permit<'_, Outgoing>,
+        request_id: u64,
+        expect: Expect,
+        frame: RowsFrame,
+        done: Completion,
+    ) -> Result<(), PeerError> {
         let shared = &self.shared;
         // Large rows go as they are where the link's transport takes them (UCX), from this
         // thread when the link is up and idle.
@@ -225,6 +292,21 @@ impl PeerClient {
         } else {
             Ok(frame)
         };
+        self.send_queued(permit, request_id, expect, frame, done);
+        Ok(())
+    }
+
+    /// Sends an encoded frame from this thread when the link is up and idle, else hands it
+    /// (or a frame whose rows the driver converts as it writes them) to the driver.
+    fn send_queued(
+        &self,
+        permit: mpsc::Permit<'_, Outgoing>,
+        request_id: u64,
+        expect: Expect,
+        frame: Result<RowsFrame, Vec<u8>>,
+        done: Completion,
+    ) {
+        let shared = &self.shared;
         let mut link = lock(&shared.link);
         let frame = match frame {
             // The link is up and idle: sent from this thread, sparing the hand-off to the
@@ -234,7 +316,7 @@ impl PeerClient {
                 let (bytes, written) = match send_now(&mut link, bytes) {
                     SentNow::All(len) => {
                         shared.stats.add_sent(len);
-                        return Ok(());
+                        return;
                     }
                     SentNow::Part { bytes, written } => (bytes, written),
                     // The socket is full, or failed: the driver writes the rest, or finds out.
@@ -247,7 +329,7 @@ impl PeerClient {
                     written,
                     generation,
                 });
-                return Ok(());
+                return;
             }
             frame => frame,
         };
@@ -258,7 +340,6 @@ impl PeerClient {
             expect,
             done,
         });
-        Ok(())
     }
 
     /// The remote node is known gone (gossip said dead): every outstanding and queued

@@ -100,6 +100,18 @@ pub struct ExpertRequest {
     pub rows: Vec<f32>,
 }
 
+/// A request's header fields and groups without its rows, for a sender that encodes the
+/// rows from where they are ([`request_head_prefix`], then [`encode_values_append`] per part).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RequestHead {
+    pub layer: u32,
+    pub placement_version: u64,
+    pub width: u32,
+    pub dtype: Dtype,
+    /// (expert, rows) per group, in plan order.
+    pub groups: Vec<(u32, u32)>,
+}
+
 /// The reply: output rows in the same group order (always `width` values per row).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ExpertReply {
@@ -286,6 +298,26 @@ fn request_prefix(request_id: u64, request: &ExpertRequest) -> Result<Vec<u8>, W
         payload_len: 0,
     };
     rows_frame_prefix(header, &request.groups, request.rows.len())
+}
+
+/// The header and groups of the request frame of `head` whose rows are `value_count`
+/// values (checked against the groups): the bytes [`request_frame`] puts before the rows.
+pub fn request_head_prefix(
+    request_id: u64,
+    head: &RequestHead,
+    value_count: usize,
+) -> Result<Vec<u8>, WireError> {
+    let header = FrameHeader {
+        kind: FrameKind::Request,
+        request_id,
+        layer: head.layer,
+        placement_version: head.placement_version,
+        group_count: 0,
+        width: head.width,
+        dtype: head.dtype,
+        payload_len: 0,
+    };
+    rows_frame_prefix(header, &head.groups, value_count)
 }
 
 /// Encodes a reply frame for the request it answers (`layer`, `placement_version`, `width`

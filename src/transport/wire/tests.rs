@@ -356,3 +356,32 @@ fn random_garbage_and_truncations_never_panic() {
         let _ = decode(&garbage, &limits);
     }
 }
+
+/// A request encoded from its head and its rows in parts (as the peer client sends the
+/// dispatcher's groups) is the frame of the whole request, byte for byte; rows that do not
+/// match the groups are refused there too.
+#[test]
+fn a_request_encoded_from_parts_is_the_whole_requests_frame() {
+    for dtype in [Dtype::F32, Dtype::Bf16] {
+        let whole = request(dtype);
+        let head = RequestHead {
+            layer: whole.layer,
+            placement_version: whole.placement_version,
+            width: whole.width,
+            dtype,
+            groups: whole.groups.clone(),
+        };
+        let width = whole.width as usize;
+        let (first, rest) = whole.rows.split_at(whole.groups[0].1 as usize * width);
+        let mut bytes = request_head_prefix(9, &head, whole.rows.len()).expect("prefix");
+        for part in [first, rest] {
+            encode_values_append(part, dtype, &mut bytes);
+        }
+        assert_eq!(
+            bytes,
+            encode_request(9, &whole).expect("encode"),
+            "{dtype:?}"
+        );
+        assert!(request_head_prefix(9, &head, whole.rows.len() - 1).is_err());
+    }
+}

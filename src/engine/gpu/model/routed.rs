@@ -14,6 +14,7 @@
 
 use cudarc::driver::{CudaStream, result};
 use half::bf16;
+use std::sync::Arc;
 
 use super::weights::{Matrix, matrix_of};
 use super::{GpuModel, Scratch};
@@ -22,7 +23,7 @@ use crate::compute::cuda::blas::Output;
 use crate::compute::cuda::experts::Buffer;
 use crate::compute::cuda::moe::check_gating;
 use crate::compute::gate::GatingConfig;
-use crate::experts::{DeviceRows, ExpertError, ExpertExecutor, RowStaging};
+use crate::experts::{DeviceRows, ExpertError, ExpertExecutor, RowStaging, StagingError};
 use crate::model::config::ModelConfig;
 use crate::model::weights::{DenseWeights, FeedForward};
 
@@ -180,7 +181,7 @@ struct Staging<'a> {
 }
 
 impl RowStaging for Staging<'_> {
-    fn download(&self, first: usize, rows: usize) -> Result<Vec<f32>, String> {
+    fn download(&self, first: usize, rows: usize) -> Result<Vec<f32>, StagingError> {
         let mut host = vec![bf16::ZERO; rows * self.width];
         let at = (first * self.width * 2) as u64;
         let copied = self.stream.context().bind_to_thread().and_then(|()| {
@@ -190,11 +191,11 @@ impl RowStaging for Staging<'_> {
             }?;
             self.stream.synchronize()
         });
-        copied.map_err(|e| format!("rows from the GPU: {e}"))?;
+        copied.map_err(|e| StagingError::Download(Arc::new(e.into())))?;
         Ok(host.iter().map(|v| v.to_f32()).collect())
     }
 
-    fn upload(&self, first: usize, values: &[f32]) -> Result<(), String> {
+    fn upload(&self, first: usize, values: &[f32]) -> Result<(), StagingError> {
         let host: Vec<bf16> = values.iter().map(|&v| bf16::from_f32(v)).collect();
         let at = (first * self.width * 2) as u64;
         let copied = self.stream.context().bind_to_thread().and_then(|()| {
@@ -205,6 +206,6 @@ impl RowStaging for Staging<'_> {
             }?;
             self.stream.synchronize()
         });
-        copied.map_err(|e| format!("rows to the GPU: {e}"))
+        copied.map_err(|e| StagingError::Upload(Arc::new(e.into())))
     }
 }
