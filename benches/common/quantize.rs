@@ -12,6 +12,7 @@ pub fn quantize(block: &SwiGlu, format: impl Fn(&Linear) -> QuantLinear) -> Quan
         gate: format(&block.gate),
         up: format(&block.up),
         down: format(&block.down),
+        activation: Default::default(),
     }
 }
 

@@ -14,7 +14,7 @@ use half::bf16;
 
 use crate::compute::cpu::WeightElement;
 use crate::compute::expert::ExpertWeights;
-use crate::compute::quant::{GroupScales, QuantFormat, QuantLinear};
+use crate::compute::quant::{GroupScales, QuantFormat, QuantLinear, SwiGluActivation};
 
 /// Every part of a slot starts at a multiple of this many bytes (cuBLAS's fast paths want 16;
 /// 256 keeps every matrix on its own cache lines).
@@ -85,6 +85,19 @@ impl ExpertStorage {
             );
         }
         let matrices = [&block.gate, &block.up, &block.down];
+        if matrices
+            .iter()
+            .any(|m| matches!(m.format, QuantFormat::Mxfp4 { .. }))
+        {
+            return (
+                ExpertStorage::Bf16,
+                Some(
+                    "MXFP4 experts are widened to bf16 on upload: the GPU's expert kernels \
+                     read FP8 and INT4"
+                        .into(),
+                ),
+            );
+        }
         let forms: Vec<ExpertStorage> = matrices.iter().map(|m| Self::of_matrix(m)).collect();
         let same_kind = |a: &ExpertStorage, b: &ExpertStorage| match (a, b) {
             (ExpertStorage::Int4 { group: g1, .. }, ExpertStorage::Int4 { group: g2, .. }) => {
@@ -132,6 +145,7 @@ impl ExpertStorage {
                 group: *group,
                 scales_bf16: matches!(scales, GroupScales::Bf16(_)),
             },
+            QuantFormat::Mxfp4 { .. } => ExpertStorage::Bf16,
         }
     }
 
@@ -269,6 +283,16 @@ impl ExpertStorage {
         if shapes != expected {
             return Err(format!(
                 "the expert's matrices are {shapes:?}, not gate and up [{i}, {h}] and down [{h}, {i}]"
+            ));
+        }
+        if let ExpertWeights::Quantized(b) = weights
+            && (b.activation != SwiGluActivation::Silu
+                || [&b.gate, &b.up, &b.down].iter().any(|m| m.bias.is_some()))
+        {
+            return Err(format!(
+                "the expert has biases or a clamped activation ({:?}), which the GPU's expert \
+                 slots do not hold",
+                b.activation
             ));
         }
         match (self, weights) {
@@ -441,7 +465,12 @@ mod tests {
     }
 
     fn quantized(gate: QuantLinear, up: QuantLinear, down: QuantLinear) -> ExpertWeights {
-        ExpertWeights::Quantized(QuantSwiGlu { gate, up, down })
+        ExpertWeights::Quantized(QuantSwiGlu {
+            gate,
+            up,
+            down,
+            activation: Default::default(),
+        })
     }
 
     #[test]
