@@ -344,6 +344,25 @@ mod tests {
         }
     }
 
+    /// gpt-oss's MXFP4 release: `plan` counts its experts as a node holds them (blocks,
+    /// scales and f32 biases), what a loaded expert reports reading.
+    #[test]
+    fn mxfp4_experts_are_counted_as_held() {
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gpt_oss_mxfp4");
+        let model = ModelConfig::load(&dir).unwrap();
+        let ckpt = crate::model::Checkpoint::open(&dir).unwrap();
+        let expert = crate::model::weights::load_expert(&ckpt, &model, 0, 0).unwrap();
+        assert!(matches!(
+            expert,
+            crate::compute::expert::ExpertWeights::Quantized(_)
+        ));
+        let (h, i) = (64u64, 32u64);
+        let expected = 3 * (h * i / 2 + h * i / 32) + 4 * (2 * i + h);
+        assert_eq!(ModelSizes::of(&model).expert_bytes, expected);
+        assert_eq!(expert.weight_bytes() as u64, expected);
+    }
+
     #[test]
     fn the_demo_models_sizes_match_its_safetensors_file() {
         let dir = tempfile::tempdir().unwrap();

@@ -680,6 +680,43 @@ mod tests {
         assert!(err.contains("not all bf16 values"), "{err}");
     }
 
+    /// MXFP4 experts are widened to bf16 on upload (the log says why); gpt-oss's, with biases
+    /// and a clamped activation, are refused rather than held without them.
+    #[test]
+    fn mxfp4_experts_are_widened_at_upload_and_biased_ones_refused() {
+        let (h, i) = (64, 32);
+        let m = |rows: usize, cols: usize| {
+            let blocks = (0..rows * cols / 2).map(|n| (n * 37 % 256) as u8).collect();
+            QuantLinear::mxfp4(blocks, vec![126; rows * cols / 32], rows, cols).unwrap()
+        };
+        let expert = quantized(m(i, h), m(i, h), m(h, i));
+        let (storage, reason) = ExpertStorage::of(&expert, h, i);
+        assert_eq!(storage, ExpertStorage::Bf16);
+        assert!(reason.unwrap().contains("MXFP4"));
+        let slot = storage.pack(&expert, h, i).unwrap();
+        let ExpertWeights::Quantized(b) = &expert else {
+            unreachable!()
+        };
+        let first = bf16::from_le_bytes([slot[0], slot[1]]).to_f32();
+        assert_eq!(first, b.gate.widen()[0]);
+        let mut clamped = b.clone();
+        clamped.activation = SwiGluActivation::ClampedGptOss {
+            alpha: 1.702,
+            limit: 7.0,
+        };
+        let err = storage
+            .pack(&ExpertWeights::Quantized(clamped), h, i)
+            .unwrap_err();
+        assert!(err.contains("clamped activation"), "{err}");
+        let mut biased = b.clone();
+        biased.down.bias = Some(vec![0.5; h]);
+        assert!(
+            storage
+                .pack(&ExpertWeights::Quantized(biased), h, i)
+                .is_err()
+        );
+    }
+
     #[test]
     fn experts_in_another_form_or_shape_are_refused_by_name() {
         let fp8_expert = quantized(fp8(I, H, [4, 4]), fp8(I, H, [4, 4]), fp8(H, I, [4, 4]));
