@@ -15,7 +15,7 @@
 //! input row: FP8 bytes through the bf16 kernel (the block scales multiply the inputs), INT4
 //! words through the decode kernels (`int4_rows_avx512` at one row, `int4_rows_avx2` at one
 //! to 32) or else [`int4_dot_rows`] (the group scales multiply sixteen words' partial sums);
-//! MXFP4 rows are widened exactly (a table of the byte values' pairs, times the block's
+//! MXFP4 rows are widened exactly (each nibble made an f32 by bit arithmetic, times the block's
 //! power of two) into a row buffer dotted with every input row.
 //! With many rows the matrix is widened once to f32 and handed to the packed GEMM, as bf16
 //! weights are.
