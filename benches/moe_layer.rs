@@ -2,8 +2,9 @@
 //! expert intermediate 256, f32 arithmetic), through the same code the engine runs
 //! (`moe_forward` with `LocalExperts`), at 1, 16 and 256 tokens per step, with the experts
 //! held in f32, in bf16 (as a bf16 checkpoint loads them), in FP8 e4m3 with [128, 128]
-//! block scales and in INT4 with a scale per 32 (as FP8 and compressed-tensors checkpoints
-//! load them, dequantized as the kernel reads them); side by side with
+//! block scales, in INT4 with a scale per 32 and in MXFP4 (e2m1 with a power-of-two scale per
+//! 32; as FP8, compressed-tensors and gpt-oss checkpoints load them, dequantized as the kernel
+//! reads them); side by side with
 //! transformers' DeepseekV3MoE block on the same machine and thread count, in f32 and bf16,
 //! with each experts implementation transformers offers (benches/moe_layer_reference.py).
 //!
@@ -11,7 +12,7 @@
 //!
 //! Environment: MOE_BENCH_TOKENS (default 1,16,256), MOE_BENCH_SECONDS (time budget per
 //! point, default 3), MOE_BENCH_PYTHON (default python3; set to "" to skip the reference),
-//! MOE_BENCH_EXPERT_FORMATS (default f32,bf16,fp8,int4), MOE_BENCH_CPU_AMX (default 1; 0 sets
+//! MOE_BENCH_EXPERT_FORMATS (default f32,bf16,fp8,int4,mxfp4), MOE_BENCH_CPU_AMX (default 1; 0 sets
 //! the AMX tiles aside, as `devices.cpu_amx = false` does, for a side-by-side run).
 //! Prints medians; each iteration gets fresh inputs so that it routes to other experts and
 //! reads their weights from memory, as decoding does.
@@ -21,7 +22,7 @@ mod common;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::quantize::{quantize, to_bf16, to_fp8, to_int4};
+use common::quantize::{quantize, to_bf16, to_fp8, to_int4, to_mxfp4};
 use moe_node::compute::cpu::{Linear, SwiGlu, dot};
 use moe_node::engine::moe_layer::moe_forward;
 use moe_node::experts::LocalExperts;
@@ -215,7 +216,8 @@ fn run_ours(
         let rate = t as f64 / time.as_secs_f64();
         let read = distinct * expert_bytes as f64 / time.as_secs_f64();
         println!(
-            "  moe-node {label:<19} {t:>4} tokens/step: {rate:>9.1} tokens/s  ({distinct:.0} experts/step, expert weights read at {:.1} GB/s = {:.0}% of bandwidth)",
+            "  moe-node {label:<19} {t:>4} tokens/step: {rate:>9.1} tokens/s  ({distinct:.0} experts/step, {:.2} MiB of routed expert weights read per token, at {:.1} GB/s = {:.0}% of bandwidth)",
+            distinct * expert_bytes as f64 / t as f64 / (1u64 << 20) as f64,
             read / 1e9,
             100.0 * read / bandwidth
         );
@@ -271,10 +273,10 @@ fn main() {
     let correction_bias: Vec<f32> = (0..EXPERTS).map(|_| rng.next(0.01)).collect();
     let shared = rng.swiglu();
 
-    // The same experts held four ways: f32; bf16 (what a bf16 checkpoint loads to); FP8 and
-    // INT4 as quantized checkpoints store them. Arithmetic stays f32.
-    let formats =
-        std::env::var("MOE_BENCH_EXPERT_FORMATS").unwrap_or_else(|_| "f32,bf16,fp8,int4".into());
+    // The same experts held five ways: f32; bf16 (what a bf16 checkpoint loads to); FP8, INT4
+    // and MXFP4 as quantized checkpoints store them. Arithmetic stays f32.
+    let formats = std::env::var("MOE_BENCH_EXPERT_FORMATS")
+        .unwrap_or_else(|_| "f32,bf16,fp8,int4,mxfp4".into());
     let formats: Vec<&str> = formats.split(',').map(str::trim).collect();
     let mut ours = Vec::new();
     let f32_experts: Vec<SwiGlu> = (0..EXPERTS).map(|_| rng.swiglu()).collect();
@@ -283,6 +285,7 @@ fn main() {
         ("bf16", "bf16 experts"),
         ("fp8", "fp8 experts"),
         ("int4", "int4 experts"),
+        ("mxfp4", "mxfp4 experts"),
     ] {
         if !formats.contains(&format) {
             continue;
@@ -299,7 +302,8 @@ fn main() {
             "f32" => ExpertWeights::F32(e.clone()),
             "bf16" => ExpertWeights::Bf16(to_bf16(e)),
             "fp8" => ExpertWeights::Quantized(quantize(e, to_fp8)),
-            _ => ExpertWeights::Quantized(quantize(e, to_int4)),
+            "int4" => ExpertWeights::Quantized(quantize(e, to_int4)),
+            _ => ExpertWeights::Quantized(quantize(e, to_mxfp4)),
         };
         let layer: Vec<ExpertWeights> = f32_experts.iter().map(hold).collect();
         // The shared expert as such a checkpoint stores it: FP8 like the routed experts
@@ -309,7 +313,7 @@ fn main() {
         // 2026-12-04 it was f32 in every format, which read twice its bytes per token (at
         // this hidden size a 3.5 MiB f32 router weighed half as much as 16 INT4 experts).
         let shared_expert = match format {
-            "int4" => ExpertWeights::Bf16(to_bf16(&shared)),
+            "int4" | "mxfp4" => ExpertWeights::Bf16(to_bf16(&shared)),
             _ => hold(&shared),
         };
         let weights = MoeWeights {

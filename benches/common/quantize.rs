@@ -1,17 +1,18 @@
 //! Experts held as checkpoints store them, for the benchmarks that compare formats
 //! (`moe_layer`, `roofline`, `moe_layer_gpu`) and the GPU kernels' tests: bf16, FP8 e4m3 in
-//! [128, 128] blocks and INT4 in groups of 32 (other blocks and groups for the tests),
+//! [128, 128] blocks, INT4 in groups of 32 (other blocks and groups for the tests) and MXFP4,
 //! quantized from f32 weights as the published tools do.
 
 use half::bf16;
 use moe_node::compute::cpu::{Linear, SwiGlu};
-use moe_node::compute::quant::{QuantLinear, QuantSwiGlu, e4m3_to_f32};
+use moe_node::compute::quant::{E2M1, QuantLinear, QuantSwiGlu, e4m3_to_f32, e8m0_to_f32};
 
 pub fn quantize(block: &SwiGlu, format: impl Fn(&Linear) -> QuantLinear) -> QuantSwiGlu {
     QuantSwiGlu {
         gate: format(&block.gate),
         up: format(&block.up),
         down: format(&block.down),
+        activation: Default::default(),
     }
 }
 
@@ -82,6 +83,39 @@ pub fn to_int4_groups(l: &Linear, group: usize) -> QuantLinear {
         }
     }
     QuantLinear::int4(packed, scales, n, k, group).expect("shapes match")
+}
+
+/// MXFP4 as gpt-oss publishes it: e2m1 values with a power-of-two (E8M0) scale per 32 of a
+/// row, the scale the smallest that puts the block's largest magnitude within 6, each value
+/// rounded to the nearest e2m1 (`in_features` a multiple of 32).
+pub fn to_mxfp4(l: &Linear) -> QuantLinear {
+    let (n, k) = (l.out_features, l.in_features);
+    let magnitudes = &E2M1[..8];
+    let mut blocks = vec![0u8; n * k / 2];
+    let mut scales = Vec::with_capacity(n * k / 32);
+    for (b, chunk) in l.weight.chunks_exact(32).enumerate() {
+        let amax = chunk.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let exponent = if amax > 0.0 {
+            (amax / 6.0).log2().ceil().clamp(-127.0, 127.0) as i32
+        } else {
+            0
+        };
+        scales.push((exponent + 127) as u8);
+        let scale = e8m0_to_f32((exponent + 127) as u8);
+        for (j, v) in chunk.iter().enumerate() {
+            let m = (v.abs() / scale).min(6.0);
+            let nearest = (0..8)
+                .min_by(|&a, &b| {
+                    (magnitudes[a] - m)
+                        .abs()
+                        .total_cmp(&(magnitudes[b] - m).abs())
+                })
+                .unwrap() as u8;
+            let code = nearest | if *v < 0.0 { 8 } else { 0 };
+            blocks[(b * 32 + j) / 2] |= code << (4 * (j % 2));
+        }
+    }
+    QuantLinear::mxfp4(blocks, scales, n, k).expect("shapes match")
 }
 
 pub fn to_bf16(block: &SwiGlu) -> SwiGlu<bf16> {

@@ -5,11 +5,11 @@
 use half::bf16;
 
 use super::cpu::{Linear, SwiGlu, WeightElement};
-use super::quant::{QuantLinear, QuantSwiGlu};
+use super::quant::{QuantLinear, QuantSwiGlu, SwiGluActivation};
 
 /// One expert's FFN, a SwiGLU block of `moe_intermediate_size`, held in the checkpoint's
 /// precision when that is bf16 (exact, and half the bytes each token reads) or quantized
-/// (FP8 or INT4 as stored, dequantized as the kernel reads it), else in f32.
+/// (FP8, INT4 or MXFP4 as stored, dequantized as the kernel reads it), else in f32.
 #[derive(Debug, Clone)]
 pub enum ExpertWeights {
     F32(SwiGlu<f32>),
@@ -27,7 +27,8 @@ impl ExpertWeights {
     }
 
     /// The block with f32 weights (a copy, or a clone where it is f32 already): for a
-    /// backend that keeps its own precision.
+    /// backend that keeps its own precision. A quantized block's clamped activation is
+    /// folded into its weights ([`clamped_swiglu`]), as f32 blocks hold it.
     pub fn widened(&self) -> SwiGlu {
         fn widen<W: WeightElement>(l: &Linear<W>) -> Linear {
             Linear {
@@ -39,7 +40,10 @@ impl ExpertWeights {
             }
         }
         fn dequantize(l: &QuantLinear) -> Linear {
-            Linear::without_bias(l.widen(), l.out_features, l.in_features)
+            Linear {
+                bias: l.bias.clone(),
+                ..Linear::without_bias(l.widen(), l.out_features, l.in_features)
+            }
         }
         match self {
             ExpertWeights::F32(block) => block.clone(),
@@ -48,11 +52,19 @@ impl ExpertWeights {
                 up: widen(&b.up),
                 down: widen(&b.down),
             },
-            ExpertWeights::Quantized(b) => SwiGlu {
-                gate: dequantize(&b.gate),
-                up: dequantize(&b.up),
-                down: dequantize(&b.down),
-            },
+            ExpertWeights::Quantized(b) => {
+                let block = SwiGlu {
+                    gate: dequantize(&b.gate),
+                    up: dequantize(&b.up),
+                    down: dequantize(&b.down),
+                };
+                match b.activation {
+                    SwiGluActivation::Silu => block,
+                    SwiGluActivation::ClampedGptOss { alpha, limit } => {
+                        clamped_swiglu(block, alpha, limit)
+                    }
+                }
+            }
         }
     }
 
@@ -78,4 +90,29 @@ impl ExpertWeights {
             ExpertWeights::Quantized(block) => block.weight_bytes(),
         }
     }
+}
+
+/// gpt-oss's expert `down((clamp(u, -l, l) + 1) * g * sigmoid(alpha * g))`, `g = min(gate, l)`,
+/// as the SwiGLU block `down(silu(g') * u')` that computes it: `g' = alpha * g` (so
+/// `silu(g') = alpha * g * sigmoid(alpha * g)`), clamped at `alpha * l`, and
+/// `u' = (u + 1) / alpha`, clamped to `[(1 - l) / alpha, (1 + l) / alpha]`. In f32: the
+/// scaled weights are not bf16 values. Equal to [`SwiGluActivation::ClampedGptOss`] on the
+/// unscaled block up to f32 rounding (the weights are scaled before the products, not after).
+pub fn clamped_swiglu(mut block: SwiGlu, alpha: f32, limit: f32) -> SwiGlu {
+    let scale = |l: &mut Linear, by: f32| {
+        l.weight.iter_mut().for_each(|w| *w *= by);
+        if let Some(b) = &mut l.bias {
+            b.iter_mut().for_each(|b| *b *= by);
+        }
+    };
+    scale(&mut block.gate, alpha);
+    block.gate.clamp = Some([f32::NEG_INFINITY, alpha * limit]);
+    let up_bias = block
+        .up
+        .bias
+        .get_or_insert_with(|| vec![0.0; block.up.out_features]);
+    up_bias.iter_mut().for_each(|b| *b += 1.0);
+    scale(&mut block.up, 1.0 / alpha);
+    block.up.clamp = Some([(1.0 - limit) / alpha, (1.0 + limit) / alpha]);
+    block
 }

@@ -2,48 +2,27 @@
 //! `[rows, cols]` is stored as `blocks` `[rows, cols / 32, 16]` bytes, two 4-bit elements a
 //! byte (the low nibble first), and `scales` `[rows, cols / 32]` bytes, one power-of-two
 //! exponent (E8M0, biased by 127) for each block of 32. An element is one of ±{0, 0.5, 1,
-//! 1.5, 2, 3, 4, 6} times its block's 2^(scale − 127): every value is exact in bf16, which is
-//! how they are held (as transformers holds them where it has no MXFP4 kernel).
+//! 1.5, 2, 3, 4, 6} times its block's 2^(scale − 127): every value is exact in bf16. Routed
+//! experts are held as stored (`compute::quant`); what else is stored so is widened here.
 
 use half::bf16;
 
-/// Elements in one scaled block.
-pub const BLOCK: usize = 32;
-
-/// The sixteen values of an FP4 e2m1 element (sign, two exponent bits, one mantissa bit).
-const E2M1: [f32; 16] = [
-    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
-];
+pub use crate::compute::quant::MXFP4_BLOCK as BLOCK;
+use crate::compute::quant::{E2M1, e8m0_to_f32, mxfp4};
 
 /// The `[rows, cols]` matrix that `blocks` and `scales` hold, in bf16; an error when their
-/// sizes do not fit `rows × cols` or a scale is E8M0's NaN (255).
+/// sizes do not fit `rows × cols` or a scale is E8M0's NaN (255). Routed experts are held as
+/// stored instead (`crate::compute::quant::QuantFormat::Mxfp4`).
 pub fn dequantize(
     blocks: &[u8],
     scales: &[u8],
     rows: usize,
     cols: usize,
 ) -> Result<Vec<bf16>, String> {
-    if !cols.is_multiple_of(BLOCK) {
-        return Err(format!(
-            "{cols} columns is not a whole number of {BLOCK}-element blocks"
-        ));
-    }
-    let per_row = cols / BLOCK;
-    if blocks.len() != rows * per_row * BLOCK / 2 || scales.len() != rows * per_row {
-        return Err(format!(
-            "{} block bytes and {} scales for a [{rows}, {cols}] matrix (expected {} and {})",
-            blocks.len(),
-            scales.len(),
-            rows * per_row * BLOCK / 2,
-            rows * per_row
-        ));
-    }
-    if let Some(at) = scales.iter().position(|&s| s == 0xFF) {
-        return Err(format!("scale {at} is 255, E8M0's NaN"));
-    }
+    mxfp4::check(blocks, scales, rows, cols)?;
     let mut out = Vec::with_capacity(rows * cols);
     for (block, &scale) in blocks.chunks_exact(BLOCK / 2).zip(scales) {
-        let factor = (f32::from(scale) - 127.0).exp2();
+        let factor = e8m0_to_f32(scale);
         for &byte in block {
             out.push(bf16::from_f32(E2M1[usize::from(byte & 0x0F)] * factor));
             out.push(bf16::from_f32(E2M1[usize::from(byte >> 4)] * factor));

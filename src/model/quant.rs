@@ -23,8 +23,8 @@ pub enum Quantization {
     },
     /// `quant_method = "mxfp4"` (gpt-oss): fused experts stored as `{name}_blocks` (two FP4
     /// e2m1 values a byte, 32 a block) with `{name}_scales` (one E8M0 exponent a block);
-    /// everything else unquantized. Widened to bf16 as the experts are read
-    /// ([`crate::model::mxfp4`]), as transformers does where it has no MXFP4 kernel.
+    /// everything else unquantized. The experts are held as stored
+    /// ([`crate::compute::quant::QuantFormat::Mxfp4`]).
     Mxfp4,
 }
 

@@ -12,7 +12,8 @@ use super::family::ExpertNames;
 use super::quant::Quantization;
 use super::{Checkpoint, ModelError};
 use crate::compute::cpu::{Linear, SwiGlu, WeightElement, add_in_place};
-use crate::compute::quant::{QuantLinear, QuantSwiGlu};
+use crate::compute::expert::clamped_swiglu;
+use crate::compute::quant::{QuantLinear, QuantSwiGlu, SwiGluActivation};
 
 pub use crate::compute::expert::ExpertWeights;
 use fused::{fused_expert, fused_layout};
@@ -451,9 +452,15 @@ pub fn load_expert(
         let block = fused_expert(ckpt, &prefix, fused, expert, [cfg.moe.num_experts, h, i])?;
         return Ok(match cfg.moe.activation {
             ExpertActivation::Silu => block,
-            ExpertActivation::ClampedSwiglu { alpha, limit } => {
-                ExpertWeights::F32(clamped_swiglu(block.widened(), alpha, limit))
-            }
+            // MXFP4 stays as stored, the activation applied after its products; other forms
+            // are held in f32 with the activation folded into their weights.
+            ExpertActivation::ClampedSwiglu { alpha, limit } => match block {
+                ExpertWeights::Quantized(mut q) => {
+                    q.activation = SwiGluActivation::ClampedGptOss { alpha, limit };
+                    ExpertWeights::Quantized(q)
+                }
+                other => ExpertWeights::F32(clamped_swiglu(other.widened(), alpha, limit)),
+            },
         });
     }
     let (prefix, names) = cfg.family.routed_expert(layer, expert);
@@ -462,30 +469,6 @@ pub fn load_expert(
         Some(v4) => deepseek_v4::load_expert(ckpt, cfg, v4, (layer, expert), families),
         None => families(),
     }
-}
-
-/// gpt-oss's expert `down((clamp(u, -l, l) + 1) * g * sigmoid(alpha * g))`, `g = min(gate, l)`,
-/// as the SwiGLU block `down(silu(g') * u')` that computes it: `g' = alpha * g` (so
-/// `silu(g') = alpha * g * sigmoid(alpha * g)`), clamped at `alpha * l`, and
-/// `u' = (u + 1) / alpha`, clamped to `[(1 - l) / alpha, (1 + l) / alpha]`. In f32: the
-/// scaled weights are not bf16 values.
-fn clamped_swiglu(mut block: SwiGlu, alpha: f32, limit: f32) -> SwiGlu {
-    let scale = |l: &mut Linear, by: f32| {
-        l.weight.iter_mut().for_each(|w| *w *= by);
-        if let Some(b) = &mut l.bias {
-            b.iter_mut().for_each(|b| *b *= by);
-        }
-    };
-    scale(&mut block.gate, alpha);
-    block.gate.clamp = Some([f32::NEG_INFINITY, alpha * limit]);
-    let up_bias = block
-        .up
-        .bias
-        .get_or_insert_with(|| vec![0.0; block.up.out_features]);
-    up_bias.iter_mut().for_each(|b| *b += 1.0);
-    scale(&mut block.up, 1.0 / alpha);
-    block.up.clamp = Some([(1.0 - limit) / alpha, (1.0 + limit) / alpha]);
-    block
 }
 
 /// How a dummy checkpoint makes routed expert `expert` of `layer`: its gate, up and down
@@ -539,6 +522,7 @@ fn expert_block(
             gate,
             up: also(names.up, i, h)?,
             down: also(names.down, h, i)?,
+            activation: SwiGluActivation::Silu,
         }));
     }
     let gate_name = format!("{gate_prefix}.weight");

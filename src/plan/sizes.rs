@@ -16,7 +16,8 @@ pub struct ModelSizes {
     pub dtype_bytes: u64,
     /// One routed expert of one layer: gate, up and down projections, as a node holds them
     /// on CPU slots and GPUs alike: in the stored form for a quantized checkpoint (FP8: 1
-    /// byte per weight, INT4: half a byte, plus their f32 scales).
+    /// byte per weight, INT4: half a byte, plus their f32 scales; MXFP4: half a byte plus a
+    /// byte per 32).
     pub expert_bytes: u64,
     /// Everything every node loads besides routed experts: embeddings, attention, norms,
     /// gates, shared experts, dense MLPs, the output head.
@@ -109,8 +110,9 @@ impl ModelSizes {
         };
         let experts = model.moe.num_experts as u64;
         // The router, and its per-expert correction bias where the family's gate has one.
-        // gpt-oss's router and experts carry biases, and its experts are held in f32 (their
-        // clamped activation is folded into scaled weights: `crate::model::weights`).
+        // gpt-oss's router and experts carry biases; its bf16 experts are held in f32 (their
+        // clamped activation is folded into scaled weights: `crate::model::weights`), its
+        // MXFP4 experts as stored.
         let clamped = matches!(model.moe.activation, ExpertActivation::ClampedSwiglu { .. });
         let gate = experts * h
             + if model.family.gate_correction_bias() || clamped {
@@ -258,8 +260,23 @@ fn quantized_expert_bytes(model: &ModelConfig) -> Option<u64> {
     // gate and up are [i, h], down is [h, i].
     let matrices = [(i, h), (i, h), (h, i)];
     match &model.quantization {
-        // MXFP4 experts are widened to bf16 as they are read.
-        Quantization::None | Quantization::Mxfp4 => None,
+        Quantization::None => None,
+        // Held as stored: half a byte per weight and one E8M0 byte per 32, plus gpt-oss's
+        // f32 biases (gate, up and down).
+        Quantization::Mxfp4 => {
+            let biases = if matches!(model.moe.activation, ExpertActivation::ClampedSwiglu { .. }) {
+                4 * (2 * i + h)
+            } else {
+                0
+            };
+            Some(
+                matrices
+                    .iter()
+                    .map(|&(out, inp)| out * inp / 2 + out * inp.div_ceil(32))
+                    .sum::<u64>()
+                    + biases,
+            )
+        }
         Quantization::Fp8 { block } => {
             let [rows, cols] = block.map(|b| b as u64);
             Some(
@@ -325,6 +342,25 @@ mod tests {
             let header = u64::from_le_bytes(file[..8].try_into().unwrap());
             assert_eq!(file.len() as u64 - 8 - header, tensors, "{name}");
         }
+    }
+
+    /// gpt-oss's MXFP4 release: `plan` counts its experts as a node holds them (blocks,
+    /// scales and f32 biases), what a loaded expert reports reading.
+    #[test]
+    fn mxfp4_experts_are_counted_as_held() {
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gpt_oss_mxfp4");
+        let model = ModelConfig::load(&dir).unwrap();
+        let ckpt = crate::model::Checkpoint::open(&dir).unwrap();
+        let expert = crate::model::weights::load_expert(&ckpt, &model, 0, 0).unwrap();
+        assert!(matches!(
+            expert,
+            crate::compute::expert::ExpertWeights::Quantized(_)
+        ));
+        let (h, i) = (64u64, 32u64);
+        let expected = 3 * (h * i / 2 + h * i / 32) + 4 * (2 * i + h);
+        assert_eq!(ModelSizes::of(&model).expert_bytes, expected);
+        assert_eq!(expert.weight_bytes() as u64, expected);
     }
 
     #[test]

@@ -14,7 +14,7 @@ use half::bf16;
 
 use crate::compute::cpu::WeightElement;
 use crate::compute::expert::ExpertWeights;
-use crate::compute::quant::{GroupScales, QuantFormat, QuantLinear};
+use crate::compute::quant::{GroupScales, QuantFormat, QuantLinear, SwiGluActivation};
 
 /// Every part of a slot starts at a multiple of this many bytes (cuBLAS's fast paths want 16;
 /// 256 keeps every matrix on its own cache lines).
@@ -85,6 +85,19 @@ impl ExpertStorage {
             );
         }
         let matrices = [&block.gate, &block.up, &block.down];
+        if matrices
+            .iter()
+            .any(|m| matches!(m.format, QuantFormat::Mxfp4 { .. }))
+        {
+            return (
+                ExpertStorage::Bf16,
+                Some(
+                    "MXFP4 experts are widened to bf16 on upload: the GPU's expert kernels \
+                     read FP8 and INT4"
+                        .into(),
+                ),
+            );
+        }
         let forms: Vec<ExpertStorage> = matrices.iter().map(|m| Self::of_matrix(m)).collect();
         let same_kind = |a: &ExpertStorage, b: &ExpertStorage| match (a, b) {
             (ExpertStorage::Int4 { group: g1, .. }, ExpertStorage::Int4 { group: g2, .. }) => {
@@ -132,6 +145,7 @@ impl ExpertStorage {
                 group: *group,
                 scales_bf16: matches!(scales, GroupScales::Bf16(_)),
             },
+            QuantFormat::Mxfp4 { .. } => ExpertStorage::Bf16,
         }
     }
 
@@ -269,6 +283,16 @@ impl ExpertStorage {
         if shapes != expected {
             return Err(format!(
                 "the expert's matrices are {shapes:?}, not gate and up [{i}, {h}] and down [{h}, {i}]"
+            ));
+        }
+        if let ExpertWeights::Quantized(b) = weights
+            && (b.activation != SwiGluActivation::Silu
+                || [&b.gate, &b.up, &b.down].iter().any(|m| m.bias.is_some()))
+        {
+            return Err(format!(
+                "the expert has biases or a clamped activation ({:?}), which the GPU's expert \
+                 slots do not hold",
+                b.activation
             ));
         }
         match (self, weights) {
@@ -441,7 +465,12 @@ mod tests {
     }
 
     fn quantized(gate: QuantLinear, up: QuantLinear, down: QuantLinear) -> ExpertWeights {
-        ExpertWeights::Quantized(QuantSwiGlu { gate, up, down })
+        ExpertWeights::Quantized(QuantSwiGlu {
+            gate,
+            up,
+            down,
+            activation: Default::default(),
+        })
     }
 
     #[test]
@@ -649,6 +678,43 @@ mod tests {
         };
         let err = bf16_device.pack(&f32_scales, H, I).unwrap_err();
         assert!(err.contains("not all bf16 values"), "{err}");
+    }
+
+    /// MXFP4 experts are widened to bf16 on upload (the log says why); gpt-oss's, with biases
+    /// and a clamped activation, are refused rather than held without them.
+    #[test]
+    fn mxfp4_experts_are_widened_at_upload_and_biased_ones_refused() {
+        let (h, i) = (64, 32);
+        let m = |rows: usize, cols: usize| {
+            let blocks = (0..rows * cols / 2).map(|n| (n * 37 % 256) as u8).collect();
+            QuantLinear::mxfp4(blocks, vec![126; rows * cols / 32], rows, cols).unwrap()
+        };
+        let expert = quantized(m(i, h), m(i, h), m(h, i));
+        let (storage, reason) = ExpertStorage::of(&expert, h, i);
+        assert_eq!(storage, ExpertStorage::Bf16);
+        assert!(reason.unwrap().contains("MXFP4"));
+        let slot = storage.pack(&expert, h, i).unwrap();
+        let ExpertWeights::Quantized(b) = &expert else {
+            unreachable!()
+        };
+        let first = bf16::from_le_bytes([slot[0], slot[1]]).to_f32();
+        assert_eq!(first, b.gate.widen()[0]);
+        let mut clamped = b.clone();
+        clamped.activation = SwiGluActivation::ClampedGptOss {
+            alpha: 1.702,
+            limit: 7.0,
+        };
+        let err = storage
+            .pack(&ExpertWeights::Quantized(clamped), h, i)
+            .unwrap_err();
+        assert!(err.contains("clamped activation"), "{err}");
+        let mut biased = b.clone();
+        biased.down.bias = Some(vec![0.5; h]);
+        assert!(
+            storage
+                .pack(&ExpertWeights::Quantized(biased), h, i)
+                .is_err()
+        );
     }
 
     #[test]

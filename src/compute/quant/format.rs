@@ -22,6 +22,10 @@ pub enum QuantFormat {
         scales: GroupScales,
         group: usize,
     },
+    /// MXFP4 (gpt-oss's experts): two e2m1 values a byte, lowest nibble first, a row taking
+    /// `in_features / 32` blocks of 16 bytes; `scales[row * blocks + b]` is block `b`'s E8M0
+    /// exponent, `2^(scale - 127)` ([`super::mxfp4`]).
+    Mxfp4 { blocks: Vec<u8>, scales: Vec<u8> },
 }
 
 /// The group scales of an INT4 matrix: bf16 when every scale is a bf16 value (published

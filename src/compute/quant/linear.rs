@@ -5,6 +5,7 @@
 use super::e4m3::{E4m3, widen_e4m3};
 use super::format::{GroupScales, QuantFormat};
 use super::int4_rows::*;
+use super::mxfp4::{self, E2M1, MXFP4_BLOCK, decode_mxfp4, e8m0_to_f32};
 use crate::compute::amx::{self, PackedInputs, TileWeights};
 use crate::compute::cpu::decode::{FEW_ROWS, dot_rows, few_rows_by_columns};
 use crate::compute::cpu::gemm::matmul_widening;
@@ -21,12 +22,14 @@ use crate::compute::cpu::tiles::{avx2_tiles, dot_tiles, few_rows_widened};
 /// against 21.0; at 32 rows BF16 took 31 ms where the dequantized f32 product took 91.
 pub(crate) const INT4_BF16_TILES_MIN_ROWS: usize = 7;
 
-/// A quantized `[out_features, in_features]` matrix, as `nn.Linear` lays out its weight.
+/// A quantized `[out_features, in_features]` matrix, as `nn.Linear` lays out its weight, with
+/// an optional f32 bias (gpt-oss's experts have one).
 #[derive(Debug, Clone)]
 pub struct QuantLinear {
     pub format: QuantFormat,
     pub out_features: usize,
     pub in_features: usize,
+    pub bias: Option<Vec<f32>>,
 }
 
 impl QuantLinear {
@@ -59,6 +62,7 @@ impl QuantLinear {
             },
             out_features,
             in_features,
+            bias: None,
         })
     }
 
@@ -91,16 +95,37 @@ impl QuantLinear {
             },
             out_features,
             in_features,
+            bias: None,
         })
     }
 
-    /// Bytes this matrix holds in memory (weights and scales): what one pass reads.
+    /// An MXFP4 matrix (`blocks`: `in_features / 2` bytes a row; `scales`: one E8M0 byte per
+    /// 32 weights of a row); fails when a length does not match the shape, `in_features` is
+    /// not whole blocks or a scale is E8M0's NaN.
+    pub fn mxfp4(
+        blocks: Vec<u8>,
+        scales: Vec<u8>,
+        out_features: usize,
+        in_features: usize,
+    ) -> Result<Self, String> {
+        mxfp4::check(&blocks, &scales, out_features, in_features)?;
+        Ok(QuantLinear {
+            format: QuantFormat::Mxfp4 { blocks, scales },
+            out_features,
+            in_features,
+            bias: None,
+        })
+    }
+
+    /// Bytes this matrix holds in memory (weights, scales and bias): what one pass reads.
     pub fn stored_bytes(&self) -> usize {
-        match &self.format {
+        let bias = self.bias.as_ref().map_or(0, |b| 4 * b.len());
+        bias + match &self.format {
             QuantFormat::Fp8 {
                 weights, scales, ..
             } => weights.len() + 4 * scales.len(),
             QuantFormat::Int4 { packed, scales, .. } => 4 * packed.len() + scales.bytes(),
+            QuantFormat::Mxfp4 { blocks, scales } => blocks.len() + scales.len(),
         }
     }
 
@@ -171,6 +196,33 @@ impl QuantLinear {
                     scale_spans(out, *group, &|g| scales.get(row * groups + g));
                 }
             }
+            QuantFormat::Mxfp4 { blocks, scales } => {
+                let per_row = k / MXFP4_BLOCK;
+                let row_bytes = &blocks[row * k / 2..][..k / 2];
+                let row_scales = &scales[row * per_row..][..per_row];
+                let element = |e: usize| {
+                    let byte = row_bytes[e / 2];
+                    let nibble = if e.is_multiple_of(2) {
+                        byte & 0x0F
+                    } else {
+                        byte >> 4
+                    };
+                    E2M1[usize::from(nibble)] * e8m0_to_f32(row_scales[e / MXFP4_BLOCK])
+                };
+                // One by one up to the first whole block and for an odd last element; the
+                // whole pairs between from the decoder.
+                let head = (from.next_multiple_of(MXFP4_BLOCK) - from).min(len);
+                let pairs_end = head + (len - head) / 2 * 2;
+                for j in (0..head).chain(pairs_end..len) {
+                    out[j] = element(from + j);
+                }
+                let at = from + head;
+                decode_mxfp4(
+                    &row_bytes[at / 2..(from + pairs_end) / 2],
+                    &row_scales[at / MXFP4_BLOCK..],
+                    &mut out[head..pairs_end],
+                );
+            }
         }
     }
 
@@ -200,6 +252,7 @@ impl QuantLinear {
             QuantFormat::Int4 { group, .. } => {
                 rows >= INT4_BF16_TILES_MIN_ROWS && amx::takes_int4_groups(self.in_features, *group)
             }
+            QuantFormat::Mxfp4 { .. } => false,
         };
         takes && amx::takes_outputs(self.out_features)
     }
@@ -233,6 +286,7 @@ impl QuantLinear {
                 scales,
                 group: *group,
             },
+            QuantFormat::Mxfp4 { .. } => return false,
         };
         amx::matmul_transposed(packed, weights, n, out, n, parallel)
     }
@@ -332,8 +386,27 @@ impl QuantLinear {
         few_rows_by_columns(inputs.rows, k, out, parallel, weight_rows);
     }
 
-    /// `x [rows, in] -> [rows, out]`; `parallel = false` keeps the work on this thread.
+    /// `x [rows, in] -> [rows, out]`, the bias added; `parallel = false` keeps the work on
+    /// this thread.
     pub fn forward_with(&self, x: &[f32], rows: usize, parallel: bool) -> Vec<f32> {
+        let mut out = self.product(x, rows, parallel);
+        self.add_bias(&mut out);
+        out
+    }
+
+    /// Adds the bias, where there is one, to every row of `out`.
+    fn add_bias(&self, out: &mut [f32]) {
+        if let Some(bias) = &self.bias {
+            for row in out.chunks_exact_mut(self.out_features) {
+                for (o, b) in row.iter_mut().zip(bias) {
+                    *o += b;
+                }
+            }
+        }
+    }
+
+    /// `x · wᵀ` without the bias, on the kernel the format and number of rows take.
+    fn product(&self, x: &[f32], rows: usize, parallel: bool) -> Vec<f32> {
         let (n, k) = (self.out_features, self.in_features);
         assert_eq!(x.len(), rows * k, "lhs size");
         let mut out = vec![0.0f32; rows * n];
@@ -509,12 +582,41 @@ fn decode_int4(words: &[u32], scales: &[f32], group: usize, out: &mut [f32]) {
 }
 
 /// A routed expert's SwiGLU block with quantized projections:
-/// `down(silu(gate(x)) * up(x))`.
+/// `down(act(gate(x), up(x)))`, `act` the block's [`SwiGluActivation`].
 #[derive(Debug, Clone)]
 pub struct QuantSwiGlu {
     pub gate: QuantLinear,
     pub up: QuantLinear,
     pub down: QuantLinear,
+    pub activation: SwiGluActivation,
+}
+
+/// How a SwiGLU block joins its gate and up projections.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub enum SwiGluActivation {
+    /// `silu(gate) * up`.
+    #[default]
+    Silu,
+    /// gpt-oss's clamped SwiGLU, as transformers computes it:
+    /// `(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`, `g = min(gate, limit)`.
+    ClampedGptOss { alpha: f32, limit: f32 },
+}
+
+impl SwiGluActivation {
+    /// `gate = act(gate, up)`, element by element.
+    pub fn apply(self, gate: &mut [f32], up: &[f32]) {
+        match self {
+            SwiGluActivation::Silu => silu_mul(gate, up),
+            SwiGluActivation::ClampedGptOss { alpha, limit } => {
+                for (g, u) in gate.iter_mut().zip(up) {
+                    // `f32::clamp` keeps NaN, as torch's clamp does (`min` would not).
+                    let g0 = g.clamp(f32::NEG_INFINITY, limit);
+                    let glu = g0 / (1.0 + (-(g0 * alpha)).exp());
+                    *g = (u.clamp(-limit, limit) + 1.0) * glu;
+                }
+            }
+        }
+    }
 }
 
 impl QuantSwiGlu {
@@ -536,7 +638,7 @@ impl QuantSwiGlu {
         let planes = Int4Decode::detect()
             .filter(|_| self.gate.int4_decodes(rows) && self.up.int4_decodes(rows))
             .map(|kernel| Int4Inputs::for_decode(x, rows, kernel));
-        let project = |linear: &QuantLinear| {
+        let product = |linear: &QuantLinear| {
             let mut out = vec![0.0f32; rows * linear.out_features];
             #[cfg(target_arch = "x86_64")]
             if let Some(planes) = &planes {
@@ -550,12 +652,17 @@ impl QuantSwiGlu {
             }
             match &digits {
                 Some(d) if linear.int4_digits_product(d, &mut out, parallel) => out,
-                _ => linear.forward_with(x, rows, parallel),
+                _ => linear.product(x, rows, parallel),
             }
+        };
+        let project = |linear: &QuantLinear| {
+            let mut out = product(linear);
+            linear.add_bias(&mut out);
+            out
         };
         let mut gate = project(&self.gate);
         let up = project(&self.up);
-        silu_mul(&mut gate, &up);
+        self.activation.apply(&mut gate, &up);
         self.down.forward_with(&gate, rows, parallel)
     }
 

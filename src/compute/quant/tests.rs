@@ -31,6 +31,20 @@ fn by_hand(m: &QuantLinear) -> Vec<f32> {
                     let value = ((word >> (4 * (c % 8))) & 0xf) as i32 - 8;
                     value as f32 * scales.get(r * k.div_ceil(*group) + c / group)
                 }
+                QuantFormat::Mxfp4 { blocks, scales } => {
+                    // e2m1: sign, two exponent bits (bias 1), one mantissa bit; 0 subnormal.
+                    let byte = blocks[(r * k + c) / 2];
+                    let nibble = if c % 2 == 0 { byte & 0xf } else { byte >> 4 };
+                    let (exponent, mantissa) = (i32::from((nibble >> 1) & 3), nibble & 1);
+                    let magnitude = if exponent == 0 {
+                        0.5 * f32::from(mantissa)
+                    } else {
+                        (1.0 + 0.5 * f32::from(mantissa)) * 2f32.powi(exponent - 1)
+                    };
+                    let sign = if nibble & 8 != 0 { -1.0 } else { 1.0 };
+                    let scale = 2f64.powi(i32::from(scales[r * k / 32 + c / 32]) - 127) as f32;
+                    sign * magnitude * scale
+                }
             });
         }
     }
@@ -298,11 +312,13 @@ fn an_expert_whose_gate_and_up_share_one_packing_equals_the_widened_expert() {
             gate: int4(i, h, 1),
             up: int4(i, h, 2),
             down: int4(h, i, 3),
+            activation: Default::default(),
         },
         QuantSwiGlu {
             gate: fp8(i, h, 1),
             up: fp8(i, h, 2),
             down: fp8(h, i, 3),
+            activation: Default::default(),
         },
     ];
     for expert in &experts {
@@ -370,7 +386,9 @@ fn products_equal_the_widened_product(n: usize, k: usize) {
         int4(48),
         int4_scaled(32, 0.125),
         int4_scaled(12, 0.125),
-    ];
+    ]
+    .into_iter()
+    .chain(k.is_multiple_of(32).then(|| mxfp4_matrix(n, k, 0)));
     for matrix in matrices {
         let w = by_hand(&matrix);
         assert_eq!(matrix.widen(), w);
@@ -390,4 +408,102 @@ fn products_equal_the_widened_product(n: usize, k: usize) {
             }
         }
     }
+}
+
+/// An MXFP4 matrix of every byte value, scales 2^-8 to 2^3 (and one 2^-127, subnormal).
+fn mxfp4_matrix(n: usize, k: usize, seed: usize) -> QuantLinear {
+    let blocks = (0..n * k / 2)
+        .map(|j| ((j * 193 + seed * 7) % 256) as u8)
+        .collect();
+    let mut scales: Vec<u8> = (0..n * k / 32)
+        .map(|j| 119 + ((j * 5 + seed) % 12) as u8)
+        .collect();
+    scales[0] = 0;
+    QuantLinear::mxfp4(blocks, scales, n, k).unwrap()
+}
+
+#[test]
+fn mxfp4_spans_from_within_a_block_and_of_odd_length_equal_the_widened_row() {
+    let (n, k) = (3, 128);
+    let m = mxfp4_matrix(n, k, 1);
+    let w = m.widen();
+    assert_eq!(w, by_hand(&m));
+    for row in 0..n {
+        for (from, len) in [
+            (0, 128),
+            (8, 5),
+            (8, 57),
+            (24, 40),
+            (32, 33),
+            (96, 31),
+            (40, 88),
+        ] {
+            let mut out = vec![f32::NAN; len];
+            m.dequantize_span(row, from, &mut out);
+            assert_eq!(
+                out,
+                w[row * k + from..][..len],
+                "row {row} from {from} len {len}"
+            );
+        }
+    }
+    assert!(QuantLinear::mxfp4(vec![0; 16], vec![255], 1, 32).is_err());
+    assert!(QuantLinear::mxfp4(vec![0; 16], vec![127, 127], 1, 32).is_err());
+    assert!(QuantLinear::mxfp4(vec![0; 24], vec![127], 1, 48).is_err());
+}
+
+/// gpt-oss's expert kept in MXFP4 (biases, clamped SwiGLU applied after the products) equals
+/// the block widened to f32 with the activation folded into its weights, as f32 experts are
+/// held, within f32 rounding: the fold scales weights by alpha before the products where the
+/// compressed path scales the gate's sum after, and the two sum in different orders.
+#[test]
+fn a_clamped_mxfp4_expert_equals_its_widened_folded_block() {
+    use crate::compute::expert::ExpertWeights;
+    let (h, i) = (64, 96);
+    let biased = |mut m: QuantLinear, seed: usize| {
+        m.bias = Some(
+            (0..m.out_features)
+                .map(|j| ((j * 7 + seed) % 13) as f32 / 4.0 - 1.5)
+                .collect(),
+        );
+        m
+    };
+    let expert = ExpertWeights::Quantized(QuantSwiGlu {
+        gate: biased(mxfp4_matrix(i, h, 1), 1),
+        up: biased(mxfp4_matrix(i, h, 2), 2),
+        down: biased(mxfp4_matrix(h, i, 3), 3),
+        activation: SwiGluActivation::ClampedGptOss {
+            alpha: 1.702,
+            limit: 7.0,
+        },
+    });
+    let folded = ExpertWeights::F32(expert.widened());
+    for rows in [1, 3, 9, 16, 40, 70] {
+        let x: Vec<f32> = (0..rows * h)
+            .map(|j| ((j * 5 % 11) as f32 - 5.0) / 2.0)
+            .collect();
+        let got = expert.forward_with(&x, rows, false);
+        let expected = folded.forward_with(&x, rows, false);
+        let largest = expected.iter().fold(0f32, |m, e| m.max(e.abs()));
+        for (g, e) in got.iter().zip(&expected) {
+            assert!(
+                (g - e).abs() <= 2e-5 * largest,
+                "{rows} rows: {g} vs {e} ({largest})"
+            );
+        }
+    }
+    // The inputs reach both clamps (gate above the limit, up outside ±limit).
+    let ExpertWeights::Quantized(q) = &expert else {
+        unreachable!()
+    };
+    let x: Vec<f32> = (0..h).map(|j| ((j * 5 % 11) as f32 - 5.0) / 2.0).collect();
+    let (gate, up) = (
+        q.gate.forward_with(&x, 1, false),
+        q.up.forward_with(&x, 1, false),
+    );
+    assert!(gate.iter().any(|&g| g > 7.0) && up.iter().any(|&u| u.abs() > 7.0));
+    assert_eq!(
+        expert.weight_bytes(),
+        3 * (h * i / 2 + h * i / 32) + 4 * (2 * i + h)
+    );
 }

@@ -5,8 +5,8 @@
 //! renormalised top-k of a softmax over all), experts stored fused (`mlp.experts.gate_up_proj`
 //! `[experts, hidden, 2 * intermediate]` with gate and up interleaved, `down_proj`, each with
 //! a `_bias`) under a clamped SwiGLU (`swiglu_alpha` 1.702, `swiglu_limit` 7.0, `up + 1`).
-//! Both releases are read: bf16, and MXFP4 (`quant_method: mxfp4`), whose experts are
-//! widened to bf16 as they load (`crate::model::mxfp4`).
+//! Both releases are read: bf16, and MXFP4 (`quant_method: mxfp4`), whose experts are held
+//! as stored (`crate::compute::quant::QuantFormat::Mxfp4`).
 
 use serde::Deserialize;
 use serde_json::Value;

@@ -3,14 +3,14 @@
 //! blocks the kernels take. Only an expert's own block of each tensor is decoded: a node
 //! reads just the experts it holds, and a layer's load stays linear in its experts.
 
-use half::bf16;
 use safetensors::tensor::Dtype;
 
-use crate::compute::cpu::{Linear, SwiGlu, WeightElement};
+use crate::compute::cpu::{Linear, SwiGlu};
 use crate::compute::expert::ExpertWeights;
+use crate::compute::quant::{MXFP4_BLOCK, QuantLinear, QuantSwiGlu, SwiGluActivation};
 use crate::model::config::ModelConfig;
 use crate::model::family::FusedExperts;
-use crate::model::{Checkpoint, ModelError, mxfp4};
+use crate::model::{Checkpoint, ModelError};
 
 /// Layer `layer`'s fused experts where this checkpoint stores them fused: always for a family
 /// that stores them only so, else where `{gate_up}` is present (a dummy checkpoint makes them
@@ -26,7 +26,7 @@ pub(super) fn fused_layout(
 }
 
 /// Expert `expert` of a layer's fused experts under `prefix`, as the SwiGLU block the
-/// kernels take (`[out, in]` matrices), bf16 kept bf16. Only this expert's block of each
+/// kernels take (`[out, in]` matrices), bf16 kept bf16 and MXFP4 kept MXFP4. Only this expert's block of each
 /// fused tensor is decoded: a node reads just the experts it holds.
 pub(super) fn fused_expert(
     ckpt: &Checkpoint,
@@ -79,14 +79,17 @@ pub(super) fn fused_expert(
                 up: Linear::without_bias(up, i, h),
                 down: Linear::without_bias(down, h, i),
             };
-            fused_biases(
+            if let Some([gate, up, down]) = fused_biases(
                 ckpt,
                 [&gate_up_name, &down_name],
                 fused,
                 expert,
                 [experts, h, i],
-                &mut block,
-            )?;
+            )? {
+                block.gate.bias = Some(gate);
+                block.up.bias = Some(up);
+                block.down.bias = Some(down);
+            }
             block
         }};
     }
@@ -106,18 +109,17 @@ fn fused_split(fused: FusedExperts, i: usize, c: usize) -> (usize, usize) {
     }
 }
 
-/// The biases beside fused experts (`{gate_up}_bias`, `{down}_bias`), where the family has
-/// them, set on expert `expert`'s block.
-fn fused_biases<T: WeightElement>(
+/// The biases beside fused experts (`{gate_up}_bias`, `{down}_bias`) of expert `expert`, as
+/// gate, up and down biases, where the family has them.
+fn fused_biases(
     ckpt: &Checkpoint,
     [gate_up_name, down_name]: [&str; 2],
     fused: FusedExperts,
     expert: usize,
     [experts, h, i]: [usize; 3],
-    block: &mut SwiGlu<T>,
-) -> Result<(), ModelError> {
+) -> Result<Option<[Vec<f32>; 3]>, ModelError> {
     if !fused.bias {
-        return Ok(());
+        return Ok(None);
     }
     let gate_up = ckpt.read_f32_at(&format!("{gate_up_name}_bias"), &[experts, 2 * i], expert)?;
     let (gate, up): (Vec<f32>, Vec<f32>) = (0..i)
@@ -125,14 +127,12 @@ fn fused_biases<T: WeightElement>(
         .map(|(g, u)| (gate_up[g], gate_up[u]))
         .unzip();
     let down = ckpt.read_f32_at(&format!("{down_name}_bias"), &[experts, h], expert)?;
-    block.gate.bias = Some(gate);
-    block.up.bias = Some(up);
-    block.down.bias = Some(down);
-    Ok(())
+    Ok(Some([gate, up, down]))
 }
 
 /// Expert `expert` of fused experts stored in MXFP4 (gpt-oss's release: `{name}_blocks`
-/// and `{name}_scales`, matrices `[out, in]`, gate and up along `out`), widened to bf16.
+/// and `{name}_scales`, matrices `[out, in]`, gate and up along `out`), held as stored: each
+/// output row's 16-byte blocks and E8M0 scales, gate's and up's rows taken apart.
 fn mxfp4_expert(
     ckpt: &Checkpoint,
     [gate_up_name, down_name]: [&str; 2],
@@ -140,48 +140,57 @@ fn mxfp4_expert(
     expert: usize,
     [experts, h, i]: [usize; 3],
 ) -> Result<ExpertWeights, ModelError> {
-    let matrix = |name: &str, rows: usize, cols: usize| -> Result<Vec<bf16>, ModelError> {
-        let corrupt = |reason: String| ModelError::Corrupt {
-            path: ckpt.dir().to_path_buf(),
-            reason: format!("`{}` (MXFP4): {reason}", ckpt.stored_name(name)),
-        };
-        if !cols.is_multiple_of(mxfp4::BLOCK) {
-            return Err(corrupt(format!(
-                "{cols} inputs is not a whole number of {}-element blocks",
-                mxfp4::BLOCK
-            )));
+    let corrupt = |name: &str, reason: String| ModelError::Corrupt {
+        path: ckpt.dir().to_path_buf(),
+        reason: format!("`{}` (MXFP4): {reason}", ckpt.stored_name(name)),
+    };
+    // The matrix's blocks and scales, `rows` rows of `cols` inputs.
+    let matrix = |name: &str, rows: usize, cols: usize| -> Result<(Vec<u8>, Vec<u8>), ModelError> {
+        if !cols.is_multiple_of(MXFP4_BLOCK) {
+            return Err(corrupt(
+                name,
+                format!("{cols} inputs is not a whole number of {MXFP4_BLOCK}-element blocks"),
+            ));
         }
-        let groups = cols / mxfp4::BLOCK;
-        let per_block = mxfp4::BLOCK / 2;
+        let groups = cols / MXFP4_BLOCK;
         let blocks = ckpt.read_u8_at(
             &format!("{name}_blocks"),
-            &[experts, rows, groups, per_block],
+            &[experts, rows, groups, MXFP4_BLOCK / 2],
             expert,
         )?;
         let scales =
             ckpt.read_u8_at(&format!("{name}_scales"), &[experts, rows, groups], expert)?;
-        mxfp4::dequantize(&blocks, &scales, rows, cols).map_err(corrupt)
+        Ok((blocks, scales))
     };
-    let gate_up = matrix(gate_up_name, 2 * i, h)?;
-    let down = matrix(down_name, h, i)?;
-    let (mut gate, mut up) = (Vec::with_capacity(i * h), Vec::with_capacity(i * h));
+    let linear = |name: &str, (blocks, scales): (Vec<u8>, Vec<u8>), rows: usize, cols: usize| {
+        QuantLinear::mxfp4(blocks, scales, rows, cols).map_err(|e| corrupt(name, e))
+    };
+    let (gate_up_blocks, gate_up_scales) = matrix(gate_up_name, 2 * i, h)?;
+    let (row_bytes, row_scales) = (h / 2, h / MXFP4_BLOCK);
+    let (mut gate, mut up) = ((Vec::new(), Vec::new()), (Vec::new(), Vec::new()));
     for c in 0..i {
         let (g, u) = fused_split(fused, i, c);
-        gate.extend_from_slice(&gate_up[g * h..][..h]);
-        up.extend_from_slice(&gate_up[u * h..][..h]);
+        for (to, r) in [(&mut gate, g), (&mut up, u)] {
+            to.0.extend_from_slice(&gate_up_blocks[r * row_bytes..][..row_bytes]);
+            to.1.extend_from_slice(&gate_up_scales[r * row_scales..][..row_scales]);
+        }
     }
-    let mut block = SwiGlu {
-        gate: Linear::without_bias(gate, i, h),
-        up: Linear::without_bias(up, i, h),
-        down: Linear::without_bias(down, h, i),
+    let mut block = QuantSwiGlu {
+        gate: linear(gate_up_name, gate, i, h)?,
+        up: linear(gate_up_name, up, i, h)?,
+        down: linear(down_name, matrix(down_name, h, i)?, h, i)?,
+        activation: SwiGluActivation::Silu,
     };
-    fused_biases(
+    if let Some([gate, up, down]) = fused_biases(
         ckpt,
         [gate_up_name, down_name],
         fused,
         expert,
         [experts, h, i],
-        &mut block,
-    )?;
-    Ok(ExpertWeights::Bf16(block))
+    )? {
+        block.gate.bias = Some(gate);
+        block.up.bias = Some(up);
+        block.down.bias = Some(down);
+    }
+    Ok(ExpertWeights::Quantized(block))
 }
