@@ -9,7 +9,7 @@ const LAYERS: &[&[&str]] = &[
     &["cpu::element", "cpu::parallel", "cpu::simd"],
     &["cpu::decode", "cpu::gemm"],
     &["cpu::tiles", "cpu::ops"],
-    &["quant::e4m3", "quant::format"],
+    &["quant::e4m3", "quant::format", "quant::mxfp4"],
     &["quant::int4_rows"],
     &["amx::status"],
     &["amx::pack", "amx::to_bf16"],
