@@ -1,8 +1,11 @@
 //! Sequences stepped together in one batch give what they give alone (the same greedy
 //! tokens, logits within rounding): the property continuous batching rests on.
 
+mod batch_run;
+
 use std::path::Path;
 
+use batch_run::run_batch;
 use moe_node::engine::{Engine, SequenceStep};
 
 /// The largest difference between two equally long vectors; NaN anywhere is NaN (which
@@ -239,7 +242,7 @@ fn a_prompt_attended_in_blocks_equals_it_fed_token_by_token() {
 /// gets alone.
 #[test]
 fn a_hybrid_model_batched_preempted_and_from_a_kept_prefix_gives_what_it_gives_alone() {
-    use moe_node::engine::batch::{BatchLimits, Batcher, KvBudget, Sequence, SequenceEvent};
+    use moe_node::engine::batch::{BatchLimits, Batcher, KvBudget, Sequence};
     use moe_node::engine::{GenerateRequest, KvCache, SamplingParams, generate};
 
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3_next");
@@ -277,25 +280,7 @@ fn a_hybrid_model_batched_preempted_and_from_a_kept_prefix_gives_what_it_gives_a
     let max_tokens = 10;
     let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); 17];
     let run = |batcher: &mut Batcher<usize>, tokens: &mut Vec<Vec<u32>>| {
-        for _ in 0..500 {
-            let mut steps = batcher.plan_step(|c| engine.fork_cache(c));
-            if steps.is_empty() {
-                return;
-            }
-            let logits = engine.forward(&mut steps).unwrap();
-            drop(steps);
-            batcher.complete_step(
-                logits,
-                |c| engine.fork_cache(c),
-                |id, event| {
-                    if let SequenceEvent::Token { token, .. } = event {
-                        tokens[*id].push(token);
-                    }
-                    true
-                },
-            );
-        }
-        panic!("the batch did not finish");
+        run_batch(&engine, batcher, tokens);
     };
     let submit = |batcher: &mut Batcher<usize>, prompt: Vec<u32>, id: usize| {
         let seq = Sequence::new(

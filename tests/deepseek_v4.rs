@@ -7,12 +7,14 @@
 //! layer) batched, rolled back, preempted and reused as the router does, and over HTTP. The
 //! GPU backend refuses it, naming what it lacks.
 
+mod batch_run;
 mod common;
 mod serve;
 
 use std::path::{Path, PathBuf};
 
-use moe_node::engine::batch::{BatchLimits, Batcher, KvBudget, Sequence, SequenceEvent};
+use batch_run::run_batch;
+use moe_node::engine::batch::{BatchLimits, Batcher, KvBudget, Sequence};
 use moe_node::engine::{Engine, GenerateRequest, KvCache, SamplingParams, SequenceStep, generate};
 use safetensors::SafeTensors;
 use serde::Deserialize;
@@ -245,32 +247,6 @@ fn plan_fits_pro_with_two_copies_on_two_h200_nodes() {
         assert_eq!(failure["experts_losing_a_replica"], 61 * 384);
         assert_eq!(failure["unavailable_experts"], 0);
     }
-}
-
-/// Runs every step `batcher` plans over `engine` (as the router does) and collects each
-/// sequence's tokens by its id; returns the most sequences one step held.
-fn run_batch(engine: &Engine, batcher: &mut Batcher<usize>, tokens: &mut [Vec<u32>]) -> usize {
-    let mut widest = 0;
-    for _ in 0..1000 {
-        let mut steps = batcher.plan_step(|c| engine.fork_cache(c));
-        if steps.is_empty() {
-            return widest;
-        }
-        widest = widest.max(steps.len());
-        let logits = engine.forward(&mut steps).unwrap();
-        drop(steps);
-        batcher.complete_step(
-            logits,
-            |c| engine.fork_cache(c),
-            |id, event| {
-                if let SequenceEvent::Token { token, .. } = event {
-                    tokens[*id].push(token);
-                }
-                true
-            },
-        );
-    }
-    panic!("the batch did not finish");
 }
 
 fn limits(kv: Option<KvBudget>) -> BatchLimits {

@@ -6,10 +6,13 @@
 
 use std::path::{Path, PathBuf};
 
-use moe_node::engine::batch::{BatchLimits, Batcher, KvBudget, Sequence, SequenceEvent};
+use moe_node::engine::batch::{BatchLimits, Batcher, KvBudget, Sequence};
 use moe_node::engine::{Engine, GenerateRequest, KvCache, SamplingParams, SequenceStep, generate};
 
+mod batch_run;
 mod serve;
+
+use batch_run::run_batch;
 
 const FIXTURES: [&str; 2] = ["deepseek_v32", "glm_moe_dsa"];
 
@@ -223,25 +226,7 @@ fn served_as_the_router_serves(name: &str) {
     let max_tokens = 10;
     let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); 17];
     let run = |batcher: &mut Batcher<usize>, tokens: &mut Vec<Vec<u32>>| {
-        for _ in 0..500 {
-            let mut steps = batcher.plan_step(|c| engine.fork_cache(c));
-            if steps.is_empty() {
-                return;
-            }
-            let logits = engine.forward(&mut steps).unwrap();
-            drop(steps);
-            batcher.complete_step(
-                logits,
-                |c| engine.fork_cache(c),
-                |id, event| {
-                    if let SequenceEvent::Token { token, .. } = event {
-                        tokens[*id].push(token);
-                    }
-                    true
-                },
-            );
-        }
-        panic!("{name}: the batch did not finish");
+        run_batch(&engine, batcher, tokens);
     };
     let submit = |batcher: &mut Batcher<usize>, prompt: Vec<u32>, id: usize| {
         let seq = Sequence::new(
