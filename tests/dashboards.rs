@@ -32,8 +32,13 @@ fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// `/metrics` of a one-node cluster after one request.
+/// `/metrics` of a one-node cluster after one request. One node at a time: two tests scrape,
+/// and the gossip port, free when it is chosen, could be chosen by both before either binds.
 fn scrape() -> String {
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _turn = ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let gossip = UdpSocket::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
