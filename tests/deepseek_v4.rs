@@ -341,17 +341,8 @@ fn batched_preempted_and_from_a_kept_prefix_each_gives_what_it_gives_alone() {
     // The windows (6 keys of 32 on 4 layers) and the compressors' buffers dwarf the 28 floats
     // a position adds: a sequence holds 29 blocks of 4 positions before its first.
     assert_eq!(budget(0).state_blocks, 29);
-    let shared: Vec<u32> = (0..9).map(|k| 3 + k * 7 % 120).collect();
-    let prompt = |i: usize| -> Vec<u32> {
-        let mut p = shared.clone();
-        if i % 2 == 1 {
-            p.extend((0..3 + i % 4).map(|k| (11 + i * 5 + k * 13) as u32 % 127));
-        } else {
-            p[0] = 40 + i as u32;
-            p.extend((0..i % 5).map(|k| (7 + i * 3 + k) as u32 % 127));
-        }
-        p
-    };
+    let shared = batch_run::shared_prefix();
+    let prompt = |i: usize| batch_run::prompt_after(&shared, i);
     let max_tokens = 24;
     let alone: Vec<Vec<u32>> = (0..17)
         .map(|i| {

@@ -212,17 +212,8 @@ fn served_as_the_router_serves(name: &str) {
         prefix_cache_entries: 8,
     };
     let mut batcher: Batcher<usize> = Batcher::new(limits, cfg.eos_token_ids.clone());
-    let shared: Vec<u32> = (0..9).map(|k| 3 + k * 7 % 120).collect();
-    let prompt = |i: usize| -> Vec<u32> {
-        let mut p = shared.clone();
-        if i % 2 == 1 {
-            p.extend((0..3 + i % 4).map(|k| (11 + i * 5 + k * 13) as u32 % 127));
-        } else {
-            p[0] = 40 + i as u32;
-            p.extend((0..i % 5).map(|k| (7 + i * 3 + k) as u32 % 127));
-        }
-        p
-    };
+    let shared = batch_run::shared_prefix();
+    let prompt = |i: usize| batch_run::prompt_after(&shared, i);
     let max_tokens = 10;
     let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); 17];
     let run = |batcher: &mut Batcher<usize>, tokens: &mut Vec<Vec<u32>>| {

@@ -30,3 +30,21 @@ pub fn run_batch(engine: &Engine, batcher: &mut Batcher<usize>, tokens: &mut [Ve
     }
     panic!("the batch did not finish within 1000 steps");
 }
+
+/// The prompt the preemption tests share: nine tokens every other prompt starts from.
+pub fn shared_prefix() -> Vec<u32> {
+    (0..9).map(|k| 3 + k * 7 % 120).collect()
+}
+
+/// Prompt `i` of those tests: odd ones extend `shared` (a kept prefix can stand for it),
+/// even ones change its first token and extend it by 0 to 4 tokens.
+pub fn prompt_after(shared: &[u32], i: usize) -> Vec<u32> {
+    let mut p = shared.to_vec();
+    if i % 2 == 1 {
+        p.extend((0..3 + i % 4).map(|k| (11 + i * 5 + k * 13) as u32 % 127));
+    } else {
+        p[0] = 40 + i as u32;
+        p.extend((0..i % 5).map(|k| (7 + i * 3 + k) as u32 % 127));
+    }
+    p
+}
