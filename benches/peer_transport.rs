@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 
 use moe_node::transport::wire;
 use moe_node::transport::{
-    Dtype, ExpertReply, ExpertRequest, Handler, PeerAuth, PeerClient, PeerSecrets, PeerServer,
-    PeerStats, TcpTransport, Transport,
+    Dtype, ExpertOutput, ExpertRequest, Handler, PeerAuth, PeerClient, PeerSecrets, PeerServer,
+    PeerStats, Rows, TcpTransport, Transport,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -206,9 +206,9 @@ fn main() {
     });
     let stats = Arc::new(PeerStats::default());
     let identity: Handler = Arc::new(|request: ExpertRequest| {
-        Ok(ExpertReply {
+        Ok(ExpertOutput {
             groups: request.groups,
-            rows: request.rows,
+            rows: Rows::one(request.rows),
         })
     });
     let transport: Arc<dyn Transport> = Arc::new(TcpTransport::default());

@@ -18,8 +18,8 @@ use moe_node::experts::{DispatchTiming, Dispatcher, ExpertExecutor};
 use moe_node::moe::DispatchPlan;
 use moe_node::placement::{ExpertLoad, NodeSlots, Placement, PlacementSpec};
 use moe_node::transport::{
-    Dtype, ExpertReply, ExpertRequest, Handler, PeerAuth, PeerSecrets, PeerServer, PeerStats,
-    TcpTransport, Transport,
+    Dtype, ExpertOutput, ExpertRequest, Handler, PeerAuth, PeerSecrets, PeerServer, PeerStats,
+    Rows, TcpTransport, Transport,
 };
 
 const WIDTH: usize = 7168;
@@ -106,9 +106,9 @@ fn main() {
         model_fingerprint: 1,
     });
     let echo: Handler = Arc::new(|request: ExpertRequest| {
-        Ok(ExpertReply {
+        Ok(ExpertOutput {
             groups: request.groups,
-            rows: request.rows,
+            rows: Rows::one(request.rows),
         })
     });
     let server = PeerServer::start(

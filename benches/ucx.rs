@@ -40,8 +40,8 @@ use std::time::{Duration, Instant};
 use moe_node::transport::ucx::{Library, packs_rows};
 use moe_node::transport::wire;
 use moe_node::transport::{
-    Dtype, ExpertReply, ExpertRequest, Handler, PeerAuth, PeerClient, PeerSecrets, PeerServer,
-    PeerStats, TcpTransport, Transport, UcxTransport,
+    Dtype, ExpertOutput, ExpertRequest, Handler, PeerAuth, PeerClient, PeerSecrets, PeerServer,
+    PeerStats, Rows, TcpTransport, Transport, UcxTransport,
 };
 
 const WIDTH: u32 = 7168;
@@ -100,9 +100,9 @@ fn serve() {
     let kind = std::env::var(KIND).unwrap_or_default();
     let runtime = runtime();
     let echo: Handler = Arc::new(|request: ExpertRequest| {
-        Ok(ExpertReply {
+        Ok(ExpertOutput {
             groups: request.groups,
-            rows: request.rows,
+            rows: Rows::one(request.rows),
         })
     });
     let server = PeerServer::start(

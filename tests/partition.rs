@@ -28,7 +28,7 @@ use moe_node::model::weights::{DenseWeights, FeedForward, load_expert};
 use moe_node::model::{Checkpoint, ExpertWeights, ModelConfig};
 use moe_node::placement::{ExpertLoad, NodeSlots, Placement, PlacementSpec};
 use moe_node::transport::peer::{Handler, PeerAuth, PeerSecrets, PeerServer, PeerStats};
-use moe_node::transport::{Dtype, ExpertReply, MemoryNetwork, RemoteError};
+use moe_node::transport::{Dtype, ExpertOutput, GroupRows, MemoryNetwork, RemoteError, Rows};
 
 const ROUTER: &str = "10.0.0.1:7000";
 const B: &str = "10.0.0.2:7000";
@@ -109,9 +109,11 @@ fn fixture() -> Fixture {
                     groups.push((weights, &request.rows[at..at + len]));
                     at += len;
                 }
-                Ok(ExpertReply {
+                Ok(ExpertOutput {
                     groups: request.groups.clone(),
-                    rows: run_expert_groups(&groups, width, false).concat(),
+                    rows: Rows::parts(GroupRows::own_each(run_expert_groups(
+                        &groups, width, false,
+                    ))),
                 })
             });
             PeerServer::start(

@@ -20,8 +20,8 @@ use moe_node::transport::peer::seal::{RECORD_HEADER, SealedWriter, TAG_LEN};
 use moe_node::transport::peer::{PeerConfig, client_handshake};
 use moe_node::transport::wire::{self, HEADER_LEN};
 use moe_node::transport::{
-    Dtype, ExpertReply, ExpertRequest, Handler, PeerAuth, PeerClient, PeerError, PeerSecrets,
-    PeerServer, PeerStats, TcpTransport, Transport,
+    Dtype, ExpertOutput, ExpertReply, ExpertRequest, Handler, PeerAuth, PeerClient, PeerError,
+    PeerSecrets, PeerServer, PeerStats, Rows, TcpTransport, Transport,
 };
 use tokio::io::AsyncWriteExt;
 
@@ -50,13 +50,15 @@ fn auth(node_id: &str, secrets: &[&[u8]]) -> PeerAuth {
 fn double_plus_expert() -> Handler {
     Arc::new(|request: ExpertRequest| {
         let (expert, _) = request.groups[0];
-        Ok(ExpertReply {
+        Ok(ExpertOutput {
             groups: request.groups.clone(),
-            rows: request
-                .rows
-                .iter()
-                .map(|v| v * 2.0 + expert as f32)
-                .collect(),
+            rows: Rows::one(
+                request
+                    .rows
+                    .iter()
+                    .map(|v| v * 2.0 + expert as f32)
+                    .collect(),
+            ),
         })
     })
 }

@@ -19,8 +19,9 @@ mod common;
 mod sockets;
 use moe_node::transport::wire::{self, HEADER_LEN};
 use moe_node::transport::{
-    Dtype, ExpertReply, ExpertRequest, Handler, MemoryNetwork, PeerAuth, PeerClient, PeerError,
-    PeerSecrets, PeerServer, PeerStats, PeerStream, TcpTransport, Transport, UcxTransport,
+    Dtype, ExpertOutput, ExpertReply, ExpertRequest, GroupRows, Handler, MemoryNetwork, PeerAuth,
+    PeerClient, PeerError, PeerSecrets, PeerServer, PeerStats, PeerStream, Rows, TcpTransport,
+    Transport, UcxTransport,
 };
 use tokio::io::AsyncWriteExt;
 
@@ -259,20 +260,23 @@ fn auth(node_id: &str, secret: &[u8], model_fingerprint: u64) -> PeerAuth {
 fn double_plus_expert() -> Handler {
     Arc::new(|request: ExpertRequest| {
         let width = request.width as usize;
-        let mut rows = Vec::with_capacity(request.rows.len());
+        // One part per group, as a node's devices answer: the reply frame is encoded from
+        // the parts.
+        let mut parts = Vec::with_capacity(request.groups.len());
         let mut at = 0;
         for &(expert, count) in &request.groups {
             let values = count as usize * width;
-            rows.extend(
+            parts.push(GroupRows::Own(
                 request.rows[at..at + values]
                     .iter()
-                    .map(|v| v * 2.0 + expert as f32),
-            );
+                    .map(|v| v * 2.0 + expert as f32)
+                    .collect(),
+            ));
             at += values;
         }
-        Ok(ExpertReply {
+        Ok(ExpertOutput {
             groups: request.groups.clone(),
-            rows,
+            rows: Rows::parts(parts),
         })
     })
 }

@@ -16,7 +16,9 @@ use crate::experts::{
 };
 use crate::transport::peer::{Handler, PeerAuth, PeerClient, PeerConfig, PeerStats};
 use crate::transport::wire::RequestHead;
-use crate::transport::{Dtype, ExpertReply, ExpertRequest, RemoteError, Transport};
+use crate::transport::{
+    Dtype, ExpertOutput, ExpertReply, ExpertRequest, RemoteError, Rows, Transport,
+};
 
 /// Where a node is reached, what gossip says of it, and how rows travel to it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -303,10 +305,11 @@ pub fn serve_remote_work(dispatcher: Arc<OnceLock<Arc<Dispatcher>>>, width: usiz
         let layer = request.layer as usize;
         // The rows as decoded, shared with the device actors that run the groups.
         let input = Arc::new(request.rows);
+        // The outputs go into the reply frame from where the devices left them.
         match dispatcher.run_shared(layer, &experts, &rows, &input, true) {
-            Ok(outputs) => Ok(ExpertReply {
+            Ok(outputs) => Ok(ExpertOutput {
                 groups: request.groups,
-                rows: concat(&outputs, input.len()),
+                rows: Rows::parts(outputs),
             }),
             Err(ExpertError::NotHeld { layer, expert }) => Err(RemoteError::NotHeld {
                 layer: layer as u32,
@@ -315,15 +318,6 @@ pub fn serve_remote_work(dispatcher: Arc<OnceLock<Arc<Dispatcher>>>, width: usiz
             Err(e) => Err(RemoteError::DeviceFailed(e.to_string())),
         }
     })
-}
-
-/// The groups' outputs in one buffer of `len` values.
-fn concat(outputs: &[GroupRows], len: usize) -> Vec<f32> {
-    let mut all = Vec::with_capacity(len);
-    for output in outputs {
-        all.extend_from_slice(output);
-    }
-    all
 }
 
 #[cfg(test)]

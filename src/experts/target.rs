@@ -2,7 +2,6 @@
 //! (a device of this node, another node), what a failed send means, the one-shot answer,
 //! and the seam to other nodes ([`RemoteNodes`], implemented by `super::remote`).
 
-use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -130,46 +129,9 @@ impl TargetError {
 /// Output rows per group, or why not.
 pub type GroupOutputs = Result<Vec<GroupRows>, TargetError>;
 
-/// One group's output rows: a buffer of its own (what a device computed), or its range of
-/// a buffer that holds the outputs of several groups (a reply from another node, as it was
-/// decoded), so that a reply is not split into copies.
-#[derive(Debug, Clone)]
-pub enum GroupRows {
-    Own(Vec<f32>),
-    Shared(Arc<Vec<f32>>, Range<usize>),
-}
-
-impl Default for GroupRows {
-    fn default() -> Self {
-        GroupRows::Own(Vec::new())
-    }
-}
-
-impl std::ops::Deref for GroupRows {
-    type Target = [f32];
-
-    fn deref(&self) -> &[f32] {
-        match self {
-            GroupRows::Own(rows) => rows,
-            GroupRows::Shared(rows, range) => &rows[range.clone()],
-        }
-    }
-}
-
-impl GroupRows {
-    /// The rows as a vector of their own (a copy only for a shared range).
-    pub fn into_vec(self) -> Vec<f32> {
-        match self {
-            GroupRows::Own(rows) => rows,
-            GroupRows::Shared(rows, range) => rows[range].to_vec(),
-        }
-    }
-
-    /// One group per output a device computed.
-    pub fn own_each(outputs: Vec<Vec<f32>>) -> Vec<GroupRows> {
-        outputs.into_iter().map(GroupRows::Own).collect()
-    }
-}
+/// One group's output rows (see [`GroupRows`]: a buffer of its own, or a range of a
+/// decoded reply's).
+pub use crate::transport::GroupRows;
 
 /// Carries one answer back to the dispatcher, exactly once: dropped unanswered (a stopped
 /// actor's mailbox, a lost connection), it answers `Gone` itself, so no send is ever lost.

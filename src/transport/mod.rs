@@ -43,7 +43,10 @@ pub use peer::{
 };
 pub use tcp::TcpTransport;
 pub use ucx::UcxTransport;
-pub use wire::{Dtype, ExpertReply, ExpertRequest, RemoteError, RowsFrame, WIRE_VERSION};
+pub use wire::{
+    Dtype, ExpertOutput, ExpertReply, ExpertRequest, GroupRows, RemoteError, Rows, RowsFrame,
+    WIRE_VERSION,
+};
 
 /// A connected byte stream to a peer.
 pub trait PeerStream: AsyncRead + AsyncWrite + Send + Unpin + 'static {

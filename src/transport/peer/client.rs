@@ -22,7 +22,7 @@ use super::seal::{Side, sealed_halves};
 use super::{Completion, PeerAuth, PeerConfig, PeerError, PeerStats, lock, secret_removed};
 use crate::transport::handshake::{HandshakeError, LinkKeys};
 use crate::transport::wire::{
-    self, Dtype, ExpertRequest, FrameBody, FrameKind, RemoteError, RequestHead, RowsFrame,
+    self, Dtype, ExpertRequest, FrameBody, FrameKind, RemoteError, RequestHead, Rows, RowsFrame,
     WireError, WireLimits,
 };
 use crate::transport::{FrameRead, PeerStream, ROWS_APART_MIN, Transport};
@@ -221,7 +221,7 @@ impl PeerClient {
             }
             let frame = RowsFrame {
                 prefix,
-                rows,
+                rows: Rows::one(rows),
                 dtype,
             };
             return self.send_frame(permit, request_id, expect, frame, done);

@@ -210,12 +210,21 @@ async fn read_payload<S: AsyncRead + Unpin>(
 }
 
 /// Writes a frame, its rows converted into `scratch` a chunk at a time: a frame that fits
-/// the buffer goes out in one write.
+/// the buffer goes out in one write. f32 rows are their own wire bytes on a little-endian
+/// machine, so a part of at least half the buffer is written from where it is, not through
+/// the buffer: the stream's write (a sealed link's record) is its one copy.
 pub(super) async fn write_rows_frame<S: AsyncWrite + Unpin>(
     stream: &mut S,
     frame: &RowsFrame,
     scratch: &mut [u8],
 ) -> std::io::Result<()> {
+    let size = frame.dtype.size();
+    let half = scratch.len() / 2;
+    let direct = |part: &[f32]| {
+        cfg!(target_endian = "little")
+            && frame.dtype == wire::Dtype::F32
+            && part.len() * size >= half
+    };
     let mut filled = 0;
     if frame.prefix.len() <= scratch.len() / 2 {
         scratch[..frame.prefix.len()].copy_from_slice(&frame.prefix);
@@ -223,20 +232,36 @@ pub(super) async fn write_rows_frame<S: AsyncWrite + Unpin>(
     } else {
         stream.write_all(&frame.prefix).await?;
     }
-    let mut first = 0;
-    loop {
-        let written = frame.write_values(first, &mut scratch[filled..]);
-        first += written;
-        filled += written * frame.dtype.size();
-        if filled > 0 {
-            stream.write_all(&scratch[..filled]).await?;
+    for part in frame.rows.as_parts() {
+        if direct(part) {
+            if filled > 0 {
+                stream.write_all(&scratch[..filled]).await?;
+                filled = 0;
+            }
+            stream.write_all(bytemuck::cast_slice(part)).await?;
+            continue;
         }
-        filled = 0;
-        if first >= frame.rows.len() {
-            // A sealed link sends its last record on flush.
-            return stream.flush().await;
+        let mut first = 0;
+        while first < part.len() {
+            let count = ((scratch.len() - filled) / size).min(part.len() - first);
+            wire::encode_values(
+                &part[first..first + count],
+                frame.dtype,
+                &mut scratch[filled..filled + count * size],
+            );
+            first += count;
+            filled += count * size;
+            if scratch.len() - filled < size {
+                stream.write_all(&scratch[..filled]).await?;
+                filled = 0;
+            }
         }
     }
+    if filled > 0 {
+        stream.write_all(&scratch[..filled]).await?;
+    }
+    // A sealed link sends its last record on flush.
+    stream.flush().await
 }
 
 /// The write half of a connection, shared by the task that writes queued frames and the

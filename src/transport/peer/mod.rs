@@ -35,7 +35,7 @@ pub use link::{client_handshake, server_handshake};
 pub use server::PeerServer;
 
 use super::handshake::HandshakeError;
-use super::wire::{ExpertReply, ExpertRequest, RemoteError, WireError, WireLimits};
+use super::wire::{ExpertOutput, ExpertReply, ExpertRequest, RemoteError, WireError, WireLimits};
 use crate::config::PeerSection;
 
 /// Who this node is to its peers, and the secrets that prove it belongs to the cluster.
@@ -276,8 +276,9 @@ impl PeerConfig {
 /// delivered one after another.
 pub type Completion = Box<dyn FnOnce(Result<ExpertReply, PeerError>) + Send>;
 
-/// Runs expert work on this node: blocks while the local devices compute.
-pub type Handler = Arc<dyn Fn(ExpertRequest) -> Result<ExpertReply, RemoteError> + Send + Sync>;
+/// Runs expert work on this node: blocks while the local devices compute. Its output is the
+/// groups' rows where the devices left them (an [`ExpertReply`] converts with `into`).
+pub type Handler = Arc<dyn Fn(ExpertRequest) -> Result<ExpertOutput, RemoteError> + Send + Sync>;
 
 /// Logs a warning at most once per peer address per interval.
 #[derive(Debug)]

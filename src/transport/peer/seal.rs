@@ -22,8 +22,9 @@
 //!
 //! Copies: a record is read straight from the socket into the reader's buffer and opened in
 //! place, and the frame reader converts rows from the opened bytes, as it did from a plain
-//! socket's buffer. The writer copies each chunk it is given into its record buffer (in
-//! cache: the frame writer hands it 256 KiB at a time) and seals it there.
+//! socket's buffer. The writer copies each chunk it is given into its record buffer (at most
+//! [`RECORD_MAX`] at a time, so in cache) and seals it there: for f32 rows written from
+//! where they are (`frames::write_rows_frame`), that is their one copy on the way out.
 //!
 //! Bounds: a record holds at most [`RECORD_MAX`] bytes, so a connection's reader holds at
 //! most two records' bytes, allocated as they arrive, and a record begun must end within the

@@ -118,7 +118,7 @@ impl WorkerHandle {
         } = frame;
         let mut worker = self.lock();
         worker.send(ep, Outgoing::Bytes(prefix));
-        worker.send(ep, Outgoing::Rows(rows, dtype));
+        worker.send(ep, Outgoing::Rows(rows.into_vec(), dtype));
     }
 
     /// The reader caught up: fetch the rendezvous messages that were held back.

@@ -32,8 +32,10 @@
 
 use thiserror::Error;
 
+mod rows;
 mod values;
 
+pub use rows::{GroupRows, Rows};
 pub(crate) use values::{bf16_bits_to_f32, decode_into, encode_into, f32_to_bf16_bits};
 pub use values::{decode_values, decode_values_append, encode_values, encode_values_append};
 
@@ -117,6 +119,23 @@ pub struct RequestHead {
 pub struct ExpertReply {
     pub groups: Vec<(u32, u32)>,
     pub rows: Vec<f32>,
+}
+
+/// A reply as the serving side has it: the groups' outputs where its devices left them, so
+/// that the reply frame is encoded from them with no gathering copy.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExpertOutput {
+    pub groups: Vec<(u32, u32)>,
+    pub rows: Rows,
+}
+
+impl From<ExpertReply> for ExpertOutput {
+    fn from(reply: ExpertReply) -> Self {
+        ExpertOutput {
+            groups: reply.groups,
+            rows: Rows::one(reply.rows),
+        }
+    }
 }
 
 /// Why the remote side could not do the work (typed, travels in an error frame).
@@ -221,12 +240,12 @@ impl WireError {
 
 /// A request or reply frame ready to be written: the header and groups already encoded, the
 /// rows still as values, so a writer converts them into the wire dtype a cache-sized chunk at
-/// a time ([`RowsFrame::write_values`]) instead of building the whole frame in memory.
+/// a time (`peer::frames::write_rows_frame`) instead of building the whole frame in memory.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RowsFrame {
     /// The fixed header and the (expert, rows) groups.
     pub prefix: Vec<u8>,
-    pub rows: Vec<f32>,
+    pub rows: Rows,
     pub dtype: Dtype,
 }
 
@@ -246,24 +265,11 @@ impl RowsFrame {
         self.len() == 0
     }
 
-    /// Writes the wire bytes of `rows[first..]` into `out`, as many whole values as fit;
-    /// returns how many values were written.
-    pub fn write_values(&self, first: usize, out: &mut [u8]) -> usize {
-        let size = self.dtype.size();
-        let count = (out.len() / size).min(self.rows.len().saturating_sub(first));
-        encode_values(
-            &self.rows[first..first + count],
-            self.dtype,
-            &mut out[..count * size],
-        );
-        count
-    }
-
     /// The whole frame in one buffer.
     pub fn to_bytes(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(self.len());
         out.extend_from_slice(&self.prefix);
-        encode_values_append(&self.rows, self.dtype, &mut out);
+        self.rows.encode_append(self.dtype, &mut out);
         out
     }
 }
@@ -281,7 +287,7 @@ pub fn request_frame(request_id: u64, request: ExpertRequest) -> Result<RowsFram
     let prefix = request_prefix(request_id, &request)?;
     Ok(RowsFrame {
         prefix,
-        rows: request.rows,
+        rows: Rows::one(request.rows),
         dtype: request.dtype,
     })
 }
@@ -336,19 +342,20 @@ pub fn encode_reply(
         placement_version,
         width,
         dtype,
-        reply.clone(),
+        reply.clone().into(),
     )?;
     Ok(frame.to_bytes())
 }
 
-/// [`encode_reply`] without copying the reply's rows (see [`RowsFrame`]).
+/// [`encode_reply`] without copying the reply's rows, from the parts the serving side holds
+/// them in (see [`RowsFrame`]).
 pub fn reply_frame(
     request_id: u64,
     layer: u32,
     placement_version: u64,
     width: u32,
     dtype: Dtype,
-    reply: ExpertReply,
+    reply: ExpertOutput,
 ) -> Result<RowsFrame, WireError> {
     let header = FrameHeader {
         kind: FrameKind::Reply,
