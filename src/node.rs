@@ -113,19 +113,6 @@ impl Node {
             return Err(refused.into());
         }
         let num_devices = targets.len();
-        // The dense part goes to the GPUs when the experts are on GPUs: a replica on each of
-        // the first `devices.dense_replicas` (0: all), each serving its own sequences.
-        let dense_gpus: Vec<GpuInfo> = match config.devices.dense_replicas {
-            _ if !config.devices.dense_on_gpu => Vec::new(),
-            replicas => targets
-                .iter()
-                .filter_map(|t| match t {
-                    DeviceTarget::Gpu(info, _) => Some(info.clone()),
-                    DeviceTarget::Cpu => None,
-                })
-                .take(if replicas == 0 { usize::MAX } else { replicas })
-                .collect(),
-        };
         // Opened once: the devices and the router read their tensors from the same map.
         let checkpoint = Arc::new(source.checkpoint(&model)?);
         let (cluster, placement) =
@@ -171,38 +158,8 @@ impl Node {
         register_device_states(&metrics, &experts);
         crate::progress::stage("dense weights (attention, norms, shared experts)");
         let engine = Engine::from_checkpoint((*model).clone(), &checkpoint, experts.clone())?;
-        let engines = if dense_gpus.is_empty() {
-            vec![engine]
-        } else {
-            let mut replicas = Vec::with_capacity(dense_gpus.len());
-            for gpu in &dense_gpus {
-                let mut replica = engine.replica();
-                replica.place_dense_on_gpu(
-                    gpu,
-                    config.devices.gpu_memory_fraction,
-                    kernel_cache.as_deref(),
-                )?;
-                replicas.push(replica);
-            }
-            replicas
-        };
-        // Each lane's KV budget is what its own GPU (or the host) has left; the node serves
-        // no longer a context than the smallest of them holds.
-        let mut lanes = Vec::with_capacity(engines.len());
-        let mut served = model.clone();
-        for engine in engines {
-            let dense_on_gpu = engine.dense_gpu().is_some();
-            let (limits, lane_model) =
-                batch_limits(config, model.clone(), &engine, &targets, dense_on_gpu);
-            if let Some(kv) = limits.kv {
-                engine.reserve_kv_cache(kv.blocks)?;
-            }
-            if lane_model.max_position_embeddings < served.max_position_embeddings {
-                served = lane_model;
-            }
-            lanes.push((engine, limits));
-        }
-        let model = served;
+        let (lanes, model) =
+            serving_lanes(config, &model, engine, &targets, kernel_cache.as_deref())?;
         if let Some(joined) = &cluster {
             joined.serve(ServeParts {
                 dispatcher: experts.clone(),
@@ -308,6 +265,57 @@ impl SeriesRegistry for NodeMetrics {
 /// This node's part in a cluster (joined before any expert is loaded, since the cluster's
 /// placement decides which) and the placement it starts under; alone, the single-node
 /// placement over its devices.
+/// The router's lanes: the dense part on each of the first `devices.dense_replicas` GPUs (0:
+/// all) when the experts are on GPUs, each lane serving its own sequences, else the one
+/// `engine` on the host; and the model as served. Each lane's KV budget is what its own GPU
+/// (or the host) has left, and the node serves no longer a context than the smallest of
+/// them holds.
+fn serving_lanes(
+    config: &NodeConfig,
+    model: &Arc<ModelConfig>,
+    engine: Engine,
+    targets: &[DeviceTarget],
+    kernel_cache: Option<&std::path::Path>,
+) -> Result<(Vec<(Engine, BatchLimits)>, Arc<ModelConfig>), NodeError> {
+    let dense_gpus: Vec<&GpuInfo> = match config.devices.dense_replicas {
+        _ if !config.devices.dense_on_gpu => Vec::new(),
+        replicas => targets
+            .iter()
+            .filter_map(|t| match t {
+                DeviceTarget::Gpu(info, _) => Some(info),
+                DeviceTarget::Cpu => None,
+            })
+            .take(if replicas == 0 { usize::MAX } else { replicas })
+            .collect(),
+    };
+    let engines = if dense_gpus.is_empty() {
+        vec![engine]
+    } else {
+        let mut replicas = Vec::with_capacity(dense_gpus.len());
+        for gpu in dense_gpus {
+            let mut replica = engine.replica();
+            replica.place_dense_on_gpu(gpu, config.devices.gpu_memory_fraction, kernel_cache)?;
+            replicas.push(replica);
+        }
+        replicas
+    };
+    let mut lanes = Vec::with_capacity(engines.len());
+    let mut served = model.clone();
+    for engine in engines {
+        let dense_on_gpu = engine.dense_gpu().is_some();
+        let (limits, lane_model) =
+            batch_limits(config, model.clone(), &engine, targets, dense_on_gpu);
+        if let Some(kv) = limits.kv {
+            engine.reserve_kv_cache(kv.blocks)?;
+        }
+        if lane_model.max_position_embeddings < served.max_position_embeddings {
+            served = lane_model;
+        }
+        lanes.push((engine, limits));
+    }
+    Ok((lanes, served))
+}
+
 fn first_placement(
     config: &NodeConfig,
     model: &ModelConfig,

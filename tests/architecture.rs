@@ -281,3 +281,87 @@ fn the_reader_sees_paths_and_skips_comments() {
     let paths = crate_paths(&without_comments(code));
     assert_eq!(paths, ["engine", "model", "config"]);
 }
+
+/// Lines a file of `src/` may have (tests moved to a `tests.rs` beside it count on their own).
+const MAX_FILE_LINES: usize = 900;
+/// Lines a function may have, from its `fn` line to its closing brace.
+const MAX_FN_LINES: usize = 150;
+
+/// `(name, lines)` of each function of `text` written in the usual shape: a `fn` line and a
+/// closing brace alone on a line at the same indent (one-line and other shapes are skipped).
+fn function_lengths(text: &str) -> Vec<(String, usize)> {
+    let lines: Vec<&str> = text.lines().collect();
+    let mut out = Vec::new();
+    for (at, line) in lines.iter().enumerate() {
+        let code = line.trim_start();
+        let indent = &line[..line.len() - code.len()];
+        let mut words = code.split_whitespace().peekable();
+        while words
+            .peek()
+            .is_some_and(|w| w.starts_with("pub") || ["async", "unsafe", "const"].contains(w))
+        {
+            words.next();
+        }
+        if words.next() != Some("fn") || code.ends_with(';') || code.ends_with('}') {
+            continue;
+        }
+        let name: String = words
+            .next()
+            .unwrap_or("")
+            .chars()
+            .take_while(|c| c.is_alphanumeric() || *c == '_')
+            .collect();
+        let close = format!("{indent}}}");
+        let end = lines[at + 1..].iter().position(|l| {
+            *l == close || (!l.trim().is_empty() && !l.starts_with(indent) && !indent.is_empty())
+        });
+        if let Some(end) = end
+            && lines[at + 1 + end] == close
+        {
+            out.push((name, end + 2));
+        }
+    }
+    out
+}
+
+#[test]
+fn files_and_functions_are_short_enough_to_hold_in_the_head() {
+    let mut files = Vec::new();
+    rust_files(&src(), &mut files);
+    files.sort();
+    let mut long = Vec::new();
+    for file in &files {
+        let text = std::fs::read_to_string(file).expect("read");
+        let shown = file
+            .strip_prefix(src())
+            .unwrap_or(file)
+            .display()
+            .to_string();
+        let lines = text.lines().count();
+        if lines > MAX_FILE_LINES {
+            long.push(format!("{shown}: {lines} lines (at most {MAX_FILE_LINES})"));
+        }
+        for (name, lines) in function_lengths(&text) {
+            if lines > MAX_FN_LINES {
+                long.push(format!(
+                    "{shown}: fn {name} is {lines} lines (at most {MAX_FN_LINES})"
+                ));
+            }
+        }
+    }
+    assert!(
+        long.is_empty(),
+        "split these (a file into modules, a function into steps):\n{}",
+        long.join("\n")
+    );
+}
+
+#[test]
+fn function_lengths_are_read_from_fn_line_to_closing_brace() {
+    let code = "fn a() {\n    x;\n}\n    pub(crate) async fn b(\n        y: u8,\n    ) -> u8 {\n        y\n    }\n\
+                fn c();\nfn d() { 1 }\nimpl X {\n    fn e() {}\n}\n";
+    assert_eq!(
+        function_lengths(code),
+        [("a".to_string(), 3), ("b".to_string(), 5)]
+    );
+}
