@@ -24,7 +24,7 @@ use crate::metrics::{DeviceState, NodeMetrics};
 use crate::model::{Checkpoint, ModelConfig, ModelError, ModelSource};
 use crate::node::cluster_metrics::ClusterCollector;
 use crate::node::joined::{ClusterError, Joined, OfferedDevices, ServeParts, join};
-use crate::node::router::RouterHandle;
+use crate::node::router::{Lane, RouterHandle};
 use crate::placement::{ExpertLoad, Placement, PlacementError};
 use crate::plan::sizes::ModelSizes;
 use crate::rollout::board::PlacementBoard;
@@ -276,7 +276,7 @@ fn serving_lanes(
     engine: Engine,
     targets: &[DeviceTarget],
     kernel_cache: Option<&std::path::Path>,
-) -> Result<(Vec<(Engine, BatchLimits)>, Arc<ModelConfig>), NodeError> {
+) -> Result<(Vec<Lane>, Arc<ModelConfig>), NodeError> {
     let dense_gpus: Vec<&GpuInfo> = match config.devices.dense_replicas {
         _ if !config.devices.dense_on_gpu => Vec::new(),
         replicas => targets

@@ -122,6 +122,10 @@ pub struct RouterHandle {
     stall_limit: Duration,
 }
 
+/// A lane as the router starts it: an engine (the dense part on one GPU, or the host) and
+/// its batch limits.
+pub type Lane = (Engine, BatchLimits);
+
 #[derive(Clone)]
 struct LaneHandle {
     addr: Addr<RouterActor>,
@@ -154,7 +158,7 @@ impl RouterHandle {
     /// budget). A step that runs longer than `stall_limit` counts as a stalled router (see
     /// [`RouterHandle::state`]). The lanes' series go to `metrics`.
     pub fn start(
-        lanes: Vec<(Engine, BatchLimits)>,
+        lanes: Vec<Lane>,
         metrics: Arc<NodeMetrics>,
         stall_limit: Duration,
     ) -> RouterHandle {
