@@ -435,7 +435,12 @@ fn run_devices(path: Option<PathBuf>) -> anyhow::Result<()> {
     // The dense part and CPU slots run these; a GPU node's router too where the dense part
     // stays on the CPU.
     moe_node::compute::amx::set_aside(!config.devices.cpu_amx);
+    moe_node::compute::cpu::native_bf16::set_precision(config.devices.cpu_precision);
     println!("CPU kernels: {}", moe_node::compute::cpu::kernel_path());
+    println!(
+        "CPU products with bf16 weights: {}",
+        moe_node::compute::cpu::native_bf16::describe()
+    );
     let runtime = match choose_devices(&config.devices) {
         Ok(DeviceChoice::Gpus(runtime)) => runtime,
         Ok(DeviceChoice::Cpu {

@@ -153,6 +153,7 @@ fn load(state: &AppState, api: std::net::SocketAddr) -> Result<(), ServeError> {
     let started = Instant::now();
     let config = &state.config;
     crate::compute::amx::set_aside(!config.devices.cpu_amx);
+    crate::compute::cpu::native_bf16::set_precision(config.devices.cpu_precision);
     let (dir, hub_name) = match config.model_path() {
         Some(_) => {
             let weights = config.model.load_format != crate::model::LoadFormat::Dummy;
@@ -192,6 +193,7 @@ fn load(state: &AppState, api: std::net::SocketAddr) -> Result<(), ServeError> {
     );
     tracing::info!(
         kernels = %crate::compute::cpu::kernel_path(),
+        bf16_products = %crate::compute::cpu::native_bf16::describe(),
         "CPU kernels"
     );
     if config.batching.max_prompt_tokens >= node.model.max_position_embeddings {

@@ -351,6 +351,29 @@ fn without_a_gpu_auto_serves_on_the_cpu_and_says_why_while_cuda_refuses_to_start
         assert!(kernels.starts_with("AVX"), "{kernels}");
         assert!(kernels.contains("INT4 decode rows AVX"), "{kernels}");
     }
+    // Which arithmetic products with bf16 weights take, as `devices.cpu_precision` asks.
+    assert!(
+        stdout.contains("CPU products with bf16 weights: exact"),
+        "{stdout}"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_moe-node"))
+        .arg("devices")
+        .env("MOE_NODE_DEVICES__CPU_PRECISION", "bf16")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("CPU products with bf16 weights: bf16: inputs rounded to bf16"),
+        "{stdout}"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_moe-node"))
+        .arg("devices")
+        .env("MOE_NODE_DEVICES__CPU_PRECISION", "fp4")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "an unknown precision is refused");
+    assert!(stderr.contains("cpu_precision"), "{stderr}");
     let out = Command::new(env!("CARGO_BIN_EXE_moe-node"))
         .arg("devices")
         .env("MOE_NODE_DEVICES__BACKEND", "cuda")

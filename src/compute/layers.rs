@@ -7,7 +7,7 @@ use std::collections::HashMap;
 /// The files, lowest first; a file may import from any earlier line's files.
 const LAYERS: &[&[&str]] = &[
     &["cpu::element", "cpu::parallel", "cpu::simd"],
-    &["cpu::decode", "cpu::gemm"],
+    &["cpu::decode", "cpu::gemm", "cpu::native_bf16"],
     &["cpu::tiles", "cpu::ops"],
     &["quant::e4m3", "quant::format", "quant::mxfp4"],
     &["quant::int4_rows"],

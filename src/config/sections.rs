@@ -7,6 +7,8 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::compute::cpu::native_bf16::Precision;
+
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct NodeConfig {
@@ -248,6 +250,10 @@ pub struct DevicesConfig {
     /// Products of many rows with bf16 weights on the CPU's AMX tiles where the CPU and Linux
     /// allow (exact to f32, as the other kernels); `false` keeps them on AVX-512/AVX2.
     pub cpu_amx: bool,
+    /// The arithmetic of CPU products with bf16 weights (dense part and experts): `exact`
+    /// (widened to f32, equal to transformers' f32 reference) or `bf16` (inputs rounded to
+    /// bf16, AVX512_BF16's native products where the CPU has them).
+    pub cpu_precision: Precision,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -694,6 +700,7 @@ impl Default for DevicesConfig {
             dense_replicas: 0,
             cuda_lib_dir: String::new(),
             cpu_amx: true,
+            cpu_precision: Precision::Exact,
             emulated_gpus: 1,
             emulated_gpu_mib: 4096,
         }

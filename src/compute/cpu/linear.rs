@@ -5,6 +5,7 @@
 use super::decode::FEW_ROWS;
 use super::element::WeightElement;
 use super::gemm::{gemm_strided, matmul_widening};
+use super::native_bf16;
 use super::ops::silu_mul;
 use super::tiles::{broadcast_tiles_take, few_rows_widened, matmul_few_rows};
 use crate::compute::amx::{self, PackedInputs, TileWeights};
@@ -49,6 +50,9 @@ impl<W: WeightElement> Linear<W> {
     /// enough rows, `in_features` whole tiles): done once for products that share `x`.
     fn pack(&self, x: &[f32], rows: usize) -> Option<PackedInputs> {
         W::as_bf16(&self.weight)?;
+        if native_bf16::in_use() {
+            return None;
+        }
         if !amx::takes_outputs(self.out_features) {
             return None;
         }
@@ -140,6 +144,23 @@ pub fn matmul_transposed<W: WeightElement>(
         out.fill(0.0);
         return;
     }
+    // `devices.cpu_precision = "bf16"`: inputs rounded to bf16 for every product with bf16
+    // weights, so that a row's result does not depend on the rows batched with it; native
+    // bf16 products from `native_bf16::MIN_ROWS` rows, the exact kernels (on the rounded
+    // inputs) below, where reading the weights bounds the product either way.
+    let rounded;
+    let x = match W::as_bf16(w) {
+        Some(weights) if native_bf16::in_use() => {
+            if m >= native_bf16::MIN_ROWS
+                && native_bf16::matmul_transposed(x, m, k, weights, n, out, parallel)
+            {
+                return;
+            }
+            rounded = native_bf16::rounded(x);
+            &rounded[..]
+        }
+        _ => x,
+    };
     if let Some(weights) = W::as_bf16(w)
         && amx::takes_outputs(n)
         && let Some(packed) = PackedInputs::new(x, m, k)

@@ -12,6 +12,7 @@ pub(super) mod decode;
 pub(super) mod element;
 pub(super) mod gemm;
 mod linear;
+pub mod native_bf16;
 pub(super) mod ops;
 pub(super) mod parallel;
 pub(super) mod simd;
