@@ -3,10 +3,10 @@
 //! tokens stay transformers' (the README quotes these figures). Its own test binary: the
 //! precision is the process's, and every other test runs exact.
 //!
-//! On a CPU with AVX512_BF16 products of 16 rows or more take `vdpbf16ps`; these fixtures'
-//! products have fewer rows, which multiply the same bf16-rounded inputs exactly, as every
-//! product does on a CPU without it (the kernel's own test, `compute::cpu::native_bf16`,
-//! holds it to that product). So the figures hold on any CPU.
+//! On a CPU with AVX512_BF16 products of 2 rows or more (the prompt's, and experts given
+//! several) take `vdpbf16ps`; one-row products multiply the same bf16-rounded inputs
+//! exactly, as every product does on a CPU without it (the kernel's own test,
+//! `compute::cpu::native_bf16`, holds it to that product).
 
 use std::path::Path;
 

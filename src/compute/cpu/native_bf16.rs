@@ -12,8 +12,8 @@
 //! step is read with a mask. Output neurons are spread over the rayon pool in blocks.
 //!
 //! Every product with bf16 weights takes rounded inputs under `"bf16"`, so a row's result
-//! does not depend on the rows batched with it: products of fewer than [`MIN_ROWS`] rows
-//! (decode, bound by reading the weights either way) and every product on a CPU without
+//! does not depend on the rows batched with it: products of one row (below [`MIN_ROWS`]:
+//! bound by reading the weights either way) and every product on a CPU without
 //! AVX512_BF16 multiply the rounded inputs with the exact kernels (the same products, summed
 //! in another order).
 
@@ -87,10 +87,12 @@ fn describe_for(precision: Precision, available: bool) -> String {
     }
 }
 
-/// Input rows from which products take the native bf16 instructions; fewer rows are bound
-/// by reading the weights, which the exact kernels do as fast, so they multiply the rounded
-/// inputs exactly (the same products, summed in another order).
-pub(crate) const MIN_ROWS: usize = 16;
+/// Input rows from which products take the native bf16 instructions. One row is bound by
+/// reading the weights, which the exact kernels do as fast (`benches/cpu_precision.rs`:
+/// one row through 8 experts 0.93x, a [2048 x 1024] product 1.15x; from 2 rows the native
+/// products win, 1.38x at 2 and 2.6x at 4), so it multiplies the rounded inputs exactly
+/// (the same products, summed in another order).
+pub(crate) const MIN_ROWS: usize = 2;
 
 /// `x` rounded to bf16 (to nearest even), as f32.
 pub(crate) fn rounded(x: &[f32]) -> Vec<f32> {
