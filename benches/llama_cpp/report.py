@@ -24,7 +24,7 @@ import sys
 
 
 # The moe-node formats each llama.cpp quantization is compared with.
-PAIR = {"bf16": ["bf16"], "q8_0": ["fp8"], "q4_k_m": ["int4", "int4all", "int4head"],
+PAIR = {"bf16": ["bf16", "bf16native"], "q8_0": ["fp8"], "q4_k_m": ["int4", "int4all", "int4head"],
         "q4_k_s": ["int4", "int4all", "int4head"]}
 
 
@@ -100,7 +100,7 @@ def main():
     moe = {}
     for fmt, model_dir, jsons in args.moe:
         r = load_rounds(jsons)
-        r["label"] = "moe-node" if fmt == "bf16" else f"moe-node {fmt.upper()}"
+        r["label"] = {"bf16": "moe-node", "bf16native": "moe-node bf16x"}.get(fmt, f"moe-node {fmt.upper()}")
         moe[fmt] = (r, model_dir)
     cfg = json.load(open(f"{moe['bf16' if 'bf16' in moe else next(iter(moe))][1]}/config.json"))
     for fmt, (r, model_dir) in moe.items():

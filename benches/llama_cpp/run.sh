@@ -11,7 +11,9 @@
 # timed by client.py, and stopped, one after the other, ROUNDS times over; report.py prints the table.
 #
 # Environment: LLAMA_BENCH_DIR (/tmp/llama_bench), EXPERTS (128), QUANTS ("bf16 q8_0"),
-# MOE_FORMATS ("bf16 fp8": moe-node on the bf16 model and on its FP8 copy, make_fp8.py; also
+# MOE_FORMATS ("bf16 bf16native fp8": moe-node on the bf16 model, exact and with
+# devices.cpu_precision = "bf16" (bf16native: inputs rounded, AVX512_BF16 products), and on
+# its FP8 copy, make_fp8.py; also
 # int4 and int4all: compressed-tensors INT4 copies, experts only as Kimi K2 Thinking publishes
 # them, attention too, or attention and the output head too (int4head), make_int4.py; e.g.
 # QUANTS="q4_k_m" MOE_FORMATS="int4 int4all int4head"),
@@ -25,7 +27,7 @@ REPO="$(cd "$HERE/../.." && pwd)"
 WORK="${LLAMA_BENCH_DIR:-/tmp/llama_bench}"
 EXPERTS="${EXPERTS:-128}"
 QUANTS="${QUANTS:-bf16 q8_0}"
-MOE_FORMATS="${MOE_FORMATS:-bf16 fp8}"
+MOE_FORMATS="${MOE_FORMATS:-bf16 bf16native fp8}"
 THREADS="${THREADS:-2}"
 ROUNDS="${ROUNDS:-2}"
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
@@ -147,7 +149,9 @@ for layout in experts all head; do
         python3 "$HERE/make_int4.py" "$MODEL" "$WORK/model-$f" "$layout"
     fi
 done
-moe_model() { if [[ "$1" == bf16 ]]; then echo "$MODEL"; else echo "$WORK/model-$1"; fi; }
+moe_model() { if [[ "$1" == bf16 || "$1" == bf16native ]]; then echo "$MODEL"; else echo "$WORK/model-$1"; fi; }
+# The arithmetic of the CPU products: bf16native asks for native bf16 (issue 53).
+moe_precision() { if [[ "$1" == bf16native ]]; then echo bf16; else echo exact; fi; }
 if [[ "${SETUP_ONLY:-0}" == 1 ]]; then
     log "SETUP_ONLY=1: llama.cpp, the model and its GGUF and quantized copies are ready under $WORK"
     exit 0
@@ -175,7 +179,7 @@ busy() { echo "load average $(cut -d' ' -f1-3 /proc/loadavg); other processes on
 # sides; report.py takes the medians over all rounds' repetitions.
 run_moe_node() {  # run_moe_node FORMAT ROUND
     log "moe-node serve $1, round $2; $(busy)"
-    RUST_LOG=warn "$MOE_NODE" serve --listen "127.0.0.1:$MOE_PORT" --model "$(moe_model "$1")" > "$RES/moe-node-$1.log" 2>&1 &
+    MOE_NODE_DEVICES__CPU_PRECISION="$(moe_precision "$1")" RUST_LOG=warn "$MOE_NODE" serve --listen "127.0.0.1:$MOE_PORT" --model "$(moe_model "$1")" > "$RES/moe-node-$1.log" 2>&1 &
     SERVER_PID=$!
     wait_ready "http://127.0.0.1:$MOE_PORT/ready" "$RES/moe-node-$1.log"
     python3 "$HERE/client.py" --url "http://127.0.0.1:$MOE_PORT" --label "moe-node $1" --out "$RES/moe-node-$1.$2.json"
