@@ -211,8 +211,10 @@ impl KvCache {
             if let Some(state) = &mut layer.linear {
                 state.next = None;
             }
-            if let Some(compressed) = &mut layer.compressed {
-                compressed.next = None;
+            if let Some(compressed) = &mut layer.compressed
+                && let Some(next) = compressed.next.take()
+            {
+                compressed.state.restore(next);
             }
         }
     }

@@ -20,9 +20,37 @@ pub struct LayerState {
     window: Vec<f32>,
     compressor: PoolState,
     indexer: PoolState,
+    /// While a step is in flight ([`LayerState::begin_step`]): how many values of entries
+    /// the compressor and the indexer had, which the step's state holds.
+    lent: Option<[usize; 2]>,
 }
 
 impl LayerState {
+    /// The state a step of this layer starts from, to become this one when the step
+    /// succeeds: the window and unfinished windows copied, the entries (which grow with the
+    /// context) moved into it; [`LayerState::restore`] takes them back where it fails.
+    pub(crate) fn begin_step(&mut self) -> LayerState {
+        self.lent = Some([self.compressor.entries.len(), self.indexer.entries.len()]);
+        LayerState {
+            window: self.window.clone(),
+            compressor: self.compressor.begin_step(),
+            indexer: self.indexer.begin_step(),
+            lent: None,
+        }
+    }
+
+    /// Takes back the entries lent to `next`, the state of a step that failed, without what
+    /// the step appended.
+    pub(crate) fn restore(&mut self, next: LayerState) {
+        if let Some([compressor, indexer]) = self.lent.take() {
+            let (mut c, mut i) = (next.compressor.entries, next.indexer.entries);
+            c.truncate(compressor);
+            i.truncate(indexer);
+            self.compressor.entries = c;
+            self.indexer.entries = i;
+        }
+    }
+
     /// Floats held.
     pub fn floats(&self) -> usize {
         self.window.len()

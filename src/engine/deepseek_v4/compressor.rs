@@ -45,6 +45,19 @@ pub struct PoolState {
 }
 
 impl PoolState {
+    /// The state a step starts from: the unfinished window copied, the entries moved (they
+    /// only grow: a step appends to them, and [`super::attention::LayerState::restore`] cuts
+    /// them back to what they were where the step fails), so a step costs no copy of the
+    /// sequence's entries.
+    pub(super) fn begin_step(&mut self) -> PoolState {
+        PoolState {
+            buffer_kv: self.buffer_kv.clone(),
+            buffer_gate: self.buffer_gate.clone(),
+            overlap: self.overlap.clone(),
+            entries: std::mem::take(&mut self.entries),
+        }
+    }
+
     /// Entries so far.
     pub fn len(&self, width: usize) -> usize {
         self.entries.len() / width.max(1)

@@ -128,10 +128,12 @@ impl V4Dense {
             (0..m).for_each(|_| streams.extend_from_slice(row));
         }
         for (l, layer) in self.weights.layers.iter().enumerate() {
+            // Each sequence's next state, its entries lent by the current one (no copy).
             let mut states: Vec<V4LayerState> = batch
-                .iter()
+                .iter_mut()
                 .map(|s| {
-                    compressed(&*s.cache, l).map_or_else(Default::default, |c| c.state.clone())
+                    compressed_mut(s.cache, l)
+                        .map_or_else(Default::default, |c| c.state.begin_step())
                 })
                 .collect();
             let parts = LayerParts {
@@ -140,17 +142,15 @@ impl V4Dense {
                 tokens: &tokens,
                 segments: &segments,
             };
-            self.layer(l, layer, &mut streams, &mut states, &parts)?;
+            let done = self.layer(l, layer, &mut streams, &mut states, &parts);
+            // Kept beside the current states even where the layer failed: the rollback
+            // takes the lent entries back from them.
             for (step, state) in batch.iter_mut().zip(states) {
-                if let Some(c) = step
-                    .cache
-                    .layers
-                    .get_mut(l)
-                    .and_then(|c| c.compressed.as_mut())
-                {
+                if let Some(c) = compressed_mut(step.cache, l) {
                     c.next = Some(state);
                 }
             }
+            done?;
         }
         let w = &self.weights;
         let eps = cfg.rms_norm_eps;
@@ -295,8 +295,8 @@ struct LayerParts<'a> {
 }
 
 /// Layer `l`'s DeepSeek-V4 state in `cache`, if it keeps one.
-fn compressed(cache: &KvCache, l: usize) -> Option<&CompressedState> {
-    cache.layers.get(l)?.compressed.as_ref()
+fn compressed_mut(cache: &mut KvCache, l: usize) -> Option<&mut CompressedState> {
+    cache.layers.get_mut(l)?.compressed.as_mut()
 }
 
 /// Whether `cache` was made for a DeepSeek-V4 model of `layers` layers (on the host).
