@@ -15,16 +15,13 @@
 
 use std::time::Instant;
 
+mod common;
+
+use moe_node::compute::cpu::Linear;
 use moe_node::compute::cpu::native_bf16::{self, Precision};
-use moe_node::compute::cpu::{Linear, SwiGlu};
 use moe_node::compute::cuda::experts::random_bf16;
 use moe_node::experts::run_expert_groups;
 use moe_node::model::ExpertWeights;
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
 
 fn random(n: usize, seed: u64) -> Vec<f32> {
     random_bf16(n, seed, 1.0)
@@ -48,8 +45,8 @@ fn side_by_side(reps: usize, mut f: impl FnMut()) -> (f64, f64) {
         }
     }
     native_bf16::set_precision(Precision::Exact);
-    let [exact, bf16] = times;
-    (median(exact), median(bf16))
+    let [mut exact, mut bf16] = times;
+    (common::median(&mut exact), common::median(&mut bf16))
 }
 
 fn report(name: &str, (exact, bf16): (f64, f64)) {
@@ -85,18 +82,7 @@ fn main() {
         );
     }
 
-    let blocks: Vec<ExpertWeights> = (0..experts)
-        .map(|e| {
-            let linear = |o: usize, i: usize, seed: u64| {
-                Linear::without_bias(random_bf16(o * i, seed, 0.05), o, i)
-            };
-            ExpertWeights::Bf16(SwiGlu {
-                gate: linear(inter, hidden, 10 + 3 * e as u64),
-                up: linear(inter, hidden, 11 + 3 * e as u64),
-                down: linear(hidden, inter, 12 + 3 * e as u64),
-            })
-        })
-        .collect();
+    let blocks = common::random_bf16_experts(experts, inter, hidden);
     for (name, groups, rows) in [
         (
             "128 experts [3 x 384 x 1024], 32 rows each (prefill)",

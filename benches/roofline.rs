@@ -342,18 +342,7 @@ fn main() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(16);
     let (experts, inter, hidden) = (128, 384, 1024);
-    let blocks: Vec<ExpertWeights> = (0..experts)
-        .map(|e| {
-            let linear = |o: usize, i: usize, seed: u64| {
-                Linear::without_bias(random_bf16(o * i, seed, 0.05), o, i)
-            };
-            ExpertWeights::Bf16(SwiGlu {
-                gate: linear(inter, hidden, 10 + 3 * e as u64),
-                up: linear(inter, hidden, 11 + 3 * e as u64),
-                down: linear(hidden, inter, 12 + 3 * e as u64),
-            })
-        })
-        .collect();
+    let blocks = common::random_bf16_experts(experts, inter, hidden);
     let inputs: Vec<Vec<f32>> = (0..experts)
         .map(|e| random(rows * hidden, 1000 + e as u64, 1.0))
         .collect();

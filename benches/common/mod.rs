@@ -135,6 +135,30 @@ fn argmax(values: &[f32]) -> u32 {
         .0 as u32
 }
 
+/// `count` SwiGLU experts of `inter` x `hidden` with random bf16 weights (scale 0.05), expert
+/// `e`'s gate, up and down seeded `10 + 3e`, `11 + 3e` and `12 + 3e` (the CPU kernel benches'
+/// experts: `roofline`, `cpu_precision`).
+pub fn random_bf16_experts(
+    count: usize,
+    inter: usize,
+    hidden: usize,
+) -> Vec<moe_node::model::ExpertWeights> {
+    use moe_node::compute::cpu::{Linear, SwiGlu};
+    use moe_node::compute::cuda::experts::random_bf16;
+    (0..count)
+        .map(|e| {
+            let linear = |o: usize, i: usize, seed: u64| {
+                Linear::without_bias(random_bf16(o * i, seed, 0.05), o, i)
+            };
+            moe_node::model::ExpertWeights::Bf16(SwiGlu {
+                gate: linear(inter, hidden, 10 + 3 * e as u64),
+                up: linear(inter, hidden, 11 + 3 * e as u64),
+                down: linear(hidden, inter, 12 + 3 * e as u64),
+            })
+        })
+        .collect()
+}
+
 /// The median of `values` (NaN when empty).
 pub fn median(values: &mut [f64]) -> f64 {
     values.sort_by(f64::total_cmp);
