@@ -497,3 +497,92 @@ fn plan_reports_the_caches_of_every_v4_fixture() {
         );
     }
 }
+
+/// Where the executor says to route around experts (no live replica, `on_expert_unavailable
+/// = "reroute"`), a V4 step chooses others, on score layers and hash layers alike: the step
+/// succeeds without running an avoided expert, its rows are marked rerouted, and the executor
+/// is told how many choices moved. Without avoided experts nothing is marked.
+#[test]
+fn a_step_routes_around_experts_without_a_live_replica() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::{Arc, Mutex};
+
+    use moe_node::experts::{ExpertError, ExpertExecutor, LocalExperts};
+    use moe_node::model::weights::load_all_experts;
+    use moe_node::model::{Checkpoint, ModelConfig};
+    use moe_node::moe::DispatchPlan;
+
+    /// Every layer's even experts have no live replica; running one is an error.
+    struct EvenExpertsDown {
+        inner: LocalExperts,
+        experts: usize,
+        moved: AtomicUsize,
+        layers_moved: Mutex<Vec<usize>>,
+    }
+
+    impl ExpertExecutor for EvenExpertsDown {
+        fn run(
+            &self,
+            layer: usize,
+            plan: &DispatchPlan,
+            grouped: &[f32],
+        ) -> Result<Vec<f32>, ExpertError> {
+            if let Some(&expert) = plan.experts.iter().find(|&&e| e % 2 == 0) {
+                return Err(ExpertError::NoLiveReplica {
+                    layer,
+                    experts: vec![expert],
+                });
+            }
+            self.inner.run(layer, plan, grouped)
+        }
+
+        fn avoid(&self, _layer: usize) -> Option<Vec<bool>> {
+            Some((0..self.experts).map(|e| e % 2 == 0).collect())
+        }
+
+        fn rerouted(&self, layer: usize, choices: usize) {
+            self.moved.fetch_add(choices, Ordering::Relaxed);
+            self.layers_moved.lock().unwrap().push(layer);
+        }
+    }
+
+    let dir = fixture();
+    let config = ModelConfig::load(&dir).unwrap();
+    let checkpoint = Checkpoint::open(&dir).unwrap();
+    let experts = load_all_experts(&checkpoint, &config).unwrap();
+    let down = Arc::new(EvenExpertsDown {
+        inner: LocalExperts::new(experts, config.hidden_size),
+        experts: config.moe.num_experts,
+        moved: AtomicUsize::new(0),
+        layers_moved: Mutex::new(Vec::new()),
+    });
+    let hash_layers = config.deepseek_v4.as_ref().unwrap().hash_layers;
+    assert!(hash_layers > 0, "the fixture has hash layers to reroute");
+    let engine = Engine::from_checkpoint(config, &checkpoint, down.clone()).unwrap();
+    let prompt: Vec<u32> = (0..14).map(|i| (i * 5 + 3) % 128).collect();
+    let mut cache = engine.new_cache();
+    let mut step = [SequenceStep::new(&mut cache, &prompt)];
+    let logits = engine
+        .forward(&mut step)
+        .expect("the step routes around the even experts");
+    assert!(
+        step[0].rerouted,
+        "the rows that chose an even expert are marked"
+    );
+    assert!(logits[0].iter().all(|l| l.is_finite()));
+    assert!(down.moved.load(Ordering::Relaxed) > 0);
+    let layers = down.layers_moved.lock().unwrap().clone();
+    assert!(layers.contains(&0), "a hash layer rerouted: {layers:?}");
+    assert!(
+        layers.iter().any(|&l| l >= hash_layers),
+        "a score layer rerouted: {layers:?}"
+    );
+    assert_eq!(cache.len(), prompt.len(), "the step went through");
+
+    // The same engine's experts all live: nothing is marked.
+    let complete = Engine::load(&dir).unwrap();
+    let mut cache = complete.new_cache();
+    let mut step = [SequenceStep::new(&mut cache, &prompt)];
+    complete.forward(&mut step).unwrap();
+    assert!(!step[0].rerouted);
+}

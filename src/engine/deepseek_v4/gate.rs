@@ -29,7 +29,10 @@ pub enum Choice<'a> {
     Hash { table: &'a [u32], tokens: &'a [u32] },
 }
 
-/// Routes `[rows, num_experts]` gate logits.
+/// Routes `[rows, num_experts]` gate logits. Experts `avoid` marks (none live: the node
+/// reroutes) are not chosen where others can be: the top-k is taken among the rest, and a hash
+/// layer's avoided expert gives its place to the best-scoring expert (score plus bias) the
+/// row does not have yet. The weights are the chosen experts' scores over their sum, as ever.
 pub fn route(
     logits: &[f32],
     num_experts: usize,
@@ -37,29 +40,54 @@ pub fn route(
     sqrt_softplus: bool,
     scaling: f32,
     choice: &Choice,
+    avoid: Option<&[bool]>,
 ) -> Routing {
+    let avoided = |e: u32| avoid.is_some_and(|a| a.get(e as usize).copied().unwrap_or(false));
     let rows = logits.len() / num_experts.max(1);
     let mut experts = Vec::with_capacity(rows * top_k);
     let mut weights = Vec::with_capacity(rows * top_k);
     for (r, row) in logits.chunks_exact(num_experts.max(1)).enumerate() {
         let scores: Vec<f32> = row.iter().map(|&l| score(l, sqrt_softplus)).collect();
+        let bias = match choice {
+            Choice::Scores { bias } => *bias,
+            Choice::Hash { .. } => None,
+        };
+        let biased: Vec<f32> = match bias {
+            Some(bias) => scores.iter().zip(bias).map(|(s, b)| s + b).collect(),
+            None => scores.clone(),
+        };
+        // Every expert, highest first (equal values keep the lower index first, as
+        // torch.topk does on the CPU), the avoided ones last.
+        let ranked = || {
+            let mut order: Vec<u32> = (0..num_experts as u32).collect();
+            order.sort_by(|&a, &b| {
+                avoided(a)
+                    .cmp(&avoided(b))
+                    .then_with(|| biased[b as usize].total_cmp(&biased[a as usize]))
+            });
+            order
+        };
         let chosen: Vec<u32> = match choice {
             Choice::Hash { table, tokens } => {
                 let token = tokens.get(r).copied().unwrap_or(0) as usize;
-                table
+                let mut row = table
                     .get(token * top_k..(token + 1) * top_k)
                     .map(<[u32]>::to_vec)
-                    .unwrap_or_else(|| vec![0; top_k])
+                    .unwrap_or_else(|| vec![0; top_k]);
+                if row.iter().any(|&e| avoided(e)) {
+                    let held = row.clone();
+                    let mut spare = ranked().into_iter().filter(|e| !held.contains(e));
+                    for e in row.iter_mut().filter(|e| avoided(**e)) {
+                        match spare.next() {
+                            Some(other) if !avoided(other) => *e = other,
+                            _ => break,
+                        }
+                    }
+                }
+                row
             }
-            Choice::Scores { bias } => {
-                let biased: Vec<f32> = match bias {
-                    Some(bias) => scores.iter().zip(*bias).map(|(s, b)| s + b).collect(),
-                    None => scores.clone(),
-                };
-                let mut order: Vec<u32> = (0..num_experts as u32).collect();
-                // Highest first; equal values keep the lower index first, as torch.topk does
-                // on the CPU.
-                order.sort_by(|&a, &b| biased[b as usize].total_cmp(&biased[a as usize]));
+            Choice::Scores { .. } => {
+                let mut order = ranked();
                 order.truncate(top_k);
                 order
             }
@@ -101,7 +129,15 @@ mod tests {
     #[test]
     fn sqrtsoftplus_top_k_weights_by_hand() {
         let logits = [0.0, 1.0, -1.0, 2.0];
-        let r = route(&logits, 4, 2, true, 1.5, &Choice::Scores { bias: None });
+        let r = route(
+            &logits,
+            4,
+            2,
+            true,
+            1.5,
+            &Choice::Scores { bias: None },
+            None,
+        );
         assert_eq!(r.experts, vec![3, 1]);
         let (s3, s1) = (1.458_399_f32, 1.145_976_3f32);
         let sum = s3 + s1;
@@ -123,6 +159,7 @@ mod tests {
             true,
             1.0,
             &Choice::Scores { bias: Some(&bias) },
+            None,
         );
         assert_eq!(r.experts, vec![0, 3]);
         let s0 = 2f32.ln().sqrt();
@@ -151,6 +188,7 @@ mod tests {
                 table: &table,
                 tokens: &tokens,
             },
+            None,
         );
         assert_eq!(r.experts, vec![3, 2, 2, 0]);
         let (s3, s2) = (1.458_399_f32, (1.0 + (-1f32).exp()).ln().sqrt());
@@ -160,5 +198,63 @@ mod tests {
             r.weights
         );
         assert!((r.weights[0] + r.weights[1] - 1.0).abs() < 1e-6);
+    }
+
+    /// Avoided experts are not chosen where others can be: the top-k is taken among the
+    /// rest (weights over the chosen), and a hash row's avoided expert gives its place to the
+    /// best-scoring expert the row does not have.
+    #[test]
+    fn avoided_experts_give_their_place_to_the_next_best() {
+        let logits = [0.0, 1.0, -1.0, 2.0];
+        // Expert 3 (the best) avoided: 1 and 0 instead.
+        let avoid = [false, false, false, true];
+        let r = route(
+            &logits,
+            4,
+            2,
+            true,
+            1.0,
+            &Choice::Scores { bias: None },
+            Some(&avoid),
+        );
+        assert_eq!(r.experts, vec![1, 0]);
+        let (s1, s0) = (1.145_976_3f32, 2f32.ln().sqrt());
+        assert!(
+            (r.weights[0] - s1 / (s1 + s0)).abs() < 1e-5,
+            "{:?}",
+            r.weights
+        );
+        // A hash row (3, 2) with 3 avoided: 3's place goes to 1, the best it lacks.
+        let table = [3, 2];
+        let hash = Choice::Hash {
+            table: &table,
+            tokens: &[0],
+        };
+        let r = route(&logits, 4, 2, true, 1.0, &hash, Some(&avoid));
+        assert_eq!(r.experts, vec![1, 2]);
+        // Nothing avoided, or a mask of another size: as without one.
+        let none = [false; 4];
+        for avoid in [Some(&none[..]), None] {
+            assert_eq!(
+                route(&logits, 4, 2, true, 1.0, &hash, avoid).experts,
+                vec![3, 2]
+            );
+        }
+        // Every expert avoided: the choice stands (the executor then says none is live).
+        let all = [true; 4];
+        let r = route(
+            &logits,
+            4,
+            2,
+            true,
+            1.0,
+            &Choice::Scores { bias: None },
+            Some(&all),
+        );
+        assert_eq!(r.experts, vec![3, 1]);
+        assert_eq!(
+            route(&logits, 4, 2, true, 1.0, &hash, Some(&all)).experts,
+            vec![3, 2]
+        );
     }
 }

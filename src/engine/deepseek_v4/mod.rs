@@ -127,6 +127,7 @@ impl V4Dense {
             let row = &self.weights.embed[token as usize * h..][..h];
             (0..m).for_each(|_| streams.extend_from_slice(row));
         }
+        let rerouted = std::cell::RefCell::new(vec![false; tokens.len()]);
         for (l, layer) in self.weights.layers.iter().enumerate() {
             // Each sequence's next state, its entries lent by the current one (no copy).
             let mut states: Vec<V4LayerState> = batch
@@ -141,6 +142,7 @@ impl V4Dense {
                 experts,
                 tokens: &tokens,
                 segments: &segments,
+                rerouted: &rerouted,
             };
             let done = self.layer(l, layer, &mut streams, &mut states, &parts);
             // Kept beside the current states even where the layer failed: the rollback
@@ -151,6 +153,10 @@ impl V4Dense {
                 }
             }
             done?;
+        }
+        let rerouted = rerouted.into_inner();
+        for (step, segment) in batch.iter_mut().zip(&segments) {
+            step.rerouted = rerouted[segment.rows.clone()].iter().any(|&r| r);
         }
         let w = &self.weights;
         let eps = cfg.rms_norm_eps;
@@ -246,8 +252,9 @@ impl V4Dense {
     }
 
     /// The MoE block: the gate (scores or the token table), the routed experts through the
-    /// executor, the shared expert. No row is routed around an expert without a live replica
-    /// (`on_expert_unavailable = "reroute"`): the executor's error fails the step.
+    /// executor, the shared expert. Experts the executor says to avoid (no live replica,
+    /// `on_expert_unavailable = "reroute"`) give their place to the next best, and the rows
+    /// that chose them are marked rerouted, as in every other family's MoE block.
     fn moe(
         &self,
         l: usize,
@@ -267,14 +274,34 @@ impl V4Dense {
                 bias: layer.gate_bias.as_deref(),
             },
         };
-        let routing = gate::route(
-            &logits,
-            moe.num_experts,
-            moe.top_k,
-            self.v4.sqrt_softplus,
-            self.v4.routed_scaling_factor,
-            &choice,
-        );
+        let route = |avoid| {
+            gate::route(
+                &logits,
+                moe.num_experts,
+                moe.top_k,
+                self.v4.sqrt_softplus,
+                self.v4.routed_scaling_factor,
+                &choice,
+                avoid,
+            )
+        };
+        let mut routing = route(None);
+        if let Some(avoid) = parts.experts.avoid(l)
+            && avoid.len() == moe.num_experts
+        {
+            let hit = |e: &u32| avoid[*e as usize];
+            let choices = routing.experts.iter().filter(|e| hit(e)).count();
+            if choices > 0 {
+                parts.experts.rerouted(l, choices);
+                let mut rerouted = parts.rerouted.borrow_mut();
+                for (row, chosen) in routing.experts.chunks(moe.top_k.max(1)).enumerate() {
+                    if chosen.iter().any(hit) {
+                        rerouted[row] = true;
+                    }
+                }
+                routing = route(Some(&avoid));
+            }
+        }
         let plan = DispatchPlan::new(&routing, moe.num_experts);
         let grouped = plan.gather(normed, h);
         let expert_out = parts.experts.run(l, &plan, &grouped)?;
@@ -292,6 +319,8 @@ struct LayerParts<'a> {
     /// Every new row's token, sequence after sequence.
     tokens: &'a [u32],
     segments: &'a [Segment],
+    /// Per row: routed around an expert with no live replica in some layer.
+    rerouted: &'a std::cell::RefCell<Vec<bool>>,
 }
 
 /// Layer `l`'s DeepSeek-V4 state in `cache`, if it keeps one.
