@@ -40,9 +40,9 @@ use tiles::TileKernel;
 /// (`multiversion`, the first of the kernels' targets whose features the CPU has) picks it,
 /// the register tiles of products of 4 to 32 rows (`dot_tiles`), the decode kernels, and
 /// whether products of many rows with bf16 weights run on AMX tiles (`compute::amx`). Other
-/// products widen bf16, FP8 and INT4 weights to f32 and accumulate in f32; AVX512_BF16's
-/// `vdpbf16ps` is not used (`benches/roofline.rs` measures why: on the Xeon it ran on, it runs
-/// at half the AVX-512 FMA rate and rounds its inputs to bf16).
+/// products widen bf16, FP8 and INT4 weights to f32 and accumulate in f32. AVX512_BF16's
+/// `vdpbf16ps`, which rounds its inputs to bf16, runs only where `devices.cpu_precision =
+/// "bf16"` asks for that rounding ([`native_bf16`], which says what runs).
 pub fn kernel_path() -> String {
     #[cfg(target_arch = "x86_64")]
     {
