@@ -6,7 +6,10 @@
 //! - DeepSeek's EPLB (re-places every expert),
 //! - moe-node `balance` (EPLB then local search; re-places every expert),
 //! - moe-node `add_replicas` (keeps serve's layout, fills only spare slots: what a live
-//!   rebalance loads),
+//!   rebalance did before it moved experts),
+//! - moe-node `migrate_layer` (from serve's layout: copies in spare slots and experts
+//!   moved, within 1% of the mean where it can: where a live rebalance converges), with the
+//!   copies it loads over all layers,
 //!
 //! averaged and worst over the layers, with the planning time of each for all 61 layers.
 //!
@@ -33,7 +36,7 @@ fn main() {
          time = planning all {LAYERS} layers"
     );
     println!(
-        "{:>5} {:>5} | {:>15} | {:>15} {:>8} | {:>15} {:>8} | {:>15} {:>8} | {:>9}",
+        "{:>5} {:>5} | {:>15} | {:>15} {:>8} | {:>15} {:>8} | {:>15} {:>8} | {:>15} {:>8} {:>7} | {:>9}",
         "skew",
         "spare",
         "no copies",
@@ -41,8 +44,11 @@ fn main() {
         "time",
         "moe-node",
         "time",
-        "moe-node live",
+        "fill spare only",
         "time",
+        "live rebalance",
+        "time",
+        "loaded",
         "> EPLB"
     );
     for skew in [0.0, 0.4, 0.6, 0.8, 1.0, 1.2] {
@@ -51,7 +57,7 @@ fn main() {
             let show = |t: &Tally| format!("{:.3} ({:.3})", t.mean(), t.worst);
             let ms = |t: &Tally| format!("{:.0} ms", t.time.as_secs_f64() * 1e3);
             println!(
-                "{skew:>5.1} {spare:>5} | {:>15} | {:>15} {:>8} | {:>15} {:>8} | {:>15} {:>8} | {:>9}",
+                "{skew:>5.1} {spare:>5} | {:>15} | {:>15} {:>8} | {:>15} {:>8} | {:>15} {:>8} | {:>15} {:>8} {:>7} | {:>9}",
                 show(&row.none),
                 show(&row.eplb),
                 ms(&row.eplb),
@@ -59,6 +65,9 @@ fn main() {
                 ms(&row.ours),
                 show(&row.live),
                 ms(&row.live),
+                show(&row.moved),
+                ms(&row.moved),
+                row.moved_copies,
                 row.worse
             );
         }

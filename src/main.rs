@@ -129,6 +129,10 @@ struct PlanArgs {
     /// placement.redundant_slots_per_device).
     #[arg(long)]
     redundant_slots: Option<usize>,
+    /// Expert weights (MiB) one placement version of a rebalance loads at most; 0: no
+    /// bound (default: placement.max_move_mib).
+    #[arg(long)]
+    max_move_mib: Option<f64>,
     /// Activation profile (`moe-node profile`, or /admin/experts?format=profile).
     #[arg(long)]
     profile: Option<PathBuf>,

@@ -183,6 +183,7 @@ impl Node {
                 live: live.clone(),
                 spare_slots: config.placement.redundant_slots_per_device,
                 expert_bytes: ModelSizes::of(&model).expert_bytes,
+                max_move_bytes: config.placement.max_move_bytes(),
                 cluster: cluster.as_ref().map(Joined::rebalance_part),
             },
             RebalanceMetrics::register(&*metrics),

@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use anyhow::Context;
-use moe_node::config::{ConfigSources, NodeConfig};
+use moe_node::config::{ConfigSources, NodeConfig, mib_to_bytes};
 use moe_node::model::ModelConfig;
 use moe_node::placement::Profile;
 use moe_node::plan::{PlanError, PlanInput, plan};
@@ -45,6 +45,11 @@ pub fn run(args: &PlanArgs) -> anyhow::Result<bool> {
         redundant_slots: args
             .redundant_slots
             .unwrap_or(config.placement.redundant_slots_per_device),
+        max_move_bytes: match args.max_move_mib {
+            Some(mib) if mib.is_finite() && mib >= 0.0 => mib_to_bytes(mib),
+            Some(mib) => return Err(PlanError::BadMoveBudget(mib).into()),
+            None => config.placement.max_move_bytes(),
+        },
         profile: profile.as_ref(),
         device_memory_bytes,
         memory_fraction: config.devices.gpu_memory_fraction,

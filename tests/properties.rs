@@ -535,39 +535,57 @@ proptest! {
 proptest! {
     #![proptest_config(config())]
 
-    /// Whatever the profile and the spare slots, a rebalance leaves every expert with at
-    /// least its copies, on distinct devices (its first copies on distinct nodes), within
-    /// the devices' slots; the layout it keeps is kept; moe-node is never worse than EPLB.
+    /// Whatever the profile, the spare slots and the budget per version, every placement
+    /// version a rebalance goes through leaves every expert with at least its copies, on
+    /// distinct devices (on distinct nodes while there are enough), within the devices'
+    /// slots, loading no more than the budget (a step of the search loads at most two);
+    /// the last balances no worse than the placement serving; moe-node is never worse than
+    /// EPLB.
     #[test]
     fn a_rebalance_never_leaves_an_expert_without_a_copy(
         (nodes, replication, _layers, experts) in cluster(),
         spare in 0usize..3,
+        budget in 0usize..4,
         loads in prop::collection::vec(prop_oneof![Just(0u64), 0u64..10, 0u64..100_000], 40),
     ) {
-        use moe_node::placement::replicate::{LayerReplicas, LayerSlots, add_replicas, balance, eplb};
+        use moe_node::placement::replicate::{LayerReplicas, LayerSlots, add_replicas, balance, eplb, imbalance};
         let base = Placement::balanced(&[false, true], experts, spec(&nodes, replication))
             .expect("replication within the devices");
         let loads: Vec<f64> = loads[..experts].iter().map(|&l| l as f64).collect();
-        let hot = base
-            .with_hot_copies(&[None, Some(loads.clone())], spare, 2)
-            .expect("a layout with spare slots");
-        for e in 0..experts as u32 {
-            let copies = hot.replicas(1, e);
-            prop_assert!(copies.len() >= replication, "expert {}: {:?}", e, copies);
-            let distinct: BTreeSet<Replica> = copies.iter().copied().collect();
-            prop_assert_eq!(distinct.len(), copies.len());
-            for r in base.replicas(1, e) {
-                prop_assert!(copies.contains(r), "base copy {:?} of {} moved", r, e);
+        let total_devices: usize = nodes.iter().sum();
+        let migration = base
+            .migrate(&[None, Some(loads.clone())], &vec![spare; total_devices], budget)
+            .expect("a rebalance over valid slots");
+        let share = (experts * replication).div_ceil(total_devices);
+        // Copies on distinct nodes while there are nodes enough, as serve lays them out.
+        let spread = if replication <= nodes.iter().filter(|&&d| d > 0).count() { replication } else { 1 };
+        for (version, moves) in migration.versions.iter().zip(&migration.moves) {
+            prop_assert_eq!(version.version(), moves.version);
+            if budget > 0 {
+                prop_assert!(moves.copies_loaded <= budget.max(2), "{:?}", moves);
             }
-        }
-        for (n, &devices) in nodes.iter().enumerate() {
-            for d in 0..devices as u16 {
-                let before = base.experts_on(n as u16, d).len();
-                let after = hot.experts_on(n as u16, d).len();
-                prop_assert!(after <= before + spare, "node {} device {}: {} > {} + {}", n, d, after, before, spare);
+            for e in 0..experts as u32 {
+                let copies = version.replicas(1, e);
+                prop_assert!(copies.len() >= replication, "expert {}: {:?}", e, copies);
+                let distinct: BTreeSet<Replica> = copies.iter().copied().collect();
+                prop_assert_eq!(distinct.len(), copies.len());
+                let on_nodes: BTreeSet<u16> = copies.iter().map(|r| r.node).collect();
+                prop_assert!(on_nodes.len() >= spread, "expert {}: {:?}", e, copies);
             }
+            for (n, &devices) in nodes.iter().enumerate() {
+                for d in 0..devices as u16 {
+                    let held = version.experts_on(n as u16, d).len();
+                    let before = base.experts_on(n as u16, d).len();
+                    prop_assert!(held <= before.max(share + spare), "node {} device {}: {}", n, d, held);
+                }
+            }
+            prop_assert!(Placement::from_table(version.to_table(), &[false, true], experts).is_ok());
         }
-        prop_assert!(Placement::from_table(hot.to_table(), &[false, true], experts).is_ok());
+        if let Some(last) = migration.target() {
+            let worst = |p: &Placement| imbalance(&p.device_loads(1, &loads));
+            prop_assert!(worst(last) <= worst(&base) + 1e-9, "{} > {}", worst(last), worst(&base));
+            prop_assert_eq!(last.version(), base.version() + migration.versions.len() as u64);
+        }
 
         // The same slots, laid out from scratch.
         let devices: Vec<Replica> = nodes

@@ -250,6 +250,8 @@ fn a_node_under_skewed_load_rebalances_live_without_failing_or_changing_a_reques
     let report = server.post_ok("/admin/rebalance", &json!({}));
     assert!(report["copies_loaded"].as_u64().unwrap() > 0, "{report}");
     assert!(report["bytes_loaded"].as_u64().unwrap() > 0, "{report}");
+    // One version per 4 GiB loaded (placement.max_move_mib): the demo's copies fit in one.
+    assert_eq!(report["versions"], 1, "{report}");
     assert_eq!(report["version"], 2);
     let predicted = report["imbalance_after"].as_f64().unwrap();
     assert!(
@@ -269,12 +271,14 @@ fn a_node_under_skewed_load_rebalances_live_without_failing_or_changing_a_reques
         imbalance_after < imbalance_before,
         "recent imbalance {imbalance_before:.3} before, {imbalance_after:.3} after: {report}"
     );
-    // The figures six runs measured, within bands: the window holds whatever requests the
+    // The figures runs measured, within bands: the window holds whatever requests the
     // clients got through in its seconds (1130 to 1479 in six runs), so they are not exact.
-    // Measured in six runs (2026-12-06, 2 shared cores): recent imbalance 1.481-1.490 before,
-    // 1.065-1.174 after, 35-41 copies loaded; the plan itself predicts 1.0000 on its window.
-    // The bands are wide: a window that holds fewer requests (a loaded CI machine) is
-    // noisier, and the cluster test below read 1.257 after with 906 requests.
+    // Measured (2026-12-06, 2 shared cores): recent imbalance 1.481-1.491 before; after,
+    // 1.065-1.174 in six runs when a rebalance only filled spare slots, 1.036-1.039 in two
+    // since it also moves experts (16-17 copies loaded and as many released, against 35-41
+    // loaded before); the plan itself predicts 1.007-1.009 on its window (it stops within
+    // 1% of the mean). The bands are wide: a window that holds fewer requests (a loaded CI
+    // machine) is noisier.
     assert_within(
         "recent imbalance before",
         imbalance_before,
@@ -294,9 +298,20 @@ fn a_node_under_skewed_load_rebalances_live_without_failing_or_changing_a_reques
     assert_eq!(server.metric("moe_node_rebalances_total"), 1.0);
     let placement: Value = server.get("/admin/placement").json().unwrap();
     assert_eq!(placement["version"], 2);
-    // A second rebalance on the same workload loads little or nothing new.
+    // A second rebalance: a version for each change it makes, none where the devices are
+    // within 2% of the mean. This window is a few seconds of a few clients, so its noise
+    // alone reads 1.03-1.06 and moves a dozen copies again (a 60 s window of a busy node
+    // reads within 2%).
     let again = server.post_ok("/admin/rebalance", &json!({}));
-    assert_eq!(again["version"], 3);
+    let versions = again["versions"].as_u64().unwrap();
+    assert_eq!(again["version"], 2 + versions, "{again}");
+    let predicted = again["imbalance_after"].as_f64().unwrap();
+    assert_within(
+        "predicted after a second rebalance",
+        predicted,
+        1.0..=1.02,
+        &again,
+    );
 }
 
 #[test]
@@ -348,7 +363,7 @@ fn a_node_rebalances_on_its_own_every_interval_under_load() {
     );
     assert!(rebalances >= 2.0, "{rebalances} rebalances in 60 s");
     assert!(
-        placement["version"].as_u64().unwrap() >= 3,
+        placement["version"].as_u64().unwrap() >= 2,
         "{}",
         placement["version"]
     );
@@ -375,6 +390,7 @@ fn two_node_cluster(model: &Path) -> [Server; 2] {
              [devices]\nbackend = \"cpu\"\ncpu_slots = 2\n\
              [batching]\nmax_sequences = 32\n\
              [placement]\nredundant_slots_per_device = 24\nwindow_seconds = 3\n\
+             max_move_mib = 0.25\n\
              [cluster]\nnode_id = \"node{}\"\nsecrets = [\"rebalance-test-secret-0123456789\"]\n\
              gossip_listen = \"127.0.0.1:{}\"\npeer_listen = \"127.0.0.1:0\"\n\
              seeds = [\"127.0.0.1:{}\"]\nexpect_nodes = 2\nreplication = 1\n\
@@ -409,9 +425,11 @@ fn a_cluster_under_skewed_load_rebalances_live_through_its_placement_versions() 
         .map(|n| prompts.iter().map(|p| greedy(n, p)).collect())
         .collect();
     assert_eq!(before[0], before[1], "both nodes compute the same tokens");
+    let start: Value = nodes[0].get("/admin/placement").json().unwrap();
     for node in &nodes {
         let placement: Value = node.get("/admin/placement").json().unwrap();
         assert_eq!(placement["version"], 1);
+        assert_eq!(placement["layers"], start["layers"]);
     }
 
     let load = Load::start(&[&nodes[0].base, &nodes[1].base], 2);
@@ -429,60 +447,82 @@ fn a_cluster_under_skewed_load_rebalances_live_through_its_placement_versions() 
     );
 
     let report = nodes[0].post_ok("/admin/rebalance", &json!({}));
-    assert_eq!(report["version"], 2, "{report}");
+    // 0.25 MiB per version (placement.max_move_mib) is five of the demo's experts: the
+    // rebalance goes through several versions, each copied, switched to and released on
+    // both nodes while the clients keep asking.
+    let versions = report["versions"].as_u64().unwrap();
+    assert!(versions >= 2, "{report}");
+    assert_eq!(report["version"], 1 + versions, "{report}");
     assert_eq!(report["nodes_profiled"], 2, "both nodes' windows: {report}");
     assert!(report["copies_loaded"].as_u64().unwrap() > 0, "{report}");
     assert!(
         report["imbalance_after"].as_f64().unwrap() < report["imbalance_before"].as_f64().unwrap(),
         "{report}"
     );
-    // Both nodes serve version 2, with the same copies, hot experts on both nodes.
+    // Both nodes serve the last version, with the same copies; experts moved from one
+    // node to the other, not only copied into spare slots.
     let placements: Vec<Value> = nodes
         .iter()
         .map(|n| n.get("/admin/placement").json().unwrap())
         .collect();
     for p in &placements {
-        assert_eq!(p["version"], 2);
+        assert_eq!(p["version"], report["version"]);
         assert_eq!(p["layers"], placements[0]["layers"]);
     }
+    let on_nodes = |copies: &Value| -> Vec<String> {
+        let mut nodes: Vec<String> = copies
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["node"].as_str().unwrap().to_string())
+            .collect();
+        nodes.sort();
+        nodes.dedup();
+        nodes
+    };
     let mut across_nodes = 0;
-    for layer in placements[0]["layers"].as_array().unwrap() {
-        for copies in layer["experts"].as_array().unwrap() {
-            let copies = copies.as_array().unwrap();
-            let mut distinct = copies.clone();
+    for (layer, was) in placements[0]["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(start["layers"].as_array().unwrap())
+    {
+        for (copies, was) in layer["experts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .zip(was["experts"].as_array().unwrap())
+        {
+            let list = copies.as_array().unwrap();
+            let mut distinct = list.clone();
             distinct.sort_by_key(|c| c.to_string());
             distinct.dedup();
-            assert_eq!(
-                distinct.len(),
-                copies.len(),
-                "one copy per device: {copies:?}"
-            );
-            let on = |n: &str| copies.iter().any(|c| c["node"] == n);
-            if on("node1") && on("node2") {
+            assert_eq!(distinct.len(), list.len(), "one copy per device: {list:?}");
+            if on_nodes(copies) != on_nodes(was) {
                 across_nodes += 1;
             }
         }
     }
-    assert!(across_nodes > 0, "no hot expert has copies on both nodes");
+    assert!(across_nodes > 0, "no expert's copies changed node");
     // A full window under the new placement: the devices' measured load evens out.
     std::thread::sleep(Duration::from_secs(4));
     let imbalance_after = worst_recent_imbalance(&nodes);
     let served = load.finish();
     eprintln!(
         "cluster rebalance under load: {served} requests, worst recent imbalance \
-         {imbalance_before:.3} -> {imbalance_after:.3}, {across_nodes} experts on both nodes; \
+         {imbalance_before:.3} -> {imbalance_after:.3}, {across_nodes} experts changed node; \
          report {report}"
     );
     assert!(
         imbalance_after < imbalance_before,
         "recent imbalance {imbalance_before:.3} before, {imbalance_after:.3} after: {report}"
     );
-    // The figures six runs measured, within bands (not exact: the windows hold whatever the
-    // clients got through, 1016 to 1350 requests in six runs). Measured in six runs
-    // (2026-12-06, 2 shared cores): worst recent imbalance 1.406-1.419 before, 1.087-1.176
-    // after, 37-43 copies loaded, 21-24 experts on both nodes, 1.0000 predicted by the plan.
-    // A run with fewer requests in the window (906, 2026-12-06) read 1.257 after and 29
-    // experts on both nodes: the bands leave room for a loaded CI machine.
+    // The figures runs measured, within bands (not exact: the windows hold whatever the
+    // clients got through, 1016 to 2306 requests). Measured (2026-12-06, 2 shared cores):
+    // worst recent imbalance 1.405-1.419 before; after, 1.087-1.257 in seven runs when a
+    // rebalance only filled spare slots, 1.059-1.064 in two since it moves experts too (4
+    // versions of at most 0.25 MiB, 16-17 copies loaded, 6-8 experts changed node); 1.008
+    // predicted by the plan. The bands leave room for a loaded CI machine.
     assert_within(
         "worst recent imbalance before",
         imbalance_before,
@@ -497,27 +537,20 @@ fn a_cluster_under_skewed_load_rebalances_live_through_its_placement_versions() 
     );
     let predicted = report["imbalance_after"].as_f64().unwrap();
     assert_within("predicted imbalance after", predicted, 1.0..=1.01, &report);
-    let loaded = report["copies_loaded"].as_u64().unwrap() as f64;
-    assert_within("copies loaded", loaded, 25.0..=55.0, &report);
-    assert_within(
-        "experts on both nodes",
-        across_nodes as f64,
-        12.0..=36.0,
-        &report,
-    );
     // Copies compute exactly what the originals do, on either node.
     for (node, before) in nodes.iter().zip(&before) {
         let after: Vec<Value> = prompts.iter().map(|p| greedy(node, p)).collect();
         assert_eq!(&after, before);
     }
     assert_eq!(nodes[0].metric("moe_node_rebalances_total"), 1.0);
-    // The next rebalance (the same workload) goes through the same versioning: version 3
-    // everywhere; the layers its copies already balance keep them.
+    // The next rebalance (the same workload) goes through the same versioning, where it
+    // moves anything: the layers within 1% of the mean move nothing.
     let again = nodes[0].post_ok("/admin/rebalance", &json!({}));
-    assert_eq!(again["version"], 3, "{again}");
+    let last = report["version"].as_u64().unwrap() + again["versions"].as_u64().unwrap();
+    assert_eq!(again["version"], last, "{again}");
     for node in &nodes {
         let placement: Value = node.get("/admin/placement").json().unwrap();
-        assert_eq!(placement["version"], 3);
+        assert_eq!(placement["version"], last);
     }
     eprintln!("second cluster rebalance: {again}");
 }
@@ -528,31 +561,36 @@ fn a_cluster_under_skewed_load_rebalances_live_through_its_placement_versions() 
 #[test]
 fn replication_on_64_devices_gives_the_figures_the_docs_quote() {
     // (skew, spare slots per device): mean imbalance over the 61 layers with no copies,
-    // EPLB, moe-node, moe-node live.
+    // EPLB, moe-node, filling spare slots only, the live rebalance; copies it loads.
     let quoted = [
-        (0.6, 1, [2.676, 1.001, 1.000, 1.041]),
-        (0.8, 1, [4.640, 1.001, 1.000, 1.069]),
-        (1.0, 1, [4.881, 1.001, 1.000, 1.096]),
-        (1.0, 2, [4.881, 1.000, 1.000, 1.018]),
-        (1.0, 0, [4.881, 3.942, 3.940, 4.881]),
+        (0.6, 1, [2.676, 1.001, 1.000, 1.041, 1.009], 5716),
+        (0.8, 1, [4.640, 1.001, 1.000, 1.069, 1.009], 9264),
+        (1.0, 1, [4.881, 1.001, 1.000, 1.096, 1.009], 10356),
+        (1.0, 2, [4.881, 1.000, 1.000, 1.018, 1.009], 12190),
+        (1.0, 0, [4.881, 3.942, 3.940, 4.881, 4.881], 0),
     ];
     let placement = replication::serving_placement();
-    for (skew, spare, want) in quoted {
+    for (skew, spare, want, loaded) in quoted {
         let row = replication::row(&placement, skew, spare);
         let got = [
             row.none.mean(),
             row.eplb.mean(),
             row.ours.mean(),
             row.live.mean(),
+            row.moved.mean(),
         ];
         eprintln!(
             "skew {skew} spare {spare}: {got:.4?}, worst live {:.4}",
             row.live.worst
         );
-        for (name, (got, want)) in ["no copies", "EPLB", "moe-node", "moe-node live"]
-            .iter()
-            .zip(got.iter().zip(want))
-        {
+        let names = [
+            "no copies",
+            "EPLB",
+            "moe-node",
+            "fill spare only",
+            "live rebalance",
+        ];
+        for (name, (got, want)) in names.iter().zip(got.iter().zip(want)) {
             // Printed to three decimals: within half of the last one.
             assert!(
                 (got - want).abs() <= 0.0005 + 1e-12,
@@ -564,6 +602,19 @@ fn replication_on_64_devices_gives_the_figures_the_docs_quote() {
             "skew {skew}, {spare} spare: moe-node above EPLB in {} layers",
             row.worse
         );
+        assert_eq!(
+            row.moved_copies, loaded,
+            "skew {skew}, {spare} spare: copies loaded"
+        );
+        if spare > 0 {
+            // Every layer within 2% of the balanced placement (it stops within 1% of the
+            // mean).
+            assert!(
+                row.moved.worst <= 1.011,
+                "worst layer {:.4}",
+                row.moved.worst
+            );
+        }
         if (skew, spare) == (1.0, 1) {
             // "worst layer 1.18 at skew 1.0 with one slot"
             assert!(
@@ -614,9 +665,13 @@ fn a_node_on_gpus_takes_hot_copies_while_serving_and_answers_alike() {
     let report = server.post_ok("/admin/rebalance", &json!({}));
     assert!(report["copies_loaded"].as_u64().unwrap() > 0, "{report}");
     assert_eq!(report["version"], 2, "{report}");
+    // The GPUs took the copies loaded and let go of the ones released.
     let held_after = held();
-    assert!(
-        held_after > held_before,
+    let loaded = report["copies_loaded"].as_f64().unwrap();
+    let released = report["copies_released"].as_f64().unwrap();
+    assert_eq!(
+        held_after,
+        held_before + loaded - released,
         "the GPUs hold {held_after} experts after the rebalance, {held_before} before: {report}"
     );
     let after: Vec<Value> = prompts.iter().map(|p| greedy(&server, p)).collect();

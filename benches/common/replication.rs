@@ -6,6 +6,7 @@
 
 use std::time::{Duration, Instant};
 
+use moe_node::placement::migrate::{GOOD_ENOUGH, REBALANCE_ABOVE, migrate_layer};
 use moe_node::placement::profile::zipf_probabilities;
 use moe_node::placement::replicate::{
     LayerReplicas, LayerSlots, add_replicas, balance, eplb, imbalance,
@@ -74,6 +75,12 @@ pub struct Row {
     pub ours: Tally,
     /// moe-node `add_replicas` (keeps serve's layout, fills only spare slots).
     pub live: Tally,
+    /// moe-node `migrate_layer` from serve's layout (what a live rebalance converges to:
+    /// copies in spare slots and experts moved; serve's layout without spare slots, where
+    /// serve refuses to rebalance).
+    pub moved: Tally,
+    /// Copies that rebalance loads over all layers.
+    pub moved_copies: usize,
     /// Layers where `balance` is worse than EPLB.
     pub worse: usize,
 }
@@ -142,6 +149,22 @@ pub fn row(placement: &Placement, skew: f64, spare: usize) -> Row {
         if o > e + 1e-9 {
             row.worse += 1;
         }
+        let started = Instant::now();
+        let target = if spare > 0 {
+            migrate_layer(&loads, &slots, &serving, REBALANCE_ABOVE, GOOD_ENOUGH)
+                .expect("migrate_layer")
+                .target
+        } else {
+            serving.clone()
+        };
+        row.moved
+            .add(target.imbalance(&loads, devices), started.elapsed());
+        row.moved_copies += serving
+            .devices_of
+            .iter()
+            .zip(&target.devices_of)
+            .map(|(was, now)| now.iter().filter(|d| !was.contains(d)).count())
+            .sum::<usize>();
     }
     row
 }

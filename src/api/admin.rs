@@ -218,8 +218,8 @@ pub async fn start_device(
     }
 }
 
-/// `POST /admin/rebalance`: recomputes the hot-expert copies from the recent window and
-/// switches to them while serving (copy, then switch, then release); answers what it did.
+/// `POST /admin/rebalance`: rebalances for the recent window (copies and moves) through
+/// placement versions while serving (copy, then switch, then release); answers what it did.
 pub async fn rebalance(
     state: web::Data<AppState>,
     req: HttpRequest,

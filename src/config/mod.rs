@@ -21,7 +21,7 @@ pub const ENV_PREFIX: &str = "MOE_NODE";
 pub use sections::{
     Backend, BatchingConfig, ClusterConfig, ControlPlaneSection, DevicesConfig, LogFormat,
     LoggingConfig, MetricsConfig, ModelSection, NodeConfig, OnUnavailable, PeerSection,
-    PeerTransport, PlacementConfig, ServerConfig,
+    PeerTransport, PlacementConfig, ServerConfig, mib_to_bytes,
 };
 
 /// The largest `server.max_request_bytes`.
@@ -221,15 +221,7 @@ impl NodeConfig {
                 self.server.body_read_timeout_seconds
             ));
         }
-        if !(1..=86_400).contains(&self.placement.window_seconds) {
-            problems.push("placement.window_seconds: between 1 and 86400".into());
-        }
-        if self.placement.rebalance_interval_seconds > 86_400 * 7 {
-            problems.push("placement.rebalance_interval_seconds: at most a week".into());
-        }
-        if self.placement.redundant_slots_per_device > 4096 {
-            problems.push("placement.redundant_slots_per_device: at most 4096".into());
-        }
+        problems.extend(self.placement.problems());
         if self.devices.cpu_slots == 0 {
             problems.push("devices.cpu_slots: at least one device slot is needed".into());
         }

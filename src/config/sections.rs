@@ -142,6 +142,17 @@ impl ControlPlaneSection {
     }
 }
 
+/// MiB (a finite number at least 0, as the configuration's checks make sure) in bytes.
+pub fn mib_to_bytes(mib: f64) -> u64 {
+    (mib.max(0.0) * (1u64 << 20) as f64) as u64
+}
+
+/// `placement.max_move_mib` unless set: 4 GiB per version, a few seconds of loading from
+/// local NVMe, and at most that much held twice while a version switches, spread over the
+/// devices that take copies (5% of one 80 GiB GPU if a single device took it all). An
+/// 896-expert FP8 model (44 MiB an expert) moves about 90 copies per version.
+pub const DEFAULT_MAX_MOVE_MIB: f64 = 4096.0;
+
 /// Hot-expert copies: spare expert slots per device, filled from the activation profile.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -154,6 +165,12 @@ pub struct PlacementConfig {
     pub rebalance_interval_seconds: u64,
     /// How far back the recent activation window (profiles, rebalancing) looks.
     pub window_seconds: u64,
+    /// Expert weights one placement version of a rebalance loads at most, over all nodes
+    /// (MiB); a larger rebalance goes in several versions, each copied, switched to and
+    /// released while serving. It bounds what a version adds to memory before the copies
+    /// it replaces are released, and how long each takes to load. 0: no bound.
+    /// Fractions are allowed (small test models).
+    pub max_move_mib: f64,
 }
 
 impl Default for PlacementConfig {
@@ -162,11 +179,35 @@ impl Default for PlacementConfig {
             redundant_slots_per_device: 0,
             rebalance_interval_seconds: 0,
             window_seconds: 60,
+            max_move_mib: DEFAULT_MAX_MOVE_MIB,
         }
     }
 }
 
 impl PlacementConfig {
+    pub(super) fn problems(&self) -> Vec<String> {
+        let mut problems = Vec::new();
+        if !(1..=86_400).contains(&self.window_seconds) {
+            problems.push("placement.window_seconds: between 1 and 86400".into());
+        }
+        if self.rebalance_interval_seconds > 86_400 * 7 {
+            problems.push("placement.rebalance_interval_seconds: at most a week".into());
+        }
+        if !(self.max_move_mib.is_finite() && self.max_move_mib >= 0.0) {
+            problems
+                .push("placement.max_move_mib: a number of MiB at least 0 (0: no bound)".into());
+        }
+        if self.redundant_slots_per_device > 4096 {
+            problems.push("placement.redundant_slots_per_device: at most 4096".into());
+        }
+        problems
+    }
+
+    /// `max_move_mib` in bytes.
+    pub fn max_move_bytes(&self) -> u64 {
+        mib_to_bytes(self.max_move_mib)
+    }
+
     /// One bucket of the recent window's ring.
     pub fn window_bucket(&self) -> std::time::Duration {
         std::time::Duration::from_millis(

@@ -130,7 +130,8 @@ fn every_problem_is_reported_at_once() {
 fn sizes_from_outside_are_bounded_naming_the_key() {
     let err = load(
         "[server]\ndrain_seconds = 9223372036854775807\nbody_read_timeout_seconds = 0\n\
-         [devices]\ncpu_slots = 100000000\n[batching]\nmax_tokens_per_step = 1099511627776\n",
+         [devices]\ncpu_slots = 100000000\n[batching]\nmax_tokens_per_step = 1099511627776\n\
+         [placement]\nmax_move_mib = -1\n",
         &[],
     )
     .unwrap_err();
@@ -140,6 +141,7 @@ fn sizes_from_outside_are_bounded_naming_the_key() {
         "server.body_read_timeout_seconds: 0 is not between 1 and 3600",
         "devices.cpu_slots: 100000000 is more than 1024",
         "batching.max_tokens_per_step: 1099511627776 is more than 1048576",
+        "placement.max_move_mib: a number of MiB at least 0",
     ] {
         assert!(
             text.contains(expected),

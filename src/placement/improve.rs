@@ -46,14 +46,15 @@ enum Step {
     },
 }
 
-/// Improves `layout` in place until no step lowers its most loaded device.
+/// Improves `layout` in place until no step lowers its most loaded device, or that device
+/// carries no more than `layout.good_enough`.
 pub(super) fn improve(layout: &mut Layout) {
     for _ in 0..MAX_ROUNDS {
         let Some(top) = most_loaded(layout) else {
             return;
         };
         let limit = layout.device_load[top] * (1.0 - MARGIN);
-        if limit <= 0.0 {
+        if limit <= 0.0 || layout.device_load[top] <= layout.good_enough {
             return;
         }
         let Some((_, step)) = best_step(layout, top, limit) else {
@@ -196,6 +197,7 @@ fn recounts(layout: &Layout, expert: usize, top: usize, consider: &mut impl FnMu
 }
 
 fn apply(layout: &mut Layout, step: Step) {
+    layout.begin_step();
     match step {
         Step::Add { expert, to } => layout.add_copy(expert, to),
         Step::Move { expert, from, to } => layout.move_copy(expert, from, to),

@@ -87,8 +87,26 @@ pub fn imbalance(device_loads: &[f64]) -> f64 {
     max / (total / device_loads.len() as f64)
 }
 
+/// One change to a layer's copies, as a live rebalance carries it out: a copy loaded onto a
+/// device, or a copy released from one (devices as the [`LayerSlots`] number them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CopyChange {
+    Load { expert: usize, device: usize },
+    Release { expert: usize, device: usize },
+}
+
+/// The changes of one step of a search, which leaves the layout valid (every device within
+/// its capacity, every expert with its copies), and the most loaded device over the mean
+/// before it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Step {
+    pub changes: Vec<CopyChange>,
+    pub imbalance_before: f64,
+}
+
 /// A layout being built or improved: copies per expert and per device, device loads, and
 /// which copies may not move.
+#[derive(Clone)]
 pub(super) struct Layout<'a> {
     pub loads: &'a [f64],
     pub slots: &'a LayerSlots,
@@ -101,6 +119,10 @@ pub(super) struct Layout<'a> {
     /// `pinned[expert]`: devices whose copy of the expert must stay (the serving layout).
     pub pinned: Vec<Vec<usize>>,
     pub device_load: Vec<f64>,
+    /// The search stops once the most loaded device carries at most this much.
+    pub good_enough: f64,
+    /// The steps taken since [`Layout::record`], when recording.
+    pub steps: Option<Vec<Step>>,
 }
 
 impl<'a> Layout<'a> {
@@ -114,6 +136,8 @@ impl<'a> Layout<'a> {
             held: vec![Vec::new(); slots.num_devices()],
             pinned: vec![Vec::new(); loads.len()],
             device_load: vec![0.0; slots.num_devices()],
+            good_enough: 0.0,
+            steps: None,
         }
     }
 
@@ -206,8 +230,39 @@ impl<'a> Layout<'a> {
         self.pinned[expert].contains(&device)
     }
 
+    /// From here on, every change is recorded as part of a step ([`Layout::begin_step`]).
+    pub fn record(&mut self) {
+        self.steps = Some(Vec::new());
+    }
+
+    /// Starts a step: the changes until the next one leave the layout valid together.
+    pub fn begin_step(&mut self) {
+        let imbalance_before = imbalance(&self.device_load);
+        if let Some(steps) = self.steps.as_mut() {
+            if steps.last().is_some_and(|s| s.changes.is_empty()) {
+                steps.pop();
+            }
+            steps.push(Step {
+                changes: Vec::new(),
+                imbalance_before,
+            });
+        }
+    }
+
+    fn note(&mut self, change: CopyChange) {
+        if let Some(step) = self.steps.as_mut().and_then(|s| s.last_mut()) {
+            step.changes.push(change);
+        }
+    }
+
+    /// The most loaded device's load.
+    pub fn peak(&self) -> f64 {
+        self.device_load.iter().copied().fold(0.0, f64::max)
+    }
+
     /// Adds a copy of `expert` on `device` (the expert's other copies carry less).
     pub fn add_copy(&mut self, expert: usize, device: usize) {
+        self.note(CopyChange::Load { expert, device });
         let before = self.share(expert);
         for &d in &self.devices_of[expert] {
             self.device_load[d] -= before;
@@ -222,6 +277,7 @@ impl<'a> Layout<'a> {
 
     /// Removes the copy of `expert` on `device` (its other copies carry more).
     pub fn remove_copy(&mut self, expert: usize, device: usize) {
+        self.note(CopyChange::Release { expert, device });
         let before = self.share(expert);
         for &d in &self.devices_of[expert] {
             self.device_load[d] -= before;
@@ -237,6 +293,12 @@ impl<'a> Layout<'a> {
 
     /// Moves the copy of `expert` on `from` to `to`.
     pub fn move_copy(&mut self, expert: usize, from: usize, to: usize) {
+        // Copy, then release.
+        self.note(CopyChange::Load { expert, device: to });
+        self.note(CopyChange::Release {
+            expert,
+            device: from,
+        });
         let share = self.share(expert);
         for d in self.devices_of[expert].iter_mut() {
             if *d == from {

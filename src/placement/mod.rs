@@ -2,10 +2,10 @@
 //! functions and plain types: the dispatcher feeds them the health it has measured and
 //! carries out what they decide.
 
-mod hot;
 mod improve;
 mod layout;
 pub mod load;
+pub mod migrate;
 pub mod profile;
 pub mod replicate;
 mod revise;
@@ -13,6 +13,7 @@ mod revise;
 use serde::{Deserialize, Serialize};
 
 pub use load::ExpertLoad;
+pub use migrate::{Migration, VersionMoves};
 pub use profile::{Profile, ProfileError};
 
 /// One copy of an expert: a device of a node. `node` indexes [`Placement::nodes`].
@@ -60,6 +61,8 @@ pub enum PlacementError {
     TooManyNodes(usize),
     #[error("placement table: {0}")]
     BadTable(String),
+    #[error("rebalancing layer {layer}: {reason}")]
+    Rebalance { layer: usize, reason: String },
 }
 
 impl Placement {

@@ -23,7 +23,7 @@ use std::collections::BinaryHeap;
 
 use super::improve::improve;
 use super::layout::Layout;
-pub use super::layout::{LayerReplicas, LayerSlots, imbalance};
+pub use super::layout::{CopyChange, LayerReplicas, LayerSlots, Step, imbalance};
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ReplicateError {
@@ -50,7 +50,11 @@ pub enum ReplicateError {
 
 /// Checks the inputs every algorithm shares and returns the number of nodes an expert's
 /// first copies spread over.
-fn check(loads: &[f64], slots: &LayerSlots, min_copies: usize) -> Result<usize, ReplicateError> {
+pub(super) fn check(
+    loads: &[f64],
+    slots: &LayerSlots,
+    min_copies: usize,
+) -> Result<usize, ReplicateError> {
     if let Some((expert, &load)) = loads
         .iter()
         .enumerate()
@@ -83,7 +87,7 @@ fn check(loads: &[f64], slots: &LayerSlots, min_copies: usize) -> Result<usize, 
 
 /// How many copies each expert gets: `min_copies` each, then every remaining slot to the
 /// expert with the highest load per copy (never more copies than devices).
-fn copy_counts(loads: &[f64], slots: &LayerSlots, min_copies: usize) -> Vec<usize> {
+pub(super) fn copy_counts(loads: &[f64], slots: &LayerSlots, min_copies: usize) -> Vec<usize> {
     let usable = slots.capacity.iter().filter(|&&c| c > 0).count();
     let total: usize = slots.capacity.iter().sum();
     let mut counts = vec![min_copies; loads.len()];
@@ -220,7 +224,8 @@ pub fn add_replicas(
 impl Layout<'_> {
     /// Puts one more copy of `expert` on the least loaded device that may take it; when
     /// every device with room holds it, first moves another expert's copy out of the way.
-    fn place(&mut self, expert: usize) -> Result<(), ReplicateError> {
+    pub(super) fn place(&mut self, expert: usize) -> Result<(), ReplicateError> {
+        self.begin_step();
         let pick = (0..self.slots.num_devices())
             .filter(|&d| self.has_room(d) && self.may_take(expert, d, None))
             .min_by(|&a, &b| self.device_load[a].total_cmp(&self.device_load[b]));

@@ -1,7 +1,8 @@
 //! `moe-node plan`: the deployment-readiness report. Lays the experts out exactly as
 //! `serve` would for a cluster shape ([`Placement::single_node`] or
-//! [`Placement::balanced`]), adds the hot-expert copies the spare slots allow as a live
-//! rebalance would ([`replicate::add_replicas`]), and answers: what each device holds and
+//! [`Placement::balanced`]), rebalances that layout for the profile as a live rebalance
+//! would ([`Placement::migrate`]: copies in the spare slots, experts moved, in versions
+//! within `placement.max_move_mib`), and answers: what each device holds and
 //! whether it fits, what each node's failure costs, how imbalanced each layer is under a
 //! profile, and whether all that passes the thresholds. Pure: the command reads the files
 //! and prints.
@@ -16,9 +17,10 @@ use serde::Serialize;
 use crate::config::OnUnavailable;
 use crate::engine::batch::KvBudget;
 use crate::model::ModelConfig;
+use crate::placement::migrate::copies_per_version;
 use crate::placement::replicate::{self, LayerReplicas, LayerSlots, ReplicateError};
 use crate::placement::{
-    NodeSlots, Placement, PlacementError, PlacementSpec, Profile, ProfileError,
+    NodeSlots, Placement, PlacementError, PlacementSpec, Profile, ProfileError, VersionMoves,
 };
 pub use sizes::ModelSizes;
 
@@ -30,6 +32,8 @@ pub struct PlanInput<'a> {
     pub devices_per_node: usize,
     pub replication: usize,
     pub redundant_slots: usize,
+    /// `placement.max_move_mib` in bytes: what one version of a rebalance loads at most.
+    pub max_move_bytes: u64,
     pub profile: Option<&'a Profile>,
     pub device_memory_bytes: Option<u64>,
     /// The share of each device's memory a node may use (`devices.gpu_memory_fraction`).
@@ -61,6 +65,8 @@ pub enum PlanError {
     NoExperts,
     #[error("--max-imbalance must be a number at least 1")]
     BadThreshold,
+    #[error("--max-move-mib {0}: give a number of MiB at least 0 (0: no bound)")]
+    BadMoveBudget(f64),
     #[error("--device-memory-gib {0}: give a positive number of GiB")]
     BadMemory(f64),
     #[error(transparent)]
@@ -87,7 +93,20 @@ pub struct PlanReport {
     pub placement: BTreeMap<String, Vec<Vec<usize>>>,
     pub layers: BTreeMap<String, LayerReport>,
     pub failures: Vec<FailureReport>,
+    /// The live rebalance from serve's starting layout to `placement`.
+    pub rebalance: RebalancePlan,
     pub verdict: Verdict,
+}
+
+/// What a live rebalance from the layout `serve` starts with to the placement reported
+/// makes: its versions, each loading at most `max_move_bytes`, and the copies moved.
+#[derive(Debug, Clone, Serialize)]
+pub struct RebalancePlan {
+    pub max_move_bytes: u64,
+    pub versions: Vec<VersionMoves>,
+    pub copies_loaded: usize,
+    pub copies_released: usize,
+    pub bytes_loaded: u64,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -107,6 +126,7 @@ pub struct ClusterShape {
     pub devices_per_node: usize,
     pub replication: usize,
     pub redundant_slots: usize,
+    pub max_move_bytes: u64,
     pub device_memory_bytes: Option<u64>,
     /// The share of it a node may use, as `serve` counts it at start-up.
     pub memory_fraction: f64,
@@ -137,8 +157,8 @@ pub struct DeviceReport {
 
 #[derive(Debug, Clone, Serialize)]
 pub struct LayerReport {
-    /// Most loaded device over the mean, after hot-expert copies, as a serving node lays
-    /// them: its layout stays, copies fill the spare slots (what a live rebalance does).
+    /// Most loaded device over the mean once a live rebalance has converged (copies in the
+    /// spare slots, experts moved: `placement`).
     pub imbalance: f64,
     /// The same as `serve` lays experts out, without copies in spare slots.
     pub imbalance_unreplicated: f64,
@@ -154,7 +174,11 @@ pub struct LayerReport {
     pub hot_experts: Vec<u32>,
     /// Experts whose load per copy is still more than twice the median, after copies.
     pub hot_experts_after: Vec<u32>,
+    /// Copies beyond serve's layout (in spare slots).
     pub copies_added: usize,
+    /// Copies the rebalance loads in this layer, and copies it releases.
+    pub copies_loaded: usize,
+    pub copies_released: usize,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -247,13 +271,27 @@ pub fn plan(input: &PlanInput) -> Result<PlanReport, PlanError> {
             input.redundant_slots.min((free / per_slot.max(1)) as usize)
         })
         .collect();
+    // As a live rebalance goes from serve's layout (its capacities: the base share plus
+    // the spare slots memory allows on each device). Without spare slots serve refuses to
+    // rebalance: a version loads its copies before it releases the ones they replace.
+    let migration = if input.redundant_slots > 0 {
+        placement.migrate(
+            &profile_loads,
+            &spare,
+            copies_per_version(input.max_move_bytes, sizes.expert_bytes),
+        )?
+    } else {
+        Default::default()
+    };
+    let served = migration.target().unwrap_or(&placement);
     let mut layer_plans = Vec::with_capacity(moe_count);
     for layer in (0..model.num_layers).filter(|&l| model.moe_layers[l]) {
-        let serving = LayerReplicas {
+        let layout = |p: &Placement| LayerReplicas {
             devices_of: (0..num_experts as u32)
-                .map(|e| placement.replicas(layer, e).iter().map(global).collect())
+                .map(|e| p.replicas(layer, e).iter().map(global).collect())
                 .collect(),
         };
+        let serving = layout(&placement);
         let (loads, profiled) = match &profile_loads[layer] {
             Some(loads) => (loads.clone(), true),
             None => (vec![1.0; num_experts], false),
@@ -271,8 +309,7 @@ pub fn plan(input: &PlanInput) -> Result<PlanReport, PlanError> {
             node_of: node_of.clone(),
             capacity,
         };
-        let failed = |source| PlanError::Replicate { layer, source };
-        let replicated = replicate::add_replicas(&loads, &slots, &serving).map_err(failed)?;
+        let replicated = layout(served);
         // Re-placing every expert is for comparison: where its greedy packing finds no
         // room, the report says so rather than failing.
         let eplb_imbalance = replicate::eplb(&loads, &slots, input.replication)
@@ -291,7 +328,14 @@ pub fn plan(input: &PlanInput) -> Result<PlanReport, PlanError> {
             balanced_imbalance,
         });
     }
-    Ok(assemble(input, &sizes, work, &layer_plans))
+    let rebalance = RebalancePlan {
+        max_move_bytes: input.max_move_bytes,
+        versions: migration.moves.clone(),
+        copies_loaded: migration.copies_loaded(),
+        copies_released: migration.copies_released(),
+        bytes_loaded: migration.copies_loaded() as u64 * sizes.expert_bytes,
+    };
+    Ok(assemble(input, &sizes, work, &layer_plans, rebalance))
 }
 
 /// The layout `serve` starts with for this shape: one node places on its devices with
@@ -321,6 +365,15 @@ fn serve_layout(input: &PlanInput) -> Result<Placement, PlacementError> {
     Placement::balanced(&model.moe_layers, model.moe.num_experts, spec)
 }
 
+/// Copies `to` holds that `from` does not.
+fn moved(from: &LayerReplicas, to: &LayerReplicas) -> usize {
+    from.devices_of
+        .iter()
+        .zip(&to.devices_of)
+        .map(|(a, b)| b.iter().filter(|d| !a.contains(d)).count())
+        .sum()
+}
+
 /// Experts whose `load` is more than twice the median.
 fn hot(loads: &[f64]) -> Vec<u32> {
     let mut sorted = loads.to_vec();
@@ -339,7 +392,13 @@ fn usable(memory: u64, fraction: f64) -> u64 {
 /// The report from the layers' plans; `work` is each device's work area (see
 /// [`sizes::gpu_work_bytes`]). Problems are listed in the order the steps find them:
 /// layer imbalance, KV caches, memory, node failures.
-fn assemble(input: &PlanInput, sizes: &ModelSizes, work: u64, layers: &[LayerPlan]) -> PlanReport {
+fn assemble(
+    input: &PlanInput,
+    sizes: &ModelSizes,
+    work: u64,
+    layers: &[LayerPlan],
+    rebalance: RebalancePlan,
+) -> PlanReport {
     let model = input.model;
     let per_node = input.devices_per_node;
     let mut problems = Vec::new();
@@ -379,6 +438,7 @@ fn assemble(input: &PlanInput, sizes: &ModelSizes, work: u64, layers: &[LayerPla
             devices_per_node: per_node,
             replication: input.replication,
             redundant_slots: input.redundant_slots,
+            max_move_bytes: input.max_move_bytes,
             device_memory_bytes: input.device_memory_bytes,
             memory_fraction: input.memory_fraction,
         },
@@ -386,6 +446,7 @@ fn assemble(input: &PlanInput, sizes: &ModelSizes, work: u64, layers: &[LayerPla
         placement,
         layers: layer_reports,
         failures,
+        rebalance,
         verdict: Verdict {
             ok: problems.is_empty(),
             problems,
@@ -476,7 +537,12 @@ fn report_layers(
                         .filter(|&e| per_copy[e as usize] > 2.0 * median)
                         .collect()
                 },
-                copies_added: plan.replicated.copies() - plan.serving.copies(),
+                copies_added: plan
+                    .replicated
+                    .copies()
+                    .saturating_sub(plan.serving.copies()),
+                copies_loaded: moved(&plan.serving, &plan.replicated),
+                copies_released: moved(&plan.replicated, &plan.serving),
             },
         );
         placement.insert(plan.layer.to_string(), plan.replicated.devices_of.clone());

@@ -174,13 +174,20 @@ impl PlanReport {
         writeln!(
             out,
             "\nLayers (imbalance = most loaded device / mean; a copied expert's load split over its copies;\n\
-             EPLB and moe-node re-place every expert in the same slots, served keeps serve's layout\n\
-             and adds copies in the spare slots, as a live rebalance does)"
+             EPLB and moe-node re-place every expert in the same slots; served is where a live\n\
+             rebalance from serve's layout converges: copies in the spare slots, experts moved)"
         )?;
         writeln!(
             out,
-            "  {:>5} {:>12} {:>8} {:>9} {:>8} {:>11} {:>12}  hottest",
-            "layer", "unreplicated", "EPLB", "moe-node", "served", "hot experts", "copies added"
+            "  {:>5} {:>12} {:>8} {:>9} {:>8} {:>11} {:>12} {:>13}  hottest",
+            "layer",
+            "unreplicated",
+            "EPLB",
+            "moe-node",
+            "served",
+            "hot experts",
+            "copies added",
+            "copies loaded"
         )?;
         let mut layers: Vec<(usize, &super::LayerReport)> = self
             .layers
@@ -193,7 +200,7 @@ impl PlanReport {
             let more = l.hot_experts.len().saturating_sub(5);
             writeln!(
                 out,
-                "  {:>5} {:>12.3} {:>8} {:>9} {:>8.3} {:>11} {:>12}  {}{}",
+                "  {:>5} {:>12.3} {:>8} {:>9} {:>8.3} {:>11} {:>12} {:>13}  {}{}",
                 layer,
                 l.imbalance_unreplicated,
                 ratio(l.imbalance_eplb),
@@ -201,6 +208,7 @@ impl PlanReport {
                 l.imbalance,
                 l.hot_experts.len(),
                 l.copies_added,
+                l.copies_loaded,
                 shown.join(" "),
                 if more > 0 {
                     format!(" (+{more})")
@@ -212,6 +220,46 @@ impl PlanReport {
 
         fn ratio(r: Option<f64>) -> String {
             r.map_or("-".into(), |r| format!("{r:.3}"))
+        }
+        self.write_rebalance(out)
+    }
+
+    /// The versions a live rebalance goes through to the served placement.
+    fn write_rebalance(&self, out: &mut String) -> std::fmt::Result {
+        let r = &self.rebalance;
+        let budget = match r.max_move_bytes {
+            0 => "no bound per version".to_string(),
+            b => format!(
+                "at most {:.0} MiB per version: placement.max_move_mib",
+                b as f64 / (1u64 << 20) as f64
+            ),
+        };
+        if r.versions.is_empty() {
+            return writeln!(
+                out,
+                "
+Rebalance: nothing to move (serve's layout is within 1% of balanced, or no profile)"
+            );
+        }
+        writeln!(
+            out,
+            "
+Rebalance from serve's layout: {} version(s) ({budget}), {} copies loaded ({:.2} GiB), \
+             {} released",
+            r.versions.len(),
+            r.copies_loaded,
+            gib(r.bytes_loaded),
+            r.copies_released
+        )?;
+        for v in r.versions.iter().take(3) {
+            writeln!(
+                out,
+                "  version {:>4}: {:>6} copies loaded, {:>6} released",
+                v.version, v.copies_loaded, v.copies_released
+            )?;
+        }
+        if r.versions.len() > 3 {
+            writeln!(out, "  ... {} more", r.versions.len() - 3)?;
         }
         Ok(())
     }

@@ -94,9 +94,12 @@ mod tests {
         let v1 = Placement::single_node(&[true], 4, 2, 1).unwrap();
         board.set_current(Arc::new(v1.clone()));
         let v2 = v1
-            .with_hot_copies(&[Some(vec![9.0, 1.0, 1.0, 1.0])], 1, 2)
-            .unwrap();
-        let v3 = v1.with_hot_copies(&[None], 1, 3).unwrap();
+            .migrate(&[Some(vec![9.0, 1.0, 1.0, 1.0])], &[1, 1], 0)
+            .unwrap()
+            .versions
+            .remove(0);
+        assert_eq!(v2.version(), 2);
+        let v3 = v2.revise(v2.nodes()).unwrap();
         assert!(
             board
                 .offer_next(Arc::new(v3))
@@ -104,7 +107,7 @@ mod tests {
                 .contains("does not follow")
         );
         board.offer_next(Arc::new(v2.clone())).unwrap();
-        let other = v1.with_hot_copies(&[None], 1, 2).unwrap();
+        let other = v1.revise(v1.nodes()).unwrap();
         assert!(
             board
                 .offer_next(Arc::new(other))

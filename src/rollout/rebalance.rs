@@ -1,28 +1,29 @@
-//! Live rebalancing within one node: copies of the experts the recent activation window
-//! shows hot, in the devices' spare slots (`placement.redundant_slots_per_device`).
+//! Live rebalancing: toward a balanced placement for the recent activation window, by
+//! copies of hot experts in the devices' spare slots (`placement.redundant_slots_per_device`)
+//! and by moving experts, in placement versions that each load at most
+//! `placement.max_move_mib` ([`Placement::migrate`]).
 //!
-//! Copy, then switch, then release, while the node serves:
-//! 1. the next placement is the layout the node started with plus the hot copies
-//!    ([`Placement::with_hot_copies`], version + 1): base copies never move;
-//! 2. each device loads the copies it newly holds (read from the checkpoint off the device
+//! Copy, then switch, then release, for each version in turn, while the node serves:
+//! 1. each device loads the copies the version adds (read from the checkpoint off the device
 //!    threads; the device keeps computing and takes them in one message);
-//! 3. the dispatcher switches to the new placement at its next layer call (a call reads
-//!    one placement);
-//! 4. once every call that may have routed by the old placement has finished, the copies
-//!    the new one no longer wants are dropped.
+//! 2. the dispatcher switches to the version at its next layer call (a call reads one
+//!    placement);
+//! 3. once every call that may have routed by the previous version has finished, the copies
+//!    the version no longer holds are released.
 //!
-//! No step waits on weights: the only pause is the dispatcher swapping one pointer.
+//! No step waits on weights: the only pause is the dispatcher swapping one pointer. Every
+//! version is a valid placement (every expert keeps its copies), so nothing fails between
+//! two of them.
 //!
 //! Across a cluster the placement is the cluster's, and so is the change: the leader (the
 //! lowest serving id, the node that proposes every placement change, so that two nodes never
 //! publish two placements under one version) adds up the recent windows of every live
-//! member (each counts the tokens its own router routed), lays the hot copies over the
-//! base layout (each expert's first `replication` copies, on distinct nodes) and offers the
-//! result on its placement board as version + 1. From there it travels like any change
+//! member (each counts the tokens its own router routed), computes the versions and offers
+//! them on its placement board one at a time. Each travels like any change
 //! (`rollout/follow.rs`): every node fetches it, loads its new copies from its own
-//! checkpoint, switches at a step boundary once every live member has loaded, and drops
-//! what it no longer holds once every live member serves it. A node that is not the leader
-//! refuses and names the leader.
+//! checkpoint, switches at a step boundary once every live member has loaded, and releases
+//! what it no longer holds once every live member serves it; the leader offers the next
+//! once every member has. A node that is not the leader refuses and names the leader.
 //!
 //! The node provides what a rebalance drives ([`RebalanceParts`]: its dispatcher, which keeps
 //! the devices and what each holds, its load window, checkpoint and placement board) and
@@ -44,9 +45,10 @@ use crate::config::live::LiveSettings;
 use crate::experts::Dispatcher;
 use crate::experts::device::{ReleaseExperts, TakeExperts, load_experts};
 use crate::model::{Checkpoint, ExpertWeights, ModelConfig, ModelError};
+use crate::placement::migrate::copies_per_version;
 use crate::placement::profile::fingerprint_hex;
 use crate::placement::replicate::imbalance;
-use crate::placement::{ExpertLoad, Placement, PlacementError};
+use crate::placement::{ExpertLoad, Migration, Placement, PlacementError};
 use crate::rollout::board::PlacementBoard;
 use crate::rollout::bootstrap::fetch_profile;
 use crate::rollout::follow::{NotNow, may_propose};
@@ -90,6 +92,9 @@ pub struct RebalanceParts {
     pub spare_slots: usize,
     /// Bytes of one expert's weights, as the model's sizes give them.
     pub expert_bytes: u64,
+    /// Expert weights one placement version of a rebalance loads at most, over all nodes
+    /// (`placement.max_move_mib`; 0: no bound).
+    pub max_move_bytes: u64,
     /// This node's part in a cluster; `None` when it serves alone.
     pub cluster: Option<ClusterPart>,
 }
@@ -112,6 +117,9 @@ pub trait SeriesRegistry {
 pub struct RebalanceReport {
     /// The placement version served now.
     pub version: u64,
+    /// Placement versions the rebalance went through (0: the placement served was
+    /// balanced enough; see [`crate::placement::migrate::GOOD_ENOUGH`]).
+    pub versions: usize,
     pub copies_loaded: usize,
     pub copies_released: usize,
     pub bytes_loaded: u64,
@@ -151,17 +159,17 @@ impl RebalanceMetrics {
         };
         metrics.add_series(
             "rebalances",
-            "Live rebalances done (hot-expert copies recomputed and switched to)",
+            "Live rebalances done (placement versions computed from the recent window and switched to)",
             m.rebalances.clone(),
         );
         metrics.add_series(
             "rebalance_loaded_bytes",
-            "Bytes of expert weights loaded for hot-expert copies",
+            "Bytes of expert weights loaded by rebalances (copies of hot experts, experts moved)",
             m.bytes_loaded.clone(),
         );
         metrics.add_series(
             "rebalance_duration_seconds",
-            "From the start of a rebalance to the release of the copies dropped",
+            "From the start of a rebalance to the release of the last version's dropped copies",
             m.duration.clone(),
         );
         metrics.add_series(
@@ -180,10 +188,6 @@ impl RebalanceMetrics {
 
 /// How long the release waits for layer calls that routed by the old placement.
 const DRAIN_LIMIT: Duration = Duration::from_secs(30);
-
-/// A layer keeps its copies while its most loaded device would carry at most this much
-/// more (relative) than under freshly laid copies: a steady workload's noise moves nothing.
-const KEEP_TOLERANCE: f64 = 0.05;
 
 /// How long a rebalance across a cluster waits for every live member to serve the new
 /// placement before it answers that the change goes on without it.
@@ -212,10 +216,10 @@ impl Rebalancer {
         self.parts.spare_slots
     }
 
-    /// Recomputes the hot-expert copies from the recent window and switches to them (see
-    /// the module doc). One at a time; blocks while loading. In a cluster only the leader
-    /// rebalances ([`RebalanceError::NotLeader`] elsewhere), through the cluster's placement
-    /// versions, and blocks until every live member serves the new one.
+    /// Rebalances for the recent window through placement versions (see the module doc).
+    /// One at a time; blocks while loading. In a cluster only the leader rebalances
+    /// ([`RebalanceError::NotLeader`] elsewhere), through the cluster's placement versions,
+    /// and blocks until every live member serves the last one.
     pub fn rebalance(&self) -> Result<RebalanceReport, RebalanceError> {
         let _one_at_a_time = self.one_at_a_time.lock().unwrap_or_else(|e| e.into_inner());
         if self.parts.spare_slots == 0 {
@@ -236,9 +240,50 @@ impl Rebalancer {
             before = before.max(recent.imbalance());
             loads[layer] = Some(recent.activations.iter().map(|&a| a as f64).collect());
         }
-        let next = self.next_placement(&current, &loads)?;
-        let after = predicted_imbalance(&next, &loads);
+        let migration = self.migration(&current, &loads)?;
+        let after = predicted_imbalance(migration.target().unwrap_or(&current), &loads);
+        let mut switched = Switched::default();
+        let versions = migration.versions.len();
+        for next in migration.versions {
+            let done = self.switch_to(next)?;
+            switched.copies_loaded += done.copies_loaded;
+            switched.copies_released += done.copies_released;
+            switched.bytes_loaded += done.bytes_loaded;
+            switched.pause = switched.pause.max(done.pause);
+        }
+        Ok(self.rebalanced(RebalanceReport {
+            version: self.parts.dispatcher.placement().version(),
+            versions,
+            copies_loaded: switched.copies_loaded,
+            copies_released: switched.copies_released,
+            bytes_loaded: switched.bytes_loaded,
+            imbalance_before: before,
+            imbalance_after: after,
+            seconds: started.elapsed().as_secs_f64(),
+            switch_pause_seconds: switched.pause.as_secs_f64(),
+            nodes_profiled: 1,
+        }))
+    }
 
+    /// The versions from `current` to a placement balanced for `loads`, each loading at
+    /// most `placement.max_move_mib` of expert weights.
+    fn migration(
+        &self,
+        current: &Placement,
+        loads: &[Option<Vec<f64>>],
+    ) -> Result<Migration, RebalanceError> {
+        let spare = vec![self.parts.spare_slots; current.devices().len()];
+        Ok(current.migrate(
+            loads,
+            &spare,
+            copies_per_version(self.parts.max_move_bytes, self.parts.expert_bytes),
+        )?)
+    }
+
+    /// One version on a node serving alone: copy what it adds, switch, wait for the calls
+    /// that routed by the old placement, release what it drops.
+    fn switch_to(&self, next: Placement) -> Result<Switched, RebalanceError> {
+        let model = &self.parts.model;
         // Copy.
         let mut copies_loaded = 0;
         let mut bytes_loaded = 0u64;
@@ -294,34 +339,12 @@ impl Rebalancer {
                 .set_held_by(device.id, held.intersection(&keep).copied().collect());
             let _ = futures::executor::block_on(device.addr.send(ReleaseExperts(keep)));
         }
-
-        Ok(self.rebalanced(RebalanceReport {
-            version: next.version(),
+        Ok(Switched {
             copies_loaded,
             copies_released,
             bytes_loaded,
-            imbalance_before: before,
-            imbalance_after: after,
-            seconds: started.elapsed().as_secs_f64(),
-            switch_pause_seconds: pause.as_secs_f64(),
-            nodes_profiled: 1,
-        }))
-    }
-
-    /// Hot copies laid over `current`'s base for `loads`, as version + 1; a layer whose
-    /// current copies balance the load about as well keeps them (no loads, no drops).
-    fn next_placement(
-        &self,
-        current: &Placement,
-        loads: &[Option<Vec<f64>>],
-    ) -> Result<Placement, RebalanceError> {
-        let mut next = current.without_hot_copies().with_hot_copies(
-            loads,
-            self.parts.spare_slots,
-            current.version() + 1,
-        )?;
-        next.keep_layers_of(current, loads, self.parts.spare_slots, KEEP_TOLERANCE);
-        Ok(next)
+            pause,
+        })
     }
 
     /// Counts a rebalance done and logs it.
@@ -342,7 +365,7 @@ impl Rebalancer {
             seconds = report.seconds,
             switch_pause_us = (report.switch_pause_seconds * 1e6) as u64,
             nodes_profiled = report.nodes_profiled,
-            "rebalanced: hot-expert copies switched to"
+            "rebalanced: placement versions switched to"
         );
         report
     }
@@ -358,47 +381,48 @@ impl Rebalancer {
             NotNow::Unsettled(_) => RebalanceError::Refused(e.to_string()),
         })?;
         let (loads, nodes_profiled) = self.cluster_loads(cluster, &members);
-        let next = self.next_placement(&current, &loads)?;
+        let migration = self.migration(&current, &loads)?;
         let before = predicted_imbalance(&current, &loads);
-        let after = predicted_imbalance(&next, &loads);
-        let (copies_loaded, copies_released) = copies_changed(&current, &next);
-        let version = next.version();
-        self.parts
-            .board
-            .offer_next(Arc::new(next))
-            .map_err(RebalanceError::Refused)?;
-        tracing::info!(
-            version,
-            copies_loaded,
-            copies_released,
-            nodes_profiled,
-            "proposing hot-expert copies to the cluster (this node leads: lowest serving id)"
-        );
-        // The follower thread carries it out here as on every node: wait for the switch.
-        let served_everywhere = |members: &[MemberView]| {
-            members.iter().all(|m| {
-                m.is_self
-                    || m.state != MemberState::Alive
-                    || m.meta.placement_version == 0
-                    || m.meta.placement_version >= version
-            })
-        };
-        while self.parts.dispatcher.placement().version() < version
-            || !served_everywhere(&cluster.membership.members())
-        {
-            if started.elapsed() > CLUSTER_SWITCH_LIMIT {
-                return Err(RebalanceError::Refused(format!(
-                    "placement version {version} was proposed, but not every live member \
-                     serves it after {} s; the change goes on as members load it (see GET \
-                     /admin/cluster)",
-                    CLUSTER_SWITCH_LIMIT.as_secs()
-                )));
+        let after = predicted_imbalance(migration.target().unwrap_or(&current), &loads);
+        let versions = migration.versions.len();
+        let (copies_loaded, copies_released) =
+            (migration.copies_loaded(), migration.copies_released());
+        for (next, moves) in migration.versions.into_iter().zip(&migration.moves) {
+            let version = next.version();
+            if version > current.version() + 1 {
+                // The previous version is served everywhere; the next waits until every
+                // member has released what it dropped and says so.
+                self.wait_for(cluster, version - 1, started, |members| {
+                    may_propose(&cluster.node_id, members, version - 1).is_ok()
+                })?;
             }
-            std::thread::sleep(Duration::from_millis(20));
+            self.parts
+                .board
+                .offer_next(Arc::new(next))
+                .map_err(RebalanceError::Refused)?;
+            tracing::info!(
+                version,
+                of = versions,
+                copies_loaded = moves.copies_loaded,
+                copies_released = moves.copies_released,
+                nodes_profiled,
+                "proposing the next placement of a rebalance to the cluster (this node leads: \
+                 lowest serving id)"
+            );
+            // The follower thread carries it out here as on every node: wait for the switch.
+            self.wait_for(cluster, version, started, |members| {
+                members.iter().all(|m| {
+                    m.is_self
+                        || m.state != MemberState::Alive
+                        || m.meta.placement_version == 0
+                        || m.meta.placement_version >= version
+                })
+            })?;
         }
         let bytes_loaded = copies_loaded as u64 * self.parts.expert_bytes;
         Ok(self.rebalanced(RebalanceReport {
-            version,
+            version: self.parts.dispatcher.placement().version(),
+            versions,
             copies_loaded,
             copies_released,
             bytes_loaded,
@@ -408,6 +432,33 @@ impl Rebalancer {
             switch_pause_seconds: self.parts.dispatcher.last_switch_pause().as_secs_f64(),
             nodes_profiled,
         }))
+    }
+
+    /// Waits until this node serves `version` and `done` holds for the cluster's members,
+    /// for at most [`CLUSTER_SWITCH_LIMIT`] after `started`'s version was proposed.
+    fn wait_for(
+        &self,
+        cluster: &ClusterPart,
+        version: u64,
+        started: Instant,
+        done: impl Fn(&[MemberView]) -> bool,
+    ) -> Result<(), RebalanceError> {
+        let waiting = Instant::now();
+        while self.parts.dispatcher.placement().version() < version
+            || !done(&cluster.membership.members())
+        {
+            if waiting.elapsed() > CLUSTER_SWITCH_LIMIT {
+                return Err(RebalanceError::Refused(format!(
+                    "placement version {version} was proposed, but not every live member \
+                     serves it after {} s ({:.0} s into the rebalance); the change goes on \
+                     as members load it (see GET /admin/cluster)",
+                    CLUSTER_SWITCH_LIMIT.as_secs(),
+                    started.elapsed().as_secs_f64()
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(())
     }
 
     /// This node's recent window plus every other live serving member's (each counts the
@@ -467,7 +518,7 @@ impl Rebalancer {
     }
 }
 
-/// With `placement.rebalance_interval_seconds`, recomputes the hot-expert copies that
+/// With `placement.rebalance_interval_seconds`, rebalances for the recent window that
 /// often, on the calling thread (the loader's: it has nothing else to do once the model is
 /// served). The interval is read from `live` as it is now (a reload may change it; 0
 /// pauses). `served` gives the node's rebalancer while the model is served; the loop ends
@@ -504,25 +555,13 @@ pub fn rebalance_periodically<'a>(
     }
 }
 
-/// Copies `next` adds to `current` and copies it drops, over every node (nodes matched by
-/// name: a placement's node indices are stable, but names say it plainly).
-fn copies_changed(current: &Placement, next: &Placement) -> (usize, usize) {
-    let named = |p: &Placement, layer: usize, expert: u32| -> Vec<(String, u16)> {
-        p.replicas(layer, expert)
-            .iter()
-            .map(|r| (p.nodes()[r.node as usize].node.clone(), r.device))
-            .collect()
-    };
-    let (mut added, mut dropped) = (0, 0);
-    for layer in 0..current.num_layers() {
-        for expert in 0..current.experts_in(layer) as u32 {
-            let before = named(current, layer, expert);
-            let after = named(next, layer, expert);
-            added += after.iter().filter(|c| !before.contains(c)).count();
-            dropped += before.iter().filter(|c| !after.contains(c)).count();
-        }
-    }
-    (added, dropped)
+/// What switching to one version did on a node serving alone.
+#[derive(Default)]
+struct Switched {
+    copies_loaded: usize,
+    copies_released: usize,
+    bytes_loaded: u64,
+    pause: Duration,
 }
 
 /// Worst layer's imbalance with `loads` split over `placement`'s copies, over the devices
