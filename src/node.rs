@@ -435,7 +435,14 @@ fn batch_limits(
 ) -> (BatchLimits, Arc<ModelConfig>) {
     // The spare slots are empty until a rebalance fills them with copies of hot experts:
     // where they share memory with the caches (the dense GPU, or the host with CPU
-    // slots), that memory is not the caches' to take.
+    // slots), that memory is not the caches' to take. Nor is what a rebalance's version
+    // holds twice while it switches (the copies it loads before it releases the ones they
+    // replace: at most placement.max_move_mib over all nodes, so at most that here).
+    let move_reserve_bytes = if config.placement.redundant_slots_per_device > 0 {
+        config.placement.max_move_bytes()
+    } else {
+        0
+    };
     let spare_slot_bytes = {
         let sharing = if dense_on_gpu {
             1
@@ -451,7 +458,10 @@ fn batch_limits(
     };
     let kv = kv_budget(
         config.batching.kv_cache_mib,
-        spare_slot_bytes as usize,
+        HeldBack {
+            spare_slot_bytes: spare_slot_bytes as usize,
+            move_reserve_bytes: move_reserve_bytes as usize,
+        },
         &model,
         engine,
     );
@@ -481,21 +491,34 @@ fn batch_limits(
     (limits, model)
 }
 
+/// Memory where the caches live that is not theirs: the spare expert slots, and what a
+/// rebalance's version holds twice while it switches.
+#[derive(Clone, Copy)]
+struct HeldBack {
+    spare_slot_bytes: usize,
+    move_reserve_bytes: usize,
+}
+
 /// The KV cache budget: `mib` when set, else sized from the memory left after loading where
-/// the caches live, less `spare_slot_bytes` held back there for the spare expert slots (see
-/// `batching.kv_cache_mib`); `None` where that memory cannot be read.
+/// the caches live, less what is `held_back` there for the spare expert slots and a
+/// rebalance (see `batching.kv_cache_mib`); `None` where that memory cannot be read.
 fn kv_budget(
     mib: usize,
-    spare_slot_bytes: usize,
+    held_back: HeldBack,
     model: &ModelConfig,
     engine: &Engine,
 ) -> Option<KvBudget> {
+    let HeldBack {
+        spare_slot_bytes,
+        move_reserve_bytes,
+    } = held_back;
+    let held_back = spare_slot_bytes + move_reserve_bytes;
     let (bytes, from) = if mib > 0 {
         (mib << 20, "batching.kv_cache_mib")
     } else {
         match engine.cache_gpu_free_memory() {
             Some(Ok(free)) => (
-                KvBudget::gpu_share(free.saturating_sub(spare_slot_bytes) as u64) as usize,
+                KvBudget::gpu_share(free.saturating_sub(held_back) as u64) as usize,
                 "90% of the GPU's free memory, the pool of its cache blocks",
             ),
             Some(Err(error)) => {
@@ -504,7 +527,7 @@ fn kv_budget(
             }
             None => match host_memory_available() {
                 Some(available) => (
-                    available.saturating_sub(spare_slot_bytes) / 2,
+                    available.saturating_sub(held_back) / 2,
                     "half of the host's available memory",
                 ),
                 None => {
@@ -527,6 +550,7 @@ fn kv_budget(
         mib = bytes >> 20,
         from,
         spare_slot_bytes,
+        move_reserve_bytes,
         blocks = budget.blocks,
         block_tokens = budget.block_tokens,
         positions = budget.max_positions(),

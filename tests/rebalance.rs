@@ -233,6 +233,12 @@ fn a_node_under_skewed_load_rebalances_live_without_failing_or_changing_a_reques
         "{:?}",
         server.process.log_lines()
     );
+    // And what a version holds twice while it switches: placement.max_move_mib (4 GiB).
+    assert!(
+        server.log_contains(&format!("move_reserve_bytes={}", 4096u64 << 20)),
+        "{:?}",
+        server.process.log_lines()
+    );
     let prompts = [
         "The quick brown fox",
         "Hello there",

@@ -168,7 +168,8 @@ pub struct PlacementConfig {
     /// Expert weights one placement version of a rebalance loads at most, over all nodes
     /// (MiB); a larger rebalance goes in several versions, each copied, switched to and
     /// released while serving. It bounds what a version adds to memory before the copies
-    /// it replaces are released, and how long each takes to load. 0: no bound.
+    /// it replaces are released (a node with spare slots holds that much back from its KV
+    /// cache), and how long each takes to load. 0: no bound, nothing held back.
     /// Fractions are allowed (small test models).
     pub max_move_mib: f64,
 }
