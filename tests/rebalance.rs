@@ -683,3 +683,179 @@ fn a_node_on_gpus_takes_hot_copies_while_serving_and_answers_alike() {
     let after: Vec<Value> = prompts.iter().map(|p| greedy(&server, p)).collect();
     assert_eq!(before, after, "{report}");
 }
+
+/// A skewed profile of `model` (Zipf 1.0 by rank, ranks shuffled per layer): what an
+/// operator saved with `moe-node profile`, without a fingerprint.
+fn zipf_profile(model: &Path) -> Value {
+    let config = moe_node::model::ModelConfig::load(model).unwrap();
+    let experts = config.moe.num_experts;
+    let by_rank = moe_node::placement::profile::zipf_probabilities(experts, config.moe.top_k, 1.0);
+    let layers: serde_json::Map<String, Value> = (0..config.num_layers)
+        .filter(|&l| config.moe_layers[l])
+        .map(|layer| {
+            let counts: Vec<u64> = (0..experts)
+                .map(|e| (by_rank[(e * 7 + layer * 3) % experts] * 10_000.0) as u64)
+                .collect();
+            (layer.to_string(), json!(counts))
+        })
+        .collect();
+    json!({"layers": layers, "window_seconds": 60.0})
+}
+
+/// The placement of `placement` (as `GET /admin/placement` answers) as `plan --json`
+/// writes it: per layer, each expert's copies by global device index (nodes in name order,
+/// `per_node` devices each), sorted.
+fn as_plan_placement(placement: &Value, per_node: u64) -> Vec<Vec<Vec<u64>>> {
+    let mut names: Vec<String> = placement["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|l| l["experts"].as_array().unwrap())
+        .flat_map(|copies| copies.as_array().unwrap())
+        .map(|c| c["node"].as_str().unwrap().to_string())
+        .collect();
+    names.sort();
+    names.dedup();
+    placement["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|l| !l["experts"].as_array().unwrap().is_empty())
+        .map(|l| {
+            l["experts"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|copies| {
+                    let mut global: Vec<u64> = copies
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|c| {
+                            let node = names
+                                .iter()
+                                .position(|n| n == c["node"].as_str().unwrap())
+                                .unwrap() as u64;
+                            node * per_node + c["device"].as_u64().unwrap()
+                        })
+                        .collect();
+                    global.sort();
+                    global
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// What `plan` says a rebalance for a profile reaches is what a live cluster rebalanced for
+/// that profile serves: the same versions, the same copies loaded, the same placement, while
+/// clients keep asking and get what they got before. A profile that does not fit the model,
+/// or a request with a field it does not know, is refused with 400 and changes nothing.
+#[test]
+fn a_cluster_rebalanced_for_a_profile_serves_the_placement_plan_prints() {
+    let model = skewed_model("1");
+    let dir = tempfile::tempdir().unwrap();
+    let profile = zipf_profile(&model);
+    let profile_path = dir.path().join("profile.json");
+    std::fs::write(&profile_path, profile.to_string()).unwrap();
+    // The cluster's shape: 2 nodes of 2 CPU slots, replication 1, 24 spare slots, 0.25 MiB
+    // per version (two_node_cluster).
+    let out = Command::new(BIN)
+        .args(["plan", "--model", model.to_str().unwrap()])
+        .args([
+            "--nodes",
+            "2",
+            "--devices-per-node",
+            "2",
+            "--replication",
+            "1",
+        ])
+        .args(["--redundant-slots", "24", "--max-move-mib", "0.25"])
+        .args(["--accept-unavailable-on-failure", "--json", "--profile"])
+        .arg(&profile_path)
+        .output()
+        .unwrap();
+    let plan: Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
+    let planned_versions = plan["rebalance"]["versions"].as_array().unwrap().len() as u64;
+    assert!(planned_versions >= 2, "{}", plan["rebalance"]);
+
+    let nodes = two_node_cluster(&model);
+    let prompts = ["The quick brown fox", "Hello there"];
+    let before: Vec<Value> = prompts.iter().map(|p| greedy(&nodes[0], p)).collect();
+    // Bad requests first: each refused, the placement untouched.
+    let mut short = profile.clone();
+    short["layers"]["1"].as_array_mut().unwrap().pop();
+    let mut foreign = profile.clone();
+    foreign["fingerprint"] = json!("0x0000000000000001");
+    for (bad, says) in [
+        (json!({"profile": short}), "counts"),
+        (json!({"profile": foreign}), "another model"),
+        (json!({"profile": profile, "dry_run": true}), "dry_run"),
+        (json!({"profile": {"layers": 3}}), "expected a map"),
+    ] {
+        let resp = nodes[0].post("/admin/rebalance", &bad);
+        assert_eq!(resp.status(), 400);
+        let text = resp.text().unwrap();
+        assert!(text.contains(says), "{says}: {text}");
+    }
+    let placement: Value = nodes[0].get("/admin/placement").json().unwrap();
+    assert_eq!(placement["version"], 1);
+
+    let load = Load::start(&[&nodes[0].base, &nodes[1].base], 2);
+    let report = nodes[0].post_ok("/admin/rebalance", &json!({"profile": profile}));
+    let served = load.finish();
+    eprintln!("rebalance for a profile under load: {served} requests; report {report}");
+    assert_eq!(report["versions"], planned_versions, "{report}");
+    assert_eq!(report["version"], 1 + planned_versions, "{report}");
+    assert_eq!(report["copies_loaded"], plan["rebalance"]["copies_loaded"]);
+    assert_eq!(report["nodes_profiled"], 0);
+    let predicted = report["imbalance_after"].as_f64().unwrap();
+    let planned_worst = plan["layers"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|l| l["imbalance"].as_f64().unwrap())
+        .fold(0.0, f64::max);
+    assert!(
+        (predicted - planned_worst).abs() < 1e-9,
+        "{predicted} vs {planned_worst}"
+    );
+    let want: Vec<Vec<Vec<u64>>> = plan["placement"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .map(|(layer, experts)| (layer.parse::<usize>().unwrap(), experts))
+        .collect::<std::collections::BTreeMap<_, _>>()
+        .into_values()
+        .map(|experts| {
+            experts
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|copies| {
+                    let mut c: Vec<u64> = copies
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|d| d.as_u64().unwrap())
+                        .collect();
+                    c.sort();
+                    c
+                })
+                .collect()
+        })
+        .collect();
+    for node in &nodes {
+        let placement: Value = node.get("/admin/placement").json().unwrap();
+        assert_eq!(placement["version"], report["version"]);
+        assert!(
+            as_plan_placement(&placement, 2) == want,
+            "the cluster serves another placement than plan printed"
+        );
+    }
+    for node in &nodes {
+        let after: Vec<Value> = prompts.iter().map(|p| greedy(node, p)).collect();
+        assert_eq!(after, before);
+    }
+}

@@ -128,6 +128,17 @@ async fn admin_action<'a>(
     req: &HttpRequest,
     payload: web::Payload,
 ) -> Result<&'a ServedModel, ApiError> {
+    admin_action_body(state, req, payload)
+        .await
+        .map(|(served, _)| served)
+}
+
+/// [`admin_action`], and the body (a JSON object, or empty).
+async fn admin_action_body<'a>(
+    state: &'a AppState,
+    req: &HttpRequest,
+    payload: web::Payload,
+) -> Result<(&'a ServedModel, Vec<u8>), ApiError> {
     if !state.config.server.admin_actions {
         return Err(ApiError::forbidden(
             "admin actions are off on this node: set server.admin_actions = true (with \
@@ -151,7 +162,16 @@ async fn admin_action<'a>(
     if !body.iter().all(u8::is_ascii_whitespace) {
         let _: serde_json::Map<String, serde_json::Value> = super::parse_json(&body)?;
     }
-    Ok(served)
+    Ok((served, body))
+}
+
+/// What `POST /admin/rebalance` takes: nothing (`{}`: the recent window), or the profile to
+/// balance for (as `GET /admin/experts?format=profile` and `moe-node profile` give it).
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RebalanceRequest {
+    #[serde(default)]
+    profile: Option<Profile>,
 }
 
 fn device_id(path: &str) -> Result<usize, ApiError> {
@@ -218,21 +238,27 @@ pub async fn start_device(
     }
 }
 
-/// `POST /admin/rebalance`: rebalances for the recent window (copies and moves) through
-/// placement versions while serving (copy, then switch, then release); answers what it did.
+/// `POST /admin/rebalance`: rebalances for the recent window, or for the `profile` given
+/// (copies and moves), through placement versions while serving (copy, then switch, then
+/// release); answers what it did.
 pub async fn rebalance(
     state: web::Data<AppState>,
     req: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
-    admin_action(&state, &req, payload).await?;
+    let (_, body) = admin_action_body(&state, &req, payload).await?;
+    let request: RebalanceRequest = if body.iter().all(u8::is_ascii_whitespace) {
+        RebalanceRequest::default()
+    } else {
+        super::parse_json(&body)?
+    };
     let system = actix_web::rt::System::current();
     let app = state.clone();
     // Loading experts blocks: not on the HTTP runtime's threads.
     let done = web::block(move || {
         actix_web::rt::System::set_current(system);
         app.served()
-            .map(|served| served.node.rebalancer().rebalance())
+            .map(|served| served.node.rebalancer().rebalance(request.profile.as_ref()))
     })
     .await
     .map_err(|_| ApiError::internal("the rebalance was interrupted"))?;
@@ -241,6 +267,7 @@ pub async fn rebalance(
         Some(Err(e @ (RebalanceError::Refused(_) | RebalanceError::NotLeader(_)))) => {
             Err(ApiError::conflict(e.to_string()))
         }
+        Some(Err(e @ RebalanceError::BadProfile(_))) => Err(ApiError::bad_request(e.to_string())),
         Some(Err(e)) => {
             tracing::error!(error = %e, "rebalance failed");
             Err(ApiError::internal(format!("the rebalance failed: {e}")))

@@ -48,7 +48,7 @@ use crate::model::{Checkpoint, ExpertWeights, ModelConfig, ModelError};
 use crate::placement::migrate::copies_per_version;
 use crate::placement::profile::fingerprint_hex;
 use crate::placement::replicate::imbalance;
-use crate::placement::{ExpertLoad, Migration, Placement, PlacementError};
+use crate::placement::{ExpertLoad, Migration, Placement, PlacementError, Profile};
 use crate::rollout::board::PlacementBoard;
 use crate::rollout::bootstrap::fetch_profile;
 use crate::rollout::follow::{NotNow, may_propose};
@@ -67,6 +67,9 @@ pub enum RebalanceError {
     /// Another node proposes the cluster's placement changes.
     #[error("rebalance: {0}")]
     NotLeader(String),
+    /// The profile given does not fit the model served.
+    #[error("rebalance: {0}")]
+    BadProfile(String),
 }
 
 /// The parts of a node that a rebalance drives: its devices and what each holds (both kept
@@ -133,7 +136,8 @@ pub struct RebalanceReport {
     pub seconds: f64,
     /// How long the switch held the placement on this node: the only pause a step sees.
     pub switch_pause_seconds: f64,
-    /// Nodes whose recent window went into the loads (1 on a node serving alone).
+    /// Nodes whose recent window went into the loads (1 on a node serving alone; 0 when a
+    /// profile was given).
     pub nodes_profiled: usize,
 }
 
@@ -220,26 +224,36 @@ impl Rebalancer {
     /// One at a time; blocks while loading. In a cluster only the leader rebalances
     /// ([`RebalanceError::NotLeader`] elsewhere), through the cluster's placement versions,
     /// and blocks until every live member serves the last one.
-    pub fn rebalance(&self) -> Result<RebalanceReport, RebalanceError> {
+    pub fn rebalance(&self, profile: Option<&Profile>) -> Result<RebalanceReport, RebalanceError> {
         let _one_at_a_time = self.one_at_a_time.lock().unwrap_or_else(|e| e.into_inner());
         if self.parts.spare_slots == 0 {
             return Err(RebalanceError::Refused(
                 "no spare slots: set placement.redundant_slots_per_device".into(),
             ));
         }
+        let given = profile.map(|p| self.profile_loads(p)).transpose()?;
         if let Some(cluster) = &self.parts.cluster {
-            return self.rebalance_cluster(cluster);
+            return self.rebalance_cluster(cluster, given);
         }
         let started = Instant::now();
         let current = self.parts.dispatcher.placement();
         let model = &self.parts.model;
-        let mut loads = vec![None; model.num_layers];
-        let mut before = 0.0f64;
-        for layer in (0..model.num_layers).filter(|&l| model.moe_layers[l]) {
-            let (recent, _) = self.parts.load.recent(layer);
-            before = before.max(recent.imbalance());
-            loads[layer] = Some(recent.activations.iter().map(|&a| a as f64).collect());
-        }
+        let (loads, before) = match given {
+            Some(loads) => {
+                let before = predicted_imbalance(&current, &loads);
+                (loads, before)
+            }
+            None => {
+                let mut loads = vec![None; model.num_layers];
+                let mut before = 0.0f64;
+                for layer in (0..model.num_layers).filter(|&l| model.moe_layers[l]) {
+                    let (recent, _) = self.parts.load.recent(layer);
+                    before = before.max(recent.imbalance());
+                    loads[layer] = Some(recent.activations.iter().map(|&a| a as f64).collect());
+                }
+                (loads, before)
+            }
+        };
         let migration = self.migration(&current, &loads)?;
         let after = predicted_imbalance(migration.target().unwrap_or(&current), &loads);
         let mut switched = Switched::default();
@@ -263,6 +277,24 @@ impl Rebalancer {
             switch_pause_seconds: switched.pause.as_secs_f64(),
             nodes_profiled: 1,
         }))
+    }
+
+    /// A profile's loads per layer, checked against the model served (its layers, experts
+    /// and, where the profile names one, its fingerprint).
+    fn profile_loads(&self, profile: &Profile) -> Result<Vec<Option<Vec<f64>>>, RebalanceError> {
+        let model = &self.parts.model;
+        let ours = fingerprint_hex(self.parts.checkpoint.fingerprint());
+        if let Some(theirs) = profile.fingerprint.as_deref()
+            && theirs != ours
+        {
+            return Err(RebalanceError::BadProfile(format!(
+                "the profile was measured on another model (fingerprint {theirs}, this node \
+                 serves {ours})"
+            )));
+        }
+        profile
+            .loads_for(&model.moe_layers, model.moe.num_experts)
+            .map_err(|e| RebalanceError::BadProfile(e.to_string()))
     }
 
     /// The versions from `current` to a placement balanced for `loads`, each loading at
@@ -372,7 +404,11 @@ impl Rebalancer {
 
     /// The leader's rebalance of the cluster's placement (see the module doc). Blocks until
     /// every live member serves the new version, or [`CLUSTER_SWITCH_LIMIT`].
-    fn rebalance_cluster(&self, cluster: &ClusterPart) -> Result<RebalanceReport, RebalanceError> {
+    fn rebalance_cluster(
+        &self,
+        cluster: &ClusterPart,
+        given: Option<Vec<Option<Vec<f64>>>>,
+    ) -> Result<RebalanceReport, RebalanceError> {
         let started = Instant::now();
         let current = self.parts.dispatcher.placement();
         let members = cluster.membership.members();
@@ -380,7 +416,10 @@ impl Rebalancer {
             NotNow::NotLeader { .. } => RebalanceError::NotLeader(e.to_string()),
             NotNow::Unsettled(_) => RebalanceError::Refused(e.to_string()),
         })?;
-        let (loads, nodes_profiled) = self.cluster_loads(cluster, &members);
+        let (loads, nodes_profiled) = match given {
+            Some(loads) => (loads, 0),
+            None => self.cluster_loads(cluster, &members),
+        };
         let migration = self.migration(&current, &loads)?;
         let before = predicted_imbalance(&current, &loads);
         let after = predicted_imbalance(migration.target().unwrap_or(&current), &loads);
@@ -540,7 +579,7 @@ pub fn rebalance_periodically<'a>(
         let Some(rebalancer) = served() else {
             return;
         };
-        match rebalancer.rebalance() {
+        match rebalancer.rebalance(None) {
             Ok(_) => {}
             // In a cluster only the leader rebalances; the others follow its placement.
             Err(e @ RebalanceError::NotLeader(_)) => {
