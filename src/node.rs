@@ -438,23 +438,25 @@ fn batch_limits(
     // slots), that memory is not the caches' to take. Nor is what a rebalance's version
     // holds twice while it switches (the copies it loads before it releases the ones they
     // replace: at most placement.max_move_mib over all nodes, so at most that here).
+    let sharing = if dense_on_gpu {
+        1
+    } else {
+        targets
+            .iter()
+            .filter(|t| matches!(t, DeviceTarget::Cpu))
+            .count()
+    };
+    let moe_layers = model.moe_layers.iter().filter(|&&moe| moe).count();
+    let expert_bytes = ModelSizes::of(&model).expert_bytes;
+    let spare_slot_bytes =
+        (config.placement.redundant_slots_per_device * moe_layers * sharing) as u64 * expert_bytes;
+    // (Never more than every expert once on each device sharing the memory: a small model's
+    // whole experts are far below the default budget.)
     let move_reserve_bytes = if config.placement.redundant_slots_per_device > 0 {
-        config.placement.max_move_bytes()
+        let all_experts = (model.moe.num_experts * moe_layers * sharing) as u64 * expert_bytes;
+        config.placement.max_move_bytes().min(all_experts)
     } else {
         0
-    };
-    let spare_slot_bytes = {
-        let sharing = if dense_on_gpu {
-            1
-        } else {
-            targets
-                .iter()
-                .filter(|t| matches!(t, DeviceTarget::Cpu))
-                .count()
-        };
-        let moe_layers = model.moe_layers.iter().filter(|&&moe| moe).count();
-        (config.placement.redundant_slots_per_device * moe_layers * sharing) as u64
-            * ModelSizes::of(&model).expert_bytes
     };
     let kv = kv_budget(
         config.batching.kv_cache_mib,
