@@ -539,7 +539,7 @@ proptest! {
     /// version a rebalance goes through leaves every expert with at least its copies, on
     /// distinct devices (on distinct nodes while there are enough), within the devices'
     /// slots, loading no more than the budget (a step of the search loads at most two);
-    /// the last balances no worse than the placement serving; moe-node is never worse than
+    /// no version balances worse than the placement serving; moe-node is never worse than
     /// EPLB.
     #[test]
     fn a_rebalance_never_leaves_an_expert_without_a_copy(
@@ -580,6 +580,9 @@ proptest! {
                 }
             }
             prop_assert!(Placement::from_table(version.to_table(), &[false, true], experts).is_ok());
+            let w = imbalance(&version.device_loads(1, &loads));
+            let w0 = imbalance(&base.device_loads(1, &loads));
+            prop_assert!(w <= w0 + 1e-9, "version {} at {} above the start's {}", version.version(), w, w0);
         }
         if let Some(last) = migration.target() {
             let worst = |p: &Placement| imbalance(&p.device_loads(1, &loads));

@@ -10,16 +10,18 @@
 //!    most loaded device; its result is taken if it is good enough;
 //! 3. otherwise the copy counts are set first to the ones EPLB would give (copies of the
 //!    experts with the highest load per copy first, each into a free slot or in place of a
-//!    copy an expert has beyond its count), and the search runs from there. The local
-//!    search alone stops in a local optimum on some skewed layers (1.04 where 1.00 is
-//!    reachable, on the benchmark's Zipf 1.0 profiles); counting first reaches the balanced
-//!    figure on every layer measured. The lower of the two is kept.
+//!    copy an expert has beyond its count, where that lifts no device above the most loaded
+//!    one), and the search runs from there. The local search alone stops in a local optimum
+//!    on some skewed layers (1.04 where 1.00 is reachable, on the benchmark's Zipf 1.0
+//!    profiles); counting first reaches the balanced figure on every layer measured. The
+//!    lower of the two is kept.
 //!
-//! Each step of both leaves the layout valid: every device within its slots, every expert
-//! with its copies on distinct devices and its first ones on distinct nodes. [`Placement::
-//! migrate`] interleaves the layers' steps, worst layer first, and cuts them into versions of
-//! at most a budget of copies loaded each, so every version a cluster switches to is valid
-//! and the worst layers improve first.
+//! Each step of both leaves the layout valid (every device within its slots, every expert
+//! with its copies on distinct devices and its first ones on distinct nodes) and never lifts
+//! the layer's most loaded device. [`Placement::migrate`] interleaves the layers' steps,
+//! worst layer first, and cuts them into versions of at most a budget of copies loaded each,
+//! so every version a cluster switches to is valid, no layer of it is worse than before the
+//! rebalance, and the worst layers improve first.
 
 use std::collections::{BinaryHeap, HashMap, HashSet};
 
@@ -117,9 +119,11 @@ pub fn migrate_layer(
     })
 }
 
-/// Gives each expert `counts[e]` copies where it can: the experts short of copies, highest
-/// load per copy first, each copy in a free slot or in place of a copy of an expert over
-/// its count; then the copies still over count are released, from the most loaded devices.
+/// Gives each expert `counts[e]` copies where it can without lifting any device above the
+/// most loaded one: the experts short of copies, highest load per copy first, each copy in
+/// a free slot or in place of a copy of an expert over its count; then the copies still
+/// over count are released where that lifts no device above it. No step of it raises the
+/// layer's peak, so no version cut from it is worse than the layout it started from.
 fn recount(layout: &mut Layout, counts: &[usize]) {
     let per_copy = |e: usize| layout.loads[e] / counts[e].max(1) as f64;
     let mut short: Vec<usize> = (0..counts.len())
@@ -135,16 +139,49 @@ fn recount(layout: &mut Layout, counts: &[usize]) {
     }
     for (expert, &count) in counts.iter().enumerate() {
         while layout.devices_of[expert].len() > count {
+            let peak = layout.peak();
             let pick = layout.devices_of[expert]
                 .iter()
                 .copied()
                 .filter(|&d| releasable(layout, expert, d))
-                .max_by(|&a, &b| layout.device_load[a].total_cmp(&layout.device_load[b]));
-            let Some(device) = pick else { break };
+                .map(|d| (touched_peak(layout, &[(expert, d, false)]), d))
+                .filter(|(p, _)| *p <= peak)
+                .min_by(|a, b| a.0.total_cmp(&b.0));
+            let Some((_, device)) = pick else { break };
             layout.begin_step();
             layout.remove_copy(expert, device);
         }
     }
+}
+
+/// The highest load over the devices `changes` touch once they are made: each a copy of an
+/// expert added on (`true`) or released from a device, at most one per expert (its other
+/// copies then carry its load split anew).
+fn touched_peak(layout: &Layout, changes: &[(usize, usize, bool)]) -> f64 {
+    let mut touched: Vec<(usize, f64)> = Vec::with_capacity(8);
+    let mut shift = |device: usize, delta: f64| match touched.iter_mut().find(|t| t.0 == device) {
+        Some(t) => t.1 += delta,
+        None => touched.push((device, layout.device_load[device] + delta)),
+    };
+    for &(expert, device, add) in changes {
+        let copies = layout.devices_of[expert].len() as f64;
+        let before = layout.loads[expert] / copies.max(1.0);
+        let after = layout.loads[expert] / (if add { copies + 1.0 } else { copies - 1.0 }).max(1.0);
+        for &d in &layout.devices_of[expert] {
+            shift(
+                d,
+                if !add && d == device {
+                    -before
+                } else {
+                    after - before
+                },
+            );
+        }
+        if add {
+            shift(device, after);
+        }
+    }
+    touched.iter().map(|t| t.1).fold(0.0, f64::max)
 }
 
 /// Whether `expert` may lose its copy on `device`: it keeps its least copies, the first on
@@ -158,14 +195,16 @@ fn releasable(layout: &Layout, expert: usize, device: usize) -> bool {
     rest.len() >= layout.min_copies && layout.spread_ok(&rest)
 }
 
-/// One more copy of `expert`: in the least loaded free slot that may take it; else in place
-/// of a copy beyond its count of another expert (where that leaves the least load); else
-/// where EPLB's packing makes room. False when none is possible.
+/// One more copy of `expert` where no device ends above the most loaded one: in the least
+/// loaded free slot that may take it; else in place of a copy beyond its count of another
+/// expert (where that leaves the least load). False when neither is possible.
 fn add_copy_somewhere(layout: &mut Layout, expert: usize, counts: &[usize]) -> bool {
     let devices = layout.slots.num_devices();
+    let peak = layout.peak();
     let by_load = |a: &usize, b: &usize| layout.device_load[*a].total_cmp(&layout.device_load[*b]);
     let free = (0..devices)
         .filter(|&d| layout.has_room(d) && layout.may_take(expert, d, None))
+        .filter(|&d| touched_peak(layout, &[(expert, d, true)]) <= peak)
         .min_by(by_load);
     if let Some(device) = free {
         layout.begin_step();
@@ -178,7 +217,10 @@ fn add_copy_somewhere(layout: &mut Layout, expert: usize, counts: &[usize]) -> b
             continue;
         }
         for &other in &layout.held[device] {
-            if layout.devices_of[other].len() > counts[other] && releasable(layout, other, device) {
+            if layout.devices_of[other].len() > counts[other]
+                && releasable(layout, other, device)
+                && touched_peak(layout, &[(expert, device, true), (other, device, false)]) <= peak
+            {
                 let left = layout.device_load[device] - layout.share(other);
                 if best.is_none_or(|(b, _, _)| left < b) {
                     best = Some((left, other, device));
@@ -186,13 +228,13 @@ fn add_copy_somewhere(layout: &mut Layout, expert: usize, counts: &[usize]) -> b
             }
         }
     }
-    if let Some((_, other, device)) = best {
-        layout.begin_step();
-        layout.add_copy(expert, device);
-        layout.remove_copy(other, device);
-        return true;
-    }
-    layout.place(expert).is_ok()
+    let Some((_, other, device)) = best else {
+        return false;
+    };
+    layout.begin_step();
+    layout.add_copy(expert, device);
+    layout.remove_copy(other, device);
+    true
 }
 
 /// A rebalance's way from the placement serving to a balanced one.
