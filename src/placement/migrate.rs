@@ -358,12 +358,17 @@ impl Placement {
             .collect()
     }
 
+    /// [`Placement::devices`], and each one's index in it.
+    fn indexed_devices(&self) -> (Vec<Replica>, HashMap<Replica, usize>) {
+        let devices = self.devices();
+        let index = devices.iter().enumerate().map(|(i, r)| (*r, i)).collect();
+        (devices, index)
+    }
+
     /// Each device's share of `loads` (one MoE layer's load per expert, split evenly over
     /// each expert's copies), devices as [`Placement::devices`] numbers them.
     pub fn device_loads(&self, layer: usize, loads: &[f64]) -> Vec<f64> {
-        let devices = self.devices();
-        let index: HashMap<Replica, usize> =
-            devices.iter().enumerate().map(|(i, r)| (*r, i)).collect();
+        let (devices, index) = self.indexed_devices();
         let mut per_device = vec![0.0; devices.len()];
         for (expert, &load) in loads.iter().enumerate() {
             let copies = self.replicas(layer, expert as u32);
@@ -390,9 +395,7 @@ impl Placement {
         spare_slots: &[usize],
         max_copies_per_version: usize,
     ) -> Result<Migration, PlacementError> {
-        let devices = self.devices();
-        let index: HashMap<Replica, usize> =
-            devices.iter().enumerate().map(|(i, r)| (*r, i)).collect();
+        let (devices, index) = self.indexed_devices();
         let node_of: Vec<u16> = devices.iter().map(|d| d.node).collect();
         let mut layers: Vec<(usize, Vec<Step>)> = Vec::new();
         for (layer, experts) in self.replicas.iter().enumerate() {
