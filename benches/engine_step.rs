@@ -6,15 +6,23 @@
 //! runs them (what the node adds to a step before the router and HTTP). The load
 //! benchmark's concurrency ratio can be no better than what this shows.
 //!
+//! With `MOE_STEP_PREFILL` (prompt lengths, e.g. `64,512`) it also times the prefill of one
+//! sequence of each length in one step, full and without experts, and prints what a sequence
+//! keeps whatever its length (a hybrid model's recurrent states) beside its bytes per position.
+//!
 //! `cargo bench --bench engine_step`; `MOE_STEP_ITERS` (default 200), `MOE_STEP_BATCHES`
 //! (default 1,8,32), `MOE_STEP_MODEL` (a model directory to time instead of the demo model,
-//! e.g. one of a published shape with random weights).
+//! e.g. one of a published shape with random weights: `benches/random_qwen3_moe.py`,
+//! `benches/random_qwen3_5_moe.py`), `MOE_STEP_PREFILL` (default none),
+//! `MOE_STEP_PREFILL_ITERS` (default 5).
 
 mod common;
 
 use std::sync::Arc;
 
-use moe_node::engine::Engine;
+use std::time::Instant;
+
+use moe_node::engine::{Engine, KvCache, SequenceStep};
 use moe_node::experts::{ExpertError, ExpertExecutor};
 use moe_node::model::{Checkpoint, DenseWeights, ModelConfig};
 use moe_node::moe::DispatchPlan;
@@ -33,6 +41,52 @@ fn step_ms(engine: &Engine, batch: usize, iters: usize) -> f64 {
     common::median(&mut common::decode_steps_ms(engine, batch, iters))
 }
 
+/// Median milliseconds of a prefill of `tokens` prompt tokens for one sequence, in one step.
+fn prefill_ms(engine: &Engine, tokens: usize, iters: usize) -> f64 {
+    let prompt: Vec<u32> = (0..tokens).map(|i| ((i * 7919) % 250 + 1) as u32).collect();
+    let mut times: Vec<f64> = (0..iters)
+        .map(|_| {
+            let mut cache = engine.new_cache();
+            let mut step = [SequenceStep::new(&mut cache, &prompt)];
+            let started = Instant::now();
+            engine.forward(&mut step).expect("prefill");
+            started.elapsed().as_secs_f64() * 1e3
+        })
+        .collect();
+    common::median(&mut times)
+}
+
+/// Prefill tokens/s, full and without experts, for each length in `MOE_STEP_PREFILL`.
+fn prefill(full: &Engine, dense_only: &Engine) {
+    let Ok(lengths) = std::env::var("MOE_STEP_PREFILL") else {
+        return;
+    };
+    let iters: usize = std::env::var("MOE_STEP_PREFILL_ITERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(5);
+    let config = full.config();
+    println!(
+        "per sequence: {} bytes of state whatever its length, {} bytes per position",
+        KvCache::state_bytes(config),
+        KvCache::bytes_per_position(config)
+    );
+    println!("prefill of one sequence in one step, median of {iters}");
+    println!(
+        "{:>7} {:>10} {:>10} {:>14} {:>16}",
+        "tokens", "full ms", "full tok/s", "no-experts ms", "no-experts tok/s"
+    );
+    for tokens in lengths.split(',').filter_map(|t| t.trim().parse().ok()) {
+        let f = prefill_ms(full, tokens, iters);
+        let d = prefill_ms(dense_only, tokens, iters);
+        println!(
+            "{tokens:>7} {f:>10.1} {:>10.0} {d:>14.1} {:>16.0}",
+            tokens as f64 / f * 1e3,
+            tokens as f64 / d * 1e3
+        );
+    }
+}
+
 fn main() {
     let iters: usize = std::env::var("MOE_STEP_ITERS")
         .ok()
@@ -48,6 +102,10 @@ fn main() {
         .expect("dense weights");
     let hidden = config.hidden_size;
     let dense_only = Engine::new(config, weights, Arc::new(NoExperts(hidden)));
+    prefill(&full, &dense_only);
+    if std::env::var("MOE_STEP_BATCHES").is_ok_and(|b| b.trim().is_empty()) {
+        return;
+    }
     let (_system, dispatched) = common::dispatched_engine(&dir);
     println!(
         "engine decode step on {}, median of {iters} steps",

@@ -168,3 +168,93 @@ fn a_hybrid_model_counts_positions_only_in_its_full_layers_and_a_fixed_state_bes
     let cache = KvCache::new(&cfg);
     assert!(cache.has_state() && cache.can_truncate_to(0) && cache.bytes() == 0);
 }
+
+/// A head's random inputs over `n` tokens as the layer would gather them: unit keys, scaled
+/// unit queries, decays from none to strong (`exp(g)` down to about 0.05), any beta.
+fn head_inputs(la: &LinearAttention, n: usize, seed: u64) -> HeadInputs {
+    let (hk, hv) = (la.key_head_dim, la.value_head_dim);
+    let mut q = values(n * hk, seed, 1.0);
+    let mut k = values(n * hk, seed + 1, 1.0);
+    for t in 0..n {
+        l2_normalize(&mut q[t * hk..(t + 1) * hk], (hk as f32).powf(-0.5));
+        l2_normalize(&mut k[t * hk..(t + 1) * hk], 1.0);
+    }
+    let g = values(n, seed + 2, 1.5);
+    let beta = values(n, seed + 3, 1.0);
+    HeadInputs {
+        index: 1,
+        q,
+        k,
+        v: values(n * hv, seed + 4, 2.0),
+        gates: g
+            .iter()
+            .zip(&beta)
+            .map(|(&g, &b)| (-(g + 1.5), sigmoid(4.0 * b)))
+            .collect(),
+    }
+}
+
+fn relative(a: &[f32], b: &[f32]) -> f32 {
+    let scale = b.iter().fold(0.0f32, |m, x| m.max(x.abs())).max(1e-6);
+    max_diff(a, b) / scale
+}
+
+/// The chunked form against the recurrent one on random inputs: within a block, exactly one,
+/// across several and a partial last one, from a zero state and from a random one.
+#[test]
+fn the_chunked_form_gives_the_recurrent_forms_outputs_and_state() {
+    let la = LinearAttention {
+        key_head_dim: 32,
+        value_head_dim: 16,
+        ..config()
+    };
+    let size = la.num_value_heads * la.key_head_dim * la.value_head_dim;
+    for (n, seed) in [
+        (1, 20),
+        (CHUNK - 3, 21),
+        (CHUNK, 22),
+        (CHUNK + 1, 23),
+        (9 * CHUNK - 5, 24),
+    ] {
+        let head = head_inputs(&la, n, seed);
+        for state in [Vec::new(), values(size, seed + 9, 0.5)] {
+            let (s_rec, o_rec) = head_recurrence(&la, &head, &state);
+            let (s_chunk, o_chunk) = head_chunked(&la, &head, &state);
+            let (o, s) = (relative(&o_chunk, &o_rec), relative(&s_chunk, &s_rec));
+            assert!(o < 1e-5 && s < 1e-5, "{n} tokens: outputs {o}, state {s}");
+        }
+    }
+}
+
+/// Both forms timed on Qwen3.5's head (keys and values of 128) per segment length, to choose
+/// [`CHUNKED_FROM`]: `cargo test --release --lib chunked_and_recurrent -- --ignored --nocapture`.
+#[test]
+#[ignore = "timing, run by hand"]
+fn chunked_and_recurrent_forms_timed() {
+    let la = LinearAttention {
+        key_head_dim: 128,
+        value_head_dim: 128,
+        ..config()
+    };
+    println!(
+        "{:>6} {:>14} {:>14}",
+        "tokens", "recurrent us", "chunked us"
+    );
+    for n in [1, 2, 4, 8, 16, 32, 64, 512] {
+        let head = head_inputs(&la, n, 30);
+        let time = |f: &dyn Fn() -> (Vec<f32>, Vec<f32>)| {
+            let mut times: Vec<f64> = (0..21)
+                .map(|_| {
+                    let started = std::time::Instant::now();
+                    std::hint::black_box(f());
+                    started.elapsed().as_secs_f64() * 1e6
+                })
+                .collect();
+            times.sort_by(f64::total_cmp);
+            times[10]
+        };
+        let recurrent = time(&|| head_recurrence(&la, &head, &[]));
+        let chunked = time(&|| head_chunked(&la, &head, &[]));
+        println!("{n:>6} {recurrent:>14.1} {chunked:>14.1}");
+    }
+}
