@@ -382,3 +382,158 @@ fn bad_schemas_and_tool_choices_are_refused_with_what_is_wrong() {
         "special tokens",
     );
 }
+
+/// A chat template written as Qwen3.5's: tools in a system turn, calls as
+/// `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</tool_call>`.
+const QWEN3_5_TEMPLATE: &str = r#"{%- if tools %}<|im_start|>system
+# Tools
+
+You have access to the following functions:
+
+<tools>{% for tool in tools %}
+{{ tool | tojson }}{% endfor %}
+</tools>
+
+If you choose to call a function ONLY reply in the following format with NO suffix:
+
+<tool_call>
+<function=example_function_name>
+<parameter=example_parameter_1>
+value_1
+</parameter>
+</function>
+</tool_call><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == "assistant" and message.tool_calls %}<|im_start|>assistant
+{%- for call in message.tool_calls %}
+<tool_call>
+<function={{ call.function.name }}>
+{%- for name, value in call.function.arguments | items %}
+<parameter={{ name }}>
+{% if value is string %}{{ value }}{% else %}{{ value | tojson }}{% endif %}
+</parameter>
+{%- endfor %}
+</function>
+</tool_call>{% endfor %}<|im_end|>
+{% elif message.role == "tool" %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"#;
+
+/// The demo model with [`QWEN3_5_TEMPLATE`] as its `chat_template.jinja` (which comes before
+/// `tokenizer_config.json`'s).
+fn demo_model_with_qwen3_5_template() -> std::path::PathBuf {
+    let demo = serve::demo_model();
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("demo-model-qwen3_5-tools");
+    std::fs::create_dir_all(&dir).unwrap();
+    for name in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ] {
+        let link = dir.join(name);
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(demo.join(name), &link).unwrap();
+    }
+    std::fs::write(dir.join("chat_template.jinja"), QWEN3_5_TEMPLATE).unwrap();
+    dir
+}
+
+/// A model whose template writes Qwen3.5's XML calls gets its forced calls in that format
+/// (the server reads the format off the template, over the family's Hermes) and returns
+/// them as `tool_calls`, whole and streamed; earlier calls are rendered back through it.
+#[test]
+fn a_qwen3_5_template_gets_its_calls_written_and_read_as_xml() {
+    let dir = demo_model_with_qwen3_5_template();
+    let server = Server::start_with(
+        "[devices]\nbackend = \"cpu\"\n",
+        &["--model", dir.to_str().unwrap()],
+    );
+    server.wait_ready();
+    let forced = json!({"messages": user("Weather in Lima?"), "tools": weather_tools(),
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "max_tokens": 400, "temperature": 0});
+    let body = server.post_ok("/v1/chat/completions", &forced);
+    let choice = &body["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{body}");
+    assert!(choice["message"]["content"].is_null(), "{body}");
+    let calls = choice["message"]["tool_calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 1, "{body}");
+    assert_weather_call(&calls[0]);
+    // What the model wrote is the XML call and the end of its turn (the demo's tokens are
+    // bytes): Hermes' JSON for the same arguments would be another length.
+    let arguments: Value =
+        serde_json::from_str(calls[0]["function"]["arguments"].as_str().unwrap()).unwrap();
+    let written = format!(
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\n{}\n</parameter>\n\
+         <parameter=days>\n{}\n</parameter>\n</function>\n</tool_call>",
+        arguments["city"].as_str().unwrap(),
+        arguments["days"]
+    );
+    assert_eq!(
+        body["usage"]["completion_tokens"],
+        written.len() + 1,
+        "{body}"
+    );
+    let mut streamed = forced.clone();
+    streamed["stream"] = json!(true);
+    let (events, done) = read_sse(server.post("/v1/chat/completions", &streamed));
+    assert!(done);
+    let deltas: Vec<&Value> = events
+        .iter()
+        .filter_map(|e| e["choices"][0]["delta"]["tool_calls"].as_array())
+        .flatten()
+        .collect();
+    assert_eq!(deltas.len(), 1, "{events:?}");
+    assert_eq!(deltas[0]["function"], calls[0]["function"]);
+    for seed in 0..3 {
+        let body = server.post_ok(
+            "/v1/chat/completions",
+            &json!({"messages": user("Use a tool."), "tools": weather_tools(),
+                    "tool_choice": "required", "max_tokens": 400, "seed": seed}),
+        );
+        let choice = &body["choices"][0];
+        assert_eq!(choice["finish_reason"], "tool_calls", "{body}");
+        assert_weather_call(&choice["message"]["tool_calls"][0]);
+    }
+
+    // An earlier call and its result, rendered back in the template's own form.
+    let tools = json!([{"type": "function", "function": {"name": "get_time",
+        "parameters": {"type": "object", "properties": {"zone": {"type": "string"},
+                                                        "hours": {"type": "integer"}}}}}]);
+    let messages = json!([
+        {"role": "user", "content": "Time?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+            "function": {"name": "get_time", "arguments": "{\"zone\": \"UTC\", \"hours\": 2}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}
+    ]);
+    let body = server.post_ok(
+        "/v1/chat/completions",
+        &json!({"messages": messages, "tools": tools, "max_tokens": 1}),
+    );
+    let expected = concat!(
+        "<|im_start|>system\n# Tools\n\nYou have access to the following functions:\n\n<tools>\n",
+        "{\"type\": \"function\", \"function\": {\"name\": \"get_time\", \"parameters\": ",
+        "{\"type\": \"object\", \"properties\": {\"zone\": {\"type\": \"string\"}, ",
+        "\"hours\": {\"type\": \"integer\"}}}}}\n</tools>\n\nIf you choose to call a function ",
+        "ONLY reply in the following format with NO suffix:\n\n<tool_call>\n",
+        "<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n",
+        "</parameter>\n</function>\n</tool_call><|im_end|>\n<|im_start|>user\nTime?<|im_end|>\n",
+        "<|im_start|>assistant\n<tool_call>\n<function=get_time>\n<parameter=zone>\nUTC\n",
+        "</parameter>\n<parameter=hours>\n2\n</parameter>\n</function>\n</tool_call><|im_end|>\n",
+        "<|im_start|>user\n<tool_response>\n12:00\n</tool_response><|im_end|>\n",
+        "<|im_start|>assistant\n",
+    );
+    // Byte-level: one token per byte, one per special token.
+    let special = |marker: &str| expected.matches(marker).count() * (marker.len() - 1);
+    let tokens = expected.len() - special("<|im_start|>") - special("<|im_end|>");
+    assert_eq!(body["usage"]["prompt_tokens"], tokens, "{body}");
+}

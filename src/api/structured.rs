@@ -303,6 +303,15 @@ fn call_grammar(
         Some(id) => format!("<[{id}]>"),
         None => literal(text),
     };
+    lark_call(format, functions, marker)
+}
+
+/// [`call_grammar`] with each marker as `marker` writes it.
+fn lark_call(
+    format: ToolCallFormat,
+    functions: &[&Function],
+    marker: impl Fn(&str) -> String,
+) -> String {
     let schema = |value: Value| {
         let mut value = value;
         compact_json(&mut value);
@@ -331,8 +340,29 @@ fn call_grammar(
                 marker("<|tool_call_argument_begin|>"),
                 schema(f.parameters.clone()),
             ),
-            ToolCallFormat::Glm => glm_arguments(f, schema, marker),
-            ToolCallFormat::MiniMax => minimax_arguments(f, schema),
+            ToolCallFormat::Glm => glm_arguments(f, schema, &marker),
+            ToolCallFormat::MiniMax => tagged_arguments(
+                f,
+                schema,
+                literal(&format!("{}\">", f.name)),
+                |key| literal(&format!("\n<parameter name=\"{key}\">")),
+                |_| literal("</parameter>"),
+            ),
+            // A free text value ends with the newline the template writes before the closing
+            // tag (the parser takes it off); any other value is followed by it.
+            ToolCallFormat::Qwen3Coder => tagged_arguments(
+                f,
+                schema,
+                literal(&format!("<function={}>", f.name)),
+                |key| literal(&format!("\n<parameter={key}>\n")),
+                |free_text| {
+                    literal(if free_text {
+                        "</parameter>"
+                    } else {
+                        "\n</parameter>"
+                    })
+                },
+            ),
             ToolCallFormat::Harmony => {
                 format!(
                     "{} {} {} {}",
@@ -383,6 +413,13 @@ fn call_grammar(
         ToolCallFormat::Harmony => {
             format!("{} call {}", literal("to=functions."), marker("<|call|>"))
         }
+        ToolCallFormat::Qwen3Coder => format!(
+            "{} {} call {} {}",
+            marker("<tool_call>"),
+            literal("\n"),
+            literal("\n</function>\n"),
+            marker("</tool_call>")
+        ),
         ToolCallFormat::MiniMax => format!(
             "{} {} call {} {} {}",
             marker("<minimax:tool_call>"),
@@ -395,11 +432,6 @@ fn call_grammar(
     format!("start: {start}\ncall: {call}\n")
 }
 
-/// A GLM call of `f`: its name, then each parameter of its schema in order as
-/// `\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>`, the required ones always and
-/// the others optionally; the tags as `marker` writes them (special tokens in GLM's
-/// tokenizer). A string value is text without `<` (or one of its `enum`), any other JSON of
-/// its schema.
 /// The names `f`'s schema lists as `required`.
 fn required_parameters(f: &Function) -> Vec<&str> {
     f.parameters
@@ -409,8 +441,11 @@ fn required_parameters(f: &Function) -> Vec<&str> {
         .unwrap_or_default()
 }
 
-/// A value as GLM's and MiniMax's templates write it: a string as text without `<` (or one
-/// of its `enum`), any other as JSON of its schema.
+/// A free text value: anything up to the next tag.
+const FREE_TEXT: &str = "/[^<]+/";
+
+/// A value as GLM's, MiniMax's and Qwen3.5's templates write it: a string as text without `<`
+/// (or one of its `enum`), any other as JSON of its schema.
 fn glm_value(property: &Value, schema: impl Fn(Value) -> String) -> String {
     let strings: Option<Vec<&str>> = property
         .get("enum")
@@ -422,11 +457,15 @@ fn glm_value(property: &Value, schema: impl Fn(Value) -> String) -> String {
             let options: Vec<String> = strings.into_iter().map(literal).collect();
             format!("({})", options.join(" | "))
         }
-        (Some("string"), _) => "/[^<]+/".to_string(),
+        (Some("string"), _) => FREE_TEXT.to_string(),
         _ => format!("({})", schema(property.clone())),
     }
 }
 
+/// A GLM call of `f`: its name, then each parameter of its schema in order as
+/// `\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>`, the required ones always and
+/// the others optionally; the tags as `marker` writes them (special tokens in GLM's
+/// tokenizer). Values as [`glm_value`] writes them.
 fn glm_arguments(
     f: &Function,
     schema: impl Fn(Value) -> String,
@@ -459,20 +498,24 @@ fn glm_arguments(
     parts.join(" ")
 }
 
-/// A MiniMax-M2 call of `f` after `<invoke name="`: its name and `">`, then each parameter of
-/// its schema in order as `\n<parameter name="KEY">VALUE</parameter>`, the required ones
-/// always and the others optionally. Values as GLM's ([`glm_value`]).
-fn minimax_arguments(f: &Function, schema: impl Fn(Value) -> String) -> String {
+/// A call of `f` in a format that gives each argument its own tags (MiniMax-M2 after
+/// `<invoke name="`, Qwen3.5 after `<tool_call>\n`): `head`, then each parameter of its
+/// schema in order as `open(KEY) VALUE close(free_text)`, the required ones always and the
+/// others optionally. Values as [`glm_value`] writes them.
+fn tagged_arguments(
+    f: &Function,
+    schema: impl Fn(Value) -> String,
+    head: String,
+    open: impl Fn(&str) -> String,
+    close: impl Fn(bool) -> String,
+) -> String {
     let required = required_parameters(f);
-    let mut parts = vec![literal(&format!("{}\">", f.name))];
+    let mut parts = vec![head];
     if let Some(properties) = f.parameters.get("properties").and_then(Value::as_object) {
         for (key, property) in properties {
-            let argument = format!(
-                "{} {} {}",
-                literal(&format!("\n<parameter name=\"{key}\">")),
-                glm_value(property, &schema),
-                literal("</parameter>")
-            );
+            let value = glm_value(property, &schema);
+            let close = close(value == FREE_TEXT);
+            let argument = format!("{} {value} {close}", open(key));
             parts.push(if required.contains(&key.as_str()) {
                 argument
             } else {
@@ -571,13 +614,7 @@ mod tests {
                 "required": ["city"],
             }),
         };
-        let schema = |value: Value| format!("%json {value}");
-        let grammar = format!(
-            "start: {} call {}\ncall: {}\n",
-            literal("<minimax:tool_call>\n<invoke name=\""),
-            literal("\n</invoke>\n</minimax:tool_call>"),
-            minimax_arguments(&f, schema)
-        );
+        let grammar = lark_call(ToolCallFormat::MiniMax, &[&f], literal);
         let call = "<minimax:tool_call>\n<invoke name=\"get_weather\">\n\
                     <parameter name=\"city\">Paris</parameter>\n\
                     <parameter name=\"days\">3</parameter>\n</invoke>\n</minimax:tool_call>";
@@ -602,14 +639,7 @@ mod tests {
                 "required": ["city", "days"],
             }),
         };
-        let schema = |value: Value| format!("%json {value}");
-        let grammar = format!(
-            "start: {} call {} {}\ncall: {}\n",
-            literal("<tool_call>"),
-            literal("\n"),
-            literal("</tool_call>"),
-            glm_arguments(&f, schema, literal)
-        );
+        let grammar = lark_call(ToolCallFormat::Glm, &[&f], literal);
         let call = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n\
                     <arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>";
         assert!(accepts(grammar.clone(), call), "{grammar}");
@@ -624,6 +654,44 @@ mod tests {
         let no_days = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>";
         assert!(!accepts(grammar.clone(), no_days));
         assert!(!accepts(grammar, &call.replace(">3<", ">12<")));
+    }
+
+    #[test]
+    fn a_forced_qwen3_coder_call_is_one_the_parser_reads_back() {
+        let f = Function {
+            name: "get_weather".into(),
+            parameters: json!({
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 9},
+                    "unit": {"type": "string", "enum": ["c", "f"]},
+                },
+                "required": ["city", "days"],
+            }),
+        };
+        let grammar = lark_call(ToolCallFormat::Qwen3Coder, &[&f], literal);
+        // As Qwen3.5's template writes a call.
+        let call = "<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n\
+                    <parameter=days>\n3\n</parameter>\n</function>\n</tool_call>";
+        assert!(accepts(grammar.clone(), call), "{grammar}");
+        let parsed = ToolCallFormat::Qwen3Coder.parse(call);
+        assert_eq!(parsed.calls[0].arguments, r#"{"city":"New York","days":3}"#);
+        let with_unit = call.replace(
+            "\n</function>",
+            "\n<parameter=unit>\nf\n</parameter>\n</function>",
+        );
+        assert!(accepts(grammar.clone(), &with_unit), "{grammar}");
+        let parsed = ToolCallFormat::Qwen3Coder.parse(&with_unit);
+        assert_eq!(
+            parsed.calls[0].arguments,
+            r#"{"city":"New York","days":3,"unit":"f"}"#
+        );
+        // A required argument left out, a value outside its schema, another function: no.
+        let no_days = call.replace("<parameter=days>\n3\n</parameter>\n", "");
+        assert!(!accepts(grammar.clone(), &no_days));
+        assert!(!accepts(grammar.clone(), &call.replace("\n3\n", "\n12\n")));
+        assert!(!accepts(grammar, &call.replace("get_weather", "get_time")));
     }
 
     #[test]

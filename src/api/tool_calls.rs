@@ -37,46 +37,67 @@ const MINIMAX_INVOKE: &str = "<invoke name=\"";
 const MINIMAX_INVOKE_END: &str = "</invoke>";
 const MINIMAX_PARAMETER: &str = "<parameter name=\"";
 const MINIMAX_PARAMETER_END: &str = "</parameter>";
+const QWEN_FUNCTION: &str = "<function=";
+const QWEN_FUNCTION_END: &str = "</function>";
+const QWEN_PARAMETER: &str = "<parameter=";
 
 impl ToolCallFormat {
     /// The format a model's chat template writes tool calls in, from the markers it
     /// renders; `None` when it renders none of them.
     pub fn detect(chat_template: &str) -> Option<Self> {
         [
-            (KIMI_SECTION_BEGIN, ToolCallFormat::KimiK2),
-            (DEEPSEEK_SECTION_BEGIN, ToolCallFormat::DeepseekV3),
-            (MISTRAL_BEGIN, ToolCallFormat::Mistral),
-            (MINIMAX_SECTION_BEGIN, ToolCallFormat::MiniMax),
-            (HARMONY_BEGIN, ToolCallFormat::Harmony),
-            // GLM's calls open as Hermes' do: its argument tags tell them apart.
-            (GLM_ARG_KEY, ToolCallFormat::Glm),
-            (HERMES_BEGIN, ToolCallFormat::Hermes),
+            ToolCallFormat::KimiK2,
+            ToolCallFormat::DeepseekV3,
+            ToolCallFormat::Mistral,
+            ToolCallFormat::MiniMax,
+            ToolCallFormat::Harmony,
+            // These open as Hermes' calls do; their own tags tell them apart.
+            ToolCallFormat::Glm,
+            ToolCallFormat::Qwen3Coder,
+            ToolCallFormat::Hermes,
         ]
         .into_iter()
-        .find(|(marker, _)| chat_template.contains(marker))
-        .map(|(_, format)| format)
+        .find(|format| chat_template.contains(format.template_marker()))
     }
 
     /// The format a model of `family` writes tool calls in, from the markers its chat
     /// template renders: the family's own formats are looked for first, then every other
-    /// (a fine-tuned checkpoint may have taken another family's template).
+    /// (a fine-tuned checkpoint may have taken another family's template). Calls that open
+    /// as Hermes' do but carry their own tags (GLM's, Qwen3.5's) are read as those whatever
+    /// the family: such a template renders Hermes' marker too.
     pub fn for_model(chat_template: &str, family: Family) -> Option<Self> {
+        let renders = |format: &ToolCallFormat| chat_template.contains(format.template_marker());
+        let tagged = [ToolCallFormat::Glm, ToolCallFormat::Qwen3Coder]
+            .iter()
+            .any(renders);
         family
             .tool_call_formats()
             .iter()
             .copied()
-            .find(|format| chat_template.contains(format.begin()))
+            .filter(renders)
+            .find(|&format| !(tagged && format == ToolCallFormat::Hermes))
             .or_else(|| Self::detect(chat_template))
+    }
+
+    /// Text that a chat template writing calls in this format renders and the other
+    /// formats' do not (where calls open alike, the tags inside them).
+    fn template_marker(self) -> &'static str {
+        match self {
+            ToolCallFormat::Glm => GLM_ARG_KEY,
+            ToolCallFormat::Qwen3Coder => QWEN_FUNCTION,
+            other => other.begin(),
+        }
     }
 
     /// The text that starts the model's tool calls.
     pub fn begin(self) -> &'static str {
         match self {
-            ToolCallFormat::Hermes => HERMES_BEGIN,
+            ToolCallFormat::Hermes | ToolCallFormat::Glm | ToolCallFormat::Qwen3Coder => {
+                HERMES_BEGIN
+            }
             ToolCallFormat::DeepseekV3 => DEEPSEEK_SECTION_BEGIN,
             ToolCallFormat::KimiK2 => KIMI_SECTION_BEGIN,
             ToolCallFormat::Mistral => MISTRAL_BEGIN,
-            ToolCallFormat::Glm => HERMES_BEGIN,
             ToolCallFormat::MiniMax => MINIMAX_SECTION_BEGIN,
             ToolCallFormat::Harmony => HARMONY_BEGIN,
         }
@@ -187,6 +208,7 @@ impl ToolCallStream {
                             ToolCallFormat::Hermes
                                 | ToolCallFormat::Mistral
                                 | ToolCallFormat::Glm
+                                | ToolCallFormat::Qwen3Coder
                                 | ToolCallFormat::Harmony
                         ) {
                             // Their section is one call (or one list); the next starts
@@ -270,7 +292,8 @@ impl ToolCallStream {
 
     fn next(&self, s: &str) -> Next {
         match self.format {
-            ToolCallFormat::Hermes => hermes_call(s),
+            // A JSON object.
+            ToolCallFormat::Hermes => closed_call(s, |body| named_object(body.trim())),
             ToolCallFormat::DeepseekV3 => marked_call(
                 s,
                 DEEPSEEK_CALL_BEGIN,
@@ -286,7 +309,8 @@ impl ToolCallStream {
                 kimi_call,
             ),
             ToolCallFormat::Mistral => mistral_calls(s),
-            ToolCallFormat::Glm => glm_call(s),
+            ToolCallFormat::Glm => closed_call(s, glm_arguments),
+            ToolCallFormat::Qwen3Coder => closed_call(s, qwen3_coder_arguments),
             ToolCallFormat::Harmony => harmony_call(s),
             ToolCallFormat::MiniMax => marked_call(
                 s,
@@ -327,8 +351,8 @@ fn may_become(s: &str, marker: &str) -> bool {
     marker.starts_with(s)
 }
 
-/// `<tool_call>` was read; a JSON object, then `</tool_call>`.
-fn hermes_call(s: &str) -> Next {
+/// `<tool_call>` was read; the call's body, read by `call`, then `</tool_call>`.
+fn closed_call(s: &str, call: fn(&str) -> Option<ToolCall>) -> Next {
     let Some(end) = s.find(HERMES_END) else {
         return if s.len() > MAX_CALL_BYTES {
             Next::Malformed
@@ -336,31 +360,16 @@ fn hermes_call(s: &str) -> Next {
             Next::More
         };
     };
-    match named_object(s[..end].trim()) {
+    match call(&s[..end]) {
         Some(call) => Next::Calls(vec![call], end + HERMES_END.len()),
         None => Next::Malformed,
     }
 }
 
-/// `<tool_call>` was read; `NAME`, then `<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>`
-/// per argument (whitespace between them), then `</tool_call>`.
-fn glm_call(s: &str) -> Next {
-    let Some(end) = s.find(HERMES_END) else {
-        return if s.len() > MAX_CALL_BYTES {
-            Next::Malformed
-        } else {
-            Next::More
-        };
-    };
-    match glm_arguments(&s[..end]) {
-        Some(call) => Next::Calls(vec![call], end + HERMES_END.len()),
-        None => Next::Malformed,
-    }
-}
-
-/// A GLM call's name and arguments. Its template writes a string value as it is and any
-/// other with `tojson`; without the tool's schema at hand, a value that reads as JSON is
-/// taken as JSON (a string argument "42" comes back as the number 42).
+/// A GLM call's name, then `<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>` per argument
+/// (whitespace between them). Its template writes a string value as it is and any other
+/// with `tojson`; without the tool's schema at hand, a value that reads as JSON is taken as
+/// JSON (a string argument "42" comes back as the number 42): [`template_value`].
 fn glm_arguments(body: &str) -> Option<ToolCall> {
     let (name, mut rest) = body.split_at(body.find(GLM_ARG_KEY).unwrap_or(body.len()));
     let mut arguments = serde_json::Map::new();
@@ -376,8 +385,38 @@ fn glm_arguments(body: &str) -> Option<ToolCall> {
             .trim_start()
             .strip_prefix(GLM_ARG_VALUE)?
             .split_once(GLM_ARG_VALUE_END)?;
-        let value = serde_json::from_str(value).unwrap_or_else(|_| Value::String(value.into()));
-        arguments.insert(key.trim().to_string(), value);
+        arguments.insert(key.trim().to_string(), template_value(value));
+        rest = after;
+    }
+    call_of(None, name.trim(), &Value::Object(arguments).to_string())
+}
+
+/// A value as the XML-like formats' templates write it (GLM, MiniMax-M2, Qwen3.5): a string
+/// as it is, any other as JSON. Without the tool's schema at hand, a value that reads as
+/// JSON is taken as JSON.
+fn template_value(value: &str) -> Value {
+    serde_json::from_str(value).unwrap_or_else(|_| Value::String(value.into()))
+}
+
+/// A Qwen3.5 call's body: `<function=NAME>`, then `<parameter=KEY>\nVALUE\n</parameter>` per
+/// argument (whitespace between them), then `</function>`. The template puts a newline on
+/// each side of a value; a value spanning lines keeps its own.
+fn qwen3_coder_arguments(body: &str) -> Option<ToolCall> {
+    let (name, mut rest) = body.trim().strip_prefix(QWEN_FUNCTION)?.split_once('>')?;
+    let mut arguments = serde_json::Map::new();
+    loop {
+        rest = rest.trim_start();
+        if let Some(after) = rest.strip_prefix(QWEN_FUNCTION_END) {
+            if !after.trim().is_empty() {
+                return None;
+            }
+            break;
+        }
+        let (key, after) = rest.strip_prefix(QWEN_PARAMETER)?.split_once('>')?;
+        let (value, after) = after.split_once(MINIMAX_PARAMETER_END)?;
+        let value = value.strip_prefix('\n').unwrap_or(value);
+        let value = value.strip_suffix('\n').unwrap_or(value);
+        arguments.insert(key.trim().to_string(), template_value(value));
         rest = after;
     }
     call_of(None, name.trim(), &Value::Object(arguments).to_string())
@@ -404,8 +443,8 @@ fn harmony_call(s: &str) -> Next {
 }
 
 /// `NAME">` then `<parameter name="KEY">VALUE</parameter>` per argument (whitespace between
-/// them), the body of MiniMax-M2's `<invoke name="NAME">...</invoke>`. Its template writes a
-/// string value as it is and any other as JSON: read as GLM's are.
+/// them), the body of MiniMax-M2's `<invoke name="NAME">...</invoke>`. Values read as GLM's
+/// are ([`template_value`]).
 fn minimax_call(body: &str) -> Option<ToolCall> {
     let (name, mut rest) = body.split_once("\">")?;
     let mut arguments = serde_json::Map::new();
@@ -416,8 +455,7 @@ fn minimax_call(body: &str) -> Option<ToolCall> {
         }
         let (key, after) = rest.strip_prefix(MINIMAX_PARAMETER)?.split_once("\">")?;
         let (value, after) = after.split_once(MINIMAX_PARAMETER_END)?;
-        let value = serde_json::from_str(value).unwrap_or_else(|_| Value::String(value.into()));
-        arguments.insert(key.to_string(), value);
+        arguments.insert(key.to_string(), template_value(value));
         rest = after;
     }
     call_of(None, name, &Value::Object(arguments).to_string())

@@ -371,6 +371,11 @@ fn any_text_parses_without_panicking() {
         "<",
         "|",
         "｜",
+        "<function=f>",
+        "<parameter=a>\n1\n</parameter>",
+        QWEN_FUNCTION_END,
+        MINIMAX_PARAMETER_END,
+        "\n",
     ];
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
     for _ in 0..3000 {
@@ -385,6 +390,7 @@ fn any_text_parses_without_panicking() {
             ToolCallFormat::Glm,
             ToolCallFormat::MiniMax,
             ToolCallFormat::Harmony,
+            ToolCallFormat::Qwen3Coder,
         ] {
             let parsed = parse_both_ways(format, &text);
             if parsed.calls.is_empty() {
@@ -392,4 +398,66 @@ fn any_text_parses_without_panicking() {
             }
         }
     }
+}
+
+#[test]
+fn qwen3_coder_calls_as_qwen3_5_writes_them() {
+    let text = "Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n\
+                </parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=hourly>\n\
+                {\"from\": 6}\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n\
+                <function=write_file>\n<parameter=text>\nline one\nline two\n</parameter>\n\
+                </function>\n</tool_call>\n<tool_call>\n<function=ping>\n</function>\n</tool_call>";
+    let parsed = parse_both_ways(ToolCallFormat::Qwen3Coder, text);
+    assert_eq!(parsed.content, "Let me check.\n");
+    assert_eq!(
+        parsed.calls,
+        vec![
+            call(
+                "get_weather",
+                r#"{"city":"New York","days":3,"hourly":{"from":6}}"#
+            ),
+            call("write_file", r#"{"text":"line one\nline two"}"#),
+            call("ping", "{}"),
+        ]
+    );
+    // Anything after the function, or a call without one, is text.
+    for malformed in [
+        "<tool_call>\n<function=ping>\n</function>\nmore\n</tool_call>",
+        "<tool_call>\n{\"name\": \"ping\"}\n</tool_call>",
+        "<tool_call>\n<function=ping>\n<parameter=x>1\n</function>\n</tool_call>",
+    ] {
+        let parsed = parse_both_ways(ToolCallFormat::Qwen3Coder, malformed);
+        assert!(parsed.calls.is_empty(), "{malformed}");
+        assert_eq!(parsed.content, malformed);
+    }
+}
+
+#[test]
+fn qwen3_5_and_qwen3_next_templates_are_told_apart() {
+    // Qwen3.5's template (its instructions and its rendering of earlier calls), and
+    // Qwen3-Next's, which writes Hermes JSON.
+    let qwen3_5 = "<tool_call>\\n<function=example_function_name>\\n<parameter=example_parameter_1>\
+                   {{- '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}";
+    let qwen3_next = "{{- '<tool_call>\\n{\"name\": \"' }}{{ tool_call.name }}";
+    assert_eq!(
+        ToolCallFormat::for_model(qwen3_5, Family::Qwen3Next),
+        Some(ToolCallFormat::Qwen3Coder)
+    );
+    assert_eq!(
+        ToolCallFormat::detect(qwen3_5),
+        Some(ToolCallFormat::Qwen3Coder)
+    );
+    assert_eq!(
+        ToolCallFormat::for_model(qwen3_next, Family::Qwen3Next),
+        Some(ToolCallFormat::Hermes)
+    );
+    // A Qwen3-MoE fine-tuned on Qwen3.5's template writes as Qwen3.5 does.
+    assert_eq!(
+        ToolCallFormat::for_model(qwen3_5, Family::Qwen3Moe),
+        Some(ToolCallFormat::Qwen3Coder)
+    );
+    assert_eq!(
+        ToolCallFormat::for_model(qwen3_next, Family::Qwen3Moe),
+        Some(ToolCallFormat::Hermes)
+    );
 }

@@ -459,6 +459,9 @@ pub enum ToolCallFormat {
     /// gpt-oss (harmony): a call on the `commentary` channel addressed to a function,
     /// `...to=functions.NAME <|constrain|>json<|message|>ARGS<|call|>`.
     Harmony,
+    /// Qwen3.5 (and Qwen3-Coder; vLLM's `qwen3_coder` parser): `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</tool_call>`,
+    /// a value read as GLM's are.
+    Qwen3Coder,
 }
 
 /// Keys a multimodal wrapper keeps at its top level that belong to the text model too.

@@ -197,7 +197,8 @@ impl FamilySpec for Qwen3Next {
     }
 
     fn tool_call_formats(&self) -> &'static [ToolCallFormat] {
-        &[ToolCallFormat::Hermes]
+        // Qwen3.5's template writes XML calls, Qwen3-Next's Hermes JSON.
+        &[ToolCallFormat::Qwen3Coder, ToolCallFormat::Hermes]
     }
 }
 
