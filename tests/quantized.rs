@@ -237,6 +237,7 @@ fn quantized_experts_stay_compressed_in_memory() {
         // FP8: 1 byte per weight plus an f32 scale per block.
         ("kimi_k2_fp8", 0.50, 0.55),
         ("qwen3_moe_fp8", 0.50, 0.55),
+        ("qwen3_5_moe_fp8", 0.50, 0.55),
         // INT4: half a byte per weight plus a bf16 scale per 32 weights (the files' scales
         // are bf16, so they are held in bf16: 0.281; f32 would give 0.3125).
         ("kimi_k2_int4", 0.25, 0.29),

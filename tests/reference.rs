@@ -698,6 +698,15 @@ fn qwen3_moe_fp8_matches_transformers() {
     check("qwen3_moe_fp8");
 }
 
+/// Qwen3.5-MoE as Qwen's FP8 releases store it: the wrapper, every projection of the text
+/// layers (the linear layers' qkv, z and output projections among them) in e4m3 with a bf16
+/// scale per [128, 128] block, the routed experts apart, what `modules_to_not_convert` names
+/// in bf16.
+#[test]
+fn qwen3_5_moe_fp8_matches_transformers() {
+    check_dense_gpu_refused("qwen3_5_moe_fp8", "linear attention");
+}
+
 /// compressed-tensors pack-quantized INT4 experts, groups of 32.
 #[test]
 fn kimi_k2_int4_matches_transformers() {
