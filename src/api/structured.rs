@@ -340,12 +340,29 @@ fn lark_call(
                 marker("<|tool_call_argument_begin|>"),
                 schema(f.parameters.clone()),
             ),
-            ToolCallFormat::Glm => glm_arguments(f, schema, &marker),
+            // GLM's tags are special tokens in its tokenizer.
+            ToolCallFormat::Glm => tagged_arguments(
+                f,
+                schema,
+                literal(&f.name),
+                |key, _| {
+                    format!(
+                        "{} {} {} {} {} {}",
+                        literal("\n"),
+                        marker("<arg_key>"),
+                        literal(key),
+                        marker("</arg_key>"),
+                        literal("\n"),
+                        marker("<arg_value>"),
+                    )
+                },
+                |_| marker("</arg_value>"),
+            ),
             ToolCallFormat::MiniMax => tagged_arguments(
                 f,
                 schema,
                 literal(&format!("{}\">", f.name)),
-                |key| literal(&format!("\n<parameter name=\"{key}\">")),
+                |key, _| literal(&format!("\n<parameter name=\"{key}\">")),
                 |_| literal("</parameter>"),
             ),
             // A free text value ends with the newline the template writes before the closing
@@ -354,14 +371,26 @@ fn lark_call(
                 f,
                 schema,
                 literal(&format!("<function={}>", f.name)),
-                |key| literal(&format!("\n<parameter={key}>\n")),
-                |free_text| {
-                    literal(if free_text {
+                |key, _| literal(&format!("\n<parameter={key}>\n")),
+                |written| {
+                    literal(if written == Written::FreeText {
                         "</parameter>"
                     } else {
                         "\n</parameter>"
                     })
                 },
+            ),
+            ToolCallFormat::Dsml => tagged_arguments(
+                f,
+                schema,
+                literal(&format!("{}\">", f.name)),
+                |key, written| {
+                    let text = written != Written::Json;
+                    literal(&format!(
+                        "\n<｜DSML｜parameter name=\"{key}\" string=\"{text}\">"
+                    ))
+                },
+                |_| literal("</｜DSML｜parameter>"),
             ),
             ToolCallFormat::Harmony => {
                 format!(
@@ -420,6 +449,14 @@ fn lark_call(
             literal("\n</function>\n"),
             marker("</tool_call>")
         ),
+        ToolCallFormat::Dsml => format!(
+            "{} {} call {} {} {}",
+            marker("<｜DSML｜function_calls>"),
+            literal("\n<｜DSML｜invoke name=\""),
+            literal("\n</｜DSML｜invoke>"),
+            literal("\n"),
+            marker("</｜DSML｜function_calls>")
+        ),
         ToolCallFormat::MiniMax => format!(
             "{} {} call {} {} {}",
             marker("<minimax:tool_call>"),
@@ -441,12 +478,20 @@ fn required_parameters(f: &Function) -> Vec<&str> {
         .unwrap_or_default()
 }
 
-/// A free text value: anything up to the next tag.
-const FREE_TEXT: &str = "/[^<]+/";
+/// How a value is written between its tags.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Written {
+    /// A string as it is, up to the next tag.
+    FreeText,
+    /// One of a string `enum`'s values, as it is.
+    Text,
+    /// JSON of its schema.
+    Json,
+}
 
-/// A value as GLM's, MiniMax's and Qwen3.5's templates write it: a string as text without `<`
-/// (or one of its `enum`), any other as JSON of its schema.
-fn glm_value(property: &Value, schema: impl Fn(Value) -> String) -> String {
+/// A value as GLM's, MiniMax's, Qwen3.5's and DeepSeek-V3.2's templates write it: a string as
+/// text without `<` (or one of its `enum`), any other as JSON of its schema.
+fn tagged_value(property: &Value, schema: impl Fn(Value) -> String) -> (String, Written) {
     let strings: Option<Vec<&str>> = property
         .get("enum")
         .and_then(Value::as_array)
@@ -455,67 +500,32 @@ fn glm_value(property: &Value, schema: impl Fn(Value) -> String) -> String {
         // Strings are written without quotes.
         (_, Some(strings)) if !strings.is_empty() => {
             let options: Vec<String> = strings.into_iter().map(literal).collect();
-            format!("({})", options.join(" | "))
+            (format!("({})", options.join(" | ")), Written::Text)
         }
-        (Some("string"), _) => FREE_TEXT.to_string(),
-        _ => format!("({})", schema(property.clone())),
+        (Some("string"), _) => ("/[^<]+/".to_string(), Written::FreeText),
+        _ => (format!("({})", schema(property.clone())), Written::Json),
     }
 }
 
-/// A GLM call of `f`: its name, then each parameter of its schema in order as
-/// `\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>`, the required ones always and
-/// the others optionally; the tags as `marker` writes them (special tokens in GLM's
-/// tokenizer). Values as [`glm_value`] writes them.
-fn glm_arguments(
-    f: &Function,
-    schema: impl Fn(Value) -> String,
-    marker: impl Fn(&str) -> String,
-) -> String {
-    let required = required_parameters(f);
-    let mut parts = vec![literal(&f.name)];
-    if let Some(properties) = f.parameters.get("properties").and_then(Value::as_object) {
-        for (key, property) in properties {
-            let value = glm_value(property, &schema);
-            // Every piece its own: no piece may be a prefix of another where both can come
-            // next (the grammar's lexer reads the longest).
-            let argument = format!(
-                "{} {} {} {} {} {} {value} {}",
-                literal("\n"),
-                marker("<arg_key>"),
-                literal(key),
-                marker("</arg_key>"),
-                literal("\n"),
-                marker("<arg_value>"),
-                marker("</arg_value>")
-            );
-            parts.push(if required.contains(&key.as_str()) {
-                argument
-            } else {
-                format!("({argument})?")
-            });
-        }
-    }
-    parts.join(" ")
-}
-
-/// A call of `f` in a format that gives each argument its own tags (MiniMax-M2 after
-/// `<invoke name="`, Qwen3.5 after `<tool_call>\n`): `head`, then each parameter of its
-/// schema in order as `open(KEY) VALUE close(free_text)`, the required ones always and the
-/// others optionally. Values as [`glm_value`] writes them.
+/// A call of `f` in a format that gives each argument its own tags (GLM after `<tool_call>`,
+/// MiniMax-M2 after `<invoke name="`, Qwen3.5 after `<tool_call>\n`, DeepSeek-V3.2 after
+/// `<｜DSML｜invoke name="`): `head`, then each parameter of its schema in order as
+/// `open(KEY, written) VALUE close(written)`, the required ones always and the others
+/// optionally. Values as [`tagged_value`] writes them. Every piece is its own: no piece may
+/// be a prefix of another where both can come next (the grammar's lexer reads the longest).
 fn tagged_arguments(
     f: &Function,
     schema: impl Fn(Value) -> String,
     head: String,
-    open: impl Fn(&str) -> String,
-    close: impl Fn(bool) -> String,
+    open: impl Fn(&str, Written) -> String,
+    close: impl Fn(Written) -> String,
 ) -> String {
     let required = required_parameters(f);
     let mut parts = vec![head];
     if let Some(properties) = f.parameters.get("properties").and_then(Value::as_object) {
         for (key, property) in properties {
-            let value = glm_value(property, &schema);
-            let close = close(value == FREE_TEXT);
-            let argument = format!("{} {value} {close}", open(key));
+            let (value, written) = tagged_value(property, &schema);
+            let argument = format!("{} {value} {}", open(key, written), close(written));
             parts.push(if required.contains(&key.as_str()) {
                 argument
             } else {
@@ -692,6 +702,50 @@ mod tests {
         assert!(!accepts(grammar.clone(), &no_days));
         assert!(!accepts(grammar.clone(), &call.replace("\n3\n", "\n12\n")));
         assert!(!accepts(grammar, &call.replace("get_weather", "get_time")));
+    }
+
+    #[test]
+    fn a_forced_dsml_call_is_one_the_parser_reads_back() {
+        let f = Function {
+            name: "get_weather".into(),
+            parameters: json!({
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 9},
+                    "unit": {"type": "string", "enum": ["c", "f"]},
+                },
+                "required": ["city", "days"],
+            }),
+        };
+        let grammar = lark_call(ToolCallFormat::Dsml, &[&f], literal);
+        let call = "<｜DSML｜function_calls>\n<｜DSML｜invoke name=\"get_weather\">\n\
+                    <｜DSML｜parameter name=\"city\" string=\"true\">Paris</｜DSML｜parameter>\n\
+                    <｜DSML｜parameter name=\"days\" string=\"false\">3</｜DSML｜parameter>\n\
+                    </｜DSML｜invoke>\n</｜DSML｜function_calls>";
+        assert!(accepts(grammar.clone(), call), "{grammar}");
+        let parsed = ToolCallFormat::Dsml.parse(call);
+        assert_eq!(parsed.calls[0].arguments, r#"{"city":"Paris","days":3}"#);
+        let with_unit = call.replace(
+            "\n</｜DSML｜invoke>",
+            "\n<｜DSML｜parameter name=\"unit\" string=\"true\">f</｜DSML｜parameter>\n</｜DSML｜invoke>",
+        );
+        assert!(accepts(grammar.clone(), &with_unit), "{grammar}");
+        assert_eq!(
+            ToolCallFormat::Dsml.parse(&with_unit).calls[0].arguments,
+            r#"{"city":"Paris","days":3,"unit":"f"}"#
+        );
+        // The string flag as the value is written, a required argument, the schema's range.
+        assert!(!accepts(
+            grammar.clone(),
+            &call.replace("\"days\" string=\"false\"", "\"days\" string=\"true\"")
+        ));
+        assert!(!accepts(grammar.clone(), &call.replace(">3<", ">12<")));
+        let no_days = call.replace(
+            "<｜DSML｜parameter name=\"days\" string=\"false\">3</｜DSML｜parameter>\n",
+            "",
+        );
+        assert!(!accepts(grammar, &no_days));
     }
 
     #[test]

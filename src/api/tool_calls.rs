@@ -37,6 +37,12 @@ const MINIMAX_INVOKE: &str = "<invoke name=\"";
 const MINIMAX_INVOKE_END: &str = "</invoke>";
 const MINIMAX_PARAMETER: &str = "<parameter name=\"";
 const MINIMAX_PARAMETER_END: &str = "</parameter>";
+const DSML_SECTION_BEGIN: &str = "<｜DSML｜function_calls>";
+const DSML_SECTION_END: &str = "</｜DSML｜function_calls>";
+const DSML_INVOKE: &str = "<｜DSML｜invoke name=\"";
+const DSML_INVOKE_END: &str = "</｜DSML｜invoke>";
+const DSML_PARAMETER: &str = "<｜DSML｜parameter name=\"";
+const DSML_PARAMETER_END: &str = "</｜DSML｜parameter>";
 const QWEN_FUNCTION: &str = "<function=";
 const QWEN_FUNCTION_END: &str = "</function>";
 const QWEN_PARAMETER: &str = "<parameter=";
@@ -50,6 +56,7 @@ impl ToolCallFormat {
             ToolCallFormat::DeepseekV3,
             ToolCallFormat::Mistral,
             ToolCallFormat::MiniMax,
+            ToolCallFormat::Dsml,
             ToolCallFormat::Harmony,
             // These open as Hermes' calls do; their own tags tell them apart.
             ToolCallFormat::Glm,
@@ -99,6 +106,7 @@ impl ToolCallFormat {
             ToolCallFormat::KimiK2 => KIMI_SECTION_BEGIN,
             ToolCallFormat::Mistral => MISTRAL_BEGIN,
             ToolCallFormat::MiniMax => MINIMAX_SECTION_BEGIN,
+            ToolCallFormat::Dsml => DSML_SECTION_BEGIN,
             ToolCallFormat::Harmony => HARMONY_BEGIN,
         }
     }
@@ -319,6 +327,9 @@ impl ToolCallStream {
                 MINIMAX_SECTION_END,
                 minimax_call,
             ),
+            ToolCallFormat::Dsml => {
+                marked_call(s, DSML_INVOKE, DSML_INVOKE_END, DSML_SECTION_END, dsml_call)
+            }
         }
     }
 }
@@ -456,6 +467,33 @@ fn minimax_call(body: &str) -> Option<ToolCall> {
         let (key, after) = rest.strip_prefix(MINIMAX_PARAMETER)?.split_once("\">")?;
         let (value, after) = after.split_once(MINIMAX_PARAMETER_END)?;
         arguments.insert(key.to_string(), template_value(value));
+        rest = after;
+    }
+    call_of(None, name, &Value::Object(arguments).to_string())
+}
+
+/// `NAME">` then `<｜DSML｜parameter name="KEY" string="true|false">VALUE</｜DSML｜parameter>`
+/// per argument (whitespace between them), the body of DeepSeek-V3.2's
+/// `<｜DSML｜invoke name="NAME">...</｜DSML｜invoke>`. `string="true"`: the value as it is;
+/// `"false"`: JSON (a value that does not parse is not a call); no `string`: read as GLM's.
+fn dsml_call(body: &str) -> Option<ToolCall> {
+    let (name, mut rest) = body.split_once("\">")?;
+    let mut arguments = serde_json::Map::new();
+    loop {
+        rest = rest.trim_start();
+        if rest.is_empty() {
+            break;
+        }
+        let (head, after) = rest.strip_prefix(DSML_PARAMETER)?.split_once('>')?;
+        let (value, after) = after.split_once(DSML_PARAMETER_END)?;
+        let (key, attributes) = head.split_once('"')?;
+        let value = match attributes.trim() {
+            "string=\"true\"" => Value::String(value.into()),
+            "string=\"false\"" => serde_json::from_str(value).ok()?,
+            "" => template_value(value),
+            _ => return None,
+        };
+        arguments.insert(key.to_string(), value);
         rest = after;
     }
     call_of(None, name, &Value::Object(arguments).to_string())

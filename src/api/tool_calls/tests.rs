@@ -372,6 +372,13 @@ fn any_text_parses_without_panicking() {
         "|",
         "｜",
         "<function=f>",
+        DSML_SECTION_BEGIN,
+        DSML_INVOKE,
+        "f\">",
+        "<｜DSML｜parameter name=\"a\" string=\"false\">1",
+        DSML_PARAMETER_END,
+        DSML_INVOKE_END,
+        DSML_SECTION_END,
         "<parameter=a>\n1\n</parameter>",
         QWEN_FUNCTION_END,
         MINIMAX_PARAMETER_END,
@@ -391,6 +398,7 @@ fn any_text_parses_without_panicking() {
             ToolCallFormat::MiniMax,
             ToolCallFormat::Harmony,
             ToolCallFormat::Qwen3Coder,
+            ToolCallFormat::Dsml,
         ] {
             let parsed = parse_both_ways(format, &text);
             if parsed.calls.is_empty() {
@@ -459,5 +467,46 @@ fn qwen3_5_and_qwen3_next_templates_are_told_apart() {
     assert_eq!(
         ToolCallFormat::for_model(qwen3_next, Family::Qwen3Moe),
         Some(ToolCallFormat::Hermes)
+    );
+}
+
+#[test]
+fn dsml_calls_as_deepseek_v3_2_writes_them() {
+    let text = "Checking.\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name=\"get_weather\">\n\
+                <｜DSML｜parameter name=\"city\" string=\"true\">42</｜DSML｜parameter>\n\
+                <｜DSML｜parameter name=\"days\" string=\"false\">3</｜DSML｜parameter>\n\
+                <｜DSML｜parameter name=\"hourly\" string=\"false\">{\"from\": 6}</｜DSML｜parameter>\n\
+                </｜DSML｜invoke>\n<｜DSML｜invoke name=\"get_time\">\n\
+                <｜DSML｜parameter name=\"zone\" string=\"true\">CET</｜DSML｜parameter>\n\
+                </｜DSML｜invoke>\n</｜DSML｜function_calls>";
+    let parsed = parse_both_ways(ToolCallFormat::Dsml, text);
+    assert_eq!(parsed.content, "Checking.\n\n");
+    // `string="true"` keeps "42" a string, where GLM's and MiniMax's formats cannot tell.
+    assert_eq!(
+        parsed.calls,
+        vec![
+            call(
+                "get_weather",
+                r#"{"city":"42","days":3,"hourly":{"from":6}}"#
+            ),
+            call("get_time", r#"{"zone":"CET"}"#),
+        ]
+    );
+    // A `string="false"` value that is not JSON, or another attribute, is not a call.
+    for broken in [
+        "<｜DSML｜function_calls><｜DSML｜invoke name=\"f\"><｜DSML｜parameter name=\"a\" \
+         string=\"false\">Paris</｜DSML｜parameter></｜DSML｜invoke></｜DSML｜function_calls>",
+        "<｜DSML｜function_calls><｜DSML｜invoke name=\"f\"><｜DSML｜parameter name=\"a\" \
+         kind=\"x\">1</｜DSML｜parameter></｜DSML｜invoke></｜DSML｜function_calls>",
+    ] {
+        let parsed = parse_both_ways(ToolCallFormat::Dsml, broken);
+        assert!(parsed.calls.is_empty(), "{parsed:?}");
+        assert_eq!(parsed.content, broken);
+    }
+    let template = "{{- '<｜DSML｜function_calls>' }}<｜DSML｜invoke name=\"{{ tc.name }}\">";
+    assert_eq!(ToolCallFormat::detect(template), Some(ToolCallFormat::Dsml));
+    assert_eq!(
+        ToolCallFormat::for_model(template, Family::DeepseekV32),
+        Some(ToolCallFormat::Dsml)
     );
 }

@@ -130,7 +130,8 @@ impl FamilySpec for DeepseekV32 {
     }
 
     fn tool_call_formats(&self) -> &'static [ToolCallFormat] {
-        &[ToolCallFormat::DeepseekV3]
+        // V3.2 writes DSML; a fine-tune on V3.1's template writes V3's markers.
+        &[ToolCallFormat::Dsml, ToolCallFormat::DeepseekV3]
     }
 }
 

@@ -459,6 +459,10 @@ pub enum ToolCallFormat {
     /// gpt-oss (harmony): a call on the `commentary` channel addressed to a function,
     /// `...to=functions.NAME <|constrain|>json<|message|>ARGS<|call|>`.
     Harmony,
+    /// DeepSeek-V3.2's DSML: `<｜DSML｜function_calls>\n<｜DSML｜invoke name="NAME">\n<｜DSML｜parameter name="KEY" string="true">VALUE</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>`,
+    /// several invokes in one block; `string="true"` marks a value written as it is,
+    /// `"false"` one written as JSON.
+    Dsml,
     /// Qwen3.5 (and Qwen3-Coder; vLLM's `qwen3_coder` parser): `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</tool_call>`,
     /// a value read as GLM's are.
     Qwen3Coder,
