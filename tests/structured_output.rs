@@ -276,23 +276,33 @@ fn a_streamed_tool_call_arrives_as_a_tool_calls_delta() {
     assert_ne!(body["choices"][0]["finish_reason"], "tool_calls");
 }
 
+/// One token after a conversation in which the assistant called `get_time` (its parameters'
+/// `properties`) with `arguments` and got "12:00" back.
+fn after_a_call(server: &Server, properties: Value, arguments: &str) -> Value {
+    let tools = json!([{"type": "function", "function": {"name": "get_time",
+        "parameters": {"type": "object", "properties": properties}}}]);
+    let messages = json!([
+        {"role": "user", "content": "Time?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+            "function": {"name": "get_time", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}
+    ]);
+    server.post_ok(
+        "/v1/chat/completions",
+        &json!({"messages": messages, "tools": tools, "max_tokens": 1}),
+    )
+}
+
 /// The demo model's prompt for a conversation with tools, a call and its result: the
 /// tools in a system turn and the call in `<tool_call>` tags (as Qwen's template), so the
 /// prompt's length in the demo's byte-level tokens is known.
 #[test]
 fn tools_calls_and_tool_results_are_rendered_through_the_chat_template() {
     let server = server();
-    let tools = json!([{"type": "function", "function": {"name": "get_time",
-        "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}}}]);
-    let messages = json!([
-        {"role": "user", "content": "Time?"},
-        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
-            "function": {"name": "get_time", "arguments": "{\"zone\": \"UTC\"}"}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}
-    ]);
-    let body = server.post_ok(
-        "/v1/chat/completions",
-        &json!({"messages": messages, "tools": tools, "max_tokens": 1}),
+    let body = after_a_call(
+        &server,
+        json!({"zone": {"type": "string"}}),
+        "{\"zone\": \"UTC\"}",
     );
     let expected = concat!(
         "<|im_start|>system\n# Tools\n\nYou may call one or more functions. Their signatures ",
@@ -506,18 +516,10 @@ fn a_qwen3_5_template_gets_its_calls_written_and_read_as_xml() {
     }
 
     // An earlier call and its result, rendered back in the template's own form.
-    let tools = json!([{"type": "function", "function": {"name": "get_time",
-        "parameters": {"type": "object", "properties": {"zone": {"type": "string"},
-                                                        "hours": {"type": "integer"}}}}}]);
-    let messages = json!([
-        {"role": "user", "content": "Time?"},
-        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
-            "function": {"name": "get_time", "arguments": "{\"zone\": \"UTC\", \"hours\": 2}"}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}
-    ]);
-    let body = server.post_ok(
-        "/v1/chat/completions",
-        &json!({"messages": messages, "tools": tools, "max_tokens": 1}),
+    let body = after_a_call(
+        &server,
+        json!({"zone": {"type": "string"}, "hours": {"type": "integer"}}),
+        "{\"zone\": \"UTC\", \"hours\": 2}",
     );
     let expected = concat!(
         "<|im_start|>system\n# Tools\n\nYou have access to the following functions:\n\n<tools>\n",

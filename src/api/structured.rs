@@ -611,19 +611,25 @@ mod tests {
         logits[end as usize] == 0.0
     }
 
-    #[test]
-    fn a_forced_minimax_call_is_one_the_parser_reads_back() {
-        let f = Function {
+    /// `get_weather(city: string, days: 1..=9, unit: "c" | "f")`, `required` as given.
+    fn get_weather(required: &[&str]) -> Function {
+        Function {
             name: "get_weather".into(),
             parameters: json!({
                 "type": "object",
                 "properties": {
                     "city": {"type": "string"},
                     "days": {"type": "integer", "minimum": 1, "maximum": 9},
+                    "unit": {"type": "string", "enum": ["c", "f"]},
                 },
-                "required": ["city"],
+                "required": required,
             }),
-        };
+        }
+    }
+
+    #[test]
+    fn a_forced_minimax_call_is_one_the_parser_reads_back() {
+        let f = get_weather(&["city"]);
         let grammar = lark_call(ToolCallFormat::MiniMax, &[&f], literal);
         let call = "<minimax:tool_call>\n<invoke name=\"get_weather\">\n\
                     <parameter name=\"city\">Paris</parameter>\n\
@@ -637,18 +643,7 @@ mod tests {
 
     #[test]
     fn a_forced_glm_call_is_one_the_parser_reads_back() {
-        let f = Function {
-            name: "get_weather".into(),
-            parameters: json!({
-                "type": "object",
-                "properties": {
-                    "city": {"type": "string"},
-                    "days": {"type": "integer", "minimum": 1, "maximum": 9},
-                    "unit": {"type": "string", "enum": ["c", "f"]},
-                },
-                "required": ["city", "days"],
-            }),
-        };
+        let f = get_weather(&["city", "days"]);
         let grammar = lark_call(ToolCallFormat::Glm, &[&f], literal);
         let call = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n\
                     <arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>";
@@ -668,18 +663,7 @@ mod tests {
 
     #[test]
     fn a_forced_qwen3_coder_call_is_one_the_parser_reads_back() {
-        let f = Function {
-            name: "get_weather".into(),
-            parameters: json!({
-                "type": "object",
-                "properties": {
-                    "city": {"type": "string"},
-                    "days": {"type": "integer", "minimum": 1, "maximum": 9},
-                    "unit": {"type": "string", "enum": ["c", "f"]},
-                },
-                "required": ["city", "days"],
-            }),
-        };
+        let f = get_weather(&["city", "days"]);
         let grammar = lark_call(ToolCallFormat::Qwen3Coder, &[&f], literal);
         // As Qwen3.5's template writes a call.
         let call = "<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n\
@@ -706,18 +690,7 @@ mod tests {
 
     #[test]
     fn a_forced_dsml_call_is_one_the_parser_reads_back() {
-        let f = Function {
-            name: "get_weather".into(),
-            parameters: json!({
-                "type": "object",
-                "properties": {
-                    "city": {"type": "string"},
-                    "days": {"type": "integer", "minimum": 1, "maximum": 9},
-                    "unit": {"type": "string", "enum": ["c", "f"]},
-                },
-                "required": ["city", "days"],
-            }),
-        };
+        let f = get_weather(&["city", "days"]);
         let grammar = lark_call(ToolCallFormat::Dsml, &[&f], literal);
         let call = "<｜DSML｜function_calls>\n<｜DSML｜invoke name=\"get_weather\">\n\
                     <｜DSML｜parameter name=\"city\" string=\"true\">Paris</｜DSML｜parameter>\n\

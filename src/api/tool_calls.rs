@@ -453,10 +453,13 @@ fn harmony_call(s: &str) -> Next {
     }
 }
 
-/// `NAME">` then `<parameter name="KEY">VALUE</parameter>` per argument (whitespace between
-/// them), the body of MiniMax-M2's `<invoke name="NAME">...</invoke>`. Values read as GLM's
-/// are ([`template_value`]).
-fn minimax_call(body: &str) -> Option<ToolCall> {
+/// `NAME">` then one `PREFIX HEAD>VALUE END` per argument (whitespace between them): the body
+/// of an invoke block, MiniMax-M2's or DeepSeek-V3.2's. `argument(HEAD, VALUE)` reads one.
+fn invoke_call(
+    body: &str,
+    (prefix, end): (&str, &str),
+    argument: fn(&str, &str) -> Option<(String, Value)>,
+) -> Option<ToolCall> {
     let (name, mut rest) = body.split_once("\">")?;
     let mut arguments = serde_json::Map::new();
     loop {
@@ -464,28 +467,32 @@ fn minimax_call(body: &str) -> Option<ToolCall> {
         if rest.is_empty() {
             break;
         }
-        let (key, after) = rest.strip_prefix(MINIMAX_PARAMETER)?.split_once("\">")?;
-        let (value, after) = after.split_once(MINIMAX_PARAMETER_END)?;
-        arguments.insert(key.to_string(), template_value(value));
+        let (head, after) = rest.strip_prefix(prefix)?.split_once('>')?;
+        let (value, after) = after.split_once(end)?;
+        let (key, value) = argument(head, value)?;
+        arguments.insert(key, value);
         rest = after;
     }
     call_of(None, name, &Value::Object(arguments).to_string())
 }
 
-/// `NAME">` then `<｜DSML｜parameter name="KEY" string="true|false">VALUE</｜DSML｜parameter>`
-/// per argument (whitespace between them), the body of DeepSeek-V3.2's
-/// `<｜DSML｜invoke name="NAME">...</｜DSML｜invoke>`. `string="true"`: the value as it is;
-/// `"false"`: JSON (a value that does not parse is not a call); no `string`: read as GLM's.
+/// The body of MiniMax-M2's `<invoke name="NAME">...</invoke>`: `NAME">`, then
+/// `<parameter name="KEY">VALUE</parameter>` per argument. Values read as GLM's are
+/// ([`template_value`]).
+fn minimax_call(body: &str) -> Option<ToolCall> {
+    invoke_call(
+        body,
+        (MINIMAX_PARAMETER, MINIMAX_PARAMETER_END),
+        |head, value| Some((head.strip_suffix('"')?.to_string(), template_value(value))),
+    )
+}
+
+/// The body of DeepSeek-V3.2's `<｜DSML｜invoke name="NAME">...</｜DSML｜invoke>`: `NAME">`, then
+/// `<｜DSML｜parameter name="KEY" string="true|false">VALUE</｜DSML｜parameter>` per argument.
+/// `string="true"`: the value as it is; `"false"`: JSON (a value that does not parse is not a
+/// call); no `string`: read as GLM's.
 fn dsml_call(body: &str) -> Option<ToolCall> {
-    let (name, mut rest) = body.split_once("\">")?;
-    let mut arguments = serde_json::Map::new();
-    loop {
-        rest = rest.trim_start();
-        if rest.is_empty() {
-            break;
-        }
-        let (head, after) = rest.strip_prefix(DSML_PARAMETER)?.split_once('>')?;
-        let (value, after) = after.split_once(DSML_PARAMETER_END)?;
+    invoke_call(body, (DSML_PARAMETER, DSML_PARAMETER_END), |head, value| {
         let (key, attributes) = head.split_once('"')?;
         let value = match attributes.trim() {
             "string=\"true\"" => Value::String(value.into()),
@@ -493,10 +500,8 @@ fn dsml_call(body: &str) -> Option<ToolCall> {
             "" => template_value(value),
             _ => return None,
         };
-        arguments.insert(key.to_string(), value);
-        rest = after;
-    }
-    call_of(None, name, &Value::Object(arguments).to_string())
+        Some((key.to_string(), value))
+    })
 }
 
 /// Largest call text waited for; past it the text is not a call.
