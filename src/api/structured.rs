@@ -380,7 +380,7 @@ fn lark_call(
                     })
                 },
             ),
-            ToolCallFormat::Dsml => tagged_arguments(
+            ToolCallFormat::DeepseekV32 | ToolCallFormat::DeepseekV4 => tagged_arguments(
                 f,
                 schema,
                 literal(&format!("{}\">", f.name)),
@@ -449,14 +449,21 @@ fn lark_call(
             literal("\n</function>\n"),
             marker("</tool_call>")
         ),
-        ToolCallFormat::Dsml => format!(
-            "{} {} call {} {} {}",
-            marker("<｜DSML｜function_calls>"),
-            literal("\n<｜DSML｜invoke name=\""),
-            literal("\n</｜DSML｜invoke>"),
-            literal("\n"),
-            marker("</｜DSML｜function_calls>")
-        ),
+        ToolCallFormat::DeepseekV32 | ToolCallFormat::DeepseekV4 => {
+            let (begin, end) = if format == ToolCallFormat::DeepseekV32 {
+                ("<｜DSML｜function_calls>", "</｜DSML｜function_calls>")
+            } else {
+                ("<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>")
+            };
+            format!(
+                "{} {} call {} {} {}",
+                marker(begin),
+                literal("\n<｜DSML｜invoke name=\""),
+                literal("\n</｜DSML｜invoke>"),
+                literal("\n"),
+                marker(end)
+            )
+        }
         ToolCallFormat::MiniMax => format!(
             "{} {} call {} {} {}",
             marker("<minimax:tool_call>"),
@@ -689,36 +696,51 @@ mod tests {
     }
 
     #[test]
-    fn a_forced_dsml_call_is_one_the_parser_reads_back() {
+    fn forced_dsml_calls_are_ones_the_parser_reads_back() {
         let f = get_weather(&["city", "days"]);
-        let grammar = lark_call(ToolCallFormat::Dsml, &[&f], literal);
-        let call = "<｜DSML｜function_calls>\n<｜DSML｜invoke name=\"get_weather\">\n\
-                    <｜DSML｜parameter name=\"city\" string=\"true\">Paris</｜DSML｜parameter>\n\
-                    <｜DSML｜parameter name=\"days\" string=\"false\">3</｜DSML｜parameter>\n\
-                    </｜DSML｜invoke>\n</｜DSML｜function_calls>";
-        assert!(accepts(grammar.clone(), call), "{grammar}");
-        let parsed = ToolCallFormat::Dsml.parse(call);
-        assert_eq!(parsed.calls[0].arguments, r#"{"city":"Paris","days":3}"#);
-        let with_unit = call.replace(
-            "\n</｜DSML｜invoke>",
-            "\n<｜DSML｜parameter name=\"unit\" string=\"true\">f</｜DSML｜parameter>\n</｜DSML｜invoke>",
-        );
-        assert!(accepts(grammar.clone(), &with_unit), "{grammar}");
-        assert_eq!(
-            ToolCallFormat::Dsml.parse(&with_unit).calls[0].arguments,
-            r#"{"city":"Paris","days":3,"unit":"f"}"#
-        );
-        // The string flag as the value is written, a required argument, the schema's range.
-        assert!(!accepts(
-            grammar.clone(),
-            &call.replace("\"days\" string=\"false\"", "\"days\" string=\"true\"")
-        ));
-        assert!(!accepts(grammar.clone(), &call.replace(">3<", ">12<")));
-        let no_days = call.replace(
-            "<｜DSML｜parameter name=\"days\" string=\"false\">3</｜DSML｜parameter>\n",
-            "",
-        );
-        assert!(!accepts(grammar, &no_days));
+        // DeepSeek-V3.2's block and V4's around the same invokes.
+        for (format, block) in [
+            (ToolCallFormat::DeepseekV32, "function_calls"),
+            (ToolCallFormat::DeepseekV4, "tool_calls"),
+        ] {
+            let grammar = lark_call(format, &[&f], literal);
+            let call = format!(
+                "<｜DSML｜{block}>\n<｜DSML｜invoke name=\"get_weather\">\n\
+                 <｜DSML｜parameter name=\"city\" string=\"true\">Paris</｜DSML｜parameter>\n\
+                 <｜DSML｜parameter name=\"days\" string=\"false\">3</｜DSML｜parameter>\n\
+                 </｜DSML｜invoke>\n</｜DSML｜{block}>"
+            );
+            assert!(accepts(grammar.clone(), &call), "{grammar}");
+            let parsed = format.parse(&call);
+            assert_eq!(parsed.calls[0].arguments, r#"{"city":"Paris","days":3}"#);
+            let with_unit = call.replace(
+                "\n</｜DSML｜invoke>",
+                "\n<｜DSML｜parameter name=\"unit\" string=\"true\">f</｜DSML｜parameter>\n</｜DSML｜invoke>",
+            );
+            assert!(accepts(grammar.clone(), &with_unit), "{grammar}");
+            assert_eq!(
+                format.parse(&with_unit).calls[0].arguments,
+                r#"{"city":"Paris","days":3,"unit":"f"}"#
+            );
+            // The string flag as the value is written, a required argument, the schema's
+            // range, the other version's block.
+            assert!(!accepts(
+                grammar.clone(),
+                &call.replace("\"days\" string=\"false\"", "\"days\" string=\"true\"")
+            ));
+            assert!(!accepts(grammar.clone(), &call.replace(">3<", ">12<")));
+            let no_days = call.replace(
+                "<｜DSML｜parameter name=\"days\" string=\"false\">3</｜DSML｜parameter>\n",
+                "",
+            );
+            assert!(!accepts(grammar.clone(), &no_days));
+            let other = if block == "tool_calls" {
+                "function_calls"
+            } else {
+                "tool_calls"
+            };
+            assert!(!accepts(grammar, &call.replace(block, other)));
+        }
     }
 
     #[test]

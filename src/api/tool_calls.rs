@@ -37,8 +37,10 @@ const MINIMAX_INVOKE: &str = "<invoke name=\"";
 const MINIMAX_INVOKE_END: &str = "</invoke>";
 const MINIMAX_PARAMETER: &str = "<parameter name=\"";
 const MINIMAX_PARAMETER_END: &str = "</parameter>";
-const DSML_SECTION_BEGIN: &str = "<｜DSML｜function_calls>";
-const DSML_SECTION_END: &str = "</｜DSML｜function_calls>";
+const DSML_V32_BEGIN: &str = "<｜DSML｜function_calls>";
+const DSML_V32_END: &str = "</｜DSML｜function_calls>";
+const DSML_V4_BEGIN: &str = "<｜DSML｜tool_calls>";
+const DSML_V4_END: &str = "</｜DSML｜tool_calls>";
 const DSML_INVOKE: &str = "<｜DSML｜invoke name=\"";
 const DSML_INVOKE_END: &str = "</｜DSML｜invoke>";
 const DSML_PARAMETER: &str = "<｜DSML｜parameter name=\"";
@@ -56,7 +58,8 @@ impl ToolCallFormat {
             ToolCallFormat::DeepseekV3,
             ToolCallFormat::Mistral,
             ToolCallFormat::MiniMax,
-            ToolCallFormat::Dsml,
+            ToolCallFormat::DeepseekV4,
+            ToolCallFormat::DeepseekV32,
             ToolCallFormat::Harmony,
             // These open as Hermes' calls do; their own tags tell them apart.
             ToolCallFormat::Glm,
@@ -106,7 +109,8 @@ impl ToolCallFormat {
             ToolCallFormat::KimiK2 => KIMI_SECTION_BEGIN,
             ToolCallFormat::Mistral => MISTRAL_BEGIN,
             ToolCallFormat::MiniMax => MINIMAX_SECTION_BEGIN,
-            ToolCallFormat::Dsml => DSML_SECTION_BEGIN,
+            ToolCallFormat::DeepseekV32 => DSML_V32_BEGIN,
+            ToolCallFormat::DeepseekV4 => DSML_V4_BEGIN,
             ToolCallFormat::Harmony => HARMONY_BEGIN,
         }
     }
@@ -327,8 +331,11 @@ impl ToolCallStream {
                 MINIMAX_SECTION_END,
                 minimax_call,
             ),
-            ToolCallFormat::Dsml => {
-                marked_call(s, DSML_INVOKE, DSML_INVOKE_END, DSML_SECTION_END, dsml_call)
+            ToolCallFormat::DeepseekV32 => {
+                marked_call(s, DSML_INVOKE, DSML_INVOKE_END, DSML_V32_END, dsml_call)
+            }
+            ToolCallFormat::DeepseekV4 => {
+                marked_call(s, DSML_INVOKE, DSML_INVOKE_END, DSML_V4_END, dsml_call)
             }
         }
     }
@@ -487,7 +494,7 @@ fn minimax_call(body: &str) -> Option<ToolCall> {
     )
 }
 
-/// The body of DeepSeek-V3.2's `<｜DSML｜invoke name="NAME">...</｜DSML｜invoke>`: `NAME">`, then
+/// The body of DeepSeek-V3.2's and V4's `<｜DSML｜invoke name="NAME">...</｜DSML｜invoke>`: `NAME">`, then
 /// `<｜DSML｜parameter name="KEY" string="true|false">VALUE</｜DSML｜parameter>` per argument.
 /// `string="true"`: the value as it is; `"false"`: JSON (a value that does not parse is not a
 /// call); no `string`: read as GLM's.

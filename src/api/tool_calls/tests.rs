@@ -372,13 +372,15 @@ fn any_text_parses_without_panicking() {
         "|",
         "｜",
         "<function=f>",
-        DSML_SECTION_BEGIN,
+        DSML_V32_BEGIN,
+        DSML_V4_BEGIN,
         DSML_INVOKE,
         "f\">",
         "<｜DSML｜parameter name=\"a\" string=\"false\">1",
         DSML_PARAMETER_END,
         DSML_INVOKE_END,
-        DSML_SECTION_END,
+        DSML_V32_END,
+        DSML_V4_END,
         "<parameter=a>\n1\n</parameter>",
         QWEN_FUNCTION_END,
         MINIMAX_PARAMETER_END,
@@ -398,7 +400,8 @@ fn any_text_parses_without_panicking() {
             ToolCallFormat::MiniMax,
             ToolCallFormat::Harmony,
             ToolCallFormat::Qwen3Coder,
-            ToolCallFormat::Dsml,
+            ToolCallFormat::DeepseekV32,
+            ToolCallFormat::DeepseekV4,
         ] {
             let parsed = parse_both_ways(format, &text);
             if parsed.calls.is_empty() {
@@ -479,7 +482,7 @@ fn dsml_calls_as_deepseek_v3_2_writes_them() {
                 </｜DSML｜invoke>\n<｜DSML｜invoke name=\"get_time\">\n\
                 <｜DSML｜parameter name=\"zone\" string=\"true\">CET</｜DSML｜parameter>\n\
                 </｜DSML｜invoke>\n</｜DSML｜function_calls>";
-    let parsed = parse_both_ways(ToolCallFormat::Dsml, text);
+    let parsed = parse_both_ways(ToolCallFormat::DeepseekV32, text);
     assert_eq!(parsed.content, "Checking.\n\n");
     // `string="true"` keeps "42" a string, where GLM's and MiniMax's formats cannot tell.
     assert_eq!(
@@ -499,14 +502,53 @@ fn dsml_calls_as_deepseek_v3_2_writes_them() {
         "<｜DSML｜function_calls><｜DSML｜invoke name=\"f\"><｜DSML｜parameter name=\"a\" \
          kind=\"x\">1</｜DSML｜parameter></｜DSML｜invoke></｜DSML｜function_calls>",
     ] {
-        let parsed = parse_both_ways(ToolCallFormat::Dsml, broken);
+        let parsed = parse_both_ways(ToolCallFormat::DeepseekV32, broken);
         assert!(parsed.calls.is_empty(), "{parsed:?}");
         assert_eq!(parsed.content, broken);
     }
     let template = "{{- '<｜DSML｜function_calls>' }}<｜DSML｜invoke name=\"{{ tc.name }}\">";
-    assert_eq!(ToolCallFormat::detect(template), Some(ToolCallFormat::Dsml));
+    assert_eq!(
+        ToolCallFormat::detect(template),
+        Some(ToolCallFormat::DeepseekV32)
+    );
     assert_eq!(
         ToolCallFormat::for_model(template, Family::DeepseekV32),
-        Some(ToolCallFormat::Dsml)
+        Some(ToolCallFormat::DeepseekV32)
+    );
+}
+
+/// DeepSeek-V4 writes V3.2's invokes in a `<｜DSML｜tool_calls>` block (its
+/// `encoding_dsv4.py`); a V3.2 block is text to it, as V4's is to V3.2.
+#[test]
+fn dsml_calls_as_deepseek_v4_writes_them() {
+    let block = |name: &str| {
+        format!(
+            "<｜DSML｜{name}>\n<｜DSML｜invoke name=\"get_time\">\n\
+             <｜DSML｜parameter name=\"zone\" string=\"true\">CET</｜DSML｜parameter>\n\
+             </｜DSML｜invoke>\n</｜DSML｜{name}>"
+        )
+    };
+    let v4 = format!("</think>Checking.\n\n{}", block("tool_calls"));
+    let parsed = parse_both_ways(ToolCallFormat::DeepseekV4, &v4);
+    assert_eq!(parsed.content, "</think>Checking.\n\n");
+    assert_eq!(parsed.calls, vec![call("get_time", r#"{"zone":"CET"}"#)]);
+    for (format, other) in [
+        (ToolCallFormat::DeepseekV4, block("function_calls")),
+        (ToolCallFormat::DeepseekV32, block("tool_calls")),
+    ] {
+        let parsed = parse_both_ways(format, &other);
+        assert!(
+            parsed.calls.is_empty() && parsed.content == other,
+            "{format:?}"
+        );
+    }
+    let template = "{{- '<｜DSML｜tool_calls>\\n' }}<｜DSML｜invoke name=\"{{ tc.name }}\">";
+    assert_eq!(
+        ToolCallFormat::for_model(template, Family::DeepseekV4),
+        Some(ToolCallFormat::DeepseekV4)
+    );
+    assert_eq!(
+        ToolCallFormat::detect(template),
+        Some(ToolCallFormat::DeepseekV4)
     );
 }

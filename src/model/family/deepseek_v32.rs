@@ -131,7 +131,7 @@ impl FamilySpec for DeepseekV32 {
 
     fn tool_call_formats(&self) -> &'static [ToolCallFormat] {
         // V3.2 writes DSML; a fine-tune on V3.1's template writes V3's markers.
-        &[ToolCallFormat::Dsml, ToolCallFormat::DeepseekV3]
+        &[ToolCallFormat::DeepseekV32, ToolCallFormat::DeepseekV3]
     }
 }
 

@@ -462,7 +462,9 @@ pub enum ToolCallFormat {
     /// DeepSeek-V3.2's DSML: `<｜DSML｜function_calls>\n<｜DSML｜invoke name="NAME">\n<｜DSML｜parameter name="KEY" string="true">VALUE</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>`,
     /// several invokes in one block; `string="true"` marks a value written as it is,
     /// `"false"` one written as JSON.
-    Dsml,
+    DeepseekV32,
+    /// DeepSeek-V4's DSML: V3.2's invokes in a `<｜DSML｜tool_calls>` block.
+    DeepseekV4,
     /// Qwen3.5 (and Qwen3-Coder; vLLM's `qwen3_coder` parser): `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</tool_call>`,
     /// a value read as GLM's are.
     Qwen3Coder,

@@ -302,7 +302,13 @@ impl FamilySpec for DeepseekV4Spec {
     }
 
     fn tool_call_formats(&self) -> &'static [ToolCallFormat] {
-        &[ToolCallFormat::DeepseekV3]
+        // V4 writes DSML in `tool_calls` blocks (its `encoding_dsv4.py`); a fine-tune on an
+        // earlier template, V3.2's DSML or V3's markers.
+        &[
+            ToolCallFormat::DeepseekV4,
+            ToolCallFormat::DeepseekV32,
+            ToolCallFormat::DeepseekV3,
+        ]
     }
 }
 
