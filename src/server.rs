@@ -164,7 +164,11 @@ fn load(state: &AppState, api: std::net::SocketAddr) -> Result<(), ServeError> {
         None => (ensure_demo_model(&config.cache_dir())?, None),
     };
     let tokenizer = Tokenizer::load_optional(&dir)?;
-    let mut chat_template = ChatTemplate::load_optional(&dir)?;
+    // A family that publishes its prompt format as code has a template built in.
+    let builtin = crate::model::ModelConfig::load(&dir)
+        .ok()
+        .and_then(|c| c.family.builtin_chat_template());
+    let mut chat_template = ChatTemplate::load(&dir, builtin)?;
     if let Some(template) = &mut chat_template {
         match std::env::current_exe() {
             Ok(exe) => template.isolate(exe),

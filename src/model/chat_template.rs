@@ -76,6 +76,12 @@ impl std::io::Write for CappedOutput {
 impl ChatTemplate {
     /// Loads the model's chat template; `Ok(None)` when it has none.
     pub fn load_optional(dir: &Path) -> Result<Option<Self>, ModelError> {
+        Self::load(dir, None)
+    }
+
+    /// As [`ChatTemplate::load_optional`], with `builtin` where the model ships no template
+    /// ([`crate::model::Family::builtin_chat_template`]).
+    pub fn load(dir: &Path, builtin: Option<&str>) -> Result<Option<Self>, ModelError> {
         let config_path = dir.join("tokenizer_config.json");
         let config: serde_json::Value = match std::fs::read_to_string(&config_path) {
             Ok(text) => serde_json::from_str(&text).map_err(|e| ModelError::Tokenizer {
@@ -100,7 +106,8 @@ impl ChatTemplate {
             )
         } else {
             template_from_config(&config["chat_template"])
-        };
+        }
+        .or_else(|| builtin.map(str::to_string));
         let Some(source) = source else {
             return Ok(None);
         };

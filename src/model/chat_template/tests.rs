@@ -603,3 +603,85 @@ fn products_keep_their_line_and_long_chains_load() {
     let err = render_one(&format!("{{{{ {product} }}}}")).unwrap_err();
     assert!(err.contains("does not parse"), "{err}");
 }
+
+/// DeepSeek-V4's built-in template against its published format (`encoding_dsv4.py`, chat
+/// mode), written out by hand: the system text then the tools, a user turn and the turn
+/// change to the assistant with `</think>`, an assistant's calls as a DSML block closed by
+/// the end of sentence, and the tool's result merged with the next user text into one user
+/// turn. A conversation without tools or a system message is only its turns.
+#[test]
+fn deepseek_v4s_built_in_template_writes_its_published_format() {
+    let dir = tempfile::tempdir().unwrap();
+    let builtin = crate::model::Family::DeepseekV4.builtin_chat_template();
+    let t = ChatTemplate::load(dir.path(), builtin).unwrap().unwrap();
+    let tool = serde_json::json!({"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}});
+    let mut call = ChatMessage::new("assistant", "");
+    call.content = None;
+    call.tool_calls = Some(vec![serde_json::json!({"id": "c1", "type": "function",
+        "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}})]);
+    let mut result = ChatMessage::new("tool", "Sunny");
+    result.tool_call_id = Some("c1".into());
+    let chat = ChatInput {
+        messages: vec![
+            ChatMessage::new("system", "You are helpful."),
+            ChatMessage::new("user", "Weather in Paris?"),
+            call,
+            result,
+            ChatMessage::new("user", "And Lima?"),
+        ],
+        tools: Some(vec![tool]),
+    };
+    let dsml = "｜DSML｜";
+    let expected = format!(
+        "<｜begin▁of▁sentence｜>You are helpful.\n\n## Tools\n\nYou have access to a set of \
+         tools to help answer the user's question. You can invoke tools by writing a \
+         \"<{dsml}tool_calls>\" block like the following:\n\n<{dsml}tool_calls>\n\
+         <{dsml}invoke name=\"$TOOL_NAME\">\n<{dsml}parameter name=\"$PARAMETER_NAME\" \
+         string=\"true|false\">$PARAMETER_VALUE</{dsml}parameter>\n...\n</{dsml}invoke>\n\
+         <{dsml}invoke name=\"$TOOL_NAME2\">\n...\n</{dsml}invoke>\n</{dsml}tool_calls>\n\n\
+         String parameters should be specified as is and set `string=\"true\"`. For all other \
+         types (numbers, booleans, arrays, objects), pass the value in JSON format and set \
+         `string=\"false\"`.\n\nIf thinking_mode is enabled (triggered by <think>), you MUST \
+         output your complete reasoning inside <think>...</think> BEFORE any tool calls or \
+         final response.\n\nOtherwise, output directly after </think> with tool calls or final \
+         response.\n\n### Available Tool Schemas\n\n{{\"name\": \"get_weather\", \
+         \"parameters\": {{\"type\": \"object\", \"properties\": {{\"city\": {{\"type\": \
+         \"string\"}}}}}}}}\n\nYou MUST strictly follow the above defined tool name and \
+         parameter schemas to invoke tool calls.\n\
+         <｜User｜>Weather in Paris?<｜Assistant｜></think>\n\n<{dsml}tool_calls>\n\
+         <{dsml}invoke name=\"get_weather\">\n\
+         <{dsml}parameter name=\"city\" string=\"true\">Paris</{dsml}parameter>\n\
+         <{dsml}parameter name=\"days\" string=\"false\">3</{dsml}parameter>\n\
+         </{dsml}invoke>\n</{dsml}tool_calls><｜end▁of▁sentence｜>\
+         <｜User｜><tool_result>Sunny</tool_result>\n\nAnd Lima?<｜Assistant｜></think>"
+    );
+    assert_eq!(t.render(&chat).unwrap(), expected);
+    // What it writes back is read by its tool-call format.
+    assert_eq!(
+        crate::api::tool_calls::ToolCallFormat::for_model(
+            t.source(),
+            crate::model::Family::DeepseekV4
+        ),
+        Some(crate::api::tool_calls::ToolCallFormat::DeepseekV4)
+    );
+    let plain = vec![ChatMessage::new("user", "Hi")].into();
+    assert_eq!(
+        t.render(&plain).unwrap(),
+        "<｜begin▁of▁sentence｜><｜User｜>Hi<｜Assistant｜></think>"
+    );
+    // Tools without a system message follow an empty one.
+    let mut chat = ChatInput::from(vec![ChatMessage::new("user", "Hi")]);
+    chat.tools = Some(vec![serde_json::json!({"type": "function",
+        "function": {"name": "f"}})]);
+    let rendered = t.render(&chat).unwrap();
+    assert!(
+        rendered.starts_with("<｜begin▁of▁sentence｜>\n\n## Tools\n\n"),
+        "{rendered}"
+    );
+    assert!(rendered.ends_with("{\"name\": \"f\"}\n\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.\n<｜User｜>Hi<｜Assistant｜></think>"), "{rendered}");
+    // A model that ships a template keeps its own.
+    std::fs::write(dir.path().join("chat_template.jinja"), "{{ 'own' }}").unwrap();
+    let own = ChatTemplate::load(dir.path(), builtin).unwrap().unwrap();
+    assert_eq!(own.render(&plain).unwrap(), "own");
+}

@@ -107,6 +107,11 @@ pub(super) trait FamilySpec: Sync {
     fn correction_bias(&self) -> Option<&'static str>;
     /// The tool-call formats its published chat templates write, most specific first.
     fn tool_call_formats(&self) -> &'static [ToolCallFormat];
+    /// A chat template for checkpoints that ship none, where the family publishes its prompt
+    /// format otherwise (DeepSeek-V4: as Python).
+    fn builtin_chat_template(&self) -> Option<&'static str> {
+        None
+    }
 }
 
 impl Family {
@@ -226,6 +231,11 @@ impl Family {
         let spec = self.spec();
         let name = spec.correction_bias()?;
         Some(format!("{}.{name}", spec.mlp_prefix(layer)))
+    }
+
+    /// The chat template moe-node uses where a checkpoint of this family ships none.
+    pub fn builtin_chat_template(self) -> Option<&'static str> {
+        self.spec().builtin_chat_template()
     }
 
     /// The tool-call formats its chat templates write, most specific first.

@@ -310,6 +310,10 @@ impl FamilySpec for DeepseekV4Spec {
             ToolCallFormat::DeepseekV3,
         ]
     }
+
+    fn builtin_chat_template(&self) -> Option<&'static str> {
+        Some(include_str!("chat_template.jinja"))
+    }
 }
 
 /// DeepSeek-V4's own parts of a config the family has read (problems were reported then):
