@@ -685,3 +685,73 @@ fn deepseek_v4s_built_in_template_writes_its_published_format() {
     let own = ChatTemplate::load(dir.path(), builtin).unwrap().unwrap();
     assert_eq!(own.render(&plain).unwrap(), "own");
 }
+
+/// DeepSeek-V3.2's built-in template against its published format (`encoding_dsv32.py`, chat
+/// mode), written out by hand: the tools after the system text, each user turn handing over
+/// with `</think>`, two calls in one DSML block, and both results in one `<function_results>`
+/// block after which the assistant goes on.
+#[test]
+fn deepseek_v32s_built_in_template_writes_its_published_format() {
+    let dir = tempfile::tempdir().unwrap();
+    let builtin = crate::model::Family::DeepseekV32.builtin_chat_template();
+    let t = ChatTemplate::load(dir.path(), builtin).unwrap().unwrap();
+    let tool = serde_json::json!({"type": "function", "function": {"name": "get_time",
+        "parameters": {"type": "object"}}});
+    let mut calls = ChatMessage::new("assistant", "Looking.");
+    calls.tool_calls = Some(vec![
+        serde_json::json!({"type": "function",
+            "function": {"name": "get_time", "arguments": {"zone": "CET"}}}),
+        serde_json::json!({"type": "function",
+            "function": {"name": "get_time", "arguments": {"zone": "UTC", "dst": false}}}),
+    ]);
+    let chat = ChatInput {
+        messages: vec![
+            ChatMessage::new("system", "Be brief."),
+            ChatMessage::new("user", "Times?"),
+            calls,
+            ChatMessage::new("tool", "12:00"),
+            ChatMessage::new("tool", "11:00"),
+        ],
+        tools: Some(vec![tool]),
+    };
+    let d = "｜DSML｜";
+    let expected = format!(
+        "<｜begin▁of▁sentence｜>Be brief.\n\n## Tools\nYou have access to a set of tools you \
+         can use to answer the user's question.\nYou can invoke functions by writing a \
+         \"<{d}function_calls>\" block like the following as part of your reply to the user:\n\
+         <{d}function_calls>\n<{d}invoke name=\"$FUNCTION_NAME\">\n<{d}parameter \
+         name=\"$PARAMETER_NAME\" string=\"true|false\">$PARAMETER_VALUE</{d}parameter>\n...\n\
+         </{d}invoke>\n<{d}invoke name=\"$FUNCTION_NAME2\">\n...\n</{d}invoke>\n\
+         </{d}function_calls>\nString and scalar parameters should be specified as is without \
+         any escaping or quotes, while lists and objects should use JSON format. The \"string\" \
+         attribute should be set to \"true\" for string type parameters and \"false\" for other \
+         types (numbers, booleans, arrays, objects).\nIf the thinking_mode is enabled, then \
+         after function results you should strongly consider outputting a thinking block. Here \
+         is an example:\n<{d}function_calls>\n...\n</{d}function_calls>\n<function_results>\n\
+         ...\n</function_results>\n<think>...thinking about results</think>\nHere are the \
+         functions available in JSONSchema format:\n<functions>\n{{\"name\": \"get_time\", \
+         \"parameters\": {{\"type\": \"object\"}}}}\n</functions>\n\
+         <｜User｜>Times?<｜Assistant｜></think>Looking.\n\n<{d}function_calls>\n\
+         <{d}invoke name=\"get_time\">\n<{d}parameter name=\"zone\" string=\"true\">CET</{d}parameter>\n\
+         </{d}invoke>\n<{d}invoke name=\"get_time\">\n\
+         <{d}parameter name=\"zone\" string=\"true\">UTC</{d}parameter>\n\
+         <{d}parameter name=\"dst\" string=\"false\">false</{d}parameter>\n</{d}invoke>\n\
+         </{d}function_calls><｜end▁of▁sentence｜>\n\n<function_results>\n<result>12:00</result>\n\
+         <result>11:00</result>\n</function_results>\n\n</think>"
+    );
+    assert_eq!(t.render(&chat).unwrap(), expected);
+    assert_eq!(
+        crate::api::tool_calls::ToolCallFormat::for_model(
+            t.source(),
+            crate::model::Family::DeepseekV32
+        ),
+        Some(crate::api::tool_calls::ToolCallFormat::DeepseekV32)
+    );
+    // A result with no call before it is refused, naming why.
+    let stray = vec![
+        ChatMessage::new("user", "Hi"),
+        ChatMessage::new("tool", "12:00"),
+    ];
+    let err = t.render(&stray.into()).unwrap_err();
+    assert!(err.contains("a tool result without its call"), "{err}");
+}

@@ -133,6 +133,10 @@ impl FamilySpec for DeepseekV32 {
         // V3.2 writes DSML; a fine-tune on V3.1's template writes V3's markers.
         &[ToolCallFormat::DeepseekV32, ToolCallFormat::DeepseekV3]
     }
+
+    fn builtin_chat_template(&self) -> Option<&'static str> {
+        Some(include_str!("deepseek_v32/chat_template.jinja"))
+    }
 }
 
 /// DeepSeek-V3's size keys and the indexer's.
