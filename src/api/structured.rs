@@ -312,100 +312,111 @@ fn lark_call(
     functions: &[&Function],
     marker: impl Fn(&str) -> String,
 ) -> String {
+    let alternatives: Vec<String> = functions
+        .iter()
+        .map(|f| call_of(format, f, &marker))
+        .collect();
+    let call = alternatives.join(" | ");
+    let start = call_frame(format, &marker);
+    format!("start: {start}\ncall: {call}\n")
+}
+
+/// One call of `f` as `format` writes it, between [`call_frame`]'s markers.
+fn call_of(format: ToolCallFormat, f: &Function, marker: &impl Fn(&str) -> String) -> String {
     let schema = |value: Value| {
         let mut value = value;
         compact_json(&mut value);
         format!("%json {value}")
     };
-    let alternatives: Vec<String> = functions
-        .iter()
-        .map(|f| match format {
-            ToolCallFormat::Hermes | ToolCallFormat::Mistral => schema(json!({
-                "type": "object",
-                "properties": {"name": {"const": f.name}, "arguments": f.parameters},
-                "required": ["name", "arguments"],
-                "additionalProperties": false,
-            })),
-            ToolCallFormat::DeepseekV3 => format!(
-                "{} {} {} {} {}",
-                literal("function"),
-                marker("<｜tool▁sep｜>"),
-                literal(&format!("{}\n```json\n", f.name)),
-                schema(f.parameters.clone()),
-                literal("\n```"),
-            ),
-            ToolCallFormat::KimiK2 => format!(
-                "{} {} {}",
-                literal(&format!("functions.{}:0", f.name)),
-                marker("<|tool_call_argument_begin|>"),
-                schema(f.parameters.clone()),
-            ),
-            // GLM's tags are special tokens in its tokenizer.
-            ToolCallFormat::Glm => tagged_arguments(
-                f,
-                schema,
-                literal(&f.name),
-                |key, _| {
-                    format!(
-                        "{} {} {} {} {} {}",
-                        literal("\n"),
-                        marker("<arg_key>"),
-                        literal(key),
-                        marker("</arg_key>"),
-                        literal("\n"),
-                        marker("<arg_value>"),
-                    )
-                },
-                |_| marker("</arg_value>"),
-            ),
-            ToolCallFormat::MiniMax => tagged_arguments(
-                f,
-                schema,
-                literal(&format!("{}\">", f.name)),
-                |key, _| literal(&format!("\n<parameter name=\"{key}\">")),
-                |_| literal("</parameter>"),
-            ),
-            // A free text value ends with the newline the template writes before the closing
-            // tag (the parser takes it off); any other value is followed by it.
-            ToolCallFormat::Qwen3Coder => tagged_arguments(
-                f,
-                schema,
-                literal(&format!("<function={}>", f.name)),
-                |key, _| literal(&format!("\n<parameter={key}>\n")),
-                |written| {
-                    literal(if written == Written::FreeText {
-                        "</parameter>"
-                    } else {
-                        "\n</parameter>"
-                    })
-                },
-            ),
-            ToolCallFormat::DeepseekV32 | ToolCallFormat::DeepseekV4 => tagged_arguments(
-                f,
-                schema,
-                literal(&format!("{}\">", f.name)),
-                |key, written| {
-                    let text = written != Written::Json;
-                    literal(&format!(
-                        "\n<｜DSML｜parameter name=\"{key}\" string=\"{text}\">"
-                    ))
-                },
-                |_| literal("</｜DSML｜parameter>"),
-            ),
-            ToolCallFormat::Harmony => {
+    match format {
+        ToolCallFormat::Hermes | ToolCallFormat::Mistral => schema(json!({
+            "type": "object",
+            "properties": {"name": {"const": f.name}, "arguments": f.parameters},
+            "required": ["name", "arguments"],
+            "additionalProperties": false,
+        })),
+        ToolCallFormat::DeepseekV3 => format!(
+            "{} {} {} {} {}",
+            literal("function"),
+            marker("<｜tool▁sep｜>"),
+            literal(&format!("{}\n```json\n", f.name)),
+            schema(f.parameters.clone()),
+            literal("\n```"),
+        ),
+        ToolCallFormat::KimiK2 => format!(
+            "{} {} {}",
+            literal(&format!("functions.{}:0", f.name)),
+            marker("<|tool_call_argument_begin|>"),
+            schema(f.parameters.clone()),
+        ),
+        // GLM's tags are special tokens in its tokenizer.
+        ToolCallFormat::Glm => tagged_arguments(
+            f,
+            schema,
+            literal(&f.name),
+            |key, _| {
                 format!(
-                    "{} {} {} {}",
-                    literal(&format!("{} ", f.name)),
-                    marker("<|constrain|>"),
-                    literal("json"),
-                    marker("<|message|>"),
-                ) + " "
-                    + &schema(f.parameters.clone())
-            }
-        })
-        .collect();
-    let call = alternatives.join(" | ");
-    let start = match format {
+                    "{} {} {} {} {} {}",
+                    literal("\n"),
+                    marker("<arg_key>"),
+                    literal(key),
+                    marker("</arg_key>"),
+                    literal("\n"),
+                    marker("<arg_value>"),
+                )
+            },
+            |_| marker("</arg_value>"),
+        ),
+        ToolCallFormat::MiniMax => tagged_arguments(
+            f,
+            schema,
+            literal(&format!("{}\">", f.name)),
+            |key, _| literal(&format!("\n<parameter name=\"{key}\">")),
+            |_| literal("</parameter>"),
+        ),
+        // A free text value ends with the newline the template writes before the closing
+        // tag (the parser takes it off); any other value is followed by it.
+        ToolCallFormat::Qwen3Coder => tagged_arguments(
+            f,
+            schema,
+            literal(&format!("<function={}>", f.name)),
+            |key, _| literal(&format!("\n<parameter={key}>\n")),
+            |written| {
+                literal(if written == Written::FreeText {
+                    "</parameter>"
+                } else {
+                    "\n</parameter>"
+                })
+            },
+        ),
+        ToolCallFormat::DeepseekV32 | ToolCallFormat::DeepseekV4 => tagged_arguments(
+            f,
+            schema,
+            literal(&format!("{}\">", f.name)),
+            |key, written| {
+                let text = written != Written::Json;
+                literal(&format!(
+                    "\n<｜DSML｜parameter name=\"{key}\" string=\"{text}\">"
+                ))
+            },
+            |_| literal("</｜DSML｜parameter>"),
+        ),
+        ToolCallFormat::Harmony => {
+            format!(
+                "{} {} {} {}",
+                literal(&format!("{} ", f.name)),
+                marker("<|constrain|>"),
+                literal("json"),
+                marker("<|message|>"),
+            ) + " "
+                + &schema(f.parameters.clone())
+        }
+    }
+}
+
+/// What stands around a call in `format`: its markers, `call` where the call goes.
+fn call_frame(format: ToolCallFormat, marker: &impl Fn(&str) -> String) -> String {
+    match format {
         ToolCallFormat::Hermes => format!(
             "{} {} call {} {}",
             marker("<tool_call>"),
@@ -472,8 +483,7 @@ fn lark_call(
             literal("\n"),
             marker("</minimax:tool_call>")
         ),
-    };
-    format!("start: {start}\ncall: {call}\n")
+    }
 }
 
 /// The names `f`'s schema lists as `required`.

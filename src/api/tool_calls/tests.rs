@@ -552,3 +552,20 @@ fn dsml_calls_as_deepseek_v4_writes_them() {
         Some(ToolCallFormat::DeepseekV4)
     );
 }
+
+/// The templates built in for the families that publish their prompt format as code write
+/// calls that the family's own format reads.
+#[test]
+fn built_in_templates_are_read_by_their_familys_format() {
+    for (family, format) in [
+        (Family::DeepseekV32, ToolCallFormat::DeepseekV32),
+        (Family::DeepseekV4, ToolCallFormat::DeepseekV4),
+    ] {
+        let template = family.builtin_chat_template().unwrap();
+        assert_eq!(
+            ToolCallFormat::for_model(template, family),
+            Some(format),
+            "{family:?}"
+        );
+    }
+}

@@ -657,14 +657,6 @@ fn deepseek_v4s_built_in_template_writes_its_published_format() {
          <｜User｜><tool_result>Sunny</tool_result>\n\nAnd Lima?<｜Assistant｜></think>"
     );
     assert_eq!(t.render(&chat).unwrap(), expected);
-    // What it writes back is read by its tool-call format.
-    assert_eq!(
-        crate::api::tool_calls::ToolCallFormat::for_model(
-            t.source(),
-            crate::model::Family::DeepseekV4
-        ),
-        Some(crate::api::tool_calls::ToolCallFormat::DeepseekV4)
-    );
     let plain = vec![ChatMessage::new("user", "Hi")].into();
     assert_eq!(
         t.render(&plain).unwrap(),
@@ -740,13 +732,6 @@ fn deepseek_v32s_built_in_template_writes_its_published_format() {
          <result>11:00</result>\n</function_results>\n\n</think>"
     );
     assert_eq!(t.render(&chat).unwrap(), expected);
-    assert_eq!(
-        crate::api::tool_calls::ToolCallFormat::for_model(
-            t.source(),
-            crate::model::Family::DeepseekV32
-        ),
-        Some(crate::api::tool_calls::ToolCallFormat::DeepseekV32)
-    );
     // A result with no call before it is refused, naming why.
     let stray = vec![
         ChatMessage::new("user", "Hi"),
