@@ -67,7 +67,7 @@ impl ToolCallFormat {
             ToolCallFormat::Hermes,
         ]
         .into_iter()
-        .find(|format| chat_template.contains(format.template_marker()))
+        .find(|format| format.rendered_by(chat_template))
     }
 
     /// The format a model of `family` writes tool calls in, from the markers its chat
@@ -76,7 +76,7 @@ impl ToolCallFormat {
     /// as Hermes' do but carry their own tags (GLM's, Qwen3.5's) are read as those whatever
     /// the family: such a template renders Hermes' marker too.
     pub fn for_model(chat_template: &str, family: Family) -> Option<Self> {
-        let renders = |format: &ToolCallFormat| chat_template.contains(format.template_marker());
+        let renders = |format: &ToolCallFormat| format.rendered_by(chat_template);
         let tagged = [ToolCallFormat::Glm, ToolCallFormat::Qwen3Coder]
             .iter()
             .any(renders);
@@ -89,14 +89,15 @@ impl ToolCallFormat {
             .or_else(|| Self::detect(chat_template))
     }
 
-    /// Text that a chat template writing calls in this format renders and the other
-    /// formats' do not (where calls open alike, the tags inside them).
-    fn template_marker(self) -> &'static str {
-        match self {
+    /// Whether `chat_template` writes calls in this format: it renders the text that starts
+    /// them and, where calls open alike, the tags inside them.
+    fn rendered_by(self, chat_template: &str) -> bool {
+        let inside = match self {
             ToolCallFormat::Glm => GLM_ARG_KEY,
             ToolCallFormat::Qwen3Coder => QWEN_FUNCTION,
-            other => other.begin(),
-        }
+            _ => "",
+        };
+        chat_template.contains(self.begin()) && chat_template.contains(inside)
     }
 
     /// The text that starts the model's tool calls.

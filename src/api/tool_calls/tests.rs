@@ -462,6 +462,11 @@ fn qwen3_5_and_qwen3_next_templates_are_told_apart() {
         ToolCallFormat::for_model(qwen3_next, Family::Qwen3Next),
         Some(ToolCallFormat::Hermes)
     );
+    // Llama 3's `<function=NAME>` calls, without `<tool_call>`, are not Qwen3.5's.
+    assert_eq!(
+        ToolCallFormat::detect("{{- '<function=' + tool_call.name + '>' }}"),
+        None
+    );
     // A Qwen3-MoE fine-tuned on Qwen3.5's template writes as Qwen3.5 does.
     assert_eq!(
         ToolCallFormat::for_model(qwen3_5, Family::Qwen3Moe),
