@@ -106,9 +106,7 @@ pub struct Dispatcher {
     holdings: RwLock<Arc<Holdings>>,
     num_experts: usize,
     remote: Option<Arc<dyn RemoteNodes>>,
-    placement: RwLock<Arc<Placement>>,
-    /// This node's index in the placement.
-    local_node: RwLock<u16>,
+    served: RwLock<Served>,
     health: Mutex<FxHashMap<Target, TargetHealth>>,
     load: Arc<ExpertLoad>,
     hidden_size: usize,
@@ -116,20 +114,41 @@ pub struct Dispatcher {
     pub counters: DispatchCounters,
     /// Called with each answer's target and time (per-peer latency metrics).
     latency_observer: Option<Box<dyn Fn(Target, Duration) + Send + Sync>>,
-    /// [`Dispatcher::run_groups`] calls begun and ended: a placement switch waits for the
-    /// calls that may have read the old placement before it drops copies.
-    calls_started: AtomicU64,
-    calls_finished: AtomicU64,
     /// Nanoseconds the last placement switch held the placement.
     last_switch_nanos: AtomicU64,
 }
 
-/// Counts a call as ended when dropped (whichever way the call returns).
-struct CallFinished<'a>(&'a AtomicU64);
+/// The placement served, this node's index in it, and the token each layer call routing by
+/// it holds until it returns (read together, under one lock).
+#[derive(Clone)]
+struct Served {
+    placement: Arc<Placement>,
+    local_node: u16,
+    readers: Arc<()>,
+}
 
-impl Drop for CallFinished<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_add(1, Ordering::SeqCst);
+/// A placement switch done: how long it held the placement, and the token of the calls that
+/// routed by the placement before it.
+#[must_use = "a switch's old calls must be drained before the copies they route to are released"]
+pub struct PlacementSwitch {
+    pub pause: Duration,
+    old_readers: Arc<()>,
+}
+
+impl PlacementSwitch {
+    /// Waits until every layer call that read the old placement has returned, or `limit`;
+    /// answers whether they all did. Only then may this node say it serves the new version
+    /// or let go of copies the old one routed to: a call in flight would find its expert
+    /// gone, with no other copy to turn to where the old placement had one.
+    pub fn drain(self, limit: Duration) -> bool {
+        let started = Instant::now();
+        while Arc::strong_count(&self.old_readers) > 1 {
+            if started.elapsed() >= limit {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        true
     }
 }
 
@@ -160,29 +179,19 @@ impl Dispatcher {
             holdings: RwLock::new(Arc::new(holdings)),
             num_experts,
             remote: None,
-            placement: RwLock::new(placement),
-            local_node: RwLock::new(local_node),
+            served: RwLock::new(Served {
+                placement,
+                local_node,
+                readers: Arc::new(()),
+            }),
             health: Mutex::new(FxHashMap::default()),
             load,
             hidden_size,
             timing,
             counters: DispatchCounters::default(),
             latency_observer: None,
-            calls_started: AtomicU64::new(0),
-            calls_finished: AtomicU64::new(0),
             last_switch_nanos: AtomicU64::new(0),
         }
-    }
-
-    /// Layer calls begun so far (read it after a switch of placement: every call that may
-    /// have read the old placement is counted).
-    pub fn calls_started(&self) -> u64 {
-        self.calls_started.load(Ordering::SeqCst)
-    }
-
-    /// Layer calls ended so far.
-    pub fn calls_finished(&self) -> u64 {
-        self.calls_finished.load(Ordering::SeqCst)
     }
 
     /// Reaches other nodes through `remote`.
@@ -197,26 +206,37 @@ impl Dispatcher {
     }
 
     pub fn placement(&self) -> Arc<Placement> {
-        self.placement
+        self.served().placement
+    }
+
+    fn served(&self) -> Served {
+        self.served
             .read()
-            .map(|p| p.clone())
+            .map(|s| s.clone())
             .unwrap_or_else(|e| e.into_inner().clone())
     }
 
-    /// Switches to a new placement at the next step (a step reads one snapshot).
-    /// Returns how long the swap held the placement (the pause a layer call starting at
-    /// that moment sees), also kept as [`Dispatcher::last_switch_pause`].
-    pub fn set_placement(&self, placement: Arc<Placement>, local_node: u16) -> Duration {
+    /// Switches to a new placement: layer calls begun from now on route by it. The answer
+    /// says how long the swap held the placement (the pause a layer call starting at that
+    /// moment saw), and drains the calls that routed by the old one.
+    pub fn set_placement(&self, placement: Arc<Placement>, local_node: u16) -> PlacementSwitch {
         let started = Instant::now();
-        {
-            let mut served = self.placement.write().unwrap_or_else(|e| e.into_inner());
-            *served = placement;
-            *self.local_node.write().unwrap_or_else(|e| e.into_inner()) = local_node;
-        }
+        let old_readers = {
+            let mut served = self.served.write().unwrap_or_else(|e| e.into_inner());
+            std::mem::replace(
+                &mut *served,
+                Served {
+                    placement,
+                    local_node,
+                    readers: Arc::new(()),
+                },
+            )
+            .readers
+        };
         let pause = started.elapsed();
         self.last_switch_nanos
             .store(pause.as_nanos() as u64, Ordering::Relaxed);
-        pause
+        PlacementSwitch { pause, old_readers }
     }
 
     /// How long the last placement switch held the placement.
@@ -252,7 +272,7 @@ impl Dispatcher {
     }
 
     fn local_node(&self) -> u16 {
-        *self.local_node.read().unwrap_or_else(|e| e.into_inner())
+        self.served().local_node
     }
 
     fn health(&self) -> std::sync::MutexGuard<'_, FxHashMap<Target, TargetHealth>> {
@@ -443,8 +463,8 @@ impl Dispatcher {
             });
         }
         self.load.tick();
-        self.calls_started.fetch_add(1, Ordering::SeqCst);
-        let _finished = CallFinished(&self.calls_finished);
+        // One snapshot for the whole call; its token tells a switch when the call is done.
+        let served = self.served();
         let policy = Policy {
             // Work from another node is never held: its sender has other replicas.
             may_wait: !local_only && self.timing.on_unavailable == OnUnavailable::Wait,
@@ -452,7 +472,7 @@ impl Dispatcher {
             give_up: self.timing.give_up,
         };
         let mut attempts = Attempts::new(experts, group_rows, policy);
-        let result = self.drive(layer, experts, input, local_only, &mut attempts);
+        let result = self.drive(&served, layer, experts, input, local_only, &mut attempts);
         // Sends still unanswered (a hedged send whose other replica answered first, sends
         // in flight when the step failed) will be answered to nobody: their rows no longer
         // count as the target's load, or every hedge would leave rows on a slow or paused
@@ -468,6 +488,7 @@ impl Dispatcher {
     /// pending group, makes the sends, and feeds the answers and the time back.
     fn drive(
         &self,
+        served: &Served,
         layer: usize,
         experts: &[u32],
         group_input: &GroupInput<'_>,
@@ -475,13 +496,13 @@ impl Dispatcher {
         attempts: &mut Attempts<GroupRows>,
     ) -> Result<Vec<GroupRows>, ExpertError> {
         let group_rows = group_input.rows;
-        let placement = self.placement();
+        let placement = &served.placement;
         let holdings = self.holdings();
         // Work from another node runs on whichever local device holds its expert now.
         let local_node = if local_only {
             HELD_HERE
         } else {
-            self.local_node()
+            served.local_node
         };
         let replicas_of = |expert: u32| {
             if local_only {
@@ -775,8 +796,11 @@ impl ExpertExecutor for Dispatcher {
         if self.timing.on_unavailable != OnUnavailable::Reroute {
             return None;
         }
-        let placement = self.placement();
-        let local_node = self.local_node();
+        let Served {
+            placement,
+            local_node,
+            ..
+        } = self.served();
         let alive_devices = self.devices_alive();
         let now = Instant::now();
         let health = self.health();

@@ -27,7 +27,7 @@ pub mod remote;
 mod target;
 
 pub use choice::{assign_groups, assign_groups_among};
-pub use dispatch::{DispatchTiming, Dispatcher};
+pub use dispatch::{DispatchTiming, Dispatcher, PlacementSwitch};
 pub use health::{Penalties, Reach, ReplicaHealth};
 pub use local::{LocalExperts, run_expert_groups};
 pub use target::{

@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 
 use super::board::PlacementBoard;
 use super::bootstrap::fetch_table;
+use super::drain;
 use crate::cluster::{MemberState, MemberView, Membership};
 use crate::experts::Dispatcher;
 use crate::experts::device::{ReleaseExperts, TakeExperts, load_experts};
@@ -370,10 +371,14 @@ fn carry_out(
             parts
                 .peers
                 .set_nodes(next.nodes().iter().map(|n| n.node.clone()).collect());
-            let pause = parts.dispatcher.set_placement(next.clone(), local);
+            let switch = parts.dispatcher.set_placement(next.clone(), local);
+            let pause = switch.pause;
             for (node, reach) in parts.peers.reach_of_nodes() {
                 parts.dispatcher.set_node_reach(node, reach);
             }
+            // Other nodes let go of what the old version put on them once this node says it
+            // serves the new one: not before this node's calls routing by the old one end.
+            drain(switch, next.version());
             parts
                 .membership
                 .set_versions(next.version(), next.version());

@@ -8,3 +8,24 @@ pub mod board;
 pub mod bootstrap;
 pub mod follow;
 pub mod rebalance;
+
+use std::time::Duration;
+
+use crate::experts::PlacementSwitch;
+
+/// How long a switch waits for the layer calls that routed by the old placement.
+const DRAIN_LIMIT: Duration = Duration::from_secs(30);
+
+/// Waits for the layer calls that routed by the placement `switch` replaced, before this
+/// node releases copies or says it serves `version`. Past [`DRAIN_LIMIT`] (a call stuck on
+/// a peer that does not answer) it goes on and says so: the cluster must not stall on one
+/// call, which fails over or fails on its own.
+fn drain(switch: PlacementSwitch, version: u64) {
+    if !switch.drain(DRAIN_LIMIT) {
+        tracing::warn!(
+            version,
+            waited_s = DRAIN_LIMIT.as_secs(),
+            "layer calls routing by the old placement still run: going on without them"
+        );
+    }
+}

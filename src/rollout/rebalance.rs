@@ -51,6 +51,7 @@ use crate::placement::replicate::imbalance;
 use crate::placement::{ExpertLoad, Migration, Placement, PlacementError, Profile};
 use crate::rollout::board::PlacementBoard;
 use crate::rollout::bootstrap::fetch_profile;
+use crate::rollout::drain;
 use crate::rollout::follow::{NotNow, may_propose};
 
 /// Why a rebalance did not happen.
@@ -189,9 +190,6 @@ impl RebalanceMetrics {
         m
     }
 }
-
-/// How long the release waits for layer calls that routed by the old placement.
-const DRAIN_LIMIT: Duration = Duration::from_secs(30);
 
 /// How long a rebalance across a cluster waits for every live member to serve the new
 /// placement before it answers that the change goes on without it.
@@ -345,16 +343,9 @@ impl Rebalancer {
         // Switch.
         let next = Arc::new(next);
         self.parts.board.set_current(next.clone());
-        let pause = self.parts.dispatcher.set_placement(next.clone(), 0);
-        // Every call that read the old placement began before this read (it reads the
-        // placement after counting itself); the router makes one call at a time.
-        let calls_before = self.parts.dispatcher.calls_started();
-        let drained = Instant::now();
-        while self.parts.dispatcher.calls_finished() < calls_before
-            && drained.elapsed() < DRAIN_LIMIT
-        {
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        let switch = self.parts.dispatcher.set_placement(next.clone(), 0);
+        let pause = switch.pause;
+        drain(switch, next.version());
 
         // Release.
         let mut copies_released = 0;
