@@ -14,8 +14,10 @@ mod serve;
 use std::path::{Path, PathBuf};
 
 use batch_run::run_batch;
+use moe_node::compute::quant::QuantFormat;
 use moe_node::engine::batch::{BatchLimits, Batcher, KvBudget, Sequence};
 use moe_node::engine::{Engine, GenerateRequest, KvCache, SamplingParams, SequenceStep, generate};
+use moe_node::model::ExpertWeights;
 use safetensors::SafeTensors;
 use serde::Deserialize;
 
@@ -156,16 +158,17 @@ fn the_gpu_backend_refuses_it_naming_what_it_lacks() {
     assert_eq!(engine.dense_gpu(), None);
 }
 
-/// A `tid2eid` table naming an expert past the layer's experts is a clear error at load.
-#[test]
-fn a_token_table_past_the_experts_is_refused_at_load() {
-    let dir = tempfile::tempdir().unwrap();
+/// A tensor of a checkpoint: name, dtype, shape, bytes.
+type OwnedTensor = (String, safetensors::Dtype, Vec<usize>, Vec<u8>);
+
+/// The fixture written to `dir` with its tensors passed through `edit` first.
+fn rewritten_fixture(dir: &Path, edit: impl FnOnce(&mut Vec<OwnedTensor>)) {
     for file in ["config.json", "reference.json"] {
-        std::fs::copy(fixture().join(file), dir.path().join(file)).unwrap();
+        std::fs::copy(fixture().join(file), dir.join(file)).unwrap();
     }
     let bytes = std::fs::read(fixture().join("model.safetensors")).unwrap();
     let tensors = SafeTensors::deserialize(&bytes).unwrap();
-    let mut owned: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = tensors
+    let mut owned: Vec<OwnedTensor> = tensors
         .tensors()
         .into_iter()
         .map(|(name, view)| {
@@ -177,13 +180,7 @@ fn a_token_table_past_the_experts_is_refused_at_load() {
             )
         })
         .collect();
-    let table = owned
-        .iter_mut()
-        .find(|(name, ..)| name == "layers.1.ffn.gate.tid2eid")
-        .unwrap();
-    // Token 5's first expert: 8 (of 8).
-    let at = 5 * 2 * 8;
-    table.3[at..at + 8].copy_from_slice(&8i64.to_le_bytes());
+    edit(&mut owned);
     let views: Vec<(String, safetensors::tensor::TensorView)> = owned
         .iter()
         .map(|(name, dtype, shape, data)| {
@@ -193,7 +190,22 @@ fn a_token_table_past_the_experts_is_refused_at_load() {
             )
         })
         .collect();
-    safetensors::serialize_to_file(views, None, &dir.path().join("model.safetensors")).unwrap();
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+}
+
+/// A `tid2eid` table naming an expert past the layer's experts is a clear error at load.
+#[test]
+fn a_token_table_past_the_experts_is_refused_at_load() {
+    let dir = tempfile::tempdir().unwrap();
+    rewritten_fixture(dir.path(), |owned| {
+        let table = owned
+            .iter_mut()
+            .find(|(name, ..)| name == "layers.1.ffn.gate.tid2eid")
+            .unwrap();
+        // Token 5's first expert: 8 (of 8).
+        let at = 5 * 2 * 8;
+        table.3[at..at + 8].copy_from_slice(&8i64.to_le_bytes());
+    });
     let err = Engine::load(dir.path())
         .err()
         .expect("a table past the experts loaded");
@@ -203,6 +215,114 @@ fn a_token_table_past_the_experts_is_refused_at_load() {
             && message.contains("token 5 to expert 8, past the 8 experts"),
         "{message}"
     );
+}
+
+/// e2m1's eight magnitudes, by the definition (OCP MX spec): code `s eem`.
+const E2M1_MAGNITUDES: [f32; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
+
+/// Routed experts as Pro and Flash publish them (`.weight` I8 `[out, in / 2]` of e2m1 pairs,
+/// low nibble first; `.scale` F8_E8M0 `[out, in / 32]`) are held in MXFP4, 4.25 bits a weight,
+/// and compute what the same experts written in f32 (their exact values, the path checked
+/// against transformers above) compute: the same greedy tokens, logits equal to f32
+/// rounding. The fixture's `swiglu_limit` (0.6) clamps many of their gate and up values.
+#[test]
+fn mxfp4_experts_are_held_compressed_and_compute_their_exact_values() {
+    let (fp4, f32_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let mut seed = 0x9e37_79b9_u32;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 17;
+        seed ^= seed << 5;
+        seed
+    };
+    // Per expert matrix: its name, [out, in], packed e2m1 bytes and exponents.
+    struct Mxfp4Matrix(String, [usize; 2], Vec<u8>, Vec<u8>);
+    let mut quantized: Vec<Mxfp4Matrix> = Vec::new();
+    rewritten_fixture(fp4.path(), |owned| {
+        for (name, dtype, shape, data) in owned.iter_mut() {
+            let Some(stem) = name.strip_suffix(".weight") else {
+                continue;
+            };
+            if !stem.contains(".ffn.experts.") {
+                continue;
+            }
+            let [out, inp] = [shape[0], shape[1]];
+            let packed: Vec<u8> = (0..out * inp / 2).map(|_| next() as u8).collect();
+            // 2^-7 .. 2^-4: weights up to 0.375, as large as the fixture's.
+            let exponents: Vec<u8> = (0..out * inp / 32)
+                .map(|_| 120 + (next() % 4) as u8)
+                .collect();
+            *dtype = safetensors::Dtype::I8;
+            *shape = vec![out, inp / 2];
+            *data = packed.clone();
+            quantized.push(Mxfp4Matrix(stem.to_string(), [out, inp], packed, exponents));
+        }
+        for Mxfp4Matrix(stem, [out, inp], _, exponents) in &quantized {
+            owned.push((
+                format!("{stem}.scale"),
+                safetensors::Dtype::F8_E8M0,
+                vec![*out, inp / 32],
+                exponents.clone(),
+            ));
+        }
+    });
+    rewritten_fixture(f32_dir.path(), |owned| {
+        for Mxfp4Matrix(stem, [out, inp], packed, exponents) in &quantized {
+            let tensor = owned
+                .iter_mut()
+                .find(|(name, ..)| *name == format!("{stem}.weight"))
+                .unwrap();
+            let values: Vec<f32> = (0..out * inp)
+                .map(|i| {
+                    let nibble = (packed[i / 2] >> (4 * (i % 2))) & 0xF;
+                    let magnitude = E2M1_MAGNITUDES[usize::from(nibble & 7)];
+                    let sign = if nibble & 8 != 0 { -1.0 } else { 1.0 };
+                    let scale = 2f32.powi(i32::from(exponents[i / 32]) - 127);
+                    sign * magnitude * scale
+                })
+                .collect();
+            tensor.3 = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        }
+    });
+    assert_eq!(quantized.len(), 4 * 8 * 3, "every routed expert rewritten");
+
+    // Held in MXFP4: packed nibbles and one exponent per 32 weights, three matrices.
+    let config = moe_node::model::ModelConfig::load(fp4.path()).unwrap();
+    let checkpoint = moe_node::model::Checkpoint::open(fp4.path()).unwrap();
+    let (h, i) = (64, 32);
+    for (layer, expert) in [(0, 0), (3, 7)] {
+        match moe_node::model::weights::load_expert(&checkpoint, &config, layer, expert).unwrap() {
+            ExpertWeights::Quantized(block) => {
+                for m in [&block.gate, &block.up, &block.down] {
+                    assert!(matches!(m.format, QuantFormat::Mxfp4 { .. }), "{m:?}");
+                }
+                assert_eq!(
+                    ExpertWeights::Quantized(block).weight_bytes(),
+                    3 * (h * i / 2 + h * i / 32)
+                );
+            }
+            other => panic!("expert ({layer}, {expert}) held as {other:?}"),
+        }
+    }
+
+    let reference = reference();
+    let greedy = |dir: &Path| -> (Vec<f32>, Vec<u32>) {
+        let engine = Engine::load(dir).unwrap();
+        let mut cache = engine.new_cache();
+        let first = forward(&engine, &mut cache, &reference.long_prompt_ids[..40]);
+        let mut tokens = vec![argmax(&first)];
+        while tokens.len() < 12 {
+            let logits = forward(&engine, &mut cache, &[*tokens.last().unwrap()]);
+            tokens.push(argmax(&logits));
+        }
+        (first, tokens)
+    };
+    let (logits, tokens) = greedy(fp4.path());
+    let (exact_logits, exact_tokens) = greedy(f32_dir.path());
+    let diff = relative_difference(&logits, &exact_logits);
+    eprintln!("deepseek_v4 MXFP4 experts: {diff:e} of the largest logit from the f32 ones");
+    assert!(diff <= 1e-5, "{diff}");
+    assert_eq!(tokens, exact_tokens);
 }
 
 /// `moe-node plan` on DeepSeek-V4-Pro's config alone (experts MXFP4, the dense part FP8 with

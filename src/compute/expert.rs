@@ -63,6 +63,12 @@ impl ExpertWeights {
                     SwiGluActivation::ClampedGptOss { alpha, limit } => {
                         clamped_swiglu(block, alpha, limit)
                     }
+                    SwiGluActivation::Clamped { limit } => {
+                        let mut block = block;
+                        block.gate.clamp = Some([f32::NEG_INFINITY, limit]);
+                        block.up.clamp = Some([-limit, limit]);
+                        block
+                    }
                 }
             }
         }

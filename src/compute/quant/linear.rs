@@ -600,6 +600,8 @@ pub enum SwiGluActivation {
     /// gpt-oss's clamped SwiGLU, as transformers computes it:
     /// `(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`, `g = min(gate, limit)`.
     ClampedGptOss { alpha: f32, limit: f32 },
+    /// DeepSeek-V4's clamped SwiGLU: `silu(min(gate, limit)) * clamp(up, -limit, limit)`.
+    Clamped { limit: f32 },
 }
 
 impl SwiGluActivation {
@@ -613,6 +615,12 @@ impl SwiGluActivation {
                     let g0 = g.clamp(f32::NEG_INFINITY, limit);
                     let glu = g0 / (1.0 + (-(g0 * alpha)).exp());
                     *g = (u.clamp(-limit, limit) + 1.0) * glu;
+                }
+            }
+            SwiGluActivation::Clamped { limit } => {
+                for (g, u) in gate.iter_mut().zip(up) {
+                    let g0 = g.clamp(f32::NEG_INFINITY, limit);
+                    *g = g0 / (1.0 + (-g0).exp()) * u.clamp(-limit, limit);
                 }
             }
         }

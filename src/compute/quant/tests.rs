@@ -452,6 +452,53 @@ fn mxfp4_spans_from_within_a_block_and_of_odd_length_equal_the_widened_row() {
     assert!(QuantLinear::mxfp4(vec![0; 24], vec![127], 1, 48).is_err());
 }
 
+/// DeepSeek-V4's expert kept in MXFP4 (`silu(min(gate, l)) * clamp(up, -l, l)` applied after
+/// the products) equals the block widened to f32 with the clamps on its projections, as bf16
+/// and f32 V4 experts are held, within f32 rounding; inputs reach both clamps.
+#[test]
+fn a_v4_clamped_mxfp4_expert_equals_its_widened_clamped_block() {
+    use crate::compute::expert::ExpertWeights;
+    let (h, i, limit) = (64, 96, 3.0);
+    let expert = ExpertWeights::Quantized(QuantSwiGlu {
+        gate: mxfp4_matrix(i, h, 4),
+        up: mxfp4_matrix(i, h, 5),
+        down: mxfp4_matrix(h, i, 6),
+        activation: SwiGluActivation::Clamped { limit },
+    });
+    let widened = expert.widened();
+    assert_eq!(widened.gate.clamp, Some([f32::NEG_INFINITY, limit]));
+    assert_eq!(widened.up.clamp, Some([-limit, limit]));
+    let widened = ExpertWeights::F32(widened);
+    for rows in [1, 5, 16, 33] {
+        let x: Vec<f32> = (0..rows * h)
+            .map(|j| ((j * 7 % 13) as f32 - 6.0) / 3.0)
+            .collect();
+        let got = expert.forward_with(&x, rows, false);
+        let expected = widened.forward_with(&x, rows, false);
+        let largest = expected.iter().fold(0f32, |m, e| m.max(e.abs()));
+        for (g, e) in got.iter().zip(&expected) {
+            assert!(
+                (g - e).abs() <= 2e-5 * largest,
+                "{rows} rows: {g} vs {e} ({largest})"
+            );
+        }
+    }
+    let ExpertWeights::Quantized(q) = &expert else {
+        unreachable!()
+    };
+    let x: Vec<f32> = (0..h).map(|j| ((j * 7 % 13) as f32 - 6.0) / 3.0).collect();
+    let (gate, up) = (
+        q.gate.forward_with(&x, 1, false),
+        q.up.forward_with(&x, 1, false),
+    );
+    assert!(gate.iter().any(|&g| g > limit) && up.iter().any(|&u| u.abs() > limit));
+    // By hand: gate 5 clamps to 3, up -4 to -3: silu(3) * -3.
+    let mut g = [5.0f32, -1.0];
+    SwiGluActivation::Clamped { limit }.apply(&mut g, &[-4.0, 2.0]);
+    let silu = |v: f32| v / (1.0 + (-v).exp());
+    assert_eq!(g, [silu(3.0) * -3.0, silu(-1.0) * 2.0]);
+}
+
 /// gpt-oss's expert kept in MXFP4 (biases, clamped SwiGLU applied after the products) equals
 /// the block widened to f32 with the activation folded into its weights, as f32 experts are
 /// held, within f32 rounding: the fold scales weights by alpha before the products where the

@@ -2,17 +2,18 @@
 //! projections share. Here rather than beside the family's forward pass
 //! (`crate::engine::deepseek_v4`) because every holder of experts loads them through
 //! [`super::load_expert`]: the engine, a node's CPU device slots, a rebalance or a placement
-//! change. An expert loads as a bf16 block with `swiglu_limit` set on its gate and up
-//! ([`clamp_swiglu`]): MXFP4 (`.weight` two e2m1 values a byte, low nibble first, `.scale` one
-//! e8m0 exponent per 32) and FP8 (`.scale` ue8m0 per 128 x 128 block) widen to bf16 exactly;
-//! bf16 and f32 go through the families' loader (f32 kept f32).
+//! change. An expert's SwiGLU is clamped at `swiglu_limit`. MXFP4 experts (`.weight` two e2m1
+//! values a byte, low nibble first, `.scale` one e8m0 exponent per 32) and FP8 ones (`.scale`
+//! ue8m0 per 128 x 128 block) are held compressed as published, with the clamp as their
+//! activation ([`SwiGluActivation::Clamped`]); bf16 and f32 go through the families' loader
+//! (f32 kept f32) and take the clamp on their projections ([`clamp_swiglu`]).
 
 use half::bf16;
 use safetensors::tensor::Dtype;
 
 use super::ExpertWeights;
 use crate::compute::cpu::{Linear, SwiGlu, WeightElement};
-use crate::compute::quant::e4m3_to_f32;
+use crate::compute::quant::{QuantLinear, QuantSwiGlu, SwiGluActivation, e4m3_to_f32};
 use crate::model::config::{DeepseekV4, ModelConfig};
 use crate::model::{Checkpoint, ModelError, mxfp4};
 
@@ -101,8 +102,45 @@ pub fn expert_matrix(
     }
 }
 
-/// Routed expert `expert` of layer `layer`, clamped at `swiglu_limit`. `families` loads the
-/// bf16 and f32 ones (the loader every family shares).
+/// A routed expert's projection `[out, inp]` held as published: MXFP4 as its blocks and
+/// exponents, FP8 as its bytes and block scales. `None` for other dtypes, and for MXFP4 whose
+/// rows are not whole 32-weight blocks (never so in a published model: those widen).
+fn compressed_matrix(
+    ckpt: &Checkpoint,
+    name: &str,
+    out: usize,
+    inp: usize,
+) -> Result<Option<QuantLinear>, ModelError> {
+    let weight = format!("{name}.weight");
+    let quantized = match ckpt.dtype(&weight) {
+        Some(dtype @ (Dtype::F4 | Dtype::I8 | Dtype::U8)) if inp.is_multiple_of(mxfp4::BLOCK) => {
+            let packed_shape = if dtype == Dtype::F4 {
+                [out, inp]
+            } else {
+                [out, inp / 2]
+            };
+            let packed = ckpt.read_bytes(&weight, &packed_shape, &[dtype])?;
+            let exponents = ckpt.read_bytes(
+                &format!("{name}.scale"),
+                &[out, inp / mxfp4::BLOCK],
+                &[Dtype::F8_E8M0, Dtype::U8],
+            )?;
+            QuantLinear::mxfp4(packed, exponents, out, inp)
+        }
+        Some(Dtype::F8_E4M3) => {
+            let [rows, cols] = FP8_BLOCK;
+            let bytes = ckpt.read_fp8(&weight, &[out, inp])?;
+            let factors = scales(ckpt, name, &[out.div_ceil(rows), inp.div_ceil(cols)])?;
+            QuantLinear::fp8(bytes, factors, out, inp, FP8_BLOCK)
+        }
+        _ => return Ok(None),
+    };
+    quantized.map(Some).map_err(|e| corrupt(ckpt, &weight, e))
+}
+
+/// Routed expert `expert` of layer `layer`, clamped at `swiglu_limit`: MXFP4 and FP8 ones
+/// kept compressed, as published (a Pro expert holds 4.25 bits a weight, not 16); `families`
+/// loads the bf16 and f32 ones (the loader every family shares).
 pub fn load_expert(
     ckpt: &Checkpoint,
     cfg: &ModelConfig,
@@ -112,14 +150,27 @@ pub fn load_expert(
 ) -> Result<ExpertWeights, ModelError> {
     let (h, i) = (cfg.hidden_size, cfg.moe.expert_intermediate_size);
     let (prefix, names) = cfg.family.routed_expert(layer, expert);
-    let gate = format!("{prefix}.{}", names.gate);
+    let [gate, up, down] = [names.gate, names.up, names.down].map(|n| format!("{prefix}.{n}"));
+    let held = [
+        compressed_matrix(ckpt, &gate, i, h)?,
+        compressed_matrix(ckpt, &up, i, h)?,
+        compressed_matrix(ckpt, &down, h, i)?,
+    ];
+    if let [Some(gate), Some(up), Some(down)] = held {
+        return Ok(ExpertWeights::Quantized(QuantSwiGlu {
+            gate,
+            up,
+            down,
+            activation: SwiGluActivation::Clamped {
+                limit: v4.swiglu_limit,
+            },
+        }));
+    }
     let compressed = matches!(
         ckpt.dtype(&format!("{gate}.weight")),
         Some(Dtype::F4 | Dtype::I8 | Dtype::U8 | Dtype::F8_E4M3)
     );
     let mut expert = if compressed {
-        let up = format!("{prefix}.{}", names.up);
-        let down = format!("{prefix}.{}", names.down);
         ExpertWeights::Bf16(SwiGlu {
             gate: Linear::without_bias(expert_matrix(ckpt, &gate, i, h)?, i, h),
             up: Linear::without_bias(expert_matrix(ckpt, &up, i, h)?, i, h),
@@ -131,13 +182,11 @@ pub fn load_expert(
     match &mut expert {
         ExpertWeights::F32(block) => clamp_swiglu(block, v4.swiglu_limit),
         ExpertWeights::Bf16(block) => clamp_swiglu(block, v4.swiglu_limit),
-        ExpertWeights::Quantized(_) => {
-            return Err(corrupt(
-                ckpt,
-                &prefix,
-                "quantized experts under the config's quantization_config are not read for \
-                 DeepSeek-V4 (their clamped SwiGLU)",
-            ));
+        // Quantized under the config's quantization_config (INT4, say).
+        ExpertWeights::Quantized(block) => {
+            block.activation = SwiGluActivation::Clamped {
+                limit: v4.swiglu_limit,
+            }
         }
     }
     Ok(expert)
