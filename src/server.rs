@@ -13,6 +13,7 @@ use actix_web::{App, HttpServer, web};
 use futures::future::{Either, select};
 
 use crate::api::Phase;
+use crate::api::reasoning::ReasoningFormat;
 use crate::api::tool_calls::ToolCallFormat;
 use crate::api::{AppState, ServedModel};
 use crate::config::live::Changes;
@@ -248,6 +249,9 @@ fn load(state: &AppState, api: std::net::SocketAddr) -> Result<(), ServeError> {
     let tool_format = chat_template
         .as_ref()
         .and_then(|t| ToolCallFormat::for_model(t.source(), node.model.family));
+    let reasoning = chat_template
+        .as_ref()
+        .and_then(|t| ReasoningFormat::detect(t.source(), node.model.family));
     state.set_ready(ServedModel {
         name: name.clone(),
         node,
@@ -255,6 +259,7 @@ fn load(state: &AppState, api: std::net::SocketAddr) -> Result<(), ServeError> {
         chat_template,
         grammars,
         tool_format,
+        reasoning,
         created,
     });
     // A reload after the join took its secrets and before now found nothing to give them to.

@@ -32,6 +32,12 @@ fn openai_importable() -> bool {
 /// stdout after checking it exited 0.
 fn run_client(script: &str) -> String {
     let server = Server::start("[devices]\nbackend = \"cpu\"\n");
+    run_client_on(&server, script, &[])
+}
+
+/// Runs `tests/clients/<script> BASE ARGS...` against `server`; returns its stdout after
+/// checking it exited 0.
+fn run_client_on(server: &Server, script: &str, args: &[&str]) -> String {
     server.wait_ready();
     let script = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/clients")
@@ -39,6 +45,7 @@ fn run_client(script: &str) -> String {
     let out = Command::new("python3")
         .arg(&script)
         .arg(&server.base)
+        .args(args)
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -69,4 +76,21 @@ fn a_named_tool_call_through_the_openai_client_always_finishes() {
     let stdout = run_client("tool_calls_finish.py");
     eprintln!("{}", stdout.trim());
     assert!(stdout.contains("tool calls: ok"), "{stdout}");
+}
+
+/// A model that thinks (the demo model with a template that opens `<think>` in thinking
+/// mode): the client reads `reasoning_content` whole and streamed, sends `reasoning_effort`
+/// and `chat_template_kwargs`, and sends the reasoning back.
+#[test]
+fn the_openai_python_client_reads_and_sends_back_reasoning() {
+    if !openai_importable() {
+        return;
+    }
+    let dir = serve::demo_model_with_template("demo-model-thinking", serve::THINKING_TEMPLATE);
+    let server = Server::start_with(
+        "[devices]\nbackend = \"cpu\"\n",
+        &["--model", dir.to_str().unwrap()],
+    );
+    let stdout = run_client_on(&server, "reasoning.py", &["demo-model-thinking"]);
+    assert!(stdout.contains("reasoning: ok"), "{stdout}");
 }

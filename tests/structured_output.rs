@@ -440,21 +440,7 @@ value_1
 /// The demo model with [`QWEN3_5_TEMPLATE`] as its `chat_template.jinja` (which comes before
 /// `tokenizer_config.json`'s).
 fn demo_model_with_qwen3_5_template() -> std::path::PathBuf {
-    let demo = serve::demo_model();
-    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("demo-model-qwen3_5-tools");
-    std::fs::create_dir_all(&dir).unwrap();
-    for name in [
-        "config.json",
-        "model.safetensors",
-        "tokenizer.json",
-        "tokenizer_config.json",
-    ] {
-        let link = dir.join(name);
-        let _ = std::fs::remove_file(&link);
-        std::os::unix::fs::symlink(demo.join(name), &link).unwrap();
-    }
-    std::fs::write(dir.join("chat_template.jinja"), QWEN3_5_TEMPLATE).unwrap();
-    dir
+    serve::demo_model_with_template("demo-model-qwen3_5-tools", QWEN3_5_TEMPLATE)
 }
 
 /// A model whose template writes Qwen3.5's XML calls gets its forced calls in that format

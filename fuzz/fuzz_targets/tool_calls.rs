@@ -1,13 +1,15 @@
-//! Tool-call parsing of generated text (`moe_node::api::tool_calls`): the model writes the
-//! text, so any text may come. Input: one byte choosing the format and how the text is cut
-//! into streamed pieces, then the text. Parsing never panics, the text streamed in pieces
-//! parses as the whole text does, and text with no call in it comes back unchanged.
+//! Tool-call parsing and the reasoning split of generated text (`moe_node::api::tool_calls`,
+//! `moe_node::api::reasoning`): the model writes the text, so any text may come. Input: one
+//! byte choosing the formats and how the text is cut into streamed pieces, then the text.
+//! Neither panics, the text streamed in pieces comes out as the whole text does, and text
+//! with no call in it comes back unchanged from the tool-call parser.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
+use moe_node::api::reasoning::{Part, ReasoningFormat, ReasoningStream};
 use moe_node::api::tool_calls::{Parsed, Piece, ToolCallFormat, ToolCallStream};
 
-const FORMATS: [ToolCallFormat; 7] = [
+const FORMATS: [ToolCallFormat; 10] = [
     ToolCallFormat::Hermes,
     ToolCallFormat::DeepseekV3,
     ToolCallFormat::KimiK2,
@@ -15,6 +17,16 @@ const FORMATS: [ToolCallFormat; 7] = [
     ToolCallFormat::Glm,
     ToolCallFormat::MiniMax,
     ToolCallFormat::Harmony,
+    ToolCallFormat::DeepseekV32,
+    ToolCallFormat::DeepseekV4,
+    ToolCallFormat::Qwen3Coder,
+];
+
+/// The reasoning formats, and whether the prompt opened the block.
+const SPLITS: [(ReasoningFormat, bool); 3] = [
+    (ReasoningFormat::Think, false),
+    (ReasoningFormat::Think, true),
+    (ReasoningFormat::Harmony, false),
 ];
 
 fuzz_target!(|data: &[u8]| {
@@ -48,7 +60,25 @@ fuzz_target!(|data: &[u8]| {
         match piece {
             Piece::Text(t) => streamed.content.push_str(&t),
             Piece::Call(call) => streamed.calls.push(call),
+            Piece::Reasoning(_) => unreachable!("the tool-call parser hands on no reasoning"),
         }
     }
     assert_eq!(streamed, whole);
+
+    let (format, opened) = SPLITS[usize::from(selector) % SPLITS.len()];
+    let whole = ReasoningStream::split(format, opened, text);
+    let mut stream = ReasoningStream::new(format, opened);
+    let mut parts = Vec::new();
+    for window in bounds.windows(2) {
+        parts.extend(stream.push(&text[window[0]..window[1]]));
+    }
+    parts.extend(stream.finish());
+    let (mut reasoning, mut content) = (None::<String>, String::new());
+    for part in parts {
+        match part {
+            Part::Reasoning(t) => reasoning.get_or_insert_default().push_str(&t),
+            Part::Content(t) => content.push_str(&t),
+        }
+    }
+    assert_eq!((reasoning, content), whole);
 });

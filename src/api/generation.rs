@@ -6,6 +6,7 @@
 
 use tokio::sync::{mpsc, watch};
 
+use super::reasoning::ReasoningFormat;
 use super::tool_calls::ToolCallFormat;
 use super::{ApiError, ServedModel};
 use crate::config::{BatchingConfig, NodeConfig};
@@ -37,6 +38,8 @@ pub struct RequestContext<'a> {
     pub grammars: Option<&'a Grammars>,
     /// How the model writes tool calls; `None` if its chat template writes none.
     pub tool_format: Option<ToolCallFormat>,
+    /// How the model writes its reasoning; `None` if its chat template shows none.
+    pub reasoning: Option<ReasoningFormat>,
 }
 
 impl ServedModel {
@@ -50,6 +53,7 @@ impl ServedModel {
             limits: &config.batching,
             grammars: self.grammars.as_ref(),
             tool_format: self.tool_format,
+            reasoning: self.reasoning,
         }
     }
 }
@@ -83,6 +87,8 @@ pub struct Admitted {
     pub(super) single_tool_call: bool,
     /// The tokens that end the generation (their text is never part of the output).
     pub(super) end_tokens: Vec<u32>,
+    /// How a reasoning model's reasoning is split out of its chat answer.
+    pub(super) reasoning: Option<super::reasoning::ReasoningSplit>,
 }
 
 /// What `echo` returns of the prompt.

@@ -8,6 +8,7 @@ mod detokenize;
 mod error;
 mod generation;
 pub mod openai;
+pub mod reasoning;
 mod response;
 mod stop;
 mod structured;
@@ -52,6 +53,8 @@ pub struct ServedModel {
     pub grammars: Option<crate::engine::grammar::Grammars>,
     /// How the model writes tool calls, from its chat template.
     pub tool_format: Option<tool_calls::ToolCallFormat>,
+    /// How the model writes its reasoning, from its chat template.
+    pub reasoning: Option<reasoning::ReasoningFormat>,
     pub created: u64,
 }
 

@@ -12,8 +12,8 @@ use serde_json::{Value, json};
 use super::generation::{self, Echo, Endpoint};
 pub use super::generation::{Admitted, RequestContext};
 use super::response::{Response, sse_stream, whole_response};
-use super::structured;
 use super::{ApiError, AppState, ServedModel, parse_json, read_body};
+use super::{reasoning, structured};
 use crate::engine::SamplingParams;
 use crate::engine::grammar::Grammars;
 use crate::engine::logprobs::MAX_TOP_LOGPROBS;
@@ -106,6 +106,11 @@ struct ChatRequest {
     /// `false`: each choice returns the first call the model writes, no more (a forced
     /// call, `tool_choice` required or named, is one call either way).
     parallel_tool_calls: Option<bool>,
+    /// Further variables for the chat template, checked in [`reasoning::template_kwargs`].
+    chat_template_kwargs: Option<Value>,
+    reasoning_effort: Option<Value>,
+    /// `false`: a reasoning model's reasoning is left out of the answer.
+    include_reasoning: Option<bool>,
     #[serde(flatten)]
     fields: GenerationFields,
 }
@@ -122,6 +127,10 @@ struct IncomingMessage {
     /// A tool message: the call it answers.
     tool_call_id: Option<String>,
     name: Option<String>,
+    /// An assistant message's reasoning, as this server returned it (`reasoning`, vLLM's
+    /// newer name, is taken too).
+    #[serde(alias = "reasoning")]
+    reasoning_content: Option<String>,
 }
 
 /// Roles a chat template is given.
@@ -158,12 +167,15 @@ const GENERATION_FIELDS: [&str; 23] = [
 /// Fields only `/v1/completions` takes.
 const COMPLETION_FIELDS: [&str; 2] = ["prompt", "echo"];
 /// Fields only `/v1/chat/completions` takes.
-const CHAT_FIELDS: [&str; 5] = [
+const CHAT_FIELDS: [&str; 8] = [
     "messages",
     "top_logprobs",
     "tools",
     "tool_choice",
     "parallel_tool_calls",
+    "chat_template_kwargs",
+    "reasoning_effort",
+    "include_reasoning",
 ];
 
 /// A field the endpoint does not know is an error, not ignored: a misspelled `max_token`
@@ -245,6 +257,7 @@ fn message_text(index: usize, content: Option<Value>) -> Result<String, ApiError
 struct TokenizeRequest {
     prompt: Option<String>,
     messages: Option<Vec<IncomingMessage>>,
+    chat_template_kwargs: Option<Value>,
 }
 
 pub async fn completions(
@@ -334,8 +347,12 @@ pub fn completion_request(served: &RequestContext, body: &[u8]) -> Result<Admitt
 pub fn chat_request(served: &RequestContext, body: &[u8]) -> Result<Admitted, ApiError> {
     let request: ChatRequest = parse_request(body, &CHAT_FIELDS)?;
     let tools = structured::tool_use(served, request.tools, request.tool_choice)?;
-    let prompt = chat_prompt(served, request.messages, tools.tools)?;
+    let kwargs =
+        reasoning::template_kwargs(request.chat_template_kwargs, request.reasoning_effort)?;
+    let prompt = chat_prompt(served, request.messages, tools.tools, kwargs)?;
+    let reasoning = reasoning::split_for(served, &prompt, request.include_reasoning);
     let mut admitted = admit(served, Endpoint::Chat, prompt, request.fields)?;
+    admitted.reasoning = reasoning;
     if let Some(constraint) = tools.constraint {
         if admitted.constraint.is_some() {
             return Err(ApiError::bad_request(
@@ -344,6 +361,10 @@ pub fn chat_request(served: &RequestContext, body: &[u8]) -> Result<Admitted, Ap
             .with_param("response_format"));
         }
         admitted.constraint = Some((constraint, structured_end(served)));
+    }
+    if let (Some(split), Some(_)) = (&mut admitted.reasoning, &admitted.constraint) {
+        // The grammar writes the output from its first token: an answer, not reasoning.
+        split.opened = false;
     }
     admitted.tool_calls = tools.parse;
     admitted.single_tool_call = request.parallel_tool_calls == Some(false);
@@ -385,10 +406,12 @@ pub async fn tokenize(
 
 /// Parses a `/tokenize` body and returns the prompt's token ids.
 pub fn tokenize_request(served: &RequestContext, body: &[u8]) -> Result<Vec<u32>, ApiError> {
-    let request: TokenizeRequest = parse_request(body, &["prompt", "messages"])?;
+    let request: TokenizeRequest =
+        parse_request(body, &["prompt", "messages", "chat_template_kwargs"])?;
+    let kwargs = reasoning::template_kwargs(request.chat_template_kwargs, None)?;
     match (request.prompt, request.messages) {
         (Some(text), None) => encode(served, &text),
-        (None, Some(messages)) => chat_prompt(served, messages, None),
+        (None, Some(messages)) => chat_prompt(served, messages, None, kwargs),
         _ => Err(ApiError::bad_request(
             "give exactly one of `prompt` (text) or `messages` (chat)",
         )),
@@ -421,6 +444,7 @@ fn chat_prompt(
     served: &RequestContext,
     messages: Vec<IncomingMessage>,
     tools: Option<Vec<Value>>,
+    kwargs: serde_json::Map<String, Value>,
 ) -> Result<Vec<u32>, ApiError> {
     let template = served.chat_template.ok_or_else(|| {
         ApiError::bad_request("this model has no chat template: use /v1/completions")
@@ -455,12 +479,19 @@ fn chat_prompt(
                 None | Some(Value::Null) if tool_calls.is_some() => None,
                 content => Some(message_text(i, content)?),
             };
+            if m.reasoning_content.is_some() && m.role != "assistant" {
+                return Err(ApiError::bad_request(format!(
+                    "messages[{i}]: only assistant messages have reasoning_content"
+                ))
+                .with_param("messages"));
+            }
             Ok(ChatMessage {
                 role: m.role,
                 content,
                 tool_calls,
                 tool_call_id: m.tool_call_id,
                 name: m.name,
+                reasoning_content: m.reasoning_content,
             })
         })
         .collect::<Result<Vec<_>, _>>()?;
@@ -469,7 +500,11 @@ fn chat_prompt(
             "this model has no tokenizer.json: use /v1/completions with token ids",
         )
     })?;
-    let chat = ChatInput { messages, tools };
+    let chat = ChatInput {
+        messages,
+        tools,
+        kwargs,
+    };
     let called = chat.messages.iter().filter_map(|m| m.tool_calls.as_ref());
     if called
         .map(|calls| Value::Array(calls.clone()).to_string())
@@ -629,6 +664,7 @@ fn admit(
         constraint,
         tool_calls: None,
         single_tool_call: false,
+        reasoning: None,
     })
 }
 

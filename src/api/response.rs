@@ -12,6 +12,7 @@ use tokio::sync::{mpsc, watch};
 
 use super::detokenize::ChoiceText;
 use super::generation::{Admitted, Endpoint, cut_error, next_event};
+use super::reasoning::{Part, ReasoningStream};
 use super::stop::StopStrings;
 use super::tool_calls::{Piece, ToolCall, ToolCallStream};
 use super::{ApiError, AppState, ServedModel};
@@ -44,6 +45,9 @@ pub(super) struct Response {
 /// One choice of a response.
 struct Choice {
     text: ChoiceText,
+    /// A reasoning model's reasoning split off the text as it streams, and whether it is
+    /// sent (`include_reasoning`).
+    reasoning: Option<(ReasoningStream, bool)>,
     /// Tool calls parsed out of the text as it streams (requests with `tools`).
     tool_stream: Option<ToolCallStream>,
     token_ids: Vec<u32>,
@@ -58,6 +62,38 @@ struct Choice {
     echoed: bool,
 }
 
+impl Choice {
+    /// What `text`, the next of the output, hands on (`last`: the output has ended): the
+    /// reasoning split off first, then calls parsed out of the answer.
+    fn pieces(&mut self, text: &str, last: bool) -> Vec<Piece> {
+        let parts = match &mut self.reasoning {
+            Some((split, include)) => {
+                let mut parts = split.push(text);
+                if last {
+                    parts.extend(split.finish());
+                }
+                if !*include {
+                    parts.retain(|p| matches!(p, Part::Content(_)));
+                }
+                parts
+            }
+            None => vec![Part::Content(text.to_string())],
+        };
+        let mut pieces = Vec::new();
+        for part in parts {
+            match (part, &mut self.tool_stream) {
+                (Part::Reasoning(text), _) => pieces.push(Piece::Reasoning(text)),
+                (Part::Content(text), Some(tools)) => pieces.extend(tools.push(&text)),
+                (Part::Content(text), None) => pieces.push(Piece::Text(text)),
+            }
+        }
+        if let (true, Some(tools)) = (last, &mut self.tool_stream) {
+            pieces.extend(tools.finish());
+        }
+        pieces
+    }
+}
+
 impl Response {
     pub(super) fn new(
         id: String,
@@ -68,11 +104,15 @@ impl Response {
     ) -> Self {
         let choices = (0..request.choices)
             .map(|_| Choice {
-                text: match request.tool_calls {
-                    Some(_) => ChoiceText::new(StopStrings::new(request.stop.clone()))
-                        .keeping_special_tokens(request.end_tokens.clone()),
-                    None => ChoiceText::new(StopStrings::new(request.stop.clone())),
+                text: if request.tool_calls.is_some()
+                    || request.reasoning.is_some_and(|r| r.special)
+                {
+                    ChoiceText::new(StopStrings::new(request.stop.clone()))
+                        .keeping_special_tokens(request.end_tokens.clone())
+                } else {
+                    ChoiceText::new(StopStrings::new(request.stop.clone()))
                 },
+                reasoning: request.reasoning.map(|r| (r.stream(), r.include)),
                 tool_stream: request.tool_calls.map(ToolCallStream::new),
                 token_ids: Vec::new(),
                 logprobs: Vec::new(),
@@ -131,10 +171,7 @@ impl Response {
                 let stopped = choice.text.push(tokenizer, token);
                 if streaming {
                     let delta = choice.text.delta();
-                    let pieces = match &mut choice.tool_stream {
-                        Some(tools) => tools.push(&delta),
-                        None => vec![Piece::Text(delta)],
-                    };
+                    let pieces = choice.pieces(&delta, false);
                     let logprobs = logprobs.as_ref().map(|lp| match self.request.endpoint {
                         Endpoint::Completions => {
                             let mut legacy = LegacyLogprobs::starting_at(choice.streamed_chars);
@@ -197,14 +234,7 @@ impl Response {
         };
         if streaming {
             let rest = choice.text.rest(tokenizer);
-            let pieces = match &mut choice.tool_stream {
-                Some(tools) => {
-                    let mut pieces = tools.push(&rest);
-                    pieces.extend(tools.finish());
-                    pieces
-                }
-                None => vec![Piece::Text(rest)],
-            };
+            let pieces = choice.pieces(&rest, true);
             let called = choice.tool_stream.as_ref().is_some_and(|t| t.calls() > 0);
             let reason = tool_calls_reason(reason, called);
             if let Some(choice) = self.choices.get_mut(index) {
@@ -219,7 +249,7 @@ impl Response {
                 .into_iter()
                 .map(|p| match p {
                     Piece::Text(t) => t,
-                    Piece::Call(_) => String::new(),
+                    Piece::Call(_) | Piece::Reasoning(_) => String::new(),
                 })
                 .collect();
             let chunk = self.chunk(index, &text, &[], None, Some(reason));
@@ -296,6 +326,11 @@ impl Response {
             let (token_ids, logprobs) = ids.take().unwrap_or((&[], None));
             let chunk = match piece {
                 Piece::Text(text) => self.chunk(index, &text, token_ids, logprobs, None),
+                Piece::Reasoning(text) => {
+                    let mut chunk = self.chunk(index, "", token_ids, logprobs, None);
+                    chunk["choices"][0]["delta"] = json!({"reasoning_content": text});
+                    chunk
+                }
                 Piece::Call(call) => {
                     let Some(choice) = self.choices.get_mut(index) else {
                         return;
@@ -439,6 +474,14 @@ impl Response {
                     })
                 }
                 Endpoint::Chat => {
+                    let (reasoning, generated) = match self.request.reasoning {
+                        Some(split) => {
+                            let (reasoning, answer) =
+                                ReasoningStream::split(split.format, split.opened, &generated);
+                            (Some(reasoning).filter(|_| split.include), answer)
+                        }
+                        None => (None, generated),
+                    };
                     let (content, mut calls) = match self.request.tool_calls {
                         Some(format) => {
                             let parsed = format.parse(&generated);
@@ -453,6 +496,13 @@ impl Response {
                         *reason = tool_calls_reason(reason, !calls.is_empty());
                     }
                     let mut message = json!({"role": "assistant", "content": content});
+                    if let Some(reasoning) = reasoning {
+                        // All reasoning (the answer never began): no content, as vLLM says.
+                        if reasoning.is_some() && content.is_empty() {
+                            message["content"] = Value::Null;
+                        }
+                        message["reasoning_content"] = reasoning.into();
+                    }
                     if !calls.is_empty() {
                         if content.trim().is_empty() {
                             message["content"] = Value::Null;
@@ -501,7 +551,7 @@ fn first_call_only(pieces: Vec<Piece>, calls_sent: usize) -> Vec<Piece> {
                 calls += 1;
                 calls == 1
             }
-            Piece::Text(_) => true,
+            Piece::Text(_) | Piece::Reasoning(_) => true,
         })
         .collect()
 }
@@ -784,6 +834,7 @@ mod tests {
             .map(|p| match p {
                 Piece::Text(t) => format!("text {t}"),
                 Piece::Call(c) => format!("call {}", c.name),
+                Piece::Reasoning(t) => format!("reasoning {t}"),
             })
             .collect()
     }

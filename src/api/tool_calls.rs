@@ -124,6 +124,8 @@ impl ToolCallFormat {
             match piece {
                 Piece::Text(t) => parsed.content.push_str(&t),
                 Piece::Call(call) => parsed.calls.push(call),
+                // Never from this parser.
+                Piece::Reasoning(_) => {}
             }
         }
         parsed
@@ -147,11 +149,13 @@ pub struct Parsed {
     pub calls: Vec<ToolCall>,
 }
 
-/// What the parser hands on, in order.
+/// What a choice's output hands on, in order: the parser's text and calls, and the
+/// reasoning split off before the parser sees the text (`super::reasoning`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Piece {
     Text(String),
     Call(ToolCall),
+    Reasoning(String),
 }
 
 /// The outcome of reading one call (or the end of a section) at the start of a buffer.

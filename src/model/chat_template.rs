@@ -15,7 +15,7 @@ mod limits;
 mod namespaces;
 mod sizes;
 
-pub use input::{ChatInput, ChatMessage};
+pub use input::{ChatInput, ChatMessage, TEMPLATE_VARIABLES};
 use isolated::IsolatedRenderer;
 pub use limits::{MAX_OUTPUT_BYTES, MAX_RECURSION, RENDER_FUEL, RENDER_STACK_BYTES};
 
@@ -238,6 +238,8 @@ impl ChatTemplate {
                 add_generation_prompt => true,
                 bos_token => self.bos_token,
                 eos_token => self.eos_token,
+                // Variables named above keep their values.
+                ..minijinja::Value::from_serialize(&chat.kwargs)
             },
             &mut out,
         );
@@ -265,12 +267,15 @@ pub fn encode_chat(
     // characters, which the rendered text is split at.
     let mut plain = Vec::new();
     for (i, message) in chat.messages.iter_mut().enumerate() {
-        if let Some(content) = &mut message.content
-            && tokenizer.has_special_text(content)
-        {
-            let marker = format!("\u{F0000}moe-node-content-{i}\u{F0001}");
-            let content = std::mem::replace(content, marker.clone());
-            plain.push((marker, content));
+        let texts = [&mut message.content, &mut message.reasoning_content];
+        for (j, text) in texts.into_iter().enumerate() {
+            if let Some(text) = text
+                && tokenizer.has_special_text(text)
+            {
+                let marker = format!("\u{F0000}moe-node-content-{i}-{j}\u{F0001}");
+                let text = std::mem::replace(text, marker.clone());
+                plain.push((marker, text));
+            }
         }
     }
     let text = template.render(&chat)?;
@@ -466,5 +471,7 @@ fn special_token(value: &serde_json::Value) -> String {
         .to_string()
 }
 
+#[cfg(test)]
+mod deepseek_tests;
 #[cfg(test)]
 mod tests;

@@ -109,6 +109,36 @@ pub fn demo_model() -> &'static Path {
     DIR.get_or_init(|| demo_model_variant("demo-model", &[]))
 }
 
+/// The demo model under `name` in this binary's temporary directory with `template` as its
+/// chat template (its other files linked).
+pub fn demo_model_with_template(name: &str, template: &str) -> PathBuf {
+    let demo = demo_model();
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
+    std::fs::create_dir_all(&dir).unwrap();
+    for file in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ] {
+        let link = dir.join(file);
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(demo.join(file), &link).unwrap();
+    }
+    std::fs::write(dir.join("chat_template.jinja"), template).unwrap();
+    dir
+}
+
+/// A chat template that opens the `<think>` block in thinking mode (`chat_template_kwargs`
+/// `thinking`), as DeepSeek-V3.1 to V4 do, and renders an assistant's reasoning sent back.
+pub const THINKING_TEMPLATE: &str = "{%- for m in messages -%}\
+    <|im_start|>{{ m.role }}\n\
+    {%- if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif -%}\
+    {{ m.content }}<|im_end|>\n\
+    {%- endfor -%}\
+    <|im_start|>assistant\n\
+    {%- if thinking is defined and thinking %}<think>\n{% else %}</think>{% endif -%}";
+
 /// The demo model written by `moe-node demo-model <args>` under `name` in this binary's
 /// temporary directory, once (a lock keeps two tests from writing one at the same time).
 pub fn demo_model_variant(name: &str, args: &[&str]) -> PathBuf {

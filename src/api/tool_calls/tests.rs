@@ -23,6 +23,7 @@ fn parse_both_ways(format: ToolCallFormat, text: &str) -> Parsed {
         match piece {
             Piece::Text(t) => streamed.content.push_str(&t),
             Piece::Call(c) => streamed.calls.push(c),
+            Piece::Reasoning(r) => panic!("reasoning from the tool-call parser: {r}"),
         }
     }
     assert_eq!(

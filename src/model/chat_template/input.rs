@@ -20,6 +20,10 @@ pub struct ChatMessage {
     pub tool_call_id: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
+    /// An assistant turn's reasoning, sent back by the client (templates that keep the
+    /// reasoning of the current turn read it, Qwen3's and DeepSeek's among them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
 }
 
 impl ChatMessage {
@@ -31,6 +35,7 @@ impl ChatMessage {
             tool_calls: None,
             tool_call_id: None,
             name: None,
+            reasoning_content: None,
         }
     }
 }
@@ -43,13 +48,28 @@ pub struct ChatInput {
     pub messages: Vec<ChatMessage>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tools: Option<Vec<serde_json::Value>>,
+    /// Further variables for the template (a request's `chat_template_kwargs`: Qwen3's
+    /// `enable_thinking`, DeepSeek's `thinking`, `reasoning_effort`). They never replace the
+    /// variables above.
+    #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
+    pub kwargs: serde_json::Map<String, serde_json::Value>,
 }
+
+/// The variables a template is always given, which `kwargs` may not name.
+pub const TEMPLATE_VARIABLES: [&str; 5] = [
+    "messages",
+    "tools",
+    "add_generation_prompt",
+    "bos_token",
+    "eos_token",
+];
 
 impl From<Vec<ChatMessage>> for ChatInput {
     fn from(messages: Vec<ChatMessage>) -> Self {
         ChatInput {
             messages,
             tools: None,
+            kwargs: serde_json::Map::new(),
         }
     }
 }
