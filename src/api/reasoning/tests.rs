@@ -161,9 +161,25 @@ fn the_format_comes_from_the_template_and_the_prompt_says_whether_it_opened() {
 #[test]
 fn streamed_splits_equal_whole_ones_for_texts_of_marker_pieces() {
     const PIECES: [&str; 19] = [
-        "<think>", "</think>", "</thi", "<|channel|>", "analysis", "final", "commentary",
-        "<|message|>", "<|end|>", "<|start|>", "assistant", "<|call|>", "<|return|>",
-        " to=functions.f", " ", "\n", "x", "<|", "日",
+        "<think>",
+        "</think>",
+        "</thi",
+        "<|channel|>",
+        "analysis",
+        "final",
+        "commentary",
+        "<|message|>",
+        "<|end|>",
+        "<|start|>",
+        "assistant",
+        "<|call|>",
+        "<|return|>",
+        " to=functions.f",
+        " ",
+        "\n",
+        "x",
+        "<|",
+        "日",
     ];
     let mut seed = 0x2545_f491_u32;
     let mut next = move || {
@@ -173,7 +189,9 @@ fn streamed_splits_equal_whole_ones_for_texts_of_marker_pieces() {
         seed as usize
     };
     for _ in 0..3000 {
-        let text: String = (0..next() % 12).map(|_| PIECES[next() % PIECES.len()]).collect();
+        let text: String = (0..next() % 12)
+            .map(|_| PIECES[next() % PIECES.len()])
+            .collect();
         for (format, opened) in [
             (ReasoningFormat::Think, false),
             (ReasoningFormat::Think, true),

@@ -281,3 +281,61 @@ fn deepseek_v4s_thinking_mode_writes_its_published_format() {
         "{rendered}"
     );
 }
+
+/// V4's results are written in the order of the calls they answer (matched by
+/// `tool_call_id`), as `encoding_dsv4.py` sorts them; where they do not match one call each,
+/// in the order given.
+#[test]
+fn deepseek_v4s_results_follow_the_order_of_their_calls() {
+    let dir = tempfile::tempdir().unwrap();
+    let builtin = crate::model::Family::DeepseekV4.builtin_chat_template();
+    let t = ChatTemplate::load(dir.path(), builtin).unwrap().unwrap();
+    let call = |id: &str, city: &str| {
+        serde_json::json!({"id": id, "type": "function",
+            "function": {"name": "get_weather", "arguments": {"city": city}}})
+    };
+    let result = |id: Option<&str>, text: &str| {
+        let mut m = ChatMessage::new("tool", text);
+        m.tool_call_id = id.map(str::to_string);
+        m
+    };
+    let mut calls = ChatMessage::new("assistant", "");
+    calls.content = None;
+    calls.tool_calls = Some(vec![call("c1", "Paris"), call("c2", "Lima")]);
+    let rendered = |results: Vec<ChatMessage>| {
+        let mut messages = vec![ChatMessage::new("user", "Weather?"), calls.clone()];
+        messages.extend(results);
+        let text = t.render(&messages.into()).unwrap();
+        text[text.find("<｜end▁of▁sentence｜>").unwrap()..].to_string()
+    };
+    let in_order = "<｜end▁of▁sentence｜><｜User｜><tool_result>Paris: sun</tool_result>\n\n\
+                    <tool_result>Lima: fog</tool_result><｜Assistant｜></think>";
+    assert_eq!(
+        rendered(vec![
+            result(Some("c2"), "Lima: fog"),
+            result(Some("c1"), "Paris: sun")
+        ]),
+        in_order
+    );
+    assert_eq!(
+        rendered(vec![
+            result(Some("c1"), "Paris: sun"),
+            result(Some("c2"), "Lima: fog")
+        ]),
+        in_order
+    );
+    // Without ids (or with ids that do not match one call each): as given.
+    assert_eq!(
+        rendered(vec![result(None, "Lima: fog"), result(None, "Paris: sun")]),
+        "<｜end▁of▁sentence｜><｜User｜><tool_result>Lima: fog</tool_result>\n\n\
+         <tool_result>Paris: sun</tool_result><｜Assistant｜></think>"
+    );
+    assert_eq!(
+        rendered(vec![
+            result(Some("c2"), "Lima: fog"),
+            result(Some("c2"), "Paris: sun")
+        ]),
+        "<｜end▁of▁sentence｜><｜User｜><tool_result>Lima: fog</tool_result>\n\n\
+         <tool_result>Paris: sun</tool_result><｜Assistant｜></think>"
+    );
+}
