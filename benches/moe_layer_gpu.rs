@@ -214,6 +214,7 @@ fn main() {
                 max_rows: max_tokens * shape.top_k,
                 host_io: true,
                 storage,
+                activation: Default::default(),
             };
             // Kimi K2's router: sigmoid scores, one group, normalised, scaled.
             let gate = Gate {

@@ -173,8 +173,13 @@ extern "C" __global__ void combine_rows(const bf16* expert_out, const int* slot_
 }
 
 // SwiGLU between the expert GEMMs: gate_up holds rows of [gate (inter) | up (inter)];
-// out = silu(gate) * up, rows of `inter`.
-extern "C" __global__ void swiglu(const bf16* gate_up, int rows, int inter, bf16* out) {
+// out rows of `inter`, by `mode` (SwiGluActivation):
+//   0: silu(gate) * up;
+//   1: gpt-oss's (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit);
+//   2: DeepSeek-V4's silu(min(gate, limit)) * clamp(up, -limit, limit).
+// A NaN stays NaN through the clamps, as in torch and the CPU's.
+extern "C" __global__ void swiglu(const bf16* gate_up, int rows, int inter, int mode,
+                                  float alpha, float limit, bf16* out) {
     size_t n = (size_t)rows * inter;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
@@ -182,7 +187,16 @@ extern "C" __global__ void swiglu(const bf16* gate_up, int rows, int inter, bf16
         const bf16* row = gate_up + r * 2 * inter;
         float g = bf16_to_f32(row[c]);
         float u = bf16_to_f32(row[inter + c]);
-        out[i] = f32_to_bf16(g / (1.0f + expf(-g)) * u);
+        float v;
+        if (mode == 0) {
+            v = g / (1.0f + expf(-g)) * u;
+        } else {
+            float g0 = g > limit ? limit : g;
+            float u0 = u > limit ? limit : (u < -limit ? -limit : u);
+            v = mode == 1 ? (u0 + 1.0f) * g0 / (1.0f + expf(-alpha * g0))
+                          : g0 / (1.0f + expf(-g0)) * u0;
+        }
+        out[i] = f32_to_bf16(v);
     }
 }
 

@@ -107,7 +107,8 @@ impl Node {
         };
         let kernel_cache = gpu_options.kernel_cache.clone();
         let targets = device_targets(&config.devices, gpu_options)?;
-        if targets.iter().any(|t| matches!(t, DeviceTarget::Gpu(..)))
+        if config.devices.dense_on_gpu
+            && targets.iter().any(|t| matches!(t, DeviceTarget::Gpu(..)))
             && let Some(refused) = crate::engine::gpu::deepseek_v4_refused(&model)
         {
             return Err(refused.into());

@@ -130,24 +130,61 @@ fn a_long_decode_through_the_cache_matches_the_uncached_pass() {
     assert!(worst <= 1e-3 && prefill <= 1e-3, "{worst} {prefill}");
 }
 
-/// The GPU backend (a real GPU under `tests/gpu/run.sh`, else GPUs emulated on the CPU)
-/// refuses it at load, its experts alone or the whole model, naming what it lacks: never
-/// experts without the clamp or attention without the compressor; and a host engine's dense
-/// part is not placed on one either.
+/// The GPU backend (a real GPU under `tests/gpu/run.sh`, else GPUs emulated on the CPU):
+/// the experts run on it, their clamped SwiGLU in the kernel, and give the CPU's logits
+/// within bf16 rounding at every step of the CPU's greedy continuation (the tiny random
+/// model's greedy path itself parts from the CPU's after a few tokens, where two logits are
+/// within that rounding), also with the experts in MXFP4 (widened to bf16 on upload); the dense part is refused at load, naming what the GPU lacks, and a host
+/// engine's dense part is not placed on one either.
 #[test]
-fn the_gpu_backend_refuses_it_naming_what_it_lacks() {
+fn its_experts_run_on_the_gpu_and_its_dense_part_is_refused_naming_what_it_lacks() {
     let Some(runtime) = common::gpus("deepseek_v4: GPU backend") else {
         return;
     };
-    for dense in [false, true] {
-        let source = moe_node::model::ModelSource::files(&fixture());
-        match moe_node::engine::gpu::engine_on_gpu(&source, 0, dense, None, None) {
-            Ok(_) => panic!("deepseek_v4 loaded on the GPU (dense: {dense})"),
-            Err(e) => {
-                let message = e.to_string();
-                assert!(message.contains("compressed attention"), "{message}");
-                assert!(message.contains("swiglu_limit"), "{message}");
-            }
+    let reference = reference();
+    // The logits of every step of the CPU's greedy continuation, fed to `engine`.
+    let steps = |engine: &Engine, tokens: &[u32]| -> Vec<Vec<f32>> {
+        let mut cache = engine.new_cache();
+        let mut logits = vec![forward(
+            engine,
+            &mut cache,
+            &reference.long_prompt_ids[..40],
+        )];
+        for &token in tokens {
+            logits.push(forward(engine, &mut cache, &[token]));
+        }
+        logits
+    };
+    let fp4 = tempfile::tempdir().unwrap();
+    let f32_dir = tempfile::tempdir().unwrap();
+    write_mxfp4_and_exact(fp4.path(), f32_dir.path());
+    for dir in [fixture(), fp4.path().to_path_buf()] {
+        let cpu = Engine::load(&dir).unwrap();
+        let mut tokens = Vec::new();
+        for _ in 0..12 {
+            let logits = steps(&cpu, &tokens).pop().unwrap();
+            tokens.push(argmax(&logits));
+        }
+        let on_cpu = steps(&cpu, &tokens);
+        let source = moe_node::model::ModelSource::files(&dir);
+        let on_gpu = moe_node::engine::gpu::engine_on_gpu(&source, 0, false, None, None)
+            .unwrap_or_else(|e| panic!("deepseek_v4's experts on the GPU: {e}"));
+        let gpu = steps(&on_gpu, &tokens);
+        let worst = on_cpu
+            .iter()
+            .zip(&gpu)
+            .map(|(c, g)| relative_difference(g, c))
+            .fold(0f32, f32::max);
+        eprintln!(
+            "deepseek_v4 ({}), experts on the GPU, 13 steps: {worst:e} of the largest logit \
+             from the CPU",
+            dir.display()
+        );
+        assert!(worst <= 2e-2, "{}: {worst}", dir.display());
+        assert_eq!(argmax(&gpu[0]), argmax(&on_cpu[0]), "{}", dir.display());
+        match moe_node::engine::gpu::engine_on_gpu(&source, 0, true, None, None) {
+            Ok(_) => panic!("deepseek_v4's dense part loaded on the GPU"),
+            Err(e) => assert!(e.to_string().contains("compressed attention"), "{e}"),
         }
     }
     let mut engine = Engine::load(&fixture()).unwrap();
@@ -220,14 +257,10 @@ fn a_token_table_past_the_experts_is_refused_at_load() {
 /// e2m1's eight magnitudes, by the definition (OCP MX spec): code `s eem`.
 const E2M1_MAGNITUDES: [f32; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
 
-/// Routed experts as Pro and Flash publish them (`.weight` I8 `[out, in / 2]` of e2m1 pairs,
-/// low nibble first; `.scale` F8_E8M0 `[out, in / 32]`) are held in MXFP4, 4.25 bits a weight,
-/// and compute what the same experts written in f32 (their exact values, the path checked
-/// against transformers above) compute: the same greedy tokens, logits equal to f32
-/// rounding. The fixture's `swiglu_limit` (0.6) clamps many of their gate and up values.
-#[test]
-fn mxfp4_experts_are_held_compressed_and_compute_their_exact_values() {
-    let (fp4, f32_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+/// The fixture with its routed experts written as Pro and Flash publish them (MXFP4, random
+/// e2m1 values and exponents) to `fp4`, and with the same experts in f32 (their exact
+/// values) to `exact`.
+fn write_mxfp4_and_exact(fp4: &Path, exact: &Path) {
     let mut seed = 0x9e37_79b9_u32;
     let mut next = move || {
         seed ^= seed << 13;
@@ -238,7 +271,7 @@ fn mxfp4_experts_are_held_compressed_and_compute_their_exact_values() {
     // Per expert matrix: its name, [out, in], packed e2m1 bytes and exponents.
     struct Mxfp4Matrix(String, [usize; 2], Vec<u8>, Vec<u8>);
     let mut quantized: Vec<Mxfp4Matrix> = Vec::new();
-    rewritten_fixture(fp4.path(), |owned| {
+    rewritten_fixture(fp4, |owned| {
         for (name, dtype, shape, data) in owned.iter_mut() {
             let Some(stem) = name.strip_suffix(".weight") else {
                 continue;
@@ -266,7 +299,7 @@ fn mxfp4_experts_are_held_compressed_and_compute_their_exact_values() {
             ));
         }
     });
-    rewritten_fixture(f32_dir.path(), |owned| {
+    rewritten_fixture(exact, |owned| {
         for Mxfp4Matrix(stem, [out, inp], packed, exponents) in &quantized {
             let tensor = owned
                 .iter_mut()
@@ -285,6 +318,17 @@ fn mxfp4_experts_are_held_compressed_and_compute_their_exact_values() {
         }
     });
     assert_eq!(quantized.len(), 4 * 8 * 3, "every routed expert rewritten");
+}
+
+/// Routed experts as Pro and Flash publish them (`.weight` I8 `[out, in / 2]` of e2m1 pairs,
+/// low nibble first; `.scale` F8_E8M0 `[out, in / 32]`) are held in MXFP4, 4.25 bits a weight,
+/// and compute what the same experts written in f32 (their exact values, the path checked
+/// against transformers above) compute: the same greedy tokens, logits equal to f32
+/// rounding. The fixture's `swiglu_limit` (0.6) clamps many of their gate and up values.
+#[test]
+fn mxfp4_experts_are_held_compressed_and_compute_their_exact_values() {
+    let (fp4, f32_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    write_mxfp4_and_exact(fp4.path(), f32_dir.path());
 
     // Held in MXFP4: packed nibbles and one exponent per 32 weights, three matrices.
     let config = moe_node::model::ModelConfig::load(fp4.path()).unwrap();
@@ -705,4 +749,57 @@ fn a_step_routes_around_experts_without_a_live_replica() {
     let mut step = [SequenceStep::new(&mut cache, &prompt)];
     complete.forward(&mut step).unwrap();
     assert!(!step[0].rerouted);
+}
+
+/// A node with emulated GPUs serves DeepSeek-V4 with its experts on them and its dense part
+/// on the CPU (`devices.dense_on_gpu = false`): both devices are GPUs, and the first token's
+/// log probabilities are the CPU node's within bf16 rounding.
+#[test]
+fn a_node_serves_it_with_its_experts_on_gpus() {
+    use serde_json::{Value, json};
+    use serve::Server;
+    if common::gpus("deepseek_v4: a node on emulated GPUs").is_none() {
+        return;
+    }
+    let dir = fixture();
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+            .unwrap();
+    let top = |devices: &str| -> (Vec<String>, Vec<(String, f64)>) {
+        let server = Server::start_with(
+            &format!("[devices]\n{devices}\n"),
+            &["--model", dir.to_str().unwrap()],
+        );
+        server.wait_ready();
+        let listed: Value = server.get("/admin/devices").json().unwrap();
+        let kinds = listed["devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d["kind"].as_str().unwrap().to_string())
+            .collect();
+        let body = server.post_ok(
+            "/v1/completions",
+            &json!({"prompt": reference["prompt_ids"], "max_tokens": 1, "temperature": 0,
+                    "logprobs": 3}),
+        );
+        let top = body["choices"][0]["logprobs"]["top_logprobs"][0]
+            .as_object()
+            .unwrap()
+            .iter()
+            .map(|(token, lp)| (token.clone(), lp.as_f64().unwrap()))
+            .collect();
+        (kinds, top)
+    };
+    let (cpu_kinds, on_cpu) = top("backend = \"cpu\"\ncpu_slots = 2");
+    let (gpu_kinds, on_gpu) =
+        top("backend = \"cuda-emulated\"\nemulated_gpus = 2\ndense_on_gpu = false");
+    eprintln!("deepseek_v4 first token, CPU node {on_cpu:?}, GPU node {on_gpu:?}");
+    assert_eq!(cpu_kinds, ["cpu", "cpu"]);
+    assert_eq!(gpu_kinds, ["gpu", "gpu"]);
+    assert_eq!(on_cpu.len(), 3);
+    for ((token, cpu), (gpu_token, gpu)) in on_cpu.iter().zip(&on_gpu) {
+        assert_eq!(token, gpu_token, "{on_cpu:?} {on_gpu:?}");
+        assert!((cpu - gpu).abs() < 0.05, "{on_cpu:?} {on_gpu:?}");
+    }
 }

@@ -78,6 +78,7 @@ fn check_layer(gating: GatingConfig, num_experts: usize, top_k: usize, bias: boo
         max_rows: max_tokens * top_k,
         host_io: false,
         storage,
+        activation: Default::default(),
     };
     let gate = Gate {
         router: values(num_experts * h, 1, 0.2),
@@ -445,6 +446,7 @@ fn a_gpu_takes_and_releases_experts_while_serving() {
         max_rows: 16,
         host_io: true,
         storage: ExpertStorage::Bf16,
+        activation: Default::default(),
     };
     let mut held = GpuExperts::new(&gpu, shape, &[(0, 0), (0, 1)], 0.5, None).unwrap();
     held.upload(0, 0, &experts[0]).unwrap();
@@ -549,4 +551,91 @@ fn gpu_kv_caches_take_blocks_of_the_pool_and_a_full_pool_fails_clearly() {
         .unwrap();
     assert_eq!(logits[0].len(), engine.config().vocab_size);
     assert_eq!(second.len(), 3);
+}
+
+/// The SwiGLU kernel's three activations against the CPU's: plain, gpt-oss's clamped one and
+/// DeepSeek-V4's, on FP8 experts (the activation a quantized block carries) and on bf16 ones
+/// (V4's clamp read off their projections), with inputs large enough that the clamps bite;
+/// an expert with another activation than the GPU's is refused by name.
+#[test]
+fn the_swiglu_kernel_computes_each_activation_as_the_cpu() {
+    use moe_node::compute::cuda::GpuExperts;
+    use moe_node::compute::cuda::experts::RunOutcome;
+    use moe_node::compute::quant::SwiGluActivation;
+    let Some(gpu) = gpu_or_skip() else { return };
+    let (h, i) = (64, 32);
+    let rows = widen(&values(4 * h, 77, 3.0));
+    let activations = [
+        SwiGluActivation::Silu,
+        SwiGluActivation::ClampedGptOss {
+            alpha: 1.702,
+            limit: 0.5,
+        },
+        SwiGluActivation::Clamped { limit: 0.4 },
+    ];
+    for activation in activations {
+        for form in [Form::Fp8([16, 16]), Form::Bf16] {
+            let expert = match (random_expert(form, h, i, 700), activation) {
+                (ExpertWeights::Quantized(mut q), _) => {
+                    q.activation = activation;
+                    ExpertWeights::Quantized(q)
+                }
+                (bf16 @ ExpertWeights::Bf16(_), SwiGluActivation::Silu) => bf16,
+                (ExpertWeights::Bf16(mut b), SwiGluActivation::Clamped { limit }) => {
+                    b.gate.clamp = Some([f32::NEG_INFINITY, limit]);
+                    b.up.clamp = Some([-limit, limit]);
+                    ExpertWeights::Bf16(b)
+                }
+                // gpt-oss's activation is a quantized block's or folded into f32 weights.
+                _ => continue,
+            };
+            let shape = ExpertShape {
+                hidden: h,
+                intermediate: i,
+                num_experts: 2,
+                max_rows: 16,
+                host_io: true,
+                storage: ExpertStorage::of(&expert, h, i).0,
+                activation,
+            };
+            let mut held = GpuExperts::new(&gpu, shape, &[(0, 0), (0, 1)], 0.5, None).unwrap();
+            held.upload(0, 0, &expert).unwrap();
+            let expected = expert.forward_with(&rows, 4, false);
+            match held.run(0, &[(0, &rows)]).unwrap() {
+                RunOutcome::Done(out) => {
+                    assert_close(&out[0], &expected, 0.03, &format!("{activation:?}"))
+                }
+                RunOutcome::NotHeld(e) => panic!("expert {e} not held"),
+            }
+            // The clamps bite: the unclamped block computes something else.
+            if activation != SwiGluActivation::Silu {
+                let plain = match &expert {
+                    ExpertWeights::Quantized(q) => {
+                        let mut q = q.clone();
+                        q.activation = SwiGluActivation::Silu;
+                        ExpertWeights::Quantized(q)
+                    }
+                    ExpertWeights::Bf16(b) => {
+                        let mut b = b.clone();
+                        (b.gate.clamp, b.up.clamp) = (None, None);
+                        ExpertWeights::Bf16(b)
+                    }
+                    ExpertWeights::F32(_) => unreachable!(),
+                };
+                let unclamped = plain.forward_with(&rows, 4, false);
+                let largest = expected.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let apart = unclamped
+                    .iter()
+                    .zip(&expected)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max);
+                assert!(
+                    apart > 0.1 * largest,
+                    "{activation:?}: the clamps change nothing"
+                );
+                let err = held.upload(0, 1, &plain).unwrap_err().to_string();
+                assert!(err.contains("activation"), "{err}");
+            }
+        }
+    }
 }

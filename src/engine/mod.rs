@@ -80,12 +80,12 @@ impl<'a> SequenceStep<'a> {
     }
 }
 
-/// What the GPU backend lacks of DeepSeek-V4, which runs on the CPU only (its dense part in
-/// [`deepseek_v4`], its experts on CPU slots).
-pub const DEEPSEEK_V4_APART: &str = "DeepSeek-V4 (`deepseek_v4`) parts: its compressed \
+/// What the GPU backend lacks of DeepSeek-V4's dense part, which runs on the CPU only (in
+/// [`deepseek_v4`]); its experts run on GPUs (their clamped SwiGLU in the kernel) or CPU slots.
+pub const DEEPSEEK_V4_APART: &str = "DeepSeek-V4 (`deepseek_v4`) dense parts: its compressed \
     attention (compressor, lightning indexer, window and sinks over one shared key-value head), \
-    hash-routed sqrtsoftplus gate and hyper-connections, and its experts' clamped SwiGLU \
-    (`swiglu_limit`); it runs on the CPU only (devices.backend = \"cpu\")";
+    hash-routed sqrtsoftplus gate and hyper-connections; its dense part runs on the CPU only \
+    (devices.dense_on_gpu = false keeps it there while its experts run on GPUs)";
 
 /// A loaded model ready to run steps.
 pub struct Engine {

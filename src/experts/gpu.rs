@@ -41,9 +41,8 @@ pub struct GpuOptions {
 pub fn experts_the_gpu_lacks(config: &ModelConfig) -> Option<&'static str> {
     match config.moe.activation {
         ExpertActivation::Silu => None,
-        ExpertActivation::ClampedSwiglu { .. } => {
-            Some("biases or clamped SwiGLU (gpt-oss's activation)")
-        }
+        // Its clamped SwiGLU the kernel computes; not the biases that go with it.
+        ExpertActivation::ClampedSwiglu { .. } => Some("biases (gpt-oss's experts have them)"),
     }
 }
 
@@ -84,6 +83,19 @@ pub fn load_experts(
         }
         None => ExpertStorage::Bf16,
     };
+    // The first expert's activation is the device's too (a model's experts share theirs).
+    let activation = match &first {
+        Some((layer, expert, weights)) => {
+            ExpertStorage::activation_of(weights).map_err(|reason| {
+                CudaError::Unsupported(format!(
+                    "{} experts (expert {expert} of layer {layer}): {reason}; run them on CPU \
+                 slots (devices.backend = \"cpu\")",
+                    config.model_type
+                ))
+            })?
+        }
+        None => Default::default(),
+    };
     let mut held = loop {
         let shape = ExpertShape {
             hidden: h,
@@ -92,6 +104,7 @@ pub fn load_experts(
             max_rows: options.max_rows,
             host_io: true,
             storage,
+            activation,
         };
         let mut held = GpuExperts::new(
             gpu,

@@ -237,6 +237,7 @@ pub fn gpu_work_bytes(model: &ModelConfig, max_rows: usize) -> u64 {
         max_rows,
         host_io: true,
         storage,
+        activation: Default::default(),
     };
     shape.bytes_needed(0) as u64
 }

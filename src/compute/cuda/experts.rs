@@ -23,6 +23,7 @@ use super::storage::{ExpertStorage, MatrixForm};
 use super::{CudaError, GpuInfo};
 use crate::compute::expert::ExpertWeights;
 use crate::compute::fill::DummyFill;
+use crate::compute::quant::SwiGluActivation;
 
 /// Bytes cuBLAS may use for its own work on top of the sized buffers.
 const BLAS_RESERVE: usize = 64 << 20;
@@ -50,6 +51,8 @@ pub struct ExpertShape {
     pub host_io: bool,
     /// The form the experts are held in.
     pub storage: ExpertStorage,
+    /// How the gate and up products join: every expert of a device alike.
+    pub activation: SwiGluActivation,
 }
 
 impl ExpertShape {
@@ -334,11 +337,24 @@ impl GpuExperts {
         expert: u32,
         weights: &ExpertWeights,
     ) -> Result<(), CudaError> {
-        let (h, i) = (self.shape.hidden, self.shape.intermediate);
-        let slot = self.shape.storage.pack(weights, h, i).map_err(|reason| {
+        let slot = self.slot_of(weights).map_err(|reason| {
             CudaError::Unsupported(format!("expert {expert} of layer {layer}: {reason}"))
         })?;
         self.upload_slot(layer, expert, &slot)
+    }
+
+    /// The bytes of `weights`' slot in this device's form, or why it cannot hold them
+    /// (another form, or another activation than its experts').
+    fn slot_of(&self, weights: &ExpertWeights) -> Result<Vec<u8>, String> {
+        let activation = ExpertStorage::activation_of(weights)?;
+        if activation != self.shape.activation {
+            return Err(format!(
+                "its activation is {activation:?}, this GPU's experts' {:?}",
+                self.shape.activation
+            ));
+        }
+        let (h, i) = (self.shape.hidden, self.shape.intermediate);
+        self.shape.storage.pack(weights, h, i)
     }
 
     /// Writes one expert's slot, as [`ExpertStorage::pack`] makes it.
@@ -660,8 +676,8 @@ impl GpuExperts {
             self.kernels.swiglu(
                 &self.stream,
                 gate_up + (start * 2 * i * 2) as u64,
-                end - start,
-                i,
+                (end - start, i),
+                self.shape.activation,
                 act + (start * i * 2) as u64,
             )?
         };

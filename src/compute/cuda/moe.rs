@@ -11,6 +11,7 @@ use super::storage::MatrixForm;
 use super::{CudaError, GpuInfo};
 use crate::compute::fill::DummyFill;
 use crate::compute::gate::GatingConfig;
+use crate::compute::quant::SwiGluActivation;
 
 /// The kernels of `kernels/moe.cu`, loaded into one device's context.
 pub struct MoeKernels {
@@ -289,7 +290,8 @@ impl MoeKernels {
         Ok(())
     }
 
-    /// `out[r] = silu(gate_up[r][..inter]) · gate_up[r][inter..]`, bf16.
+    /// `out[r] = act(gate_up[r][..inter], gate_up[r][inter..])`, bf16: `silu(gate) · up`, or
+    /// gpt-oss's or DeepSeek-V4's clamped form ([`SwiGluActivation`]).
     ///
     /// # Safety
     /// `gate_up`: `[rows, 2 · inter]` bf16; `out`: room for `[rows, inter]` bf16.
@@ -297,11 +299,16 @@ impl MoeKernels {
         &self,
         stream: &CudaStream,
         gate_up: u64,
-        rows: usize,
-        inter: usize,
+        (rows, inter): (usize, usize),
+        activation: SwiGluActivation,
         out: u64,
     ) -> Result<(), CudaError> {
         let (rows_i, inter_i) = (rows as i32, inter as i32);
+        let (mode, alpha, limit): (i32, f32, f32) = match activation {
+            SwiGluActivation::Silu => (0, 0.0, 0.0),
+            SwiGluActivation::ClampedGptOss { alpha, limit } => (1, alpha, limit),
+            SwiGluActivation::Clamped { limit } => (2, 0.0, limit),
+        };
         // SAFETY: as the caller vouches; arguments match moe.cu.
         unsafe {
             stream
@@ -309,6 +316,9 @@ impl MoeKernels {
                 .arg(&gate_up)
                 .arg(&rows_i)
                 .arg(&inter_i)
+                .arg(&mode)
+                .arg(&alpha)
+                .arg(&limit)
                 .arg(&out)
                 .launch(elementwise(rows * inter))?;
         }

@@ -185,6 +185,36 @@ impl ExpertStorage {
         }
     }
 
+    /// How `weights`' gate and up products join, as the GPU's SwiGLU kernel computes it:
+    /// a quantized block's activation, or the clamps on a bf16 or f32 block's projections
+    /// (DeepSeek-V4's `min(gate, l)` and `clamp(up, -l, l)` are [`SwiGluActivation::Clamped`]);
+    /// an error for what the slots do not hold: biases (gpt-oss's), other clamps (gpt-oss's
+    /// folded into f32 weights).
+    pub fn activation_of(weights: &ExpertWeights) -> Result<SwiGluActivation, String> {
+        let (biased, activation) = match weights {
+            ExpertWeights::Quantized(b) => (
+                [&b.gate, &b.up, &b.down].iter().any(|m| m.bias.is_some()),
+                Ok(b.activation),
+            ),
+            ExpertWeights::F32(b) => (
+                [&b.gate, &b.up, &b.down].iter().any(|m| m.bias.is_some()),
+                clamps_activation([b.gate.clamp, b.up.clamp, b.down.clamp]),
+            ),
+            ExpertWeights::Bf16(b) => (
+                [&b.gate, &b.up, &b.down].iter().any(|m| m.bias.is_some()),
+                clamps_activation([b.gate.clamp, b.up.clamp, b.down.clamp]),
+            ),
+        };
+        if biased {
+            return Err(
+                "the expert has biases (gpt-oss's), which the GPU's expert slots do \
+                        not hold"
+                    .into(),
+            );
+        }
+        activation
+    }
+
     /// Where the parts of a slot for experts of hidden size `h` and intermediate size `i`
     /// lie.
     pub fn layout(&self, h: usize, i: usize) -> SlotLayout {
@@ -285,16 +315,7 @@ impl ExpertStorage {
                 "the expert's matrices are {shapes:?}, not gate and up [{i}, {h}] and down [{h}, {i}]"
             ));
         }
-        if let ExpertWeights::Quantized(b) = weights
-            && (b.activation != SwiGluActivation::Silu
-                || [&b.gate, &b.up, &b.down].iter().any(|m| m.bias.is_some()))
-        {
-            return Err(format!(
-                "the expert has biases or a clamped activation ({:?}), which the GPU's expert \
-                 slots do not hold",
-                b.activation
-            ));
-        }
+        Self::activation_of(weights)?;
         match (self, weights) {
             (ExpertStorage::Bf16, ExpertWeights::F32(b)) => {
                 put_bf16(&mut slot, 0, &[&b.gate.weight, &b.up.weight]);
@@ -392,6 +413,22 @@ impl ExpertStorage {
             _ => return Err(mismatch()),
         }
         Ok(())
+    }
+}
+
+/// The activation the clamps on a SwiGLU block's gate, up and down outputs make.
+fn clamps_activation(clamps: [Option<[f32; 2]>; 3]) -> Result<SwiGluActivation, String> {
+    match clamps {
+        [None, None, None] => Ok(SwiGluActivation::Silu),
+        [Some([f32::NEG_INFINITY, gate]), Some([low, high]), None]
+            if gate == high && low == -high =>
+        {
+            Ok(SwiGluActivation::Clamped { limit: high })
+        }
+        other => Err(format!(
+            "the expert's outputs are clamped ({other:?}) other than as DeepSeek-V4's \
+             clamped SwiGLU, which the GPU's SwiGLU kernel does not compute"
+        )),
     }
 }
 
@@ -680,8 +717,9 @@ mod tests {
         assert!(err.contains("not all bf16 values"), "{err}");
     }
 
-    /// MXFP4 experts are widened to bf16 on upload (the log says why); gpt-oss's, with biases
-    /// and a clamped activation, are refused rather than held without them.
+    /// MXFP4 experts are widened to bf16 on upload (the log says why); a clamped activation
+    /// is the block's to say (the SwiGLU kernel computes it); gpt-oss's biases are refused
+    /// rather than held without them.
     #[test]
     fn mxfp4_experts_are_widened_at_upload_and_biased_ones_refused() {
         let (h, i) = (64, 32);
@@ -704,17 +742,46 @@ mod tests {
             alpha: 1.702,
             limit: 7.0,
         };
-        let err = storage
-            .pack(&ExpertWeights::Quantized(clamped), h, i)
-            .unwrap_err();
-        assert!(err.contains("clamped activation"), "{err}");
+        let clamped = ExpertWeights::Quantized(clamped);
+        assert_eq!(storage.pack(&clamped, h, i).unwrap(), slot);
+        assert_eq!(
+            ExpertStorage::activation_of(&clamped),
+            Ok(SwiGluActivation::ClampedGptOss {
+                alpha: 1.702,
+                limit: 7.0
+            })
+        );
         let mut biased = b.clone();
         biased.down.bias = Some(vec![0.5; h]);
-        assert!(
-            storage
-                .pack(&ExpertWeights::Quantized(biased), h, i)
-                .is_err()
+        let err = storage
+            .pack(&ExpertWeights::Quantized(biased), h, i)
+            .unwrap_err();
+        assert!(err.contains("biases"), "{err}");
+    }
+
+    /// A bf16 or f32 block's clamps read as DeepSeek-V4's clamped SwiGLU where they are its
+    /// (`min(gate, l)`, `clamp(up, -l, l)`), and are refused otherwise.
+    #[test]
+    fn clamps_on_the_projections_are_v4s_activation_or_refused() {
+        let expert = bf16_expert();
+        assert_eq!(
+            ExpertStorage::activation_of(&expert),
+            Ok(SwiGluActivation::Silu)
         );
+        let ExpertWeights::Bf16(mut block) = expert else {
+            unreachable!()
+        };
+        block.gate.clamp = Some([f32::NEG_INFINITY, 10.0]);
+        block.up.clamp = Some([-10.0, 10.0]);
+        let v4 = ExpertWeights::Bf16(block.clone());
+        assert_eq!(
+            ExpertStorage::activation_of(&v4),
+            Ok(SwiGluActivation::Clamped { limit: 10.0 })
+        );
+        assert!(ExpertStorage::Bf16.pack(&v4, H, I).is_ok());
+        block.up.clamp = Some([-9.0, 11.0]);
+        let err = ExpertStorage::activation_of(&ExpertWeights::Bf16(block)).unwrap_err();
+        assert!(err.contains("clamped"), "{err}");
     }
 
     #[test]

@@ -14,11 +14,10 @@ use crate::compute::cuda::{self, CudaError};
 use crate::experts::gpu::{GpuLocalExperts, GpuOptions, LoadError};
 use crate::model::{ModelConfig, ModelSource};
 
-/// Why DeepSeek-V4 goes to no GPU, neither its dense part nor its experts: what the GPU
-/// backend lacks of it ([`super::DEEPSEEK_V4_APART`]). Its experts are refused here, not by the
-/// expert loader's own check (`experts_the_gpu_lacks`, which reads the config's activation:
-/// plain SiLU for DeepSeek-V4, whose clamp is set on each loaded expert), which would let them
-/// load and compute unclamped.
+/// Why DeepSeek-V4's dense part goes to no GPU: what the GPU backend lacks of it
+/// ([`super::DEEPSEEK_V4_APART`]). Its experts go (their clamp is the SwiGLU kernel's
+/// [`SwiGluActivation::Clamped`](crate::compute::quant::SwiGluActivation::Clamped), read off
+/// each loaded expert by the expert loader).
 pub fn deepseek_v4_refused(config: &ModelConfig) -> Option<CudaError> {
     config.deepseek_v4.as_ref().map(|_| {
         CudaError::Unsupported(format!(
@@ -48,9 +47,6 @@ pub fn engine_on_gpu(
     })?;
     let memory_fraction = 0.9;
     let mut engine = Engine::load_with::<LoadError>(source, |checkpoint, config| {
-        if let Some(refused) = deepseek_v4_refused(config) {
-            return Err(refused.into());
-        }
         let options = GpuOptions {
             max_rows: PREFILL_CHUNK * config.moe.top_k,
             memory_fraction,

@@ -19,13 +19,12 @@ impl GpuExperts {
         experts: &[((usize, u32), &ExpertWeights)],
         memory_fraction: f64,
     ) -> Result<usize, CudaError> {
-        let (h, i) = (self.shape.hidden, self.shape.intermediate);
         let mut packed = Vec::new();
         for &(key, weights) in experts {
             if self.index.contains_key(&key) || packed.iter().any(|(k, _)| *k == key) {
                 continue;
             }
-            let slot = self.shape.storage.pack(weights, h, i).map_err(|reason| {
+            let slot = self.slot_of(weights).map_err(|reason| {
                 CudaError::Unsupported(format!(
                     "expert {} of layer {}: {reason} (this GPU holds {})",
                     key.1,

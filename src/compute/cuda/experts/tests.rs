@@ -8,6 +8,7 @@ fn kimi() -> ExpertShape {
         max_rows: 512 * 8,
         host_io: true,
         storage: ExpertStorage::Bf16,
+        activation: Default::default(),
     }
 }
 

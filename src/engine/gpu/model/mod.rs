@@ -208,7 +208,16 @@ impl GpuModel {
         self.linear(&m.gate_up, x, rows, gate_up, Output::Bf16)?;
         let act = scratch.bf16(rows * inter)?;
         // SAFETY: `gate_up`: `[rows, 2·I]` bf16; `act`: room for `[rows, I]` bf16.
-        unsafe { self.moe.swiglu(&self.stream, gate_up, rows, inter, act)? };
+        // The dense MLPs and shared experts this backend takes are plain SwiGLU.
+        unsafe {
+            self.moe.swiglu(
+                &self.stream,
+                gate_up,
+                (rows, inter),
+                crate::compute::quant::SwiGluActivation::Silu,
+                act,
+            )?
+        };
         let out = scratch.f32(rows * m.down.out)?;
         self.linear(&m.down, act, rows, out, Output::F32)?;
         Ok(out)
