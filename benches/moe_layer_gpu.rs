@@ -215,6 +215,7 @@ fn main() {
                 host_io: true,
                 storage,
                 activation: Default::default(),
+                biases: false,
             };
             // Kimi K2's router: sigmoid scores, one group, normalised, scaled.
             let gate = Gate {

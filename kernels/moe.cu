@@ -200,6 +200,20 @@ extern "C" __global__ void swiglu(const bf16* gate_up, int rows, int inter, int 
     }
 }
 
+// Adds each group's bias to its rows of a grouped product's output: group g (blockIdx.y)
+// has rows[g] rows of `width` at c[g], and its f32 bias `bias_offset` bytes into its slot.
+extern "C" __global__ void add_bias(bf16* const* c, const unsigned char* const* slots,
+                                    const int* rows, long long bias_offset, int width) {
+    int g = blockIdx.y;
+    const float* bias = (const float*)(slots[g] + bias_offset);
+    bf16* out = c[g];
+    size_t n = (size_t)rows[g] * width;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        out[i] = f32_to_bf16(bf16_to_f32(out[i]) + bias[i % width]);
+    }
+}
+
 // f32 rows to bf16 (the router's activations to the experts' precision).
 extern "C" __global__ void to_bf16(const float* in, size_t n, bf16* out) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;

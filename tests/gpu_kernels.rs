@@ -79,6 +79,7 @@ fn check_layer(gating: GatingConfig, num_experts: usize, top_k: usize, bias: boo
         host_io: false,
         storage,
         activation: Default::default(),
+        biases: false,
     };
     let gate = Gate {
         router: values(num_experts * h, 1, 0.2),
@@ -447,6 +448,7 @@ fn a_gpu_takes_and_releases_experts_while_serving() {
         host_io: true,
         storage: ExpertStorage::Bf16,
         activation: Default::default(),
+        biases: false,
     };
     let mut held = GpuExperts::new(&gpu, shape, &[(0, 0), (0, 1)], 0.5, None).unwrap();
     held.upload(0, 0, &experts[0]).unwrap();
@@ -597,6 +599,7 @@ fn the_swiglu_kernel_computes_each_activation_as_the_cpu() {
                 host_io: true,
                 storage: ExpertStorage::of(&expert, h, i).0,
                 activation,
+                biases: false,
             };
             let mut held = GpuExperts::new(&gpu, shape, &[(0, 0), (0, 1)], 0.5, None).unwrap();
             held.upload(0, 0, &expert).unwrap();
@@ -638,4 +641,78 @@ fn the_swiglu_kernel_computes_each_activation_as_the_cpu() {
             }
         }
     }
+}
+
+/// Experts with biases (gpt-oss's) on a GPU: each group's rows get its own expert's biases
+/// after both products, through the GEMV kernel (a few rows) and the widened grouped GEMM
+/// (more), as the CPU computes them; an expert without biases is refused by a GPU whose
+/// experts have them.
+#[test]
+fn biases_are_added_per_group_after_both_products() {
+    use moe_node::compute::cuda::GpuExperts;
+    use moe_node::compute::cuda::experts::RunOutcome;
+    use moe_node::compute::quant::SwiGluActivation;
+    let Some(gpu) = gpu_or_skip() else { return };
+    let (h, i) = (64, 32);
+    let activation = SwiGluActivation::ClampedGptOss {
+        alpha: 1.702,
+        limit: 7.0,
+    };
+    let biased = |seed: u64| {
+        let ExpertWeights::Quantized(mut q) = random_expert(Form::Fp8([16, 16]), h, i, seed) else {
+            unreachable!()
+        };
+        q.activation = activation;
+        for (n, m) in [&mut q.gate, &mut q.up, &mut q.down]
+            .into_iter()
+            .enumerate()
+        {
+            let b = widen(&values(m.out_features, seed * 7 + n as u64, 0.5));
+            m.bias = Some(b);
+        }
+        ExpertWeights::Quantized(q)
+    };
+    let experts = [biased(800), biased(810)];
+    let shape = ExpertShape {
+        hidden: h,
+        intermediate: i,
+        num_experts: 2,
+        max_rows: 32,
+        host_io: true,
+        storage: ExpertStorage::of(&experts[0], h, i).0,
+        activation,
+        biases: true,
+    };
+    let mut held = GpuExperts::new(&gpu, shape, &[(0, 0), (0, 1)], 0.5, None).unwrap();
+    held.upload(0, 0, &experts[0]).unwrap();
+    held.upload(0, 1, &experts[1]).unwrap();
+    for (a, b) in [(3, 5), (12, 9)] {
+        let (x0, x1) = (
+            widen(&values(a * h, 31, 1.0)),
+            widen(&values(b * h, 32, 1.0)),
+        );
+        match held.run(0, &[(0, &x0), (1, &x1)]).unwrap() {
+            RunOutcome::Done(out) => {
+                for (n, (x, rows)) in [(&x0, a), (&x1, b)].into_iter().enumerate() {
+                    let expected = experts[n].forward_with(x, rows, false);
+                    assert_close(
+                        &out[n],
+                        &expected,
+                        0.03,
+                        &format!("{rows} rows, expert {n}"),
+                    );
+                }
+            }
+            RunOutcome::NotHeld(e) => panic!("expert {e} not held"),
+        }
+    }
+    let ExpertWeights::Quantized(mut plain) = experts[0].clone() else {
+        unreachable!()
+    };
+    (plain.gate.bias, plain.up.bias, plain.down.bias) = (None, None, None);
+    let err = held
+        .upload(0, 1, &ExpertWeights::Quantized(plain))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("biases"), "{err}");
 }

@@ -9,7 +9,6 @@ use crate::compute::cuda::experts::{ExpertShape, RunOutcome};
 use crate::compute::cuda::storage::ExpertStorage;
 use crate::compute::cuda::{CudaError, GpuExperts, GpuInfo};
 use crate::experts::{DeviceRows, ExpertError, ExpertExecutor};
-use crate::model::config::ExpertActivation;
 use crate::model::weights::{dummy_expert, load_expert};
 use crate::model::{Checkpoint, ExpertWeights, ModelConfig, ModelError};
 use crate::moe::DispatchPlan;
@@ -35,17 +34,8 @@ pub struct GpuOptions {
 /// Loads `experts` onto a GPU: checks they fit, uploads them in their stored form (bf16, or
 /// FP8 or INT4 as the checkpoint quantizes them; [`ExpertStorage::of`] says when a form is
 /// widened to bf16 instead), or makes a dummy checkpoint's on the device, then checks that
-/// the GPU computes the first of them as the CPU does before the device takes work.
-/// What a family's routed experts need that the GPU's expert storage and kernels do not
-/// have (they hold the three weight matrices of a SwiGLU and nothing else).
-pub fn experts_the_gpu_lacks(config: &ModelConfig) -> Option<&'static str> {
-    match config.moe.activation {
-        ExpertActivation::Silu => None,
-        // Its clamped SwiGLU the kernel computes; not the biases that go with it.
-        ExpertActivation::ClampedSwiglu { .. } => Some("biases (gpt-oss's experts have them)"),
-    }
-}
-
+/// the GPU computes the first of them as the CPU does before the device takes work. The
+/// first expert's activation and biases are the device's ([`ExpertShape`]).
 pub fn load_experts(
     gpu: &GpuInfo,
     options: &GpuOptions,
@@ -53,14 +43,6 @@ pub fn load_experts(
     config: &ModelConfig,
     experts: &[(usize, u32)],
 ) -> Result<GpuExperts, LoadError> {
-    if let Some(lacks) = experts_the_gpu_lacks(config) {
-        return Err(CudaError::Unsupported(format!(
-            "{} experts: the GPU's expert kernels have no {lacks}; run them on CPU slots \
-             (devices.backend = \"cpu\")",
-            config.model_type
-        ))
-        .into());
-    }
     let (h, i) = (config.hidden_size, config.moe.expert_intermediate_size);
     // The first expert's form is the device's: a checkpoint stores its experts alike. One
     // that does not (other blocks, scales of another width) sets a form holding both, and
@@ -105,6 +87,9 @@ pub fn load_experts(
             host_io: true,
             storage,
             activation,
+            biases: first
+                .as_ref()
+                .is_some_and(|(_, _, w)| ExpertStorage::biases_of(w).is_some()),
         };
         let mut held = GpuExperts::new(
             gpu,

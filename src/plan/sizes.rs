@@ -238,6 +238,11 @@ pub fn gpu_work_bytes(model: &ModelConfig, max_rows: usize) -> u64 {
         host_io: true,
         storage,
         activation: Default::default(),
+        // gpt-oss's experts carry biases after their matrices.
+        biases: matches!(
+            model.moe.activation,
+            crate::model::config::ExpertActivation::ClampedSwiglu { .. }
+        ),
     };
     shape.bytes_needed(0) as u64
 }

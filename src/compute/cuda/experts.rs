@@ -21,7 +21,6 @@ use rayon::prelude::*;
 use super::moe::MoeKernels;
 use super::storage::{ExpertStorage, MatrixForm};
 use super::{CudaError, GpuInfo};
-use crate::compute::expert::ExpertWeights;
 use crate::compute::fill::DummyFill;
 use crate::compute::quant::SwiGluActivation;
 
@@ -53,6 +52,9 @@ pub struct ExpertShape {
     pub storage: ExpertStorage,
     /// How the gate and up products join: every expert of a device alike.
     pub activation: SwiGluActivation,
+    /// The experts have biases (gpt-oss's): f32, gate's, up's and down's, after each slot's
+    /// matrices ([`ExpertStorage::biases_of`]), added to each product's rows.
+    pub biases: bool,
 }
 
 impl ExpertShape {
@@ -63,8 +65,18 @@ impl ExpertShape {
         3 * self.hidden * self.intermediate
     }
 
-    /// Bytes one expert takes in GPU memory, in its stored form.
+    /// Bytes one expert takes in GPU memory, in its stored form (and its biases).
     pub fn slot_bytes(&self) -> usize {
+        let biases = if self.biases {
+            ((2 * self.intermediate + self.hidden) * 4).next_multiple_of(256)
+        } else {
+            0
+        };
+        self.bias_offset() + biases
+    }
+
+    /// Where a slot's biases start: after what its storage form lays out.
+    pub fn bias_offset(&self) -> usize {
         self.storage.layout(self.hidden, self.intermediate).bytes
     }
 
@@ -327,47 +339,6 @@ impl GpuExperts {
     /// Address of expert `(layer, expert)`'s slot (its gate|up matrix first).
     fn expert_ptr(&self, layer: usize, expert: u32) -> Option<u64> {
         self.index.get(&(layer, expert)).copied()
-    }
-
-    /// Writes one expert's weights in the device's form ([`ExpertStorage::pack`]): bf16
-    /// weights as they are (f32 rounded), quantized ones as stored.
-    pub fn upload(
-        &mut self,
-        layer: usize,
-        expert: u32,
-        weights: &ExpertWeights,
-    ) -> Result<(), CudaError> {
-        let slot = self.slot_of(weights).map_err(|reason| {
-            CudaError::Unsupported(format!("expert {expert} of layer {layer}: {reason}"))
-        })?;
-        self.upload_slot(layer, expert, &slot)
-    }
-
-    /// The bytes of `weights`' slot in this device's form, or why it cannot hold them
-    /// (another form, or another activation than its experts').
-    fn slot_of(&self, weights: &ExpertWeights) -> Result<Vec<u8>, String> {
-        let activation = ExpertStorage::activation_of(weights)?;
-        if activation != self.shape.activation {
-            return Err(format!(
-                "its activation is {activation:?}, this GPU's experts' {:?}",
-                self.shape.activation
-            ));
-        }
-        let (h, i) = (self.shape.hidden, self.shape.intermediate);
-        self.shape.storage.pack(weights, h, i)
-    }
-
-    /// Writes one expert's slot, as [`ExpertStorage::pack`] makes it.
-    pub fn upload_slot(&mut self, layer: usize, expert: u32, slot: &[u8]) -> Result<(), CudaError> {
-        let ptr = self
-            .expert_ptr(layer, expert)
-            .expect("upload of an expert not placed on this device");
-        assert_eq!(slot.len(), self.shape.slot_bytes(), "one slot's bytes");
-        // SAFETY: the copy fills this expert's slot of the weight buffer; the host bytes
-        // outlive it (synchronised below).
-        unsafe { result::memcpy_htod_async(ptr, slot, self.stream.cu_stream())? };
-        self.stream.synchronize()?;
-        Ok(())
     }
 
     /// Makes one expert's weights on the device from a dummy checkpoint's `fills` (gate, up,
@@ -643,7 +614,7 @@ impl GpuExperts {
                 )?;
             }
         }
-        let gemv = if gemv {
+        let group_rows = if gemv || self.shape.biases {
             let rows_host = &mut self.rows_host.as_mut_slice()?[first..][..g];
             for (r, &n) in rows_host.iter_mut().zip(&ns) {
                 *r = n as i32;
@@ -657,6 +628,7 @@ impl GpuExperts {
         } else {
             None
         };
+        let gemv = group_rows.filter(|_| gemv);
         let forms = if widen {
             [MatrixForm::Bf16; 2]
         } else {
@@ -671,6 +643,21 @@ impl GpuExperts {
             [array(0), array(1), array(2)],
             &host_ptrs[..3 * g],
         )?;
+        let bias_offset = self.shape.bias_offset() as i64;
+        if let (true, Some(rows)) = (self.shape.biases, group_rows) {
+            // SAFETY: array(2) holds each group's gate|up rows, array(6) its slot, whose
+            // biases start `bias_offset` bytes in; `rows` the groups' row counts.
+            unsafe {
+                self.kernels.add_bias(
+                    &self.stream,
+                    [array(2), array(6)],
+                    rows,
+                    g,
+                    bias_offset,
+                    2 * i,
+                )?
+            };
+        }
         // SAFETY: gate_up holds rows `start..end` of 2I, act has room for them as rows of I.
         unsafe {
             self.kernels.swiglu(
@@ -690,6 +677,20 @@ impl GpuExperts {
             [array(3), array(4), array(5)],
             &host_ptrs[3 * g..],
         )?;
+        if let (true, Some(rows)) = (self.shape.biases, group_rows) {
+            let down_biases = bias_offset + (2 * i * 4) as i64;
+            // SAFETY: as for gate|up's, with array(5) each group's output rows.
+            unsafe {
+                self.kernels.add_bias(
+                    &self.stream,
+                    [array(5), array(6)],
+                    rows,
+                    g,
+                    down_biases,
+                    h,
+                )?
+            };
+        }
         Ok(())
     }
 

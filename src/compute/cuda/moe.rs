@@ -22,6 +22,7 @@ pub struct MoeKernels {
     gather_rows: CudaFunction,
     combine_rows: CudaFunction,
     swiglu: CudaFunction,
+    add_bias: CudaFunction,
     to_bf16: CudaFunction,
     to_f32: CudaFunction,
     grouped_gemv: CudaFunction,
@@ -106,6 +107,7 @@ impl MoeKernels {
             gather_rows: f("gather_rows")?,
             combine_rows: f("combine_rows")?,
             swiglu: f("swiglu")?,
+            add_bias: f("add_bias")?,
             to_bf16: f("to_bf16")?,
             to_f32: f("to_f32")?,
             grouped_gemv: f("grouped_gemv")?,
@@ -321,6 +323,40 @@ impl MoeKernels {
                 .arg(&limit)
                 .arg(&out)
                 .launch(elementwise(rows * inter))?;
+        }
+        Ok(())
+    }
+
+    /// Adds each group's f32 bias to its `rows[g]` rows of `width` bf16 values.
+    ///
+    /// # Safety
+    /// `arrays`: device arrays of `groups` output-row pointers and slot pointers, each slot
+    /// holding `width` f32 biases `bias_offset` bytes in; `rows`: `[groups]` i32.
+    pub unsafe fn add_bias(
+        &self,
+        stream: &CudaStream,
+        [outputs, slots]: [u64; 2],
+        rows: u64,
+        groups: usize,
+        bias_offset: i64,
+        width: usize,
+    ) -> Result<(), CudaError> {
+        let width_i = width as i32;
+        let config = LaunchConfig {
+            grid_dim: (width.div_ceil(256).clamp(1, 64) as u32, groups as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: as the caller vouches; arguments match moe.cu.
+        unsafe {
+            stream
+                .launch_builder(&self.add_bias)
+                .arg(&outputs)
+                .arg(&slots)
+                .arg(&rows)
+                .arg(&bias_offset)
+                .arg(&width_i)
+                .launch(config)?;
         }
         Ok(())
     }

@@ -188,31 +188,38 @@ impl ExpertStorage {
     /// How `weights`' gate and up products join, as the GPU's SwiGLU kernel computes it:
     /// a quantized block's activation, or the clamps on a bf16 or f32 block's projections
     /// (DeepSeek-V4's `min(gate, l)` and `clamp(up, -l, l)` are [`SwiGluActivation::Clamped`]);
-    /// an error for what the slots do not hold: biases (gpt-oss's), other clamps (gpt-oss's
-    /// folded into f32 weights).
+    /// an error for other clamps (gpt-oss's folded into f32 weights).
     pub fn activation_of(weights: &ExpertWeights) -> Result<SwiGluActivation, String> {
-        let (biased, activation) = match weights {
-            ExpertWeights::Quantized(b) => (
-                [&b.gate, &b.up, &b.down].iter().any(|m| m.bias.is_some()),
-                Ok(b.activation),
-            ),
-            ExpertWeights::F32(b) => (
-                [&b.gate, &b.up, &b.down].iter().any(|m| m.bias.is_some()),
-                clamps_activation([b.gate.clamp, b.up.clamp, b.down.clamp]),
-            ),
-            ExpertWeights::Bf16(b) => (
-                [&b.gate, &b.up, &b.down].iter().any(|m| m.bias.is_some()),
-                clamps_activation([b.gate.clamp, b.up.clamp, b.down.clamp]),
-            ),
-        };
-        if biased {
-            return Err(
-                "the expert has biases (gpt-oss's), which the GPU's expert slots do \
-                        not hold"
-                    .into(),
-            );
+        match weights {
+            ExpertWeights::Quantized(b) => Ok(b.activation),
+            ExpertWeights::F32(b) => clamps_activation([b.gate.clamp, b.up.clamp, b.down.clamp]),
+            ExpertWeights::Bf16(b) => clamps_activation([b.gate.clamp, b.up.clamp, b.down.clamp]),
         }
-        activation
+    }
+
+    /// `weights`' biases as a GPU slot holds them after the matrices (f32: gate's, up's, then
+    /// down's; zeros for a projection without one), or `None` where it has none.
+    pub fn biases_of(weights: &ExpertWeights) -> Option<Vec<f32>> {
+        let biases: [(Option<&Vec<f32>>, usize); 3] = match weights {
+            ExpertWeights::Quantized(b) => {
+                [&b.gate, &b.up, &b.down].map(|m| (m.bias.as_ref(), m.out_features))
+            }
+            ExpertWeights::F32(b) => {
+                [&b.gate, &b.up, &b.down].map(|l| (l.bias.as_ref(), l.out_features))
+            }
+            ExpertWeights::Bf16(b) => {
+                [&b.gate, &b.up, &b.down].map(|l| (l.bias.as_ref(), l.out_features))
+            }
+        };
+        biases.iter().any(|(b, _)| b.is_some()).then(|| {
+            biases
+                .iter()
+                .flat_map(|&(b, n)| match b {
+                    Some(b) => b.clone(),
+                    None => vec![0.0; n],
+                })
+                .collect()
+        })
     }
 
     /// Where the parts of a slot for experts of hidden size `h` and intermediate size `i`
@@ -315,6 +322,9 @@ impl ExpertStorage {
                 "the expert's matrices are {shapes:?}, not gate and up [{i}, {h}] and down [{h}, {i}]"
             ));
         }
+        // The activation is the kernel's to apply, the biases the device's to place
+        // (`GpuExperts`): neither is part of these bytes, but a clamp the kernel cannot
+        // compute is refused here too.
         Self::activation_of(weights)?;
         match (self, weights) {
             (ExpertStorage::Bf16, ExpertWeights::F32(b)) => {
@@ -718,10 +728,10 @@ mod tests {
     }
 
     /// MXFP4 experts are widened to bf16 on upload (the log says why); a clamped activation
-    /// is the block's to say (the SwiGLU kernel computes it); gpt-oss's biases are refused
-    /// rather than held without them.
+    /// is the block's to say (the SwiGLU kernel computes it), and biases are read out for the
+    /// device to place after the slot's matrices.
     #[test]
-    fn mxfp4_experts_are_widened_at_upload_and_biased_ones_refused() {
+    fn mxfp4_experts_are_widened_at_upload_and_their_biases_read_out() {
         let (h, i) = (64, 32);
         let m = |rows: usize, cols: usize| {
             let blocks = (0..rows * cols / 2).map(|n| (n * 37 % 256) as u8).collect();
@@ -753,10 +763,13 @@ mod tests {
         );
         let mut biased = b.clone();
         biased.down.bias = Some(vec![0.5; h]);
-        let err = storage
-            .pack(&ExpertWeights::Quantized(biased), h, i)
-            .unwrap_err();
-        assert!(err.contains("biases"), "{err}");
+        let biased = ExpertWeights::Quantized(biased);
+        assert_eq!(storage.pack(&biased, h, i).unwrap(), slot);
+        let biases = ExpertStorage::biases_of(&biased).unwrap();
+        assert_eq!(biases.len(), 2 * i + h);
+        assert_eq!(biases[2 * i - 1], 0.0);
+        assert_eq!(biases[2 * i], 0.5);
+        assert_eq!(ExpertStorage::biases_of(&expert), None);
     }
 
     /// A bf16 or f32 block's clamps read as DeepSeek-V4's clamped SwiGLU where they are its

@@ -1,15 +1,76 @@
-//! Experts a GPU takes and lets go of while serving, as a CPU slot does when the cluster
-//! moves to a new placement (copy, then switch, then release): new experts go into slots
-//! let go of before, else into a new buffer sized for them; experts let go of leave their
-//! slot for the next ones. The device actor does this between two runs, so no kernel reads
-//! a slot while it is written.
+//! A GPU's expert slots: an expert's bytes in the device's form, written at load
+//! ([`GpuExperts::upload`]), and experts taken and let go of while serving, as a CPU slot
+//! does when the cluster moves to a new placement (copy, then switch, then release): new
+//! experts go into slots let go of before, else into a new buffer sized for them; experts let
+//! go of leave their slot for the next ones. The device actor does this between two runs, so
+//! no kernel reads a slot while it is written.
 
 use super::{Buffer, GpuExperts};
 use crate::compute::cuda::CudaError;
+use crate::compute::cuda::storage::ExpertStorage;
 use crate::compute::expert::ExpertWeights;
 use cudarc::driver::result;
 
 impl GpuExperts {
+    /// Writes one expert's weights in the device's form ([`ExpertStorage::pack`]): bf16
+    /// weights as they are (f32 rounded), quantized ones as stored.
+    pub fn upload(
+        &mut self,
+        layer: usize,
+        expert: u32,
+        weights: &ExpertWeights,
+    ) -> Result<(), CudaError> {
+        let slot = self.slot_of(weights).map_err(|reason| {
+            CudaError::Unsupported(format!("expert {expert} of layer {layer}: {reason}"))
+        })?;
+        self.upload_slot(layer, expert, &slot)
+    }
+
+    /// The bytes of `weights`' slot in this device's form, or why it cannot hold them
+    /// (another form, or another activation than its experts').
+    fn slot_of(&self, weights: &ExpertWeights) -> Result<Vec<u8>, String> {
+        let activation = ExpertStorage::activation_of(weights)?;
+        if activation != self.shape.activation {
+            return Err(format!(
+                "its activation is {activation:?}, this GPU's experts' {:?}",
+                self.shape.activation
+            ));
+        }
+        let (h, i) = (self.shape.hidden, self.shape.intermediate);
+        let mut slot = self.shape.storage.pack(weights, h, i)?;
+        match (ExpertStorage::biases_of(weights), self.shape.biases) {
+            (None, false) => {}
+            (Some(biases), true) => {
+                slot.resize(self.shape.slot_bytes(), 0);
+                let at = self.shape.bias_offset();
+                for (chunk, b) in slot[at..].chunks_exact_mut(4).zip(biases) {
+                    chunk.copy_from_slice(&b.to_le_bytes());
+                }
+            }
+            (_, held) => {
+                return Err(format!(
+                    "this GPU's experts {} biases, and this one {}",
+                    if held { "have" } else { "have no" },
+                    if held { "has none" } else { "has" }
+                ));
+            }
+        }
+        Ok(slot)
+    }
+
+    /// Writes one expert's slot, as [`ExpertStorage::pack`] makes it.
+    pub fn upload_slot(&mut self, layer: usize, expert: u32, slot: &[u8]) -> Result<(), CudaError> {
+        let ptr = self
+            .expert_ptr(layer, expert)
+            .expect("upload of an expert not placed on this device");
+        assert_eq!(slot.len(), self.shape.slot_bytes(), "one slot's bytes");
+        // SAFETY: the copy fills this expert's slot of the weight buffer; the host bytes
+        // outlive it (synchronised below).
+        unsafe { result::memcpy_htod_async(ptr, slot, self.stream.cu_stream())? };
+        self.stream.synchronize()?;
+        Ok(())
+    }
+
     /// Takes `experts` (those not held yet), each in the device's form: every one is packed
     /// first, so an expert the form cannot hold refuses the whole share before any memory
     /// is touched; new memory is checked against `memory_fraction` of what is free. An

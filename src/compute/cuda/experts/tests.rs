@@ -9,6 +9,7 @@ fn kimi() -> ExpertShape {
         host_io: true,
         storage: ExpertStorage::Bf16,
         activation: Default::default(),
+        biases: false,
     }
 }
 
