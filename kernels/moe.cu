@@ -202,8 +202,8 @@ extern "C" __global__ void swiglu(const bf16* gate_up, int rows, int inter, int 
 
 // Adds each group's bias to its rows of a grouped product's output: group g (blockIdx.y)
 // has rows[g] rows of `width` at c[g], and its f32 bias `bias_offset` bytes into its slot.
-extern "C" __global__ void add_bias(bf16* const* c, const unsigned char* const* slots,
-                                    const int* rows, long long bias_offset, int width) {
+extern "C" __global__ void add_group_bias(bf16* const* c, const unsigned char* const* slots,
+                                          const int* rows, long long bias_offset, int width) {
     int g = blockIdx.y;
     const float* bias = (const float*)(slots[g] + bias_offset);
     bf16* out = c[g];

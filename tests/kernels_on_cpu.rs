@@ -241,30 +241,53 @@ fn permutation_and_combine_match_the_dispatch_plan() {
     }
 }
 
+/// The SwiGLU kernel's three activations (plain, gpt-oss's clamped, DeepSeek-V4's clamped)
+/// against their definitions in f32, rounded to bf16; the inputs reach the clamps.
 #[test]
-fn swiglu_matches_silu_times_up_in_bf16() {
+fn swiglu_matches_each_activation_in_bf16() {
     let Some(exe) = harness() else { return };
     let (rows, inter) = (3usize, 40usize);
     let gate_up: Vec<f32> = values(rows * 2 * inter, 21)
         .iter()
         .map(|v| v * 6.0)
         .collect();
-    let out = run(
-        exe,
-        "swiglu",
-        &format!("{rows} {inter}\n{}\n", join(&gate_up)),
-    );
-    let r = |v: f32| bf16::from_f32(v).to_f32();
-    for row in 0..rows {
-        for c in 0..inter {
-            let g = r(gate_up[row * 2 * inter + c]);
-            let u = r(gate_up[row * 2 * inter + inter + c]);
-            let want = bf16::from_f32(g / (1.0 + (-g).exp()) * u);
-            let got = bf16::from_bits(out[0][row * inter + c] as u16);
-            // expf may differ from Rust's exp in the last place of f32: one bf16 step at most.
-            let steps = (got.to_bits() as i32 - want.to_bits() as i32).abs();
-            assert!(steps <= 1, "swiglu({g}, {u}) = {got}, want {want}");
+    let silu = |v: f32| v / (1.0 + (-v).exp());
+    let (alpha, limit) = (1.702f32, 1.5f32);
+    let activations: [(i32, &dyn Fn(f32, f32) -> f32); 3] = [
+        (0, &|g, u| silu(g) * u),
+        (1, &|g, u| {
+            let g0 = g.min(limit);
+            (u.clamp(-limit, limit) + 1.0) * g0 / (1.0 + (-alpha * g0).exp())
+        }),
+        (2, &|g, u| silu(g.min(limit)) * u.clamp(-limit, limit)),
+    ];
+    for (mode, activation) in activations {
+        let out = run(
+            exe,
+            "swiglu",
+            &format!(
+                "{rows} {inter} {mode} {alpha} {limit}\n{}\n",
+                join(&gate_up)
+            ),
+        );
+        let r = |v: f32| bf16::from_f32(v).to_f32();
+        let mut clamped = 0;
+        for row in 0..rows {
+            for c in 0..inter {
+                let g = r(gate_up[row * 2 * inter + c]);
+                let u = r(gate_up[row * 2 * inter + inter + c]);
+                clamped += usize::from(g > limit || u.abs() > limit);
+                let want = bf16::from_f32(activation(g, u));
+                let got = bf16::from_bits(out[0][row * inter + c] as u16);
+                // expf may differ from Rust's exp in the last place of f32: one bf16 step.
+                let steps = (got.to_bits() as i32 - want.to_bits() as i32).abs();
+                assert!(
+                    steps <= 1,
+                    "mode {mode}: swiglu({g}, {u}) = {got}, want {want}"
+                );
+            }
         }
+        assert!(clamped > 10, "the inputs reach the clamps");
     }
 }
 

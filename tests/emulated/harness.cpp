@@ -83,11 +83,14 @@ int main(int argc, char** argv) {
         print(offsets);
         print(out);
     } else if (mode == "swiglu") {
-        int rows, inter;
-        std::cin >> rows >> inter;
+        int rows, inter, act;
+        float alpha, limit;
+        std::cin >> rows >> inter >> act >> alpha >> limit;
         auto gate_up = to_bf16_host(read<float>((size_t)rows * 2 * inter));
         std::vector<bf16> out((size_t)rows * inter);
-        launch(2, 64, 0, [&] { swiglu(gate_up.data(), rows, inter, out.data()); });
+        launch(2, 64, 0, [&] {
+            swiglu(gate_up.data(), rows, inter, act, alpha, limit, out.data());
+        });
         print(out);
     } else if (mode == "to_bf16") {
         size_t n;

@@ -36,7 +36,7 @@ pub const MOE: KernelFile = KernelFile {
         "gather_rows",
         "combine_rows",
         "swiglu",
-        "add_bias",
+        "add_group_bias",
         "to_bf16",
         "to_f32",
         "grouped_gemv",

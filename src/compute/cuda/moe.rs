@@ -22,7 +22,7 @@ pub struct MoeKernels {
     gather_rows: CudaFunction,
     combine_rows: CudaFunction,
     swiglu: CudaFunction,
-    add_bias: CudaFunction,
+    add_group_bias: CudaFunction,
     to_bf16: CudaFunction,
     to_f32: CudaFunction,
     grouped_gemv: CudaFunction,
@@ -107,7 +107,7 @@ impl MoeKernels {
             gather_rows: f("gather_rows")?,
             combine_rows: f("combine_rows")?,
             swiglu: f("swiglu")?,
-            add_bias: f("add_bias")?,
+            add_group_bias: f("add_group_bias")?,
             to_bf16: f("to_bf16")?,
             to_f32: f("to_f32")?,
             grouped_gemv: f("grouped_gemv")?,
@@ -350,7 +350,7 @@ impl MoeKernels {
         // SAFETY: as the caller vouches; arguments match moe.cu.
         unsafe {
             stream
-                .launch_builder(&self.add_bias)
+                .launch_builder(&self.add_group_bias)
                 .arg(&outputs)
                 .arg(&slots)
                 .arg(&rows)
