@@ -253,7 +253,8 @@ fn swiglu_matches_each_activation_in_bf16() {
         .collect();
     let silu = |v: f32| v / (1.0 + (-v).exp());
     let (alpha, limit) = (1.702f32, 1.5f32);
-    let activations: [(i32, &dyn Fn(f32, f32) -> f32); 3] = [
+    type Activation<'a> = &'a dyn Fn(f32, f32) -> f32;
+    let activations: [(i32, Activation); 3] = [
         (0, &|g, u| silu(g) * u),
         (1, &|g, u| {
             let g0 = g.min(limit);
