@@ -371,7 +371,8 @@ fn mxfp4_experts_are_held_compressed_and_compute_their_exact_values() {
 
 /// `moe-node plan` on DeepSeek-V4-Pro's config alone (experts MXFP4, the dense part FP8 with
 /// ue8m0 scales): two copies of every expert fit on two 8 x H200 nodes, 48 experts per GPU and
-/// layer (95.7 GiB), and either node failing leaves every expert its other copy.
+/// layer (95.7 GiB), the dense part on the host, and either node failing leaves every expert
+/// its other copy.
 #[test]
 fn plan_fits_pro_with_two_copies_on_two_h200_nodes() {
     let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/deepseek_v4_pro");
@@ -406,6 +407,8 @@ fn plan_fits_pro_with_two_copies_on_two_h200_nodes() {
     for device in report["devices"].as_array().unwrap() {
         assert_eq!(device["experts"]["0"], 48, "{device}");
         assert_eq!(device["fits"], true, "{device}");
+        // The dense part and its caches are on the host, as serve runs it.
+        assert_eq!(device["dense_bytes"], 0, "{device}");
     }
     for failure in report["failures"].as_array().unwrap() {
         assert_eq!(failure["experts_losing_a_replica"], 61 * 384);

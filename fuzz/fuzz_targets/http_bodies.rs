@@ -11,6 +11,7 @@ use std::sync::OnceLock;
 
 use libfuzzer_sys::fuzz_target;
 use moe_node::api::openai::{RequestContext, chat_request, completion_request, tokenize_request};
+use moe_node::api::reasoning::ReasoningFormat;
 use moe_node::api::tool_calls::ToolCallFormat;
 use moe_node::config::NodeConfig;
 use moe_node::engine::grammar::Grammars;
@@ -78,6 +79,9 @@ fuzz_target!(|data: &[u8]| {
         limits: &served.config.batching,
         grammars: Some(&served.grammars),
         tool_format: ToolCallFormat::detect(served.chat_template.source()),
+        // As a reasoning model's: the kwargs, efforts and reasoning sent back are read, and
+        // the prompt's end is looked at for an opened `<think>`.
+        reasoning: Some(ReasoningFormat::Think),
     };
     std::thread::scope(|scope| {
         std::thread::Builder::new()

@@ -219,13 +219,17 @@ struct LayerPlan {
 }
 
 impl PlanInput<'_> {
-    /// Whether global device `d` holds a replica of the dense part.
+    /// Whether global device `d` holds a replica of the dense part. DeepSeek-V4's runs on
+    /// the host only (serve refuses it on a GPU: `devices.dense_on_gpu = false`), its
+    /// experts on the devices.
     fn holds_dense(&self, d: usize) -> bool {
         let replicas = match self.dense_replicas {
             0 => self.devices_per_node,
             n => n,
         };
-        self.dense_on_device && d % self.devices_per_node.max(1) < replicas
+        self.dense_on_device
+            && self.model.deepseek_v4.is_none()
+            && d % self.devices_per_node.max(1) < replicas
     }
 }
 
