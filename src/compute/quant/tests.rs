@@ -452,6 +452,41 @@ fn mxfp4_spans_from_within_a_block_and_of_odd_length_equal_the_widened_row() {
     assert!(QuantLinear::mxfp4(vec![0; 24], vec![127], 1, 48).is_err());
 }
 
+/// `expert` (a quantized block) against `widened` for inputs of each of `row_counts` rows made
+/// by `input` (per index), within f32 rounding of the largest output; and that `limit` clamps
+/// some of its gate (from above) and up (either side) outputs for one such row.
+fn assert_equals_widened(
+    expert: &crate::compute::expert::ExpertWeights,
+    widened: &crate::compute::expert::ExpertWeights,
+    row_counts: &[usize],
+    input: impl Fn(usize) -> f32,
+    limit: f32,
+) {
+    use crate::compute::expert::ExpertWeights;
+    let ExpertWeights::Quantized(q) = expert else {
+        unreachable!()
+    };
+    let h = q.gate.in_features;
+    for &rows in row_counts {
+        let x: Vec<f32> = (0..rows * h).map(&input).collect();
+        let got = expert.forward_with(&x, rows, false);
+        let expected = widened.forward_with(&x, rows, false);
+        let largest = expected.iter().fold(0f32, |m, e| m.max(e.abs()));
+        for (g, e) in got.iter().zip(&expected) {
+            assert!(
+                (g - e).abs() <= 2e-5 * largest,
+                "{rows} rows: {g} vs {e} ({largest})"
+            );
+        }
+    }
+    let x: Vec<f32> = (0..h).map(&input).collect();
+    let (gate, up) = (
+        q.gate.forward_with(&x, 1, false),
+        q.up.forward_with(&x, 1, false),
+    );
+    assert!(gate.iter().any(|&g| g > limit) && up.iter().any(|&u| u.abs() > limit));
+}
+
 /// DeepSeek-V4's expert kept in MXFP4 (`silu(min(gate, l)) * clamp(up, -l, l)` applied after
 /// the products) equals the block widened to f32 with the clamps on its projections, as bf16
 /// and f32 V4 experts are held, within f32 rounding; inputs reach both clamps.
@@ -469,29 +504,8 @@ fn a_v4_clamped_mxfp4_expert_equals_its_widened_clamped_block() {
     assert_eq!(widened.gate.clamp, Some([f32::NEG_INFINITY, limit]));
     assert_eq!(widened.up.clamp, Some([-limit, limit]));
     let widened = ExpertWeights::F32(widened);
-    for rows in [1, 5, 16, 33] {
-        let x: Vec<f32> = (0..rows * h)
-            .map(|j| ((j * 7 % 13) as f32 - 6.0) / 3.0)
-            .collect();
-        let got = expert.forward_with(&x, rows, false);
-        let expected = widened.forward_with(&x, rows, false);
-        let largest = expected.iter().fold(0f32, |m, e| m.max(e.abs()));
-        for (g, e) in got.iter().zip(&expected) {
-            assert!(
-                (g - e).abs() <= 2e-5 * largest,
-                "{rows} rows: {g} vs {e} ({largest})"
-            );
-        }
-    }
-    let ExpertWeights::Quantized(q) = &expert else {
-        unreachable!()
-    };
-    let x: Vec<f32> = (0..h).map(|j| ((j * 7 % 13) as f32 - 6.0) / 3.0).collect();
-    let (gate, up) = (
-        q.gate.forward_with(&x, 1, false),
-        q.up.forward_with(&x, 1, false),
-    );
-    assert!(gate.iter().any(|&g| g > limit) && up.iter().any(|&u| u.abs() > limit));
+    let input = |j: usize| ((j * 7 % 13) as f32 - 6.0) / 3.0;
+    assert_equals_widened(&expert, &widened, &[1, 5, 16, 33], input, limit);
     // By hand: gate 5 clamps to 3, up -4 to -3: silu(3) * -3.
     let mut g = [5.0f32, -1.0];
     SwiGluActivation::Clamped { limit }.apply(&mut g, &[-4.0, 2.0]);
@@ -525,30 +539,9 @@ fn a_clamped_mxfp4_expert_equals_its_widened_folded_block() {
         },
     });
     let folded = ExpertWeights::F32(expert.widened());
-    for rows in [1, 3, 9, 16, 40, 70] {
-        let x: Vec<f32> = (0..rows * h)
-            .map(|j| ((j * 5 % 11) as f32 - 5.0) / 2.0)
-            .collect();
-        let got = expert.forward_with(&x, rows, false);
-        let expected = folded.forward_with(&x, rows, false);
-        let largest = expected.iter().fold(0f32, |m, e| m.max(e.abs()));
-        for (g, e) in got.iter().zip(&expected) {
-            assert!(
-                (g - e).abs() <= 2e-5 * largest,
-                "{rows} rows: {g} vs {e} ({largest})"
-            );
-        }
-    }
     // The inputs reach both clamps (gate above the limit, up outside ±limit).
-    let ExpertWeights::Quantized(q) = &expert else {
-        unreachable!()
-    };
-    let x: Vec<f32> = (0..h).map(|j| ((j * 5 % 11) as f32 - 5.0) / 2.0).collect();
-    let (gate, up) = (
-        q.gate.forward_with(&x, 1, false),
-        q.up.forward_with(&x, 1, false),
-    );
-    assert!(gate.iter().any(|&g| g > 7.0) && up.iter().any(|&u| u.abs() > 7.0));
+    let input = |j: usize| ((j * 5 % 11) as f32 - 5.0) / 2.0;
+    assert_equals_widened(&expert, &folded, &[1, 3, 9, 16, 40, 70], input, 7.0);
     assert_eq!(
         expert.weight_bytes(),
         3 * (h * i / 2 + h * i / 32) + 4 * (2 * i + h)

@@ -13,7 +13,7 @@ use safetensors::tensor::Dtype;
 
 use super::ExpertWeights;
 use crate::compute::cpu::{Linear, SwiGlu, WeightElement};
-use crate::compute::quant::{QuantLinear, QuantSwiGlu, SwiGluActivation, e4m3_to_f32};
+use crate::compute::quant::{QuantLinear, QuantSwiGlu, SwiGluActivation};
 use crate::model::config::{DeepseekV4, ModelConfig};
 use crate::model::{Checkpoint, ModelError, mxfp4};
 
@@ -53,45 +53,23 @@ pub fn clamp_swiglu<W: WeightElement>(block: &mut SwiGlu<W>, limit: f32) {
     block.up.clamp = Some([-limit, limit]);
 }
 
-/// A routed expert's projection `[out, inp]` in bf16: MXFP4 and FP8 widened (exactly), bf16
-/// as stored, f32 rounded.
+/// A routed expert's projection `[out, inp]` in bf16: MXFP4 and FP8 widened (exactly: e2m1
+/// and e4m3 values times powers of two are bf16 values), bf16 as stored, f32 rounded.
 pub fn expert_matrix(
     ckpt: &Checkpoint,
     name: &str,
     out: usize,
     inp: usize,
 ) -> Result<Vec<bf16>, ModelError> {
+    if let Some(matrix) = compressed_matrix(ckpt, name, out, inp)? {
+        return Ok(matrix.widen().into_iter().map(bf16::from_f32).collect());
+    }
     let weight = format!("{name}.weight");
-    let e8m0 = [Dtype::F8_E8M0, Dtype::U8];
     match ckpt.dtype(&weight) {
+        // MXFP4 rows that are not whole blocks.
         Some(dtype @ (Dtype::F4 | Dtype::I8 | Dtype::U8)) => {
-            let packed_shape = if dtype == Dtype::F4 {
-                [out, inp]
-            } else {
-                [out, inp / 2]
-            };
-            let packed = ckpt.read_bytes(&weight, &packed_shape, &[dtype])?;
-            let exponents = ckpt.read_bytes(
-                &format!("{name}.scale"),
-                &[out, inp.div_ceil(mxfp4::BLOCK)],
-                &e8m0,
-            )?;
+            let (packed, exponents) = mxfp4_parts(ckpt, name, dtype, out, inp)?;
             mxfp4::dequantize(&packed, &exponents, out, inp).map_err(|e| corrupt(ckpt, &weight, e))
-        }
-        Some(Dtype::F8_E4M3) => {
-            let [rows, cols] = FP8_BLOCK;
-            let bytes = ckpt.read_fp8(&weight, &[out, inp])?;
-            let factors = scales(ckpt, name, &[out.div_ceil(rows), inp.div_ceil(cols)])?;
-            let blocks_per_row = inp.div_ceil(cols);
-            Ok(bytes
-                .iter()
-                .enumerate()
-                .map(|(i, &b)| {
-                    let (r, c) = (i / inp, i % inp);
-                    let factor = factors[(r / rows) * blocks_per_row + c / cols];
-                    bf16::from_f32(e4m3_to_f32(b) * factor)
-                })
-                .collect())
         }
         Some(Dtype::BF16) => ckpt.read_bf16(&weight, &[out, inp]),
         _ => Ok(ckpt
@@ -100,6 +78,30 @@ pub fn expert_matrix(
             .map(bf16::from_f32)
             .collect()),
     }
+}
+
+/// An MXFP4 projection's packed e2m1 pairs (`.weight` of `dtype`) and its e8m0 exponents
+/// (`.scale`, one per 32 weights of a row, the last block of a row possibly partial).
+fn mxfp4_parts(
+    ckpt: &Checkpoint,
+    name: &str,
+    dtype: Dtype,
+    out: usize,
+    inp: usize,
+) -> Result<(Vec<u8>, Vec<u8>), ModelError> {
+    // F4 counts its values; I8 and U8 count the bytes that pack them.
+    let packed_shape = if dtype == Dtype::F4 {
+        [out, inp]
+    } else {
+        [out, inp / 2]
+    };
+    let packed = ckpt.read_bytes(&format!("{name}.weight"), &packed_shape, &[dtype])?;
+    let exponents = ckpt.read_bytes(
+        &format!("{name}.scale"),
+        &[out, inp.div_ceil(mxfp4::BLOCK)],
+        &[Dtype::F8_E8M0, Dtype::U8],
+    )?;
+    Ok((packed, exponents))
 }
 
 /// A routed expert's projection `[out, inp]` held as published: MXFP4 as its blocks and
@@ -114,17 +116,7 @@ fn compressed_matrix(
     let weight = format!("{name}.weight");
     let quantized = match ckpt.dtype(&weight) {
         Some(dtype @ (Dtype::F4 | Dtype::I8 | Dtype::U8)) if inp.is_multiple_of(mxfp4::BLOCK) => {
-            let packed_shape = if dtype == Dtype::F4 {
-                [out, inp]
-            } else {
-                [out, inp / 2]
-            };
-            let packed = ckpt.read_bytes(&weight, &packed_shape, &[dtype])?;
-            let exponents = ckpt.read_bytes(
-                &format!("{name}.scale"),
-                &[out, inp / mxfp4::BLOCK],
-                &[Dtype::F8_E8M0, Dtype::U8],
-            )?;
+            let (packed, exponents) = mxfp4_parts(ckpt, name, dtype, out, inp)?;
             QuantLinear::mxfp4(packed, exponents, out, inp)
         }
         Some(Dtype::F8_E4M3) => {
