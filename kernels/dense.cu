@@ -170,3 +170,22 @@ extern "C" __global__ void store_rows(const float* src, int width, bf16* pool,
         to[c] = f32_to_bf16(from[c]);
     }
 }
+
+// x[i] *= sigmoid(gate[i]): a gated attention output (Qwen3-Next's `attn_output_gate`), each
+// head's output times the sigmoid of the gate projected with its query.
+extern "C" __global__ void sigmoid_gate(float* x, const float* gate, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        x[i] /= 1.0f + expf(-gate[i]);
+    }
+}
+
+// x[i] *= sigmoid(logits[i / width]): each row times the sigmoid of its one gate logit (the
+// shared expert's gate, `shared_expert_gate`).
+extern "C" __global__ void scale_rows_by_sigmoid(float* x, const float* logits, int width,
+                                                 size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        x[i] /= 1.0f + expf(-logits[i / width]);
+    }
+}

@@ -37,7 +37,7 @@ const BF16_LOGIT_TOLERANCE: f32 = 0.1;
 /// logits after the prompt move by 0.031 to 0.177 (kimi_k2_int4). Where the prompt's last row
 /// sits at a tie between experts it can take the other one (kimi_k2 with the paged bf16
 /// cache, layer 2: 1.19); that row's logits are then not compared, and the routing flip that
-/// explains them must be found ([`last_row_routing_flips`]). Over the continuations it also moves
+/// explains them must be found ([`routing_flips`]). Over the continuations it also moves
 /// routing (tokens near a tie between experts change experts) and flips near-tied greedy
 /// choices (deepseek_v3 step 9, kimi_k2 step 5: top-2 margins of 0.012 and 0.008), so there
 /// the whole-model GPU path is held to itself instead: decoding through its KV cache must
@@ -55,6 +55,15 @@ const CPU_BATCHED_LOGIT_TOLERANCE: f32 = 1e-5;
 
 /// Decode and prefill on one backend differ only in how rows are batched into products.
 const CACHE_LOGIT_TOLERANCE: f32 = 0.05;
+
+/// [`CACHE_LOGIT_TOLERANCE`] for a hybrid model (linear-attention states) batched against
+/// alone on the GPU. The routed experts take a GEMV for a few rows and a GEMM for more, which
+/// round differently in bf16, so a decode step of 32 sequences rounds each expert's output
+/// otherwise than the same step alone (the prefill steps, with many rows either way, were bit
+/// equal); a KV cache keeps such a difference in one position, a state carries it into every
+/// later one. Measured on the emulated GPU (qwen3_5_moe, 32 sequences, 4 decode steps): at
+/// most 0.055, with no routing or greedy token changed.
+const HYBRID_BATCHED_LOGIT_TOLERANCE: f32 = 0.1;
 
 /// Batched against alone on the GPU, a token whose experts were chosen differently in the
 /// two runs is exempt from [`CACHE_LOGIT_TOLERANCE`]: cuBLAS picks its kernels by the rows of
@@ -275,7 +284,11 @@ fn check_with(name: &str, gpu_support: OnGpu) {
 /// The MoE layers (by call) whose experts for the last row of `prompt` differ between the
 /// CPU and the whole model on the GPU, each routed through the host's gate (a [`RoutingLog`]
 /// routes on the host): `(call, cpu experts, gpu experts)`.
-fn last_row_routing_flips(name: &str, prompt: &[u32]) -> Vec<(usize, Vec<u32>, Vec<u32>)> {
+///
+/// A hybrid model's (linear-attention states) flips are looked for at every row of the
+/// prompt: its states carry each row into all later ones undamped, so an earlier row that
+/// took other experts moves the last row's logits as much as the last row's own flip.
+fn routing_flips(name: &str, prompt: &[u32]) -> Vec<(usize, Vec<u32>, Vec<u32>)> {
     let dir = fixture(name);
     let mut cpu = Engine::load(&dir).unwrap();
     let mut gpu =
@@ -288,7 +301,10 @@ fn last_row_routing_flips(name: &str, prompt: &[u32]) -> Vec<(usize, Vec<u32>, V
             .forward(&mut [SequenceStep::new(&mut cache, prompt)])
             .unwrap_or_else(|e| panic!("{name}: {e}"));
     }
-    let last = prompt.len() - 1;
+    let rows = match cpu.config().linear_attention {
+        Some(_) => 0..prompt.len(),
+        None => prompt.len() - 1..prompt.len(),
+    };
     let sorted = |mut experts: Vec<u32>| {
         experts.sort_unstable();
         experts
@@ -298,9 +314,11 @@ fn last_row_routing_flips(name: &str, prompt: &[u32]) -> Vec<(usize, Vec<u32>, V
         .into_iter()
         .zip(on_gpu.take())
         .enumerate()
-        .filter_map(|(call, (c, g))| {
-            let (c, g) = (sorted(c[last].clone()), sorted(g[last].clone()));
-            (c != g).then_some((call, c, g))
+        .flat_map(|(call, (c, g))| {
+            rows.clone().filter_map(move |row| {
+                let (c, g) = (sorted(c[row].clone()), sorted(g[row].clone()));
+                (c != g).then_some((call, c, g))
+            })
         })
         .collect()
 }
@@ -329,14 +347,14 @@ fn check_whole_model_on_gpu(
         // within rounding of a tie between two experts (the GPU's cache and products are
         // bf16) takes the other one, and the logits after it move by what that expert
         // contributes. Anything else is an error.
-        let flips = last_row_routing_flips(name, &reference.prompt_ids);
+        let flips = routing_flips(name, &reference.prompt_ids);
         assert!(
             !flips.is_empty(),
             "{name}, whole model on GPU: logits after the prompt differ from the CPU's by \
-             {diff}, and the last row's routing is the CPU's in every layer"
+             {diff}, and the routing is the CPU's in every layer"
         );
         eprintln!(
-            "{name}, whole model on GPU: the last prompt row changed experts ({flips:?}): \
+            "{name}, whole model on GPU: the prompt's rows changed experts ({flips:?}): \
              its logits are not compared"
         );
     }
@@ -525,9 +543,13 @@ fn measure_batching(
 /// The GPU's batching: logits within [`CACHE_LOGIT_TOLERANCE`] wherever routing agreed, and
 /// routing flips rare.
 fn check_batching(what: &str, engine: &mut Engine, prompts: &[Vec<u32>], steps: usize) {
+    let bound = match engine.config().linear_attention {
+        Some(_) => HYBRID_BATCHED_LOGIT_TOLERANCE,
+        None => CACHE_LOGIT_TOLERANCE,
+    };
     let found = measure_batching(what, engine, prompts, steps);
     assert!(
-        found.worst <= CACHE_LOGIT_TOLERANCE,
+        found.worst <= bound,
         "{what}: {} sequences stepped together differ from each alone by {} where they were \
          routed alike",
         prompts.len(),
@@ -663,11 +685,11 @@ fn gpt_oss_mxfp4_matches_transformers() {
 
 /// Qwen3-Next: gated DeltaNet layers (two value heads per key head, a 4-wide convolution)
 /// between full-attention layers with a gated output, q/k norm and a quarter of each head
-/// rotated; a gated shared expert, a dense layer, zero-centred norms. The GPU's dense part
-/// has no linear attention: placing the whole model there is refused naming it.
+/// rotated; a gated shared expert, a dense layer, zero-centred norms. On the GPU too, the
+/// whole model: the delta rule's states paged in the KV pool.
 #[test]
 fn qwen3_next_matches_transformers() {
-    check_dense_gpu_refused("qwen3_next", "linear attention");
+    check("qwen3_next");
 }
 
 /// Qwen3.5-MoE as published: the multimodal wrapper (text model under
@@ -675,7 +697,7 @@ fn qwen3_next_matches_transformers() {
 /// stored apart, every layer MoE; bf16.
 #[test]
 fn qwen3_5_moe_matches_transformers() {
-    check_dense_gpu_refused("qwen3_5_moe", "linear attention");
+    check("qwen3_5_moe");
 }
 
 /// Qwen3.5-MoE in the layout of Qwen's releases: each layer's routed experts fused
@@ -683,7 +705,7 @@ fn qwen3_5_moe_matches_transformers() {
 /// `experts.down_proj`), each expert read from its block alone.
 #[test]
 fn qwen3_5_moe_fused_matches_transformers() {
-    check_dense_gpu_refused("qwen3_5_moe_fused", "linear attention");
+    check("qwen3_5_moe_fused");
 }
 
 /// The hybrid models over a 150-token prompt, past two of transformers' 64-token chunks of the
@@ -755,7 +777,7 @@ fn qwen3_moe_fp8_matches_transformers() {
 /// in bf16.
 #[test]
 fn qwen3_5_moe_fp8_matches_transformers() {
-    check_dense_gpu_refused("qwen3_5_moe_fp8", "linear attention");
+    check("qwen3_5_moe_fp8");
 }
 
 /// compressed-tensors pack-quantized INT4 experts, groups of 32.

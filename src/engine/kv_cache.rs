@@ -222,9 +222,11 @@ impl KvCache {
     /// Whether some layer keeps a state that cannot be cut back to fewer positions (linear
     /// attention, DeepSeek-V4's windows).
     pub fn has_state(&self) -> bool {
-        self.layers
-            .iter()
-            .any(|l| l.linear.is_some() || l.compressed.is_some())
+        self.device.as_ref().is_some_and(|d| d.keeps_state())
+            || self
+                .layers
+                .iter()
+                .any(|l| l.linear.is_some() || l.compressed.is_some())
     }
 
     /// Whether [`KvCache::truncate`] can keep `len` positions exactly: any number where

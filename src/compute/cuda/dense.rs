@@ -22,6 +22,8 @@ pub struct DenseKernels {
     add_bias: CudaFunction,
     copy_rows: CudaFunction,
     store_rows: CudaFunction,
+    sigmoid_gate: CudaFunction,
+    scale_rows_by_sigmoid: CudaFunction,
 }
 
 /// One block per row, as the row kernels take.
@@ -105,6 +107,8 @@ impl DenseKernels {
             add_bias: module.load_function("add_bias")?,
             copy_rows: module.load_function("copy_rows")?,
             store_rows: module.load_function("store_rows")?,
+            sigmoid_gate: module.load_function("sigmoid_gate")?,
+            scale_rows_by_sigmoid: module.load_function("scale_rows_by_sigmoid")?,
         })
     }
 
@@ -183,6 +187,56 @@ impl DenseKernels {
                 .launch_builder(&self.add_bias)
                 .arg(&x)
                 .arg(&bias)
+                .arg(&width_i)
+                .arg(&n)
+                .launch(elementwise(n))?;
+        }
+        Ok(())
+    }
+
+    /// `x[i] *= sigmoid(gate[i])` for `n` f32 (a gated attention output).
+    ///
+    /// # Safety
+    /// `x`, `gate`: `[n]` f32.
+    pub unsafe fn sigmoid_gate(
+        &self,
+        stream: &CudaStream,
+        x: u64,
+        gate: u64,
+        n: usize,
+    ) -> Result<(), CudaError> {
+        // SAFETY: as the caller vouches; arguments match dense.cu.
+        unsafe {
+            stream
+                .launch_builder(&self.sigmoid_gate)
+                .arg(&x)
+                .arg(&gate)
+                .arg(&n)
+                .launch(elementwise(n))?;
+        }
+        Ok(())
+    }
+
+    /// `x[r, c] *= sigmoid(logits[r])` over `rows` rows of `width` f32 (a gated shared
+    /// expert).
+    ///
+    /// # Safety
+    /// `x`: `[rows, width]` f32; `logits`: `[rows]` f32.
+    pub unsafe fn scale_rows_by_sigmoid(
+        &self,
+        stream: &CudaStream,
+        x: u64,
+        logits: u64,
+        rows: usize,
+        width: usize,
+    ) -> Result<(), CudaError> {
+        let (width_i, n) = (width as i32, rows * width);
+        // SAFETY: as the caller vouches; arguments match dense.cu.
+        unsafe {
+            stream
+                .launch_builder(&self.scale_rows_by_sigmoid)
+                .arg(&x)
+                .arg(&logits)
                 .arg(&width_i)
                 .arg(&n)
                 .launch(elementwise(n))?;

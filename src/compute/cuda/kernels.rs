@@ -59,10 +59,25 @@ pub const DENSE: KernelFile = KernelFile {
         "add_bias",
         "copy_rows",
         "store_rows",
+        "sigmoid_gate",
+        "scale_rows_by_sigmoid",
     ],
 };
 
-pub const ALL: &[KernelFile] = &[MOE, DENSE];
+pub const LINEAR: KernelFile = KernelFile {
+    file: "linear.cu",
+    source: include_str!("../../../kernels/linear.cu"),
+    functions: &[
+        "gather_state",
+        "scatter_state",
+        "causal_conv",
+        "conv_window",
+        "gated_delta",
+        "gated_rms_norm",
+    ],
+};
+
+pub const ALL: &[KernelFile] = &[MOE, DENSE, LINEAR];
 
 /// Options every file is compiled with. Precise division, square root and exp: the
 /// kernels are checked against the CPU backend.

@@ -12,6 +12,7 @@ pub mod experts;
 pub mod kernels;
 pub mod layer;
 mod libs;
+pub mod linear;
 pub mod moe;
 pub mod storage;
 

@@ -22,6 +22,8 @@ struct GqaLayer<'a> {
     kv_heads: usize,
     head_dim: usize,
     window: Option<usize>,
+    /// Each head's output times the sigmoid of a gate projected with its query.
+    output_gate: bool,
 }
 
 /// One MLA layer's projections and shape, as [`GpuModel::attention`] matched them.
@@ -60,6 +62,7 @@ impl GpuModel {
                     num_kv_heads,
                     head_dim,
                     sliding_window,
+                    output_gate,
                     ..
                 },
             ) => {
@@ -73,6 +76,7 @@ impl GpuModel {
                     kv_heads: num_kv_heads,
                     head_dim,
                     window: sliding_window,
+                    output_gate,
                 };
                 self.gqa_attention(l, &layer, step, scratch, x)
             }
@@ -108,6 +112,7 @@ impl GpuModel {
                 };
                 self.mla_attention(l, &layer, step, scratch, x)
             }
+            (Attention::Linear(layer), _) => self.linear_attention(l, layer, step, scratch, x),
             _ => Err(CudaError::Unsupported(
                 "attention weights of another kind than the config".into(),
             )),
@@ -132,7 +137,34 @@ impl GpuModel {
         let queries = scratch.f32(rows * heads * head_dim)?;
         let keys = scratch.f32(rows * kv_width)?;
         let values = scratch.f32(rows * kv_width)?;
-        self.linear(layer.q, x, rows, queries, Output::F32)?;
+        let gate = match layer.output_gate {
+            // Each head's query, then its gate: split into two packed arrays.
+            true => {
+                let both = scratch.f32(rows * heads * 2 * head_dim)?;
+                let gate = scratch.f32(rows * heads * head_dim)?;
+                self.linear(layer.q, x, rows, both, Output::F32)?;
+                // SAFETY: `both`: `[rows * heads, 2 * head_dim]` f32; `queries`, `gate`:
+                // `[rows * heads, head_dim]`.
+                unsafe {
+                    for (from, to) in [(both, queries), (both + 4 * head_dim as u64, gate)] {
+                        self.dense.copy_rows(
+                            stream,
+                            from,
+                            2 * head_dim,
+                            to,
+                            head_dim,
+                            rows * heads,
+                            head_dim,
+                        )?;
+                    }
+                }
+                Some(gate)
+            }
+            false => {
+                self.linear(layer.q, x, rows, queries, Output::F32)?;
+                None
+            }
+        };
         self.linear(layer.k, x, rows, keys, Output::F32)?;
         self.linear(layer.v, x, rows, values, Output::F32)?;
         if let Some(n) = layer.q_norm {
@@ -182,6 +214,13 @@ impl GpuModel {
                 step.row_pos,
                 out,
             )?;
+        }
+        if let Some(gate) = gate {
+            // SAFETY: both `[rows, heads, head_dim]` f32.
+            unsafe {
+                self.dense
+                    .sigmoid_gate(stream, out, gate, rows * heads * head_dim)?
+            };
         }
         let ob = self.bf16_of(scratch, out, rows * heads * head_dim)?;
         let y = scratch.f32(rows * self.config.hidden_size)?;

@@ -4,7 +4,10 @@
 //! ([`GpuModel::reserve_kv_cache`](super::GpuModel::reserve_kv_cache)), so what the batcher
 //! counts is what the GPU holds: no cache grows by copying, none is over-allocated, and the
 //! whole budget is usable (a cache that doubled as it grew needed half of it held back). The
-//! attention kernels read through the block tables. And the work buffers of one step.
+//! attention kernels read through the block tables. A hybrid model's sequences also keep the
+//! states of its linear-attention layers, a fixed size per sequence: in blocks of the same
+//! pool (those blocks' pages in every full-attention layer), which is how the batcher counts
+//! them too (`KvBudget::state_blocks`). And the work buffers of one step.
 
 use std::sync::{Arc, Mutex};
 
@@ -23,8 +26,14 @@ use crate::model::config::{AttentionConfig, ModelConfig};
 pub struct KvPool {
     arrays: [Option<Buffer>; 2],
     widths: [usize; 2],
+    /// Per model layer, its index among the layers that keep positions (a linear-attention
+    /// layer keeps none, and has no part of the arrays).
+    slots: Vec<Option<usize>>,
+    /// Layers that keep positions.
     layers: usize,
     blocks: usize,
+    /// Blocks one sequence's linear-attention states take (0: the model has none).
+    state_blocks: usize,
     /// Blocks no cache holds.
     free: Mutex<Vec<u32>>,
 }
@@ -41,6 +50,30 @@ impl std::fmt::Debug for KvPool {
 
 /// Bytes of one cached value.
 const VALUE_BYTES: usize = 2;
+
+/// Per layer, its index among those that keep positions: every layer but a hybrid model's
+/// linear-attention ones.
+fn position_slots(config: &ModelConfig) -> Vec<Option<usize>> {
+    let mut next = 0;
+    (0..config.num_layers)
+        .map(|l| match &config.linear_attention {
+            Some(linear) if linear.is_linear(l) => None,
+            _ => {
+                next += 1;
+                Some(next - 1)
+            }
+        })
+        .collect()
+}
+
+/// f32 values a sequence's linear-attention states take (every linear layer's recurrent state
+/// and convolution window), 0 for a model without them.
+pub(super) fn state_floats(config: &ModelConfig) -> usize {
+    config
+        .linear_attention
+        .as_ref()
+        .map_or(0, |l| l.count() * l.state_floats())
+}
 
 /// The widths (values) of a position's two cached arrays (0: the array is not kept).
 fn cache_widths(config: &ModelConfig) -> [usize; 2] {
@@ -66,7 +99,15 @@ impl KvPool {
         blocks: usize,
     ) -> Result<KvPool, CudaError> {
         let widths = cache_widths(config);
-        let layers = config.num_layers;
+        let slots = position_slots(config);
+        let layers = slots.iter().flatten().count();
+        let state_floats = state_floats(config);
+        let state_blocks = Self::state_blocks(config);
+        if state_floats > 0 && (layers == 0 || widths[0] != widths[1]) {
+            return Err(CudaError::Unsupported(
+                "linear-attention states beside no GQA layer to page them in".into(),
+            ));
+        }
         let mut arrays = [None, None];
         for (array, &width) in arrays.iter_mut().zip(&widths) {
             if width > 0 {
@@ -79,16 +120,42 @@ impl KvPool {
         Ok(KvPool {
             arrays,
             widths,
+            slots,
             layers,
             blocks,
+            state_blocks,
             free: Mutex::new((0..blocks as u32).rev().collect()),
         })
     }
 
-    /// Bytes one block takes over every layer and array.
+    /// Bytes one block takes over every layer that keeps positions and each of its arrays.
     pub fn block_bytes(config: &ModelConfig) -> usize {
         let [a, b] = cache_widths(config);
-        config.num_layers * KV_BLOCK * (a + b) * VALUE_BYTES
+        let layers = position_slots(config).iter().flatten().count();
+        layers * KV_BLOCK * (a + b) * VALUE_BYTES
+    }
+
+    /// Blocks one sequence's linear-attention states take (0 for a model without them): as
+    /// `KvBudget::with_state` counts them.
+    pub fn state_blocks(config: &ModelConfig) -> usize {
+        (state_floats(config) * 4).div_ceil(Self::block_bytes(config).max(1))
+    }
+
+    /// f32 values of a page: one block of one array of one layer.
+    fn page_floats(&self) -> usize {
+        KV_BLOCK * self.widths[0] * VALUE_BYTES / 4
+    }
+
+    /// The pages of `blocks`, in order: each block's page in every layer and array.
+    fn pages<'a>(&'a self, blocks: &'a [u32]) -> impl Iterator<Item = u64> + 'a {
+        let page_bytes = KV_BLOCK * self.widths[0] * VALUE_BYTES;
+        blocks.iter().flat_map(move |&block| {
+            (0..self.layers).flat_map(move |slot| {
+                self.arrays.iter().flatten().map(move |array| {
+                    array.ptr + ((slot * self.blocks + block as usize) * page_bytes) as u64
+                })
+            })
+        })
     }
 
     pub fn blocks(&self) -> usize {
@@ -101,10 +168,17 @@ impl KvPool {
     }
 
     /// Layer `layer`'s pool of array `which` (`[blocks, KV_BLOCK, width]` bf16); 0 where the
-    /// array is not kept.
+    /// array is not kept (or the layer keeps no positions).
     pub(super) fn layer(&self, layer: usize, which: usize) -> u64 {
+        let Some(Some(slot)) = self.slots.get(layer) else {
+            return 0;
+        };
+        self.slots_array(*slot, which)
+    }
+
+    fn slots_array(&self, slot: usize, which: usize) -> u64 {
         self.arrays[which].as_ref().map_or(0, |b| {
-            b.ptr + (layer * self.blocks * KV_BLOCK * self.widths[which] * VALUE_BYTES) as u64
+            b.ptr + (slot * self.blocks * KV_BLOCK * self.widths[which] * VALUE_BYTES) as u64
         })
     }
 
@@ -131,19 +205,24 @@ impl KvPool {
     }
 }
 
-/// One sequence's cache on a GPU: its blocks of the GPU's [`KvPool`], in position order.
-/// Empty (and of no pool) until its first step; the blocks go back to the pool when it is
-/// released or dropped (later work on the GPU's one stream is ordered after this one's).
+/// One sequence's cache on a GPU: its blocks of the GPU's [`KvPool`], in position order, and
+/// the blocks holding its linear-attention states (a hybrid model's; taken with the first
+/// positions). Empty (and of no pool) until its first step; the blocks go back to the pool
+/// when it is released or dropped (later work on the GPU's one stream is ordered after this
+/// one's).
 pub struct DeviceCache {
     pool: Option<Arc<KvPool>>,
     blocks: Vec<u32>,
+    state: Vec<u32>,
     max_positions: usize,
+    keeps_state: bool,
 }
 
 impl std::fmt::Debug for DeviceCache {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DeviceCache")
             .field("blocks", &self.blocks.len())
+            .field("state_blocks", &self.state.len())
             .finish()
     }
 }
@@ -160,21 +239,30 @@ impl DeviceCache {
         DeviceCache {
             pool: None,
             blocks: Vec::new(),
+            state: Vec::new(),
             max_positions: config.max_position_embeddings,
+            keeps_state: state_floats(config) > 0,
         }
+    }
+
+    /// Whether the cache keeps linear-attention states, which sum up all its positions and
+    /// cannot be cut back to fewer.
+    pub fn keeps_state(&self) -> bool {
+        self.keeps_state
     }
 
     /// Gives the blocks back; the cache grows again from empty.
     pub fn release(&mut self) {
         if let Some(pool) = &self.pool {
             pool.give_back(&mut self.blocks);
+            pool.give_back(&mut self.state);
         }
     }
 
     /// Bytes of GPU memory held.
     pub fn bytes(&self) -> usize {
         self.pool.as_ref().map_or(0, |pool| {
-            self.blocks.len()
+            (self.blocks.len() + self.state.len())
                 * pool.layers
                 * KV_BLOCK
                 * (pool.widths[0] + pool.widths[1])
@@ -187,8 +275,21 @@ impl DeviceCache {
         &self.blocks
     }
 
+    /// The addresses of the pages holding the cache's states, in order, each
+    /// [`DeviceCache::page_floats`] f32 (none before its first step or without states).
+    pub(super) fn state_pages(&self) -> Vec<u64> {
+        self.pool
+            .as_ref()
+            .map_or(Vec::new(), |pool| pool.pages(&self.state).collect())
+    }
+
+    /// f32 values of one state page.
+    pub(super) fn page_floats(&self) -> usize {
+        self.pool.as_ref().map_or(0, |pool| pool.page_floats())
+    }
+
     /// Makes room for `positions` positions, taking blocks of `pool` (the pool of every
-    /// cache of this GPU).
+    /// cache of this GPU), and for the states where the model keeps them.
     pub(super) fn reserve(
         &mut self,
         pool: &Arc<KvPool>,
@@ -205,15 +306,23 @@ impl DeviceCache {
         }
         let positions = positions.min(self.max_positions.max(positions));
         let needed = positions.div_ceil(KV_BLOCK);
-        if needed > self.blocks.len() {
-            let mut more = pool.take(needed - self.blocks.len())?;
+        let state = if self.state.is_empty() {
+            pool.state_blocks
+        } else {
+            0
+        };
+        if needed + state > self.blocks.len() {
+            let mut more = pool.take(needed.saturating_sub(self.blocks.len()) + state)?;
+            self.state.extend(more.drain(..state));
             self.blocks.append(&mut more);
         }
         Ok(())
     }
 
     /// A new cache holding a copy of this one's first `positions` positions (copied in
-    /// stream order, block by block).
+    /// stream order, block by block), and of its states: they are those of all its positions,
+    /// so `positions` must be all of them where it keeps states (the engine's caches see to
+    /// it: `KvCache::can_truncate_to`).
     pub(super) fn copy(
         &self,
         stream: &Arc<CudaStream>,
@@ -223,31 +332,40 @@ impl DeviceCache {
         let mut copy = DeviceCache {
             pool: None,
             blocks: Vec::new(),
+            state: Vec::new(),
             max_positions: self.max_positions,
+            keeps_state: self.keeps_state,
         };
         copy.reserve(pool, positions.max(1))?;
         let used = positions.div_ceil(KV_BLOCK);
-        for layer in 0..pool.layers {
+        let mut pairs: Vec<(u64, u64, usize)> = Vec::new();
+        for slot in 0..pool.layers {
             for which in 0..2 {
                 let width = pool.widths[which];
-                let base = pool.layer(layer, which);
+                let base = pool.slots_array(slot, which);
                 if width == 0 {
                     continue;
                 }
                 let block_bytes = KV_BLOCK * width * VALUE_BYTES;
                 for (&from, &to) in self.blocks[..used].iter().zip(&copy.blocks) {
-                    // SAFETY: both blocks lie inside the layer's pool (indices below
-                    // `pool.blocks`), `block_bytes` each.
-                    unsafe {
-                        result::memcpy_dtod_async(
-                            base + (to as usize * block_bytes) as u64,
-                            base + (from as usize * block_bytes) as u64,
-                            block_bytes,
-                            stream.cu_stream(),
-                        )?
-                    };
+                    pairs.push((
+                        base + (from as usize * block_bytes) as u64,
+                        base + (to as usize * block_bytes) as u64,
+                        block_bytes,
+                    ));
                 }
             }
+        }
+        if !self.state.is_empty() {
+            let bytes = pool.page_floats() * 4;
+            for (from, to) in pool.pages(&self.state).zip(pool.pages(&copy.state)) {
+                pairs.push((from, to, bytes));
+            }
+        }
+        for (from, to, bytes) in pairs {
+            // SAFETY: both ranges lie inside the pool's arrays (block indices below
+            // `pool.blocks`), `bytes` each.
+            unsafe { result::memcpy_dtod_async(to, from, bytes, stream.cu_stream())? };
         }
         Ok(copy)
     }

@@ -15,6 +15,7 @@ use cudarc::driver::{CudaContext, CudaStream, result, sys};
 
 use crate::compute::cuda::blas::{self, Gemm, Output};
 use crate::compute::cuda::dense::{BlockTable, DenseKernels, PagedCache};
+use crate::compute::cuda::linear::{LinearKernels, PackedStates};
 use crate::compute::cuda::moe::MoeKernels;
 use crate::compute::cuda::{CudaError, GpuInfo};
 use crate::compute::layout::{RopeAngles, Segment};
@@ -28,6 +29,7 @@ use weights::{Layer, Matrix, Mlp, Norm, Uploaded, weight_bytes};
 
 mod attention;
 mod cache;
+mod linear;
 mod routed;
 mod weights;
 
@@ -37,6 +39,8 @@ pub struct GpuModel {
     blas: CudaBlas,
     dense: DenseKernels,
     moe: MoeKernels,
+    /// A hybrid model's gated DeltaNet kernels.
+    linear: Option<LinearKernels>,
     layers: Vec<Layer>,
     final_norm: Norm,
     lm_head: Matrix,
@@ -117,6 +121,10 @@ impl GpuModel {
         let blas = CudaBlas::new(stream.clone())?;
         let dense = DenseKernels::load(&ctx, gpu, cache_dir)?;
         let moe = MoeKernels::load(&ctx, gpu, cache_dir)?;
+        let linear = match config.linear_attention {
+            Some(_) => Some(LinearKernels::load(&ctx, gpu, cache_dir)?),
+            None => None,
+        };
 
         let Uploaded {
             layers,
@@ -139,6 +147,7 @@ impl GpuModel {
             blas,
             dense,
             moe,
+            linear,
             layers,
             config: config.clone(),
             softmax_scale,
@@ -358,7 +367,17 @@ impl GpuModel {
                 blocks: scratch.upload(&table)?,
                 stride,
             },
+            states: None,
             pool,
+        };
+        // A hybrid model's states, gathered from their pages (see `linear`).
+        let states = match &self.linear {
+            Some(kernels) => Some(self.gather_states(kernels, &mut scratch, segments, caches)?),
+            None => None,
+        };
+        let step = Step {
+            states: states.map(|(packed, _)| packed),
+            ..step
         };
 
         let normed = scratch.f32(rows * h)?;
@@ -378,6 +397,15 @@ impl GpuModel {
             let xb = self.bf16_of(&mut scratch, normed, rows * h)?;
             if let Some(mlp) = &layer.mlp {
                 let out = self.mlp(mlp, &mut scratch, xb, rows)?;
+                if let Some(gate) = &layer.shared_gate {
+                    let logits = scratch.f32(rows)?;
+                    self.linear(gate, xb, rows, logits, Output::F32)?;
+                    // SAFETY: `out`: `[rows, H]` f32; `logits`: `[rows]` f32.
+                    unsafe {
+                        self.dense
+                            .scale_rows_by_sigmoid(stream, out, logits, rows, h)?
+                    };
+                }
                 // SAFETY: both `[rows, H]` f32.
                 unsafe { self.dense.add_rows(stream, x, out, rows * h)? };
             }
@@ -443,6 +471,11 @@ impl GpuModel {
                 .map_err(CudaError::from)?
         };
         stream.synchronize().map_err(CudaError::from)?;
+        // Every layer has run: the states the step computed become the sequences'.
+        if let (Some(kernels), Some((packed, pages))) = (&self.linear, &states) {
+            // SAFETY: gathered from the same pages by `gather_states`.
+            unsafe { kernels.scatter(stream, packed, pages)? };
+        }
         phases.end(4, stream)?;
         phases.log(rows, caches.len());
         Ok(out)
@@ -452,12 +485,6 @@ impl GpuModel {
 /// A part of the dense forward pass that a family needs and the GPU's dense part
 /// (`gpu::model`) does not implement, which would otherwise load and compute something else.
 fn dense_part_the_gpu_lacks(config: &ModelConfig) -> Option<&'static str> {
-    if config.linear_attention.is_some() {
-        return Some(
-            "linear attention (gated DeltaNet layers and their recurrent state, \
-             `layer_types: linear_attention`)",
-        );
-    }
     match &config.attention {
         AttentionConfig::Gqa {
             qk_norm: QkNorm::PerLayer,
@@ -471,16 +498,9 @@ fn dense_part_the_gpu_lacks(config: &ModelConfig) -> Option<&'static str> {
             interleave: true, ..
         } => Some("GQA rope over interleaved pairs"),
         AttentionConfig::Gqa { sinks: true, .. } => Some("attention sinks (`self_attn.sinks`)"),
-        AttentionConfig::Gqa {
-            output_gate: true, ..
-        } => Some("gated attention output (`attn_output_gate`)"),
         AttentionConfig::Mla {
             indexer: Some(_), ..
         } => Some("the lightning indexer of DeepSeek Sparse Attention (`index_topk`)"),
-        _ if config.centered_norms => Some("RMSNorm weights centred on zero (`1 + w`)"),
-        _ if config.moe.shared_expert_gate => {
-            Some("a gate on the shared expert (`shared_expert_gate`)")
-        }
         _ if config.moe.weight_input => {
             Some("gate weights on the experts' inputs (`weight_input`)")
         }
@@ -555,6 +575,8 @@ struct Step {
     row_pos: u64,
     /// Each sequence's blocks of `pool`.
     table: BlockTable,
+    /// A hybrid model's linear-attention states, packed for the step.
+    states: Option<PackedStates>,
     pool: Arc<KvPool>,
 }
 

@@ -10,7 +10,8 @@ use crate::compute::cpu::SwiGlu;
 use crate::compute::cuda::CudaError;
 use crate::compute::cuda::experts::Buffer;
 use crate::model::weights::{
-    AttentionWeights, DenseWeights, FeedForward, QueryProjection, RmsNorm, StoredLinear,
+    AttentionWeights, DenseWeights, FeedForward, LinearAttentionWeights, QueryProjection, RmsNorm,
+    StoredLinear,
 };
 
 /// A projection: bf16 `[out, in]` and its f32 bias.
@@ -60,6 +61,23 @@ pub(super) enum Attention {
         kv_up: Buffer,
         o: Matrix,
     },
+    /// Gated DeltaNet, a hybrid model's linear attention.
+    Linear(LinearLayer),
+}
+
+/// A gated DeltaNet layer: its projections in bf16, the rest in f32 (see
+/// [`LinearAttentionWeights`]).
+pub(super) struct LinearLayer {
+    pub(super) qkv: Matrix,
+    pub(super) z: Matrix,
+    pub(super) b: Matrix,
+    pub(super) a: Matrix,
+    /// `[channels, kernel]`.
+    pub(super) conv: Buffer,
+    pub(super) dt_bias: Buffer,
+    pub(super) decay_scale: Buffer,
+    pub(super) norm: Norm,
+    pub(super) out: Matrix,
 }
 
 pub(super) struct Layer {
@@ -68,6 +86,8 @@ pub(super) struct Layer {
     pub(super) post_norm: Norm,
     /// The dense MLP, or the shared expert of an MoE layer.
     pub(super) mlp: Option<Mlp>,
+    /// The shared expert's gate (`[1, H]`), where its output is scaled by the sigmoid of it.
+    pub(super) shared_gate: Option<Matrix>,
     pub(super) moe: bool,
 }
 
@@ -88,15 +108,27 @@ pub(super) fn weight_bytes(weights: &DenseWeights) -> usize {
         .layers
         .iter()
         .map(|l| {
-            let attention = match &l.attention {
-                AttentionWeights::Gqa {
-                    q,
-                    k,
-                    v,
-                    o,
-                    q_norm,
-                    k_norm,
-                } => {
+            let attention = match (&l.linear_attention, &l.attention) {
+                (Some(w), _) => {
+                    linear(&w.qkv)
+                        + linear(&w.z)
+                        + linear(&w.b)
+                        + linear(&w.a)
+                        + linear(&w.out)
+                        + (w.conv.len() + w.dt_bias.len() + w.decay_scale.len()) * 4
+                        + norm(&w.norm)
+                }
+                (
+                    None,
+                    AttentionWeights::Gqa {
+                        q,
+                        k,
+                        v,
+                        o,
+                        q_norm,
+                        k_norm,
+                    },
+                ) => {
                     linear(q)
                         + linear(k)
                         + linear(v)
@@ -104,13 +136,16 @@ pub(super) fn weight_bytes(weights: &DenseWeights) -> usize {
                         + q_norm.as_ref().map_or(0, norm)
                         + k_norm.as_ref().map_or(0, norm)
                 }
-                AttentionWeights::Mla {
-                    q,
-                    kv_down,
-                    kv_norm,
-                    kv_up,
-                    o,
-                } => {
+                (
+                    None,
+                    AttentionWeights::Mla {
+                        q,
+                        kv_down,
+                        kv_norm,
+                        kv_up,
+                        o,
+                    },
+                ) => {
                     let q = match q {
                         QueryProjection::Direct(p) => linear(p),
                         QueryProjection::LowRank { down, norm: n, up } => {
@@ -125,6 +160,7 @@ pub(super) fn weight_bytes(weights: &DenseWeights) -> usize {
                 // The router is uploaded too, for routing on the GPU.
                 FeedForward::Moe(moe) => {
                     moe.shared_expert.as_ref().map_or(0, |e| e.parameters() * 2)
+                        + moe.shared_expert_gate.as_ref().map_or(0, |g| g.len() * 2)
                         + linear(&moe.router)
                         + moe.correction_bias.as_ref().map_or(0, |b| b.len() * 4)
                 }
@@ -146,6 +182,28 @@ pub(super) fn matrix_of(stream: &Arc<CudaStream>, l: &StoredLinear) -> Result<Ma
         bias: l.bias().map(|b| Buffer::from_host(stream, b)).transpose()?,
         out: l.out_features(),
         inp: l.in_features(),
+    })
+}
+
+/// A gated DeltaNet layer on the GPU.
+fn linear_layer(
+    stream: &Arc<CudaStream>,
+    w: &LinearAttentionWeights,
+) -> Result<LinearLayer, CudaError> {
+    let matrix = |l: &StoredLinear| matrix_of(stream, l);
+    Ok(LinearLayer {
+        qkv: matrix(&w.qkv)?,
+        z: matrix(&w.z)?,
+        b: matrix(&w.b)?,
+        a: matrix(&w.a)?,
+        conv: Buffer::from_host(stream, &w.conv)?,
+        dt_bias: Buffer::from_host(stream, &w.dt_bias)?,
+        decay_scale: Buffer::from_host(stream, &w.decay_scale)?,
+        norm: Norm {
+            weight: Buffer::from_host(stream, &w.norm.weight)?,
+            eps: w.norm.eps,
+        },
+        out: matrix(&w.out)?,
     })
 }
 
@@ -195,15 +253,19 @@ pub(super) fn upload(
     };
     let mut layers = Vec::with_capacity(weights.layers.len());
     for l in &weights.layers {
-        let attention = match &l.attention {
-            AttentionWeights::Gqa {
-                q,
-                k,
-                v,
-                o,
-                q_norm,
-                k_norm,
-            } => Attention::Gqa {
+        let attention = match (&l.linear_attention, &l.attention) {
+            (Some(w), _) => Attention::Linear(linear_layer(stream, w)?),
+            (
+                None,
+                AttentionWeights::Gqa {
+                    q,
+                    k,
+                    v,
+                    o,
+                    q_norm,
+                    k_norm,
+                },
+            ) => Attention::Gqa {
                 q: matrix(q)?,
                 k: matrix(k)?,
                 v: matrix(v)?,
@@ -211,13 +273,16 @@ pub(super) fn upload(
                 q_norm: q_norm.as_ref().map(norm).transpose()?,
                 k_norm: k_norm.as_ref().map(norm).transpose()?,
             },
-            AttentionWeights::Mla {
-                q,
-                kv_down,
-                kv_norm,
-                kv_up,
-                o,
-            } => Attention::Mla {
+            (
+                None,
+                AttentionWeights::Mla {
+                    q,
+                    kv_down,
+                    kv_norm,
+                    kv_up,
+                    o,
+                },
+            ) => Attention::Mla {
                 q: match q {
                     QueryProjection::Direct(p) => Query::Direct(matrix(p)?),
                     QueryProjection::LowRank { down, norm: n, up } => Query::LowRank {
@@ -232,12 +297,16 @@ pub(super) fn upload(
                 o: matrix(o)?,
             },
         };
-        let (ff, moe) = match &l.feed_forward {
-            FeedForward::Dense(m) => (Some(mlp(&m.widened())?), false),
+        let (ff, shared_gate, moe) = match &l.feed_forward {
+            FeedForward::Dense(m) => (Some(mlp(&m.widened())?), None, false),
             FeedForward::Moe(w) => (
                 w.shared_expert
                     .as_ref()
                     .map(|e| mlp(&e.widened()))
+                    .transpose()?,
+                w.shared_expert_gate
+                    .as_ref()
+                    .map(|g| upload_matrix(g, None, 1, g.len()))
                     .transpose()?,
                 true,
             ),
@@ -247,6 +316,7 @@ pub(super) fn upload(
             attention,
             post_norm: norm(&l.post_attention_norm)?,
             mlp: ff,
+            shared_gate,
             moe,
         });
         // Each layer's host copies go before the next layer's are made.
