@@ -14,7 +14,10 @@
 //! (default 1,8,32), `MOE_STEP_MODEL` (a model directory to time instead of the demo model,
 //! e.g. one of a published shape with random weights: `benches/random_qwen3_moe.py`,
 //! `benches/random_qwen3_5_moe.py`), `MOE_STEP_PREFILL` (default none),
-//! `MOE_STEP_PREFILL_ITERS` (default 5).
+//! `MOE_STEP_PREFILL_ITERS` (default 5), `MOE_STEP_GPU` (a GPU's ordinal: the whole model on
+//! that GPU, experts and dense part, as `generate --backend cuda` runs it, and the no-experts
+//! engine's dense part there too; the dispatched column is then not timed; `emulated` runs
+//! it on one GPU emulated on the CPU, which checks the path and times nothing of a GPU).
 
 mod common;
 
@@ -22,9 +25,11 @@ use std::sync::Arc;
 
 use std::time::Instant;
 
+use moe_node::compute::cuda::{self, EmulatedGpus, GpuInfo};
+use moe_node::engine::gpu::engine_on_gpu;
 use moe_node::engine::{Engine, KvCache, SequenceStep};
 use moe_node::experts::{ExpertError, ExpertExecutor};
-use moe_node::model::{Checkpoint, DenseWeights, ModelConfig};
+use moe_node::model::{Checkpoint, DenseWeights, ModelConfig, ModelSource};
 use moe_node::moe::DispatchPlan;
 
 /// Routed experts that cost nothing: every expert output is zero.
@@ -43,7 +48,8 @@ fn step_ms(engine: &Engine, batch: usize, iters: usize) -> f64 {
 
 /// Median milliseconds of a prefill of `tokens` prompt tokens for one sequence, in one step.
 fn prefill_ms(engine: &Engine, tokens: usize, iters: usize) -> f64 {
-    let prompt: Vec<u32> = (0..tokens).map(|i| ((i * 7919) % 250 + 1) as u32).collect();
+    let top = common::token_range(engine);
+    let prompt: Vec<u32> = (0..tokens).map(|i| ((i * 7919) % top + 1) as u32).collect();
     let mut times: Vec<f64> = (0..iters)
         .map(|_| {
             let mut cache = engine.new_cache();
@@ -67,9 +73,11 @@ fn prefill(full: &Engine, dense_only: &Engine) {
         .unwrap_or(5);
     let config = full.config();
     println!(
-        "per sequence: {} bytes of state whatever its length, {} bytes per position",
+        "per sequence: {} bytes of state whatever its length, {} bytes per position ({} in a \
+         GPU's pool)",
         KvCache::state_bytes(config),
-        KvCache::bytes_per_position(config)
+        KvCache::bytes_per_position(config),
+        KvCache::gpu_bytes_per_position(config)
     );
     println!("prefill of one sequence in one step, median of {iters}");
     println!(
@@ -87,6 +95,32 @@ fn prefill(full: &Engine, dense_only: &Engine) {
     }
 }
 
+/// The GPU `MOE_STEP_GPU` names, if any.
+fn gpu() -> Option<&'static GpuInfo> {
+    let wanted = std::env::var("MOE_STEP_GPU").ok()?;
+    let (runtime, ordinal) = match wanted.trim() {
+        "emulated" => (
+            cuda::emulated_runtime(EmulatedGpus {
+                count: 1,
+                bytes: 4 << 30,
+            }),
+            0,
+        ),
+        n => (
+            cuda::runtime(None),
+            n.parse()
+                .expect("MOE_STEP_GPU: a GPU's ordinal or `emulated`"),
+        ),
+    };
+    let runtime = runtime.expect("MOE_STEP_GPU is set: CUDA");
+    Some(
+        runtime
+            .gpus
+            .get(ordinal)
+            .expect("MOE_STEP_GPU: no such GPU"),
+    )
+}
+
 fn main() {
     let iters: usize = std::env::var("MOE_STEP_ITERS")
         .ok()
@@ -96,17 +130,28 @@ fn main() {
         Some(dir) => std::path::PathBuf::from(dir),
         None => common::demo_model(env!("CARGO_BIN_EXE_moe-node")),
     };
-    let full = Engine::load(&dir).expect("demo model loads");
+    let gpu = gpu();
+    let full = match gpu {
+        Some(g) => engine_on_gpu(&ModelSource::files(&dir), g.ordinal, true, None, None)
+            .expect("the model loads on the GPU"),
+        None => Engine::load(&dir).expect("the model loads"),
+    };
     let config = ModelConfig::load(&dir).expect("config");
     let weights = DenseWeights::load(&Checkpoint::open(&dir).expect("checkpoint"), &config)
         .expect("dense weights");
     let hidden = config.hidden_size;
-    let dense_only = Engine::new(config, weights, Arc::new(NoExperts(hidden)));
+    let mut dense_only = Engine::new(config, weights, Arc::new(NoExperts(hidden)));
+    if let Some(g) = gpu {
+        dense_only
+            .place_dense_on_gpu(g, 0.9, None)
+            .expect("the dense part loads on the GPU");
+        println!("on GPU {} ({})", g.ordinal, g.name);
+    }
     prefill(&full, &dense_only);
     if std::env::var("MOE_STEP_BATCHES").is_ok_and(|b| b.trim().is_empty()) {
         return;
     }
-    let (_system, dispatched) = common::dispatched_engine(&dir);
+    let dispatched = gpu.is_none().then(|| common::dispatched_engine(&dir));
     println!(
         "engine decode step on {}, median of {iters} steps",
         dir.display()
@@ -124,7 +169,9 @@ fn main() {
     for batch in batches {
         let f = step_ms(&full, batch, iters);
         let d = step_ms(&dense_only, batch, iters);
-        let n = step_ms(&dispatched, batch, iters);
+        let n = dispatched
+            .as_ref()
+            .map_or(f64::NAN, |(_, engine)| step_ms(engine, batch, iters));
         let tps = batch as f64 / f * 1e3;
         let base_tps = *base.get_or_insert(tps);
         println!(

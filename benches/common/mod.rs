@@ -85,14 +85,20 @@ pub fn dispatched_engine(model: &Path) -> (actix::SystemRunner, Engine) {
     (system, engine)
 }
 
+/// The benchmarks' prompts take ids 1 to this (at most 250, within the model's vocabulary).
+pub fn token_range(engine: &Engine) -> usize {
+    engine.config().vocab_size.saturating_sub(1).clamp(1, 250)
+}
+
 /// Milliseconds of each of `iters` decode steps for `batch` sequences with 16-token
 /// prompts (the load benchmark's prompts).
 pub fn decode_steps_ms(engine: &Engine, batch: usize, iters: usize) -> Vec<f64> {
     let mut caches: Vec<_> = (0..batch).map(|_| engine.new_cache()).collect();
+    let top = token_range(engine);
     let prompts: Vec<Vec<u32>> = (0..batch)
         .map(|b| {
             (0..16)
-                .map(|i| ((b * 31 + i * 7) % 250 + 1) as u32)
+                .map(|i| ((b * 31 + i * 7) % top + 1) as u32)
                 .collect()
         })
         .collect();
@@ -102,7 +108,7 @@ pub fn decode_steps_ms(engine: &Engine, batch: usize, iters: usize) -> Vec<f64> 
         .map(|(cache, tokens)| SequenceStep::new(cache, tokens))
         .collect();
     engine.forward(&mut prefill).expect("prefill");
-    let mut tokens: Vec<[u32; 1]> = (0..batch).map(|b| [(b as u32 * 13) % 250 + 1]).collect();
+    let mut tokens: Vec<[u32; 1]> = (0..batch).map(|b| [((b * 13) % top + 1) as u32]).collect();
     (0..iters)
         .map(|_| {
             let mut step: Vec<SequenceStep> = caches
