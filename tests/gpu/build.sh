@@ -23,9 +23,10 @@ for line in sys.stdin:
 }
 
 cargo build --release --bin moe-node --message-format=json | executables > "$out/.list"
-cargo test --release --no-run --test gpu_kernels --test gpu_served --test reference --test server \
+cargo test --release --no-run --test gpu_kernels --test gpu_served --test gpu_hybrid \
+    --test reference --test server \
     --message-format=json | executables >> "$out/.list"
-cargo bench --no-run --bench moe_layer_gpu --bench load --message-format=json \
+cargo bench --no-run --bench moe_layer_gpu --bench load --bench engine_step --message-format=json \
     | executables >> "$out/.list"
 while read -r name path; do
     strip -o "$out/$name" "$path"

@@ -11,13 +11,15 @@
 #      experts there;
 #   2. tests/gpu_kernels.rs: the MoE layer and the dense kernels on the GPU against the CPU;
 #      tests/gpu_served.rs: MoE rows kept on the GPU against routing on the host;
+#      tests/gpu_hybrid.rs: a hybrid model's linear-attention states paged on the GPU;
 #   3. tests/reference.rs: every fixture on the CPU (against transformers) and on the GPU
 #      against the CPU: experts on the GPU (same greedy tokens, logits within the bf16
 #      tolerance), then the whole model (logits after the prompt within the bf16 tolerance
 #      of the dense part; decoding through the GPU's KV cache equal to one prefill);
 #   4. tests/server.rs: the node's HTTP tests, whose devices are now the GPU;
 #   5. benches/moe_layer_gpu.rs (bf16 experts, then FP8 and INT4 held as stored), then
-#      benches/moe_layer_gpu_reference.py (transformers on the same GPU), side by side.
+#      benches/moe_layer_gpu_reference.py (transformers on the same GPU), side by side;
+#   6. benches/engine_step.rs with the whole of a Qwen3.5-shaped model on the GPU.
 set -uo pipefail
 out=${1:?usage: tests/gpu/run.sh OUT}
 bin=gpu-bin
@@ -60,6 +62,7 @@ step generate-gpu-experts 120 env RUST_LOG=info "$bin/moe-node" generate \
     --model tests/fixtures/kimi_k2 --prompt-ids 1,2,3,4 --max-tokens 8 --gpu 0 --dense-on-cpu --json
 step gpu-kernel-tests 180 "$bin/gpu_kernels" --test-threads=1 --nocapture
 step gpu-served-tests 120 "$bin/gpu_served" --nocapture
+step gpu-hybrid-tests 120 "$bin/gpu_hybrid" --nocapture
 step reference-tests 180 "$bin/reference" --test-threads=1 --nocapture
 step server-tests 240 "$bin/server" --test-threads=2
 TAIL=40 step bench 300 env MOE_GPU_BENCH_FORMATS=bf16 MOE_GPU_BENCH_OUT="$out/moe_layer_gpu.jsonl" \
@@ -70,5 +73,12 @@ TAIL=40 step bench-quantized 240 env MOE_GPU_BENCH_FORMATS=fp8,int4 MOE_GPU_BENC
     "$bin/moe_layer_gpu"
 TAIL=40 step torch-reference 300 python3 benches/moe_layer_gpu_reference.py \
     "$out/moe_layer_gpu.jsonl" --out "$out/torch.jsonl"
+# The hybrid models' gated DeltaNet on the GPU, on Qwen3.5-35B-A3B's dense shapes (random
+# weights: needs torch and transformers here).
+if python3 -c "import transformers" 2> /dev/null; then
+    TAIL=20 step hybrid-model 300 python3 benches/random_qwen3_5_moe.py /tmp/qwen35moe
+    TAIL=20 step hybrid-step 300 env MOE_STEP_GPU=0 MOE_STEP_MODEL=/tmp/qwen35moe \
+        MOE_STEP_PREFILL=64,512 MOE_STEP_ITERS=50 "$bin/engine_step"
+fi
 echo "=== overall: $([ $status -eq 0 ] && echo passed || echo FAILED)"
 exit $status
