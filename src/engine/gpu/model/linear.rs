@@ -84,7 +84,7 @@ impl GpuModel {
         let (Some(la), Some(kernels), Some(states)) = (
             self.config.linear_attention.as_ref(),
             self.linear.as_ref(),
-            step.states.as_ref(),
+            step.states.as_ref().map(|(packed, _)| packed),
         ) else {
             return Err(missing());
         };

@@ -15,7 +15,7 @@ use cudarc::driver::{CudaContext, CudaStream, result, sys};
 
 use crate::compute::cuda::blas::{self, Gemm, Output};
 use crate::compute::cuda::dense::{BlockTable, DenseKernels, PagedCache};
-use crate::compute::cuda::linear::{LinearKernels, PackedStates};
+use crate::compute::cuda::linear::{LinearKernels, PackedStates, StatePages};
 use crate::compute::cuda::moe::MoeKernels;
 use crate::compute::cuda::{CudaError, GpuInfo};
 use crate::compute::layout::{RopeAngles, Segment};
@@ -301,6 +301,62 @@ impl GpuModel {
         Ok(copy)
     }
 
+    /// What every layer of a step reads: rotary tables, each row's sequence and position,
+    /// the block tables and, for a hybrid model, the sequences' states gathered from their
+    /// pages (see `linear`).
+    fn step(
+        &self,
+        scratch: &mut Scratch,
+        angles: &[RopeAngles],
+        segments: &[Segment],
+        caches: &[&mut DeviceCache],
+        pool: Arc<KvPool>,
+    ) -> Result<Step, CudaError> {
+        let rows = angles.len();
+        let cos: Vec<f32> = angles.iter().flat_map(|a| a.cos.iter().copied()).collect();
+        let sin: Vec<f32> = angles.iter().flat_map(|a| a.sin.iter().copied()).collect();
+        let rope_dim = angles.first().map_or(0, |a| a.cos.len() * 2);
+        let mut row_seq = Vec::with_capacity(rows);
+        let mut row_pos = Vec::with_capacity(rows);
+        for (s, segment) in segments.iter().enumerate() {
+            for i in 0..segment.rows.len() {
+                row_seq.push(s as i32);
+                row_pos.push((segment.start_position + i) as i32);
+            }
+        }
+        // Each sequence's blocks, `[seqs, stride]` (shared by every layer).
+        let stride = caches
+            .iter()
+            .map(|c| c.blocks().len())
+            .max()
+            .unwrap_or(0)
+            .max(1);
+        let mut table = vec![0i32; caches.len() * stride];
+        for (row, cache) in table.chunks_mut(stride).zip(caches.iter()) {
+            for (slot, &block) in row.iter_mut().zip(cache.blocks()) {
+                *slot = block as i32;
+            }
+        }
+        let states = match &self.linear {
+            Some(kernels) => Some(self.gather_states(kernels, scratch, segments, caches)?),
+            None => None,
+        };
+        Ok(Step {
+            rows,
+            cos: scratch.upload(&cos)?,
+            sin: scratch.upload(&sin)?,
+            rope_dim,
+            row_seq: scratch.upload(&row_seq)?,
+            row_pos: scratch.upload(&row_pos)?,
+            table: BlockTable {
+                blocks: scratch.upload(&table)?,
+                stride,
+            },
+            states,
+            pool,
+        })
+    }
+
     /// Runs every layer over the step's rows, then the final norm and the lm head on rows
     /// `logit_rows` (each segment's last row, or all of a segment's rows when its logits
     /// are all wanted). `hidden` holds the rows' embeddings; caches are extended (their
@@ -332,53 +388,7 @@ impl GpuModel {
             held: Vec::new(),
         };
         let x = scratch.upload(hidden)?;
-        let cos: Vec<f32> = angles.iter().flat_map(|a| a.cos.iter().copied()).collect();
-        let sin: Vec<f32> = angles.iter().flat_map(|a| a.sin.iter().copied()).collect();
-        let rope_dim = angles.first().map_or(0, |a| a.cos.len() * 2);
-        let mut row_seq = Vec::with_capacity(rows);
-        let mut row_pos = Vec::with_capacity(rows);
-        for (s, segment) in segments.iter().enumerate() {
-            for i in 0..segment.rows.len() {
-                row_seq.push(s as i32);
-                row_pos.push((segment.start_position + i) as i32);
-            }
-        }
-        // Each sequence's blocks, `[seqs, stride]` (shared by every layer).
-        let stride = caches
-            .iter()
-            .map(|c| c.blocks().len())
-            .max()
-            .unwrap_or(0)
-            .max(1);
-        let mut table = vec![0i32; caches.len() * stride];
-        for (row, cache) in table.chunks_mut(stride).zip(caches.iter()) {
-            for (slot, &block) in row.iter_mut().zip(cache.blocks()) {
-                *slot = block as i32;
-            }
-        }
-        let step = Step {
-            rows,
-            cos: scratch.upload(&cos)?,
-            sin: scratch.upload(&sin)?,
-            rope_dim,
-            row_seq: scratch.upload(&row_seq)?,
-            row_pos: scratch.upload(&row_pos)?,
-            table: BlockTable {
-                blocks: scratch.upload(&table)?,
-                stride,
-            },
-            states: None,
-            pool,
-        };
-        // A hybrid model's states, gathered from their pages (see `linear`).
-        let states = match &self.linear {
-            Some(kernels) => Some(self.gather_states(kernels, &mut scratch, segments, caches)?),
-            None => None,
-        };
-        let step = Step {
-            states: states.map(|(packed, _)| packed),
-            ..step
-        };
+        let step = self.step(&mut scratch, angles, segments, caches, pool)?;
 
         let normed = scratch.f32(rows * h)?;
         // Buffers of the whole step; each layer's own are dropped after it.
@@ -472,7 +482,7 @@ impl GpuModel {
         };
         stream.synchronize().map_err(CudaError::from)?;
         // Every layer has run: the states the step computed become the sequences'.
-        if let (Some(kernels), Some((packed, pages))) = (&self.linear, &states) {
+        if let (Some(kernels), Some((packed, pages))) = (&self.linear, &step.states) {
             // SAFETY: gathered from the same pages by `gather_states`.
             unsafe { kernels.scatter(stream, packed, pages)? };
         }
@@ -575,8 +585,9 @@ struct Step {
     row_pos: u64,
     /// Each sequence's blocks of `pool`.
     table: BlockTable,
-    /// A hybrid model's linear-attention states, packed for the step.
-    states: Option<PackedStates>,
+    /// A hybrid model's linear-attention states, packed for the step, and the pages they
+    /// go back to once it has run.
+    states: Option<(PackedStates, StatePages)>,
     pool: Arc<KvPool>,
 }
 
