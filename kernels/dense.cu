@@ -67,13 +67,14 @@ __device__ __forceinline__ size_t cached_row(const int* table, int pos) {
 //
 // GQA: dk = dv = head_dim, kv_stride = kv_heads * head_dim. MLA in its absorbed form: one
 // kv head whose key is [latent | rotary key] and whose value is the latent (values = keys).
+// `sinks` (gpt-oss; null: none): one more logit per head in the softmax, with no value.
 // Dynamic shared memory: dk + ATTEND_TILE + dv floats.
 extern "C" __global__ void attend(const float* q, int heads, int group, int dk, int dv,
                                   const bf16* key_pool, const bf16* value_pool,
                                   const int* blocks, int table_stride,
                                   int kv_stride, int k_head_stride, int v_head_stride,
                                   const int* row_seq, const int* row_pos, int window,
-                                  float scale, float* out) {
+                                  float scale, const float* sinks, float* out) {
     extern __shared__ float smem[];
     float* query = smem;
     float* tile = smem + dk;
@@ -125,8 +126,14 @@ extern "C" __global__ void attend(const float* q, int heads, int group, int dk, 
         running_max = new_max;
         __syncthreads();
     }
+    float rescale = 1.0f;
+    if (sinks) {
+        float sink = sinks[head], new_max = fmaxf(running_max, sink);
+        rescale = expf(running_max - new_max);
+        total = total * rescale + expf(sink - new_max);
+    }
     for (int d = threadIdx.x; d < dv; d += blockDim.x) {
-        out[((size_t)row * heads + head) * dv + d] = acc[d] / total;
+        out[((size_t)row * heads + head) * dv + d] = acc[d] * rescale / total;
     }
 }
 

@@ -418,8 +418,8 @@ fn attention_matches_the_cpu_on_the_gpu() {
                 q,
                 c.rows.len(),
                 &cache,
-                row_seq,
-                row_pos,
+                (row_seq, row_pos),
+                0,
                 out_ptr,
             )
         }

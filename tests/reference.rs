@@ -652,7 +652,7 @@ fn glm4_moe_matches_transformers() {
 /// that changes 17 of the prompt's 22 (token, layer) choices; bf16.
 #[test]
 fn minimax_m2_matches_transformers() {
-    check_dense_gpu_refused("minimax_m2", "qk_norm_type: per_layer");
+    check("minimax_m2");
 }
 
 /// Llama 4: chunks of 4 positions and a NoPE layer with temperature tuning (both reached by
@@ -676,11 +676,12 @@ fn gpt_oss_matches_transformers() {
 /// gpt-oss as released: the experts in MXFP4 (`_blocks` of FP4 e2m1 pairs, `_scales` of E8M0
 /// exponents per 32 inputs), the rest in bf16; transformers dequantizes them to bf16 as
 /// moe-node does (tests/fixtures/make_fixtures.py `to_mxfp4` writes them). On the GPU its
-/// experts run with their biases and clamped SwiGLU (widened to bf16 on upload); its dense
-/// part is refused, naming its windowed layers (and it would the sinks).
+/// experts run with their biases and clamped SwiGLU (widened to bf16 on upload), and its
+/// dense part too: windowed and full layers in turn, a sink logit per head, biased
+/// projections and router.
 #[test]
 fn gpt_oss_mxfp4_matches_transformers() {
-    check_dense_gpu_refused("gpt_oss_mxfp4", "attention that differs by layer");
+    check("gpt_oss_mxfp4");
 }
 
 /// Qwen3-Next: gated DeltaNet layers (two value heads per key head, a 4-wide convolution)

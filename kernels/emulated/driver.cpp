@@ -310,9 +310,13 @@ bool build(const std::string& source, std::string* log) {
     }
     std::string unit = "#include \"cuda_on_cpu.h\"\n" + body + "\n#include \"module_entry.h\"\n";
     for (const std::string& name : kernel_names(source)) unit += "MOE_EMU_KERNEL(" + name + ")\n";
-    std::string stem = library.substr(0, library.size() - 3);
-    std::string cpp = stem + "-" + std::to_string(getpid()) + ".cpp";
-    std::string tmp = stem + "-" + std::to_string(getpid()) + ".tmp";
+    // Names of this build alone: another process, or another thread of this one (tests run
+    // as threads), may be building the same source at the same time.
+    static std::atomic<unsigned> builds{0};
+    std::string stem = library.substr(0, library.size() - 3) + "-" + std::to_string(getpid()) +
+                       "-" + std::to_string(builds++);
+    std::string cpp = stem + ".cpp";
+    std::string tmp = stem + ".tmp";
     FILE* f = fopen(cpp.c_str(), "w");
     if (!f) {
         *log = "cannot write " + cpp;

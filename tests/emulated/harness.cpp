@@ -274,7 +274,7 @@ int main(int argc, char** argv) {
         launch(rows * heads, 64, (dk + 256 + dv) * sizeof(float), [&] {
             attend(q.data(), heads, group, dk, dv, keys.data(), values.data(), table.data(),
                    table_stride, kv_stride, k_head_stride, v_head_stride, row_seq.data(),
-                   row_pos.data(), window, scale, out.data());
+                   row_pos.data(), window, scale, nullptr, out.data());
         });
         print(out);
     } else {

@@ -355,12 +355,14 @@ impl DenseKernels {
         Ok(())
     }
 
-    /// Causal attention of `rows` query rows, each over its own sequence's paged cache.
+    /// Causal attention of `rows` query rows, each over its own sequence's paged cache, with
+    /// a sink logit per head where `sinks` is not 0 (gpt-oss).
     ///
     /// # Safety
     /// `q`: `[rows, heads, key_width]` f32; `cache`'s pools hold positions laid out as `shape`
     /// says, its table naming a block for every position up to each row's; `row_seq`,
-    /// `row_pos`: `[rows]` i32; `out`: room for `[rows, heads, value_width]` f32.
+    /// `row_pos`: `[rows]` i32; `sinks`: 0 or `[heads]` f32; `out`: room for
+    /// `[rows, heads, value_width]` f32.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn attend(
         &self,
@@ -369,8 +371,8 @@ impl DenseKernels {
         q: u64,
         rows: usize,
         cache: &PagedCache,
-        row_seq: u64,
-        row_pos: u64,
+        (row_seq, row_pos): (u64, u64),
+        sinks: u64,
         out: u64,
     ) -> Result<(), CudaError> {
         let ints = shape.kernel_ints();
@@ -396,6 +398,7 @@ impl DenseKernels {
                 .arg(&row_pos)
                 .arg(&ints[7])
                 .arg(&shape.scale)
+                .arg(&sinks)
                 .arg(&out)
                 .launch(LaunchConfig {
                     grid_dim: ((rows * shape.heads) as u32, 1, 1),

@@ -9,7 +9,7 @@ use crate::compute::cuda::CudaError;
 use crate::compute::cuda::blas::{self, Batch, Gemm, Output};
 use crate::compute::cuda::dense::AttentionShape;
 use crate::compute::cuda::experts::Buffer;
-use crate::model::config::AttentionConfig;
+use crate::model::config::{AttentionConfig, Span};
 
 /// One GQA layer's projections and shape, as [`GpuModel::attention`] matched them.
 struct GqaLayer<'a> {
@@ -24,6 +24,11 @@ struct GqaLayer<'a> {
     window: Option<usize>,
     /// Each head's output times the sigmoid of a gate projected with its query.
     output_gate: bool,
+    /// A sink logit per head (gpt-oss).
+    sinks: Option<&'a Buffer>,
+    /// The widths the q and k norms take at a time: a head's, or (MiniMax-M2's
+    /// `qk_norm_type: per_layer`) all of a row's heads.
+    norm_widths: (usize, usize),
 }
 
 /// One MLA layer's projections and shape, as [`GpuModel::attention`] matched them.
@@ -57,15 +62,27 @@ impl GpuModel {
                     o,
                     q_norm,
                     k_norm,
+                    sinks,
                 },
-                &AttentionConfig::Gqa {
+                AttentionConfig::Gqa {
                     num_kv_heads,
                     head_dim,
                     sliding_window,
                     output_gate,
+                    qk_norm,
+                    layers,
                     ..
                 },
             ) => {
+                let (heads, num_kv_heads, head_dim) =
+                    (self.config.num_heads, *num_kv_heads, *head_dim);
+                // Where layers differ (gpt-oss), each its own span: `dense_part_the_gpu_lacks`
+                // refuses the kinds of difference this does not follow.
+                let window = match layers.get(l).map(|a| a.span) {
+                    Some(Span::Window(n)) => Some(n),
+                    Some(_) => None,
+                    None => *sliding_window,
+                };
                 let layer = GqaLayer {
                     q,
                     k,
@@ -75,8 +92,12 @@ impl GpuModel {
                     k_norm,
                     kv_heads: num_kv_heads,
                     head_dim,
-                    window: sliding_window,
-                    output_gate,
+                    window,
+                    output_gate: *output_gate,
+                    sinks: sinks.as_ref(),
+                    norm_widths: qk_norm
+                        .widths(heads, num_kv_heads, head_dim)
+                        .unwrap_or((head_dim, head_dim)),
                 };
                 self.gqa_attention(l, &layer, step, scratch, x)
             }
@@ -167,11 +188,18 @@ impl GpuModel {
         };
         self.linear(layer.k, x, rows, keys, Output::F32)?;
         self.linear(layer.v, x, rows, values, Output::F32)?;
+        let (q_width, k_width) = layer.norm_widths;
         if let Some(n) = layer.q_norm {
-            self.norm(n, queries, rows * heads, head_dim, queries)?;
+            self.norm(
+                n,
+                queries,
+                rows * heads * head_dim / q_width,
+                q_width,
+                queries,
+            )?;
         }
         if let Some(n) = layer.k_norm {
-            self.norm(n, keys, rows * kv_heads, head_dim, keys)?;
+            self.norm(n, keys, rows * kv_width / k_width, k_width, keys)?;
         }
         let out = scratch.f32(rows * heads * head_dim)?;
         // SAFETY: buffers sized above from the same shapes; the block tables name
@@ -210,8 +238,8 @@ impl GpuModel {
                 queries,
                 rows,
                 &cache,
-                step.row_seq,
-                step.row_pos,
+                (step.row_seq, step.row_pos),
+                layer.sinks.map_or(0, |s| s.ptr),
                 out,
             )?;
         }
@@ -412,8 +440,8 @@ impl GpuModel {
                 query,
                 rows,
                 &cache,
-                step.row_seq,
-                step.row_pos,
+                (step.row_seq, step.row_pos),
+                0,
                 latent_out,
             )?;
         }

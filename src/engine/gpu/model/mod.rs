@@ -20,7 +20,7 @@ use crate::compute::cuda::moe::MoeKernels;
 use crate::compute::cuda::{CudaError, GpuInfo};
 use crate::compute::layout::{RopeAngles, Segment};
 use crate::experts::{ExpertError, ExpertExecutor};
-use crate::model::config::{AttentionConfig, ModelConfig, QkNorm};
+use crate::model::config::{AttentionConfig, ModelConfig, Span};
 use crate::model::weights::DenseWeights;
 use cache::Scratch;
 pub use cache::{DeviceCache, KvPool};
@@ -496,18 +496,23 @@ impl GpuModel {
 /// (`gpu::model`) does not implement, which would otherwise load and compute something else.
 fn dense_part_the_gpu_lacks(config: &ModelConfig) -> Option<&'static str> {
     match &config.attention {
-        AttentionConfig::Gqa {
-            qk_norm: QkNorm::PerLayer,
-            ..
-        } => Some("q/k norm over the whole projection (`qk_norm_type: per_layer`)"),
-        AttentionConfig::Gqa { layers, .. } if !layers.is_empty() => Some(
-            "attention that differs by layer (NoPE layers, chunked attention, temperature \
-             tuning, q/k norm without weights)",
-        ),
+        // Spans that differ by layer (gpt-oss's windows) it follows; not the rest.
+        AttentionConfig::Gqa { layers, .. }
+            if layers.iter().any(|a| {
+                !a.rope
+                    || a.unit_qk_norm
+                    || a.temperature.is_some()
+                    || matches!(a.span, Span::Chunk(_))
+            }) =>
+        {
+            Some(
+                "attention that differs by layer (NoPE layers, chunked attention, temperature \
+                 tuning, q/k norm without weights)",
+            )
+        }
         AttentionConfig::Gqa {
             interleave: true, ..
         } => Some("GQA rope over interleaved pairs"),
-        AttentionConfig::Gqa { sinks: true, .. } => Some("attention sinks (`self_attn.sinks`)"),
         AttentionConfig::Mla {
             indexer: Some(_), ..
         } => Some("the lightning indexer of DeepSeek Sparse Attention (`index_topk`)"),

@@ -52,6 +52,8 @@ pub(super) enum Attention {
         o: Matrix,
         q_norm: Option<Norm>,
         k_norm: Option<Norm>,
+        /// gpt-oss's sink logit per head (f32).
+        sinks: Option<Buffer>,
     },
     Mla {
         q: Query,
@@ -165,7 +167,8 @@ pub(super) fn weight_bytes(weights: &DenseWeights) -> usize {
                         + moe.correction_bias.as_ref().map_or(0, |b| b.len() * 4)
                 }
             };
-            attention + ff + norm(&l.input_norm) + norm(&l.post_attention_norm)
+            let sinks = l.sinks.as_ref().map_or(0, |s| s.len() * 4);
+            attention + sinks + ff + norm(&l.input_norm) + norm(&l.post_attention_norm)
         })
         .sum();
     layers + linear(weights.lm_head()) + norm(&weights.final_norm)
@@ -272,6 +275,11 @@ pub(super) fn upload(
                 o: matrix(o)?,
                 q_norm: q_norm.as_ref().map(norm).transpose()?,
                 k_norm: k_norm.as_ref().map(norm).transpose()?,
+                sinks: l
+                    .sinks
+                    .as_ref()
+                    .map(|s| Buffer::from_host(stream, s))
+                    .transpose()?,
             },
             (
                 None,
