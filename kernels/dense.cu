@@ -68,13 +68,15 @@ __device__ __forceinline__ size_t cached_row(const int* table, int pos) {
 // GQA: dk = dv = head_dim, kv_stride = kv_heads * head_dim. MLA in its absorbed form: one
 // kv head whose key is [latent | rotary key] and whose value is the latent (values = keys).
 // `sinks` (gpt-oss; null: none): one more logit per head in the softmax, with no value.
+// `chunk` > 0 (Llama 4's chunked layers): a row sees only the positions of its own chunk of
+// `chunk` positions.
 // Dynamic shared memory: dk + ATTEND_TILE + dv floats.
 extern "C" __global__ void attend(const float* q, int heads, int group, int dk, int dv,
                                   const bf16* key_pool, const bf16* value_pool,
                                   const int* blocks, int table_stride,
                                   int kv_stride, int k_head_stride, int v_head_stride,
                                   const int* row_seq, const int* row_pos, int window,
-                                  float scale, const float* sinks, float* out) {
+                                  int chunk, float scale, const float* sinks, float* out) {
     extern __shared__ float smem[];
     float* query = smem;
     float* tile = smem + dk;
@@ -82,6 +84,9 @@ extern "C" __global__ void attend(const float* q, int heads, int group, int dk, 
     int row = blockIdx.x / heads, head = blockIdx.x % heads;
     int seq = row_seq[row], pos = row_pos[row];
     int first = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
+    if (chunk > 0) {
+        first = pos - pos % chunk;
+    }
     const int* table = blocks + (size_t)seq * table_stride;
     const bf16* k = key_pool + (size_t)(head / group) * k_head_stride;
     const bf16* v = value_pool + (size_t)(head / group) * v_head_stride;
@@ -194,5 +199,16 @@ extern "C" __global__ void scale_rows_by_sigmoid(float* x, const float* logits, 
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
         x[i] /= 1.0f + expf(-logits[i / width]);
+    }
+}
+
+// x[i] *= 1 + attn_scale * ln(1 + floor((pos + 1) / floor_scale)), pos the position of row
+// i / width: Llama 4's attention temperature on its NoPE layers' queries.
+extern "C" __global__ void scale_by_temperature(float* x, const int* row_pos, int width,
+                                                float floor_scale, float attn_scale, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        float floor_ = floorf(((float)row_pos[i / width] + 1.0f) / floor_scale);
+        x[i] *= log1pf(floor_) * attn_scale + 1.0f;
     }
 }

@@ -483,8 +483,11 @@ fn rope_interleaved_with_yarn_matches_the_cpu() {
 }
 
 fn check_attention(mla: bool, window: usize) {
+    check_attention_case(AttentionCase::new(mla, window), mla);
+}
+
+fn check_attention_case(c: AttentionCase, mla: bool) {
     let Some(exe) = harness() else { return };
-    let c = AttentionCase::new(mla, window);
     let shape = &c.shape;
     let keys = common::paged(&c.keys, shape.kv_stride);
     let mut input = format!(
@@ -525,6 +528,14 @@ fn attention_gqa_over_a_long_cache_and_a_prefill_chunk_matches_the_cpu() {
 #[test]
 fn attention_gqa_in_a_sliding_window_matches_the_cpu() {
     check_attention(false, 4);
+}
+
+/// Llama 4's chunked layers: each row sees its own chunk of 8 positions.
+#[test]
+fn attention_gqa_in_chunks_matches_the_cpu() {
+    let mut c = AttentionCase::new(false, 0);
+    c.shape.chunk = Some(8);
+    check_attention_case(c, false);
 }
 
 #[test]

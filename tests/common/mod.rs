@@ -217,6 +217,7 @@ impl AttentionCase {
             key_head_stride,
             value_head_stride,
             window: (window > 0).then_some(window),
+            chunk: None,
             scale: (key_width as f32).powf(-0.5),
         };
         let lengths = [300usize, 5];
@@ -273,7 +274,11 @@ impl AttentionCase {
             for head in 0..c.heads {
                 let query = &self.q[(r * c.heads + head) * dk..][..dk];
                 let kv = head / c.group;
-                let first = c.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                let first = match (c.window, c.chunk) {
+                    (_, Some(chunk)) => pos - pos % chunk,
+                    (Some(w), None) => (pos + 1).saturating_sub(w),
+                    (None, None) => 0,
+                };
                 let mut scores: Vec<f32> = (first..=pos)
                     .map(|j| {
                         let key = &self.keys[seq][j * c.kv_stride + kv * c.key_head_stride..][..dk];

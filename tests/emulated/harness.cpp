@@ -257,11 +257,11 @@ int main(int argc, char** argv) {
     } else if (mode == "attend") {
         // A paged cache (key pool, value pool unless values are the keys, block tables),
         // then rows (sequence, position) with their queries.
-        int heads, group, dk, dv, kv_stride, k_head_stride, v_head_stride, window, seqs, rows,
-            values_are_keys, blocks, table_stride;
+        int heads, group, dk, dv, kv_stride, k_head_stride, v_head_stride, window, chunk, seqs,
+            rows, values_are_keys, blocks, table_stride;
         float scale;
         std::cin >> heads >> group >> dk >> dv >> kv_stride >> k_head_stride >> v_head_stride >>
-            window >> scale >> values_are_keys >> seqs >> blocks >> table_stride;
+            window >> chunk >> scale >> values_are_keys >> seqs >> blocks >> table_stride;
         auto keys = to_bf16_host(read<float>((size_t)blocks * 16 * kv_stride));
         auto values =
             values_are_keys ? keys : to_bf16_host(read<float>((size_t)blocks * 16 * kv_stride));
@@ -274,7 +274,7 @@ int main(int argc, char** argv) {
         launch(rows * heads, 64, (dk + 256 + dv) * sizeof(float), [&] {
             attend(q.data(), heads, group, dk, dv, keys.data(), values.data(), table.data(),
                    table_stride, kv_stride, k_head_stride, v_head_stride, row_seq.data(),
-                   row_pos.data(), window, scale, nullptr, out.data());
+                   row_pos.data(), window, chunk, scale, nullptr, out.data());
         });
         print(out);
     } else {

@@ -24,6 +24,7 @@ pub struct DenseKernels {
     store_rows: CudaFunction,
     sigmoid_gate: CudaFunction,
     scale_rows_by_sigmoid: CudaFunction,
+    scale_by_temperature: CudaFunction,
 }
 
 /// One block per row, as the row kernels take.
@@ -71,13 +72,16 @@ pub struct AttentionShape {
     pub value_head_stride: usize,
     /// Only the last `window` positions are seen, when set.
     pub window: Option<usize>,
+    /// Only the positions of the row's own chunk of this many are seen, when set (Llama 4's
+    /// chunked layers).
+    pub chunk: Option<usize>,
     pub scale: f32,
 }
 
 impl AttentionShape {
     /// The shape's integer arguments in `attend`'s order: heads, group, dk, dv, kv_stride,
-    /// k_head_stride, v_head_stride, window (0: none).
-    pub fn kernel_ints(&self) -> [i32; 8] {
+    /// k_head_stride, v_head_stride, window (0: none), chunk (0: none).
+    pub fn kernel_ints(&self) -> [i32; 9] {
         [
             self.heads,
             self.group,
@@ -87,6 +91,7 @@ impl AttentionShape {
             self.key_head_stride,
             self.value_head_stride,
             self.window.unwrap_or(0),
+            self.chunk.unwrap_or(0),
         ]
         .map(|v| v as i32)
     }
@@ -109,6 +114,7 @@ impl DenseKernels {
             store_rows: module.load_function("store_rows")?,
             sigmoid_gate: module.load_function("sigmoid_gate")?,
             scale_rows_by_sigmoid: module.load_function("scale_rows_by_sigmoid")?,
+            scale_by_temperature: module.load_function("scale_by_temperature")?,
         })
     }
 
@@ -238,6 +244,37 @@ impl DenseKernels {
                 .arg(&x)
                 .arg(&logits)
                 .arg(&width_i)
+                .arg(&n)
+                .launch(elementwise(n))?;
+        }
+        Ok(())
+    }
+
+    /// Each of `rows` rows of `width` f32 times Llama 4's attention temperature at its
+    /// position: `1 + attn_scale * ln(1 + floor((pos + 1) / floor_scale))`.
+    ///
+    /// # Safety
+    /// `x`: `[rows, width]` f32; `row_pos`: `[rows]` i32.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn scale_by_temperature(
+        &self,
+        stream: &CudaStream,
+        x: u64,
+        row_pos: u64,
+        rows: usize,
+        width: usize,
+        (floor_scale, attn_scale): (f32, f32),
+    ) -> Result<(), CudaError> {
+        let (width_i, n) = (width as i32, rows * width);
+        // SAFETY: as the caller vouches; arguments match dense.cu.
+        unsafe {
+            stream
+                .launch_builder(&self.scale_by_temperature)
+                .arg(&x)
+                .arg(&row_pos)
+                .arg(&width_i)
+                .arg(&floor_scale)
+                .arg(&attn_scale)
                 .arg(&n)
                 .launch(elementwise(n))?;
         }
@@ -397,6 +434,7 @@ impl DenseKernels {
                 .arg(&row_seq)
                 .arg(&row_pos)
                 .arg(&ints[7])
+                .arg(&ints[8])
                 .arg(&shape.scale)
                 .arg(&sinks)
                 .arg(&out)

@@ -61,6 +61,7 @@ pub const DENSE: KernelFile = KernelFile {
         "store_rows",
         "sigmoid_gate",
         "scale_rows_by_sigmoid",
+        "scale_by_temperature",
     ],
 };
 

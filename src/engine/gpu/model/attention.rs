@@ -9,7 +9,7 @@ use crate::compute::cuda::CudaError;
 use crate::compute::cuda::blas::{self, Batch, Gemm, Output};
 use crate::compute::cuda::dense::AttentionShape;
 use crate::compute::cuda::experts::Buffer;
-use crate::model::config::{AttentionConfig, Span};
+use crate::model::config::{AttentionConfig, LayerAttention, Span};
 
 /// One GQA layer's projections and shape, as [`GpuModel::attention`] matched them.
 struct GqaLayer<'a> {
@@ -21,7 +21,9 @@ struct GqaLayer<'a> {
     k_norm: &'a Option<Norm>,
     kv_heads: usize,
     head_dim: usize,
-    window: Option<usize>,
+    /// What this layer does where layers differ (rope or not, the span seen, Llama 4's
+    /// weightless q/k norm and temperature).
+    this: LayerAttention,
     /// Each head's output times the sigmoid of a gate projected with its query.
     output_gate: bool,
     /// A sink logit per head (gpt-oss).
@@ -76,13 +78,13 @@ impl GpuModel {
             ) => {
                 let (heads, num_kv_heads, head_dim) =
                     (self.config.num_heads, *num_kv_heads, *head_dim);
-                // Where layers differ (gpt-oss), each its own span: `dense_part_the_gpu_lacks`
-                // refuses the kinds of difference this does not follow.
-                let window = match layers.get(l).map(|a| a.span) {
-                    Some(Span::Window(n)) => Some(n),
-                    Some(_) => None,
-                    None => *sliding_window,
-                };
+                // As the CPU's GQA reads it (`engine/attention.rs`).
+                let this = layers.get(l).copied().unwrap_or(LayerAttention {
+                    rope: true,
+                    span: sliding_window.map_or(Span::Full, Span::Window),
+                    unit_qk_norm: false,
+                    temperature: None,
+                });
                 let layer = GqaLayer {
                     q,
                     k,
@@ -92,7 +94,7 @@ impl GpuModel {
                     k_norm,
                     kv_heads: num_kv_heads,
                     head_dim,
-                    window,
+                    this,
                     output_gate: *output_gate,
                     sinks: sinks.as_ref(),
                     norm_widths: qk_norm
@@ -205,8 +207,7 @@ impl GpuModel {
         // SAFETY: buffers sized above from the same shapes; the block tables name
         // a block for every row's position (reserved by `forward`).
         unsafe {
-            self.rotate(step, queries, heads, head_dim, 0)?;
-            self.rotate(step, keys, kv_heads, head_dim, 0)?;
+            self.turn_queries_and_keys(layer, step, queries, keys)?;
             let cache = step.cache(l);
             let d = &self.dense;
             for (rows_in, to) in [(keys, cache.keys), (values, cache.values)] {
@@ -229,7 +230,14 @@ impl GpuModel {
                 kv_stride: kv_width,
                 key_head_stride: head_dim,
                 value_head_stride: head_dim,
-                window: layer.window,
+                window: match layer.this.span {
+                    Span::Window(n) => Some(n),
+                    _ => None,
+                },
+                chunk: match layer.this.span {
+                    Span::Chunk(n) => Some(n),
+                    _ => None,
+                },
                 scale: self.softmax_scale,
             };
             d.attend(
@@ -254,6 +262,47 @@ impl GpuModel {
         let y = scratch.f32(rows * self.config.hidden_size)?;
         self.linear(layer.o, ob, rows, y, Output::F32)?;
         Ok(y)
+    }
+
+    /// Rope over the queries and keys where the layer turns them, then Llama 4's weightless
+    /// RMSNorm of each head and its temperature on the queries where the layer has them.
+    ///
+    /// # Safety
+    /// `queries`: `[rows, heads, head_dim]` f32, `keys`: `[rows, kv_heads, head_dim]` f32.
+    unsafe fn turn_queries_and_keys(
+        &self,
+        layer: &GqaLayer,
+        step: &Step,
+        queries: u64,
+        keys: u64,
+    ) -> StepResult {
+        let (heads, kv_heads, head_dim) = (self.config.num_heads, layer.kv_heads, layer.head_dim);
+        let rows = step.rows;
+        // SAFETY: as the caller vouches.
+        unsafe {
+            if layer.this.rope {
+                self.rotate(step, queries, heads, head_dim, 0)?;
+                self.rotate(step, keys, kv_heads, head_dim, 0)?;
+            }
+            if layer.this.unit_qk_norm {
+                let ones = self.unit_norm.as_ref().ok_or_else(|| {
+                    CudaError::Unsupported("a weightless q/k norm without its weight".into())
+                })?;
+                self.norm(ones, queries, rows * heads, head_dim, queries)?;
+                self.norm(ones, keys, rows * kv_heads, head_dim, keys)?;
+            }
+            if let Some(t) = layer.this.temperature {
+                self.dense.scale_by_temperature(
+                    &self.stream,
+                    queries,
+                    step.row_pos,
+                    rows,
+                    heads * head_dim,
+                    (t.floor_scale, t.attn_scale),
+                )?;
+            }
+        }
+        Ok(())
     }
 
     /// MLA in its absorbed form: the queries and the rows' compressed keys (stored in the
@@ -432,6 +481,7 @@ impl GpuModel {
                 key_head_stride: 0,
                 value_head_stride: 0,
                 window: None,
+                chunk: None,
                 scale: self.softmax_scale,
             };
             d.attend(

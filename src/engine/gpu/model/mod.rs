@@ -20,7 +20,7 @@ use crate::compute::cuda::moe::MoeKernels;
 use crate::compute::cuda::{CudaError, GpuInfo};
 use crate::compute::layout::{RopeAngles, Segment};
 use crate::experts::{ExpertError, ExpertExecutor};
-use crate::model::config::{AttentionConfig, ModelConfig, Span};
+use crate::model::config::{AttentionConfig, ModelConfig};
 use crate::model::weights::DenseWeights;
 use cache::Scratch;
 pub use cache::{DeviceCache, KvPool};
@@ -41,6 +41,8 @@ pub struct GpuModel {
     moe: MoeKernels,
     /// A hybrid model's gated DeltaNet kernels.
     linear: Option<LinearKernels>,
+    /// Ones of a head's width with the model's epsilon: Llama 4's weightless q/k norm.
+    unit_norm: Option<Norm>,
     layers: Vec<Layer>,
     final_norm: Norm,
     lm_head: Matrix,
@@ -138,7 +140,20 @@ impl GpuModel {
                 Vec::new()
             }
         };
+        let unit_norm = match &config.attention {
+            AttentionConfig::Gqa {
+                layers, head_dim, ..
+            } if layers.iter().any(|a| a.unit_qk_norm) => Some(Norm {
+                weight: crate::compute::cuda::experts::Buffer::from_host(
+                    &stream,
+                    &vec![1f32; *head_dim],
+                )?,
+                eps: config.rms_norm_eps,
+            }),
+            _ => None,
+        };
         let model = GpuModel {
+            unit_norm,
             gpu: gpu.ordinal,
             gates,
             kv: Mutex::new(None),
@@ -495,32 +510,14 @@ impl GpuModel {
 /// A part of the dense forward pass that a family needs and the GPU's dense part
 /// (`gpu::model`) does not implement, which would otherwise load and compute something else.
 fn dense_part_the_gpu_lacks(config: &ModelConfig) -> Option<&'static str> {
-    match &config.attention {
-        // Spans that differ by layer (gpt-oss's windows) it follows; not the rest.
-        AttentionConfig::Gqa { layers, .. }
-            if layers.iter().any(|a| {
-                !a.rope
-                    || a.unit_qk_norm
-                    || a.temperature.is_some()
-                    || matches!(a.span, Span::Chunk(_))
-            }) =>
-        {
-            Some(
-                "attention that differs by layer (NoPE layers, chunked attention, temperature \
-                 tuning, q/k norm without weights)",
-            )
-        }
-        AttentionConfig::Gqa {
-            interleave: true, ..
-        } => Some("GQA rope over interleaved pairs"),
+    matches!(
+        &config.attention,
         AttentionConfig::Mla {
-            indexer: Some(_), ..
-        } => Some("the lightning indexer of DeepSeek Sparse Attention (`index_topk`)"),
-        _ if config.moe.weight_input => {
-            Some("gate weights on the experts' inputs (`weight_input`)")
+            indexer: Some(_),
+            ..
         }
-        _ => None,
-    }
+    )
+    .then_some("the lightning indexer of DeepSeek Sparse Attention (`index_topk`)")
 }
 
 type StepResult = Result<(), CudaError>;
