@@ -142,6 +142,142 @@ extern "C" __global__ void attend(const float* q, int heads, int group, int dk, 
     }
 }
 
+// Query rows per tile of attend_tiles and key positions per pass (ATTEND_TILES_KEYS).
+#define ATTEND_TILES_KEYS 16
+
+// The same attention as `attend`, for a prefill: a block per (tile, head), a tile being up to
+// `tile_rows` consecutive rows of one sequence at consecutive positions (tile t: rows
+// tile_first[t] .. + tile_len[t]). Each pass loads ATTEND_TILES_KEYS cached keys and values
+// of the sequence once into shared memory, for every row of the tile, where `attend` reads
+// each key again for every row. Per row: scores over the pass, a running maximum and sum
+// (online softmax), the weighted values added up; masked by each row's own span (causal,
+// window, chunk). Dynamic shared memory: tile_rows * (dk + dv + ATTEND_TILES_KEYS + 3) +
+// ATTEND_TILES_KEYS * (dk + dv) floats.
+extern "C" __global__ void attend_tiles(const float* q, int heads, int group, int dk, int dv,
+                                        const bf16* key_pool, const bf16* value_pool,
+                                        const int* blocks, int table_stride, int kv_stride,
+                                        int k_head_stride, int v_head_stride,
+                                        const int* row_seq, const int* row_pos, int window,
+                                        int chunk, float scale, const float* sinks,
+                                        const int* tile_first, const int* tile_len,
+                                        int tile_rows, float* out) {
+    extern __shared__ float smem[];
+    const int KT = ATTEND_TILES_KEYS;
+    float* query = smem;                          // [tile_rows][dk]
+    float* acc = query + tile_rows * dk;          // [tile_rows][dv]
+    float* scores = acc + tile_rows * dv;         // [tile_rows][KT]
+    float* running = scores + tile_rows * KT;     // [tile_rows]
+    float* total = running + tile_rows;           // [tile_rows]
+    float* rescale = total + tile_rows;           // [tile_rows]
+    float* keys = rescale + tile_rows;            // [KT][dk]
+    float* values = keys + KT * dk;               // [KT][dv]
+    int tile = blockIdx.x / heads, head = blockIdx.x % heads;
+    int first_row = tile_first[tile], n = tile_len[tile];
+    int seq = row_seq[first_row], pos0 = row_pos[first_row];
+    const int* table = blocks + (size_t)seq * table_stride;
+    const bf16* k = key_pool + (size_t)(head / group) * k_head_stride;
+    const bf16* v = value_pool + (size_t)(head / group) * v_head_stride;
+    // The first position any row of the tile sees; each row's own is checked per score.
+    int lowest = 0;
+    if (chunk > 0) {
+        lowest = pos0 - pos0 % chunk;
+    } else if (window > 0 && pos0 + 1 > window) {
+        lowest = pos0 + 1 - window;
+    }
+    int last = pos0 + n - 1;
+
+    for (int i = threadIdx.x; i < n * dk; i += blockDim.x) {
+        int r = i / dk, c = i % dk;
+        query[i] = q[((size_t)(first_row + r) * heads + head) * dk + c];
+    }
+    for (int i = threadIdx.x; i < n * dv; i += blockDim.x) {
+        acc[i] = 0.0f;
+    }
+    for (int r = threadIdx.x; r < n; r += blockDim.x) {
+        running[r] = NEG_INF;
+        total[r] = 0.0f;
+    }
+    __syncthreads();
+
+    for (int start = lowest; start <= last; start += KT) {
+        int len = min(KT, last + 1 - start);
+        for (int i = threadIdx.x; i < len * dk; i += blockDim.x) {
+            int j = i / dk, c = i % dk;
+            keys[i] = bf16_to_f32(k[cached_row(table, start + j) * kv_stride + c]);
+        }
+        for (int i = threadIdx.x; i < len * dv; i += blockDim.x) {
+            int j = i / dv, c = i % dv;
+            values[i] = bf16_to_f32(v[cached_row(table, start + j) * kv_stride + c]);
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < n * KT; i += blockDim.x) {
+            int r = i / KT, j = i % KT, pos = pos0 + r, at = start + j;
+            int first = 0;
+            if (chunk > 0) {
+                first = pos - pos % chunk;
+            } else if (window > 0 && pos + 1 > window) {
+                first = pos + 1 - window;
+            }
+            float score = NEG_INF;
+            if (j < len && at >= first && at <= pos) {
+                float dot = 0.0f;
+                for (int c = 0; c < dk; ++c) {
+                    dot += query[r * dk + c] * keys[j * dk + c];
+                }
+                score = dot * scale;
+            }
+            scores[i] = score;
+        }
+        __syncthreads();
+        // One thread per row: the pass's maximum, the rescaling of what came before, the
+        // exponents in place of the scores.
+        for (int r = threadIdx.x; r < n; r += blockDim.x) {
+            float* row = scores + r * KT;
+            float pass_max = NEG_INF;
+            for (int j = 0; j < KT; ++j) {
+                pass_max = fmaxf(pass_max, row[j]);
+            }
+            float new_max = fmaxf(running[r], pass_max);
+            if (new_max == NEG_INF) {
+                // Nothing seen yet by this row.
+                rescale[r] = 1.0f;
+                for (int j = 0; j < KT; ++j) {
+                    row[j] = 0.0f;
+                }
+                continue;
+            }
+            rescale[r] = expf(running[r] - new_max);  // 0 while nothing was seen
+            float sum = 0.0f;
+            for (int j = 0; j < KT; ++j) {
+                row[j] = expf(row[j] - new_max);  // 0 where masked
+                sum += row[j];
+            }
+            total[r] = total[r] * rescale[r] + sum;
+            running[r] = new_max;
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < n * dv; i += blockDim.x) {
+            int r = i / dv, d = i % dv;
+            float sum = 0.0f;
+            for (int j = 0; j < len; ++j) {
+                sum += scores[r * KT + j] * values[j * dv + d];
+            }
+            acc[i] = acc[i] * rescale[r] + sum;
+        }
+        __syncthreads();
+    }
+    for (int i = threadIdx.x; i < n * dv; i += blockDim.x) {
+        int r = i / dv, d = i % dv;
+        float factor = 1.0f, sum = total[r];
+        if (sinks) {
+            float sink = sinks[head], new_max = fmaxf(running[r], sink);
+            factor = expf(running[r] - new_max);
+            sum = sum * factor + expf(sink - new_max);
+        }
+        out[((size_t)(first_row + r) * heads + head) * dv + d] = acc[i] * factor / sum;
+    }
+}
+
 // x[i] += y[i]: the residual connection.
 extern "C" __global__ void add_rows(float* x, const float* y, size_t n) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;

@@ -487,6 +487,18 @@ fn check_attention(mla: bool, window: usize) {
 }
 
 fn check_attention_case(c: AttentionCase, mla: bool) {
+    check_attention_kernel(&c, mla, None);
+    if !mla {
+        // The prefill kernel, in tiles of 2 rows (the case's prefill rows make a tile of 2 and
+        // one of 1) and of 16 (one of 3).
+        for rows in [2, 16] {
+            check_attention_kernel(&c, mla, Some(rows));
+        }
+    }
+}
+
+/// The per-row kernel, or the prefill kernel in tiles of `tile_rows`.
+fn check_attention_kernel(c: &AttentionCase, mla: bool, tile_rows: Option<usize>) {
     let Some(exe) = harness() else { return };
     let shape = &c.shape;
     let keys = common::paged(&c.keys, shape.kv_stride);
@@ -516,8 +528,15 @@ fn check_attention_case(c: AttentionCase, mla: bool) {
         join(&positions),
         join(&c.q)
     );
-    let out = run(exe, "attend", &input);
-    close(&out[0], &c.expected(), 1e-5, "attention");
+    let mode = match tile_rows {
+        Some(rows) => {
+            input += &format!("{rows}\n");
+            "attend_tiles"
+        }
+        None => "attend",
+    };
+    let out = run(exe, mode, &input);
+    close(&out[0], &c.expected(), 1e-5, mode);
 }
 
 #[test]

@@ -254,7 +254,7 @@ int main(int argc, char** argv) {
                  interleaved);
         });
         print(x);
-    } else if (mode == "attend") {
+    } else if (mode == "attend" || mode == "attend_tiles") {
         // A paged cache (key pool, value pool unless values are the keys, block tables),
         // then rows (sequence, position) with their queries.
         int heads, group, dk, dv, kv_stride, k_head_stride, v_head_stride, window, chunk, seqs,
@@ -271,14 +271,41 @@ int main(int argc, char** argv) {
         auto row_pos = read<int>(rows);
         auto q = read<float>((size_t)rows * heads * dk);
         std::vector<float> out((size_t)rows * heads * dv);
-        launch(rows * heads, 64, (dk + 256 + dv) * sizeof(float), [&] {
-            attend(q.data(), heads, group, dk, dv, keys.data(), values.data(), table.data(),
-                   table_stride, kv_stride, k_head_stride, v_head_stride, row_seq.data(),
-                   row_pos.data(), window, chunk, scale, nullptr, out.data());
-        });
+        if (mode == "attend") {
+            launch(rows * heads, 64, (dk + 256 + dv) * sizeof(float), [&] {
+                attend(q.data(), heads, group, dk, dv, keys.data(), values.data(), table.data(),
+                       table_stride, kv_stride, k_head_stride, v_head_stride, row_seq.data(),
+                       row_pos.data(), window, chunk, scale, nullptr, out.data());
+            });
+        } else {
+            // Tiles of up to `tile_rows` consecutive rows of one sequence, as the engine
+            // makes them.
+            int tile_rows;
+            std::cin >> tile_rows;
+            std::vector<int> first, len;
+            for (int r = 0; r < rows; ++r) {
+                bool joins = !first.empty() && len.back() < tile_rows &&
+                             row_seq[r] == row_seq[r - 1] && row_pos[r] == row_pos[r - 1] + 1;
+                if (joins) {
+                    ++len.back();
+                } else {
+                    first.push_back(r);
+                    len.push_back(1);
+                }
+            }
+            int keys_per_pass = 16;
+            size_t shared = (size_t)(tile_rows * (dk + dv + keys_per_pass + 3) +
+                                     keys_per_pass * (dk + dv)) * sizeof(float);
+            launch((int)first.size() * heads, 64, shared, [&] {
+                attend_tiles(q.data(), heads, group, dk, dv, keys.data(), values.data(),
+                             table.data(), table_stride, kv_stride, k_head_stride,
+                             v_head_stride, row_seq.data(), row_pos.data(), window, chunk,
+                             scale, nullptr, first.data(), len.data(), tile_rows, out.data());
+            });
+        }
         print(out);
     } else {
-        std::fprintf(stderr, "usage: harness gate|permute|swiglu|to_bf16|gemv|gemv_slot|widen_slot|rms_norm|store_rows|copy_rows|add|rope|attend\n");
+        std::fprintf(stderr, "usage: harness gate|permute|swiglu|to_bf16|gemv|gemv_slot|widen_slot|rms_norm|store_rows|copy_rows|add|rope|attend|attend_tiles\n");
         return 2;
     }
     return 0;

@@ -13,6 +13,38 @@ use super::{CudaError, GpuInfo};
 /// Positions per tile of the attention kernel (`ATTEND_TILE` in dense.cu).
 const ATTEND_TILE: usize = 256;
 
+/// Key positions per pass of `attend_tiles` (`ATTEND_TILES_KEYS` in dense.cu).
+const ATTEND_TILES_KEYS: usize = 16;
+
+/// Dynamic shared memory a block may take without opting in: every CUDA GPU's.
+const SHARED_MEMORY: usize = 48 * 1024;
+
+/// A prefill's query rows in tiles for [`DenseKernels::attend_tiles`]: tile `t` is
+/// `len[t]` consecutive rows of one sequence from row `first[t]` (`[count]` i32 each), at
+/// most `rows_per_tile`.
+#[derive(Debug, Clone, Copy)]
+pub struct RowTiles {
+    pub first: u64,
+    pub len: u64,
+    pub count: usize,
+    pub rows_per_tile: usize,
+}
+
+/// Query rows per tile of `attend_tiles` for keys of `key_width` and values of `value_width`:
+/// the most (16, 8, 4, 2 or 1) whose tile fits the shared memory every GPU gives a block;
+/// `None` where not even one row does (the per-row kernel then serves).
+pub fn rows_per_tile(key_width: usize, value_width: usize) -> Option<usize> {
+    [16, 8, 4, 2, 1]
+        .into_iter()
+        .find(|&rows| tiles_shared_bytes(rows, key_width, value_width) <= SHARED_MEMORY)
+}
+
+fn tiles_shared_bytes(rows: usize, key_width: usize, value_width: usize) -> usize {
+    (rows * (key_width + value_width + ATTEND_TILES_KEYS + 3)
+        + ATTEND_TILES_KEYS * (key_width + value_width))
+        * 4
+}
+
 /// The kernels of `kernels/dense.cu`, loaded into one device's context.
 pub struct DenseKernels {
     rms_norm: CudaFunction,
@@ -25,6 +57,7 @@ pub struct DenseKernels {
     sigmoid_gate: CudaFunction,
     scale_rows_by_sigmoid: CudaFunction,
     scale_by_temperature: CudaFunction,
+    attend_tiles: CudaFunction,
 }
 
 /// One block per row, as the row kernels take.
@@ -115,6 +148,7 @@ impl DenseKernels {
             sigmoid_gate: module.load_function("sigmoid_gate")?,
             scale_rows_by_sigmoid: module.load_function("scale_rows_by_sigmoid")?,
             scale_by_temperature: module.load_function("scale_by_temperature")?,
+            attend_tiles: module.load_function("attend_tiles")?,
         })
     }
 
@@ -440,6 +474,70 @@ impl DenseKernels {
                 .arg(&out)
                 .launch(LaunchConfig {
                     grid_dim: ((rows * shape.heads) as u32, 1, 1),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: shared as u32,
+                })?;
+        }
+        Ok(())
+    }
+
+    /// As [`DenseKernels::attend`], a tile of a prefill's rows per block: each pass over the
+    /// cache loads its keys and values once for every row of the tile.
+    ///
+    /// # Safety
+    /// As [`DenseKernels::attend`]; `tiles` cover every row once, each tile's rows of one
+    /// sequence at consecutive positions, at most `tiles.rows_per_tile`, which
+    /// [`rows_per_tile`] allows for the shape.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn attend_tiles(
+        &self,
+        stream: &CudaStream,
+        shape: &AttentionShape,
+        q: u64,
+        tiles: &RowTiles,
+        cache: &PagedCache,
+        (row_seq, row_pos): (u64, u64),
+        sinks: u64,
+        out: u64,
+    ) -> Result<(), CudaError> {
+        let ints = shape.kernel_ints();
+        let shared = tiles_shared_bytes(tiles.rows_per_tile, shape.key_width, shape.value_width);
+        if shared > SHARED_MEMORY {
+            return Err(CudaError::Unsupported(format!(
+                "attention tiles of {} rows over heads of {} and {} values",
+                tiles.rows_per_tile, shape.key_width, shape.value_width
+            )));
+        }
+        let table_stride = cache.table.stride as i32;
+        let rows_per_tile = tiles.rows_per_tile as i32;
+        // SAFETY: as the caller vouches; arguments match dense.cu.
+        unsafe {
+            stream
+                .launch_builder(&self.attend_tiles)
+                .arg(&q)
+                .arg(&ints[0])
+                .arg(&ints[1])
+                .arg(&ints[2])
+                .arg(&ints[3])
+                .arg(&cache.keys)
+                .arg(&cache.values)
+                .arg(&cache.table.blocks)
+                .arg(&table_stride)
+                .arg(&ints[4])
+                .arg(&ints[5])
+                .arg(&ints[6])
+                .arg(&row_seq)
+                .arg(&row_pos)
+                .arg(&ints[7])
+                .arg(&ints[8])
+                .arg(&shape.scale)
+                .arg(&sinks)
+                .arg(&tiles.first)
+                .arg(&tiles.len)
+                .arg(&rows_per_tile)
+                .arg(&out)
+                .launch(LaunchConfig {
+                    grid_dim: ((tiles.count * shape.heads) as u32, 1, 1),
                     block_dim: (128, 1, 1),
                     shared_mem_bytes: shared as u32,
                 })?;

@@ -62,6 +62,7 @@ pub const DENSE: KernelFile = KernelFile {
         "sigmoid_gate",
         "scale_rows_by_sigmoid",
         "scale_by_temperature",
+        "attend_tiles",
     ],
 };
 

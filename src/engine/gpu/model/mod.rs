@@ -14,7 +14,7 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaStream, result, sys};
 
 use crate::compute::cuda::blas::{self, Gemm, Output};
-use crate::compute::cuda::dense::{BlockTable, DenseKernels, PagedCache};
+use crate::compute::cuda::dense::{BlockTable, DenseKernels, PagedCache, RowTiles, rows_per_tile};
 use crate::compute::cuda::linear::{LinearKernels, PackedStates, StatePages};
 use crate::compute::cuda::moe::MoeKernels;
 use crate::compute::cuda::{CudaError, GpuInfo};
@@ -356,6 +356,7 @@ impl GpuModel {
             Some(kernels) => Some(self.gather_states(kernels, scratch, segments, caches)?),
             None => None,
         };
+        let tiles = self.row_tiles(scratch, segments)?;
         Ok(Step {
             rows,
             cos: scratch.upload(&cos)?,
@@ -368,8 +369,41 @@ impl GpuModel {
                 stride,
             },
             states,
+            tiles,
             pool,
         })
+    }
+
+    /// A step's GQA rows in tiles for the prefill attention kernel, where some sequence
+    /// prefills more than one row (a step of single rows, a decode, attends row by row) and
+    /// the heads fit a tile.
+    fn row_tiles(
+        &self,
+        scratch: &mut Scratch,
+        segments: &[Segment],
+    ) -> Result<Option<RowTiles>, CudaError> {
+        let AttentionConfig::Gqa { head_dim, .. } = self.config.attention else {
+            return Ok(None);
+        };
+        let Some(per_tile) = rows_per_tile(head_dim, head_dim) else {
+            return Ok(None);
+        };
+        if segments.iter().all(|s| s.rows.len() <= 1) {
+            return Ok(None);
+        }
+        let (mut first, mut len) = (Vec::new(), Vec::new());
+        for segment in segments {
+            for start in segment.rows.clone().step_by(per_tile) {
+                first.push(start as i32);
+                len.push((segment.rows.end - start).min(per_tile) as i32);
+            }
+        }
+        Ok(Some(RowTiles {
+            count: first.len(),
+            first: scratch.upload(&first)?,
+            len: scratch.upload(&len)?,
+            rows_per_tile: per_tile,
+        }))
     }
 
     /// Runs every layer over the step's rows, then the final norm and the lm head on rows
@@ -590,6 +624,9 @@ struct Step {
     /// A hybrid model's linear-attention states, packed for the step, and the pages they
     /// go back to once it has run.
     states: Option<(PackedStates, StatePages)>,
+    /// The rows in tiles for the prefill attention kernel (GQA, where some sequence
+    /// prefills).
+    tiles: Option<RowTiles>,
     pool: Arc<KvPool>,
 }
 
