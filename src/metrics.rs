@@ -37,10 +37,16 @@ pub struct NodeMetrics {
     /// Constrained decoding's cost (structured output, forced tool calls).
     pub grammar: crate::engine::grammar::GrammarMetrics,
     peer_latency: PeerLatency,
+    /// Generations that failed after admission, by what failed.
+    generations_failed: Family<Vec<(String, String)>, Counter>,
 }
 
 /// Round-trip histograms labelled by peer.
 type PeerLatency = Family<Vec<(String, String)>, Histogram, fn() -> Histogram>;
+
+fn reason_label(reason: &str) -> Vec<(String, String)> {
+    vec![("reason".to_string(), reason.to_string())]
+}
 
 impl NodeMetrics {
     pub fn new() -> Self {
@@ -149,8 +155,20 @@ impl NodeMetrics {
             "Round trip of expert work sent to another node, per peer",
             peer_latency.clone(),
         );
+        let generations_failed = Family::<Vec<(String, String)>, Counter>::default();
+        // Each reason from the start, so that alerts and dashboards see zeros, not absence.
+        for reason in crate::engine::EngineError::REASONS {
+            let _ = generations_failed.get_or_create(&reason_label(reason));
+        }
+        registry.register(
+            "generations_failed",
+            "Generations that failed after admission, by what failed (expert_unavailable: no \
+             live replica of an expert a token chose; expert; gpu; request; internal)",
+            generations_failed.clone(),
+        );
         NodeMetrics {
             peer_latency,
+            generations_failed,
             registry: Mutex::new(registry),
             requests_running,
             requests_waiting,
@@ -202,6 +220,14 @@ impl NodeMetrics {
         self.peer_latency
             .get_or_create(&vec![("peer".to_string(), peer.to_string())])
             .observe(took.as_secs_f64());
+    }
+
+    /// One generation that failed after admission, for `reason`
+    /// ([`crate::engine::EngineError::reason`]).
+    pub fn generation_failed(&self, reason: &str) {
+        self.generations_failed
+            .get_or_create(&reason_label(reason))
+            .inc();
     }
 
     /// Content type of [`NodeMetrics::encode`]'s output.

@@ -77,6 +77,17 @@ fn admin_actions_are_guarded_and_a_stopped_device_can_return() {
         running.join().unwrap()
     });
     assert_eq!(running.0, StatusCode::OK);
+    let failed_for = |reason: &str| {
+        server.metric(&format!(
+            "moe_node_generations_failed_total{{reason=\"{reason}\"}}"
+        ))
+    };
+    assert_eq!(
+        failed_for("expert_unavailable"),
+        1.0,
+        "the running request's failure"
+    );
+    assert_eq!(failed_for("expert"), 0.0);
     let value: Value = serde_json::from_str(running.1.trim()).unwrap();
     let message = value["error"]["message"].as_str().unwrap_or_default();
     assert!(message.contains("no live replica"), "{value}");
@@ -97,6 +108,11 @@ fn admin_actions_are_guarded_and_a_stopped_device_can_return() {
     let resp = server.post("/v1/completions", &streamed);
     let failed = assert_envelope(resp, StatusCode::SERVICE_UNAVAILABLE, "no live replica");
     assert_eq!(failed["error"]["code"], "expert_unavailable", "{failed}");
+    assert_eq!(
+        failed_for("expert_unavailable"),
+        3.0,
+        "each failure counted by its reason"
+    );
     assert!(
         !server.log_contains("its experts are served by replicas"),
         "the log must not claim replicas that do not exist"

@@ -6,7 +6,6 @@ use actix_web::{HttpResponse, ResponseError};
 use serde_json::json;
 
 use crate::engine::EngineError;
-use crate::experts::ExpertError;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct ApiError {
@@ -129,25 +128,9 @@ impl ApiError {
     /// expert says so in `code`, so that a client can tell it from the rest.
     pub fn generation_failed(error: &EngineError) -> Self {
         let failed = Self::unavailable(format!("generation failed: {error}"));
-        match error {
-            EngineError::Expert(ExpertError::NoLiveReplica { .. }) => {
-                failed.with_code("expert_unavailable")
-            }
-            EngineError::Expert(
-                ExpertError::NotHeld { .. }
-                | ExpertError::Malformed { .. }
-                | ExpertError::DenseLayer { .. }
-                | ExpertError::AnswersLost
-                | ExpertError::DeviceFailed { .. }
-                | ExpertError::Staging(_),
-            )
-            | EngineError::Model(_)
-            | EngineError::TokenOutOfRange { .. }
-            | EngineError::ContextTooLong { .. }
-            | EngineError::EmptyPrompt
-            | EngineError::InvalidSampling(_)
-            | EngineError::Gpu(_)
-            | EngineError::ForeignCache => failed,
+        match error.reason() {
+            "expert_unavailable" => failed.with_code("expert_unavailable"),
+            _ => failed,
         }
     }
 

@@ -57,6 +57,29 @@ pub enum EngineError {
     ForeignCache,
 }
 
+impl EngineError {
+    /// Every [`EngineError::reason`], for a metric that exports each from the start.
+    pub const REASONS: [&'static str; 5] =
+        ["expert_unavailable", "expert", "gpu", "request", "internal"];
+
+    /// What failed, as the failed-generation metric and the API's error code name it:
+    /// `expert_unavailable` (no live replica of an expert a token chose), `expert` (another
+    /// failure of the expert data plane), `gpu`, `request` (what the request asked for, found
+    /// at a step) or `internal`.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            EngineError::Expert(ExpertError::NoLiveReplica { .. }) => "expert_unavailable",
+            EngineError::Expert(_) => "expert",
+            EngineError::Gpu(_) => "gpu",
+            EngineError::TokenOutOfRange { .. }
+            | EngineError::ContextTooLong { .. }
+            | EngineError::EmptyPrompt
+            | EngineError::InvalidSampling(_) => "request",
+            EngineError::Model(_) | EngineError::ForeignCache => "internal",
+        }
+    }
+}
+
 /// One sequence's part of a forward step: its cache and the tokens that follow it.
 pub struct SequenceStep<'a> {
     pub cache: &'a mut KvCache,

@@ -368,6 +368,7 @@ impl Handler<Step> for RouterActor {
                 Err(e) => {
                     tracing::error!(error = %e, "step failed; its sequences were ended");
                     self.batcher.fail_step(Arc::new(e), |sink, event| {
+                        record(metrics, sink, &event);
                         let _ = sink.events.try_send(event);
                     });
                 }
@@ -397,9 +398,8 @@ fn record(metrics: &NodeMetrics, sink: &mut EventSink, event: &SequenceEvent) {
         SequenceEvent::Finished { .. } => metrics
             .request_latency
             .observe((now - sink.admitted).as_secs_f64()),
-        SequenceEvent::Failed(_)
-        | SequenceEvent::PromptLogprobs(_)
-        | SequenceEvent::Degraded { .. } => {}
+        SequenceEvent::Failed(failure) => metrics.generation_failed(failure.reason()),
+        SequenceEvent::PromptLogprobs(_) | SequenceEvent::Degraded { .. } => {}
     }
 }
 
