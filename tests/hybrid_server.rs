@@ -2,8 +2,10 @@
 //! as a user runs them: the greedy tokens of transformers; 16 streams at once under a KV
 //! budget too small for all of them, so that the latest are preempted and recompute their
 //! states; half of them starting with a prompt run before, whose kept cache (linear states
-//! and all) they start from. Each stream gets the tokens it gets alone.
+//! and all) they start from. Each stream gets the tokens it gets alone. And the whole model
+//! served on an emulated GPU, its states paged there, starting from a kept prefix.
 
+mod common;
 mod serve;
 
 use std::path::Path;
@@ -87,4 +89,42 @@ fn qwen3_next_served_over_http() {
 #[test]
 fn qwen3_5_moe_served_over_http() {
     check("qwen3_5_moe");
+}
+
+/// Qwen3.5-MoE whole on a GPU emulated on the CPU (`cuda-emulated`: experts, dense part,
+/// linear-attention states paged in the GPU's KV pool): a prompt answered from a kept prefix
+/// (its states copied on the GPU, the rest prefilled after them) gives the tokens the same
+/// prompt gave prefilled whole.
+#[test]
+fn qwen3_5_moe_served_whole_on_an_emulated_gpu_from_a_kept_prefix() {
+    if common::gpus("a hybrid model served on an emulated GPU").is_none() {
+        return;
+    }
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3_5_moe");
+    let server = Server::start_with(
+        "[devices]\nbackend = \"cuda-emulated\"\nemulated_gpus = 1\n\
+         [batching]\nprefix_cache_entries = 4\n",
+        &["--model", dir.to_str().unwrap()],
+    );
+    server.wait_ready();
+    let shared: Vec<u32> = (0..48).map(|k| 1 + (k * 13) % 120).collect();
+    let mut prompt = shared.clone();
+    prompt.extend([7, 19, 33, 2]);
+    let complete = |prompt: &[u32], max_tokens: usize| {
+        let body = json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                          "ignore_eos": true, "return_token_ids": true});
+        server.post_ok("/v1/completions", &body)["choices"][0]["token_ids"].clone()
+    };
+    let whole = complete(&prompt, 16);
+    // Kept whole once prefilled; the longer prompt's own entry cannot serve it (a kept state
+    // is reused only where it ends exactly, leaving a token to compute).
+    complete(&shared, 1);
+    let hits = server.metric("moe_node_prefix_cache_hits_total");
+    let from_prefix = complete(&prompt, 16);
+    assert_eq!(
+        server.metric("moe_node_prefix_cache_hits_total"),
+        hits + 1.0,
+        "the prompt did not start from the kept 48 tokens"
+    );
+    assert_eq!(from_prefix, whole, "from a kept prefix and prefilled whole");
 }
