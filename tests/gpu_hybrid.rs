@@ -129,3 +129,33 @@ fn a_step_that_fails_half_way_leaves_the_states_as_they_were() {
     let expected = step(&engine, &mut never_failed, &PROMPT[12..]);
     assert_eq!(after, expected, "the failed step left a state behind");
 }
+
+/// A convolution wider than the GPU's kernel takes is refused when the model loads there,
+/// naming the config key, not at its first step.
+#[test]
+fn a_convolution_the_gpu_cannot_hold_is_refused_at_load() {
+    if common::gpus("a too-wide convolution refused on the GPU").is_none() {
+        return;
+    }
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3_5_moe");
+    let dir = tempfile::tempdir().unwrap();
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture.join("config.json")).unwrap())
+            .unwrap();
+    config["text_config"]["linear_conv_kernel_dim"] = 20.into();
+    std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
+    let source = ModelSource {
+        load_format: moe_node::model::LoadFormat::Dummy,
+        ..ModelSource::files(dir.path())
+    };
+    match moe_node::engine::gpu::engine_on_gpu(&source, 0, true, None, None) {
+        Ok(_) => panic!("a 20-wide convolution loaded on the GPU"),
+        Err(e) => {
+            let said = e.to_string();
+            assert!(
+                said.contains("dense part has no") && said.contains("linear_conv_kernel_dim"),
+                "{said}"
+            );
+        }
+    }
+}

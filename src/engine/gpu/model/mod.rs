@@ -544,6 +544,11 @@ impl GpuModel {
 /// A part of the dense forward pass that a family needs and the GPU's dense part
 /// (`gpu::model`) does not implement, which would otherwise load and compute something else.
 fn dense_part_the_gpu_lacks(config: &ModelConfig) -> Option<&'static str> {
+    if let Some(linear) = &config.linear_attention
+        && linear.conv_kernel > crate::compute::cuda::linear::MAX_CONV_KERNEL
+    {
+        return Some("a linear-attention convolution wider than 16 (`linear_conv_kernel_dim`)");
+    }
     matches!(
         &config.attention,
         AttentionConfig::Mla {
