@@ -3,9 +3,9 @@
 //
 // A sequence's states (per linear layer: the `[value_heads, key_dim, value_dim]` recurrent
 // state, then the convolution's window `[kernel - 1, channels]`) live in pages of the GPU's
-// KV pool; a step gathers them into one packed `[seqs, state_floats]` buffer, each layer
-// updates its part there in place, and the step scatters them back only once every layer has
-// run: a failed step leaves the committed states as they were.
+// KV pool; each linear layer gathers its part of every sequence's state into one packed
+// `[seqs, layer_floats]` buffer, updates it there and scatters it back to the pages (so a
+// step holds one layer's states beside the pool at a time, not all of them).
 //
 // Segments: sequence `s` of the step has `seq_len[s]` rows from row `seq_first_row[s]`.
 
@@ -18,29 +18,33 @@ __device__ __forceinline__ float softplusf_(float x) {
     return x > 20.0f ? x : log1pf(expf(x));
 }
 
-// Grid (seqs, chunks): states[s][e] = page e / page_floats of sequence s at e % page_floats,
-// or 0 where fresh[s] (a sequence's first step). `pages`: `[seqs, pages_per_seq]` addresses.
+// Grid (seqs, chunks): states[s][e] = element offset + e of sequence s's state (page
+// (offset + e) / page_floats, at its remainder), or 0 where fresh[s] (a sequence's first
+// step). `pages`: `[seqs, pages_per_seq]` addresses.
 extern "C" __global__ void gather_state(const unsigned long long* pages, int pages_per_seq,
-                                        int page_floats, int floats, const int* fresh,
-                                        float* states) {
+                                        int page_floats, long long offset, int floats,
+                                        const int* fresh, float* states) {
     int s = blockIdx.x;
     const unsigned long long* own = pages + (size_t)s * pages_per_seq;
     float* to = states + (size_t)s * floats;
     for (int e = blockIdx.y * blockDim.x + threadIdx.x; e < floats;
          e += gridDim.y * blockDim.x) {
-        to[e] = fresh[s] ? 0.0f : ((const float*)own[e / page_floats])[e % page_floats];
+        long long at = offset + e;
+        to[e] = fresh[s] ? 0.0f : ((const float*)own[at / page_floats])[at % page_floats];
     }
 }
 
 // The inverse of gather_state: the packed states back into their pages.
 extern "C" __global__ void scatter_state(const float* states, const unsigned long long* pages,
-                                         int pages_per_seq, int page_floats, int floats) {
+                                         int pages_per_seq, int page_floats, long long offset,
+                                         int floats) {
     int s = blockIdx.x;
     const unsigned long long* own = pages + (size_t)s * pages_per_seq;
     const float* from = states + (size_t)s * floats;
     for (int e = blockIdx.y * blockDim.x + threadIdx.x; e < floats;
          e += gridDim.y * blockDim.x) {
-        ((float*)own[e / page_floats])[e % page_floats] = from[e];
+        long long at = offset + e;
+        ((float*)own[at / page_floats])[at % page_floats] = from[e];
     }
 }
 

@@ -1,7 +1,7 @@
 //! A hybrid model (Qwen3.5-MoE: gated DeltaNet layers beside full attention) with its whole
 //! dense part on a GPU, where its linear-attention states live in pages of the KV pool: a
-//! forked cache goes on exactly as its source, and a step that fails half-way leaves every
-//! state as it was. On GPUs emulated on the CPU, or a real one under `tests/gpu/run.sh`.
+//! forked cache goes on exactly as its source, and a step that fails half-way forgets the
+//! states it left part-way (the sequence recomputes from its first position). On GPUs emulated on the CPU, or a real one under `tests/gpu/run.sh`.
 //! (tests/reference.rs holds the model's logits to the CPU's; tests/hybrid_server.rs serves it.)
 
 mod common;
@@ -102,7 +102,7 @@ impl ExpertExecutor for Failing {
 }
 
 #[test]
-fn a_step_that_fails_half_way_leaves_the_states_as_they_were() {
+fn a_step_that_fails_half_way_forgets_the_states_it_left_part_way() {
     let Some(mut engine) = on_gpu("hybrid states on the GPU, a failed step") else {
         return;
     };
@@ -116,18 +116,23 @@ fn a_step_that_fails_half_way_leaves_the_states_as_they_were() {
     });
     let mut cache = engine.new_cache();
     step(&engine, &mut cache, &PROMPT[..12]);
-    // The step's first MoE layer fails after the linear layer before it has run.
+    // The step's first MoE layer fails after the linear layer before it updated its states.
     failing.store(true, Ordering::SeqCst);
     let failed = engine.forward(&mut [SequenceStep::new(&mut cache, &PROMPT[12..])]);
     assert!(failed.is_err(), "the step was to fail");
-    assert_eq!(cache.len(), 12);
+    assert_eq!(cache.len(), 0, "states left part-way must be forgotten");
     failing.store(false, Ordering::SeqCst);
-    let after = step(&engine, &mut cache, &PROMPT[12..]);
-    // The same two steps, neither failed.
+    // Recomputed from the first position, the cache holds what a fresh one would.
+    let again = step(&engine, &mut cache, &PROMPT[..12]);
+    let fresh = step(&engine, &mut engine.new_cache(), &PROMPT[..12]);
+    assert_eq!(
+        again, fresh,
+        "the recomputed states differ from a fresh cache's"
+    );
+    let next = step(&engine, &mut cache, &PROMPT[12..]);
     let mut never_failed = engine.new_cache();
     step(&engine, &mut never_failed, &PROMPT[..12]);
-    let expected = step(&engine, &mut never_failed, &PROMPT[12..]);
-    assert_eq!(after, expected, "the failed step left a state behind");
+    assert_eq!(next, step(&engine, &mut never_failed, &PROMPT[12..]));
 }
 
 /// A convolution wider than the GPU's kernel takes is refused when the model loads there,

@@ -498,7 +498,20 @@ impl Engine {
             &mut device_caches,
             Some(self.experts.as_ref()),
             &mut routed,
-        )?;
+        );
+        drop(device_caches);
+        let logits = match logits {
+            Ok(logits) => logits,
+            Err(e) => {
+                // A GPU updates linear-attention states in place, layer by layer: after a
+                // step that failed half-way they sum up no number of positions, so they are
+                // forgotten (the batcher ends such a step's sequences anyway).
+                for cache in caches.iter_mut().filter(|c| c.has_state()) {
+                    cache.release();
+                }
+                return Err(e);
+            }
+        };
         for (cache, segment) in caches.iter_mut().zip(segments) {
             cache.advance(segment.rows.len());
         }

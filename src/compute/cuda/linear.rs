@@ -1,6 +1,6 @@
 //! Typed launchers of `kernels/linear.cu`: gated DeltaNet (Qwen3-Next's and Qwen3.5's linear
-//! attention) over a step's segments, and the gathering and scattering of the sequences'
-//! states between the KV pool's pages and one packed buffer. Arguments that are `u64` are
+//! attention) over a step's segments, and the gathering and scattering of one layer's part of
+//! the sequences' states between the KV pool's pages and one packed buffer. Arguments that are `u64` are
 //! device addresses on the stream's GPU. `crate::engine::gpu::model` runs a linear layer with
 //! them; the reference tests hold the whole model to the CPU's.
 
@@ -24,8 +24,9 @@ pub struct LinearKernels {
     gated_rms_norm: CudaFunction,
 }
 
-/// The sequences' packed states of one step: `[seqs, floats]` f32 at `states`, and where the
-/// step's segments lie (`seq_first_row`, `seq_len`: `[seqs]` i32; `row_seq`: `[rows]` i32).
+/// One layer's part of the sequences' states, packed for a step: `[seqs, floats]` f32 at
+/// `states`, and where the step's segments lie (`seq_first_row`, `seq_len`: `[seqs]` i32;
+/// `row_seq`: `[rows]` i32).
 #[derive(Debug, Clone, Copy)]
 pub struct PackedStates {
     pub states: u64,
@@ -37,13 +38,15 @@ pub struct PackedStates {
     pub seq_len: u64,
 }
 
-/// Where a sequence's state pages are: `[seqs, per_seq]` device addresses at `pages`, each page
-/// `page_floats` f32.
+/// Where the sequences' state pages are: `[seqs, per_seq]` device addresses at `pages`, each
+/// page `page_floats` f32; `fresh`: `[seqs]` i32, set for a sequence at its first position
+/// (its states read as zeros).
 #[derive(Debug, Clone, Copy)]
 pub struct StatePages {
     pub pages: u64,
     pub per_seq: usize,
     pub page_floats: usize,
+    pub fresh: u64,
 }
 
 /// One gated DeltaNet layer's shape and where its state lies in a sequence's.
@@ -54,7 +57,8 @@ pub struct DeltaShape {
     pub key_dim: usize,
     pub value_dim: usize,
     pub conv_kernel: usize,
-    /// Floats into a sequence's state: the layer's recurrent state, then its window.
+    /// Floats into the packed states of a sequence: the layer's recurrent state, then its
+    /// window.
     pub recurrent: usize,
     pub window: usize,
 }
@@ -100,19 +104,21 @@ impl LinearKernels {
         })
     }
 
-    /// Copies every sequence's state from its pages into `to` (zeros where `fresh[s]` is set).
+    /// Copies `to.floats` values of every sequence's state from element `offset` on (one
+    /// layer's part) out of its pages into `to` (zeros for a fresh sequence).
     ///
     /// # Safety
     /// `pages` names `per_seq` pages of `page_floats` f32 for each of `to.seqs` sequences,
-    /// covering `to.floats`; `fresh`: `[seqs]` i32; `to.states` room for `[seqs, floats]`.
+    /// covering `offset + to.floats`; `to.states` room for `[seqs, floats]`.
     pub unsafe fn gather(
         &self,
         stream: &CudaStream,
         pages: &StatePages,
-        fresh: u64,
+        offset: usize,
         to: &PackedStates,
     ) -> Result<(), CudaError> {
         let ints = [pages.per_seq, pages.page_floats, to.floats].map(|v| v as i32);
+        let offset = offset as i64;
         // SAFETY: as the caller vouches; arguments match linear.cu.
         unsafe {
             stream
@@ -120,15 +126,16 @@ impl LinearKernels {
                 .arg(&pages.pages)
                 .arg(&ints[0])
                 .arg(&ints[1])
+                .arg(&offset)
                 .arg(&ints[2])
-                .arg(&fresh)
+                .arg(&pages.fresh)
                 .arg(&to.states)
                 .launch(per_sequence(to.seqs, to.floats))?;
         }
         Ok(())
     }
 
-    /// Copies every sequence's packed state back into its pages.
+    /// Copies every sequence's packed values back into its pages, from element `offset` on.
     ///
     /// # Safety
     /// As [`LinearKernels::gather`].
@@ -137,8 +144,10 @@ impl LinearKernels {
         stream: &CudaStream,
         from: &PackedStates,
         pages: &StatePages,
+        offset: usize,
     ) -> Result<(), CudaError> {
         let ints = [pages.per_seq, pages.page_floats, from.floats].map(|v| v as i32);
+        let offset = offset as i64;
         // SAFETY: as the caller vouches; arguments match linear.cu.
         unsafe {
             stream
@@ -147,6 +156,7 @@ impl LinearKernels {
                 .arg(&pages.pages)
                 .arg(&ints[0])
                 .arg(&ints[1])
+                .arg(&offset)
                 .arg(&ints[2])
                 .launch(per_sequence(from.seqs, from.floats))?;
         }

@@ -1,28 +1,35 @@
 //! Gated DeltaNet on the GPU, a hybrid model's linear-attention layers (Qwen3-Next,
 //! Qwen3.5), as `crate::engine::linear_attention` runs it on the CPU in its recurrent form.
-//! A step gathers every sequence's states out of their pages of the KV pool into one packed
-//! buffer ([`GpuModel::gather_states`]); each linear layer reads and updates its part there;
-//! once the whole step has run, `forward` scatters them back. A step that fails half-way
-//! leaves the sequences' states as they were, as the CPU's caches do.
+//! Each linear layer gathers its part of every sequence's states out of their pages of the KV
+//! pool into one packed buffer, updates it there and scatters it back: a step holds one
+//! layer's states beside the pool at a time (2.2 MB per layer and sequence at Qwen3.5-35B-A3B's
+//! shapes, tens of layers). So the states are updated in place, layer by layer: a step that fails half-way
+//! leaves them part-way, and the engine then forgets them (`Engine::forward_on_gpu`): the
+//! batcher ends such a step's sequences anyway, and any other caller recomputes.
 
 use super::cache::{DeviceCache, Scratch};
 use super::weights::LinearLayer;
 use super::{GpuModel, Step};
 use crate::compute::cuda::CudaError;
 use crate::compute::cuda::blas::Output;
-use crate::compute::cuda::linear::{DeltaShape, LinearKernels, PackedStates, StatePages};
+use crate::compute::cuda::linear::{DeltaShape, PackedStates, StatePages};
 use crate::compute::layout::Segment;
 
 impl GpuModel {
-    /// Every sequence's states, out of their pages into one packed `[seqs, floats]` buffer
-    /// (zeros for a sequence at its first position), and the pages to scatter them back to.
-    pub(super) fn gather_states(
+    /// Where every sequence's states lie (their pages, which are fresh) and where the step's
+    /// segments lie, for the linear layers' gathers: the packed buffer itself is each layer's
+    /// own (`states` is 0 here; `floats` is a layer's part).
+    pub(super) fn state_step(
         &self,
-        kernels: &LinearKernels,
         scratch: &mut Scratch,
         segments: &[Segment],
         caches: &[&mut DeviceCache],
     ) -> Result<(PackedStates, StatePages), CudaError> {
+        let la = self
+            .config
+            .linear_attention
+            .as_ref()
+            .ok_or_else(|| CudaError::Unsupported("states without linear layers".into()))?;
         let floats = super::cache::state_floats(&self.config);
         let mut pages = Vec::new();
         let mut per_seq = 0;
@@ -53,20 +60,17 @@ impl GpuModel {
             pages: scratch.upload(&pages)?,
             per_seq,
             page_floats,
+            fresh: scratch.upload(&fresh)?,
         };
         let packed = PackedStates {
-            states: scratch.f32(segments.len() * floats)?,
-            floats,
+            states: 0,
+            floats: la.state_floats(),
             seqs: segments.len(),
             rows: row_seq.len(),
             row_seq: scratch.upload(&row_seq)?,
             seq_first_row: scratch.upload(&first)?,
             seq_len: scratch.upload(&lens)?,
         };
-        let fresh = scratch.upload(&fresh)?;
-        // SAFETY: `pages` names `per_seq` pages of `page_floats` f32 for every sequence,
-        // covering `floats` (checked above); the other arrays are sized from the segments.
-        unsafe { kernels.gather(&self.stream, &pages, fresh, &packed)? };
         Ok((packed, pages))
     }
 
@@ -81,24 +85,29 @@ impl GpuModel {
         x: u64,
     ) -> Result<u64, CudaError> {
         let missing = || CudaError::Unsupported("linear attention without its states".into());
-        let (Some(la), Some(kernels), Some(states)) = (
+        let (Some(la), Some(kernels), Some((template, pages))) = (
             self.config.linear_attention.as_ref(),
             self.linear.as_ref(),
-            step.states.as_ref().map(|(packed, _)| packed),
+            step.states.as_ref(),
         ) else {
             return Err(missing());
         };
-        // The layer's part of a sequence's states: its recurrent state, then its window.
+        // The layer's part of a sequence's states (its recurrent state, then its window),
+        // `offset` floats into them.
         let before = la.layers[..l].iter().filter(|&&linear| linear).count();
-        let recurrent = before * la.state_floats();
+        let offset = before * la.state_floats();
         let shape = DeltaShape {
             key_heads: la.num_key_heads,
             value_heads: la.num_value_heads,
             key_dim: la.key_head_dim,
             value_dim: la.value_head_dim,
             conv_kernel: la.conv_kernel,
-            recurrent,
-            window: recurrent + la.num_value_heads * la.key_head_dim * la.value_head_dim,
+            recurrent: 0,
+            window: la.num_value_heads * la.key_head_dim * la.value_head_dim,
+        };
+        let states = &PackedStates {
+            states: scratch.f32(template.seqs * template.floats)?,
+            ..*template
         };
         let rows = step.rows;
         let (channels, width) = (shape.channels(), la.value_dim());
@@ -112,9 +121,10 @@ impl GpuModel {
         self.linear(&layer.a, x, rows, a, Output::F32)?;
         let convolved = scratch.f32(rows * channels)?;
         let out = scratch.f32(rows * width)?;
-        // SAFETY: every buffer sized above from the layer's shape; `states` packed for this
-        // step's sequences with every linear layer's part (`gather_states`).
+        // SAFETY: every buffer sized above from the layer's shape; `pages` hold every
+        // sequence's states (`state_step`), the layer's part `offset` floats in.
         unsafe {
+            kernels.gather(&self.stream, pages, offset, states)?;
             kernels.convolve(
                 &self.stream,
                 &shape,
@@ -141,6 +151,7 @@ impl GpuModel {
                 layer.norm.weight.ptr,
                 self.config.rms_norm_eps,
             )?;
+            kernels.scatter(&self.stream, states, pages, offset)?;
         }
         let ob = self.bf16_of(scratch, out, rows * width)?;
         let y = scratch.f32(rows * self.config.hidden_size)?;

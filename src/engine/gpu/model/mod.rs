@@ -353,7 +353,7 @@ impl GpuModel {
             }
         }
         let states = match &self.linear {
-            Some(kernels) => Some(self.gather_states(kernels, scratch, segments, caches)?),
+            Some(_) => Some(self.state_step(scratch, segments, caches)?),
             None => None,
         };
         let tiles = self.row_tiles(scratch, segments)?;
@@ -530,11 +530,6 @@ impl GpuModel {
                 .map_err(CudaError::from)?
         };
         stream.synchronize().map_err(CudaError::from)?;
-        // Every layer has run: the states the step computed become the sequences'.
-        if let (Some(kernels), Some((packed, pages))) = (&self.linear, &step.states) {
-            // SAFETY: gathered from the same pages by `gather_states`.
-            unsafe { kernels.scatter(stream, packed, pages)? };
-        }
         phases.end(4, stream)?;
         phases.log(rows, caches.len());
         Ok(out)
@@ -626,8 +621,8 @@ struct Step {
     row_pos: u64,
     /// Each sequence's blocks of `pool`.
     table: BlockTable,
-    /// A hybrid model's linear-attention states, packed for the step, and the pages they
-    /// go back to once it has run.
+    /// A hybrid model's linear-attention states: where they lie, and how each layer's part
+    /// is packed for the step.
     states: Option<(PackedStates, StatePages)>,
     /// The rows in tiles for the prefill attention kernel (GQA, where some sequence
     /// prefills).
