@@ -217,6 +217,10 @@ fn rewritten_fixture(dir: &Path, edit: impl FnOnce(&mut Vec<OwnedTensor>)) {
             )
         })
         .collect();
+    // In name order: `tensors()` lists them in a hash map's order, which changes from one
+    // process to the next, and an edit that draws values tensor by tensor must draw the same
+    // ones in every run.
+    owned.sort_by(|a, b| a.0.cmp(&b.0));
     edit(&mut owned);
     let views: Vec<(String, safetensors::tensor::TensorView)> = owned
         .iter()
