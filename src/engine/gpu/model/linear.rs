@@ -75,7 +75,7 @@ impl GpuModel {
     }
 
     /// Gated DeltaNet of layer `l` over bf16 normalised rows `x`; returns f32 `[rows, H]` and
-    /// moves the sequences' packed states on.
+    /// moves the layer's part of the sequences' states on, in their pages.
     pub(super) fn linear_attention(
         &self,
         l: usize,
