@@ -416,7 +416,7 @@ fn attention_matches_the_cpu_on_the_gpu() {
                 &d.stream,
                 &shape,
                 q,
-                c.rows.len(),
+                (c.rows.len(), None),
                 &cache,
                 (row_seq, row_pos),
                 0,

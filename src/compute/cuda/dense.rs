@@ -427,120 +427,80 @@ impl DenseKernels {
     }
 
     /// Causal attention of `rows` query rows, each over its own sequence's paged cache, with
-    /// a sink logit per head where `sinks` is not 0 (gpt-oss).
+    /// a sink logit per head where `sinks` is not 0 (gpt-oss). A block per row and head; or,
+    /// given `tiles` (a prefill), a block per tile of rows and head (`attend_tiles`: each pass
+    /// over the cache loads its keys and values once for every row of the tile).
     ///
     /// # Safety
     /// `q`: `[rows, heads, key_width]` f32; `cache`'s pools hold positions laid out as `shape`
     /// says, its table naming a block for every position up to each row's; `row_seq`,
     /// `row_pos`: `[rows]` i32; `sinks`: 0 or `[heads]` f32; `out`: room for
-    /// `[rows, heads, value_width]` f32.
+    /// `[rows, heads, value_width]` f32; `tiles` cover every row once, each tile's rows of one
+    /// sequence at consecutive positions, at most `tiles.rows_per_tile`.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn attend(
         &self,
         stream: &CudaStream,
         shape: &AttentionShape,
         q: u64,
-        rows: usize,
+        (rows, tiles): (usize, Option<&RowTiles>),
         cache: &PagedCache,
         (row_seq, row_pos): (u64, u64),
         sinks: u64,
         out: u64,
     ) -> Result<(), CudaError> {
         let ints = shape.kernel_ints();
-        let shared = (shape.key_width + ATTEND_TILE + shape.value_width) * 4;
-        let table_stride = cache.table.stride as i32;
-        // SAFETY: as the caller vouches; arguments match dense.cu.
-        unsafe {
-            stream
-                .launch_builder(&self.attend)
-                .arg(&q)
-                .arg(&ints[0])
-                .arg(&ints[1])
-                .arg(&ints[2])
-                .arg(&ints[3])
-                .arg(&cache.keys)
-                .arg(&cache.values)
-                .arg(&cache.table.blocks)
-                .arg(&table_stride)
-                .arg(&ints[4])
-                .arg(&ints[5])
-                .arg(&ints[6])
-                .arg(&row_seq)
-                .arg(&row_pos)
-                .arg(&ints[7])
-                .arg(&ints[8])
-                .arg(&shape.scale)
-                .arg(&sinks)
-                .arg(&out)
-                .launch(LaunchConfig {
-                    grid_dim: ((rows * shape.heads) as u32, 1, 1),
-                    block_dim: (128, 1, 1),
-                    shared_mem_bytes: shared as u32,
-                })?;
-        }
-        Ok(())
-    }
-
-    /// As [`DenseKernels::attend`], a tile of a prefill's rows per block: each pass over the
-    /// cache loads its keys and values once for every row of the tile.
-    ///
-    /// # Safety
-    /// As [`DenseKernels::attend`]; `tiles` cover every row once, each tile's rows of one
-    /// sequence at consecutive positions, at most `tiles.rows_per_tile`, which
-    /// [`rows_per_tile`] allows for the shape.
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn attend_tiles(
-        &self,
-        stream: &CudaStream,
-        shape: &AttentionShape,
-        q: u64,
-        tiles: &RowTiles,
-        cache: &PagedCache,
-        (row_seq, row_pos): (u64, u64),
-        sinks: u64,
-        out: u64,
-    ) -> Result<(), CudaError> {
-        let ints = shape.kernel_ints();
-        let shared = tiles_shared_bytes(tiles.rows_per_tile, shape.key_width, shape.value_width);
+        let (function, blocks, shared) = match tiles {
+            Some(tiles) => (
+                &self.attend_tiles,
+                tiles.count,
+                tiles_shared_bytes(tiles.rows_per_tile, shape.key_width, shape.value_width),
+            ),
+            None => (
+                &self.attend,
+                rows,
+                (shape.key_width + ATTEND_TILE + shape.value_width) * 4,
+            ),
+        };
         if shared > SHARED_MEMORY {
             return Err(CudaError::Unsupported(format!(
-                "attention tiles of {} rows over heads of {} and {} values",
-                tiles.rows_per_tile, shape.key_width, shape.value_width
+                "attention blocks of {shared} bytes of shared memory (heads of {} and {} values)",
+                shape.key_width, shape.value_width
             )));
         }
         let table_stride = cache.table.stride as i32;
-        let rows_per_tile = tiles.rows_per_tile as i32;
+        let rows_per_tile = tiles.map_or(0, |t| t.rows_per_tile as i32);
+        let mut launch = stream.launch_builder(function);
+        launch
+            .arg(&q)
+            .arg(&ints[0])
+            .arg(&ints[1])
+            .arg(&ints[2])
+            .arg(&ints[3])
+            .arg(&cache.keys)
+            .arg(&cache.values)
+            .arg(&cache.table.blocks)
+            .arg(&table_stride)
+            .arg(&ints[4])
+            .arg(&ints[5])
+            .arg(&ints[6])
+            .arg(&row_seq)
+            .arg(&row_pos)
+            .arg(&ints[7])
+            .arg(&ints[8])
+            .arg(&shape.scale)
+            .arg(&sinks);
+        if let Some(tiles) = tiles {
+            launch.arg(&tiles.first).arg(&tiles.len).arg(&rows_per_tile);
+        }
+        launch.arg(&out);
         // SAFETY: as the caller vouches; arguments match dense.cu.
         unsafe {
-            stream
-                .launch_builder(&self.attend_tiles)
-                .arg(&q)
-                .arg(&ints[0])
-                .arg(&ints[1])
-                .arg(&ints[2])
-                .arg(&ints[3])
-                .arg(&cache.keys)
-                .arg(&cache.values)
-                .arg(&cache.table.blocks)
-                .arg(&table_stride)
-                .arg(&ints[4])
-                .arg(&ints[5])
-                .arg(&ints[6])
-                .arg(&row_seq)
-                .arg(&row_pos)
-                .arg(&ints[7])
-                .arg(&ints[8])
-                .arg(&shape.scale)
-                .arg(&sinks)
-                .arg(&tiles.first)
-                .arg(&tiles.len)
-                .arg(&rows_per_tile)
-                .arg(&out)
-                .launch(LaunchConfig {
-                    grid_dim: ((tiles.count * shape.heads) as u32, 1, 1),
-                    block_dim: (128, 1, 1),
-                    shared_mem_bytes: shared as u32,
-                })?;
+            launch.launch(LaunchConfig {
+                grid_dim: ((blocks * shape.heads) as u32, 1, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: shared as u32,
+            })?;
         }
         Ok(())
     }

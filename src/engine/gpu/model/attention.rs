@@ -240,14 +240,16 @@ impl GpuModel {
                 },
                 scale: self.softmax_scale,
             };
-            let sinks = layer.sinks.map_or(0, |s| s.ptr);
-            let rows_at = (step.row_seq, step.row_pos);
-            match &step.tiles {
-                Some(tiles) => {
-                    d.attend_tiles(stream, &shape, queries, tiles, &cache, rows_at, sinks, out)?
-                }
-                None => d.attend(stream, &shape, queries, rows, &cache, rows_at, sinks, out)?,
-            }
+            d.attend(
+                stream,
+                &shape,
+                queries,
+                (rows, step.tiles.as_ref()),
+                &cache,
+                (step.row_seq, step.row_pos),
+                layer.sinks.map_or(0, |s| s.ptr),
+                out,
+            )?;
         }
         if let Some(gate) = gate {
             // SAFETY: both `[rows, heads, head_dim]` f32.
@@ -486,7 +488,7 @@ impl GpuModel {
                 stream,
                 &shape,
                 query,
-                rows,
+                (rows, None),
                 &cache,
                 (step.row_seq, step.row_pos),
                 0,
