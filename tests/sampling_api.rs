@@ -445,3 +445,100 @@ fn bad_sampling_values_and_unknown_fields_get_400_naming_the_parameter() {
         assert!(message.contains(&format!("`{field}`")), "{message}");
     }
 }
+
+/// Content and ids a chat stream sent, chunk by chunk: `(text of the chunk, its ids)`.
+fn chat_chunks(events: &[Value]) -> Vec<(String, Vec<u64>)> {
+    events
+        .iter()
+        .filter_map(|e| e["choices"].get(0))
+        .map(|c| {
+            let text = c["delta"]["content"].as_str().unwrap_or("").to_string();
+            let ids = c["token_ids"]
+                .as_array()
+                .map_or(Vec::new(), |_| ids(&c["token_ids"]));
+            (text, ids)
+        })
+        .collect()
+}
+
+/// What the gateway does when the node running a stream dies: it sends the request again
+/// to another node with the tokens the client already has (`resume_token_ids`). The new
+/// stream must carry exactly the rest (no role chunk again, no token twice, none missing),
+/// greedy or seeded, and its usage must be the whole generation's.
+#[test]
+fn a_generation_resumed_from_its_first_tokens_goes_on_as_it_would_have() {
+    let server = Server::start("[devices]\nbackend = \"cpu\"\n");
+    server.wait_ready();
+    for temperature in [0.0, 0.9] {
+        let body = json!({"messages": [{"role": "user", "content": "Tell me a story"}],
+                          "max_tokens": 24, "temperature": temperature, "seed": 5,
+                          "ignore_eos": true, "stream": true, "return_token_ids": true,
+                          "stream_options": {"include_usage": true}});
+        let (whole, done) = read_sse(server.post("/v1/chat/completions", &body));
+        assert!(done);
+        let chunks = chat_chunks(&whole);
+        let all_ids: Vec<u64> = chunks.iter().flat_map(|c| c.1.clone()).collect();
+        let all_text: String = chunks.iter().map(|c| c.0.as_str()).collect();
+        assert_eq!(all_ids.len(), 24);
+        let usage = whole.last().unwrap()["usage"].clone();
+        assert_eq!(usage["completion_tokens"], 24);
+        for cut in [1, 7, 23] {
+            // The client has the chunks up to the one holding token `cut`.
+            let mut sent_ids = Vec::new();
+            let mut sent_text = String::new();
+            for (text, chunk_ids) in &chunks {
+                if sent_ids.len() >= cut {
+                    break;
+                }
+                sent_text.push_str(text);
+                sent_ids.extend(chunk_ids);
+            }
+            let mut resumed = body.clone();
+            resumed["resume_token_ids"] = json!(sent_ids);
+            let (rest, done) = read_sse(server.post("/v1/chat/completions", &resumed));
+            assert!(done);
+            assert!(
+                rest.iter()
+                    .all(|e| e["choices"][0]["delta"].get("role").is_none()),
+                "a resumed stream opens no message again"
+            );
+            let rest_chunks = chat_chunks(&rest);
+            let mut got_ids = sent_ids.clone();
+            got_ids.extend(rest_chunks.iter().flat_map(|c| c.1.clone()));
+            let got_text =
+                sent_text + &rest_chunks.iter().map(|c| c.0.as_str()).collect::<String>();
+            assert_eq!(got_ids, all_ids, "temperature {temperature}, cut at {cut}");
+            assert_eq!(
+                got_text, all_text,
+                "temperature {temperature}, cut at {cut}"
+            );
+            assert_eq!(
+                rest.last().unwrap()["usage"],
+                usage,
+                "usage is the whole generation's"
+            );
+        }
+    }
+    // Not resumable: more tokens than max_tokens leaves, several choices, ids past the
+    // vocabulary.
+    for (extra, param) in [
+        (
+            json!({"resume_token_ids": [65, 66], "max_tokens": 2}),
+            "resume_token_ids",
+        ),
+        (
+            json!({"resume_token_ids": [65], "n": 2}),
+            "resume_token_ids",
+        ),
+        (json!({"resume_token_ids": [1_000_000]}), "resume_token_ids"),
+    ] {
+        let mut body = json!({"prompt": "Hi", "max_tokens": 8});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let response = server.post("/v1/completions", &body);
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{body}");
+        let error: Value = response.json().unwrap();
+        assert_eq!(error["error"]["param"], param, "{error}");
+    }
+}

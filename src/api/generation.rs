@@ -89,6 +89,9 @@ pub struct Admitted {
     pub(super) end_tokens: Vec<u32>,
     /// How a reasoning model's reasoning is split out of its chat answer.
     pub(super) reasoning: Option<super::reasoning::ReasoningSplit>,
+    /// Tokens generated before, elsewhere (`resume_token_ids`): the generation goes on
+    /// after them.
+    pub(super) resumed: Vec<u32>,
 }
 
 /// What `echo` returns of the prompt.
@@ -118,6 +121,7 @@ pub(super) async fn submit(
             logprobs: request.logprobs,
             prompt_logprobs: request.echo.as_ref().and_then(|echo| echo.logprobs),
             constraint: request.constraint.take(),
+            resumed: request.resumed.clone(),
         })
         .await
         .map_err(|e| match e {

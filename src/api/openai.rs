@@ -80,6 +80,9 @@ struct GenerationFields {
     /// `{"type": "json_object"}` or `{"type": "json_schema", "json_schema": {"schema"}}`:
     /// output constrained to match.
     response_format: Option<Value>,
+    /// Tokens this generation produced before, on a node that failed or drained (the
+    /// gateway sends them): it goes on after them, and they are not sent again.
+    resume_token_ids: Option<Vec<u32>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -138,7 +141,7 @@ const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
 
 /// Top-level fields both generation endpoints take (`user` is accepted and unused: it only
 /// names the caller).
-const GENERATION_FIELDS: [&str; 23] = [
+const GENERATION_FIELDS: [&str; 24] = [
     "model",
     "max_tokens",
     "max_completion_tokens",
@@ -162,6 +165,7 @@ const GENERATION_FIELDS: [&str; 23] = [
     "stop_token_ids",
     "logprobs",
     "response_format",
+    "resume_token_ids",
 ];
 
 /// Fields only `/v1/completions` takes.
@@ -594,6 +598,7 @@ fn admit(
         Some(n) => n,
         None => limits.default_max_tokens.min(room),
     };
+    let resumed = resumed_tokens(&fields, choices, echo.is_some(), max_tokens, model)?;
     let sampling = sampling_params(&fields, max_tokens)?;
     sampling
         .validate(model.vocab_size)
@@ -665,7 +670,40 @@ fn admit(
         tool_calls: None,
         single_tool_call: false,
         reasoning: None,
+        resumed,
     })
+}
+
+/// The tokens a resumed generation produced before (`resume_token_ids`): one choice, no
+/// echo, fewer than `max_tokens` (the generation must have more to do), in the vocabulary.
+fn resumed_tokens(
+    fields: &GenerationFields,
+    choices: usize,
+    echo: bool,
+    max_tokens: usize,
+    model: &crate::model::ModelConfig,
+) -> Result<Vec<u32>, ApiError> {
+    let Some(tokens) = &fields.resume_token_ids else {
+        return Ok(Vec::new());
+    };
+    let bad = |what: String| Err(ApiError::bad_request(what).with_param("resume_token_ids"));
+    if choices != 1 || echo {
+        return bad("resume_token_ids resumes one choice (n: 1) without echo".into());
+    }
+    if tokens.len() >= max_tokens {
+        return bad(format!(
+            "resume_token_ids holds {} tokens: the generation (max_tokens {max_tokens}) has \
+             nothing left to do",
+            tokens.len()
+        ));
+    }
+    if let Some(&token) = tokens.iter().find(|&&t| t as usize >= model.vocab_size) {
+        return bad(format!(
+            "token id {token} is outside the vocabulary (size {})",
+            model.vocab_size
+        ));
+    }
+    Ok(tokens.clone())
 }
 
 /// The sampling controls of a request, checked for what needs the request to check.
@@ -825,6 +863,7 @@ async fn generate(
     );
     let stream = request.stream;
     let mut response = Response::new(id, unix_now(), request, state.cut_watch(), in_flight);
+    response.take_resumed(served)?;
     let first = generation::first_event(&response.id, &mut events, &mut response.cut).await?;
     // Degraded from its prefill on: said in a header too (a generation degraded later says
     // so in its body, the headers being sent by then).

@@ -39,6 +39,8 @@ pub(super) struct Response {
     /// Some tokens were routed around experts with no live replica: every envelope from
     /// then on says `"degraded": true`.
     degraded: bool,
+    /// It goes on from tokens made elsewhere ([`Response::take_resumed`]).
+    resumed: bool,
     pub(super) _in_flight: super::InFlight,
 }
 
@@ -133,12 +135,37 @@ impl Response {
             started: Instant::now(),
             cut,
             degraded: false,
+            resumed: false,
             _in_flight: in_flight,
         }
     }
 
     fn streaming(&self) -> bool {
         self.request.stream
+    }
+
+    /// A resumed generation's earlier tokens, taken as if they had just arrived: the text,
+    /// stop strings, reasoning split and tool-call parser stand where they stood on the node
+    /// that made them, and a stream sends none of it again (nor a chat stream's opening
+    /// chunk). Their log probabilities are not known here: a whole response lists only
+    /// those of the tokens made after them.
+    pub(super) fn take_resumed(&mut self, served: &ServedModel) -> Result<(), ApiError> {
+        for token in std::mem::take(&mut self.request.resumed) {
+            let event = SequenceEvent::Token {
+                choice: 0,
+                token,
+                logprobs: None,
+            };
+            if self.take(served, event)? {
+                return Err(ApiError::bad_request(
+                    "resume_token_ids already ends the generation (a stop string)",
+                )
+                .with_param("resume_token_ids"));
+            }
+            self.resumed = true;
+        }
+        self.out.clear();
+        Ok(())
     }
 
     /// Takes one event of the generation; returns whether every choice has ended. A
@@ -754,7 +781,7 @@ pub(super) fn sse_stream(
     first: SequenceEvent,
     app: web::Data<AppState>,
 ) -> impl Stream<Item = Result<Bytes, actix_web::Error>> + 'static {
-    if response.request.endpoint == Endpoint::Chat {
+    if response.request.endpoint == Endpoint::Chat && !response.resumed {
         for index in 0..response.choices.len() {
             let mut chunk = response.chunk(index, "", &[], None, None);
             chunk["choices"][0]["delta"] = json!({"role": "assistant", "content": ""});

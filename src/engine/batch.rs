@@ -232,6 +232,19 @@ impl<S> Sequence<S> {
         self
     }
 
+    /// Goes on from `tokens`, generated before (on a node that failed, or one that handed
+    /// the generation off while draining): they are prefilled after the prompt, count
+    /// against `max_tokens` and in usage, and the sampler draws as if it had drawn them.
+    /// Applied after [`Sequence::with_constraint`], so that the grammar moves past them.
+    pub fn resuming(mut self, tokens: Vec<u32>) -> Self {
+        self.sampler.resume(&tokens);
+        self.prompt.extend_from_slice(&tokens);
+        self.generated = tokens.len();
+        self.replayed = tokens.len();
+        self.generated_tokens = tokens;
+        self
+    }
+
     /// Log probabilities of each generated token, with `top` alternatives.
     pub fn with_logprobs(mut self, top: Option<usize>) -> Self {
         self.logprobs = top;

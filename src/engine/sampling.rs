@@ -174,6 +174,10 @@ fn panics_on_purpose(seed: u64) -> bool {
 
 /// One sequence's sampler: its parameters, its random stream, and what the penalties need
 /// of its history (kept up to date one token at a time, never rescanned).
+///
+/// The draw for the token at output position `i` is word `i` of the seed's ChaCha8 stream,
+/// whatever came before: a generation resumed from its first `i` tokens on another node
+/// ([`Sampler::resume`]) draws what it would have drawn.
 pub struct Sampler {
     params: SamplingParams,
     rng: ChaCha8Rng,
@@ -238,6 +242,21 @@ impl Sampler {
             generated: self.generated,
             end_tokens: self.end_tokens.clone(),
             constraint: self.constraint.as_mut().map(Constraint::fork),
+        }
+    }
+
+    /// Takes `tokens` as already generated (a generation resumed after the node running it
+    /// failed): the penalties count them, the grammar moves past them, and the next draw is
+    /// the one for the position after them.
+    pub fn resume(&mut self, tokens: &[u32]) {
+        for &token in tokens {
+            if let Some(constraint) = &mut self.constraint {
+                constraint.advance(token);
+            }
+            self.generated += 1;
+            if self.params.penalises() {
+                *self.generated_counts.entry(token).or_default() += 1;
+            }
         }
     }
 
@@ -350,7 +369,8 @@ impl Sampler {
         }
         candidates.truncate(keep);
         let mass: f32 = candidates.iter().map(|c| c.1).sum();
-        // 24 random bits give a uniform float in [0, 1).
+        // 24 random bits give a uniform float in [0, 1); one 32-bit word per position.
+        self.rng.set_word_pos(self.generated as u128);
         let mut draw = (self.rng.next_u32() >> 8) as f32 / (1u32 << 24) as f32 * mass;
         for &(token, w) in &candidates {
             if draw < w {

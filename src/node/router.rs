@@ -91,6 +91,9 @@ pub struct Submit {
     pub prompt_logprobs: Option<usize>,
     /// The grammar the output must match, and the token it ends with.
     pub constraint: Option<(Constraint, u32)>,
+    /// Tokens generated before, elsewhere: the generation goes on after them
+    /// ([`Sequence::resuming`]).
+    pub resumed: Vec<u32>,
 }
 
 impl Submit {
@@ -105,6 +108,7 @@ impl Submit {
             logprobs: None,
             prompt_logprobs: None,
             constraint: None,
+            resumed: Vec::new(),
         }
     }
 }
@@ -321,7 +325,8 @@ impl Handler<Submit> for RouterActor {
         .with_choices(choices)
         .with_logprobs(msg.logprobs)
         .with_prompt_logprobs(msg.prompt_logprobs)
-        .with_constraint(msg.constraint);
+        .with_constraint(msg.constraint)
+        .resuming(msg.resumed);
         self.batcher.submit(sequence)?;
         self.update_gauges();
         self.schedule_step(ctx);
