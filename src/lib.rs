@@ -4,6 +4,9 @@
 //! `docs/architecture.md` walks one request through them). Modules that nothing outside
 //! the crate needs are private.
 
+/// `moe-node gateway`: the API in front of a cluster, holding no model; moves a stream off
+/// a node that fails.
+pub mod gateway;
 /// `moe-node serve`: binds the HTTP API, runs the node, drains on SIGTERM.
 pub mod server;
 

@@ -74,6 +74,18 @@ enum Command {
         #[arg(long)]
         config: PathBuf,
     },
+    /// Run a gateway: the OpenAI API in front of a cluster, holding no model. It learns the
+    /// nodes from the cluster's gossip, forwards each request to one of them, and moves a
+    /// stream whose node dies, stalls or drains to another node without a gap.
+    Gateway {
+        /// Configuration file (TOML): [server], [cluster] (secrets, gossip_listen, seeds),
+        /// [gateway]; e.g. etc/examples/local-cluster/gateway.toml.
+        #[arg(long)]
+        config: PathBuf,
+        /// Address to listen on (overrides server.listen).
+        #[arg(long)]
+        listen: Option<String>,
+    },
     /// Print shell completions to stdout (the packages install them).
     Completions {
         #[arg(value_enum)]
@@ -302,6 +314,7 @@ fn main() -> ExitCode {
             init_logging(LogFormat::Text);
             run_control_plane(config)
         }
+        Command::Gateway { config, listen } => run_gateway(config, listen),
         Command::Completions { shell } => {
             clap_complete::generate(
                 shell,
@@ -562,6 +575,27 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         Err(ServeError::Hub(e)) => Err(e.into()),
         Err(e) => Err(e.into()),
     }
+}
+
+fn run_gateway(path: PathBuf, listen: Option<String>) -> anyhow::Result<()> {
+    // A gateway places no experts: the node-only keys that validation checks against each
+    // other are set to what is always valid, whatever the file says.
+    let mut overrides = vec![
+        ("cluster.expect_nodes", 1u64.into()),
+        ("cluster.replication", 1u64.into()),
+    ];
+    if let Some(listen) = listen {
+        overrides.push(("server.listen", listen.into()));
+    }
+    let config = NodeConfig::load(ConfigSources {
+        file: Some(&path),
+        env: node_env(),
+        overrides,
+    })?;
+    init_logging_filtered(config.logging.format, &config.logging.filter);
+    moe_node::gateway::run(config)?;
+    tracing::info!("gateway stopped");
+    Ok(())
 }
 
 fn run_control_plane(path: PathBuf) -> anyhow::Result<()> {

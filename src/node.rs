@@ -24,6 +24,7 @@ use crate::metrics::{DeviceState, NodeMetrics};
 use crate::model::{Checkpoint, ModelConfig, ModelError, ModelSource};
 use crate::node::cluster_metrics::ClusterCollector;
 use crate::node::joined::{ClusterError, Joined, OfferedDevices, ServeParts, join};
+pub use crate::node::joined::{ClusterError as JoinError, gossip_config};
 use crate::node::router::{Lane, RouterHandle};
 use crate::placement::{ExpertLoad, Placement, PlacementError};
 use crate::plan::sizes::ModelSizes;

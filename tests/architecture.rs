@@ -67,10 +67,16 @@ const FLOORS: &[&[(&str, &str)]] = &[
         "the composition root: one node's actors and cluster part",
     )],
     &[("api", "the HTTP API")],
-    &[(
-        "server",
-        "`moe-node serve`: binds the API, runs the node, drains on SIGTERM",
-    )],
+    &[
+        (
+            "server",
+            "`moe-node serve`: binds the API, runs the node, drains on SIGTERM",
+        ),
+        (
+            "gateway",
+            "`moe-node gateway`: the API in front of a cluster; moves streams off failed nodes",
+        ),
+    ],
 ];
 
 fn floor_of(module: &str) -> Option<usize> {

@@ -32,6 +32,12 @@ use crate::model::Tokenizer;
 use crate::model::chat_template::ChatTemplate;
 use crate::node::Node;
 pub use error::ApiError;
+pub use openai::DEGRADED_HEADER;
+
+/// Sent by `moe-node gateway` with a stream it can move: when this node drains (SIGTERM),
+/// such a stream ends at once with an error event (code `shutting_down`) instead of running
+/// on until `server.drain_seconds`, and the gateway goes on with it on another node.
+pub const HANDOFF_HEADER: &str = "x-moe-node-handoff";
 
 /// Where the node is in its life; `/ready` is 200 only in `Ready`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,6 +76,9 @@ pub struct AppState {
     in_flight: Arc<AtomicUsize>,
     /// Set when the drain time is up: responses still running end with an error.
     cut: tokio::sync::watch::Sender<bool>,
+    /// Set when draining starts: streams a gateway can move end with an error at once
+    /// ([`HANDOFF_HEADER`]).
+    hand_off: tokio::sync::watch::Sender<bool>,
     /// The placement this node serves under and the next one while the cluster changes
     /// placement, known before the node is ready (other nodes that start with it read it
     /// from `/cluster/placement/{version}` to load their share).
@@ -96,6 +105,7 @@ impl AppState {
             served: OnceLock::new(),
             in_flight: Arc::new(AtomicUsize::new(0)),
             cut: tokio::sync::watch::Sender::new(false),
+            hand_off: tokio::sync::watch::Sender::new(false),
             placements: Arc::default(),
         }
     }
@@ -129,6 +139,7 @@ impl AppState {
     /// Stops admitting requests; in-flight ones go on.
     pub fn start_draining(&self) {
         self.phase.store(Phase::Draining as u8, Ordering::Release);
+        self.hand_off.send_replace(true);
     }
 
     /// Ends every response still running (the drain time is up): each gets an error, a
@@ -140,6 +151,16 @@ impl AppState {
     /// Turns true when [`AppState::cut_in_flight`] is called.
     pub fn cut_watch(&self) -> tokio::sync::watch::Receiver<bool> {
         self.cut.subscribe()
+    }
+
+    /// What ends a response: the end of the drain time, or its start for a stream that a
+    /// gateway moves elsewhere ([`HANDOFF_HEADER`]).
+    fn end_watch(&self, handed_off: bool) -> tokio::sync::watch::Receiver<bool> {
+        if handed_off {
+            self.hand_off.subscribe()
+        } else {
+            self.cut.subscribe()
+        }
     }
 
     pub fn served(&self) -> Option<&ServedModel> {
@@ -325,19 +346,25 @@ async fn not_found(req: HttpRequest) -> HttpResponse {
     actix_web::ResponseError::error_response(&ApiError::not_found(req.path()))
 }
 
+/// The key of an `Authorization: Bearer KEY` header (the scheme is case-insensitive, RFC
+/// 9110 11.1).
+pub fn bearer_key(authorization: Option<&str>) -> Option<&str> {
+    authorization
+        .and_then(|v| v.trim_start().split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, key)| key.trim())
+}
+
 /// Checks the bearer key on `/v1`, `/admin` and `/tokenize` when keys are configured.
 async fn require_api_key(
     req: ServiceRequest,
     next: Next<impl MessageBody>,
 ) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
-    // The scheme is case-insensitive (RFC 9110 11.1).
-    let offered = req
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim_start().split_once(' '))
-        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
-        .map(|(_, key)| key.trim());
+    let offered = bearer_key(
+        req.headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok()),
+    );
     let accepted = req
         .app_data::<web::Data<AppState>>()
         .is_none_or(|s| s.live.authorize(offered));

@@ -264,8 +264,14 @@ struct TokenizeRequest {
     chat_template_kwargs: Option<Value>,
 }
 
+/// Whether a gateway can move this request's stream elsewhere ([`super::HANDOFF_HEADER`]).
+fn handed_off(request: &actix_web::HttpRequest) -> bool {
+    request.headers().contains_key(super::HANDOFF_HEADER)
+}
+
 pub async fn completions(
     state: web::Data<AppState>,
+    http: actix_web::HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let served = state.admitting()?;
@@ -276,17 +282,18 @@ pub async fn completions(
     } else {
         completion_request(&served.request_context(&state.config), &body)?
     };
-    generate(state.clone(), served, admitted).await
+    generate(state.clone(), served, admitted, handed_off(&http)).await
 }
 
 pub async fn chat_completions(
     state: web::Data<AppState>,
+    http: actix_web::HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let served = state.admitting()?;
     let body = read_body(payload, &state.config.server).await?;
     let admitted = validate_off_the_event_loop(&state, body, chat_request).await?;
-    generate(state.clone(), served, admitted).await
+    generate(state.clone(), served, admitted, handed_off(&http)).await
 }
 
 fn contains(haystack: &[u8], needle: &[u8]) -> bool {
@@ -841,6 +848,7 @@ async fn generate(
     state: web::Data<AppState>,
     served: &ServedModel,
     mut request: Admitted,
+    handed_off: bool,
 ) -> Result<HttpResponse, ApiError> {
     let in_flight = state.track();
     let prompt_tokens = request.prompt_tokens;
@@ -862,7 +870,8 @@ async fn generate(
         "request admitted"
     );
     let stream = request.stream;
-    let mut response = Response::new(id, unix_now(), request, state.cut_watch(), in_flight);
+    let ends = state.end_watch(handed_off && stream);
+    let mut response = Response::new(id, unix_now(), request, ends, in_flight);
     response.take_resumed(served)?;
     let first = generation::first_event(&response.id, &mut events, &mut response.cut).await?;
     // Degraded from its prefill on: said in a header too (a generation degraded later says

@@ -23,7 +23,8 @@ pub struct MemberMeta {
     /// Its devices are GPUs, which compute on bf16: rows sent to it travel as bf16 (half
     /// the bytes, and the same result, the GPU rounding f32 rows to bf16 itself).
     pub rows_bf16: bool,
-    /// Fingerprint of the checkpoint: members with another fingerprint are refused.
+    /// Fingerprint of the checkpoint: members with another fingerprint are refused, except
+    /// a gateway's ([`MemberMeta::GATEWAY_MODEL`]).
     pub model: u64,
     /// The placement version this node serves (routes its own work by).
     pub placement_version: u64,
@@ -31,6 +32,18 @@ pub struct MemberMeta {
     /// `placement_version`; above it while the cluster changes placement (copy, then
     /// switch once every live member has loaded).
     pub loaded_version: u64,
+}
+
+impl MemberMeta {
+    /// The fingerprint a gateway (`moe-node gateway`) announces: it holds no model.
+    pub const GATEWAY_MODEL: u64 = 0;
+
+    /// A gateway: a member with no device slots and no model, which serves nothing. Nodes
+    /// admit it whatever model they serve and leave it out of their member views, so that
+    /// it is never given experts, work or a vote; it learns the nodes from gossip.
+    pub fn is_gateway(&self) -> bool {
+        self.devices == 0 && self.model == Self::GATEWAY_MODEL
+    }
 }
 
 /// A member's foca identity. Two identities with the same gossip address are the same

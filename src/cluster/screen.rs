@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use foca::{Codec, Header, Member, Message, PostcardCodec};
 
-use super::identity::NodeIdentity;
+use super::identity::{MemberMeta, NodeIdentity};
 
 /// A member that was kept out: who it says it is and what it serves.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -40,6 +40,14 @@ pub enum Screened {
     Malformed,
 }
 
+/// Whether a member announcing `identity` may be in the view of a node serving `our_model`:
+/// the same model, or one side is a gateway (which holds none).
+fn admitted(identity: &NodeIdentity, our_model: u64) -> bool {
+    our_model == MemberMeta::GATEWAY_MODEL
+        || identity.meta.model == our_model
+        || identity.meta.is_gateway()
+}
+
 /// Screens a decrypted datagram against our model fingerprint. Mirrors foca's packet
 /// layout: a header, then (except for Announce and Broadcast) a big-endian `u16` count of
 /// member updates and the updates; nothing else (we use no custom broadcasts).
@@ -50,7 +58,7 @@ pub fn screen(packet: &[u8], our_model: u64) -> Screened {
         Ok(header) => header,
         Err(_) => return Screened::Malformed,
     };
-    if header.src.meta.model != our_model {
+    if !admitted(&header.src, our_model) {
         return Screened::RefuseSender(refusal(&header.src));
     }
     let sender = header.src.gossip;
@@ -76,14 +84,14 @@ pub fn screen(packet: &[u8], our_model: u64) -> Screened {
     }
     if updates
         .iter()
-        .all(|member| member.id().meta.model == our_model)
+        .all(|member| admitted(member.id(), our_model))
     {
         return accept_as_is(Vec::new());
     }
     // Rebuild the packet without the refused members.
     let (kept, dropped): (Vec<_>, Vec<_>) = updates
         .into_iter()
-        .partition(|member| member.id().meta.model == our_model);
+        .partition(|member| admitted(member.id(), our_model));
     let refused = dropped.iter().map(|member| refusal(member.id())).collect();
     let mut rebuilt = Vec::with_capacity(packet.len());
     if codec.encode_header(&header, &mut rebuilt).is_err() {
@@ -273,6 +281,25 @@ mod tests {
                 .iter()
                 .all(|(node, state)| node != "node-3" && *state == State::Alive)
         );
+    }
+
+    /// A gateway holds no model: nodes of any model admit it (and it them), but a member
+    /// with no devices that announces a model is no gateway, and is screened as any other.
+    #[test]
+    fn gateways_and_nodes_admit_each_other_whatever_the_model() {
+        let mut gateway = identity(9, MemberMeta::GATEWAY_MODEL);
+        gateway.meta.devices = 0;
+        let bytes = packet(&gateway, &identity(1, OURS), &[]);
+        assert!(matches!(screen(&bytes, OURS), Screened::Accept { .. }));
+        let bytes = packet(&identity(2, THEIRS), &gateway, &[identity(3, OURS)]);
+        match screen(&bytes, MemberMeta::GATEWAY_MODEL) {
+            Screened::Accept { refused, .. } => assert!(refused.is_empty()),
+            other => panic!("{other:?}"),
+        }
+        let mut empty = identity(4, THEIRS);
+        empty.meta.devices = 0;
+        let bytes = packet(&empty, &identity(1, OURS), &[]);
+        assert!(matches!(screen(&bytes, OURS), Screened::RefuseSender(_)));
     }
 
     #[test]

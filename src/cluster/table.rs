@@ -201,9 +201,15 @@ impl MemberTable {
         changed || before != self.others.len()
     }
 
-    /// Every member, the local node first, then by node id.
+    /// Every member, the local node first, then by node id. Gateways are left out (see
+    /// [`MemberMeta::is_gateway`]): they serve nothing, so no decision counts them.
     pub fn views(&self) -> Vec<MemberView> {
-        let mut others: Vec<MemberView> = self.others.values().cloned().collect();
+        let mut others: Vec<MemberView> = self
+            .others
+            .values()
+            .filter(|m| !m.meta.is_gateway())
+            .cloned()
+            .collect();
         others.sort_by(|a, b| a.meta.node.cmp(&b.meta.node).then(a.gossip.cmp(&b.gossip)));
         let mut views = Vec::with_capacity(others.len() + 1);
         views.push(self.local.clone());

@@ -19,8 +19,8 @@ use serde::de::DeserializeOwned;
 pub const ENV_PREFIX: &str = "MOE_NODE";
 
 pub use sections::{
-    Backend, BatchingConfig, ClusterConfig, ControlPlaneSection, DevicesConfig, LogFormat,
-    LoggingConfig, MetricsConfig, ModelSection, NodeConfig, OnUnavailable, PeerSection,
+    Backend, BatchingConfig, ClusterConfig, ControlPlaneSection, DevicesConfig, GatewayConfig,
+    LogFormat, LoggingConfig, MetricsConfig, ModelSection, NodeConfig, OnUnavailable, PeerSection,
     PeerTransport, PlacementConfig, ServerConfig, mib_to_bytes,
 };
 
@@ -222,6 +222,25 @@ impl NodeConfig {
             ));
         }
         problems.extend(self.placement.problems());
+        let gateway = &self.gateway;
+        if !(1..=3600).contains(&gateway.stall_seconds) {
+            problems.push(format!(
+                "gateway.stall_seconds: {} is not between 1 and 3600",
+                gateway.stall_seconds
+            ));
+        }
+        if gateway.max_moves > 16 {
+            problems.push(format!(
+                "gateway.max_moves: {} is more than 16",
+                gateway.max_moves
+            ));
+        }
+        if !(50..=60_000).contains(&gateway.ready_poll_ms) {
+            problems.push(format!(
+                "gateway.ready_poll_ms: {} is not between 50 and 60000",
+                gateway.ready_poll_ms
+            ));
+        }
         if self.devices.cpu_slots == 0 {
             problems.push("devices.cpu_slots: at least one device slot is needed".into());
         }

@@ -22,6 +22,35 @@ pub struct NodeConfig {
     pub peer: PeerSection,
     pub placement: PlacementConfig,
     pub control_plane: ControlPlaneSection,
+    pub gateway: GatewayConfig,
+}
+
+/// `moe-node gateway`: how it forwards requests to the nodes and moves the streams of a
+/// node that fails. Nodes ignore it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GatewayConfig {
+    /// A stream whose node sends nothing for this long moves to another node (a node
+    /// paused, or cut off without its connections closing). Longer than a prompt's prefill.
+    pub stall_seconds: u64,
+    /// How many times one request may move to another node before it fails.
+    pub max_moves: usize,
+    /// A request goes to the node that has its prompt's prefix cached, unless that node
+    /// runs this many more of the gateway's requests than the least loaded node.
+    pub balance_slack: usize,
+    /// How often each node's `/ready` is read.
+    pub ready_poll_ms: u64,
+}
+
+impl Default for GatewayConfig {
+    fn default() -> Self {
+        GatewayConfig {
+            stall_seconds: 10,
+            max_moves: 3,
+            balance_slack: 4,
+            ready_poll_ms: 500,
+        }
+    }
 }
 
 /// Peering with a control plane (`moe-node control-plane`): outbound only.

@@ -87,6 +87,29 @@ fn parse(key: &'static str, value: &str) -> Result<SocketAddr, ClusterError> {
     })
 }
 
+/// How this member gossips, as `[cluster]` says: its address, seeds and periods; `meta` is
+/// what it says about itself. Nodes and gateways join the same way.
+pub fn gossip_config(
+    config: &ClusterConfig,
+    secrets: Vec<String>,
+    meta: MemberMeta,
+) -> Result<MembershipConfig, ClusterError> {
+    let mut gossip = MembershipConfig::new(
+        parse("gossip_listen", &config.gossip_listen)?,
+        secrets,
+        meta,
+    );
+    gossip.seeds = config
+        .seeds
+        .iter()
+        .map(|s| parse("seeds", s))
+        .collect::<Result<_, _>>()?;
+    gossip.advertise_host = config.advertise_host.parse::<IpAddr>().ok();
+    gossip.probe_period = Duration::from_millis(config.probe_period_ms);
+    gossip.suspicion_timeout = Duration::from_millis(config.suspicion_timeout_ms);
+    Ok(gossip)
+}
+
 /// Starts the peer server and gossip, then waits until it knows how to get the placement
 /// this node serves under.
 pub fn join(
@@ -146,20 +169,7 @@ pub fn join(
         placement_version: 0,
         loaded_version: 0,
     };
-    let mut membership_config = MembershipConfig::new(
-        parse("gossip_listen", &config.gossip_listen)?,
-        secrets.to_vec(),
-        meta,
-    );
-    membership_config.seeds = config
-        .seeds
-        .iter()
-        .map(|s| parse("seeds", s))
-        .collect::<Result<_, _>>()?;
-    membership_config.advertise_host = config.advertise_host.parse::<IpAddr>().ok();
-    membership_config.probe_period = Duration::from_millis(config.probe_period_ms);
-    membership_config.suspicion_timeout = Duration::from_millis(config.suspicion_timeout_ms);
-    let membership = Membership::start(membership_config)?;
+    let membership = Membership::start(gossip_config(config, secrets.to_vec(), meta)?)?;
     tracing::info!(
         node = %config.node_id,
         gossip = %membership.local_addr(),

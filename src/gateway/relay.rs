@@ -1,0 +1,485 @@
+//! One request through the gateway: sent to a node ([`open`], trying others while nodes
+//! refuse it or cannot be reached), then relayed back. A stream of one choice is relayed
+//! event by event, the gateway keeping the token ids the client has been sent; when its
+//! node dies (the connection closes without `[DONE]`), stalls (nothing for
+//! `gateway.stall_seconds`, or gossip declares it down), or hands it off while draining (an
+//! error event), the gateway sends the request to another node with those ids
+//! (`resume_token_ids`) and relays the rest: no gap, no token twice, the same `id`. A
+//! whole response is read whole, and asked again of another node if its node fails first.
+
+use std::time::{Duration, Instant};
+
+use actix_web::HttpResponse;
+use actix_web::web::{self, Bytes};
+use serde_json::{Map, Value, json};
+use tokio::sync::mpsc;
+
+use super::Gateway;
+use super::nodes::Lease;
+use crate::api::{ApiError, DEGRADED_HEADER, HANDOFF_HEADER};
+
+/// A request as the client sent it, and what relaying it needs.
+pub struct Asked {
+    /// `/v1/chat/completions` or `/v1/completions`.
+    pub path: &'static str,
+    body: Map<String, Value>,
+    /// The prompt's text (or the messages as JSON), for prefix affinity.
+    prefix: Vec<u8>,
+    /// The client's `Authorization`, passed on (nodes may check keys too).
+    pub authorization: Option<String>,
+    stream: bool,
+    /// A stream of one choice: it can move to another node.
+    movable: bool,
+    /// The client asked for `return_token_ids` itself.
+    wants_ids: bool,
+}
+
+impl Asked {
+    /// Reads a generation request enough to route it; the nodes validate the rest.
+    pub fn parse(
+        path: &'static str,
+        bytes: &[u8],
+        authorization: Option<String>,
+    ) -> Result<Asked, ApiError> {
+        let body: Map<String, Value> = crate::api::parse_json(bytes)?;
+        let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
+        let one_choice = body
+            .get("n")
+            .is_none_or(|n| n.as_u64() == Some(1) || n.is_null());
+        let prefix = match (body.get("messages"), body.get("prompt")) {
+            (Some(messages), _) => messages.to_string().into_bytes(),
+            (None, Some(Value::String(text))) => text.clone().into_bytes(),
+            (None, Some(other)) => other.to_string().into_bytes(),
+            (None, None) => Vec::new(),
+        };
+        let movable = stream && one_choice && !body.contains_key("resume_token_ids");
+        let mut asked = Asked {
+            path,
+            wants_ids: body.get("return_token_ids") == Some(&Value::Bool(true)),
+            body,
+            prefix,
+            authorization,
+            stream,
+            movable,
+        };
+        if asked.movable {
+            // Sampled without a seed, a stream moved to another node would draw from
+            // another seed there: choose one now, so that it draws what it would have.
+            if !asked.body.contains_key("seed") {
+                asked
+                    .body
+                    .insert("seed".into(), json!(rand::random::<u32>()));
+            }
+            asked.body.insert("return_token_ids".into(), json!(true));
+        }
+        Ok(asked)
+    }
+
+    /// The body a node gets, going on after `sent` (tokens the client already has).
+    fn body_after(&self, sent: &[u64]) -> Vec<u8> {
+        let mut body = self.body.clone();
+        if !sent.is_empty() {
+            body.insert("resume_token_ids".into(), json!(sent));
+        }
+        Value::Object(body).to_string().into_bytes()
+    }
+}
+
+/// A node's answer that is passed on as it is (a client error, or every node refusing).
+pub struct Refusal {
+    status: u16,
+    content_type: Option<String>,
+    body: Bytes,
+}
+
+impl Refusal {
+    fn into_response(self) -> HttpResponse {
+        let status = actix_web::http::StatusCode::from_u16(self.status)
+            .unwrap_or(actix_web::http::StatusCode::BAD_GATEWAY);
+        let mut response = HttpResponse::build(status);
+        if let Some(content_type) = self.content_type {
+            response.content_type(content_type);
+        }
+        response.body(self.body)
+    }
+
+    /// The error event a stream ends with when this refusal ends it.
+    fn event(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|_| {
+            ApiError::unavailable(String::from_utf8_lossy(&self.body).into_owned()).body()
+        })
+    }
+}
+
+/// A node answering 200, and the node.
+pub struct Upstream {
+    lease: Lease,
+    response: reqwest::Response,
+}
+
+/// Sends `asked` (after `sent`) to a ready node not in `avoid` while there are others,
+/// trying the next while nodes cannot be reached or answer 429, 502, 503 or 504 (each
+/// then goes into `avoid`). A node's other answers are the request's: passed on.
+async fn open(
+    gateway: &Gateway,
+    asked: &Asked,
+    sent: &[u64],
+    avoid: &mut Vec<String>,
+) -> Result<Result<Upstream, Refusal>, ApiError> {
+    let body = asked.body_after(sent);
+    let mut refused = None;
+    for _ in 0..=gateway.config.gateway.max_moves {
+        let Some(lease) = gateway.nodes.choose(&asked.prefix, avoid) else {
+            break;
+        };
+        let mut request = gateway
+            .client
+            .post(format!("http://{}{}", lease.api, asked.path))
+            .header("content-type", "application/json")
+            .body(body.clone());
+        if let Some(authorization) = &asked.authorization {
+            request = request.header("authorization", authorization);
+        }
+        if asked.movable {
+            request = request.header(HANDOFF_HEADER, "1");
+        }
+        let response = match request.send().await {
+            Ok(response) => response,
+            Err(error) => {
+                tracing::warn!(node = %lease.node, %error, "node unreachable: trying another");
+                gateway.metrics.moved("unreachable");
+                avoid.push(lease.node.clone());
+                continue;
+            }
+        };
+        let status = response.status().as_u16();
+        if status == 200 {
+            tracing::debug!(node = %lease.node, why = lease.why, "forwarded");
+            return Ok(Ok(Upstream { lease, response }));
+        }
+        let content_type = response
+            .headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        let body = response.bytes().await.unwrap_or_default();
+        let refusal = Refusal {
+            status,
+            content_type,
+            body,
+        };
+        if ![429, 502, 503, 504].contains(&status) {
+            return Ok(Err(refusal));
+        }
+        tracing::info!(node = %lease.node, status, "node refused: trying another");
+        avoid.push(lease.node.clone());
+        refused = Some(refusal);
+    }
+    match refused {
+        Some(refusal) => Ok(Err(refusal)),
+        None => Err(ApiError::unavailable(
+            "no node of the cluster is ready (the gateway learns them from gossip)",
+        )),
+    }
+}
+
+/// Forwards one generation request and relays its answer.
+pub async fn forward(gateway: web::Data<Gateway>, asked: Asked) -> Result<HttpResponse, ApiError> {
+    let mut avoid = Vec::new();
+    let upstream = match open(&gateway, &asked, &[], &mut avoid).await? {
+        Ok(upstream) => upstream,
+        Err(refusal) => return Ok(refusal.into_response()),
+    };
+    let degraded = upstream.response.headers().get(DEGRADED_HEADER).cloned();
+    let mut response = if asked.stream {
+        let (sender, receiver) = mpsc::channel::<Bytes>(64);
+        if asked.movable {
+            actix_web::rt::spawn(relay_events(
+                gateway.clone(),
+                asked,
+                upstream,
+                avoid,
+                sender,
+            ));
+        } else {
+            actix_web::rt::spawn(relay_bytes(upstream, sender));
+        }
+        let body = futures::stream::unfold(receiver, |mut receiver| async move {
+            let bytes = receiver.recv().await?;
+            Some((Ok::<_, actix_web::Error>(bytes), receiver))
+        });
+        HttpResponse::Ok()
+            .content_type("text/event-stream")
+            .insert_header(("Cache-Control", "no-cache"))
+            .streaming(body)
+    } else {
+        return whole(gateway, asked, upstream, avoid).await;
+    };
+    if let Some(degraded) = degraded {
+        response.headers_mut().insert(
+            actix_web::http::header::HeaderName::from_static(DEGRADED_HEADER),
+            actix_web::http::header::HeaderValue::from_bytes(degraded.as_bytes())
+                .unwrap_or(actix_web::http::header::HeaderValue::from_static("1")),
+        );
+    }
+    Ok(response)
+}
+
+/// A stream that cannot move (several choices): its bytes as they come.
+async fn relay_bytes(mut upstream: Upstream, sender: mpsc::Sender<Bytes>) {
+    while let Ok(Some(bytes)) = upstream.response.chunk().await {
+        if sender.send(bytes).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// How relaying from one node ended.
+enum End {
+    /// `[DONE]` went to the client.
+    Done,
+    /// The client went away.
+    ClientGone,
+    /// The node failed the stream: why (a metric's label), and its error event if it sent
+    /// one.
+    Failed(&'static str, Option<Value>),
+}
+
+/// What a stream has sent its client so far.
+#[derive(Default)]
+struct Sent {
+    ids: Vec<u64>,
+    /// The first node's `id` and `created`, kept by every later chunk.
+    id: Option<(Value, Value)>,
+    /// Its choice has a finish reason.
+    finished: bool,
+    /// It has moved at least once: the next node's opening chunk is not sent again.
+    moved: bool,
+}
+
+/// Relays a stream of one choice, moving it to another node whenever its node fails it.
+async fn relay_events(
+    gateway: web::Data<Gateway>,
+    asked: Asked,
+    mut upstream: Upstream,
+    mut avoid: Vec<String>,
+    sender: mpsc::Sender<Bytes>,
+) {
+    let mut sent = Sent::default();
+    let mut moves = 0;
+    loop {
+        let (why, error) = match pump(&gateway, &asked, &mut upstream, &mut sent, &sender).await {
+            End::Done => {
+                gateway
+                    .metrics
+                    .request(if moves > 0 { "moved" } else { "ok" });
+                return;
+            }
+            End::ClientGone => return,
+            End::Failed(why, error) => (why, error),
+        };
+        if sent.finished {
+            // Only the usage and `[DONE]` were missing.
+            let _ = sender.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+            return;
+        }
+        moves += 1;
+        let node = upstream.lease.node.clone();
+        if moves > gateway.config.gateway.max_moves {
+            tracing::warn!(%node, why, moves, "a stream failed on every node it moved to");
+            gateway.metrics.request("failed");
+            let error = error.unwrap_or_else(|| {
+                ApiError::unavailable(format!(
+                    "the stream failed on {moves} nodes (gateway.max_moves)"
+                ))
+                .body()
+            });
+            end_with(&sender, &error).await;
+            return;
+        }
+        tracing::warn!(%node, why, tokens = sent.ids.len(), "moving a stream to another node");
+        gateway.metrics.moved(why);
+        avoid.push(node);
+        match open(&gateway, &asked, &sent.ids, &mut avoid).await {
+            Ok(Ok(next)) => {
+                upstream = next;
+                sent.moved = true;
+            }
+            Ok(Err(refusal)) => {
+                end_with(&sender, &refusal.event()).await;
+                return;
+            }
+            Err(error) => {
+                end_with(&sender, &error.body()).await;
+                return;
+            }
+        }
+    }
+}
+
+async fn end_with(sender: &mpsc::Sender<Bytes>, error: &Value) {
+    let _ = sender.send(Bytes::from(format!("data: {error}\n\n"))).await;
+    let _ = sender.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+}
+
+/// How often a relay looks at its node when it sends nothing.
+const TICK: Duration = Duration::from_millis(250);
+
+/// Relays the events of one node until the stream ends or the node fails it.
+async fn pump(
+    gateway: &Gateway,
+    asked: &Asked,
+    upstream: &mut Upstream,
+    sent: &mut Sent,
+    sender: &mpsc::Sender<Bytes>,
+) -> End {
+    let stall = Duration::from_secs(gateway.config.gateway.stall_seconds);
+    let mut buffer: Vec<u8> = Vec::new();
+    let mut heard = Instant::now();
+    loop {
+        let bytes = match tokio::time::timeout(TICK, upstream.response.chunk()).await {
+            Err(_) => {
+                if heard.elapsed() > stall {
+                    return End::Failed("stalled", None);
+                }
+                if !gateway.nodes.is_up(&upstream.lease.node) {
+                    return End::Failed("down", None);
+                }
+                continue;
+            }
+            Ok(Err(_)) => return End::Failed("cut", None),
+            Ok(Ok(None)) => return End::Failed("closed", None),
+            Ok(Ok(Some(bytes))) => bytes,
+        };
+        heard = Instant::now();
+        buffer.extend_from_slice(&bytes);
+        while let Some(at) = buffer.windows(2).position(|w| w == b"\n\n") {
+            let event: Vec<u8> = buffer.drain(..at + 2).collect();
+            if let Some(end) = relay_event(asked, &event, sent, sender).await {
+                return end;
+            }
+        }
+    }
+}
+
+/// One server-sent event of a node: passed on as the client's (its `id` the first node's,
+/// its token ids only if asked for), or the end of the stream.
+async fn relay_event(
+    asked: &Asked,
+    event: &[u8],
+    sent: &mut Sent,
+    sender: &mpsc::Sender<Bytes>,
+) -> Option<End> {
+    let text = String::from_utf8_lossy(event);
+    let data = text.lines().find_map(|line| line.strip_prefix("data: "))?;
+    if data == "[DONE]" {
+        let gone = sender
+            .send(Bytes::from_static(b"data: [DONE]\n\n"))
+            .await
+            .is_err();
+        return Some(if gone { End::ClientGone } else { End::Done });
+    }
+    let Ok(mut chunk) = serde_json::from_str::<Value>(data) else {
+        return Some(End::Failed("garbled", None));
+    };
+    if chunk.get("error").is_some() {
+        return Some(End::Failed("error", Some(chunk)));
+    }
+    let choice = chunk["choices"].get_mut(0);
+    if let Some(choice) = choice {
+        if sent.moved && choice["delta"].get("role").is_some() {
+            return None;
+        }
+        if let Some(ids) = choice["token_ids"].as_array() {
+            sent.ids.extend(ids.iter().filter_map(Value::as_u64));
+        }
+        if !choice["finish_reason"].is_null() {
+            sent.finished = true;
+        }
+        if !asked.wants_ids
+            && let Some(choice) = choice.as_object_mut()
+        {
+            choice.remove("token_ids");
+        }
+    }
+    match &sent.id {
+        None => sent.id = Some((chunk["id"].clone(), chunk["created"].clone())),
+        Some((id, created)) => {
+            chunk["id"] = id.clone();
+            chunk["created"] = created.clone();
+        }
+    }
+    let gone = sender
+        .send(Bytes::from(format!("data: {chunk}\n\n")))
+        .await
+        .is_err();
+    gone.then_some(End::ClientGone)
+}
+
+/// A whole response: read to its end, and asked of another node if its node fails first
+/// (the client has had none of it, so starting over loses nothing).
+async fn whole(
+    gateway: web::Data<Gateway>,
+    asked: Asked,
+    mut upstream: Upstream,
+    mut avoid: Vec<String>,
+) -> Result<HttpResponse, ApiError> {
+    let mut moves = 0;
+    loop {
+        let degraded = upstream.response.headers().get(DEGRADED_HEADER).cloned();
+        let why = match read_whole(&gateway, &mut upstream).await {
+            Ok(body) => {
+                // A node that fails after its first byte ends the body with an error.
+                let failed = serde_json::from_slice::<Value>(&body)
+                    .map_or(true, |v| v.get("error").is_some());
+                if !failed {
+                    gateway
+                        .metrics
+                        .request(if moves > 0 { "moved" } else { "ok" });
+                    let mut response = HttpResponse::Ok();
+                    response.content_type("application/json");
+                    if let Some(degraded) = degraded {
+                        response.insert_header((DEGRADED_HEADER, degraded.as_bytes()));
+                    }
+                    return Ok(response.body(body));
+                }
+                "error"
+            }
+            Err(why) => why,
+        };
+        moves += 1;
+        gateway.metrics.moved(why);
+        if moves > gateway.config.gateway.max_moves {
+            gateway.metrics.request("failed");
+            return Err(ApiError::unavailable(format!(
+                "the request failed on {moves} nodes (gateway.max_moves)"
+            )));
+        }
+        tracing::warn!(node = %upstream.lease.node, why, "asking another node for a whole response");
+        avoid.push(upstream.lease.node.clone());
+        upstream = match open(&gateway, &asked, &[], &mut avoid).await? {
+            Ok(next) => next,
+            Err(refusal) => return Ok(refusal.into_response()),
+        };
+    }
+}
+
+/// A node's whole body, or why it did not come.
+async fn read_whole(gateway: &Gateway, upstream: &mut Upstream) -> Result<Vec<u8>, &'static str> {
+    let stall = Duration::from_secs(gateway.config.gateway.stall_seconds);
+    let mut body = Vec::new();
+    let mut heard = Instant::now();
+    loop {
+        match tokio::time::timeout(TICK, upstream.response.chunk()).await {
+            Err(_) if heard.elapsed() > stall => return Err("stalled"),
+            Err(_) if !gateway.nodes.is_up(&upstream.lease.node) => return Err("down"),
+            Err(_) => {}
+            Ok(Err(_)) => return Err("cut"),
+            Ok(Ok(None)) => return Ok(body),
+            Ok(Ok(Some(bytes))) => {
+                heard = Instant::now();
+                body.extend_from_slice(&bytes);
+            }
+        }
+    }
+}
