@@ -34,6 +34,7 @@ impl PeerDirectory for OneNode {
             addr: self.0,
             state: MemberState::Alive,
             rows: self.1,
+            generation: 1,
         })
     }
 }

@@ -48,6 +48,7 @@ impl PeerDirectory for Static {
             addr,
             state: MemberState::Alive,
             rows: self.1,
+            generation: 1,
         })
     }
 }

@@ -159,8 +159,9 @@ async fn drain_cut(cut: &mut watch::Receiver<bool>) {
 /// The error a response still running at the end of the drain time ends with.
 pub(super) fn cut_error() -> ApiError {
     ApiError::unavailable(
-        "the node is shutting down and its drain time (server.drain_seconds) is up; \
-         the generation was ended: retry on another node",
+        "the node is shutting down: its drain time (server.drain_seconds) is up, or the \
+         gateway that sent this stream goes on with it on another node; the generation was \
+         ended here",
     )
     .with_code("shutting_down")
 }

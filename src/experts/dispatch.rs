@@ -279,12 +279,16 @@ impl Dispatcher {
         self.health.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Feeds gossip's verdict on a node into its health.
-    pub fn set_node_reach(&self, node: u16, reach: crate::experts::Reach) {
-        self.health()
-            .entry(Target::Node(node))
-            .or_default()
-            .set_gossip(reach);
+    /// Feeds gossip's verdict on a node into its health. A node `renewed` (restarted, a new
+    /// generation) is tried at once, even where it came back before gossip suspected it:
+    /// the failures of its old process keep nothing from its new one.
+    pub fn set_node_reach(&self, node: u16, reach: crate::experts::Reach, renewed: bool) {
+        let mut health = self.health();
+        let health = health.entry(Target::Node(node)).or_default();
+        if renewed {
+            health.renew();
+        }
+        health.set_gossip(reach);
     }
 
     /// This node's device handles, as they are now (a restarted device has a new one).

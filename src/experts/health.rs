@@ -182,15 +182,20 @@ impl TargetHealth {
     /// at once.
     pub fn set_gossip(&mut self, reach: Reach) {
         if reach == Reach::Up && self.gossip != Reach::Up {
-            // Back (a restart, a healed partition): what was measured before is history.
-            *self = TargetHealth {
-                gone: self.gone,
-                outstanding_rows: self.outstanding_rows,
-                rows_sent: self.rows_sent,
-                ..TargetHealth::default()
-            };
+            self.renew();
         }
         self.gossip = reach;
+    }
+
+    /// Back (a restart, a healed partition): what was measured before is history.
+    pub fn renew(&mut self) {
+        *self = TargetHealth {
+            gone: self.gone,
+            gossip: self.gossip,
+            outstanding_rows: self.outstanding_rows,
+            rows_sent: self.rows_sent,
+            ..TargetHealth::default()
+        };
     }
 }
 
@@ -232,6 +237,24 @@ mod tests {
         h.gone();
         h.set_gossip(Reach::Up);
         assert_eq!(h.view(t0).reach, Reach::Down, "a gone device never returns");
+    }
+
+    /// A node killed and restarted faster than gossip's suspicion timeout is never seen
+    /// down by gossip: its new generation alone clears what its old process failed, while
+    /// what gossip says still counts.
+    #[test]
+    fn a_renewed_node_is_tried_at_once() {
+        let t0 = Instant::now();
+        let mut h = TargetHealth::default();
+        h.failed(t0, P);
+        h.missed_deadline(t0, P);
+        h.set_gossip(Reach::Up);
+        assert_eq!(h.view(t0).reach, Reach::Down, "alive all along: still down");
+        h.renew();
+        assert_eq!(h.view(t0).reach, Reach::Up);
+        h.set_gossip(Reach::Suspect);
+        h.renew();
+        assert_eq!(h.view(t0).reach, Reach::Suspect, "a renewal keeps gossip's word");
     }
 
     #[test]

@@ -27,6 +27,8 @@ pub struct PeerEntry {
     pub state: MemberState,
     /// The dtype its devices consume: bf16 for GPUs, f32 for CPU slots.
     pub rows: Dtype,
+    /// Its identity's generation: grows when it restarts.
+    pub generation: u64,
 }
 
 /// Where a node id is reached and what gossip says of it.
@@ -39,6 +41,7 @@ impl PeerDirectory for Membership {
         best_member(&self.members(), node).map(|m| PeerEntry {
             addr: m.meta.peer,
             state: m.state,
+            generation: m.generation,
             rows: if m.meta.rows_bf16 {
                 Dtype::Bf16
             } else {
@@ -60,6 +63,8 @@ pub struct PeerNodes {
     placement_nodes: RwLock<Vec<String>>,
     /// Per node id: the client and the dtype rows travel in to it.
     clients: Mutex<HashMap<String, (Arc<PeerClient>, Dtype)>>,
+    /// Per node id: the generation gossip last said it has (a restart makes a new one).
+    generations: Mutex<HashMap<String, u64>>,
     width: usize,
     /// The clients' tunables (`[peer]`: queue, timeouts, backoff, wire limits).
     config: PeerConfig,
@@ -83,6 +88,7 @@ impl PeerNodes {
             directory,
             placement_nodes: RwLock::new(placement_nodes),
             clients: Mutex::new(HashMap::new()),
+            generations: Mutex::new(HashMap::new()),
             width,
             config: PeerConfig::default(),
         }
@@ -138,12 +144,15 @@ impl PeerNodes {
         Some((client, entry.rows))
     }
 
-    /// Gossip's view of every placement node, for the dispatcher's health; the links of
-    /// nodes declared dead are closed, failing what is outstanding on them at once, and
-    /// the client of a node now at another address (a restart on a new port) is dropped.
-    pub fn reach_of_nodes(&self) -> Vec<(u16, Reach)> {
+    /// Gossip's view of every placement node, for the dispatcher's health, and whether it
+    /// restarted since the last look (a new generation: what was measured of it before is
+    /// history, see [`crate::experts::Dispatcher::set_node_reach`]). The links of nodes
+    /// declared dead are closed, failing what is outstanding on them at once, and the
+    /// client of a node now at another address (a restart on a new port) is dropped.
+    pub fn reach_of_nodes(&self) -> Vec<(u16, Reach, bool)> {
         let nodes = self.nodes();
         let mut clients = self.clients.lock().unwrap_or_else(|e| e.into_inner());
+        let mut generations = self.generations.lock().unwrap_or_else(|e| e.into_inner());
         nodes
             .iter()
             .enumerate()
@@ -165,7 +174,11 @@ impl PeerNodes {
                 {
                     client.close();
                 }
-                (i as u16, reach)
+                let renewed = member.is_some_and(|m| {
+                    let before = generations.insert(id.clone(), m.generation);
+                    before.is_some_and(|g| g < m.generation)
+                });
+                (i as u16, reach, renewed)
             })
             .collect()
     }

@@ -297,7 +297,8 @@ async fn relay_events(
             end_with(&sender, &error).await;
             return;
         }
-        tracing::warn!(%node, why, tokens = sent.ids.len(), "moving a stream to another node");
+        let said = error.as_ref().map(|e| e["error"]["message"].to_string());
+        tracing::warn!(%node, why, said, tokens = sent.ids.len(), "moving a stream to another node");
         gateway.metrics.moved(why);
         avoid.push(node);
         match open(&gateway, &asked, &sent.ids, &mut avoid).await {

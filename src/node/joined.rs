@@ -272,8 +272,8 @@ impl Joined {
         let update = {
             let peers = self.peers.clone();
             move || {
-                for (node, reach) in peers.reach_of_nodes() {
-                    dispatcher.set_node_reach(node, reach);
+                for (node, reach, renewed) in peers.reach_of_nodes() {
+                    dispatcher.set_node_reach(node, reach, renewed);
                 }
             }
         };

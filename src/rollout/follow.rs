@@ -373,8 +373,8 @@ fn carry_out(
                 .set_nodes(next.nodes().iter().map(|n| n.node.clone()).collect());
             let switch = parts.dispatcher.set_placement(next.clone(), local);
             let pause = switch.pause;
-            for (node, reach) in parts.peers.reach_of_nodes() {
-                parts.dispatcher.set_node_reach(node, reach);
+            for (node, reach, renewed) in parts.peers.reach_of_nodes() {
+                parts.dispatcher.set_node_reach(node, reach, renewed);
             }
             // Other nodes let go of what the old version put on them once this node says it
             // serves the new one: not before this node's calls routing by the old one end.

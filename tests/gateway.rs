@@ -1,0 +1,298 @@
+//! `moe-node gateway` in front of three real nodes (loopback, TCP peers), driven over HTTP
+//! as a client would: 16 concurrent streams through the gateway while the node running
+//! some of them is killed (`kill -9`, each node in turn) or drained (SIGTERM). Every stream
+//! must complete with the tokens one node gives alone, none missing or twice, and usage
+//! counting the whole generation.
+
+use std::ffi::OsStr;
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use reqwest::StatusCode;
+use reqwest::blocking::Client;
+use serde_json::{Value, json};
+
+mod common;
+mod serve;
+use serve::Process;
+
+mod cluster_harness;
+use cluster_harness::*;
+
+const STREAMS: usize = 16;
+const MAX_TOKENS: usize = 48;
+
+struct Gateway {
+    process: Process,
+    client: Client,
+    _config: PathBuf,
+}
+
+impl Gateway {
+    /// A gateway that joins `spec`'s cluster through its gossip ports.
+    fn start(spec: &ClusterSpec) -> Gateway {
+        let seeds: Vec<String> = spec
+            .gossip_ports
+            .iter()
+            .map(|p| format!("\"127.0.0.1:{p}\""))
+            .collect();
+        let config = spec.dir.path().join("gateway.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "[server]\nlisten = \"127.0.0.1:0\"\n\
+                 [cluster]\nnode_id = \"gateway1\"\nsecrets = [\"{SECRET}\"]\n\
+                 gossip_listen = \"127.0.0.1:0\"\nseeds = [{}]\n\
+                 probe_period_ms = 200\nsuspicion_timeout_ms = 2000\n\
+                 [gateway]\nstall_seconds = 5\nready_poll_ms = 100\n",
+                seeds.join(", ")
+            ),
+        )
+        .unwrap();
+        let process = Process::start(&[
+            OsStr::new("gateway"),
+            OsStr::new("--config"),
+            config.as_os_str(),
+        ]);
+        Gateway {
+            process,
+            client: Client::builder()
+                .timeout(Duration::from_secs(120))
+                .build()
+                .unwrap(),
+            _config: config,
+        }
+    }
+
+    fn get(&self, path: &str) -> reqwest::blocking::Response {
+        self.client
+            .get(format!("{}{path}", self.process.base))
+            .send()
+            .unwrap()
+    }
+
+    /// Waits until the gateway knows `n` ready nodes.
+    fn wait_nodes_ready(&self, n: u64) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let ready: Value = self.get("/ready").json().unwrap_or_default();
+            if ready["nodes_ready"] == n {
+                return;
+            }
+            assert!(Instant::now() < deadline, "the gateway sees {ready}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn metric(&self, name: &str) -> f64 {
+        let text = self.get("/metrics").text().unwrap();
+        text.lines()
+            .filter(|l| l.starts_with(name))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+}
+
+/// What one streaming client got: its tokens, and the usage the stream ended with.
+struct Streamed {
+    tokens: Vec<u64>,
+    completion_tokens: u64,
+    ids: Vec<String>,
+}
+
+/// Streams a greedy completion of `prompt` through `base`, with usage; `started` is
+/// signalled at its first token. Errors name what was wrong with the stream.
+fn stream(
+    base: &str,
+    prompt: &[u32],
+    started: std::sync::mpsc::Sender<()>,
+) -> Result<Streamed, String> {
+    let client = Client::builder()
+        .timeout(Duration::from_secs(120))
+        .build()
+        .unwrap();
+    let response = client
+        .post(format!("{base}/v1/completions"))
+        .json(&json!({"prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": true,
+                      "return_token_ids": true, "stream": true, "temperature": 0,
+                      "stream_options": {"include_usage": true}}))
+        .send()
+        .map_err(|e| e.to_string())?;
+    if response.status() != StatusCode::OK {
+        return Err(format!("status {}", response.status()));
+    }
+    let mut got = Streamed {
+        tokens: Vec::new(),
+        completion_tokens: 0,
+        ids: Vec::new(),
+    };
+    let mut done = false;
+    for line in BufReader::new(response).lines() {
+        let line = line.map_err(|e| e.to_string())?;
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if data == "[DONE]" {
+            done = true;
+            break;
+        }
+        let event: Value = serde_json::from_str(data).map_err(|e| e.to_string())?;
+        if event.get("error").is_some() {
+            return Err(format!("error event: {event}"));
+        }
+        got.ids.push(event["id"].as_str().unwrap_or_default().to_string());
+        if let Some(usage) = event.get("usage").filter(|u| !u.is_null()) {
+            got.completion_tokens = usage["completion_tokens"].as_u64().unwrap_or(0);
+        }
+        if let Some(ids) = event["choices"][0]["token_ids"].as_array() {
+            if got.tokens.is_empty() && !ids.is_empty() {
+                let _ = started.send(());
+            }
+            got.tokens.extend(ids.iter().filter_map(Value::as_u64));
+        }
+    }
+    if !done {
+        return Err(format!("stream cut after {} tokens", got.tokens.len()));
+    }
+    Ok(got)
+}
+
+fn prompt(i: usize) -> Vec<u32> {
+    vec![5 + (i as u32 * 11) % 100, 7 + (i as u32 * 17) % 100, 3, 9]
+}
+
+/// Runs [`STREAMS`] streams through the gateway and, once each has its first token, does
+/// `disrupt`; checks every stream against `expected`.
+fn streams_survive(gateway: &Gateway, expected: &[Vec<u64>], disrupt: impl FnOnce()) {
+    let (started_tx, started_rx) = std::sync::mpsc::channel();
+    let clients: Vec<_> = (0..STREAMS)
+        .map(|i| {
+            let base = gateway.process.base.clone();
+            let started = started_tx.clone();
+            std::thread::spawn(move || stream(&base, &prompt(i), started))
+        })
+        .collect();
+    for _ in 0..STREAMS {
+        started_rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("every stream starts");
+    }
+    disrupt();
+    for (i, client) in clients.into_iter().enumerate() {
+        let got = client
+            .join()
+            .unwrap()
+            .unwrap_or_else(|e| panic!("stream {i}: {e}"));
+        assert_eq!(got.tokens, expected[i], "stream {i}: tokens missing, repeated or changed");
+        assert_eq!(got.completion_tokens, MAX_TOKENS as u64, "stream {i}: usage");
+        assert!(
+            got.ids.windows(2).all(|w| w[0] == w[1]),
+            "stream {i} changed its id: {:?}",
+            got.ids
+        );
+    }
+}
+
+#[test]
+fn streams_through_the_gateway_go_on_when_their_node_is_killed_or_drained() {
+    let spec = ClusterSpec::new(3, Transport::Tcp);
+    let mut nodes: Vec<Node> = (0..3).map(|i| spec.start(i)).collect();
+    for node in &nodes {
+        node.wait_ready();
+    }
+    let gateway = Gateway::start(&spec);
+    gateway.wait_nodes_ready(3);
+    // The nodes do not count the gateway as one of them.
+    for node in &nodes {
+        let members = node.cluster()["members"].as_array().unwrap().len();
+        assert_eq!(members, 3, "{}", node.cluster());
+    }
+    // What one node gives alone; the first also from `moe-node generate`.
+    let expected: Vec<Vec<u64>> = (0..STREAMS)
+        .map(|i| completion(&nodes[0], &prompt(i), MAX_TOKENS))
+        .collect();
+    assert_eq!(generate_alone(&prompt(0), MAX_TOKENS), expected[0]);
+
+    // Undisturbed; and a client that did not ask for token ids gets none.
+    streams_survive(&gateway, &expected, || {});
+    let plain: Value = gateway
+        .client
+        .post(format!("{}/v1/completions", gateway.process.base))
+        .json(&json!({"prompt": prompt(0), "max_tokens": 4, "temperature": 0}))
+        .send()
+        .unwrap()
+        .json()
+        .unwrap();
+    assert!(plain["choices"][0].get("token_ids").is_none(), "{plain}");
+
+    // Each node in turn dies under the streams, and comes back.
+    for victim in 0..3 {
+        let moves = gateway.metric("moe_node_gateway_moves_total");
+        streams_survive(&gateway, &expected, || nodes[victim].kill());
+        assert!(
+            gateway.metric("moe_node_gateway_moves_total") > moves,
+            "no stream was on {}",
+            nodes[victim].name
+        );
+        nodes[victim].restart();
+        nodes[victim].wait_ready();
+        // Back in every view before the next one dies: one death at a time leaves every
+        // expert a live copy (replication 2).
+        let back = nodes[victim].name.clone();
+        for node in &nodes {
+            node.wait_member_state(&back, "alive", Duration::from_secs(30));
+        }
+        gateway.wait_nodes_ready(3);
+    }
+
+    // A node told to stop hands its streams to the gateway at once: they go on elsewhere,
+    // and it drains without waiting for them.
+    let handed = gateway.metric("moe_node_gateway_moves_total{why=\"error\"}");
+    streams_survive(&gateway, &expected, || nodes[1].signal("-TERM"));
+    assert!(gateway.metric("moe_node_gateway_moves_total{why=\"error\"}") > handed);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while nodes[1].process.child.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "the drained node did not exit");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(nodes[1].process.log_contains("drained"), "{:?}", nodes[1].log());
+    assert_eq!(gateway.metric("moe_node_gateway_requests_total{outcome=\"failed\"}"), 0.0);
+    // One node down at a time, every expert kept a live copy: no node failed a generation
+    // for want of one (the gateway would have hidden it by moving the stream).
+    assert!(
+        !gateway.process.log_contains("no live replica"),
+        "{:?}",
+        gateway.process.log_lines()
+    );
+}
+
+/// With no node to forward to, a client gets 503 naming why, and bad requests get 400
+/// from the gateway itself before any node sees them.
+#[test]
+fn a_gateway_without_nodes_answers_503_and_refuses_garbage() {
+    let spec = ClusterSpec::new(1, Transport::Tcp);
+    let gateway = Gateway::start(&spec);
+    assert_eq!(gateway.get("/health").status(), StatusCode::OK);
+    assert_eq!(gateway.get("/ready").status(), StatusCode::SERVICE_UNAVAILABLE);
+    let post = |body: &str| {
+        gateway
+            .client
+            .post(format!("{}/v1/chat/completions", gateway.process.base))
+            .header("content-type", "application/json")
+            .body(body.to_string())
+            .send()
+            .unwrap()
+    };
+    let none = post(r#"{"messages": [{"role": "user", "content": "hi"}]}"#);
+    assert_eq!(none.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let body: Value = none.json().unwrap();
+    assert!(
+        body["error"]["message"].as_str().unwrap().contains("no node"),
+        "{body}"
+    );
+    for garbage in ["{", "[1, 2]", "\u{0}\u{1}"] {
+        assert_eq!(post(garbage).status(), StatusCode::BAD_REQUEST, "{garbage:?}");
+    }
+    assert_eq!(gateway.get("/nope").status(), StatusCode::NOT_FOUND);
+}
