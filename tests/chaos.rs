@@ -16,20 +16,11 @@ use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
 use serde_json::json;
-use serve::Server;
+use serve::{Server, rss_kib};
 
 const CLIENTS: usize = 64;
 const STORM: Duration = Duration::from_secs(20);
 const MAX_BODY: usize = 16 << 10;
-
-fn rss_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0)
-}
 
 #[test]
 fn a_storm_of_clients_leaves_no_trace() {

@@ -15,7 +15,7 @@ use serde_json::{Value, json};
 
 mod common;
 mod serve;
-use serve::Process;
+use serve::{Process, rss_kib};
 
 mod cluster_harness;
 use cluster_harness::*;
@@ -114,9 +114,11 @@ fn stream(
         .unwrap();
     let response = client
         .post(format!("{base}/v1/completions"))
-        .json(&json!({"prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": true,
+        .json(
+            &json!({"prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": true,
                       "return_token_ids": true, "stream": true, "temperature": 0,
-                      "stream_options": {"include_usage": true}}))
+                      "stream_options": {"include_usage": true}}),
+        )
         .send()
         .map_err(|e| e.to_string())?;
     if response.status() != StatusCode::OK {
@@ -141,7 +143,8 @@ fn stream(
         if event.get("error").is_some() {
             return Err(format!("error event: {event}"));
         }
-        got.ids.push(event["id"].as_str().unwrap_or_default().to_string());
+        got.ids
+            .push(event["id"].as_str().unwrap_or_default().to_string());
         if let Some(usage) = event.get("usage").filter(|u| !u.is_null()) {
             got.completion_tokens = usage["completion_tokens"].as_u64().unwrap_or(0);
         }
@@ -184,8 +187,14 @@ fn streams_survive(gateway: &Gateway, expected: &[Vec<u64>], disrupt: impl FnOnc
             .join()
             .unwrap()
             .unwrap_or_else(|e| panic!("stream {i}: {e}"));
-        assert_eq!(got.tokens, expected[i], "stream {i}: tokens missing, repeated or changed");
-        assert_eq!(got.completion_tokens, MAX_TOKENS as u64, "stream {i}: usage");
+        assert_eq!(
+            got.tokens, expected[i],
+            "stream {i}: tokens missing, repeated or changed"
+        );
+        assert_eq!(
+            got.completion_tokens, MAX_TOKENS as u64,
+            "stream {i}: usage"
+        );
         assert!(
             got.ids.windows(2).all(|w| w[0] == w[1]),
             "stream {i} changed its id: {:?}",
@@ -256,8 +265,15 @@ fn streams_through_the_gateway_go_on_when_their_node_is_killed_or_drained() {
         assert!(Instant::now() < deadline, "the drained node did not exit");
         std::thread::sleep(Duration::from_millis(50));
     }
-    assert!(nodes[1].process.log_contains("drained"), "{:?}", nodes[1].log());
-    assert_eq!(gateway.metric("moe_node_gateway_requests_total{outcome=\"failed\"}"), 0.0);
+    assert!(
+        nodes[1].process.log_contains("drained"),
+        "{:?}",
+        nodes[1].log()
+    );
+    assert_eq!(
+        gateway.metric("moe_node_gateway_requests_total{outcome=\"failed\"}"),
+        0.0
+    );
     // One node down at a time, every expert kept a live copy: no node failed a generation
     // for want of one (the gateway would have hidden it by moving the stream).
     assert!(
@@ -274,7 +290,10 @@ fn a_gateway_without_nodes_answers_503_and_refuses_garbage() {
     let spec = ClusterSpec::new(1, Transport::Tcp);
     let gateway = Gateway::start(&spec);
     assert_eq!(gateway.get("/health").status(), StatusCode::OK);
-    assert_eq!(gateway.get("/ready").status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        gateway.get("/ready").status(),
+        StatusCode::SERVICE_UNAVAILABLE
+    );
     let post = |body: &str| {
         gateway
             .client
@@ -288,11 +307,260 @@ fn a_gateway_without_nodes_answers_503_and_refuses_garbage() {
     assert_eq!(none.status(), StatusCode::SERVICE_UNAVAILABLE);
     let body: Value = none.json().unwrap();
     assert!(
-        body["error"]["message"].as_str().unwrap().contains("no node"),
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("no node"),
         "{body}"
     );
     for garbage in ["{", "[1, 2]", "\u{0}\u{1}"] {
-        assert_eq!(post(garbage).status(), StatusCode::BAD_REQUEST, "{garbage:?}");
+        assert_eq!(
+            post(garbage).status(),
+            StatusCode::BAD_REQUEST,
+            "{garbage:?}"
+        );
     }
     assert_eq!(gateway.get("/nope").status(), StatusCode::NOT_FOUND);
+}
+
+/// How long the soak runs: `MOE_GATEWAY_SOAK_SECONDS` (60 in CI; the benchmark
+/// `benches/gateway_soak.sh` runs 600).
+fn soak_seconds() -> u64 {
+    std::env::var("MOE_GATEWAY_SOAK_SECONDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(60)
+}
+
+/// One disruption of the soak.
+#[derive(Debug, Clone, Copy)]
+enum Disruption {
+    Kill,
+    /// SIGSTOP for less than the suspicion timeout (2 s): no one is declared dead.
+    ShortPause,
+    /// SIGSTOP for twice the suspicion timeout: declared dead, then back.
+    LongPause,
+}
+
+/// What the clients of the soak saw.
+#[derive(Default)]
+struct Tally {
+    requests: usize,
+    failed: Vec<String>,
+    changed: usize,
+    /// Seconds per request, during the steady part and during the disruptions.
+    steady: Vec<f64>,
+    disrupted: Vec<f64>,
+}
+
+fn p99(seconds: &mut [f64]) -> f64 {
+    if seconds.is_empty() {
+        return 0.0;
+    }
+    seconds.sort_by(f64::total_cmp);
+    seconds[(seconds.len() * 99 / 100).min(seconds.len() - 1)]
+}
+
+/// Brings `node` back into every view after a disruption, so that one node at a time is
+/// out (replication 2 keeps a live copy of every expert then).
+fn wait_back(nodes: &[Node], back: &str) {
+    for node in nodes {
+        node.wait_member_state(back, "alive", Duration::from_secs(60));
+    }
+}
+
+/// Streams through the gateway for [`soak_seconds`] while a node at a time is killed and
+/// restarted, or paused shorter or longer than the suspicion timeout. Nothing may fail and
+/// no output may change; the report (requests, failures, changed outputs, the gateway's p99
+/// latency against the steady part, every process's memory) goes to stderr, and to the file
+/// `MOE_GATEWAY_SOAK_REPORT` names.
+#[test]
+fn a_soak_through_the_gateway_under_kills_restarts_and_pauses_loses_nothing() {
+    use rand::{Rng, SeedableRng};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Mutex};
+
+    const CLIENTS: usize = 8;
+    const PROMPTS: usize = 8;
+    const TOKENS: usize = 32;
+    let total = Duration::from_secs(soak_seconds());
+    let steady = total / 6;
+    let spec = ClusterSpec::new(3, Transport::Tcp);
+    let nodes: Vec<Node> = (0..3).map(|i| spec.start(i)).collect();
+    for node in &nodes {
+        node.wait_ready();
+    }
+    let gateway = Gateway::start(&spec);
+    gateway.wait_nodes_ready(3);
+    let expected: Arc<Vec<Vec<u64>>> = Arc::new(
+        (0..PROMPTS)
+            .map(|i| completion(&nodes[0], &prompt(i), TOKENS))
+            .collect(),
+    );
+    let processes = |nodes: &[Node]| -> Vec<(String, u64)> {
+        let mut all: Vec<_> = nodes
+            .iter()
+            .map(|n| (n.name.clone(), rss_kib(n.process.child.id())))
+            .collect();
+        all.push(("gateway".into(), rss_kib(gateway.process.child.id())));
+        all
+    };
+    let memory_at_start = processes(&nodes);
+
+    let started = Instant::now();
+    let disrupting = Arc::new(AtomicBool::new(false));
+    let tally = Arc::new(Mutex::new(Tally::default()));
+    let clients: Vec<_> = (0..CLIENTS)
+        .map(|c| {
+            let (base, expected) = (gateway.process.base.clone(), expected.clone());
+            let (tally, disrupting) = (tally.clone(), disrupting.clone());
+            std::thread::spawn(move || {
+                let mut rng = rand::rngs::StdRng::seed_from_u64(c as u64);
+                let client = Client::builder()
+                    .timeout(Duration::from_secs(120))
+                    .build()
+                    .unwrap();
+                while started.elapsed() < total {
+                    let i = rng.random_range(0..PROMPTS);
+                    let during = disrupting.load(Ordering::Relaxed);
+                    let asked = Instant::now();
+                    let got = soak_stream(&client, &base, &prompt(i), TOKENS);
+                    let seconds = asked.elapsed().as_secs_f64();
+                    let mut tally = tally.lock().unwrap();
+                    tally.requests += 1;
+                    match got {
+                        Ok(tokens) if tokens == expected[i] => {}
+                        Ok(_) => tally.changed += 1,
+                        Err(e) => tally.failed.push(e),
+                    }
+                    if during || disrupting.load(Ordering::Relaxed) {
+                        tally.disrupted.push(seconds);
+                    } else {
+                        tally.steady.push(seconds);
+                    }
+                }
+            })
+        })
+        .collect();
+
+    std::thread::sleep(steady);
+    disrupting.store(true, Ordering::Relaxed);
+    let mut nodes = nodes;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let mut done: Vec<(Disruption, String)> = Vec::new();
+    while started.elapsed() + Duration::from_secs(8) < total {
+        let victim = rng.random_range(0..nodes.len());
+        // Each kind in turn, so that a short soak has all three.
+        let disruption = [
+            Disruption::Kill,
+            Disruption::ShortPause,
+            Disruption::LongPause,
+        ][done.len() % 3];
+        let name = nodes[victim].name.clone();
+        match disruption {
+            Disruption::Kill => {
+                nodes[victim].kill();
+                std::thread::sleep(Duration::from_millis(500));
+                nodes[victim].restart();
+                nodes[victim].wait_ready();
+            }
+            Disruption::ShortPause | Disruption::LongPause => {
+                let pause = match disruption {
+                    Disruption::ShortPause => Duration::from_millis(1000),
+                    _ => Duration::from_millis(4000),
+                };
+                nodes[victim].signal("-STOP");
+                std::thread::sleep(pause);
+                nodes[victim].signal("-CONT");
+            }
+        }
+        wait_back(&nodes, &name);
+        gateway.wait_nodes_ready(3);
+        done.push((disruption, name));
+        std::thread::sleep(Duration::from_millis(rng.random_range(500..2000)));
+    }
+    for client in clients {
+        client.join().unwrap();
+    }
+    let memory_at_end = processes(&nodes);
+    let mut tally = tally.lock().unwrap();
+    let (steady_p99, disrupted_p99) = (p99(&mut tally.steady), p99(&mut tally.disrupted));
+    let memory: Vec<String> = memory_at_start
+        .iter()
+        .zip(&memory_at_end)
+        .map(|((name, start), (_, end))| format!("{name} {start} -> {end} KiB"))
+        .collect();
+    let report = format!(
+        "gateway soak: {} s, {CLIENTS} streaming clients, 3 nodes (replication 2)\n\
+         disruptions ({}): {:?}\n\
+         requests {}, failed {}, changed outputs {}\n\
+         gateway p99 latency: steady {steady_p99:.3} s ({} requests), under disruptions \
+         {disrupted_p99:.3} s ({} requests)\n\
+         moves by why: {}\n\
+         memory (RSS; a killed node's is its restarted process's): {}\n",
+        total.as_secs(),
+        done.len(),
+        done,
+        tally.requests,
+        tally.failed.len(),
+        tally.changed,
+        tally.steady.len(),
+        tally.disrupted.len(),
+        gateway
+            .get("/metrics")
+            .text()
+            .unwrap()
+            .lines()
+            .filter(|l| l.starts_with("moe_node_gateway_moves_total"))
+            .collect::<Vec<_>>()
+            .join(", "),
+        memory.join(", "),
+    );
+    eprintln!("{report}");
+    if let Ok(path) = std::env::var("MOE_GATEWAY_SOAK_REPORT") {
+        std::fs::write(path, &report).unwrap();
+    }
+    assert!(!done.is_empty(), "no disruption happened in {total:?}");
+    assert!(tally.failed.is_empty(), "failed: {:?}", tally.failed);
+    assert_eq!(tally.changed, 0, "changed outputs");
+    assert!(tally.requests > CLIENTS, "{report}");
+}
+
+/// A greedy stream of `tokens` tokens of `prompt` through `base`: its tokens, or what was
+/// wrong.
+fn soak_stream(
+    client: &Client,
+    base: &str,
+    prompt: &[u32],
+    tokens: usize,
+) -> Result<Vec<u64>, String> {
+    let response = client
+        .post(format!("{base}/v1/completions"))
+        .json(
+            &json!({"prompt": prompt, "max_tokens": tokens, "ignore_eos": true,
+                      "return_token_ids": true, "stream": true, "temperature": 0}),
+        )
+        .send()
+        .map_err(|e| e.to_string())?;
+    if response.status() != StatusCode::OK {
+        return Err(format!("status {}", response.status()));
+    }
+    let mut got = Vec::new();
+    for line in BufReader::new(response).lines() {
+        let line = line.map_err(|e| e.to_string())?;
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if data == "[DONE]" {
+            return Ok(got);
+        }
+        let event: Value = serde_json::from_str(data).map_err(|e| e.to_string())?;
+        if event.get("error").is_some() {
+            return Err(format!("error event: {event}"));
+        }
+        if let Some(ids) = event["choices"][0]["token_ids"].as_array() {
+            got.extend(ids.iter().filter_map(Value::as_u64));
+        }
+    }
+    Err(format!("stream cut after {} tokens", got.len()))
 }

@@ -254,7 +254,11 @@ mod tests {
         assert_eq!(h.view(t0).reach, Reach::Up);
         h.set_gossip(Reach::Suspect);
         h.renew();
-        assert_eq!(h.view(t0).reach, Reach::Suspect, "a renewal keeps gossip's word");
+        assert_eq!(
+            h.view(t0).reach,
+            Reach::Suspect,
+            "a renewal keeps gossip's word"
+        );
     }
 
     #[test]

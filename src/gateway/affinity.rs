@@ -75,7 +75,7 @@ mod tests {
         let mut affinity = Affinity::default();
         let system = "s".repeat(3 * BLOCK_BYTES);
         affinity.sent(format!("{system}{}", "a".repeat(200)).as_bytes(), "node1");
-        affinity.sent(system[..2 * BLOCK_BYTES].as_bytes(), "node2");
+        affinity.sent(&system.as_bytes()[..2 * BLOCK_BYTES], "node2");
         let asked = format!("{system}{}", "b".repeat(100));
         // Three blocks in common with node1's request, two with node2's.
         assert_eq!(

@@ -87,6 +87,11 @@ impl Nodes {
             .collect()
     }
 
+    /// `node` could not be reached: no request goes to it until its `/ready` answers again.
+    pub fn unreachable(&self, node: &str) {
+        self.lock().ready.insert(node.to_string(), false);
+    }
+
     /// Reads every alive node's `/ready`, for ever, every `period`.
     pub async fn poll_ready(self, client: reqwest::Client, period: Duration) {
         loop {

@@ -148,6 +148,7 @@ async fn open(
             Err(error) => {
                 tracing::warn!(node = %lease.node, %error, "node unreachable: trying another");
                 gateway.metrics.moved("unreachable");
+                gateway.nodes.unreachable(&lease.node);
                 avoid.push(lease.node.clone());
                 continue;
             }

@@ -402,4 +402,3 @@ pub fn stream_completion(
     }
     Ok(tokens)
 }
-

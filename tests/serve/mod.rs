@@ -103,6 +103,16 @@ impl Drop for Process {
     }
 }
 
+/// The resident memory of process `pid`, in KiB (0 once it is gone).
+pub fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
 /// The demo model, written once for all tests of this binary.
 pub fn demo_model() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
