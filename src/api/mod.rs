@@ -261,6 +261,13 @@ async fn ready(state: web::Data<AppState>) -> HttpResponse {
         Ok(served) if !served.node.router.is_running() => {
             HttpResponse::ServiceUnavailable().json(json!({"status": "router stopped"}))
         }
+        Ok(served) if let Some(newest) = served.node.cluster.as_ref().and_then(|c| c.behind()) => {
+            HttpResponse::ServiceUnavailable().json(json!({
+                "status": "catching up",
+                "placement_version": served.node.experts.placement().version(),
+                "cluster_placement_version": newest,
+            }))
+        }
         Ok(served) => match unavailable_experts(&served.node) {
             None => HttpResponse::Ok().json(json!({"status": "ready"})),
             // Tokens are routed around the missing experts: served, degraded.

@@ -32,6 +32,45 @@ pub struct MemberMeta {
     /// `placement_version`; above it while the cluster changes placement (copy, then
     /// switch once every live member has loaded).
     pub loaded_version: u64,
+    /// Hashes of those two versions' tables (0: none): two leaders on either side of a
+    /// partition may each propose a table under one version, and only these tell the two
+    /// apart.
+    pub placement_hash: u64,
+    pub loaded_hash: u64,
+}
+
+/// A placement version and the hash of its table, as a member gossips them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct TableId {
+    pub version: u64,
+    pub hash: u64,
+}
+
+impl TableId {
+    /// The same placement as far as both say: the same version, and the same table unless
+    /// one of them does not say which (hash 0).
+    pub fn agrees(self, other: TableId) -> bool {
+        self.version == other.version
+            && (self.hash == 0 || other.hash == 0 || self.hash == other.hash)
+    }
+}
+
+impl MemberMeta {
+    /// The placement this member serves.
+    pub fn serving(&self) -> TableId {
+        TableId {
+            version: self.placement_version,
+            hash: self.placement_hash,
+        }
+    }
+
+    /// The newest placement whose experts it has loaded.
+    pub fn loaded(&self) -> TableId {
+        TableId {
+            version: self.loaded_version,
+            hash: self.loaded_hash,
+        }
+    }
 }
 
 impl MemberMeta {
@@ -96,6 +135,8 @@ impl NodeIdentity {
                 model,
                 placement_version: 0,
                 loaded_version: 0,
+                placement_hash: 0,
+                loaded_hash: 0,
             },
             gossip,
             generation: 0,
@@ -159,6 +200,8 @@ mod tests {
             model: 9,
             placement_version: 0,
             loaded_version: 0,
+            placement_hash: 0,
+            loaded_hash: 0,
         }
     }
 
@@ -170,6 +213,8 @@ mod tests {
         let changed = old.with_meta(MemberMeta {
             placement_version: 4,
             loaded_version: 4,
+            placement_hash: 0,
+            loaded_hash: 0,
             ..meta()
         });
         assert!(renewed.win_addr_conflict(&old));

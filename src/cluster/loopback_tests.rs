@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::{MemberMeta, MemberState, Membership, MembershipConfig};
+use super::{MemberMeta, MemberState, Membership, MembershipConfig, TableId};
 
 const PROBE: Duration = Duration::from_millis(200);
 const SUSPICION: Duration = Duration::from_millis(600);
@@ -38,6 +38,8 @@ fn config(
             model,
             placement_version: 1,
             loaded_version: 1,
+            placement_hash: 0,
+            loaded_hash: 0,
         },
     }
 }
@@ -265,7 +267,10 @@ fn a_new_placement_version_reaches_every_member_without_a_death() {
     let (a, b, c) = three();
     let mut changes = b.changes();
     changes.mark_unchanged();
-    a.set_placement_version(42);
+    a.set_serving(TableId {
+        version: 42,
+        hash: 9,
+    });
     let seen = wait_for(Duration::from_secs(2) + SLACK, || {
         [&b, &c].iter().all(|observer| {
             observer
@@ -327,13 +332,17 @@ fn two_members_changing_versions_at_once_both_learn_the_other_s() {
             .find(|view| {
                 view.meta.node == node && !view.is_self && view.state == MemberState::Alive
             })
-            .map(|view| (view.meta.placement_version, view.meta.loaded_version))
+            .map(|view| (view.meta.placement_version, view.meta.loaded_hash / 3))
     };
     for round in 2..12u64 {
-        a.set_versions(round - 1, round);
-        b.set_versions(round - 1, round);
-        a.set_versions(round, round);
-        b.set_versions(round, round);
+        let id = |version| TableId {
+            version,
+            hash: version * 3,
+        };
+        a.set_versions(id(round - 1), id(round));
+        b.set_versions(id(round - 1), id(round));
+        a.set_versions(id(round), id(round));
+        b.set_versions(id(round), id(round));
         let seen = wait_for(PROBE * 10 + SLACK, || {
             version_of(&a, "b") == Some((round, round))
                 && version_of(&b, "a") == Some((round, round))

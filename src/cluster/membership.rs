@@ -23,7 +23,7 @@ use foca::{AccumulatingRuntime, Foca, NoCustomBroadcast, OwnedNotification, Post
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
-use super::identity::{FocaRng, MAX_NODE_ID_BYTES, MemberMeta, NodeIdentity};
+use super::identity::{FocaRng, MAX_NODE_ID_BYTES, MemberMeta, NodeIdentity, TableId};
 use super::keyring::{Keyring, OVERHEAD};
 use super::replay::{ReplayGuard, STAMP_LEN, Stamp, Stamper};
 use super::schedule::{SeedSchedule, SilenceWatch, WARN_PERIOD};
@@ -252,7 +252,7 @@ impl MembershipStats {
 enum Command {
     /// Gossip new placement versions, served and loaded (identity renewal with the new
     /// metadata).
-    SetVersions { serving: u64, loaded: u64 },
+    SetVersions { serving: TableId, loaded: TableId },
     /// Seal with the first of these secrets and open with any of them from now on.
     SetKeys(Keyring),
     /// Tell the cluster we leave, then stop.
@@ -413,16 +413,20 @@ impl Membership {
     /// Changes this node's placement_version and gossips it. Done by identity renewal: the
     /// new identity (same address, next generation) replaces the old one on every member,
     /// who see a metadata change (a Rename in foca's terms), not a death.
-    pub fn set_placement_version(&self, version: u64) {
-        self.set_versions(version, version);
+    pub fn set_serving(&self, serving: TableId) {
+        self.set_versions(serving, serving);
     }
 
-    /// Gossips the placement version this node serves and the newest one it has loaded
-    /// (`loaded` below `serving` is taken as `serving`).
-    pub fn set_versions(&self, serving: u64, loaded: u64) {
+    /// Gossips the placement this node serves and the newest one it has loaded (`loaded`
+    /// of a version below `serving`'s is taken as `serving`).
+    pub fn set_versions(&self, serving: TableId, loaded: TableId) {
         let _ = lock(&self.shared.commands).send(Command::SetVersions {
             serving,
-            loaded: loaded.max(serving),
+            loaded: if loaded.version < serving.version {
+                serving
+            } else {
+                loaded
+            },
         });
     }
 
@@ -713,14 +717,16 @@ impl Driver {
         }
     }
 
-    fn set_versions(&mut self, serving: u64, loaded: u64) {
+    fn set_versions(&mut self, serving: TableId, loaded: TableId) {
         let current = self.foca.identity();
-        if (current.meta.placement_version, current.meta.loaded_version) == (serving, loaded) {
+        if (current.meta.serving(), current.meta.loaded()) == (serving, loaded) {
             return;
         }
         let renewed = current.with_meta(MemberMeta {
-            placement_version: serving,
-            loaded_version: loaded,
+            placement_version: serving.version,
+            placement_hash: serving.hash,
+            loaded_version: loaded.version,
+            loaded_hash: loaded.hash,
             ..current.meta.clone()
         });
         if let Err(error) = self.foca.change_identity(renewed, &mut self.runtime) {

@@ -25,7 +25,7 @@ mod table;
 #[cfg(test)]
 mod loopback_tests;
 
-pub use identity::{MemberMeta, NodeIdentity};
+pub use identity::{MemberMeta, NodeIdentity, TableId};
 pub use membership::{
     DEFAULT_PROBE_PERIOD, DEFAULT_SUSPICION_TIMEOUT, GossipRejections, Membership,
     MembershipConfig, MembershipError, MembershipStats, Rejection, TransitionCounters, foca_config,

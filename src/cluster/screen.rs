@@ -186,6 +186,8 @@ mod tests {
                 model,
                 placement_version: 0,
                 loaded_version: 0,
+                placement_hash: 0,
+                loaded_hash: 0,
             },
             gossip: SocketAddr::from(([10, 0, 0, index], 7946)),
             generation: 1,

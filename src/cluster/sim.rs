@@ -131,6 +131,8 @@ impl Simulation {
                     model: 0x5eed,
                     placement_version: 1,
                     loaded_version: 1,
+                    placement_hash: 0,
+                    loaded_hash: 0,
                 },
                 gossip,
                 generation: 1,

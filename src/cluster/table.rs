@@ -66,6 +66,8 @@ impl MemberView {
                 model: 7,
                 placement_version: serving,
                 loaded_version: loaded,
+                placement_hash: 0,
+                loaded_hash: 0,
             },
             gossip: SocketAddr::from(([127, 0, 0, 1], 3)),
             state,
@@ -245,6 +247,8 @@ mod tests {
                 model: 1,
                 placement_version: 0,
                 loaded_version: 0,
+                placement_hash: 0,
+                loaded_hash: 0,
             },
             gossip,
             generation,
@@ -346,6 +350,8 @@ mod tests {
         let renewed = local.with_meta(MemberMeta {
             placement_version: 3,
             loaded_version: 3,
+            placement_hash: 0,
+            loaded_hash: 0,
             ..local.meta.clone()
         });
         assert!(table.set_local(&renewed, 0, Instant::now()));

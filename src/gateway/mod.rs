@@ -92,6 +92,8 @@ async fn serve(config: NodeConfig) -> Result<(), GatewayError> {
         model: MemberMeta::GATEWAY_MODEL,
         placement_version: 0,
         loaded_version: 0,
+        placement_hash: 0,
+        loaded_hash: 0,
     };
     let secrets = live.cluster_secrets().to_vec();
     let membership = Membership::start(gossip_config(&config.cluster, secrets, meta)?)?;

@@ -87,6 +87,21 @@ fn parse(key: &'static str, value: &str) -> Result<SocketAddr, ClusterError> {
     })
 }
 
+/// The newest placement version a live member serves, when the local member (`is_self`)
+/// has neither loaded nor served it.
+fn newer_placement_served(members: &[crate::cluster::MemberView]) -> Option<u64> {
+    let ours = members
+        .iter()
+        .find(|m| m.is_self)
+        .map_or(0, |m| m.meta.loaded_version.max(m.meta.placement_version));
+    members
+        .iter()
+        .filter(|m| !m.is_self && m.state == crate::cluster::MemberState::Alive)
+        .map(|m| m.meta.placement_version)
+        .max()
+        .filter(|&newest| newest > ours)
+}
+
 /// How this member gossips, as `[cluster]` says: its address, seeds and periods; `meta` is
 /// what it says about itself. Nodes and gateways join the same way.
 pub fn gossip_config(
@@ -168,6 +183,8 @@ pub fn join(
         model: model_fingerprint,
         placement_version: 0,
         loaded_version: 0,
+        placement_hash: 0,
+        loaded_hash: 0,
     };
     let membership = Membership::start(gossip_config(config, secrets.to_vec(), meta)?)?;
     tracing::info!(
@@ -227,6 +244,15 @@ pub fn join(
 }
 
 impl Joined {
+    /// The newest placement version a live member serves, when this node has neither
+    /// loaded nor served it: the cluster moved on while this node was cut off, and until it
+    /// has loaded and switched too, its calls to experts the others let go of fail. (In an
+    /// ordinary change every node has loaded the next version before any switches.) Its
+    /// `/ready` says so, so that gateways and load balancers send it nothing meanwhile.
+    pub fn behind(&self) -> Option<u64> {
+        newer_placement_served(&self.membership.members())
+    }
+
     /// What a rebalance across the cluster reads of it: this node's id and the membership.
     pub fn rebalance_part(&self) -> ClusterPart {
         ClusterPart {
@@ -253,7 +279,7 @@ impl Joined {
             model,
             board,
         } = node;
-        let placement_version = dispatcher.placement().version();
+        let serving = crate::rollout::table_id(&dispatcher.placement());
         let _ = self.dispatcher.set(dispatcher.clone());
         follow(
             FollowParts {
@@ -290,11 +316,11 @@ impl Joined {
         if let Err(e) = spawned {
             tracing::error!(error = %e, "cannot start the thread that follows membership");
         }
-        self.membership.set_placement_version(placement_version);
+        self.membership.set_serving(serving);
         tracing::info!(
             node = %self.node_id,
             peer = %self.peer_addr,
-            placement_version,
+            placement_version = serving.version,
             "serving expert work for the cluster"
         );
     }
@@ -306,4 +332,39 @@ pub struct ServeParts {
     pub checkpoint: Arc<crate::model::Checkpoint>,
     pub model: Arc<crate::model::ModelConfig>,
     pub board: Arc<crate::rollout::board::PlacementBoard>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::{MemberState, MemberView};
+
+    #[test]
+    fn a_node_is_behind_only_when_the_others_serve_a_version_it_never_loaded() {
+        let me = |serving, loaded| MemberView {
+            is_self: true,
+            ..MemberView::for_test("a", MemberState::Alive, serving, loaded)
+        };
+        let other = |state, serving| MemberView::for_test("b", state, serving, serving);
+        // Settled.
+        assert_eq!(
+            newer_placement_served(&[me(3, 3), other(MemberState::Alive, 3)]),
+            None
+        );
+        // An ordinary change: this node loaded version 4 before the other switched.
+        assert_eq!(
+            newer_placement_served(&[me(3, 4), other(MemberState::Alive, 4)]),
+            None
+        );
+        // Back from a partition: the others serve 5, this node never loaded it.
+        assert_eq!(
+            newer_placement_served(&[me(3, 3), other(MemberState::Alive, 5)]),
+            Some(5)
+        );
+        // A dead member's word does not count.
+        assert_eq!(
+            newer_placement_served(&[me(3, 3), other(MemberState::Dead, 5)]),
+            None
+        );
+    }
 }

@@ -157,6 +157,33 @@ impl Placement {
         self.spec.version
     }
 
+    /// A hash of the whole table (its nodes, replication and every replica), never 0: two
+    /// placements proposed under one version by two leaders (a partition) differ in it.
+    /// Members gossip it beside the version.
+    pub fn table_hash(&self) -> u64 {
+        use sha2::{Digest, Sha256};
+        let mut hash = Sha256::new();
+        hash.update(self.spec.version.to_le_bytes());
+        hash.update((self.spec.replication as u64).to_le_bytes());
+        for node in &self.spec.nodes {
+            hash.update(node.node.as_bytes());
+            hash.update([0]);
+            hash.update((node.devices as u64).to_le_bytes());
+        }
+        for layer in &self.replicas {
+            hash.update((layer.len() as u64).to_le_bytes());
+            for copies in layer {
+                hash.update([copies.len() as u8]);
+                for r in copies {
+                    hash.update(r.node.to_le_bytes());
+                    hash.update(r.device.to_le_bytes());
+                }
+            }
+        }
+        let digest = hash.finalize();
+        u64::from_le_bytes(digest[..8].try_into().unwrap_or_default()).max(1)
+    }
+
     pub fn nodes(&self) -> &[NodeSlots] {
         &self.spec.nodes
     }

@@ -24,8 +24,8 @@ use std::time::{Duration, Instant};
 
 use super::board::PlacementBoard;
 use super::bootstrap::fetch_table;
-use super::drain;
-use crate::cluster::{MemberState, MemberView, Membership};
+use super::{drain, table_id};
+use crate::cluster::{MemberState, MemberView, Membership, TableId};
 use crate::experts::Dispatcher;
 use crate::experts::device::{ReleaseExperts, TakeExperts, load_experts};
 use crate::experts::remote::{PeerNodes, best_member};
@@ -61,8 +61,8 @@ pub struct Follower {
     grace: Duration,
     /// Since when each node holding experts has been seen gone.
     gone_since: HashMap<String, Instant>,
-    /// The newest version whose share this node loaded.
-    pub loaded: u64,
+    /// The newest placement whose share this node loaded.
+    pub loaded: TableId,
     /// The version whose leftovers this node let go of.
     pub released: u64,
 }
@@ -141,13 +141,13 @@ pub fn may_propose(me: &str, members: &[MemberView], current: u64) -> Result<(),
 }
 
 impl Follower {
-    pub fn new(me: &str, grace: Duration, serving_version: u64) -> Self {
+    pub fn new(me: &str, grace: Duration, serving: TableId) -> Self {
         Follower {
             me: me.to_string(),
             grace,
             gone_since: HashMap::new(),
-            loaded: serving_version,
-            released: serving_version,
+            loaded: serving,
+            released: serving.version,
         }
     }
 
@@ -170,29 +170,61 @@ impl Follower {
                 .iter()
                 .filter(|m| m.state == MemberState::Alive && m.meta.placement_version > 0)
         };
-        let newest = others
-            .iter()
-            .filter(|m| m.state == MemberState::Alive)
-            .max_by_key(|m| (m.meta.loaded_version, std::cmp::Reverse(&m.meta.node)));
         if let Some(next) = next {
-            if self.loaded < next.version() {
+            let ours = table_id(next);
+            // Two leaders proposed this version, one on each side of a partition: the table
+            // with the lower hash wins everywhere, so that every node switches to one table.
+            if let Some(m) = alive_serving()
+                .filter(|m| {
+                    m.meta.loaded_version == ours.version
+                        && m.meta.loaded_hash != 0
+                        && m.meta.loaded_hash < ours.hash
+                })
+                .min_by_key(|m| m.meta.loaded_hash)
+            {
+                return Step::Fetch {
+                    api: m.meta.api,
+                    version: ours.version,
+                };
+            }
+            if self.loaded != ours {
                 return Step::Load;
             }
-            if alive_serving().all(|m| m.meta.loaded_version >= next.version()) {
+            // Every live member has loaded it, or serves this version already: as another
+            // table only after a partition, which the leader mends with the next version
+            // once everyone serves this one.
+            if alive_serving().all(|m| {
+                m.meta.loaded_version > ours.version
+                    || m.meta.loaded().agrees(ours)
+                    || m.meta.placement_version >= ours.version
+            }) {
                 return Step::Switch;
             }
             return Step::Idle;
         }
-        if let Some(m) = newest
-            && m.meta.loaded_version > current.version()
+        // The newest version a member has loaded; of two tables under it, the winner.
+        if let Some(m) = others
+            .iter()
+            .filter(|m| m.state == MemberState::Alive && m.meta.loaded_version > current.version())
+            .min_by_key(|m| {
+                (
+                    std::cmp::Reverse(m.meta.loaded_version),
+                    m.meta.loaded_hash,
+                    &m.meta.node,
+                )
+            })
         {
             return Step::Fetch {
                 api: m.meta.api,
                 version: m.meta.loaded_version,
             };
         }
-        if self.released < current.version()
-            && alive_serving().all(|m| m.meta.placement_version >= current.version())
+        let served = table_id(current);
+        // Let go only once every live member serves this very table (or a later one).
+        if self.released < served.version
+            && alive_serving().all(|m| {
+                m.meta.placement_version > served.version || m.meta.serving().agrees(served)
+            })
         {
             return Step::Release;
         }
@@ -250,6 +282,15 @@ impl Follower {
                 None => {}
             }
         }
+        for m in alive_serving().filter(|m| {
+            m.meta.placement_version == served.version && !m.meta.serving().agrees(served)
+        }) {
+            reasons.push(format!(
+                "{} serves version {} as another table (two leaders proposed it, on either \
+                 side of a partition)",
+                m.meta.node, served.version
+            ));
+        }
         for (&node, &devices) in &live {
             if current.node_index(node).is_none() && devices > 0 {
                 reasons.push(format!("{node} joined"));
@@ -294,7 +335,7 @@ pub fn follow(parts: FollowParts, stop: Arc<AtomicBool>) {
         .name("moe-node-placement".into())
         .spawn(move || {
             let current = parts.dispatcher.placement();
-            let mut follower = Follower::new(&parts.node_id, parts.grace, current.version());
+            let mut follower = Follower::new(&parts.node_id, parts.grace, table_id(&current));
             while !stop.load(Ordering::Relaxed) {
                 let current = parts.dispatcher.placement();
                 let next = parts.board.next();
@@ -358,10 +399,10 @@ fn carry_out(
         Step::Load => {
             let Some(next) = next else { return };
             load_share(parts, &next);
-            follower.loaded = next.version();
+            follower.loaded = table_id(&next);
             parts
                 .membership
-                .set_versions(current.version(), next.version());
+                .set_versions(table_id(current), follower.loaded);
         }
         Step::Switch => {
             let Some(next) = parts.board.switch() else {
@@ -379,9 +420,7 @@ fn carry_out(
             // Other nodes let go of what the old version put on them once this node says it
             // serves the new one: not before this node's calls routing by the old one end.
             drain(switch, next.version());
-            parts
-                .membership
-                .set_versions(next.version(), next.version());
+            parts.membership.set_serving(table_id(&next));
             tracing::info!(
                 version = next.version(),
                 experts_here = next.experts_held_by(local),
@@ -491,7 +530,14 @@ mod tests {
         let p1 = three();
         let t0 = Instant::now();
         let members = [member("b", Alive, 1, 1), member("c", Dead, 1, 1)];
-        let mut a = Follower::new("a", GRACE, 1);
+        let mut a = Follower::new(
+            "a",
+            GRACE,
+            TableId {
+                version: 1,
+                hash: 0,
+            },
+        );
         assert_eq!(
             a.decide(&members, &p1, None, t0),
             Step::Idle,
@@ -507,7 +553,14 @@ mod tests {
             other => panic!("{other:?}"),
         }
         // b is not the leader while a serves.
-        let mut b = Follower::new("b", GRACE, 1);
+        let mut b = Follower::new(
+            "b",
+            GRACE,
+            TableId {
+                version: 1,
+                hash: 0,
+            },
+        );
         let seen_by_b = [member("a", Alive, 1, 1), member("c", Dead, 1, 1)];
         b.decide(&seen_by_b, &p1, None, t0);
         assert_eq!(b.decide(&seen_by_b, &p1, None, later), Step::Idle);
@@ -521,7 +574,14 @@ mod tests {
         use MemberState::*;
         let p1 = three();
         let now = Instant::now();
-        let mut a = Follower::new("a", GRACE, 1);
+        let mut a = Follower::new(
+            "a",
+            GRACE,
+            TableId {
+                version: 1,
+                hash: 0,
+            },
+        );
         // d is still loading (serves no placement): nothing yet.
         let loading = [
             member("b", Alive, 1, 1),
@@ -586,14 +646,21 @@ mod tests {
         };
         let p2 = p1.revise(&nodes(&["a", "b"])).unwrap();
         let now = Instant::now();
-        let mut b = Follower::new("b", GRACE, 1);
+        let mut b = Follower::new(
+            "b",
+            GRACE,
+            TableId {
+                version: 1,
+                hash: 0,
+            },
+        );
         let members = [member("a", Alive, 1, 2), member("c", Dead, 1, 1)];
         assert!(matches!(
             b.decide(&members, &p1, None, now),
             Step::Fetch { version: 2, .. }
         ));
         assert_eq!(b.decide(&members, &p1, Some(&p2), now), Step::Load);
-        b.loaded = 2;
+        b.loaded = table_id(&p2);
         // Switch: the dead member is not waited for.
         assert_eq!(b.decide(&members, &p1, Some(&p2), now), Step::Switch);
         // A live member that has not loaded yet is waited for.

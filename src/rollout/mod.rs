@@ -7,11 +7,23 @@
 pub mod board;
 pub mod bootstrap;
 pub mod follow;
+#[cfg(test)]
+mod partition_sim;
 pub mod rebalance;
 
 use std::time::Duration;
 
+use crate::cluster::TableId;
 use crate::experts::PlacementSwitch;
+use crate::placement::Placement;
+
+/// The version and table hash members gossip for `placement`.
+pub fn table_id(placement: &Placement) -> TableId {
+    TableId {
+        version: placement.version(),
+        hash: placement.table_hash(),
+    }
+}
 
 /// How long a switch waits for the layer calls that routed by the old placement.
 const DRAIN_LIMIT: Duration = Duration::from_secs(30);

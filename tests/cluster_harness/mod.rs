@@ -158,10 +158,14 @@ impl Node {
         *self = again;
     }
 
+    /// GET `path`, once more if the first try finds its kept-alive connection closed (a
+    /// node resumed after a pause closes the connections that idled past its keep-alive).
     pub fn get(&self, path: &str) -> Response {
+        let url = format!("{}{path}", self.base);
         self.client
-            .get(format!("{}{path}", self.base))
+            .get(&url)
             .send()
+            .or_else(|_| self.client.get(&url).send())
             .unwrap()
     }
 
