@@ -303,6 +303,8 @@ pub async fn cluster(state: web::Data<AppState>) -> Result<HttpResponse, ApiErro
                 "last_heard_ms": now.saturating_duration_since(m.last_heard).as_millis() as u64,
                 "placement_version": m.meta.placement_version,
                 "loaded_version": m.meta.loaded_version,
+                "placement_hash": format!("{:016x}", m.meta.placement_hash),
+                "loaded_hash": format!("{:016x}", m.meta.loaded_hash),
                 "self": m.is_self,
             })
         })
@@ -381,6 +383,7 @@ pub async fn placement(state: web::Data<AppState>) -> Result<HttpResponse, ApiEr
         .collect();
     Ok(HttpResponse::Ok().json(json!({
         "version": placement.version(),
+        "table_hash": format!("{:016x}", placement.table_hash()),
         "spec": placement.spec(),
         "layers": layers,
     })))

@@ -42,7 +42,21 @@ impl Process {
 
     /// As [`Process::start`], with `env` added to the environment.
     pub fn start_with_env(args: &[&OsStr], env: &[(&str, &OsStr)]) -> Process {
-        let mut child = Command::new(BIN)
+        Process::start_under(&[], args, env)
+    }
+
+    /// `moe-node ARGS...` run by the command `under` names (e.g. `ip netns exec NS`, which
+    /// execs it: the child is the node itself), waiting until it listens.
+    pub fn start_under(under: &[&OsStr], args: &[&OsStr], env: &[(&str, &OsStr)]) -> Process {
+        let mut command = match under.split_first() {
+            Some((program, rest)) => {
+                let mut command = Command::new(program);
+                command.args(rest).arg(BIN);
+                command
+            }
+            None => Command::new(BIN),
+        };
+        let mut child = command
             .args(args)
             .envs(env.iter().copied())
             .env("RUST_LOG", "info")

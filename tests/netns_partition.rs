@@ -1,0 +1,430 @@
+//! A partition between real processes. Three `moe-node serve` nodes run each in a network
+//! namespace of its own that this test makes (a veth pair to a bridge, with `tc netem`
+//! delay and loss on every link), and a gateway runs in the test's namespace. One node is
+//! cut off longer than `rereplicate_after_ms`, so that both sides re-place the experts and
+//! each side's leader proposes a table under the same version. After the heal every node
+//! must serve one table without a restart, and no stream through the gateway may fail or
+//! change. Everything made is removed when the test ends.
+//!
+//! Needs root and `ip netns`: the test says SKIPPED without them, and fails instead with
+//! `MOE_TEST_REQUIRE_NETNS=1` (CI sets it where a namespace can be made).
+
+use std::ffi::OsStr;
+use std::io::{BufRead, BufReader};
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use reqwest::StatusCode;
+use reqwest::blocking::Client;
+use serde_json::{Value, json};
+
+mod common;
+mod serve;
+use serve::Process;
+
+const SECRET: &str = "netns-test-secret-0123456789";
+const GOSSIP_PORT: u16 = 7946;
+
+fn run(args: &[&str]) -> Result<(), String> {
+    let out = Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .map_err(|e| format!("{}: {e}", args.join(" ")))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+/// The namespaces, links and bridge of one test, removed when dropped.
+struct Net {
+    tag: String,
+    subnet: u8,
+    nodes: usize,
+    /// Whether the links delay and lose packets (`tc netem`), or why not.
+    netem: Option<Result<(), String>>,
+}
+
+impl Net {
+    /// `nodes` namespaces on one bridge, 10.77.S.1.. in them and 10.77.S.254 here.
+    fn make(nodes: usize) -> Result<Net, String> {
+        let pid = std::process::id();
+        let mut net = Net {
+            tag: format!("{}", pid % 100_000),
+            subnet: (pid % 200) as u8 + 20,
+            nodes,
+            netem: None,
+        };
+        let bridge = net.bridge();
+        run(&["ip", "link", "add", &bridge, "type", "bridge"])?;
+        run(&[
+            "ip",
+            "addr",
+            "add",
+            &format!("{}/24", net.host()),
+            "dev",
+            &bridge,
+        ])?;
+        run(&["ip", "link", "set", &bridge, "up"])?;
+        for i in 1..=nodes {
+            let (ns, outer, inner) = (net.ns(i), net.outer(i), format!("mi{}", net.tag));
+            run(&["ip", "netns", "add", &ns])?;
+            run(&[
+                "ip", "link", "add", &outer, "type", "veth", "peer", "name", &inner,
+            ])?;
+            run(&["ip", "link", "set", &inner, "netns", &ns])?;
+            let inside = |args: &[&str]| {
+                let mut all = vec!["ip", "netns", "exec", &ns];
+                all.extend_from_slice(args);
+                run(&all)
+            };
+            inside(&["ip", "link", "set", "lo", "up"])?;
+            inside(&[
+                "ip",
+                "addr",
+                "add",
+                &format!("{}/24", net.addr(i)),
+                "dev",
+                &inner,
+            ])?;
+            inside(&["ip", "link", "set", &inner, "up"])?;
+            // Every packet between nodes crosses two netem queues: 2 ms and 0.5% loss each,
+            // where the kernel has netem (sch_netem); without it the links are clean.
+            net.netem(inside(&[
+                "tc", "qdisc", "add", "dev", &inner, "root", "netem", "delay", "2ms", "loss",
+                "0.5%",
+            ]));
+            run(&["ip", "link", "set", &outer, "master", &bridge])?;
+            run(&["ip", "link", "set", &outer, "up"])?;
+            net.netem(run(&[
+                "tc", "qdisc", "add", "dev", &outer, "root", "netem", "delay", "2ms", "loss",
+                "0.5%",
+            ]));
+        }
+        Ok(net)
+    }
+
+    /// Notes whether a netem queue could be added (the first answer is kept).
+    fn netem(&mut self, added: Result<(), String>) {
+        if self.netem.is_none() || added.is_err() {
+            self.netem = Some(added);
+        }
+    }
+
+    fn bridge(&self) -> String {
+        format!("mb{}", self.tag)
+    }
+
+    fn ns(&self, i: usize) -> String {
+        format!("moe{}-n{i}", self.tag)
+    }
+
+    fn outer(&self, i: usize) -> String {
+        format!("mo{}{i}", self.tag)
+    }
+
+    fn addr(&self, i: usize) -> String {
+        format!("10.77.{}.{i}", self.subnet)
+    }
+
+    fn host(&self) -> String {
+        format!("10.77.{}.254", self.subnet)
+    }
+
+    /// Cuts node `i` off from everyone (its end of the bridge down), or joins it again.
+    fn cut(&self, i: usize, off: bool) {
+        let state = if off { "down" } else { "up" };
+        run(&["ip", "link", "set", &self.outer(i), state]).unwrap();
+    }
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        for i in 1..=self.nodes {
+            let _ = run(&["ip", "netns", "del", &self.ns(i)]);
+            let _ = run(&["ip", "link", "del", &self.outer(i)]);
+        }
+        let _ = run(&["ip", "link", "del", &self.bridge()]);
+    }
+}
+
+/// The network, or why the test cannot make one (SKIPPED, or a failure with
+/// `MOE_TEST_REQUIRE_NETNS=1`).
+fn network(nodes: usize) -> Option<Net> {
+    match Net::make(nodes) {
+        Ok(net) => Some(net),
+        Err(why) => {
+            assert!(
+                std::env::var("MOE_TEST_REQUIRE_NETNS").as_deref() != Ok("1"),
+                "MOE_TEST_REQUIRE_NETNS=1 but no network namespace could be made: {why}"
+            );
+            common::skipped(&format!(
+                "the partition test needs root and `ip netns`: {why}"
+            ));
+            None
+        }
+    }
+}
+
+struct NsNode {
+    process: Process,
+    client: Client,
+}
+
+impl NsNode {
+    fn get(&self, path: &str) -> Value {
+        let url = format!("{}{path}", self.process.base);
+        self.client
+            .get(&url)
+            .send()
+            .or_else(|_| self.client.get(&url).send())
+            .and_then(|r| r.json())
+            .unwrap_or(Value::Null)
+    }
+
+    /// The placement it serves: version and table hash.
+    fn serving(&self) -> (Value, Value) {
+        let placement = self.get("/admin/placement");
+        (
+            placement["version"].clone(),
+            placement["table_hash"].clone(),
+        )
+    }
+}
+
+fn start_node(net: &Net, i: usize, dir: &std::path::Path) -> NsNode {
+    let seeds: Vec<String> = (1..=net.nodes)
+        .filter(|&j| j != i)
+        .map(|j| format!("\"{}:{GOSSIP_PORT}\"", net.addr(j)))
+        .collect();
+    let config = dir.join(format!("node{i}.toml"));
+    std::fs::write(
+        &config,
+        format!(
+            "[devices]\nbackend = \"cpu\"\ncpu_slots = 1\n\
+             [cluster]\nnode_id = \"node{i}\"\nsecrets = [\"{SECRET}\"]\n\
+             gossip_listen = \"{addr}:{GOSSIP_PORT}\"\npeer_listen = \"{addr}:0\"\n\
+             seeds = [{}]\nexpect_nodes = 3\nreplication = 2\n\
+             probe_period_ms = 200\nsuspicion_timeout_ms = 2000\nhedge_after_ms = 100\n\
+             join_timeout_seconds = 30\nrereplicate_after_ms = 3000\n",
+            seeds.join(", "),
+            addr = net.addr(i),
+        ),
+    )
+    .unwrap();
+    let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/deepseek_v3");
+    let ns = net.ns(i);
+    let listen = format!("{}:0", net.addr(i));
+    let process = Process::start_under(
+        &[
+            OsStr::new("ip"),
+            OsStr::new("netns"),
+            OsStr::new("exec"),
+            OsStr::new(&ns),
+        ],
+        &[
+            OsStr::new("serve"),
+            OsStr::new("--listen"),
+            OsStr::new(&listen),
+            OsStr::new("--config"),
+            config.as_os_str(),
+            OsStr::new("--model"),
+            model.as_os_str(),
+        ],
+        &[],
+    );
+    NsNode {
+        process,
+        client: Client::builder()
+            .timeout(Duration::from_secs(30))
+            .build()
+            .unwrap(),
+    }
+}
+
+fn wait_until(within: Duration, what: &str, mut done: impl FnMut() -> bool) -> Duration {
+    let started = Instant::now();
+    while !done() {
+        assert!(started.elapsed() < within, "never {what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    started.elapsed()
+}
+
+/// Greedy stream of `prompt` through `base`: its tokens, or what went wrong.
+fn stream(client: &Client, base: &str, prompt: &[u32]) -> Result<Vec<u64>, String> {
+    let response = client
+        .post(format!("{base}/v1/completions"))
+        .json(
+            &json!({"prompt": prompt, "max_tokens": 16, "ignore_eos": true,
+                      "return_token_ids": true, "stream": true, "temperature": 0}),
+        )
+        .send()
+        .map_err(|e| e.to_string())?;
+    if response.status() != StatusCode::OK {
+        return Err(format!("status {}", response.status()));
+    }
+    let mut got = Vec::new();
+    for line in BufReader::new(response).lines() {
+        let line = line.map_err(|e| e.to_string())?;
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if data == "[DONE]" {
+            return Ok(got);
+        }
+        let event: Value = serde_json::from_str(data).map_err(|e| e.to_string())?;
+        if event.get("error").is_some() {
+            return Err(format!("error event: {event}"));
+        }
+        if let Some(ids) = event["choices"][0]["token_ids"].as_array() {
+            got.extend(ids.iter().filter_map(Value::as_u64));
+        }
+    }
+    Err(format!("stream cut after {} tokens", got.len()))
+}
+
+#[test]
+fn after_a_partition_heals_the_nodes_serve_one_table_and_no_stream_fails() {
+    let Some(net) = network(3) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let nodes: Vec<NsNode> = (1..=3).map(|i| start_node(&net, i, dir.path())).collect();
+    for node in &nodes {
+        wait_until(Duration::from_secs(90), "ready", || {
+            node.client
+                .get(format!("{}/ready", node.process.base))
+                .send()
+                .is_ok_and(|r| r.status() == StatusCode::OK)
+        });
+    }
+    let gateway_config = dir.path().join("gateway.toml");
+    let seeds: Vec<String> = (1..=3)
+        .map(|j| format!("\"{}:{GOSSIP_PORT}\"", net.addr(j)))
+        .collect();
+    std::fs::write(
+        &gateway_config,
+        format!(
+            "[server]\nlisten = \"{host}:0\"\n\
+             [cluster]\nnode_id = \"gateway\"\nsecrets = [\"{SECRET}\"]\n\
+             gossip_listen = \"{host}:0\"\nseeds = [{}]\n\
+             probe_period_ms = 200\nsuspicion_timeout_ms = 2000\n\
+             [gateway]\nstall_seconds = 4\nready_poll_ms = 100\n",
+            seeds.join(", "),
+            host = net.host(),
+        ),
+    )
+    .unwrap();
+    let gateway = Process::start(&[
+        OsStr::new("gateway"),
+        OsStr::new("--config"),
+        gateway_config.as_os_str(),
+    ]);
+    let client = Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .unwrap();
+    wait_until(Duration::from_secs(30), "saw three ready nodes", || {
+        client
+            .get(format!("{}/ready", gateway.base))
+            .send()
+            .and_then(|r| r.json::<Value>())
+            .is_ok_and(|v| v["nodes_ready"] == 3)
+    });
+    let prompts: Vec<Vec<u32>> = (0..4).map(|i| vec![3 + i, 11, 7 + 2 * i, 5]).collect();
+    let expected: Vec<Vec<u64>> = prompts
+        .iter()
+        .map(|p| stream(&client, &gateway.base, p).unwrap())
+        .collect();
+    let (version, _) = nodes[0].serving();
+
+    // Clients stream through the gateway all along.
+    let stop = Arc::new(AtomicBool::new(false));
+    let clients: Vec<_> = (0..4)
+        .map(|c| {
+            let (base, stop) = (gateway.base.clone(), stop.clone());
+            let (prompt, want) = (prompts[c].clone(), expected[c].clone());
+            std::thread::spawn(move || {
+                let client = Client::builder()
+                    .timeout(Duration::from_secs(60))
+                    .build()
+                    .unwrap();
+                let (mut done, mut problems) = (0, Vec::new());
+                while !stop.load(Ordering::Relaxed) {
+                    match stream(&client, &base, &prompt) {
+                        Ok(tokens) if tokens == want => done += 1,
+                        Ok(tokens) => problems.push(format!("changed: {tokens:?}")),
+                        Err(e) => problems.push(e),
+                    }
+                }
+                (done, problems)
+            })
+        })
+        .collect();
+
+    // node3 cut off past rereplicate_after_ms: each side places the experts again, and
+    // each side's leader (node1; node3 alone) proposes the next version.
+    std::thread::sleep(Duration::from_secs(1));
+    net.cut(3, true);
+    let next = version.as_u64().unwrap() + 1;
+    wait_until(Duration::from_secs(60), "re-placed on both sides", || {
+        nodes[0].serving().0 == next
+    });
+    std::thread::sleep(Duration::from_secs(6));
+    net.cut(3, false);
+    let healed = Instant::now();
+    let converged = wait_until(Duration::from_secs(90), "converged on one table", || {
+        let tables: Vec<_> = nodes.iter().map(NsNode::serving).collect();
+        tables[0].1.is_string() && tables.iter().all(|t| *t == tables[0])
+    });
+    let after = nodes[0].serving();
+    // Both sides proposed the next version, and the leader mended the two tables with the
+    // one after (its reason names node3's table, or node3 as a node its table lacks,
+    // depending on which gossip reached it first).
+    let proposed = |node: &NsNode| {
+        node.process.log_lines().iter().any(|l| {
+            l.contains("proposing a new placement") && l.contains(&format!("version={next}"))
+        })
+    };
+    assert!(
+        proposed(&nodes[0]) && proposed(&nodes[2]),
+        "each side proposed version {next}"
+    );
+    assert_eq!(after.0, next + 1);
+    std::thread::sleep(Duration::from_secs(2));
+    stop.store(true, Ordering::Relaxed);
+    let mut served = 0;
+    for client in clients {
+        let (done, problems) = client.join().unwrap();
+        assert!(problems.is_empty(), "through the gateway: {problems:?}");
+        served += done;
+    }
+    eprintln!(
+        "partition with real processes ({}): both sides proposed version {next}; one \
+         table {after:?} {:.2} s after the heal; {served} streams through the gateway, none \
+         failed",
+        match &net.netem {
+            Some(Ok(())) => "links with netem delay 2 ms and 0.5% loss each way".to_string(),
+            Some(Err(why)) => format!("clean links: no netem here ({why})"),
+            None => "clean links".to_string(),
+        },
+        converged.as_secs_f64()
+    );
+    assert!(healed.elapsed() < Duration::from_secs(120));
+    assert!(served > 0);
+    // Every node answers, with the same tokens, once converged.
+    for node in &nodes {
+        assert_eq!(
+            stream(&client, &node.process.base, &prompts[0]).unwrap(),
+            expected[0]
+        );
+    }
+}
