@@ -564,3 +564,59 @@ fn soak_stream(
     }
     Err(format!("stream cut after {} tokens", got.len()))
 }
+
+/// Requests that share a prompt prefix go to the node that served it before, where the
+/// prefix cache holds it (the gateway's prefix affinity), while distinct prompts spread
+/// over the nodes.
+#[test]
+fn requests_sharing_a_prefix_go_where_it_is_cached() {
+    let spec = ClusterSpec::new(3, Transport::Tcp);
+    let nodes: Vec<Node> = (0..3).map(|i| spec.start(i)).collect();
+    for node in &nodes {
+        node.wait_ready();
+    }
+    let gateway = Gateway::start(&spec);
+    gateway.wait_nodes_ready(3);
+    let complete = |prompt: Vec<u32>| {
+        let response = gateway
+            .client
+            .post(format!("{}/v1/completions", gateway.process.base))
+            .json(&json!({"prompt": prompt, "max_tokens": 2, "temperature": 0}))
+            .send()
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+    };
+    let hits = |node: &Node| node.metric_sum("moe_node_prefix_cache_hits_total");
+    let before: Vec<f64> = nodes.iter().map(hits).collect();
+    let shared: Vec<u32> = (0..120).map(|i| 3 + (i * 7) % 100).collect();
+    for suffix in 0..6u32 {
+        let mut prompt = shared.clone();
+        prompt.extend([5 + suffix, 9, 2 + suffix]);
+        complete(prompt);
+    }
+    let gained: Vec<f64> = nodes
+        .iter()
+        .zip(&before)
+        .map(|(n, b)| hits(n) - b)
+        .collect();
+    assert_eq!(
+        gained.iter().filter(|&&g| g > 0.0).count(),
+        1,
+        "one node holds the prefix and gets every request after the first: {gained:?}"
+    );
+    assert!(gained.iter().any(|&g| g >= 5.0), "{gained:?}");
+    // Distinct prompts, one at a time: each goes to the least loaded node in turn.
+    let served: Vec<f64> = nodes
+        .iter()
+        .map(|n| n.metric_sum("moe_node_prompt_tokens_total"))
+        .collect();
+    for i in 0..6u32 {
+        complete(vec![60 + i, 17, 40 + 3 * i, 8]);
+    }
+    let spread = nodes
+        .iter()
+        .zip(&served)
+        .filter(|(n, before)| n.metric_sum("moe_node_prompt_tokens_total") > **before)
+        .count();
+    assert_eq!(spread, 3, "distinct prompts spread over every node");
+}
