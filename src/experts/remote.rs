@@ -176,13 +176,19 @@ impl PeerNodes {
                 }
                 let renewed = member.is_some_and(|m| {
                     let before = generations.insert(id.clone(), m.generation);
-                    before.is_some_and(|g| g < m.generation)
+                    before.is_some_and(|g| m.generation > g.saturating_add(RENEWAL_JUMP))
                 });
                 (i as u16, reach, renewed)
             })
             .collect()
     }
 }
+
+/// A member's generation grows by one with each change of its metadata (a new placement
+/// version), and jumps to the wall clock in microseconds when it starts again or rejoins
+/// after being declared down: a jump larger than this is a new process (or one back), whose
+/// health starts afresh.
+const RENEWAL_JUMP: u64 = 1000;
 
 /// The entry that speaks for node `id`: a live one before a suspect one before a dead one,
 /// the newest generation among equals (a restarted node has a dead old identity).
