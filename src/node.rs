@@ -529,7 +529,7 @@ fn kv_budget(
                 tracing::warn!(%error, "GPU free memory unknown: the KV cache is not bounded");
                 return None;
             }
-            None => match host_memory_available() {
+            None => match crate::experts::device::host_memory_available() {
                 Some(available) => (
                     available.saturating_sub(held_back) / 2,
                     "half of the host's available memory",
@@ -561,12 +561,4 @@ fn kv_budget(
         "KV cache budget"
     );
     Some(budget)
-}
-
-/// `MemAvailable` of /proc/meminfo, in bytes.
-fn host_memory_available() -> Option<usize> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
 }

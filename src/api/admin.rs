@@ -305,6 +305,8 @@ pub async fn cluster(state: web::Data<AppState>) -> Result<HttpResponse, ApiErro
                 "loaded_version": m.meta.loaded_version,
                 "placement_hash": format!("{:016x}", m.meta.placement_hash),
                 "loaded_hash": format!("{:016x}", m.meta.loaded_hash),
+                "expert_room_mib": (m.meta.expert_room != u64::MAX).then_some(m.meta.expert_room >> 20),
+                "expert_mib": m.meta.expert_bytes as f64 / (1u64 << 20) as f64,
                 "self": m.is_self,
             })
         })

@@ -37,6 +37,11 @@ pub struct MemberMeta {
     /// apart.
     pub placement_hash: u64,
     pub loaded_hash: u64,
+    /// Bytes of experts its devices could still take (its GPUs' room, and the host's
+    /// available memory for CPU slots), and the bytes one expert takes there (0: unknown),
+    /// as last counted: a placement change that would not fit is refused before it starts.
+    pub expert_room: u64,
+    pub expert_bytes: u64,
 }
 
 /// A placement version and the hash of its table, as a member gossips them.
@@ -137,6 +142,8 @@ impl NodeIdentity {
                 loaded_version: 0,
                 placement_hash: 0,
                 loaded_hash: 0,
+                expert_room: u64::MAX,
+                expert_bytes: 0,
             },
             gossip,
             generation: 0,
@@ -202,6 +209,8 @@ mod tests {
             loaded_version: 0,
             placement_hash: 0,
             loaded_hash: 0,
+            expert_room: u64::MAX,
+            expert_bytes: 0,
         }
     }
 
@@ -215,6 +224,8 @@ mod tests {
             loaded_version: 4,
             placement_hash: 0,
             loaded_hash: 0,
+            expert_room: u64::MAX,
+            expert_bytes: 0,
             ..meta()
         });
         assert!(renewed.win_addr_conflict(&old));

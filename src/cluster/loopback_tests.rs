@@ -40,6 +40,8 @@ fn config(
             loaded_version: 1,
             placement_hash: 0,
             loaded_hash: 0,
+            expert_room: u64::MAX,
+            expert_bytes: 0,
         },
     }
 }

@@ -253,6 +253,8 @@ enum Command {
     /// Gossip new placement versions, served and loaded (identity renewal with the new
     /// metadata).
     SetVersions { serving: TableId, loaded: TableId },
+    /// Gossip new expert room (identity renewal).
+    SetRoom { room: u64, bytes: u64 },
     /// Seal with the first of these secrets and open with any of them from now on.
     SetKeys(Keyring),
     /// Tell the cluster we leave, then stop.
@@ -430,6 +432,12 @@ impl Membership {
         });
     }
 
+    /// Gossips the bytes of experts this node could still take and the bytes one takes
+    /// ([`MemberMeta::expert_room`]); counted after it loads or lets go of experts.
+    pub fn set_room(&self, room: u64, bytes: u64) {
+        let _ = lock(&self.shared.commands).send(Command::SetRoom { room, bytes });
+    }
+
     /// Replaces the cluster secrets (a reload): from the next datagram on, the first seals
     /// and only these open, so a secret removed here is refused at once.
     pub fn set_keys(&self, keys: &[String]) -> Result<(), MembershipError> {
@@ -570,6 +578,16 @@ impl Driver {
         loop {
             match self.commands.try_recv() {
                 Ok(Command::SetVersions { serving, loaded }) => self.set_versions(serving, loaded),
+                Ok(Command::SetRoom { room, bytes }) => {
+                    let meta = self.foca.identity().meta.clone();
+                    if (meta.expert_room, meta.expert_bytes) != (room, bytes) {
+                        self.renew(MemberMeta {
+                            expert_room: room,
+                            expert_bytes: bytes,
+                            ..meta
+                        });
+                    }
+                }
                 Ok(Command::SetKeys(keyring)) => {
                     self.keyring = keyring;
                     tracing::info!("gossip takes the reloaded cluster secrets");
@@ -718,19 +736,24 @@ impl Driver {
     }
 
     fn set_versions(&mut self, serving: TableId, loaded: TableId) {
-        let current = self.foca.identity();
-        if (current.meta.serving(), current.meta.loaded()) == (serving, loaded) {
+        let meta = self.foca.identity().meta.clone();
+        if (meta.serving(), meta.loaded()) == (serving, loaded) {
             return;
         }
-        let renewed = current.with_meta(MemberMeta {
+        self.renew(MemberMeta {
             placement_version: serving.version,
             placement_hash: serving.hash,
             loaded_version: loaded.version,
             loaded_hash: loaded.hash,
-            ..current.meta.clone()
+            ..meta
         });
+    }
+
+    /// Gossips `meta` as this node's, under a renewed identity.
+    fn renew(&mut self, meta: MemberMeta) {
+        let renewed = self.foca.identity().with_meta(meta);
         if let Err(error) = self.foca.change_identity(renewed, &mut self.runtime) {
-            tracing::warn!(%error, "cannot gossip the new placement version");
+            tracing::warn!(%error, "cannot gossip this node's new metadata");
             return;
         }
         // Foca addresses what it sends to the identities it knows, and accepts only what is

@@ -188,6 +188,8 @@ mod tests {
                 loaded_version: 0,
                 placement_hash: 0,
                 loaded_hash: 0,
+                expert_room: u64::MAX,
+                expert_bytes: 0,
             },
             gossip: SocketAddr::from(([10, 0, 0, index], 7946)),
             generation: 1,

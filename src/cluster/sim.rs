@@ -133,6 +133,8 @@ impl Simulation {
                     loaded_version: 1,
                     placement_hash: 0,
                     loaded_hash: 0,
+                    expert_room: u64::MAX,
+                    expert_bytes: 0,
                 },
                 gossip,
                 generation: 1,

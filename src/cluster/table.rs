@@ -68,6 +68,8 @@ impl MemberView {
                 loaded_version: loaded,
                 placement_hash: 0,
                 loaded_hash: 0,
+                expert_room: u64::MAX,
+                expert_bytes: 0,
             },
             gossip: SocketAddr::from(([127, 0, 0, 1], 3)),
             state,
@@ -249,6 +251,8 @@ mod tests {
                 loaded_version: 0,
                 placement_hash: 0,
                 loaded_hash: 0,
+                expert_room: u64::MAX,
+                expert_bytes: 0,
             },
             gossip,
             generation,
@@ -352,6 +356,8 @@ mod tests {
             loaded_version: 3,
             placement_hash: 0,
             loaded_hash: 0,
+            expert_room: u64::MAX,
+            expert_bytes: 0,
             ..local.meta.clone()
         });
         assert!(table.set_local(&renewed, 0, Instant::now()));

@@ -48,6 +48,9 @@ pub struct DeviceActor {
 pub struct Holding {
     experts: AtomicUsize,
     weight_bytes: AtomicUsize,
+    /// Bytes of experts a GPU could still take (0 where unknown); a CPU slot's room is the
+    /// host's ([`host_memory_available`]).
+    room_bytes: AtomicUsize,
 }
 
 enum Held {
@@ -358,7 +361,11 @@ impl DeviceActor {
     fn count(&self) -> usize {
         let (experts, bytes) = match &self.experts {
             Held::Cpu(held) => held.count(),
-            Held::Gpu(gpu) => (gpu.experts_held(), gpu.weight_bytes()),
+            Held::Gpu(gpu) => {
+                let room = gpu.room_bytes(self.memory_fraction).unwrap_or(0);
+                self.holding.room_bytes.store(room, Ordering::Relaxed);
+                (gpu.experts_held(), gpu.weight_bytes())
+            }
         };
         self.holding.experts.store(experts, Ordering::Relaxed);
         self.holding.weight_bytes.store(bytes, Ordering::Relaxed);
@@ -447,6 +454,13 @@ impl DeviceHandle {
         self.holding.weight_bytes.load(Ordering::Relaxed)
     }
 
+    /// Bytes of experts a GPU could still take, as last counted (when it last took or let
+    /// go of experts); `None` for a CPU slot, whose room is the host's.
+    pub fn room_bytes(&self) -> Option<usize> {
+        self.gpu
+            .map(|_| self.holding.room_bytes.load(Ordering::Relaxed))
+    }
+
     /// The weights of `(expert, rows)` groups of `layer`, for the calling thread to run
     /// them (on the global pool, as the rest of a step), when this is a CPU slot in service;
     /// `None` otherwise (send it to the actor). An error is what the actor would answer.
@@ -463,6 +477,32 @@ impl DeviceHandle {
         }
         Some(experts.weights_for(layer, groups))
     }
+}
+
+/// `MemAvailable` of /proc/meminfo, in bytes: the room of CPU slots, which share the host.
+pub fn host_memory_available() -> Option<usize> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Bytes of experts this node's `devices` could still take (GPUs' room, plus the host's
+/// available memory where it has CPU slots), and the bytes an expert takes on them (their
+/// average; 0 while they hold none).
+pub fn expert_room(devices: &[DeviceHandle]) -> (u64, u64) {
+    let gpus: usize = devices.iter().filter_map(DeviceHandle::room_bytes).sum();
+    let host = if devices.iter().any(|d| d.gpu.is_none()) {
+        host_memory_available().unwrap_or(0)
+    } else {
+        0
+    };
+    let held: usize = devices.iter().map(DeviceHandle::experts_held).sum();
+    let bytes: usize = devices.iter().map(DeviceHandle::weight_bytes).sum();
+    (
+        (gpus + host) as u64,
+        bytes.checked_div(held).unwrap_or(0) as u64,
+    )
 }
 
 /// Starts device `id` on its own thread, loading `experts` from the checkpoint there, and

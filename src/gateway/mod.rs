@@ -94,6 +94,8 @@ async fn serve(config: NodeConfig) -> Result<(), GatewayError> {
         loaded_version: 0,
         placement_hash: 0,
         loaded_hash: 0,
+        expert_room: u64::MAX,
+        expert_bytes: 0,
     };
     let secrets = live.cluster_secrets().to_vec();
     let membership = Membership::start(gossip_config(&config.cluster, secrets, meta)?)?;

@@ -185,6 +185,8 @@ pub fn join(
         loaded_version: 0,
         placement_hash: 0,
         loaded_hash: 0,
+        expert_room: u64::MAX,
+        expert_bytes: 0,
     };
     let membership = Membership::start(gossip_config(config, secrets.to_vec(), meta)?)?;
     tracing::info!(
@@ -280,6 +282,7 @@ impl Joined {
             board,
         } = node;
         let serving = crate::rollout::table_id(&dispatcher.placement());
+        let (room, bytes) = crate::experts::device::expert_room(&dispatcher.devices());
         let _ = self.dispatcher.set(dispatcher.clone());
         follow(
             FollowParts {
@@ -317,6 +320,7 @@ impl Joined {
             tracing::error!(error = %e, "cannot start the thread that follows membership");
         }
         self.membership.set_serving(serving);
+        self.membership.set_room(room, bytes);
         tracing::info!(
             node = %self.node_id,
             peer = %self.peer_addr,

@@ -24,10 +24,11 @@ use std::time::{Duration, Instant};
 
 use super::board::PlacementBoard;
 use super::bootstrap::fetch_table;
+use super::room::without_room;
 use super::{drain, table_id};
 use crate::cluster::{MemberState, MemberView, Membership, TableId};
 use crate::experts::Dispatcher;
-use crate::experts::device::{ReleaseExperts, TakeExperts, load_experts};
+use crate::experts::device::{ReleaseExperts, TakeExperts, expert_room, load_experts};
 use crate::experts::remote::{PeerNodes, best_member};
 use crate::model::{Checkpoint, ModelConfig};
 use crate::placement::{NodeSlots, Placement};
@@ -364,6 +365,19 @@ fn carry_out(
         Step::Idle => {}
         Step::Propose { nodes, why } => match current.revise(&nodes) {
             Ok(placement) => {
+                let mine = expert_room(&parts.dispatcher.devices());
+                let members = parts.membership.members();
+                let short = without_room(current, &placement, &members, &parts.node_id, mine);
+                if !short.is_empty() {
+                    let short: Vec<String> = short.iter().map(ToString::to_string).collect();
+                    tracing::warn!(
+                        reason = %why,
+                        "placement change refused, tried again in 5 s: {}",
+                        short.join("; ")
+                    );
+                    std::thread::sleep(Duration::from_secs(5));
+                    return;
+                }
                 let version = placement.version();
                 match parts.board.offer_next(Arc::new(placement)) {
                     Ok(()) => tracing::info!(
@@ -399,6 +413,8 @@ fn carry_out(
         Step::Load => {
             let Some(next) = next else { return };
             load_share(parts, &next);
+            let (room, bytes) = expert_room(&parts.dispatcher.devices());
+            parts.membership.set_room(room, bytes);
             follower.loaded = table_id(&next);
             parts
                 .membership
@@ -448,6 +464,8 @@ fn carry_out(
                 tracing::info!(device = device.id, holds = ?left.ok(), "released experts placed elsewhere now");
             }
             follower.released = current.version();
+            let (room, bytes) = expert_room(&parts.dispatcher.devices());
+            parts.membership.set_room(room, bytes);
         }
     }
 }

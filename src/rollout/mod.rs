@@ -10,6 +10,7 @@ pub mod follow;
 #[cfg(test)]
 mod partition_sim;
 pub mod rebalance;
+pub mod room;
 
 use std::time::Duration;
 

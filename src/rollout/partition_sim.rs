@@ -148,6 +148,8 @@ impl Sim {
                         loaded_version: loaded.version,
                         placement_hash: node.current.table_hash(),
                         loaded_hash: loaded.hash,
+                        expert_room: u64::MAX,
+                        expert_bytes: 0,
                     },
                     gossip: api(j),
                     state,

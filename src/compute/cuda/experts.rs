@@ -336,6 +336,14 @@ impl GpuExperts {
         self.index.len() * self.shape.slot_bytes()
     }
 
+    /// Bytes of experts this GPU could still take: its free slots, and `memory_fraction` of
+    /// its free memory (as [`GpuExperts::take`] counts it).
+    pub fn room_bytes(&self, memory_fraction: f64) -> Result<usize, CudaError> {
+        let (free, _) = self.ctx.mem_get_info()?;
+        Ok(self.free_slots.len() * self.shape.slot_bytes()
+            + (free as f64 * memory_fraction) as usize)
+    }
+
     /// Address of expert `(layer, expert)`'s slot (its gate|up matrix first).
     fn expert_ptr(&self, layer: usize, expert: u32) -> Option<u64> {
         self.index.get(&(layer, expert)).copied()
