@@ -222,25 +222,7 @@ impl NodeConfig {
             ));
         }
         problems.extend(self.placement.problems());
-        let gateway = &self.gateway;
-        if !(1..=3600).contains(&gateway.stall_seconds) {
-            problems.push(format!(
-                "gateway.stall_seconds: {} is not between 1 and 3600",
-                gateway.stall_seconds
-            ));
-        }
-        if gateway.max_moves > 16 {
-            problems.push(format!(
-                "gateway.max_moves: {} is more than 16",
-                gateway.max_moves
-            ));
-        }
-        if !(50..=60_000).contains(&gateway.ready_poll_ms) {
-            problems.push(format!(
-                "gateway.ready_poll_ms: {} is not between 50 and 60000",
-                gateway.ready_poll_ms
-            ));
-        }
+        problems.extend(self.gateway.problems());
         if self.devices.cpu_slots == 0 {
             problems.push("devices.cpu_slots: at least one device slot is needed".into());
         }

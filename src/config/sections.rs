@@ -42,6 +42,31 @@ pub struct GatewayConfig {
     pub ready_poll_ms: u64,
 }
 
+impl GatewayConfig {
+    pub(super) fn problems(&self) -> Vec<String> {
+        let mut problems = Vec::new();
+        if !(1..=3600).contains(&self.stall_seconds) {
+            problems.push(format!(
+                "gateway.stall_seconds: {} is not between 1 and 3600",
+                self.stall_seconds
+            ));
+        }
+        if self.max_moves > 16 {
+            problems.push(format!(
+                "gateway.max_moves: {} is more than 16",
+                self.max_moves
+            ));
+        }
+        if !(50..=60_000).contains(&self.ready_poll_ms) {
+            problems.push(format!(
+                "gateway.ready_poll_ms: {} is not between 50 and 60000",
+                self.ready_poll_ms
+            ));
+        }
+        problems
+    }
+}
+
 impl Default for GatewayConfig {
     fn default() -> Self {
         GatewayConfig {

@@ -156,6 +156,45 @@ impl Follower {
         others_of(&self.me, members)
     }
 
+    /// The step toward `next`, the placement this node has taken and not yet switched to.
+    fn toward(&self, others: &[&MemberView], next: &Placement) -> Step {
+        let alive_serving = || {
+            others
+                .iter()
+                .filter(|m| m.state == MemberState::Alive && m.meta.placement_version > 0)
+        };
+        let ours = table_id(next);
+        // Two leaders proposed this version, one on each side of a partition: the table
+        // with the lower hash wins everywhere, so that every node switches to one table.
+        if let Some(m) = alive_serving()
+            .filter(|m| {
+                m.meta.loaded_version == ours.version
+                    && m.meta.loaded_hash != 0
+                    && m.meta.loaded_hash < ours.hash
+            })
+            .min_by_key(|m| m.meta.loaded_hash)
+        {
+            return Step::Fetch {
+                api: m.meta.api,
+                version: ours.version,
+            };
+        }
+        if self.loaded != ours {
+            return Step::Load;
+        }
+        // Every live member has loaded it, or serves this version already: as another
+        // table only after a partition, which the leader mends with the next version
+        // once everyone serves this one.
+        if alive_serving().all(|m| {
+            m.meta.loaded_version > ours.version
+                || m.meta.loaded().agrees(ours)
+                || m.meta.placement_version >= ours.version
+        }) {
+            return Step::Switch;
+        }
+        Step::Idle
+    }
+
     /// Decides the next step from the members gossip shows, the placement served and the
     /// next one if known.
     pub fn decide(
@@ -172,36 +211,7 @@ impl Follower {
                 .filter(|m| m.state == MemberState::Alive && m.meta.placement_version > 0)
         };
         if let Some(next) = next {
-            let ours = table_id(next);
-            // Two leaders proposed this version, one on each side of a partition: the table
-            // with the lower hash wins everywhere, so that every node switches to one table.
-            if let Some(m) = alive_serving()
-                .filter(|m| {
-                    m.meta.loaded_version == ours.version
-                        && m.meta.loaded_hash != 0
-                        && m.meta.loaded_hash < ours.hash
-                })
-                .min_by_key(|m| m.meta.loaded_hash)
-            {
-                return Step::Fetch {
-                    api: m.meta.api,
-                    version: ours.version,
-                };
-            }
-            if self.loaded != ours {
-                return Step::Load;
-            }
-            // Every live member has loaded it, or serves this version already: as another
-            // table only after a partition, which the leader mends with the next version
-            // once everyone serves this one.
-            if alive_serving().all(|m| {
-                m.meta.loaded_version > ours.version
-                    || m.meta.loaded().agrees(ours)
-                    || m.meta.placement_version >= ours.version
-            }) {
-                return Step::Switch;
-            }
-            return Step::Idle;
+            return self.toward(&others, next);
         }
         // The newest version a member has loaded; of two tables under it, the winner.
         if let Some(m) = others
