@@ -5,7 +5,6 @@
 //! counting the whole generation.
 
 use std::ffi::OsStr;
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -129,20 +128,7 @@ fn stream(
         completion_tokens: 0,
         ids: Vec::new(),
     };
-    let mut done = false;
-    for line in BufReader::new(response).lines() {
-        let line = line.map_err(|e| e.to_string())?;
-        let Some(data) = line.strip_prefix("data: ") else {
-            continue;
-        };
-        if data == "[DONE]" {
-            done = true;
-            break;
-        }
-        let event: Value = serde_json::from_str(data).map_err(|e| e.to_string())?;
-        if event.get("error").is_some() {
-            return Err(format!("error event: {event}"));
-        }
+    let done = read_events(response, |event| {
         got.ids
             .push(event["id"].as_str().unwrap_or_default().to_string());
         if let Some(usage) = event.get("usage").filter(|u| !u.is_null()) {
@@ -154,11 +140,23 @@ fn stream(
             }
             got.tokens.extend(ids.iter().filter_map(Value::as_u64));
         }
-    }
+    })?;
     if !done {
         return Err(format!("stream cut after {} tokens", got.tokens.len()));
     }
     Ok(got)
+}
+
+/// Three ready nodes, and a gateway that sees them all ready.
+fn three_nodes_and_a_gateway() -> (ClusterSpec, Vec<Node>, Gateway) {
+    let spec = ClusterSpec::new(3, Transport::Tcp);
+    let nodes: Vec<Node> = (0..3).map(|i| spec.start(i)).collect();
+    for node in &nodes {
+        node.wait_ready();
+    }
+    let gateway = Gateway::start(&spec);
+    gateway.wait_nodes_ready(3);
+    (spec, nodes, gateway)
 }
 
 fn prompt(i: usize) -> Vec<u32> {
@@ -205,13 +203,7 @@ fn streams_survive(gateway: &Gateway, expected: &[Vec<u64>], disrupt: impl FnOnc
 
 #[test]
 fn streams_through_the_gateway_go_on_when_their_node_is_killed_or_drained() {
-    let spec = ClusterSpec::new(3, Transport::Tcp);
-    let mut nodes: Vec<Node> = (0..3).map(|i| spec.start(i)).collect();
-    for node in &nodes {
-        node.wait_ready();
-    }
-    let gateway = Gateway::start(&spec);
-    gateway.wait_nodes_ready(3);
+    let (_spec, mut nodes, gateway) = three_nodes_and_a_gateway();
     // The nodes do not count the gateway as one of them.
     for node in &nodes {
         let members = node.cluster()["members"].as_array().unwrap().len();
@@ -385,13 +377,7 @@ fn a_soak_through_the_gateway_under_kills_restarts_and_pauses_loses_nothing() {
     const TOKENS: usize = 32;
     let total = Duration::from_secs(soak_seconds());
     let steady = total / 6;
-    let spec = ClusterSpec::new(3, Transport::Tcp);
-    let nodes: Vec<Node> = (0..3).map(|i| spec.start(i)).collect();
-    for node in &nodes {
-        node.wait_ready();
-    }
-    let gateway = Gateway::start(&spec);
-    gateway.wait_nodes_ready(3);
+    let (_spec, nodes, gateway) = three_nodes_and_a_gateway();
     let expected: Arc<Vec<Vec<u64>>> = Arc::new(
         (0..PROMPTS)
             .map(|i| completion(&nodes[0], &prompt(i), TOKENS))
@@ -424,7 +410,7 @@ fn a_soak_through_the_gateway_under_kills_restarts_and_pauses_loses_nothing() {
                     let i = rng.random_range(0..PROMPTS);
                     let during = disrupting.load(Ordering::Relaxed);
                     let asked = Instant::now();
-                    let got = soak_stream(&client, &base, &prompt(i), TOKENS);
+                    let got = stream_tokens(&client, &base, &prompt(i), TOKENS);
                     let seconds = asked.elapsed().as_secs_f64();
                     let mut tally = tally.lock().unwrap();
                     tally.requests += 1;
@@ -526,57 +512,12 @@ fn a_soak_through_the_gateway_under_kills_restarts_and_pauses_loses_nothing() {
     assert!(tally.requests > CLIENTS, "{report}");
 }
 
-/// A greedy stream of `tokens` tokens of `prompt` through `base`: its tokens, or what was
-/// wrong.
-fn soak_stream(
-    client: &Client,
-    base: &str,
-    prompt: &[u32],
-    tokens: usize,
-) -> Result<Vec<u64>, String> {
-    let response = client
-        .post(format!("{base}/v1/completions"))
-        .json(
-            &json!({"prompt": prompt, "max_tokens": tokens, "ignore_eos": true,
-                      "return_token_ids": true, "stream": true, "temperature": 0}),
-        )
-        .send()
-        .map_err(|e| e.to_string())?;
-    if response.status() != StatusCode::OK {
-        return Err(format!("status {}", response.status()));
-    }
-    let mut got = Vec::new();
-    for line in BufReader::new(response).lines() {
-        let line = line.map_err(|e| e.to_string())?;
-        let Some(data) = line.strip_prefix("data: ") else {
-            continue;
-        };
-        if data == "[DONE]" {
-            return Ok(got);
-        }
-        let event: Value = serde_json::from_str(data).map_err(|e| e.to_string())?;
-        if event.get("error").is_some() {
-            return Err(format!("error event: {event}"));
-        }
-        if let Some(ids) = event["choices"][0]["token_ids"].as_array() {
-            got.extend(ids.iter().filter_map(Value::as_u64));
-        }
-    }
-    Err(format!("stream cut after {} tokens", got.len()))
-}
-
 /// Requests that share a prompt prefix go to the node that served it before, where the
 /// prefix cache holds it (the gateway's prefix affinity), while distinct prompts spread
 /// over the nodes.
 #[test]
 fn requests_sharing_a_prefix_go_where_it_is_cached() {
-    let spec = ClusterSpec::new(3, Transport::Tcp);
-    let nodes: Vec<Node> = (0..3).map(|i| spec.start(i)).collect();
-    for node in &nodes {
-        node.wait_ready();
-    }
-    let gateway = Gateway::start(&spec);
-    gateway.wait_nodes_ready(3);
+    let (_spec, nodes, gateway) = three_nodes_and_a_gateway();
     let complete = |prompt: Vec<u32>| {
         let response = gateway
             .client

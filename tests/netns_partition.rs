@@ -10,7 +10,6 @@
 //! `MOE_TEST_REQUIRE_NETNS=1` (CI sets it where a namespace can be made).
 
 use std::ffi::OsStr;
-use std::io::{BufRead, BufReader};
 use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -18,10 +17,12 @@ use std::time::{Duration, Instant};
 
 use reqwest::StatusCode;
 use reqwest::blocking::Client;
-use serde_json::{Value, json};
+use serde_json::Value;
 
+mod cluster_harness;
 mod common;
 mod serve;
+use cluster_harness::stream_tokens;
 use serve::Process;
 
 const SECRET: &str = "netns-test-secret-0123456789";
@@ -260,35 +261,7 @@ fn wait_until(within: Duration, what: &str, mut done: impl FnMut() -> bool) -> D
 
 /// Greedy stream of `prompt` through `base`: its tokens, or what went wrong.
 fn stream(client: &Client, base: &str, prompt: &[u32]) -> Result<Vec<u64>, String> {
-    let response = client
-        .post(format!("{base}/v1/completions"))
-        .json(
-            &json!({"prompt": prompt, "max_tokens": 16, "ignore_eos": true,
-                      "return_token_ids": true, "stream": true, "temperature": 0}),
-        )
-        .send()
-        .map_err(|e| e.to_string())?;
-    if response.status() != StatusCode::OK {
-        return Err(format!("status {}", response.status()));
-    }
-    let mut got = Vec::new();
-    for line in BufReader::new(response).lines() {
-        let line = line.map_err(|e| e.to_string())?;
-        let Some(data) = line.strip_prefix("data: ") else {
-            continue;
-        };
-        if data == "[DONE]" {
-            return Ok(got);
-        }
-        let event: Value = serde_json::from_str(data).map_err(|e| e.to_string())?;
-        if event.get("error").is_some() {
-            return Err(format!("error event: {event}"));
-        }
-        if let Some(ids) = event["choices"][0]["token_ids"].as_array() {
-            got.extend(ids.iter().filter_map(Value::as_u64));
-        }
-    }
-    Err(format!("stream cut after {} tokens", got.len()))
+    stream_tokens(client, base, prompt, 16)
 }
 
 #[test]

@@ -82,6 +82,25 @@ impl MemberMeta {
     /// The fingerprint a gateway (`moe-node gateway`) announces: it holds no model.
     pub const GATEWAY_MODEL: u64 = 0;
 
+    /// What a gateway named `node` says of itself: its API at `api` (also given as its peer
+    /// address, which no node dials), no devices, no model, no placement.
+    pub fn gateway(node: String, api: SocketAddr) -> MemberMeta {
+        MemberMeta {
+            node,
+            peer: api,
+            api,
+            devices: 0,
+            rows_bf16: false,
+            model: Self::GATEWAY_MODEL,
+            placement_version: 0,
+            loaded_version: 0,
+            placement_hash: 0,
+            loaded_hash: 0,
+            expert_room: 0,
+            expert_bytes: 0,
+        }
+    }
+
     /// A gateway: a member with no device slots and no model, which serves nothing. Nodes
     /// admit it whatever model they serve and leave it out of their member views, so that
     /// it is never given experts, work or a vote; it learns the nodes from gossip.

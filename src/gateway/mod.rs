@@ -83,20 +83,7 @@ async fn serve(config: NodeConfig) -> Result<(), GatewayError> {
         Ok(host) => SocketAddr::new(host, local.port()),
         Err(_) => local,
     };
-    let meta = MemberMeta {
-        node: config.cluster.node_id.clone(),
-        peer: advertised,
-        api: advertised,
-        devices: 0,
-        rows_bf16: false,
-        model: MemberMeta::GATEWAY_MODEL,
-        placement_version: 0,
-        loaded_version: 0,
-        placement_hash: 0,
-        loaded_hash: 0,
-        expert_room: u64::MAX,
-        expert_bytes: 0,
-    };
+    let meta = MemberMeta::gateway(config.cluster.node_id.clone(), advertised);
     let secrets = live.cluster_secrets().to_vec();
     let membership = Membership::start(gossip_config(&config.cluster, secrets, meta)?)?;
     let client = reqwest::Client::builder()

@@ -423,8 +423,7 @@ fn carry_out(
         Step::Load => {
             let Some(next) = next else { return };
             load_share(parts, &next);
-            let (room, bytes) = expert_room(&parts.dispatcher.devices());
-            parts.membership.set_room(room, bytes);
+            publish_room(parts);
             follower.loaded = table_id(&next);
             parts
                 .membership
@@ -474,10 +473,16 @@ fn carry_out(
                 tracing::info!(device = device.id, holds = ?left.ok(), "released experts placed elsewhere now");
             }
             follower.released = current.version();
-            let (room, bytes) = expert_room(&parts.dispatcher.devices());
-            parts.membership.set_room(room, bytes);
+            publish_room(parts);
         }
     }
+}
+
+/// Gossips this node's room for experts, as its devices count it now (after a load or a
+/// release).
+fn publish_room(parts: &FollowParts) {
+    let (room, bytes) = expert_room(&parts.dispatcher.devices());
+    parts.membership.set_room(room, bytes);
 }
 
 /// Loads onto each device the experts `next` gives it that it does not hold yet. Reads

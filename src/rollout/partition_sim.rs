@@ -46,6 +46,19 @@ struct SimNode {
     busy_until: u64,
 }
 
+impl SimNode {
+    /// What it serves, has taken, loaded and released, for the trace.
+    fn describe(&self) -> String {
+        format!(
+            "cur {:?} next {:?} loaded {:?} released {}",
+            table_id(&self.current),
+            self.next.as_deref().map(table_id),
+            self.follower.loaded,
+            self.follower.released
+        )
+    }
+}
+
 fn share(placement: &Placement, node: &str) -> HashSet<u32> {
     let Some(index) = placement.node_index(node) else {
         return HashSet::new();
@@ -176,11 +189,8 @@ impl Sim {
             .decide(&members, &node.current, node.next.as_deref(), now);
         if std::env::var("SIM_TRACE").is_ok() && step != Step::Idle {
             eprintln!(
-                "t{tick} n{i} cur {:?} next {:?} loaded {:?} released {} sides {:?}: {step:?}",
-                table_id(&node.current),
-                node.next.as_deref().map(table_id),
-                node.follower.loaded,
-                node.follower.released,
+                "t{tick} n{i} {} sides {:?}: {step:?}",
+                node.describe(),
                 self.side
             );
         }
@@ -330,14 +340,7 @@ fn run_schedule(seed: u64) -> (Option<u64>, usize, usize) {
     if std::env::var("SIM_TRACE").is_ok() {
         eprintln!("episodes {episodes:?}");
         for (i, n) in sim.nodes.iter().enumerate() {
-            eprintln!(
-                "n{i} cur {:?} next {:?} loaded {:?} released {} busy {}",
-                table_id(&n.current),
-                n.next.as_deref().map(table_id),
-                n.follower.loaded,
-                n.follower.released,
-                n.busy_until
-            );
+            eprintln!("n{i} {} busy {}", n.describe(), n.busy_until);
         }
     }
     (None, sim.failed_with_a_replica, sim.failed_stale)

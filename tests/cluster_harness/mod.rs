@@ -376,20 +376,7 @@ pub fn stream_completion(
     }
     let mut tokens = Vec::new();
     let mut finished = false;
-    let mut done = false;
-    for line in BufReader::new(resp).lines() {
-        let line = line.map_err(|e| e.to_string())?;
-        let Some(data) = line.strip_prefix("data: ") else {
-            continue;
-        };
-        if data == "[DONE]" {
-            done = true;
-            break;
-        }
-        let event: Value = serde_json::from_str(data).map_err(|e| e.to_string())?;
-        if event.get("error").is_some() {
-            return Err(format!("error event: {event}"));
-        }
+    let done = read_events(resp, |event| {
         let choice = &event["choices"][0];
         if let Some(ids) = choice["token_ids"].as_array() {
             if tokens.is_empty() && !ids.is_empty() {
@@ -400,8 +387,60 @@ pub fn stream_completion(
         if choice["finish_reason"].is_string() {
             finished = true;
         }
-    }
+    })?;
     if !(done && finished) {
+        return Err(format!("stream cut after {} tokens", tokens.len()));
+    }
+    Ok(tokens)
+}
+
+/// Reads a stream's server-sent events, handing each one's JSON to `each`, until `[DONE]`
+/// (`Ok(true)`) or the end of the body (`Ok(false)`); an error event or a line that does
+/// not read is an `Err` naming it.
+pub fn read_events(response: Response, mut each: impl FnMut(&Value)) -> Result<bool, String> {
+    for line in BufReader::new(response).lines() {
+        let line = line.map_err(|e| e.to_string())?;
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if data == "[DONE]" {
+            return Ok(true);
+        }
+        let event: Value = serde_json::from_str(data).map_err(|e| e.to_string())?;
+        if event.get("error").is_some() {
+            return Err(format!("error event: {event}"));
+        }
+        each(&event);
+    }
+    Ok(false)
+}
+
+/// The tokens of a greedy stream of `prompt` through `base` (a node or a gateway), or what
+/// was wrong with it: a status, an error event, or a cut before `[DONE]`.
+pub fn stream_tokens(
+    client: &Client,
+    base: &str,
+    prompt: &[u32],
+    max_tokens: usize,
+) -> Result<Vec<u64>, String> {
+    let response = client
+        .post(format!("{base}/v1/completions"))
+        .json(
+            &json!({"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": true,
+                      "return_token_ids": true, "stream": true, "temperature": 0}),
+        )
+        .send()
+        .map_err(|e| e.to_string())?;
+    if response.status() != StatusCode::OK {
+        return Err(format!("status {}", response.status()));
+    }
+    let mut tokens = Vec::new();
+    let done = read_events(response, |event| {
+        if let Some(ids) = event["choices"][0]["token_ids"].as_array() {
+            tokens.extend(ids.iter().filter_map(Value::as_u64));
+        }
+    })?;
+    if !done {
         return Err(format!("stream cut after {} tokens", tokens.len()));
     }
     Ok(tokens)
