@@ -349,7 +349,7 @@ fn after_a_partition_heals_the_nodes_serve_one_table_and_no_stream_fails() {
     net.cut(3, true);
     let next = version.as_u64().unwrap() + 1;
     wait_until(Duration::from_secs(60), "re-placed on both sides", || {
-        nodes[0].serving().0 == next
+        nodes[0].serving().0.as_u64().is_some_and(|v| v >= next)
     });
     std::thread::sleep(Duration::from_secs(6));
     net.cut(3, false);
@@ -371,7 +371,9 @@ fn after_a_partition_heals_the_nodes_serve_one_table_and_no_stream_fails() {
         proposed(&nodes[0]) && proposed(&nodes[2]),
         "each side proposed version {next}"
     );
-    assert_eq!(after.0, next + 1);
+    // Mended by a later version: the one after, or more where the leader's first mend did
+    // not yet count node3 (its gossip still on its way).
+    assert!(after.0.as_u64().unwrap() > next, "{after:?}");
     std::thread::sleep(Duration::from_secs(2));
     stop.store(true, Ordering::Relaxed);
     let mut served = 0;
