@@ -111,18 +111,9 @@ fn stream(
         .timeout(Duration::from_secs(120))
         .build()
         .unwrap();
-    let response = client
-        .post(format!("{base}/v1/completions"))
-        .json(
-            &json!({"prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": true,
-                      "return_token_ids": true, "stream": true, "temperature": 0,
-                      "stream_options": {"include_usage": true}}),
-        )
-        .send()
-        .map_err(|e| e.to_string())?;
-    if response.status() != StatusCode::OK {
-        return Err(format!("status {}", response.status()));
-    }
+    let mut body = greedy_stream(prompt, MAX_TOKENS);
+    body["stream_options"] = json!({"include_usage": true});
+    let response = post_stream(&client, base, &body)?;
     let mut got = Streamed {
         tokens: Vec::new(),
         completion_tokens: 0,

@@ -556,6 +556,11 @@ mod tests {
     }
 
     const GRACE: Duration = Duration::from_secs(10);
+    /// Version 1, its table not said (hash 0: as members that gossip no hash).
+    const FIRST: TableId = TableId {
+        version: 1,
+        hash: 0,
+    };
 
     #[test]
     fn the_leader_rereplicates_a_node_gone_past_its_grace_and_only_the_leader() {
@@ -563,14 +568,7 @@ mod tests {
         let p1 = three();
         let t0 = Instant::now();
         let members = [member("b", Alive, 1, 1), member("c", Dead, 1, 1)];
-        let mut a = Follower::new(
-            "a",
-            GRACE,
-            TableId {
-                version: 1,
-                hash: 0,
-            },
-        );
+        let mut a = Follower::new("a", GRACE, FIRST);
         assert_eq!(
             a.decide(&members, &p1, None, t0),
             Step::Idle,
@@ -586,14 +584,7 @@ mod tests {
             other => panic!("{other:?}"),
         }
         // b is not the leader while a serves.
-        let mut b = Follower::new(
-            "b",
-            GRACE,
-            TableId {
-                version: 1,
-                hash: 0,
-            },
-        );
+        let mut b = Follower::new("b", GRACE, FIRST);
         let seen_by_b = [member("a", Alive, 1, 1), member("c", Dead, 1, 1)];
         b.decide(&seen_by_b, &p1, None, t0);
         assert_eq!(b.decide(&seen_by_b, &p1, None, later), Step::Idle);
@@ -607,14 +598,7 @@ mod tests {
         use MemberState::*;
         let p1 = three();
         let now = Instant::now();
-        let mut a = Follower::new(
-            "a",
-            GRACE,
-            TableId {
-                version: 1,
-                hash: 0,
-            },
-        );
+        let mut a = Follower::new("a", GRACE, FIRST);
         // d is still loading (serves no placement): nothing yet.
         let loading = [
             member("b", Alive, 1, 1),
@@ -679,14 +663,7 @@ mod tests {
         };
         let p2 = p1.revise(&nodes(&["a", "b"])).unwrap();
         let now = Instant::now();
-        let mut b = Follower::new(
-            "b",
-            GRACE,
-            TableId {
-                version: 1,
-                hash: 0,
-            },
-        );
+        let mut b = Follower::new("b", GRACE, FIRST);
         let members = [member("a", Alive, 1, 2), member("c", Dead, 1, 1)];
         assert!(matches!(
             b.decide(&members, &p1, None, now),

@@ -363,17 +363,7 @@ pub fn stream_completion(
         .timeout(Duration::from_secs(120))
         .build()
         .unwrap();
-    let resp = client
-        .post(format!("{base}/v1/completions"))
-        .json(
-            &json!({"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": true,
-                      "return_token_ids": true, "stream": true, "temperature": 0}),
-        )
-        .send()
-        .map_err(|e| e.to_string())?;
-    if resp.status() != StatusCode::OK {
-        return Err(format!("status {}", resp.status()));
-    }
+    let resp = post_stream(&client, &base, &greedy_stream(&prompt, max_tokens))?;
     let mut tokens = Vec::new();
     let mut finished = false;
     let done = read_events(resp, |event| {
@@ -392,6 +382,26 @@ pub fn stream_completion(
         return Err(format!("stream cut after {} tokens", tokens.len()));
     }
     Ok(tokens)
+}
+
+/// The body of a greedy streamed completion of `prompt` that returns its token ids.
+pub fn greedy_stream(prompt: &[u32], max_tokens: usize) -> Value {
+    json!({"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": true,
+           "return_token_ids": true, "stream": true, "temperature": 0})
+}
+
+/// Posts `body` to `base`'s `/v1/completions`: the response once it is 200, else what
+/// went wrong.
+pub fn post_stream(client: &Client, base: &str, body: &Value) -> Result<Response, String> {
+    let response = client
+        .post(format!("{base}/v1/completions"))
+        .json(body)
+        .send()
+        .map_err(|e| e.to_string())?;
+    if response.status() != StatusCode::OK {
+        return Err(format!("status {}", response.status()));
+    }
+    Ok(response)
 }
 
 /// Reads a stream's server-sent events, handing each one's JSON to `each`, until `[DONE]`
@@ -423,17 +433,7 @@ pub fn stream_tokens(
     prompt: &[u32],
     max_tokens: usize,
 ) -> Result<Vec<u64>, String> {
-    let response = client
-        .post(format!("{base}/v1/completions"))
-        .json(
-            &json!({"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": true,
-                      "return_token_ids": true, "stream": true, "temperature": 0}),
-        )
-        .send()
-        .map_err(|e| e.to_string())?;
-    if response.status() != StatusCode::OK {
-        return Err(format!("status {}", response.status()));
-    }
+    let response = post_stream(client, base, &greedy_stream(prompt, max_tokens))?;
     let mut tokens = Vec::new();
     let done = read_events(response, |event| {
         if let Some(ids) = event["choices"][0]["token_ids"].as_array() {
