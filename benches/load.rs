@@ -285,6 +285,7 @@ impl StepBytes {
                 _ => LoadFormat::Safetensors,
             },
             num_layers: after("--num-layers").and_then(|n| n.parse().ok()),
+            remote: None,
         };
         let config = source.config().expect("the model's config.json reads");
         let sizes = moe_node::plan::sizes::ModelSizes::of(&config);

@@ -15,7 +15,7 @@ use moe_node::engine::gpu::engine_on_gpu;
 use moe_node::engine::{Engine, EngineError, GenerateRequest, SamplingParams, generate};
 use moe_node::experts::device::{DeviceChoice, choose_devices};
 use moe_node::experts::gpu::LoadError;
-use moe_node::hub::HubError;
+use moe_node::hub::{HubError, Weights};
 use moe_node::logging::ClientMistakes;
 use moe_node::model::demo::{DemoSpec, write_demo_model};
 use moe_node::model::template_worker;
@@ -297,7 +297,10 @@ fn main() -> ExitCode {
         }
         Command::Generate(mut args) => {
             init_logging(LogFormat::Text);
-            let weights = args.load_format != LoadFormat::Dummy;
+            let weights = match args.load_format {
+                LoadFormat::Dummy => Weights::None,
+                LoadFormat::Safetensors => Weights::All,
+            };
             match model_dir(&args.model, weights) {
                 Ok(dir) => {
                     args.model = dir;
@@ -333,7 +336,7 @@ fn main() -> ExitCode {
         }
         Command::Plan(mut args) => {
             // A model by hub name: its config is all a plan reads.
-            let planned = model_dir(&args.model, false).and_then(|dir| {
+            let planned = model_dir(&args.model, Weights::None).and_then(|dir| {
                 args.model = dir;
                 plan_cli::run(&args)
             });
@@ -357,8 +360,8 @@ fn main() -> ExitCode {
 }
 
 /// `--model` or `model.path`: a directory, or a Hugging Face name found in its cache (and
-/// downloaded into it: the weights too where `weights`).
-fn model_dir(model: &Path, weights: bool) -> anyhow::Result<PathBuf> {
+/// downloaded into it, with as much of the weights as `weights` says).
+fn model_dir(model: &Path, weights: Weights) -> anyhow::Result<PathBuf> {
     let hub = moe_node::hub::HubEnv::from_process();
     Ok(moe_node::hub::resolve_model(&model.to_string_lossy(), &hub, weights)?.dir)
 }
@@ -434,7 +437,7 @@ fn run_check(path: PathBuf) -> anyhow::Result<()> {
         overrides: Vec::new(),
     })?;
     if let Some(model) = config.model_path() {
-        ModelConfig::load(&model_dir(&model, false)?)?;
+        ModelConfig::load(&model_dir(&model, Weights::None)?)?;
     }
     for warning in config.warnings() {
         eprintln!("warning: {warning}");
@@ -611,6 +614,7 @@ fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {
         dir: args.model.clone(),
         load_format: args.load_format,
         num_layers: args.num_layers,
+        remote: None,
     };
     let engine = match args.gpu {
         None => Engine::load_source(&source)?,

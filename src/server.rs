@@ -155,14 +155,20 @@ fn load(state: &AppState, api: std::net::SocketAddr) -> Result<(), ServeError> {
     let config = &state.config;
     crate::compute::amx::set_aside(!config.devices.cpu_amx);
     crate::compute::cpu::native_bf16::set_precision(config.devices.cpu_precision);
-    let (dir, hub_name) = match config.model_path() {
+    let (dir, hub_name, remote) = match config.model_path() {
         Some(_) => {
-            let weights = config.model.load_format != crate::model::LoadFormat::Dummy;
+            // A node of a cluster downloads the shards it reads: its dense weights and its
+            // experts (the headers of all, to open the checkpoint).
+            let weights = match config.model.load_format {
+                crate::model::LoadFormat::Dummy => crate::hub::Weights::None,
+                _ if config.cluster.enabled() => crate::hub::Weights::AsRead,
+                crate::model::LoadFormat::Safetensors => crate::hub::Weights::All,
+            };
             let hub = crate::hub::HubEnv::from_process();
             let found = crate::hub::resolve_model(&config.model.path, &hub, weights)?;
-            (found.dir, found.name)
+            (found.dir, found.name, found.remote)
         }
-        None => (ensure_demo_model(&config.cache_dir())?, None),
+        None => (ensure_demo_model(&config.cache_dir())?, None, None),
     };
     let tokenizer = Tokenizer::load_optional(&dir)?;
     // A family that publishes its prompt format as code has a template built in.
@@ -181,7 +187,10 @@ fn load(state: &AppState, api: std::net::SocketAddr) -> Result<(), ServeError> {
         }
     }
     let node = Node::start(
-        &config.model_source(&dir),
+        &crate::model::ModelSource {
+            remote,
+            ..config.model_source(&dir)
+        },
         config,
         state.metrics.clone(),
         api,

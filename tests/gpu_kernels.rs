@@ -271,6 +271,7 @@ fn dummy_experts_made_on_the_gpu_equal_the_hosts() {
         dir: std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/kimi_k2"),
         load_format: LoadFormat::Dummy,
         num_layers: None,
+        remote: None,
     };
     let config = source.config().unwrap();
     let checkpoint = source.checkpoint(&config).unwrap();

@@ -3,15 +3,18 @@
 //! reads are downloaded, into the cache layout `huggingface_hub` uses; a cut download
 //! resumes where it stopped; a file that does not match its checksum is refused; offline,
 //! the network is never asked; a cache laid out before (by hand, or by `huggingface_hub`
-//! itself) is used without a download; and `moe-node serve --model org/name` serves from
-//! an empty cache, then again offline.
+//! itself) is used without a download; `moe-node serve --model org/name` serves from
+//! an empty cache, then again offline; and the nodes of a cluster download only the shards
+//! they read (their dense weights and their experts), and the rest when a death places it
+//! on them.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use moe_node::hub::{HubEnv, HubError, ModelName, RepoCache, resolve_model};
+use moe_node::hub::{HubEnv, HubError, ModelName, RepoCache, Weights, resolve_model};
 use serde_json::Value;
 
+mod cluster_harness;
 mod common;
 mod hub_mirror;
 mod serve;
@@ -85,7 +88,7 @@ fn a_model_by_name_is_downloaded_into_the_hugging_face_cache_layout() {
     let mirror = Mirror::start(&[("org/model", model.path())]);
     mirror.faults.lock().unwrap().slow = Some(std::time::Duration::from_millis(300));
     let cache = tempfile::tempdir().unwrap();
-    let found = resolve_model("org/model", &online(cache.path(), &mirror), true).unwrap();
+    let found = resolve_model("org/model", &online(cache.path(), &mirror), Weights::All).unwrap();
     // The two shards came at once.
     assert_eq!(mirror.most_at_once(), 2);
     let repo = RepoCache::new(cache.path(), "org/model");
@@ -122,7 +125,7 @@ fn a_model_by_name_is_downloaded_into_the_hugging_face_cache_layout() {
 
     // Again: the hub is asked which commit `main` is, and nothing is downloaded.
     mirror.clear();
-    let again = resolve_model("org/model", &online(cache.path(), &mirror), true).unwrap();
+    let again = resolve_model("org/model", &online(cache.path(), &mirror), Weights::All).unwrap();
     assert_eq!(again.dir, found.dir);
     assert_eq!(
         mirror.requests(),
@@ -132,7 +135,7 @@ fn a_model_by_name_is_downloaded_into_the_hugging_face_cache_layout() {
     // By commit, complete: not even that.
     mirror.clear();
     let pinned = format!("org/model@{COMMIT}");
-    resolve_model(&pinned, &online(cache.path(), &mirror), true).unwrap();
+    resolve_model(&pinned, &online(cache.path(), &mirror), Weights::All).unwrap();
     assert!(mirror.requests().is_empty(), "{:?}", mirror.requests());
 }
 
@@ -144,7 +147,7 @@ fn a_cut_download_resumes_where_it_stopped() {
     // Within a run: cut once at 1 MiB, the next request asks for the rest.
     mirror.faults.lock().unwrap().cut = Some((shard.into(), 1 << 20, 1));
     let cache = tempfile::tempdir().unwrap();
-    let found = resolve_model("org/model", &online(cache.path(), &mirror), true).unwrap();
+    let found = resolve_model("org/model", &online(cache.path(), &mirror), Weights::All).unwrap();
     assert_same(&found.dir, model.path(), NEEDED);
     let gets: Vec<String> = mirror
         .downloads()
@@ -160,7 +163,8 @@ fn a_cut_download_resumes_where_it_stopped() {
     let cache = tempfile::tempdir().unwrap();
     mirror.faults.lock().unwrap().cut = Some((shard.into(), 512 << 10, 5));
     mirror.clear();
-    let error = resolve_model("org/model", &online(cache.path(), &mirror), true).unwrap_err();
+    let error =
+        resolve_model("org/model", &online(cache.path(), &mirror), Weights::All).unwrap_err();
     assert!(
         matches!(error, HubError::Download { tries: 5, .. }),
         "{error}"
@@ -181,7 +185,7 @@ fn a_cut_download_resumes_where_it_stopped() {
         5 * (512 << 10)
     );
     mirror.clear();
-    let found = resolve_model("org/model", &online(cache.path(), &mirror), true).unwrap();
+    let found = resolve_model("org/model", &online(cache.path(), &mirror), Weights::All).unwrap();
     assert_same(&found.dir, model.path(), NEEDED);
     let resumed = format!("range=bytes={}-", 5 * (512 << 10));
     assert!(
@@ -202,7 +206,7 @@ fn two_fetches_of_one_model_at_once_download_each_file_once() {
     let env = online(cache.path(), &mirror);
     let found: Vec<PathBuf> = std::thread::scope(|scope| {
         let starts: Vec<_> = (0..2)
-            .map(|_| scope.spawn(|| resolve_model("org/model", &env, true).unwrap().dir))
+            .map(|_| scope.spawn(|| resolve_model("org/model", &env, Weights::All).unwrap().dir))
             .collect();
         starts.into_iter().map(|s| s.join().unwrap()).collect()
     });
@@ -229,7 +233,8 @@ fn a_file_that_does_not_match_its_checksum_is_refused_and_not_kept() {
     for corrupt in ["model-00001-of-00002.safetensors", "tokenizer.json"] {
         mirror.faults.lock().unwrap().corrupt = Some(corrupt.into());
         let cache = tempfile::tempdir().unwrap();
-        let error = resolve_model("org/model", &online(cache.path(), &mirror), true).unwrap_err();
+        let error =
+            resolve_model("org/model", &online(cache.path(), &mirror), Weights::All).unwrap_err();
         match &error {
             HubError::Checksum { file, .. } => assert_eq!(file, corrupt),
             other => panic!("{corrupt}: {other}"),
@@ -248,7 +253,7 @@ fn a_file_that_does_not_match_its_checksum_is_refused_and_not_kept() {
             "{blobs:?}"
         );
         // Offline, the half-downloaded model is not taken for a whole one.
-        assert!(resolve_model("org/model", &offline(cache.path()), true).is_err());
+        assert!(resolve_model("org/model", &offline(cache.path()), Weights::All).is_err());
     }
 }
 
@@ -259,19 +264,19 @@ fn offline_the_network_is_never_asked() {
     let cache = tempfile::tempdir().unwrap();
     let mut env = online(cache.path(), &mirror);
     env.offline = true;
-    let error = resolve_model("org/model", &env, true).unwrap_err();
+    let error = resolve_model("org/model", &env, Weights::All).unwrap_err();
     assert!(matches!(error, HubError::NotCached { .. }), "{error}");
     assert!(error.to_string().contains("HF_HUB_OFFLINE"), "{error}");
     env.offline = false;
-    resolve_model("org/model", &env, true).unwrap();
+    resolve_model("org/model", &env, Weights::All).unwrap();
     mirror.clear();
     env.offline = true;
-    let found = resolve_model("org/model", &env, true).unwrap();
+    let found = resolve_model("org/model", &env, Weights::All).unwrap();
     assert_same(&found.dir, model.path(), NEEDED);
     assert!(mirror.requests().is_empty(), "{:?}", mirror.requests());
     // A name the hub does not know, online: refused with what to do.
     env.offline = false;
-    let error = resolve_model("org/unknown", &env, true).unwrap_err();
+    let error = resolve_model("org/unknown", &env, Weights::All).unwrap_err();
     assert!(error.to_string().contains("HF_TOKEN"), "{error}");
 }
 
@@ -315,9 +320,9 @@ fn a_cache_filled_by_huggingface_hub_is_used_without_a_download() {
         mirror.requests()
     );
     mirror.clear();
-    let found = resolve_model("org/model", &offline(cache.path()), true).unwrap();
+    let found = resolve_model("org/model", &offline(cache.path()), Weights::All).unwrap();
     assert_same(&found.dir, model.path(), NEEDED);
-    let found = resolve_model("org/model", &online(cache.path(), &mirror), true).unwrap();
+    let found = resolve_model("org/model", &online(cache.path(), &mirror), Weights::All).unwrap();
     assert_same(&found.dir, model.path(), NEEDED);
     assert!(mirror.downloads().is_empty(), "{:?}", mirror.requests());
 }
@@ -402,4 +407,170 @@ fn serve_takes_a_model_by_name_from_an_empty_cache_then_offline() {
     assert_eq!(out.status.code(), Some(78));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("HF_HUB_OFFLINE is set"), "{stderr}");
+}
+
+/// The DeepSeek-V3 fixture in shards as a large model is published: `dense.safetensors`
+/// with everything but the routed experts, and one shard per (layer, expert).
+fn sharded_deepseek() -> tempfile::TempDir {
+    use safetensors::tensor::TensorView;
+    let fixture = cluster_harness::model();
+    let bytes = std::fs::read(fixture.join("model.safetensors")).unwrap();
+    let tensors = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut shards: std::collections::BTreeMap<String, Vec<(String, TensorView)>> =
+        Default::default();
+    for (name, view) in tensors.tensors() {
+        let parts: Vec<&str> = name.split('.').collect();
+        let shard = match parts[..] {
+            ["model", "layers", layer, "mlp", "experts", expert, ..] => {
+                expert_shard(layer.parse().unwrap(), expert.parse().unwrap())
+            }
+            _ => "dense.safetensors".to_string(),
+        };
+        shards.entry(shard).or_default().push((name, view));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut weight_map = serde_json::Map::new();
+    for (shard, tensors) in &shards {
+        for (name, _) in tensors {
+            weight_map.insert(name.clone(), shard.clone().into());
+        }
+        let data = safetensors::serialize(tensors.iter().map(|(n, v)| (n, v)), None).unwrap();
+        std::fs::write(dir.path().join(shard), data).unwrap();
+    }
+    let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
+    std::fs::write(
+        dir.path().join("model.safetensors.index.json"),
+        index.to_string(),
+    )
+    .unwrap();
+    std::fs::copy(fixture.join("config.json"), dir.path().join("config.json")).unwrap();
+    dir
+}
+
+fn expert_shard(layer: usize, expert: usize) -> String {
+    format!("experts-{layer}-{expert}.safetensors")
+}
+
+/// The shard files in the snapshot of `repo` in the cache `cache`.
+fn shards_in(cache: &Path, repo: &str) -> std::collections::BTreeSet<String> {
+    shards_in_dir(&RepoCache::new(cache, repo).snapshot(COMMIT))
+}
+
+/// The shards holding the experts `node`'s placement gives it, and the dense one.
+fn shards_placed_on(node: &cluster_harness::Node) -> std::collections::BTreeSet<String> {
+    let placement = node.placement();
+    let mut shards: std::collections::BTreeSet<String> = ["dense.safetensors".to_string()].into();
+    for layer in placement["layers"].as_array().unwrap() {
+        let index = layer["layer"].as_u64().unwrap() as usize;
+        for (expert, replicas) in layer["experts"].as_array().unwrap().iter().enumerate() {
+            if replicas
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|r| r["node"] == node.name.as_str())
+            {
+                shards.insert(expert_shard(index, expert));
+            }
+        }
+    }
+    shards
+}
+
+#[test]
+fn the_nodes_of_a_cluster_download_the_shards_they_read_and_no_others() {
+    use cluster_harness::{ClusterSpec, Node, SECRET, Transport, completion, generate_alone};
+    let model = sharded_deepseek();
+    let all = shards_in_dir(model.path());
+    let mirror = Mirror::start(&[("org/ds3", model.path())]);
+    let mut spec = ClusterSpec::new(2, Transport::Tcp);
+    // A dead node's experts are placed on the survivor after a second.
+    spec.rereplicate_after_ms = 1000;
+    let caches = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
+    let mut nodes: Vec<Node> = (0..2)
+        .map(|i| {
+            let name = format!("node{}", i + 1);
+            let config = spec.config(i, &name, SECRET, spec.gossip_ports[i]);
+            // Two nodes, one copy of each expert: each holds half.
+            let text = std::fs::read_to_string(&config)
+                .unwrap()
+                .replace("expect_nodes = 3", "expect_nodes = 2")
+                .replace("replication = 2", "replication = 1");
+            std::fs::write(&config, text).unwrap();
+            let env = [
+                ("HF_ENDPOINT", mirror.base.as_ref()),
+                ("HF_HUB_CACHE", caches[i].path().as_os_str()),
+            ];
+            Node::start_with_env(&name, config, PathBuf::from("org/ds3"), &env)
+        })
+        .collect();
+    for node in &nodes {
+        node.wait_ready();
+    }
+    let prompt = [5u32, 17, 42, 9, 77, 3];
+    let alone = generate_alone(&prompt, 8);
+    for node in &nodes {
+        assert_eq!(completion(node, &prompt, 8), alone, "{}", node.name);
+    }
+    // Each node fetched the dense shard and the shards of its experts, and no others.
+    for (node, cache) in nodes.iter().zip(&caches) {
+        let placed = shards_placed_on(node);
+        let fetched = shards_in(cache.path(), "org/ds3");
+        assert_eq!(fetched, placed, "{}", node.name);
+        assert!(
+            fetched.len() * 3 < all.len() * 2,
+            "{} fetched {} of {} shards",
+            node.name,
+            fetched.len(),
+            all.len()
+        );
+        // Every shard's header, to open the checkpoint (and fingerprint it as its peers do).
+        let headers = RepoCache::new(cache.path(), "org/ds3")
+            .header(COMMIT, "dense.safetensors")
+            .parent()
+            .unwrap()
+            .read_dir()
+            .unwrap()
+            .count();
+        assert!(headers + fetched.len() >= all.len(), "{headers} headers");
+    }
+
+    // node2 dies: its experts are placed on node1, which downloads their shards then.
+    nodes[1].kill();
+    let survivor = &nodes[0];
+    survivor.wait_until(
+        std::time::Duration::from_secs(60),
+        "node1 holds every expert",
+        || {
+            survivor.placement()["layers"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|l| {
+                    l["experts"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .all(|r| r.as_array().unwrap().iter().any(|r| r["node"] == "node1"))
+                })
+        },
+    );
+    survivor.wait_holds_its_share(std::time::Duration::from_secs(60));
+    assert_eq!(completion(survivor, &prompt, 8), alone);
+    assert_eq!(
+        shards_in(caches[0].path(), "org/ds3"),
+        shards_placed_on(survivor)
+    );
+    assert!(
+        survivor
+            .process
+            .log_contains("fetching a shard this node reads")
+    );
+}
+
+fn shards_in_dir(dir: &Path) -> std::collections::BTreeSet<String> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|f| f.ends_with(".safetensors"))
+        .collect()
 }

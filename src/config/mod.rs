@@ -366,6 +366,7 @@ impl NodeConfig {
             dir: dir.to_path_buf(),
             load_format: self.model.load_format,
             num_layers: (self.model.num_layers > 0).then_some(self.model.num_layers),
+            remote: None,
         }
     }
 

@@ -6,6 +6,8 @@
 //!   blobs/<etag>                   each file's content once, named by its checksum
 //!   snapshots/<commit>/<file>      a link to ../../blobs/<etag>
 //!   .no_exist/<commit>/<file>      the hub said the file is not in that commit
+//!   .moe-node-headers/<commit>/<file>  a shard's safetensors header, fetched before the
+//!                                  shard (moe-node's own; see `Weights::AsRead`)
 //! ```
 //!
 //! Written the same way here, so that `hf`, vLLM and moe-node share one copy; a blob is
@@ -88,6 +90,13 @@ impl RepoCache {
             std::fs::create_dir_all(dir).map_err(io(dir))?;
         }
         std::fs::write(&path, commit).map_err(io(&path))
+    }
+
+    /// Where the header of shard `file` of `commit` is kept (a node that reads the shards as
+    /// it needs them opens the model from every shard's header): beside `.no_exist`, in a
+    /// folder of moe-node's own that `huggingface_hub` leaves alone.
+    pub fn header(&self, commit: &str, file: &str) -> PathBuf {
+        self.root.join(".moe-node-headers").join(commit).join(file)
     }
 
     /// Whether the hub said `file` is not in `commit`.

@@ -18,7 +18,7 @@ use sha2::{Digest, Sha256};
 
 use super::{
     CONFIG_FILE, HubEnv, HubError, ModelName, OPTIONAL_FILES, RepoCache, SINGLE_WEIGHTS,
-    WEIGHTS_INDEX, io, is_commit, shards_of,
+    WEIGHTS_INDEX, Weights, io, is_commit, shards_of,
 };
 
 /// Shards downloaded at once: one connection rarely fills a link to the hub's storage
@@ -38,7 +38,7 @@ pub(super) fn complete(
     name: &ModelName,
     env: &HubEnv,
     cache: &RepoCache,
-    weights: bool,
+    weights: Weights,
 ) -> Result<std::path::PathBuf, HubError> {
     let hub = Hub::new(name, env)?;
     // The config first: its answer says which commit the revision is now.
@@ -65,20 +65,59 @@ pub(super) fn complete(
     for file in OPTIONAL_FILES {
         files.fetch(file, None, false)?;
     }
-    if weights {
+    if weights != Weights::None {
         if files.fetch(WEIGHTS_INDEX, None, false)? {
             let index = cache.snapshot(&commit).join(WEIGHTS_INDEX);
-            files.fetch_all(&shards_of(&index, name)?)?;
+            let shards = shards_of(&index, name)?;
+            if weights == Weights::All {
+                in_parallel(&shards, |shard| files.fetch(shard, None, true).map(drop))?;
+            } else {
+                in_parallel(&shards, |shard| files.header(shard).map(drop))?;
+            }
         } else {
+            // One file cannot be split: it is downloaded whole.
             files.fetch(SINGLE_WEIGHTS, None, true)?;
         }
     }
     Ok(cache.snapshot(&commit))
 }
 
+/// `each` of `items`, [`PARALLEL_SHARDS`] at a time; the first failure stops the rest from
+/// starting.
+fn in_parallel(
+    items: &[String],
+    each: impl Fn(&str) -> Result<(), HubError> + Sync,
+) -> Result<(), HubError> {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let failed = std::sync::Mutex::new(None);
+    std::thread::scope(|scope| {
+        for _ in 0..PARALLEL_SHARDS.min(items.len()) {
+            scope.spawn(|| {
+                loop {
+                    let stop = failed.lock().map_or(true, |f| f.is_some());
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let Some(item) = items.get(i).filter(|_| !stop) else {
+                        return;
+                    };
+                    if let Err(e) = each(item) {
+                        if let Ok(mut first) = failed.lock() {
+                            first.get_or_insert(e);
+                        }
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    match failed.into_inner() {
+        Ok(Some(e)) => Err(e),
+        _ => Ok(()),
+    }
+}
+
 /// What the hub says of one file.
 #[derive(Debug, Clone)]
-struct FileMeta {
+pub(super) struct FileMeta {
     commit: Option<String>,
     /// The checksum it is stored under: a safe file name, or `None`.
     etag: Option<String>,
@@ -86,16 +125,16 @@ struct FileMeta {
 }
 
 /// The two clients (one that stops at redirects, for metadata), and whom they ask.
-struct Hub<'a> {
-    name: &'a ModelName,
+pub(super) struct Hub<'a> {
+    pub(super) name: &'a ModelName,
     endpoint: &'a str,
     token: Option<&'a str>,
     metadata: Client,
-    files: Client,
+    pub(super) files: Client,
 }
 
 impl<'a> Hub<'a> {
-    fn new(name: &'a ModelName, env: &'a HubEnv) -> Result<Hub<'a>, HubError> {
+    pub(super) fn new(name: &'a ModelName, env: &'a HubEnv) -> Result<Hub<'a>, HubError> {
         let build = |redirects: reqwest::redirect::Policy| {
             Client::builder()
                 .timeout(READ_TIMEOUT)
@@ -120,7 +159,7 @@ impl<'a> Hub<'a> {
         })
     }
 
-    fn url(&self, revision: &str, file: &str) -> String {
+    pub(super) fn url(&self, revision: &str, file: &str) -> String {
         format!(
             "{}/{}/resolve/{}/{}",
             self.endpoint,
@@ -130,14 +169,14 @@ impl<'a> Hub<'a> {
         )
     }
 
-    fn authorized(&self, request: RequestBuilder) -> RequestBuilder {
+    pub(super) fn authorized(&self, request: RequestBuilder) -> RequestBuilder {
         match self.token {
             Some(token) => request.bearer_auth(token),
             None => request,
         }
     }
 
-    fn unreachable(&self, url: &str) -> impl FnOnce(reqwest::Error) -> HubError + '_ {
+    pub(super) fn unreachable(&self, url: &str) -> impl FnOnce(reqwest::Error) -> HubError + '_ {
         let url = url.to_string();
         move |source| HubError::Unreachable {
             name: self.name.clone(),
@@ -146,7 +185,7 @@ impl<'a> Hub<'a> {
         }
     }
 
-    fn not_found(&self, revision: &str, file: &str) -> HubError {
+    pub(super) fn not_found(&self, revision: &str, file: &str) -> HubError {
         HubError::NotFound {
             name: self.name.clone(),
             file: file.to_string(),
@@ -155,7 +194,7 @@ impl<'a> Hub<'a> {
     }
 
     /// An answer that is neither the file nor a redirect, as an error.
-    fn refused(&self, url: &str, status: StatusCode) -> HubError {
+    pub(super) fn refused(&self, url: &str, status: StatusCode) -> HubError {
         if status == StatusCode::UNAUTHORIZED || status == StatusCode::FORBIDDEN {
             HubError::Refused {
                 name: self.name.clone(),
@@ -300,16 +339,21 @@ impl Check {
 }
 
 /// One commit's files into the cache.
-struct Files<'a> {
-    hub: &'a Hub<'a>,
-    cache: &'a RepoCache,
-    commit: &'a str,
+pub(super) struct Files<'a> {
+    pub(super) hub: &'a Hub<'a>,
+    pub(super) cache: &'a RepoCache,
+    pub(super) commit: &'a str,
 }
 
 impl Files<'_> {
     /// Makes `file` present in the snapshot, downloading it if it is not; `Ok(false)` when
     /// the commit has no such file and it is not `required`.
-    fn fetch(&self, file: &str, meta: Option<FileMeta>, required: bool) -> Result<bool, HubError> {
+    pub(super) fn fetch(
+        &self,
+        file: &str,
+        meta: Option<FileMeta>,
+        required: bool,
+    ) -> Result<bool, HubError> {
         if self.cache.snapshot(self.commit).join(file).is_file() {
             return Ok(true);
         }
@@ -344,36 +388,6 @@ impl Files<'_> {
         let etag = self.download(file, &meta)?;
         self.cache.link(self.commit, file, &etag)?;
         Ok(true)
-    }
-
-    /// Makes every one of `shards` present, [`PARALLEL_SHARDS`] at a time; the first
-    /// failure stops the rest from starting.
-    fn fetch_all(&self, shards: &[String]) -> Result<(), HubError> {
-        let next = std::sync::atomic::AtomicUsize::new(0);
-        let failed = std::sync::Mutex::new(None);
-        std::thread::scope(|scope| {
-            for _ in 0..PARALLEL_SHARDS.min(shards.len()) {
-                scope.spawn(|| {
-                    loop {
-                        let stop = failed.lock().map_or(true, |f| f.is_some());
-                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        let Some(shard) = shards.get(i).filter(|_| !stop) else {
-                            return;
-                        };
-                        if let Err(e) = self.fetch(shard, None, true) {
-                            if let Ok(mut first) = failed.lock() {
-                                first.get_or_insert(e);
-                            }
-                            return;
-                        }
-                    }
-                });
-            }
-        });
-        match failed.into_inner() {
-            Ok(Some(e)) => Err(e),
-            _ => Ok(()),
-        }
     }
 
     /// Downloads `file` into its blob, resuming a partial one; returns the blob's name.

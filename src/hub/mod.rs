@@ -4,7 +4,10 @@
 //! checkpoint fetched with `hf download` or by vLLM is used where it lies; what is missing
 //! is downloaded from `HF_ENDPOINT` (the hub, or the mirror an on-prem install runs) into
 //! that same layout. Only the files a node reads are fetched: the config, the tokenizer and
-//! chat template files, and the safetensors shards the index names.
+//! chat template files, and the safetensors shards the index names; on a node of a cluster,
+//! only the shards holding the tensors it reads (its dense weights and its experts): every
+//! shard's header is fetched first (two `Range` requests), and a shard's data when one of
+//! its tensors is first read ([`Weights::AsRead`]).
 //!
 //! Written over reqwest and RustCrypto's hashes (both in the build already) rather than
 //! with the `hf-hub` crate: that crate checks no checksum, has no offline mode, and brings
@@ -16,13 +19,28 @@
 
 mod cache;
 mod download;
+mod shards;
 #[cfg(test)]
 mod tests;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+use crate::model::RemoteShards;
+
 pub use cache::RepoCache;
+
+/// What of a model's weights is made present before it loads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Weights {
+    /// None: the config and tokenizer only (dummy weights, `plan`).
+    None,
+    /// Every shard: a node that serves the whole model.
+    All,
+    /// Every shard's header, and a shard's data when a tensor in it is first read: a node
+    /// of a cluster, which holds some of the experts.
+    AsRead,
+}
 
 /// The default endpoint, when `HF_ENDPOINT` is not set.
 const HUB: &str = "https://huggingface.co";
@@ -276,25 +294,28 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> HubError + '_ {
 }
 
 /// A model directory, and the hub name it was found by.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Resolved {
     pub dir: PathBuf,
     /// `None` when `model.path` was a directory.
     pub name: Option<ModelName>,
+    /// Where the shards `dir` lacks come from, as they are read ([`Weights::AsRead`] of a
+    /// sharded model).
+    pub remote: Option<RemoteShards>,
 }
 
 /// The model directory `path_or_name` stands for: itself when it is a directory here or
 /// not a model name, else the cached snapshot of the model it names, completed from
-/// `env.endpoint` unless `env.offline`. Without `weights`, only the config and tokenizer
-/// are needed (a dummy load).
+/// `env.endpoint` unless `env.offline`, with as much of the weights as `weights` says.
 pub fn resolve_model(
     path_or_name: &str,
     env: &HubEnv,
-    weights: bool,
+    weights: Weights,
 ) -> Result<Resolved, HubError> {
     let path = Resolved {
         dir: PathBuf::from(path_or_name),
         name: None,
+        remote: None,
     };
     if Path::new(path_or_name).exists() {
         return Ok(path);
@@ -302,14 +323,18 @@ pub fn resolve_model(
     let Some(name) = ModelName::parse(path_or_name) else {
         return Ok(path);
     };
+    let dir = resolve_name(&name, env, weights)?;
+    let remote = (weights == Weights::AsRead && dir.join(WEIGHTS_INDEX).is_file())
+        .then(|| shards::HubShards::new(&name, env, &dir));
     Ok(Resolved {
-        dir: resolve_name(&name, env, weights)?,
+        dir,
         name: Some(name),
+        remote,
     })
 }
 
 /// The cached snapshot of `name`, completed from `env.endpoint` unless `env.offline`.
-pub fn resolve_name(name: &ModelName, env: &HubEnv, weights: bool) -> Result<PathBuf, HubError> {
+pub fn resolve_name(name: &ModelName, env: &HubEnv, weights: Weights) -> Result<PathBuf, HubError> {
     let cache = RepoCache::new(&env.cache, &name.repo);
     let cached = cache.commit_of(&name.revision);
     // A commit named (nothing the hub says can change it), or offline: the cache decides.
@@ -317,7 +342,7 @@ pub fn resolve_name(name: &ModelName, env: &HubEnv, weights: bool) -> Result<Pat
         && (is_commit(&name.revision) || env.offline)
     {
         let snapshot = cache.snapshot(commit);
-        return match missing_files(&snapshot, weights, name)? {
+        return match missing_files(&cache, commit, weights, name)? {
             missing if missing.is_empty() => Ok(snapshot),
             _ if !env.offline => download::complete(name, env, &cache, weights),
             missing => Err(HubError::Incomplete {
@@ -339,8 +364,9 @@ pub fn resolve_name(name: &ModelName, env: &HubEnv, weights: bool) -> Result<Pat
         // The hub out of reach, the cache complete: serve what is cached, as
         // `huggingface_hub` does.
         Err(HubError::Unreachable { url, source, .. }) if cached.is_some() => {
-            let snapshot = cache.snapshot(cached.as_deref().unwrap_or_default());
-            if missing_files(&snapshot, weights, name)?.is_empty() {
+            let commit = cached.as_deref().unwrap_or_default();
+            if missing_files(&cache, commit, weights, name)?.is_empty() {
+                let snapshot = cache.snapshot(commit);
                 tracing::warn!(
                     model = %name, %url, error = %source,
                     "the hub is out of reach: serving the cached snapshot"
@@ -358,22 +384,30 @@ pub fn resolve_name(name: &ModelName, env: &HubEnv, weights: bool) -> Result<Pat
     }
 }
 
-/// The files a node needs that `snapshot` lacks: the config, and the weights (one file, or
-/// the index and every shard it names) when `weights`.
+/// The files a node needs that `commit`'s snapshot lacks: the config, and the weights (one
+/// file, or the index and every shard it names: the shard, or for [`Weights::AsRead`] its
+/// header) as `weights` says.
 fn missing_files(
-    snapshot: &Path,
-    weights: bool,
+    cache: &RepoCache,
+    commit: &str,
+    weights: Weights,
     name: &ModelName,
 ) -> Result<Vec<String>, HubError> {
+    let snapshot = cache.snapshot(commit);
     let has = |file: &str| snapshot.join(file).is_file();
     let mut missing = Vec::new();
     if !has(CONFIG_FILE) {
         missing.push(CONFIG_FILE.to_string());
     }
-    if weights {
+    if weights != Weights::None {
         if has(WEIGHTS_INDEX) {
             let shards = shards_of(&snapshot.join(WEIGHTS_INDEX), name)?;
-            missing.extend(shards.into_iter().filter(|s| !has(s)));
+            let header = |s: &str| cache.header(commit, s).is_file();
+            missing.extend(
+                shards
+                    .into_iter()
+                    .filter(|s| !has(s) && (weights == Weights::All || !header(s))),
+            );
         } else if !has(SINGLE_WEIGHTS) {
             missing.push(format!("{SINGLE_WEIGHTS} (or {WEIGHTS_INDEX})"));
         }

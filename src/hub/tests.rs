@@ -98,7 +98,7 @@ fn offline_a_complete_snapshot_is_found_through_its_ref() {
         root.path(),
         &[("config.json", "{}"), ("model.safetensors", "weights")],
     );
-    let found = resolve_model("org/model", &offline(root.path()), true).unwrap();
+    let found = resolve_model("org/model", &offline(root.path()), Weights::All).unwrap();
     assert_eq!(found.name, ModelName::parse("org/model"));
     let dir = found.dir;
     assert_eq!(dir, cache.snapshot(COMMIT));
@@ -114,17 +114,17 @@ fn offline_a_complete_snapshot_is_found_through_its_ref() {
     );
     // By commit too, and a path that exists is itself.
     let by_commit = format!("org/model@{COMMIT}");
-    let found = resolve_model(&by_commit, &offline(root.path()), true).unwrap();
+    let found = resolve_model(&by_commit, &offline(root.path()), Weights::All).unwrap();
     assert_eq!(found.dir, dir);
     let here = root.path().to_str().unwrap();
-    let found = resolve_model(here, &offline(root.path()), true).unwrap();
+    let found = resolve_model(here, &offline(root.path()), Weights::All).unwrap();
     assert_eq!((found.dir.as_path(), found.name), (root.path(), None));
 }
 
 #[test]
 fn offline_a_missing_model_or_shard_is_an_error_that_names_it() {
     let root = tempfile::tempdir().unwrap();
-    let error = resolve_model("org/other", &offline(root.path()), true).unwrap_err();
+    let error = resolve_model("org/other", &offline(root.path()), Weights::All).unwrap_err();
     assert!(matches!(error, HubError::NotCached { .. }), "{error}");
     assert!(error.to_string().contains("HF_HUB_OFFLINE"), "{error}");
     let index = r#"{"weight_map": {"a": "model-1.safetensors", "b": "model-2.safetensors",
@@ -137,7 +137,7 @@ fn offline_a_missing_model_or_shard_is_an_error_that_names_it() {
             ("model-1.safetensors", "one"),
         ],
     );
-    let error = resolve_model("org/model", &offline(root.path()), true).unwrap_err();
+    let error = resolve_model("org/model", &offline(root.path()), Weights::All).unwrap_err();
     assert!(error.to_string().contains("model-2.safetensors"), "{error}");
     assert!(
         !error.to_string().contains("model-1.safetensors"),
@@ -145,7 +145,7 @@ fn offline_a_missing_model_or_shard_is_an_error_that_names_it() {
     );
     assert!(error.is_configuration());
     // Without weights (a dummy load) the config is enough.
-    assert!(resolve_model("org/model", &offline(root.path()), false).is_ok());
+    assert!(resolve_model("org/model", &offline(root.path()), Weights::None).is_ok());
 }
 
 #[test]
@@ -159,7 +159,7 @@ fn an_index_naming_a_file_outside_the_model_is_refused() {
             ("model.safetensors.index.json", index),
         ],
     );
-    let error = resolve_model("org/model", &offline(root.path()), true).unwrap_err();
+    let error = resolve_model("org/model", &offline(root.path()), Weights::All).unwrap_err();
     assert!(matches!(error, HubError::BadIndex { .. }), "{error}");
 }
 

@@ -6,6 +6,7 @@ use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use half::{bf16, f16};
 use memmap2::Mmap;
@@ -17,13 +18,32 @@ use super::dummy::{DummyFill, DummyWeights};
 const SINGLE_FILE: &str = "model.safetensors";
 const INDEX_FILE: &str = "model.safetensors.index.json";
 
-/// One mapped `.safetensors` file and its parsed header.
+/// Where the shards of a checkpoint that are not on disk yet come from: the Hugging Face
+/// hub or a mirror of it ([`crate::hub`]). A node of a cluster opens its checkpoint from
+/// every shard's header and downloads a shard the first time it reads a tensor in it, so
+/// that it fetches the dense weights and the experts it holds, and no others.
+pub trait ShardSource: Send + Sync {
+    /// Shard `file`'s header as the file begins: the 8-byte little-endian length, then the
+    /// JSON.
+    fn header(&self, file: &str) -> Result<Vec<u8>, String>;
+    /// Makes shard `file` present in the model directory (downloads it, checksum checked).
+    fn fetch(&self, file: &str) -> Result<(), String>;
+}
+
+/// One `.safetensors` file: its parsed header, and its bytes mapped once they are on disk.
 struct Shard {
     path: PathBuf,
-    map: Mmap,
+    /// Set when the file is mapped: at open for a file on disk, at the first read of one of
+    /// its tensors for a shard that is downloaded then.
+    map: OnceLock<Mmap>,
     /// Offset of the first data byte (8-byte length prefix plus the JSON header).
     data_start: usize,
     metadata: Metadata,
+    /// The header as read before the download ([`ShardSource::header`]), which the
+    /// downloaded file must begin with; `None` for a file that was on disk at open.
+    remote_header: Option<Vec<u8>>,
+    /// Held while the shard downloads: readers of its tensors wait for one download.
+    fetching: Mutex<()>,
 }
 
 /// All tensors of a checkpoint, by name, without copying them out of the page cache.
@@ -37,6 +57,8 @@ pub struct Checkpoint {
     prefix: &'static str,
     /// Set for a dummy checkpoint: no files, every tensor made when it is read.
     dummy: Option<DummyWeights>,
+    /// Where shards that were not on disk at open are downloaded from.
+    remote: Option<Arc<dyn ShardSource>>,
 }
 
 /// Where a multimodal checkpoint keeps its text model.
@@ -54,10 +76,16 @@ impl Checkpoint {
 
     /// Opens `model.safetensors` in `dir`, or every shard the index file names.
     pub fn open(dir: &Path) -> Result<Self, ModelError> {
+        Self::open_with(dir, None)
+    }
+
+    /// As [`Checkpoint::open`]; a shard the index names that is not in `dir` is opened from
+    /// its header in `remote` and downloaded when one of its tensors is first read.
+    pub fn open_with(dir: &Path, remote: Option<Arc<dyn ShardSource>>) -> Result<Self, ModelError> {
         let index_path = dir.join(INDEX_FILE);
         let single_path = dir.join(SINGLE_FILE);
         if index_path.exists() {
-            Self::open_sharded(dir, &index_path)
+            Self::open_sharded(dir, &index_path, remote)
         } else if single_path.exists() {
             let shard = Shard::open(&single_path)?;
             let locations = shard
@@ -72,6 +100,7 @@ impl Checkpoint {
                 locations,
                 prefix: "",
                 dummy: None,
+                remote: None,
             }
             .with_text_model_prefix())
         } else {
@@ -81,7 +110,11 @@ impl Checkpoint {
         }
     }
 
-    fn open_sharded(dir: &Path, index_path: &Path) -> Result<Self, ModelError> {
+    fn open_sharded(
+        dir: &Path,
+        index_path: &Path,
+        remote: Option<Arc<dyn ShardSource>>,
+    ) -> Result<Self, ModelError> {
         #[derive(serde::Deserialize)]
         struct Index {
             weight_map: HashMap<String, String>,
@@ -107,14 +140,25 @@ impl Checkpoint {
                 });
             }
             let path = dir.join(name);
-            if !path.exists() {
-                return Err(ModelError::MissingShard {
-                    index: index_path.to_path_buf(),
-                    shard: path,
-                });
-            }
+            let shard = match &remote {
+                _ if path.exists() => Shard::open(&path)?,
+                Some(remote) => {
+                    let header = remote.header(name).map_err(|reason| ModelError::Fetch {
+                        path: path.clone(),
+                        what: "its header",
+                        reason,
+                    })?;
+                    Shard::from_header(&path, header)?
+                }
+                None => {
+                    return Err(ModelError::MissingShard {
+                        index: index_path.to_path_buf(),
+                        shard: path,
+                    });
+                }
+            };
             shard_of_file.insert(name.clone(), shards.len());
-            shards.push(Shard::open(&path)?);
+            shards.push(shard);
         }
         let mut locations = HashMap::with_capacity(index.weight_map.len());
         for (tensor, file) in &index.weight_map {
@@ -135,6 +179,7 @@ impl Checkpoint {
             locations,
             prefix: "",
             dummy: None,
+            remote,
         }
         .with_text_model_prefix())
     }
@@ -148,6 +193,7 @@ impl Checkpoint {
             locations: HashMap::new(),
             prefix: "",
             dummy: Some(weights),
+            remote: None,
         }
     }
 
@@ -517,39 +563,117 @@ impl Checkpoint {
             });
         }
         let (begin, end) = info.data_offsets;
-        let bytes = &shard.map[shard.data_start + begin..shard.data_start + end];
+        let map = self.mapped(shard)?;
+        let bytes = &map[shard.data_start + begin..shard.data_start + end];
         Ok((&shard.path, info.dtype, Cow::Borrowed(bytes)))
+    }
+
+    /// `shard`'s bytes, downloaded first when it was opened from its header.
+    fn mapped<'a>(&self, shard: &'a Shard) -> Result<&'a Mmap, ModelError> {
+        if let Some(map) = shard.map.get() {
+            return Ok(map);
+        }
+        let _one_download = shard
+            .fetching
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(map) = shard.map.get() {
+            return Ok(map);
+        }
+        let file = shard
+            .path
+            .file_name()
+            .map(|f| f.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let corrupt = |reason: String| ModelError::Corrupt {
+            path: shard.path.clone(),
+            reason,
+        };
+        let fetch_error = |reason: String| ModelError::Fetch {
+            path: shard.path.clone(),
+            what: "the shard",
+            reason,
+        };
+        let remote = self
+            .remote
+            .as_ref()
+            .ok_or_else(|| fetch_error("it has no source".into()))?;
+        remote.fetch(&file).map_err(fetch_error)?;
+        let (map, _, _) = map_file(&shard.path)?;
+        let expected = shard.remote_header.as_deref().unwrap_or_default();
+        if map.get(..expected.len()) != Some(expected) {
+            return Err(corrupt(
+                "the downloaded file's header differs from the one read before the download".into(),
+            ));
+        }
+        tracing::info!(shard = %shard.path.display(), "shard downloaded and mapped");
+        Ok(shard.map.get_or_init(|| map))
     }
 }
 
 impl Shard {
     fn open(path: &Path) -> Result<Self, ModelError> {
-        let file = File::open(path).map_err(|source| ModelError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        // SAFETY: the map is read-only and lives as long as the Shard. A checkpoint file
-        // changed underneath a running server is outside what we defend against, as in every
-        // mmap-based loader (safetensors' own docs map files the same way).
-        let map = unsafe { Mmap::map(&file) }.map_err(|source| ModelError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        let (header_len, metadata) =
-            SafeTensors::read_metadata(&map).map_err(|e| ModelError::Corrupt {
-                path: path.to_path_buf(),
-                reason: format!("not a valid safetensors file ({e}); is it truncated?"),
-            })?;
+        let (map, header_len, metadata) = map_file(path)?;
         Ok(Shard {
             path: path.to_path_buf(),
-            map,
+            map: OnceLock::from(map),
             data_start: 8 + header_len,
             metadata,
+            remote_header: None,
+            fetching: Mutex::new(()),
+        })
+    }
+
+    /// A shard not on disk yet, from its `header` (the file's first bytes: length and JSON).
+    fn from_header(path: &Path, header: Vec<u8>) -> Result<Self, ModelError> {
+        let corrupt = |reason: String| ModelError::Corrupt {
+            path: path.to_path_buf(),
+            reason: format!("its header (read before the download) {reason}"),
+        };
+        let length = header
+            .get(..8)
+            .and_then(|b| b.try_into().ok())
+            .map(u64::from_le_bytes)
+            .ok_or_else(|| corrupt("is shorter than 8 bytes".into()))?;
+        let json = usize::try_from(length)
+            .ok()
+            .and_then(|n| header.get(8..8usize.checked_add(n)?))
+            .filter(|json| json.len() + 8 == header.len())
+            .ok_or_else(|| corrupt(format!("does not hold the {length} bytes it announces")))?;
+        let metadata: Metadata = serde_json::from_slice(json)
+            .map_err(|e| corrupt(format!("is not a safetensors header: {e}")))?;
+        Ok(Shard {
+            path: path.to_path_buf(),
+            map: OnceLock::new(),
+            data_start: header.len(),
+            metadata,
+            remote_header: Some(header),
+            fetching: Mutex::new(()),
         })
     }
 }
 
-/// Converts little-endian tensor bytes of `dtype` into f32.
+/// `path` mapped, with its header's length and its parsed header.
+fn map_file(path: &Path) -> Result<(Mmap, usize, Metadata), ModelError> {
+    let file = File::open(path).map_err(|source| ModelError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    // SAFETY: the map is read-only and lives as long as the Shard. A checkpoint file
+    // changed underneath a running server is outside what we defend against, as in every
+    // mmap-based loader (safetensors' own docs map files the same way).
+    let map = unsafe { Mmap::map(&file) }.map_err(|source| ModelError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let (header_len, metadata) =
+        SafeTensors::read_metadata(&map).map_err(|e| ModelError::Corrupt {
+            path: path.to_path_buf(),
+            reason: format!("not a valid safetensors file ({e}); is it truncated?"),
+        })?;
+    Ok((map, header_len, metadata))
+}
+
 /// Little-endian bf16 values as stored.
 fn bf16_values(bytes: &[u8]) -> Vec<bf16> {
     bytes
@@ -558,6 +682,7 @@ fn bf16_values(bytes: &[u8]) -> Vec<bf16> {
         .collect()
 }
 
+/// Converts little-endian tensor bytes of `dtype` into f32.
 fn decode_f32(bytes: &[u8], dtype: Dtype) -> Result<Vec<f32>, String> {
     let words = |width: usize| bytes.chunks_exact(width);
     Ok(match dtype {

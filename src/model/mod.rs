@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-pub use checkpoint::Checkpoint;
+pub use checkpoint::{Checkpoint, ShardSource};
 pub use config::ModelConfig;
 pub use family::Family;
 pub use tokenizer::Tokenizer;
@@ -42,6 +42,25 @@ pub struct ModelSource {
     /// Only the first this many decoder layers (`--num-layers`), e.g. a few layers of a
     /// published shape on one GPU; `None`: all of them.
     pub num_layers: Option<usize>,
+    /// Where shards the index names but `dir` lacks are downloaded from when first read (a
+    /// model by hub name on a node of a cluster); `None`: every shard must be in `dir`.
+    pub remote: Option<RemoteShards>,
+}
+
+/// The [`ShardSource`] of a [`ModelSource`]; two are equal when they are the same one.
+#[derive(Clone)]
+pub struct RemoteShards(pub std::sync::Arc<dyn ShardSource>);
+
+impl std::fmt::Debug for RemoteShards {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RemoteShards")
+    }
+}
+
+impl PartialEq for RemoteShards {
+    fn eq(&self, other: &Self) -> bool {
+        std::sync::Arc::ptr_eq(&self.0, &other.0)
+    }
 }
 
 /// The seed of every dummy checkpoint: all nodes and runs make the same weights.
@@ -54,6 +73,7 @@ impl ModelSource {
             dir: dir.to_path_buf(),
             load_format: LoadFormat::Safetensors,
             num_layers: None,
+            remote: None,
         }
     }
 
@@ -83,7 +103,9 @@ impl ModelSource {
     /// The checkpoint to read `config`'s tensors from.
     pub fn checkpoint(&self, config: &ModelConfig) -> Result<Checkpoint, ModelError> {
         match self.load_format {
-            LoadFormat::Safetensors => Checkpoint::open(&self.dir),
+            LoadFormat::Safetensors => {
+                Checkpoint::open_with(&self.dir, self.remote.as_ref().map(|r| r.0.clone()))
+            }
             LoadFormat::Dummy => {
                 tracing::warn!(
                     dir = %self.dir.display(),
@@ -117,6 +139,12 @@ pub enum ModelError {
     NoWeights { dir: PathBuf },
     #[error("{index} names shard {shard}, which does not exist")]
     MissingShard { index: PathBuf, shard: PathBuf },
+    #[error("{path} is not on disk and {what} could not be downloaded: {reason}")]
+    Fetch {
+        path: PathBuf,
+        what: &'static str,
+        reason: String,
+    },
     #[error("{path} is corrupt: {reason}")]
     Corrupt { path: PathBuf, reason: String },
     #[error("tensor `{name}` (shape {expected_shape:?}) is missing from the checkpoint")]

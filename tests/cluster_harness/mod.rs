@@ -132,12 +132,25 @@ impl ClusterSpec {
 
 impl Node {
     pub fn start(name: &str, config_path: PathBuf, model: PathBuf) -> Node {
-        let process = Process::serve(&[
-            OsStr::new("--config"),
-            config_path.as_os_str(),
-            OsStr::new("--model"),
-            model.as_os_str(),
-        ]);
+        Node::start_with_env(name, config_path, model, &[])
+    }
+
+    /// As [`Node::start`], with `env` added to the node's environment.
+    pub fn start_with_env(
+        name: &str,
+        config_path: PathBuf,
+        model: PathBuf,
+        env: &[(&str, &OsStr)],
+    ) -> Node {
+        let process = Process::serve_with_env(
+            &[
+                OsStr::new("--config"),
+                config_path.as_os_str(),
+                OsStr::new("--model"),
+                model.as_os_str(),
+            ],
+            env,
+        );
         Node {
             name: name.to_string(),
             base: process.base.clone(),

@@ -239,15 +239,18 @@ impl Shared {
         range: Option<&str>,
     ) -> std::io::Result<()> {
         let size = std::fs::metadata(path)?.len();
-        let from = range
+        // `bytes=FROM-` or `bytes=FROM-TO` (TO inclusive).
+        let (from, to) = range
             .and_then(|r| r.strip_prefix("bytes="))
-            .and_then(|r| r.strip_suffix('-'))
-            .and_then(|r| r.parse::<u64>().ok())
-            .unwrap_or(0);
-        let status = if from > 0 {
+            .and_then(|r| r.split_once('-'))
+            .map_or((0, None), |(from, to)| {
+                (from.parse::<u64>().unwrap_or(0), to.parse::<u64>().ok())
+            });
+        let end = to.map_or(size, |to| (to + 1).min(size));
+        let status = if from > 0 || end < size {
             format!(
                 "206 Partial Content\r\nContent-Range: bytes {from}-{}/{size}",
-                size - 1
+                end - 1
             )
         } else {
             "200 OK".to_string()
@@ -255,7 +258,7 @@ impl Shared {
         let head = format!(
             "HTTP/1.1 {status}\r\nX-Repo-Commit: {COMMIT}\r\nContent-Length: {}\r\n\
              Connection: close\r\n\r\n",
-            size - from
+            end - from
         );
         out.write_all(head.as_bytes())?;
         let mut source = std::fs::File::open(path)?;
@@ -281,7 +284,7 @@ impl Shared {
         }
         let mut body = Vec::new();
         source
-            .take(cut.unwrap_or(u64::MAX))
+            .take(cut.unwrap_or(u64::MAX).min(end - from))
             .read_to_end(&mut body)?;
         if corrupt && from == 0 && !body.is_empty() {
             body[0] ^= 0xff;

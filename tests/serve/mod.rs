@@ -25,13 +25,18 @@ pub struct Process {
 impl Process {
     /// `moe-node serve --listen 127.0.0.1:0 ARGS...`, waiting until it listens.
     pub fn serve(args: &[&std::ffi::OsStr]) -> Process {
+        Process::serve_with_env(args, &[])
+    }
+
+    /// As [`Process::serve`], with `env` added to the environment.
+    pub fn serve_with_env(args: &[&OsStr], env: &[(&str, &OsStr)]) -> Process {
         let mut all = vec![
             OsStr::new("serve"),
             OsStr::new("--listen"),
             OsStr::new("127.0.0.1:0"),
         ];
         all.extend(args);
-        Process::start(&all)
+        Process::start_with_env(&all, env)
     }
 
     /// `moe-node ARGS...` (a command that serves HTTP and logs where), waiting until it
