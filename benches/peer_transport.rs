@@ -38,6 +38,7 @@ fn request(rows: u32, dtype: Dtype) -> ExpertRequest {
         dtype,
         groups: vec![(5, rows)],
         rows: (0..rows * WIDTH).map(|i| (i % 977) as f32 * 0.01).collect(),
+        trace: None,
     }
 }
 

@@ -149,6 +149,7 @@ fn request(tokens: u32) -> ExpertRequest {
         rows: (0..tokens * WIDTH)
             .map(|i| (i % 977) as f32 * 0.01)
             .collect(),
+        trace: None,
     }
 }
 

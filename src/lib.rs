@@ -55,3 +55,5 @@ pub mod placement;
 pub mod logging;
 /// Start-up progress, for the log and systemd.
 mod progress;
+/// OpenTelemetry traces over OTLP: spans of requests, steps, dispatches and peer calls.
+pub mod telemetry;

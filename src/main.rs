@@ -244,18 +244,27 @@ const EXIT_CONFIG: u8 = 78;
 const EXIT_DATA: u8 = 65;
 
 fn init_logging(format: LogFormat) {
-    init_logging_filtered(format, "");
+    init_logging_filtered(format, "", &Default::default(), "");
 }
 
 /// Logging with `logging.filter` (empty: `RUST_LOG`, else info); the filter can be changed
-/// later through `moe_node::logging::set_filter` (a reload).
-fn init_logging_filtered(format: LogFormat, filter: &str) {
+/// later through `moe_node::logging::set_filter` (a reload). With
+/// `telemetry.otlp_endpoint`, spans are exported as OpenTelemetry traces too (`node` names
+/// this process in them).
+fn init_logging_filtered(
+    format: LogFormat,
+    filter: &str,
+    telemetry: &moe_node::config::TelemetryConfig,
+    node: &str,
+) {
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
     let builder = tracing_subscriber::fmt()
         .with_env_filter(moe_node::logging::filter_for(filter))
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal());
     // A malformed request is the client's mistake: INFO, at most once a minute.
-    match format {
+    let traces = match format {
         LogFormat::Text => {
             let builder = builder
                 .event_format(ClientMistakes::new(tracing_subscriber::fmt::format()))
@@ -264,7 +273,11 @@ fn init_logging_filtered(format: LogFormat, filter: &str) {
             moe_node::logging::install_filter_reload(Box::new(move |f| {
                 handle.reload(f).map_err(|e| e.to_string())
             }));
-            builder.init()
+            let subscriber = builder.finish();
+            let traces = moe_node::telemetry::layer(telemetry, node);
+            let (layer, traces) = split(traces);
+            subscriber.with(layer).init();
+            traces
         }
         LogFormat::Json => {
             let builder = builder
@@ -277,8 +290,32 @@ fn init_logging_filtered(format: LogFormat, filter: &str) {
             moe_node::logging::install_filter_reload(Box::new(move |f| {
                 handle.reload(f).map_err(|e| e.to_string())
             }));
-            builder.init()
+            let subscriber = builder.finish();
+            let traces = moe_node::telemetry::layer(telemetry, node);
+            let (layer, traces) = split(traces);
+            subscriber.with(layer).init();
+            traces
         }
+    };
+    match traces {
+        Err(error) => tracing::error!(%error, "traces are not exported"),
+        Ok(true) => tracing::info!(
+            endpoint = %telemetry.otlp_endpoint,
+            sample_ratio = telemetry.sample_ratio,
+            "exporting traces over OTLP"
+        ),
+        Ok(false) => {}
+    }
+}
+
+/// The traces layer to install, and whether there is one (or why it could not be made).
+fn split<L>(made: Result<Option<L>, String>) -> (Option<L>, Result<bool, String>) {
+    match made {
+        Ok(layer) => {
+            let on = layer.is_some();
+            (layer, Ok(on))
+        }
+        Err(error) => (None, Err(error)),
     }
 }
 
@@ -555,7 +592,12 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         env: node_env(),
         overrides: overrides.clone(),
     })?;
-    init_logging_filtered(config.logging.format, &config.logging.filter);
+    init_logging_filtered(
+        config.logging.format,
+        &config.logging.filter,
+        &config.telemetry,
+        &config.cluster.node_id,
+    );
     for warning in config.warnings() {
         tracing::warn!("{warning}");
     }
@@ -568,7 +610,10 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
             overrides: overrides.clone(),
         })
     });
-    match serve(config, reload) {
+    let served = serve(config, reload);
+    // The spans not sent yet go before the process does.
+    moe_node::telemetry::shutdown();
+    match served {
         Ok(()) => {
             tracing::info!("stopped");
             Ok(())
@@ -595,8 +640,15 @@ fn run_gateway(path: PathBuf, listen: Option<String>) -> anyhow::Result<()> {
         env: node_env(),
         overrides,
     })?;
-    init_logging_filtered(config.logging.format, &config.logging.filter);
-    moe_node::gateway::run(config)?;
+    init_logging_filtered(
+        config.logging.format,
+        &config.logging.filter,
+        &config.telemetry,
+        &config.cluster.node_id,
+    );
+    let ran = moe_node::gateway::run(config);
+    moe_node::telemetry::shutdown();
+    ran?;
     tracing::info!("gateway stopped");
     Ok(())
 }

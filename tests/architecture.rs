@@ -24,19 +24,21 @@ const FLOORS: &[&[(&str, &str)]] = &[
             "placement",
             "pure placement algorithms: which device holds which expert",
         ),
-        (
-            "hub",
-            "models by Hugging Face name: the hub's cache layout and downloads",
-        ),
     ],
     &[(
         "model",
         "checkpoints: configs, tensors into compute blocks, tokenizer, templates",
     )],
-    &[(
-        "config",
-        "the node's configuration as plain data, validated whole",
-    )],
+    &[
+        (
+            "config",
+            "the node's configuration as plain data, validated whole",
+        ),
+        (
+            "hub",
+            "models by Hugging Face name: the hub's cache layout, downloads, shards as read",
+        ),
+    ],
     &[
         ("cluster", "gossip membership"),
         ("transport", "peer links: wire format, TCP, UCX, in-memory"),
@@ -46,6 +48,10 @@ const FLOORS: &[&[(&str, &str)]] = &[
             "the control plane (server) and a node's client of it",
         ),
     ],
+    &[(
+        "telemetry",
+        "OpenTelemetry traces: spans of requests, steps, dispatches and peer calls",
+    )],
     &[(
         "experts",
         "the expert data plane: executor seam, dispatcher, device actors, remote half",

@@ -73,6 +73,7 @@ fn request(rows: u32, seed: u32) -> ExpertRequest {
         rows: (0..rows * WIDTH)
             .map(|i| ((i + seed) % 977) as f32 * 0.01 - 4.0)
             .collect(),
+        trace: None,
     }
 }
 
@@ -546,6 +547,7 @@ fn header_only(
             dtype: Dtype::Bf16,
             groups: vec![(0, rows)],
             rows: Vec::new(),
+            trace: None,
         };
         // The header and groups of a frame with that many rows, without building the rows.
         let mut frame = wire::encode_request(

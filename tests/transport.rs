@@ -302,6 +302,7 @@ fn make_request(seed: u64, dtype: Dtype) -> ExpertRequest {
         dtype,
         groups,
         rows,
+        trace: None,
     }
 }
 
@@ -400,6 +401,7 @@ fn layer_request(seed: u32, dtype: Dtype) -> ExpertRequest {
         rows: (0..256 * width)
             .map(|i| ((i + seed) % 977) as f32 / 8.0)
             .collect(),
+        trace: None,
     }
 }
 
@@ -651,6 +653,7 @@ fn layer_sized_requests_round_trip_exactly(kind: Kind) {
             dtype,
             groups,
             rows,
+            trace: None,
         };
         let reply = call(&client, request.clone(), Duration::from_secs(20)).expect("reply");
         assert_reply(&request, &reply);
@@ -1139,6 +1142,7 @@ fn full_queue_is_overloaded_at_once_and_close_fails_the_rest() {
         dtype: Dtype::F32,
         groups: vec![(0, 256)],
         rows: vec![1.0; 256 * 1024],
+        trace: None,
     };
     let (tx, rx) = mpsc::channel();
     let mut queued = 0;

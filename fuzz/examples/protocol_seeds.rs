@@ -44,6 +44,7 @@ fn wire_seeds() -> Vec<(String, Vec<u8>)> {
             dtype,
             groups: vec![(0, 1), (5, 2)],
             rows: vec![0.5, -1.0, 2.0, 3.5, -0.25, 8.0],
+            trace: None,
         };
         let frame = wire::encode_request(7, &request).expect("request");
         seeds.push((format!("request-{name}"), [&[0x30], &frame[..]].concat()));

@@ -109,6 +109,7 @@ pub(super) async fn submit(
     served: &ServedModel,
     request: &mut Admitted,
 ) -> Result<mpsc::Receiver<SequenceEvent>, ApiError> {
+    let span = request_span(request);
     served
         .node
         .router
@@ -122,12 +123,26 @@ pub(super) async fn submit(
             prompt_logprobs: request.echo.as_ref().and_then(|echo| echo.logprobs),
             constraint: request.constraint.take(),
             resumed: request.resumed.clone(),
+            span,
         })
         .await
         .map_err(|e| match e {
             SubmitError::QueueFull(full) => ApiError::overloaded(full.to_string()),
             SubmitError::Stopped => ApiError::unavailable(e.to_string()),
         })
+}
+
+/// The span of a generation request, when traces are exported ([`crate::telemetry`]).
+fn request_span(request: &Admitted) -> tracing::Span {
+    if !crate::telemetry::enabled() {
+        return tracing::Span::none();
+    }
+    tracing::info_span!(
+        "request",
+        prompt_tokens = request.prompt.len(),
+        max_tokens = request.max_tokens,
+        choices = request.choices,
+    )
 }
 
 /// The first event of generation `id`. The response's status waits for it, streamed or

@@ -21,7 +21,7 @@ pub const ENV_PREFIX: &str = "MOE_NODE";
 pub use sections::{
     Backend, BatchingConfig, ClusterConfig, ControlPlaneSection, DevicesConfig, GatewayConfig,
     LogFormat, LoggingConfig, MetricsConfig, ModelSection, NodeConfig, OnUnavailable, PeerSection,
-    PeerTransport, PlacementConfig, ServerConfig, mib_to_bytes,
+    PeerTransport, PlacementConfig, ServerConfig, TelemetryConfig, mib_to_bytes,
 };
 
 /// The largest `server.max_request_bytes`.
@@ -164,6 +164,8 @@ impl NodeConfig {
         section(&merged, "batching", &mut config.batching, &mut problems);
         section(&merged, "metrics", &mut config.metrics, &mut problems);
         section(&merged, "logging", &mut config.logging, &mut problems);
+        section(&merged, "telemetry", &mut config.telemetry, &mut problems);
+        section(&merged, "gateway", &mut config.gateway, &mut problems);
         section(&merged, "cluster", &mut config.cluster, &mut problems);
         section(&merged, "peer", &mut config.peer, &mut problems);
         section(&merged, "placement", &mut config.placement, &mut problems);
@@ -198,6 +200,7 @@ impl NodeConfig {
                 self.logging.filter
             ));
         }
+        problems.extend(self.telemetry.problems());
         if self.server.api_keys.iter().any(|k| k.trim().is_empty()) {
             problems.push("server.api_keys: keys must not be empty".into());
         }

@@ -18,6 +18,7 @@ pub struct NodeConfig {
     pub batching: BatchingConfig,
     pub metrics: MetricsConfig,
     pub logging: LoggingConfig,
+    pub telemetry: TelemetryConfig,
     pub cluster: ClusterConfig,
     pub peer: PeerSection,
     pub placement: PlacementConfig,
@@ -755,6 +756,59 @@ pub struct LoggingConfig {
     /// Which events are written, in `RUST_LOG`'s syntax (e.g. "info" or
     /// "info,moe_node::cluster=debug"). Empty: `RUST_LOG`, else "info".
     pub filter: String,
+}
+
+/// OpenTelemetry traces: a span per generation request, its steps, each MoE layer's
+/// dispatch and each call to another node (continued there as the same trace), exported over
+/// OTLP. Off unless `otlp_endpoint` is set.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TelemetryConfig {
+    /// Where spans go: an OTLP/HTTP traces endpoint (protobuf bodies), e.g.
+    /// "http://127.0.0.1:4318/v1/traces" for a local OpenTelemetry Collector. Empty: off.
+    pub otlp_endpoint: String,
+    /// The share of requests traced (0 to 1). A traced request of 1,000 tokens on a model of
+    /// 60 MoE layers makes about 60,000 dispatch spans.
+    pub sample_ratio: f64,
+    /// `service.name` of the spans.
+    pub service_name: String,
+}
+
+impl TelemetryConfig {
+    /// Values that parse but cannot work.
+    pub fn problems(&self) -> Vec<String> {
+        let mut problems = Vec::new();
+        if !self.otlp_endpoint.is_empty()
+            && !reqwest::Url::parse(&self.otlp_endpoint)
+                .is_ok_and(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some())
+        {
+            problems.push(format!(
+                "telemetry.otlp_endpoint: `{}` is not a URL like \
+                 http://127.0.0.1:4318/v1/traces",
+                self.otlp_endpoint
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.sample_ratio) {
+            problems.push(format!(
+                "telemetry.sample_ratio: {} is not between 0 and 1",
+                self.sample_ratio
+            ));
+        }
+        if self.service_name.trim().is_empty() {
+            problems.push("telemetry.service_name: must not be empty".into());
+        }
+        problems
+    }
+}
+
+impl Default for TelemetryConfig {
+    fn default() -> Self {
+        TelemetryConfig {
+            otlp_endpoint: String::new(),
+            sample_ratio: 0.01,
+            service_name: "moe-node".into(),
+        }
+    }
 }
 
 impl Default for ServerConfig {

@@ -296,3 +296,22 @@ fn shipped_file_is_valid_and_equals_the_defaults() {
     .unwrap();
     assert_eq!(config, NodeConfig::default());
 }
+
+#[test]
+fn every_section_is_read_from_the_file() {
+    // One key changed in each section: a section the loader forgets keeps its default, and
+    // the comparison names it.
+    let file = "[server]\ndrain_seconds = 7\n[model]\nnum_layers = 2\n[devices]\ncpu_slots = 3\n\
+                [batching]\nmax_sequences = 5\n[metrics]\nper_expert = true\n\
+                [logging]\nformat = \"json\"\n[telemetry]\nsample_ratio = 0.5\n\
+                [cluster]\nexpect_nodes = 4\n[peer]\ntransport = \"tcp\"\n\
+                [placement]\nwindow_seconds = 61\n[control_plane]\nheartbeat_seconds = 11\n\
+                [gateway]\nstall_seconds = 13\n";
+    let config = load(file, &[]).unwrap();
+    let loaded = serde_json::to_value(&config).unwrap();
+    let defaults = serde_json::to_value(NodeConfig::default()).unwrap();
+    let sections = defaults.as_object().unwrap();
+    for (name, default) in sections {
+        assert_ne!(&loaded[name], default, "[{name}] in the file was not read");
+    }
+}

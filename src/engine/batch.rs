@@ -585,8 +585,16 @@ impl<S> Batcher<S> {
     /// inputs, empty when there is nothing to do.
     pub fn plan_step(
         &mut self,
-        mut copy: impl FnMut(&KvCache) -> Result<KvCache, EngineError>,
+        copy: impl FnMut(&KvCache) -> Result<KvCache, EngineError>,
     ) -> Vec<SequenceStep<'_>> {
+        self.prepare_step(copy);
+        self.planned_steps()
+    }
+
+    /// The first half of [`Batcher::plan_step`]: admits, plans the step's tokens, and
+    /// preempts what does not fit; [`Batcher::planned_sinks`] then tells whose sequences
+    /// the step runs, and [`Batcher::planned_steps`] gives the step.
+    pub fn prepare_step(&mut self, mut copy: impl FnMut(&KvCache) -> Result<KvCache, EngineError>) {
         self.admit(&mut copy);
         self.plan_tokens();
         if let Some(kv) = self.limits.kv {
@@ -609,6 +617,15 @@ impl<S> Batcher<S> {
                 self.plan_tokens();
             }
         }
+    }
+
+    /// The sinks of the sequences the prepared step runs, in plan order.
+    pub fn planned_sinks(&self) -> impl Iterator<Item = &S> {
+        self.planned.iter().map(|&(i, _)| &self.running[i].sink)
+    }
+
+    /// The step [`Batcher::prepare_step`] planned.
+    pub fn planned_steps(&mut self) -> Vec<SequenceStep<'_>> {
         let mut planned = self.planned.iter().peekable();
         let mut steps = Vec::with_capacity(self.planned.len());
         for (i, s) in self.running.iter_mut().enumerate() {

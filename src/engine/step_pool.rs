@@ -37,8 +37,11 @@ fn pool() -> &'static rayon::ThreadPool {
     })
 }
 
-/// Runs `step` on the step pool, its other workers kept awake until it returns.
+/// Runs `step` on the step pool, its other workers kept awake until it returns. It runs in
+/// the caller's current span (a traced step's dispatches are recorded under it).
 pub(crate) fn run<R: Send>(step: impl FnOnce() -> R + Send) -> R {
+    let span = tracing::Span::current();
+    let step = move || span.in_scope(step);
     pool().install(|| {
         let done = AtomicBool::new(false);
         let home = rayon::current_thread_index();

@@ -467,6 +467,15 @@ impl Dispatcher {
             });
         }
         self.load.tick();
+        let span = crate::telemetry::child_of_current(|| {
+            tracing::info_span!(
+                "dispatch",
+                layer,
+                groups = experts.len(),
+                rows = group_rows.iter().sum::<usize>()
+            )
+        });
+        let _in_span = span.enter();
         // One snapshot for the whole call; its token tells a switch when the call is done.
         let served = self.served();
         let policy = Policy {

@@ -236,6 +236,11 @@ impl RemoteNodes for PeerNodes {
             .ok_or_else(|| TargetError::Gone(GoneCause::MemberDead { node: id.clone() }))?;
         let asked = work.groups.clone();
         let width = self.width;
+        // Open until the reply comes; the node that does the work records it under this.
+        let span = crate::telemetry::child_of_current(
+            || tracing::info_span!("peer_call", peer = %id, groups = asked.len()),
+        );
+        let trace = crate::telemetry::context_of(&span);
         let request = RequestHead {
             layer: work.layer as u32,
             placement_version: work.placement_version,
@@ -244,6 +249,7 @@ impl RemoteNodes for PeerNodes {
             // rounds rows to bf16 itself, so bf16 on the wire changes nothing but the bytes.
             dtype,
             groups: work.groups,
+            trace,
         };
         // On a refused send the client drops its completion uncalled: the answer is kept
         // here so that the real error, not "dropped", is what the dispatcher hears.
@@ -254,6 +260,7 @@ impl RemoteNodes for PeerNodes {
             request,
             &work.rows,
             Box::new(move |result| {
+                drop(span);
                 let answer = completion_slot
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
@@ -322,6 +329,16 @@ pub fn serve_remote_work(dispatcher: Arc<OnceLock<Arc<Dispatcher>>>, width: usiz
         let experts: Vec<u32> = request.groups.iter().map(|&(e, _)| e).collect();
         let rows: Vec<usize> = request.groups.iter().map(|&(_, r)| r as usize).collect();
         let layer = request.layer as usize;
+        // A traced call: this work is recorded as its child, in the caller's trace.
+        let span = match request.trace {
+            Some(parent) if crate::telemetry::enabled() => {
+                let span = tracing::info_span!("expert_call", layer, groups = experts.len());
+                crate::telemetry::set_remote_parent(&span, parent);
+                span
+            }
+            _ => tracing::Span::none(),
+        };
+        let _in_span = span.enter();
         // The rows as decoded, shared with the device actors that run the groups.
         let input = Arc::new(request.rows);
         // The outputs go into the reply frame from where the devices left them.

@@ -325,7 +325,7 @@ pub fn resolve_model(
     };
     let dir = resolve_name(&name, env, weights)?;
     let remote = (weights == Weights::AsRead && dir.join(WEIGHTS_INDEX).is_file())
-        .then(|| shards::HubShards::new(&name, env, &dir));
+        .then(|| shards::HubShards::source(&name, env, &dir));
     Ok(Resolved {
         dir,
         name: Some(name),

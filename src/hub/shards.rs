@@ -99,7 +99,7 @@ pub(super) struct HubShards {
 
 impl HubShards {
     /// The source of the shards the snapshot folder `snapshot` lacks.
-    pub(super) fn new(name: &ModelName, env: &HubEnv, snapshot: &Path) -> RemoteShards {
+    pub(super) fn source(name: &ModelName, env: &HubEnv, snapshot: &Path) -> RemoteShards {
         let commit = snapshot
             .file_name()
             .map(|c| c.to_string_lossy().into_owned())

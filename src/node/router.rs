@@ -24,6 +24,9 @@ pub struct EventSink {
     events: mpsc::Sender<SequenceEvent>,
     admitted: Instant,
     last_token: Option<Instant>,
+    /// The request's span (closed when the sequence leaves the batch); the steps it takes
+    /// part in are recorded under it ([`crate::telemetry`]).
+    span: tracing::Span,
 }
 
 pub struct RouterActor {
@@ -94,6 +97,8 @@ pub struct Submit {
     /// Tokens generated before, elsewhere: the generation goes on after them
     /// ([`Sequence::resuming`]).
     pub resumed: Vec<u32>,
+    /// The request's span ([`crate::telemetry`]); `Span::none()` when it is not traced.
+    pub span: tracing::Span,
 }
 
 impl Submit {
@@ -108,6 +113,7 @@ impl Submit {
             logprobs: None,
             prompt_logprobs: None,
             constraint: None,
+            span: tracing::Span::none(),
             resumed: Vec::new(),
         }
     }
@@ -313,6 +319,7 @@ impl Handler<Submit> for RouterActor {
             events,
             admitted: Instant::now(),
             last_token: None,
+            span: msg.span,
         };
         let sequence = Sequence::new(
             msg.prompt,
@@ -344,12 +351,14 @@ impl Handler<Step> for RouterActor {
             tracing::debug!(cancelled, "clients went away; their sequences were dropped");
         }
         let engine = &self.engine;
-        let mut steps = self.batcher.plan_step(|cache| engine.fork_cache(cache));
+        self.batcher.prepare_step(|cache| engine.fork_cache(cache));
+        let span = step_span(self.batcher.planned_sinks().map(|sink| &sink.span));
+        let mut steps = self.batcher.planned_steps();
         if !steps.is_empty() {
             let tokens = steps.iter().map(|s| s.tokens.len()).sum();
             self.lanes.count_tokens(self.lane, tokens);
             self.clock.begin(Instant::now());
-            let result = self.engine.forward(&mut steps);
+            let result = span.in_scope(|| self.engine.forward(&mut steps));
             self.clock.end();
             let rerouted: Vec<bool> = steps.iter().map(|s| s.rerouted).collect();
             drop(steps);
@@ -382,6 +391,23 @@ impl Handler<Step> for RouterActor {
         self.update_gauges();
         self.schedule_step(ctx);
     }
+}
+
+/// The span of a step that runs the sequences of `requests`: the child of the first
+/// traced one, linked to the others; none when no request is traced.
+fn step_span<'a>(requests: impl Iterator<Item = &'a tracing::Span>) -> tracing::Span {
+    if !crate::telemetry::enabled() {
+        return tracing::Span::none();
+    }
+    let mut traced = requests.filter(|span| crate::telemetry::sampled(span));
+    let Some(parent) = traced.next() else {
+        return tracing::Span::none();
+    };
+    let span = tracing::info_span!(parent: parent, "step");
+    for other in traced {
+        crate::telemetry::link(&span, other);
+    }
+    span
 }
 
 /// Latency and token metrics for one event.

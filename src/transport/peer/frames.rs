@@ -104,7 +104,7 @@ pub(super) fn rows_bytes(header: &FrameHeader) -> u64 {
     if header.kind == FrameKind::Error {
         return 0;
     }
-    let group_bytes = u64::from(header.group_count) * 8;
+    let group_bytes = wire::groups_len(header) as u64;
     let row_bytes = u64::from(header.payload_len).saturating_sub(group_bytes);
     row_bytes / header.dtype.size() as u64 * 4
 }
@@ -125,10 +125,11 @@ pub(super) async fn read_body<S: AsyncBufRead + DecodedRows + Unpin>(
         wire::decode_error(&payload).map(FrameBody::Error)
     } else {
         // Bounded by payload_len (checked with the header), and by what arrives.
-        let mut group_bytes = vec![0u8; header.group_count as usize * 8];
+        let mut group_bytes = vec![0u8; wire::groups_len(&header)];
         read_payload(stream, &mut group_bytes, &header, stats).await?;
         match wire::decode_groups(&header, &group_bytes) {
-            Ok((groups, values)) => 'rows: {
+            Ok(groups) => 'rows: {
+                let values = groups.values;
                 if values > 0 {
                     let decoded = std::future::poll_fn(|context| {
                         Pin::new(&mut *stream).poll_decoded_rows(context, values, header.dtype)

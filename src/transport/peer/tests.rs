@@ -36,6 +36,7 @@ fn frames_read_in_pieces_of_any_size_are_the_frames_sent() {
             dtype,
             groups: vec![(1, 2), (4, 1)],
             rows: (0..15).map(|i| i as f32 * 0.75 - 4.0).collect(),
+            trace: None,
         };
         let mut bytes = wire::encode_request(11, &request).expect("encode");
         let reply = ExpertReply {

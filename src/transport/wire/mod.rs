@@ -9,7 +9,7 @@
 //!      0    4 magic              b"MOEW"
 //!      4    1 version            WIRE_VERSION
 //!      5    1 kind               1 request, 2 reply, 3 error
-//!      6    2 flags              reserved, must be 0
+//!      6    2 flags              bit 0: a request carries a trace context; others 0
 //!      8    8 request_id         chosen by the client, echoed in the reply or error
 //!     16    4 layer              MoE layer of the work (echoed in the reply)
 //!     20    8 placement_version  placement the client routed under (echoed in the reply)
@@ -20,8 +20,9 @@
 //!     40    4 payload_len        bytes after the header
 //! ```
 //!
-//! Request and reply payload: `group_count` × (expert u32, rows u32), then
-//! `sum(rows) × width` values in `dtype` (f32: raw IEEE bits; bf16: rounded to nearest even
+//! Request and reply payload: `group_count` × (expert u32, rows u32), then for a request
+//! with flag bit 0 its trace context ([`TraceContext`]: trace id 16 bytes, span id 8, trace
+//! flags 1), then `sum(rows) × width` values in `dtype` (f32: raw IEEE bits; bf16: rounded to nearest even
 //! from f32 by the `half` crate). Error payload: a code byte and its fields (see
 //! [`RemoteError`]); the header then has zero groups and zero width.
 //!
@@ -33,9 +34,11 @@
 use thiserror::Error;
 
 mod rows;
+mod trace;
 mod values;
 
 pub use rows::{GroupRows, Rows};
+pub use trace::{TRACE_LEN, TraceContext};
 pub(crate) use values::{bf16_bits_to_f32, decode_into, encode_into, f32_to_bf16_bits};
 pub use values::{decode_values, decode_values_append, encode_values, encode_values_append};
 
@@ -56,6 +59,8 @@ const KIND_REQUEST: u8 = 1;
 const KIND_REPLY: u8 = 2;
 const KIND_ERROR: u8 = 3;
 const GROUP_BYTES: u64 = 8;
+/// Header flag: a trace context follows a request's groups.
+const FLAG_TRACED: u16 = 1;
 
 /// The precision rows travel in: the one the receiving device consumes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -100,6 +105,8 @@ pub struct ExpertRequest {
     pub groups: Vec<(u32, u32)>,
     /// All groups' rows concatenated: `sum(rows) × width` values.
     pub rows: Vec<f32>,
+    /// The sending node's span of this call, when it is traced.
+    pub trace: Option<TraceContext>,
 }
 
 /// A request's header fields and groups without its rows, for a sender that encodes the
@@ -112,6 +119,8 @@ pub struct RequestHead {
     pub dtype: Dtype,
     /// (expert, rows) per group, in plan order.
     pub groups: Vec<(u32, u32)>,
+    /// The sending node's span of this call, when it is traced.
+    pub trace: Option<TraceContext>,
 }
 
 /// The reply: output rows in the same group order (always `width` values per row).
@@ -183,6 +192,8 @@ pub struct FrameHeader {
     pub width: u32,
     pub dtype: Dtype,
     pub payload_len: u32,
+    /// A request whose trace context follows its groups.
+    pub traced: bool,
 }
 
 /// A decoded frame body.
@@ -302,8 +313,9 @@ fn request_prefix(request_id: u64, request: &ExpertRequest) -> Result<Vec<u8>, W
         width: request.width,
         dtype: request.dtype,
         payload_len: 0,
+        traced: false,
     };
-    rows_frame_prefix(header, &request.groups, request.rows.len())
+    rows_frame_prefix(header, &request.groups, request.rows.len(), request.trace)
 }
 
 /// The header and groups of the request frame of `head` whose rows are `value_count`
@@ -322,8 +334,9 @@ pub fn request_head_prefix(
         width: head.width,
         dtype: head.dtype,
         payload_len: 0,
+        traced: false,
     };
-    rows_frame_prefix(header, &head.groups, value_count)
+    rows_frame_prefix(header, &head.groups, value_count, head.trace)
 }
 
 /// Encodes a reply frame for the request it answers (`layer`, `placement_version`, `width`
@@ -366,8 +379,9 @@ pub fn reply_frame(
         width,
         dtype,
         payload_len: 0,
+        traced: false,
     };
-    let prefix = rows_frame_prefix(header, &reply.groups, reply.rows.len())?;
+    let prefix = rows_frame_prefix(header, &reply.groups, reply.rows.len(), None)?;
     Ok(RowsFrame {
         prefix,
         rows: reply.rows,
@@ -409,6 +423,7 @@ pub fn encode_error(request_id: u64, error: &RemoteError) -> Vec<u8> {
         dtype: Dtype::F32,
         // The payload is at most 1 + 4 + MAX_ERROR_MESSAGE bytes.
         payload_len: payload.len() as u32,
+        traced: false,
     };
     let mut out = Vec::with_capacity(HEADER_LEN + payload.len());
     write_header(&mut out, &header);
@@ -431,6 +446,7 @@ fn rows_frame_prefix(
     mut header: FrameHeader,
     groups: &[(u32, u32)],
     value_count: usize,
+    trace: Option<TraceContext>,
 ) -> Result<Vec<u8>, WireError> {
     if header.width == 0 {
         return Err(WireError::malformed("row width 0"));
@@ -450,32 +466,44 @@ fn rows_frame_prefix(
             header.width,
         )));
     }
-    let payload_len = payload_len_for(group_count, values, header.dtype)
+    header.traced = trace.is_some();
+    let payload_len = payload_len_for(group_count, values, header.dtype, header.traced)
         .and_then(|len| u32::try_from(len).ok())
         .ok_or_else(|| WireError::malformed("payload does not fit a frame (over 4 GiB)"))?;
     header.group_count = group_count;
     header.payload_len = payload_len;
 
-    let mut out = Vec::with_capacity(HEADER_LEN + groups.len() * GROUP_BYTES as usize);
+    let mut out = Vec::with_capacity(HEADER_LEN + groups_len(&header));
     write_header(&mut out, &header);
     for &(expert, count) in groups {
         out.extend_from_slice(&expert.to_le_bytes());
         out.extend_from_slice(&count.to_le_bytes());
     }
+    if let Some(trace) = trace {
+        trace.encode_append(&mut out);
+    }
     Ok(out)
 }
 
-fn payload_len_for(group_count: u32, values: u64, dtype: Dtype) -> Option<u64> {
+fn payload_len_for(group_count: u32, values: u64, dtype: Dtype, traced: bool) -> Option<u64> {
     let groups = u64::from(group_count).checked_mul(GROUP_BYTES)?;
     let rows = values.checked_mul(dtype.size() as u64)?;
-    groups.checked_add(rows)
+    let trace = if traced { TRACE_LEN as u64 } else { 0 };
+    groups.checked_add(rows)?.checked_add(trace)
+}
+
+/// The bytes before a request's or reply's rows in its payload: its groups, and a
+/// request's trace context when it carries one.
+pub fn groups_len(header: &FrameHeader) -> usize {
+    header.group_count as usize * GROUP_BYTES as usize + if header.traced { TRACE_LEN } else { 0 }
 }
 
 fn write_header(out: &mut Vec<u8>, header: &FrameHeader) {
     out.extend_from_slice(&MAGIC);
     out.push(WIRE_VERSION);
     out.push(header.kind.code());
-    out.extend_from_slice(&0u16.to_le_bytes());
+    let flags = if header.traced { FLAG_TRACED } else { 0 };
+    out.extend_from_slice(&flags.to_le_bytes());
     out.extend_from_slice(&header.request_id.to_le_bytes());
     out.extend_from_slice(&header.layer.to_le_bytes());
     out.extend_from_slice(&header.placement_version.to_le_bytes());
@@ -560,11 +588,17 @@ pub fn decode_header(bytes: &[u8], limits: &WireLimits) -> Result<FrameHeader, W
         other => return Err(WireError::BadKind(other)),
     };
     let flags = u16::from_le_bytes(reader.array()?);
-    if flags != 0 {
+    let allowed = if kind == FrameKind::Request {
+        FLAG_TRACED
+    } else {
+        0
+    };
+    if flags & !allowed != 0 {
         return Err(WireError::malformed(format!(
             "reserved flags {flags:#06x} set"
         )));
     }
+    let traced = flags & FLAG_TRACED != 0;
     let request_id = reader.u64()?;
     let layer = reader.u32()?;
     let placement_version = reader.u64()?;
@@ -602,7 +636,8 @@ pub fn decode_header(bytes: &[u8], limits: &WireLimits) -> Result<FrameHeader, W
             if width == 0 {
                 return Err(WireError::malformed("row width 0"));
             }
-            let group_bytes = u64::from(group_count) * GROUP_BYTES;
+            let trace = if traced { TRACE_LEN as u64 } else { 0 };
+            let group_bytes = u64::from(group_count) * GROUP_BYTES + trace;
             if group_bytes > u64::from(payload_len) {
                 return Err(WireError::malformed(format!(
                     "{group_count} groups need {group_bytes} bytes but the payload has {payload_len}"
@@ -619,6 +654,7 @@ pub fn decode_header(bytes: &[u8], limits: &WireLimits) -> Result<FrameHeader, W
         width,
         dtype,
         payload_len,
+        traced,
     })
 }
 
@@ -633,21 +669,27 @@ pub fn decode_payload(header: &FrameHeader, payload: &[u8]) -> Result<FrameBody,
     if header.kind == FrameKind::Error {
         return decode_error(payload).map(FrameBody::Error);
     }
-    let group_bytes = header.group_count as usize * GROUP_BYTES as usize;
-    let (group_bytes, row_bytes) = payload.split_at(group_bytes.min(payload.len()));
-    let (groups, values) = decode_groups(header, group_bytes)?;
-    let mut rows = Vec::with_capacity(values);
+    let (group_bytes, row_bytes) = payload.split_at(groups_len(header).min(payload.len()));
+    let groups = decode_groups(header, group_bytes)?;
+    let mut rows = Vec::with_capacity(groups.values);
     decode_values_append(row_bytes, header.dtype, &mut rows);
     Ok(rows_body(header, groups, rows))
 }
 
-/// Decodes the groups of a request or reply (the first `group_count × 8` payload bytes) and
-/// checks them against the payload length; returns the groups and the number of row values
-/// the rest of the payload holds.
-pub fn decode_groups(
-    header: &FrameHeader,
-    group_bytes: &[u8],
-) -> Result<(Vec<(u32, u32)>, usize), WireError> {
+/// What precedes the rows of a request or reply, decoded.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Groups {
+    /// (expert, rows) per group.
+    pub groups: Vec<(u32, u32)>,
+    /// How many row values the rest of the payload holds.
+    pub values: usize,
+    pub trace: Option<TraceContext>,
+}
+
+/// Decodes the groups of a request or reply (the first [`groups_len`] payload bytes: the
+/// groups, and a traced request's trace context) and checks them against the payload
+/// length.
+pub fn decode_groups(header: &FrameHeader, group_bytes: &[u8]) -> Result<Groups, WireError> {
     let mut reader = Reader::new(group_bytes);
     let mut total_rows = 0u64;
     // The header check bounds group_count by the payload length, so this allocation is
@@ -662,7 +704,16 @@ pub fn decode_groups(
     let values = total_rows
         .checked_mul(u64::from(header.width))
         .ok_or_else(|| WireError::malformed("row values overflow"))?;
-    let expected = payload_len_for(header.group_count, values, header.dtype)
+    let trace = if header.traced {
+        let bytes = reader.take(TRACE_LEN)?;
+        Some(
+            TraceContext::decode(bytes)
+                .ok_or_else(|| WireError::malformed("a trace context with a zero id"))?,
+        )
+    } else {
+        None
+    };
+    let expected = payload_len_for(header.group_count, values, header.dtype, header.traced)
         .ok_or_else(|| WireError::malformed("payload length overflows"))?;
     if expected != u64::from(header.payload_len) {
         return Err(WireError::malformed(format!(
@@ -670,22 +721,30 @@ pub fn decode_groups(
             header.width, header.payload_len
         )));
     }
-    // Bounded by payload_len, which the header check bounded by the limits.
-    Ok((groups, values as usize))
+    Ok(Groups {
+        groups,
+        // Bounded by payload_len, which the header check bounded by the limits.
+        values: values as usize,
+        trace,
+    })
 }
 
 /// The body of a request or reply frame from its decoded groups and rows.
-pub fn rows_body(header: &FrameHeader, groups: Vec<(u32, u32)>, rows: Vec<f32>) -> FrameBody {
+pub fn rows_body(header: &FrameHeader, groups: Groups, rows: Vec<f32>) -> FrameBody {
     match header.kind {
         FrameKind::Request => FrameBody::Request(ExpertRequest {
             layer: header.layer,
             placement_version: header.placement_version,
             width: header.width,
             dtype: header.dtype,
-            groups,
+            groups: groups.groups,
+            rows,
+            trace: groups.trace,
+        }),
+        _ => FrameBody::Reply(ExpertReply {
+            groups: groups.groups,
             rows,
         }),
-        _ => FrameBody::Reply(ExpertReply { groups, rows }),
     }
 }
 

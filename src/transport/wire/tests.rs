@@ -14,6 +14,7 @@ fn request(dtype: Dtype) -> ExpertRequest {
         dtype,
         groups,
         rows,
+        trace: None,
     }
 }
 
@@ -361,6 +362,7 @@ fn a_request_encoded_from_parts_is_the_whole_requests_frame() {
             width: whole.width,
             dtype,
             groups: whole.groups.clone(),
+            trace: None,
         };
         let width = whole.width as usize;
         let (first, rest) = whole.rows.split_at(whole.groups[0].1 as usize * width);
@@ -374,5 +376,67 @@ fn a_request_encoded_from_parts_is_the_whole_requests_frame() {
             "{dtype:?}"
         );
         assert!(request_head_prefix(9, &head, whole.rows.len() - 1).is_err());
+    }
+}
+
+#[test]
+fn a_traced_request_carries_its_context_between_groups_and_rows() {
+    let trace = TraceContext {
+        trace_id: [7; 16],
+        span_id: [9; 8],
+        flags: 1,
+    };
+    let original = ExpertRequest {
+        trace: Some(trace),
+        ..request(Dtype::Bf16)
+    };
+    let bytes = encode_request(5, &original).expect("encode");
+    assert_eq!(bytes.len(), HEADER_LEN + 3 * 8 + TRACE_LEN + 25 * 2);
+    assert_eq!(&bytes[6..8], &1u16.to_le_bytes(), "the traced flag");
+    let (header, body) = decode(&bytes, &WireLimits::default()).expect("decode");
+    assert!(header.traced);
+    let FrameBody::Request(decoded) = body else {
+        panic!("not a request: {body:?}");
+    };
+    assert_eq!(decoded.trace, Some(trace));
+    assert_eq!(decoded.groups, original.groups);
+    assert_eq!(decoded.rows.len(), original.rows.len());
+    // The same request from parts is the same frame.
+    let head = RequestHead {
+        layer: original.layer,
+        placement_version: original.placement_version,
+        width: original.width,
+        dtype: original.dtype,
+        groups: original.groups.clone(),
+        trace: Some(trace),
+    };
+    let mut parts = request_head_prefix(5, &head, original.rows.len()).unwrap();
+    encode_values_append(&original.rows, original.dtype, &mut parts);
+    assert_eq!(parts, bytes);
+
+    // A zero trace id is refused; so is the flag on a reply.
+    let mut zero = bytes.clone();
+    let at = HEADER_LEN + 3 * 8;
+    zero[at..at + 16].fill(0);
+    assert!(decode(&zero, &WireLimits::default()).is_err());
+    let reply = encode_reply(
+        5,
+        7,
+        42,
+        5,
+        Dtype::F32,
+        &ExpertReply {
+            groups: vec![(3, 1)],
+            rows: vec![0.5; 5],
+        },
+    )
+    .unwrap();
+    let mut flagged = reply.clone();
+    flagged[6] = 1;
+    assert!(decode(&reply, &WireLimits::default()).is_ok());
+    assert!(decode(&flagged, &WireLimits::default()).is_err());
+    // Cut anywhere, a traced frame is an error, never a panic.
+    for end in 0..bytes.len() {
+        assert!(decode(&bytes[..end], &WireLimits::default()).is_err());
     }
 }
