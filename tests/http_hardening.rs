@@ -121,7 +121,14 @@ fn admin_actions_are_guarded_and_a_stopped_device_can_return() {
     // Back: its experts are loaded again and the answers are what they were.
     let started = server.post_ok("/admin/devices/0/start", &json!({}));
     assert_eq!(started["started"], true);
-    assert_eq!(server.get("/ready").status(), StatusCode::OK);
+    let ready = server.get("/ready");
+    assert_eq!(ready.status(), StatusCode::OK);
+    // What a gateway weighs it by: nothing running, a KV cache with room.
+    let load = ready.json::<Value>().unwrap()["load"].clone();
+    assert_eq!(load["running"], 0, "{load}");
+    assert_eq!(load["waiting"], 0, "{load}");
+    assert!(load["kv_cache_blocks"].as_u64().unwrap() > 0, "{load}");
+    assert_eq!(load["kv_cache_blocks_used"], 0, "{load}");
     let after = server.post_ok("/v1/completions", &body)["choices"][0]["token_ids"].clone();
     assert_eq!(before, after);
     let devices: Value = server.get("/admin/devices").json().unwrap();

@@ -256,6 +256,18 @@ async fn health() -> HttpResponse {
     HttpResponse::Ok().json(json!({"status": "alive"}))
 }
 
+/// What a ready node runs now, for a gateway or load balancer choosing among nodes: its
+/// sequences running and waiting, and its KV cache blocks used of the budget (0: none).
+fn load(state: &AppState) -> serde_json::Value {
+    let metrics = &state.metrics;
+    json!({
+        "running": metrics.requests_running.get(),
+        "waiting": metrics.requests_waiting.get(),
+        "kv_cache_blocks_used": metrics.kv_cache_blocks_used.get(),
+        "kv_cache_blocks": metrics.kv_cache_blocks.get(),
+    })
+}
+
 async fn ready(state: web::Data<AppState>) -> HttpResponse {
     match state.admitting() {
         Ok(served) if !served.node.router.is_running() => {
@@ -269,13 +281,17 @@ async fn ready(state: web::Data<AppState>) -> HttpResponse {
             }))
         }
         Ok(served) => match unavailable_experts(&served.node) {
-            None => HttpResponse::Ok().json(json!({"status": "ready"})),
+            None => HttpResponse::Ok().json(json!({"status": "ready", "load": load(&state)})),
             // Tokens are routed around the missing experts: served, degraded.
             Some((count, _))
                 if state.config.cluster.on_expert_unavailable
                     == crate::config::OnUnavailable::Reroute =>
             {
-                HttpResponse::Ok().json(json!({"status": "degraded", "experts_unavailable": count}))
+                HttpResponse::Ok().json(json!({
+                    "status": "degraded",
+                    "experts_unavailable": count,
+                    "load": load(&state),
+                }))
             }
             Some((count, (layer, expert))) => HttpResponse::ServiceUnavailable().json(json!({
                 "status": "experts unavailable",
