@@ -38,6 +38,11 @@ unit=/lib/systemd/system/moe-node.service
 [ -f "$unit" ] || fail "no moe-node.service"
 # Enabled (starts at boot) but not started: it is configured first.
 [ -L /etc/systemd/system/multi-user.target.wants/moe-node.service ] || fail "the unit is not enabled"
+gateway_unit="$(dirname "$unit")/moe-node-gateway.service"
+[ -f "$gateway_unit" ] || fail "no moe-node-gateway.service"
+# Installed, not enabled: a gateway is set up where one is wanted.
+[ ! -e /etc/systemd/system/multi-user.target.wants/moe-node-gateway.service ] ||
+    fail "the gateway unit is enabled"
 zcat /usr/share/man/man1/moe-node.1.gz | grep -q '^\.TH moe-node' || fail "no manual page"
 grep -q moe-node /usr/share/bash-completion/completions/moe-node || fail "no bash completion"
 [ -f /usr/share/doc/moe-node/examples/local-cluster/node1.toml ] || fail "no example configs"
@@ -47,8 +52,9 @@ grep -q moe-node /usr/share/bash-completion/completions/moe-node || fail "no bas
 [ -f /usr/share/moe-node/prometheus/moe-node-alerts.yml ] || fail "no Prometheus alerts"
 
 echo "--- systemd-analyze verify"
-systemd-analyze verify "$unit"
+systemd-analyze verify "$unit" "$gateway_unit"
 systemd-analyze security --offline=true "$unit" | tail -n 1
+systemd-analyze security --offline=true "$gateway_unit" | tail -n 1
 
 echo "--- the unit's commands, as written, as its user"
 exec_line() { sed -n "s/^$1=//p" "$unit"; }
@@ -92,7 +98,7 @@ rm -rf "$credentials" "$log"
 
 echo "--- purging"
 dpkg --purge moe-node
-for path in /usr/bin/moe-node /etc/moe-node "$unit" /var/cache/moe-node /var/lib/moe-node \
+for path in /usr/bin/moe-node /etc/moe-node "$unit" "$gateway_unit" /var/cache/moe-node /var/lib/moe-node \
     /etc/systemd/system/multi-user.target.wants/moe-node.service; do
     [ ! -e "$path" ] || fail "$path is left after purge"
 done
@@ -102,7 +108,7 @@ rpm -qp --info "$rpm_file" | grep -E '^(Name|Version|License)'
 listed="$(rpm -qlp "$rpm_file")"
 for path in /usr/bin/moe-node /etc/moe-node/moe-node.toml \
     /etc/moe-node/credentials/api_keys /etc/moe-node/credentials/control_plane_token \
-    /usr/lib/systemd/system/moe-node.service \
+    /usr/lib/systemd/system/moe-node.service /usr/lib/systemd/system/moe-node-gateway.service \
     /usr/lib/sysusers.d/moe-node.conf /usr/share/man/man1/moe-node.1.gz \
     /usr/share/doc/moe-node/README.md /usr/share/doc/moe-node/docs/configuration.md \
     /usr/share/moe-node/grafana/moe-node.json /usr/share/moe-node/prometheus/moe-node-alerts.yml; do
