@@ -16,6 +16,18 @@ impl Placement {
     /// every device is within one expert of the others, which is how a joining node gets
     /// its share. Copies stay on distinct nodes while there are nodes enough.
     pub fn revise(&self, live: &[NodeSlots]) -> Result<Placement, PlacementError> {
+        self.revise_within(live, &|_| None)
+    }
+
+    /// [`Placement::revise`] where node `n` may take at most `room(n)` copies it does not
+    /// hold now (`None`: any number): a node short of memory gets what fits, and the rest
+    /// goes to nodes with room, or stays short of copies where none has room (which the
+    /// caller sees, and refuses).
+    pub fn revise_within(
+        &self,
+        live: &[NodeSlots],
+        room: &dyn Fn(&str) -> Option<usize>,
+    ) -> Result<Placement, PlacementError> {
         let devices_of = |name: &str| live.iter().find(|n| n.node == name).map(|n| n.devices);
         let mut nodes: Vec<NodeSlots> = self
             .spec
@@ -55,14 +67,16 @@ impl Placement {
                 !held.contains(&r)
             }
         };
+        let mut new_copies = NewCopies(spec.nodes.iter().map(|n| room(&n.node)).collect());
+        let mut take = |old: &[Replica], node: u16, dry: bool| new_copies.take(old, node, dry);
         let replicas = self
             .replicas
             .iter()
-            .map(|layer| {
-                if layer.is_empty() {
+            .map(|old_layer| {
+                if old_layer.is_empty() {
                     return Vec::new();
                 }
-                let mut layer: Vec<Vec<Replica>> = layer
+                let mut layer: Vec<Vec<Replica>> = old_layer
                     .iter()
                     .map(|old| {
                         let mut kept: Vec<Replica> = Vec::with_capacity(copies);
@@ -86,16 +100,20 @@ impl Placement {
                 }
                 // Copies lost with their node, made again where there is most room.
                 let mut next_slot = 0usize;
-                for expert in layer.iter_mut() {
+                for (e, expert) in layer.iter_mut().enumerate() {
                     while expert.len() < copies {
                         let n = devices.len();
                         let Some(pick) = (0..n)
                             .map(|k| (next_slot + k) % n)
-                            .filter(|&i| may_hold(expert, devices[i]))
+                            .filter(|&i| {
+                                may_hold(expert, devices[i])
+                                    && take(&old_layer[e], devices[i].node, true)
+                            })
                             .min_by_key(|&i| held[i])
                         else {
                             break;
                         };
+                        take(&old_layer[e], devices[pick].node, false);
                         held[pick] += 1;
                         next_slot = (pick + 1) % n;
                         expert.push(devices[pick]);
@@ -111,7 +129,7 @@ impl Placement {
                             if held[from] < held[to] + 2 {
                                 break;
                             }
-                            let movable = layer.iter().position(|copies| {
+                            let movable = layer.iter().enumerate().position(|(e, copies)| {
                                 copies.contains(&devices[from]) && {
                                     let others: Vec<Replica> = copies
                                         .iter()
@@ -119,9 +137,11 @@ impl Placement {
                                         .filter(|&c| c != devices[from])
                                         .collect();
                                     may_hold(&others, devices[to])
+                                        && take(&old_layer[e], devices[to].node, true)
                                 }
                             });
                             if let Some(expert) = movable {
+                                take(&old_layer[expert], devices[to].node, false);
                                 for c in layer[expert].iter_mut() {
                                     if *c == devices[from] {
                                         *c = devices[to];
@@ -139,6 +159,29 @@ impl Placement {
             })
             .collect();
         Ok(Placement { spec, replicas })
+    }
+}
+
+/// The new copies each node (by index) may still take; `None`: any number.
+struct NewCopies(Vec<Option<usize>>);
+
+impl NewCopies {
+    /// Whether `node` may take a copy of the expert whose copies were `old` (a node that
+    /// held it takes nothing new); unless `dry`, the copy is counted.
+    fn take(&mut self, old: &[Replica], node: u16, dry: bool) -> bool {
+        if old.iter().any(|r| r.node == node) {
+            return true;
+        }
+        match self.0.get_mut(node as usize) {
+            Some(Some(0)) => false,
+            Some(Some(n)) => {
+                if !dry {
+                    *n -= 1;
+                }
+                true
+            }
+            _ => true,
+        }
     }
 }
 
@@ -297,5 +340,44 @@ mod tests {
         // d's three devices cannot take their full share: two copies of an expert never
         // share a node.
         check_copies(&p1.revise(&live).unwrap(), 33, 2, false);
+    }
+
+    #[test]
+    fn a_node_without_room_takes_no_new_copies_and_the_others_take_them() {
+        let before = first(&[("a", 1), ("b", 1), ("c", 1), ("d", 1)], 16, 2);
+        let survivors = slots(&[("a", 1), ("b", 1), ("c", 1)]);
+        let held = |p: &Placement, node: &str| p.experts_held_by(p.node_index(node).unwrap());
+        // a has room for none, b and c for as many as they need: d's copies go to b and c.
+        let room = |node: &str| (node == "a").then_some(0);
+        let after = before.revise_within(&survivors, &room).unwrap();
+        check_copies(&after, 16, 2, false);
+        assert_eq!(
+            held(&after, "a"),
+            held(&before, "a"),
+            "a took copies it had no room for"
+        );
+        for layer in 1..3 {
+            for e in 0..16 {
+                let on = |p: &Placement| {
+                    p.replicas(layer, e)
+                        .iter()
+                        .any(|r| p.nodes()[r.node as usize].node == "a")
+                };
+                assert_eq!(on(&after), on(&before), "layer {layer} expert {e}");
+            }
+        }
+        // Without the limit a takes its share of them.
+        let free = before.revise(&survivors).unwrap();
+        assert!(held(&free, "a") > held(&before, "a"));
+        // With room for none anywhere the lost copies stay lost, for the caller to refuse.
+        let nowhere = before.revise_within(&survivors, &|_| Some(0)).unwrap();
+        let short = (1..3)
+            .flat_map(|l| (0..16u32).map(move |e| (l, e)))
+            .filter(|&(l, e)| nowhere.replicas(l, e).len() < 2)
+            .count();
+        assert_eq!(
+            short,
+            before.experts_held_by(before.node_index("d").unwrap())
+        );
     }
 }

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use super::board::PlacementBoard;
 use super::bootstrap::fetch_table;
-use super::room::without_room;
+use super::room::{spread, without_room};
 use super::{drain, table_id};
 use crate::cluster::{MemberState, MemberView, Membership, TableId};
 use crate::experts::Dispatcher;
@@ -378,16 +378,30 @@ fn carry_out(
                 let mine = expert_room(&parts.dispatcher.devices());
                 let members = parts.membership.members();
                 let short = without_room(current, &placement, &members, &parts.node_id, mine);
-                if !short.is_empty() {
+                let placement = if short.is_empty() {
+                    placement
+                } else {
                     let short: Vec<String> = short.iter().map(ToString::to_string).collect();
-                    tracing::warn!(
-                        reason = %why,
-                        "placement change refused, tried again in 5 s: {}",
-                        short.join("; ")
-                    );
-                    std::thread::sleep(Duration::from_secs(5));
-                    return;
-                }
+                    match spread(current, &placement, &nodes, &members, &parts.node_id, mine) {
+                        Ok(Some(spread)) => {
+                            tracing::warn!(
+                                reason = %why,
+                                "placement change spread over the nodes with room: {}",
+                                short.join("; ")
+                            );
+                            spread
+                        }
+                        _ => {
+                            tracing::warn!(
+                                reason = %why,
+                                "placement change refused (no spread fits), tried again in 5 s: {}",
+                                short.join("; ")
+                            );
+                            std::thread::sleep(Duration::from_secs(5));
+                            return;
+                        }
+                    }
+                };
                 let version = placement.version();
                 match parts.board.offer_next(Arc::new(placement)) {
                     Ok(()) => tracing::info!(

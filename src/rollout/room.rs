@@ -2,13 +2,15 @@
 //! must have room for the experts it would newly hold (copy-then-switch loads them beside
 //! what it holds until the switch). Members gossip their room and the bytes an expert takes
 //! on them ([`MemberMeta::expert_room`]); a change that would not fit is refused with a log
-//! line naming the nodes, and tried again later.
+//! line naming the nodes, and tried again later. Before refusing, the leader places the
+//! change anew within each node's room ([`spread`]): when that restores every copy the
+//! change would have, it proposes that instead.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use crate::cluster::MemberView;
 use crate::experts::remote::best_member;
-use crate::placement::Placement;
+use crate::placement::{NodeSlots, Placement, PlacementError};
 
 /// A node of a proposed placement without room for its new share.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -43,17 +45,16 @@ fn share(placement: &Placement, node: &str) -> HashSet<(usize, u32)> {
         .collect()
 }
 
-/// The nodes of `next` that lack room for the experts it gives them beyond what `current`
-/// does. `me` is this node, whose room and bytes per expert are `mine`; the others' come
-/// from gossip. A node whose bytes per expert are unknown (it holds none yet) is counted
-/// with the largest any node reports; with none known, nothing is refused.
-pub fn without_room(
-    current: &Placement,
+/// Each node's room and bytes per expert, as it said them: `me` (this node) from `mine`,
+/// the others from gossip; a node whose bytes per expert are unknown (it holds none yet) is
+/// counted with the largest any node of `next` reports. Nodes that said nothing are left
+/// out (nothing is refused for them).
+fn rooms(
     next: &Placement,
     members: &[MemberView],
     me: &str,
     mine: (u64, u64),
-) -> Vec<NoRoom> {
+) -> HashMap<String, (u64, u64)> {
     let said = |node: &str| -> Option<(u64, u64)> {
         if node == me {
             Some(mine)
@@ -72,7 +73,29 @@ pub fn without_room(
         .iter()
         .filter_map(|n| {
             let (room, bytes) = said(&n.node)?;
-            let bytes = if bytes == 0 { largest } else { bytes };
+            Some((
+                n.node.clone(),
+                (room, if bytes == 0 { largest } else { bytes }),
+            ))
+        })
+        .collect()
+}
+
+/// The nodes of `next` that lack room for the experts it gives them beyond what `current`
+/// does. `me` is this node, whose room and bytes per expert are `mine`; the others' come
+/// from gossip. With no bytes per expert known anywhere, nothing is refused.
+pub fn without_room(
+    current: &Placement,
+    next: &Placement,
+    members: &[MemberView],
+    me: &str,
+    mine: (u64, u64),
+) -> Vec<NoRoom> {
+    let rooms = rooms(next, members, me, mine);
+    next.nodes()
+        .iter()
+        .filter_map(|n| {
+            let &(room, bytes) = rooms.get(&n.node)?;
             let new = share(next, &n.node)
                 .difference(&share(current, &n.node))
                 .count() as u64;
@@ -84,6 +107,32 @@ pub fn without_room(
             })
         })
         .collect()
+}
+
+/// `current` revised over `live` as [`Placement::revise`] would, with no node given more
+/// new copies than its room holds; `Some` when that still makes every copy `wanted` (the
+/// unlimited revision) has, so that it may be proposed instead.
+pub fn spread(
+    current: &Placement,
+    wanted: &Placement,
+    live: &[NodeSlots],
+    members: &[MemberView],
+    me: &str,
+    mine: (u64, u64),
+) -> Result<Option<Placement>, PlacementError> {
+    let rooms = rooms(wanted, members, me, mine);
+    let fits = |node: &str| {
+        let &(room, bytes) = rooms.get(node)?;
+        (bytes > 0).then(|| (room / bytes) as usize)
+    };
+    let spread = current.revise_within(live, &fits)?;
+    let copies = |p: &Placement| -> usize {
+        (0..p.num_layers())
+            .flat_map(|l| (0..p.experts_in(l) as u32).map(move |e| (l, e)))
+            .map(|(l, e)| p.replicas(l, e).len())
+            .sum()
+    };
+    Ok((copies(&spread) == copies(wanted)).then_some(spread))
 }
 
 #[cfg(test)]
@@ -146,5 +195,37 @@ mod tests {
         // Nothing known anywhere: nothing refused.
         let silent = [member("b", 0, 0)];
         assert!(without_room(&current, &next, &silent, "a", (0, 0)).is_empty());
+    }
+
+    #[test]
+    fn a_change_one_node_has_no_room_for_goes_to_the_nodes_that_have() {
+        let spec = PlacementSpec {
+            version: 1,
+            replication: 2,
+            nodes: nodes(&["a", "b", "c", "d"]),
+        };
+        let current = Placement::balanced(&[true], 16, spec).unwrap();
+        // d is gone: a, b and c would each take some of its copies; b has room for none.
+        let live = nodes(&["a", "b", "c"]);
+        let wanted = current.revise(&live).unwrap();
+        const MIB: u64 = 1 << 20;
+        let members = [member("b", 0, MIB), member("c", 100 * MIB, MIB)];
+        let mine = (100 * MIB, MIB);
+        assert_eq!(
+            without_room(&current, &wanted, &members, "a", mine).len(),
+            1
+        );
+        let spread_out = spread(&current, &wanted, &live, &members, "a", mine)
+            .unwrap()
+            .expect("a and c have room for all of d's copies");
+        assert!(without_room(&current, &spread_out, &members, "a", mine).is_empty());
+        assert_eq!(share(&spread_out, "b"), share(&current, "b"));
+        // Room for none anywhere: nothing to propose.
+        let full = [member("b", 0, MIB), member("c", 0, MIB)];
+        assert!(
+            spread(&current, &wanted, &live, &full, "a", (0, MIB))
+                .unwrap()
+                .is_none()
+        );
     }
 }
