@@ -129,7 +129,69 @@ pub fn set_remote_parent(span: &tracing::Span, parent: TraceContext) {
     let _ = span.set_parent(opentelemetry::Context::new().with_remote_span_context(parent));
 }
 
+/// The span a W3C `traceparent` header names (`00-<trace id>-<span id>-<flags>`, in
+/// lowercase hex); `None` for any other text, or an all-zero id.
+pub fn parse_traceparent(header: &str) -> Option<TraceContext> {
+    let mut parts = header.trim().split('-');
+    let (version, trace, span, flags) =
+        (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+    let hex = |text: &str, out: &mut [u8]| -> Option<()> {
+        if text.len() != out.len() * 2
+            || !text.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+        {
+            return None;
+        }
+        for (i, byte) in out.iter_mut().enumerate() {
+            *byte = u8::from_str_radix(&text[2 * i..2 * i + 2], 16).ok()?;
+        }
+        Some(())
+    };
+    // Version 00 has exactly four parts; a later version may add more.
+    if version == "ff" || (version == "00" && parts.next().is_some()) {
+        return None;
+    }
+    let mut version_byte = [0u8; 1];
+    hex(version, &mut version_byte)?;
+    let mut encoded = Vec::with_capacity(crate::transport::wire::TRACE_LEN);
+    let mut trace_id = [0u8; 16];
+    let mut span_id = [0u8; 8];
+    let mut flag = [0u8; 1];
+    hex(trace, &mut trace_id)?;
+    hex(span, &mut span_id)?;
+    hex(flags, &mut flag)?;
+    encoded.extend_from_slice(&trace_id);
+    encoded.extend_from_slice(&span_id);
+    encoded.push(flag[0]);
+    TraceContext::decode(&encoded)
+}
+
 /// Links `span` to `other`'s span (a step to the requests it served besides its parent's).
 pub fn link(span: &tracing::Span, other: &tracing::Span) {
     span.add_link(other.context().span().span_context().clone());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_traceparent_header_is_read_as_w3c_trace_context_says() {
+        let parsed =
+            parse_traceparent("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01").unwrap();
+        assert_eq!(parsed.trace_id[..2], [0x4b, 0xf9]);
+        assert_eq!(parsed.span_id[7], 0xb7);
+        assert_eq!(parsed.flags, 1);
+        for bad in [
+            "",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+            "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",
+            "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e473-00f067aa0ba902b7-01",
+        ] {
+            assert_eq!(parse_traceparent(bad), None, "{bad:?}");
+        }
+    }
 }

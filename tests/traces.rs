@@ -245,4 +245,34 @@ fn a_request_that_crosses_two_nodes_is_one_trace_parented_call_by_call() {
             .iter()
             .all(|s| remote_ids.contains(&s.parent))
     );
+
+    // A caller that traces its own work: its traceparent parents the request, to node2.
+    let traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+    let answer = nodes[1]
+        .client
+        .post(format!("{}/v1/completions", nodes[1].base))
+        .header("traceparent", traceparent)
+        .json(&serde_json::json!({"prompt": prompt, "max_tokens": 2}))
+        .send()
+        .unwrap();
+    assert!(answer.status().is_success());
+    let hex = |bytes: &[u8]| bytes.iter().map(|b| format!("{b:02x}")).collect::<String>();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let continued = loop {
+        let found = receiver
+            .spans()
+            .into_iter()
+            .find(|s| s.name == "request" && hex(&s.trace) == "0af7651916cd43dd8448eb211c80319c");
+        if let Some(span) = found {
+            break span;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no request span in the caller's trace"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(continued.node, "node2");
+    assert_eq!(hex(&continued.parent), "b7ad6b7169203331");
+    assert!(continued.attributes["request"].starts_with("cmpl-"));
 }

@@ -108,8 +108,10 @@ pub(super) struct Echo {
 pub(super) async fn submit(
     served: &ServedModel,
     request: &mut Admitted,
+    id: &str,
+    parent: Option<crate::transport::wire::TraceContext>,
 ) -> Result<mpsc::Receiver<SequenceEvent>, ApiError> {
-    let span = request_span(request);
+    let span = request_span(request, id, parent);
     served
         .node
         .router
@@ -132,17 +134,27 @@ pub(super) async fn submit(
         })
 }
 
-/// The span of a generation request, when traces are exported ([`crate::telemetry`]).
-fn request_span(request: &Admitted) -> tracing::Span {
+/// The span of generation request `id`, when traces are exported ([`crate::telemetry`]):
+/// a child of the caller's span when its `traceparent` named one.
+fn request_span(
+    request: &Admitted,
+    id: &str,
+    parent: Option<crate::transport::wire::TraceContext>,
+) -> tracing::Span {
     if !crate::telemetry::enabled() {
         return tracing::Span::none();
     }
-    tracing::info_span!(
+    let span = tracing::info_span!(
         "request",
+        request = id,
         prompt_tokens = request.prompt.len(),
         max_tokens = request.max_tokens,
         choices = request.choices,
-    )
+    );
+    if let Some(parent) = parent {
+        crate::telemetry::set_remote_parent(&span, parent);
+    }
+    span
 }
 
 /// The first event of generation `id`. The response's status waits for it, streamed or

@@ -269,6 +269,12 @@ fn handed_off(request: &actix_web::HttpRequest) -> bool {
     request.headers().contains_key(super::HANDOFF_HEADER)
 }
 
+/// The caller's span, from a W3C `traceparent` header: the request's trace continues it.
+fn trace_parent(request: &actix_web::HttpRequest) -> Option<crate::transport::wire::TraceContext> {
+    let header = request.headers().get("traceparent")?.to_str().ok()?;
+    crate::telemetry::parse_traceparent(header)
+}
+
 pub async fn completions(
     state: web::Data<AppState>,
     http: actix_web::HttpRequest,
@@ -282,7 +288,7 @@ pub async fn completions(
     } else {
         completion_request(&served.request_context(&state.config), &body)?
     };
-    generate(state.clone(), served, admitted, handed_off(&http)).await
+    generate(state.clone(), served, admitted, &http).await
 }
 
 pub async fn chat_completions(
@@ -293,7 +299,7 @@ pub async fn chat_completions(
     let served = state.admitting()?;
     let body = read_body(payload, &state.config.server).await?;
     let admitted = validate_off_the_event_loop(&state, body, chat_request).await?;
-    generate(state.clone(), served, admitted, handed_off(&http)).await
+    generate(state.clone(), served, admitted, &http).await
 }
 
 fn contains(haystack: &[u8], needle: &[u8]) -> bool {
@@ -848,11 +854,11 @@ async fn generate(
     state: web::Data<AppState>,
     served: &ServedModel,
     mut request: Admitted,
-    handed_off: bool,
+    http: &actix_web::HttpRequest,
 ) -> Result<HttpResponse, ApiError> {
+    let handed_off = handed_off(http);
     let in_flight = state.track();
     let prompt_tokens = request.prompt_tokens;
-    let mut events = generation::submit(served, &mut request).await?;
     let id = format!(
         "{}-{:016x}",
         match request.endpoint {
@@ -861,6 +867,7 @@ async fn generate(
         },
         rand_seed()
     );
+    let mut events = generation::submit(served, &mut request, &id, trace_parent(http)).await?;
     tracing::info!(
         request = %id,
         prompt_tokens,

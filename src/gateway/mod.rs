@@ -158,7 +158,12 @@ async fn generate(
 ) -> Result<HttpResponse, ApiError> {
     let authorization = authorized(&gateway, &request)?;
     let body = read_body(payload, &gateway.config.server).await?;
-    let asked = Asked::parse(path, &body, authorization)?;
+    let mut asked = Asked::parse(path, &body, authorization)?;
+    asked.traceparent = request
+        .headers()
+        .get("traceparent")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
     relay::forward(gateway, asked).await
 }
 

@@ -27,6 +27,8 @@ pub struct Asked {
     prefix: Vec<u8>,
     /// The client's `Authorization`, passed on (nodes may check keys too).
     pub authorization: Option<String>,
+    /// The client's W3C `traceparent`, passed on: the node's spans join the client's trace.
+    pub traceparent: Option<String>,
     stream: bool,
     /// A stream of one choice: it can move to another node.
     movable: bool,
@@ -59,6 +61,7 @@ impl Asked {
             body,
             prefix,
             authorization,
+            traceparent: None,
             stream,
             movable,
         };
@@ -139,6 +142,9 @@ async fn open(
             .body(body.clone());
         if let Some(authorization) = &asked.authorization {
             request = request.header("authorization", authorization);
+        }
+        if let Some(traceparent) = &asked.traceparent {
+            request = request.header("traceparent", traceparent);
         }
         if asked.movable {
             request = request.header(HANDOFF_HEADER, "1");
