@@ -478,7 +478,7 @@ fn shards_placed_on(node: &cluster_harness::Node) -> std::collections::BTreeSet<
 
 #[test]
 fn the_nodes_of_a_cluster_download_the_shards_they_read_and_no_others() {
-    use cluster_harness::{ClusterSpec, Node, SECRET, Transport, completion, generate_alone};
+    use cluster_harness::{ClusterSpec, Node, Transport, completion, generate_alone};
     let model = sharded_deepseek();
     let all = shards_in_dir(model.path());
     let mirror = Mirror::start(&[("org/ds3", model.path())]);
@@ -488,14 +488,8 @@ fn the_nodes_of_a_cluster_download_the_shards_they_read_and_no_others() {
     let caches = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
     let mut nodes: Vec<Node> = (0..2)
         .map(|i| {
-            let name = format!("node{}", i + 1);
-            let config = spec.config(i, &name, SECRET, spec.gossip_ports[i]);
             // Two nodes, one copy of each expert: each holds half.
-            let text = std::fs::read_to_string(&config)
-                .unwrap()
-                .replace("expect_nodes = 3", "expect_nodes = 2")
-                .replace("replication = 2", "replication = 1");
-            std::fs::write(&config, text).unwrap();
+            let (name, config) = spec.one_copy_config(i, "");
             let env = [
                 ("HF_ENDPOINT", mirror.base.as_ref()),
                 ("HF_HUB_CACHE", caches[i].path().as_os_str()),

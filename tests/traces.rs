@@ -19,7 +19,7 @@ mod cluster_harness;
 mod common;
 mod serve;
 
-use cluster_harness::{ClusterSpec, Node, SECRET, Transport, completion, generate_alone};
+use cluster_harness::{ClusterSpec, Node, Transport, completion, generate_alone};
 
 /// One span as received: who sent it, and where it sits in its trace.
 #[derive(Debug, Clone)]
@@ -135,18 +135,12 @@ fn a_request_that_crosses_two_nodes_is_one_trace_parented_call_by_call() {
     let spec = ClusterSpec::new(2, Transport::Tcp);
     let nodes: Vec<Node> = (0..2)
         .map(|i| {
-            let name = format!("node{}", i + 1);
-            let config = spec.config(i, &name, SECRET, spec.gossip_ports[i]);
             // Two nodes, one copy of each expert: every step needs the other node.
-            let text = std::fs::read_to_string(&config)
-                .unwrap()
-                .replace("expect_nodes = 3", "expect_nodes = 2")
-                .replace("replication = 2", "replication = 1")
-                + &format!(
-                    "[telemetry]\notlp_endpoint = \"{}\"\nsample_ratio = 1.0\n",
-                    receiver.endpoint
-                );
-            std::fs::write(&config, text).unwrap();
+            let telemetry = format!(
+                "[telemetry]\notlp_endpoint = \"{}\"\nsample_ratio = 1.0\n",
+                receiver.endpoint
+            );
+            let (name, config) = spec.one_copy_config(i, &telemetry);
             // Batches go every 100 ms, not every 5 s.
             let env = [("OTEL_BSP_SCHEDULE_DELAY", "100".as_ref())];
             Node::start_with_env(&name, config, cluster_harness::model(), &env)

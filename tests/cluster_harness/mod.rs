@@ -123,6 +123,21 @@ impl ClusterSpec {
         path
     }
 
+    /// The name and config of node `i` of a cluster where each expert has one copy (each
+    /// node holds its share alone, so a step calls the other nodes), `extra` appended.
+    pub fn one_copy_config(&self, i: usize, extra: &str) -> (String, PathBuf) {
+        let name = format!("node{}", i + 1);
+        let config = self.config(i, &name, SECRET, self.gossip_ports[i]);
+        let nodes = format!("expect_nodes = {}", self.gossip_ports.len());
+        let text = std::fs::read_to_string(&config)
+            .unwrap()
+            .replace("expect_nodes = 3", &nodes)
+            .replace("replication = 2", "replication = 1")
+            + extra;
+        std::fs::write(&config, text).unwrap();
+        (name, config)
+    }
+
     pub fn start(&self, i: usize) -> Node {
         let name = format!("node{}", i + 1);
         let config = self.config(i, &name, SECRET, self.gossip_ports[i]);
