@@ -4,8 +4,6 @@
 //! must complete with the tokens one node gives alone, none missing or twice, and usage
 //! counting the whole generation.
 
-use std::ffi::OsStr;
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use reqwest::StatusCode;
@@ -14,84 +12,13 @@ use serde_json::{Value, json};
 
 mod common;
 mod serve;
-use serve::{Process, rss_kib};
+use serve::rss_kib;
 
 mod cluster_harness;
 use cluster_harness::*;
 
 const STREAMS: usize = 16;
 const MAX_TOKENS: usize = 48;
-
-struct Gateway {
-    process: Process,
-    client: Client,
-    _config: PathBuf,
-}
-
-impl Gateway {
-    /// A gateway that joins `spec`'s cluster through its gossip ports.
-    fn start(spec: &ClusterSpec) -> Gateway {
-        let seeds: Vec<String> = spec
-            .gossip_ports
-            .iter()
-            .map(|p| format!("\"127.0.0.1:{p}\""))
-            .collect();
-        let config = spec.dir.path().join("gateway.toml");
-        std::fs::write(
-            &config,
-            format!(
-                "[server]\nlisten = \"127.0.0.1:0\"\n\
-                 [cluster]\nnode_id = \"gateway1\"\nsecrets = [\"{SECRET}\"]\n\
-                 gossip_listen = \"127.0.0.1:0\"\nseeds = [{}]\n\
-                 probe_period_ms = 200\nsuspicion_timeout_ms = 2000\n\
-                 [gateway]\nstall_seconds = 5\nready_poll_ms = 100\n",
-                seeds.join(", ")
-            ),
-        )
-        .unwrap();
-        let process = Process::start(&[
-            OsStr::new("gateway"),
-            OsStr::new("--config"),
-            config.as_os_str(),
-        ]);
-        Gateway {
-            process,
-            client: Client::builder()
-                .timeout(Duration::from_secs(120))
-                .build()
-                .unwrap(),
-            _config: config,
-        }
-    }
-
-    fn get(&self, path: &str) -> reqwest::blocking::Response {
-        self.client
-            .get(format!("{}{path}", self.process.base))
-            .send()
-            .unwrap()
-    }
-
-    /// Waits until the gateway knows `n` ready nodes.
-    fn wait_nodes_ready(&self, n: u64) {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let ready: Value = self.get("/ready").json().unwrap_or_default();
-            if ready["nodes_ready"] == n {
-                return;
-            }
-            assert!(Instant::now() < deadline, "the gateway sees {ready}");
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-
-    fn metric(&self, name: &str) -> f64 {
-        let text = self.get("/metrics").text().unwrap();
-        text.lines()
-            .filter(|l| l.starts_with(name))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
-    }
-}
 
 /// What one streaming client got: its tokens, and the usage the stream ended with.
 struct Streamed {

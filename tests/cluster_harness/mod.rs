@@ -1,6 +1,6 @@
 //! A cluster of real `moe-node serve` processes for the integration tests: their configs,
 //! starting, killing and restarting them, and reading what a client and an operator see.
-//! Shared by `tests/cluster.rs` and `tests/gateway.rs`.
+//! Shared by the cluster, gateway, hub, partition and trace tests.
 #![allow(dead_code)]
 
 use std::ffi::OsStr;
@@ -472,4 +472,76 @@ pub fn stream_tokens(
         return Err(format!("stream cut after {} tokens", tokens.len()));
     }
     Ok(tokens)
+}
+
+/// A `moe-node gateway` process in front of a test cluster.
+pub struct Gateway {
+    pub process: Process,
+    pub client: Client,
+    _config: PathBuf,
+}
+
+impl Gateway {
+    /// A gateway that joins `spec`'s cluster through its gossip ports.
+    pub fn start(spec: &ClusterSpec) -> Gateway {
+        let seeds: Vec<String> = spec
+            .gossip_ports
+            .iter()
+            .map(|p| format!("\"127.0.0.1:{p}\""))
+            .collect();
+        let config = spec.dir.path().join("gateway.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "[server]\nlisten = \"127.0.0.1:0\"\n\
+                 [cluster]\nnode_id = \"gateway1\"\nsecrets = [\"{SECRET}\"]\n\
+                 gossip_listen = \"127.0.0.1:0\"\nseeds = [{}]\n\
+                 probe_period_ms = 200\nsuspicion_timeout_ms = 2000\n\
+                 [gateway]\nstall_seconds = 5\nready_poll_ms = 100\n",
+                seeds.join(", ")
+            ),
+        )
+        .unwrap();
+        let process = Process::start(&[
+            OsStr::new("gateway"),
+            OsStr::new("--config"),
+            config.as_os_str(),
+        ]);
+        Gateway {
+            process,
+            client: Client::builder()
+                .timeout(Duration::from_secs(120))
+                .build()
+                .unwrap(),
+            _config: config,
+        }
+    }
+
+    pub fn get(&self, path: &str) -> reqwest::blocking::Response {
+        self.client
+            .get(format!("{}{path}", self.process.base))
+            .send()
+            .unwrap()
+    }
+
+    /// Waits until the gateway knows `n` ready nodes.
+    pub fn wait_nodes_ready(&self, n: u64) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let ready: Value = self.get("/ready").json().unwrap_or_default();
+            if ready["nodes_ready"] == n {
+                return;
+            }
+            assert!(Instant::now() < deadline, "the gateway sees {ready}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    pub fn metric(&self, name: &str) -> f64 {
+        let text = self.get("/metrics").text().unwrap();
+        text.lines()
+            .filter(|l| l.starts_with(name))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
 }
