@@ -267,6 +267,13 @@ fn a_prompt_goes_to_the_gpu_keeping_its_prefix() {
     let (_, done) = read_sse(server.post("/v1/completions", &body(&shared, 2)));
     assert!(done);
     assert_eq!(server.metric("moe_node_prefix_cache_hits_total"), 0.0);
+    // The stream ends before its sequence leaves the batch: until then GPU 0 counts it, and
+    // the next request would go to GPU 1 for that alone.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while server.metric("moe_node_requests_running") > 0.0 {
+        assert!(Instant::now() < deadline, "the first request never left the batch");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     // A long request keeps GPU 0 busier than GPU 1 ...
     let other: Vec<u32> = (0..8).map(|k| 200 + k).collect();
     std::thread::scope(|scope| {
