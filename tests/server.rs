@@ -271,7 +271,10 @@ fn a_prompt_goes_to_the_gpu_keeping_its_prefix() {
     // the next request would go to GPU 1 for that alone.
     let deadline = Instant::now() + Duration::from_secs(30);
     while server.metric("moe_node_requests_running") > 0.0 {
-        assert!(Instant::now() < deadline, "the first request never left the batch");
+        assert!(
+            Instant::now() < deadline,
+            "the first request never left the batch"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     // A long request keeps GPU 0 busier than GPU 1 ...
