@@ -295,6 +295,13 @@ impl Engine {
         Some(model.free_memory())
     }
 
+    /// The GPU's KV pool: its free blocks and all its blocks (`None` with the caches in host
+    /// memory, or before the pool's first use).
+    pub fn gpu_kv_blocks(&self) -> Option<(usize, usize)> {
+        let gpu = self.gpu.as_ref()?;
+        gpu.lock().unwrap_or_else(|e| e.into_inner()).kv_blocks()
+    }
+
     /// Allocates the GPU's pool of KV cache blocks at `blocks` blocks (the batcher's budget)
     /// where the dense part is on a GPU; nothing on the host, whose caches are not pooled.
     pub fn reserve_kv_cache(&self, blocks: usize) -> Result<(), CudaError> {

@@ -8,6 +8,12 @@
 //! states of its linear-attention layers, a fixed size per sequence: in blocks of the same
 //! pool (those blocks' pages in every full-attention layer), which is how the batcher counts
 //! them too (`KvBudget::state_blocks`). And the work buffers of one step.
+//!
+//! A copy of a cache (a kept prompt prefix, a prompt's `n` choices) shares the source's
+//! whole blocks, counted per holder, and copies only its last, partial block and its states:
+//! a sequence writes only at positions past its length, which lie in blocks of its own, and
+//! a block that is shared where a step will write (a copy cut back to fewer positions) is
+//! made its own first ([`DeviceCache::make_writable`]).
 
 use std::sync::{Arc, Mutex};
 
@@ -34,8 +40,14 @@ pub struct KvPool {
     blocks: usize,
     /// Blocks one sequence's linear-attention states take (0: the model has none).
     state_blocks: usize,
-    /// Blocks no cache holds.
-    free: Mutex<Vec<u32>>,
+    /// Blocks no cache holds, and how many caches hold each block.
+    held: Mutex<Held>,
+}
+
+/// The pool's bookkeeping: the free blocks, and per block the caches holding it.
+struct Held {
+    free: Vec<u32>,
+    holders: Vec<u32>,
 }
 
 impl std::fmt::Debug for KvPool {
@@ -124,7 +136,10 @@ impl KvPool {
             layers,
             blocks,
             state_blocks,
-            free: Mutex::new((0..blocks as u32).rev().collect()),
+            held: Mutex::new(Held {
+                free: (0..blocks as u32).rev().collect(),
+                holders: vec![0; blocks],
+            }),
         })
     }
 
@@ -164,7 +179,7 @@ impl KvPool {
 
     /// Blocks no cache holds now.
     pub fn free_blocks(&self) -> usize {
-        self.free_list().len()
+        self.held().free.len()
     }
 
     /// Layer `layer`'s pool of array `which` (`[blocks, KV_BLOCK, width]` bf16); 0 where the
@@ -182,26 +197,75 @@ impl KvPool {
         })
     }
 
-    fn free_list(&self) -> std::sync::MutexGuard<'_, Vec<u32>> {
-        self.free.lock().unwrap_or_else(|e| e.into_inner())
+    fn held(&self) -> std::sync::MutexGuard<'_, Held> {
+        self.held.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// `n` blocks, or none when fewer are free.
+    /// `n` blocks, each held once, or none when fewer are free.
     fn take(&self, n: usize) -> Result<Vec<u32>, CudaError> {
-        let mut free = self.free_list();
-        if free.len() < n {
+        let mut held = self.held();
+        if held.free.len() < n {
             return Err(CudaError::KvCacheFull {
                 needed: n,
-                free: free.len(),
+                free: held.free.len(),
                 blocks: self.blocks,
             });
         }
-        let at = free.len() - n;
-        Ok(free.split_off(at))
+        let at = held.free.len() - n;
+        let taken = held.free.split_off(at);
+        for &block in &taken {
+            held.holders[block as usize] = 1;
+        }
+        Ok(taken)
     }
 
+    /// `blocks` held once more (by a copy of a cache that holds them).
+    fn share(&self, blocks: &[u32]) {
+        let mut held = self.held();
+        for &block in blocks {
+            held.holders[block as usize] += 1;
+        }
+    }
+
+    /// Whether more than one cache holds `block`.
+    fn shared(&self, block: u32) -> bool {
+        self.held().holders[block as usize] > 1
+    }
+
+    /// Lets go of `blocks` (emptied): a block no cache holds any more is free again.
     fn give_back(&self, blocks: &mut Vec<u32>) {
-        self.free_list().append(blocks);
+        let mut held = self.held();
+        for block in blocks.drain(..) {
+            let holders = &mut held.holders[block as usize];
+            *holders = holders.saturating_sub(1);
+            if *holders == 0 {
+                held.free.push(block);
+            }
+        }
+    }
+
+    /// The copies, as (from, to, bytes), that make blocks `to` hold what blocks `from` hold,
+    /// in every layer and array.
+    fn block_copies(&self, from: &[u32], to: &[u32]) -> Vec<(u64, u64, usize)> {
+        let mut pairs = Vec::new();
+        for slot in 0..self.layers {
+            for which in 0..2 {
+                let width = self.widths[which];
+                if width == 0 {
+                    continue;
+                }
+                let base = self.slots_array(slot, which);
+                let block_bytes = KV_BLOCK * width * VALUE_BYTES;
+                for (&from, &to) in from.iter().zip(to) {
+                    pairs.push((
+                        base + (from as usize * block_bytes) as u64,
+                        base + (to as usize * block_bytes) as u64,
+                        block_bytes,
+                    ));
+                }
+            }
+        }
+        pairs
     }
 }
 
@@ -319,56 +383,89 @@ impl DeviceCache {
         Ok(())
     }
 
-    /// A new cache holding a copy of this one's first `positions` positions (copied in
-    /// stream order, block by block), and of its states: they are those of all its positions,
-    /// so `positions` must be all of them where it keeps states (the engine's caches see to
-    /// it: `KvCache::can_truncate_to`).
+    /// A new cache holding this one's first `positions` positions: its whole blocks shared
+    /// (held once more), its last, partial block and its states copied in stream order. The
+    /// states are those of all its positions, so `positions` must be all of them where it
+    /// keeps states (the engine's caches see to it: `KvCache::can_truncate_to`).
     pub(super) fn copy(
         &self,
         stream: &Arc<CudaStream>,
         pool: &Arc<KvPool>,
         positions: usize,
     ) -> Result<DeviceCache, CudaError> {
+        if self
+            .pool
+            .as_ref()
+            .is_some_and(|own| !Arc::ptr_eq(own, pool))
+        {
+            return Err(CudaError::Unsupported(
+                "a KV cache of another GPU's pool".into(),
+            ));
+        }
+        let whole = (positions / KV_BLOCK).min(self.blocks.len());
+        let shared = self.blocks[..whole].to_vec();
+        pool.share(&shared);
         let mut copy = DeviceCache {
-            pool: None,
-            blocks: Vec::new(),
+            pool: Some(pool.clone()),
+            blocks: shared,
             state: Vec::new(),
             max_positions: self.max_positions,
             keeps_state: self.keeps_state,
         };
         copy.reserve(pool, positions.max(1))?;
-        let used = positions.div_ceil(KV_BLOCK);
-        let mut pairs: Vec<(u64, u64, usize)> = Vec::new();
-        for slot in 0..pool.layers {
-            for which in 0..2 {
-                let width = pool.widths[which];
-                let base = pool.slots_array(slot, which);
-                if width == 0 {
-                    continue;
-                }
-                let block_bytes = KV_BLOCK * width * VALUE_BYTES;
-                for (&from, &to) in self.blocks[..used].iter().zip(&copy.blocks) {
-                    pairs.push((
-                        base + (from as usize * block_bytes) as u64,
-                        base + (to as usize * block_bytes) as u64,
-                        block_bytes,
-                    ));
-                }
-            }
-        }
+        let used = positions.div_ceil(KV_BLOCK).min(self.blocks.len());
+        let mut pairs = pool.block_copies(&self.blocks[whole..used], &copy.blocks[whole..used]);
         if !self.state.is_empty() {
             let bytes = pool.page_floats() * 4;
             for (from, to) in pool.pages(&self.state).zip(pool.pages(&copy.state)) {
                 pairs.push((from, to, bytes));
             }
         }
-        for (from, to, bytes) in pairs {
-            // SAFETY: both ranges lie inside the pool's arrays (block indices below
-            // `pool.blocks`), `bytes` each.
-            unsafe { result::memcpy_dtod_async(to, from, bytes, stream.cu_stream())? };
-        }
+        copy_all(stream, pairs)?;
         Ok(copy)
     }
+
+    /// Makes the blocks a step writes into (those holding positions `start` on) this
+    /// cache's own: a shared one is replaced by a block of its own, which first takes a copy
+    /// of the shared one's positions before `start` when the block holds some.
+    pub(super) fn make_writable(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        start: usize,
+    ) -> Result<(), CudaError> {
+        let Some(pool) = self.pool.clone() else {
+            return Ok(());
+        };
+        let first = start / KV_BLOCK;
+        let shared: Vec<usize> = (first..self.blocks.len())
+            .filter(|&i| pool.shared(self.blocks[i]))
+            .collect();
+        if shared.is_empty() {
+            return Ok(());
+        }
+        let fresh = pool.take(shared.len())?;
+        let mut pairs = Vec::new();
+        let mut old = Vec::with_capacity(shared.len());
+        for (&i, &block) in shared.iter().zip(&fresh) {
+            if i == first && !start.is_multiple_of(KV_BLOCK) {
+                pairs.extend(pool.block_copies(&[self.blocks[i]], &[block]));
+            }
+            old.push(std::mem::replace(&mut self.blocks[i], block));
+        }
+        copy_all(stream, pairs)?;
+        pool.give_back(&mut old);
+        Ok(())
+    }
+}
+
+/// Device-to-device copies on `stream`, in order.
+fn copy_all(stream: &Arc<CudaStream>, pairs: Vec<(u64, u64, usize)>) -> Result<(), CudaError> {
+    for (from, to, bytes) in pairs {
+        // SAFETY: both ranges lie inside the pool's arrays (block indices below
+        // `pool.blocks`), `bytes` each.
+        unsafe { result::memcpy_dtod_async(to, from, bytes, stream.cu_stream())? };
+    }
+    Ok(())
 }
 
 /// Allocations of one step, freed (in stream order) when it ends.

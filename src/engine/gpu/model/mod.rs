@@ -283,6 +283,12 @@ impl GpuModel {
         Ok(())
     }
 
+    /// The KV pool's free blocks and all its blocks (`None` before its first use).
+    pub fn kv_blocks(&self) -> Option<(usize, usize)> {
+        let kv = self.kv.lock().unwrap_or_else(|e| e.into_inner());
+        kv.as_ref().map(|pool| (pool.free_blocks(), pool.blocks()))
+    }
+
     /// The KV pool, allocated at its default size on first use.
     fn kv_pool(&self) -> Result<Arc<KvPool>, CudaError> {
         let mut kv = self.kv.lock().unwrap_or_else(|e| e.into_inner());
@@ -431,6 +437,7 @@ impl GpuModel {
         let pool = self.kv_pool()?;
         for (cache, segment) in caches.iter_mut().zip(segments) {
             cache.reserve(&pool, segment.start_position + segment.rows.len())?;
+            cache.make_writable(stream, segment.start_position)?;
         }
         let mut scratch = Scratch {
             stream,
