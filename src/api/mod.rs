@@ -39,6 +39,17 @@ pub use openai::DEGRADED_HEADER;
 /// on until `server.drain_seconds`, and the gateway goes on with it on another node.
 pub const HANDOFF_HEADER: &str = "x-moe-node-handoff";
 
+/// Whether a gateway can move this request's stream elsewhere ([`HANDOFF_HEADER`]).
+fn handed_off(request: &actix_web::HttpRequest) -> bool {
+    request.headers().contains_key(HANDOFF_HEADER)
+}
+
+/// The caller's span, from a W3C `traceparent` header: the request's trace continues it.
+fn trace_parent(request: &actix_web::HttpRequest) -> Option<crate::transport::wire::TraceContext> {
+    let header = request.headers().get("traceparent")?.to_str().ok()?;
+    crate::telemetry::parse_traceparent(header)
+}
+
 /// Where the node is in its life; `/ready` is 200 only in `Ready`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]

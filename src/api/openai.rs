@@ -264,17 +264,6 @@ struct TokenizeRequest {
     chat_template_kwargs: Option<Value>,
 }
 
-/// Whether a gateway can move this request's stream elsewhere ([`super::HANDOFF_HEADER`]).
-fn handed_off(request: &actix_web::HttpRequest) -> bool {
-    request.headers().contains_key(super::HANDOFF_HEADER)
-}
-
-/// The caller's span, from a W3C `traceparent` header: the request's trace continues it.
-fn trace_parent(request: &actix_web::HttpRequest) -> Option<crate::transport::wire::TraceContext> {
-    let header = request.headers().get("traceparent")?.to_str().ok()?;
-    crate::telemetry::parse_traceparent(header)
-}
-
 pub async fn completions(
     state: web::Data<AppState>,
     http: actix_web::HttpRequest,
@@ -856,7 +845,7 @@ async fn generate(
     mut request: Admitted,
     http: &actix_web::HttpRequest,
 ) -> Result<HttpResponse, ApiError> {
-    let handed_off = handed_off(http);
+    let handed_off = super::handed_off(http);
     let in_flight = state.track();
     let prompt_tokens = request.prompt_tokens;
     let id = format!(
@@ -867,7 +856,8 @@ async fn generate(
         },
         rand_seed()
     );
-    let mut events = generation::submit(served, &mut request, &id, trace_parent(http)).await?;
+    let mut events =
+        generation::submit(served, &mut request, &id, super::trace_parent(http)).await?;
     tracing::info!(
         request = %id,
         prompt_tokens,
