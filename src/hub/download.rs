@@ -72,7 +72,13 @@ pub(super) fn complete(
             if weights == Weights::All {
                 in_parallel(&shards, |shard| files.fetch(shard, None, true).map(drop))?;
             } else {
-                in_parallel(&shards, |shard| files.header(shard).map(drop))?;
+                // A shard already here is opened from itself: no header to fetch.
+                let snapshot = cache.snapshot(&commit);
+                let absent: Vec<String> = shards
+                    .into_iter()
+                    .filter(|s| !snapshot.join(s).is_file())
+                    .collect();
+                in_parallel(&absent, |shard| files.header(shard).map(drop))?;
             }
         } else {
             // One file cannot be split: it is downloaded whole.
