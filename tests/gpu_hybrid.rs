@@ -19,12 +19,7 @@ use moe_node::model::ModelSource;
 use moe_node::moe::DispatchPlan;
 
 fn on_gpu(what: &str) -> Option<Engine> {
-    common::gpus(what)?;
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3_5_moe");
-    Some(
-        moe_node::engine::gpu::engine_on_gpu(&ModelSource::files(&dir), 0, true, None, None)
-            .unwrap(),
-    )
+    common::engine_on_gpu(what, "qwen3_5_moe")
 }
 
 fn step(engine: &Engine, cache: &mut KvCache, tokens: &[u32]) -> Vec<f32> {

@@ -6,19 +6,11 @@
 
 mod common;
 
-use std::path::Path;
-
 use moe_node::compute::cuda::dense::KV_BLOCK;
 use moe_node::engine::{Engine, KvCache, SequenceStep};
-use moe_node::model::ModelSource;
 
 fn on_gpu(what: &str) -> Option<Engine> {
-    common::gpus(what)?;
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3_moe");
-    Some(
-        moe_node::engine::gpu::engine_on_gpu(&ModelSource::files(&dir), 0, true, None, None)
-            .unwrap(),
-    )
+    common::engine_on_gpu(what, "qwen3_moe")
 }
 
 fn step(engine: &Engine, cache: &mut KvCache, tokens: &[u32]) -> Vec<f32> {

@@ -43,6 +43,18 @@ pub fn gpus(what: &str) -> Option<&'static CudaRuntime> {
     }
 }
 
+/// The engine of fixture `fixture` (under `tests/fixtures/`) with its dense part and experts
+/// on GPU 0 (emulated where there is no GPU); `None`, said as a skip, where GPUs cannot be
+/// had.
+pub fn engine_on_gpu(what: &str, fixture: &str) -> Option<moe_node::engine::Engine> {
+    gpus(what)?;
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(fixture);
+    let source = moe_node::model::ModelSource::files(&dir);
+    Some(moe_node::engine::gpu::engine_on_gpu(&source, 0, true, None, None).unwrap())
+}
+
 /// Reproducible values in [-1, 1), with some exact repeats (ties for top-k).
 pub fn values(n: usize, seed: u64) -> Vec<f32> {
     let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
