@@ -298,6 +298,7 @@ fn serving_lanes(
         for gpu in dense_gpus {
             let mut replica = engine.replica();
             replica.place_dense_on_gpu(gpu, config.devices.gpu_memory_fraction, kernel_cache)?;
+            replica.set_cuda_graphs(config.devices.cuda_graphs);
             replicas.push(replica);
         }
         replicas

@@ -3,15 +3,21 @@
 // cuBLAS's column-major terms, with its precision rules for CUBLAS_COMPUTE_32F: bf16 (or f32)
 // inputs read exactly, f32 accumulation, a bf16 output rounded to nearest even. cuBLAS's own
 // argument checks are made (leading dimensions, types), and every matrix must lie inside one
-// allocation of the emulated device (driver.cpp), where a GPU would fault.
+// allocation of the emulated device (driver.cpp), where a GPU would fault. The checks are
+// made at the call; the product runs in its stream's order (recorded, on a stream that
+// captures a graph, and run at each replay, the matrices checked again then).
 
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <string>
+#include <vector>
 
 extern "C" int moe_emu_check_range(const char* what, unsigned long long address, size_t bytes);
 extern "C" void moe_emu_count_gemm();
+extern "C" int moe_emu_stream_op(void* stream, int (*run)(void*), void* data,
+                                 void (*drop)(void*));
 
 namespace {
 
@@ -62,10 +68,28 @@ size_t extent(int rows, int cols, int ld) {
     return rows == 0 || cols == 0 ? 0 : (size_t)(rows - 1) + (size_t)(cols - 1) * ld + 1;
 }
 
-int gemm(int transa, int transb, int m, int n, int k, const void* alpha_p, const void* a,
-         int a_type, int lda, long long stride_a, const void* b, int b_type, int ldb,
-         long long stride_b, const void* beta_p, void* c, int c_type, int ldc,
-         long long stride_c, int count, int compute) {
+// One strided batch of products, as cublasGemmStridedBatchedEx takes it (the scalars
+// read from the host at the call, as cuBLAS's host pointer mode does).
+struct Gemm {
+    int transa, transb, m, n, k;
+    float alpha;
+    const void* a;
+    int a_type, lda;
+    long long stride_a;
+    const void* b;
+    int b_type, ldb;
+    long long stride_b;
+    float beta;
+    void* c;
+    int c_type, ldc;
+    long long stride_c;
+    int count, compute;
+};
+
+// Checks `g` and, with `run`, computes it.
+int gemm(const Gemm& g, bool run) {
+    auto [transa, transb, m, n, k, alpha, a, a_type, lda, stride_a, b, b_type, ldb, stride_b,
+          beta, c, c_type, ldc, stride_c, count, compute] = g;
     if (compute != COMPUTE_32F) return NOT_SUPPORTED;
     for (int t : {a_type, b_type, c_type}) {
         if (t != R_32F && t != R_16BF) return NOT_SUPPORTED;
@@ -99,7 +123,7 @@ int gemm(int transa, int transb, int m, int n, int k, const void* alpha_p, const
             if (moe_emu_check_range(mat.what, at, bytes) != 0) return EXECUTION_FAILED;
         }
     }
-    float alpha = *static_cast<const float*>(alpha_p), beta = *static_cast<const float*>(beta_p);
+    if (!run) return SUCCESS;
     for (int p = 0; p < count; ++p) {
         const char* ap = static_cast<const char*>(a) + p * stride_a * element_size(a_type);
         const char* bp = static_cast<const char*>(b) + p * stride_b * element_size(b_type);
@@ -121,6 +145,21 @@ int gemm(int transa, int transb, int m, int n, int k, const void* alpha_p, const
     }
     moe_emu_count_gemm();
     return SUCCESS;
+}
+
+// Runs `work` in `stream`'s order (see moe_emu_stream_op).
+int on_stream(void* stream, std::function<int()> work) {
+    auto* held = new std::function<int()>(std::move(work));
+    int status = moe_emu_stream_op(
+        stream, [](void* w) { return (*static_cast<std::function<int()>*>(w))(); }, held,
+        [](void* w) { delete static_cast<std::function<int()>*>(w); });
+    return status < 0 ? EXECUTION_FAILED : status;
+}
+
+int gemm_on(void* handle, const Gemm& g) {
+    if (!handle) return NOT_INITIALIZED;
+    if (int status = gemm(g, false)) return status;
+    return on_stream(static_cast<Handle*>(handle)->stream, [g] { return gemm(g, true); });
 }
 
 }  // namespace
@@ -157,30 +196,35 @@ const char* cublasGetStatusString(int status) {
     }
 }
 
-int cublasGemmEx(void*, int transa, int transb, int m, int n, int k, const void* alpha,
+int cublasGemmEx(void* handle, int transa, int transb, int m, int n, int k, const void* alpha,
                  const void* a, int a_type, int lda, const void* b, int b_type, int ldb,
                  const void* beta, void* c, int c_type, int ldc, int compute, int) {
-    return gemm(transa, transb, m, n, k, alpha, a, a_type, lda, 0, b, b_type, ldb, 0, beta, c,
-                c_type, ldc, 0, 1, compute);
+    return gemm_on(handle, Gemm{transa, transb, m, n, k, *static_cast<const float*>(alpha), a,
+                                a_type, lda, 0, b, b_type, ldb, 0,
+                                *static_cast<const float*>(beta), c, c_type, ldc, 0, 1,
+                                compute});
 }
 
-int cublasGemmStridedBatchedEx(void*, int transa, int transb, int m, int n, int k,
+int cublasGemmStridedBatchedEx(void* handle, int transa, int transb, int m, int n, int k,
                                const void* alpha, const void* a, int a_type, int lda,
                                long long stride_a, const void* b, int b_type, int ldb,
                                long long stride_b, const void* beta, void* c, int c_type,
                                int ldc, long long stride_c, int count, int compute, int) {
-    return gemm(transa, transb, m, n, k, alpha, a, a_type, lda, stride_a, b, b_type, ldb,
-                stride_b, beta, c, c_type, ldc, stride_c, count, compute);
+    return gemm_on(handle, Gemm{transa, transb, m, n, k, *static_cast<const float*>(alpha), a,
+                                a_type, lda, stride_a, b, b_type, ldb, stride_b,
+                                *static_cast<const float*>(beta), c, c_type, ldc, stride_c,
+                                count, compute});
 }
 
 // Groups of products whose matrices are given by arrays of device pointers (one per
 // product, in device memory); sizes, leading dimensions and scalars per group, on the host.
-int cublasGemmGroupedBatchedEx(void*, const int* transa, const int* transb, const int* m,
-                               const int* n, const int* k, const void* alpha,
+int cublasGemmGroupedBatchedEx(void* handle, const int* transa, const int* transb,
+                               const int* m, const int* n, const int* k, const void* alpha,
                                const void* const* a, int a_type, const int* lda,
                                const void* const* b, int b_type, const int* ldb,
                                const void* beta, void* const* c, int c_type, const int* ldc,
                                int group_count, const int* group_size, int compute) {
+    if (!handle) return NOT_INITIALIZED;
     if (group_count < 0) return INVALID_VALUE;
     size_t problems = 0;
     for (int g = 0; g < group_count; ++g) {
@@ -193,17 +237,32 @@ int cublasGemmGroupedBatchedEx(void*, const int* transa, const int* transb, cons
             return EXECUTION_FAILED;
         }
     }
-    size_t p = 0;
+    // The per-group values are the host's, read now; the pointer arrays are device memory,
+    // read when the products run.
+    struct Group {
+        int transa, transb, m, n, k, lda, ldb, ldc, size;
+        float alpha, beta;
+    };
+    std::vector<Group> groups;
     for (int g = 0; g < group_count; ++g) {
-        for (int i = 0; i < group_size[g]; ++i, ++p) {
-            int status = gemm(transa[g], transb[g], m[g], n[g], k[g],
-                              static_cast<const float*>(alpha) + g, a[p], a_type, lda[g], 0,
-                              b[p], b_type, ldb[g], 0, static_cast<const float*>(beta) + g, c[p],
-                              c_type, ldc[g], 0, 1, compute);
-            if (status != SUCCESS) return status;
-        }
+        groups.push_back(Group{transa[g], transb[g], m[g], n[g], k[g], lda[g], ldb[g], ldc[g],
+                               group_size[g], static_cast<const float*>(alpha)[g],
+                               static_cast<const float*>(beta)[g]});
     }
-    return SUCCESS;
+    auto products = [=](bool run) {
+        size_t p = 0;
+        for (const Group& g : groups) {
+            for (int i = 0; i < g.size; ++i, ++p) {
+                int status = gemm(Gemm{g.transa, g.transb, g.m, g.n, g.k, g.alpha, a[p], a_type,
+                                       g.lda, 0, b[p], b_type, g.ldb, 0, g.beta, c[p], c_type,
+                                       g.ldc, 0, 1, compute},
+                                  run);
+                if (status != SUCCESS) return status;
+            }
+        }
+        return (int)SUCCESS;
+    };
+    return on_stream(static_cast<Handle*>(handle)->stream, [products] { return products(true); });
 }
 
 }  // extern "C"

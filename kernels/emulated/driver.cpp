@@ -8,7 +8,13 @@
 // so a kernel reading what nobody wrote shows it; every copy must lie inside one allocation;
 // each emulated GPU has a memory size and allocations beyond it fail as on a GPU. Streams run
 // in order: each operation is done when it is queued, so events and stream waits have
-// nothing to wait for. Kernels are the very kernels/*.cu sources, compiled with g++ against
+// nothing to wait for. While a stream captures a graph (cuStreamBeginCapture) its
+// operations are recorded instead, kernel parameters copied as a GPU driver copies them,
+// and cuGraphLaunch replays the list in order. A capture here is stricter than CUDA's: it
+// takes no allocation or free and no copy to or from host memory (a graph whose buffers
+// come and go, or that reads host memory at replay, is what moe-node's graphs must not
+// be), and synchronous calls from the capturing thread invalidate it, as in CUDA's
+// thread-local capture mode. Kernels are the very kernels/*.cu sources, compiled with g++ against
 // cuda_on_cpu.h into one library per source (cached by a hash of the source); a launch calls
 // the kernel's entry point (module_entry.h) with cuLaunchKernel's own parameter array.
 //
@@ -26,7 +32,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <set>
 #include <string>
@@ -47,9 +55,13 @@ enum : int {
     INVALID_HANDLE = 400,
     NOT_FOUND = 500,
     NOT_READY = 600,
+    ILLEGAL_STATE = 401,
     ILLEGAL_ADDRESS = 700,
     LAUNCH_OUT_OF_RESOURCES = 701,
+    LAUNCH_FAILED = 719,
     NOT_SUPPORTED = 801,
+    STREAM_CAPTURE_UNSUPPORTED = 900,
+    STREAM_CAPTURE_INVALIDATED = 901,
 };
 
 namespace {
@@ -58,8 +70,20 @@ struct Context {
     int device;
 };
 
+// One recorded stream operation, run when its graph is launched.
+typedef std::function<CUresult()> Op;
+
+struct Graph {
+    int device;
+    std::vector<Op> ops;
+};
+
 struct Stream {
     int device;
+    // The graph being captured, while the stream captures.
+    Graph* capture = nullptr;
+    // Why the capture was invalidated; empty while it holds.
+    std::string invalidated;
 };
 
 struct Event {
@@ -72,11 +96,13 @@ struct Module {
 };
 
 typedef void (*Entry)(const unsigned* grid, unsigned block, size_t smem, void** params);
+typedef int (*Sizes)(size_t* sizes, int max);
 
 struct Function {
     int device;
     std::string name;
     Entry entry;
+    Sizes sizes;
     int max_dynamic_smem = 48 * 1024;
 };
 
@@ -104,7 +130,7 @@ std::mutex launch_mutex;  // one kernel at a time: the kernels' block state is g
 std::atomic<const char*> running_kernel{nullptr};
 
 std::atomic<unsigned long long> counters[8];
-enum Counter { HTOD, DTOH, DTOD, PEER, LAUNCHES, ALLOCATED, GEMMS };
+enum Counter { HTOD, DTOH, DTOD, PEER, LAUNCHES, ALLOCATED, GEMMS, GRAPH_LAUNCHES };
 
 // Messages for cuGetErrorString: the last failure's detail, kept for the life of the process.
 std::set<std::string> details;
@@ -193,6 +219,38 @@ CUresult need_context() {
     if (!initialized) return NOT_INITIALIZED;
     if (!current) return fail(INVALID_CONTEXT, "no current context on this thread");
     return SUCCESS;
+}
+
+// Streams capturing a graph whose capture began on this thread.
+thread_local std::vector<Stream*> captures_here;
+
+bool capturing(void* stream) { return stream && static_cast<Stream*>(stream)->capture; }
+
+// Runs `op` now, or records it where `stream` captures a graph.
+CUresult on_stream(void* stream, Op op) {
+    if (!capturing(stream)) return op();
+    Stream* s = static_cast<Stream*>(stream);
+    if (!s->invalidated.empty()) return fail(STREAM_CAPTURE_INVALIDATED, s->invalidated);
+    s->capture->ops.push_back(std::move(op));
+    return SUCCESS;
+}
+
+CUresult invalidate(Stream* s, const std::string& what) {
+    if (s->invalidated.empty()) s->invalidated = "the capture was invalidated by " + what;
+    return fail(STREAM_CAPTURE_UNSUPPORTED, what + " while a graph is captured");
+}
+
+// Refuses, on a capturing stream, what a capture here does not take.
+CUresult not_captured(void* stream, const char* what) {
+    if (!capturing(stream)) return SUCCESS;
+    return invalidate(static_cast<Stream*>(stream), what);
+}
+
+// Refuses a synchronous call from a thread that is capturing (CUDA's thread-local mode).
+CUresult not_on_capturing_thread(const char* what) {
+    CUresult r = SUCCESS;
+    for (Stream* s : captures_here) r = invalidate(s, what);
+    return r;
 }
 
 CUresult allocate(size_t bytes, int device, CUdeviceptr* out) {
@@ -371,6 +429,24 @@ void moe_emu_counters(unsigned long long* out, int n) {
 
 void moe_emu_count_gemm() { counters[GEMMS] += 1; }
 
+// For the emulated cuBLAS: runs `run(data)` now (its status returned), or records it where
+// `stream` captures a graph (0 returned; a failure at the replay fails the launch); `drop`
+// frees `data` once it is no longer needed. -1: the capture was invalidated.
+int moe_emu_stream_op(void* stream, int (*run)(void*), void* data, void (*drop)(void*)) {
+    if (!capturing(stream)) {
+        int status = run(data);
+        drop(data);
+        return status;
+    }
+    std::shared_ptr<void> owned(data, drop);
+    CUresult r = on_stream(stream, [run, owned] {
+        return run(owned.get()) == 0
+                   ? SUCCESS
+                   : fail(LAUNCH_FAILED, "a cuBLAS product replayed from a graph failed");
+    });
+    return r == SUCCESS ? 0 : -1;
+}
+
 // For the emulated cuBLAS: 0 when [address, address + bytes) lies in one allocation.
 int moe_emu_check_range(const char* what, unsigned long long address, size_t bytes) {
     return check_range(what, (uintptr_t)address, bytes, nullptr);
@@ -473,7 +549,10 @@ CUresult cuCtxGetDevice(CUdevice* device) {
     return SUCCESS;
 }
 
-CUresult cuCtxSynchronize() { return need_context(); }
+CUresult cuCtxSynchronize() {
+    if (CUresult r = need_context()) return r;
+    return not_on_capturing_thread("cuCtxSynchronize");
+}
 
 CUresult cuCtxEnablePeerAccess(void*, unsigned) { return SUCCESS; }
 
@@ -487,16 +566,25 @@ CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total) {
 
 CUresult cuMemAlloc_v2(CUdeviceptr* ptr, size_t bytes) {
     if (CUresult r = need_context()) return r;
+    if (CUresult r = not_on_capturing_thread("an allocation (cuMemAlloc)")) return r;
     return allocate(bytes, current->device, ptr);
 }
 
-CUresult cuMemAllocAsync(CUdeviceptr* ptr, size_t bytes, void*) {
-    return cuMemAlloc_v2(ptr, bytes);
+CUresult cuMemAllocAsync(CUdeviceptr* ptr, size_t bytes, void* stream) {
+    if (CUresult r = need_context()) return r;
+    if (CUresult r = not_captured(stream, "an allocation (cuMemAllocAsync)")) return r;
+    return allocate(bytes, current->device, ptr);
 }
 
-CUresult cuMemFree_v2(CUdeviceptr ptr) { return release((uintptr_t)ptr); }
+CUresult cuMemFree_v2(CUdeviceptr ptr) {
+    if (CUresult r = not_on_capturing_thread("a free (cuMemFree)")) return r;
+    return release((uintptr_t)ptr);
+}
 
-CUresult cuMemFreeAsync(CUdeviceptr ptr, void*) { return release((uintptr_t)ptr); }
+CUresult cuMemFreeAsync(CUdeviceptr ptr, void* stream) {
+    if (CUresult r = not_captured(stream, "a free (cuMemFreeAsync)")) return r;
+    return release((uintptr_t)ptr);
+}
 
 CUresult cuMemHostAlloc(void** ptr, size_t bytes, unsigned) {
     if (CUresult r = need_context()) return r;
@@ -511,56 +599,73 @@ CUresult cuMemAllocHost_v2(void** ptr, size_t bytes) { return cuMemHostAlloc(ptr
 CUresult cuMemFreeHost(void* ptr) { return release((uintptr_t)ptr); }
 
 CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, size_t bytes) {
+    if (CUresult r = not_on_capturing_thread("a synchronous copy")) return r;
     return copy("copy to the GPU", dst, true, (uintptr_t)src, false, bytes);
 }
 
-CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t bytes, void*) {
-    return cuMemcpyHtoD_v2(dst, src, bytes);
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t bytes, void* stream) {
+    if (CUresult r = not_captured(stream, "a copy from host memory")) return r;
+    return copy("copy to the GPU", dst, true, (uintptr_t)src, false, bytes);
 }
 
 CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t bytes) {
+    if (CUresult r = not_on_capturing_thread("a synchronous copy")) return r;
     return copy("copy from the GPU", (uintptr_t)dst, false, src, true, bytes);
 }
 
-CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t bytes, void*) {
-    return cuMemcpyDtoH_v2(dst, src, bytes);
+CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t bytes, void* stream) {
+    if (CUresult r = not_captured(stream, "a copy to host memory")) return r;
+    return copy("copy from the GPU", (uintptr_t)dst, false, src, true, bytes);
 }
 
 CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t bytes) {
+    if (CUresult r = not_on_capturing_thread("a synchronous copy")) return r;
     return copy("copy on the GPU", dst, true, src, true, bytes);
 }
 
-CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t bytes, void*) {
-    return cuMemcpyDtoD_v2(dst, src, bytes);
+CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t bytes, void* stream) {
+    return on_stream(stream, [=] { return copy("copy on the GPU", dst, true, src, true, bytes); });
 }
 
 CUresult cuMemcpyPeer(CUdeviceptr dst, void*, CUdeviceptr src, void*, size_t bytes) {
+    if (CUresult r = not_on_capturing_thread("a synchronous copy")) return r;
     return copy("copy between GPUs", dst, true, src, true, bytes);
 }
 
-CUresult cuMemcpyPeerAsync(CUdeviceptr dst, void* dc, CUdeviceptr src, void* sc, size_t bytes,
-                           void*) {
-    return cuMemcpyPeer(dst, dc, src, sc, bytes);
+CUresult cuMemcpyPeerAsync(CUdeviceptr dst, void*, CUdeviceptr src, void*, size_t bytes,
+                           void* stream) {
+    return on_stream(stream,
+                     [=] { return copy("copy between GPUs", dst, true, src, true, bytes); });
 }
 
-CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char value, size_t n) {
+static CUresult memset8(CUdeviceptr dst, unsigned char value, size_t n) {
     if (CUresult r = check_range("memset", dst, n, nullptr)) return r;
     memset((void*)dst, value, n);
     return SUCCESS;
 }
 
-CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char value, size_t n, void*) {
-    return cuMemsetD8_v2(dst, value, n);
-}
-
-CUresult cuMemsetD32_v2(CUdeviceptr dst, unsigned value, size_t n) {
+static CUresult memset32(CUdeviceptr dst, unsigned value, size_t n) {
     if (CUresult r = check_range("memset", dst, n * 4, nullptr)) return r;
     for (size_t i = 0; i < n; ++i) memcpy((char*)dst + 4 * i, &value, 4);
     return SUCCESS;
 }
 
-CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned value, size_t n, void*) {
-    return cuMemsetD32_v2(dst, value, n);
+CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char value, size_t n) {
+    if (CUresult r = not_on_capturing_thread("a synchronous memset")) return r;
+    return memset8(dst, value, n);
+}
+
+CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char value, size_t n, void* stream) {
+    return on_stream(stream, [=] { return memset8(dst, value, n); });
+}
+
+CUresult cuMemsetD32_v2(CUdeviceptr dst, unsigned value, size_t n) {
+    if (CUresult r = not_on_capturing_thread("a synchronous memset")) return r;
+    return memset32(dst, value, n);
+}
+
+CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned value, size_t n, void* stream) {
+    return on_stream(stream, [=] { return memset32(dst, value, n); });
 }
 
 CUresult cuDeviceGetDefaultMemPool(void** pool, CUdevice device) {
@@ -587,18 +692,90 @@ CUresult cuStreamCreateWithPriority(void** stream, unsigned flags, int) {
 }
 
 CUresult cuStreamDestroy_v2(void* stream) {
-    delete static_cast<Stream*>(stream);
+    Stream* s = static_cast<Stream*>(stream);
+    if (s->capture) {
+        std::erase(captures_here, s);
+        delete s->capture;
+    }
+    delete s;
     return SUCCESS;
 }
 
-CUresult cuStreamSynchronize(void*) { return SUCCESS; }
+CUresult cuStreamSynchronize(void* stream) { return not_captured(stream, "cuStreamSynchronize"); }
 
-CUresult cuStreamQuery(void*) { return SUCCESS; }
+CUresult cuStreamQuery(void* stream) { return not_captured(stream, "cuStreamQuery"); }
 
 CUresult cuStreamWaitEvent(void*, void*, unsigned) { return SUCCESS; }
 
-CUresult cuLaunchHostFunc(void*, void (*fn)(void*), void* data) {
-    fn(data);
+CUresult cuLaunchHostFunc(void* stream, void (*fn)(void*), void* data) {
+    return on_stream(stream, [=] {
+        fn(data);
+        return SUCCESS;
+    });
+}
+
+CUresult cuStreamBeginCapture_v2(void* stream, int) {
+    if (CUresult r = need_context()) return r;
+    if (!stream) return fail(STREAM_CAPTURE_UNSUPPORTED, "capturing the default stream");
+    Stream* s = static_cast<Stream*>(stream);
+    if (s->capture) return fail(ILLEGAL_STATE, "the stream already captures a graph");
+    s->capture = new Graph{s->device, {}};
+    s->invalidated.clear();
+    captures_here.push_back(s);
+    return SUCCESS;
+}
+
+CUresult cuStreamEndCapture(void* stream, void** graph) {
+    Stream* s = static_cast<Stream*>(stream);
+    *graph = nullptr;
+    if (!s || !s->capture) return fail(ILLEGAL_STATE, "ending a capture that was not begun");
+    std::erase(captures_here, s);
+    Graph* g = s->capture;
+    s->capture = nullptr;
+    if (!s->invalidated.empty()) {
+        delete g;
+        return fail(STREAM_CAPTURE_INVALIDATED, s->invalidated);
+    }
+    *graph = g;
+    return SUCCESS;
+}
+
+CUresult cuStreamIsCapturing(void* stream, int* status) {
+    Stream* s = static_cast<Stream*>(stream);
+    *status = !capturing(stream) ? 0 : s->invalidated.empty() ? 1 : 2;
+    return SUCCESS;
+}
+
+CUresult cuGraphInstantiateWithFlags(void** exec, void* graph, unsigned long long) {
+    if (!graph) return fail(INVALID_VALUE, "instantiating no graph");
+    *exec = new Graph(*static_cast<Graph*>(graph));
+    return SUCCESS;
+}
+
+CUresult cuGraphUpload(void*, void*) { return SUCCESS; }
+
+// Replays the recorded operations in order; the first that fails ends the launch.
+CUresult cuGraphLaunch(void* exec, void* stream) {
+    if (CUresult r = need_context()) return r;
+    Graph* g = static_cast<Graph*>(exec);
+    if (stream && static_cast<Stream*>(stream)->device != g->device) {
+        return fail(INVALID_HANDLE, "a graph launched on a stream of another GPU");
+    }
+    if (CUresult r = not_captured(stream, "a graph launch")) return r;
+    for (const Op& op : g->ops) {
+        if (CUresult r = op()) return r;
+    }
+    counters[GRAPH_LAUNCHES] += 1;
+    return SUCCESS;
+}
+
+CUresult cuGraphExecDestroy(void* exec) {
+    delete static_cast<Graph*>(exec);
+    return SUCCESS;
+}
+
+CUresult cuGraphDestroy(void* graph) {
+    delete static_cast<Graph*>(graph);
     return SUCCESS;
 }
 
@@ -652,11 +829,13 @@ CUresult cuModuleGetFunction(void** function, void* module, const char* name) {
     Module* m = static_cast<Module*>(module);
     std::string symbol = std::string("moe_emu_kernel_") + name;
     void* entry = dlsym(m->library, symbol.c_str());
-    if (!entry) return fail(NOT_FOUND, std::string("no kernel named ") + name);
+    void* sizes = dlsym(m->library, (std::string("moe_emu_sizes_") + name).c_str());
+    if (!entry || !sizes) return fail(NOT_FOUND, std::string("no kernel named ") + name);
     Function* f = new Function;
     f->device = m->device;
     f->name = name;
     f->entry = reinterpret_cast<Entry>(entry);
+    f->sizes = reinterpret_cast<Sizes>(sizes);
     *function = f;
     return SUCCESS;
 }
@@ -673,6 +852,17 @@ CUresult cuFuncSetAttribute(void* function, int attribute, int value) {
 CUresult cuFuncGetAttribute(int* value, int attribute, void* function) {
     Function* f = static_cast<Function*>(function);
     *value = attribute == 0 ? 1024 : attribute == 8 ? f->max_dynamic_smem : 0;
+    return SUCCESS;
+}
+
+static CUresult run_kernel(Function* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                    unsigned smem, void** params) {
+    unsigned grid[3] = {gx, gy, gz};
+    std::lock_guard<std::mutex> lock(launch_mutex);
+    running_kernel.store(f->name.c_str());
+    f->entry(grid, bx, smem, params);
+    running_kernel.store(nullptr);
+    counters[LAUNCHES] += 1;
     return SUCCESS;
 }
 
@@ -700,13 +890,21 @@ CUresult cuLaunchKernel(void* function, unsigned gx, unsigned gy, unsigned gz, u
                  f->name.c_str(), smem, f->max_dynamic_smem);
         return fail(LAUNCH_OUT_OF_RESOURCES, text);
     }
-    unsigned grid[3] = {gx, gy, gz};
-    std::lock_guard<std::mutex> lock(launch_mutex);
-    running_kernel.store(f->name.c_str());
-    f->entry(grid, bx, smem, params);
-    running_kernel.store(nullptr);
-    counters[LAUNCHES] += 1;
-    return SUCCESS;
+    if (!capturing(stream)) return run_kernel(f, gx, gy, gz, bx, smem, params);
+    // Captured: the parameter values as they are now, since `params` is gone by the replay.
+    size_t sizes[64];
+    int n = f->sizes(sizes, 64);
+    if (n > 64) return fail(NOT_SUPPORTED, f->name + ": more than 64 parameters");
+    auto values = std::make_shared<std::vector<std::vector<char>>>();
+    for (int i = 0; i < n; ++i) {
+        const char* at = static_cast<const char*>(params[i]);
+        values->emplace_back(at, at + sizes[i]);
+    }
+    return on_stream(stream, [=] {
+        std::vector<void*> pointers;
+        for (auto& value : *values) pointers.push_back(value.data());
+        return run_kernel(f, gx, gy, gz, bx, smem, pointers.data());
+    });
 }
 
 CUresult cuGetErrorName(CUresult code, const char** name) {

@@ -2,7 +2,8 @@
 // kernel, `moe_emu_kernel_NAME`, which the emulated cuLaunchKernel calls with the launch's
 // sizes and the kernel parameters as cuLaunchKernel received them (an array of pointers to
 // the values). The parameter types come from the kernel's own declaration, so the values
-// are read exactly as a GPU would read the same argument buffer.
+// are read exactly as a GPU would read the same argument buffer. A second entry point per
+// kernel, `moe_emu_sizes_NAME`, gives the parameters' sizes.
 
 #include <cstddef>
 #include <type_traits>
@@ -21,8 +22,22 @@ inline void moe_emu_run(void (*kernel)(A...), const unsigned* grid, unsigned blo
            grid[2]);
 }
 
+// The byte size of each parameter, for a launch captured into a graph: the driver copies
+// the values then, as a GPU driver does, since the caller's array is gone by the replay.
+template <class... A>
+inline int moe_emu_sizes(void (*)(A...), std::size_t* sizes, int max) {
+    const std::size_t each[] = {sizeof(std::remove_cv_t<std::remove_reference_t<A>>)..., 0};
+    int n = (int)sizeof...(A);
+    for (int i = 0; i < n && i < max; ++i) sizes[i] = each[i];
+    return n;
+}
+
 #define MOE_EMU_KERNEL(name)                                                          \
     extern "C" __attribute__((visibility("default"))) void moe_emu_kernel_##name(     \
         const unsigned* grid, unsigned block, std::size_t smem, void** params) {      \
         moe_emu_run(name, grid, block, smem, params);                                 \
+    }                                                                                 \
+    extern "C" __attribute__((visibility("default"))) int moe_emu_sizes_##name(       \
+        std::size_t* sizes, int max) {                                                \
+        return moe_emu_sizes(name, sizes, max);                                       \
     }

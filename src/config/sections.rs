@@ -341,6 +341,9 @@ pub struct DevicesConfig {
     /// sequences (attention data-parallel, experts shared): the first `dense_replicas`; 0
     /// (the default): every GPU. 1 is the single-dense-GPU layout of earlier versions.
     pub dense_replicas: usize,
+    /// Decode steps of a dense part on a GPU replay CUDA graphs (captured once per batch
+    /// size and block-table width): one launch per layer instead of one per kernel.
+    pub cuda_graphs: bool,
     /// Extra directory searched for NVRTC and cuBLAS (after the loader's path, before
     /// `$CUDA_HOME/lib64` and `/usr/local/cuda*/lib64`). Empty: none.
     pub cuda_lib_dir: String,
@@ -848,6 +851,7 @@ impl Default for DevicesConfig {
             gpu_memory_fraction: 0.9,
             dense_on_gpu: true,
             dense_replicas: 0,
+            cuda_graphs: true,
             cuda_lib_dir: String::new(),
             cpu_amx: true,
             cpu_precision: Precision::Exact,

@@ -302,6 +302,22 @@ impl Engine {
         gpu.lock().unwrap_or_else(|e| e.into_inner()).kv_blocks()
     }
 
+    /// Turns the CUDA graphs of decode steps on or off where the dense part is on a GPU
+    /// (on by default).
+    pub fn set_cuda_graphs(&self, on: bool) {
+        if let Some(gpu) = &self.gpu {
+            gpu.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .set_cuda_graphs(on);
+        }
+    }
+
+    /// Step shapes the GPU holds CUDA graphs of (`None` with the dense part on the host).
+    pub fn cuda_graphs(&self) -> Option<usize> {
+        let gpu = self.gpu.as_ref()?;
+        Some(gpu.lock().unwrap_or_else(|e| e.into_inner()).cuda_graphs())
+    }
+
     /// Allocates the GPU's pool of KV cache blocks at `blocks` blocks (the batcher's budget)
     /// where the dense part is on a GPU; nothing on the host, whose caches are not pooled.
     pub fn reserve_kv_cache(&self, blocks: usize) -> Result<(), CudaError> {

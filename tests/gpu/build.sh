@@ -24,7 +24,7 @@ for line in sys.stdin:
 
 cargo build --release --bin moe-node --message-format=json | executables > "$out/.list"
 cargo test --release --no-run --test gpu_kernels --test gpu_served --test gpu_hybrid \
-    --test reference --test server \
+    --test gpu_graphs --test reference --test server \
     --message-format=json | executables >> "$out/.list"
 cargo bench --no-run --bench moe_layer_gpu --bench load --bench engine_step --message-format=json \
     | executables >> "$out/.list"

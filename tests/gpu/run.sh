@@ -12,6 +12,7 @@
 #   2. tests/gpu_kernels.rs: the MoE layer and the dense kernels on the GPU against the CPU;
 #      tests/gpu_served.rs: MoE rows kept on the GPU against routing on the host;
 #      tests/gpu_hybrid.rs: a hybrid model's linear-attention states paged on the GPU;
+#      tests/gpu_graphs.rs: decode steps replayed from CUDA graphs against kernel by kernel;
 #   3. tests/reference.rs: every fixture on the CPU (against transformers) and on the GPU
 #      against the CPU: experts on the GPU (same greedy tokens, logits within the bf16
 #      tolerance), then the whole model (logits after the prompt within the bf16 tolerance
@@ -63,6 +64,7 @@ step generate-gpu-experts 120 env RUST_LOG=info "$bin/moe-node" generate \
 step gpu-kernel-tests 180 "$bin/gpu_kernels" --test-threads=1 --nocapture
 step gpu-served-tests 120 "$bin/gpu_served" --nocapture
 step gpu-hybrid-tests 120 "$bin/gpu_hybrid" --nocapture
+step gpu-graph-tests 120 "$bin/gpu_graphs" --nocapture
 step reference-tests 180 "$bin/reference" --test-threads=1 --nocapture
 step server-tests 240 "$bin/server" --test-threads=2
 TAIL=40 step bench 300 env MOE_GPU_BENCH_FORMATS=bf16 MOE_GPU_BENCH_OUT="$out/moe_layer_gpu.jsonl" \

@@ -14,7 +14,9 @@
 #    prompt tokens; once per layout, one after the other (two servers would share the GPUs'
 #    memory): the dense part on GPU 0 alone (devices.dense_replicas = 1, the layout before
 #    data-parallel attention) and a dense replica on every GPU (0), then each level's
-#    tokens/s ratio every-GPU / GPU-0-alone. On one GPU both layouts are the same.
+#    tokens/s ratio every-GPU / GPU-0-alone. On one GPU both layouts are the same. Then the
+#    every-GPU layout again with CUDA graphs off (devices.cuda_graphs = false), and each
+#    level's ratio graphs on / off.
 set -uo pipefail
 out=${1:?usage: tests/gpu/serve.sh OUT}
 layers=${LAYERS:-3}
@@ -40,22 +42,27 @@ timeout 150 env RUST_LOG=info "$bin/moe-node" generate --model $model --load-for
 grep -v last_logits "$out/generate.log" | tail -n 5
 grep -o '"token_ids":\[[0-9,]*\]' "$out/generate.log"
 
-for replicas in 1 0; do
-    echo "=== serve + load bench, devices.dense_replicas = $replicas"
+# Layouts: dense replicas, CUDA graphs (the last with graphs off, for their ratio).
+for layout in "1 true" "0 true" "0 false"; do
+    read -r replicas graphs <<< "$layout"
+    name=$replicas$([ "$graphs" = true ] || echo -nographs)
+    echo "=== serve + load bench, devices.dense_replicas = $replicas, cuda_graphs = $graphs"
     MOE_NODE_DEVICES__BACKEND=$backend MOE_NODE_BATCHING__MAX_SEQUENCES=256 \
-    MOE_NODE_DEVICES__DENSE_REPLICAS=$replicas \
+    MOE_NODE_DEVICES__DENSE_REPLICAS=$replicas MOE_NODE_DEVICES__CUDA_GRAPHS=$graphs \
     MOE_LOAD_MODEL=$model MOE_LOAD_SERVE_ARGS="--load-format dummy --num-layers $layers" \
     MOE_LOAD_SECONDS=${SECONDS_PER_LEVEL:-8} MOE_LOAD_LEVELS=${LEVELS:-1,8,64,256} \
     MOE_LOAD_MAX_TOKENS=32 MOE_LOAD_PREFILL_TOKENS=4096 MOE_LOAD_COPY_GBPS=4261 \
     MOE_LOAD_READY_SECONDS=300 MOE_LOAD_SERVER_LOG=1 \
-        timeout "${BENCH_LIMIT:-420}" "$bin/load" > "$out/load-replicas-$replicas.log" 2>&1 \
+        timeout "${BENCH_LIMIT:-420}" "$bin/load" > "$out/load-replicas-$name.log" 2>&1 \
         || status=1
-    grep -v "^server: " "$out/load-replicas-$replicas.log" | tail -n 20
-    grep "^server: " "$out/load-replicas-$replicas.log" | grep -i "loaded\|error\|warn" | tail -n 8
+    grep -v "^server: " "$out/load-replicas-$name.log" | tail -n 20
+    grep "^server: " "$out/load-replicas-$name.log" | grep -i "loaded\|error\|warn" | tail -n 8
 done
 echo "=== tokens/s, a dense replica on every GPU / on GPU 0 alone"
 # The table rows: concurrency, requests, tokens/s, ...
 rows() { grep -E '^ +[0-9]+ +[0-9]+ +[0-9.]+ ' "$out/load-replicas-$1.log" | awk '{print $1, $3}'; }
 join <(rows 0) <(rows 1) | awk '{printf "concurrency %s: %.1f / %.1f tokens/s = %.2fx\n", $1, $2, $3, ($3 > 0 ? $2 / $3 : 0)}'
+echo "=== tokens/s, CUDA graphs on / off (a dense replica on every GPU)"
+join <(rows 0) <(rows 0-nographs) | awk '{printf "concurrency %s: %.1f / %.1f tokens/s = %.2fx\n", $1, $2, $3, ($3 > 0 ? $2 / $3 : 0)}'
 echo "=== overall: $([ $status -eq 0 ] && echo passed || echo FAILED)"
 exit $status

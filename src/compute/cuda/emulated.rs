@@ -201,6 +201,8 @@ pub struct Counters {
     /// Bytes of device memory allocated now, over all GPUs.
     pub allocated: u64,
     pub gemms: u64,
+    /// CUDA graphs launched (their kernels count in `launches` too).
+    pub graph_launches: u64,
 }
 
 /// The emulated device's counters, or `None` where no emulated GPU is loaded.
@@ -218,5 +220,6 @@ pub fn counters() -> Option<Counters> {
         launches: out[4],
         allocated: out[5],
         gemms: out[6],
+        graph_launches: out[7],
     })
 }

@@ -468,13 +468,49 @@ fn copy_all(stream: &Arc<CudaStream>, pairs: Vec<(u64, u64, usize)>) -> Result<(
     Ok(())
 }
 
-/// Allocations of one step, freed (in stream order) when it ends.
+/// The work buffers of one step: each from the stream's allocator and dropped (in stream
+/// order) when released, or, for a step a CUDA graph captures or replays, laid out in an
+/// arena at the same offsets every time, so that the graph's addresses hold.
 pub(super) struct Scratch<'s> {
     pub(super) stream: &'s Arc<CudaStream>,
-    pub(super) held: Vec<Buffer>,
+    held: Vec<Buffer>,
+    /// Bytes held now as an arena would lay them out, and the most held at once: what the
+    /// arena of a graph of the same step needs.
+    bytes: usize,
+    peak: usize,
+    /// `(address, size)` of the arena buffers come from, where they do.
+    arena: Option<(u64, usize)>,
 }
 
-impl Scratch<'_> {
+/// What a [`Scratch`] held at one point, to release what came after ([`Scratch::release`]).
+#[derive(Clone, Copy)]
+pub(super) struct Mark {
+    held: usize,
+    bytes: usize,
+}
+
+/// Where an arena places each buffer: at a multiple of this.
+const ARENA_ALIGN: usize = 256;
+
+impl<'s> Scratch<'s> {
+    pub(super) fn new(stream: &'s Arc<CudaStream>) -> Scratch<'s> {
+        Scratch {
+            stream,
+            held: Vec::new(),
+            bytes: 0,
+            peak: 0,
+            arena: None,
+        }
+    }
+
+    /// Buffers laid out in `[base, base + size)` from its start.
+    pub(super) fn in_arena(stream: &'s Arc<CudaStream>, base: u64, size: usize) -> Scratch<'s> {
+        Scratch {
+            arena: Some((base, size)),
+            ..Scratch::new(stream)
+        }
+    }
+
     pub(super) fn f32(&mut self, n: usize) -> Result<u64, CudaError> {
         self.bytes(n * 4)
     }
@@ -484,16 +520,47 @@ impl Scratch<'_> {
     }
 
     fn bytes(&mut self, bytes: usize) -> Result<u64, CudaError> {
-        self.hold(Buffer::new(self.stream, bytes)?)
+        let at = self.bytes;
+        self.bytes += bytes.max(1).next_multiple_of(ARENA_ALIGN);
+        self.peak = self.peak.max(self.bytes);
+        match self.arena {
+            Some((base, size)) if self.bytes <= size => Ok(base + at as u64),
+            Some((_, size)) => Err(CudaError::Unsupported(format!(
+                "a step's work buffers past its graph's arena of {size} bytes"
+            ))),
+            None => {
+                let buffer = Buffer::new(self.stream, bytes)?;
+                let ptr = buffer.ptr;
+                self.held.push(buffer);
+                Ok(ptr)
+            }
+        }
     }
 
     pub(super) fn upload<T: DeviceRepr>(&mut self, values: &[T]) -> Result<u64, CudaError> {
-        self.hold(Buffer::from_host(self.stream, values)?)
+        let ptr = self.bytes(std::mem::size_of_val(values))?;
+        // SAFETY: the buffer holds `values`; a copy from pageable memory has read them when
+        // it returns.
+        unsafe { result::memcpy_htod_async(ptr, values, self.stream.cu_stream())? };
+        Ok(ptr)
     }
 
-    fn hold(&mut self, buffer: Buffer) -> Result<u64, CudaError> {
-        let ptr = buffer.ptr;
-        self.held.push(buffer);
-        Ok(ptr)
+    pub(super) fn mark(&self) -> Mark {
+        Mark {
+            held: self.held.len(),
+            bytes: self.bytes,
+        }
+    }
+
+    /// Lets go of the buffers taken since `mark` (freed in stream order; an arena's are
+    /// handed out again).
+    pub(super) fn release(&mut self, mark: Mark) {
+        self.held.truncate(mark.held);
+        self.bytes = mark.bytes;
+    }
+
+    /// The most bytes held at once so far, as an arena lays them out.
+    pub(super) fn peak(&self) -> usize {
+        self.peak
     }
 }

@@ -15,6 +15,7 @@ use cudarc::driver::{CudaContext, CudaStream, result, sys};
 
 use crate::compute::cuda::blas::{self, Gemm, Output};
 use crate::compute::cuda::dense::{BlockTable, DenseKernels, PagedCache, RowTiles, rows_per_tile};
+use crate::compute::cuda::experts::Buffer;
 use crate::compute::cuda::linear::{LinearKernels, PackedStates, StatePages};
 use crate::compute::cuda::moe::MoeKernels;
 use crate::compute::cuda::{CudaError, GpuInfo};
@@ -24,11 +25,14 @@ use crate::model::config::{AttentionConfig, ModelConfig};
 use crate::model::weights::DenseWeights;
 use cache::Scratch;
 pub use cache::{DeviceCache, KvPool};
-use routed::{DeviceGate, RoutedError};
+use graphs::Graphs;
+pub use graphs::MAX_GRAPH_ROWS;
+use routed::{DeviceGate, RoutedError, RoutedRows};
 use weights::{Layer, Matrix, Mlp, Norm, Uploaded, weight_bytes};
 
 mod attention;
 mod cache;
+mod graphs;
 mod linear;
 mod routed;
 mod weights;
@@ -58,7 +62,15 @@ pub struct GpuModel {
     /// [`GpuModel::reserve_kv_cache`], or at the first step for
     /// [`DEFAULT_POOL_SEQUENCES`] whole contexts within what the GPU has free.
     kv: Mutex<Option<Arc<KvPool>>>,
+    /// Decode steps captured as CUDA graphs ([`graphs`]).
+    graphs: Mutex<Graphs>,
+    /// cuBLAS's work area, set so that its products allocate nothing while a graph is
+    /// captured.
+    _blas_workspace: Buffer,
 }
+
+/// cuBLAS's work area: what NVIDIA advises for Hopper.
+const BLAS_WORKSPACE_BYTES: usize = 32 << 20;
 
 /// Whole contexts a KV pool not sized by the node holds (`generate`, the tests): the GPU's
 /// free memory bounds it too.
@@ -121,6 +133,16 @@ impl GpuModel {
         keep_freed_memory(&ctx)?;
         let stream = ctx.new_stream()?;
         let blas = CudaBlas::new(stream.clone())?;
+        let blas_workspace = Buffer::new(&stream, BLAS_WORKSPACE_BYTES)?;
+        // SAFETY: the buffer lives as long as the handle (both fields of the model).
+        unsafe {
+            cudarc::cublas::sys::cublasSetWorkspace_v2(
+                *blas.handle(),
+                blas_workspace.ptr as *mut std::ffi::c_void,
+                BLAS_WORKSPACE_BYTES,
+            )
+            .result()?
+        };
         let dense = DenseKernels::load(&ctx, gpu, cache_dir)?;
         let moe = MoeKernels::load(&ctx, gpu, cache_dir)?;
         let linear = match config.linear_attention {
@@ -144,10 +166,7 @@ impl GpuModel {
             AttentionConfig::Gqa {
                 layers, head_dim, ..
             } if layers.iter().any(|a| a.unit_qk_norm) => Some(Norm {
-                weight: crate::compute::cuda::experts::Buffer::from_host(
-                    &stream,
-                    &vec![1f32; *head_dim],
-                )?,
+                weight: Buffer::from_host(&stream, &vec![1f32; *head_dim])?,
                 eps: config.rms_norm_eps,
             }),
             _ => None,
@@ -157,6 +176,8 @@ impl GpuModel {
             gpu: gpu.ordinal,
             gates,
             kv: Mutex::new(None),
+            graphs: Mutex::new(Graphs::new()),
+            _blas_workspace: blas_workspace,
             final_norm,
             lm_head,
             blas,
@@ -271,6 +292,11 @@ impl GpuModel {
             ));
         }
         *kv = None;
+        // The graphs read the old pool's addresses.
+        self.graphs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .forget();
         let pool = KvPool::new(&self.stream, &self.config, blocks.max(1))?;
         self.stream.synchronize()?;
         tracing::info!(
@@ -324,15 +350,16 @@ impl GpuModel {
 
     /// What every layer of a step reads: rotary tables, each row's sequence and position,
     /// the block tables and, for a hybrid model, the sequences' states gathered from their
-    /// pages (see `linear`).
+    /// pages (see `linear`). Block tables are `stride` wide where given (a graph's, which
+    /// must not change from step to step), else as wide as the longest.
     fn step(
         &self,
         scratch: &mut Scratch,
-        angles: &[RopeAngles],
-        segments: &[Segment],
+        of: &StepRows,
         caches: &[&mut DeviceCache],
-        pool: Arc<KvPool>,
+        stride: Option<usize>,
     ) -> Result<Step, CudaError> {
+        let (angles, segments) = (of.angles, of.segments);
         let rows = angles.len();
         let cos: Vec<f32> = angles.iter().flat_map(|a| a.cos.iter().copied()).collect();
         let sin: Vec<f32> = angles.iter().flat_map(|a| a.sin.iter().copied()).collect();
@@ -346,12 +373,8 @@ impl GpuModel {
             }
         }
         // Each sequence's blocks, `[seqs, stride]` (shared by every layer).
-        let stride = caches
-            .iter()
-            .map(|c| c.blocks().len())
-            .max()
-            .unwrap_or(0)
-            .max(1);
+        let longest = caches.iter().map(|c| c.blocks().len()).max().unwrap_or(0);
+        let stride = stride.unwrap_or(longest).max(longest).max(1);
         let mut table = vec![0i32; caches.len() * stride];
         for (row, cache) in table.chunks_mut(stride).zip(caches.iter()) {
             for (slot, &block) in row.iter_mut().zip(cache.blocks()) {
@@ -376,7 +399,7 @@ impl GpuModel {
             },
             states,
             tiles,
-            pool,
+            pool: of.pool.clone(),
         })
     }
 
@@ -417,7 +440,8 @@ impl GpuModel {
     /// are all wanted). `hidden` holds the rows' embeddings; caches are extended (their
     /// lengths are the caller's to advance); `routed(layer, normed, rows)` returns the
     /// combined routed-expert output of an MoE layer from host rows, where `executor` (when
-    /// given) does not take the rows on the GPU. Returns `[logit_rows, vocab]` logits.
+    /// given) does not take the rows on the GPU. Returns `[logit_rows, vocab]` logits. A
+    /// decode step runs from CUDA graphs where it can ([`graphs`]).
     #[allow(clippy::too_many_arguments)]
     pub fn forward<E: From<CudaError> + From<ExpertError>>(
         &self,
@@ -429,118 +453,226 @@ impl GpuModel {
         executor: Option<&dyn ExpertExecutor>,
         routed: &mut RoutedExperts<E>,
     ) -> Result<Vec<f32>, E> {
-        let stream = &self.stream;
-        let cfg = &self.config;
-        let h = cfg.hidden_size;
-        let rows = hidden.len() / h;
-        let mut phases = Phases::new();
         let pool = self.kv_pool()?;
         for (cache, segment) in caches.iter_mut().zip(segments) {
             cache.reserve(&pool, segment.start_position + segment.rows.len())?;
-            cache.make_writable(stream, segment.start_position)?;
+            cache.make_writable(&self.stream, segment.start_position)?;
         }
-        let mut scratch = Scratch {
-            stream,
-            held: Vec::new(),
+        let step = StepRows {
+            hidden,
+            angles,
+            segments,
+            logit_rows,
+            pool,
         };
-        let x = scratch.upload(hidden)?;
-        let step = self.step(&mut scratch, angles, segments, caches, pool)?;
-
-        let normed = scratch.f32(rows * h)?;
-        // Buffers of the whole step; each layer's own are dropped after it.
-        let step_buffers = scratch.held.len();
-        let mut normed_host = Vec::new();
-        phases.end(0, stream)?;
-        for (l, layer) in self.layers.iter().enumerate() {
-            self.norm(&layer.input_norm, x, rows, h, normed)?;
-            let xb = self.bf16_of(&mut scratch, normed, rows * h)?;
-            phases.end(2, stream)?;
-            let attended = self.attention(l, &layer.attention, &step, &mut scratch, xb)?;
-            phases.end(1, stream)?;
-            // SAFETY: both `[rows, H]` f32.
-            unsafe { self.dense.add_rows(stream, x, attended, rows * h)? };
-            self.norm(&layer.post_norm, x, rows, h, normed)?;
-            let xb = self.bf16_of(&mut scratch, normed, rows * h)?;
-            if let Some(mlp) = &layer.mlp {
-                let out = self.mlp(mlp, &mut scratch, xb, rows)?;
-                if let Some(gate) = &layer.shared_gate {
-                    let logits = scratch.f32(rows)?;
-                    self.linear(gate, xb, rows, logits, Output::F32)?;
-                    // SAFETY: `out`: `[rows, H]` f32; `logits`: `[rows]` f32.
-                    unsafe {
-                        self.dense
-                            .scale_rows_by_sigmoid(stream, out, logits, rows, h)?
-                    };
-                }
-                // SAFETY: both `[rows, H]` f32.
-                unsafe { self.dense.add_rows(stream, x, out, rows * h)? };
-            }
-            phases.end(2, stream)?;
-            let on_device = match (self.gates.get(l), executor) {
-                (Some(Some(gate)), Some(executor)) => self
-                    .routed_on_device(l, gate, executor, &mut scratch, xb, rows)
-                    .map_err(|e| match e {
-                        RoutedError::Cuda(e) => E::from(e),
-                        RoutedError::Expert(e) => E::from(e),
-                    })?,
-                _ => None,
-            };
-            if let Some(out) = on_device {
-                // SAFETY: both `[rows, H]` f32.
-                unsafe { self.dense.add_rows(stream, x, out, rows * h)? };
-                phases.end(3, stream)?;
-            } else if layer.moe {
-                normed_host.resize(rows * h, 0.0);
-                // SAFETY: `normed` holds `[rows, H]` f32; synchronised before it is read.
-                unsafe {
-                    result::memcpy_dtoh_async(&mut normed_host[..], normed, stream.cu_stream())
-                        .map_err(CudaError::from)?
-                };
-                stream.synchronize().map_err(CudaError::from)?;
-                let out = routed(l, &normed_host, rows)?;
-                let out = scratch.upload(&out)?;
-                // SAFETY: both `[rows, H]` f32.
-                unsafe { self.dense.add_rows(stream, x, out, rows * h)? };
-                phases.end(3, stream)?;
-            }
-            // This layer's temporaries are no longer needed (freed in stream order).
-            scratch.held.truncate(step_buffers);
+        let experts = Experts { executor, routed };
+        match self.graph_shape(&step, caches, experts.executor) {
+            Some(shape) => self.forward_graphed(shape, &step, caches, experts),
+            None => Ok(self.forward_plain(&step, caches, experts, None)?.0),
         }
+    }
 
-        self.norm(&self.final_norm, x, rows, h, normed)?;
-        let xb = self.bf16_of(&mut scratch, normed, rows * h)?;
-        let wanted: Vec<i32> = logit_rows
+    /// [`GpuModel::forward`] kernel by kernel, its work buffers from the stream's allocator;
+    /// block tables `stride` wide where given. Returns the logits and the most work-buffer
+    /// bytes held at once (what a graph of the same step needs for its arena).
+    fn forward_plain<E: From<CudaError> + From<ExpertError>>(
+        &self,
+        step: &StepRows,
+        caches: &[&mut DeviceCache],
+        mut experts: Experts<E>,
+        stride: Option<usize>,
+    ) -> Result<(Vec<f32>, usize), E> {
+        let mut phases = Phases::new();
+        let mut scratch = Scratch::new(&self.stream);
+        let io = self.inputs(&mut scratch, step, caches, stride)?;
+        let layer_start = scratch.mark();
+        phases.end(0, &self.stream)?;
+        for (l, layer) in self.layers.iter().enumerate() {
+            let gate = self.gates.get(l).and_then(Option::as_ref).filter(|_| {
+                experts
+                    .executor
+                    .is_some_and(|e| !e.avoid(l).is_some_and(|a| a.iter().any(|&x| x)))
+            });
+            let grouped = self.before_experts(l, layer, &io, &mut scratch, &mut phases, gate)?;
+            self.after_experts(l, grouped.as_ref(), &io, &mut experts, &mut scratch)?;
+            phases.end(3, &self.stream)?;
+            // This layer's temporaries are no longer needed (freed in stream order).
+            scratch.release(layer_start);
+        }
+        let logits = self.head(&io, &mut scratch)?;
+        let out = self.logits_to_host(logits, io.wanted)?;
+        phases.end(4, &self.stream)?;
+        phases.log(io.rows, caches.len());
+        Ok((out, scratch.peak()))
+    }
+
+    /// The step's inputs on the GPU: the rows' embeddings, what every layer reads, the
+    /// normalised rows' buffer and the indices of the rows whose logits are wanted.
+    fn inputs(
+        &self,
+        scratch: &mut Scratch,
+        step: &StepRows,
+        caches: &[&mut DeviceCache],
+        stride: Option<usize>,
+    ) -> Result<Inputs, CudaError> {
+        let rows = step.hidden.len() / self.config.hidden_size;
+        let x = scratch.upload(step.hidden)?;
+        let layers = self.step(scratch, step, caches, stride)?;
+        let normed = scratch.f32(step.hidden.len())?;
+        let wanted: Vec<i32> = step
+            .logit_rows
             .iter()
             .filter(|&&r| r < rows)
             .map(|&r| r as i32)
             .collect();
-        let wanted_ptr = scratch.upload(&wanted)?;
-        let wanted_rows = scratch.bf16(wanted.len() * h)?;
+        Ok(Inputs {
+            rows,
+            x,
+            normed,
+            wanted: wanted.len(),
+            wanted_rows: scratch.upload(&wanted)?,
+            step: layers,
+        })
+    }
+
+    /// Layer `l` up to its routed experts: norms, attention, the dense MLP or shared
+    /// experts, and with `gate` the routing and grouping of the rows on the GPU. Kernels
+    /// only, nothing waited for: what a graph of the layer captures.
+    fn before_experts(
+        &self,
+        l: usize,
+        layer: &Layer,
+        io: &Inputs,
+        scratch: &mut Scratch,
+        phases: &mut Phases,
+        gate: Option<&DeviceGate>,
+    ) -> Result<Option<RoutedRows>, CudaError> {
+        let stream = &self.stream;
+        let (x, normed, rows, h) = (io.x, io.normed, io.rows, self.config.hidden_size);
+        self.norm(&layer.input_norm, x, rows, h, normed)?;
+        let xb = self.bf16_of(scratch, normed, rows * h)?;
+        phases.end(2, stream)?;
+        let attended = self.attention(l, &layer.attention, &io.step, scratch, xb)?;
+        phases.end(1, stream)?;
+        // SAFETY: both `[rows, H]` f32.
+        unsafe { self.dense.add_rows(stream, x, attended, rows * h)? };
+        self.norm(&layer.post_norm, x, rows, h, normed)?;
+        let xb = self.bf16_of(scratch, normed, rows * h)?;
+        if let Some(mlp) = &layer.mlp {
+            let out = self.mlp(mlp, scratch, xb, rows)?;
+            if let Some(gate) = &layer.shared_gate {
+                let logits = scratch.f32(rows)?;
+                self.linear(gate, xb, rows, logits, Output::F32)?;
+                // SAFETY: `out`: `[rows, H]` f32; `logits`: `[rows]` f32.
+                unsafe {
+                    self.dense
+                        .scale_rows_by_sigmoid(stream, out, logits, rows, h)?
+                };
+            }
+            // SAFETY: both `[rows, H]` f32.
+            unsafe { self.dense.add_rows(stream, x, out, rows * h)? };
+        }
+        phases.end(2, stream)?;
+        gate.map(|gate| self.route_rows(gate, scratch, xb, rows))
+            .transpose()
+    }
+
+    /// Layer `l`'s routed experts over its rows and the add of their output: from the rows
+    /// `grouped` on the GPU where the executor takes them, else from the normalised rows
+    /// brought to the host (nothing for a dense layer).
+    fn after_experts<E: From<CudaError> + From<ExpertError>>(
+        &self,
+        l: usize,
+        grouped: Option<&RoutedRows>,
+        io: &Inputs,
+        experts: &mut Experts<E>,
+        scratch: &mut Scratch,
+    ) -> Result<(), E> {
+        let stream = &self.stream;
+        let (rows, h) = (io.rows, self.config.hidden_size);
+        let on_device = match (grouped, experts.executor) {
+            (Some(grouped), Some(executor)) => self
+                .run_routed(l, grouped, executor, rows)
+                .map_err(|e| match e {
+                    RoutedError::Cuda(e) => E::from(e),
+                    RoutedError::Expert(e) => E::from(e),
+                })?,
+            _ => None,
+        };
+        let out = match on_device {
+            Some(out) => out,
+            None if self.layers[l].moe => {
+                let mut normed = vec![0f32; rows * h];
+                // SAFETY: `normed` holds `[rows, H]` f32; synchronised before it is read.
+                unsafe {
+                    result::memcpy_dtoh_async(&mut normed[..], io.normed, stream.cu_stream())
+                        .map_err(CudaError::from)?
+                };
+                stream.synchronize().map_err(CudaError::from)?;
+                let out = (experts.routed)(l, &normed, rows)?;
+                scratch.upload(&out)?
+            }
+            None => return Ok(()),
+        };
+        // SAFETY: both `[rows, H]` f32.
+        unsafe { self.dense.add_rows(stream, io.x, out, rows * h)? };
+        Ok(())
+    }
+
+    /// The final norm and the lm head over the wanted rows: f32 `[wanted, vocab]` logits
+    /// on the GPU.
+    fn head(&self, io: &Inputs, scratch: &mut Scratch) -> Result<u64, CudaError> {
+        let h = self.config.hidden_size;
+        self.norm(&self.final_norm, io.x, io.rows, h, io.normed)?;
+        let xb = self.bf16_of(scratch, io.normed, io.rows * h)?;
+        let wanted_rows = scratch.bf16(io.wanted * h)?;
         // SAFETY: `xb`: `[rows, H]` bf16, every index < rows; `wanted_rows` room for them.
         unsafe {
             self.moe
-                .gather_rows(stream, xb, wanted_ptr, wanted.len(), h, wanted_rows)?
+                .gather_rows(&self.stream, xb, io.wanted_rows, io.wanted, h, wanted_rows)?
         };
-        let vocab = self.lm_head.out;
-        let logits = scratch.f32(wanted.len() * vocab)?;
-        self.linear(
-            &self.lm_head,
-            wanted_rows,
-            wanted.len(),
-            logits,
-            Output::F32,
-        )?;
-        let mut out = vec![0f32; wanted.len() * vocab];
-        // SAFETY: `logits` holds `[wanted, vocab]` f32; synchronised before it is read.
-        unsafe {
-            result::memcpy_dtoh_async(&mut out[..], logits, stream.cu_stream())
-                .map_err(CudaError::from)?
-        };
-        stream.synchronize().map_err(CudaError::from)?;
-        phases.end(4, stream)?;
-        phases.log(rows, caches.len());
+        let logits = scratch.f32(io.wanted * self.lm_head.out)?;
+        self.linear(&self.lm_head, wanted_rows, io.wanted, logits, Output::F32)?;
+        Ok(logits)
+    }
+
+    /// `rows` rows of logits from the GPU.
+    fn logits_to_host(&self, logits: u64, rows: usize) -> Result<Vec<f32>, CudaError> {
+        let mut out = vec![0f32; rows * self.lm_head.out];
+        // SAFETY: `logits` holds `[rows, vocab]` f32; synchronised before it is read.
+        unsafe { result::memcpy_dtoh_async(&mut out[..], logits, self.stream.cu_stream())? };
+        self.stream.synchronize()?;
         Ok(out)
     }
+}
+
+/// The rows of one step and what the host knows of them.
+struct StepRows<'a> {
+    hidden: &'a [f32],
+    angles: &'a [RopeAngles],
+    segments: &'a [Segment],
+    logit_rows: &'a [usize],
+    pool: Arc<KvPool>,
+}
+
+/// Where a step's routed experts run: `executor` on the rows on the GPU, else `routed` on
+/// the host's copy.
+struct Experts<'a, 'r, E> {
+    executor: Option<&'a dyn ExpertExecutor>,
+    routed: &'a mut RoutedExperts<'r, E>,
+}
+
+/// A step's inputs on the GPU ([`GpuModel::inputs`]).
+struct Inputs {
+    rows: usize,
+    /// f32 `[rows, H]`: the residual stream.
+    x: u64,
+    /// f32 `[rows, H]`: the normalised rows of the last norm.
+    normed: u64,
+    /// How many rows' logits are wanted, and their indices (i32).
+    wanted: usize,
+    wanted_rows: u64,
+    step: Step,
 }
 
 /// A part of the dense forward pass that a family needs and the GPU's dense part
@@ -581,6 +713,14 @@ impl Phases {
         Phases {
             enabled: *ENABLED
                 .get_or_init(|| std::env::var_os("MOE_GPU_STEP_PROFILE").is_some_and(|v| v != "0")),
+            ..Phases::off()
+        }
+    }
+
+    /// Phases not measured: while a graph is captured, when nothing may wait for the GPU.
+    fn off() -> Phases {
+        Phases {
+            enabled: false,
             last: std::time::Instant::now(),
             ms: [0.0; 5],
         }

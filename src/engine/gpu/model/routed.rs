@@ -71,23 +71,35 @@ pub(super) fn upload_gates(
     Ok(Ok(gates))
 }
 
+/// One MoE layer's rows routed and grouped on the GPU, and the buffers its experts' outputs
+/// and their combination go to: what [`GpuModel::route_rows`] leaves for
+/// [`GpuModel::run_routed`]. Its buffers are the step's (a graph's arena, where one
+/// captured the routing).
+#[derive(Clone, Copy)]
+pub(super) struct RoutedRows {
+    /// `[experts + 1]` i32: where each expert's group starts in `grouped`.
+    offsets: u64,
+    slot_of_pair: u64,
+    weights: u64,
+    /// bf16 `[rows · k, H]`: the rows grouped by expert, and the experts' outputs.
+    grouped: u64,
+    output: u64,
+    /// f32 `[rows, H]`: the combined output.
+    pub(super) combined: u64,
+    experts: usize,
+    top_k: usize,
+}
+
 impl GpuModel {
-    /// The combined output (f32 `[rows, H]` on the GPU) of MoE layer `layer`'s routed
-    /// experts over `xb` (its normalised rows, bf16 `[rows, H]`), the rows kept on the
-    /// GPU; `None` when `executor` takes rows from the host only or must route around
-    /// experts (the caller then routes on the host).
-    pub(super) fn routed_on_device(
+    /// Routes MoE layer `layer`'s normalised rows `xb` (bf16 `[rows, H]`) on the GPU and
+    /// groups them by expert: kernels only, nothing waited for (a graph can capture it).
+    pub(super) fn route_rows(
         &self,
-        layer: usize,
         gate: &DeviceGate,
-        executor: &dyn ExpertExecutor,
         scratch: &mut Scratch,
         xb: u64,
         rows: usize,
-    ) -> Result<Option<u64>, RoutedError> {
-        if executor.avoid(layer).is_some_and(|a| a.iter().any(|&x| x)) {
-            return Ok(None);
-        }
+    ) -> Result<RoutedRows, CudaError> {
         let stream = &self.stream;
         let (e, h, k) = (gate.router.out, self.config.hidden_size, gate.top_k);
         let pairs = rows * k;
@@ -102,6 +114,8 @@ impl GpuModel {
         let slot_of_pair = scratch.f32(pairs)?;
         let source_row = scratch.f32(pairs)?;
         let grouped = scratch.bf16(pairs * h)?;
+        let output = scratch.bf16(pairs * h)?;
+        let combined = scratch.f32(rows * h)?;
         let bias = gate.bias.as_ref().map(|b| b.ptr);
         // SAFETY: every buffer is sized above for `rows` rows, `e` experts, top-`k`.
         unsafe {
@@ -121,10 +135,38 @@ impl GpuModel {
             )?;
             m.gather_rows(stream, xb, source_row, pairs, h, grouped)?;
         }
+        Ok(RoutedRows {
+            offsets,
+            slot_of_pair,
+            weights,
+            grouped,
+            output,
+            combined,
+            experts: e,
+            top_k: k,
+        })
+    }
+
+    /// The combined output of MoE layer `layer`'s routed experts over rows `routed` holds,
+    /// the rows kept on the GPU (`routed.combined`, f32 `[rows, H]`, once the stream gets
+    /// there); `None` when `executor` takes rows from the host only or must route around
+    /// experts (the caller then routes on the host). Only the group sizes come to the host.
+    pub(super) fn run_routed(
+        &self,
+        layer: usize,
+        routed: &RoutedRows,
+        executor: &dyn ExpertExecutor,
+        rows: usize,
+    ) -> Result<Option<u64>, RoutedError> {
+        if executor.avoid(layer).is_some_and(|a| a.iter().any(|&x| x)) {
+            return Ok(None);
+        }
+        let stream = &self.stream;
+        let (e, h, k) = (routed.experts, self.config.hidden_size, routed.top_k);
         let mut starts = vec![0i32; e + 1];
         // SAFETY: `e + 1` i32; synchronised before they are read.
         unsafe {
-            result::memcpy_dtoh_async(&mut starts, offsets, stream.cu_stream())
+            result::memcpy_dtoh_async(&mut starts, routed.offsets, stream.cu_stream())
                 .map_err(CudaError::from)?
         };
         stream.synchronize().map_err(CudaError::from)?;
@@ -135,30 +177,37 @@ impl GpuModel {
                 sizes.push((pair[1] - pair[0]) as usize);
             }
         }
-        let output = scratch.bf16(pairs * h)?;
         let staging = Staging {
             stream,
-            input: grouped,
-            output,
+            input: routed.grouped,
+            output: routed.output,
             width: h,
         };
         let device_rows = DeviceRows {
             gpu: self.gpu,
-            input: grouped,
-            output,
+            input: routed.grouped,
+            output: routed.output,
             staging: &staging,
         };
         match executor.run_on_device(layer, &experts, &sizes, &device_rows) {
             None => return Ok(None),
             Some(done) => done?,
         }
-        let combined = scratch.f32(rows * h)?;
-        // SAFETY: `output` holds the `pairs` rows the executor wrote; the rest as above.
+        // SAFETY: `output` holds the `rows · k` rows the executor wrote; the rest as
+        // `route_rows` sized them.
         unsafe {
-            self.moe
-                .combine_rows(stream, output, slot_of_pair, weights, rows, k, h, combined)?
+            self.moe.combine_rows(
+                stream,
+                routed.output,
+                routed.slot_of_pair,
+                routed.weights,
+                rows,
+                k,
+                h,
+                routed.combined,
+            )?
         };
-        Ok(Some(combined))
+        Ok(Some(routed.combined))
     }
 }
 

@@ -1,0 +1,301 @@
+//! Decode steps from CUDA graphs. A decode step (one row per sequence) launches some twenty
+//! kernels and products per layer; at small batches the launches, not the GPU, set its
+//! time. Each layer's part up to its routed experts (norms, attention, dense MLP or shared
+//! experts, the router and the grouping of rows by expert) is captured once per step shape
+//! as a graph, as is the output head, and a step replays them: one launch per layer. The
+//! routed experts stay between the graphs: their group sizes come to the host, and they run
+//! wherever the placement put them (another GPU, another node), so no graph can span them.
+//!
+//! A graph holds the addresses it was captured with, so a step it replays must find its
+//! inputs and work buffers at those addresses: every graph lays its step's work buffers out
+//! in one arena from the start ([`Scratch::in_arena`]), the same offsets at every replay,
+//! and a replay uploads the step's inputs there before the first launch. The arena is sized
+//! from the first, plain run of each shape (the most bytes it held at once); a shape that
+//! needs more grows it, and the graphs captured in the smaller one are dropped.
+//!
+//! A shape is the rows and the block tables' width, rounded up to a power of two (the
+//! attention kernels read the width as a parameter). A shape is run plainly once (sizing
+//! it), captured on its second step, and replayed from then on. A capture that fails (a
+//! driver that refuses it) turns graphs off for the model, with a log line; the step runs
+//! plainly.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaGraph, CudaStream, sys};
+
+use super::cache::{DeviceCache, Scratch};
+use super::routed::RoutedRows;
+use super::{Experts, GpuModel, Phases, StepRows};
+use crate::compute::cuda::CudaError;
+use crate::compute::cuda::experts::Buffer;
+use crate::experts::{ExpertError, ExpertExecutor};
+
+/// Decode steps of more rows than this run plainly: the launches matter at small batches.
+pub const MAX_GRAPH_ROWS: usize = 256;
+
+/// The narrowest block table a graph is captured with.
+const MIN_GRAPH_STRIDE: usize = 16;
+
+/// Step shapes captured at most: later shapes run kernel by kernel (a model's graphs cost
+/// instantiation time and some GPU memory each).
+const MAX_SHAPES: usize = 128;
+
+/// What a graph is captured for: rows, and the block tables' width.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(super) struct Shape {
+    rows: usize,
+    stride: usize,
+}
+
+/// A model's graphs, and what sizes them.
+pub(super) struct Graphs {
+    enabled: bool,
+    /// The arena every graph's work buffers lie in.
+    arena: Option<Buffer>,
+    arena_bytes: usize,
+    /// The most work-buffer bytes each shape held at once in its plain run.
+    need: HashMap<Shape, usize>,
+    captured: HashMap<Shape, Captured>,
+}
+
+// SAFETY: the graphs' driver handles are used under the model's locks, by one thread at a
+// time, as the model's stream is.
+unsafe impl Send for Graphs {}
+
+/// One shape's graphs: one per layer, then the head's.
+struct Captured {
+    layers: Vec<CudaGraph>,
+    head: CudaGraph,
+    /// Each MoE layer's routed rows in the arena, for the experts between the graphs.
+    routed: Vec<Option<RoutedRows>>,
+    /// Where the residual stream and the logits lie (the inputs of a replay must land at
+    /// the same addresses).
+    x: u64,
+    logits: u64,
+}
+
+impl Graphs {
+    pub(super) fn new() -> Graphs {
+        Graphs {
+            enabled: true,
+            arena: None,
+            arena_bytes: 0,
+            need: HashMap::new(),
+            captured: HashMap::new(),
+        }
+    }
+
+    /// Drops every graph: the KV pool they read is replaced.
+    pub(super) fn forget(&mut self) {
+        self.captured.clear();
+    }
+
+    /// The arena, grown to `bytes` at least (dropping the graphs of a smaller one).
+    fn arena(&mut self, stream: &Arc<CudaStream>, bytes: usize) -> Result<(u64, usize), CudaError> {
+        if self.arena.is_none() || self.arena_bytes < bytes {
+            self.captured.clear();
+            self.arena = None;
+            // Room to grow: the next larger batch fits without another capture of all.
+            let size = bytes.max(self.arena_bytes * 2);
+            self.arena = Some(Buffer::new(stream, size)?);
+            self.arena_bytes = size;
+        }
+        let base = self.arena.as_ref().map_or(0, |a| a.ptr);
+        Ok((base, self.arena_bytes))
+    }
+}
+
+impl GpuModel {
+    /// Turns decode graphs on or off (on by default; `devices.cuda_graphs`).
+    pub fn set_cuda_graphs(&self, on: bool) {
+        let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
+        graphs.enabled = on;
+        if !on {
+            graphs.captured.clear();
+            graphs.arena = None;
+            graphs.arena_bytes = 0;
+        }
+    }
+
+    /// Step shapes captured as graphs now.
+    pub fn cuda_graphs(&self) -> usize {
+        let graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
+        graphs.captured.len()
+    }
+
+    /// The shape of a step graphs may run: a decode step (one row per sequence) of at most
+    /// [`MAX_GRAPH_ROWS`], of a model with no linear attention (whose states are gathered
+    /// per step) and every MoE layer routed on this GPU for an executor that takes rows
+    /// there.
+    pub(super) fn graph_shape(
+        &self,
+        step: &StepRows,
+        caches: &[&mut DeviceCache],
+        executor: Option<&dyn ExpertExecutor>,
+    ) -> Option<Shape> {
+        let graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
+        let rows = step.segments.len();
+        let routed_here = self
+            .layers
+            .iter()
+            .enumerate()
+            .all(|(l, layer)| !layer.moe || self.gates.get(l).is_some_and(Option::is_some));
+        if !graphs.enabled
+            || executor.is_none()
+            || self.linear.is_some()
+            || !routed_here
+            || rows == 0
+            || rows > MAX_GRAPH_ROWS
+            || step.segments.iter().any(|s| s.rows.len() != 1)
+        {
+            return None;
+        }
+        let longest = caches.iter().map(|c| c.blocks().len()).max().unwrap_or(0);
+        Some(Shape {
+            rows,
+            stride: longest.max(MIN_GRAPH_STRIDE).next_power_of_two(),
+        })
+    }
+
+    /// A decode step of `shape`: replayed from its graphs, captured first where its size is
+    /// known, else run plainly and sized.
+    pub(super) fn forward_graphed<E: From<CudaError> + From<ExpertError>>(
+        &self,
+        shape: Shape,
+        step: &StepRows,
+        caches: &[&mut DeviceCache],
+        experts: Experts<E>,
+    ) -> Result<Vec<f32>, E> {
+        let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
+        if !graphs.captured.contains_key(&shape) {
+            let need = graphs.need.get(&shape).copied();
+            let Some(need) = need.filter(|_| graphs.captured.len() < MAX_SHAPES) else {
+                drop(graphs);
+                let (logits, peak) =
+                    self.forward_plain(step, caches, experts, Some(shape.stride))?;
+                let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
+                graphs.need.insert(shape, peak);
+                return Ok(logits);
+            };
+            if let Err(e) = self.capture(&mut graphs, shape, need, step, caches) {
+                tracing::warn!(
+                    gpu = self.gpu,
+                    error = %e,
+                    "capturing a decode step as CUDA graphs failed; decode steps run kernel by \
+                     kernel from now on"
+                );
+                graphs.enabled = false;
+                graphs.captured.clear();
+                drop(graphs);
+                return Ok(self.forward_plain(step, caches, experts, None)?.0);
+            }
+        }
+        let captured = &graphs.captured[&shape];
+        let base = graphs.arena.as_ref().map_or(0, |a| a.ptr);
+        self.replay(
+            captured,
+            (base, graphs.arena_bytes),
+            shape,
+            step,
+            caches,
+            experts,
+        )
+    }
+
+    /// Captures `shape`'s graphs with the inputs of `step` (uploaded, not run).
+    fn capture(
+        &self,
+        graphs: &mut Graphs,
+        shape: Shape,
+        need: usize,
+        step: &StepRows,
+        caches: &[&mut DeviceCache],
+    ) -> Result<(), CudaError> {
+        let (base, size) = graphs.arena(&self.stream, need)?;
+        let mut scratch = Scratch::in_arena(&self.stream, base, size);
+        let io = self.inputs(&mut scratch, step, caches, Some(shape.stride))?;
+        let layer_start = scratch.mark();
+        let mut phases = Phases::off();
+        let (mut layers, mut routed) = (Vec::new(), Vec::new());
+        for (l, layer) in self.layers.iter().enumerate() {
+            let gate = self.gates.get(l).and_then(Option::as_ref);
+            let (graph, rows) = self
+                .captured(|| self.before_experts(l, layer, &io, &mut scratch, &mut phases, gate))?;
+            layers.push(graph);
+            routed.push(rows);
+            scratch.release(layer_start);
+        }
+        let (head, logits) = self.captured(|| self.head(&io, &mut scratch))?;
+        graphs.captured.insert(
+            shape,
+            Captured {
+                layers,
+                head,
+                routed,
+                x: io.x,
+                logits,
+            },
+        );
+        tracing::debug!(
+            gpu = self.gpu,
+            ?shape,
+            arena_bytes = size,
+            "decode step captured as CUDA graphs"
+        );
+        Ok(())
+    }
+
+    /// What `work` queues on the stream, as a graph (the capture ended whatever happens).
+    fn captured<T>(
+        &self,
+        work: impl FnOnce() -> Result<T, CudaError>,
+    ) -> Result<(CudaGraph, T), CudaError> {
+        self.stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        let out = work();
+        let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
+        let out = out?;
+        let graph = graph?.ok_or_else(|| CudaError::Unsupported("an empty graph".into()))?;
+        Ok((graph, out))
+    }
+
+    /// A decode step from `captured`: the inputs uploaded into the arena, each layer's graph
+    /// launched and its routed experts run, then the head's.
+    fn replay<E: From<CudaError> + From<ExpertError>>(
+        &self,
+        captured: &Captured,
+        (base, size): (u64, usize),
+        shape: Shape,
+        step: &StepRows,
+        caches: &[&mut DeviceCache],
+        mut experts: Experts<E>,
+    ) -> Result<Vec<f32>, E> {
+        let mut phases = Phases::new();
+        let mut scratch = Scratch::in_arena(&self.stream, base, size);
+        let io = self.inputs(&mut scratch, step, caches, Some(shape.stride))?;
+        if io.x != captured.x {
+            return Err(CudaError::Unsupported(
+                "a decode step's inputs did not land where its graphs read them".into(),
+            )
+            .into());
+        }
+        phases.end(0, &self.stream)?;
+        // Work buffers of the experts' host path, where it is taken.
+        let mut host = Scratch::new(&self.stream);
+        let none = host.mark();
+        for (l, graph) in captured.layers.iter().enumerate() {
+            graph.launch().map_err(CudaError::from)?;
+            phases.end(1, &self.stream)?;
+            let grouped = captured.routed[l].as_ref();
+            self.after_experts(l, grouped, &io, &mut experts, &mut host)?;
+            phases.end(3, &self.stream)?;
+            host.release(none);
+        }
+        captured.head.launch().map_err(CudaError::from)?;
+        let out = self.logits_to_host(captured.logits, io.wanted)?;
+        phases.end(4, &self.stream)?;
+        phases.log(io.rows, caches.len());
+        Ok(out)
+    }
+}
