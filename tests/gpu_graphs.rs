@@ -16,8 +16,9 @@ fn prompts() -> Vec<Vec<u32>> {
         .collect()
 }
 
-/// Prefills each prompt, then decodes `steps` greedy tokens for all of them together, then
-/// for the first `steps` only (another batch size). Every step's logits, in order.
+/// Prefills each prompt, then decodes `steps` greedy tokens for the first 2 sequences
+/// together, then for all 4, then for the first 3 (three batch sizes, the second larger than
+/// the first). Every step's logits, in order.
 fn decode(engine: &Engine, steps: usize) -> Vec<Vec<f32>> {
     let prompts = prompts();
     let mut caches: Vec<KvCache> = prompts.iter().map(|_| engine.new_cache()).collect();
@@ -31,7 +32,7 @@ fn decode(engine: &Engine, steps: usize) -> Vec<Vec<f32>> {
         next.push(argmax(&logits));
         all.push(logits);
     }
-    for batch in [caches.len(), 3] {
+    for batch in [2, caches.len(), 3] {
         for _ in 0..steps {
             let tokens: Vec<[u32; 1]> = next[..batch].iter().map(|&t| [t]).collect();
             let mut step: Vec<SequenceStep> = caches[..batch]
@@ -68,14 +69,15 @@ fn decode_steps_replayed_from_graphs_equal_the_kernel_by_kernel_steps() {
         let plain = common::engine_on_gpu("decode steps from CUDA graphs", fixture).unwrap();
         plain.set_cuda_graphs(false);
 
-        let expected = decode(&plain, 4);
+        let expected = decode(&plain, 3);
         assert_eq!(plain.cuda_graphs(), Some(0));
         let launches_before = emulated::counters().map(|c| c.graph_launches);
-        let got = decode(&graphed, 4);
-        // Batches of 4 and 3 sequences: each shape run plainly once, then captured.
+        let got = decode(&graphed, 3);
+        // Each shape is run plainly once, then captured. The 4-row step needs a larger
+        // arena than the 2-row one: growing it dropped the 2-row graphs.
         assert_eq!(graphed.cuda_graphs(), Some(2), "{fixture}: shapes captured");
         if let (Some(before), Some(after)) = (launches_before, emulated::counters()) {
-            // Three of each batch's four steps replayed: a graph per layer and the head's.
+            // Two of each batch's three steps replayed: a graph per layer and the head's.
             let layers = graphed.config().num_layers as u64;
             assert!(
                 after.graph_launches - before >= 6 * (layers + 1),
@@ -83,13 +85,31 @@ fn decode_steps_replayed_from_graphs_equal_the_kernel_by_kernel_steps() {
                 after.graph_launches - before
             );
         }
-        assert_eq!(got.len(), expected.len());
-        for (i, (got, expected)) in got.iter().zip(&expected).enumerate() {
-            assert!(
-                got == expected,
-                "{fixture}: logits {i} differ from the kernel-by-kernel step's"
-            );
-        }
+        let same = |got: &[Vec<f32>], when: &str| {
+            assert_eq!(got.len(), expected.len());
+            for (i, (got, expected)) in got.iter().zip(&expected).enumerate() {
+                assert!(
+                    got == expected,
+                    "{fixture}, {when}: logits {i} differ from the kernel-by-kernel step's"
+                );
+            }
+        };
+        same(&got, "first pool");
+        // A new KV pool drops the graphs (they read the old one's addresses); new ones are
+        // captured over it.
+        graphed.reserve_kv_cache(256).unwrap();
+        assert_eq!(
+            graphed.cuda_graphs(),
+            Some(0),
+            "{fixture}: graphs of the old pool"
+        );
+        same(&decode(&graphed, 3), "second pool");
+        // The arena kept its size: all three shapes are held this time.
+        assert_eq!(
+            graphed.cuda_graphs(),
+            Some(3),
+            "{fixture}: shapes captured again"
+        );
     }
 }
 

@@ -27,6 +27,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
@@ -729,6 +730,9 @@ CUresult cuStreamEndCapture(void* stream, void** graph) {
     Stream* s = static_cast<Stream*>(stream);
     *graph = nullptr;
     if (!s || !s->capture) return fail(ILLEGAL_STATE, "ending a capture that was not begun");
+    if (std::find(captures_here.begin(), captures_here.end(), s) == captures_here.end()) {
+        return fail(ILLEGAL_STATE, "ending a capture on another thread than the one that began it");
+    }
     std::erase(captures_here, s);
     Graph* g = s->capture;
     s->capture = nullptr;

@@ -489,6 +489,13 @@ pub(super) struct Mark {
     bytes: usize,
 }
 
+impl Mark {
+    /// Bytes held at this mark, as an arena lays them out.
+    pub(super) fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
 /// Where an arena places each buffer: at a multiple of this.
 const ARENA_ALIGN: usize = 256;
 

@@ -26,7 +26,7 @@ use cudarc::driver::{CudaGraph, CudaStream, sys};
 
 use super::cache::{DeviceCache, Scratch};
 use super::routed::RoutedRows;
-use super::{Experts, GpuModel, Phases, StepRows};
+use super::{Experts, GpuModel, Inputs, Phases, StepRows};
 use crate::compute::cuda::CudaError;
 use crate::compute::cuda::experts::Buffer;
 use crate::experts::{ExpertError, ExpertExecutor};
@@ -37,8 +37,8 @@ pub const MAX_GRAPH_ROWS: usize = 256;
 /// The narrowest block table a graph is captured with.
 const MIN_GRAPH_STRIDE: usize = 16;
 
-/// Step shapes captured at most: later shapes run kernel by kernel (a model's graphs cost
-/// instantiation time and some GPU memory each).
+/// Step shapes captured at most: a new shape beyond them drops the one replayed longest ago
+/// (each costs instantiation time and some GPU memory).
 const MAX_SHAPES: usize = 128;
 
 /// What a graph is captured for: rows, and the block tables' width.
@@ -57,6 +57,8 @@ pub(super) struct Graphs {
     /// The most work-buffer bytes each shape held at once in its plain run.
     need: HashMap<Shape, usize>,
     captured: HashMap<Shape, Captured>,
+    /// Replays so far: the clock of [`Captured::last_use`].
+    uses: u64,
 }
 
 // SAFETY: the graphs' driver handles are used under the model's locks, by one thread at a
@@ -69,10 +71,58 @@ struct Captured {
     head: CudaGraph,
     /// Each MoE layer's routed rows in the arena, for the experts between the graphs.
     routed: Vec<Option<RoutedRows>>,
-    /// Where the residual stream and the logits lie (the inputs of a replay must land at
-    /// the same addresses).
-    x: u64,
+    /// Where the step's inputs lie ([`layout`]): a replay's must land at the same places.
+    layout: Vec<u64>,
     logits: u64,
+    /// When it was last replayed ([`Graphs::uses`]).
+    last_use: u64,
+}
+
+/// Why a shape was not captured.
+enum Failed {
+    /// Its work buffers need this many bytes, more than the arena had.
+    TooSmall(usize),
+    Cuda(CudaError),
+}
+
+impl From<CudaError> for Failed {
+    fn from(e: CudaError) -> Failed {
+        Failed::Cuda(e)
+    }
+}
+
+/// Ends a capture left open by a panic, so the stream serves on.
+struct Capturing<'a> {
+    stream: &'a Arc<CudaStream>,
+    open: bool,
+}
+
+impl Drop for Capturing<'_> {
+    fn drop(&mut self) {
+        if self.open {
+            let _ = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
+        }
+    }
+}
+
+/// Every address and size a step's graphs read their inputs at, and where the inputs end
+/// (the work buffers begin).
+fn layout(io: &Inputs, scratch: &Scratch) -> Vec<u64> {
+    let s = &io.step;
+    vec![
+        io.rows as u64,
+        io.x,
+        io.normed,
+        io.wanted as u64,
+        io.wanted_rows,
+        s.cos,
+        s.sin,
+        s.row_seq,
+        s.row_pos,
+        s.table.blocks,
+        s.table.stride as u64,
+        scratch.mark().bytes() as u64,
+    ]
 }
 
 impl Graphs {
@@ -83,6 +133,27 @@ impl Graphs {
             arena_bytes: 0,
             need: HashMap::new(),
             captured: HashMap::new(),
+            uses: 0,
+        }
+    }
+
+    /// Graphs off, their memory freed.
+    fn turn_off(&mut self) {
+        self.enabled = false;
+        self.captured.clear();
+        self.arena = None;
+        self.arena_bytes = 0;
+    }
+
+    /// Drops the shape replayed longest ago.
+    fn evict_least_used(&mut self) {
+        let oldest = self
+            .captured
+            .iter()
+            .min_by_key(|(_, c)| c.last_use)
+            .map(|(&shape, _)| shape);
+        if let Some(shape) = oldest {
+            self.captured.remove(&shape);
         }
     }
 
@@ -110,11 +181,10 @@ impl GpuModel {
     /// Turns decode graphs on or off (on by default; `devices.cuda_graphs`).
     pub fn set_cuda_graphs(&self, on: bool) {
         let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
-        graphs.enabled = on;
-        if !on {
-            graphs.captured.clear();
-            graphs.arena = None;
-            graphs.arena_bytes = 0;
+        if on {
+            graphs.enabled = true;
+        } else {
+            graphs.turn_off();
         }
     }
 
@@ -169,8 +239,7 @@ impl GpuModel {
     ) -> Result<Vec<f32>, E> {
         let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
         if !graphs.captured.contains_key(&shape) {
-            let need = graphs.need.get(&shape).copied();
-            let Some(need) = need.filter(|_| graphs.captured.len() < MAX_SHAPES) else {
+            let Some(need) = graphs.need.get(&shape).copied() else {
                 drop(graphs);
                 let (logits, peak) =
                     self.forward_plain(step, caches, experts, Some(shape.stride))?;
@@ -178,32 +247,44 @@ impl GpuModel {
                 graphs.need.insert(shape, peak);
                 return Ok(logits);
             };
-            if let Err(e) = self.capture(&mut graphs, shape, need, step, caches) {
-                tracing::warn!(
-                    gpu = self.gpu,
-                    error = %e,
-                    "capturing a decode step as CUDA graphs failed; decode steps run kernel by \
-                     kernel from now on"
-                );
-                graphs.enabled = false;
-                graphs.captured.clear();
-                drop(graphs);
-                return Ok(self.forward_plain(step, caches, experts, None)?.0);
+            if graphs.captured.len() >= MAX_SHAPES {
+                graphs.evict_least_used();
+            }
+            match self.capture(&mut graphs, shape, need, step, caches) {
+                Ok(captured) => {
+                    graphs.captured.insert(shape, captured);
+                }
+                Err(Failed::TooSmall(bytes)) => {
+                    // The plain run held less than the capture (it routed some layer on the
+                    // host): captured at the next step of this shape, in a larger arena.
+                    let need = bytes.max(need * 2);
+                    graphs.need.insert(shape, need);
+                    drop(graphs);
+                    return Ok(self.forward_plain(step, caches, experts, None)?.0);
+                }
+                Err(Failed::Cuda(e)) => {
+                    tracing::warn!(
+                        gpu = self.gpu,
+                        error = %e,
+                        "capturing a decode step as CUDA graphs failed; decode steps run \
+                         kernel by kernel from now on"
+                    );
+                    graphs.turn_off();
+                    drop(graphs);
+                    return Ok(self.forward_plain(step, caches, experts, None)?.0);
+                }
             }
         }
-        let captured = &graphs.captured[&shape];
+        graphs.uses += 1;
+        let uses = graphs.uses;
         let base = graphs.arena.as_ref().map_or(0, |a| a.ptr);
-        self.replay(
-            captured,
-            (base, graphs.arena_bytes),
-            shape,
-            step,
-            caches,
-            experts,
-        )
+        let size = graphs.arena_bytes;
+        let captured = graphs.captured.get_mut(&shape).expect("captured above");
+        captured.last_use = uses;
+        self.replay(captured, (base, size), shape, step, caches, experts)
     }
 
-    /// Captures `shape`'s graphs with the inputs of `step` (uploaded, not run).
+    /// `shape`'s graphs, captured with the inputs of `step` (uploaded, not run).
     fn capture(
         &self,
         graphs: &mut Graphs,
@@ -211,49 +292,68 @@ impl GpuModel {
         need: usize,
         step: &StepRows,
         caches: &[&mut DeviceCache],
-    ) -> Result<(), CudaError> {
+    ) -> Result<Captured, Failed> {
         let (base, size) = graphs.arena(&self.stream, need)?;
         let mut scratch = Scratch::in_arena(&self.stream, base, size);
-        let io = self.inputs(&mut scratch, step, caches, Some(shape.stride))?;
-        let layer_start = scratch.mark();
-        let mut phases = Phases::off();
-        let (mut layers, mut routed) = (Vec::new(), Vec::new());
-        for (l, layer) in self.layers.iter().enumerate() {
-            let gate = self.gates.get(l).and_then(Option::as_ref);
-            let (graph, rows) = self
-                .captured(|| self.before_experts(l, layer, &io, &mut scratch, &mut phases, gate))?;
-            layers.push(graph);
-            routed.push(rows);
-            scratch.release(layer_start);
+        let captured = self.capture_in(&mut scratch, shape, step, caches);
+        if captured.is_err() && scratch.peak() > size {
+            return Err(Failed::TooSmall(scratch.peak()));
         }
-        let (head, logits) = self.captured(|| self.head(&io, &mut scratch))?;
-        graphs.captured.insert(
-            shape,
-            Captured {
-                layers,
-                head,
-                routed,
-                x: io.x,
-                logits,
-            },
-        );
+        let captured = captured?;
         tracing::debug!(
             gpu = self.gpu,
             ?shape,
             arena_bytes = size,
             "decode step captured as CUDA graphs"
         );
-        Ok(())
+        Ok(captured)
     }
 
-    /// What `work` queues on the stream, as a graph (the capture ended whatever happens).
+    fn capture_in(
+        &self,
+        scratch: &mut Scratch,
+        shape: Shape,
+        step: &StepRows,
+        caches: &[&mut DeviceCache],
+    ) -> Result<Captured, CudaError> {
+        let io = self.inputs(scratch, step, caches, Some(shape.stride))?;
+        let layout = layout(&io, scratch);
+        let layer_start = scratch.mark();
+        let mut phases = Phases::off();
+        let (mut layers, mut routed) = (Vec::new(), Vec::new());
+        for (l, layer) in self.layers.iter().enumerate() {
+            let gate = self.gates.get(l).and_then(Option::as_ref);
+            let (graph, rows) =
+                self.captured(|| self.before_experts(l, layer, &io, scratch, &mut phases, gate))?;
+            layers.push(graph);
+            routed.push(rows);
+            scratch.release(layer_start);
+        }
+        let (head, logits) = self.captured(|| self.head(&io, scratch))?;
+        Ok(Captured {
+            layers,
+            head,
+            routed,
+            layout,
+            logits,
+            last_use: 0,
+        })
+    }
+
+    /// What `work` queues on the stream, as a graph (the capture ended whatever happens,
+    /// a panic included).
     fn captured<T>(
         &self,
         work: impl FnOnce() -> Result<T, CudaError>,
     ) -> Result<(CudaGraph, T), CudaError> {
         self.stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        let mut capturing = Capturing {
+            stream: &self.stream,
+            open: true,
+        };
         let out = work();
+        capturing.open = false;
         let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
         let out = out?;
         let graph = graph?.ok_or_else(|| CudaError::Unsupported("an empty graph".into()))?;
@@ -274,7 +374,7 @@ impl GpuModel {
         let mut phases = Phases::new();
         let mut scratch = Scratch::in_arena(&self.stream, base, size);
         let io = self.inputs(&mut scratch, step, caches, Some(shape.stride))?;
-        if io.x != captured.x {
+        if layout(&io, &scratch) != captured.layout {
             return Err(CudaError::Unsupported(
                 "a decode step's inputs did not land where its graphs read them".into(),
             )

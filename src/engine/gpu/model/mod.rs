@@ -39,6 +39,9 @@ mod weights;
 
 /// The dense part of a model, resident on one GPU.
 pub struct GpuModel {
+    /// Decode steps captured as CUDA graphs ([`graphs`]); first, so that they go before
+    /// the kernels, weights and pool they use.
+    graphs: Mutex<Graphs>,
     stream: Arc<CudaStream>,
     blas: CudaBlas,
     dense: DenseKernels,
@@ -62,8 +65,6 @@ pub struct GpuModel {
     /// [`GpuModel::reserve_kv_cache`], or at the first step for
     /// [`DEFAULT_POOL_SEQUENCES`] whole contexts within what the GPU has free.
     kv: Mutex<Option<Arc<KvPool>>>,
-    /// Decode steps captured as CUDA graphs ([`graphs`]).
-    graphs: Mutex<Graphs>,
     /// cuBLAS's work area, set so that its products allocate nothing while a graph is
     /// captured.
     _blas_workspace: Buffer,
