@@ -1,6 +1,6 @@
 //! Decode steps replayed from CUDA graphs compute what the same steps compute kernel by
-//! kernel, bit for bit, at each batch size, for a GQA model (Qwen3-MoE) and an MLA one
-//! (DeepSeek-V3); and the emulated driver's capture records what a stream would have run
+//! kernel, bit for bit, at each batch size, for a GQA model (Qwen3-MoE), an MLA one
+//! (DeepSeek-V3) and a hybrid one (Qwen3.5-MoE, its linear layers' states paged); and the emulated driver's capture records what a stream would have run
 //! and replays it on the memory as it is at each launch. On GPUs emulated on the CPU, or a
 //! real one under `tests/gpu/run.sh`.
 
@@ -62,7 +62,7 @@ fn argmax(logits: &[f32]) -> u32 {
 
 #[test]
 fn decode_steps_replayed_from_graphs_equal_the_kernel_by_kernel_steps() {
-    for fixture in ["qwen3_moe", "deepseek_v3"] {
+    for fixture in ["qwen3_moe", "deepseek_v3", "qwen3_5_moe"] {
         let Some(graphed) = common::engine_on_gpu("decode steps from CUDA graphs", fixture) else {
             return;
         };

@@ -17,7 +17,9 @@
 //! attention kernels read the width as a parameter). A shape is run plainly once (sizing
 //! it), captured on its second step, and replayed from then on. A capture that fails (a
 //! driver that refuses it) turns graphs off for the model, with a log line; the step runs
-//! plainly.
+//! plainly. A hybrid model's linear layers are captured too: where the step's sequences'
+//! state pages lie is among the inputs, and each layer gathers, updates and scatters its
+//! part of the states with kernels, as a plain step does.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -109,7 +111,7 @@ impl Drop for Capturing<'_> {
 /// (the work buffers begin).
 fn layout(io: &Inputs, scratch: &Scratch) -> Vec<u64> {
     let s = &io.step;
-    vec![
+    let mut layout = vec![
         io.rows as u64,
         io.x,
         io.normed,
@@ -122,7 +124,22 @@ fn layout(io: &Inputs, scratch: &Scratch) -> Vec<u64> {
         s.table.blocks,
         s.table.stride as u64,
         scratch.mark().bytes() as u64,
-    ]
+    ];
+    if let Some((packed, pages)) = &s.states {
+        layout.extend([
+            packed.floats as u64,
+            packed.seqs as u64,
+            packed.rows as u64,
+            packed.row_seq,
+            packed.seq_first_row,
+            packed.seq_len,
+            pages.pages,
+            pages.per_seq as u64,
+            pages.page_floats as u64,
+            pages.fresh,
+        ]);
+    }
+    layout
 }
 
 impl Graphs {
@@ -195,9 +212,8 @@ impl GpuModel {
     }
 
     /// The shape of a step graphs may run: a decode step (one row per sequence) of at most
-    /// [`MAX_GRAPH_ROWS`], of a model with no linear attention (whose states are gathered
-    /// per step) and every MoE layer routed on this GPU for an executor that takes rows
-    /// there.
+    /// [`MAX_GRAPH_ROWS`], of a model whose every MoE layer routes on this GPU, for an
+    /// executor that takes rows there.
     pub(super) fn graph_shape(
         &self,
         step: &StepRows,
@@ -213,7 +229,6 @@ impl GpuModel {
             .all(|(l, layer)| !layer.moe || self.gates.get(l).is_some_and(Option::is_some));
         if !graphs.enabled
             || executor.is_none()
-            || self.linear.is_some()
             || !routed_here
             || rows == 0
             || rows > MAX_GRAPH_ROWS
