@@ -77,3 +77,107 @@ fn a_fork_shares_the_whole_blocks_and_each_goes_on_as_its_own_prefill() {
     let (free, blocks) = engine.gpu_kv_blocks().unwrap();
     assert_eq!(free, blocks, "blocks left held after every cache let go");
 }
+
+/// Sequences started from a kept prompt prefix share its whole blocks on the GPU, and the
+/// batcher counts a shared block once: six continuations of a 66-token prompt run together
+/// in a budget that counting each holder's blocks would fill three times over, with no
+/// preemption, each giving what it gives alone; and what the batcher counts is never less
+/// than what the pool holds.
+#[test]
+fn a_batch_from_a_kept_prefix_counts_its_shared_blocks_once() {
+    use moe_node::engine::batch::{BatchLimits, Batcher, KvBudget, Sequence, SequenceEvent};
+    use moe_node::engine::{GenerateRequest, SamplingParams, generate};
+
+    let Some(engine) = on_gpu("the batcher's count of shared KV blocks") else {
+        return;
+    };
+    let budget = 20;
+    engine.reserve_kv_cache(budget).unwrap();
+    let limits = BatchLimits {
+        max_sequences: 8,
+        max_tokens_per_step: 256,
+        max_waiting: 16,
+        prefill_chunk: 128,
+        kv: Some(KvBudget {
+            block_tokens: KV_BLOCK,
+            blocks: budget,
+            state_blocks: 0,
+        }),
+        prefix_cache_entries: 4,
+    };
+    let cfg = engine.config().clone();
+    let mut batcher: Batcher<usize> = Batcher::new(limits, cfg.eos_token_ids.clone());
+    let shared: Vec<u32> = (0..4 * KV_BLOCK as u32 + 2)
+        .map(|k| 1 + (k * 11) % 120)
+        .collect();
+    let prompt = |i: usize| {
+        let mut p = shared.clone();
+        p.extend([3 + i as u32, 50 + 2 * i as u32]);
+        p
+    };
+    let max_tokens = 4;
+    let submit = |batcher: &mut Batcher<usize>, prompt: Vec<u32>, id: usize| {
+        let seq = Sequence::new(
+            prompt,
+            max_tokens,
+            SamplingParams::default(),
+            false,
+            engine.new_cache(),
+            id,
+        );
+        batcher.submit(seq).unwrap();
+    };
+    let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); 7];
+    let mut run = |batcher: &mut Batcher<usize>| {
+        let mut widest = 0;
+        for _ in 0..100 {
+            let mut steps = batcher.plan_step(|c| engine.fork_cache(c));
+            if steps.is_empty() {
+                return widest;
+            }
+            widest = widest.max(steps.len());
+            let logits = engine.forward(&mut steps).unwrap();
+            drop(steps);
+            batcher.complete_step(
+                logits,
+                |c| engine.fork_cache(c),
+                |id, event| {
+                    if let SequenceEvent::Token { token, .. } = event {
+                        tokens[*id].push(token);
+                    }
+                    true
+                },
+            );
+            let (free, blocks) = engine.gpu_kv_blocks().unwrap();
+            let counted = batcher.kv_blocks().unwrap().0 + batcher.prefix_blocks();
+            assert!(
+                counted >= blocks - free,
+                "the batcher counts {counted} blocks, the pool holds {}",
+                blocks - free
+            );
+        }
+        panic!("the batch did not finish within 100 steps");
+    };
+    submit(&mut batcher, shared.clone(), 6);
+    run(&mut batcher);
+    for i in 0..6 {
+        submit(&mut batcher, prompt(i), i);
+    }
+    let widest = run(&mut batcher);
+    assert_eq!(batcher.preemptions(), 0, "a sequence was preempted");
+    assert_eq!(widest, 6, "the six continuations did not run together");
+    assert_eq!(batcher.prefix_hits().0, 6);
+    for (i, got) in tokens.iter().enumerate().take(6) {
+        let alone = generate(
+            &engine,
+            &GenerateRequest {
+                prompt: prompt(i),
+                max_tokens,
+                sampling: SamplingParams::default(),
+                stop_at_eos: false,
+            },
+        )
+        .unwrap();
+        assert_eq!(got, &alone.token_ids, "sequence {i}");
+    }
+}

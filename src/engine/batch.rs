@@ -444,10 +444,16 @@ impl<S> Batcher<S> {
     }
 
     fn blocks_held(&self, kv: &KvBudget) -> usize {
-        self.running
-            .iter()
-            .map(|s| kv.blocks_for(s.cache.len()))
-            .sum()
+        self.counted(|s| kv.blocks_for(s.cache.len()))
+    }
+
+    /// `blocks(s)` summed over the running sequences, less what their caches share with
+    /// other caches (a shared block counts once over all its holders; rounded down, so
+    /// never less than the pool holds).
+    fn counted(&self, blocks: impl Fn(&Sequence<S>) -> usize) -> usize {
+        let whole: usize = self.running.iter().map(&blocks).sum();
+        let shared: f64 = self.running.iter().map(|s| s.cache.shared_blocks()).sum();
+        whole - shared.floor() as usize
     }
 
     pub fn waiting(&self) -> usize {
@@ -504,11 +510,19 @@ impl<S> Batcher<S> {
         let mut held = self
             .limits
             .kv
-            .map_or(0, |kv| self.running.iter().map(|s| reserved(&kv, s)).sum());
+            .map_or(0, |kv| self.counted(|s| reserved(&kv, s)));
         while let Some(next) = self.waiting.front() {
             // A request with more choices than places still gets in, alone.
             let fits = occupied + next.places() <= self.limits.max_sequences;
-            let needs = self.limits.kv.map_or(0, |kv| reserved(&kv, next));
+            // On a GPU a prompt from a kept prefix shares the prefix's whole blocks.
+            let shares = match next.cache.on_gpu() && next.cache.is_empty() {
+                true => self.prefixes.reusable_blocks(&next.prompt),
+                false => 0,
+            };
+            let needs = self
+                .limits
+                .kv
+                .map_or(0, |kv| reserved(&kv, next).saturating_sub(shares));
             let room = self
                 .limits
                 .kv
@@ -570,12 +584,14 @@ impl<S> Batcher<S> {
     /// Blocks the running sequences would hold after the planned step.
     fn step_blocks(&self, kv: &KvBudget) -> usize {
         let mut planned = self.planned.iter().peekable();
-        (0..self.running.len())
+        let whole: usize = (0..self.running.len())
             .map(|i| {
                 let tokens = planned.next_if(|(p, _)| *p == i).map_or(0, |&(_, t)| t);
                 kv.blocks_for(self.running[i].cache.len() + tokens)
             })
-            .sum()
+            .sum();
+        let shared: f64 = self.running.iter().map(|s| s.cache.shared_blocks()).sum();
+        whole - shared.floor() as usize
     }
 
     /// Admits waiting sequences into free places (from a copy of a kept prefix's cache when

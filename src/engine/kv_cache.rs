@@ -202,8 +202,12 @@ impl KvCache {
 
     /// Drops whatever a step appended beyond the cached positions (a step that failed
     /// half-way must leave the sequence as it was). On a GPU, positions past `len` are
-    /// simply overwritten by the next step.
+    /// simply overwritten by the next step, and blocks past them go back to the pool (the
+    /// batcher counts the blocks of `len` positions).
     pub(crate) fn rollback(&mut self) {
+        if let Some(device) = &mut self.device {
+            device.keep_positions(self.len);
+        }
         for layer in &mut self.layers {
             layer.first.truncate(self.len * layer.first_width);
             layer.second.truncate(self.len * layer.second_width);
@@ -217,6 +221,19 @@ impl KvCache {
                 compressed.state.restore(next);
             }
         }
+    }
+
+    /// Of the blocks this cache's positions take, what other caches hold too, each block
+    /// counted as this cache's share of it (`1 - 1/holders`): on a GPU, copies of a cache (a
+    /// kept prompt prefix, a prompt's choices) share its whole blocks. 0 in host memory,
+    /// where a copy is a copy.
+    pub fn shared_blocks(&self) -> f64 {
+        self.device.as_ref().map_or(0.0, |d| d.shared_blocks())
+    }
+
+    /// Whether the cache is on a GPU, where copies share blocks.
+    pub fn on_gpu(&self) -> bool {
+        self.device.is_some()
     }
 
     /// Whether some layer keeps a state that cannot be cut back to fewer positions (linear

@@ -1,10 +1,12 @@
 //! Prompt prefixes kept for reuse: when a prompt has been prefilled, a copy of its KV cache
 //! (whole blocks of it) is kept, and a later prompt that starts with the same blocks of
 //! tokens (a shared system prompt, a conversation's earlier turns, a sequence preempted and
-//! recomputing) starts from a copy of it and prefills only the rest. The caches are copies,
-//! not shared blocks (a GPU's paged cache copies the blocks too), so reuse saves compute and
-//! time to first token, not memory; the kept copies count against the KV budget and are dropped, oldest
-//! first, before any running sequence is preempted.
+//! recomputing) starts from a copy of it and prefills only the rest. In host memory the
+//! caches are copies, so reuse saves compute and time to first token, not memory; on a GPU a
+//! copy shares its source's whole blocks, and every cache holding a block counts its share
+//! of it ([`KvCache::shared_blocks`]), so a shared block counts once against the budget. The
+//! kept copies count against the KV budget and are dropped, oldest first, before any running
+//! sequence is preempted.
 //!
 //! A hybrid model's cache (Qwen3-Next) also holds linear layers' states, each the summary of
 //! every position so far: it cannot be cut back to a shorter prefix. Such a cache is kept
@@ -71,13 +73,22 @@ impl PrefixStore {
 
     /// Blocks the kept caches hold.
     pub fn blocks(&self) -> usize {
-        self.entries
+        let whole: usize = self
+            .entries
             .iter()
             .map(|e| match e.cache.has_state() {
                 true => e.tokens.len().div_ceil(self.block_tokens) + self.state_blocks,
                 false => e.tokens.len() / self.block_tokens,
             })
-            .sum()
+            .sum();
+        let shared: f64 = self.entries.iter().map(|e| e.cache.shared_blocks()).sum();
+        whole - shared.floor() as usize
+    }
+
+    /// Blocks of `prompt` a kept prefix can stand for ([`PrefixStore::reuse`]).
+    pub fn reusable_blocks(&self, prompt: &[u32]) -> usize {
+        let positions = self.entries.iter().map(|e| self.reusable(e, prompt)).max();
+        positions.unwrap_or(0) / self.block_tokens
     }
 
     /// [`leading_block_key`] of each kept prefix at least a block long: what a router with

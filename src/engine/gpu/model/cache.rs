@@ -232,6 +232,19 @@ impl KvPool {
         self.held().holders[block as usize] > 1
     }
 
+    /// What counting `blocks` as one cache's whole overstates: `1 - 1/holders` for each
+    /// block others hold too, over the leading run of such blocks (a copy shares its
+    /// source's first blocks, and nothing after them).
+    fn shared_excess(&self, blocks: &[u32]) -> f64 {
+        let held = self.held();
+        blocks
+            .iter()
+            .map(|&b| held.holders[b as usize])
+            .take_while(|&holders| holders > 1)
+            .map(|holders| 1.0 - 1.0 / holders as f64)
+            .sum()
+    }
+
     /// Lets go of `blocks` (emptied): a block no cache holds any more is free again.
     fn give_back(&self, blocks: &mut Vec<u32>) {
         let mut held = self.held();
@@ -320,6 +333,25 @@ impl DeviceCache {
         if let Some(pool) = &self.pool {
             pool.give_back(&mut self.blocks);
             pool.give_back(&mut self.state);
+        }
+    }
+
+    /// Blocks this cache holds with others, each counted as its share: what the batcher
+    /// takes off its count of the cache's blocks, so that a shared block counts once over
+    /// all its holders.
+    pub fn shared_blocks(&self) -> f64 {
+        self.pool
+            .as_ref()
+            .map_or(0.0, |pool| pool.shared_excess(&self.blocks))
+    }
+
+    /// Gives back the blocks past the first `positions` positions.
+    pub fn keep_positions(&mut self, positions: usize) {
+        let keep = positions.div_ceil(KV_BLOCK);
+        if let Some(pool) = &self.pool
+            && self.blocks.len() > keep
+        {
+            pool.give_back(&mut self.blocks.split_off(keep));
         }
     }
 
