@@ -278,6 +278,101 @@ extern "C" __global__ void attend_tiles(const float* q, int heads, int group, in
     }
 }
 
+// Attention where every head reads the same keys, and the values are the keys' first `dv`
+// values: MLA in its absorbed form (keys `[latent | rotary key]`, values the latent). A block
+// per (row, group of up to `heads_per_block` heads); each pass loads ATTEND_TILES_KEYS cached
+// keys once, as bf16, for every head of the group, where `attend` reads each key again for
+// every head (128 of them for DeepSeek-V3 and Kimi K2). Causal, no window, no sinks. Per
+// head: scores over the pass, a running maximum and sum (online softmax), the weighted
+// values added up. Dynamic shared memory: heads_per_block * (dk + dv + ATTEND_TILES_KEYS +
+// 3) floats, then ATTEND_TILES_KEYS * dk bf16.
+extern "C" __global__ void attend_heads(const float* q, int heads, int dk, int dv,
+                                        const bf16* key_pool, const int* blocks,
+                                        int table_stride, int kv_stride, const int* row_seq,
+                                        const int* row_pos, float scale, int heads_per_block,
+                                        float* out) {
+    extern __shared__ float smem[];
+    const int KT = ATTEND_TILES_KEYS;
+    int groups = (heads + heads_per_block - 1) / heads_per_block;
+    int row = blockIdx.x / groups, first_head = (blockIdx.x % groups) * heads_per_block;
+    int n = min(heads_per_block, heads - first_head);
+    float* query = smem;                          // [n][dk]
+    float* acc = query + heads_per_block * dk;    // [n][dv]
+    float* scores = acc + heads_per_block * dv;   // [n][KT]
+    float* running = scores + heads_per_block * KT;
+    float* total = running + heads_per_block;
+    float* rescale = total + heads_per_block;
+    bf16* keys = (bf16*)(rescale + heads_per_block);  // [KT][dk]
+    int seq = row_seq[row], pos = row_pos[row];
+    const int* table = blocks + (size_t)seq * table_stride;
+
+    for (int i = threadIdx.x; i < n * dk; i += blockDim.x) {
+        query[i] = q[((size_t)row * heads + first_head) * dk + i];
+    }
+    for (int i = threadIdx.x; i < n * dv; i += blockDim.x) {
+        acc[i] = 0.0f;
+    }
+    for (int h = threadIdx.x; h < n; h += blockDim.x) {
+        running[h] = NEG_INF;
+        total[h] = 0.0f;
+    }
+    __syncthreads();
+
+    for (int start = 0; start <= pos; start += KT) {
+        int len = min(KT, pos + 1 - start);
+        for (int i = threadIdx.x; i < len * dk; i += blockDim.x) {
+            int j = i / dk, c = i % dk;
+            keys[i] = key_pool[cached_row(table, start + j) * kv_stride + c];
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < n * KT; i += blockDim.x) {
+            int h = i / KT, j = i % KT;
+            float score = NEG_INF;
+            if (j < len) {
+                float dot = 0.0f;
+                for (int c = 0; c < dk; ++c) {
+                    dot += query[h * dk + c] * bf16_to_f32(keys[j * dk + c]);
+                }
+                score = dot * scale;
+            }
+            scores[i] = score;
+        }
+        __syncthreads();
+        // One thread per head: the pass's maximum, the rescaling of what came before, the
+        // exponents in place of the scores (every pass has a key at or before `pos`).
+        for (int h = threadIdx.x; h < n; h += blockDim.x) {
+            float* head = scores + h * KT;
+            float pass_max = NEG_INF;
+            for (int j = 0; j < KT; ++j) {
+                pass_max = fmaxf(pass_max, head[j]);
+            }
+            float new_max = fmaxf(running[h], pass_max);
+            rescale[h] = expf(running[h] - new_max);  // 0 on the first pass
+            float sum = 0.0f;
+            for (int j = 0; j < KT; ++j) {
+                head[j] = expf(head[j] - new_max);  // 0 past the pass's keys
+                sum += head[j];
+            }
+            total[h] = total[h] * rescale[h] + sum;
+            running[h] = new_max;
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < n * dv; i += blockDim.x) {
+            int h = i / dv, d = i % dv;
+            float sum = 0.0f;
+            for (int j = 0; j < len; ++j) {
+                sum += scores[h * KT + j] * bf16_to_f32(keys[j * dk + d]);
+            }
+            acc[i] = acc[i] * rescale[h] + sum;
+        }
+        __syncthreads();
+    }
+    for (int i = threadIdx.x; i < n * dv; i += blockDim.x) {
+        int h = i / dv;
+        out[((size_t)row * heads + first_head) * dv + i] = acc[i] / total[h];
+    }
+}
+
 // x[i] += y[i]: the residual connection.
 extern "C" __global__ void add_rows(float* x, const float* y, size_t n) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;

@@ -494,11 +494,18 @@ fn check_attention_case(c: AttentionCase, mla: bool) {
         for rows in [2, 16] {
             check_attention_kernel(&c, mla, Some(rows));
         }
+    } else {
+        // The kernel of heads that share their keys, in groups of 1, 3 (one of 3, one of 1)
+        // and all 4 heads.
+        for heads in [1, 3, 4] {
+            check_attention_kernel(&c, mla, Some(heads));
+        }
     }
 }
 
-/// The per-row kernel, or the prefill kernel in tiles of `tile_rows`.
-fn check_attention_kernel(c: &AttentionCase, mla: bool, tile_rows: Option<usize>) {
+/// The per-row kernel, or the prefill kernel in tiles of `group` rows (GQA), or the kernel
+/// of heads sharing their keys in groups of `group` heads (MLA).
+fn check_attention_kernel(c: &AttentionCase, mla: bool, group: Option<usize>) {
     let Some(exe) = harness() else { return };
     let shape = &c.shape;
     let keys = common::paged(&c.keys, shape.kv_stride);
@@ -528,10 +535,10 @@ fn check_attention_kernel(c: &AttentionCase, mla: bool, tile_rows: Option<usize>
         join(&positions),
         join(&c.q)
     );
-    let mode = match tile_rows {
-        Some(rows) => {
-            input += &format!("{rows}\n");
-            "attend_tiles"
+    let mode = match group {
+        Some(n) => {
+            input += &format!("{n}\n");
+            if mla { "attend_heads" } else { "attend_tiles" }
         }
         None => "attend",
     };

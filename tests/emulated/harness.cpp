@@ -254,7 +254,7 @@ int main(int argc, char** argv) {
                  interleaved);
         });
         print(x);
-    } else if (mode == "attend" || mode == "attend_tiles") {
+    } else if (mode == "attend" || mode == "attend_tiles" || mode == "attend_heads") {
         // A paged cache (key pool, value pool unless values are the keys, block tables),
         // then rows (sequence, position) with their queries.
         int heads, group, dk, dv, kv_stride, k_head_stride, v_head_stride, window, chunk, seqs,
@@ -271,7 +271,19 @@ int main(int argc, char** argv) {
         auto row_pos = read<int>(rows);
         auto q = read<float>((size_t)rows * heads * dk);
         std::vector<float> out((size_t)rows * heads * dv);
-        if (mode == "attend") {
+        if (mode == "attend_heads") {
+            // Every head reads the same keys, the values their first dv values (MLA).
+            int heads_per_block;
+            std::cin >> heads_per_block;
+            int groups = (heads + heads_per_block - 1) / heads_per_block;
+            size_t shared = (size_t)heads_per_block * (dk + dv + 16 + 3) * sizeof(float) +
+                            (size_t)16 * dk * sizeof(bf16);
+            launch(rows * groups, 64, shared, [&] {
+                attend_heads(q.data(), heads, dk, dv, keys.data(), table.data(), table_stride,
+                             kv_stride, row_seq.data(), row_pos.data(), scale, heads_per_block,
+                             out.data());
+            });
+        } else if (mode == "attend") {
             launch(rows * heads, 64, (dk + 256 + dv) * sizeof(float), [&] {
                 attend(q.data(), heads, group, dk, dv, keys.data(), values.data(), table.data(),
                        table_stride, kv_stride, k_head_stride, v_head_stride, row_seq.data(),
@@ -305,7 +317,7 @@ int main(int argc, char** argv) {
         }
         print(out);
     } else {
-        std::fprintf(stderr, "usage: harness gate|permute|swiglu|to_bf16|gemv|gemv_slot|widen_slot|rms_norm|store_rows|copy_rows|add|rope|attend|attend_tiles\n");
+        std::fprintf(stderr, "usage: harness gate|permute|swiglu|to_bf16|gemv|gemv_slot|widen_slot|rms_norm|store_rows|copy_rows|add|rope|attend|attend_tiles|attend_heads\n");
         return 2;
     }
     return 0;

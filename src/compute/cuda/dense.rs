@@ -39,6 +39,20 @@ pub fn rows_per_tile(key_width: usize, value_width: usize) -> Option<usize> {
         .find(|&rows| tiles_shared_bytes(rows, key_width, value_width) <= SHARED_MEMORY)
 }
 
+/// Heads per block of `attend_heads` for keys of `key_width` and values of `value_width`:
+/// as many as shared memory holds, spread evenly over the blocks of a row; `None` where not
+/// one fits.
+pub fn heads_per_block(heads: usize, key_width: usize, value_width: usize) -> Option<usize> {
+    let keys = ATTEND_TILES_KEYS * key_width * 2;
+    let per_head = (key_width + value_width + ATTEND_TILES_KEYS + 3) * 4;
+    let most = SHARED_MEMORY.checked_sub(keys)? / per_head;
+    if most == 0 || heads == 0 {
+        return None;
+    }
+    let groups = heads.div_ceil(most.min(heads));
+    Some(heads.div_ceil(groups))
+}
+
 fn tiles_shared_bytes(rows: usize, key_width: usize, value_width: usize) -> usize {
     (rows * (key_width + value_width + ATTEND_TILES_KEYS + 3)
         + ATTEND_TILES_KEYS * (key_width + value_width))
@@ -58,6 +72,7 @@ pub struct DenseKernels {
     scale_rows_by_sigmoid: CudaFunction,
     scale_by_temperature: CudaFunction,
     attend_tiles: CudaFunction,
+    attend_heads: CudaFunction,
 }
 
 /// One block per row, as the row kernels take.
@@ -149,6 +164,7 @@ impl DenseKernels {
             scale_rows_by_sigmoid: module.load_function("scale_rows_by_sigmoid")?,
             scale_by_temperature: module.load_function("scale_by_temperature")?,
             attend_tiles: module.load_function("attend_tiles")?,
+            attend_heads: module.load_function("attend_heads")?,
         })
     }
 
@@ -503,5 +519,90 @@ impl DenseKernels {
             })?;
         }
         Ok(())
+    }
+
+    /// Causal attention of `rows` query rows where every head reads the same keys and the
+    /// values are the keys' first `value_width` values (MLA in its absorbed form): a block
+    /// per row and group of `heads_per_block` heads ([`heads_per_block`]), each pass over
+    /// the cache loading its keys once for every head of the group.
+    ///
+    /// # Safety
+    /// As [`DenseKernels::attend`], with `shape.group == shape.heads` and the values inside
+    /// the keys.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn attend_heads(
+        &self,
+        stream: &CudaStream,
+        shape: &AttentionShape,
+        heads_per_block: usize,
+        q: u64,
+        rows: usize,
+        cache: &PagedCache,
+        (row_seq, row_pos): (u64, u64),
+        out: u64,
+    ) -> Result<(), CudaError> {
+        let (dk, dv) = (shape.key_width, shape.value_width);
+        let shared =
+            heads_per_block * (dk + dv + ATTEND_TILES_KEYS + 3) * 4 + ATTEND_TILES_KEYS * dk * 2;
+        if shape.group != shape.heads || heads_per_block == 0 || shared > SHARED_MEMORY {
+            return Err(CudaError::Unsupported(format!(
+                "attention over shared keys with {heads_per_block} heads a block ({shared} \
+                 bytes of shared memory)"
+            )));
+        }
+        let groups = shape.heads.div_ceil(heads_per_block);
+        let ints = [
+            shape.heads as i32,
+            dk as i32,
+            dv as i32,
+            cache.table.stride as i32,
+            shape.kv_stride as i32,
+            heads_per_block as i32,
+        ];
+        let mut launch = stream.launch_builder(&self.attend_heads);
+        launch
+            .arg(&q)
+            .arg(&ints[0])
+            .arg(&ints[1])
+            .arg(&ints[2])
+            .arg(&cache.keys)
+            .arg(&cache.table.blocks)
+            .arg(&ints[3])
+            .arg(&ints[4])
+            .arg(&row_seq)
+            .arg(&row_pos)
+            .arg(&shape.scale)
+            .arg(&ints[5])
+            .arg(&out);
+        // SAFETY: as the caller vouches; arguments match dense.cu.
+        unsafe {
+            launch.launch(LaunchConfig {
+                grid_dim: ((rows * groups) as u32, 1, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: shared as u32,
+            })?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn heads_per_block_fill_shared_memory_evenly() {
+        // DeepSeek-V3 and Kimi K2: 128 heads over 576-wide keys, 512-wide values; 6 heads
+        // a block fit in 48 KiB (7 would not: 18 KiB of keys + 4.3 KiB a head).
+        let k2 = heads_per_block(128, 576, 512).unwrap();
+        assert_eq!(k2, 6);
+        let shared = k2 * (576 + 512 + ATTEND_TILES_KEYS + 3) * 4 + ATTEND_TILES_KEYS * 576 * 2;
+        assert!(shared <= SHARED_MEMORY);
+        // Few narrow heads: all in one block. Groups spread evenly: 7 heads where 6 fit
+        // make 2 blocks of 4, not 6 and 1.
+        assert_eq!(heads_per_block(4, 24, 16), Some(4));
+        assert_eq!(heads_per_block(7, 576, 512), Some(4));
+        // Keys too wide for one head: none.
+        assert_eq!(heads_per_block(8, 2048, 2048), None);
     }
 }

@@ -7,7 +7,7 @@ use super::weights::{Attention, Matrix, Norm, Query};
 use super::{GpuModel, Step, StepResult};
 use crate::compute::cuda::CudaError;
 use crate::compute::cuda::blas::{self, Batch, Gemm, Output};
-use crate::compute::cuda::dense::AttentionShape;
+use crate::compute::cuda::dense::{AttentionShape, heads_per_block};
 use crate::compute::cuda::experts::Buffer;
 use crate::model::config::{AttentionConfig, LayerAttention, Span};
 
@@ -484,16 +484,29 @@ impl GpuModel {
                 chunk: None,
                 scale: self.softmax_scale,
             };
-            d.attend(
-                stream,
-                &shape,
-                query,
-                (rows, None),
-                &cache,
-                (step.row_seq, step.row_pos),
-                0,
-                latent_out,
-            )?;
+            // Every head reads the same latent keys: loaded once for a group of heads.
+            match heads_per_block(heads, key_width, lora) {
+                Some(per_block) => d.attend_heads(
+                    stream,
+                    &shape,
+                    per_block,
+                    query,
+                    rows,
+                    &cache,
+                    (step.row_seq, step.row_pos),
+                    latent_out,
+                )?,
+                None => d.attend(
+                    stream,
+                    &shape,
+                    query,
+                    (rows, None),
+                    &cache,
+                    (step.row_seq, step.row_pos),
+                    0,
+                    latent_out,
+                )?,
+            }
         }
         Ok(latent_out)
     }
