@@ -29,7 +29,7 @@ fn decode(engine: &Engine, steps: usize) -> Vec<Vec<f32>> {
             .forward(&mut [SequenceStep::new(cache, prompt)])
             .unwrap()
             .remove(0);
-        next.push(argmax(&logits));
+        next.push(common::argmax(&logits));
         all.push(logits);
     }
     for batch in [2, caches.len(), 3] {
@@ -42,22 +42,12 @@ fn decode(engine: &Engine, steps: usize) -> Vec<Vec<f32>> {
                 .collect();
             let logits = engine.forward(&mut step).unwrap();
             for (i, row) in logits.into_iter().enumerate() {
-                next[i] = argmax(&row);
+                next[i] = common::argmax(&row);
                 all.push(row);
             }
         }
     }
     all
-}
-
-fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in logits.iter().enumerate() {
-        if v > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 #[test]

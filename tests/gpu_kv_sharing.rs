@@ -4,6 +4,7 @@
 //! its own tokens would, and the shared blocks go back to the pool only when the last
 //! holder lets go. On GPUs emulated on the CPU, or a real one under `tests/gpu/run.sh`.
 
+mod batch_run;
 mod common;
 
 use moe_node::compute::cuda::dense::KV_BLOCK;
@@ -85,7 +86,7 @@ fn a_fork_shares_the_whole_blocks_and_each_goes_on_as_its_own_prefill() {
 /// than what the pool holds.
 #[test]
 fn a_batch_from_a_kept_prefix_counts_its_shared_blocks_once() {
-    use moe_node::engine::batch::{BatchLimits, Batcher, KvBudget, Sequence, SequenceEvent};
+    use moe_node::engine::batch::{BatchLimits, Batcher, KvBudget, Sequence};
     use moe_node::engine::{GenerateRequest, SamplingParams, generate};
 
     let Some(engine) = on_gpu("the batcher's count of shared KV blocks") else {
@@ -129,25 +130,7 @@ fn a_batch_from_a_kept_prefix_counts_its_shared_blocks_once() {
     };
     let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); 7];
     let mut run = |batcher: &mut Batcher<usize>| {
-        let mut widest = 0;
-        for _ in 0..100 {
-            let mut steps = batcher.plan_step(|c| engine.fork_cache(c));
-            if steps.is_empty() {
-                return widest;
-            }
-            widest = widest.max(steps.len());
-            let logits = engine.forward(&mut steps).unwrap();
-            drop(steps);
-            batcher.complete_step(
-                logits,
-                |c| engine.fork_cache(c),
-                |id, event| {
-                    if let SequenceEvent::Token { token, .. } = event {
-                        tokens[*id].push(token);
-                    }
-                    true
-                },
-            );
+        batch_run::run_batch_checking(&engine, batcher, &mut tokens, |batcher| {
             let (free, blocks) = engine.gpu_kv_blocks().unwrap();
             let counted = batcher.kv_blocks().unwrap().0 + batcher.prefix_blocks();
             assert!(
@@ -155,8 +138,7 @@ fn a_batch_from_a_kept_prefix_counts_its_shared_blocks_once() {
                 "the batcher counts {counted} blocks, the pool holds {}",
                 blocks - free
             );
-        }
-        panic!("the batch did not finish within 100 steps");
+        })
     };
     submit(&mut batcher, shared.clone(), 6);
     run(&mut batcher);

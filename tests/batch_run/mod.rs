@@ -1,5 +1,6 @@
 //! Drives a batcher over an engine as the router does, for the tests that compare sequences
 //! batched, preempted and started from kept prefixes with each alone.
+#![allow(dead_code)]
 
 use moe_node::engine::Engine;
 use moe_node::engine::batch::{Batcher, SequenceEvent};
@@ -8,6 +9,16 @@ use moe_node::engine::batch::{Batcher, SequenceEvent};
 /// id; returns the most sequences one step held. Panics when the batch has not finished
 /// within 1000 steps.
 pub fn run_batch(engine: &Engine, batcher: &mut Batcher<usize>, tokens: &mut [Vec<u32>]) -> usize {
+    run_batch_checking(engine, batcher, tokens, |_| {})
+}
+
+/// [`run_batch`], calling `check` with the batcher after every step.
+pub fn run_batch_checking(
+    engine: &Engine,
+    batcher: &mut Batcher<usize>,
+    tokens: &mut [Vec<u32>],
+    mut check: impl FnMut(&Batcher<usize>),
+) -> usize {
     let mut widest = 0;
     for _ in 0..1000 {
         let mut steps = batcher.plan_step(|c| engine.fork_cache(c));
@@ -27,6 +38,7 @@ pub fn run_batch(engine: &Engine, batcher: &mut Batcher<usize>, tokens: &mut [Ve
                 true
             },
         );
+        check(batcher);
     }
     panic!("the batch did not finish within 1000 steps");
 }
