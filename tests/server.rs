@@ -236,6 +236,13 @@ fn streams_spread_over_four_emulated_gpus_each_as_alone() {
         );
     }
     assert!(server.metric("moe_node_preemptions_total") > 0.0);
+    // Every GPU's decode steps of a batch size seen before replayed CUDA graphs.
+    for gpu in 0..4 {
+        let steps = server.metric(&format!(
+            "moe_node_dense_replica_graph_steps_total{{replica=\"{gpu}\",gpu=\"{gpu}\"}}"
+        ));
+        assert!(steps > 0.0, "GPU {gpu} replayed no decode step from graphs");
+    }
     assert_eq!(server.metric("moe_node_kv_cache_blocks"), 4.0 * 102.0);
     assert_eq!(server.metric("moe_node_kv_cache_blocks_used"), 0.0);
     assert_eq!(

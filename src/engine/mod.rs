@@ -315,7 +315,22 @@ impl Engine {
     /// Step shapes the GPU holds CUDA graphs of (`None` with the dense part on the host).
     pub fn cuda_graphs(&self) -> Option<usize> {
         let gpu = self.gpu.as_ref()?;
-        Some(gpu.lock().unwrap_or_else(|e| e.into_inner()).cuda_graphs())
+        Some(
+            gpu.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .cuda_graphs()
+                .0,
+        )
+    }
+
+    /// Decode steps replayed from CUDA graphs so far (0 with the dense part on the host).
+    pub fn cuda_graph_steps(&self) -> u64 {
+        self.gpu.as_ref().map_or(0, |gpu| {
+            gpu.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .cuda_graphs()
+                .1
+        })
     }
 
     /// Allocates the GPU's pool of KV cache blocks at `blocks` blocks (the batcher's budget)

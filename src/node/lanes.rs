@@ -33,6 +33,8 @@ pub struct LaneLoad {
     arriving: AtomicUsize,
     /// Tokens the lane's steps computed (prompt and generated).
     tokens: AtomicU64,
+    /// Decode steps the lane replayed from CUDA graphs.
+    graph_steps: AtomicU64,
     /// The keys of the first blocks of the prompt prefixes the lane keeps
     /// ([`leading_block_key`]).
     prefixes: RwLock<Vec<u64>>,
@@ -106,6 +108,13 @@ impl Lanes {
     pub fn publish_prefixes(&self, lane: usize, keys: Vec<u64>) {
         if let Some(load) = self.loads.get(lane) {
             *load.prefixes.write().unwrap_or_else(|e| e.into_inner()) = keys;
+        }
+    }
+
+    /// Lane `lane`'s engine has replayed `steps` decode steps from CUDA graphs so far.
+    pub fn count_graph_steps(&self, lane: usize, steps: u64) {
+        if let Some(load) = self.loads.get(lane) {
+            load.graph_steps.store(steps, Ordering::Relaxed);
         }
     }
 
@@ -249,16 +258,26 @@ impl Lanes {
                 ConstGauge::new(read(&self.state(lane)) as i64).encode(series)?;
             }
         }
-        let mut family = encoder.encode_descriptor(
-            "dense_replica_tokens",
-            "Tokens (prompt and generated) a dense replica's steps computed",
-            None,
-            MetricType::Counter,
-        )?;
-        for lane in 0..self.len() {
-            let labels = labels(lane);
-            let tokens = self.loads[lane].tokens.load(Ordering::Relaxed);
-            ConstCounter::new(tokens).encode(family.encode_family(&labels)?)?;
+        type Count = fn(&LaneLoad) -> &AtomicU64;
+        let counters: [(&str, &str, Count); 2] = [
+            (
+                "dense_replica_tokens",
+                "Tokens (prompt and generated) a dense replica's steps computed",
+                |l| &l.tokens,
+            ),
+            (
+                "dense_replica_graph_steps",
+                "Decode steps a dense replica replayed from CUDA graphs (devices.cuda_graphs)",
+                |l| &l.graph_steps,
+            ),
+        ];
+        for (name, help, read) in counters {
+            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+            for lane in 0..self.len() {
+                let labels = labels(lane);
+                let count = read(&self.loads[lane]).load(Ordering::Relaxed);
+                ConstCounter::new(count).encode(family.encode_family(&labels)?)?;
+            }
         }
         Ok(())
     }

@@ -360,6 +360,8 @@ impl Handler<Step> for RouterActor {
             self.clock.begin(Instant::now());
             let result = span.in_scope(|| self.engine.forward(&mut steps));
             self.clock.end();
+            self.lanes
+                .count_graph_steps(self.lane, self.engine.cuda_graph_steps());
             let rerouted: Vec<bool> = steps.iter().map(|s| s.rerouted).collect();
             drop(steps);
             self.batcher.mark_rerouted(&rerouted);

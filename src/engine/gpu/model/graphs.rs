@@ -205,10 +205,10 @@ impl GpuModel {
         }
     }
 
-    /// Step shapes captured as graphs now.
-    pub fn cuda_graphs(&self) -> usize {
+    /// Step shapes captured as graphs now, and the steps replayed from graphs so far.
+    pub fn cuda_graphs(&self) -> (usize, u64) {
         let graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
-        graphs.captured.len()
+        (graphs.captured.len(), graphs.uses)
     }
 
     /// The shape of a step graphs may run: a decode step (one row per sequence) of at most
