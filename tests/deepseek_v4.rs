@@ -11,6 +11,7 @@ mod batch_run;
 mod common;
 mod serve;
 
+use moe_node::engine::argmax;
 use std::path::{Path, PathBuf};
 
 use batch_run::run_batch;
@@ -87,11 +88,11 @@ fn deepseek_v4_matches_transformers() {
     );
     // Greedy decoding one token at a time through the cache: past the window, past several
     // compressed windows, the indexer choosing among more entries than it keeps.
-    let mut tokens = vec![common::argmax(&logits)];
+    let mut tokens = vec![argmax(&logits)];
     while tokens.len() < reference.token_ids.len() {
         let last = *tokens.last().unwrap();
         let logits = forward(&engine, &mut cache, &[last]);
-        tokens.push(common::argmax(&logits));
+        tokens.push(argmax(&logits));
     }
     assert_eq!(tokens, reference.token_ids);
 }
@@ -153,7 +154,7 @@ fn its_experts_run_on_the_gpu_and_its_dense_part_is_refused_naming_what_it_lacks
         let mut tokens = Vec::new();
         for _ in 0..12 {
             let logits = steps(&cpu, &tokens).pop().unwrap();
-            tokens.push(common::argmax(&logits));
+            tokens.push(argmax(&logits));
         }
         let on_cpu = steps(&cpu, &tokens);
         let source = moe_node::model::ModelSource::files(&dir);
@@ -171,12 +172,7 @@ fn its_experts_run_on_the_gpu_and_its_dense_part_is_refused_naming_what_it_lacks
             dir.display()
         );
         assert!(worst <= 2e-2, "{}: {worst}", dir.display());
-        assert_eq!(
-            common::argmax(&gpu[0]),
-            common::argmax(&on_cpu[0]),
-            "{}",
-            dir.display()
-        );
+        assert_eq!(argmax(&gpu[0]), argmax(&on_cpu[0]), "{}", dir.display());
         match moe_node::engine::gpu::engine_on_gpu(&source, 0, true, None, None) {
             Ok(_) => panic!("deepseek_v4's dense part loaded on the GPU"),
             Err(e) => assert!(e.to_string().contains("compressed attention"), "{e}"),
@@ -353,10 +349,10 @@ fn mxfp4_experts_are_held_compressed_and_compute_their_exact_values() {
         let engine = Engine::load(dir).unwrap();
         let mut cache = engine.new_cache();
         let first = forward(&engine, &mut cache, &reference.long_prompt_ids[..40]);
-        let mut tokens = vec![common::argmax(&first)];
+        let mut tokens = vec![argmax(&first)];
         while tokens.len() < 12 {
             let logits = forward(&engine, &mut cache, &[*tokens.last().unwrap()]);
-            tokens.push(common::argmax(&logits));
+            tokens.push(argmax(&logits));
         }
         (first, tokens)
     };

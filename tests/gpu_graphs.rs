@@ -8,6 +8,7 @@ mod common;
 
 use cudarc::driver::{CudaContext, sys};
 use moe_node::compute::cuda::emulated;
+use moe_node::engine::argmax;
 use moe_node::engine::{Engine, KvCache, SequenceStep};
 
 fn prompts() -> Vec<Vec<u32>> {
@@ -29,7 +30,7 @@ fn decode(engine: &Engine, steps: usize) -> Vec<Vec<f32>> {
             .forward(&mut [SequenceStep::new(cache, prompt)])
             .unwrap()
             .remove(0);
-        next.push(common::argmax(&logits));
+        next.push(argmax(&logits));
         all.push(logits);
     }
     for batch in [2, caches.len(), 3] {
@@ -42,7 +43,7 @@ fn decode(engine: &Engine, steps: usize) -> Vec<Vec<f32>> {
                 .collect();
             let logits = engine.forward(&mut step).unwrap();
             for (i, row) in logits.into_iter().enumerate() {
-                next[i] = common::argmax(&row);
+                next[i] = argmax(&row);
                 all.push(row);
             }
         }

@@ -2,6 +2,7 @@
 //! one's effect is checked against greedy decoding, against the engine's own logits (from
 //! `moe-node generate`), or against the same rule computed by hand.
 
+use moe_node::engine::argmax;
 use std::collections::HashMap;
 
 use reqwest::StatusCode;
@@ -16,16 +17,6 @@ fn engine_logits(prompt: &[u32]) -> Vec<f32> {
         .into_iter()
         .map(|l| l as f32)
         .collect()
-}
-
-fn argmax(values: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in values.iter().enumerate() {
-        if v > values[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 fn completion_ids(server: &Server, body: Value) -> Vec<u64> {

@@ -26,7 +26,7 @@ use attention::{AttentionInput, Segment, attention};
 pub use generate::{FinishReason, GenerateRequest, Generation, generate};
 pub use kv_cache::KvCache;
 use rope::{Rope, yarn_mscale};
-pub use sampling::{Sampler, SamplingParams};
+pub use sampling::{Sampler, SamplingParams, argmax};
 
 use crate::compute::cpu::{add_in_place, rms_norm};
 use crate::compute::cuda::{CudaError, GpuInfo};

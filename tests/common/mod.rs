@@ -55,17 +55,6 @@ pub fn engine_on_gpu(what: &str, fixture: &str) -> Option<moe_node::engine::Engi
     Some(moe_node::engine::gpu::engine_on_gpu(&source, 0, true, None, None).unwrap())
 }
 
-/// The index of the largest value (the first of equals): a greedy choice.
-pub fn argmax(values: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in values.iter().enumerate() {
-        if v > values[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
 /// Reproducible values in [-1, 1), with some exact repeats (ties for top-k).
 pub fn values(n: usize, seed: u64) -> Vec<f32> {
     let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
