@@ -444,14 +444,19 @@ impl<S> Batcher<S> {
     }
 
     fn blocks_held(&self, kv: &KvBudget) -> usize {
-        self.counted(|s| kv.blocks_for(s.cache.len()))
+        self.counted(|_, s| kv.blocks_for(s.cache.len()))
     }
 
     /// `blocks(s)` summed over the running sequences, less what their caches share with
     /// other caches (a shared block counts once over all its holders; rounded down, so
     /// never less than the pool holds).
-    fn counted(&self, blocks: impl Fn(&Sequence<S>) -> usize) -> usize {
-        let whole: usize = self.running.iter().map(&blocks).sum();
+    fn counted(&self, mut blocks: impl FnMut(usize, &Sequence<S>) -> usize) -> usize {
+        let whole: usize = self
+            .running
+            .iter()
+            .enumerate()
+            .map(|(i, s)| blocks(i, s))
+            .sum();
         let shared: f64 = self.running.iter().map(|s| s.cache.shared_blocks()).sum();
         whole - shared.floor() as usize
     }
@@ -510,7 +515,7 @@ impl<S> Batcher<S> {
         let mut held = self
             .limits
             .kv
-            .map_or(0, |kv| self.counted(|s| reserved(&kv, s)));
+            .map_or(0, |kv| self.counted(|_, s| reserved(&kv, s)));
         while let Some(next) = self.waiting.front() {
             // A request with more choices than places still gets in, alone.
             let fits = occupied + next.places() <= self.limits.max_sequences;
@@ -584,14 +589,10 @@ impl<S> Batcher<S> {
     /// Blocks the running sequences would hold after the planned step.
     fn step_blocks(&self, kv: &KvBudget) -> usize {
         let mut planned = self.planned.iter().peekable();
-        let whole: usize = (0..self.running.len())
-            .map(|i| {
-                let tokens = planned.next_if(|(p, _)| *p == i).map_or(0, |&(_, t)| t);
-                kv.blocks_for(self.running[i].cache.len() + tokens)
-            })
-            .sum();
-        let shared: f64 = self.running.iter().map(|s| s.cache.shared_blocks()).sum();
-        whole - shared.floor() as usize
+        self.counted(|i, s| {
+            let tokens = planned.next_if(|(p, _)| *p == i).map_or(0, |&(_, t)| t);
+            kv.blocks_for(s.cache.len() + tokens)
+        })
     }
 
     /// Admits waiting sequences into free places (from a copy of a kept prefix's cache when
