@@ -34,7 +34,7 @@ use crate::compute::cuda::experts::Buffer;
 use crate::experts::{ExpertError, ExpertExecutor};
 
 /// Decode steps of more rows than this run plainly: the launches matter at small batches.
-pub const MAX_GRAPH_ROWS: usize = 256;
+const MAX_GRAPH_ROWS: usize = 256;
 
 /// The narrowest block table a graph is captured with.
 const MIN_GRAPH_STRIDE: usize = 16;

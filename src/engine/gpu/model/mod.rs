@@ -26,7 +26,6 @@ use crate::model::weights::DenseWeights;
 use cache::Scratch;
 pub use cache::{DeviceCache, KvPool};
 use graphs::Graphs;
-pub use graphs::MAX_GRAPH_ROWS;
 use routed::{DeviceGate, RoutedError, RoutedRows};
 use weights::{Layer, Matrix, Mlp, Norm, Uploaded, weight_bytes};
 
