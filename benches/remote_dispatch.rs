@@ -54,10 +54,7 @@ fn router(addr: SocketAddr, dtype: Dtype, runtime: &tokio::runtime::Runtime) -> 
     let spec = PlacementSpec {
         version: 1,
         replication: 1,
-        nodes: vec![NodeSlots {
-            node: "B".into(),
-            devices: 1,
-        }],
+        nodes: vec![NodeSlots::new("B", 1)],
     };
     let placement = Placement::balanced(&[true], EXPERTS, spec).expect("placement");
     let auth = Arc::new(PeerAuth {

@@ -26,7 +26,7 @@ use crate::node::cluster_metrics::ClusterCollector;
 use crate::node::joined::{ClusterError, Joined, OfferedDevices, ServeParts, join};
 pub use crate::node::joined::{ClusterError as JoinError, gossip_config};
 use crate::node::router::{Lane, RouterHandle};
-use crate::placement::{ExpertLoad, Placement, PlacementError};
+use crate::placement::{ExpertLoad, NodeSlots, Placement, PlacementError};
 use crate::plan::sizes::ModelSizes;
 use crate::rollout::board::PlacementBoard;
 use crate::rollout::bootstrap::Start;
@@ -328,7 +328,7 @@ fn first_placement(
     api: SocketAddr,
     live: &Arc<LiveSettings>,
 ) -> Result<(Option<Joined>, Placement), NodeError> {
-    let num_devices = targets.len();
+    let slots = expert_slots(config, model, targets);
     if config.cluster.enabled() {
         crate::progress::stage(format!(
             "joining the cluster (expecting {} nodes)",
@@ -339,9 +339,13 @@ fn first_placement(
             &config.peer,
             checkpoint.fingerprint(),
             OfferedDevices {
-                count: num_devices,
+                count: targets.len(),
                 gpus: !targets.is_empty()
                     && targets.iter().all(|t| matches!(t, DeviceTarget::Gpu(..))),
+                slots: slots
+                    .iter()
+                    .map(|&s| s.min(u32::MAX as usize) as u32)
+                    .collect(),
             },
             model.hidden_size,
             api,
@@ -357,14 +361,49 @@ fn first_placement(
         };
         Ok((Some(joined), placement))
     } else {
-        let placement = Placement::single_node(
+        let node = NodeSlots {
+            node: String::new(),
+            devices: targets.len(),
+            slots,
+        };
+        let placement = Placement::on_one_node(
             &model.moe_layers,
             model.moe.num_experts,
-            num_devices,
+            node,
             config.devices.replication,
         )?;
         Ok((None, placement))
     }
+}
+
+/// Experts of one layer each device has memory for, as `plan` counts them
+/// ([`crate::plan::expert_slots`]): GPUs by their memory, the first `devices.dense_replicas`
+/// keeping room for their dense replica and its KV cache; none for CPU slots (one host
+/// memory, checked as the experts load).
+fn expert_slots(config: &NodeConfig, model: &ModelConfig, targets: &[DeviceTarget]) -> Vec<usize> {
+    let dense_replicas = match config.devices.dense_replicas {
+        _ if !config.devices.dense_on_gpu || model.deepseek_v4.is_some() => 0,
+        0 => usize::MAX,
+        n => n,
+    };
+    let kv_cache_bytes =
+        (config.batching.kv_cache_mib > 0).then_some((config.batching.kv_cache_mib as u64) << 20);
+    let max_rows = config.batching.max_tokens_per_step * model.moe.top_k;
+    targets
+        .iter()
+        .enumerate()
+        .map(|(i, t)| match t {
+            DeviceTarget::Gpu(info, _) => Some(crate::plan::expert_slots(
+                model,
+                max_rows,
+                kv_cache_bytes,
+                (info.total_bytes as f64 * config.devices.gpu_memory_fraction) as u64,
+                i < dense_replicas,
+            )),
+            DeviceTarget::Cpu => None,
+        })
+        .collect::<Option<Vec<usize>>>()
+        .unwrap_or_default()
 }
 
 /// The node's expert executor over its devices, reaching the cluster's other nodes when it

@@ -802,7 +802,10 @@ fn a_gpu_node_sends_only_the_other_nodes_rows_through_the_host() {
         std::fs::write(&path, text).unwrap();
         path
     };
-    let on_gpus = config(0, "backend = \"cuda-emulated\"\nemulated_gpus = 2");
+    let on_gpus = config(
+        0,
+        "backend = \"cuda-emulated\"\nemulated_gpus = 2\ndense_replicas = 1",
+    );
     let on_cpu = config(1, "backend = \"cpu\"\ncpu_slots = 1");
     let gpu_node = Node::start("node1", on_gpus, model());
     let cpu_node = Node::start("node2", on_cpu, model());
@@ -811,6 +814,28 @@ fn a_gpu_node_sends_only_the_other_nodes_rows_through_the_host() {
     let held = gpu_node.metric_sum("moe_node_device_experts");
     assert!(held > 0.0, "{:?}", gpu_node.log());
     assert!(cpu_node.metric_sum("moe_node_device_experts") > 0.0);
+    // The GPU node gossiped the experts of a layer each GPU has memory for, and the placement
+    // was made with them: GPU 0, which carries the dense part and its KV cache, has room for
+    // fewer. CPU slots have no bound.
+    let spec = gpu_node.placement()["spec"].clone();
+    let node = |name: &str| {
+        spec["nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|n| n["node"] == name)
+            .unwrap_or_else(|| panic!("{name} in {spec}"))
+            .clone()
+    };
+    let slots: Vec<u64> = node("node1")["slots"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{spec}"))
+        .iter()
+        .map(|s| s.as_u64().unwrap())
+        .collect();
+    assert_eq!(slots.len(), 2, "{spec}");
+    assert!(slots[0] < slots[1], "{spec}");
+    assert!(node("node2").get("slots").is_none(), "{spec}");
 
     let prompt = prompt(3);
     let ids: Vec<String> = prompt.iter().map(u32::to_string).collect();

@@ -163,13 +163,7 @@ impl Fixture {
         let spec = PlacementSpec {
             version: 1,
             replication,
-            nodes: ["B", "C"]
-                .iter()
-                .map(|n| NodeSlots {
-                    node: n.to_string(),
-                    devices: 1,
-                })
-                .collect(),
+            nodes: ["B", "C"].iter().map(|n| NodeSlots::new(*n, 1)).collect(),
         };
         let placement =
             Placement::balanced(&self.config.moe_layers, self.config.moe.num_experts, spec)

@@ -341,12 +341,14 @@ fn a_device_fits_only_with_room_for_its_work_area_within_the_usable_share() {
     let dir = tempfile::tempdir().unwrap();
     let model = k3_fp8(dir.path());
     let model = model.to_str().unwrap();
+    let host_dense = dir.path().join("node.toml");
+    std::fs::write(&host_dense, "[devices]\ndense_on_gpu = false\n").unwrap();
     let device = |memory_gib: f64| {
         let memory = format!("--device-memory-gib={memory_gib}");
         let mut args = eight_nodes_of_eight(model, "1");
-        args.extend([memory.as_str(), "--dense-replicas", "1"]);
+        args.extend([memory.as_str(), "--config", host_dense.to_str().unwrap()]);
         let (report, _) = plan_json(&args);
-        // Device 1 of node 0: experts only (the dense part is on device 0 alone).
+        // Device 1 of node 0: experts only (the dense part is on the host).
         let d = report["devices"][1].clone();
         assert_eq!(
             (d["node"].as_u64(), d["device"].as_u64()),
@@ -483,12 +485,26 @@ fn the_kv_cache_holds_what_the_dense_device_leaves_or_what_the_config_sets() {
         ),
         "{problems}"
     );
-    // The budget set is counted in the device's fit: without room for it, it does not fit.
+    // The budget set is counted in the device's fit. Where the dense device would be short
+    // of it with its share of experts, it holds fewer and the other devices the rest.
     let gib = (1u64 << 30) as f64;
+    let experts = |d: &Value| d["experts"]["1"].as_u64().unwrap();
     let tight = format!("{}", (held as f64 + 0.25 * gib) / 0.9 / gib);
     let report = shape(&tight, Some(&config));
-    assert_eq!(report["devices"][0]["fits"], false);
-    assert_eq!(report["devices"][1]["fits"], true);
+    let (dense, other) = (&report["devices"][0], &report["devices"][1]);
+    assert_eq!(dense["fits"], true, "{dense}");
+    assert!(experts(dense) < experts(other), "{dense} {other}");
+    // Without room for it even with no experts, it does not fit (every device is short:
+    // each holds as many experts past its room as the others).
+    let bare = ["dense_bytes", "work_bytes"]
+        .iter()
+        .map(|k| dense[k].as_u64().unwrap())
+        .sum::<u64>();
+    let tight = format!("{}", (bare as f64 + 0.25 * gib) / 0.9 / gib);
+    let report = shape(&tight, Some(&config));
+    let (dense, other) = (&report["devices"][0], &report["devices"][1]);
+    assert!(experts(dense) < experts(other), "{dense} {other}");
+    assert_eq!(dense["fits"], false);
     let problems = report["verdict"]["problems"].to_string();
     assert!(
         problems.contains("0.5 GiB of KV cache (batching.kv_cache_mib) do not fit"),
@@ -499,8 +515,7 @@ fn the_kv_cache_holds_what_the_dense_device_leaves_or_what_the_config_sets() {
 /// Kimi K2 (FP8, 61 layers, 384 experts) on 3 nodes of 8 x 141 GiB with two copies of every
 /// expert: with a dense replica on every GPU (the default, `devices.dense_replicas = 0`) every
 /// GPU holds the dense part and a KV cache of more than 100k positions, and the plan is
-/// ready. With the dense part on GPU 0 alone, GPU 0 carries as many experts as the others
-/// beside it, and GPUs 1-7 hold no KV cache at all.
+/// ready. With the dense part on GPU 0 alone, GPUs 1-7 hold no KV cache at all.
 #[test]
 fn kimi_k2_on_three_nodes_runs_attention_on_every_gpu_with_room_for_long_contexts() {
     let model = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/configs/kimi_k2");
@@ -538,4 +553,43 @@ fn kimi_k2_on_three_nodes_runs_attention_on_every_gpu_with_room_for_long_context
         .filter(|d| d["kv_positions"].is_u64())
         .count();
     assert_eq!(with_kv, 3, "one KV cache per node: {first}");
+}
+
+/// Kimi K2 on 2 nodes of 8 x 141 GiB with two copies of every expert and the dense part on
+/// GPU 0 of each node (`--dense-replicas 1`): an even share of experts (48 a layer) would
+/// leave GPU 0 a KV cache of 16 positions. GPU 0 takes fewer experts instead, the others
+/// the rest, and every dense GPU keeps room for a long context: the plan is ready.
+#[test]
+fn kimi_k2_on_two_nodes_gives_the_gpu_carrying_the_dense_part_fewer_experts() {
+    let model = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/configs/kimi_k2");
+    let (report, output) = plan_json(&[
+        "--model",
+        model,
+        "--nodes",
+        "2",
+        "--devices-per-node",
+        "8",
+        "--replication",
+        "2",
+        "--device-memory-gib",
+        "141",
+        "--dense-replicas",
+        "1",
+    ]);
+    assert_eq!(output.status.code(), Some(0), "{}", report["verdict"]);
+    let devices = report["devices"].as_array().unwrap();
+    let experts = |d: &Value| d["experts"]["1"].as_u64().unwrap();
+    let mut copies = 0;
+    for d in devices {
+        assert_eq!(d["fits"], true, "{d}");
+        copies += experts(d);
+        if d["device"] == 0 {
+            assert!(d["kv_positions"].as_u64().unwrap() >= 100_000, "{d}");
+            assert!(experts(d) < 48, "{d}");
+        } else {
+            assert!(experts(d) > 48, "{d}");
+            assert!(d["kv_positions"].is_null(), "{d}");
+        }
+    }
+    assert_eq!(copies, 2 * 384);
 }

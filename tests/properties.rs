@@ -215,10 +215,7 @@ fn spec(devices: &[usize], replication: usize) -> PlacementSpec {
         nodes: devices
             .iter()
             .enumerate()
-            .map(|(i, &devices)| NodeSlots {
-                node: format!("node-{i}"),
-                devices,
-            })
+            .map(|(i, &devices)| NodeSlots::new(format!("node-{i}"), devices))
             .collect(),
     }
 }
@@ -241,6 +238,61 @@ fn cluster() -> impl Strategy<Value = (Vec<usize>, usize, Vec<bool>, usize)> {
 
 proptest! {
     #![proptest_config(config())]
+
+    /// Devices with room for few experts (a GPU carrying a dense replica) take no more than
+    /// that while any device has room; past everyone's room, each is as far past as the
+    /// others, give or take one. Copies stay on distinct nodes.
+    #[test]
+    fn a_placement_stops_at_each_devices_slots_while_another_has_room(
+        (nodes, replication, layers, experts) in cluster(),
+        room in prop::collection::vec(0usize..12, 16),
+    ) {
+        let mut spec = spec(&nodes, replication);
+        let mut next = room.iter().cycle();
+        for n in &mut spec.nodes {
+            n.slots = (0..n.devices).map(|_| *next.next().unwrap()).collect();
+        }
+        let slots: HashMap<Replica, usize> = spec
+            .nodes
+            .iter()
+            .enumerate()
+            .flat_map(|(i, n)| {
+                n.slots.iter().enumerate().map(move |(d, &s)| {
+                    (Replica { node: i as u16, device: d as u16 }, s)
+                })
+            })
+            .collect();
+        let placement = Placement::balanced(&layers, experts, spec.clone())
+            .expect("replication within the devices");
+        let nodes_with_devices = nodes.iter().filter(|&&d| d > 0).count();
+        for (layer, _) in layers.iter().enumerate().filter(|(_, m)| **m) {
+            let mut held: HashMap<Replica, usize> = slots.keys().map(|&r| (r, 0)).collect();
+            for e in 0..experts as u32 {
+                let copies = placement.replicas(layer, e);
+                prop_assert_eq!(copies.len(), replication);
+                if replication <= nodes_with_devices {
+                    let distinct: BTreeSet<u16> = copies.iter().map(|r| r.node).collect();
+                    prop_assert_eq!(distinct.len(), replication, "{:?}", copies);
+                }
+                for r in copies {
+                    *held.get_mut(r).unwrap() += 1;
+                }
+            }
+            let past: Vec<usize> = held.iter().map(|(r, &h)| h.saturating_sub(slots[r])).collect();
+            let full = held.iter().all(|(r, &h)| h >= slots[r]);
+            if replication == 1 {
+                // One copy an expert: nothing stops a copy from the device with room.
+                prop_assert!(
+                    full || past.iter().all(|&p| p == 0),
+                    "layer {}: past its room while another had some: {:?} of {:?}", layer, held, slots
+                );
+                if full {
+                    let (min, max) = (past.iter().min().unwrap(), past.iter().max().unwrap());
+                    prop_assert!(max - min <= 1, "layer {}: {:?} of {:?}", layer, held, slots);
+                }
+            }
+        }
+    }
 
     #[test]
     fn balanced_placement_copies_every_expert_on_distinct_nodes_and_balances(

@@ -91,10 +91,7 @@ pub fn serving_placement() -> Placement {
         version: 1,
         replication: 1,
         nodes: (0..NODES)
-            .map(|n| NodeSlots {
-                node: format!("node{n}"),
-                devices: PER_NODE,
-            })
+            .map(|n| NodeSlots::new(format!("node{n}"), PER_NODE))
             .collect(),
     };
     Placement::balanced(&[true; LAYERS], EXPERTS, spec).expect("placement")

@@ -42,6 +42,10 @@ pub struct MemberMeta {
     /// as last counted: a placement change that would not fit is refused before it starts.
     pub expert_room: u64,
     pub expert_bytes: u64,
+    /// Experts of one MoE layer each of its devices has memory for (a GPU carrying a dense
+    /// replica keeps room for its KV cache), which the placement it is given respects
+    /// while others have room; empty: no bound (CPU slots).
+    pub expert_slots: Vec<u32>,
 }
 
 /// A placement version and the hash of its table, as a member gossips them.
@@ -98,6 +102,7 @@ impl MemberMeta {
             loaded_hash: 0,
             expert_room: 0,
             expert_bytes: 0,
+            expert_slots: Vec::new(),
         }
     }
 
@@ -163,6 +168,7 @@ impl NodeIdentity {
                 loaded_hash: 0,
                 expert_room: u64::MAX,
                 expert_bytes: 0,
+                expert_slots: Vec::new(),
             },
             gossip,
             generation: 0,
@@ -230,6 +236,7 @@ mod tests {
             loaded_hash: 0,
             expert_room: u64::MAX,
             expert_bytes: 0,
+            expert_slots: Vec::new(),
         }
     }
 
@@ -245,6 +252,7 @@ mod tests {
             loaded_hash: 0,
             expert_room: u64::MAX,
             expert_bytes: 0,
+            expert_slots: Vec::new(),
             ..meta()
         });
         assert!(renewed.win_addr_conflict(&old));

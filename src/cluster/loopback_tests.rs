@@ -42,6 +42,7 @@ fn config(
             loaded_hash: 0,
             expert_room: u64::MAX,
             expert_bytes: 0,
+            expert_slots: Vec::new(),
         },
     }
 }

@@ -190,6 +190,7 @@ mod tests {
                 loaded_hash: 0,
                 expert_room: u64::MAX,
                 expert_bytes: 0,
+                expert_slots: Vec::new(),
             },
             gossip: SocketAddr::from(([10, 0, 0, index], 7946)),
             generation: 1,

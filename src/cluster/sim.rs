@@ -135,6 +135,7 @@ impl Simulation {
                     loaded_hash: 0,
                     expert_room: u64::MAX,
                     expert_bytes: 0,
+                    expert_slots: Vec::new(),
                 },
                 gossip,
                 generation: 1,

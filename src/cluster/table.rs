@@ -70,6 +70,7 @@ impl MemberView {
                 loaded_hash: 0,
                 expert_room: u64::MAX,
                 expert_bytes: 0,
+                expert_slots: Vec::new(),
             },
             gossip: SocketAddr::from(([127, 0, 0, 1], 3)),
             state,
@@ -253,6 +254,7 @@ mod tests {
                 loaded_hash: 0,
                 expert_room: u64::MAX,
                 expert_bytes: 0,
+                expert_slots: Vec::new(),
             },
             gossip,
             generation,
@@ -358,6 +360,7 @@ mod tests {
             loaded_hash: 0,
             expert_room: u64::MAX,
             expert_bytes: 0,
+            expert_slots: Vec::new(),
             ..local.meta.clone()
         });
         assert!(table.set_local(&renewed, 0, Instant::now()));

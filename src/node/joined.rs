@@ -73,11 +73,14 @@ impl Drop for Joined {
 }
 
 /// The devices a node offers the cluster.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct OfferedDevices {
     pub count: usize,
     /// They are GPUs (rows to them travel as bf16).
     pub gpus: bool,
+    /// Experts of one layer each has memory for ([`crate::plan::expert_slots`]); empty: no
+    /// bound.
+    pub slots: Vec<u32>,
 }
 
 fn parse(key: &'static str, value: &str) -> Result<SocketAddr, ClusterError> {
@@ -187,6 +190,7 @@ pub fn join(
         loaded_hash: 0,
         expert_room: u64::MAX,
         expert_bytes: 0,
+        expert_slots: devices.slots.clone(),
     };
     let membership = Membership::start(gossip_config(config, secrets.to_vec(), meta)?)?;
     tracing::info!(

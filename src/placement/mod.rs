@@ -23,11 +23,34 @@ pub struct Replica {
     pub device: u16,
 }
 
-/// A node taking part in a placement and how many devices it offers.
+/// A node taking part in a placement, how many devices it offers and how many experts of
+/// a layer each may hold.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NodeSlots {
     pub node: String,
     pub devices: usize,
+    /// Experts of one MoE layer each device has memory for ([`crate::plan::expert_slots`]:
+    /// a device carrying a dense replica keeps room for its KV cache); empty: no bound (CPU
+    /// slots, or memory not known). Placement fills the devices evenly and stops at these
+    /// while any device with room is left.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub slots: Vec<usize>,
+}
+
+impl NodeSlots {
+    /// `devices` devices with no bound on the experts each holds.
+    pub fn new(node: impl Into<String>, devices: usize) -> NodeSlots {
+        NodeSlots {
+            node: node.into(),
+            devices,
+            slots: Vec::new(),
+        }
+    }
+
+    /// Experts of one layer `device` has room for (`usize::MAX`: no bound).
+    pub fn slots_of(&self, device: usize) -> usize {
+        self.slots.get(device).copied().unwrap_or(usize::MAX)
+    }
 }
 
 /// The expert → replicas map of a cluster (or of one node: a cluster of one), with a
@@ -73,12 +96,28 @@ impl Placement {
         num_devices: usize,
         replication: usize,
     ) -> Result<Self, PlacementError> {
+        Placement::on_one_node(
+            moe_layers,
+            num_experts,
+            NodeSlots::new("", num_devices),
+            replication,
+        )
+    }
+
+    /// One node (its name is not used) whose devices hold at most `node.slots` experts of a
+    /// layer each while others have room.
+    pub fn on_one_node(
+        moe_layers: &[bool],
+        num_experts: usize,
+        node: NodeSlots,
+        replication: usize,
+    ) -> Result<Self, PlacementError> {
         let spec = PlacementSpec {
             version: 1,
             replication,
             nodes: vec![NodeSlots {
                 node: String::new(),
-                devices: num_devices,
+                ..node
             }],
         };
         Placement::balanced(moe_layers, num_experts, spec)
@@ -90,6 +129,9 @@ impl Placement {
     /// experts give or take one whenever the nodes offer equal devices: each copy goes to
     /// the least-filled eligible device, ties broken by a position that rotates with the
     /// layer so that uneven layers do not pile their extra experts on the first device.
+    /// A device with as many experts as its [`NodeSlots::slots`] takes no more while an
+    /// eligible device has room (where none has, the excess is spread evenly): where memory
+    /// is tight, a device carrying a dense replica holds fewer experts than the others.
     pub fn balanced(
         moe_layers: &[bool],
         num_experts: usize,
@@ -101,6 +143,7 @@ impl Placement {
             return Err(PlacementError::DuplicateNode(pair[0].to_string()));
         }
         let devices = revise::device_order(&spec)?;
+        let room = slots_by_device(&spec, &devices);
         let replication = spec.replication;
         if replication == 0 || replication > devices.len() {
             return Err(PlacementError::TooFewDevices {
@@ -129,13 +172,13 @@ impl Placement {
                                     !copies.contains(&r)
                                 }
                             };
-                            // Least filled first; among equals, the first at or after the
-                            // rotating slot.
+                            // With room first, least filled first; among equals, the first
+                            // at or after the rotating slot.
                             let n = devices.len();
                             let pick = (0..n)
                                 .map(|k| (next_slot + k) % n)
                                 .filter(eligible)
-                                .min_by_key(|&i| held[i])
+                                .min_by_key(|&i| fill_order(held[i], room[i]))
                                 .expect("replication <= devices leaves an eligible device");
                             held[pick] += 1;
                             next_slot = (pick + 1) % n;
@@ -322,6 +365,24 @@ impl Placement {
     }
 }
 
+/// The order devices take copies in, least first: those with room by how many they hold,
+/// then those without by how far past their room they are (all full: the excess is
+/// spread evenly).
+fn fill_order(held: usize, room: usize) -> (bool, usize) {
+    match held.checked_sub(room) {
+        None => (false, held),
+        Some(past) => (true, past),
+    }
+}
+
+/// The experts of a layer each of `devices` (in that order) has room for.
+fn slots_by_device(spec: &PlacementSpec, devices: &[Replica]) -> Vec<usize> {
+    devices
+        .iter()
+        .map(|r| spec.nodes[r.node as usize].slots_of(r.device as usize))
+        .collect()
+}
+
 /// Version 1 of a placement over nodes `n0`, `n1`, ... with `devices[i]` devices each (for
 /// the tests of this folder and of the replica choice).
 #[cfg(test)]
@@ -332,10 +393,7 @@ pub(crate) fn numbered_spec(devices: &[usize], replication: usize) -> PlacementS
         nodes: devices
             .iter()
             .enumerate()
-            .map(|(i, &devices)| NodeSlots {
-                node: format!("n{i}"),
-                devices,
-            })
+            .map(|(i, &devices)| NodeSlots::new(format!("n{i}"), devices))
             .collect(),
     }
 }
@@ -419,6 +477,64 @@ mod tests {
                     .map(|d| p.experts_on(node, d).len())
                     .sum();
                 assert_eq!(held, on_devices);
+            }
+        }
+    }
+
+    /// Per-device counts of layer `layer`, `[node][device]`.
+    fn held(p: &Placement, layer: usize) -> Vec<Vec<usize>> {
+        let mut held: Vec<Vec<usize>> = p.nodes().iter().map(|n| vec![0; n.devices]).collect();
+        for e in 0..p.experts_in(layer) as u32 {
+            for r in p.replicas(layer, e) {
+                held[r.node as usize][r.device as usize] += 1;
+            }
+        }
+        held
+    }
+
+    #[test]
+    fn a_device_short_of_memory_holds_fewer_experts_only_when_it_must() {
+        let layers = [true, true];
+        // Two nodes of four devices, device 0 of each (a dense replica) with room for 5.
+        let with_room = |rest: usize| {
+            let mut s = spec(&[4, 4], 2);
+            for n in &mut s.nodes {
+                n.slots = vec![5, rest, rest, rest];
+            }
+            s
+        };
+        // 2 x 32 copies over 8 devices: 8 each would not fit device 0; it takes 5.
+        let p = Placement::balanced(&layers, 32, with_room(100)).unwrap();
+        for layer in 0..2 {
+            for node in held(&p, layer) {
+                assert_eq!(node[0], 5, "{node:?}");
+                assert!(node[1..].iter().all(|&h| h == 9 || h == 10), "{node:?}");
+            }
+        }
+        // Room enough everywhere: the even share, as without slots.
+        let even = Placement::balanced(&layers, 16, with_room(100)).unwrap();
+        assert_eq!(
+            even.replicas,
+            Placement::balanced(&layers, 16, spec(&[4, 4], 2))
+                .unwrap()
+                .replicas
+        );
+        // Room short everywhere (room for 5 + 3 x 6 = 23 of the 32 copies on a node): each
+        // device holds the same number past its room (2 or 3).
+        let short = Placement::balanced(&layers, 32, with_room(6)).unwrap();
+        for node in held(&short, 0) {
+            let past: Vec<usize> = node.iter().zip([5, 6, 6, 6]).map(|(h, r)| h - r).collect();
+            assert!(past.iter().all(|&p| p == 2 || p == 3), "{node:?}");
+        }
+        // Copies of an expert stay on distinct nodes.
+        check_balanced_nodes(&p);
+    }
+
+    fn check_balanced_nodes(p: &Placement) {
+        for layer in 0..p.num_layers() {
+            for e in 0..p.experts_in(layer) as u32 {
+                let r = p.replicas(layer, e);
+                assert_ne!(r[0].node, r[1].node, "{r:?}");
             }
         }
     }

@@ -28,14 +28,15 @@ impl Placement {
         live: &[NodeSlots],
         room: &dyn Fn(&str) -> Option<usize>,
     ) -> Result<Placement, PlacementError> {
-        let devices_of = |name: &str| live.iter().find(|n| n.node == name).map(|n| n.devices);
         let mut nodes: Vec<NodeSlots> = self
             .spec
             .nodes
             .iter()
-            .map(|n| NodeSlots {
-                node: n.node.clone(),
-                devices: devices_of(&n.node).unwrap_or(0),
+            .map(|n| {
+                live.iter()
+                    .find(|l| l.node == n.node)
+                    .cloned()
+                    .unwrap_or_else(|| NodeSlots::new(n.node.clone(), 0))
             })
             .collect();
         let mut joining: Vec<&NodeSlots> = live
@@ -51,6 +52,7 @@ impl Placement {
             nodes,
         };
         let devices = device_order(&spec)?;
+        let slots = super::slots_by_device(&spec, &devices);
         // Fewer devices than copies (a cluster shrunk to one small node): as many copies as
         // there are devices, never none.
         let copies = spec.replication.min(devices.len()).max(1);
@@ -109,7 +111,7 @@ impl Placement {
                                 may_hold(expert, devices[i])
                                     && take(&old_layer[e], devices[i].node, true)
                             })
-                            .min_by_key(|&i| held[i])
+                            .min_by_key(|&i| super::fill_order(held[i], slots[i]))
                         else {
                             break;
                         };
@@ -120,14 +122,17 @@ impl Placement {
                     }
                 }
                 // Then even out: one copy at a time from the fullest device to the
-                // emptiest one that may hold it.
+                // emptiest one with room that may hold it; a device past its room gives
+                // copies to any with room.
                 'moves: loop {
                     let mut by_held: Vec<usize> = (0..devices.len()).collect();
                     by_held.sort_by_key(|&i| (held[i], i));
                     for &from in by_held.iter().rev() {
                         for &to in &by_held {
-                            if held[from] < held[to] + 2 {
-                                break;
+                            let worth = held[to] < slots[to]
+                                && (held[from] > slots[from] || held[from] >= held[to] + 2);
+                            if !worth {
+                                continue;
                             }
                             let movable = layer.iter().enumerate().position(|(e, copies)| {
                                 copies.contains(&devices[from]) && {
@@ -219,10 +224,7 @@ mod tests {
     fn slots(nodes: &[(&str, usize)]) -> Vec<NodeSlots> {
         nodes
             .iter()
-            .map(|&(node, devices)| NodeSlots {
-                node: node.into(),
-                devices,
-            })
+            .map(|&(node, devices)| NodeSlots::new(node, devices))
             .collect()
     }
 
@@ -340,6 +342,41 @@ mod tests {
         // d's three devices cannot take their full share: two copies of an expert never
         // share a node.
         check_copies(&p1.revise(&live).unwrap(), 33, 2, false);
+    }
+
+    #[test]
+    fn a_device_short_of_memory_takes_no_more_than_its_slots_when_copies_are_made_again() {
+        let with_slots = |nodes: &[(&str, usize)]| -> Vec<NodeSlots> {
+            slots(nodes)
+                .into_iter()
+                .map(|n| NodeSlots {
+                    slots: vec![4, 100],
+                    ..n
+                })
+                .collect()
+        };
+        let spec = PlacementSpec {
+            version: 1,
+            replication: 2,
+            nodes: with_slots(&[("a", 2), ("b", 2), ("c", 2)]),
+        };
+        let p1 = Placement::balanced(&[false, true, true], 24, spec).unwrap();
+        // c dies: its copies go to a and b, whose device 0 stays at 4 experts a layer.
+        let p2 = p1.revise(&with_slots(&[("a", 2), ("b", 2)])).unwrap();
+        check_copies(&p2, 24, 2, false);
+        for layer in 1..3 {
+            for node in 0..2u16 {
+                let on = |device: u16| {
+                    (0..24)
+                        .filter(|&e| p2.replicas(layer, e).contains(&Replica { node, device }))
+                        .count()
+                };
+                assert_eq!((on(0), on(1)), (4, 20), "layer {layer} node {node}");
+            }
+        }
+        // Without the slots, the even share.
+        let p3 = p1.revise(&slots(&[("a", 2), ("b", 2)])).unwrap();
+        check(&p3, 24, 2);
     }
 
     #[test]

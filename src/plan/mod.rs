@@ -22,7 +22,7 @@ use crate::placement::replicate::{self, LayerReplicas, LayerSlots, ReplicateErro
 use crate::placement::{
     NodeSlots, Placement, PlacementError, PlacementSpec, Profile, ProfileError, VersionMoves,
 };
-pub use sizes::ModelSizes;
+pub use sizes::{ModelSizes, expert_slots};
 
 /// The cluster shape and thresholds a plan is made for.
 #[derive(Debug, Clone)]
@@ -344,14 +344,34 @@ pub fn plan(input: &PlanInput) -> Result<PlanReport, PlanError> {
 
 /// The layout `serve` starts with for this shape: one node places on its devices with
 /// `devices.replication`; a cluster places over its nodes (sorted by name, as the cluster
-/// leader does) with `cluster.replication`.
+/// leader does) with `cluster.replication`. Where the device memory is known each device
+/// offers the expert slots [`expert_slots`] gives it, as a serving node gossips them.
 fn serve_layout(input: &PlanInput) -> Result<Placement, PlacementError> {
     let model = input.model;
+    let slots: Vec<usize> = match input.device_memory_bytes {
+        Some(memory) => (0..input.devices_per_node)
+            .map(|d| {
+                expert_slots(
+                    model,
+                    input.max_rows,
+                    input.kv_cache_bytes,
+                    usable(memory, input.memory_fraction),
+                    input.holds_dense(d),
+                )
+            })
+            .collect(),
+        None => Vec::new(),
+    };
+    let node = |name: String| NodeSlots {
+        node: name,
+        devices: input.devices_per_node,
+        slots: slots.clone(),
+    };
     if input.nodes == 1 {
-        return Placement::single_node(
+        return Placement::on_one_node(
             &model.moe_layers,
             model.moe.num_experts,
-            input.devices_per_node,
+            node(String::new()),
             input.replication,
         );
     }
@@ -360,10 +380,7 @@ fn serve_layout(input: &PlanInput) -> Result<Placement, PlacementError> {
         version: 1,
         replication: input.replication,
         nodes: (0..input.nodes)
-            .map(|n| NodeSlots {
-                node: format!("node{n:0width$}"),
-                devices: input.devices_per_node,
-            })
+            .map(|n| node(format!("node{n:0width$}")))
             .collect(),
     };
     Placement::balanced(&model.moe_layers, model.moe.num_experts, spec)

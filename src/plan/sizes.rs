@@ -247,6 +247,35 @@ pub fn gpu_work_bytes(model: &ModelConfig, max_rows: usize) -> u64 {
     shape.bytes_needed(0) as u64
 }
 
+/// The share of a device's usable memory placement keeps for the KV cache of the dense
+/// replica it carries, when experts would otherwise crowd it out and `batching.kv_cache_mib`
+/// does not say how much: a quarter holds some 480k positions of Kimi K2 on an H200 (68.6
+/// KiB each) and still leaves three quarters to weights.
+pub const KV_SHARE_KEPT: f64 = 0.25;
+
+/// Experts of one MoE layer a device with `usable` bytes (its memory times
+/// `devices.gpu_memory_fraction`) has room for, as `plan` and `serve` both count it: what is
+/// left after its work area for `max_rows` grouped rows and, where it carries a dense
+/// replica, the dense weights and its KV cache (`kv_cache_bytes`, else [`KV_SHARE_KEPT`] of
+/// `usable`). Placement stops filling a device there while others have room.
+pub fn expert_slots(
+    model: &ModelConfig,
+    max_rows: usize,
+    kv_cache_bytes: Option<u64>,
+    usable: u64,
+    dense: bool,
+) -> usize {
+    let sizes = ModelSizes::of(model);
+    let moe_layers = model.moe_layers.iter().filter(|&&m| m).count() as u64;
+    let per_slot = (sizes.expert_bytes * moe_layers).max(1);
+    let mut taken = gpu_work_bytes(model, max_rows);
+    if dense {
+        let kv = kv_cache_bytes.unwrap_or((usable as f64 * KV_SHARE_KEPT) as u64);
+        taken += sizes.dense_bytes + kv;
+    }
+    usize::try_from(usable.saturating_sub(taken) / per_slot).unwrap_or(usize::MAX)
+}
+
 /// Bytes of one INT4 scale as a node holds them: bf16 when the file's are (compressed-tensors
 /// writes them in the model's dtype), else f32 (`GroupScales`).
 fn int4_scale_bytes(model: &ModelConfig) -> u64 {

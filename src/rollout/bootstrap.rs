@@ -39,13 +39,7 @@ pub fn decide(
     {
         return Decision::Fetch(*i);
     }
-    let mut nodes: Vec<NodeSlots> = alive
-        .iter()
-        .map(|(_, m)| NodeSlots {
-            node: m.meta.node.clone(),
-            devices: m.meta.devices as usize,
-        })
-        .collect();
+    let mut nodes: Vec<NodeSlots> = alive.iter().map(|(_, m)| super::offered(&m.meta)).collect();
     nodes.sort_by(|a, b| a.node.cmp(&b.node));
     nodes.dedup_by(|a, b| a.node == b.node);
     if nodes.len() < expect_nodes {
@@ -224,11 +218,15 @@ mod tests {
         let mut as_a = three.clone();
         as_a[0].is_self = false;
         as_a[1].is_self = true;
+        // c's first device carries a dense replica and has room for fewer experts.
+        as_a[2].meta.expert_slots = vec![3, 9];
         match decide(&as_a, "a", 3, 2) {
             Decision::Create(spec) => {
                 let ids: Vec<&str> = spec.nodes.iter().map(|n| n.node.as_str()).collect();
                 assert_eq!(ids, ["a", "b", "c"], "sorted, dead members left out");
                 assert_eq!((spec.version, spec.replication), (1, 2));
+                assert_eq!(spec.nodes[2].slots, [3, 9], "the slots each gossips");
+                assert!(spec.nodes[0].slots.is_empty());
             }
             other => panic!("{other:?}"),
         }

@@ -241,15 +241,16 @@ impl Follower {
         }
         let proposes = may_propose(&self.me, members, current.version()).is_ok();
         // Track who is gone (only the leader acts on it, but any node may become leader).
-        let live: HashMap<&str, usize> = others
+        let live: HashMap<&str, NodeSlots> = others
             .iter()
             .filter(|m| serving(m))
-            .map(|m| (m.meta.node.as_str(), m.meta.devices as usize))
+            .map(|m| (m.meta.node.as_str(), super::offered(&m.meta)))
             .chain(std::iter::once((
                 self.me.as_str(),
-                current
-                    .node_index(&self.me)
-                    .map_or(0, |i| current.nodes()[i as usize].devices),
+                current.node_index(&self.me).map_or_else(
+                    || NodeSlots::new(self.me.clone(), 0),
+                    |i| current.nodes()[i as usize].clone(),
+                ),
             )))
             .collect();
         self.gone_since
@@ -266,15 +267,15 @@ impl Follower {
         let mut nodes: Vec<NodeSlots> = Vec::new();
         for n in current.nodes() {
             match live.get(n.node.as_str()) {
-                Some(&devices) => {
-                    if devices != n.devices {
-                        reasons.push(format!("{} serves with {devices} devices", n.node));
+                Some(offered) => {
+                    if offered.devices != n.devices {
+                        reasons.push(format!(
+                            "{} serves with {} devices",
+                            n.node, offered.devices
+                        ));
                     }
-                    if devices > 0 {
-                        nodes.push(NodeSlots {
-                            node: n.node.clone(),
-                            devices,
-                        });
+                    if offered.devices > 0 {
+                        nodes.push(offered.clone());
                     }
                 }
                 None if n.devices > 0 => {
@@ -302,13 +303,10 @@ impl Follower {
                 m.meta.node, served.version
             ));
         }
-        for (&node, &devices) in &live {
-            if current.node_index(node).is_none() && devices > 0 {
+        for (&node, offered) in &live {
+            if current.node_index(node).is_none() && offered.devices > 0 {
                 reasons.push(format!("{node} joined"));
-                nodes.push(NodeSlots {
-                    node: node.to_string(),
-                    devices,
-                });
+                nodes.push(offered.clone());
             }
         }
         if reasons.is_empty() {
@@ -560,10 +558,7 @@ mod tests {
             replication: 2,
             nodes: ["a", "b", "c"]
                 .iter()
-                .map(|n| NodeSlots {
-                    node: n.to_string(),
-                    devices: 1,
-                })
+                .map(|n| NodeSlots::new(*n, 1))
                 .collect(),
         };
         Placement::balanced(&[true], 6, spec).unwrap()
@@ -668,12 +663,7 @@ mod tests {
         use MemberState::*;
         let p1 = three();
         let nodes = |ids: &[&str]| -> Vec<NodeSlots> {
-            ids.iter()
-                .map(|n| NodeSlots {
-                    node: n.to_string(),
-                    devices: 1,
-                })
-                .collect()
+            ids.iter().map(|n| NodeSlots::new(*n, 1)).collect()
         };
         let p2 = p1.revise(&nodes(&["a", "b"])).unwrap();
         let now = Instant::now();

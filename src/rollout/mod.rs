@@ -14,9 +14,19 @@ pub mod room;
 
 use std::time::Duration;
 
-use crate::cluster::TableId;
+use crate::cluster::{MemberMeta, TableId};
 use crate::experts::PlacementSwitch;
-use crate::placement::Placement;
+use crate::placement::{NodeSlots, Placement};
+
+/// What a member offers a placement: its devices and the experts of a layer each has room
+/// for, as it gossips them.
+pub fn offered(meta: &MemberMeta) -> NodeSlots {
+    NodeSlots {
+        node: meta.node.clone(),
+        devices: meta.devices as usize,
+        slots: meta.expert_slots.iter().map(|&s| s as usize).collect(),
+    }
+}
 
 /// The version and table hash members gossip for `placement`.
 pub fn table_id(placement: &Placement) -> TableId {

@@ -90,12 +90,7 @@ impl Sim {
         let spec = PlacementSpec {
             version: 1,
             replication: 2,
-            nodes: (0..NODES)
-                .map(|i| NodeSlots {
-                    node: name(i),
-                    devices: 1,
-                })
-                .collect(),
+            nodes: (0..NODES).map(|i| NodeSlots::new(name(i), 1)).collect(),
         };
         let first = Arc::new(Placement::balanced(&[true], EXPERTS, spec).unwrap());
         let nodes = (0..NODES)
@@ -163,6 +158,7 @@ impl Sim {
                         loaded_hash: loaded.hash,
                         expert_room: u64::MAX,
                         expert_bytes: 0,
+                        expert_slots: Vec::new(),
                     },
                     gossip: api(j),
                     state,

@@ -142,12 +142,7 @@ mod tests {
     use crate::placement::{NodeSlots, PlacementSpec};
 
     fn nodes(ids: &[&str]) -> Vec<NodeSlots> {
-        ids.iter()
-            .map(|n| NodeSlots {
-                node: n.to_string(),
-                devices: 1,
-            })
-            .collect()
+        ids.iter().map(|n| NodeSlots::new(*n, 1)).collect()
     }
 
     fn member(node: &str, room: u64, bytes: u64) -> MemberView {
