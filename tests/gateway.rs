@@ -65,6 +65,53 @@ fn stream(
     Ok(got)
 }
 
+/// What a client of a stream of several choices got: each choice's tokens (by `index`),
+/// the usage the stream ended with, and every chunk's `id`.
+struct Choices {
+    tokens: Vec<Vec<u64>>,
+    completion_tokens: u64,
+    ids: Vec<String>,
+}
+
+/// Streams `body` (several choices, token ids returned) through `base`; `started` is
+/// signalled at the first token.
+fn stream_choices(
+    base: &str,
+    body: &Value,
+    started: std::sync::mpsc::Sender<()>,
+) -> Result<Choices, String> {
+    let client = Client::builder()
+        .timeout(Duration::from_secs(120))
+        .build()
+        .unwrap();
+    let response = post_stream(&client, base, body)?;
+    let mut got = Choices {
+        tokens: Vec::new(),
+        completion_tokens: 0,
+        ids: Vec::new(),
+    };
+    let done = read_events(response, |event| {
+        got.ids
+            .push(event["id"].as_str().unwrap_or_default().to_string());
+        if let Some(usage) = event.get("usage").filter(|u| !u.is_null()) {
+            got.completion_tokens = usage["completion_tokens"].as_u64().unwrap_or(0);
+        }
+        for choice in event["choices"].as_array().into_iter().flatten() {
+            let index = choice["index"].as_u64().unwrap() as usize;
+            if got.tokens.len() <= index {
+                got.tokens.resize(index + 1, Vec::new());
+            }
+            let ids = choice["token_ids"].as_array().into_iter().flatten();
+            got.tokens[index].extend(ids.filter_map(Value::as_u64));
+            let _ = started.send(());
+        }
+    })?;
+    if !done {
+        return Err("stream cut".into());
+    }
+    Ok(got)
+}
+
 /// Three ready nodes, and a gateway that sees them all ready.
 fn three_nodes_and_a_gateway() -> (ClusterSpec, Vec<Node>, Gateway) {
     let spec = ClusterSpec::new(3, Transport::Tcp);
@@ -164,6 +211,41 @@ fn streams_through_the_gateway_go_on_when_their_node_is_killed_or_drained() {
         }
         gateway.wait_nodes_ready(3);
     }
+
+    // A stream of three sampled choices is split into one stream per choice (choice i
+    // seeded seed + i, as a node seeds it), each moved on its own: the client gets what one
+    // node gives for the whole request, though a node running some of it dies.
+    let body = json!({"prompt": prompt(5), "max_tokens": MAX_TOKENS, "ignore_eos": true,
+                      "n": 3, "seed": 1234, "temperature": 1.0, "return_token_ids": true,
+                      "stream": true, "stream_options": {"include_usage": true}});
+    let (started, _) = std::sync::mpsc::channel();
+    let alone = stream_choices(&nodes[0].base, &body, started).unwrap();
+    assert_eq!(alone.tokens.len(), 3);
+    assert!(alone.tokens[0] != alone.tokens[1], "sampled choices differ");
+    let (started, first_token) = std::sync::mpsc::channel();
+    let base = gateway.process.base.clone();
+    let split = {
+        let body = body.clone();
+        std::thread::spawn(move || stream_choices(&base, &body, started))
+    };
+    first_token.recv_timeout(Duration::from_secs(60)).unwrap();
+    let moves = gateway.metric("moe_node_gateway_moves_total");
+    nodes[2].kill();
+    let got = split.join().unwrap().unwrap();
+    assert_eq!(got.tokens, alone.tokens, "choices changed by the split or the move");
+    assert_eq!(got.completion_tokens, 3 * MAX_TOKENS as u64, "usage");
+    assert!(got.ids.windows(2).all(|w| w[0] == w[1]), "{:?}", got.ids);
+    assert!(
+        gateway.metric("moe_node_gateway_moves_total") > moves,
+        "no choice was on {}",
+        nodes[2].name
+    );
+    nodes[2].restart();
+    nodes[2].wait_ready();
+    for node in &nodes {
+        node.wait_member_state(&nodes[2].name, "alive", Duration::from_secs(30));
+    }
+    gateway.wait_nodes_ready(3);
 
     // A node told to stop hands its streams to the gateway at once: they go on elsewhere,
     // and it drains without waiting for them.

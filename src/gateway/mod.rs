@@ -8,6 +8,7 @@
 //! it relays: run two behind a TCP load balancer for redundancy.
 
 pub mod affinity;
+mod choices;
 pub mod nodes;
 pub mod relay;
 

@@ -5,7 +5,8 @@
 //! `gateway.stall_seconds`, or gossip declares it down), or hands it off while draining (an
 //! error event), the gateway sends the request to another node with those ids
 //! (`resume_token_ids`) and relays the rest: no gap, no token twice, the same `id`. A
-//! whole response is read whole, and asked again of another node if its node fails first.
+//! stream of several choices is split into one such stream per choice ([`super::choices`]).
+//! A whole response is read whole, and asked again of another node if its node fails first.
 
 use std::time::{Duration, Instant};
 
@@ -30,8 +31,11 @@ pub struct Asked {
     /// The client's W3C `traceparent`, passed on: the node's spans join the client's trace.
     pub traceparent: Option<String>,
     stream: bool,
-    /// A stream of one choice: it can move to another node.
+    /// A stream the gateway can move to another node: of one choice, or of up to
+    /// [`super::choices::MAX_SPLIT`] split into one stream per choice.
     movable: bool,
+    /// `n`: the choices asked for.
+    choices: u64,
     /// The client asked for `return_token_ids` itself.
     wants_ids: bool,
 }
@@ -45,16 +49,26 @@ impl Asked {
     ) -> Result<Asked, ApiError> {
         let body: Map<String, Value> = crate::api::parse_json(bytes)?;
         let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
-        let one_choice = body
-            .get("n")
-            .is_none_or(|n| n.as_u64() == Some(1) || n.is_null());
+        let choices = match body.get("n") {
+            None | Some(Value::Null) => Some(1),
+            Some(n) => n.as_u64().filter(|&n| n >= 1),
+        };
+        // Choice `i` of a split stream asks with seed `seed + i`: a seed that is not a
+        // number of 64 bits is the node's to refuse, unsplit.
+        let seed_splits = body.get("seed").is_none_or(|s| s.as_u64().is_some());
         let prefix = match (body.get("messages"), body.get("prompt")) {
             (Some(messages), _) => messages.to_string().into_bytes(),
             (None, Some(Value::String(text))) => text.clone().into_bytes(),
             (None, Some(other)) => other.to_string().into_bytes(),
             (None, None) => Vec::new(),
         };
-        let movable = stream && one_choice && !body.contains_key("resume_token_ids");
+        let movable = stream
+            && !body.contains_key("resume_token_ids")
+            && match choices {
+                Some(1) => true,
+                Some(n) => n <= super::choices::MAX_SPLIT && seed_splits,
+                None => false,
+            };
         let mut asked = Asked {
             path,
             wants_ids: body.get("return_token_ids") == Some(&Value::Bool(true)),
@@ -64,6 +78,7 @@ impl Asked {
             traceparent: None,
             stream,
             movable,
+            choices: choices.unwrap_or(1),
         };
         if asked.movable {
             // Sampled without a seed, a stream moved to another node would draw from
@@ -78,6 +93,30 @@ impl Asked {
         Ok(asked)
     }
 
+    /// One movable stream per choice: choice `i` with `n = 1` and seed `seed + i`, as a
+    /// node seeds the choices of one request.
+    pub(super) fn split(&self) -> Vec<Asked> {
+        let seed = self.body.get("seed").and_then(Value::as_u64).unwrap_or(0);
+        (0..self.choices)
+            .map(|i| {
+                let mut body = self.body.clone();
+                body.insert("n".into(), json!(1));
+                body.insert("seed".into(), json!(seed.wrapping_add(i)));
+                Asked {
+                    path: self.path,
+                    body,
+                    prefix: self.prefix.clone(),
+                    authorization: self.authorization.clone(),
+                    traceparent: self.traceparent.clone(),
+                    stream: true,
+                    movable: true,
+                    choices: 1,
+                    wants_ids: self.wants_ids,
+                }
+            })
+            .collect()
+    }
+
     /// The body a node gets, going on after `sent` (tokens the client already has).
     fn body_after(&self, sent: &[u64]) -> Vec<u8> {
         let mut body = self.body.clone();
@@ -89,14 +128,14 @@ impl Asked {
 }
 
 /// A node's answer that is passed on as it is (a client error, or every node refusing).
-pub struct Refusal {
+pub(super) struct Refusal {
     status: u16,
     content_type: Option<String>,
     body: Bytes,
 }
 
 impl Refusal {
-    fn into_response(self) -> HttpResponse {
+    pub(super) fn into_response(self) -> HttpResponse {
         let status = actix_web::http::StatusCode::from_u16(self.status)
             .unwrap_or(actix_web::http::StatusCode::BAD_GATEWAY);
         let mut response = HttpResponse::build(status);
@@ -115,15 +154,22 @@ impl Refusal {
 }
 
 /// A node answering 200, and the node.
-pub struct Upstream {
+pub(super) struct Upstream {
     lease: Lease,
     response: reqwest::Response,
+}
+
+impl Upstream {
+    /// The node's degraded-answer header, if it sent one.
+    pub(super) fn degraded(&self) -> Option<reqwest::header::HeaderValue> {
+        self.response.headers().get(DEGRADED_HEADER).cloned()
+    }
 }
 
 /// Sends `asked` (after `sent`) to a ready node not in `avoid` while there are others,
 /// trying the next while nodes cannot be reached or answer 429, 502, 503 or 504 (each
 /// then goes into `avoid`). A node's other answers are the request's: passed on.
-async fn open(
+pub(super) async fn open(
     gateway: &Gateway,
     asked: &Asked,
     sent: &[u64],
@@ -192,36 +238,50 @@ async fn open(
 
 /// Forwards one generation request and relays its answer.
 pub async fn forward(gateway: web::Data<Gateway>, asked: Asked) -> Result<HttpResponse, ApiError> {
+    if asked.movable && asked.choices > 1 {
+        return Ok(match super::choices::forward(gateway, asked).await? {
+            Ok((receiver, degraded)) => event_stream(receiver, degraded),
+            Err(refusal) => refusal.into_response(),
+        });
+    }
     let mut avoid = Vec::new();
     let upstream = match open(&gateway, &asked, &[], &mut avoid).await? {
         Ok(upstream) => upstream,
         Err(refusal) => return Ok(refusal.into_response()),
     };
-    let degraded = upstream.response.headers().get(DEGRADED_HEADER).cloned();
-    let mut response = if asked.stream {
-        let (sender, receiver) = mpsc::channel::<Bytes>(64);
-        if asked.movable {
-            actix_web::rt::spawn(relay_events(
-                gateway.clone(),
-                asked,
-                upstream,
-                avoid,
-                sender,
-            ));
-        } else {
-            actix_web::rt::spawn(relay_bytes(upstream, sender));
-        }
-        let body = futures::stream::unfold(receiver, |mut receiver| async move {
-            let bytes = receiver.recv().await?;
-            Some((Ok::<_, actix_web::Error>(bytes), receiver))
-        });
-        HttpResponse::Ok()
-            .content_type("text/event-stream")
-            .insert_header(("Cache-Control", "no-cache"))
-            .streaming(body)
-    } else {
+    if !asked.stream {
         return whole(gateway, asked, upstream, avoid).await;
-    };
+    }
+    let degraded = upstream.degraded();
+    let (sender, receiver) = mpsc::channel::<Bytes>(64);
+    if asked.movable {
+        actix_web::rt::spawn(relay_events(
+            gateway.clone(),
+            asked,
+            upstream,
+            avoid,
+            sender,
+        ));
+    } else {
+        actix_web::rt::spawn(relay_bytes(upstream, sender));
+    }
+    Ok(event_stream(receiver, degraded))
+}
+
+/// The client's response: the events `receiver` gets, and the node's degraded-answer
+/// header.
+fn event_stream(
+    receiver: mpsc::Receiver<Bytes>,
+    degraded: Option<reqwest::header::HeaderValue>,
+) -> HttpResponse {
+    let body = futures::stream::unfold(receiver, |mut receiver| async move {
+        let bytes = receiver.recv().await?;
+        Some((Ok::<_, actix_web::Error>(bytes), receiver))
+    });
+    let mut response = HttpResponse::Ok()
+        .content_type("text/event-stream")
+        .insert_header(("Cache-Control", "no-cache"))
+        .streaming(body);
     if let Some(degraded) = degraded {
         response.headers_mut().insert(
             actix_web::http::header::HeaderName::from_static(DEGRADED_HEADER),
@@ -229,10 +289,11 @@ pub async fn forward(gateway: web::Data<Gateway>, asked: Asked) -> Result<HttpRe
                 .unwrap_or(actix_web::http::header::HeaderValue::from_static("1")),
         );
     }
-    Ok(response)
+    response
 }
 
-/// A stream that cannot move (several choices): its bytes as they come.
+/// A stream that cannot move (more choices than are split, or a seed that cannot be): its
+/// bytes as they come.
 async fn relay_bytes(mut upstream: Upstream, sender: mpsc::Sender<Bytes>) {
     while let Ok(Some(bytes)) = upstream.response.chunk().await {
         if sender.send(bytes).await.is_err() {
@@ -265,7 +326,7 @@ struct Sent {
 }
 
 /// Relays a stream of one choice, moving it to another node whenever its node fails it.
-async fn relay_events(
+pub(super) async fn relay_events(
     gateway: web::Data<Gateway>,
     asked: Asked,
     mut upstream: Upstream,
