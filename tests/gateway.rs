@@ -232,7 +232,10 @@ fn streams_through_the_gateway_go_on_when_their_node_is_killed_or_drained() {
     let moves = gateway.metric("moe_node_gateway_moves_total");
     nodes[2].kill();
     let got = split.join().unwrap().unwrap();
-    assert_eq!(got.tokens, alone.tokens, "choices changed by the split or the move");
+    assert_eq!(
+        got.tokens, alone.tokens,
+        "choices changed by the split or the move"
+    );
     assert_eq!(got.completion_tokens, 3 * MAX_TOKENS as u64, "usage");
     assert!(got.ids.windows(2).all(|w| w[0] == w[1]), "{:?}", got.ids);
     assert!(

@@ -16,8 +16,8 @@ use tokio::sync::mpsc;
 
 use super::Gateway;
 use super::relay::{self, Asked, Refusal};
-use reqwest::header::HeaderValue;
 use crate::api::ApiError;
+use reqwest::header::HeaderValue;
 
 /// Streams of more choices go to one node whole, and cannot move: each choice split off is
 /// a stream and a place in some node's batch.
@@ -72,15 +72,14 @@ struct Merged {
 /// Relays the events of every choice's stream (`streams[i]` is choice `i`) as one stream.
 async fn merge(streams: Vec<mpsc::Receiver<Bytes>>, sender: mpsc::Sender<Bytes>) {
     let choices = streams.len();
-    let mut events = futures::stream::select_all(streams.into_iter().enumerate().map(
-        |(index, receiver)| {
+    let mut events =
+        futures::stream::select_all(streams.into_iter().enumerate().map(|(index, receiver)| {
             futures::stream::unfold(receiver, move |mut receiver| async move {
                 let bytes = receiver.recv().await?;
                 Some(((index, bytes), receiver))
             })
             .boxed()
-        },
-    ));
+        }));
     let mut merged = Merged::default();
     while let Some((index, bytes)) = events.next().await {
         let text = String::from_utf8_lossy(&bytes);
@@ -207,7 +206,10 @@ mod tests {
         let Event::Pass(second) = merged.event(0, &chunk("a", "y")) else {
             panic!()
         };
-        assert_eq!((second["id"].as_str(), &second["choices"][0]["index"]), (Some("b"), &json!(0)));
+        assert_eq!(
+            (second["id"].as_str(), &second["choices"][0]["index"]),
+            (Some("b"), &json!(0))
+        );
         assert!(matches!(merged.event(0, &usage("a", 3)), Event::Keep));
         assert!(matches!(merged.event(1, &usage("b", 5)), Event::Keep));
         assert!(matches!(merged.event(0, "[DONE]"), Event::Keep));
