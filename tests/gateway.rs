@@ -20,49 +20,16 @@ use cluster_harness::*;
 const STREAMS: usize = 16;
 const MAX_TOKENS: usize = 48;
 
-/// What one streaming client got: its tokens, and the usage the stream ended with.
-struct Streamed {
-    tokens: Vec<u64>,
-    completion_tokens: u64,
-    ids: Vec<String>,
-}
-
 /// Streams a greedy completion of `prompt` through `base`, with usage; `started` is
 /// signalled at its first token. Errors name what was wrong with the stream.
 fn stream(
     base: &str,
     prompt: &[u32],
     started: std::sync::mpsc::Sender<()>,
-) -> Result<Streamed, String> {
-    let client = Client::builder()
-        .timeout(Duration::from_secs(120))
-        .build()
-        .unwrap();
+) -> Result<Choices, String> {
     let mut body = greedy_stream(prompt, MAX_TOKENS);
     body["stream_options"] = json!({"include_usage": true});
-    let response = post_stream(&client, base, &body)?;
-    let mut got = Streamed {
-        tokens: Vec::new(),
-        completion_tokens: 0,
-        ids: Vec::new(),
-    };
-    let done = read_events(response, |event| {
-        got.ids
-            .push(event["id"].as_str().unwrap_or_default().to_string());
-        if let Some(usage) = event.get("usage").filter(|u| !u.is_null()) {
-            got.completion_tokens = usage["completion_tokens"].as_u64().unwrap_or(0);
-        }
-        if let Some(ids) = event["choices"][0]["token_ids"].as_array() {
-            if got.tokens.is_empty() && !ids.is_empty() {
-                let _ = started.send(());
-            }
-            got.tokens.extend(ids.iter().filter_map(Value::as_u64));
-        }
-    })?;
-    if !done {
-        return Err(format!("stream cut after {} tokens", got.tokens.len()));
-    }
-    Ok(got)
+    stream_choices(base, &body, started)
 }
 
 /// What a client of a stream of several choices got: each choice's tokens (by `index`),
@@ -73,8 +40,8 @@ struct Choices {
     ids: Vec<String>,
 }
 
-/// Streams `body` (several choices, token ids returned) through `base`; `started` is
-/// signalled at the first token.
+/// Streams `body` (token ids returned) through `base`; `started` is signalled at the first
+/// token.
 fn stream_choices(
     base: &str,
     body: &Value,
@@ -103,11 +70,14 @@ fn stream_choices(
             }
             let ids = choice["token_ids"].as_array().into_iter().flatten();
             got.tokens[index].extend(ids.filter_map(Value::as_u64));
-            let _ = started.send(());
+            if !got.tokens[index].is_empty() {
+                let _ = started.send(());
+            }
         }
     })?;
     if !done {
-        return Err("stream cut".into());
+        let lengths: Vec<usize> = got.tokens.iter().map(Vec::len).collect();
+        return Err(format!("stream cut after {lengths:?} tokens"));
     }
     Ok(got)
 }
@@ -151,7 +121,8 @@ fn streams_survive(gateway: &Gateway, expected: &[Vec<u64>], disrupt: impl FnOnc
             .unwrap()
             .unwrap_or_else(|e| panic!("stream {i}: {e}"));
         assert_eq!(
-            got.tokens, expected[i],
+            got.tokens,
+            [expected[i].clone()],
             "stream {i}: tokens missing, repeated or changed"
         );
         assert_eq!(

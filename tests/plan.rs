@@ -512,30 +512,33 @@ fn the_kv_cache_holds_what_the_dense_device_leaves_or_what_the_config_sets() {
     );
 }
 
+/// The plan of Kimi K2 (FP8) on `nodes` nodes of 8 x 141 GiB with two copies of every
+/// expert and `--dense-replicas replicas`.
+fn kimi_k2_on_h200s(nodes: &str, replicas: &str) -> (Value, Output) {
+    let model = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/configs/kimi_k2");
+    plan_json(&[
+        "--model",
+        model,
+        "--nodes",
+        nodes,
+        "--devices-per-node",
+        "8",
+        "--replication",
+        "2",
+        "--device-memory-gib",
+        "141",
+        "--dense-replicas",
+        replicas,
+    ])
+}
+
 /// Kimi K2 (FP8, 61 layers, 384 experts) on 3 nodes of 8 x 141 GiB with two copies of every
 /// expert: with a dense replica on every GPU (the default, `devices.dense_replicas = 0`) every
 /// GPU holds the dense part and a KV cache of more than 100k positions, and the plan is
 /// ready. With the dense part on GPU 0 alone, GPUs 1-7 hold no KV cache at all.
 #[test]
 fn kimi_k2_on_three_nodes_runs_attention_on_every_gpu_with_room_for_long_contexts() {
-    let model = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/configs/kimi_k2");
-    let shape = |replicas: &str| {
-        plan_json(&[
-            "--model",
-            model,
-            "--nodes",
-            "3",
-            "--devices-per-node",
-            "8",
-            "--replication",
-            "2",
-            "--device-memory-gib",
-            "141",
-            "--dense-replicas",
-            replicas,
-        ])
-        .0
-    };
+    let shape = |replicas: &str| kimi_k2_on_h200s("3", replicas).0;
     let every = shape("0");
     assert_eq!(every["verdict"]["ok"], true, "{}", every["verdict"]);
     let devices = every["devices"].as_array().unwrap();
@@ -561,21 +564,7 @@ fn kimi_k2_on_three_nodes_runs_attention_on_every_gpu_with_room_for_long_context
 /// the rest, and every dense GPU keeps room for a long context: the plan is ready.
 #[test]
 fn kimi_k2_on_two_nodes_gives_the_gpu_carrying_the_dense_part_fewer_experts() {
-    let model = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/configs/kimi_k2");
-    let (report, output) = plan_json(&[
-        "--model",
-        model,
-        "--nodes",
-        "2",
-        "--devices-per-node",
-        "8",
-        "--replication",
-        "2",
-        "--device-memory-gib",
-        "141",
-        "--dense-replicas",
-        "1",
-    ]);
+    let (report, output) = kimi_k2_on_h200s("2", "1");
     assert_eq!(output.status.code(), Some(0), "{}", report["verdict"]);
     let devices = report["devices"].as_array().unwrap();
     let experts = |d: &Value| d["experts"]["1"].as_u64().unwrap();
