@@ -3,8 +3,10 @@
 //! delay and loss on every link), and a gateway runs in the test's namespace. One node is
 //! cut off longer than `rereplicate_after_ms`, so that both sides re-place the experts and
 //! each side's leader proposes a table under the same version. After the heal every node
-//! must serve one table without a restart, and no stream through the gateway may fail or
-//! change. Everything made is removed when the test ends.
+//! must serve one table without a restart. Then, as in the soak of `tests/gateway.rs`, one
+//! node is killed (-9) and restarted, one paused shorter and one longer than the suspicion
+//! timeout. Through all of it no stream through the gateway may fail or change. Everything
+//! made is removed when the test ends.
 //!
 //! Needs root and `ip netns`: the test says SKIPPED without them, and fails instead with
 //! `MOE_TEST_REQUIRE_NETNS=1` (CI sets it where a namespace can be made).
@@ -190,6 +192,24 @@ impl NsNode {
             .unwrap_or(Value::Null)
     }
 
+    /// Sends `signal` (`-9`, `-STOP`, `-CONT`) to the node's process (`ip netns exec`
+    /// execs it: the child is the node).
+    fn signal(&self, signal: &str) {
+        let pid = self.process.child.id().to_string();
+        run(&["kill", signal, &pid]).unwrap();
+    }
+
+    /// Whether its gossip sees every one of `names` alive.
+    fn sees_alive(&self, names: &[String]) -> bool {
+        let cluster = self.get("/admin/cluster");
+        let members = cluster["members"].as_array().cloned().unwrap_or_default();
+        names.iter().all(|name| {
+            members
+                .iter()
+                .any(|m| m["node"] == name.as_str() && m["state"] == "alive")
+        })
+    }
+
     /// The placement it serves: version and table hash.
     fn serving(&self) -> (Value, Value) {
         let placement = self.get("/admin/placement");
@@ -250,6 +270,15 @@ fn start_node(net: &Net, i: usize, dir: &std::path::Path) -> NsNode {
     }
 }
 
+fn wait_ready(node: &NsNode) {
+    wait_until(Duration::from_secs(90), "ready", || {
+        node.client
+            .get(format!("{}/ready", node.process.base))
+            .send()
+            .is_ok_and(|r| r.status() == StatusCode::OK)
+    });
+}
+
 fn wait_until(within: Duration, what: &str, mut done: impl FnMut() -> bool) -> Duration {
     let started = Instant::now();
     while !done() {
@@ -270,14 +299,9 @@ fn after_a_partition_heals_the_nodes_serve_one_table_and_no_stream_fails() {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let nodes: Vec<NsNode> = (1..=3).map(|i| start_node(&net, i, dir.path())).collect();
+    let mut nodes: Vec<NsNode> = (1..=3).map(|i| start_node(&net, i, dir.path())).collect();
     for node in &nodes {
-        wait_until(Duration::from_secs(90), "ready", || {
-            node.client
-                .get(format!("{}/ready", node.process.base))
-                .send()
-                .is_ok_and(|r| r.status() == StatusCode::OK)
-        });
+        wait_ready(node);
     }
     let gateway_config = dir.path().join("gateway.toml");
     let seeds: Vec<String> = (1..=3)
@@ -375,6 +399,31 @@ fn after_a_partition_heals_the_nodes_serve_one_table_and_no_stream_fails() {
     // not yet count node3 (its gossip still on its way).
     assert!(after.0.as_u64().unwrap() > next, "{after:?}");
     std::thread::sleep(Duration::from_secs(2));
+
+    // Then the soak's other disruptions, one node at a time, the clients streaming on:
+    // node2 killed (-9) and restarted, node1 paused shorter than the suspicion timeout (2 s),
+    // node3 paused twice as long (declared down, then back).
+    let names: Vec<String> = (1..=3).map(|i| format!("node{i}")).collect();
+    let all_back = |nodes: &[NsNode]| {
+        wait_until(
+            Duration::from_secs(60),
+            "every node alive everywhere",
+            || nodes.iter().all(|n| n.sees_alive(&names)),
+        )
+    };
+    nodes[1].signal("-9");
+    let _ = nodes[1].process.child.wait();
+    std::thread::sleep(Duration::from_millis(500));
+    nodes[1] = start_node(&net, 2, dir.path());
+    wait_ready(&nodes[1]);
+    all_back(&nodes);
+    for (victim, pause) in [(0, 1000), (2, 4000)] {
+        nodes[victim].signal("-STOP");
+        std::thread::sleep(Duration::from_millis(pause));
+        nodes[victim].signal("-CONT");
+        all_back(&nodes);
+    }
+    std::thread::sleep(Duration::from_secs(2));
     stop.store(true, Ordering::Relaxed);
     let mut served = 0;
     for client in clients {
@@ -384,8 +433,8 @@ fn after_a_partition_heals_the_nodes_serve_one_table_and_no_stream_fails() {
     }
     eprintln!(
         "partition with real processes ({}): both sides proposed version {next}; one \
-         table {after:?} {:.2} s after the heal; {served} streams through the gateway, none \
-         failed",
+         table {after:?} {:.2} s after the heal; then a kill -9 and restart, a 1 s and a 4 s \
+         pause; {served} streams through the gateway, none failed",
         match &net.netem {
             Some(Ok(())) => "links with netem delay 2 ms and 0.5% loss each way".to_string(),
             Some(Err(why)) => format!("clean links: no netem here ({why})"),
@@ -393,7 +442,7 @@ fn after_a_partition_heals_the_nodes_serve_one_table_and_no_stream_fails() {
         },
         converged.as_secs_f64()
     );
-    assert!(healed.elapsed() < Duration::from_secs(120));
+    assert!(healed.elapsed() < Duration::from_secs(180));
     assert!(served > 0);
     // Every node answers, with the same tokens, once converged.
     for node in &nodes {
