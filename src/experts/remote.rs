@@ -341,8 +341,28 @@ pub fn serve_remote_work(dispatcher: Arc<OnceLock<Arc<Dispatcher>>>, width: usiz
         let _in_span = span.enter();
         // The rows as decoded, shared with the device actors that run the groups.
         let input = Arc::new(request.rows);
+        let run = |local_only| dispatcher.run_shared(layer, &experts, &rows, &input, local_only);
         // The outputs go into the reply frame from where the devices left them.
-        match dispatcher.run_shared(layer, &experts, &rows, &input, true) {
+        let ran = match run(true) {
+            // The caller routes by an older placement than this node, which has let go of
+            // experts that placement put here (a node back from a partition, until it has
+            // loaded and switched to the cluster's): this node sends them where its own
+            // placement puts them. One hop per newer version: the call it makes carries its
+            // version, and only a node serving a newer one would send it on again.
+            Err(ExpertError::NotHeld { expert, .. })
+                if request.placement_version < dispatcher.placement().version() =>
+            {
+                tracing::debug!(
+                    layer,
+                    expert,
+                    caller_version = request.placement_version,
+                    "a call by an older placement for experts let go of: sent where they are now"
+                );
+                run(false)
+            }
+            ran => ran,
+        };
+        match ran {
             Ok(outputs) => Ok(ExpertOutput {
                 groups: request.groups,
                 rows: Rows::parts(outputs),

@@ -3,9 +3,10 @@
 //! partition that splits them in two and heals. Each side may re-replicate the other's
 //! experts and propose a placement under the same version as the other side. Checked:
 //! after the heal every node converges on one table without a restart, and no expert call
-//! fails because two reachable nodes serve one version as two tables. Calls of a node back
-//! from isolation that still routes by a version the others have left are counted apart
-//! (until it has loaded and switched, its calls to experts the others let go of fail).
+//! fails because two reachable nodes serve one version as two tables, nor a call of a node
+//! back from isolation that still routes by a version the others have left (until it has
+//! loaded and switched, a node it calls that let go of the expert sends the call where its
+//! own placement puts it: `experts/remote.rs`).
 //! `SIM_SEED=N` runs one schedule; `SIM_TRACE=1` prints every step and failed call.
 
 use std::collections::{HashMap, HashSet};
@@ -81,7 +82,8 @@ struct Sim {
     /// tables (the goal: none).
     failed_with_a_replica: usize,
     /// Expert calls of a node back from isolation that still routes by a version the
-    /// others have moved past (until it switches too).
+    /// others have moved past (until it switches too) that failed: the node called had let
+    /// go of the expert and could not send the call on (the goal: none).
     failed_stale: usize,
 }
 
@@ -248,9 +250,21 @@ impl Sim {
             };
             for expert in 0..EXPERTS as u32 {
                 let named: Vec<usize> = current.replicas(0, expert).iter().map(index_of).collect();
-                let served = named
-                    .iter()
-                    .any(|&j| self.reachable(i, j) && self.nodes[j].held.contains(&expert));
+                // A node that has let go of the expert, serving a newer placement than the
+                // caller's, sends the call where its own placement puts it (one hop).
+                let forwarded = |j: usize| {
+                    let theirs = &self.nodes[j].current;
+                    theirs.version() > current.version()
+                        && theirs.replicas(0, expert).iter().any(|r| {
+                            let k = (0..NODES)
+                                .find(|&k| name(k) == theirs.nodes()[r.node as usize].node)
+                                .unwrap();
+                            self.reachable(j, k) && self.nodes[k].held.contains(&expert)
+                        })
+                };
+                let served = named.iter().any(|&j| {
+                    self.reachable(i, j) && (self.nodes[j].held.contains(&expert) || forwarded(j))
+                });
                 let named_reachable = named.iter().any(|&j| self.reachable(i, j));
                 if !served && named_reachable {
                     let newest = (0..NODES)
@@ -366,8 +380,8 @@ fn after_a_partition_heals_every_node_converges_on_one_table() {
     let ms = |t: u64| t * TICK.as_millis() as u64;
     eprintln!(
         "partition simulation, 300 schedules: convergence after the heal p50 {} ms, p99 {} ms, \
-         max {} ms; expert calls failed for two tables under one version: {failed}; calls of \
-         a node back from isolation by a version the others left, until it switched: {stale}",
+         max {} ms; expert calls failed for two tables under one version: {failed}; failed \
+         calls of a node back from isolation by a version the others left: {stale}",
         ms(ticks[ticks.len() / 2]),
         ms(ticks[ticks.len() * 99 / 100]),
         ms(ticks[ticks.len() - 1]),
@@ -375,5 +389,9 @@ fn after_a_partition_heals_every_node_converges_on_one_table() {
     assert_eq!(
         failed, 0,
         "calls failed while a reachable node held the expert"
+    );
+    assert_eq!(
+        stale, 0,
+        "calls by an older placement failed where a reachable node held the expert"
     );
 }
