@@ -421,8 +421,15 @@ impl Placement {
             };
             let replication = self.spec.replication.clamp(1, devices.len().max(1));
             let share = (experts.len() * replication).div_ceil(devices.len().max(1));
-            let mut capacity: Vec<usize> = (0..devices.len())
-                .map(|d| share + spare_slots.get(d).copied().unwrap_or(0))
+            // Each device's share, or less where its memory holds less (a GPU carrying a
+            // dense replica), plus its spare slots.
+            let mut capacity: Vec<usize> = devices
+                .iter()
+                .enumerate()
+                .map(|(d, r)| {
+                    let room = self.spec.nodes[r.node as usize].slots_of(r.device as usize);
+                    share.min(room) + spare_slots.get(d).copied().unwrap_or(0)
+                })
                 .collect();
             let mut held = vec![0usize; devices.len()];
             for &d in serving.devices_of.iter().flatten() {
@@ -602,6 +609,31 @@ mod tests {
             .migrate(&[None, Some(vec![5.0; 3])], &spare, 0)
             .unwrap();
         assert!(m.versions.is_empty());
+    }
+
+    #[test]
+    fn a_rebalance_gives_a_device_short_of_memory_no_more_than_its_room() {
+        // Two nodes of four devices; device 0 of each (a dense replica) has room for 10
+        // experts of the 32 a device would hold, so it carries a third of the others' load:
+        // balancing would move experts onto it, but its room allows one more (its spare slot).
+        let mut spec = numbered_spec(&[4, 4], 2);
+        for n in &mut spec.nodes {
+            n.slots = vec![10, 64, 64, 64];
+        }
+        let base = Placement::balanced(&[true], 128, spec).unwrap();
+        let held = |p: &Placement, node: u16| p.experts_on(node, 0).len();
+        assert_eq!((held(&base, 0), held(&base, 1)), (10, 10));
+        let loads = vec![1.0; 128];
+        let migration = base.migrate(&[Some(loads)], &[1; 8], 0).unwrap();
+        for p in migration.versions.iter() {
+            assert!(
+                held(p, 0) <= 11 && held(p, 1) <= 11,
+                "version {}: {} and {}",
+                p.version(),
+                held(p, 0),
+                held(p, 1)
+            );
+        }
     }
 
     #[test]
