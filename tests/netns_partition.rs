@@ -287,17 +287,28 @@ fn partition(net: &Net, nodes: &[NsNode], victim: usize) -> (Duration, (Value, V
     let survivor = (victim + 1) % nodes.len();
     net.cut(victim + 1, true);
     let next = before.as_u64().unwrap() + 1;
-    wait_until(
-        Duration::from_secs(60),
-        "re-placed on the larger side",
-        || {
-            nodes[survivor]
-                .serving()
-                .0
-                .as_u64()
-                .is_some_and(|v| v >= next)
-        },
-    );
+    let replaced = || {
+        nodes[survivor]
+            .serving()
+            .0
+            .as_u64()
+            .is_some_and(|v| v >= next)
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !replaced() {
+        if Instant::now() > deadline {
+            // What each node serves and sees, to tell why.
+            let views: Vec<String> = nodes
+                .iter()
+                .map(|n| format!("{:?} {}", n.serving(), n.get("/admin/cluster")))
+                .collect();
+            panic!(
+                "node{} cut off: never re-placed on the larger side: {views:#?}",
+                victim + 1
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
     std::thread::sleep(Duration::from_secs(6));
     net.cut(victim + 1, false);
     let converged = wait_until(Duration::from_secs(90), "converged on one table", || {

@@ -156,6 +156,19 @@ impl Follower {
         others_of(&self.me, members)
     }
 
+    /// What this node offers: its devices as its own gossip says them (a leader that was
+    /// re-placed away while it was gone, and is back, offers its devices again), else as
+    /// the placement served has them.
+    fn offered(&self, members: &[MemberView], current: &Placement) -> NodeSlots {
+        if let Some(me) = members.iter().find(|m| m.is_self && m.meta.node == self.me) {
+            return super::offered(&me.meta);
+        }
+        current.node_index(&self.me).map_or_else(
+            || NodeSlots::new(self.me.clone(), 0),
+            |i| current.nodes()[i as usize].clone(),
+        )
+    }
+
     /// The step toward `next`, the placement this node has taken and not yet switched to.
     fn toward(&self, others: &[&MemberView], next: &Placement) -> Step {
         let alive_serving = || {
@@ -247,10 +260,7 @@ impl Follower {
             .map(|m| (m.meta.node.as_str(), super::offered(&m.meta)))
             .chain(std::iter::once((
                 self.me.as_str(),
-                current.node_index(&self.me).map_or_else(
-                    || NodeSlots::new(self.me.clone(), 0),
-                    |i| current.nodes()[i as usize].clone(),
-                ),
+                self.offered(members, current),
             )))
             .collect();
         self.gone_since
@@ -600,6 +610,31 @@ mod tests {
         // A node back within its grace changes nothing.
         let back = [member("b", Alive, 1, 1), member("c", Alive, 1, 1)];
         assert_eq!(a.decide(&back, &p1, None, later), Step::Idle);
+    }
+
+    /// The leader was gone long enough for the others to re-place its experts (its entry
+    /// kept with no devices), and is back, serving: it gives itself a share again, from the
+    /// devices its own gossip offers.
+    #[test]
+    fn a_leader_back_after_being_re_placed_away_takes_a_share_again() {
+        use MemberState::*;
+        let p2 = three()
+            .revise(&[NodeSlots::new("b", 1), NodeSlots::new("c", 1)])
+            .unwrap();
+        assert_eq!(p2.nodes()[0].devices, 0, "a re-placed away");
+        let me = MemberView {
+            is_self: true,
+            ..member("a", Alive, 2, 2)
+        };
+        let members = [me, member("b", Alive, 2, 2), member("c", Alive, 2, 2)];
+        let mut a = Follower::new("a", GRACE, table_id(&p2));
+        match a.decide(&members, &p2, None, Instant::now()) {
+            Step::Propose { nodes, why } => {
+                assert!(why.contains("a serves with 1 devices"), "{why}");
+                assert_eq!(nodes[0], NodeSlots::new("a", 1));
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]
