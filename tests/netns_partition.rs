@@ -300,7 +300,15 @@ fn partition(net: &Net, nodes: &[NsNode], victim: usize) -> (Duration, (Value, V
             // What each node serves and sees, to tell why.
             let views: Vec<String> = nodes
                 .iter()
-                .map(|n| format!("{:?} {}", n.serving(), n.get("/admin/cluster")))
+                .map(|n| {
+                    let lines = n.process.log_lines();
+                    let placement: Vec<&String> = lines
+                        .iter()
+                        .filter(|l| l.contains("rollout") || l.contains("placement"))
+                        .collect();
+                    let tail = &placement[placement.len().saturating_sub(25)..];
+                    format!("{:?} {}\n{tail:#?}", n.serving(), n.get("/admin/cluster"))
+                })
                 .collect();
             panic!(
                 "node{} cut off: never re-placed on the larger side: {views:#?}",
