@@ -288,6 +288,10 @@ impl Joined {
         let serving = crate::rollout::table_id(&dispatcher.placement());
         let (room, bytes) = crate::experts::device::expert_room(&dispatcher.devices());
         let _ = self.dispatcher.set(dispatcher.clone());
+        // Gossip says what this node serves before its follower may act (a leader back
+        // from a restart proposes at once): a later write would undo what it loads.
+        self.membership.set_serving(serving);
+        self.membership.set_room(room, bytes);
         follow(
             FollowParts {
                 node_id: self.node_id.clone(),
@@ -323,8 +327,6 @@ impl Joined {
         if let Err(e) = spawned {
             tracing::error!(error = %e, "cannot start the thread that follows membership");
         }
-        self.membership.set_serving(serving);
-        self.membership.set_room(room, bytes);
         tracing::info!(
             node = %self.node_id,
             peer = %self.peer_addr,

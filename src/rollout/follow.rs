@@ -53,6 +53,13 @@ pub enum Step {
     Switch,
     /// Every live member serves the current version: let go of what it puts elsewhere.
     Release,
+    /// This node's own gossip says other versions than it serves and has loaded (a write
+    /// of its metadata crossed another, as at start-up): say them again, or the others
+    /// wait forever for a load they cannot see.
+    Announce {
+        serving: TableId,
+        loaded: TableId,
+    },
 }
 
 /// What one node knows about the change in progress, besides the members and placements.
@@ -66,7 +73,13 @@ pub struct Follower {
     pub loaded: TableId,
     /// The version whose leftovers this node let go of.
     pub released: u64,
+    /// When this node last told its membership which versions it serves and has loaded.
+    pub said_at: Instant,
 }
+
+/// How long this node's own gossip may lag what it told its membership (the membership
+/// thread writes it within milliseconds) before the follower says it again.
+const SAY_AGAIN_AFTER: Duration = Duration::from_secs(1);
 
 /// Whether a member takes part: serving (it has a placement) and not dead.
 fn serving(m: &MemberView) -> bool {
@@ -149,6 +162,7 @@ impl Follower {
             gone_since: HashMap::new(),
             loaded: serving,
             released: serving.version,
+            said_at: Instant::now(),
         }
     }
 
@@ -167,6 +181,25 @@ impl Follower {
             || NodeSlots::new(self.me.clone(), 0),
             |i| current.nodes()[i as usize].clone(),
         )
+    }
+
+    /// What this node's gossip should say and does not: the placement served, and the
+    /// newest one loaded (not below the one served, as `Membership::set_versions` counts).
+    fn unsaid(&self, members: &[MemberView], current: &Placement, now: Instant) -> Option<Step> {
+        if now.duration_since(self.said_at) < SAY_AGAIN_AFTER {
+            return None;
+        }
+        let me = members
+            .iter()
+            .find(|m| m.is_self && m.meta.node == self.me)?;
+        let serving = table_id(current);
+        let loaded = if self.loaded.version < serving.version {
+            serving
+        } else {
+            self.loaded
+        };
+        let said = me.meta.serving().agrees(serving) && me.meta.loaded().agrees(loaded);
+        (!said).then_some(Step::Announce { serving, loaded })
     }
 
     /// The step toward `next`, the placement this node has taken and not yet switched to.
@@ -223,6 +256,9 @@ impl Follower {
                 .iter()
                 .filter(|m| m.state == MemberState::Alive && m.meta.placement_version > 0)
         };
+        if let Some(announce) = self.unsaid(members, current, now) {
+            return announce;
+        }
         if let Some(next) = next {
             return self.toward(&others, next);
         }
@@ -381,6 +417,15 @@ fn carry_out(
 ) {
     match step {
         Step::Idle => {}
+        Step::Announce { serving, loaded } => {
+            tracing::warn!(
+                serving = serving.version,
+                loaded = loaded.version,
+                "this node's gossip lagged what it serves and has loaded: saying it again"
+            );
+            parts.membership.set_versions(serving, loaded);
+            follower.said_at = Instant::now();
+        }
         Step::Propose { nodes, why } => match current.revise(&nodes) {
             Ok(placement) => {
                 let mine = expert_room(&parts.dispatcher.devices());
@@ -450,6 +495,7 @@ fn carry_out(
             parts
                 .membership
                 .set_versions(table_id(current), follower.loaded);
+            follower.said_at = Instant::now();
         }
         Step::Switch => {
             let Some(next) = parts.board.switch() else {
@@ -468,6 +514,7 @@ fn carry_out(
             // serves the new one: not before this node's calls routing by the old one end.
             drain(switch, next.version());
             parts.membership.set_serving(table_id(&next));
+            follower.said_at = Instant::now();
             tracing::info!(
                 version = next.version(),
                 experts_here = next.experts_held_by(local),
@@ -635,6 +682,48 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    /// A leader back from a restart proposed and loaded version 2 before its start-up wrote
+    /// "serves 1" to its gossip: no one else can see the load, so it says it again (after
+    /// a second, the time its membership has to write what it was told).
+    #[test]
+    fn a_node_whose_gossip_lags_what_it_loaded_says_it_again() {
+        use MemberState::*;
+        let p1 = three();
+        let p2 = p1
+            .revise(&[NodeSlots::new("a", 1), NodeSlots::new("b", 1)])
+            .unwrap();
+        let t0 = Instant::now();
+        let mut a = Follower::new("a", GRACE, table_id(&p1));
+        a.loaded = table_id(&p2);
+        a.said_at = t0;
+        let me = MemberView {
+            is_self: true,
+            ..member("a", Alive, 1, 1)
+        };
+        let members = [
+            me.clone(),
+            member("b", Alive, 1, 1),
+            member("c", Alive, 1, 1),
+        ];
+        // Within the second: waiting for the others to load, as before.
+        assert_eq!(a.decide(&members, &p1, Some(&p2), t0), Step::Idle);
+        let later = t0 + SAY_AGAIN_AFTER;
+        assert_eq!(
+            a.decide(&members, &p1, Some(&p2), later),
+            Step::Announce {
+                serving: table_id(&p1),
+                loaded: table_id(&p2)
+            }
+        );
+        // Once its gossip says it, the others fetch and load, and it switches.
+        let said = MemberView {
+            is_self: true,
+            ..member("a", Alive, 1, 2)
+        };
+        let loaded = [said, member("b", Alive, 1, 2), member("c", Alive, 1, 2)];
+        assert_eq!(a.decide(&loaded, &p1, Some(&p2), later), Step::Switch);
     }
 
     #[test]

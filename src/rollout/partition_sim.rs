@@ -193,7 +193,7 @@ impl Sim {
             );
         }
         match step {
-            Step::Idle => {}
+            Step::Idle | Step::Announce { .. } => {}
             Step::Propose { nodes, .. } => {
                 if let Ok(placement) = node.current.revise(&nodes)
                     && node.next.is_none()
