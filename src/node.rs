@@ -280,17 +280,14 @@ fn serving_lanes(
     targets: &[DeviceTarget],
     kernel_cache: Option<&std::path::Path>,
 ) -> Result<(Vec<Lane>, Arc<ModelConfig>), NodeError> {
-    let dense_gpus: Vec<&GpuInfo> = match config.devices.dense_replicas {
-        _ if !config.devices.dense_on_gpu => Vec::new(),
-        replicas => targets
-            .iter()
-            .filter_map(|t| match t {
-                DeviceTarget::Gpu(info, _) => Some(info),
-                DeviceTarget::Cpu => None,
-            })
-            .take(if replicas == 0 { usize::MAX } else { replicas })
-            .collect(),
-    };
+    let dense_gpus: Vec<&GpuInfo> = targets
+        .iter()
+        .filter_map(|t| match t {
+            DeviceTarget::Gpu(info, _) => Some(info),
+            DeviceTarget::Cpu => None,
+        })
+        .take(dense_carriers(config, model, targets))
+        .collect();
     let engines = if dense_gpus.is_empty() {
         vec![engine]
     } else {
@@ -376,16 +373,22 @@ fn first_placement(
     }
 }
 
+/// How many of this node's first devices carry a dense replica ([`crate::plan::dense_carriers`]).
+fn dense_carriers(config: &NodeConfig, model: &ModelConfig, targets: &[DeviceTarget]) -> usize {
+    crate::plan::dense_carriers(
+        model,
+        config.devices.dense_on_gpu,
+        config.devices.dense_replicas,
+        targets.len(),
+    )
+}
+
 /// Experts of one layer each device has memory for, as `plan` counts them
 /// ([`crate::plan::expert_slots`]): GPUs by their memory, the first `devices.dense_replicas`
 /// keeping room for their dense replica and its KV cache; none for CPU slots (one host
 /// memory, checked as the experts load).
 fn expert_slots(config: &NodeConfig, model: &ModelConfig, targets: &[DeviceTarget]) -> Vec<usize> {
-    let dense_replicas = match config.devices.dense_replicas {
-        _ if !config.devices.dense_on_gpu || model.deepseek_v4.is_some() => 0,
-        0 => usize::MAX,
-        n => n,
-    };
+    let dense_replicas = dense_carriers(config, model, targets);
     let kv_cache_bytes =
         (config.batching.kv_cache_mib > 0).then_some((config.batching.kv_cache_mib as u64) << 20);
     let max_rows = config.batching.max_tokens_per_step * model.moe.top_k;

@@ -22,7 +22,7 @@ use crate::placement::replicate::{self, LayerReplicas, LayerSlots, ReplicateErro
 use crate::placement::{
     NodeSlots, Placement, PlacementError, PlacementSpec, Profile, ProfileError, VersionMoves,
 };
-pub use sizes::{ModelSizes, expert_slots};
+pub use sizes::{ModelSizes, dense_carriers, expert_slots};
 
 /// The cluster shape and thresholds a plan is made for.
 #[derive(Debug, Clone)]
@@ -223,13 +223,14 @@ impl PlanInput<'_> {
     /// the host only (serve refuses it on a GPU: `devices.dense_on_gpu = false`), its
     /// experts on the devices.
     fn holds_dense(&self, d: usize) -> bool {
-        let replicas = match self.dense_replicas {
-            0 => self.devices_per_node,
-            n => n,
-        };
-        self.dense_on_device
-            && self.model.deepseek_v4.is_none()
-            && d % self.devices_per_node.max(1) < replicas
+        let per_node = self.devices_per_node.max(1);
+        d % per_node
+            < dense_carriers(
+                self.model,
+                self.dense_on_device,
+                self.dense_replicas,
+                per_node,
+            )
     }
 }
 

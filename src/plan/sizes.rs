@@ -247,6 +247,25 @@ pub fn gpu_work_bytes(model: &ModelConfig, max_rows: usize) -> u64 {
     shape.bytes_needed(0) as u64
 }
 
+/// How many of a node's first `devices` carry a replica of the dense part, as `plan` and
+/// `serve` both count it: `dense_replicas` of them (0: all), none where the dense part stays
+/// on the host (`devices.dense_on_gpu = false`, or DeepSeek-V4, whose dense part the GPU
+/// backend does not run: serve refuses it on a GPU).
+pub fn dense_carriers(
+    model: &ModelConfig,
+    dense_on_gpu: bool,
+    dense_replicas: usize,
+    devices: usize,
+) -> usize {
+    if !dense_on_gpu || model.deepseek_v4.is_some() {
+        return 0;
+    }
+    match dense_replicas {
+        0 => devices,
+        n => n.min(devices),
+    }
+}
+
 /// The share of a device's usable memory placement keeps for the KV cache of the dense
 /// replica it carries, when experts would otherwise crowd it out and `batching.kv_cache_mib`
 /// does not say how much: a quarter holds some 480k positions of Kimi K2 on an H200 (68.6
@@ -347,6 +366,25 @@ fn quantized_expert_bytes(model: &ModelConfig) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Which of a node's devices carry a dense replica, as plan and serve both count it.
+    #[test]
+    fn dense_replicas_go_to_the_first_devices_and_never_for_deepseek_v4() {
+        let fixture = |name: &str| {
+            ModelConfig::load(
+                &std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                    .join("tests/fixtures")
+                    .join(name),
+            )
+            .unwrap()
+        };
+        let v3 = fixture("deepseek_v3");
+        assert_eq!(dense_carriers(&v3, true, 0, 8), 8, "0: every device");
+        assert_eq!(dense_carriers(&v3, true, 2, 8), 2);
+        assert_eq!(dense_carriers(&v3, true, 16, 8), 8);
+        assert_eq!(dense_carriers(&v3, false, 0, 8), 0, "dense_on_gpu off");
+        assert_eq!(dense_carriers(&fixture("deepseek_v4"), true, 0, 8), 0);
+    }
 
     /// The reference fixtures' tensors, counted from their config.json alone, add up to their
     /// safetensors files: every family's attention (GLM's biases and q/k norms), gates and
