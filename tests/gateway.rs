@@ -249,8 +249,9 @@ fn streams_through_the_gateway_go_on_when_their_node_is_killed_or_drained() {
     );
 }
 
-/// With no node to forward to, a client gets 503 naming why, and bad requests get 400
-/// from the gateway itself before any node sees them.
+/// With no node to forward to, a client gets 503 naming why once the gateway has waited
+/// `gateway.wait_ready_seconds` for one, and bad requests get 400 from the gateway itself
+/// before any node sees them.
 #[test]
 fn a_gateway_without_nodes_answers_503_and_refuses_garbage() {
     let spec = ClusterSpec::new(1, Transport::Tcp);
@@ -269,8 +270,15 @@ fn a_gateway_without_nodes_answers_503_and_refuses_garbage() {
             .send()
             .unwrap()
     };
+    let asked = std::time::Instant::now();
     let none = post(r#"{"messages": [{"role": "user", "content": "hi"}]}"#);
     assert_eq!(none.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let waited = asked.elapsed();
+    assert!(
+        waited >= cluster_harness::GATEWAY_WAIT_READY
+            && waited < cluster_harness::GATEWAY_WAIT_READY * 3,
+        "{waited:?}"
+    );
     let body: Value = none.json().unwrap();
     assert!(
         body["error"]["message"]

@@ -285,6 +285,7 @@ fn wait_ready(node: &NsNode) {
 fn partition(net: &Net, nodes: &[NsNode], victim: usize) -> (Duration, (Value, Value)) {
     let (before, _) = nodes[0].serving();
     let survivor = (victim + 1) % nodes.len();
+    eprintln!("{}: node{} cut off", utc_now(), victim + 1);
     net.cut(victim + 1, true);
     let next = before.as_u64().unwrap() + 1;
     let replaced = || {
@@ -319,6 +320,7 @@ fn partition(net: &Net, nodes: &[NsNode], victim: usize) -> (Duration, (Value, V
     }
     std::thread::sleep(Duration::from_secs(6));
     net.cut(victim + 1, false);
+    eprintln!("{}: node{} joined again", utc_now(), victim + 1);
     let converged = wait_until(Duration::from_secs(90), "converged on one table", || {
         let tables: Vec<_> = nodes.iter().map(NsNode::serving).collect();
         tables[0].1.is_string() && tables.iter().all(|t| *t == tables[0])
@@ -339,6 +341,7 @@ fn kill_and_pause(net: &Net, nodes: &mut [NsNode], dir: &std::path::Path, victim
         )
     };
     let [killed, short, long] = victims;
+    eprintln!("{}: node{} killed", utc_now(), killed + 1);
     nodes[killed].signal("-9");
     let _ = nodes[killed].process.child.wait();
     std::thread::sleep(Duration::from_millis(500));
@@ -346,11 +349,28 @@ fn kill_and_pause(net: &Net, nodes: &mut [NsNode], dir: &std::path::Path, victim
     wait_ready(&nodes[killed]);
     all_back(nodes);
     for (victim, pause) in [(short, 1000), (long, 4000)] {
+        eprintln!("{}: node{} paused {pause} ms", utc_now(), victim + 1);
         nodes[victim].signal("-STOP");
         std::thread::sleep(Duration::from_millis(pause));
         nodes[victim].signal("-CONT");
         all_back(nodes);
     }
+}
+
+/// The time of day (UTC, as the nodes' logs write it), to set a client's failure beside
+/// them.
+fn utc_now() -> String {
+    let since = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let s = since.as_secs();
+    format!(
+        "{:02}:{:02}:{:02}.{:03}",
+        s / 3600 % 24,
+        s / 60 % 60,
+        s % 60,
+        since.subsec_millis()
+    )
 }
 
 fn wait_until(within: Duration, what: &str, mut done: impl FnMut() -> bool) -> Duration {
@@ -425,6 +445,7 @@ fn after_a_partition_heals_the_nodes_serve_one_table_and_no_stream_fails() {
             let (base, stop) = (gateway.base.clone(), stop.clone());
             let (prompt, want) = (prompts[c].clone(), expected[c].clone());
             std::thread::spawn(move || {
+                let at = |what: String| format!("{}: {what}", utc_now());
                 let client = Client::builder()
                     .timeout(Duration::from_secs(60))
                     .build()
@@ -433,8 +454,8 @@ fn after_a_partition_heals_the_nodes_serve_one_table_and_no_stream_fails() {
                 while !stop.load(Ordering::Relaxed) {
                     match stream(&client, &base, &prompt) {
                         Ok(tokens) if tokens == want => done += 1,
-                        Ok(tokens) => problems.push(format!("changed: {tokens:?}")),
-                        Err(e) => problems.push(e),
+                        Ok(tokens) => problems.push(at(format!("changed: {tokens:?}"))),
+                        Err(e) => problems.push(at(e)),
                     }
                 }
                 (done, problems)

@@ -41,6 +41,9 @@ pub struct GatewayConfig {
     pub balance_slack: usize,
     /// How often each node's `/ready` is read.
     pub ready_poll_ms: u64,
+    /// While no node is ready (a placement change catching up after a partition, every
+    /// node restarting), a request waits this long for one before it is answered 503.
+    pub wait_ready_seconds: u64,
 }
 
 impl GatewayConfig {
@@ -56,6 +59,12 @@ impl GatewayConfig {
             problems.push(format!(
                 "gateway.max_moves: {} is more than 16",
                 self.max_moves
+            ));
+        }
+        if self.wait_ready_seconds > 600 {
+            problems.push(format!(
+                "gateway.wait_ready_seconds: {} is more than 600",
+                self.wait_ready_seconds
             ));
         }
         if !(50..=60_000).contains(&self.ready_poll_ms) {
@@ -75,6 +84,7 @@ impl Default for GatewayConfig {
             max_moves: 3,
             balance_slack: 4,
             ready_poll_ms: 500,
+            wait_ready_seconds: 10,
         }
     }
 }

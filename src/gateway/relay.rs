@@ -168,7 +168,9 @@ impl Upstream {
 
 /// Sends `asked` (after `sent`) to a ready node not in `avoid` while there are others,
 /// trying the next while nodes cannot be reached or answer 429, 502, 503 or 504 (each
-/// then goes into `avoid`). A node's other answers are the request's: passed on.
+/// then goes into `avoid`). A node's other answers are the request's: passed on. While no
+/// node is ready (the moments a placement change catches up, or every node restarts) it
+/// waits up to `gateway.wait_ready_seconds` for one.
 pub(super) async fn open(
     gateway: &Gateway,
     asked: &Asked,
@@ -177,10 +179,18 @@ pub(super) async fn open(
 ) -> Result<Result<Upstream, Refusal>, ApiError> {
     let body = asked.body_after(sent);
     let mut refused = None;
-    for _ in 0..=gateway.config.gateway.max_moves {
+    let config = &gateway.config.gateway;
+    let wait_until = Instant::now() + Duration::from_secs(config.wait_ready_seconds);
+    let mut tries = 0;
+    while tries <= config.max_moves {
         let Some(lease) = gateway.nodes.choose(&asked.prefix, avoid) else {
+            if refused.is_none() && Instant::now() < wait_until {
+                tokio::time::sleep(Duration::from_millis(config.ready_poll_ms.min(100))).await;
+                continue;
+            }
             break;
         };
+        tries += 1;
         let mut request = gateway
             .client
             .post(format!("http://{}{}", lease.api, asked.path))

@@ -427,7 +427,11 @@ pub fn post_stream(client: &Client, base: &str, body: &Value) -> Result<Response
         .send()
         .map_err(|e| e.to_string())?;
     if response.status() != StatusCode::OK {
-        return Err(format!("status {}", response.status()));
+        let status = response.status();
+        return Err(format!(
+            "status {status}: {}",
+            response.text().unwrap_or_default()
+        ));
     }
     Ok(response)
 }
@@ -474,6 +478,9 @@ pub fn stream_tokens(
     Ok(tokens)
 }
 
+/// How long the test gateway waits for a ready node before it answers 503.
+pub const GATEWAY_WAIT_READY: Duration = Duration::from_secs(2);
+
 /// A `moe-node gateway` process in front of a test cluster.
 pub struct Gateway {
     pub process: Process,
@@ -497,8 +504,9 @@ impl Gateway {
                  [cluster]\nnode_id = \"gateway1\"\nsecrets = [\"{SECRET}\"]\n\
                  gossip_listen = \"127.0.0.1:0\"\nseeds = [{}]\n\
                  probe_period_ms = 200\nsuspicion_timeout_ms = 2000\n\
-                 [gateway]\nstall_seconds = 5\nready_poll_ms = 100\n",
-                seeds.join(", ")
+                 [gateway]\nstall_seconds = 5\nready_poll_ms = 100\nwait_ready_seconds = {}\n",
+                seeds.join(", "),
+                GATEWAY_WAIT_READY.as_secs(),
             ),
         )
         .unwrap();
