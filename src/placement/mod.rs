@@ -88,6 +88,10 @@ pub enum PlacementError {
     Rebalance { layer: usize, reason: String },
 }
 
+/// The top bits of [`Placement::table_hash`] that rank a table by its copies: 2^24 copies
+/// (layers × experts × replication) is more than any model served has.
+pub const RANK_BITS: u32 = 24;
+
 impl Placement {
     /// One node with `num_devices` devices: copies on distinct devices.
     pub fn single_node(
@@ -202,7 +206,10 @@ impl Placement {
 
     /// A hash of the whole table (its nodes, replication and every replica), never 0: two
     /// placements proposed under one version by two leaders (a partition) differ in it.
-    /// Members gossip it beside the version.
+    /// Members gossip it beside the version, and where two tables share a version the lower
+    /// hash wins everywhere. So its top [`RANK_BITS`] rank the table, lower for more copies
+    /// (the larger side's table, which keeps every expert on more nodes, beats the one a
+    /// node cut off alone made with every expert on itself); the rest is a SHA-256 of it.
     pub fn table_hash(&self) -> u64 {
         use sha2::{Digest, Sha256};
         let mut hash = Sha256::new();
@@ -224,7 +231,11 @@ impl Placement {
             }
         }
         let digest = hash.finalize();
-        u64::from_le_bytes(digest[..8].try_into().unwrap_or_default()).max(1)
+        let digest = u64::from_le_bytes(digest[..8].try_into().unwrap_or_default());
+        let copies: usize = self.replicas.iter().flatten().map(Vec::len).sum();
+        let most = (1u64 << RANK_BITS) - 1;
+        let rank = most - (copies as u64).min(most);
+        ((rank << (64 - RANK_BITS)) | (digest >> RANK_BITS)).max(1)
     }
 
     pub fn nodes(&self) -> &[NodeSlots] {
@@ -424,6 +435,30 @@ mod tests {
             let min = if per_device.len() < devices { &0 } else { min };
             assert!(max - min <= 1, "layer {layer}: {per_device:?}");
         }
+    }
+
+    /// Two sides of a partition each re-placed the experts under version 2: the table of
+    /// the two nodes (every expert twice) has the lower hash, so it wins everywhere, not
+    /// the one node `n2` made alone (every expert once, on itself).
+    #[test]
+    fn of_two_tables_under_one_version_the_one_with_more_copies_wins() {
+        let layers = [false, true, true];
+        let p1 = Placement::balanced(&layers, 16, spec(&[1, 1, 1], 2)).unwrap();
+        let larger = p1
+            .revise(&[NodeSlots::new("n0", 1), NodeSlots::new("n1", 1)])
+            .unwrap();
+        let alone = p1.revise(&[NodeSlots::new("n2", 1)]).unwrap();
+        assert_eq!((larger.version(), alone.version()), (2, 2));
+        assert!(larger.table_hash() < alone.table_hash());
+        // Tables with as many copies differ in the digest part of the hash.
+        let other = p1
+            .revise(&[NodeSlots::new("n1", 1), NodeSlots::new("n2", 1)])
+            .unwrap();
+        assert_ne!(larger.table_hash(), other.table_hash());
+        assert_eq!(
+            larger.table_hash() >> (64 - RANK_BITS),
+            other.table_hash() >> (64 - RANK_BITS)
+        );
     }
 
     #[test]

@@ -211,7 +211,8 @@ impl Follower {
         };
         let ours = table_id(next);
         // Two leaders proposed this version, one on each side of a partition: the table
-        // with the lower hash wins everywhere, so that every node switches to one table.
+        // with the lower hash wins everywhere, so that every node switches to one table
+        // (the one with more copies: `Placement::table_hash` ranks by them).
         if let Some(m) = alive_serving()
             .filter(|m| {
                 m.meta.loaded_version == ours.version
