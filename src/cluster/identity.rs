@@ -62,6 +62,16 @@ impl TableId {
         self.version == other.version
             && (self.hash == 0 || other.hash == 0 || self.hash == other.hash)
     }
+
+    /// This as the newest placement loaded beside `serving`, as members gossip it: never
+    /// below the one served (a load of an older version counts as `serving`).
+    pub fn loaded_beside(self, serving: TableId) -> TableId {
+        if self.version < serving.version {
+            serving
+        } else {
+            self
+        }
+    }
 }
 
 impl MemberMeta {

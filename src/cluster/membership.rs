@@ -424,11 +424,7 @@ impl Membership {
     pub fn set_versions(&self, serving: TableId, loaded: TableId) {
         let _ = lock(&self.shared.commands).send(Command::SetVersions {
             serving,
-            loaded: if loaded.version < serving.version {
-                serving
-            } else {
-                loaded
-            },
+            loaded: loaded.loaded_beside(serving),
         });
     }
 

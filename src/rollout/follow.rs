@@ -174,7 +174,7 @@ impl Follower {
     /// re-placed away while it was gone, and is back, offers its devices again), else as
     /// the placement served has them.
     fn offered(&self, members: &[MemberView], current: &Placement) -> NodeSlots {
-        if let Some(me) = members.iter().find(|m| m.is_self && m.meta.node == self.me) {
+        if let Some(me) = self.own_view(members) {
             return super::offered(&me.meta);
         }
         current.node_index(&self.me).map_or_else(
@@ -183,21 +183,20 @@ impl Follower {
         )
     }
 
+    /// This node as its own membership shows it.
+    fn own_view<'a>(&self, members: &'a [MemberView]) -> Option<&'a MemberView> {
+        members.iter().find(|m| m.is_self && m.meta.node == self.me)
+    }
+
     /// What this node's gossip should say and does not: the placement served, and the
-    /// newest one loaded (not below the one served, as `Membership::set_versions` counts).
+    /// newest one loaded.
     fn unsaid(&self, members: &[MemberView], current: &Placement, now: Instant) -> Option<Step> {
         if now.duration_since(self.said_at) < SAY_AGAIN_AFTER {
             return None;
         }
-        let me = members
-            .iter()
-            .find(|m| m.is_self && m.meta.node == self.me)?;
+        let me = self.own_view(members)?;
         let serving = table_id(current);
-        let loaded = if self.loaded.version < serving.version {
-            serving
-        } else {
-            self.loaded
-        };
+        let loaded = self.loaded.loaded_beside(serving);
         let said = me.meta.serving().agrees(serving) && me.meta.loaded().agrees(loaded);
         (!said).then_some(Step::Announce { serving, loaded })
     }
